@@ -1,0 +1,198 @@
+// Devices: creation of tensors, the step context, pool statistics; the pure planners.
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/function.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstring>
+#include <unordered_map>
+
+#include "bindings.h"
+#include "core/ops.h"
+#include "core/split_k.h"
+
+namespace krnl::bindings {
+namespace {
+
+using namespace nb::literals;
+
+nb::dict pool_stats_dict(const PoolStats& s) {
+  nb::dict d;
+  d["in_use"] = s.in_use;
+  d["pending"] = s.pending;
+  d["cached"] = s.cached;
+  d["reserved"] = s.reserved;
+  d["peak_in_use"] = s.peak_in_use;
+  d["peak_reserved"] = s.peak_reserved;
+  d["allocations"] = s.allocations;
+  d["reuses"] = s.reuses;
+  return d;
+}
+
+const char* numpy_name(DType d) {
+  switch (d) {
+    case DType::f32: return "float32";
+    case DType::f16: return "float16";
+    case DType::bf16: return "float32";  // converted on the host below
+    case DType::i32: return "int32";
+  }
+  return "float32";
+}
+
+DType default_dtype(nb::handle arr) {
+  std::string kind = nb::cast<std::string>(arr.attr("dtype").attr("kind"));
+  std::string name = nb::cast<std::string>(arr.attr("dtype").attr("name"));
+  if (name == "float16") return DType::f16;
+  if (kind == "i" || kind == "u" || kind == "b") return DType::i32;
+  return DType::f32;
+}
+
+// Copies any array-like into a new tensor of `dt` on `dev`.
+Tensor tensor_from(Backend& dev, nb::handle data, nb::handle dtype) {
+  nb::object np = nb::module_::import_("numpy");
+  nb::object arr = np.attr("asarray")(data);
+  DType dt = dtype.is_none() ? default_dtype(arr) : to_dtype(dtype);
+  arr = np.attr("ascontiguousarray")(arr, "dtype"_a = numpy_name(dt));
+  Shape shape = to_shape(arr.attr("shape"));
+  Tensor t = dev.empty(shape, dt);
+  auto view = nb::cast<nb::ndarray<nb::ro, nb::c_contig, nb::device::cpu>>(arr);
+  if (dt == DType::bf16) {
+    std::vector<uint16_t> bits(size_t(t.numel()));
+    const float* src = static_cast<const float*>(view.data());
+    for (size_t i = 0; i < bits.size(); ++i) bits[i] = f32_to_bf16(src[i]);
+    dev.upload(t, bits.data());
+  } else {
+    dev.upload(t, view.data());
+  }
+  return t;
+}
+
+// Zero-copy view of a numpy array's memory (like torch.from_numpy): the tensor keeps the array
+// alive and ops write through to it.
+Tensor tensor_wrap(Backend& dev, nb::handle obj) {
+  // No implicit conversion: a converted copy would silently swallow every write.
+  nb::ndarray<nb::c_contig, nb::device::cpu> arr;
+  if (!nb::try_cast(obj, arr, /*convert=*/false))
+    throw std::invalid_argument("[from_numpy] needs a C-contiguous numpy array (got " +
+                                std::string(nb::str(nb::handle(obj.type())).c_str()) +
+                                " that is not one); use Device.tensor() to copy and convert");
+  DType dt;
+  if (arr.dtype() == nb::dtype<float>())
+    dt = DType::f32;
+  else if (arr.dtype() == nb::dtype<int32_t>())
+    dt = DType::i32;
+  else if (arr.dtype().code == uint8_t(nb::dlpack::dtype_code::Float) && arr.dtype().bits == 16)
+    dt = DType::f16;
+  else
+    throw std::invalid_argument("[from_numpy] needs a C-contiguous float32, float16 or int32 array; "
+                                "use Device.tensor() to copy and convert");
+  Shape shape;
+  for (size_t i = 0; i < arr.ndim(); ++i) shape.push_back(int64_t(arr.shape(i)));
+  PyObject* raw = obj.inc_ref().ptr();  // keeps the numpy array alive
+  return dev.wrap(arr.data(), shape, dt, [raw] {
+    nb::gil_scoped_acquire gil;
+    Py_DECREF(raw);
+  });
+}
+
+struct Step {
+  Backend* dev;
+  uint64_t seq = 0;
+};
+
+}  // namespace
+
+void bind_devices(nb::module_& m) {
+  using namespace nb::literals;
+
+  m.def("devices", &available_devices, "Names of the devices this build can use, best first.");
+  m.def(
+      "device", [](const std::string& name) { return get_device(name); }, "name"_a, nb::rv_policy::reference,
+      "The device called `name` ('cpu', ...).");
+
+  nb::class_<Step>(m, "Step", "Context manager of one submission: `with dev.step(): ...`.")
+      .def("__enter__", [](Step& s) { s.dev->begin_step(); return &s; }, nb::rv_policy::reference)
+      .def("__exit__", [](Step& s, nb::handle, nb::handle, nb::handle) { s.seq = s.dev->commit(); return false; },
+           nb::arg().none(), nb::arg().none(), nb::arg().none())
+      .def_ro("seq", &Step::seq, "The submission's sequence number once committed (0 before).");
+
+  nb::class_<Backend>(m, "Device")
+      .def_prop_ro("name", &Backend::name)
+      .def_prop_ro("host_visible", &Backend::host_visible,
+                   "Whether tensors' memory is readable by the CPU (zero-copy numpy views).")
+      .def("__repr__", [](const Backend& d) { return "krnl.device('" + d.name() + "')"; })
+      .def("empty", [](Backend& d, nb::handle shape, nb::handle dtype) { return d.empty(to_shape(shape), to_dtype(dtype)); },
+           "shape"_a, "dtype"_a = "f32", "A new uninitialised tensor from the device's pool.")
+      .def("zeros", [](Backend& d, nb::handle shape, nb::handle dtype) {
+             Tensor t = d.empty(to_shape(shape), to_dtype(dtype));
+             ops::fill(t, 0.0);
+             return t;
+           }, "shape"_a, "dtype"_a = "f32")
+      .def("tensor", &tensor_from, "data"_a, "dtype"_a = nb::none(),
+           "Copies an array-like into a new tensor (dtype: f32, f16, bf16, i32; default from the data).")
+      .def("from_numpy", &tensor_wrap, "array"_a,
+           "Zero-copy tensor over a C-contiguous float32/float16/int32 numpy array (host-visible devices).")
+      .def("step", [](Backend& d) { return Step{&d}; },
+           "One submission: every op inside joins it; it is committed on exit.")
+      .def("begin_step", &Backend::begin_step)
+      .def("commit", &Backend::commit, "Closes the open step; returns its sequence number.")
+      .def("wait", &Backend::wait, "seq"_a, "Blocks until submission `seq` has completed.")
+      .def("synchronize", &Backend::synchronize, "Blocks until every committed submission has completed.")
+      .def_prop_ro("in_step", &Backend::in_step)
+      .def_prop_ro("completed_seq", &Backend::completed_seq)
+      .def_prop_ro("last_committed", &Backend::last_committed)
+      .def("pool_stats", [](Backend& d) {
+             d.pool().collect(d.completed_seq());
+             return pool_stats_dict(d.pool().stats());
+           },
+           "Bytes in use, pending (released inside an unfinished submission), cached, reserved, peaks.")
+      .def("reset_peak", [](Backend& d) { d.pool().reset_peak(); })
+      .def("trim", [](Backend& d) { d.pool().trim(); }, "Returns cached buffers to the system.")
+      .def_prop_ro("split_k_config", [](const Backend& d) {
+        SplitKConfig c = d.split_k_config();
+        nb::dict r;
+        r["tile_m"] = c.tile_m, r["tile_n"] = c.tile_n, r["min_tiles"] = c.min_tiles, r["k_unit"] = c.k_unit;
+        r["max_splits"] = c.max_splits, r["min_k_per_split"] = c.min_k_per_split;
+        return r;
+      });
+
+  // The pool logic on its own, with the caller playing the device's submission clock.
+  struct HostPool {
+    BufferPool pool{[](size_t n) { return std::malloc(n); }, [](void* p, size_t) { std::free(p); }};
+    std::unordered_map<uint64_t, Buffer> live;
+  };
+  nb::class_<HostPool>(m, "HostBufferPool", "A BufferPool over malloc, for testing its policy.")
+      .def(nb::init<>())
+      .def_static("class_size", &BufferPool::class_size, "bytes"_a)
+      .def("acquire", [](HostPool& h, size_t bytes, uint64_t completed) {
+             Buffer b = h.pool.acquire(bytes, completed);
+             h.live[b.id] = b;
+             return nb::make_tuple(b.id, b.bytes);
+           }, "bytes"_a, "completed_seq"_a, "Returns (buffer id, class size).")
+      .def("release", [](HostPool& h, uint64_t id, uint64_t retire_seq, uint64_t completed) {
+             auto it = h.live.find(id);
+             if (it == h.live.end()) throw std::invalid_argument("[release] buffer " + std::to_string(id) + " is not in use");
+             h.pool.release(it->second, retire_seq, completed);
+             h.live.erase(it);
+           }, "id"_a, "retire_seq"_a, "completed_seq"_a)
+      .def("trim", [](HostPool& h) { h.pool.trim(); })
+      .def("reset_peak", [](HostPool& h) { h.pool.reset_peak(); })
+      .def("stats", [](HostPool& h) { return pool_stats_dict(h.pool.stats()); });
+
+  m.def("plan_split_k", [](int64_t M, int64_t N, int64_t K, int64_t batch, int64_t tile_m, int64_t tile_n,
+                           int64_t min_tiles, int64_t k_unit, int64_t max_splits, int64_t min_k_per_split) {
+          SplitKConfig c{tile_m, tile_n, min_tiles, k_unit, max_splits, min_k_per_split};
+          SplitKPlan p = plan_split_k(M, N, K, batch, c);
+          return nb::make_tuple(p.splits, p.k_per_split);
+        }, "M"_a, "N"_a, "K"_a, "batch"_a = 1, "tile_m"_a = 32, "tile_n"_a = 32, "min_tiles"_a = 0, "k_unit"_a = 32,
+        "max_splits"_a = 16, "min_k_per_split"_a = 256, "Split-K routing: returns (splits, k_per_split).");
+  m.def("plan_row_split", [](int64_t M, double t_cpu, double t_gpu, double overhead, int64_t tile_m) {
+          RowSplitPlan p = plan_row_split(M, t_cpu, t_gpu, overhead, tile_m);
+          nb::dict r;
+          r["cpu_rows"] = p.cpu_rows, r["gpu_rows"] = p.gpu_rows, r["cpu_fraction"] = p.cpu_fraction;
+          return r;
+        }, "M"_a, "t_cpu"_a, "t_gpu"_a, "overhead"_a = 0.0, "tile_m"_a = 32,
+        "CPU/GPU row split of a GEMM so both finish together: p = (O + T_gpu)/(T_cpu + T_gpu).");
+}
+
+}  // namespace krnl::bindings

@@ -1,0 +1,137 @@
+#include "backend.h"
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <stdexcept>
+
+namespace krnl {
+
+Backend::Backend(std::string name) : name_(std::move(name)) {
+  pool_ = std::make_unique<BufferPool>([this](size_t n) { return raw_alloc(n); },
+                                       [this](void* p, size_t n) { raw_free(p, n); });
+}
+
+Backend::~Backend() = default;
+
+Tensor Backend::empty(const Shape& shape, DType dt) {
+  int64_t n = 1;
+  for (auto d : shape) {
+    if (d < 0) throw std::invalid_argument("[empty] negative dimension in " + shape_str(shape));
+    n *= d;
+  }
+  Buffer b = pool_->acquire(size_t(n) * dtype_size(dt), completed_seq());
+  return Tensor(std::make_shared<Storage>(this, b), 0, shape, dt);
+}
+
+Tensor Backend::wrap(void* ptr, const Shape& shape, DType dt, std::function<void()> release) {
+  if (!host_visible()) throw std::invalid_argument("[wrap] device " + name_ + " cannot wrap host memory");
+  int64_t n = 1;
+  for (auto d : shape) n *= d;
+  return Tensor(std::make_shared<Storage>(this, ptr, size_t(n) * dtype_size(dt), std::move(release)), 0, shape, dt);
+}
+
+void Backend::release_buffer(const Buffer& b) {
+  // Inside an open step the buffer may still be read by ops of that step (seq = next commit).
+  uint64_t seq = in_step_ ? last_committed_ + 1 : last_committed_;
+  pool_->release(b, seq, completed_seq());
+}
+
+void Backend::upload(const Tensor& dst, const void* src) { std::memcpy(dst.data(), src, dst.nbytes()); }
+void Backend::download(const Tensor& src, void* dst) { std::memcpy(dst, src.data(), src.nbytes()); }
+
+void Backend::begin_step() {
+  if (in_step_) throw std::runtime_error("[step] a step is already open on " + name_ + " (steps do not nest)");
+  in_step_ = true;
+  on_begin_step();
+}
+
+uint64_t Backend::commit() {
+  if (!in_step_) throw std::runtime_error("[step] commit without an open step on " + name_);
+  in_step_ = false;
+  ++last_committed_;
+  on_commit(last_committed_);
+  return last_committed_;
+}
+
+void Backend::wait(uint64_t seq) {
+  if (seq > last_committed_)
+    throw std::invalid_argument("[wait] seq " + std::to_string(seq) + " was never committed on " + name_);
+  on_wait(seq);
+}
+
+uint64_t Backend::completed_seq() { return query_completed(); }
+
+void Backend::not_implemented(const char* op) const {
+  throw NotImplementedError(std::string("[") + op + "] not implemented on " + name_);
+}
+
+void Backend::gemm(const GemmArgs&) { not_implemented("gemm"); }
+void Backend::rmsnorm_forward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, float) { not_implemented("rmsnorm_forward"); }
+void Backend::rmsnorm_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor*) { not_implemented("rmsnorm_backward"); }
+void Backend::swiglu_forward(const Tensor&, const Tensor&, const Tensor&) { not_implemented("swiglu_forward"); }
+void Backend::swiglu_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&) { not_implemented("swiglu_backward"); }
+void Backend::rope(const Tensor&, const Tensor&, const Tensor&, float) { not_implemented("rope"); }
+void Backend::softmax_causal_forward(const Tensor&, const Tensor&, float, const Tensor*) { not_implemented("softmax_causal_forward"); }
+void Backend::softmax_backward(const Tensor&, const Tensor&, const Tensor&, float) { not_implemented("softmax_backward"); }
+void Backend::embedding_forward(const Tensor&, const Tensor&, const Tensor&) { not_implemented("embedding_forward"); }
+void Backend::embedding_backward(const Tensor&, const Tensor&, const Tensor&) { not_implemented("embedding_backward"); }
+void Backend::cross_entropy(const Tensor&, const Tensor&, const Tensor&, const Tensor*, int32_t, float) { not_implemented("cross_entropy"); }
+void Backend::add(const Tensor&, const Tensor&, const Tensor&) { not_implemented("add"); }
+void Backend::axpy(float, const Tensor&, const Tensor&) { not_implemented("axpy"); }
+void Backend::scale(const Tensor&, float, const Tensor&) { not_implemented("scale"); }
+void Backend::cast(const Tensor&, const Tensor&) { not_implemented("cast"); }
+void Backend::fill(const Tensor&, double) { not_implemented("fill"); }
+void Backend::dropout(const Tensor&, const Tensor&, float, uint64_t) { not_implemented("dropout"); }
+void Backend::adamw_update(const AdamWArgs&) { not_implemented("adamw_update"); }
+void Backend::sumsq(const Tensor&, const Tensor&) { not_implemented("sumsq"); }
+void Backend::nonfinite(const Tensor&, const Tensor&) { not_implemented("nonfinite"); }
+
+namespace {
+struct Entry {
+  std::string name;
+  int priority;
+  Backend* (*make)();
+  Backend* dev = nullptr;
+};
+std::mutex& registry_mu() {
+  static std::mutex m;
+  return m;
+}
+std::vector<Entry>& registry() {
+  static auto* r = new std::vector<Entry>();  // leaked: devices outlive every tensor
+  return *r;
+}
+}  // namespace
+
+void register_device(const std::string& name, int priority, Backend* (*make)()) {
+  std::lock_guard<std::mutex> lk(registry_mu());
+  auto& r = registry();
+  for (auto& e : r)
+    if (e.name == name) return;
+  r.push_back({name, priority, make});
+  std::stable_sort(r.begin(), r.end(), [](const Entry& a, const Entry& b) { return a.priority > b.priority; });
+}
+
+std::vector<std::string> available_devices() {
+  std::lock_guard<std::mutex> lk(registry_mu());
+  std::vector<std::string> names;
+  for (auto& e : registry()) names.push_back(e.name);
+  return names;
+}
+
+Backend* get_device(const std::string& name) {
+  std::lock_guard<std::mutex> lk(registry_mu());
+  for (auto& e : registry()) {
+    if (e.name == name) {
+      if (!e.dev) e.dev = e.make();
+      return e.dev;
+    }
+  }
+  std::string known;
+  for (auto& e : registry()) known += (known.empty() ? "" : ", ") + e.name;
+  throw std::invalid_argument("[device] unknown device '" + name + "' (available: " + known + ")");
+}
+
+}  // namespace krnl

@@ -1,0 +1,135 @@
+// The backend contract (DESIGN section 2). The core validates every op call once (ops.cpp)
+// and then calls one of these virtuals with checked, contiguous tensors on this device.
+// A backend overrides what it implements; the rest throw "[op] not implemented on <device>".
+#pragma once
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "buffer_pool.h"
+#include "split_k.h"
+#include "tensor.h"
+
+namespace krnl {
+
+// Thrown for an op a backend does not have; Python sees NotImplementedError.
+struct NotImplementedError : std::logic_error {
+  using std::logic_error::logic_error;
+};
+
+// gemm: C[b] = alpha * op(A[b]) * op(B[b]) + beta * C[b] for b < batch; matrices at element
+// offsets b*stride_*; stride 0 broadcasts one matrix. Accumulation is fp32.
+struct GemmArgs {
+  Tensor A, B, C;
+  bool trans_a = false, trans_b = false;
+  float alpha = 1.f, beta = 0.f;
+  int64_t M = 0, N = 0, K = 0;  // C is (M, N); op(A) is (M, K); op(B) is (K, N)
+  int64_t batch = 1;
+  int64_t stride_a = 0, stride_b = 0, stride_c = 0;  // elements
+  int64_t split_k = 1;  // resolved by the router: 1 = plain, s > 1 = s K-slices + reduce
+};
+
+struct AdamWArgs {
+  Tensor params, grads, m, v;  // f32, same length
+  Tensor working;              // optional f16/bf16/f32 copy of params refreshed after the update
+  float lr = 1e-3f, beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f, weight_decay = 0.f;
+  int64_t step = 1;         // 1-based, for bias correction
+  float grad_scale = 1.f;   // folded into the gradient read: clip scale / loss scale
+};
+
+class Backend {
+ public:
+  explicit Backend(std::string name);
+  virtual ~Backend();
+  const std::string& name() const { return name_; }
+  virtual bool host_visible() const { return true; }
+  virtual bool synchronous() const { return true; }  // ops complete when they return (CPU)
+
+  // ---- memory
+  Tensor empty(const Shape& shape, DType dt);
+  // Wraps memory owned elsewhere (e.g. a numpy array): zero-copy on host-visible devices.
+  Tensor wrap(void* ptr, const Shape& shape, DType dt, std::function<void()> release);
+  void release_buffer(const Buffer& b);  // called by Storage
+  BufferPool& pool() { return *pool_; }
+  virtual void upload(const Tensor& dst, const void* src);   // dst is contiguous
+  virtual void download(const Tensor& src, void* dst);
+
+  // ---- submission
+  void begin_step();
+  uint64_t commit();
+  void wait(uint64_t seq);
+  void synchronize() { wait(last_committed_); }
+  uint64_t completed_seq();
+  bool in_step() const { return in_step_; }
+  uint64_t last_committed() const { return last_committed_; }
+
+  // ---- routing parameters (pure data for the core's routers)
+  virtual SplitKConfig split_k_config() const { return {}; }
+
+  // ---- ops (validated by the core before they get here)
+  virtual void gemm(const GemmArgs& a);
+  virtual void rmsnorm_forward(const Tensor& x, const Tensor& w, const Tensor& y, const Tensor& rstd, float eps);
+  virtual void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
+                                const Tensor& dx, const Tensor* dw);
+  virtual void swiglu_forward(const Tensor& g, const Tensor& u, const Tensor& s);
+  virtual void swiglu_backward(const Tensor& ds, const Tensor& g, const Tensor& u, const Tensor& dg, const Tensor& du);
+  virtual void rope(const Tensor& x, const Tensor& positions, const Tensor& inv_freq, float sign);
+  virtual void softmax_causal_forward(const Tensor& S, const Tensor& P, float scale, const Tensor* segments);
+  virtual void softmax_backward(const Tensor& P, const Tensor& dP, const Tensor& dS, float scale);
+  virtual void embedding_forward(const Tensor& ids, const Tensor& table, const Tensor& out);
+  virtual void embedding_backward(const Tensor& ids, const Tensor& dout, const Tensor& dtable);
+  virtual void cross_entropy(const Tensor& logits, const Tensor& targets, const Tensor& loss,
+                             const Tensor* dlogits, int32_t ignore_index, float scale);
+  virtual void add(const Tensor& a, const Tensor& b, const Tensor& out);
+  virtual void axpy(float alpha, const Tensor& x, const Tensor& y);
+  virtual void scale(const Tensor& x, float alpha, const Tensor& out);
+  virtual void cast(const Tensor& x, const Tensor& out);
+  virtual void fill(const Tensor& x, double value);
+  virtual void dropout(const Tensor& x, const Tensor& out, float p, uint64_t seed);
+  virtual void adamw_update(const AdamWArgs& a);
+  virtual void sumsq(const Tensor& x, const Tensor& out);
+  virtual void nonfinite(const Tensor& x, const Tensor& flag);
+
+  // ---- profiling: one record per op while enabled
+  struct OpRecord {
+    std::string op, shape, dtype;
+    double ms = 0;
+    double flops = 0, bytes = 0;
+  };
+  void set_profiling(bool on) { profiling_ = on; }
+  bool profiling() const { return profiling_; }
+  void add_record(OpRecord r) { records_.push_back(std::move(r)); }
+  const std::vector<OpRecord>& records() const { return records_; }
+  void clear_records() { records_.clear(); }
+
+ protected:
+  [[noreturn]] void not_implemented(const char* op) const;
+  virtual void* raw_alloc(size_t bytes) = 0;
+  virtual void raw_free(void* p, size_t bytes) = 0;
+  // Submission hooks: a synchronous backend needs none of them.
+  virtual void on_begin_step() {}
+  virtual void on_commit(uint64_t /*seq*/) {}
+  virtual void on_wait(uint64_t /*seq*/) {}
+  virtual uint64_t query_completed() { return last_committed_; }
+
+ private:
+  std::string name_;
+  std::unique_ptr<BufferPool> pool_;
+  bool in_step_ = false;
+  uint64_t last_committed_ = 0;
+  bool profiling_ = false;
+  std::vector<OpRecord> records_;
+};
+
+// Registry of the devices this build can create, by name ("cpu", ...), in order of preference
+// (best first). Each backend folder registers itself; devices are created on first use and
+// live until exit.
+void register_device(const std::string& name, int priority, Backend* (*make)());
+std::vector<std::string> available_devices();
+Backend* get_device(const std::string& name);
+
+}  // namespace krnl

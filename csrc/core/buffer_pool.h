@@ -1,0 +1,72 @@
+// Size-class buffer pool. A buffer released while its submission may still be running is
+// retired with that submission's seq and handed out again only once the backend reports
+// completed_seq >= seq (DESIGN section 4).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <vector>
+
+namespace krnl {
+
+struct Buffer {
+  void* ptr = nullptr;  // host pointer, or the backend's device handle
+  size_t bytes = 0;     // class size actually allocated
+  uint64_t id = 0;      // allocation identity (stable across reuse), for tests and profiling
+};
+
+struct PoolStats {
+  size_t in_use = 0;        // bytes held by live tensors
+  size_t pending = 0;       // bytes released but waiting for their submission to complete
+  size_t cached = 0;        // bytes free for reuse
+  size_t reserved = 0;      // in_use + pending + cached: what the pool holds from the system
+  size_t peak_in_use = 0;
+  size_t peak_reserved = 0;
+  uint64_t allocations = 0; // calls to the system allocator
+  uint64_t reuses = 0;      // acquisitions served from the cache
+};
+
+class BufferPool {
+ public:
+  using AllocFn = std::function<void*(size_t)>;
+  using FreeFn = std::function<void(void*, size_t)>;
+
+  BufferPool(AllocFn alloc, FreeFn free);
+  ~BufferPool();
+  BufferPool(const BufferPool&) = delete;
+  BufferPool& operator=(const BufferPool&) = delete;
+
+  // Bytes actually reserved for a request: multiples of 256 below 4 KiB, then four classes per
+  // power of two (2^k, 1.25, 1.5, 1.75 x 2^k), so waste stays under 25%.
+  static size_t class_size(size_t bytes);
+
+  // completed_seq: the newest submission known complete; retired buffers up to it are reusable.
+  Buffer acquire(size_t bytes, uint64_t completed_seq);
+  // retire_seq: the submission that may still use the buffer (0 when none does).
+  void release(const Buffer& b, uint64_t retire_seq, uint64_t completed_seq);
+  // Moves retired buffers whose submission has completed to the cache.
+  void collect(uint64_t completed_seq);
+  // Returns cached (not pending, not in use) memory to the system.
+  void trim();
+
+  PoolStats stats() const;
+  void reset_peak();
+
+ private:
+  void collect_locked(uint64_t completed_seq);
+  struct Retired {
+    Buffer buf;
+    uint64_t seq;
+  };
+  AllocFn alloc_fn_;
+  FreeFn free_fn_;
+  mutable std::mutex mu_;
+  std::map<size_t, std::vector<Buffer>> cache_;  // class size -> reusable buffers (LIFO)
+  std::vector<Retired> retired_;
+  PoolStats st_;
+  uint64_t next_id_ = 1;
+};
+
+}  // namespace krnl

@@ -1,0 +1,400 @@
+#include "ops.h"
+
+#include <chrono>
+#include <initializer_list>
+#include <stdexcept>
+#include <string>
+
+namespace krnl::ops {
+namespace {
+
+// Validation of one op call: every failure names the op and the argument.
+struct Check {
+  const char* op;
+  Backend* dev = nullptr;
+
+  [[noreturn]] void fail(const std::string& msg) const { throw std::invalid_argument(std::string("[") + op + "] " + msg); }
+
+  const Tensor& tensor(const char* name, const Tensor& x) {
+    if (!x.defined()) fail(std::string(name) + " is undefined");
+    if (!dev)
+      dev = x.device();
+    else if (x.device() != dev)
+      fail(std::string(name) + " is on " + x.device()->name() + " but the other operands are on " + dev->name());
+    if (!x.is_contiguous()) fail(std::string(name) + " must be contiguous, got " + x.describe());
+    return x;
+  }
+  void dtype(const char* name, const Tensor& x, std::initializer_list<DType> ok) {
+    for (DType d : ok)
+      if (x.dtype() == d) return;
+    std::string allowed;
+    for (DType d : ok) allowed += (allowed.empty() ? "" : "/") + std::string(dtype_name(d));
+    fail(std::string(name) + " must be " + allowed + ", got " + x.describe());
+  }
+  void floating(const char* name, const Tensor& x) { dtype(name, x, {DType::f32, DType::f16, DType::bf16}); }
+  void same_dtype(const char* name, const Tensor& x, const char* ref_name, const Tensor& ref) {
+    if (x.dtype() != ref.dtype())
+      fail(std::string(name) + " must have the dtype of " + ref_name + " (" + dtype_name(ref.dtype()) + "), got " + x.describe());
+  }
+  void shape(const char* name, const Tensor& x, const Shape& want) {
+    if (x.shape() != want) fail(std::string(name) + " must have shape " + shape_str(want) + ", got " + x.describe());
+  }
+  void numel(const char* name, const Tensor& x, int64_t want) {
+    if (x.numel() != want) fail(std::string(name) + " must have " + std::to_string(want) + " elements, got " + x.describe());
+  }
+  void rank_at_least(const char* name, const Tensor& x, int64_t r) {
+    if (x.dim() < r) fail(std::string(name) + " must have at least " + std::to_string(r) + " dimensions, got " + x.describe());
+  }
+};
+
+// Runs a validated op: inside the open step, or as a one-op step; timed when profiling.
+template <class F>
+void run(Check& c, const std::string& shape, double flops, double bytes, DType dt, F&& body) {
+  Backend* dev = c.dev;
+  const bool implicit = !dev->in_step();
+  if (implicit) dev->begin_step();
+  struct Closer {  // closes an implicit step even when the op throws
+    Backend* dev;
+    bool on;
+    ~Closer() {
+      if (on) dev->commit();
+    }
+  } closer{dev, implicit};
+  if (!dev->profiling()) {
+    body();
+    return;
+  }
+  auto t0 = std::chrono::steady_clock::now();
+  body();
+  auto t1 = std::chrono::steady_clock::now();
+  dev->add_record({c.op, shape, dtype_name(dt), std::chrono::duration<double, std::milli>(t1 - t0).count(), flops, bytes});
+}
+
+double nbytes(std::initializer_list<const Tensor*> ts) {
+  double b = 0;
+  for (auto* t : ts)
+    if (t && t->defined()) b += double(t->nbytes());
+  return b;
+}
+
+struct GemmOperand {
+  int64_t rows, cols, stride;
+};
+
+GemmOperand gemm_operand(Check& c, const char* name, const Tensor& X, int64_t batch, int64_t stride, bool is_output) {
+  c.tensor(name, X);
+  if (X.dim() != 2 && X.dim() != 3) c.fail(std::string(name) + " must be 2-D or 3-D (batch, rows, cols), got " + X.describe());
+  GemmOperand o{X.size(-2), X.size(-1), 0};
+  const int64_t mat = o.rows * o.cols;
+  if (X.dim() == 3 && X.size(0) != batch && stride < 0)
+    c.fail(std::string(name) + " has leading dimension " + std::to_string(X.size(0)) + " but batch is " + std::to_string(batch));
+  o.stride = stride >= 0 ? stride : (X.dim() == 3 ? mat : 0);
+  if (batch > 1 && is_output && o.stride < mat)
+    c.fail(std::string(name) + " stride " + std::to_string(o.stride) + " would make batch entries overlap (matrix has " +
+           std::to_string(mat) + " elements)");
+  if ((batch - 1) * o.stride + mat > X.numel())
+    c.fail(std::string(name) + " with stride " + std::to_string(o.stride) + " and batch " + std::to_string(batch) +
+           " reaches past its " + std::to_string(X.numel()) + " elements");
+  return o;
+}
+
+GemmArgs gemm_args(Check& c, const Tensor& A, const Tensor& B, const Tensor& C, bool ta, bool tb, int64_t batch,
+                   int64_t sa, int64_t sb, int64_t sc, int64_t split_k) {
+  if (batch < 1) c.fail("batch must be >= 1, got " + std::to_string(batch));
+  auto a = gemm_operand(c, "A", A, batch, sa, false);
+  auto b = gemm_operand(c, "B", B, batch, sb, false);
+  auto o = gemm_operand(c, "C", C, batch, sc, true);
+  c.floating("A", A);
+  c.same_dtype("B", B, "A", A);
+  if (C.dtype() != A.dtype() && C.dtype() != DType::f32)
+    c.fail("C must be " + std::string(dtype_name(A.dtype())) + " or f32, got " + C.describe());
+  GemmArgs g;
+  g.A = A, g.B = B, g.C = C, g.trans_a = ta, g.trans_b = tb, g.batch = batch;
+  g.M = ta ? a.cols : a.rows;
+  g.K = ta ? a.rows : a.cols;
+  const int64_t kb = tb ? b.cols : b.rows;
+  g.N = tb ? b.rows : b.cols;
+  if (kb != g.K)
+    c.fail("inner dimensions differ: op(A) is (" + std::to_string(g.M) + ", " + std::to_string(g.K) + ") and op(B) is (" +
+           std::to_string(kb) + ", " + std::to_string(g.N) + ")");
+  if (o.rows != g.M || o.cols != g.N)
+    c.fail("C must be (" + std::to_string(g.M) + ", " + std::to_string(g.N) + ") per batch entry, got " + C.describe());
+  g.stride_a = a.stride, g.stride_b = b.stride, g.stride_c = o.stride;
+  if (split_k < 0) {
+    g.split_k = plan_split_k(g.M, g.N, g.K, batch, c.dev->split_k_config()).splits;
+  } else if (split_k <= 1) {
+    g.split_k = 1;
+  } else {
+    if (g.K % split_k) c.fail("split_k=" + std::to_string(split_k) + " does not divide K=" + std::to_string(g.K));
+    g.split_k = split_k;
+  }
+  return g;
+}
+
+}  // namespace
+
+SplitKPlan gemm_plan(const Tensor& A, const Tensor& B, const Tensor& C, bool ta, bool tb, int64_t batch, int64_t sa,
+                     int64_t sb, int64_t sc, int64_t split_k) {
+  Check c{"gemm"};
+  GemmArgs g = gemm_args(c, A, B, C, ta, tb, batch, sa, sb, sc, split_k);
+  return {g.split_k, g.K / g.split_k};
+}
+
+void gemm(const Tensor& A, const Tensor& B, const Tensor& C, bool ta, bool tb, float alpha, float beta, int64_t batch,
+          int64_t sa, int64_t sb, int64_t sc, int64_t split_k) {
+  Check c{"gemm"};
+  GemmArgs g = gemm_args(c, A, B, C, ta, tb, batch, sa, sb, sc, split_k);
+  g.alpha = alpha, g.beta = beta;
+  std::string shape = std::string(ta ? "t" : "n") + (tb ? "t" : "n") + " M=" + std::to_string(g.M) + " N=" + std::to_string(g.N) +
+                      " K=" + std::to_string(g.K) + (batch > 1 ? " batch=" + std::to_string(batch) : "") +
+                      (g.split_k > 1 ? " split_k=" + std::to_string(g.split_k) : "");
+  double flops = 2.0 * double(g.M) * double(g.N) * double(g.K) * double(batch);
+  run(c, shape, flops, nbytes({&A, &B, &C}), A.dtype(), [&] { c.dev->gemm(g); });
+}
+
+void rmsnorm_forward(const Tensor& x, const Tensor& w, const Tensor& y, const Tensor& rstd, float eps) {
+  Check c{"rmsnorm_forward"};
+  c.tensor("x", x), c.tensor("w", w), c.tensor("y", y), c.tensor("rstd", rstd);
+  c.rank_at_least("x", x, 1);
+  c.floating("x", x);
+  const int64_t C = x.size(-1), rows = x.numel() / std::max<int64_t>(C, 1);
+  c.shape("w", w, {C});
+  if (w.dtype() != x.dtype()) c.dtype("w", w, {DType::f32});
+  c.shape("y", y, x.shape());
+  c.floating("y", y);
+  c.numel("rstd", rstd, rows);
+  c.dtype("rstd", rstd, {DType::f32});
+  if (!(eps >= 0)) c.fail("eps must be >= 0");
+  run(c, shape_str(x.shape()), 4.0 * double(x.numel()), nbytes({&x, &w, &y, &rstd}), x.dtype(),
+      [&] { c.dev->rmsnorm_forward(x, w, y, rstd, eps); });
+}
+
+void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& dx,
+                      const Tensor* dw) {
+  Check c{"rmsnorm_backward"};
+  c.tensor("dy", dy), c.tensor("x", x), c.tensor("w", w), c.tensor("rstd", rstd), c.tensor("dx", dx);
+  c.rank_at_least("x", x, 1);
+  c.floating("x", x);
+  const int64_t C = x.size(-1), rows = x.numel() / std::max<int64_t>(C, 1);
+  c.shape("dy", dy, x.shape());
+  c.floating("dy", dy);
+  c.shape("dx", dx, x.shape());
+  c.floating("dx", dx);
+  c.shape("w", w, {C});
+  if (w.dtype() != x.dtype()) c.dtype("w", w, {DType::f32});
+  c.numel("rstd", rstd, rows);
+  c.dtype("rstd", rstd, {DType::f32});
+  if (dw) {
+    c.tensor("dw", *dw);
+    c.shape("dw", *dw, {C});
+    c.dtype("dw", *dw, {DType::f32});
+  }
+  run(c, shape_str(x.shape()), 8.0 * double(x.numel()), nbytes({&dy, &x, &w, &dx, dw}), x.dtype(),
+      [&] { c.dev->rmsnorm_backward(dy, x, w, rstd, dx, dw); });
+}
+
+void swiglu_forward(const Tensor& g, const Tensor& u, const Tensor& s) {
+  Check c{"swiglu_forward"};
+  c.tensor("g", g), c.tensor("u", u), c.tensor("s", s);
+  c.floating("g", g);
+  c.shape("u", u, g.shape()), c.same_dtype("u", u, "g", g);
+  c.shape("s", s, g.shape()), c.same_dtype("s", s, "g", g);
+  run(c, shape_str(g.shape()), 6.0 * double(g.numel()), nbytes({&g, &u, &s}), g.dtype(),
+      [&] { c.dev->swiglu_forward(g, u, s); });
+}
+
+void swiglu_backward(const Tensor& ds, const Tensor& g, const Tensor& u, const Tensor& dg, const Tensor& du) {
+  Check c{"swiglu_backward"};
+  c.tensor("ds", ds), c.tensor("g", g), c.tensor("u", u), c.tensor("dg", dg), c.tensor("du", du);
+  c.floating("g", g);
+  for (auto [n, t] : {std::pair<const char*, const Tensor*>{"ds", &ds}, {"u", &u}, {"dg", &dg}, {"du", &du}}) {
+    c.shape(n, *t, g.shape());
+    c.same_dtype(n, *t, "g", g);
+  }
+  run(c, shape_str(g.shape()), 12.0 * double(g.numel()), nbytes({&ds, &g, &u, &dg, &du}), g.dtype(),
+      [&] { c.dev->swiglu_backward(ds, g, u, dg, du); });
+}
+
+void rope(const Tensor& x, const Tensor& positions, const Tensor& inv_freq, float sign) {
+  Check c{"rope"};
+  c.tensor("x", x), c.tensor("positions", positions), c.tensor("inv_freq", inv_freq);
+  c.rank_at_least("x", x, 2);
+  c.floating("x", x);
+  const int64_t T = x.size(-2), D = x.size(-1);
+  c.shape("positions", positions, {T});
+  c.dtype("positions", positions, {DType::i32});
+  c.dtype("inv_freq", inv_freq, {DType::f32});
+  if (inv_freq.dim() != 1 || inv_freq.size(0) == 0 || 2 * inv_freq.size(0) > D)
+    c.fail("inv_freq must be 1-D with 1 to D/2 = " + std::to_string(D / 2) + " entries, got " + inv_freq.describe());
+  if (sign != 1.f && sign != -1.f) c.fail("sign must be +1 (forward) or -1 (backward), got " + std::to_string(sign));
+  run(c, shape_str(x.shape()), 6.0 * double(x.numel()), 2.0 * nbytes({&x}), x.dtype(),
+      [&] { c.dev->rope(x, positions, inv_freq, sign); });
+}
+
+void softmax_causal_forward(const Tensor& S, const Tensor& P, float scale, const Tensor* segments) {
+  Check c{"softmax_causal_forward"};
+  c.tensor("S", S), c.tensor("P", P);
+  c.rank_at_least("S", S, 2);
+  c.floating("S", S);
+  c.shape("P", P, S.shape()), c.same_dtype("P", P, "S", S);
+  const int64_t Tq = S.size(-2), Tk = S.size(-1);
+  if (Tq > Tk) c.fail("S must have at most as many query rows as key columns, got " + S.describe());
+  if (segments) {
+    c.tensor("segments", *segments);
+    c.dtype("segments", *segments, {DType::i32});
+    if (Tq != Tk) c.fail("segments need square scores (Tq == Tk), got " + S.describe());
+    c.shape("segments", *segments, {Tk});
+  }
+  if (!(scale > 0)) c.fail("scale must be > 0");
+  run(c, shape_str(S.shape()), 5.0 * double(S.numel()), nbytes({&S, &P}), S.dtype(),
+      [&] { c.dev->softmax_causal_forward(S, P, scale, segments); });
+}
+
+void softmax_backward(const Tensor& P, const Tensor& dP, const Tensor& dS, float scale) {
+  Check c{"softmax_backward"};
+  c.tensor("P", P), c.tensor("dP", dP), c.tensor("dS", dS);
+  c.rank_at_least("P", P, 1);
+  c.floating("P", P);
+  c.shape("dP", dP, P.shape()), c.same_dtype("dP", dP, "P", P);
+  c.shape("dS", dS, P.shape()), c.same_dtype("dS", dS, "P", P);
+  run(c, shape_str(P.shape()), 4.0 * double(P.numel()), nbytes({&P, &dP, &dS}), P.dtype(),
+      [&] { c.dev->softmax_backward(P, dP, dS, scale); });
+}
+
+void embedding_forward(const Tensor& ids, const Tensor& table, const Tensor& out) {
+  Check c{"embedding_forward"};
+  c.tensor("ids", ids), c.tensor("table", table), c.tensor("out", out);
+  c.dtype("ids", ids, {DType::i32});
+  if (table.dim() != 2) c.fail("table must be 2-D (V, C), got " + table.describe());
+  c.floating("table", table);
+  Shape want = ids.shape();
+  want.push_back(table.size(1));
+  c.shape("out", out, want);
+  c.same_dtype("out", out, "table", table);
+  run(c, shape_str(out.shape()), 0, 2.0 * nbytes({&out}), table.dtype(),
+      [&] { c.dev->embedding_forward(ids, table, out); });
+}
+
+void embedding_backward(const Tensor& ids, const Tensor& dout, const Tensor& dtable) {
+  Check c{"embedding_backward"};
+  c.tensor("ids", ids), c.tensor("dout", dout), c.tensor("dtable", dtable);
+  c.dtype("ids", ids, {DType::i32});
+  if (dtable.dim() != 2) c.fail("dtable must be 2-D (V, C), got " + dtable.describe());
+  c.dtype("dtable", dtable, {DType::f32});
+  Shape want = ids.shape();
+  want.push_back(dtable.size(1));
+  c.shape("dout", dout, want);
+  c.floating("dout", dout);
+  run(c, shape_str(dout.shape()), double(dout.numel()), 3.0 * nbytes({&dout}), dout.dtype(),
+      [&] { c.dev->embedding_backward(ids, dout, dtable); });
+}
+
+void cross_entropy(const Tensor& logits, const Tensor& targets, const Tensor& loss, const Tensor* dlogits,
+                   int32_t ignore_index, float scale) {
+  Check c{"cross_entropy"};
+  c.tensor("logits", logits), c.tensor("targets", targets), c.tensor("loss", loss);
+  if (logits.dim() != 2) c.fail("logits must be 2-D (T, V), got " + logits.describe());
+  c.floating("logits", logits);
+  const int64_t T = logits.size(0);
+  c.shape("targets", targets, {T});
+  c.dtype("targets", targets, {DType::i32});
+  c.shape("loss", loss, {T});
+  c.dtype("loss", loss, {DType::f32});
+  if (dlogits) {
+    c.tensor("dlogits", *dlogits);
+    c.shape("dlogits", *dlogits, logits.shape());
+    c.same_dtype("dlogits", *dlogits, "logits", logits);
+  }
+  run(c, shape_str(logits.shape()), 5.0 * double(logits.numel()), nbytes({&logits, dlogits}), logits.dtype(),
+      [&] { c.dev->cross_entropy(logits, targets, loss, dlogits, ignore_index, scale); });
+}
+
+void add(const Tensor& a, const Tensor& b, const Tensor& out) {
+  Check c{"add"};
+  c.tensor("a", a), c.tensor("b", b), c.tensor("out", out);
+  c.floating("a", a);
+  c.shape("b", b, a.shape()), c.same_dtype("b", b, "a", a);
+  c.shape("out", out, a.shape()), c.same_dtype("out", out, "a", a);
+  run(c, shape_str(a.shape()), double(a.numel()), nbytes({&a, &b, &out}), a.dtype(), [&] { c.dev->add(a, b, out); });
+}
+
+void axpy(float alpha, const Tensor& x, const Tensor& y) {
+  Check c{"axpy"};
+  c.tensor("x", x), c.tensor("y", y);
+  c.floating("x", x), c.floating("y", y);
+  c.shape("y", y, x.shape());
+  run(c, shape_str(x.shape()), 2.0 * double(x.numel()), nbytes({&x, &y, &y}), y.dtype(), [&] { c.dev->axpy(alpha, x, y); });
+}
+
+void scale(const Tensor& x, float alpha, const Tensor& out) {
+  Check c{"scale"};
+  c.tensor("x", x), c.tensor("out", out);
+  c.floating("x", x);
+  c.shape("out", out, x.shape()), c.same_dtype("out", out, "x", x);
+  run(c, shape_str(x.shape()), double(x.numel()), nbytes({&x, &out}), x.dtype(), [&] { c.dev->scale(x, alpha, out); });
+}
+
+void cast(const Tensor& x, const Tensor& out) {
+  Check c{"cast"};
+  c.tensor("x", x), c.tensor("out", out);
+  c.shape("out", out, x.shape());
+  if ((x.dtype() == DType::i32) != (out.dtype() == DType::i32))
+    c.fail("casts between i32 and floating types are not supported: " + x.describe() + " -> " + out.describe());
+  run(c, shape_str(x.shape()) + " " + dtype_name(x.dtype()) + "->" + dtype_name(out.dtype()), 0, nbytes({&x, &out}),
+      x.dtype(), [&] { c.dev->cast(x, out); });
+}
+
+void fill(const Tensor& x, double value) {
+  Check c{"fill"};
+  c.tensor("x", x);
+  run(c, shape_str(x.shape()), 0, nbytes({&x}), x.dtype(), [&] { c.dev->fill(x, value); });
+}
+
+void dropout(const Tensor& x, const Tensor& out, float p, uint64_t seed) {
+  Check c{"dropout"};
+  c.tensor("x", x), c.tensor("out", out);
+  c.floating("x", x);
+  c.shape("out", out, x.shape()), c.same_dtype("out", out, "x", x);
+  if (!(p >= 0.f && p < 1.f)) c.fail("p must be in [0, 1), got " + std::to_string(p));
+  run(c, shape_str(x.shape()), double(x.numel()), nbytes({&x, &out}), x.dtype(), [&] { c.dev->dropout(x, out, p, seed); });
+}
+
+void adamw_update(const AdamWArgs& a) {
+  Check c{"adamw_update"};
+  c.tensor("params", a.params), c.tensor("grads", a.grads), c.tensor("m", a.m), c.tensor("v", a.v);
+  const int64_t n = a.params.numel();
+  for (auto [name, t] : {std::pair<const char*, const Tensor*>{"params", &a.params}, {"grads", &a.grads}, {"m", &a.m}, {"v", &a.v}}) {
+    c.dtype(name, *t, {DType::f32});
+    c.numel(name, *t, n);
+  }
+  if (a.working.defined()) {
+    c.tensor("working", a.working);
+    c.floating("working", a.working);
+    c.numel("working", a.working, n);
+  }
+  if (a.step < 1) c.fail("step is 1-based, got " + std::to_string(a.step));
+  if (!(a.beta1 >= 0 && a.beta1 < 1) || !(a.beta2 >= 0 && a.beta2 < 1)) c.fail("betas must be in [0, 1)");
+  if (!(a.eps > 0)) c.fail("eps must be > 0");
+  run(c, "n=" + std::to_string(n), 16.0 * double(n), nbytes({&a.params, &a.grads, &a.m, &a.v}) * 1.75, DType::f32,
+      [&] { c.dev->adamw_update(a); });
+}
+
+void sumsq(const Tensor& x, const Tensor& out) {
+  Check c{"sumsq"};
+  c.tensor("x", x), c.tensor("out", out);
+  c.floating("x", x);
+  c.numel("out", out, 1);
+  c.dtype("out", out, {DType::f32});
+  run(c, shape_str(x.shape()), 2.0 * double(x.numel()), nbytes({&x}), x.dtype(), [&] { c.dev->sumsq(x, out); });
+}
+
+void nonfinite(const Tensor& x, const Tensor& flag) {
+  Check c{"nonfinite"};
+  c.tensor("x", x), c.tensor("flag", flag);
+  c.floating("x", x);
+  c.numel("flag", flag, 1);
+  c.dtype("flag", flag, {DType::i32});
+  run(c, shape_str(x.shape()), double(x.numel()), nbytes({&x}), x.dtype(), [&] { c.dev->nonfinite(x, flag); });
+}
+
+}  // namespace krnl::ops

@@ -1,0 +1,147 @@
+// CPU backend: memory, registration, split-K parameters and the GEMM (the other ops are in
+// cpu_ops.cpp).
+#include "cpu_backend.h"
+
+#include <algorithm>
+#include <cstdlib>
+#if defined(_WIN32)
+#include <malloc.h>
+#endif
+#include <vector>
+
+#include "blas.h"
+#include "convert.h"
+#include "core/thread_pool.h"
+
+namespace krnl::cpu {
+
+CpuBackend::CpuBackend() : Backend("cpu") {}
+
+void* CpuBackend::raw_alloc(size_t bytes) {
+  // 64-byte alignment: cache lines and any vector width; aligned_alloc wants a size multiple.
+  const size_t n = std::max<size_t>(64, (bytes + 63) / 64 * 64);
+#if defined(_WIN32)
+  return _aligned_malloc(n, 64);  // MSVC has no std::aligned_alloc
+#else
+  return std::aligned_alloc(64, n);
+#endif
+}
+
+void CpuBackend::raw_free(void* p, size_t) {
+#if defined(_WIN32)
+  _aligned_free(p);
+#else
+  std::free(p);
+#endif
+}
+
+SplitKConfig CpuBackend::split_k_config() const {
+  // One BLAS call per 64x64 tile keeps a core busy; outputs with fewer than two tiles per pool
+  // thread split K, but only when each slice keeps >= 512 of K (else the reduce dominates).
+  SplitKConfig c;
+  c.tile_m = 64;
+  c.tile_n = 64;
+  c.min_tiles = 2 * int64_t(ThreadPool::global().size());
+  c.k_unit = 64;
+  c.max_splits = 8;
+  c.min_k_per_split = 512;
+  return c;
+}
+
+void register_backend() {
+  register_device("cpu", 0, []() -> Backend* { return new CpuBackend(); });
+}
+
+// ---- gemm
+
+namespace {
+
+// Matrix b of operand t as f32: f32 tensors in place, others converted into buf.
+const float* as_f32(const Tensor& t, int64_t off, int64_t count, std::vector<float>& buf) {
+  if (t.dtype() == DType::f32) return t.ptr<float>() + off;
+  buf.resize(size_t(count));
+  load_all(t.dtype(), t.data(), off, count, buf.data());
+  return buf.data();
+}
+
+// C = sum_s alpha * op(A)[:, slice s] * op(B)[slice s, :] + beta * C, all f32, C (M, N) dense.
+// Slices run as single-threaded BLAS calls on the pool, at most one wave of pool-size slices
+// at a time (bounded partial memory); partials are summed in slice order, so the result does
+// not depend on the thread count.
+void gemm_split_k(const GemmArgs& g, const float* A, int64_t lda, const float* B, int64_t ldb, float* C) {
+  ThreadPool& pool = ThreadPool::global();
+  const int64_t M = g.M, N = g.N, S = g.split_k, kp = g.K / S, MN = M * N;
+  const int64_t W = std::min<int64_t>(S, pool.size());
+  std::vector<float> part(size_t(W * MN)), acc(S > W ? size_t(MN) : 0);
+  BlasSingleThread one_thread(pool.size() > 1);
+  for (int64_t s0 = 0; s0 < S; s0 += W) {
+    const int64_t ns = std::min(W, S - s0);
+    pool.parallel_for(ns, 1, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        const int64_t k0 = (s0 + i) * kp;
+        const float* a = g.trans_a ? A + k0 * lda : A + k0;  // stored (K, M) or (M, K)
+        const float* bm = g.trans_b ? B + k0 : B + k0 * ldb;  // stored (N, K) or (K, N)
+        sgemm(g.trans_a, g.trans_b, M, N, kp, g.alpha, a, lda, bm, ldb, 0.f, part.data() + i * MN, N);
+      }
+    });
+    const bool first = s0 == 0, last = s0 + ns == S;
+    for_blocks(MN, [&](int64_t b, int64_t e) {
+      for (int64_t j = b; j < e; ++j) {
+        float v = first ? part[size_t(j)] : acc[size_t(j)] + part[size_t(j)];
+        for (int64_t i = 1; i < ns; ++i) v += part[size_t(i * MN + j)];
+        if (!last)
+          acc[size_t(j)] = v;
+        else
+          C[j] = g.beta == 0.f ? v : v + g.beta * C[j];  // beta == 0 never reads C (BLAS rule)
+      }
+    });
+  }
+}
+
+// C = beta * C for K == 0 (an empty sum); beta == 0 writes zeros without reading C.
+void scale_output(const Tensor& C, int64_t off, int64_t n, float beta) {
+  const DType dt = C.dtype();
+  for_blocks(n, [&](int64_t b, int64_t e) {
+    float buf[kBlock];
+    float* c = inout(dt, C.data(), off + b, beta == 0.f ? 0 : e - b, buf);
+    for (int64_t i = 0; i < e - b; ++i) c[i] = beta == 0.f ? 0.f : beta * c[i];
+    flush(dt, c, e - b, C.data(), off + b);
+  });
+}
+
+}  // namespace
+
+void CpuBackend::gemm(const GemmArgs& g) {
+  const int64_t M = g.M, N = g.N, K = g.K;
+  if (M == 0 || N == 0) return;
+  if (K == 0) {
+    for (int64_t b = 0; b < g.batch; ++b) scale_output(g.C, b * g.stride_c, M * N, g.beta);
+    return;
+  }
+  // Stored shapes: A is (M, K) or (K, M), B is (K, N) or (N, K); lda/ldb are their row lengths.
+  const int64_t lda = g.trans_a ? M : K, ldb = g.trans_b ? K : N;
+  const DType cdt = g.C.dtype();
+  std::vector<float> abuf, bbuf, cbuf;
+  const float* Af = nullptr;
+  const float* Bf = nullptr;
+  for (int64_t b = 0; b < g.batch; ++b) {
+    // A broadcast operand (stride 0) is converted once.
+    if (b == 0 || g.stride_a != 0) Af = as_f32(g.A, b * g.stride_a, M * K, abuf);
+    if (b == 0 || g.stride_b != 0) Bf = as_f32(g.B, b * g.stride_b, K * N, bbuf);
+    float* Cf;
+    if (cdt == DType::f32) {
+      Cf = g.C.ptr<float>() + b * g.stride_c;
+    } else {
+      cbuf.resize(size_t(M * N));
+      Cf = cbuf.data();
+      if (g.beta != 0.f) load_all(cdt, g.C.data(), b * g.stride_c, M * N, Cf);
+    }
+    if (g.split_k > 1)
+      gemm_split_k(g, Af, lda, Bf, ldb, Cf);
+    else
+      sgemm(g.trans_a, g.trans_b, M, N, K, g.alpha, Af, lda, Bf, ldb, g.beta, Cf, N);
+    if (cdt != DType::f32) store_all(cdt, Cf, M * N, g.C.data(), b * g.stride_c);
+  }
+}
+
+}  // namespace krnl::cpu

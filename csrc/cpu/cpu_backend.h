@@ -1,0 +1,46 @@
+// The CPU backend: host memory, ops run synchronously as they are called, GEMMs through the
+// platform BLAS (blas.h), everything else as loops over the core's thread pool (cpu_ops.cpp).
+#pragma once
+#include "core/backend.h"
+
+namespace krnl::cpu {
+
+// Registers the "cpu" device (lowest priority: any accelerator is preferred).
+void register_backend();
+
+class CpuBackend : public Backend {
+ public:
+  CpuBackend();
+  bool host_visible() const override { return true; }
+  bool synchronous() const override { return true; }
+  SplitKConfig split_k_config() const override;
+
+  void gemm(const GemmArgs& a) override;
+  void rmsnorm_forward(const Tensor& x, const Tensor& w, const Tensor& y, const Tensor& rstd, float eps) override;
+  void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& dx,
+                        const Tensor* dw) override;
+  void swiglu_forward(const Tensor& g, const Tensor& u, const Tensor& s) override;
+  void swiglu_backward(const Tensor& ds, const Tensor& g, const Tensor& u, const Tensor& dg, const Tensor& du) override;
+  void rope(const Tensor& x, const Tensor& positions, const Tensor& inv_freq, float sign) override;
+  void softmax_causal_forward(const Tensor& S, const Tensor& P, float scale, const Tensor* segments) override;
+  void softmax_backward(const Tensor& P, const Tensor& dP, const Tensor& dS, float scale) override;
+  void embedding_forward(const Tensor& ids, const Tensor& table, const Tensor& out) override;
+  void embedding_backward(const Tensor& ids, const Tensor& dout, const Tensor& dtable) override;
+  void cross_entropy(const Tensor& logits, const Tensor& targets, const Tensor& loss, const Tensor* dlogits,
+                     int32_t ignore_index, float scale) override;
+  void add(const Tensor& a, const Tensor& b, const Tensor& out) override;
+  void axpy(float alpha, const Tensor& x, const Tensor& y) override;
+  void scale(const Tensor& x, float alpha, const Tensor& out) override;
+  void cast(const Tensor& x, const Tensor& out) override;
+  void fill(const Tensor& x, double value) override;
+  void dropout(const Tensor& x, const Tensor& out, float p, uint64_t seed) override;
+  void adamw_update(const AdamWArgs& a) override;
+  void sumsq(const Tensor& x, const Tensor& out) override;
+  void nonfinite(const Tensor& x, const Tensor& flag) override;
+
+ protected:
+  void* raw_alloc(size_t bytes) override;
+  void raw_free(void* p, size_t bytes) override;
+};
+
+}  // namespace krnl::cpu

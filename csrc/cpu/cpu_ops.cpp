@@ -1,0 +1,464 @@
+// CPU ops other than gemm: loops over the core's thread pool, computing in float on rows or
+// blocks loaded and stored through convert.h, so each op is written once for every float dtype.
+// Calls arrive validated (ops.cpp); only data-dependent errors (ids, targets) are raised here.
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "convert.h"
+#include "core/rng.h"
+#include "cpu_backend.h"
+#include "vmath.h"
+
+namespace krnl::cpu {
+namespace {
+
+[[noreturn]] void fail(const char* op, const std::string& msg) {
+  throw std::invalid_argument(std::string("[") + op + "] " + msg);
+}
+
+// Row count of a tensor seen as (rows, cols), cols being its last dimension.
+inline int64_t rows_of(const Tensor& t, int64_t cols) { return cols ? t.numel() / cols : 0; }
+
+// Data-dependent index checks run serially before any work, so the error names the first bad
+// entry whatever the thread count.
+void check_ids(const char* op, const char* what, const char* where, const Tensor& ids, int64_t V,
+               const int32_t* ignore = nullptr) {
+  const int32_t* id = ids.ptr<int32_t>();
+  for (int64_t i = 0, n = ids.numel(); i < n; ++i) {
+    if (ignore && id[i] == *ignore) continue;
+    if (id[i] < 0 || id[i] >= V)
+      fail(op, std::string(what) + " " + std::to_string(id[i]) + " at " + where + " " + std::to_string(i) +
+                   " is out of range [0, " + std::to_string(V) + ")");
+  }
+}
+
+}  // namespace
+
+// ---- normalisation
+
+void CpuBackend::rmsnorm_forward(const Tensor& x, const Tensor& w, const Tensor& y, const Tensor& rstd, float eps) {
+  const int64_t C = x.size(-1), rows = rows_of(x, C);
+  if (rows == 0) return;
+  const DType xd = x.dtype(), yd = y.dtype();
+  std::vector<float> wf(static_cast<size_t>(C));
+  load(w.dtype(), w.data(), 0, C, wf.data());
+  float* rs = rstd.ptr<float>();
+  for_rows(rows, C, [&](int64_t r0, int64_t r1) {
+    float* xs = scratch(0, C);
+    float* ys = scratch(1, C);
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* xr = view(xd, x.data(), r * C, C, xs);
+      const float inv = 1.f / std::sqrt(dot(xr, xr, C) / float(C) + eps);
+      rs[r] = inv;
+      float* yr = out_window(yd, y.data(), r * C, ys);
+      for (int64_t c = 0; c < C; ++c) yr[c] = xr[c] * inv * wf[size_t(c)];
+      flush(yd, yr, C, y.data(), r * C);
+    }
+  });
+}
+
+void CpuBackend::rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
+                                  const Tensor& dx, const Tensor* dw) {
+  const int64_t C = x.size(-1), rows = rows_of(x, C);
+  if (rows == 0) return;
+  std::vector<float> wf(static_cast<size_t>(C));
+  load(w.dtype(), w.data(), 0, C, wf.data());
+  const float* rs = rstd.ptr<float>();
+  // dw: one partial per fixed row range, summed in range order (deterministic).
+  const int64_t parts = num_parts(rows, C);
+  std::vector<float> dwp(dw ? size_t(parts * C) : 0, 0.f);
+  for_parts(rows, parts, [&](int64_t p, int64_t r0, int64_t r1) {
+    float* xs = scratch(0, C);
+    float* dys = scratch(1, C);
+    float* g = scratch(2, C);
+    float* dxs = scratch(3, C);
+    float* acc = dw ? dwp.data() + p * C : nullptr;
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* xr = view(x.dtype(), x.data(), r * C, C, xs);
+      const float* dyr = view(dy.dtype(), dy.data(), r * C, C, dys);
+      const float inv = rs[r];
+      for (int64_t c = 0; c < C; ++c) g[c] = dyr[c] * wf[size_t(c)];
+      const float m = dot(g, xr, C) * inv / float(C);  // mean(g * xhat)
+      if (acc)
+        for (int64_t c = 0; c < C; ++c) acc[c] += dyr[c] * (xr[c] * inv);
+      float* dxr = out_window(dx.dtype(), dx.data(), r * C, dxs);  // written after dy is read
+      for (int64_t c = 0; c < C; ++c) dxr[c] = inv * (g[c] - xr[c] * inv * m);
+      flush(dx.dtype(), dxr, C, dx.data(), r * C);
+    }
+  });
+  if (!dw) return;
+  float* dwd = dw->ptr<float>();
+  for_blocks(C, [&](int64_t b, int64_t e) {
+    for (int64_t c = b; c < e; ++c) {
+      float s = dwp[size_t(c)];
+      for (int64_t p = 1; p < parts; ++p) s += dwp[size_t(p * C + c)];
+      dwd[c] += s;
+    }
+  });
+}
+
+// ---- SwiGLU
+
+void CpuBackend::swiglu_forward(const Tensor& g, const Tensor& u, const Tensor& s) {
+  const DType dt = g.dtype();
+  for_blocks(g.numel(), [&](int64_t b, int64_t e) {
+    float gs[kBlock], us[kBlock], ss[kBlock], t[kBlock];
+    const int64_t n = e - b;
+    const float* gv = view(dt, g.data(), b, n, gs);
+    const float* uv = view(dt, u.data(), b, n, us);
+    for (int64_t i = 0; i < n; ++i) t[i] = -gv[i];
+    exp_inplace(t, n);  // sigmoid(g) = 1 / (1 + exp(-g))
+    float* sv = out_window(dt, s.data(), b, ss);
+    for (int64_t i = 0; i < n; ++i) sv[i] = gv[i] / (1.f + t[i]) * uv[i];
+    flush(dt, sv, n, s.data(), b);
+  });
+}
+
+void CpuBackend::swiglu_backward(const Tensor& ds, const Tensor& g, const Tensor& u, const Tensor& dg,
+                                 const Tensor& du) {
+  const DType dt = g.dtype();
+  for_blocks(g.numel(), [&](int64_t b, int64_t e) {
+    float dss[kBlock], gs[kBlock], us[kBlock], dgs[kBlock], dus[kBlock], t[kBlock];
+    const int64_t n = e - b;
+    const float* dv = view(dt, ds.data(), b, n, dss);
+    const float* gv = view(dt, g.data(), b, n, gs);
+    const float* uv = view(dt, u.data(), b, n, us);
+    for (int64_t i = 0; i < n; ++i) t[i] = -gv[i];
+    exp_inplace(t, n);
+    float* dgv = out_window(dt, dg.data(), b, dgs);
+    float* duv = out_window(dt, du.data(), b, dus);
+    for (int64_t i = 0; i < n; ++i) {
+      // All inputs read before either output is written: dg/du may alias ds.
+      const float d = dv[i], gi = gv[i], ui = uv[i];
+      const float sig = 1.f / (1.f + t[i]);
+      dgv[i] = d * ui * sig * (1.f + gi * (1.f - sig));
+      duv[i] = d * gi * sig;
+    }
+    flush(dt, dgv, n, dg.data(), b);
+    flush(dt, duv, n, du.data(), b);
+  });
+}
+
+// ---- RoPE
+
+void CpuBackend::rope(const Tensor& x, const Tensor& positions, const Tensor& inv_freq, float sign) {
+  const int64_t T = x.size(-2), D = x.size(-1), R = inv_freq.numel(), rows = rows_of(x, D);
+  if (rows == 0 || T == 0) return;
+  // cos/sin table (T, R), angles in double: positions reach 1e5+ where float angles lose digits.
+  const int32_t* pos = positions.ptr<int32_t>();
+  const float* invf = inv_freq.ptr<float>();
+  std::vector<float> cs(size_t(T * R)), sn(size_t(T * R));
+  for_rows(T, 8 * R, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t i = 0; i < R; ++i) {
+        const double th = double(sign) * double(pos[t]) * double(invf[i]);
+        cs[size_t(t * R + i)] = float(std::cos(th));
+        sn[size_t(t * R + i)] = float(std::sin(th));
+      }
+  });
+  const DType dt = x.dtype();
+  for_rows(rows, 2 * R, [&](int64_t r0, int64_t r1) {
+    float* xs = scratch(0, 2 * R);
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* c = cs.data() + (r % T) * R;
+      const float* s = sn.data() + (r % T) * R;
+      float* xr = inout(dt, x.data(), r * D, 2 * R, xs);  // dims >= 2R are never touched
+      for (int64_t i = 0; i < R; ++i) {
+        const float a = xr[i], b = xr[i + R];
+        xr[i] = a * c[i] - b * s[i];
+        xr[i + R] = b * c[i] + a * s[i];
+      }
+      flush(dt, xr, 2 * R, x.data(), r * D);
+    }
+  });
+}
+
+// ---- attention softmax
+
+void CpuBackend::softmax_causal_forward(const Tensor& S, const Tensor& P, float scale, const Tensor* segments) {
+  const int64_t Tq = S.size(-2), Tk = S.size(-1), rows = rows_of(S, Tk);
+  if (rows == 0) return;
+  const DType dt = S.dtype();
+  const int32_t* seg = segments ? segments->ptr<int32_t>() : nullptr;
+  for_rows(rows, Tk, [&](int64_t r0, int64_t r1) {
+    float* ss = scratch(0, Tk);
+    float* ps = scratch(1, Tk);
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t q = r % Tq + (Tk - Tq);  // absolute position of the query; keys j <= q
+      const float* sr = view(dt, S.data(), r * Tk, q + 1, ss);
+      float* pr = out_window(dt, P.data(), r * Tk, ps);  // may alias sr: read-before-write per j
+      const int32_t sq = seg ? seg[q] : 0;
+      float m = sr[q];  // the diagonal is always visible: no -inf seed needed
+      if (!seg) {
+        for (int64_t j = 0; j < q; ++j) m = std::max(m, sr[j]);
+      } else {
+        for (int64_t j = 0; j < q; ++j)
+          if (seg[j] == sq) m = std::max(m, sr[j]);
+      }
+      for (int64_t j = 0; j <= q; ++j) pr[j] = scale * (sr[j] - m);
+      exp_inplace(pr, q + 1);
+      if (seg)
+        for (int64_t j = 0; j < q; ++j)
+          if (seg[j] != sq) pr[j] = 0.f;
+      const float inv = 1.f / sum(pr, q + 1);
+      for (int64_t j = 0; j <= q; ++j) pr[j] *= inv;
+      for (int64_t j = q + 1; j < Tk; ++j) pr[j] = 0.f;
+      flush(dt, pr, Tk, P.data(), r * Tk);
+    }
+  });
+}
+
+void CpuBackend::softmax_backward(const Tensor& P, const Tensor& dP, const Tensor& dS, float scale) {
+  const int64_t L = P.dim() ? P.size(-1) : 1, rows = rows_of(P, L);
+  if (rows == 0) return;
+  const DType dt = P.dtype();
+  for_rows(rows, L, [&](int64_t r0, int64_t r1) {
+    float* ps = scratch(0, L);
+    float* ds = scratch(1, L);
+    float* os = scratch(2, L);
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* p = view(dt, P.data(), r * L, L, ps);
+      const float* d = view(dt, dP.data(), r * L, L, ds);
+      const float pd = dot(p, d, L);  // read fully before dS (which may alias dP) is written
+      float* o = out_window(dt, dS.data(), r * L, os);
+      for (int64_t j = 0; j < L; ++j) o[j] = p[j] * (d[j] - pd) * scale;
+      flush(dt, o, L, dS.data(), r * L);
+    }
+  });
+}
+
+// ---- embedding
+
+void CpuBackend::embedding_forward(const Tensor& ids, const Tensor& table, const Tensor& out) {
+  const int64_t V = table.size(0), C = table.size(1), n = ids.numel();
+  check_ids("embedding_forward", "id", "position", ids, V);
+  const int32_t* id = ids.ptr<int32_t>();
+  const size_t row_bytes = size_t(C) * dtype_size(table.dtype());
+  const char* src = static_cast<const char*>(table.data());
+  char* dst = static_cast<char*>(out.data());
+  for_rows(n, C, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) std::memcpy(dst + size_t(t) * row_bytes, src + size_t(id[t]) * row_bytes, row_bytes);
+  });
+}
+
+void CpuBackend::embedding_backward(const Tensor& ids, const Tensor& dout, const Tensor& dtable) {
+  const int64_t V = dtable.size(0), C = dtable.size(1), n = ids.numel();
+  check_ids("embedding_backward", "id", "position", ids, V);
+  if (n == 0 || C == 0) return;
+  const int32_t* id = ids.ptr<int32_t>();
+  float* tab = dtable.ptr<float>();
+  const DType dt = dout.dtype();
+  // Threads own column ranges and walk tokens in order: no races on repeated ids, and each
+  // element sums in token order as a serial loop would.
+  const int64_t grain = std::max<int64_t>(64, kGrainElems / n);
+  ThreadPool::global().parallel_for(C, grain, [&](int64_t c0, int64_t c1) {
+    float* buf = scratch(0, c1 - c0);
+    for (int64_t t = 0; t < n; ++t) {
+      const float* g = view(dt, dout.data(), t * C + c0, c1 - c0, buf);
+      float* row = tab + int64_t(id[t]) * C + c0;
+      for (int64_t c = 0; c < c1 - c0; ++c) row[c] += g[c];
+    }
+  });
+}
+
+// ---- loss
+
+void CpuBackend::cross_entropy(const Tensor& logits, const Tensor& targets, const Tensor& loss,
+                               const Tensor* dlogits, int32_t ignore_index, float scale) {
+  const int64_t T = logits.size(0), V = logits.size(1);
+  check_ids("cross_entropy", "target", "row", targets, V, &ignore_index);
+  const int32_t* tg = targets.ptr<int32_t>();
+  float* lo = loss.ptr<float>();
+  const DType dt = logits.dtype();
+  for_rows(T, V, [&](int64_t t0, int64_t t1) {
+    float* buf = scratch(0, V);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int32_t y = tg[t];
+      if (y == ignore_index) {
+        lo[t] = 0.f;
+        if (dlogits) std::memset(at(dt, dlogits->data(), t * V), 0, size_t(V) * dtype_size(dt));  // +0 is all-zero bits
+        continue;
+      }
+      const float* xr = view(dt, logits.data(), t * V, V, buf);
+      float mx, se;
+      max_sumexp(xr, V, mx, se);  // one pass, online max and sum-exp
+      const float xt = xr[y];     // read before dlogits (which may alias logits) is written
+      lo[t] = mx + std::log(se) - xt;
+      if (!dlogits) continue;
+      const float inv = 1.f / se;
+      float* o = out_window(dt, dlogits->data(), t * V, buf);  // same scratch: elementwise in place
+      for (int64_t j = 0; j < V; ++j) o[j] = xr[j] - mx;
+      exp_inplace(o, V);
+      const float ey = o[y];
+      for (int64_t j = 0; j < V; ++j) o[j] = scale * (o[j] * inv);
+      o[y] = scale * (ey * inv - 1.f);
+      flush(dt, o, V, dlogits->data(), t * V);
+    }
+  });
+}
+
+// ---- elementwise
+
+void CpuBackend::add(const Tensor& a, const Tensor& b, const Tensor& out) {
+  const DType dt = a.dtype();
+  for_blocks(a.numel(), [&](int64_t i0, int64_t i1) {
+    float as[kBlock], bs[kBlock], os[kBlock];
+    const int64_t n = i1 - i0;
+    const float* av = view(dt, a.data(), i0, n, as);
+    const float* bv = view(dt, b.data(), i0, n, bs);
+    float* o = out_window(dt, out.data(), i0, os);
+    for (int64_t i = 0; i < n; ++i) o[i] = av[i] + bv[i];
+    flush(dt, o, n, out.data(), i0);
+  });
+}
+
+void CpuBackend::axpy(float alpha, const Tensor& x, const Tensor& y) {
+  for_blocks(x.numel(), [&](int64_t i0, int64_t i1) {
+    float xs[kBlock], ys[kBlock];
+    const int64_t n = i1 - i0;
+    const float* xv = view(x.dtype(), x.data(), i0, n, xs);
+    float* yv = inout(y.dtype(), y.data(), i0, n, ys);
+    for (int64_t i = 0; i < n; ++i) yv[i] += alpha * xv[i];
+    flush(y.dtype(), yv, n, y.data(), i0);
+  });
+}
+
+void CpuBackend::scale(const Tensor& x, float alpha, const Tensor& out) {
+  const DType dt = x.dtype();
+  for_blocks(x.numel(), [&](int64_t i0, int64_t i1) {
+    float xs[kBlock], os[kBlock];
+    const int64_t n = i1 - i0;
+    const float* xv = view(dt, x.data(), i0, n, xs);
+    float* o = out_window(dt, out.data(), i0, os);
+    for (int64_t i = 0; i < n; ++i) o[i] = alpha * xv[i];
+    flush(dt, o, n, out.data(), i0);
+  });
+}
+
+void CpuBackend::cast(const Tensor& x, const Tensor& out) {
+  if (x.dtype() == out.dtype()) {  // plain copy, i32 included; memmove: out may be x itself
+    const size_t es = dtype_size(x.dtype());
+    for_blocks(x.numel(), [&](int64_t i0, int64_t i1) {
+      std::memmove(static_cast<char*>(out.data()) + size_t(i0) * es,
+                   static_cast<const char*>(x.data()) + size_t(i0) * es, size_t(i1 - i0) * es);
+    });
+    return;
+  }
+  for_blocks(x.numel(), [&](int64_t i0, int64_t i1) {
+    float xs[kBlock];
+    const float* xv = view(x.dtype(), x.data(), i0, i1 - i0, xs);
+    store(out.dtype(), xv, i1 - i0, out.data(), i0);
+  });
+}
+
+namespace {
+template <class T>
+void fill_as(const Tensor& x, T v) {
+  T* p = x.ptr<T>();
+  for_blocks(x.numel(), [&](int64_t i0, int64_t i1) { std::fill(p + i0, p + i1, v); });
+}
+}  // namespace
+
+void CpuBackend::fill(const Tensor& x, double value) {
+  switch (x.dtype()) {
+    case DType::f32: fill_as<float>(x, float(value)); break;
+    case DType::f16: fill_as<uint16_t>(x, f32_to_f16(float(value))); break;
+    case DType::bf16: fill_as<uint16_t>(x, f32_to_bf16(float(value))); break;
+    case DType::i32: {
+      // Saturate instead of the undefined out-of-range conversion; NaN gives 0.
+      double v = std::isnan(value) ? 0.0 : value;
+      v = std::min<double>(std::max<double>(v, std::numeric_limits<int32_t>::min()), std::numeric_limits<int32_t>::max());
+      fill_as<int32_t>(x, int32_t(v));
+      break;
+    }
+  }
+}
+
+void CpuBackend::dropout(const Tensor& x, const Tensor& out, float p, uint64_t seed) {
+  if (p == 0.f) {
+    cast(x, out);  // same dtype: a copy
+    return;
+  }
+  const DType dt = x.dtype();
+  const float keep_scale = 1.f / (1.f - p);
+  for_blocks(x.numel(), [&](int64_t i0, int64_t i1) {
+    float xs[kBlock], os[kBlock];
+    const int64_t n = i1 - i0;
+    const float* xv = view(dt, x.data(), i0, n, xs);
+    float* o = out_window(dt, out.data(), i0, os);
+    for (int64_t i = 0; i < n; ++i) o[i] = dropout_keep(seed, uint64_t(i0 + i), p) ? xv[i] * keep_scale : 0.f;
+    flush(dt, o, n, out.data(), i0);
+  });
+}
+
+// ---- optimizer
+
+void CpuBackend::adamw_update(const AdamWArgs& a) {
+  float* p = a.params.ptr<float>();
+  const float* g = a.grads.ptr<float>();
+  float* m = a.m.ptr<float>();
+  float* v = a.v.ptr<float>();
+  const bool working = a.working.defined();
+  const double bc1 = 1.0 - std::pow(double(a.beta1), double(a.step));
+  const double bc2 = 1.0 - std::pow(double(a.beta2), double(a.step));
+  const float step_size = float(double(a.lr) / bc1), bc2_sqrt = float(std::sqrt(bc2));
+  const float decay = a.lr * a.weight_decay, b1 = a.beta1, b2 = a.beta2, eps = a.eps, gs = a.grad_scale;
+  for_blocks(a.params.numel(), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const float gi = g[i] * gs;
+      float pi = p[i];
+      pi -= decay * pi;
+      const float mi = b1 * m[i] + (1.f - b1) * gi;
+      const float vi = b2 * v[i] + (1.f - b2) * gi * gi;
+      pi -= step_size * (mi / (std::sqrt(vi) / bc2_sqrt + eps));
+      m[i] = mi, v[i] = vi, p[i] = pi;
+    }
+    if (working) store(a.working.dtype(), p + i0, i1 - i0, a.working.data(), i0);
+  });
+}
+
+void CpuBackend::sumsq(const Tensor& x, const Tensor& out) {
+  const int64_t n = x.numel(), parts = num_parts(n);
+  const DType dt = x.dtype();
+  std::vector<double> partial(size_t(parts), 0.0);
+  for_parts(n, parts, [&](int64_t part, int64_t b, int64_t e) {
+    double acc[4] = {0, 0, 0, 0};
+    float xs[kBlock];
+    for (int64_t i0 = b; i0 < e; i0 += kBlock) {
+      const int64_t k = std::min(kBlock, e - i0);
+      const float* xv = view(dt, x.data(), i0, k, xs);
+      for (int64_t i = 0; i < k; ++i) acc[i & 3] += double(xv[i]) * double(xv[i]);
+    }
+    partial[size_t(part)] = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+  });
+  double total = 0;
+  for (double s : partial) total += s;
+  out.ptr<float>()[0] = float(total);
+}
+
+void CpuBackend::nonfinite(const Tensor& x, const Tensor& flag) {
+  std::atomic<bool> found{false};
+  const DType dt = x.dtype();
+  // Exponent all ones = inf or NaN; tested on the raw bits, no conversion needed.
+  for_blocks(x.numel(), [&](int64_t i0, int64_t i1) {
+    if (found.load(std::memory_order_relaxed)) return;
+    bool bad = false;
+    if (dt == DType::f32) {
+      const uint32_t* p = x.ptr<uint32_t>();
+      for (int64_t i = i0; i < i1; ++i) bad |= (p[i] & 0x7f800000u) == 0x7f800000u;
+    } else {
+      const uint16_t* p = x.ptr<uint16_t>();
+      const uint16_t e = dt == DType::f16 ? 0x7c00 : 0x7f80;
+      for (int64_t i = i0; i < i1; ++i) bad |= (p[i] & e) == e;
+    }
+    if (bad) found.store(true, std::memory_order_relaxed);
+  });
+  if (found.load()) flag.ptr<int32_t>()[0] = 1;
+}
+
+}  // namespace krnl::cpu

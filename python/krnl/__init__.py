@@ -1,0 +1,37 @@
+"""krnl: LoRA fine-tuning with hand-written kernels. This package is the thin Python side; the
+native core (`krnl._core`) owns devices, memory and every op."""
+
+import sys as _sys
+
+if _sys.platform != "darwin":
+    # The CPU backend links the scipy-openblas32 wheel's BLAS. Loading it by path first lets the
+    # extension resolve it however the package was installed (wheel, editable, in-tree build).
+    import ctypes as _ctypes
+    import os as _os
+
+    import scipy_openblas32 as _sob
+
+    _ctypes.CDLL(_os.path.join(_sob.get_lib_dir(), _sob.get_library(fullname=True)), mode=_ctypes.RTLD_GLOBAL)
+
+from . import _core
+from ._core import Device, Tensor, ops
+from .profiler import Profile, profile
+
+__version__ = "0.1.0"
+__all__ = ["Device", "Tensor", "ops", "device", "devices", "profile", "Profile", "num_threads"]
+
+num_threads = _core.num_threads
+
+
+def devices():
+    """Names of the devices this build can use, best first (e.g. ['cpu'])."""
+    return list(_core.devices())
+
+
+def device(name=None):
+    """The device called `name` ('metal', 'cuda', 'cpu'); the best available one by default."""
+    if name is None:
+        name = _core.devices()[0]
+    if not isinstance(name, str):
+        raise TypeError(f"[device] name must be a string, got {type(name).__name__}")
+    return _core.device(name)

@@ -1,0 +1,108 @@
+"""Shared test helpers: the `dev` fixture (every device this build has), per-dtype rounding
+constants and tolerances, upload/read-back helpers and host-side (numpy) conversions that the
+float64 oracles use. Op-specific oracles live next to their tests."""
+
+import numpy as np
+import pytest
+
+import krnl
+
+FLOAT_DTYPES = ("f32", "f16", "bf16")
+
+# Unit roundoff (half an ulp of 1.0): the largest relative error of one round-to-nearest into
+# the dtype. f32 has 24 significant bits, f16 11, bf16 8.
+UNIT_ROUNDOFF = {"f32": 2.0**-24, "f16": 2.0**-11, "bf16": 2.0**-8}
+U32 = UNIT_ROUNDOFF["f32"]
+
+# Spacing of the subnormals: the absolute error of one rounding near zero (f16 underflows at
+# 6e-5, far earlier than f32/bf16, which share the f32 exponent range).
+SUBNORMAL = {"f32": 2.0**-149, "f16": 2.0**-24, "bf16": 2.0**-133}
+
+# Relative tolerance of an op that computes in f32 and rounds its output once into `dtype`:
+# one output rounding plus a handful of f32 operations (16 * 2^-24 ~ 1e-6) of slack.
+OUT_RTOL = {dt: UNIT_ROUNDOFF[dt] + 16 * U32 for dt in FLOAT_DTYPES}
+
+
+@pytest.fixture(params=krnl.devices())
+def dev(request):
+    """Each device this build can use ('cpu' everywhere)."""
+    return krnl.device(request.param)
+
+
+def to_dev(dev, array, dtype="f32"):
+    """A new tensor of `dtype` ('f32', 'f16', 'bf16', 'i32') on `dev` holding `array`."""
+    return dev.tensor(np.asarray(array), dtype)
+
+
+def read(t, dtype=np.float64):
+    """A host copy of tensor `t` (bf16 and f16 widen exactly), float64 unless told otherwise."""
+    return np.array(t.numpy(), dtype=dtype, copy=True)
+
+
+def upload(dev, array, dtype="f32"):
+    """(tensor, float64 copy of what the device holds): the oracle then sees exactly the inputs
+    the op sees, rounded to `dtype`."""
+    t = to_dev(dev, np.asarray(array, dtype=np.float32), dtype)
+    return t, read(t)
+
+
+def empty_filled(dev, shape, dtype, value=np.nan):
+    """An output tensor prefilled with `value` (NaN by default), so that an op that leaves any
+    element unwritten, or reads an output it should only write, shows up."""
+    t = dev.empty(tuple(shape), dtype)
+    krnl.ops.fill(t, float(value))
+    return t
+
+
+def bf16_bits(x):
+    """float32 -> bfloat16 bits with round-to-nearest-even on the uint32 pattern (NaN -> quiet
+    NaN), the reference for the device's bf16 conversion."""
+    u = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    return np.where(nan, (u >> 16) | 0x40, rounded).astype(np.uint16)
+
+
+def bf16_value(bits):
+    """bfloat16 bits -> float32 values (exact)."""
+    return (np.asarray(bits, dtype=np.uint32) << 16).view(np.float32)
+
+
+def round_to(x, dtype):
+    """x (float32-representable values) rounded to `dtype` with round-to-nearest-even, as float64."""
+    x32 = np.asarray(x, dtype=np.float32)
+    if dtype == "f32":
+        return x32.astype(np.float64)
+    if dtype == "f16":
+        return x32.astype(np.float16).astype(np.float64)
+    if dtype == "bf16":
+        return bf16_value(bf16_bits(x32)).astype(np.float64)
+    raise ValueError(dtype)
+
+
+def assert_close(got, ref, rtol, atol=0.0, what=""):
+    """max|got - ref| <= atol + rtol * max|ref|: error judged against the output's magnitude."""
+    got = np.asarray(got, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    assert got.shape == ref.shape, f"{what}: shape {got.shape} != {ref.shape}"
+    assert np.all(np.isfinite(got)), f"{what}: non-finite output at {np.argwhere(~np.isfinite(got))[:5].tolist()}"
+    err = np.abs(got - ref)
+    bound = atol + rtol * (float(np.max(np.abs(ref))) if ref.size else 0.0)
+    worst = float(np.max(err)) if err.size else 0.0
+    assert worst <= bound, (f"{what}: max error {worst:.3e} > bound {bound:.3e} at "
+                            f"{np.unravel_index(np.argmax(err), err.shape)} (rtol {rtol:.2e}, atol {atol:.2e})")
+
+
+def assert_close_elementwise(got, ref, rtol, atol=0.0, what=""):
+    """|got - ref| <= atol + rtol * |ref| for every element (atol may be an array)."""
+    got = np.asarray(got, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    assert got.shape == ref.shape, f"{what}: shape {got.shape} != {ref.shape}"
+    assert np.all(np.isfinite(got)), f"{what}: non-finite output at {np.argwhere(~np.isfinite(got))[:5].tolist()}"
+    err = np.abs(got - ref)
+    bound = atol + rtol * np.abs(ref)
+    bad = err > bound
+    if np.any(bad):
+        i = np.unravel_index(np.argmax(err - bound), err.shape)
+        pytest.fail(f"{what}: {int(bad.sum())} of {err.size} elements out of tolerance; worst at {i}: "
+                    f"got {got[i]!r} ref {ref[i]!r} (err {err[i]:.3e} > {np.broadcast_to(bound, err.shape)[i]:.3e})")

@@ -1,0 +1,1206 @@
+"""Every non-GEMM op of the backend contract (DESIGN section 2) against a float64 numpy oracle
+at awkward sizes and one realistic size, in every dtype the op accepts; backward ops also
+against central finite differences taken through the device's own forward op; attention
+causality, GQA folding and packed-sample segments built from the ops."""
+
+import math
+
+import numpy as np
+import pytest
+
+from krnl import ops
+
+from conftest import (FLOAT_DTYPES, OUT_RTOL, SUBNORMAL, U32, UNIT_ROUNDOFF, assert_close,
+                      assert_close_elementwise, bf16_bits, bf16_value, empty_filled, read, to_dev, upload)
+
+# Shapes of row-wise ops (rows..., C): awkward row counts and widths, a 3-D one, a realistic one.
+ROW_SHAPES = [(1, 1), (31, 33), (33, 127), (127, 31), (2, 3, 33), (256, 2048)]
+ROW_IDS = ["1x1", "31x33", "33x127", "127x31", "2x3x33", "256x2048"]
+# Sizes of elementwise ops: awkward, and one past a power of two at realistic scale.
+SIZES = (1, 31, 33, 127, 100_003)
+
+# Finite differences through the device's f32 forward op: L = sum(out * cotangent) in float64.
+# With eps = 1e-2 the f32 rounding noise of L divided by 2*eps stays ~1e-4 of the gradient and
+# the O(eps^2) truncation error as small; a wrong formula is off by O(1).
+FD_EPS = 1e-2
+FD_RTOL = 1e-2
+
+
+def reduction_rtol(n):
+    """Error of an f32 sum of n terms relative to the sum of their magnitudes: rounding errors
+    add up like a random walk (sqrt(n) * 2^-24); 4x covers any summation order."""
+    return 4.0 * math.sqrt(max(n, 1)) * U32
+
+
+def fd_grad(f, x, eps=FD_EPS):
+    """Central differences of the scalar function f (of a float32 array) at x, each step taken
+    between the actually representable float32 points x +- eps."""
+    x = np.asarray(x, dtype=np.float32)
+    g = np.empty(x.shape)
+    for i in np.ndindex(x.shape):
+        xp, xm = x.copy(), x.copy()
+        xp[i] += np.float32(eps)
+        xm[i] -= np.float32(eps)
+        g[i] = (f(xp) - f(xm)) / (float(xp[i]) - float(xm[i]))
+    return g
+
+
+def assert_fd(analytic, numeric, what):
+    assert_close(analytic, numeric, rtol=FD_RTOL, atol=1e-6, what=what)
+    # and not vacuously: the gradient is not all zeros
+    assert np.max(np.abs(numeric)) > 1e-3, f"{what}: zero gradient, the check says nothing"
+
+
+# ---------------------------------------------------------------------------------- RMSNorm
+
+
+def rmsnorm_ref(x, w, eps):
+    rstd = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+    return x * rstd * w, rstd[..., 0]
+
+
+def rmsnorm_backward_ref(dy, x, w, rstd):
+    """dx and dw of y = x*rstd*w, rstd = (mean(x^2)+eps)^-1/2 given (as saved by the forward)."""
+    r = rstd[..., None]
+    xhat = x * r
+    g = dy * w
+    m = np.mean(g * xhat, axis=-1, keepdims=True)
+    dx = r * (g - xhat * m)
+    dw = (dy * xhat).reshape(-1, x.shape[-1]).sum(axis=0)
+    # magnitude of the terms before cancellation, for the error bound
+    mag = r * (np.abs(g) + np.abs(xhat) * np.mean(np.abs(g * xhat), axis=-1, keepdims=True))
+    dw_mag = np.abs(dy * xhat).reshape(-1, x.shape[-1]).sum(axis=0)
+    return dx, dw, mag, dw_mag
+
+
+RMS_FWD_DTYPES = [("f32", "f32", "f32"), ("f16", "f16", "f16"), ("bf16", "bf16", "bf16"),
+                  ("f16", "f32", "f16"), ("bf16", "f32", "bf16"), ("bf16", "f32", "f32")]
+
+
+@pytest.mark.parametrize("xdt,wdt,ydt", RMS_FWD_DTYPES, ids=["-".join(d) for d in RMS_FWD_DTYPES])
+@pytest.mark.parametrize("shape", ROW_SHAPES, ids=ROW_IDS)
+def test_rmsnorm_forward(dev, shape, xdt, wdt, ydt):
+    rng = np.random.default_rng(10)
+    C = shape[-1]
+    w, wf = upload(dev, 1.0 + 0.5 * rng.standard_normal(C), wdt)
+    # x at unit scale and at 1e-3 (mean(x^2) ~ 1e-6 < eps: eps inside the sqrt matters there)
+    for mag, eps in ((1.0, 1e-5), (1e-3, 1e-5), (3.0, 1e-6)):
+        x, xf = upload(dev, mag * rng.standard_normal(shape), xdt)
+        y = empty_filled(dev, shape, ydt)
+        rstd = empty_filled(dev, shape[:-1], "f32")
+        ops.rmsnorm_forward(x, w, y, rstd, eps=eps)
+        ref, rstd_ref = rmsnorm_ref(xf, wf, np.float64(np.float32(eps)))
+        r_tol = reduction_rtol(C) + 4 * U32  # f32 sum of squares, sqrt, divide
+        assert_close_elementwise(read(rstd), rstd_ref, rtol=r_tol, what=f"rstd mag={mag}")
+        assert_close_elementwise(read(y), ref, rtol=OUT_RTOL[ydt] + r_tol, atol=SUBNORMAL[ydt],
+                                 what=f"y mag={mag} eps={eps}")
+
+
+RMS_BWD_DTYPES = [("f32", "f32", "f32", "f32"), ("f16", "f16", "f16", "f16"), ("bf16", "bf16", "bf16", "bf16"),
+                  ("f16", "f32", "f16", "f16"), ("bf16", "f32", "bf16", "bf16"), ("bf16", "f32", "f32", "f32")]
+
+
+@pytest.mark.parametrize("xdt,wdt,dydt,dxdt", RMS_BWD_DTYPES, ids=["-".join(d) for d in RMS_BWD_DTYPES])
+@pytest.mark.parametrize("shape", ROW_SHAPES, ids=ROW_IDS)
+def test_rmsnorm_backward(dev, shape, xdt, wdt, dydt, dxdt):
+    """dx overwritten, dw (f32) accumulated onto its previous contents, against the float64
+    analytic gradient."""
+    rng = np.random.default_rng(11)
+    C = shape[-1]
+    eps = 1e-5
+    x, xf = upload(dev, rng.standard_normal(shape), xdt)
+    w, wf = upload(dev, 1.0 + 0.5 * rng.standard_normal(C), wdt)
+    dy, dyf = upload(dev, rng.standard_normal(shape), dydt)
+    _, rstd64 = rmsnorm_ref(xf, wf, eps)
+    rstd, rstdf = upload(dev, rstd64, "f32")
+    dw, dw0 = upload(dev, rng.standard_normal(C), "f32")
+    dx = empty_filled(dev, shape, dxdt, 123.0)
+    ops.rmsnorm_backward(dy, x, w, rstd, dx, dw)
+    ref_dx, ref_dw, mag, dw_mag = rmsnorm_backward_ref(dyf, xf, wf, rstdf)
+    got_dx = read(dx)
+    err_tol = (reduction_rtol(C) + 8 * U32) * mag + SUBNORMAL[dxdt]
+    assert_close_elementwise(got_dx, ref_dx, rtol=UNIT_ROUNDOFF[dxdt], atol=err_tol, what="dx")
+    rows = int(np.prod(shape[:-1]))
+    dw_tol = (reduction_rtol(rows) + 4 * U32) * (dw_mag + np.abs(dw0))
+    assert_close_elementwise(read(dw), dw0 + ref_dw, rtol=0.0, atol=dw_tol, what="dw accumulated")
+    # a second call accumulates again; dx is overwritten with the same values; dw optional
+    ops.rmsnorm_backward(dy, x, w, rstd, dx, dw)
+    assert_close_elementwise(read(dw), dw0 + 2 * ref_dw, rtol=0.0, atol=2 * dw_tol, what="dw twice")
+    np.testing.assert_array_equal(read(dx), got_dx)
+    dx2 = empty_filled(dev, shape, dxdt)
+    ops.rmsnorm_backward(dy, x, w, rstd, dx2)
+    np.testing.assert_array_equal(read(dx2), got_dx)
+
+
+def test_rmsnorm_backward_finite_differences(dev):
+    """dx and dw from rmsnorm_backward against central differences of the device's own f32
+    rmsnorm_forward, loss L = sum(y * dy)."""
+    rng = np.random.default_rng(12)
+    shape, eps = (3, 33), 1e-5
+    x0 = rng.standard_normal(shape).astype(np.float32)
+    w0 = (1.0 + 0.5 * rng.standard_normal(shape[-1])).astype(np.float32)
+    ct = rng.standard_normal(shape)
+
+    def loss(xv, wv):
+        y, rstd = dev.empty(shape), dev.empty(shape[:-1])
+        ops.rmsnorm_forward(to_dev(dev, xv), to_dev(dev, wv), y, rstd, eps=eps)
+        return float(np.sum(read(y) * ct))
+
+    x, w = to_dev(dev, x0), to_dev(dev, w0)
+    y, rstd = dev.empty(shape), dev.empty(shape[:-1])
+    ops.rmsnorm_forward(x, w, y, rstd, eps=eps)
+    dx, dw = dev.empty(shape), dev.zeros(shape[-1])
+    ops.rmsnorm_backward(to_dev(dev, ct), x, w, rstd, dx, dw)
+    assert_fd(read(dx), fd_grad(lambda xv: loss(xv, w0), x0), "dx")
+    assert_fd(read(dw), fd_grad(lambda wv: loss(x0, wv), w0), "dw")
+
+
+# ----------------------------------------------------------------------------------- SwiGLU
+
+SWIGLU_SHAPES = [(1,), (31,), (33, 127), (127, 33), (256, 5632)]
+SWIGLU_IDS = ["1", "31", "33x127", "127x33", "256x5632"]
+
+
+def sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+@pytest.mark.parametrize("dt", FLOAT_DTYPES)
+@pytest.mark.parametrize("shape", SWIGLU_SHAPES, ids=SWIGLU_IDS)
+def test_swiglu_forward(dev, shape, dt):
+    rng = np.random.default_rng(13)
+    g, gf = upload(dev, 3 * rng.standard_normal(shape), dt)
+    u, uf = upload(dev, rng.standard_normal(shape), dt)
+    s = empty_filled(dev, shape, dt)
+    ops.swiglu_forward(g, u, s)
+    ref = gf * sigmoid(gf) * uf
+    assert_close_elementwise(read(s), ref, rtol=OUT_RTOL[dt], atol=SUBNORMAL[dt], what="s")
+
+
+def swiglu_backward_ref(ds, g, u):
+    sg = sigmoid(g)
+    factor = 1.0 + g * (1.0 - sg)  # cancels near g = -1.28: bound its terms separately
+    dg = ds * u * sg * factor
+    du = ds * g * sg
+    dg_mag = np.abs(ds * u * sg) * (1.0 + np.abs(g * (1.0 - sg)))
+    return dg, du, dg_mag
+
+
+@pytest.mark.parametrize("dt", FLOAT_DTYPES)
+@pytest.mark.parametrize("shape", SWIGLU_SHAPES, ids=SWIGLU_IDS)
+def test_swiglu_backward(dev, shape, dt):
+    rng = np.random.default_rng(14)
+    g, gf = upload(dev, 3 * rng.standard_normal(shape), dt)
+    u, uf = upload(dev, rng.standard_normal(shape), dt)
+    ds, dsf = upload(dev, rng.standard_normal(shape), dt)
+    dg, du = empty_filled(dev, shape, dt), empty_filled(dev, shape, dt)
+    ops.swiglu_backward(ds, g, u, dg, du)
+    ref_dg, ref_du, dg_mag = swiglu_backward_ref(dsf, gf, uf)
+    assert_close_elementwise(read(dg), ref_dg, rtol=UNIT_ROUNDOFF[dt], atol=16 * U32 * dg_mag + SUBNORMAL[dt],
+                             what="dg")
+    assert_close_elementwise(read(du), ref_du, rtol=OUT_RTOL[dt], atol=SUBNORMAL[dt], what="du")
+
+
+def test_swiglu_backward_finite_differences(dev):
+    rng = np.random.default_rng(15)
+    shape = (3, 31)
+    g0 = (2 * rng.standard_normal(shape)).astype(np.float32)
+    u0 = rng.standard_normal(shape).astype(np.float32)
+    ct = rng.standard_normal(shape)
+
+    def loss(gv, uv):
+        s = dev.empty(shape)
+        ops.swiglu_forward(to_dev(dev, gv), to_dev(dev, uv), s)
+        return float(np.sum(read(s) * ct))
+
+    dg, du = dev.empty(shape), dev.empty(shape)
+    ops.swiglu_backward(to_dev(dev, ct), to_dev(dev, g0), to_dev(dev, u0), dg, du)
+    assert_fd(read(dg), fd_grad(lambda gv: loss(gv, u0), g0), "dg")
+    assert_fd(read(du), fd_grad(lambda uv: loss(g0, uv), u0), "du")
+
+
+# ------------------------------------------------------------------------------------- RoPE
+
+
+def hf_inv_freq(rot_dim, theta=10000.0):
+    """HF Llama: inv_freq = 1 / theta^(arange(0, dim, 2) / dim), as the f32 table krnl takes."""
+    return (1.0 / theta ** (np.arange(0, rot_dim, 2, dtype=np.float64) / rot_dim)).astype(np.float32)
+
+
+def rope_ref(x, pos, inv_freq, sign=1.0):
+    """HF's apply_rotary_pos_emb on the first 2R dims: x*cos + rotate_half(x)*sin with
+    cos/sin = cat(freqs, freqs), rotate_half(x) = cat(-x2, x1); the tail passes through."""
+    R = len(inv_freq)
+    freqs = sign * pos[:, None].astype(np.float64) * inv_freq[None, :].astype(np.float64)  # (T, R)
+    emb = np.concatenate([freqs, freqs], axis=-1)
+    cos, sin = np.cos(emb), np.sin(emb)
+    xr = x[..., :2 * R]
+    x1, x2 = xr[..., :R], xr[..., R:]
+    rotated = np.concatenate([-x2, x1], axis=-1)
+    out = x.copy()
+    out[..., :2 * R] = xr * cos + rotated * sin
+    return out
+
+
+def rope_bound(dt, x, ref, pos, inv_freq):
+    """Output rounding plus f32 arithmetic on a*cos - b*sin, with the angle pos*inv_freq allowed
+    f32 rounding (an implementation may form it in float): |theta| * 2^-24 of phase error."""
+    max_theta = float(np.max(np.abs(pos))) * float(np.max(inv_freq))
+    return UNIT_ROUNDOFF[dt] * float(np.max(np.abs(ref))) + (8 + 2 * max_theta) * U32 * 2 * float(np.max(np.abs(x)))
+
+
+ROPE_CASES = [  # (heads, T, D, rotary dims, positions kind)
+    (1, 1, 2, 2, "arange"),
+    (3, 31, 64, 64, "offset"),
+    (2, 33, 128, 128, "packed"),
+    (4, 127, 32, 32, "arange"),
+    (2, 33, 33, 16, "offset"),  # partial rotary, odd D
+    (16, 256, 128, 128, "arange"),  # realistic: 16 heads of 128, T = 256
+]
+ROPE_IDS = [f"H{h}T{t}D{d}r{r}-{k}" for h, t, d, r, k in ROPE_CASES]
+
+
+def positions_of(kind, T):
+    if kind == "arange":
+        return np.arange(T, dtype=np.int32)
+    if kind == "offset":  # decoding deep into a sequence
+        return np.arange(T, dtype=np.int32) + 1000
+    # packed samples: positions restart at each sample boundary
+    cut = T // 3
+    return np.concatenate([np.arange(cut), np.arange(T - cut)]).astype(np.int32)
+
+
+@pytest.mark.parametrize("dt", FLOAT_DTYPES)
+@pytest.mark.parametrize("H,T,D,rot,kind", ROPE_CASES, ids=ROPE_IDS)
+def test_rope_forward(dev, H, T, D, rot, kind, dt):
+    rng = np.random.default_rng(16)
+    pos = positions_of(kind, T)
+    inv_freq = hf_inv_freq(rot, theta=500000.0 if D == 128 else 10000.0)
+    x, xf = upload(dev, rng.standard_normal((H, T, D)), dt)
+    ops.rope(x, to_dev(dev, pos, "i32"), to_dev(dev, inv_freq, "f32"))
+    ref = rope_ref(xf, pos, inv_freq)
+    assert_close(read(x), ref, rtol=0.0, atol=rope_bound(dt, xf, ref, pos, inv_freq), what="rope")
+
+
+@pytest.mark.parametrize("dt", FLOAT_DTYPES)
+@pytest.mark.parametrize("H,T,D,rot,kind", ROPE_CASES, ids=ROPE_IDS)
+def test_rope_backward_inverts_forward(dev, H, T, D, rot, kind, dt):
+    """sign=-1 matches the oracle's inverse rotation and undoes the forward to tolerance (two
+    roundings into the dtype)."""
+    rng = np.random.default_rng(17)
+    pos = positions_of(kind, T)
+    inv_freq = hf_inv_freq(rot)
+    pos_t, inv_t = to_dev(dev, pos, "i32"), to_dev(dev, inv_freq, "f32")
+    x, xf = upload(dev, rng.standard_normal((H, T, D)), dt)
+    ops.rope(x, pos_t, inv_t, sign=-1.0)
+    ref = rope_ref(xf, pos, inv_freq, sign=-1.0)
+    assert_close(read(x), ref, rtol=0.0, atol=rope_bound(dt, xf, ref, pos, inv_freq), what="rope sign=-1")
+    x, xf = upload(dev, rng.standard_normal((H, T, D)), dt)
+    ops.rope(x, pos_t, inv_t, sign=1.0)
+    ops.rope(x, pos_t, inv_t, sign=-1.0)
+    assert_close(read(x), xf, rtol=0.0, atol=2 * rope_bound(dt, xf, xf, pos, inv_freq), what="forward+backward")
+
+
+@pytest.mark.parametrize("dt", FLOAT_DTYPES)
+def test_rope_partial_rotary_tail_untouched(dev, dt):
+    """Dims from 2*len(inv_freq) on are left bit for bit as they were, whatever they hold
+    (inf, NaN, -0.0, subnormals, extremes)."""
+    rng = np.random.default_rng(18)
+    H, T, D, R = 2, 31, 40, 12
+    x0 = rng.standard_normal((H, T, D)).astype(np.float32)
+    tiny = {"f32": 1e-42, "f16": 3e-7, "bf16": 1e-40}[dt]
+    big = {"f32": 3e38, "f16": 65504.0, "bf16": 3e38}[dt]
+    specials = np.array([np.inf, -np.inf, np.nan, -0.0, tiny, -tiny, big, -big], dtype=np.float32)
+    x0[..., 2 * R:] = np.resize(specials, x0[..., 2 * R:].shape)
+    x = to_dev(dev, x0, dt)
+    before = np.array(x.numpy(), copy=True)
+    ops.rope(x, to_dev(dev, np.arange(T, dtype=np.int32) + 7, "i32"), to_dev(dev, hf_inv_freq(2 * R), "f32"))
+    after = np.array(x.numpy(), copy=True)
+    bits = np.uint16 if dt == "f16" else np.uint32
+    np.testing.assert_array_equal(after[..., 2 * R:].view(bits), before[..., 2 * R:].view(bits))
+    assert np.any(after[..., 1:2 * R] != before[..., 1:2 * R]), "rotary part unchanged"
+
+
+def test_rope_backward_finite_differences(dev):
+    """rope(cotangent, sign=-1) is the gradient of L = sum(rope(x) * cotangent), differences
+    taken through the device's forward rope (partial rotary: the tail's gradient is identity)."""
+    rng = np.random.default_rng(19)
+    shape, R = (2, 5, 10), 3
+    pos = np.array([0, 3, 17, 2, 400], dtype=np.int32)
+    inv_freq = hf_inv_freq(2 * R, theta=100.0)
+    pos_t, inv_t = to_dev(dev, pos, "i32"), to_dev(dev, inv_freq, "f32")
+    x0 = rng.standard_normal(shape).astype(np.float32)
+    ct = rng.standard_normal(shape).astype(np.float32)
+
+    def loss(xv):
+        x = to_dev(dev, xv)
+        ops.rope(x, pos_t, inv_t)
+        return float(np.sum(read(x) * ct))
+
+    g = to_dev(dev, ct)
+    ops.rope(g, pos_t, inv_t, sign=-1.0)
+    assert_fd(read(g), fd_grad(loss, x0), "rope backward")
+
+
+# ------------------------------------------------------------------------- causal softmax
+
+
+def causal_softmax_ref(S, scale, segments=None):
+    """P over the last dim: query row i sits at position i + Tk - Tq and sees key j iff j <= that
+    position (and, with segments, seg[j] == seg[position]); returns P and the visibility mask."""
+    Tq, Tk = S.shape[-2:]
+    qpos = np.arange(Tq) + (Tk - Tq)
+    mask = np.arange(Tk)[None, :] <= qpos[:, None]
+    if segments is not None:
+        mask = mask & (segments[None, :] == segments[qpos][:, None])
+    z = np.where(mask, scale * S, -np.inf)
+    z = z - np.max(z, axis=-1, keepdims=True)
+    e = np.exp(z)
+    return e / np.sum(e, axis=-1, keepdims=True), np.broadcast_to(mask, S.shape)
+
+
+def softmax_rtol(dt, S, scale, mask):
+    """Per-element relative error of P: output rounding, the f32 error of exp's argument
+    scale*(s - max) (relative to its size) and of the row sum."""
+    z = np.where(mask, scale * S, np.nan)
+    spread = float(np.nanmax(np.nanmax(z, axis=-1) - np.nanmin(z, axis=-1)))
+    big = float(np.nanmax(np.abs(z)))
+    return UNIT_ROUNDOFF[dt] + (16 + 2 * spread + 2 * big) * U32 + reduction_rtol(S.shape[-1])
+
+
+def check_softmax(got, S, scale, dt, segments=None, what=""):
+    ref, mask = causal_softmax_ref(S, scale, segments)
+    masked = got[~mask]
+    assert np.all(masked == 0), f"{what}: {np.count_nonzero(masked)} masked entries are not exactly 0"
+    rtol = softmax_rtol(dt, S, scale, mask)
+    assert_close_elementwise(got, ref, rtol=rtol, atol=SUBNORMAL[dt], what=what)
+
+
+SOFTMAX_SHAPES = [(1, 1, 1), (2, 31, 31), (3, 33, 33), (1, 127, 127), (2, 256, 256), (4, 1, 33), (2, 5, 127),
+                  (31, 64)]
+SOFTMAX_IDS = ["-".join(map(str, s)) for s in SOFTMAX_SHAPES]
+
+
+@pytest.mark.parametrize("dt", FLOAT_DTYPES)
+@pytest.mark.parametrize("shape", SOFTMAX_SHAPES, ids=SOFTMAX_IDS)
+def test_softmax_causal_forward(dev, shape, dt):
+    """Square and Tq < Tk (decode-style rows: query i at position i + Tk - Tq)."""
+    rng = np.random.default_rng(20)
+    S, Sf = upload(dev, 3 * rng.standard_normal(shape), dt)
+    for scale in (1.0 / math.sqrt(128), 1.0, 2.5):
+        P = empty_filled(dev, shape, dt)
+        ops.softmax_causal_forward(S, P, scale)
+        check_softmax(read(P), Sf, np.float64(np.float32(scale)), dt, what=f"scale={scale}")
+
+
+@pytest.mark.parametrize("dt", FLOAT_DTYPES)
+def test_softmax_causal_forward_stable(dev, dt):
+    """Scores of large magnitude (a naive exp overflows to inf or underflows to 0/0) give the
+    same probabilities; masked entries stay exact zeros."""
+    rng = np.random.default_rng(21)
+    shape = (3, 33, 33)
+    offset = {"f32": 1e4, "f16": 1e4, "bf16": 1e4}[dt]
+    base = 4 * rng.standard_normal(shape)
+    base[0] += offset
+    base[1] -= offset
+    base[2] *= 50  # wide spread: most probabilities underflow, the row max dominates
+    S, Sf = upload(dev, base, dt)
+    P = empty_filled(dev, shape, dt)
+    ops.softmax_causal_forward(S, P, 1.0)
+    got = read(P)
+    assert np.all(np.isfinite(got))
+    ref, mask = causal_softmax_ref(Sf, 1.0)
+    assert np.all(got[~mask] == 0)
+    # argument s - max is exact for the offset rows (Sterbenz); rounding into the dtype and f32 exp
+    assert_close(got, ref, rtol=2 * UNIT_ROUNDOFF[dt] + 1e-5, what="large scores")
+
+
+@pytest.mark.parametrize("dt", FLOAT_DTYPES)
+def test_softmax_causal_forward_segments(dev, dt):
+    """Packed samples: keys of another segment are masked (exact 0) like future keys."""
+    rng = np.random.default_rng(22)
+    for seg in (np.repeat([0, 1], [13, 20]), np.repeat([0, 1, 2], [10, 1, 22]), np.repeat([5, 9, 7, 0], [1, 40, 60, 27])):
+        T = len(seg)
+        S, Sf = upload(dev, 3 * rng.standard_normal((2, T, T)), dt)
+        P = empty_filled(dev, (2, T, T), dt)
+        ops.softmax_causal_forward(S, P, 0.7, to_dev(dev, seg.astype(np.int32), "i32"))
+        check_softmax(read(P), Sf, np.float64(np.float32(0.7)), dt, seg, what=f"segments {np.unique(seg)}")
+
+
+def attention(dev, Q, K, V, dt, scale, segments=None):
+    """Materialised causal attention from the ops (DESIGN section 5), head-major (H, T, D)."""
+    H, T, D = Q.shape
+    S = empty_filled(dev, (H, T, T), dt)
+    P = empty_filled(dev, (H, T, T), dt)
+    O = empty_filled(dev, (H, T, D), dt)
+    ops.gemm(Q, K, S, trans_b=True, batch=H)
+    ops.softmax_causal_forward(S, P, scale, segments)
+    ops.gemm(P, V, O, batch=H)
+    return read(P), read(O)
+
+
+@pytest.mark.parametrize("dt", FLOAT_DTYPES)
+def test_softmax_causal_forward_attention_causality(dev, dt):
+    """Changing K and V at the last position leaves every earlier output row bit for bit the same
+    (masked scores do not even perturb the rounding) and changes the last row."""
+    rng = np.random.default_rng(23)
+    H, T, D = 2, 33, 16
+    q, k, v = (rng.standard_normal((H, T, D)).astype(np.float32) for _ in range(3))
+    scale = 1.0 / math.sqrt(D)
+    P0, O0 = attention(dev, to_dev(dev, q, dt), to_dev(dev, k, dt), to_dev(dev, v, dt), dt, scale)
+    k2, v2 = k.copy(), v.copy()
+    k2[:, -1] += 3.0
+    v2[:, -1] -= 2.0
+    for kk, vv, what in ((k2, v, "K"), (k, v2, "V"), (k2, v2, "K and V")):
+        P1, O1 = attention(dev, to_dev(dev, q, dt), to_dev(dev, kk, dt), to_dev(dev, vv, dt), dt, scale)
+        np.testing.assert_array_equal(P1[:, :-1], P0[:, :-1], err_msg=f"{what}: earlier P rows moved")
+        np.testing.assert_array_equal(O1[:, :-1], O0[:, :-1], err_msg=f"{what}: earlier output rows moved")
+        for h in range(H):
+            assert np.any(O1[h, -1] != O0[h, -1]), f"{what}: last row of head {h} did not change"
+
+
+@pytest.mark.parametrize("dt", FLOAT_DTYPES)
+def test_softmax_causal_forward_gqa_folding(dev, dt):
+    """GQA without copies: H = 4 query heads, Hk = 2 KV heads, Q stored (Hk, g*T, D) with a
+    group's heads contiguous, so S = Q K^T and O = P V are one batched GEMM each with batch = Hk.
+    Each stage is checked against a per-head float64 oracle fed the stage's exact inputs."""
+    from test_gemm import gemm_bound
+
+    rng = np.random.default_rng(24)
+    H, Hk, T, D = 4, 2, 31, 16
+    g = H // Hk
+    scale = 1.0 / math.sqrt(D)
+    Q, qf = upload(dev, rng.standard_normal((Hk, g * T, D)), dt)
+    K, kf = upload(dev, rng.standard_normal((Hk, T, D)), dt)
+    V, vf = upload(dev, rng.standard_normal((Hk, T, D)), dt)
+    S = empty_filled(dev, (Hk, g * T, T), dt)
+    ops.gemm(Q, K, S, trans_b=True, batch=Hk)
+    P = empty_filled(dev, (H, T, T), dt)
+    ops.softmax_causal_forward(S.reshape(H, T, T), P, scale)
+    O = empty_filled(dev, (Hk, g * T, D), dt)
+    ops.gemm(P.reshape(Hk, g * T, T), V, O, batch=Hk)
+    s_got, p_got, o_got = read(S).reshape(H, T, T), read(P), read(O).reshape(H, T, D)
+    q_heads = qf.reshape(H, T, D)
+    for h in range(H):
+        kv = h // g  # query head h reads KV head h / (H / Hk)
+        s_ref = q_heads[h] @ kf[kv].T
+        assert np.max(np.abs(s_got[h] - s_ref)) <= gemm_bound(D, dt, s_ref, 1.0, q_heads[h], kf[kv].T), f"S head {h}"
+        check_softmax(p_got[h], s_got[h], np.float64(np.float32(scale)), dt, what=f"P head {h}")
+        o_ref = p_got[h] @ vf[kv]
+        assert np.max(np.abs(o_got[h] - o_ref)) <= gemm_bound(T, dt, o_ref, 1.0, p_got[h], vf[kv]), f"O head {h}"
+
+
+@pytest.mark.parametrize("dt", FLOAT_DTYPES)
+def test_softmax_causal_forward_segments_isolate_samples(dev, dt):
+    """Packed samples [0, 13) and [13, 33): perturbing a token of one sample moves no output row
+    of the other (bit for bit), but does move later rows of its own sample."""
+    rng = np.random.default_rng(25)
+    H, T, D, cut = 2, 33, 16, 13
+    seg = to_dev(dev, np.repeat([0, 1], [cut, T - cut]).astype(np.int32), "i32")
+    q, k, v = (rng.standard_normal((H, T, D)).astype(np.float32) for _ in range(3))
+    scale = 1.0 / math.sqrt(D)
+    run = lambda kk, vv: attention(dev, to_dev(dev, q, dt), to_dev(dev, kk, dt), to_dev(dev, vv, dt), dt, scale, seg)
+    P0, O0 = run(k, v)
+    ref, mask = causal_softmax_ref(read(to_dev(dev, q, dt)) @ np.swapaxes(read(to_dev(dev, k, dt)), -1, -2),
+                                   scale, np.repeat([0, 1], [cut, T - cut]))
+    assert np.all(P0[~mask] == 0), "masked entries (future or other sample) not exactly 0"
+    assert np.all(P0[mask] > 0)
+    for tok, same, other in ((5, slice(5, cut), slice(cut, T)), (20, slice(20, T), slice(0, 20))):
+        k2, v2 = k.copy(), v.copy()
+        k2[:, tok] += 3.0
+        v2[:, tok] -= 2.0
+        P1, O1 = run(k2, v2)
+        np.testing.assert_array_equal(O1[:, other], O0[:, other], err_msg=f"token {tok} leaked across samples")
+        np.testing.assert_array_equal(P1[:, other], P0[:, other])
+        assert np.all(np.any(O1[:, same] != O0[:, same], axis=-1)), f"token {tok}: own sample's rows unchanged"
+
+
+# ------------------------------------------------------------------------ softmax backward
+
+
+@pytest.mark.parametrize("dt", FLOAT_DTYPES)
+@pytest.mark.parametrize("shape", [(1,), (31,), (2, 33, 33), (127, 31), (4, 256, 256)], ids=str)
+def test_softmax_backward(dev, shape, dt):
+    """dS = P * (dP - rowsum(dP * P)) * scale, P a real softmax (rows sum to 1)."""
+    rng = np.random.default_rng(26)
+    z = 2 * rng.standard_normal(shape)
+    p = np.exp(z - z.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    P, pf = upload(dev, p, dt)
+    dP, dpf = upload(dev, rng.standard_normal(shape), dt)
+    for scale in (0.125, 1.0):
+        dS = empty_filled(dev, shape, dt)
+        ops.softmax_backward(P, dP, dS, scale)
+        pd = np.sum(dpf * pf, axis=-1, keepdims=True)
+        ref = pf * (dpf - pd) * scale
+        L = shape[-1]
+        mag = scale * np.abs(pf) * ((reduction_rtol(L) + 4 * U32) * np.sum(np.abs(dpf * pf), -1, keepdims=True)
+                                    + 4 * U32 * (np.abs(dpf) + np.abs(pd)))
+        assert_close_elementwise(read(dS), ref, rtol=UNIT_ROUNDOFF[dt], atol=mag + SUBNORMAL[dt], what=f"scale={scale}")
+
+
+def test_softmax_backward_finite_differences(dev):
+    """softmax_backward(P, dP, scale) is the gradient of L = sum(P(S) * dP) with P from the
+    device's softmax_causal_forward (rows with Tq < Tk; masked entries have zero gradient)."""
+    rng = np.random.default_rng(27)
+    shape, scale = (2, 5, 9), 0.7
+    s0 = rng.standard_normal(shape).astype(np.float32)
+    ct = rng.standard_normal(shape).astype(np.float32)
+
+    def loss(sv):
+        P = dev.empty(shape)
+        ops.softmax_causal_forward(to_dev(dev, sv), P, scale)
+        return float(np.sum(read(P) * ct))
+
+    P = dev.empty(shape)
+    ops.softmax_causal_forward(to_dev(dev, s0), P, scale)
+    dS = dev.empty(shape)
+    ops.softmax_backward(P, to_dev(dev, ct), dS, scale)
+    numeric = fd_grad(loss, s0)
+    _, mask = causal_softmax_ref(s0.astype(np.float64), scale)
+    assert np.all(numeric[~mask] == 0) and np.all(read(dS)[~mask] == 0)
+    assert_fd(read(dS), numeric, "dS")
+
+
+# -------------------------------------------------------------------------------- embedding
+
+
+@pytest.mark.parametrize("dt", FLOAT_DTYPES)
+@pytest.mark.parametrize("V,C,ids_shape", [(1, 1, (1,)), (33, 31, (127,)), (127, 33, (3, 31)), (4096, 2048, (256,))],
+                         ids=["1x1", "33x31", "127x33-batched", "4096x2048"])
+def test_embedding_forward(dev, V, C, ids_shape, dt):
+    """out = table[ids], an exact copy of the rows (repeated ids, first and last row)."""
+    rng = np.random.default_rng(28)
+    table, tf = upload(dev, rng.standard_normal((V, C)), dt)
+    ids = rng.integers(0, V, size=ids_shape).astype(np.int32)
+    ids.reshape(-1)[0], ids.reshape(-1)[-1] = V - 1, 0
+    out = empty_filled(dev, ids_shape + (C,), dt)
+    ops.embedding_forward(to_dev(dev, ids, "i32"), table, out)
+    np.testing.assert_array_equal(read(out), tf[ids])
+
+
+@pytest.mark.parametrize("bad", [-1, 33, 1 << 30])
+def test_embedding_forward_rejects_bad_id(dev, bad):
+    table = dev.zeros((33, 4))
+    out = dev.empty((3, 4))
+    with pytest.raises(ValueError, match="embedding_forward"):
+        ops.embedding_forward(to_dev(dev, np.array([0, bad, 1], np.int32), "i32"), table, out)
+
+
+@pytest.mark.parametrize("dt", FLOAT_DTYPES)
+@pytest.mark.parametrize("V,C,T", [(1, 1, 1), (17, 31, 300), (127, 33, 31), (4096, 2048, 256)],
+                         ids=["1x1x1", "17x31x300", "127x33x31", "4096x2048x256"])
+def test_embedding_backward(dev, V, C, T, dt):
+    """dtable (f32) += scatter-add of dout rows by id: repeated ids sum, untouched rows keep their
+    previous contents exactly."""
+    rng = np.random.default_rng(29)
+    ids = rng.integers(0, V, size=T).astype(np.int32)
+    dout, df = upload(dev, rng.standard_normal((T, C)), dt)
+    dtable, d0 = upload(dev, rng.standard_normal((V, C)), "f32")
+    ops.embedding_backward(to_dev(dev, ids, "i32"), dout, dtable)
+    ref, mag = d0.copy(), np.abs(d0)
+    np.add.at(ref, ids, df)
+    np.add.at(mag, ids, np.abs(df))
+    counts = np.bincount(ids, minlength=V)[:, None]
+    got = read(dtable)
+    assert_close_elementwise(got, ref, rtol=0.0, atol=(reduction_rtol(int(counts.max()) + 1) + U32) * mag, what="dtable")
+    np.testing.assert_array_equal(got[counts[:, 0] == 0], d0[counts[:, 0] == 0])
+
+
+def test_embedding_backward_finite_differences(dev):
+    rng = np.random.default_rng(30)
+    V, C = 7, 5
+    ids = to_dev(dev, np.array([3, 0, 3, 6, 3, 1, 0, 2, 6, 6, 3], np.int32), "i32")
+    t0 = rng.standard_normal((V, C)).astype(np.float32)
+    ct = rng.standard_normal((11, C)).astype(np.float32)
+
+    def loss(tv):
+        out = dev.empty((11, C))
+        ops.embedding_forward(ids, to_dev(dev, tv), out)
+        return float(np.sum(read(out) * ct))
+
+    dtable = dev.zeros((V, C))
+    ops.embedding_backward(ids, to_dev(dev, ct), dtable)
+    numeric = fd_grad(loss, t0)
+    assert np.all(numeric[[4, 5]] == 0)  # ids 4 and 5 never occur
+    assert_fd(read(dtable), numeric, "dtable")
+
+
+# ---------------------------------------------------------------------------- cross entropy
+
+
+def cross_entropy_ref(x, targets, ignore_index, scale):
+    m = np.max(x, axis=-1, keepdims=True)
+    e = np.exp(x - m)
+    lse = m[:, 0] + np.log(np.sum(e, axis=-1))
+    keep = targets != ignore_index
+    t = np.where(keep, targets, 0)
+    loss = np.where(keep, lse - x[np.arange(len(x)), t], 0.0)
+    d = e / np.sum(e, axis=-1, keepdims=True)
+    d[np.arange(len(x)), t] -= 1.0
+    d = np.where(keep[:, None], scale * d, 0.0)
+    return loss, d
+
+
+def check_cross_entropy(loss_got, d_got, x, targets, ignore_index, scale, dt, what):
+    ref_loss, ref_d = cross_entropy_ref(x, targets, ignore_index, scale)
+    V = x.shape[1]
+    keep = targets != ignore_index
+    # loss = max + log(sum exp) - x[t] in f32: each term's rounding, plus the sum's relative error
+    spread = np.max(x, -1) - np.min(x, -1)
+    loss_tol = (8 * U32 * (np.max(np.abs(x), -1) + math.log(max(V, 2))) + reduction_rtol(V) + 8 * U32 * spread)
+    assert_close_elementwise(loss_got, ref_loss, rtol=0.0, atol=loss_tol, what=f"{what} loss")
+    assert np.all(loss_got[~keep] == 0), f"{what}: ignored rows' loss not 0"
+    if d_got is not None:
+        assert np.all(d_got[~keep] == 0), f"{what}: ignored rows' dlogits not 0"
+        # softmax entries: output rounding + f32 exp argument/sum error; the target entry p - 1
+        # cancels, so an absolute scale * few ulp of 1.0
+        f32_rel = (16 + 2 * float(np.max(spread))) * U32 + reduction_rtol(V)
+        rtol = UNIT_ROUNDOFF[dt] + f32_rel
+        atol = abs(scale) * f32_rel + SUBNORMAL[dt]
+        assert_close_elementwise(d_got, ref_d, rtol=rtol, atol=atol, what=f"{what} dlogits")
+
+
+CE_SHAPES = [(1, 1), (31, 127), (33, 31), (127, 33), (1, 31), (33, 1), (64, 32000)]
+
+
+@pytest.mark.parametrize("dt", FLOAT_DTYPES)
+@pytest.mark.parametrize("T,V", CE_SHAPES, ids=[f"{t}x{v}" for t, v in CE_SHAPES])
+def test_cross_entropy(dev, T, V, dt):
+    """loss[t] = logsumexp - logit[target]; dlogits = scale*(softmax - onehot); some rows ignored."""
+    rng = np.random.default_rng(31)
+    x, xf = upload(dev, 2 * rng.standard_normal((T, V)), dt)
+    targets = rng.integers(0, V, size=T).astype(np.int32)
+    if T > 1:
+        targets[::5] = -100
+    tg = to_dev(dev, targets, "i32")
+    for scale in (1.0, 1.0 / 37, 2.5):
+        loss = empty_filled(dev, (T,), "f32")
+        d = empty_filled(dev, (T, V), dt, 5.0)
+        ops.cross_entropy(x, tg, loss, d, scale=scale)
+        check_cross_entropy(read(loss), read(d), xf, targets, -100, np.float64(np.float32(scale)), dt,
+                            f"scale={scale}")
+    loss = empty_filled(dev, (T,), "f32")
+    ops.cross_entropy(x, tg, loss)  # loss only
+    check_cross_entropy(read(loss), None, xf, targets, -100, 1.0, dt, "loss only")
+
+
+@pytest.mark.parametrize("dt", FLOAT_DTYPES)
+def test_cross_entropy_ignore_index(dev, dt):
+    """A custom ignore_index (a valid class id, 3) masks rows: loss 0 and dlogits rows 0 even
+    over garbage; -100 is then an ordinary (out-of-range) target."""
+    rng = np.random.default_rng(32)
+    T, V = 33, 31
+    x, xf = upload(dev, rng.standard_normal((T, V)), dt)
+    targets = rng.integers(0, V, size=T).astype(np.int32)
+    targets[[0, 7, 32]] = 3
+    loss, d = empty_filled(dev, (T,), "f32", 9.0), empty_filled(dev, (T, V), dt, np.nan)
+    ops.cross_entropy(x, to_dev(dev, targets, "i32"), loss, d, ignore_index=3)
+    check_cross_entropy(read(loss), read(d), xf, targets, 3, 1.0, dt, "ignore_index=3")
+    assert np.all(read(loss)[targets != 3] > 0)
+    targets[1] = -100
+    with pytest.raises(ValueError, match="cross_entropy"):
+        ops.cross_entropy(x, to_dev(dev, targets, "i32"), loss, d, ignore_index=3)
+
+
+@pytest.mark.parametrize("dt", FLOAT_DTYPES)
+def test_cross_entropy_dlogits_aliases_logits(dev, dt):
+    """dlogits may be the logits tensor itself (gradient written in place)."""
+    rng = np.random.default_rng(33)
+    T, V = 33, 127
+    x, xf = upload(dev, 2 * rng.standard_normal((T, V)), dt)
+    targets = rng.integers(0, V, size=T).astype(np.int32)
+    targets[4] = -100
+    loss = empty_filled(dev, (T,), "f32")
+    ops.cross_entropy(x, to_dev(dev, targets, "i32"), loss, x, scale=0.5)
+    check_cross_entropy(read(loss), read(x), xf, targets, -100, 0.5, dt, "aliased")
+
+
+@pytest.mark.parametrize("dt", FLOAT_DTYPES)
+def test_cross_entropy_large_logits_stable(dev, dt):
+    """V = 32000 with logits offset by +-1e4 and spread by 100: no overflow, same loss/grad."""
+    rng = np.random.default_rng(34)
+    T, V = 8, 32000
+    base = rng.standard_normal((T, V))
+    base[0:3] += 1e4
+    base[3:6] -= 1e4
+    base[6:] *= 100
+    x, xf = upload(dev, base, dt)
+    targets = rng.integers(0, V, size=T).astype(np.int32)
+    targets[6] = int(np.argmax(xf[6]))  # a confident row: loss ~ 0
+    loss, d = empty_filled(dev, (T,), "f32"), empty_filled(dev, (T, V), dt)
+    ops.cross_entropy(x, to_dev(dev, targets, "i32"), loss, d)
+    got_loss, got_d = read(loss), read(d)
+    ref_loss, ref_d = cross_entropy_ref(xf, targets, -100, 1.0)
+    # |logit| ~ 1e4: f32 holds it to 1e4 * 2^-24 ~ 6e-4 absolute; the loss is a difference of two
+    # such numbers (log-sum-exp and the target logit)
+    assert_close_elementwise(got_loss, ref_loss, rtol=0.0, atol=8 * U32 * np.max(np.abs(xf), -1) + 1e-4, what="loss")
+    assert_close(got_d, ref_d, rtol=2 * UNIT_ROUNDOFF[dt] + 1e-4, what="dlogits")
+    assert np.all(np.abs(got_d.sum(-1)) < 1e-2), "gradient rows must sum to ~0"
+
+
+@pytest.mark.parametrize("bad", [31, -1, 1000])
+def test_cross_entropy_rejects_out_of_range_target(dev, bad):
+    x = dev.zeros((3, 31))
+    loss = dev.empty((3,))
+    with pytest.raises(ValueError, match="cross_entropy"):
+        ops.cross_entropy(x, to_dev(dev, np.array([0, bad, 2], np.int32), "i32"), loss, x)
+
+
+def test_cross_entropy_finite_differences(dev):
+    """dlogits is the gradient of sum(loss) (differences of the device's own loss), ignored rows
+    get zero gradient."""
+    rng = np.random.default_rng(35)
+    T, V = 4, 11
+    x0 = (2 * rng.standard_normal((T, V))).astype(np.float32)
+    targets = to_dev(dev, np.array([3, -100, 0, 10], np.int32), "i32")
+
+    def loss_sum(xv):
+        loss = dev.empty((T,))
+        ops.cross_entropy(to_dev(dev, xv), targets, loss)
+        return float(np.sum(read(loss)))
+
+    loss, d = dev.empty((T,)), dev.empty((T, V))
+    ops.cross_entropy(to_dev(dev, x0), targets, loss, d, scale=1.0)
+    numeric = fd_grad(loss_sum, x0)
+    assert np.all(numeric[1] == 0)
+    assert_fd(read(d), numeric, "dlogits")
+
+
+# ----------------------------------------------------------------------------- elementwise
+
+
+def rand_like_size(rng, n, spread=True):
+    """n values over many binades (including some below f16's normal range)."""
+    x = rng.standard_normal(n)
+    if spread:
+        x *= 10.0 ** rng.uniform(-5, 3, n)
+    return x
+
+
+@pytest.mark.parametrize("dt", FLOAT_DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+def test_add(dev, n, dt):
+    rng = np.random.default_rng(40)
+    a, af = upload(dev, rand_like_size(rng, n), dt)
+    b, bf = upload(dev, rand_like_size(rng, n), dt)
+    out = empty_filled(dev, (n,), dt)
+    ops.add(a, b, out)
+    ref = af + bf
+    # one rounding of the exact sum (f32 computation can add one more, relative 2^-24)
+    assert_close_elementwise(read(out), ref, rtol=UNIT_ROUNDOFF[dt] + 2 * U32, atol=SUBNORMAL[dt], what="add")
+    if dt == "f32":  # f32 add is correctly rounded: bit-exact against numpy
+        np.testing.assert_array_equal(read(out, np.float32), af.astype(np.float32) + bf.astype(np.float32))
+
+
+AXPY_PAIRS = [(x, y) for x in FLOAT_DTYPES for y in FLOAT_DTYPES]
+
+
+@pytest.mark.parametrize("xdt,ydt", AXPY_PAIRS, ids=[f"{x}-{y}" for x, y in AXPY_PAIRS])
+@pytest.mark.parametrize("n", SIZES)
+def test_axpy(dev, n, xdt, ydt):
+    """y += alpha * x, x and y in any float dtypes."""
+    rng = np.random.default_rng(41)
+    x, xf = upload(dev, rand_like_size(rng, n), xdt)
+    y, yf = upload(dev, rand_like_size(rng, n), ydt)
+    alpha = np.float32(-0.3721)
+    ops.axpy(float(alpha), x, y)
+    ref = yf + np.float64(alpha) * xf
+    mag = np.abs(yf) + np.abs(np.float64(alpha) * xf)  # cancellation: bound f32 error by the terms
+    assert_close_elementwise(read(y), ref, rtol=UNIT_ROUNDOFF[ydt], atol=4 * U32 * mag + SUBNORMAL[ydt], what="axpy")
+
+
+@pytest.mark.parametrize("dt", FLOAT_DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+def test_scale(dev, n, dt):
+    rng = np.random.default_rng(42)
+    x, xf = upload(dev, rand_like_size(rng, n), dt)
+    for alpha in (0.5, -3.0, 1.0 / 3.0, 0.0):
+        out = empty_filled(dev, (n,), dt)
+        ops.scale(x, alpha, out)
+        ref = np.float64(np.float32(alpha)) * xf
+        assert_close_elementwise(read(out), ref, rtol=UNIT_ROUNDOFF[dt] + 2 * U32, atol=SUBNORMAL[dt],
+                                 what=f"alpha={alpha}")
+
+
+def f32_specials():
+    """float32 values that exercise rounding into f16/bf16: ties, subnormal boundaries,
+    overflow thresholds, signed zeros, inf, NaN."""
+    b = lambda u: np.array(u, dtype=np.uint32).view(np.float32)
+    return np.concatenate([
+        np.array([0.0, -0.0, np.inf, -np.inf, 1.0, -1.0,
+                  65504.0, 65519.99, 65520.0, -65520.0, 70000.0, 1e30,  # f16 max, rounds to max, to inf
+                  2.0**-14, 2.0**-24, 2.0**-25, 3 * 2.0**-25, 2.0**-26, 2.0**-25 + 2.0**-40,  # f16 subnormal ties
+                  6.0e-8, -5.9e-8, 1e-10, 1.0 + 2.0**-11, 1.0 + 3 * 2.0**-11, 1.0 + 2.0**-11 + 2.0**-20,
+                  3.3895314e38, 3.4028235e38, 1e-45, -1e-45, 1.17549435e-38], dtype=np.float32),
+        b([0x3F808000, 0x3F818000, 0x3F808001, 0x3F807FFF, 0x7F7F8000, 0x7F7F7FFF, 0x00008000,
+           0x00018000, 0x807FFFFF, 0x7FC00000, 0xFFC00001, 0x7F800001]),  # bf16 ties, edges, NaNs
+    ])
+
+
+def random_f32_bits(rng, n):
+    """n float32 values with uniformly random bit patterns (every exponent, both signs)."""
+    return rng.integers(0, 2**32, size=n, dtype=np.uint64).astype(np.uint32).view(np.float32)
+
+
+def bf16_rne_frexp(x):
+    """An independent bf16 rounding in float64 arithmetic (8 significant bits, subnormals
+    below 2^-126 on a 2^-133 grid, overflow past the bf16 max to inf), numpy's rint = RNE."""
+    x = np.asarray(x, dtype=np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        m, e = np.frexp(x)
+        normal = np.ldexp(np.rint(np.ldexp(m, 8)), e - 8)
+        sub = np.rint(x * 2.0**133) * 2.0**-133
+        out = np.where(np.abs(x) < 2.0**-126, sub, normal)
+        out = np.where(np.abs(out) > 3.3895313892515355e38, np.copysign(np.inf, x), out)
+    return np.where(np.isfinite(x), out, x)
+
+
+def check_bits(got, ref, what):
+    """Bit-exact equality of float arrays (same width), any NaN matching any NaN."""
+    nan_ref, nan_got = np.isnan(ref), np.isnan(got)
+    np.testing.assert_array_equal(nan_got, nan_ref, err_msg=f"{what}: NaN positions differ")
+    ui = np.uint16 if got.dtype == np.float16 else np.uint32
+    g, r = got[~nan_ref].view(ui), ref[~nan_ref].view(ui)
+    bad = np.flatnonzero(g != r)
+    assert bad.size == 0, (f"{what}: {bad.size} values differ, e.g. input index {bad[:5].tolist()}: "
+                           f"got {got[~nan_ref][bad[:5]]} want {ref[~nan_ref][bad[:5]]}")
+
+
+def test_cast_oracle_self_check():
+    """The two bf16 references agree (bits RNE vs float64 frexp/rint) on random bit patterns."""
+    x = random_f32_bits(np.random.default_rng(43), 200_000)
+    x = np.concatenate([x, f32_specials()])
+    a = bf16_value(bf16_bits(x)).astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        b = bf16_rne_frexp(x.astype(np.float64))
+    ok = np.isnan(x) | (a == b) & (np.signbit(a) == np.signbit(b))
+    assert np.all(ok), x[~ok][:5]
+
+
+@pytest.mark.parametrize("n", [1, 33, 100_003])
+def test_cast_f32_to_f16(dev, n):
+    """f32 -> f16 round to nearest even, bit-exact against numpy's astype(float16), including
+    subnormals, overflow to inf and NaN; f16 -> f32 back is exact."""
+    rng = np.random.default_rng(44)
+    x = np.concatenate([f32_specials(), random_f32_bits(rng, n), rng.standard_normal(n).astype(np.float32)])
+    x = np.concatenate([x, np.float32(2.0**-24) * rng.integers(-2048, 2048, n).astype(np.float32) / 4])  # subnormal grid ties
+    src = to_dev(dev, x, "f32")
+    h = empty_filled(dev, x.shape, "f16")
+    ops.cast(src, h)
+    with np.errstate(over="ignore"):
+        want = x.astype(np.float16)
+    got = np.array(h.numpy(), copy=True)
+    check_bits(got, want, "f32->f16")
+    back = empty_filled(dev, x.shape, "f32")
+    ops.cast(h, back)
+    check_bits(read(back, np.float32), want.astype(np.float32), "f16->f32")
+
+
+@pytest.mark.parametrize("n", [1, 33, 100_003])
+def test_cast_f32_to_bf16(dev, n):
+    """f32 -> bf16 round to nearest even, bit-exact against an RNE on the uint32 bits, including
+    ties, subnormals, overflow to inf and NaN; bf16 -> f32 back is exact."""
+    rng = np.random.default_rng(45)
+    x = np.concatenate([f32_specials(), random_f32_bits(rng, n), rng.standard_normal(n).astype(np.float32)])
+    src = to_dev(dev, x, "f32")
+    b = empty_filled(dev, x.shape, "bf16")
+    ops.cast(src, b)
+    got = read(b, np.float32)  # exact widening of the stored bits
+    want = bf16_value(bf16_bits(x))
+    check_bits(got, want, "f32->bf16")
+    back = empty_filled(dev, x.shape, "f32")
+    ops.cast(b, back)
+    check_bits(read(back, np.float32), want, "bf16->f32")
+
+
+def test_cast_between_half_types(dev):
+    """f16 <-> bf16 (through the exact f32 value, one rounding) and same-dtype copies."""
+    rng = np.random.default_rng(46)
+    h_bits = np.concatenate([rng.integers(0, 2**16, 50_000, dtype=np.uint32).astype(np.uint16),
+                             np.array([0x0001, 0x8001, 0x03FF, 0x0400, 0x7BFF, 0x7C00, 0xFC00, 0x8000], np.uint16)])
+    h = h_bits.view(np.float16)
+    H = dev.tensor(h, "f16")
+    B = empty_filled(dev, h.shape, "bf16")
+    ops.cast(H, B)
+    check_bits(read(B, np.float32), bf16_value(bf16_bits(h.astype(np.float32))), "f16->bf16")
+
+    b_vals = bf16_value(rng.integers(0, 2**16, 50_000, dtype=np.uint32).astype(np.uint16))
+    b_vals = np.concatenate([b_vals, bf16_value(np.array([0x477F, 0x4780, 0x3380, 0x3300, 0x0001], np.uint16))])
+    Bs = to_dev(dev, b_vals, "bf16")  # exactly representable: stored as given
+    Hs = empty_filled(dev, b_vals.shape, "f16")
+    ops.cast(Bs, Hs)
+    with np.errstate(over="ignore"):
+        check_bits(np.array(Hs.numpy(), copy=True), b_vals.astype(np.float16), "bf16->f16")
+
+    for dt, src in (("f16", H), ("bf16", Bs), ("f32", to_dev(dev, random_f32_bits(rng, 1000), "f32"))):
+        out = empty_filled(dev, src.shape, dt)
+        ops.cast(src, out)
+        ui = np.uint16 if dt == "f16" else np.uint32
+        np.testing.assert_array_equal(np.array(out.numpy(), copy=True).view(ui), np.array(src.numpy(), copy=True).view(ui))
+    ids = to_dev(dev, np.arange(-5, 28, dtype=np.int32), "i32")
+    out = dev.empty((33,), "i32")
+    ops.cast(ids, out)
+    np.testing.assert_array_equal(read(out, np.int32), np.arange(-5, 28))
+    with pytest.raises(ValueError, match="cast"):
+        ops.cast(ids, dev.empty((33,), "f32"))
+
+
+@pytest.mark.parametrize("dt", FLOAT_DTYPES + ("i32",))
+@pytest.mark.parametrize("n", SIZES)
+def test_fill(dev, n, dt):
+    x = dev.empty((n,), dt)
+    values = (7.0, -3.0, 0.0) if dt == "i32" else (1.0 / 3.0, -2.5, 0.0, 1e-6, 70000.0, -np.inf)
+    for v in values:
+        ops.fill(x, v)
+        got = np.array(x.numpy(), copy=True)
+        if dt == "i32":
+            want = np.full(n, int(v), np.int32)
+        else:
+            with np.errstate(over="ignore"):
+                want = np.full(n, round_value(v, dt), np.float64)
+            got = got.astype(np.float64)
+        np.testing.assert_array_equal(got, want, err_msg=f"fill {v}")
+        if v == 0.0 and dt != "i32":
+            assert not np.any(np.signbit(got))
+
+
+def round_value(v, dt):
+    v32 = np.float32(v)
+    if dt == "f32":
+        return float(v32)
+    if dt == "f16":
+        return float(v32.astype(np.float16))
+    return float(bf16_value(bf16_bits(v32)))
+
+
+# ---------------------------------------------------------------------------------- dropout
+
+
+def nonzero_values(rng, n):
+    """Magnitudes in [0.5, 2), random signs: an output is 0 exactly where the element dropped."""
+    return rng.uniform(0.5, 2.0, n) * rng.choice([-1.0, 1.0], n)
+
+
+def sigma_bound(p, n, k=5.0):
+    """k standard deviations of the kept fraction of n Bernoulli(1 - p) draws."""
+    return k * math.sqrt(p * (1 - p) / n)
+
+
+@pytest.mark.parametrize("dt", FLOAT_DTYPES)
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_dropout(dev, p, dt):
+    rng = np.random.default_rng(50)
+    n = 100_003
+    x, xf = upload(dev, nonzero_values(rng, n), dt)
+    out = empty_filled(dev, (n,), dt)
+    ops.dropout(x, out, p, 1234)
+    got = read(out)
+    keep = got != 0
+    # kept fraction ~ 1 - p overall and in each of 8 contiguous blocks (no index-dependent bias)
+    assert abs(keep.mean() - (1 - p)) <= sigma_bound(p, n), f"kept {keep.mean():.4f}, want {1 - p}"
+    for blk in np.array_split(keep, 8):
+        assert abs(blk.mean() - (1 - p)) <= sigma_bound(p, len(blk))
+    # kept values scaled by 1/(1 - p) (p as the f32 the op receives)
+    p32 = np.float64(np.float32(p))
+    assert_close_elementwise(got[keep], xf[keep] / (1 - p32), rtol=UNIT_ROUNDOFF[dt] + 4 * U32, what="kept values")
+    # same seed: same mask and values; the backward on dy drops exactly the same positions
+    out2 = empty_filled(dev, (n,), dt)
+    ops.dropout(x, out2, p, 1234)
+    np.testing.assert_array_equal(read(out2), got)
+    dy, dyf = upload(dev, nonzero_values(rng, n), dt)
+    dx = empty_filled(dev, (n,), dt)
+    ops.dropout(dy, dx, p, 1234)
+    gdx = read(dx)
+    np.testing.assert_array_equal(gdx != 0, keep)
+    assert_close_elementwise(gdx[keep], dyf[keep] / (1 - p32), rtol=UNIT_ROUNDOFF[dt] + 4 * U32, what="backward")
+    # other seeds (also differing only in the high 32 bits): masks disagree on ~2p(1-p) of elements
+    for seed in (1235, 1234 + (1 << 40), (1 << 64) - 1):
+        o = empty_filled(dev, (n,), dt)
+        ops.dropout(x, o, p, seed)
+        k2 = read(o) != 0
+        disagree = np.mean(k2 != keep)
+        want = 2 * p * (1 - p)
+        assert abs(disagree - want) <= 5 * math.sqrt(want * (1 - want) / n), f"seed {seed}: disagreement {disagree:.4f}"
+
+
+def test_dropout_mask_depends_only_on_seed_and_index(dev):
+    """The mask is a function of (seed, element index): the same for every dtype and for any
+    prefix of a longer tensor."""
+    rng = np.random.default_rng(51)
+    n, p, seed = 4099, 0.3, 987654321
+    vals = nonzero_values(rng, n)
+    masks = {}
+    for dt in FLOAT_DTYPES:
+        x = to_dev(dev, vals, dt)
+        out = empty_filled(dev, (n,), dt)
+        ops.dropout(x, out, p, seed)
+        masks[dt] = read(out) != 0
+    np.testing.assert_array_equal(masks["f16"], masks["f32"])
+    np.testing.assert_array_equal(masks["bf16"], masks["f32"])
+    for m in (1, 33, 127):
+        out = empty_filled(dev, (m,), "f32")
+        ops.dropout(to_dev(dev, vals[:m]), out, p, seed)
+        np.testing.assert_array_equal(read(out) != 0, masks["f32"][:m])
+    # 2-D shape: flat row-major index
+    out = empty_filled(dev, (1, n), "f32")
+    ops.dropout(to_dev(dev, vals.reshape(1, n)), out, p, seed)
+    np.testing.assert_array_equal(read(out)[0] != 0, masks["f32"])
+
+
+@pytest.mark.parametrize("dt", FLOAT_DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+def test_dropout_p0_identity(dev, n, dt):
+    rng = np.random.default_rng(52)
+    x, xf = upload(dev, rng.standard_normal(n), dt)
+    out = empty_filled(dev, (n,), dt)
+    ops.dropout(x, out, 0.0, 42)
+    np.testing.assert_array_equal(read(out), xf)
+
+
+def test_dropout_rejects_bad_p(dev):
+    x = dev.zeros((4,))
+    for p in (1.0, -0.1, 1.5):
+        with pytest.raises(ValueError, match="dropout"):
+            ops.dropout(x, dev.empty((4,)), p, 0)
+
+
+# ---------------------------------------------------------------------------------- AdamW
+
+
+def adamw_ref(p, g, m, v, lr, b1, b2, eps, wd, step, grad_scale):
+    """PyTorch's AdamW step in float64 (torch/optim/adamw.py, single-tensor path)."""
+    p = p * (1.0 - lr * wd)  # decoupled weight decay, applied first
+    g = g * grad_scale
+    m = b1 * m + (1.0 - b1) * g
+    v = b2 * v + (1.0 - b2) * g * g
+    bc1 = 1.0 - b1**step
+    bc2 = 1.0 - b2**step
+    denom = np.sqrt(v) / math.sqrt(bc2) + eps  # eps outside the sqrt of the bias-corrected v
+    p = p - (lr / bc1) * m / denom
+    return p, m, v
+
+
+ADAMW_HYPER = [  # lr, beta1, beta2, eps, weight_decay, grad_scale
+    (1e-3, 0.9, 0.999, 1e-8, 0.01, 1.0),
+    (0.1, 0.9, 0.95, 1e-6, 0.5, 0.25),  # large lr * wd: decay-before-update order is visible
+    (3e-4, 0.8, 0.99, 1e-8, 0.0, 2.0**-16),  # loss-scale reciprocal folded into the grad read
+]
+
+
+@pytest.mark.parametrize("hyper", ADAMW_HYPER, ids=["default", "strong-decay", "loss-scaled"])
+@pytest.mark.parametrize("n", [1, 33, 1027, 100_003])
+def test_adamw_update(dev, n, hyper):
+    """Steps 1..5, each compared to the float64 formula from the device's previous state; half
+    the gradients are ~1e-8 so eps (and where it sits) matters; grads are left untouched."""
+    lr, b1, b2, eps, wd, gs = hyper
+    f32 = lambda v: float(np.float32(v))
+    rng = np.random.default_rng(53)
+    params = to_dev(dev, rng.standard_normal(n))
+    m, v = dev.zeros((n,)), dev.zeros((n,))
+    for step in range(1, 6):
+        g = rng.standard_normal(n) / gs
+        g[::2] *= 1e-8
+        grads = to_dev(dev, g)
+        p0, m0, v0, g0 = read(params), read(m), read(v), read(grads)
+        ops.adamw_update(params, grads, m, v, lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd, step=step,
+                         grad_scale=gs)
+        rp, rm, rv = adamw_ref(p0, g0, m0, v0, f32(lr), f32(b1), f32(b2), f32(eps), f32(wd), step, f32(gs))
+        # a few f32 operations each, judged against the terms (b1*m and (1-b1)*g may cancel; so
+        # may the decayed param and its update, whose own error is relative to its size)
+        gsc = g0 * f32(gs)
+        m_mag = np.abs(f32(b1) * m0) + np.abs((1 - f32(b1)) * gsc)
+        assert_close_elementwise(read(m), rm, rtol=0.0, atol=8 * U32 * m_mag + SUBNORMAL["f32"], what=f"m step {step}")
+        assert_close_elementwise(read(v), rv, rtol=8 * U32, atol=SUBNORMAL["f32"], what=f"v step {step}")
+        # the update lr/bc1 * m/denom inherits m's error (relative to m_mag, not m) and its own;
+        # bias corrections 1 - beta^t formed in f32 (no double on some GPUs) are off by
+        # ~2^-24 / (1 - beta^t) relative
+        bc1, bc2 = 1 - f32(b1) ** step, 1 - f32(b2) ** step
+        denom = np.sqrt(rv) / math.sqrt(bc2) + f32(eps)
+        upd_mag = f32(lr) / bc1 * (m_mag + np.abs(rm)) / denom
+        upd_rel = 16 * U32 + 2 * U32 * (1 / bc1 + 1 / bc2)
+        assert_close_elementwise(read(params), rp, rtol=0.0, atol=4 * U32 * np.abs(p0) + upd_rel * upd_mag
+                                 + SUBNORMAL["f32"], what=f"params step {step}")
+        np.testing.assert_array_equal(read(grads), g0, err_msg="grads modified")
+
+
+@pytest.mark.parametrize("wdt", FLOAT_DTYPES)
+def test_adamw_update_working_copy(dev, wdt):
+    """`working` receives the updated params cast to its dtype (round to nearest even)."""
+    rng = np.random.default_rng(54)
+    n = 10_007
+    params = to_dev(dev, rng.standard_normal(n) * 10.0 ** rng.uniform(-6, 4, n))
+    grads = to_dev(dev, rng.standard_normal(n))
+    m, v = dev.zeros((n,)), dev.zeros((n,))
+    working = empty_filled(dev, (n,), wdt)
+    for step in (1, 2, 3):
+        ops.adamw_update(params, grads, m, v, 1e-2, weight_decay=0.1, step=step, working=working)
+        p32 = read(params, np.float32)
+        got = np.array(working.numpy(), copy=True)
+        if wdt == "f32":
+            check_bits(got, p32, "working f32")
+        elif wdt == "f16":
+            check_bits(got, p32.astype(np.float16), "working f16")
+        else:
+            check_bits(got, bf16_value(bf16_bits(p32)), "working bf16")
+
+
+def test_adamw_update_matches_torch(dev):
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(55)
+    n, lr, betas, eps, wd, gs = 1027, 1e-2, (0.9, 0.99), 1e-8, 0.1, 0.5
+    p0 = rng.standard_normal(n).astype(np.float32)
+    tp = torch.nn.Parameter(torch.from_numpy(p0.copy()))
+    opt = torch.optim.AdamW([tp], lr=lr, betas=betas, eps=eps, weight_decay=wd)
+    params, m, v = to_dev(dev, p0), dev.zeros((n,)), dev.zeros((n,))
+    for step in range(1, 6):
+        g = rng.standard_normal(n).astype(np.float32)
+        g[::3] *= 1e-7
+        tp.grad = torch.from_numpy(g * np.float32(gs))
+        opt.step()
+        ops.adamw_update(params, to_dev(dev, g), m, v, lr, beta1=betas[0], beta2=betas[1], eps=eps,
+                         weight_decay=wd, step=step, grad_scale=gs)
+        want = tp.detach().numpy().astype(np.float64)
+        assert_close_elementwise(read(params), want, rtol=16 * U32, atol=64 * U32 * lr, what=f"step {step}")
+
+
+# --------------------------------------------------------------------------- sumsq, nonfinite
+
+
+@pytest.mark.parametrize("dt", FLOAT_DTYPES)
+@pytest.mark.parametrize("n", [1, 31, 33, 127, 1_000_003])
+def test_sumsq(dev, n, dt):
+    """out[0] = sum(x^2), overwritten; values over many binades (f16 squares overflow f16, so
+    the sum must be kept in f32 or wider)."""
+    rng = np.random.default_rng(60)
+    x, xf = upload(dev, rng.standard_normal(n) * 10.0 ** rng.uniform(-3, 2.5, n), dt)
+    out = to_dev(dev, np.array([123.0], np.float32))
+    ops.sumsq(x, out)
+    ref = float(np.sum(xf * xf))
+    got = float(read(out)[0])
+    # positive terms: the result's f32 rounding plus an f32 reduction's error relative to the sum
+    assert abs(got - ref) <= (U32 + reduction_rtol(n)) * ref, f"sumsq {got!r} vs {ref!r}"
+    ops.sumsq(x, out)  # overwrite, not accumulate
+    assert abs(float(read(out)[0]) - ref) <= (U32 + reduction_rtol(n)) * ref
+
+
+@pytest.mark.parametrize("dt", FLOAT_DTYPES)
+@pytest.mark.parametrize("n", [1, 31, 33, 127, 100_003])
+def test_nonfinite(dev, n, dt):
+    """flag[0] = 1 when x holds inf, -inf or NaN (at the last index, the first, or the middle);
+    finite data (including the dtype's largest value) leaves 0 alone and never clears a 1."""
+    rng = np.random.default_rng(61)
+    base = rng.standard_normal(n).astype(np.float32)
+    base[n // 2] = {"f32": 3.4028235e38, "f16": 65504.0, "bf16": 3.3895314e38}[dt]
+    flag = dev.zeros((1,), "i32")
+    ops.nonfinite(to_dev(dev, base, dt), flag)
+    assert read(flag, np.int32)[0] == 0, "finite data raised the flag"
+    for bad in (np.inf, -np.inf, np.nan):
+        for pos in sorted({n - 1, 0, n // 2}):
+            x = base.copy()
+            x[pos] = bad
+            flag = dev.zeros((1,), "i32")
+            ops.nonfinite(to_dev(dev, x, dt), flag)
+            assert read(flag, np.int32)[0] == 1, f"{bad} at {pos} of {n} not flagged"
+            ops.nonfinite(to_dev(dev, base, dt), flag)
+            assert read(flag, np.int32)[0] == 1, "flag cleared by finite data"

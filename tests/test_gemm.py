@@ -260,7 +260,7 @@ def test_gemm_lora_shapes(dev, dt):
     dy, dyf = upload(dev, rng.standard_normal((T, OUT)), dt)
     bmat, bf = upload(dev, rng.standard_normal((OUT, R)) / 16, dt)
     s = 2.0
-    # t (T, R) as the forward would produce it; made on the host so its rounding is known
+    # a (T, R) activation standing in for both t (forward) and dt (backward), made on the host
     t_dev, t_f = upload(dev, rng.standard_normal((T, R)), dt)
     cases = [  # (what, A, B, trans_a, trans_b, alpha, C shape, reference, op(A), op(B), K)
         ("t = x A^T (nt)", x, a, False, True, 1.0, (T, R), xf @ af.T, xf, af.T, IN),
@@ -278,3 +278,29 @@ def test_gemm_lora_shapes(dev, dt):
     y = empty_filled(dev, (T, OUT), dt)
     ops.gemm(x, w, y, trans_b=True)
     check(y, xf @ wf.T, IN, dt, 1.0, xf, wf.T, what="y = x W^T")
+
+
+@pytest.mark.parametrize("dt,cdt", DTYPE_PAIRS, ids=PAIR_IDS)
+def test_gemm_offset_views(dev, dt, cdt):
+    """Operands that are views by offset into larger buffers (a row range, one matrix of a
+    stack): the op reads and writes exactly its window."""
+    rng = np.random.default_rng(10)
+    M, N, K = 31, 33, 127
+    bigA, a = upload(dev, rng.standard_normal((M + 8, K)), dt)
+    stackB, b = upload(dev, rng.standard_normal((3, N, K)), dt)
+    stackC, c = upload(dev, rng.standard_normal((4, M, N)), cdt)
+    A, B, C = bigA[5:5 + M], stackB[1], stackC[2]
+    ops.gemm(A, B, C, trans_b=True, alpha=1.0, beta=-0.5)
+    opa, opb = a[5:5 + M], b[1].T
+    ref = opa @ opb - 0.5 * c[2]
+    got = read(stackC)
+    assert float(np.max(np.abs(got[2] - ref))) <= gemm_bound(K, cdt, ref, 1.0, opa, opb, -0.5, c[2])
+    np.testing.assert_array_equal(got[[0, 1, 3]], c[[0, 1, 3]], err_msg="write outside the C view")
+    # batched over a slice of a stack
+    stackA, a3 = upload(dev, rng.standard_normal((4, M, K)), dt)
+    out, c3 = upload(dev, rng.standard_normal((5, M, N)), cdt)
+    ops.gemm(stackA[1:3], stackB[0:2], out[2:4], trans_b=True, batch=2)
+    ref = a3[1:3] @ np.swapaxes(b[0:2], -1, -2)
+    got = read(out)
+    assert float(np.max(np.abs(got[2:4] - ref))) <= gemm_bound(K, cdt, ref, 1.0, a3[1:3], b[0:2])
+    np.testing.assert_array_equal(got[[0, 1, 4]], c3[[0, 1, 4]], err_msg="write outside the batched C view")

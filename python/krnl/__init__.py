@@ -9,9 +9,19 @@ if _sys.platform != "darwin":
     import ctypes as _ctypes
     import os as _os
 
-    import scipy_openblas32 as _sob
+    # OpenBLAS workers spin for ~2^28 cycles after each call by default, stealing a core from the
+    # core's own threaded loops that follow every GEMM in a step (twice as slow on 2 cores).
+    # The library reads this variable once, when loaded (importing scipy_openblas32 loads it):
+    # set it for this load only, unless the user chose a value.
+    _saved = _os.environ.get("OPENBLAS_THREAD_TIMEOUT")
+    _os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+    try:
+        import scipy_openblas32 as _sob
 
-    _ctypes.CDLL(_os.path.join(_sob.get_lib_dir(), _sob.get_library(fullname=True)), mode=_ctypes.RTLD_GLOBAL)
+        _ctypes.CDLL(_os.path.join(_sob.get_lib_dir(), _sob.get_library(fullname=True)), mode=_ctypes.RTLD_GLOBAL)
+    finally:
+        if _saved is None:
+            del _os.environ["OPENBLAS_THREAD_TIMEOUT"]
 
 from . import _core
 from ._core import Device, Tensor, ops

@@ -13,23 +13,15 @@ SplitKPlan plan_split_k(int64_t M, int64_t N, int64_t K, int64_t batch, const Sp
   const int64_t tiles = ((M + cfg.tile_m - 1) / cfg.tile_m) * ((N + cfg.tile_n - 1) / cfg.tile_n) * batch;
   if (tiles >= cfg.min_tiles) return plan;
   const int64_t want = (cfg.min_tiles + tiles - 1) / tiles;
-  for (int64_t s = std::max<int64_t>(2, want); s <= cfg.max_splits; ++s) {
-    if (K % s) continue;
-    const int64_t kp = K / s;
-    if (kp % cfg.k_unit || kp < cfg.min_k_per_split) continue;
-    plan.splits = s;
-    plan.k_per_split = kp;
-    return plan;
-  }
-  // No equal split reaches the target; take the largest one below it, if any.
-  for (int64_t s = std::min(want - 1, cfg.max_splits); s >= 2; --s) {
-    if (K % s) continue;
-    const int64_t kp = K / s;
-    if (kp % cfg.k_unit || kp < cfg.min_k_per_split) continue;
-    plan.splits = s;
-    plan.k_per_split = kp;
-    return plan;
-  }
+  auto fits = [&](int64_t s) { return K % s == 0 && (K / s) % cfg.k_unit == 0 && K / s >= cfg.min_k_per_split; };
+  int64_t chosen = 1;
+  for (int64_t s = std::max<int64_t>(2, want); s <= cfg.max_splits && chosen == 1; ++s)
+    if (fits(s)) chosen = s;
+  // No equal split reaches the target: take the largest one below it, if any.
+  for (int64_t s = std::min(want - 1, cfg.max_splits); s >= 2 && chosen == 1; --s)
+    if (fits(s)) chosen = s;
+  plan.splits = chosen;
+  plan.k_per_split = K / chosen;
   return plan;
 }
 

@@ -2,10 +2,15 @@
 constants and tolerances, upload/read-back helpers and host-side (numpy) conversions that the
 float64 oracles use. Op-specific oracles live next to their tests."""
 
+import os
+
 import numpy as np
 import pytest
 
-import krnl
+# A second CPU device ("cpu:1") exists only for the cross-device error tests.
+os.environ.setdefault("KRNL_TEST_SECOND_CPU", "1")
+
+import krnl  # noqa: E402
 
 FLOAT_DTYPES = ("f32", "f16", "bf16")
 
@@ -23,7 +28,10 @@ SUBNORMAL = {"f32": 2.0**-149, "f16": 2.0**-24, "bf16": 2.0**-133}
 OUT_RTOL = {dt: UNIT_ROUNDOFF[dt] + 16 * U32 for dt in FLOAT_DTYPES}
 
 
-@pytest.fixture(params=krnl.devices())
+DEVICES = [d for d in krnl.devices() if d != "cpu:1"]
+
+
+@pytest.fixture(params=DEVICES)
 def dev(request):
     """Each device this build can use ('cpu' everywhere)."""
     return krnl.device(request.param)

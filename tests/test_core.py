@@ -932,3 +932,14 @@ def test_no_records_outside_profiling(dev):
     with dev.step():
         with pytest.raises(RuntimeError):
             krnl.profile(dev).__enter__()
+
+
+def test_ops_reject_operands_on_another_device():
+    a = krnl.device("cpu").tensor(np.ones((4, 8), np.float32))
+    b = krnl.device("cpu:1").tensor(np.ones((8, 8), np.float32))
+    c = krnl.device("cpu").empty((4, 8))
+    with pytest.raises(ValueError, match=r"^\[gemm\] B is on cpu:1 but the other operands are on cpu"):
+        ops.gemm(a, b, c)
+    y = krnl.device("cpu:1").empty((4, 8))
+    with pytest.raises(ValueError, match=r"^\[add\] out is on cpu:1"):
+        ops.add(a, a, y)

@@ -3,6 +3,8 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <cstdlib>
+
 #include "bindings.h"
 #include "core/thread_pool.h"
 #include "cpu/cpu_backend.h"
@@ -34,6 +36,7 @@ NB_MODULE(_core, m) {
   using namespace krnl::bindings;
   m.doc() = "krnl native core: devices, tensors, ops, profiler";
   krnl::cpu::register_backend();
+  if (const char* e = std::getenv("KRNL_TEST_SECOND_CPU"); e && *e == '1') krnl::cpu::register_second_backend();
 
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {

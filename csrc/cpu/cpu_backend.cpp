@@ -15,7 +15,7 @@
 
 namespace krnl::cpu {
 
-CpuBackend::CpuBackend() : Backend("cpu") {}
+CpuBackend::CpuBackend(const char* name) : Backend(name) {}
 
 void* CpuBackend::raw_alloc(size_t bytes) {
   // 64-byte alignment: cache lines and any vector width; aligned_alloc wants a size multiple.
@@ -49,7 +49,11 @@ SplitKConfig CpuBackend::split_k_config() const {
 }
 
 void register_backend() {
-  register_device("cpu", 0, []() -> Backend* { return new CpuBackend(); });
+  register_device("cpu", 0, []() -> Backend* { return new CpuBackend("cpu"); });
+}
+
+void register_second_backend() {
+  register_device("cpu:1", -1, []() -> Backend* { return new CpuBackend("cpu:1"); });
 }
 
 // ---- gemm

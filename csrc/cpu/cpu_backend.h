@@ -7,10 +7,12 @@ namespace krnl::cpu {
 
 // Registers the "cpu" device (lowest priority: any accelerator is preferred).
 void register_backend();
+// A second, independent CPU device "cpu:1", for tests of cross-device errors.
+void register_second_backend();
 
 class CpuBackend : public Backend {
  public:
-  CpuBackend();
+  explicit CpuBackend(const char* name = "cpu");
   bool host_visible() const override { return true; }
   bool synchronous() const override { return true; }
   SplitKConfig split_k_config() const override;

@@ -149,7 +149,7 @@ def test_block_lora_gradients_match_finite_differences(dev):
     P = _params(2)
     blk, x, dy, got = _run(dev, P, "f32")
     dy64 = np.asarray(P["dy"], np.float64)
-    flat = blk.flat["params"]
+    flat = blk.lora_params.params
     n = flat.numel
     master = np.concatenate([P[k].reshape(-1) for k in LORA_NAMES]).astype(np.float32)
     pristine = dev.tensor(master, "f32")
@@ -218,7 +218,7 @@ def test_adamw_steps_train_only_lora(dev, dtype):
     dy = dev.tensor(P["dy"], dtype)
     frozen0 = {k: _bits(getattr(blk, k).numpy()) for k in FROZEN}
     x0 = _bits(x.numpy())
-    master0 = np.array(blk.flat["params"].numpy(), np.float32)
+    master0 = np.array(blk.lora_params.params.numpy(), np.float32)
     lr = 1e-2
     grads1 = None
     for step in range(3):
@@ -230,16 +230,16 @@ def test_adamw_steps_train_only_lora(dev, dtype):
         blk.adamw(lr)
         if step == 0:
             # PyTorch AdamW, first step, no decay: p -= lr * g / (|g| + eps) = lr * sign(g)
-            delta = np.array(blk.flat["params"].numpy(), np.float64) - master0
+            delta = np.array(blk.lora_params.params.numpy(), np.float64) - master0
             big = np.abs(grads1) > 1e-4
             assert big.mean() > 0.9
             assert np.all(np.abs(delta[big] + lr * np.sign(grads1[big])) <= 1e-4 * lr + 1e-6)
     for k in FROZEN:
         assert np.array_equal(_bits(getattr(blk, k).numpy()), frozen0[k]), f"frozen {k} changed"
     assert np.array_equal(_bits(x.numpy()), x0)
-    master = np.array(blk.flat["params"].numpy(), np.float32)
+    master = np.array(blk.lora_params.params.numpy(), np.float32)
     for k in LORA_NAMES:
-        lo = blk.lora[k]
+        lo = blk.lora_params.master(k)
         now = np.array(lo.numpy(), np.float32)
         assert now.shape == P[k].shape
         assert np.mean(now != P[k]) > 0.9, f"{k} barely changed"
@@ -247,7 +247,7 @@ def test_adamw_steps_train_only_lora(dev, dtype):
     assert not np.array_equal(master, master0)
     if dtype != "f32":
         # the working copy in the compute dtype is the updated master, rounded to nearest even
-        work = np.array(blk.working.numpy(), np.float64)
+        work = np.array(blk.lora_params.working.numpy(), np.float64)
         assert np.array_equal(work, round_to(master, dtype))
         for k in LORA_NAMES:
-            assert np.array_equal(np.array(blk.lora_w[k].numpy(), np.float64), round_to(blk.lora[k].numpy(), dtype))
+            assert np.array_equal(np.array(blk.lora_w[k].numpy(), np.float64), round_to(blk.lora_params.master(k).numpy(), dtype))

@@ -1289,3 +1289,30 @@ def test_add_axpy_scale_views(dev, dt):
     got = read(out)
     np.testing.assert_array_equal(got[0], -0.5 * af[7])  # halving is exact (no underflow here)
     np.testing.assert_array_equal(got[1], of[1])
+
+
+@pytest.mark.parametrize("dt", ["f32", "f16", "bf16", "i32"])
+@pytest.mark.parametrize("shape", [(1, 1, 1), (31, 4, 33), (33, 2, 127), (127, 8, 64)])
+def test_transpose_heads(dev, dt, shape):
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal(shape).astype(np.float32)
+    if dt == "i32":
+        x = (x * 1000).astype(np.int32)
+    t = to_dev(dev, x, dt)
+    out = dev.empty((shape[1], shape[0], shape[2]), dt)
+    ops.transpose_heads(t, out)
+    ref = np.swapaxes(t.numpy(), 0, 1)
+    np.testing.assert_array_equal(out.numpy(), ref)  # a pure move: bit-exact
+    back = dev.empty(shape, dt)
+    ops.transpose_heads(out, back)
+    np.testing.assert_array_equal(back.numpy(), t.numpy())
+
+
+def test_transpose_heads_rejects_bad_calls(dev):
+    x = dev.empty((4, 3, 8))
+    with pytest.raises(ValueError, match=r"^\[transpose_heads\] out must have shape \(3, 4, 8\)"):
+        ops.transpose_heads(x, dev.empty((4, 3, 8)))
+    with pytest.raises(ValueError, match=r"^\[transpose_heads\] x must be 3-D"):
+        ops.transpose_heads(dev.empty((12, 8)), dev.empty((8, 12)))
+    with pytest.raises(ValueError, match=r"^\[transpose_heads\] out must not share memory"):
+        ops.transpose_heads(x, x.reshape(3, 4, 8))

@@ -48,6 +48,8 @@ void bind_ops(nb::module_& parent) {
   m.def("axpy", &ops::axpy, "alpha"_a, "x"_a, "y"_a, "y += alpha * x.");
   m.def("scale", &ops::scale, "x"_a, "alpha"_a, "out"_a, "out = alpha * x.");
   m.def("cast", &ops::cast, "x"_a, "out"_a, "out = x converted to out's dtype (round to nearest even).");
+  m.def("transpose_heads", &ops::transpose_heads, "x"_a, "out"_a,
+        "out (B, A, D) = x (A, B, D) with the first two axes swapped, e.g. (T, H, D) <-> (H, T, D).");
   m.def("fill", &ops::fill, "x"_a, "value"_a);
   m.def("dropout", &ops::dropout, "x"_a, "out"_a, "p"_a, "seed"_a,
         "out = x * keep / (1 - p); keep is a hash of (seed, index), so the same call on dy is the backward.");

@@ -82,6 +82,7 @@ void Backend::add(const Tensor&, const Tensor&, const Tensor&) { not_implemented
 void Backend::axpy(float, const Tensor&, const Tensor&) { not_implemented("axpy"); }
 void Backend::scale(const Tensor&, float, const Tensor&) { not_implemented("scale"); }
 void Backend::cast(const Tensor&, const Tensor&) { not_implemented("cast"); }
+void Backend::transpose_heads(const Tensor&, const Tensor&) { not_implemented("transpose_heads"); }
 void Backend::fill(const Tensor&, double) { not_implemented("fill"); }
 void Backend::dropout(const Tensor&, const Tensor&, float, uint64_t) { not_implemented("dropout"); }
 void Backend::adamw_update(const AdamWArgs&) { not_implemented("adamw_update"); }

@@ -88,6 +88,9 @@ class Backend {
   virtual void axpy(float alpha, const Tensor& x, const Tensor& y);
   virtual void scale(const Tensor& x, float alpha, const Tensor& out);
   virtual void cast(const Tensor& x, const Tensor& out);
+  // out (B, A, D) = x (A, B, D) with the first two axes swapped: token-major (T, H, D)
+  // projections to head-major (H, T, D) attention operands and back.
+  virtual void transpose_heads(const Tensor& x, const Tensor& out);
   virtual void fill(const Tensor& x, double value);
   virtual void dropout(const Tensor& x, const Tensor& out, float p, uint64_t seed);
   virtual void adamw_update(const AdamWArgs& a);

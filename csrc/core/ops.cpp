@@ -344,6 +344,16 @@ void cast(const Tensor& x, const Tensor& out) {
       x.dtype(), [&] { c.dev->cast(x, out); });
 }
 
+void transpose_heads(const Tensor& x, const Tensor& out) {
+  Check c{"transpose_heads"};
+  c.tensor("x", x), c.tensor("out", out);
+  if (x.dim() != 3) c.fail("x must be 3-D (A, B, D), got " + x.describe());
+  c.shape("out", out, {x.size(1), x.size(0), x.size(2)});
+  c.same_dtype("out", out, "x", x);
+  if (x.storage() == out.storage() && x.numel() > 0) c.fail("out must not share memory with x");
+  run(c, shape_str(x.shape()), 0, nbytes({&x, &out}), x.dtype(), [&] { c.dev->transpose_heads(x, out); });
+}
+
 void fill(const Tensor& x, double value) {
   Check c{"fill"};
   c.tensor("x", x);

@@ -35,6 +35,7 @@ void add(const Tensor& a, const Tensor& b, const Tensor& out);
 void axpy(float alpha, const Tensor& x, const Tensor& y);
 void scale(const Tensor& x, float alpha, const Tensor& out);
 void cast(const Tensor& x, const Tensor& out);
+void transpose_heads(const Tensor& x, const Tensor& out);
 void fill(const Tensor& x, double value);
 void dropout(const Tensor& x, const Tensor& out, float p, uint64_t seed);
 void adamw_update(const AdamWArgs& a);

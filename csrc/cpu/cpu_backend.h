@@ -34,6 +34,7 @@ class CpuBackend : public Backend {
   void axpy(float alpha, const Tensor& x, const Tensor& y) override;
   void scale(const Tensor& x, float alpha, const Tensor& out) override;
   void cast(const Tensor& x, const Tensor& out) override;
+  void transpose_heads(const Tensor& x, const Tensor& out) override;
   void fill(const Tensor& x, double value) override;
   void dropout(const Tensor& x, const Tensor& out, float p, uint64_t seed) override;
   void adamw_update(const AdamWArgs& a) override;

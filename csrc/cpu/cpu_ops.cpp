@@ -364,6 +364,20 @@ void fill_as(const Tensor& x, T v) {
 }
 }  // namespace
 
+void CpuBackend::transpose_heads(const Tensor& x, const Tensor& out) {
+  // Rows of D elements move as whole; the dtype only sets the row's byte size.
+  const int64_t A = x.size(0), B = x.size(1);
+  const size_t row = size_t(x.size(2)) * dtype_size(x.dtype());
+  const char* src = static_cast<const char*>(x.data());
+  char* dst = static_cast<char*>(out.data());
+  for_rows(A * B, x.size(2), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t a = r / B, b = r % B;
+      std::memcpy(dst + size_t(b * A + a) * row, src + size_t(r) * row, row);
+    }
+  });
+}
+
 void CpuBackend::fill(const Tensor& x, double value) {
   switch (x.dtype()) {
     case DType::f32: fill_as<float>(x, float(value)); break;

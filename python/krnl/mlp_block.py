@@ -11,6 +11,7 @@ views of one flat f32 buffer so one adamw_update covers them all.
 import numpy as np
 
 from . import _core
+from .params import FlatParams
 
 ops = _core.ops
 
@@ -58,26 +59,10 @@ class MLPBlock:
         self.w_norm = d.tensor(params["w_norm"], dtype)
         self.Wg, self.Wu, self.Wd = (d.tensor(params[k], dtype) for k in ("Wg", "Wu", "Wd"))
         # LoRA masters, gradients and Adam moments: one flat f32 buffer each, views per factor.
-        shapes = {"Ag": (R, C), "Bg": (F, R), "Au": (R, C), "Bu": (F, R)}
-        sizes = [int(np.prod(shapes[k])) for k in LORA_NAMES]
-        n = sum(sizes)
-        master = np.concatenate([params[k].reshape(-1) for k in LORA_NAMES])
-        self.flat = {"params": d.tensor(master, "f32")}
-        self.flat.update({k: d.zeros((n,), "f32") for k in ("grads", "m", "v")})
-        self.lora, self.grads, off = {}, {}, 0
-        for k, size in zip(LORA_NAMES, sizes):
-            self.lora[k] = self.flat["params"][off:off + size].reshape(shapes[k])
-            self.grads[k] = self.flat["grads"][off:off + size].reshape(shapes[k])
-            off += size
-        if dtype != "f32":  # working copy in the compute dtype, refreshed by the optimizer
-            self.working = d.empty((n,), dtype)
-            ops.cast(self.flat["params"], self.working)
-            self.lora_w, off = {}, 0
-            for k, size in zip(LORA_NAMES, sizes):
-                self.lora_w[k] = self.working[off:off + size].reshape(shapes[k])
-                off += size
-        else:
-            self.working, self.lora_w = None, self.lora
+        self.lora_params = FlatParams(d, {"Ag": (R, C), "Bg": (F, R), "Au": (R, C), "Bu": (F, R)}, dtype)
+        self.lora_params.load({k: params[k] for k in LORA_NAMES})
+        self.grads = {k: self.lora_params.grad(k) for k in LORA_NAMES}
+        self.lora_w = {k: self.lora_params.compute(k) for k in LORA_NAMES}
         self._alloc()
         self.adam_step = 0
 
@@ -125,5 +110,6 @@ class MLPBlock:
 
     def adamw(self, lr, weight_decay=0.0):
         self.adam_step += 1
-        ops.adamw_update(self.flat["params"], self.flat["grads"], self.flat["m"], self.flat["v"], lr,
-                         weight_decay=weight_decay, step=self.adam_step, working=self.working)
+        p = self.lora_params
+        ops.adamw_update(p.params, p.grads, p.m, p.v, lr, weight_decay=weight_decay, step=self.adam_step,
+                         working=p.working)

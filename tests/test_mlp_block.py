@@ -226,7 +226,7 @@ def test_adamw_steps_train_only_lora(dev, dtype):
             blk.forward(x)
             blk.backward(x, dy)
         if step == 0:
-            grads1 = np.array(blk.flat["grads"].numpy(), np.float64)
+            grads1 = np.array(blk.lora_params.grads.numpy(), np.float64)
         blk.adamw(lr)
         if step == 0:
             # PyTorch AdamW, first step, no decay: p -= lr * g / (|g| + eps) = lr * sign(g)

@@ -1,0 +1,235 @@
+"""The training loop: micro-batches (one device submission each), gradient accumulation, the
+optimizer step, validation, atomic checkpoints and exact resume, progress and metrics.
+
+Resume is exact: a checkpoint holds the adapter masters, the optimizer state (m, v, step
+counters, schedule, loss scale), the data position and every seed the loop draws from, so a run
+restored from step k reproduces the losses of an uninterrupted run from step k+1 on.
+"""
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from . import adapter as adapter_io
+from .checkpoint import load_checkpoint, save_checkpoint
+from .optim import AdamW, Schedule
+
+
+@dataclass
+class TrainConfig:
+    iters: int = 600
+    batch_size: int = 16
+    grad_accum: int = 1
+    learning_rate: float = 3e-3
+    warmup: int = 30
+    schedule: str = "cosine"      # cosine | linear | constant (after warmup)
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0    # 0 disables clipping
+    val_every: int = 100          # 0: only at the end
+    val_batches: int = 8
+    save_every: int = 200         # 0: only at the end
+    keep_checkpoints: int = 2
+    seed: int = 0
+
+    def validate(self):
+        for name in ("iters", "batch_size", "grad_accum", "val_batches", "keep_checkpoints"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"[train] {name} must be >= 1, got {getattr(self, name)}")
+        for name in ("warmup", "val_every", "save_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"[train] {name} must be >= 0, got {getattr(self, name)}")
+        if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):
+            raise ValueError(f"[train] learning_rate must be > 0, got {self.learning_rate}")
+
+
+class Batches:
+    """Deterministic shuffled batches of rows of (ids, targets); the position (epoch, index)
+    is all that is needed to continue the same sequence."""
+
+    def __init__(self, ids, targets, batch_size, seed):
+        ids, targets = np.asarray(ids, np.int32), np.asarray(targets, np.int32)
+        if ids.shape != targets.shape or ids.ndim != 2:
+            raise ValueError(f"[data] ids {ids.shape} and targets {targets.shape} must be equal 2-D shapes")
+        if len(ids) < batch_size:
+            raise ValueError(f"[data] {len(ids)} samples are fewer than one batch of {batch_size}")
+        self.ids, self.targets, self.batch_size, self.seed = ids, targets, batch_size, seed
+        self.epoch, self.index = 0, 0
+        self._order = None
+
+    def _perm(self):
+        if self._order is None:
+            self._order = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.ids))
+        return self._order
+
+    def next(self):
+        per_epoch = len(self.ids) // self.batch_size
+        if self.index >= per_epoch:
+            self.epoch, self.index, self._order = self.epoch + 1, 0, None
+        rows = self._perm()[self.index * self.batch_size:(self.index + 1) * self.batch_size]
+        self.index += 1
+        return self.ids[rows], self.targets[rows]
+
+    def state(self):
+        return {"epoch": self.epoch, "index": self.index}
+
+    def load_state(self, s):
+        self.epoch, self.index, self._order = int(s["epoch"]), int(s["index"]), None
+
+
+class Trainer:
+    def __init__(self, model, cfg, train, valid=None, out_dir="krnl_out", fingerprint=None, base_model="",
+                 progress=True, on_step=None):
+        cfg.validate()
+        self.model, self.cfg, self.valid = model, cfg, valid
+        self.data = Batches(train[0], train[1], cfg.batch_size, cfg.seed)
+        self.out = Path(out_dir)
+        self.fingerprint = fingerprint or {}
+        self.base_model = base_model
+        self.progress, self.on_step = progress, on_step
+        sched = Schedule(cfg.learning_rate, warmup_steps=min(cfg.warmup, cfg.iters), total_steps=cfg.iters,
+                         kind=cfg.schedule, min_lr_ratio=cfg.min_lr_ratio)
+        self.opt = AdamW(model.lora_params, sched, weight_decay=cfg.weight_decay,
+                         max_grad_norm=cfg.max_grad_norm or None)
+        self.step = 0
+        self.history = []  # (step, train loss)
+        self.val_history = []
+
+    # -- state -----------------------------------------------------------------------------
+
+    def _trainer_state(self):
+        return {"step": self.step, "data": self.data.state(), "dropout_seed": self.model._call_seed,
+                "config": asdict(self.cfg)}
+
+    def save(self):
+        save_checkpoint(self.out / "checkpoints", adapter=self.model.lora_state(),
+                        optimizer_state=self.opt.state_dict(), trainer_state=self._trainer_state(),
+                        model_fingerprint=self.fingerprint, step=self.step, keep_last=self.cfg.keep_checkpoints)
+
+    def resume(self, path=None):
+        """Restores the newest checkpoint under out_dir (or `path`); returns its step."""
+        ck = load_checkpoint(path or self.out / "checkpoints", expected_fingerprint=self.fingerprint)
+        self.model.lora_params.load(ck.adapter)
+        self.opt.load_state_dict(ck.optimizer_state)
+        st = ck.trainer_state
+        self.data.load_state(st["data"])
+        self.model._call_seed = int(st["dropout_seed"])
+        self.step = int(st["step"])
+        # Metrics written after this checkpoint by the interrupted run are replayed: drop them.
+        mp = self.out / "metrics.jsonl"
+        if mp.exists():
+            keep = [ln for ln in mp.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= self.step]
+            adapter_io.atomic_write_bytes(mp, "".join(ln + "\n" for ln in keep).encode())
+        return self.step
+
+    # -- loop --------------------------------------------------------------------------------
+
+    def evaluate(self):
+        if self.valid is None:
+            return None
+        ids, tg = self.valid
+        bs, total = self.cfg.batch_size, []
+        for b in range(min(self.cfg.val_batches, max(1, len(ids) // bs))):
+            rows = slice(b * bs, (b + 1) * bs)
+            total.append(self.model.loss(ids[rows], tg[rows]))
+        return float(np.mean(total))
+
+    def run(self, metrics_path=None):
+        cfg, model, dev = self.cfg, self.model, self.model.dev
+        metrics_path = Path(metrics_path) if metrics_path else self.out / "metrics.jsonl"
+        metrics_path.parent.mkdir(parents=True, exist_ok=True)
+        bar = None
+        if self.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=cfg.iters, initial=self.step, unit="step", dynamic_ncols=True)
+        tokens, t0 = 0, time.perf_counter()
+        dev.reset_peak()
+        with open(metrics_path, "a") as log:
+            while self.step < cfg.iters:
+                self.step += 1
+                handles = []
+                for _ in range(cfg.grad_accum):
+                    ids, tg = self.data.next()
+                    with dev.step():  # one submission per micro-batch
+                        handles.append(model.forward_backward(ids, tg, loss_scale=self.opt.loss_scale))
+                    tokens += int(np.count_nonzero(tg != -100))
+                info = self.opt.step(cfg.grad_accum)
+                loss = float(np.mean([h.numpy()[0] for h in handles]))  # read once the step is done
+                if not math.isfinite(loss) and not self.opt.scaler.enabled:
+                    raise FloatingPointError(f"[train] loss is {loss} at step {self.step}; stopping (no adapter "
+                                             f"written for this step; the last checkpoint is intact)")
+                elapsed = time.perf_counter() - t0
+                peak = dev.pool_stats()["peak_reserved"] / 2**20
+                rec = {"step": self.step, "loss": loss, "lr": info["lr"], "grad_norm": info["grad_norm"],
+                       "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0, "peak_mem_mib": peak,
+                       "skipped_steps": info["skipped_steps"], "loss_scale": info["loss_scale"]}
+                self.history.append((self.step, loss))
+                last = self.step == cfg.iters
+                if (cfg.val_every and self.step % cfg.val_every == 0) or last:
+                    v = self.evaluate()
+                    if v is not None:
+                        rec["val_loss"] = v
+                        self.val_history.append((self.step, v))
+                log.write(json.dumps(rec) + "\n")
+                log.flush()
+                if bar is not None:
+                    post = {"loss": f"{loss:.4f}", "tok/s": f"{rec['tokens_per_s']:.0f}", "lr": f"{info['lr']:.2e}",
+                            "peak": f"{peak:.0f}MiB"}
+                    if "val_loss" in rec:
+                        post["val"] = f"{rec['val_loss']:.4f}"
+                    if info["skipped_steps"]:
+                        post["skipped"] = info["skipped_steps"]
+                    bar.set_postfix(post, refresh=False)
+                    bar.update(1)
+                if (cfg.save_every and self.step % cfg.save_every == 0) or last:
+                    self.save()
+                if self.on_step is not None:
+                    self.on_step(self.step, rec)
+        if bar is not None:
+            bar.close()
+        self.save_adapter()
+        return {"steps": self.step, "loss": self.history[-1][1] if self.history else None,
+                "val_loss": self.val_history[-1][1] if self.val_history else None,
+                "skipped_steps": self.opt.skipped_steps, "metrics": str(metrics_path)}
+
+    def save_adapter(self):
+        lc = self.model.lora_config
+        cfg = adapter_io.peft_config(lc, base_model=self.base_model, layers=lc.layers)
+        adapter_io.save_adapter(self.out, self.model.lora_state(), cfg)
+
+
+def plot_metrics(metrics_path, png_path):
+    """Loss curve (train, and validation where present) from a metrics JSONL file."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps, losses, vsteps, vlosses = [], [], [], []
+    with open(metrics_path) as f:
+        for line in f:
+            r = json.loads(line)
+            steps.append(r["step"])
+            losses.append(r["loss"])
+            if "val_loss" in r:
+                vsteps.append(r["step"])
+                vlosses.append(r["val_loss"])
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, losses, label="train", lw=1)
+    if vsteps:
+        ax.plot(vsteps, vlosses, "o-", label="validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = Path(png_path).with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(png_path)

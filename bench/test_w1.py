@@ -63,7 +63,8 @@ def test_w1_numpy(benchmark, params):
     benchmark.pedantic(numpy_w1_step, args=(params,), rounds=5, warmup_rounds=1)
 
 
-def test_w1_krnl_cpu(benchmark, params):
+def krnl_w1(params):
+    """(block, step): the W1 block on the CPU device and one training step of it (a submission)."""
     dev = krnl.device("cpu")
     block = MLPBlock(dev, params, T, scale=SCALE)
     x, dy = dev.tensor(params["x"]), dev.tensor(params["dy"])
@@ -74,6 +75,11 @@ def test_w1_krnl_cpu(benchmark, params):
             block.backward(x, dy)
         dev.synchronize()
 
+    return block, step
+
+
+def test_w1_krnl_cpu(benchmark, params):
+    block, step = krnl_w1(params)
     # Same numbers as the numpy step before it is timed.
     step()
     y_ref, dx_ref, g_ref = numpy_w1_step(params)
@@ -93,15 +99,7 @@ def test_w1_ratios(params, results):
     (krnl's gemm, i.e. the BLAS it calls, on the step's four large shapes and on 2048^3), so
     that drift of a shared machine hits all of them alike. Medians over rounds."""
     dev = krnl.device("cpu")
-    block = MLPBlock(dev, params, T, scale=SCALE)
-    x, dy = dev.tensor(params["x"]), dev.tensor(params["dy"])
-
-    def step():
-        with dev.step():
-            block.forward(x)
-            block.backward(x, dy)
-        dev.synchronize()
-
+    _, step = krnl_w1(params)
     E = lambda *shape: dev.tensor(np.ones(shape, np.float32))
     h, a, w_fc, w_cf = E(T, C), E(T, F), E(F, C), E(C, F)
     g_out, y_out = dev.empty((T, F)), dev.empty((T, C))

@@ -169,3 +169,12 @@ def test_cli_errors_are_clear(tmp_path, capsys):
     assert "adapter_config.json not found" in capsys.readouterr().err
     assert main(["train", "--iters", "2", "--lora-rank", "9999", "--adapter-path", str(tmp_path), "--quiet"]) == 1
     assert "9999" in capsys.readouterr().err
+
+
+def test_cli_epochs_sets_the_step_count(tmp_path):
+    out = tmp_path / "ep"
+    # 128 samples / (batch 16 x accumulation 2) = 4 steps per epoch; 1.5 epochs = 6 steps
+    assert main(["train", "--epochs", "1.5", "--batch-size", "16", "--grad-accumulation", "2", "--train-samples",
+                 "128", "--adapter-path", str(out), "--quiet", "--lora-rank", "2"]) == 0
+    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 7))

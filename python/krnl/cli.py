@@ -120,7 +120,13 @@ def cmd_train(args):
     tok, model = _default_model(dev, lora, args.dtype, seed=args.seed, grad_checkpoint=args.grad_checkpoint)
     train = make_split(tok, args.train_samples, seed=args.seed + 100)
     valid = make_split(tok, 256, seed=args.seed + 200)
-    cfg = TrainConfig(iters=args.iters, batch_size=args.batch_size, grad_accum=args.grad_accumulation,
+    iters = args.iters
+    if args.epochs is not None:
+        if not args.epochs > 0:
+            raise ValueError(f"--epochs must be > 0, got {args.epochs}")
+        per_epoch = len(train[0]) // (args.batch_size * args.grad_accumulation)
+        iters = max(1, round(args.epochs * per_epoch))
+    cfg = TrainConfig(iters=iters, batch_size=args.batch_size, grad_accum=args.grad_accumulation,
                       learning_rate=args.learning_rate, warmup=args.warmup, schedule=args.lr_schedule,
                       weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
                       val_every=args.steps_per_eval, save_every=args.save_every, seed=args.seed)
@@ -178,7 +184,8 @@ def main(argv=None):
     t = sub.add_parser("train", help="LoRA fine-tune (default: the embedded tiny model and task)")
     common(t)
     t.add_argument("--adapter-path", default="adapters", help="output folder: adapter, checkpoints, metrics")
-    t.add_argument("--iters", type=int, default=3000)
+    t.add_argument("--iters", type=int, default=1500, help="optimizer steps")
+    t.add_argument("--epochs", type=float, default=None, help="passes over the training set (overrides --iters)")
     t.add_argument("--batch-size", type=int, default=16)
     t.add_argument("--grad-accumulation", type=int, default=1)
     t.add_argument("--learning-rate", type=float, default=3e-3)

@@ -6,6 +6,7 @@ counters, schedule, loss scale), the data position and every seed the loop draws
 restored from step k reproduces the losses of an uninterrupted run from step k+1 on.
 """
 
+import io
 import json
 import math
 import time
@@ -229,7 +230,7 @@ def plot_metrics(metrics_path, png_path):
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    tmp = Path(png_path).with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=110)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)
-    tmp.replace(png_path)
+    adapter_io.atomic_write_bytes(png_path, buf.getvalue())

@@ -94,7 +94,7 @@ def test_w1_krnl_cpu(benchmark, params):
     benchmark.pedantic(step, rounds=5, warmup_rounds=1)
 
 
-def test_w1_ratios(params, results):
+def test_w1_ratios(benchmark, params, results):
     """The ratios, from rounds that interleave krnl's step, numpy's step and the machine's sgemm
     (krnl's gemm, i.e. the BLAS it calls, on the step's four large shapes and on 2048^3), so
     that drift of a shared machine hits all of them alike. Medians over rounds."""
@@ -113,12 +113,14 @@ def test_w1_ratios(params, results):
         gemm(a, w_fc, y_out)
 
     rounds = []
-    for fn in (step, lambda: numpy_w1_step(params), step_shapes, lambda: gemm(sq, sq, sq_out)):
-        fn()  # warm-up
-    for _ in range(7):
+
+    def one_round():
         rounds.append([_timed(step), _timed(lambda: numpy_w1_step(params)), _timed(step_shapes),
                        _timed(lambda: gemm(sq, sq, sq_out))])
-    r = np.array(rounds)
+
+    benchmark.group = "W1 interleaved round (krnl, numpy, sgemm)"
+    benchmark.pedantic(one_round, rounds=7, warmup_rounds=1)
+    r = np.array(rounds[1:])  # the first is the warm-up
     krnl_s, numpy_s = np.median(r[:, 0]), np.median(r[:, 1])
     step_rate = FLOPS / r[:, 0]
     shapes_rate = 4 * 2 * T * C * F / r[:, 2]
@@ -127,7 +129,7 @@ def test_w1_ratios(params, results):
     vs_best = float(np.median(step_rate / np.maximum(shapes_rate, square_rate)))
     lines = results.setdefault("_lines", [])
     lines += [
-        f"W1 step (median of 7 interleaved rounds, {krnl.num_threads()} threads): krnl cpu {krnl_s * 1e3:.1f} ms "
+        f"W1 step (median of {len(r)} interleaved rounds, {krnl.num_threads()} threads): krnl cpu {krnl_s * 1e3:.1f} ms "
         f"= {FLOPS / krnl_s / 1e9:.1f} GFLOP/s; numpy float32 {numpy_s * 1e3:.1f} ms",
         f"krnl / numpy speed: {float(np.median(r[:, 1] / r[:, 0])):.2f}x",
         f"sgemm: step's large shapes {np.median(shapes_rate) / 1e9:.1f} GFLOP/s; square 2048^3 "

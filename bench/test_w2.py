@@ -70,6 +70,15 @@ def activation_bytes(T=T, C=C, F=F, H=H, R=R, elt=4):
     return elt * (T * (7 * C + 3 * F + 7 * R + 2) + H * T * T)
 
 
+def step_temporaries_bytes(T=T, C=C, F=F, H=H, R=R, elt=4):
+    """Every buffer krnl's forward_backward allocates in one step (model.py, one layer, V=256):
+    28 T*C (13 forward + final norm, dlogits-to-x, head dX + 12 backward), 6 T*F (g, u, a, da,
+    dg, du), 4 H*T^2 (S, P, dP, dS), 14 T*r (t and dt of 7 adapters), T*V logits, 4 T rows.
+    DESIGN section 4: a buffer released in a step is reused only after the step completes, so
+    this (255.2 MB at W2) is about what the pool reserves for one step; the live peak is lower."""
+    return elt * (28 * T * C + 6 * T * F + 4 * H * T * T + 14 * T * R + T * V + 4 * T)
+
+
 def frozen_weight_bytes(C=C, F=F, elt=4):
     """The layer's frozen projections: 4 C^2 + 3 C F floats = 205.5 MB at W2 (norms not counted)."""
     return elt * (4 * C * C + 3 * C * F)
@@ -252,14 +261,16 @@ def test_w2_krnl_cpu(benchmark, w2, results):
     dev.reset_peak()
     w2.krnl_step()
     st = dev.pool_stats()
-    peak, act, wts = st["peak_in_use"], activation_bytes(), frozen_weight_bytes()
+    peak, act, wts, tmp = st["peak_in_use"], activation_bytes(), frozen_weight_bytes(), step_temporaries_bytes()
     MB = 1e6
     lines = results.setdefault("_lines", [])
     lines += [
         f"W2 memory (BufferPool, one krnl step): peak in use {peak / MB:.1f} MB, of which resident before the "
         f"step {before / MB:.1f} MB (frozen layer weights {wts / MB:.1f} MB analytic); step's own peak "
         f"{(peak - before) / MB:.1f} MB = {(peak - before) / act:.2f}x the analytic activations kept for "
-        f"backward {act / MB:.1f} MB (peak reserved {st['peak_reserved'] / MB:.1f} MB)",
+        f"backward {act / MB:.1f} MB; pool reserved {st['peak_reserved'] / MB:.1f} MB = resident + "
+        f"{(st['peak_reserved'] - before) / MB:.1f} MB of step buffers, next to all the step's temporaries "
+        f"{tmp / MB:.1f} MB (a buffer released in a step is reused only after it, DESIGN 4)",
     ]
     print("\n" + lines[-1])
     assert peak >= before and peak - before >= act * 0.9
@@ -292,6 +303,10 @@ def test_w2_ratios(benchmark, w2, torch_mod, results):
     vs_dense = float(np.median(r[:, 2] / r[:, 0]))
     vs_best = float(np.median(np.minimum(r[:, 1], r[:, 2]) / r[:, 0]))
     k_s = float(np.median(r[:, 0]))
+    # A shared 2-core machine: another process taking a core slows torch's OpenMP steps more than
+    # krnl's, which inflates the ratio. Rounds that spread more than 25% mark the figures untrusted.
+    spread = float(np.max(r.max(0) / r.min(0)))
+    trust = "" if spread <= 1.25 else f" [UNTRUSTED: rounds spread {spread:.2f}x, the machine was busy]"
     lines = results.setdefault("_lines", [])
     lines += [
         f"W2 step, T={T} B=1 (median of {len(r)} interleaved rounds, {krnl.num_threads()} threads, "
@@ -301,7 +316,7 @@ def test_w2_ratios(benchmark, w2, torch_mod, results):
         f"torch eager f32: SDPA {np.median(r[:, 1]) * 1e3:.0f} ms = {s_tps:.0f} tokens/s; dense attention "
         f"{np.median(r[:, 2]) * 1e3:.0f} ms = {d_tps:.0f} tokens/s",
         f"W2 krnl / torch eager tokens/s: {vs_sdpa:.2f}x vs SDPA, {vs_dense:.2f}x vs dense, "
-        f"{vs_best:.2f}x vs the faster (goal {GOAL})",
+        f"{vs_best:.2f}x vs the faster (goal {GOAL}){trust}",
     ]
     print("\n" + "\n".join(lines[-3:]))
     if vs_best < GOAL:

@@ -393,6 +393,7 @@ class LlamaModel:
                 L[m] = LoraLinear(self, W, bias, lo, tag=i * len(ALL_MODULES) + tag)
             self.layers.append(L)
         self._ones_cache = None
+        self._pos_rows = self._seg_rows = None
         self.d_embed_out = None
         self._loss = None
 
@@ -454,12 +455,13 @@ class LlamaModel:
             ops.transpose_heads(q[r].reshape(T, H, D), qh)
             ops.transpose_heads(k[r].reshape(T, Hk, D), kh)
             ops.transpose_heads(v[r].reshape(T, Hk, D), vh)
-            ops.rope(qh, self._pos, self.inv_freq)
-            ops.rope(kh, self._pos, self.inv_freq)
+            pos = self._row_pos(b)
+            ops.rope(qh, pos, self.inv_freq)
+            ops.rope(kh, pos, self.inv_freq)
             S, P = d.empty((H, T, T), dt), d.empty((H, T, T), dt)
             # GQA: the g query heads of KV head j are contiguous, so Q is (Hk, g*T, D).
             ops.gemm(qh.reshape(Hk, g * T, D), kh, S.reshape(Hk, g * T, T), trans_b=True, batch=Hk)
-            ops.softmax_causal_forward(S, P, self._scale)
+            ops.softmax_causal_forward(S, P, self._scale, None if self._seg_rows is None else self._seg_rows[b])
             oh = d.empty((H, T, D), dt)
             ops.gemm(P.reshape(Hk, g * T, T), vh, oh.reshape(Hk, g * T, D), batch=Hk)
             ops.transpose_heads(oh, att[r].reshape(T, H, D))
@@ -487,8 +489,8 @@ class LlamaModel:
             dSg = dS.reshape(Hk, g * T, T)
             ops.gemm(dSg, kh, dqh.reshape(Hk, g * T, D), batch=Hk)                  # dQ = dS K
             ops.gemm(dSg, qh.reshape(Hk, g * T, D), dkh, trans_a=True, batch=Hk)    # dK = dS^T Q
-            ops.rope(dqh, self._pos, self.inv_freq, -1.0)
-            ops.rope(dkh, self._pos, self.inv_freq, -1.0)
+            ops.rope(dqh, self._row_pos(b), self.inv_freq, -1.0)
+            ops.rope(dkh, self._row_pos(b), self.inv_freq, -1.0)
             ops.transpose_heads(dqh, dq[r].reshape(T, H, D))
             ops.transpose_heads(dkh, dk[r].reshape(T, Hk, D))
             ops.transpose_heads(dvh, dv[r].reshape(T, Hk, D))
@@ -551,18 +553,49 @@ class LlamaModel:
 
     # -- whole model -----------------------------------------------------------------------
 
-    def _setup(self, shape):
+    def _row_arrays(self, a, what, shape):
+        if a is None:
+            return None
+        a = np.asarray(a)
+        if a.ndim == 1:
+            a = a[None, :]
+        if a.shape != tuple(shape) or not np.issubdtype(a.dtype, np.integer):
+            raise ValueError(f"[LlamaModel] {what} must be a {tuple(shape)} integer array like ids, "
+                             f"got shape {a.shape} dtype {a.dtype}")
+        return a.astype(np.int32)
+
+    def _setup(self, shape, segments=None, positions=None):
+        """Per-call state. positions (B, T) replace arange(T) in the rotary embedding of each
+        row; segments (B, T) restrict attention to keys of the query's own segment (packed
+        samples)."""
         B, T = shape
-        if T > self.config.max_position_embeddings:
-            raise ValueError(f"[LlamaModel] sequence length {T} exceeds max_position_embeddings "
-                             f"{self.config.max_position_embeddings}")
+        seg = self._row_arrays(segments, "segments", shape)
+        pos = self._row_arrays(positions, "positions", shape)
+        mp = self.config.max_position_embeddings
+        if pos is not None:
+            if pos.min() < 0 or pos.max() >= mp:
+                raise ValueError(f"[LlamaModel] positions must lie in [0, {mp}) (max_position_embeddings), "
+                                 f"got [{pos.min()}, {pos.max()}]")
+        elif T > mp:
+            raise ValueError(f"[LlamaModel] sequence length {T} exceeds max_position_embeddings {mp}")
         sw = self.config.sliding_window
-        if sw is not None and T > sw:
-            raise ValueError(f"[LlamaModel] sequence length {T} exceeds the sliding window {sw} of "
-                             f"{self.config.source}: windowed attention is not implemented")
+        if sw is not None:
+            span = T
+            if seg is not None:  # the longest run of one segment bounds the attention span
+                edges = np.concatenate([np.ones((B, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+                run_starts = np.flatnonzero(np.concatenate([edges.reshape(-1), [True]]))
+                span = int(np.diff(run_starts).max())
+            if span > sw:
+                raise ValueError(f"[LlamaModel] sequence length {span} exceeds the sliding window {sw} of "
+                                 f"{self.config.source}: windowed attention is not implemented")
         self._BT = (B, T)
         self._pos = self.dev.tensor(np.arange(T, dtype=np.int32), "i32")
+        self._pos_rows = None if pos is None else [self.dev.tensor(pos[b], "i32") for b in range(B)]
+        self._seg_rows = None if seg is None else [self.dev.tensor(seg[b], "i32") for b in range(B)]
         self._scale = 1.0 / math.sqrt(self.D)
+
+    def _row_pos(self, b):
+        return self._pos if self._pos_rows is None else self._pos_rows[b]
 
     def _trunk_forward(self, ids_t, keep):
         """Embeddings and decoder layers; returns the final normed hidden state and saved state."""
@@ -620,15 +653,16 @@ class LlamaModel:
             ops.gemm(ones, rows_loss.reshape(N, 1), out, alpha=1.0 / n_valid)
         return out.reshape(1)
 
-    def forward_backward(self, ids, targets, loss_scale=1.0):
+    def forward_backward(self, ids, targets, loss_scale=1.0, segments=None, positions=None):
         """Forward and backward of the mean cross entropy; LoRA gradients accumulate into
         lora_params.grads, multiplied by `loss_scale` (dynamic loss scaling of f16 training).
         Returns a (1,) f32 device tensor holding the unscaled loss (read it after the step,
-        e.g. with read_loss())."""
+        e.g. with read_loss()). Packed rows pass segments and positions (B, T) (krnl.data.pack):
+        attention stays within a segment and rotary positions are per token."""
         ids_t, shape, ia = self._ids(ids, "ids")
         self._check_ids(ia, "ids", False)
         tt, n_valid = self._targets(targets, shape)
-        self._setup(shape)
+        self._setup(shape, segments, positions)
         self._call_seed += 1
 
         def body():
@@ -676,12 +710,12 @@ class LlamaModel:
             ops.gemm(xn[r0:r1], self.head, logits, trans_b=True)
             fn(r0, r1, logits)
 
-    def loss(self, ids, targets):
+    def loss(self, ids, targets, segments=None, positions=None):
         """Forward only (eval, no dropout): the mean cross entropy as a float."""
         ids_t, shape, ia = self._ids(ids, "ids")
         self._check_ids(ia, "ids", False)
         tt, n_valid = self._targets(targets, shape)
-        self._setup(shape)
+        self._setup(shape, segments, positions)
         with self._eval_mode():
             N = shape[0] * shape[1]
             rows_loss = self.dev.empty((N,), "f32")
@@ -813,11 +847,11 @@ class LlamaModel:
 
         return _Eval()
 
-    def logits(self, ids):
+    def logits(self, ids, segments=None, positions=None):
         """(B, T, V) float32 numpy logits (forward only, no dropout)."""
         ids_t, shape, ia = self._ids(ids, "ids")
         self._check_ids(ia, "ids", False)
-        self._setup(shape)
+        self._setup(shape, segments, positions)
         N, V = shape[0] * shape[1], self.config.vocab_size
         out = self.dev.empty((N, V), self.dtype)
         with self._eval_mode():

@@ -49,16 +49,25 @@ class TrainConfig:
 
 
 class Batches:
-    """Deterministic shuffled batches of rows of (ids, targets); the position (epoch, index)
-    is all that is needed to continue the same sequence."""
+    """Deterministic shuffled batches of rows of (ids, targets) and, for packed rows, their
+    (segments, positions) (krnl.data.pack); the position (epoch, index) is all that is needed to
+    continue the same sequence. next() gives (ids, targets) or (ids, targets, segments, positions)."""
 
-    def __init__(self, ids, targets, batch_size, seed):
+    def __init__(self, ids, targets, batch_size, seed, segments=None, positions=None):
         ids, targets = np.asarray(ids, np.int32), np.asarray(targets, np.int32)
         if ids.shape != targets.shape or ids.ndim != 2:
             raise ValueError(f"[data] ids {ids.shape} and targets {targets.shape} must be equal 2-D shapes")
+        if (segments is None) != (positions is None):
+            raise ValueError("[data] segments and positions come together (packed rows)")
+        if segments is not None:
+            segments, positions = np.asarray(segments, np.int32), np.asarray(positions, np.int32)
+            if segments.shape != ids.shape or positions.shape != ids.shape:
+                raise ValueError(f"[data] segments {segments.shape} and positions {positions.shape} must have the "
+                                 f"shape of ids {ids.shape}")
         if len(ids) < batch_size:
             raise ValueError(f"[data] {len(ids)} samples are fewer than one batch of {batch_size}")
         self.ids, self.targets, self.batch_size, self.seed = ids, targets, batch_size, seed
+        self.segments, self.positions = segments, positions
         self.epoch, self.index = 0, 0
         self._order = None
 
@@ -73,6 +82,8 @@ class Batches:
             self.epoch, self.index, self._order = self.epoch + 1, 0, None
         rows = self._perm()[self.index * self.batch_size:(self.index + 1) * self.batch_size]
         self.index += 1
+        if self.segments is not None:
+            return self.ids[rows], self.targets[rows], self.segments[rows], self.positions[rows]
         return self.ids[rows], self.targets[rows]
 
     def state(self):
@@ -82,12 +93,27 @@ class Batches:
         self.epoch, self.index, self._order = int(s["epoch"]), int(s["index"]), None
 
 
+def _batch_args(batch):
+    """(ids, targets, {segments, positions} or {}) of a batch tuple of 2 or 4 arrays."""
+    if len(batch) > 2:
+        return batch[0], batch[1], {"segments": batch[2], "positions": batch[3]}
+    return batch[0], batch[1], {}
+
+
 class Trainer:
     def __init__(self, model, cfg, train, valid=None, out_dir="krnl_out", fingerprint=None, base_model="",
                  progress=True, on_step=None):
         cfg.validate()
         self.model, self.cfg, self.valid = model, cfg, valid
-        self.data = Batches(train[0], train[1], cfg.batch_size, cfg.seed)
+        # train: (ids, targets[, segments, positions]) arrays, a krnl.data.Split (its batches()),
+        # or a batch source with next(), state() and load_state().
+        if hasattr(train, "batches"):
+            self.data = train.batches(cfg.batch_size, cfg.seed)
+        elif hasattr(train, "next"):
+            self.data = train
+        else:
+            self.data = Batches(train[0], train[1], cfg.batch_size, cfg.seed,
+                                *(train[2:4] if len(train) > 2 else ()))
         self.out = Path(out_dir)
         self.fingerprint = fingerprint or {}
         self.base_model = base_model
@@ -132,11 +158,18 @@ class Trainer:
     def evaluate(self):
         if self.valid is None:
             return None
-        ids, tg = self.valid
         bs, total = self.cfg.batch_size, []
+        if hasattr(self.valid, "eval_batches"):  # a krnl.data.Split
+            for batch in self.valid.eval_batches(bs)[:self.cfg.val_batches]:
+                ids, tg, kw = _batch_args(batch)
+                total.append(self.model.loss(ids, tg, **kw))
+            return float(np.mean(total))
+        ids, tg = self.valid[0], self.valid[1]
+        extra = self.valid[2:4] if len(self.valid) > 2 else None
         for b in range(min(self.cfg.val_batches, max(1, len(ids) // bs))):
             rows = slice(b * bs, (b + 1) * bs)
-            total.append(self.model.loss(ids[rows], tg[rows]))
+            kw = {"segments": extra[0][rows], "positions": extra[1][rows]} if extra else {}
+            total.append(self.model.loss(ids[rows], tg[rows], **kw))
         return float(np.mean(total))
 
     def run(self, metrics_path=None):
@@ -155,9 +188,9 @@ class Trainer:
                 self.step += 1
                 handles = []
                 for _ in range(cfg.grad_accum):
-                    ids, tg = self.data.next()
+                    ids, tg, kw = _batch_args(self.data.next())
                     with dev.step():  # one submission per micro-batch
-                        handles.append(model.forward_backward(ids, tg, loss_scale=self.opt.loss_scale))
+                        handles.append(model.forward_backward(ids, tg, loss_scale=self.opt.loss_scale, **kw))
                     tokens += int(np.count_nonzero(tg != -100))
                 info = self.opt.step(cfg.grad_accum)
                 loss = float(np.mean([h.numpy()[0] for h in handles]))  # read once the step is done

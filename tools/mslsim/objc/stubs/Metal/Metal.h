@@ -1,0 +1,110 @@
+// Hand-written stub of the Metal API subset a compute host uses (declarations only), so that
+// .mm files can be syntax- and type-checked with clang on Linux against ../Foundation.
+// Signatures follow Apple's Metal headers; availability macros are omitted.
+#pragma once
+#import <Foundation/Foundation.h>
+
+NS_ASSUME_NONNULL_BEGIN
+
+typedef NS_OPTIONS(NSUInteger, MTLResourceOptions) {
+  MTLResourceCPUCacheModeDefaultCache = 0,
+  MTLResourceStorageModeShared = 0 << 4,
+  MTLResourceStorageModeManaged = 1 << 4,
+  MTLResourceStorageModePrivate = 2 << 4,
+  MTLResourceHazardTrackingModeUntracked = 1 << 8,
+};
+typedef NS_ENUM(NSUInteger, MTLDataType) {
+  MTLDataTypeNone = 0, MTLDataTypeFloat = 3, MTLDataTypeHalf = 16, MTLDataTypeInt = 29, MTLDataTypeUInt = 33,
+  MTLDataTypeShort = 37, MTLDataTypeUShort = 41, MTLDataTypeBool = 53,
+};
+typedef NS_ENUM(NSUInteger, MTLCommandBufferStatus) {
+  MTLCommandBufferStatusNotEnqueued = 0, MTLCommandBufferStatusEnqueued = 1, MTLCommandBufferStatusCommitted = 2,
+  MTLCommandBufferStatusScheduled = 3, MTLCommandBufferStatusCompleted = 4, MTLCommandBufferStatusError = 5,
+};
+typedef NS_ENUM(NSUInteger, MTLLanguageVersion) { MTLLanguageVersion3_0 = (3 << 16), MTLLanguageVersion3_1 = (3 << 16) + 1 };
+
+typedef struct { NSUInteger width, height, depth; } MTLSize;
+static inline MTLSize MTLSizeMake(NSUInteger w, NSUInteger h, NSUInteger d) { MTLSize s = {w, h, d}; return s; }
+
+@protocol MTLDevice;
+@protocol MTLResource <NSObject>
+@property (nullable, copy) NSString* label;
+@property (readonly) id<MTLDevice> device;
+@end
+@protocol MTLBuffer <MTLResource>
+@property (readonly) NSUInteger length;
+- (void*)contents;
+- (void)didModifyRange:(NSRange)range;
+@end
+@interface MTLFunctionConstantValues : NSObject
+- (void)setConstantValue:(const void*)value type:(MTLDataType)type atIndex:(NSUInteger)index;
+- (void)setConstantValue:(const void*)value type:(MTLDataType)type withName:(NSString*)name;
+- (void)setConstantValues:(const void*)values type:(MTLDataType)type withRange:(NSRange)range;
+- (void)reset;
+@end
+@interface MTLCompileOptions : NSObject
+@property (readwrite, nonatomic) BOOL fastMathEnabled;
+@property (readwrite, nonatomic) MTLLanguageVersion languageVersion;
+@property (nullable, readwrite, copy, nonatomic) NSDictionary<NSString*, NSObject*>* preprocessorMacros;
+@end
+@protocol MTLFunction <NSObject>
+@property (readonly) NSString* name;
+@property (readonly) id<MTLDevice> device;
+@end
+@protocol MTLLibrary <NSObject>
+- (nullable id<MTLFunction>)newFunctionWithName:(NSString*)functionName;
+- (nullable id<MTLFunction>)newFunctionWithName:(NSString*)name
+                                 constantValues:(MTLFunctionConstantValues*)constantValues
+                                          error:(__autoreleasing NSError**)error;
+@property (readonly) NSArray<NSString*>* functionNames;
+@end
+@protocol MTLComputePipelineState <NSObject>
+@property (readonly) NSUInteger maxTotalThreadsPerThreadgroup;
+@property (readonly) NSUInteger threadExecutionWidth;
+@property (readonly) NSUInteger staticThreadgroupMemoryLength;
+@end
+@protocol MTLCommandEncoder <NSObject>
+- (void)endEncoding;
+@end
+@protocol MTLComputeCommandEncoder <MTLCommandEncoder>
+- (void)setComputePipelineState:(id<MTLComputePipelineState>)state;
+- (void)setBytes:(const void*)bytes length:(NSUInteger)length atIndex:(NSUInteger)index;
+- (void)setBuffer:(nullable id<MTLBuffer>)buffer offset:(NSUInteger)offset atIndex:(NSUInteger)index;
+- (void)setThreadgroupMemoryLength:(NSUInteger)length atIndex:(NSUInteger)index;
+- (void)dispatchThreadgroups:(MTLSize)threadgroupsPerGrid threadsPerThreadgroup:(MTLSize)threadsPerThreadgroup;
+- (void)dispatchThreads:(MTLSize)threadsPerGrid threadsPerThreadgroup:(MTLSize)threadsPerThreadgroup;
+@end
+@protocol MTLCommandBuffer <NSObject>
+- (nullable id<MTLComputeCommandEncoder>)computeCommandEncoder;
+- (void)commit;
+- (void)waitUntilCompleted;
+@property (readonly) MTLCommandBufferStatus status;
+@property (nullable, readonly) NSError* error;
+@property (readonly) double GPUStartTime;
+@property (readonly) double GPUEndTime;
+@end
+@protocol MTLCommandQueue <NSObject>
+- (nullable id<MTLCommandBuffer>)commandBuffer;
+@end
+@protocol MTLDevice <NSObject>
+@property (readonly) NSString* name;
+@property (readonly) NSUInteger maxThreadgroupMemoryLength;
+- (nullable id<MTLCommandQueue>)newCommandQueue;
+- (nullable id<MTLBuffer>)newBufferWithLength:(NSUInteger)length options:(MTLResourceOptions)options;
+- (nullable id<MTLBuffer>)newBufferWithBytes:(const void*)pointer length:(NSUInteger)length options:(MTLResourceOptions)options;
+- (nullable id<MTLLibrary>)newLibraryWithSource:(NSString*)source options:(nullable MTLCompileOptions*)options
+                                         error:(__autoreleasing NSError**)error;
+- (nullable id<MTLLibrary>)newLibraryWithURL:(NSURL*)url error:(__autoreleasing NSError**)error;
+- (nullable id<MTLComputePipelineState>)newComputePipelineStateWithFunction:(id<MTLFunction>)computeFunction
+                                                                      error:(__autoreleasing NSError**)error;
+@end
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+id<MTLDevice> _Nullable MTLCreateSystemDefaultDevice(void);
+#ifdef __cplusplus
+}
+#endif
+
+NS_ASSUME_NONNULL_END

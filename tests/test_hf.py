@@ -442,3 +442,21 @@ def test_cli_trains_an_hf_model_from_a_yaml_config(folders, tmp_path, capsys):
     bad.write_text("iterz: 3\n")
     with pytest.raises(SystemExit, match="unknown option 'iterz'"):
         main(["train", "--config", str(bad)])
+
+
+def test_cli_generate_wraps_the_prompt_in_the_chat_template(folders, tmp_path, capsys):
+    from krnl.cli import main
+
+    base = tmp_path / "chat"
+    shutil.copytree(folders["llama"], base)
+    # A template whose rendering is plain words of this tokenizer: "w1 <content> w2" (+ "w3" to prompt).
+    tpl = "{% for m in messages %}w1 {{ m['content'] }} w2 {% endfor %}{% if add_generation_prompt %}w3{% endif %}"
+    (base / "tokenizer_config.json").write_text(json.dumps({"chat_template": tpl, "eos_token": "</s>"}))
+    ad = _peft_adapter(base, tmp_path / "peft", 4, r=2, lora_alpha=4, target_modules=["v_proj"])
+    model = hf.load_model(base, krnl.device("cpu"), adapter=ad)
+    for flag, prompt_ids in (([], [1, 5, 7, 2, 3]), (["--raw-prompt"], [5, 7])):
+        capsys.readouterr()
+        assert main(["generate", "--adapter-path", str(ad), "--prompt", "w5 w7", "--max-tokens", "3"] + flag) == 0
+        want = model.generate(prompt_ids, max_new_tokens=3, eos_id=0)
+        words = " ".join(f"w{i}" for i in (want[:want.index(0)] if 0 in want else want))
+        assert capsys.readouterr().out.strip() == "w5 w7" + words

@@ -255,7 +255,14 @@ def cmd_generate(args):
         from .tokenizer import Tokenizer
 
         tok = Tokenizer.from_folder(_adapter_base(args))
-    ids = tok.encode(args.prompt)
+        if tok.has_chat_template and not args.raw_prompt:
+            # As mlx-lm does: the prompt is the user's turn of a chat rendered by the checkpoint.
+            text = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+            ids = tok.encode(text, add_special_tokens=False)
+        else:
+            ids = tok.encode(args.prompt)
+    else:
+        ids = tok.encode(args.prompt)
     out = model.generate(ids, max_new_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p,
                          seed=args.seed, eos_id=tok.eos_id)
     print(args.prompt + tok.decode(out))
@@ -359,6 +366,8 @@ def main(argv=None):
     g.add_argument("--max-tokens", type=int, default=16)
     g.add_argument("--temp", type=float, default=0.0, help="0: greedy")
     g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--raw-prompt", action="store_true",
+                   help="send the prompt as is (default: as a user turn of the model's chat template, if any)")
     g.set_defaults(fn=cmd_generate)
 
     f = sub.add_parser("fuse", help="merge an adapter into its base model and write an HF folder")

@@ -649,8 +649,9 @@ def _bad_calls(dev):
         ("gemm", lambda: ops.gemm(z((4, 5)), z((5, 3)), z((4, 3), "f16")), None),
         ("gemm", lambda: ops.gemm(z((4, 5), "i32"), z((5, 3), "i32"), z((4, 3), "i32")), None),
         ("gemm", lambda: ops.gemm(z((5, 4)).T, z((5, 3)), z((4, 3))), "contiguous"),
-        ("gemm", lambda: ops.gemm(x48[:, :5], z((5, 3)), z((4, 3))), "contiguous"),
-        ("gemm", lambda: ops.gemm(z((4, 5)), z((5, 8))[:, 2:5], z((4, 3))), "contiguous"),
+        # Row-strided 2-D views (column blocks) are valid GEMM operands, but only unbatched.
+        ("gemm", lambda: ops.gemm(x48[:, :5], z((5, 3)), z((2, 4, 3)), batch=2, stride_a=5), "row-strided"),
+        ("gemm", lambda: ops.gemm(z((2, 4, 5)), z((5, 3)), z((4, 8))[:, 2:5], batch=2), "row-strided"),
         ("gemm", lambda: ops.gemm(z((4, 64)), z((64, 3)), z((4, 3)), split_k=3), "split_k"),
         ("gemm", lambda: ops.gemm(z((2, 4, 5)), z((2, 5, 3)), z((2, 4, 3)), batch=2, stride_c=0), "overlap"),
         ("gemm", lambda: ops.gemm(z((2, 4, 5)), z((2, 5, 3)), z((2, 4, 3)), batch=2, stride_c=6), "overlap"),

@@ -304,3 +304,39 @@ def test_gemm_offset_views(dev, dt, cdt):
     got = read(out)
     assert float(np.max(np.abs(got[2:4] - ref))) <= gemm_bound(K, cdt, ref, 1.0, a3[1:3], b[0:2])
     np.testing.assert_array_equal(got[[0, 1, 4]], c3[[0, 1, 4]], err_msg="write outside the batched C view")
+
+
+@pytest.mark.parametrize("trans", list(TRANS), ids=list(TRANS))
+@pytest.mark.parametrize("dt,cdt", DTYPE_PAIRS, ids=PAIR_IDS)
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_gemm_row_strided_views(dev, trans, dt, cdt, split_k):
+    """Column blocks of wider matrices (row stride > columns), as the fused q|k|v projection
+    uses: each operand a block of a wider tensor; C's block is written with beta != 0 and
+    nothing outside it moves."""
+    ta, tb = TRANS[trans]
+    rng = np.random.default_rng(11)
+    M, N, K = 31, 33, 99
+    a_shape, b_shape = ((K, M) if ta else (M, K)), ((N, K) if tb else (K, N))
+    wideA, a = upload(dev, rng.standard_normal((a_shape[0], a_shape[1] + 7)), dt)
+    wideB, b = upload(dev, rng.standard_normal((b_shape[0], b_shape[1] + 5)), dt)
+    wideC, c = upload(dev, rng.standard_normal((M, N + 9)), cdt)
+    A, B, C = wideA[:, 3:3 + a_shape[1]], wideB[:, 5:], wideC[:, 4:4 + N]
+    assert not (A.is_contiguous() or B.is_contiguous() or C.is_contiguous())
+    ops.gemm(A, B, C, trans_a=ta, trans_b=tb, alpha=0.75, beta=0.5, split_k=split_k)
+    sa, sb = a[:, 3:3 + a_shape[1]], b[:, 5:]
+    opa, opb = (sa.T if ta else sa), (sb.T if tb else sb)
+    ref = 0.75 * opa @ opb + 0.5 * c[:, 4:4 + N]
+    got = read(wideC)
+    assert float(np.max(np.abs(got[:, 4:4 + N] - ref))) <= gemm_bound(K, cdt, ref, 0.75, opa, opb, 0.5, c[:, 4:4 + N])
+    outside = np.ones(c.shape, bool)
+    outside[:, 4:4 + N] = False
+    np.testing.assert_array_equal(got[outside], c[outside], err_msg="write outside the C block")
+
+
+def test_gemm_row_strided_operand_broadcast_over_a_batch(dev):
+    rng = np.random.default_rng(12)
+    wide, w = upload(dev, rng.standard_normal((5, 12)), "f32")
+    stackB, b = upload(dev, rng.standard_normal((3, 8, 4)), "f32")
+    out = dev.empty((3, 5, 4))
+    ops.gemm(wide[:, 2:10], stackB, out, batch=3)  # the (5, 8) block times each of 3 matrices
+    np.testing.assert_allclose(read(out), w[:, 2:10] @ b, rtol=1e-5, atol=1e-5)

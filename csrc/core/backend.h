@@ -22,7 +22,8 @@ struct NotImplementedError : std::logic_error {
 };
 
 // gemm: C[b] = alpha * op(A[b]) * op(B[b]) + beta * C[b] for b < batch; matrices at element
-// offsets b*stride_*; stride 0 broadcasts one matrix. Accumulation is fp32.
+// offsets b*stride_*; stride 0 broadcasts one matrix. Accumulation is fp32. The only strided
+// views any op accepts are 2-D row-strided GEMM operands (unit column stride, row stride ld).
 struct GemmArgs {
   Tensor A, B, C;
   bool trans_a = false, trans_b = false;
@@ -30,6 +31,9 @@ struct GemmArgs {
   int64_t M = 0, N = 0, K = 0;  // C is (M, N); op(A) is (M, K); op(B) is (K, N)
   int64_t batch = 1;
   int64_t stride_a = 0, stride_b = 0, stride_c = 0;  // elements
+  // Row strides of the stored matrices (elements): their column counts for contiguous operands,
+  // larger for a 2-D column-block view (e.g. the q part of a fused (T, q|k|v) projection).
+  int64_t lda = 0, ldb = 0, ldc = 0;
   int64_t split_k = 1;  // resolved by the router: 1 = plain, s > 1 = s K-slices + reduce
 };
 

@@ -16,12 +16,17 @@ struct Check {
   [[noreturn]] void fail(const std::string& msg) const { throw std::invalid_argument(std::string("[") + op + "] " + msg); }
 
   const Tensor& tensor(const char* name, const Tensor& x) {
+    tensor_any(name, x);
+    if (!x.is_contiguous()) fail(std::string(name) + " must be contiguous, got " + x.describe());
+    return x;
+  }
+  // Defined and on the op's device; layout checked by the caller.
+  const Tensor& tensor_any(const char* name, const Tensor& x) {
     if (!x.defined()) fail(std::string(name) + " is undefined");
     if (!dev)
       dev = x.device();
     else if (x.device() != dev)
       fail(std::string(name) + " is on " + x.device()->name() + " but the other operands are on " + dev->name());
-    if (!x.is_contiguous()) fail(std::string(name) + " must be contiguous, got " + x.describe());
     return x;
   }
   void dtype(const char* name, const Tensor& x, std::initializer_list<DType> ok) {
@@ -78,13 +83,21 @@ double nbytes(std::initializer_list<const Tensor*> ts) {
 }
 
 struct GemmOperand {
-  int64_t rows, cols, stride;
+  int64_t rows, cols, stride, ld;
 };
 
 GemmOperand gemm_operand(Check& c, const char* name, const Tensor& X, int64_t batch, int64_t stride, bool is_output) {
+  if (X.defined() && X.dim() == 2 && !X.is_contiguous() && X.strides()[1] == 1 && X.strides()[0] >= X.size(1)) {
+    // A row-strided 2-D view (a column block): one matrix, never batched over.
+    c.tensor_any(name, X);
+    if (batch > 1 && stride != 0 && !(stride < 0 && !is_output))
+      c.fail(std::string(name) + " is a row-strided view; it can only be broadcast (stride 0) across a batch");
+    if (batch > 1 && is_output) c.fail(std::string(name) + " is a row-strided view and cannot be a batched output");
+    return {X.size(0), X.size(1), 0, X.strides()[0]};
+  }
   c.tensor(name, X);
   if (X.dim() != 2 && X.dim() != 3) c.fail(std::string(name) + " must be 2-D or 3-D (batch, rows, cols), got " + X.describe());
-  GemmOperand o{X.size(-2), X.size(-1), 0};
+  GemmOperand o{X.size(-2), X.size(-1), 0, X.size(-1)};
   const int64_t mat = o.rows * o.cols;
   if (X.dim() == 3 && X.size(0) != batch && stride < 0)
     c.fail(std::string(name) + " has leading dimension " + std::to_string(X.size(0)) + " but batch is " + std::to_string(batch));
@@ -120,6 +133,7 @@ GemmArgs gemm_args(Check& c, const Tensor& A, const Tensor& B, const Tensor& C, 
   if (o.rows != g.M || o.cols != g.N)
     c.fail("C must be (" + std::to_string(g.M) + ", " + std::to_string(g.N) + ") per batch entry, got " + C.describe());
   g.stride_a = a.stride, g.stride_b = b.stride, g.stride_c = o.stride;
+  g.lda = a.ld, g.ldb = b.ld, g.ldc = o.ld;
   if (split_k < 0) {
     g.split_k = plan_split_k(g.M, g.N, g.K, batch, c.dev->split_k_config()).splits;
   } else if (split_k <= 1) {

@@ -60,19 +60,26 @@ void register_second_backend() {
 
 namespace {
 
-// Matrix b of operand t as f32: f32 tensors in place, others converted into buf.
-const float* as_f32(const Tensor& t, int64_t off, int64_t count, std::vector<float>& buf) {
+// A (rows, cols) matrix with row stride ld at element offset off of t, as f32: f32 tensors in
+// place (ld unchanged), others converted into buf packed (ld becomes cols).
+const float* as_f32(const Tensor& t, int64_t off, int64_t rows, int64_t cols, int64_t& ld, std::vector<float>& buf) {
   if (t.dtype() == DType::f32) return t.ptr<float>() + off;
-  buf.resize(size_t(count));
-  load_all(t.dtype(), t.data(), off, count, buf.data());
+  buf.resize(size_t(rows * cols));
+  if (ld == cols) {
+    load_all(t.dtype(), t.data(), off, rows * cols, buf.data());
+  } else {
+    for (int64_t r = 0; r < rows; ++r) load(t.dtype(), t.data(), off + r * ld, cols, buf.data() + r * cols);
+  }
+  ld = cols;
   return buf.data();
 }
 
-// C = sum_s alpha * op(A)[:, slice s] * op(B)[slice s, :] + beta * C, all f32, C (M, N) dense.
+// C = sum_s alpha * op(A)[:, slice s] * op(B)[slice s, :] + beta * C, all f32, C (M, N) with
+// row stride ldc.
 // Slices run as single-threaded BLAS calls on the pool, at most one wave of pool-size slices
 // at a time (bounded partial memory); partials are summed in slice order, so the result does
 // not depend on the thread count.
-void gemm_split_k(const GemmArgs& g, const float* A, int64_t lda, const float* B, int64_t ldb, float* C) {
+void gemm_split_k(const GemmArgs& g, const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc) {
   ThreadPool& pool = ThreadPool::global();
   const int64_t M = g.M, N = g.N, S = g.split_k, kp = g.K / S, MN = M * N;
   const int64_t W = std::min<int64_t>(S, pool.size());
@@ -93,10 +100,12 @@ void gemm_split_k(const GemmArgs& g, const float* A, int64_t lda, const float* B
       for (int64_t j = b; j < e; ++j) {
         float v = first ? part[size_t(j)] : acc[size_t(j)] + part[size_t(j)];
         for (int64_t i = 1; i < ns; ++i) v += part[size_t(i * MN + j)];
-        if (!last)
+        if (!last) {
           acc[size_t(j)] = v;
-        else
-          C[j] = g.beta == 0.f ? v : v + g.beta * C[j];  // beta == 0 never reads C (BLAS rule)
+        } else {
+          float& c = C[(j / N) * ldc + j % N];
+          c = g.beta == 0.f ? v : v + g.beta * c;  // beta == 0 never reads C (BLAS rule)
+        }
       }
     });
   }
@@ -118,33 +127,45 @@ void scale_output(const Tensor& C, int64_t off, int64_t n, float beta) {
 void CpuBackend::gemm(const GemmArgs& g) {
   const int64_t M = g.M, N = g.N, K = g.K;
   if (M == 0 || N == 0) return;
+  const DType cdt = g.C.dtype();
   if (K == 0) {
-    for (int64_t b = 0; b < g.batch; ++b) scale_output(g.C, b * g.stride_c, M * N, g.beta);
+    for (int64_t b = 0; b < g.batch; ++b)
+      for (int64_t r = 0; r < M; ++r) scale_output(g.C, b * g.stride_c + r * g.ldc, N, g.beta);
     return;
   }
-  // Stored shapes: A is (M, K) or (K, M), B is (K, N) or (N, K); lda/ldb are their row lengths.
-  const int64_t lda = g.trans_a ? M : K, ldb = g.trans_b ? K : N;
-  const DType cdt = g.C.dtype();
+  // Stored shapes: A is (M, K) or (K, M), B is (K, N) or (N, K), each with its row stride.
+  const int64_t a_rows = g.trans_a ? K : M, a_cols = g.trans_a ? M : K;
+  const int64_t b_rows = g.trans_b ? N : K, b_cols = g.trans_b ? K : N;
   std::vector<float> abuf, bbuf, cbuf;
   const float* Af = nullptr;
   const float* Bf = nullptr;
+  int64_t lda = g.lda, ldb = g.ldb;
   for (int64_t b = 0; b < g.batch; ++b) {
     // A broadcast operand (stride 0) is converted once.
-    if (b == 0 || g.stride_a != 0) Af = as_f32(g.A, b * g.stride_a, M * K, abuf);
-    if (b == 0 || g.stride_b != 0) Bf = as_f32(g.B, b * g.stride_b, K * N, bbuf);
+    if (b == 0 || g.stride_a != 0) lda = g.lda, Af = as_f32(g.A, b * g.stride_a, a_rows, a_cols, lda, abuf);
+    if (b == 0 || g.stride_b != 0) ldb = g.ldb, Bf = as_f32(g.B, b * g.stride_b, b_rows, b_cols, ldb, bbuf);
     float* Cf;
+    int64_t ldc = g.ldc;
+    const int64_t c_off = b * g.stride_c;
     if (cdt == DType::f32) {
-      Cf = g.C.ptr<float>() + b * g.stride_c;
+      Cf = g.C.ptr<float>() + c_off;
     } else {
       cbuf.resize(size_t(M * N));
       Cf = cbuf.data();
-      if (g.beta != 0.f) load_all(cdt, g.C.data(), b * g.stride_c, M * N, Cf);
+      ldc = N;
+      if (g.beta != 0.f)
+        for (int64_t r = 0; r < M; ++r) load(cdt, g.C.data(), c_off + r * g.ldc, N, Cf + r * N);
     }
     if (g.split_k > 1)
-      gemm_split_k(g, Af, lda, Bf, ldb, Cf);
+      gemm_split_k(g, Af, lda, Bf, ldb, Cf, ldc);
     else
-      sgemm(g.trans_a, g.trans_b, M, N, K, g.alpha, Af, lda, Bf, ldb, g.beta, Cf, N);
-    if (cdt != DType::f32) store_all(cdt, Cf, M * N, g.C.data(), b * g.stride_c);
+      sgemm(g.trans_a, g.trans_b, M, N, K, g.alpha, Af, lda, Bf, ldb, g.beta, Cf, ldc);
+    if (cdt != DType::f32) {
+      if (g.ldc == N)
+        store_all(cdt, Cf, M * N, g.C.data(), c_off);
+      else
+        for (int64_t r = 0; r < M; ++r) store(cdt, Cf + r * N, N, g.C.data(), c_off + r * g.ldc);
+    }
   }
 }
 

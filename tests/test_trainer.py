@@ -30,6 +30,8 @@ def _frozen_bits(model):
     out = {"embed": model.embed.numpy().copy(), "norm": model.norm_w.numpy().copy()}
     for i, L in enumerate(model.layers):
         for name, lin in L.items():
+            if lin is None:  # no q/k/v bias
+                continue
             if hasattr(lin, "W"):
                 out[f"{i}.{name}"] = lin.W.numpy().copy()
             else:

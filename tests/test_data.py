@@ -438,7 +438,6 @@ def test_length_sorted_batches():
     seen = []
     for _ in range(3):                                 # one epoch: 10 // 3 full batches
         ids, tg = lsb.next()
-        lens = sorted(int((row != IGNORE_INDEX).sum()) for row in tg)
         assert ids.shape[0] == 3 and ids.shape == tg.shape
         seen.append(ids.shape[1])
     assert sorted(seen) == [3, 6, 9]                   # batches of lengths (1,2,3), (4,5,6), (7,8,9)

@@ -6,7 +6,6 @@ import json
 import numpy as np
 import pytest
 
-import krnl
 from krnl.checkpoint import load_checkpoint
 from krnl.cli import main
 from krnl.default_task import CharTokenizer, base_weights, make_split, tiny_config

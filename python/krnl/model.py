@@ -463,16 +463,38 @@ class LlamaModel:
 
     # -- layers ----------------------------------------------------------------------------
 
+    def _qkv_forward(self, L, xn, cache):
+        """q|k|v = xn Wqkv^T (+ bias) (+ LoRA into each column block): (rows, (H + 2 Hk) D)."""
+        rows = xn.shape[0]
+        qkv = self.dev.empty((rows, (self.H + 2 * self.Hk) * self.D), self.dtype)
+        ops.gemm(xn, L["qkv"], qkv, trans_b=True)
+        if L["qkv_bias"] is not None:
+            ops.gemm(self._ones(rows), L["qkv_bias"], qkv, beta=1.0)
+        for m in QKV_MODULES:
+            c0, c1 = self._qkv_cols[m]
+            cache[m] = L[m].lora_forward(xn, qkv[:, c0:c1])
+        return qkv
+
+    def _mlp_forward(self, L, h, cache):
+        """out = h + down(silu(gate(hn)) * up(hn)) with hn = rmsnorm(h); saves what backward needs."""
+        d, dt, c = self.dev, self.dtype, self.config
+        N, C, F = h.shape[0], c.hidden_size, c.intermediate_size
+        hn, r2 = d.empty((N, C), dt), d.empty((N,), "f32")
+        ops.rmsnorm_forward(h, L["n2"], hn, r2, c.rms_norm_eps)
+        gt, ut, a = d.empty((N, F), dt), d.empty((N, F), dt), d.empty((N, F), dt)
+        cache["gate_ctx"] = L["gate_proj"].forward(hn, gt)
+        cache["up_ctx"] = L["up_proj"].forward(hn, ut)
+        ops.swiglu_forward(gt, ut, a)
+        out = d.empty((N, C), dt)
+        cache["down_ctx"] = L["down_proj"].forward(a, out)
+        ops.add(out, h, out)                                              # out = h + mlp
+        cache.update(hn=hn, r2=r2, g=gt, u=ut, a=a)
+        return out
+
     def _attention_forward(self, L, xn, B, T, cache):
         d, dt, H, Hk, D, g = self.dev, self.dtype, self.H, self.Hk, self.D, self.g
         N, NH = B * T, H + 2 * Hk
-        qkv = d.empty((N, NH * D), dt)
-        ops.gemm(xn, L["qkv"], qkv, trans_b=True)                        # q|k|v = xn Wqkv^T  (N, NH*D)
-        if L["qkv_bias"] is not None:
-            ops.gemm(self._ones(N), L["qkv_bias"], qkv, beta=1.0)
-        for m in QKV_MODULES:                                             # LoRA into each column block
-            c0, c1 = self._qkv_cols[m]
-            cache[m] = L[m].lora_forward(xn, qkv[:, c0:c1])
+        qkv = self._qkv_forward(L, xn, cache)
         att = d.empty((N, H * D), dt)
         per = []
         for b in range(B):
@@ -530,25 +552,16 @@ class LlamaModel:
         d, dt, c = self.dev, self.dtype, self.config
         L = self.layers[i]
         B, T = self._BT
-        N, C, F = B * T, c.hidden_size, c.intermediate_size
-        eps = c.rms_norm_eps
+        N, C = B * T, c.hidden_size
         cache = {}
         xn, r1 = d.empty((N, C), dt), d.empty((N,), "f32")
-        ops.rmsnorm_forward(x, L["n1"], xn, r1, eps)
+        ops.rmsnorm_forward(x, L["n1"], xn, r1, c.rms_norm_eps)
         att = self._attention_forward(L, xn, B, T, cache)
         h = d.empty((N, C), dt)
         cache["o_ctx"] = L["o_proj"].forward(att, h)
         ops.add(h, x, h)                                                  # h = x + attn
-        hn, r2 = d.empty((N, C), dt), d.empty((N,), "f32")
-        ops.rmsnorm_forward(h, L["n2"], hn, r2, eps)
-        gt, ut, a = d.empty((N, F), dt), d.empty((N, F), dt), d.empty((N, F), dt)
-        cache["gate_ctx"] = L["gate_proj"].forward(hn, gt)
-        cache["up_ctx"] = L["up_proj"].forward(hn, ut)
-        ops.swiglu_forward(gt, ut, a)
-        out = d.empty((N, C), dt)
-        cache["down_ctx"] = L["down_proj"].forward(a, out)
-        ops.add(out, h, out)                                              # out = h + mlp
-        cache.update(xn=xn, r1=r1, h=h, hn=hn, r2=r2, g=gt, u=ut, a=a)
+        out = self._mlp_forward(L, h, cache)
+        cache.update(xn=xn, r1=r1, h=h)
         return out, cache
 
     def _layer_backward(self, i, x, cache, dout):
@@ -816,14 +829,9 @@ class LlamaModel:
                 Kc, Vc = kv[i]
                 xn, r = d.empty((n, C), dt), d.empty((n,), "f32")
                 ops.rmsnorm_forward(x, L["n1"], xn, r, c.rms_norm_eps)
-                q, k, v = d.empty((n, H * D), dt), d.empty((n, Hk * D), dt), d.empty((n, Hk * D), dt)
-                L["q_proj"].forward(xn, q)
-                L["k_proj"].forward(xn, k)
-                L["v_proj"].forward(xn, v)
-                qh, kh, vh = d.empty((H, n, D), dt), d.empty((Hk, n, D), dt), d.empty((Hk, n, D), dt)
-                ops.transpose_heads(q.reshape(n, H, D), qh)
-                ops.transpose_heads(k.reshape(n, Hk, D), kh)
-                ops.transpose_heads(v.reshape(n, Hk, D), vh)
+                heads = d.empty((H + 2 * Hk, n, D), dt)
+                ops.transpose_heads(self._qkv_forward(L, xn, {}).reshape(n, H + 2 * Hk, D), heads)
+                qh, kh, vh = heads[:H], heads[H:H + Hk], heads[H + Hk:]
                 ops.rope(qh, pos, self.inv_freq)
                 ops.rope(kh, pos, self.inv_freq)
                 oh = d.empty((H, n, D), dt)
@@ -841,16 +849,7 @@ class LlamaModel:
                 h = d.empty((n, C), dt)
                 L["o_proj"].forward(att, h)
                 ops.add(h, x, h)
-                hn, r2 = d.empty((n, C), dt), d.empty((n,), "f32")
-                ops.rmsnorm_forward(h, L["n2"], hn, r2, c.rms_norm_eps)
-                F = c.intermediate_size
-                gt, ut, a = d.empty((n, F), dt), d.empty((n, F), dt), d.empty((n, F), dt)
-                L["gate_proj"].forward(hn, gt)
-                L["up_proj"].forward(hn, ut)
-                ops.swiglu_forward(gt, ut, a)
-                x = d.empty((n, C), dt)
-                L["down_proj"].forward(a, x)
-                ops.add(x, h, x)
+                x = self._mlp_forward(L, h, {})
             last, xn, r = x[n - 1:n], d.empty((1, C), dt), d.empty((1,), "f32")
             ops.rmsnorm_forward(last, self.norm_w, xn, r, c.rms_norm_eps)
             logits = d.empty((1, c.vocab_size), "f32" if dt == "f32" else dt)

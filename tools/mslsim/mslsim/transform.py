@@ -36,6 +36,13 @@ def mask(text: str) -> str:
     out = list(text)
     i, n = 0, len(text)
     line_start = True
+
+    def blank_to_eol(i):
+        j = text.find("\n", i)
+        j = n if j < 0 else j
+        out[i:j] = " " * (j - i)
+        return j
+
     while i < n:
         c = text[i]
         if c == "\n":
@@ -43,20 +50,12 @@ def mask(text: str) -> str:
             i += 1
             continue
         if line_start and c == "#":
-            j = text.find("\n", i)
-            j = n if j < 0 else j
-            for k in range(i, j):
-                out[k] = " "
-            i = j
+            i = blank_to_eol(i)
             continue
         if c not in " \t":
             line_start = False
         if c == "/" and text.startswith("//", i):
-            j = text.find("\n", i)
-            j = n if j < 0 else j
-            for k in range(i, j):
-                out[k] = " "
-            i = j
+            i = blank_to_eol(i)
             continue
         if c == "/" and text.startswith("/*", i):
             j = text.find("*/", i + 2)

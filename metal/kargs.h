@@ -40,6 +40,35 @@ struct SoftmaxArgs {
     uint32_t has_segments;
 };
 
+// swiglu_forward (s = silu(g) * u) and swiglu_backward (dg, du from ds, g, u): flat buffers of n
+// elements.
+struct SwigluArgs {
+    uint32_t n;
+};
+
+// rope: x (rows, D) in place with rows = batch * T, row r at time t = r % T; positions (T,) i32,
+// inv_freq (R,) f32 with 2 * R <= D; theta = sign * positions[t] * inv_freq[i].
+struct RopeArgs {
+    uint32_t rows;
+    uint32_t T;
+    uint32_t D;
+    uint32_t R;
+    float    sign;
+};
+
+// rmsnorm_backward: dy, x, dx (rows, cols); w (cols,); rstd (rows,) f32 from the forward.
+struct RmsnormBackwardArgs {
+    uint32_t rows;
+    uint32_t cols;
+};
+
+// softmax_backward: P, dP, dS (rows, cols); dS = P * (dP - rowsum(dP * P)) * scale.
+struct SoftmaxBackwardArgs {
+    uint32_t rows;
+    uint32_t cols;
+    float    scale;
+};
+
 #ifdef __cplusplus
 #ifndef __METAL_VERSION__
 }  // namespace krnl::metal

@@ -68,3 +68,46 @@ template [[host_name("softmax_causal_forward_f32")]] [[kernel]]
 decltype(softmax_causal_forward<float>) softmax_causal_forward<float>;
 template [[host_name("softmax_causal_forward_f16")]] [[kernel]]
 decltype(softmax_causal_forward<half>) softmax_causal_forward<half>;
+
+// softmax_backward: dS = P * (dP - rowsum(dP * P)) * scale over rows of length cols (any mask is
+// already in P: masked entries are zeros there and stay zeros). One threadgroup per row
+// (grid = rows), any threadgroup size up to 1024; the row dot in float via simd_sum and one
+// partial per SIMD-group in threadgroup memory. dS may alias dP: every thread finishes reading
+// the row for the dot before the barrier, and afterwards reads and writes only its own elements.
+template <typename T>
+kernel void softmax_backward(device const T*               P    [[buffer(0)]],
+                             device const T*               dP   [[buffer(1)]],
+                             device T*                     dS   [[buffer(2)]],
+                             constant SoftmaxBackwardArgs& args [[buffer(3)]],
+                             uint row  [[threadgroup_position_in_grid]],
+                             uint tid  [[thread_position_in_threadgroup]],
+                             uint ntg  [[threads_per_threadgroup]],
+                             uint lane [[thread_index_in_simdgroup]],
+                             uint sg   [[simdgroup_index_in_threadgroup]],
+                             uint nsg  [[simdgroups_per_threadgroup]])
+{
+    threadgroup float part_dot[SM_MAX_SIMDGROUPS];
+
+    if (row >= args.rows) return;  // whole threadgroup: uniform, before any barrier
+    const uint cols = args.cols;
+    device const T* pr  = P + (ulong)row * cols;
+    device const T* dpr = dP + (ulong)row * cols;
+    device T*       dsr = dS + (ulong)row * cols;
+
+    float d = 0.0f;
+    for (uint j = tid; j < cols; j += ntg) d = fma(float(pr[j]), float(dpr[j]), d);
+    d = simd_sum(d);
+    if (lane == 0) part_dot[sg] = d;
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    float pd = 0.0f;
+    for (uint s = 0; s < nsg; ++s) pd += part_dot[s];  // same order in every thread
+
+    const float scale = args.scale;
+    for (uint j = tid; j < cols; j += ntg)
+        dsr[j] = T(float(pr[j]) * (float(dpr[j]) - pd) * scale);
+}
+
+template [[host_name("softmax_backward_f32")]] [[kernel]]
+decltype(softmax_backward<float>) softmax_backward<float>;
+template [[host_name("softmax_backward_f16")]] [[kernel]]
+decltype(softmax_backward<half>) softmax_backward<half>;

@@ -1,0 +1,46 @@
+// SwiGLU over flat contiguous buffers of n elements (g, u, s, ds, dg, du all the same shape).
+// swiglu_forward:  s = silu(g) * u, silu(g) = g * sig(g), sig(g) = 1 / (1 + exp(-g)).
+// swiglu_backward: du = ds * silu(g); dg = ds * u * sig * (1 + g * (1 - sig)).
+// Any n: a grid-stride loop with a bounds check. Half operands are computed in float and rounded
+// once on the store. In the backward every input of an element is read before either output is
+// written, so dg and/or du may alias ds (each element is owned by one thread).
+#include <metal_stdlib>
+#include "kargs.h"
+using namespace metal;
+
+template <typename T>
+kernel void swiglu_forward(device const T*      g    [[buffer(0)]],
+                           device const T*      u    [[buffer(1)]],
+                           device T*            s    [[buffer(2)]],
+                           constant SwigluArgs& args [[buffer(3)]],
+                           uint gid [[thread_position_in_grid]],
+                           uint gsz [[threads_per_grid]])
+{
+    for (uint i = gid; i < args.n; i += gsz) {
+        const float gi = float(g[i]), ui = float(u[i]);
+        s[i] = T(gi / (1.0f + exp(-gi)) * ui);
+    }
+}
+
+template <typename T>
+kernel void swiglu_backward(device const T*      ds   [[buffer(0)]],
+                            device const T*      g    [[buffer(1)]],
+                            device const T*      u    [[buffer(2)]],
+                            device T*            dg   [[buffer(3)]],
+                            device T*            du   [[buffer(4)]],
+                            constant SwigluArgs& args [[buffer(5)]],
+                            uint gid [[thread_position_in_grid]],
+                            uint gsz [[threads_per_grid]])
+{
+    for (uint i = gid; i < args.n; i += gsz) {
+        const float d = float(ds[i]), gi = float(g[i]), ui = float(u[i]);  // all reads first
+        const float sig = 1.0f / (1.0f + exp(-gi));
+        dg[i] = T(d * ui * sig * (1.0f + gi * (1.0f - sig)));
+        du[i] = T(d * gi * sig);
+    }
+}
+
+template [[host_name("swiglu_forward_f32")]]  [[kernel]] decltype(swiglu_forward<float>)  swiglu_forward<float>;
+template [[host_name("swiglu_forward_f16")]]  [[kernel]] decltype(swiglu_forward<half>)   swiglu_forward<half>;
+template [[host_name("swiglu_backward_f32")]] [[kernel]] decltype(swiglu_backward<float>) swiglu_backward<float>;
+template [[host_name("swiglu_backward_f16")]] [[kernel]] decltype(swiglu_backward<half>)  swiglu_backward<half>;

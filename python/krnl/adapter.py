@@ -5,37 +5,14 @@ atomically (temporary file in the same folder, fsync, rename)."""
 
 import json
 import re
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
+from .fileio import atomic_write_bytes, read_json_object
+
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
-
-
-def atomic_write_bytes(path, data):
-    """Replaces `path` with `data` so a reader sees the old file or the new one, never a part."""
-    atomic_write_chunks(path, (data,))
-
-
-def atomic_write_chunks(path, chunks):
-    """atomic_write_bytes for an iterable of byte strings (large files are streamed)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            for data in chunks:
-                f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def peft_config(lora, base_model="", layers=None):
@@ -69,30 +46,6 @@ def save_adapter(path, tensors, config):
     atomic_write_bytes(path / CONFIG_NAME, (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
 
 
-def load_adapter(path):
-    """(tensors, config) from a PEFT adapter folder; refuses pickle-based .bin weights."""
-    from safetensors.numpy import load_file
-
-    path = Path(path)
-    cfg_path, w_path = path / CONFIG_NAME, path / WEIGHTS_NAME
-    if not cfg_path.exists():
-        raise ValueError(f"[load_adapter] {cfg_path} not found")
-    if not w_path.exists():
-        if (path / "adapter_model.bin").exists():
-            raise ValueError(f"[load_adapter] {path / 'adapter_model.bin'} is a pickle file; krnl reads only "
-                             f"safetensors (convert it with PEFT: model.save_pretrained(..., safe_serialization=True))")
-        raise ValueError(f"[load_adapter] {w_path} not found")
-    try:
-        config = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"[load_adapter] {cfg_path}:{e.lineno}: {e.msg}") from None
-    try:
-        tensors = load_file(str(w_path))
-    except Exception as e:  # safetensors raises its own error types for truncated files
-        raise ValueError(f"[load_adapter] {w_path} is not a valid safetensors file: {e}") from None
-    return tensors, config
-
-
 # ---------------------------------------------------------------------------------------------
 # Adapters made by others: PEFT (safetensors) and mlx-lm layouts, checked against a model config.
 
@@ -101,18 +54,6 @@ MLX_WEIGHTS_NAME = "adapters.safetensors"
 _PEFT_KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)\."
                        r"lora_([AB])(?:\.([\w-]+))?\.weight$")
 _MLX_KEY = re.compile(r"^(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([ab])$")
-
-
-def _read_json(path, who):
-    try:
-        d = json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as e:
-        raise ValueError(f"[{who}] cannot read {path}: {e}") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"[{who}] {path}:{e.lineno}: malformed JSON: {e.msg}") from None
-    if not isinstance(d, dict):
-        raise ValueError(f"[{who}] {path}: expected a JSON object")
-    return d
 
 
 def _read_f32_tensors(path, who):
@@ -155,7 +96,7 @@ def read_adapter(path, config):
 
     path = Path(path)
     fmt = adapter_format(path)
-    cfg = _read_json(path / CONFIG_NAME, "adapter")
+    cfg = read_json_object(path / CONFIG_NAME, "adapter")
     who = f"adapter {path}"
     if fmt == "peft":
         if str(cfg.get("peft_type", "LORA")).upper() != "LORA":

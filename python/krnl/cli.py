@@ -99,12 +99,13 @@ def _lora_from_args(args):
 def _adapter_base(args):
     """The HF folder an adapter runs on: --model, else its base_model_name_or_path when that is a
     folder; None for the embedded default."""
-    from .adapter import CONFIG_NAME, _read_json, adapter_format
+    from .adapter import CONFIG_NAME, adapter_format
+    from .fileio import read_json_object
 
     if getattr(args, "model", None):
         return args.model
     adapter_format(args.adapter_path)  # refuses pickle files and empty folders first
-    cfg = _read_json(Path(args.adapter_path) / CONFIG_NAME, "adapter")
+    cfg = read_json_object(Path(args.adapter_path) / CONFIG_NAME, "adapter")
     base = cfg.get("base_model_name_or_path", cfg.get("model"))
     if base == DEFAULT_BASE:
         return None

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .adapter import atomic_write_bytes, atomic_write_chunks, read_adapter
+from .adapter import read_adapter
+from .fileio import atomic_write_bytes, atomic_write_chunks, read_json_object
 from .model import ATTN_MODULES, LlamaModel, ModelConfig, lora_key
 
 CONFIG_NAME = "config.json"
@@ -179,13 +180,7 @@ def read_config(folder):
     path = Path(folder) / CONFIG_NAME
     if not Path(folder).is_dir():
         raise ValueError(f"[hf] {folder} is not a folder")
-    try:
-        d = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise ValueError(f"[hf] cannot read {path}: {e}") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"[hf] {path}: malformed JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
-    return ModelConfig.from_dict(normalize_config(d), source=str(path))
+    return ModelConfig.from_dict(normalize_config(read_json_object(path, "hf")), source=str(path))
 
 
 def normalize_config(d):

@@ -10,6 +10,8 @@ import json
 from datetime import datetime
 from pathlib import Path
 
+from .fileio import read_json_object
+
 # The plain template of checkpoints that define none: "role: content" lines, each assistant
 # turn closed by the end token. Rendering a conversation up to any turn gives a prefix of the
 # whole rendering, which the prompt masking of krnl.data relies on. The generation prompt is
@@ -38,16 +40,6 @@ def _token_str(v):
     if isinstance(v, dict):
         v = v.get("content")
     return v if isinstance(v, str) else None
-
-
-def _read_json(path, what):
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"[tokenizer] {path}: malformed JSON at line {e.lineno}, column {e.colno}: {e.msg}") from e
-    except OSError as e:
-        raise ValueError(f"[tokenizer] cannot read {what} {path}: {e}") from e
 
 
 def compile_chat_template(source):
@@ -152,12 +144,12 @@ class Tokenizer:
             raise ValueError(f"[tokenizer] {tj}: cannot load: {e}") from e
         config = {}
         if (folder / "tokenizer_config.json").is_file():
-            config = _read_json(folder / "tokenizer_config.json", "tokenizer config")
+            config = read_json_object(folder / "tokenizer_config.json", "tokenizer")
             if not isinstance(config, dict):
                 raise ValueError(f"[tokenizer] {folder / 'tokenizer_config.json'}: expected a JSON object")
         stm = {}
         if (folder / "special_tokens_map.json").is_file():
-            stm = _read_json(folder / "special_tokens_map.json", "special tokens map")
+            stm = read_json_object(folder / "special_tokens_map.json", "tokenizer")
             if not isinstance(stm, dict):
                 raise ValueError(f"[tokenizer] {folder / 'special_tokens_map.json'}: expected a JSON object")
         template = config.get("chat_template")
@@ -165,7 +157,7 @@ class Tokenizer:
         if (folder / "chat_template.jinja").is_file():
             template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
         elif template is None and (folder / "chat_template.json").is_file():
-            template = _read_json(folder / "chat_template.json", "chat template").get("chat_template")
+            template = read_json_object(folder / "chat_template.json", "tokenizer").get("chat_template")
         if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
             template = {t["name"]: t["template"] for t in template if isinstance(t, dict) and "name" in t}
         if template is not None and not isinstance(template, (str, dict)):

@@ -17,6 +17,7 @@ import numpy as np
 
 from . import adapter as adapter_io
 from .checkpoint import load_checkpoint, save_checkpoint
+from .fileio import atomic_write_bytes
 from .optim import AdamW, Schedule
 
 
@@ -150,7 +151,7 @@ class Trainer:
         mp = self.out / "metrics.jsonl"
         if mp.exists():
             keep = [ln for ln in mp.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= self.step]
-            adapter_io.atomic_write_bytes(mp, "".join(ln + "\n" for ln in keep).encode())
+            atomic_write_bytes(mp, "".join(ln + "\n" for ln in keep).encode())
         return self.step
 
     # -- loop --------------------------------------------------------------------------------
@@ -266,4 +267,4 @@ def plot_metrics(metrics_path, png_path):
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)
-    adapter_io.atomic_write_bytes(png_path, buf.getvalue())
+    atomic_write_bytes(png_path, buf.getvalue())

@@ -13,6 +13,7 @@ views of one FlatParams (f32 masters and gradients, PEFT key names). LoRA gradie
 into FlatParams.grads (the caller zeros them); base weights never change.
 """
 
+import contextlib
 import json
 import math
 from dataclasses import dataclass, field
@@ -856,22 +857,17 @@ class LlamaModel:
             ops.gemm(xn, self.head, logits, trans_b=True)
         return np.asarray(logits.numpy()[0], np.float32)
 
+    @contextlib.contextmanager
     def _eval_mode(self):
         """Context in which LoRA dropout is off (eval, generation)."""
-        model = self
-
-        class _Eval:
-            def __enter__(self):
-                self.saved = [(L[m], L[m].p) for L in model.layers for m in ALL_MODULES]
-                for lin, _ in self.saved:
-                    lin.p = 0.0
-
-            def __exit__(self, *exc):
-                for lin, p in self.saved:
-                    lin.p = p
-                return False
-
-        return _Eval()
+        saved = [(L[m], L[m].p) for L in self.layers for m in ALL_MODULES]
+        for lin, _ in saved:
+            lin.p = 0.0
+        try:
+            yield
+        finally:
+            for lin, p in saved:
+                lin.p = p
 
     def logits(self, ids, segments=None, positions=None):
         """(B, T, V) float32 numpy logits (forward only, no dropout)."""

@@ -13,8 +13,8 @@ Layout under a run's checkpoint root:
         manifest.json         size and sha256 of each file above; written last
 
 Atomicity: everything is written into a hidden temporary sibling (`.tmp-step-...`), each file
-fsynced, then the directory is renamed into place and `latest` replaced (temp file +
-os.replace). A crash at any point leaves the previous checkpoint and `latest` untouched; a
+fsynced, then the directory is renamed into place and `latest` replaced atomically
+(fileio.atomic_write_bytes). A crash at any point leaves the previous checkpoint and `latest` untouched; a
 leftover temporary directory never matches the `step-<digits>` name pattern, so it is never
 taken for a checkpoint (and is removed by the next save).
 """
@@ -27,6 +27,8 @@ import shutil
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from .fileio import atomic_write_bytes
 
 _NAME = re.compile(r"^step-(\d+)$")
 LATEST = "latest"
@@ -145,8 +147,11 @@ def save_checkpoint(root, *, adapter, optimizer_state, trainer_state, model_fing
     final = os.path.join(root, name)
     # Leftovers of an earlier crashed save (single writer per root assumed).
     for entry in os.listdir(root):
-        if entry.startswith(".tmp-") or entry.startswith(".old-"):
-            shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
+        path = os.path.join(root, entry)
+        if entry.startswith((".tmp-", ".old-")):
+            shutil.rmtree(path, ignore_errors=True)
+        elif entry.startswith(f".{LATEST}.") and entry.endswith(".tmp"):  # fileio's temp of `latest`
+            os.remove(path)
 
     adapter_np = {}
     for k, v in adapter.items():
@@ -177,9 +182,7 @@ def save_checkpoint(root, *, adapter, optimizer_state, trainer_state, model_fing
             os.replace(final, old)
         os.replace(tmp, final)
         _fsync_dir(root)
-        latest_tmp = os.path.join(root, f".tmp-{LATEST}-{os.getpid()}")
-        _write_bytes(latest_tmp, (name + "\n").encode())
-        os.replace(latest_tmp, os.path.join(root, LATEST))
+        atomic_write_bytes(os.path.join(root, LATEST), (name + "\n").encode())
         _fsync_dir(root)
     except BaseException:
         if old is not None and not os.path.exists(final):
@@ -188,10 +191,6 @@ def save_checkpoint(root, *, adapter, optimizer_state, trainer_state, model_fing
             except OSError:
                 pass
         shutil.rmtree(tmp, ignore_errors=True)
-        try:
-            os.remove(os.path.join(root, f".tmp-{LATEST}-{os.getpid()}"))
-        except OSError:
-            pass
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)

@@ -1,8 +1,14 @@
-// Elementwise ops over flat contiguous buffers: fill, add, axpy, scale, cast (f32 <-> f16).
-// Any n: a grid-stride loop with a bounds check, so the host may launch any grid (one thread per
-// element or fewer). Half operands are computed in float and rounded once on the store.
+// Elementwise ops over flat contiguous buffers: fill (f32, f16, i32), add, axpy, scale, cast
+// (f32 <-> f16 and same-dtype copies), dropout.
+// Any n: a grid-stride loop with a bounds check, so the host may launch any 1-D grid (one thread
+// per element or fewer). Half operands are computed in float and rounded once on the store.
+// transpose_heads: a 3-D grid, x over D (grid-stride, vectorised by 4 when D % 4 == 0), y over B,
+// z over A (bounds-checked): dispatchThreads((tx, B, A), ...) with any tx >= 1, e.g.
+// min(D / 4 or D, 32).
+// The host compiles this file with include dirs metal/ (kargs.h) and csrc/core/ (rng.h).
 #include <metal_stdlib>
 #include "kargs.h"
+#include "rng.h"
 using namespace metal;
 
 // x[i] = alpha
@@ -29,8 +35,8 @@ kernel void ew_add(device const T*                 a    [[buffer(0)]],
 }
 
 // y[i] += alpha * x[i]
-template <typename T>
-kernel void ew_axpy(device const T*                x    [[buffer(0)]],
+template <typename X, typename T>  // x may be f16 while y is f32 (and back): gradient accumulation
+kernel void ew_axpy(device const X*                x    [[buffer(0)]],
                     device T*                      y    [[buffer(1)]],
                     constant ElementwiseArgs&      args [[buffer(2)]],
                     uint gid [[thread_position_in_grid]],
@@ -52,7 +58,7 @@ kernel void ew_scale(device const T*               x    [[buffer(0)]],
     for (uint i = gid; i < args.n; i += gsz) out[i] = T(alpha * float(x[i]));
 }
 
-// out[i] = D(x[i]) (round to nearest even)
+// out[i] = D(x[i]) (round to nearest even); S == D is a plain copy (bits kept, NaNs included)
 template <typename S, typename D>
 kernel void ew_cast(device const S*                x    [[buffer(0)]],
                     device D*                      out  [[buffer(1)]],
@@ -63,13 +69,80 @@ kernel void ew_cast(device const S*                x    [[buffer(0)]],
     for (uint i = gid; i < args.n; i += gsz) out[i] = D(x[i]);
 }
 
+// x[i] = alpha converted to int32 as CpuBackend::fill does: NaN gives 0, out-of-range values
+// saturate, the rest truncate toward zero. Decided on the bits rather than with isnan/compares,
+// which fast math (Metal's default) may fold away.
+kernel void fill_i32(device int*                   x    [[buffer(0)]],
+                     constant ElementwiseArgs&     args [[buffer(1)]],
+                     uint gid [[thread_position_in_grid]],
+                     uint gsz [[threads_per_grid]])
+{
+    const float a    = args.alpha;
+    const uint  bits = as_type<uint>(a);
+    const uint  mag  = bits & 0x7fffffffu;
+    int v;
+    if (mag > 0x7f800000u)       v = 0;                                                    // NaN
+    else if (mag >= 0x4f000000u) v = (bits >> 31) ? as_type<int>(0x80000000u) : 0x7fffffff;  // |a| >= 2^31
+    else                         v = int(a);                                               // truncates
+    for (uint i = gid; i < args.n; i += gsz) x[i] = v;
+}
+
+// out[i] = keep ? x[i] * keep_scale : 0, keep = krnl::dropout_keep(seed, i, p): the mask is a pure
+// function of (seed, flat index), identical to every other backend's and to the backward's.
+template <typename T>
+kernel void ew_dropout(device const T*             x    [[buffer(0)]],
+                       device T*                   out  [[buffer(1)]],
+                       constant DropoutArgs&       args [[buffer(2)]],
+                       uint gid [[thread_position_in_grid]],
+                       uint gsz [[threads_per_grid]])
+{
+    const uint64_t seed  = uint64_t(args.seed_lo) | (uint64_t(args.seed_hi) << 32);
+    const float    p     = args.p;
+    const float    scale = args.keep_scale;
+    for (uint i = gid; i < args.n; i += gsz)
+        out[i] = krnl::dropout_keep(seed, uint64_t(i), p) ? T(float(x[i]) * scale) : T(0.0f);
+}
+
+// out (B, A, D) = x (A, B, D): thread (tx, b, a) copies row x[a, b, :] to out[b, a, :], striding
+// over D by the grid's x extent. Whole rows move, so a row of 4-element vectors when D % 4 == 0
+// (rows then start 4-element aligned).
+template <typename T>
+kernel void transpose_heads(device const T*              x    [[buffer(0)]],
+                            device T*                    out  [[buffer(1)]],
+                            constant TransposeHeadsArgs& args [[buffer(2)]],
+                            uint3 gid [[thread_position_in_grid]],
+                            uint3 gsz [[threads_per_grid]])
+{
+    using T4 = vec<T, 4>;
+    const uint A = args.A, B = args.B, D = args.D;
+    const uint b = gid.y, a = gid.z;
+    if (a >= A || b >= B) return;
+    device const T* src = x + ((ulong)a * B + b) * D;
+    device T*       dst = out + ((ulong)b * A + a) * D;
+    if ((D & 3) == 0) {
+        device const T4* s4 = (device const T4*)src;
+        device T4*       d4 = (device T4*)dst;
+        for (uint i = gid.x; i < D / 4; i += gsz.x) d4[i] = s4[i];
+    } else {
+        for (uint i = gid.x; i < D; i += gsz.x) dst[i] = src[i];
+    }
+}
+
 template [[host_name("fill_f32")]]  [[kernel]] decltype(ew_fill<float>)  ew_fill<float>;
 template [[host_name("fill_f16")]]  [[kernel]] decltype(ew_fill<half>)   ew_fill<half>;
 template [[host_name("add_f32")]]   [[kernel]] decltype(ew_add<float>)   ew_add<float>;
 template [[host_name("add_f16")]]   [[kernel]] decltype(ew_add<half>)    ew_add<half>;
-template [[host_name("axpy_f32")]]  [[kernel]] decltype(ew_axpy<float>)  ew_axpy<float>;
-template [[host_name("axpy_f16")]]  [[kernel]] decltype(ew_axpy<half>)   ew_axpy<half>;
+template [[host_name("axpy_f32")]]  [[kernel]] decltype(ew_axpy<float, float>) ew_axpy<float, float>;
+template [[host_name("axpy_f16")]]  [[kernel]] decltype(ew_axpy<half, half>)   ew_axpy<half, half>;
+template [[host_name("axpy_f16_f32")]] [[kernel]] decltype(ew_axpy<half, float>) ew_axpy<half, float>;
+template [[host_name("axpy_f32_f16")]] [[kernel]] decltype(ew_axpy<float, half>) ew_axpy<float, half>;
 template [[host_name("scale_f32")]] [[kernel]] decltype(ew_scale<float>) ew_scale<float>;
 template [[host_name("scale_f16")]] [[kernel]] decltype(ew_scale<half>)  ew_scale<half>;
 template [[host_name("cast_f32_f16")]] [[kernel]] decltype(ew_cast<float, half>) ew_cast<float, half>;
 template [[host_name("cast_f16_f32")]] [[kernel]] decltype(ew_cast<half, float>) ew_cast<half, float>;
+template [[host_name("cast_f32_f32")]] [[kernel]] decltype(ew_cast<float, float>) ew_cast<float, float>;
+template [[host_name("cast_f16_f16")]] [[kernel]] decltype(ew_cast<half, half>)   ew_cast<half, half>;
+template [[host_name("dropout_f32")]] [[kernel]] decltype(ew_dropout<float>) ew_dropout<float>;
+template [[host_name("dropout_f16")]] [[kernel]] decltype(ew_dropout<half>)  ew_dropout<half>;
+template [[host_name("transpose_heads_f32")]] [[kernel]] decltype(transpose_heads<float>) transpose_heads<float>;
+template [[host_name("transpose_heads_f16")]] [[kernel]] decltype(transpose_heads<half>)  transpose_heads<half>;

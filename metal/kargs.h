@@ -69,6 +69,104 @@ struct SoftmaxBackwardArgs {
     float    scale;
 };
 
+// gemm (metal/gemm.metal): C = alpha * op(A) * op(B) + beta * C per batch entry b = grid.z, with
+// the matrices at element offsets b * stride_* (0 broadcasts). C is (M, N); op(A) (M, K); op(B)
+// (K, N); lda/ldb/ldc are the row strides of the stored matrices. Plain kernels: grid
+// (ceil(N/32), ceil(M/32), batch) threadgroups of 32 threads (one SIMD-group, 32x32 output tile).
+// Split-K partial kernels (batch must be 1): grid.z = split s covers k in
+// [s * k_split, min(K, (s + 1) * k_split)) and writes alpha-free fp32 partials to
+// buffer(2) at s * M * N (dense, row stride N); alpha and beta are ignored there.
+struct GemmArgs {
+    uint32_t M;
+    uint32_t N;
+    uint32_t K;
+    uint32_t lda;
+    uint32_t ldb;
+    uint32_t ldc;
+    uint32_t stride_a;
+    uint32_t stride_b;
+    uint32_t stride_c;
+    uint32_t k_split;   // K-slice length of the split-K partial kernels (K for plain)
+    float    alpha;
+    float    beta;
+};
+
+// gemm_reduce: C[m, n] = alpha * sum_s partials[s, m, n] + beta * C[m, n] (C row stride ldc),
+// summed in s order; one thread per output element.
+struct GemmReduceArgs {
+    uint32_t M;
+    uint32_t N;
+    uint32_t ldc;
+    uint32_t splits;
+    float    alpha;
+    float    beta;
+};
+
+// cross_entropy: logits, dlogits (rows, V) (dlogits may be the same buffer as logits: each row
+// is fully read before it is written); targets (rows,) i32; loss (rows,) f32 = logsumexp - x[y].
+// Rows whose target is ignore_index get loss 0 and a zero gradient. write_grad != 0: dlogits =
+// scale * (softmax - onehot(y)); when 0, buffer(3) must still be bound and is not written.
+// One threadgroup per row.
+struct CrossEntropyArgs {
+    uint32_t rows;
+    uint32_t V;
+    int32_t  ignore_index;
+    float    scale;
+    uint32_t write_grad;
+};
+
+// embedding_forward: out (n, C) = table (V, C)[ids (n,) i32]; embedding_backward: dtable (V, C)
+// f32 += dout (n, C) scattered by ids, deterministic (each column summed in token order).
+// Ids are checked on the host before the dispatch.
+struct EmbeddingArgs {
+    uint32_t n;
+    uint32_t C;
+    uint32_t V;
+};
+
+// adamw_update over flat f32 params, grads, m, v (n,), PyTorch's AdamW: g = grads * grad_scale;
+// p -= decay * p; m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2;
+// p -= step_size * m / (sqrt(v) / bc2_sqrt + eps), with step_size = lr / (1 - b1^t),
+// bc2_sqrt = sqrt(1 - b2^t), decay = lr * weight_decay computed on the host. The working-copy
+// variants also store p into buffer(4) (f32 or f16).
+struct AdamwArgs {
+    uint32_t n;
+    float    step_size;
+    float    bc2_sqrt;
+    float    decay;
+    float    beta1;
+    float    beta2;
+    float    eps;
+    float    grad_scale;
+};
+
+// sumsq (two passes): sumsq_partial: threadgroup g reduces x[g * chunk, min(n, (g + 1) * chunk))
+// into partials[g] (f32); sumsq_finish: one threadgroup sums partials[0, groups) in a fixed order
+// into out[0] (f32). Deterministic for a given chunk and threadgroup size.
+// nonfinite: flag[0] (i32) = 1 if any element of x (n,) is inf or NaN, else untouched.
+struct ReduceArgs {
+    uint32_t n;
+    uint32_t chunk;
+    uint32_t groups;
+};
+
+// dropout: out = keep ? x / (1 - p) : 0 with keep = krnl::dropout_keep(seed, i, p) of
+// csrc/core/rng.h (the same mask as every other backend).
+struct DropoutArgs {
+    uint32_t n;
+    uint32_t seed_lo;
+    uint32_t seed_hi;
+    float    p;
+    float    keep_scale;
+};
+
+// transpose_heads: out (B, A, D) = x (A, B, D) with the first two axes swapped.
+struct TransposeHeadsArgs {
+    uint32_t A;
+    uint32_t B;
+    uint32_t D;
+};
+
 #ifdef __cplusplus
 #ifndef __METAL_VERSION__
 }  // namespace krnl::metal

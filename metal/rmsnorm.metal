@@ -2,15 +2,19 @@
 // One threadgroup per row (grid = rows), any threadgroup size up to 1024 (a multiple of 32 is
 // best). Sum of squares in float: per-thread fma, simd_sum, then one partial per SIMD-group in
 // threadgroup memory. Half operands are read and combined in float, rounded once on the store.
+// rmsnorm_backward: the same geometry (one threadgroup per row).
+// rmsnorm_backward_dw: 2-D threadgroups (tx, ty) with tx * ty <= 1024, grid (ceil(cols / tx), 1)
+// or fewer (groups stride over column blocks): thread (i, j) owns column block + i and sums rows
+// j, j + ty, ... in order; the ty partials are combined in j order. Deterministic for a given ty.
 #include <metal_stdlib>
 #include "kargs.h"
 using namespace metal;
 
 #define RMS_MAX_SIMDGROUPS 32  // 1024 threads / 32 lanes
 
-template <typename T>
+template <typename T, typename W>  // W: the weight's dtype (f32 weights may scale f16 activations)
 kernel void rmsnorm_forward(device const T*       x    [[buffer(0)]],
-                            device const T*       w    [[buffer(1)]],
+                            device const W*       w    [[buffer(1)]],
                             device T*             y    [[buffer(2)]],
                             device float*         rstd [[buffer(3)]],
                             constant RmsnormArgs& args [[buffer(4)]],
@@ -53,7 +57,7 @@ kernel void rmsnorm_forward(device const T*       x    [[buffer(0)]],
 
     if (vec4) {
         device const T4* x4 = (device const T4*)xr;
-        device const T4* w4 = (device const T4*)w;
+        device const vec<W, 4>* w4 = (device const vec<W, 4>*)w;
         device T4*       y4 = (device T4*)yr;
         for (uint i = tid; i < cols / 4; i += ntg)
             y4[i] = T4(float4(x4[i]) * inv * float4(w4[i]));
@@ -63,8 +67,9 @@ kernel void rmsnorm_forward(device const T*       x    [[buffer(0)]],
     }
 }
 
-template [[host_name("rmsnorm_forward_f32")]] [[kernel]] decltype(rmsnorm_forward<float>) rmsnorm_forward<float>;
-template [[host_name("rmsnorm_forward_f16")]] [[kernel]] decltype(rmsnorm_forward<half>)  rmsnorm_forward<half>;
+template [[host_name("rmsnorm_forward_f32")]] [[kernel]] decltype(rmsnorm_forward<float, float>) rmsnorm_forward<float, float>;
+template [[host_name("rmsnorm_forward_f16")]] [[kernel]] decltype(rmsnorm_forward<half, half>)   rmsnorm_forward<half, half>;
+template [[host_name("rmsnorm_forward_f16_wf32")]] [[kernel]] decltype(rmsnorm_forward<half, float>) rmsnorm_forward<half, float>;
 
 // rmsnorm_backward: dx[r, :] = rstd[r] * (g - xhat * mean(g * xhat)), g = dy[r, :] * w,
 // xhat = x[r, :] * rstd[r], with rstd the forward's (rows,) f32 output. dw (the sum over rows of
@@ -73,10 +78,10 @@ template [[host_name("rmsnorm_forward_f16")]] [[kernel]] decltype(rmsnorm_forwar
 // per-thread fma, simd_sum, one partial per SIMD-group in threadgroup memory, summed in the same
 // order by every thread. dx may alias dy: every thread finishes reading the row for the
 // reduction before the barrier, and afterwards reads and writes only its own elements.
-template <typename T>
+template <typename T, typename W>
 kernel void rmsnorm_backward(device const T*               dy   [[buffer(0)]],
                              device const T*               x    [[buffer(1)]],
-                             device const T*               w    [[buffer(2)]],
+                             device const W*               w    [[buffer(2)]],
                              device const float*           rstd [[buffer(3)]],
                              device T*                     dx   [[buffer(4)]],
                              constant RmsnormBackwardArgs& args [[buffer(5)]],
@@ -112,5 +117,50 @@ kernel void rmsnorm_backward(device const T*               dy   [[buffer(0)]],
     }
 }
 
-template [[host_name("rmsnorm_backward_f32")]] [[kernel]] decltype(rmsnorm_backward<float>) rmsnorm_backward<float>;
-template [[host_name("rmsnorm_backward_f16")]] [[kernel]] decltype(rmsnorm_backward<half>)  rmsnorm_backward<half>;
+template [[host_name("rmsnorm_backward_f32")]] [[kernel]] decltype(rmsnorm_backward<float, float>) rmsnorm_backward<float, float>;
+template [[host_name("rmsnorm_backward_f16")]] [[kernel]] decltype(rmsnorm_backward<half, half>)   rmsnorm_backward<half, half>;
+template [[host_name("rmsnorm_backward_f16_wf32")]] [[kernel]] decltype(rmsnorm_backward<half, float>) rmsnorm_backward<half, float>;
+
+// rmsnorm_backward_dw: dw[c] += sum_r dy[r, c] * x[r, c] * rstd[r] (dw f32, accumulated like the
+// CPU backend's). A cross-row reduction, so a fixed order instead of atomics: each column's rows
+// are split into ty strided strands summed in row order, then the strands are added in strand
+// order by thread j == 0. Adjacent threads (i) read adjacent columns of a row: coalesced. The
+// explicit fma leaves the compiler no contraction choice, so the sum is reproducible.
+template <typename T>
+kernel void rmsnorm_backward_dw(device const T*               dy   [[buffer(0)]],
+                                device const T*               x    [[buffer(1)]],
+                                device const float*           rstd [[buffer(2)]],
+                                device float*                 dw   [[buffer(3)]],
+                                constant RmsnormBackwardArgs& args [[buffer(4)]],
+                                uint  group [[threadgroup_position_in_grid]],
+                                uint  ngrp  [[threadgroups_per_grid]],
+                                uint2 tid   [[thread_position_in_threadgroup]],
+                                uint2 ntg   [[threads_per_threadgroup]])
+{
+    threadgroup float partial[1024];  // [j][i], one per thread
+
+    const uint rows = args.rows, cols = args.cols;
+    // c0 is the same for the whole threadgroup, so every thread runs the same iterations and
+    // reaches the same barriers.
+    for (uint c0 = group * ntg.x; c0 < cols; c0 += ngrp * ntg.x) {
+        const uint c = c0 + tid.x;
+        float s = 0.0f;
+        if (c < cols) {
+            for (uint r = tid.y; r < rows; r += ntg.y) {
+                const ulong k = (ulong)r * cols + c;
+                s = fma(float(dy[k]), float(x[k]) * rstd[r], s);
+            }
+        }
+        partial[tid.y * ntg.x + tid.x] = s;
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        if (tid.y == 0 && c < cols) {
+            float total = partial[tid.x];
+            for (uint j = 1; j < ntg.y; ++j) total += partial[j * ntg.x + tid.x];
+            dw[c] += total;
+        }
+        threadgroup_barrier(mem_flags::mem_threadgroup);  // partial is reused by the next block
+    }
+}
+
+template [[host_name("rmsnorm_backward_dw_f32")]] [[kernel]] decltype(rmsnorm_backward_dw<float>) rmsnorm_backward_dw<float>;
+template [[host_name("rmsnorm_backward_dw_f16")]] [[kernel]] decltype(rmsnorm_backward_dw<half>)  rmsnorm_backward_dw<half>;

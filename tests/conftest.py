@@ -3,6 +3,8 @@ constants and tolerances, upload/read-back helpers and host-side (numpy) convers
 float64 oracles use. Op-specific oracles live next to their tests."""
 
 import os
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,12 +30,52 @@ SUBNORMAL = {"f32": 2.0**-149, "f16": 2.0**-24, "bf16": 2.0**-133}
 OUT_RTOL = {dt: UNIT_ROUNDOFF[dt] + 16 * U32 for dt in FLOAT_DTYPES}
 
 
-DEVICES = [d for d in krnl.devices() if d != "cpu:1"]
+ROOT = Path(__file__).resolve().parents[1]
+
+# The metal-sim device: the Metal backend's dispatch records executed by tools/mslsim (DESIGN
+# section 7). Registered here, for the tests only; KRNL_TEST_METAL_SIM=0 turns it off.
+METAL_SIM = None
+if os.environ.get("KRNL_TEST_METAL_SIM", "1") != "0":
+    sys.path.insert(0, str(ROOT / "tools" / "mslsim"))
+    import mslsim.metal_sim  # noqa: E402
+
+    if mslsim.metal_sim.available():
+        METAL_SIM = mslsim.metal_sim.register(krnl._core, ROOT)
+
+DEVICES = [d for d in krnl.devices() if d not in ("cpu:1", "metal-sim")]
+# Test modules whose `dev` tests also run on metal-sim: the op suite. Model-level tests would
+# take minutes per case on the simulator; test_metal_sim.py runs one training step there instead.
+SIM_MODULES = {"test_ops", "test_gemm", "test_metal_sim"}
+# Metal kernels are f32/f16 only (bf16 is emulated and slow on Apple GPUs before M3, DESIGN 4).
+SIM_DTYPES_ABSENT = ("bf16",)
 
 
-@pytest.fixture(params=DEVICES)
+def pytest_generate_tests(metafunc):
+    if "dev" in metafunc.fixturenames:
+        names = list(DEVICES)
+        if METAL_SIM is not None and metafunc.module.__name__.rpartition(".")[2] in SIM_MODULES:
+            names.append("metal-sim")
+        metafunc.parametrize("dev", names, indirect=True)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        cs = getattr(item, "callspec", None)
+        if not cs or cs.params.get("dev") != "metal-sim":
+            continue
+        values = [v for k, v in cs.params.items() if k != "dev" and isinstance(v, str)]
+        if any(dt in v for dt in SIM_DTYPES_ABSENT for v in values + [item.originalname]):
+            item.add_marker(pytest.mark.skip(reason="Metal kernels are f32/f16: no bf16 on metal-sim"))
+
+
+def device_dtypes(dev):
+    """The float dtypes `dev` has kernels for."""
+    return tuple(d for d in FLOAT_DTYPES if not (dev.name == "metal-sim" and d in SIM_DTYPES_ABSENT))
+
+
+@pytest.fixture
 def dev(request):
-    """Each device this build can use ('cpu' everywhere)."""
+    """Each device this build can use ('cpu' everywhere), plus 'metal-sim' in SIM_MODULES."""
     return krnl.device(request.param)
 
 

@@ -58,7 +58,10 @@ def test_kargs_layout():
 # ---------------------------------------------------------------------------------------------
 # builds
 # ---------------------------------------------------------------------------------------------
-BUILDS = {name: dict(source=METAL / f"{name}.metal") for name in ("elementwise", "rmsnorm", "softmax")}
+# the host compiles metal/*.metal with include dirs metal/ and csrc/core/ (rng.h, for dropout)
+INCLUDE_DIRS = [ROOT / "csrc" / "core"]
+BUILDS = {name: dict(source=METAL / f"{name}.metal", include_dirs=INCLUDE_DIRS)
+          for name in ("elementwise", "rmsnorm", "softmax")}
 BARRIER = "threadgroup_barrier(mem_flags::mem_threadgroup);"
 
 

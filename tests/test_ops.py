@@ -10,7 +10,7 @@ import pytest
 
 from krnl import ops
 
-from conftest import (FLOAT_DTYPES, OUT_RTOL, SUBNORMAL, U32, UNIT_ROUNDOFF, assert_close,
+from conftest import (FLOAT_DTYPES, device_dtypes, OUT_RTOL, SUBNORMAL, U32, UNIT_ROUNDOFF, assert_close,
                       assert_close_elementwise, bf16_bits, bf16_value, empty_filled, read, to_dev, upload)
 
 # Shapes of row-wise ops (rows..., C): awkward row counts and widths, a 3-D one, a realistic one.
@@ -952,8 +952,8 @@ def test_cast_f32_to_bf16(dev, n):
     check_bits(read(back, np.float32), want, "bf16->f32")
 
 
-def test_cast_between_half_types(dev):
-    """f16 <-> bf16 (through the exact f32 value, one rounding) and same-dtype copies."""
+def test_cast_between_f16_and_bf16(dev):
+    """f16 <-> bf16 through the exact f32 value, one rounding."""
     rng = np.random.default_rng(46)
     h_bits = np.concatenate([rng.integers(0, 2**16, 50_000, dtype=np.uint32).astype(np.uint16),
                              np.array([0x0001, 0x8001, 0x03FF, 0x0400, 0x7BFF, 0x7C00, 0xFC00, 0x8000], np.uint16)])
@@ -970,8 +970,16 @@ def test_cast_between_half_types(dev):
     ops.cast(Bs, Hs)
     with np.errstate(over="ignore"):
         check_bits(np.array(Hs.numpy(), copy=True), b_vals.astype(np.float16), "bf16->f16")
+    out = empty_filled(dev, Bs.shape, "bf16")
+    ops.cast(Bs, out)  # same dtype: a bit copy
+    np.testing.assert_array_equal(np.array(out.numpy(), copy=True).view(np.uint32), np.array(Bs.numpy(), copy=True).view(np.uint32))
 
-    for dt, src in (("f16", H), ("bf16", Bs), ("f32", to_dev(dev, random_f32_bits(rng, 1000), "f32"))):
+
+def test_cast_same_dtype_copies(dev):
+    """Same-dtype casts copy the bits (NaN payloads, -0, subnormals); i32 copies, i32 <-> float refused."""
+    rng = np.random.default_rng(47)
+    h = rng.integers(0, 2**16, 50_000, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    for dt, src in (("f16", dev.tensor(h, "f16")), ("f32", to_dev(dev, random_f32_bits(rng, 1000), "f32"))):
         out = empty_filled(dev, src.shape, dt)
         ops.cast(src, out)
         ui = np.uint16 if dt == "f16" else np.uint32
@@ -1069,13 +1077,13 @@ def test_dropout_mask_depends_only_on_seed_and_index(dev):
     n, p, seed = 4099, 0.3, 987654321
     vals = nonzero_values(rng, n)
     masks = {}
-    for dt in FLOAT_DTYPES:
+    for dt in device_dtypes(dev):
         x = to_dev(dev, vals, dt)
         out = empty_filled(dev, (n,), dt)
         ops.dropout(x, out, p, seed)
         masks[dt] = read(out) != 0
-    np.testing.assert_array_equal(masks["f16"], masks["f32"])
-    np.testing.assert_array_equal(masks["bf16"], masks["f32"])
+    for dt in masks:
+        np.testing.assert_array_equal(masks[dt], masks["f32"], err_msg=dt)
     for m in (1, 33, 127):
         out = empty_filled(dev, (m,), "f32")
         ops.dropout(to_dev(dev, vals[:m]), out, p, seed)

@@ -53,4 +53,5 @@ NB_MODULE(_core, m) {
   bind_tensors(m);
   bind_ops(m);
   bind_profiler(m);
+  bind_metal(m);
 }

@@ -58,21 +58,26 @@ void run(Check& c, const std::string& shape, double flops, double bytes, DType d
   Backend* dev = c.dev;
   const bool implicit = !dev->in_step();
   if (implicit) dev->begin_step();
-  struct Closer {  // closes an implicit step even when the op throws
-    Backend* dev;
-    bool on;
-    ~Closer() {
-      if (on) dev->commit();
+  try {
+    if (!dev->profiling()) {
+      body();
+    } else {
+      auto t0 = std::chrono::steady_clock::now();
+      body();
+      auto t1 = std::chrono::steady_clock::now();
+      dev->add_record({c.op, shape, dtype_name(dt), std::chrono::duration<double, std::milli>(t1 - t0).count(), flops, bytes});
     }
-  } closer{dev, implicit};
-  if (!dev->profiling()) {
-    body();
-    return;
+  } catch (...) {
+    if (implicit) {  // close the one-op step; the op's own error is the one to report
+      try {
+        dev->commit();
+      } catch (...) {
+      }
+    }
+    throw;
   }
-  auto t0 = std::chrono::steady_clock::now();
-  body();
-  auto t1 = std::chrono::steady_clock::now();
-  dev->add_record({c.op, shape, dtype_name(dt), std::chrono::duration<double, std::milli>(t1 - t0).count(), flops, bytes});
+  // Outside the try: a failing commit (an asynchronous device's execution error) reaches the caller.
+  if (implicit) dev->commit();
 }
 
 double nbytes(std::initializer_list<const Tensor*> ts) {

@@ -1,0 +1,63 @@
+// The Metal backend's work as plain data (DESIGN section 7). csrc/metal/ops.cpp turns each op
+// into Dispatch records; an encoder executes them: the Objective-C++ layer on macOS (compute
+// encoder calls) and the metal-sim test device everywhere else (tools/mslsim). Portable C++:
+// nothing here knows about Objective-C, so all of the op logic runs in CI.
+#pragma once
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace krnl::metal {
+
+// A buffer bound at [[buffer(index)]]: `base` is the pool buffer's pointer (on Apple GPUs the
+// contents of a shared-storage MTLBuffer, which the encoder maps back to the MTLBuffer), bound
+// at byte `offset` (head batching and views are offsets, never copies). `extent` is how many
+// bytes from the offset the dispatch may touch: the simulator guards exactly that range.
+struct BufferBinding {
+  uint32_t index = 0;
+  void* base = nullptr;
+  size_t offset = 0;
+  size_t extent = 0;
+};
+
+// A [[function_constant(index)]] value: specialises the pipeline (part of its cache key).
+struct FunctionConstant {
+  enum class Type : uint8_t { Bool, UInt, Float };
+  uint32_t index = 0;
+  Type type = Type::Bool;
+  uint32_t bits = 0;  // the value's bits (bool: 0/1, float: IEEE bits)
+};
+
+struct Dispatch {
+  std::string op;       // the core op this dispatch implements (profiling, error messages)
+  std::string library;  // the op family: metal/<library>.metal
+  std::string kernel;   // [[host_name]] of the kernel
+  std::vector<FunctionConstant> constants;
+  std::vector<BufferBinding> buffers;
+  uint32_t args_index = 0;    // the kargs.h struct is set as bytes at [[buffer(args_index)]]
+  std::vector<uint8_t> args;
+  std::vector<std::pair<uint32_t, uint32_t>> threadgroup_memory;  // (index, bytes)
+  std::array<uint32_t, 3> grid{1, 1, 1};     // threadgroups per grid (dispatchThreadgroups)
+  std::array<uint32_t, 3> threads{1, 1, 1};  // threads per threadgroup
+  // Host work between GPU dispatches (the CPU half of a row-split GEMM). An encoder runs it after
+  // every earlier dispatch has completed and before any later one starts; the GPU half encoded
+  // just before it may run concurrently (the encoder commits before calling it).
+  std::function<void()> host;
+
+  template <class Args>
+  void set_args(uint32_t index, const Args& a) {
+    args_index = index;
+    const auto* p = reinterpret_cast<const uint8_t*>(&a);
+    args.assign(p, p + sizeof(Args));
+  }
+  void bind(uint32_t index, void* base, size_t offset, size_t extent) { buffers.push_back({index, base, offset, extent}); }
+  void constant_bool(uint32_t index, bool v) { constants.push_back({index, FunctionConstant::Type::Bool, v ? 1u : 0u}); }
+};
+
+// Every op family in metal/ (one .metal file each): the sources the backend embeds and compiles.
+const std::vector<std::string>& library_names();
+
+}  // namespace krnl::metal

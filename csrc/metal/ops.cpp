@@ -1,0 +1,567 @@
+// Dispatch records for every op of the contract on the Metal kernels (DESIGN section 7). Portable
+// C++: runs in CI on the metal-sim device, and on macOS under the Objective-C++ encoder. The core
+// has validated every call (shapes, dtypes, devices); what is checked here is only what the
+// kernels add: Metal kernels exist for f32 and f16 (bf16 is emulated and slow on Apple GPUs before
+// M3, DESIGN section 4), and argument structs hold 32-bit sizes.
+#include "metal/metal_ops.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "core/dtype.h"
+#include "core/ops.h"
+#include "core/split_k.h"
+#include "kargs.h"  // metal/kargs.h, shared with the kernels
+
+namespace krnl::metal {
+
+// kargs.h's GemmArgs (the kernel's view) and the core's (the validated call) share a name.
+using CoreGemmArgs = krnl::GemmArgs;
+using KernelGemmArgs = krnl::metal::GemmArgs;
+
+const std::vector<std::string>& library_names() {
+  static const std::vector<std::string> names = {"cross_entropy", "elementwise", "embedding", "gemm", "optimizer",
+                                                 "rmsnorm",       "rope",        "softmax",   "swiglu"};
+  return names;
+}
+
+namespace {
+
+constexpr uint32_t kEwThreads = 256;   // threads per threadgroup of the grid-stride kernels
+constexpr uint32_t kEwMaxGroups = 1024;
+constexpr uint32_t kGemmTile = 32;     // gemm.metal's output tile (one SIMD-group per tile)
+constexpr uint32_t kReduceChunk = 16384;  // elements per threadgroup in sumsq's first pass
+
+uint32_t u32(const char* op, int64_t v, const char* what) {
+  if (v < 0 || v > int64_t(std::numeric_limits<uint32_t>::max()))
+    throw std::invalid_argument(std::string("[") + op + "] " + what + " = " + std::to_string(v) +
+                                " does not fit the Metal kernels' 32-bit sizes");
+  return uint32_t(v);
+}
+
+uint32_t ceil_div(int64_t a, int64_t b) { return uint32_t((a + b - 1) / b); }
+
+// Threads per threadgroup of the one-row-per-threadgroup kernels: enough lanes for the row, in
+// whole SIMD-groups, at most 256 (more buys nothing for rows of a few thousand elements).
+uint32_t row_threads(int64_t cols) {
+  const int64_t lanes = std::max<int64_t>(32, std::min<int64_t>(256, (cols + 3) / 4));
+  return uint32_t((lanes + 31) / 32 * 32);
+}
+
+uint32_t ew_groups(int64_t n) { return std::max<uint32_t>(1, std::min<uint32_t>(kEwMaxGroups, ceil_div(n, kEwThreads))); }
+
+}  // namespace
+
+MetalOps::MetalOps(std::string name) : Backend(std::move(name)) {}
+MetalOps::~MetalOps() = default;
+
+SplitKConfig MetalOps::split_k_config() const {
+  SplitKConfig c;
+  c.tile_m = c.tile_n = kGemmTile;
+  // An output of fewer tiles than this leaves most of an M-series GPU idle (a tile is one
+  // SIMD-group; even an M1 keeps a few hundred in flight): split K to make up the difference.
+  c.min_tiles = 256;
+  c.k_unit = kGemmTile;
+  c.max_splits = 16;
+  c.min_k_per_split = 256;
+  return c;
+}
+
+// ---- helpers shared by every op
+
+namespace {
+
+struct Emit {
+  MetalOps* self;
+  const char* op;
+
+  // Kernel dtype suffix; bf16 has no Metal kernels (see the file comment).
+  std::string sfx(DType d) const {
+    switch (d) {
+      case DType::f32: return "f32";
+      case DType::f16: return "f16";
+      case DType::i32: return "i32";
+      case DType::bf16: break;
+    }
+    throw NotImplementedError(std::string("[") + op + "] bf16 not implemented on " + self->name() +
+                              " (Metal kernels are f32 and f16)");
+  }
+  Dispatch make(const char* library, std::string kernel) const {
+    Dispatch d;
+    d.op = op;
+    d.library = library;
+    d.kernel = std::move(kernel);
+    return d;
+  }
+};
+
+void bind(Dispatch& d, uint32_t index, const Tensor& t, size_t extent_bytes) {
+  d.bind(index, t.storage()->ptr(), t.offset(), extent_bytes);
+}
+void bind(Dispatch& d, uint32_t index, const Tensor& t) { bind(d, index, t, t.nbytes()); }
+
+// A grid-stride dispatch over n elements.
+void ew_geometry(Dispatch& d, int64_t n) {
+  d.grid = {ew_groups(n), 1, 1};
+  d.threads = {kEwThreads, 1, 1};
+}
+
+}  // namespace
+
+// Each op below: the kernel, its buffers (indices as in metal/kargs.h), its geometry.
+
+// ---- GEMM
+
+namespace {
+
+struct GemmView {  // one stored operand: element offset added to the tensor's, extent in elements
+  int64_t rows, cols, ld, stride;
+};
+
+int64_t extent_elems(int64_t rows, int64_t cols, int64_t ld, int64_t stride, int64_t batch) {
+  if (rows == 0 || cols == 0) return 0;
+  return (batch - 1) * stride + (rows - 1) * ld + cols;
+}
+
+std::string gemm_variant(bool ta, bool tb) { return std::string(ta ? "t" : "n") + (tb ? "t" : "n"); }
+
+}  // namespace
+
+void MetalOps::gemm(const CoreGemmArgs& a) {
+  Emit e{this, "gemm"};
+  e.sfx(a.A.dtype());
+  if (a.M == 0 || a.N == 0) return;
+  for (int64_t v : {a.M, a.N, a.K, a.lda, a.ldb, a.ldc, a.stride_a, a.stride_b, a.stride_c, a.batch})
+    u32("gemm", v, "a size or stride");
+  if (a.trans_a && a.trans_b) {
+    // No tt kernel (the model never needs one): op(B) = B^T is materialised as Bt = I * B^T by
+    // the nt kernel (exact: one product by 1 per element, the rest adds zeros), any ldb and
+    // batch stride included; the product then runs as tn.
+    const int64_t nb = a.stride_b == 0 ? 1 : a.batch;
+    Tensor I = empty({a.K, a.K}, a.B.dtype());  // fresh from the pool: no GPU work uses it yet
+    {
+      std::vector<float> eye(size_t(a.K * a.K), 0.f);
+      for (int64_t i = 0; i < a.K; ++i) eye[size_t(i * a.K + i)] = 1.f;
+      if (a.B.dtype() == DType::f32) {
+        std::memcpy(I.data(), eye.data(), eye.size() * 4);
+      } else {
+        std::vector<uint16_t> h(eye.size());
+        for (size_t i = 0; i < h.size(); ++i) h[i] = f32_to_f16(eye[i]);
+        std::memcpy(I.data(), h.data(), h.size() * 2);
+      }
+    }
+    Tensor Bt = empty({nb, a.K, a.N}, a.B.dtype());
+    CoreGemmArgs tr;
+    tr.A = I, tr.B = a.B, tr.C = Bt, tr.trans_b = true;
+    tr.M = a.K, tr.N = a.N, tr.K = a.K, tr.batch = nb;
+    tr.stride_b = a.stride_b, tr.stride_c = a.K * a.N;
+    tr.lda = a.K, tr.ldb = a.ldb, tr.ldc = a.N;
+    gemm_plain(tr, 0, tr.M);
+    CoreGemmArgs t = a;
+    t.B = Bt;
+    t.trans_b = false;
+    t.ldb = a.N;
+    t.stride_b = nb == 1 ? 0 : a.K * a.N;
+    gemm(t);
+    return;
+  }
+  if (a.split_k > 1) {
+    gemm_split_k(a);
+    return;
+  }
+  if (row_split_.enabled && a.batch == 1 && !a.trans_a && a.A.dtype() == DType::f32 && a.C.dtype() == DType::f32 &&
+      2.0 * double(a.M) * double(a.N) * double(a.K) >= double(row_split_.min_flops) && row_split_.cpu_gflops > 0 &&
+      row_split_.gpu_gflops > 0) {
+    const double gflop = 2e-9 * double(a.M) * double(a.N) * double(a.K);
+    RowSplitPlan p = plan_row_split(a.M, 1e3 * gflop / row_split_.cpu_gflops, 1e3 * gflop / row_split_.gpu_gflops,
+                                    row_split_.overhead_ms, kGemmTile);
+    if (p.cpu_rows > 0) {
+      gemm_row_split(a, p.cpu_rows);
+      return;
+    }
+  }
+  gemm_plain(a, 0, a.M);
+}
+
+// Rows [row0, row0 + rows) of C: op(A)'s rows start row0 rows (n) or row0 columns (t) in.
+void MetalOps::gemm_plain(const CoreGemmArgs& a, int64_t row0, int64_t rows) {
+  Emit e{this, "gemm"};
+  const std::string in = e.sfx(a.A.dtype());
+  const bool widen = a.C.dtype() != a.A.dtype();  // f16 operands, f32 C (LoRA gradients)
+  Dispatch d = e.make("gemm", "gemm_" + gemm_variant(a.trans_a, a.trans_b) + "_" + in + (widen ? "_f32" : ""));
+  const size_t es = dtype_size(a.A.dtype()), cs = dtype_size(a.C.dtype());
+  const int64_t a_off = a.trans_a ? row0 : row0 * a.lda, c_off = row0 * a.ldc;
+  const int64_t ar = a.trans_a ? a.K : rows, ac = a.trans_a ? rows : a.K;
+  const int64_t br = a.trans_b ? a.N : a.K, bc = a.trans_b ? a.K : a.N;
+  d.bind(0, a.A.storage()->ptr(), a.A.offset() + size_t(a_off) * es, size_t(extent_elems(ar, ac, a.lda, a.stride_a, a.batch)) * es);
+  d.bind(1, a.B.storage()->ptr(), a.B.offset(), size_t(extent_elems(br, bc, a.ldb, a.stride_b, a.batch)) * es);
+  d.bind(2, a.C.storage()->ptr(), a.C.offset() + size_t(c_off) * cs,
+         size_t(extent_elems(rows, a.N, a.ldc, a.stride_c, a.batch)) * cs);
+  KernelGemmArgs g{};
+  g.M = uint32_t(rows), g.N = uint32_t(a.N), g.K = uint32_t(a.K);
+  g.lda = uint32_t(a.lda), g.ldb = uint32_t(a.ldb), g.ldc = uint32_t(a.ldc);
+  g.stride_a = uint32_t(a.stride_a), g.stride_b = uint32_t(a.stride_b), g.stride_c = uint32_t(a.stride_c);
+  g.k_split = uint32_t(a.K);
+  g.alpha = a.alpha, g.beta = a.beta;
+  d.set_args(3, g);
+  // Aligned: whole tiles everywhere and 16-byte rows, so the kernel drops its edge checks.
+  const bool aligned = rows % kGemmTile == 0 && a.N % kGemmTile == 0 && a.K % kGemmTile == 0 && a.lda % 4 == 0 &&
+                       a.ldb % 4 == 0 && a.ldc % 4 == 0 && (a.A.offset() / es + size_t(a_off)) % 4 == 0 &&
+                       (a.B.offset() / es) % 4 == 0 && (a.C.offset() / cs + size_t(c_off)) % 4 == 0 &&
+                       a.stride_a % 4 == 0 && a.stride_b % 4 == 0 && a.stride_c % 4 == 0;
+  d.constant_bool(0, aligned);
+  d.grid = {ceil_div(a.N, kGemmTile), ceil_div(rows, kGemmTile), uint32_t(a.batch)};
+  d.threads = {32, 1, 1};
+  encode(std::move(d));
+}
+
+// K in `split_k` slices: fp32 partials (splits, M, N) from one dispatch, then a reduce that
+// applies alpha and beta. Batched GEMMs (which the router never splits) loop over entries.
+void MetalOps::gemm_split_k(const CoreGemmArgs& a) {
+  Emit e{this, "gemm"};
+  const std::string in = e.sfx(a.A.dtype()), out = e.sfx(a.C.dtype());
+  const int64_t splits = a.split_k, ks = a.K / splits;
+  const size_t es = dtype_size(a.A.dtype()), cs = dtype_size(a.C.dtype());
+  Tensor ws = empty({splits, a.M, a.N}, DType::f32);  // released after encoding: reused only after the step
+  for (int64_t b = 0; b < a.batch; ++b) {
+    Dispatch d = e.make("gemm", "gemm_splitk_" + gemm_variant(a.trans_a, a.trans_b) + "_" + in);
+    const int64_t ar = a.trans_a ? a.K : a.M, ac = a.trans_a ? a.M : a.K;
+    const int64_t br = a.trans_b ? a.N : a.K, bc = a.trans_b ? a.K : a.N;
+    d.bind(0, a.A.storage()->ptr(), a.A.offset() + size_t(b * a.stride_a) * es, size_t(extent_elems(ar, ac, a.lda, 0, 1)) * es);
+    d.bind(1, a.B.storage()->ptr(), a.B.offset() + size_t(b * a.stride_b) * es, size_t(extent_elems(br, bc, a.ldb, 0, 1)) * es);
+    bind(d, 2, ws);
+    KernelGemmArgs g{};
+    g.M = uint32_t(a.M), g.N = uint32_t(a.N), g.K = uint32_t(a.K);
+    g.lda = uint32_t(a.lda), g.ldb = uint32_t(a.ldb), g.ldc = uint32_t(a.N);
+    g.k_split = uint32_t(ks);
+    g.alpha = 1.f, g.beta = 0.f;
+    d.set_args(3, g);
+    d.constant_bool(0, false);
+    d.grid = {ceil_div(a.N, kGemmTile), ceil_div(a.M, kGemmTile), uint32_t(splits)};
+    d.threads = {32, 1, 1};
+    encode(std::move(d));
+
+    Dispatch r = e.make("gemm", "gemm_reduce_" + out);
+    bind(r, 0, ws);
+    r.bind(1, a.C.storage()->ptr(), a.C.offset() + size_t(b * a.stride_c) * cs, size_t(extent_elems(a.M, a.N, a.ldc, 0, 1)) * cs);
+    GemmReduceArgs ra{uint32_t(a.M), uint32_t(a.N), uint32_t(a.ldc), uint32_t(splits), a.alpha, a.beta};
+    r.set_args(2, ra);
+    r.grid = {ceil_div(a.N, 32), ceil_div(a.M, 8), 1};
+    r.threads = {32, 8, 1};
+    encode(std::move(r));
+  }
+}
+
+// CPU/GPU row split (KRNL report): the GPU takes rows [cpu_rows, M), the CPU's BLAS rows
+// [0, cpu_rows) at the same time. f32 only (the CPU side reads the operands in place; f16 weights
+// would need fp32 twins, which nothing keeps yet), so the option never changes results beyond
+// the two engines' summation orders.
+void MetalOps::gemm_row_split(const CoreGemmArgs& a, int64_t cpu_rows) {
+  gemm_plain(a, cpu_rows, a.M - cpu_rows);
+  Dispatch h = Emit{this, "gemm"}.make("gemm", "host_sgemm");
+  Backend* cpu = get_device("cpu");
+  CoreGemmArgs part = a;
+  part.M = cpu_rows;
+  part.split_k = 1;
+  // The host call sees this device's memory through host views on the CPU device.
+  h.host = [cpu, part]() {
+    auto host_view = [cpu](const Tensor& t, size_t byte_off, int64_t rows, int64_t cols, int64_t ld) {
+      Tensor w = cpu->wrap(static_cast<char*>(t.data()) + byte_off, {rows, ld}, t.dtype(), [] {});
+      return ld == cols ? w : w.slice(1, 0, cols);
+    };
+    const int64_t ar = part.trans_a ? part.K : part.M, ac = part.trans_a ? part.M : part.K;
+    const int64_t br = part.trans_b ? part.N : part.K, bc = part.trans_b ? part.K : part.N;
+    Tensor A = host_view(part.A, 0, ar, ac, part.lda), B = host_view(part.B, 0, br, bc, part.ldb);
+    Tensor C = host_view(part.C, 0, part.M, part.N, part.ldc);
+    ops::gemm(A, B, C, part.trans_a, part.trans_b, part.alpha, part.beta, 1, -1, -1, -1, 1);
+  };
+  encode(std::move(h));
+}
+
+// ---- normalisation, activations, attention
+
+void MetalOps::rmsnorm_forward(const Tensor& x, const Tensor& w, const Tensor& y, const Tensor& rstd, float eps) {
+  Emit e{this, "rmsnorm_forward"};
+  const std::string s = e.sfx(x.dtype());
+  if (y.dtype() != x.dtype()) throw NotImplementedError("[rmsnorm_forward] y must have x's dtype on " + name());
+  const int64_t C = x.size(-1), rows = C ? x.numel() / C : 0;
+  if (rows == 0) return;
+  const std::string wsfx = w.dtype() != x.dtype() ? "_wf32" : "";  // f32 weights scaling f16 activations
+  Dispatch d = e.make("rmsnorm", "rmsnorm_forward_" + s + wsfx);
+  bind(d, 0, x), bind(d, 1, w), bind(d, 2, y), bind(d, 3, rstd);
+  d.set_args(4, RmsnormArgs{u32(e.op, rows, "rows"), u32(e.op, C, "cols"), eps});
+  d.grid = {uint32_t(rows), 1, 1};
+  d.threads = {row_threads(C), 1, 1};
+  encode(std::move(d));
+}
+
+void MetalOps::rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
+                                const Tensor& dx, const Tensor* dw) {
+  Emit e{this, "rmsnorm_backward"};
+  const std::string s = e.sfx(x.dtype());
+  if (dy.dtype() != x.dtype() || dx.dtype() != x.dtype())
+    throw NotImplementedError("[rmsnorm_backward] dy and dx must have x's dtype on " + name());
+  const int64_t C = x.size(-1), rows = C ? x.numel() / C : 0;
+  if (rows == 0) return;
+  const RmsnormBackwardArgs args{u32(e.op, rows, "rows"), u32(e.op, C, "cols")};
+  if (dw) {  // first: dx may overwrite dy
+    Dispatch d = e.make("rmsnorm", "rmsnorm_backward_dw_" + s);
+    bind(d, 0, dy), bind(d, 1, x), bind(d, 2, rstd), bind(d, 3, *dw);
+    d.set_args(4, args);
+    d.grid = {ceil_div(C, 32), 1, 1};  // 32 columns per threadgroup, rows in 8 strands
+    d.threads = {32, 8, 1};
+    encode(std::move(d));
+  }
+  Dispatch d = e.make("rmsnorm", "rmsnorm_backward_" + s + (w.dtype() != x.dtype() ? "_wf32" : ""));
+  bind(d, 0, dy), bind(d, 1, x), bind(d, 2, w), bind(d, 3, rstd), bind(d, 4, dx);
+  d.set_args(5, args);
+  d.grid = {uint32_t(rows), 1, 1};
+  d.threads = {row_threads(C), 1, 1};
+  encode(std::move(d));
+}
+
+void MetalOps::swiglu_forward(const Tensor& g, const Tensor& u, const Tensor& s) {
+  Emit e{this, "swiglu_forward"};
+  Dispatch d = e.make("swiglu", "swiglu_forward_" + e.sfx(g.dtype()));
+  if (g.numel() == 0) return;
+  bind(d, 0, g), bind(d, 1, u), bind(d, 2, s);
+  d.set_args(3, SwigluArgs{u32(e.op, g.numel(), "n")});
+  ew_geometry(d, g.numel());
+  encode(std::move(d));
+}
+
+void MetalOps::swiglu_backward(const Tensor& ds, const Tensor& g, const Tensor& u, const Tensor& dg, const Tensor& du) {
+  Emit e{this, "swiglu_backward"};
+  Dispatch d = e.make("swiglu", "swiglu_backward_" + e.sfx(g.dtype()));
+  if (g.numel() == 0) return;
+  bind(d, 0, ds), bind(d, 1, g), bind(d, 2, u), bind(d, 3, dg), bind(d, 4, du);
+  d.set_args(5, SwigluArgs{u32(e.op, g.numel(), "n")});
+  ew_geometry(d, g.numel());
+  encode(std::move(d));
+}
+
+void MetalOps::rope(const Tensor& x, const Tensor& positions, const Tensor& inv_freq, float sign) {
+  Emit e{this, "rope"};
+  Dispatch d = e.make("rope", "rope_" + e.sfx(x.dtype()));
+  const int64_t T = x.size(-2), D = x.size(-1), R = inv_freq.numel(), rows = D ? x.numel() / D : 0;
+  if (rows == 0 || T == 0) return;
+  bind(d, 0, x), bind(d, 1, positions), bind(d, 2, inv_freq);
+  d.set_args(3, RopeArgs{u32(e.op, rows, "rows"), uint32_t(T), uint32_t(D), uint32_t(R), sign});
+  ew_geometry(d, rows * R);
+  encode(std::move(d));
+}
+
+void MetalOps::softmax_causal_forward(const Tensor& S, const Tensor& P, float scale, const Tensor* segments) {
+  Emit e{this, "softmax_causal_forward"};
+  Dispatch d = e.make("softmax", "softmax_causal_forward_" + e.sfx(S.dtype()));
+  const int64_t tq = S.size(-2), tk = S.size(-1), rows = tk ? S.numel() / tk : 0;
+  if (rows == 0) return;
+  bind(d, 0, S), bind(d, 1, P);
+  if (segments)
+    bind(d, 2, *segments);
+  else
+    bind(d, 2, S, 0);  // must be bound; not read
+  d.set_args(3, SoftmaxArgs{u32(e.op, rows, "rows"), uint32_t(tq), uint32_t(tk), scale, segments ? 1u : 0u});
+  d.grid = {uint32_t(rows), 1, 1};
+  d.threads = {row_threads(tk), 1, 1};
+  encode(std::move(d));
+}
+
+void MetalOps::softmax_backward(const Tensor& P, const Tensor& dP, const Tensor& dS, float scale) {
+  Emit e{this, "softmax_backward"};
+  Dispatch d = e.make("softmax", "softmax_backward_" + e.sfx(P.dtype()));
+  const int64_t cols = P.size(-1), rows = cols ? P.numel() / cols : 0;
+  if (rows == 0) return;
+  bind(d, 0, P), bind(d, 1, dP), bind(d, 2, dS);
+  d.set_args(3, SoftmaxBackwardArgs{u32(e.op, rows, "rows"), u32(e.op, cols, "cols"), scale});
+  d.grid = {uint32_t(rows), 1, 1};
+  d.threads = {row_threads(cols), 1, 1};
+  encode(std::move(d));
+}
+
+// ---- embedding and loss
+
+namespace {
+
+// Ids are read on the host before encoding (shared memory; they come from uploads, never from an
+// earlier kernel of the step): an out-of-range id must raise, not read or write out of bounds.
+void check_ids(const char* op, const char* what, const Tensor& ids, int64_t V, const int32_t* ignore = nullptr) {
+  const int32_t* p = ids.ptr<int32_t>();
+  for (int64_t i = 0; i < ids.numel(); ++i) {
+    if (ignore && p[i] == *ignore) continue;
+    if (p[i] < 0 || p[i] >= V)
+      throw std::invalid_argument(std::string("[") + op + "] " + what + " " + std::to_string(p[i]) + " at position " +
+                                  std::to_string(i) + " is outside [0, " + std::to_string(V) + ")");
+  }
+}
+
+}  // namespace
+
+void MetalOps::embedding_forward(const Tensor& ids, const Tensor& table, const Tensor& out) {
+  Emit e{this, "embedding_forward"};
+  Dispatch d = e.make("embedding", "embedding_forward_" + e.sfx(table.dtype()));
+  const int64_t V = table.size(0), C = table.size(1), n = ids.numel();
+  check_ids(e.op, "id", ids, V);
+  if (n == 0 || C == 0) return;
+  bind(d, 0, ids), bind(d, 1, table), bind(d, 2, out);
+  d.set_args(3, EmbeddingArgs{u32(e.op, n, "n"), u32(e.op, C, "C"), u32(e.op, V, "V")});
+  ew_geometry(d, n * C);
+  encode(std::move(d));
+}
+
+void MetalOps::embedding_backward(const Tensor& ids, const Tensor& dout, const Tensor& dtable) {
+  Emit e{this, "embedding_backward"};
+  Dispatch d = e.make("embedding", "embedding_backward_" + e.sfx(dout.dtype()));
+  const int64_t V = dtable.size(0), C = dtable.size(1), n = ids.numel();
+  check_ids(e.op, "id", ids, V);
+  if (n == 0 || C == 0) return;
+  bind(d, 0, ids), bind(d, 1, dout), bind(d, 2, dtable);
+  d.set_args(3, EmbeddingArgs{u32(e.op, n, "n"), u32(e.op, C, "C"), u32(e.op, V, "V")});
+  ew_geometry(d, C);  // one thread per column, tokens in order
+  encode(std::move(d));
+}
+
+void MetalOps::cross_entropy(const Tensor& logits, const Tensor& targets, const Tensor& loss, const Tensor* dlogits,
+                             int32_t ignore_index, float scale) {
+  Emit e{this, "cross_entropy"};
+  Dispatch d = e.make("cross_entropy", "cross_entropy_" + e.sfx(logits.dtype()));
+  const int64_t T = logits.size(0), V = logits.size(1);
+  check_ids(e.op, "target", targets, V, &ignore_index);
+  if (T == 0) return;
+  bind(d, 0, logits), bind(d, 1, targets), bind(d, 2, loss), bind(d, 3, dlogits ? *dlogits : logits);
+  d.set_args(4, CrossEntropyArgs{uint32_t(T), u32(e.op, V, "V"), ignore_index, scale, dlogits ? 1u : 0u});
+  d.grid = {uint32_t(T), 1, 1};
+  d.threads = {row_threads(V), 1, 1};
+  encode(std::move(d));
+}
+
+// ---- elementwise
+
+// A grid-stride kernel of elementwise.metal: the tensors at buffers 0, 1, ..., then ElementwiseArgs.
+void MetalOps::elementwise(const char* op, const std::string& kernel, std::initializer_list<const Tensor*> tensors,
+                           int64_t n, float alpha) {
+  if (n == 0) return;
+  Dispatch d = Emit{this, op}.make("elementwise", kernel);
+  uint32_t i = 0;
+  for (const Tensor* t : tensors) bind(d, i++, *t);
+  d.set_args(i, ElementwiseArgs{u32(op, n, "n"), alpha, 0.f});
+  ew_geometry(d, n);
+  encode(std::move(d));
+}
+
+void MetalOps::add(const Tensor& a, const Tensor& b, const Tensor& out) {
+  elementwise("add", "add_" + Emit{this, "add"}.sfx(a.dtype()), {&a, &b, &out}, a.numel(), 0.f);
+}
+
+void MetalOps::axpy(float alpha, const Tensor& x, const Tensor& y) {
+  Emit e{this, "axpy"};
+  const std::string k = x.dtype() == y.dtype() ? e.sfx(x.dtype()) : e.sfx(x.dtype()) + "_" + e.sfx(y.dtype());
+  elementwise("axpy", "axpy_" + k, {&x, &y}, x.numel(), alpha);
+}
+
+void MetalOps::scale(const Tensor& x, float alpha, const Tensor& out) {
+  elementwise("scale", "scale_" + Emit{this, "scale"}.sfx(x.dtype()), {&x, &out}, x.numel(), alpha);
+}
+
+void MetalOps::cast(const Tensor& x, const Tensor& out) {
+  Emit c{this, "cast"};
+  // i32 -> i32 is a copy of 4-byte words: the f32 copy kernel moves the bits unchanged.
+  const std::string src = x.dtype() == DType::i32 ? "f32" : c.sfx(x.dtype());
+  const std::string dst = out.dtype() == DType::i32 ? "f32" : c.sfx(out.dtype());
+  elementwise("cast", "cast_" + src + "_" + dst, {&x, &out}, x.numel(), 0.f);
+}
+
+void MetalOps::fill(const Tensor& x, double value) {
+  const std::string s = Emit{this, "fill"}.sfx(x.dtype());
+  // alpha carries the value as a float (the i32 kernel saturates it as the CPU backend does);
+  // i32 values beyond float's 24-bit mantissa would round, so they are written from the host.
+  if (x.dtype() == DType::i32 && std::abs(value) > 16777216.0 && !std::isnan(value)) {
+    throw NotImplementedError("[fill] i32 values beyond +-2^24 are not implemented on " + name());
+  }
+  elementwise("fill", "fill_" + s, {&x}, x.numel(), float(value));
+}
+
+void MetalOps::dropout(const Tensor& x, const Tensor& out, float p, uint64_t seed) {
+  Emit e{this, "dropout"};
+  const std::string s = e.sfx(x.dtype());
+  if (p == 0.f) {
+    cast(x, out);  // same dtype: a copy
+    return;
+  }
+  Dispatch d = e.make("elementwise", "dropout_" + s);
+  if (x.numel() == 0) return;
+  bind(d, 0, x), bind(d, 1, out);
+  d.set_args(2, DropoutArgs{u32(e.op, x.numel(), "n"), uint32_t(seed), uint32_t(seed >> 32), p, 1.f / (1.f - p)});
+  ew_geometry(d, x.numel());
+  encode(std::move(d));
+}
+
+void MetalOps::transpose_heads(const Tensor& x, const Tensor& out) {
+  Emit e{this, "transpose_heads"};
+  // i32 moves as f32 bits (positions, ids): the kernel only copies.
+  Dispatch d = e.make("elementwise", "transpose_heads_" + (x.dtype() == DType::i32 ? "f32" : e.sfx(x.dtype())));
+  const int64_t A = x.size(0), B = x.size(1), D = x.size(2);
+  if (x.numel() == 0) return;
+  bind(d, 0, x), bind(d, 1, out);
+  d.set_args(2, TransposeHeadsArgs{u32(e.op, A, "A"), u32(e.op, B, "B"), u32(e.op, D, "D")});
+  // One row of D per (x-lanes, b, a): the lanes stride over D (by 4 when D % 4 == 0).
+  const uint32_t lanes = uint32_t(std::min<int64_t>(32, std::max<int64_t>(1, D % 4 == 0 ? D / 4 : D)));
+  const uint32_t ty = std::max<uint32_t>(1, 64 / lanes);
+  d.grid = {1, ceil_div(B, ty), uint32_t(A)};
+  d.threads = {lanes, ty, 1};
+  encode(std::move(d));
+}
+
+// ---- optimizer
+
+void MetalOps::adamw_update(const AdamWArgs& a) {
+  Emit e{this, "adamw_update"};
+  const int64_t n = a.params.numel();
+  if (n == 0) return;
+  const bool working = a.working.defined();
+  Dispatch d = e.make("optimizer", working ? "adamw_update_working_" + e.sfx(a.working.dtype()) : std::string("adamw_update"));
+  bind(d, 0, a.params), bind(d, 1, a.grads), bind(d, 2, a.m), bind(d, 3, a.v);
+  if (working) bind(d, 4, a.working);
+  // Bias corrections in double on the host, as the CPU backend computes them.
+  const double bc1 = 1.0 - std::pow(double(a.beta1), double(a.step));
+  const double bc2 = 1.0 - std::pow(double(a.beta2), double(a.step));
+  d.set_args(5, AdamwArgs{u32(e.op, n, "n"), float(double(a.lr) / bc1), float(std::sqrt(bc2)), a.lr * a.weight_decay,
+                          a.beta1, a.beta2, a.eps, a.grad_scale});
+  ew_geometry(d, n);
+  encode(std::move(d));
+}
+
+void MetalOps::sumsq(const Tensor& x, const Tensor& out) {
+  Emit e{this, "sumsq"};
+  const int64_t n = x.numel();
+  const uint32_t groups = std::max<uint32_t>(1, ceil_div(n, kReduceChunk));
+  const ReduceArgs args{u32(e.op, n, "n"), kReduceChunk, groups};
+  Tensor partials = empty({int64_t(groups)}, DType::f32);
+  Dispatch d = e.make("optimizer", "sumsq_partial_" + e.sfx(x.dtype()));
+  bind(d, 0, x), bind(d, 1, partials);
+  d.set_args(2, args);
+  d.grid = {groups, 1, 1};
+  d.threads = {256, 1, 1};
+  encode(std::move(d));
+  Dispatch f = e.make("optimizer", "sumsq_finish");
+  bind(f, 0, partials), bind(f, 1, out);
+  f.set_args(2, args);
+  f.grid = {1, 1, 1};
+  f.threads = {256, 1, 1};
+  encode(std::move(f));
+}
+
+void MetalOps::nonfinite(const Tensor& x, const Tensor& flag) {
+  Emit e{this, "nonfinite"};
+  Dispatch d = e.make("optimizer", "nonfinite_" + e.sfx(x.dtype()));
+  const int64_t n = x.numel();
+  if (n == 0) return;
+  bind(d, 0, x), bind(d, 1, flag);
+  d.set_args(2, ReduceArgs{u32(e.op, n, "n"), 0, 0});
+  ew_geometry(d, n);
+  encode(std::move(d));
+}
+
+}  // namespace krnl::metal

@@ -1,0 +1,152 @@
+// Optimizer-step kernels: AdamW over flat f32 buffers, the two-pass sum of squares (global grad
+// norm) and the inf/NaN flag (dynamic loss scaling). Geometry per kernel below.
+#include <metal_stdlib>
+#include "kargs.h"
+using namespace metal;
+
+// ---- adamw_update, adamw_update_working_{f32,f16}
+// params, grads, m, v (n,) f32 at buffers 0..3; the working variants also store the updated
+// params into buffer(4) (f32 or f16, rounded once); AdamwArgs at buffer(5) for all three (index 4
+// is unused by the plain kernel). The statement order and the float operations are those of the
+// CPU backend (PyTorch's AdamW, see kargs.h); sqrt and the divides are the precise ones so that
+// fast math does not drift from it.
+// Geometry: a grid-stride loop, any grid; e.g. 256 threads per threadgroup and
+// min(ceil(n / 256), 1024) threadgroups.
+static inline float adamw_step(uint i, device float* p, device const float* g, device float* m,
+                               device float* v, constant AdamwArgs& a)
+{
+    const float gi = g[i] * a.grad_scale;
+    float pi = p[i];
+    pi -= a.decay * pi;
+    const float mi = a.beta1 * m[i] + (1.0f - a.beta1) * gi;
+    const float vi = a.beta2 * v[i] + (1.0f - a.beta2) * gi * gi;
+    pi -= a.step_size * precise::divide(mi, precise::divide(precise::sqrt(vi), a.bc2_sqrt) + a.eps);
+    m[i] = mi;
+    v[i] = vi;
+    p[i] = pi;
+    return pi;
+}
+
+kernel void adamw_update(device float*       params [[buffer(0)]],
+                         device const float* grads  [[buffer(1)]],
+                         device float*       m      [[buffer(2)]],
+                         device float*       v      [[buffer(3)]],
+                         constant AdamwArgs& args   [[buffer(5)]],
+                         uint gid [[thread_position_in_grid]],
+                         uint gsz [[threads_per_grid]])
+{
+    for (uint i = gid; i < args.n; i += gsz) adamw_step(i, params, grads, m, v, args);
+}
+
+template <typename W>
+kernel void adamw_update_working(device float*       params  [[buffer(0)]],
+                                 device const float* grads   [[buffer(1)]],
+                                 device float*       m       [[buffer(2)]],
+                                 device float*       v       [[buffer(3)]],
+                                 device W*           working [[buffer(4)]],
+                                 constant AdamwArgs& args    [[buffer(5)]],
+                                 uint gid [[thread_position_in_grid]],
+                                 uint gsz [[threads_per_grid]])
+{
+    for (uint i = gid; i < args.n; i += gsz) working[i] = W(adamw_step(i, params, grads, m, v, args));
+}
+
+template [[host_name("adamw_update_working_f32")]] [[kernel]]
+decltype(adamw_update_working<float>) adamw_update_working<float>;
+template [[host_name("adamw_update_working_f16")]] [[kernel]]
+decltype(adamw_update_working<half>) adamw_update_working<half>;
+
+// ---- sumsq: out[0] = sum of x^2 over x (n,), two dispatches, deterministic for a given chunk,
+// groups and threadgroup size (no atomics, every sum in a fixed order), accumulated in float
+// (half inputs square exactly in float).
+#define RED_MAX_SIMDGROUPS 32  // 1024 threads / 32 lanes
+
+// Sum over the threadgroup of one float per thread: simd_sum, one partial per SIMD-group in
+// threadgroup memory, then thread 0 adds them in SIMD-group order. Only thread 0's result is
+// meaningful. Reached by every thread of the threadgroup (it holds a barrier).
+static inline float threadgroup_sum(float x, threadgroup float* part, uint tid, uint lane, uint sg, uint nsg)
+{
+    x = simd_sum(x);
+    if (lane == 0) part[sg] = x;
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    float total = 0.0f;
+    if (tid == 0)
+        for (uint k = 0; k < nsg; ++k) total += part[k];
+    return total;
+}
+
+// sumsq_partial: threadgroup g < groups writes partials[g] = sum of x[i]^2 over
+// i in [g * chunk, min(n, (g + 1) * chunk)).
+// Geometry: grid = (groups, 1, 1) threadgroups with groups = ceil(n / chunk) (extra ones return),
+// any threadgroup size up to 1024; e.g. 256 threads, chunk = a multiple of 256 with
+// groups <= 1024. Each thread's float chain has about chunk / threads terms.
+template <typename T>
+kernel void sumsq_partial(device const T*    x        [[buffer(0)]],
+                          device float*      partials [[buffer(1)]],
+                          constant ReduceArgs& args   [[buffer(2)]],
+                          uint g    [[threadgroup_position_in_grid]],
+                          uint tid  [[thread_position_in_threadgroup]],
+                          uint ntg  [[threads_per_threadgroup]],
+                          uint lane [[thread_index_in_simdgroup]],
+                          uint sg   [[simdgroup_index_in_threadgroup]],
+                          uint nsg  [[simdgroups_per_threadgroup]])
+{
+    threadgroup float part[RED_MAX_SIMDGROUPS];
+
+    if (g >= args.groups) return;  // whole threadgroup: uniform, before any barrier
+    const ulong b = (ulong)g * args.chunk;
+    ulong e = b + args.chunk;  // 64-bit: g * chunk may pass 2^32 on the last group
+    if (e > args.n) e = args.n;
+    float acc = 0.0f;
+    for (ulong i = b + tid; i < e; i += ntg) {
+        const float xi = float(x[i]);
+        acc = fma(xi, xi, acc);
+    }
+    const float total = threadgroup_sum(acc, part, tid, lane, sg, nsg);
+    if (tid == 0) partials[g] = total;
+}
+
+// sumsq_finish: out[0] = sum of partials[0, groups).
+// Geometry: exactly one threadgroup, grid = (1, 1, 1), any threadgroup size up to 1024.
+kernel void sumsq_finish(device const float* partials [[buffer(0)]],
+                         device float*       out      [[buffer(1)]],
+                         constant ReduceArgs& args    [[buffer(2)]],
+                         uint tid  [[thread_position_in_threadgroup]],
+                         uint ntg  [[threads_per_threadgroup]],
+                         uint lane [[thread_index_in_simdgroup]],
+                         uint sg   [[simdgroup_index_in_threadgroup]],
+                         uint nsg  [[simdgroups_per_threadgroup]])
+{
+    threadgroup float part[RED_MAX_SIMDGROUPS];
+
+    float acc = 0.0f;
+    for (uint k = tid; k < args.groups; k += ntg) acc += partials[k];
+    const float total = threadgroup_sum(acc, part, tid, lane, sg, nsg);
+    if (tid == 0) out[0] = total;
+}
+
+template [[host_name("sumsq_partial_f32")]] [[kernel]] decltype(sumsq_partial<float>) sumsq_partial<float>;
+template [[host_name("sumsq_partial_f16")]] [[kernel]] decltype(sumsq_partial<half>)  sumsq_partial<half>;
+
+// ---- nonfinite: flag[0] = 1 if any of x[0, n) is inf or NaN; never cleared here (the host
+// zeroes it once per step, so several tensors can share one flag). Tested on the raw bits
+// (exponent all ones), which fast math cannot fold away as it may isinf/isnan. Only args.n is
+// used; chunk and groups are ignored.
+// Geometry: a grid-stride loop, any grid; e.g. 256 threads per threadgroup and
+// min(ceil(n / 256), 1024) threadgroups. All writers store the same value 1, atomically.
+template <typename U, uint EXP>
+kernel void nonfinite(device const U*      x    [[buffer(0)]],
+                      device atomic_int*   flag [[buffer(1)]],
+                      constant ReduceArgs& args [[buffer(2)]],
+                      uint gid  [[thread_position_in_grid]],
+                      uint gsz  [[threads_per_grid]],
+                      uint lane [[thread_index_in_simdgroup]])
+{
+    bool bad = false;
+    for (uint i = gid; i < args.n; i += gsz) bad |= (uint(x[i]) & EXP) == EXP;
+    // one store per SIMD-group at most (every lane reaches simd_any: no early return above)
+    if (simd_any(bad) && lane == 0) atomic_store_explicit(flag, 1, memory_order_relaxed);
+}
+
+template [[host_name("nonfinite_f32")]] [[kernel]] decltype(nonfinite<uint, 0x7f800000u>) nonfinite<uint, 0x7f800000u>;
+template [[host_name("nonfinite_f16")]] [[kernel]] decltype(nonfinite<ushort, 0x7c00u>)   nonfinite<ushort, 0x7c00u>;

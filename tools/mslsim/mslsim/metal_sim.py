@@ -1,0 +1,80 @@
+"""The executor of krnl's `metal-sim` device: runs the dispatch records of the Metal backend
+(csrc/metal/ops.cpp) with the kernels of metal/ on this simulator.
+
+    import mslsim.metal_sim
+    mslsim.metal_sim.register(krnl._core, repo_root)   # then krnl.device("metal-sim")
+
+Each record names an op family (metal/<library>.metal), a kernel, function-constant values,
+buffers as device addresses with the byte extent the dispatch may touch, the kargs.h bytes, and
+the grid. Libraries are built once per (family, constants) and cached on disk by mslsim."""
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from . import MslsimError, build
+
+
+class Executor:
+    def __init__(self, root: Path):
+        root = Path(root)
+        self.metal_dir = root / "metal"
+        self.include_dirs = [self.metal_dir, root / "csrc" / "core"]  # kargs.h, rng.h
+        self._libs: dict = {}
+        self._lock = threading.Lock()
+        self.dispatches = 0  # executed so far (tests read it)
+
+    def library(self, name: str, constants: tuple):
+        key = (name, constants)
+        with self._lock:
+            lib = self._libs.get(key)
+            if lib is None:
+                src = self.metal_dir / f"{name}.metal"
+                lib = build(src, dict(constants), include_dirs=self.include_dirs,
+                            name=name + "".join(f"-c{i}_{int(v) if isinstance(v, bool) else v}" for i, v in constants))
+                self._libs[key] = lib
+            return lib
+
+    def __call__(self, records):
+        for r in records:
+            self.run(r)
+
+    def run(self, r: dict):
+        lib = self.library(r["library"], tuple(r["constants"]))
+        buffers = {}
+        spans = []
+        for index, address, extent, _base, _offset in r["buffers"]:
+            n = max(int(extent), 1)
+            arr = np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(address)) if extent else np.zeros(1, np.uint8)
+            buffers[index] = arr
+            if extent:
+                spans.append((address, address + extent))
+        buffers[r["args_index"]] = bytes(r["args"])
+        # Overlapping bindings (an output aliasing an input, as cross_entropy's dlogits may) must
+        # see one memory: the guarded copies would split them, so such a dispatch runs unguarded.
+        spans.sort()
+        overlap = any(b0 < a1 for (_, a1), (b0, _) in zip(spans, spans[1:]))
+        lib.dispatch(r["kernel"], grid=r["grid"], threads=r["threads"], buffers=buffers,
+                     threadgroup_memory=dict(r["threadgroup_memory"]), guard=not overlap)
+        self.dispatches += 1
+
+
+def register(core, root) -> Executor:
+    """Registers krnl's metal-sim device with an executor over `root`/metal; returns the executor."""
+    ex = Executor(root)
+    core.register_metal_sim(ex)
+    return ex
+
+
+def available() -> bool:
+    """Whether this machine can run the simulator (a C++20 compiler with _Float16)."""
+    from . import _cxx
+    import shutil
+    return shutil.which(_cxx()) is not None and os.name == "posix"
+
+
+__all__ = ["Executor", "register", "available", "MslsimError"]

@@ -1,0 +1,244 @@
+// gemm: C = alpha * op(A) * op(B) + beta * C (metal/kargs.h GemmArgs), accumulated in fp32; A and
+// B f32 or f16, C of the operand type or f32 (gemm_*_f16_f32, LoRA gradients). Variants: nn;
+// nt (op(B) = B^T, B stored (N, K)); tn (op(A) = A^T, A stored (K, M)). Stored matrices are
+// row-major with row strides lda/ldb/ldc; batch entry z = grid.z sits at element offsets
+// z * stride_a/b/c (0 broadcasts one matrix to every batch entry).
+//
+// Dispatch geometry (dispatchThreadgroups, every threadgroup ONE SIMD-group of 32 threads):
+//   gemm_{nn,nt,tn}_{f32,f16,f16_f32}: grid (ceil(N/32), ceil(M/32), batch), threads (32, 1, 1);
+//     threadgroup (x, y) computes the 32x32 tile C[32y.., 32x..] with 4x4 simdgroup_float8x8
+//     accumulators.
+//   gemm_splitk_{nn,nt,tn}_{f32,f16}: grid (ceil(N/32), ceil(M/32), splits), threads (32, 1, 1);
+//     z = split s sums k in [s * k_split, min(K, (s + 1) * k_split)) into the dense f32 partials
+//     buffer(2) at s * M * N (row stride N). Batch is 1; alpha, beta, ldc, stride_* are unused.
+//   gemm_reduce_{f32,f16}: 2-D, one thread per element at thread_position_in_grid = (n, m); any
+//     threadgroup shape, e.g. threads (32, 8, 1) and grid (ceil(N/32), ceil(M/8), 1); threads
+//     outside (N, M) return. C = alpha * sum_s partials[s] + beta * C, summed in s order.
+// beta == 0 never reads C (it may hold NaN or garbage).
+//
+// Function constant 0, gemm_aligned (bool; unset = false): the host promises M, N, K multiples of
+// 32, lda/ldb/ldc multiples of 4, 4-element aligned buffer offsets and batch strides (and, for
+// the split-K kernels, k_split a multiple of 32). The kernels then drop every edge check and use
+// vector loads and stores. Unset or false: any M, N, K >= 1 (K may be below the tile) and any
+// strides; edge tiles are zero filled on the way in and bounds-checked on the way out.
+//
+// Per K step of 16 the op(A) tile (32 x 16, [m][k]) and the op(B) tile (16 x 32, [k][n]) are
+// staged in threadgroup memory, always in those orientations: operands stored the other way
+// (A of tn, B of nt) are read along their contiguous dimension, 4 elements per read, and written
+// transposed. Half operands go to simdgroup_half8x8 fragments that multiply into float
+// accumulators (products of halves are exact in float); the result tile goes through a float
+// staging tile (aliasing the operand tiles) so that edge tiles can be written element-wise, and
+// half outputs are rounded once there.
+#include <metal_stdlib>
+#include <metal_simdgroup_matrix>
+#include "kargs.h"
+using namespace metal;
+
+// Tile geometry as enum constants (compile-time integers). Not program-scope `constant` variables:
+// Apple's compiler treats those as memory, and the 16 accumulators then spill.
+enum {
+    GEMM_BM      = 32,                          // output rows per threadgroup
+    GEMM_BN      = 32,                          // output columns per threadgroup
+    GEMM_BK      = 16,                          // K step staged per iteration
+    GEMM_THREADS = 32,                          // one SIMD-group
+    GEMM_PAD     = 4,                           // staged-row padding: fewer bank conflicts on the
+                                                // transposing writes, rows stay 4-element aligned
+    GEMM_LDA_S   = GEMM_BK + GEMM_PAD,          // As [BM][LDA_S]: op(A) tile as [m][k]
+    GEMM_LDB_S   = GEMM_BN + GEMM_PAD,          // Bs [BK][LDB_S]: op(B) tile as [k][n]
+    GEMM_LDC_S   = GEMM_BN,                     // Cs [BM][BN]: float result tile
+    GEMM_AS_ELEMS = GEMM_BM * GEMM_LDA_S,
+    GEMM_BS_ELEMS = GEMM_BK * GEMM_LDB_S,
+    // One float4 array holds either the operand tiles (counted as floats: the f32 worst case) or
+    // the result tile: 4864 bytes.
+    GEMM_SMEM_F4 = (GEMM_AS_ELEMS + GEMM_BS_ELEMS > GEMM_BM * GEMM_LDC_S
+                        ? GEMM_AS_ELEMS + GEMM_BS_ELEMS : GEMM_BM * GEMM_LDC_S) / 4,
+};
+
+constant bool gemm_aligned [[function_constant(0)]];
+// An unset function constant has no value: read it only when defined (unset = edge-checked path).
+constant bool gemm_is_aligned = is_function_constant_defined(gemm_aligned) && gemm_aligned;
+
+// Stages the R x C block at (r0, c0) of a row-major matrix (row stride ld; valid rows < rows,
+// valid columns < cols, in absolute indices) into threadgroup memory: straight, dst[r * ldd + c],
+// or transposed, dst[c * ldd + r]. Each lane moves 4 consecutive elements of a stored row per
+// step (consecutive lanes cover consecutive 4-element groups, so device reads are coalesced):
+// one vector read when aligned; otherwise 4 scalar reads, bounds-checked and zero filled on edge
+// tiles (zeros add nothing to the dot products, and out-of-range rows/columns are never stored).
+template <typename T, int R, int C, bool TRANSPOSE>
+inline void gemm_stage(threadgroup T* dst, uint ldd, device const T* src, uint ld, uint r0, uint c0,
+                       uint rows, uint cols, uint lane, bool aligned, bool full)
+{
+    typedef vec<T, 4> T4;
+#pragma clang loop unroll(full)
+    for (uint i = 0; i < R * C / 4 / GEMM_THREADS; ++i) {
+        const uint v = lane + i * GEMM_THREADS;
+        const uint r = v / (C / 4), c = (v % (C / 4)) * 4;
+        device const T* p = src + (ulong)(r0 + r) * ld + (c0 + c);
+        T4 x;
+        if (aligned) {
+            x = *(device const T4*)p;
+        } else if (full) {
+            x = T4(p[0], p[1], p[2], p[3]);
+        } else {
+            const bool row_ok = r0 + r < rows;
+            for (uint j = 0; j < 4; ++j)
+                x[j] = (row_ok && c0 + c + j < cols) ? p[j] : T(0);
+        }
+        if (TRANSPOSE) {
+            for (uint j = 0; j < 4; ++j)
+                dst[(c + j) * ldd + r] = x[j];
+        } else {
+            *(threadgroup T4*)(dst + r * ldd + c) = x;
+        }
+    }
+}
+
+// One 32x32 output tile at (m0, n0) over k in [kb, ke): C = alpha * acc + beta * C (beta == 0:
+// C is not read). The split-K partials use it with alpha = 1, beta = 0 (exactly acc).
+template <typename T, typename TC, bool TA, bool TB>
+inline void gemm_tile(device const T* A, device const T* B, device TC* C, uint M, uint N,
+                      uint lda, uint ldb, uint ldc, uint kb, uint ke, float alpha, float beta,
+                      uint m0, uint n0, uint lane, threadgroup float4* smem, bool aligned)
+{
+    threadgroup T*     As = (threadgroup T*)smem;
+    threadgroup T*     Bs = As + GEMM_AS_ELEMS;
+    threadgroup float* Cs = (threadgroup float*)smem;   // reused once the last K step is done
+
+    simdgroup_float8x8 acc[4][4];
+#pragma clang loop unroll(full)
+    for (uint i = 0; i < 4; ++i)
+#pragma clang loop unroll(full)
+        for (uint j = 0; j < 4; ++j)
+            acc[i][j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+
+    const bool mn_full = m0 + GEMM_BM <= M && n0 + GEMM_BN <= N;
+    for (uint k0 = kb; k0 < ke; k0 += GEMM_BK) {
+        const bool full = mn_full && k0 + GEMM_BK <= ke;   // uniform over the SIMD-group
+        if (TA)  // A stored (K, M): read along m, transpose into [m][k]
+            gemm_stage<T, GEMM_BK, GEMM_BM, true>(As, GEMM_LDA_S, A, lda, k0, m0, ke, M, lane, aligned, full);
+        else
+            gemm_stage<T, GEMM_BM, GEMM_BK, false>(As, GEMM_LDA_S, A, lda, m0, k0, M, ke, lane, aligned, full);
+        if (TB)  // B stored (N, K): read along k, transpose into [k][n]
+            gemm_stage<T, GEMM_BN, GEMM_BK, true>(Bs, GEMM_LDB_S, B, ldb, n0, k0, N, ke, lane, aligned, full);
+        else
+            gemm_stage<T, GEMM_BK, GEMM_BN, false>(Bs, GEMM_LDB_S, B, ldb, k0, n0, ke, N, lane, aligned, full);
+        threadgroup_barrier(mem_flags::mem_threadgroup);   // tiles complete before any lane reads them
+
+#pragma clang loop unroll(full)
+        for (uint kk = 0; kk < GEMM_BK; kk += 8) {
+            simdgroup_matrix<T, 8, 8> a[4];
+            simdgroup_matrix<T, 8, 8> b[4];
+#pragma clang loop unroll(full)
+            for (uint i = 0; i < 4; ++i)
+                simdgroup_load(a[i], As + i * 8 * GEMM_LDA_S + kk, GEMM_LDA_S);
+#pragma clang loop unroll(full)
+            for (uint j = 0; j < 4; ++j)
+                simdgroup_load(b[j], Bs + kk * GEMM_LDB_S + j * 8, GEMM_LDB_S);
+#pragma clang loop unroll(full)
+            for (uint i = 0; i < 4; ++i)
+#pragma clang loop unroll(full)
+                for (uint j = 0; j < 4; ++j)
+                    simdgroup_multiply_accumulate(acc[i][j], a[i], b[j], acc[i][j]);
+        }
+        // every lane is done reading before the next step (or Cs) overwrites the tiles
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+    }
+
+#pragma clang loop unroll(full)
+    for (uint i = 0; i < 4; ++i)
+#pragma clang loop unroll(full)
+        for (uint j = 0; j < 4; ++j)
+            simdgroup_store(acc[i][j], Cs + i * 8 * GEMM_LDC_S + j * 8, GEMM_LDC_S);
+    threadgroup_barrier(mem_flags::mem_threadgroup);   // each lane below reads elements others stored
+
+    // Same arithmetic on both paths (explicit fma, no contraction choices left to the compiler),
+    // so an aligned build is bit-identical to an unaligned one.
+    const bool use_c = beta != 0.0f;
+    if (aligned) {
+        typedef vec<TC, 4> TC4;
+#pragma clang loop unroll(full)
+        for (uint i = 0; i < GEMM_BM * GEMM_BN / 4 / GEMM_THREADS; ++i) {
+            const uint v = lane + i * GEMM_THREADS;
+            const uint r = v / (GEMM_BN / 4), c = (v % (GEMM_BN / 4)) * 4;
+            const float4 s = *(threadgroup const float4*)(Cs + r * GEMM_LDC_S + c);
+            device TC4* p = (device TC4*)(C + (ulong)(m0 + r) * ldc + (n0 + c));
+            *p = TC4(use_c ? fma(float4(alpha), s, float4(beta) * float4(*p)) : float4(alpha) * s);
+        }
+    } else if (n0 + lane < N) {
+        // lane = column: consecutive lanes write consecutive elements of a row
+        for (uint r = 0; r < GEMM_BM && m0 + r < M; ++r) {
+            const float s = Cs[r * GEMM_LDC_S + lane];
+            device TC* p = C + (ulong)(m0 + r) * ldc + (n0 + lane);
+            *p = TC(use_c ? fma(alpha, s, beta * float(*p)) : alpha * s);
+        }
+    }
+}
+
+template <typename T, typename TC, bool TA, bool TB>
+kernel void gemm_plain(device const T*     A    [[buffer(0)]],
+                 device const T*     B    [[buffer(1)]],
+                 device TC*          C    [[buffer(2)]],
+                 constant GemmArgs&  args [[buffer(3)]],
+                 uint3 tg   [[threadgroup_position_in_grid]],
+                 uint  lane [[thread_index_in_simdgroup]])
+{
+    threadgroup float4 smem[GEMM_SMEM_F4];
+    const ulong z = tg.z;
+    gemm_tile<T, TC, TA, TB>(A + z * args.stride_a, B + z * args.stride_b, C + z * args.stride_c,
+                             args.M, args.N, args.lda, args.ldb, args.ldc, 0, args.K, args.alpha, args.beta,
+                             tg.y * GEMM_BM, tg.x * GEMM_BN, lane, smem, gemm_is_aligned);
+}
+
+template <typename T, bool TA, bool TB>
+kernel void gemm_splitk(device const T*     A        [[buffer(0)]],
+                        device const T*     B        [[buffer(1)]],
+                        device float*       partials [[buffer(2)]],
+                        constant GemmArgs&  args     [[buffer(3)]],
+                        uint3 tg   [[threadgroup_position_in_grid]],
+                        uint  lane [[thread_index_in_simdgroup]])
+{
+    threadgroup float4 smem[GEMM_SMEM_F4];
+    const uint s  = tg.z;
+    const uint kb = min(args.K, s * args.k_split);   // an empty slice writes zeros
+    const uint ke = min(args.K, kb + args.k_split);
+    gemm_tile<T, float, TA, TB>(A, B, partials + (ulong)s * args.M * args.N, args.M, args.N,
+                                args.lda, args.ldb, args.N, kb, ke, 1.0f, 0.0f,
+                                tg.y * GEMM_BM, tg.x * GEMM_BN, lane, smem, gemm_is_aligned);
+}
+
+template <typename TC>
+kernel void gemm_reduce(device const float*      partials [[buffer(0)]],
+                        device TC*               C        [[buffer(1)]],
+                        constant GemmReduceArgs& args     [[buffer(2)]],
+                        uint2 pos [[thread_position_in_grid]])
+{
+    const uint n = pos.x, m = pos.y;
+    if (m >= args.M || n >= args.N) return;
+    const ulong plane = (ulong)args.M * args.N;
+    device const float* p = partials + (ulong)m * args.N + n;
+    float acc = 0.0f;
+    for (uint s = 0; s < args.splits; ++s)   // fixed s order: deterministic
+        acc += p[s * plane];
+    device TC* c = C + (ulong)m * args.ldc + n;
+    *c = TC(args.beta != 0.0f ? fma(args.alpha, acc, args.beta * float(*c)) : args.alpha * acc);
+}
+
+template [[host_name("gemm_nn_f32")]]     [[kernel]] decltype(gemm_plain<float, float, false, false>) gemm_plain<float, float, false, false>;
+template [[host_name("gemm_nt_f32")]]     [[kernel]] decltype(gemm_plain<float, float, false, true>)  gemm_plain<float, float, false, true>;
+template [[host_name("gemm_tn_f32")]]     [[kernel]] decltype(gemm_plain<float, float, true, false>)  gemm_plain<float, float, true, false>;
+template [[host_name("gemm_nn_f16")]]     [[kernel]] decltype(gemm_plain<half, half, false, false>)   gemm_plain<half, half, false, false>;
+template [[host_name("gemm_nt_f16")]]     [[kernel]] decltype(gemm_plain<half, half, false, true>)    gemm_plain<half, half, false, true>;
+template [[host_name("gemm_tn_f16")]]     [[kernel]] decltype(gemm_plain<half, half, true, false>)    gemm_plain<half, half, true, false>;
+template [[host_name("gemm_nn_f16_f32")]] [[kernel]] decltype(gemm_plain<half, float, false, false>)  gemm_plain<half, float, false, false>;
+template [[host_name("gemm_nt_f16_f32")]] [[kernel]] decltype(gemm_plain<half, float, false, true>)   gemm_plain<half, float, false, true>;
+template [[host_name("gemm_tn_f16_f32")]] [[kernel]] decltype(gemm_plain<half, float, true, false>)   gemm_plain<half, float, true, false>;
+
+template [[host_name("gemm_splitk_nn_f32")]] [[kernel]] decltype(gemm_splitk<float, false, false>) gemm_splitk<float, false, false>;
+template [[host_name("gemm_splitk_nt_f32")]] [[kernel]] decltype(gemm_splitk<float, false, true>)  gemm_splitk<float, false, true>;
+template [[host_name("gemm_splitk_tn_f32")]] [[kernel]] decltype(gemm_splitk<float, true, false>)  gemm_splitk<float, true, false>;
+template [[host_name("gemm_splitk_nn_f16")]] [[kernel]] decltype(gemm_splitk<half, false, false>)  gemm_splitk<half, false, false>;
+template [[host_name("gemm_splitk_nt_f16")]] [[kernel]] decltype(gemm_splitk<half, false, true>)   gemm_splitk<half, false, true>;
+template [[host_name("gemm_splitk_tn_f16")]] [[kernel]] decltype(gemm_splitk<half, true, false>)   gemm_splitk<half, true, false>;
+
+template [[host_name("gemm_reduce_f32")]] [[kernel]] decltype(gemm_reduce<float>) gemm_reduce<float>;
+template [[host_name("gemm_reduce_f16")]] [[kernel]] decltype(gemm_reduce<half>)  gemm_reduce<half>;

@@ -40,7 +40,8 @@ if os.environ.get("KRNL_TEST_METAL_SIM", "1") != "0":
     import mslsim.metal_sim  # noqa: E402
 
     if mslsim.metal_sim.available():
-        METAL_SIM = mslsim.metal_sim.register(krnl._core, ROOT)
+        # random thread order everywhere: every op test is also a race test of its kernels
+        METAL_SIM = mslsim.metal_sim.register(krnl._core, ROOT, random_order=True)
 
 DEVICES = [d for d in krnl.devices() if d not in ("cpu:1", "metal-sim")]
 # Test modules whose `dev` tests also run on metal-sim: the op suite. Model-level tests would

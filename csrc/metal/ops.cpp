@@ -21,11 +21,7 @@ namespace krnl::metal {
 using CoreGemmArgs = krnl::GemmArgs;
 using KernelGemmArgs = krnl::metal::GemmArgs;
 
-const std::vector<std::string>& library_names() {
-  static const std::vector<std::string> names = {"cross_entropy", "elementwise", "embedding", "gemm", "optimizer",
-                                                 "rmsnorm",       "rope",        "softmax",   "swiglu"};
-  return names;
-}
+// library_names() is defined in sources.cpp, from the table cmake/embed_metal.cmake generates.
 
 namespace {
 
@@ -171,7 +167,7 @@ void MetalOps::gemm(const CoreGemmArgs& a) {
     gemm_split_k(a);
     return;
   }
-  if (row_split_.enabled && a.batch == 1 && !a.trans_a && a.A.dtype() == DType::f32 && a.C.dtype() == DType::f32 &&
+  if (row_split_.enabled && a.batch == 1 && !a.trans_a &&
       2.0 * double(a.M) * double(a.N) * double(a.K) >= double(row_split_.min_flops) && row_split_.cpu_gflops > 0 &&
       row_split_.gpu_gflops > 0) {
     const double gflop = 2e-9 * double(a.M) * double(a.N) * double(a.K);
@@ -255,9 +251,10 @@ void MetalOps::gemm_split_k(const CoreGemmArgs& a) {
 }
 
 // CPU/GPU row split (KRNL report): the GPU takes rows [cpu_rows, M), the CPU's BLAS rows
-// [0, cpu_rows) at the same time. f32 only (the CPU side reads the operands in place; f16 weights
-// would need fp32 twins, which nothing keeps yet), so the option never changes results beyond
-// the two engines' summation orders.
+// [0, cpu_rows) at the same time, reading the shared buffers in place. For f16 operands the CPU
+// backend's GEMM makes the fp32 twins (converted per call, not cached: a cached twin of a pool
+// buffer could outlive the tensor it copied). Results differ from the pure-GPU GEMM only by the
+// two engines' summation orders.
 void MetalOps::gemm_row_split(const CoreGemmArgs& a, int64_t cpu_rows) {
   gemm_plain(a, cpu_rows, a.M - cpu_rows);
   Dispatch h = Emit{this, "gemm"}.make("gemm", "host_sgemm");

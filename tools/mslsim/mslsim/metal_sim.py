@@ -20,8 +20,11 @@ from . import MslsimError, build
 
 
 class Executor:
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, random_order: bool = False):
         root = Path(root)
+        # Shuffle the GPU threads after every barrier and SIMD-group call (a new seed per
+        # dispatch): a missing barrier or a lockstep assumption then shows as a wrong result.
+        self.random_order = random_order
         self.metal_dir = root / "metal"
         self.include_dirs = [self.metal_dir, root / "csrc" / "core"]  # kargs.h, rng.h
         self._libs: dict = {}
@@ -59,13 +62,14 @@ class Executor:
         spans.sort()
         overlap = any(b0 < a1 for (_, a1), (b0, _) in zip(spans, spans[1:]))
         lib.dispatch(r["kernel"], grid=r["grid"], threads=r["threads"], buffers=buffers,
-                     threadgroup_memory=dict(r["threadgroup_memory"]), guard=not overlap)
+                     threadgroup_memory=dict(r["threadgroup_memory"]), guard=not overlap,
+                     random_order=self.random_order, seed=self.dispatches)
         self.dispatches += 1
 
 
-def register(core, root) -> Executor:
+def register(core, root, random_order: bool = False) -> Executor:
     """Registers krnl's metal-sim device with an executor over `root`/metal; returns the executor."""
-    ex = Executor(root)
+    ex = Executor(root, random_order)
     core.register_metal_sim(ex)
     return ex
 

@@ -23,6 +23,7 @@ nb::dict to_dict(const Dispatch& d) {
   r["library"] = d.library;
   r["kernel"] = d.kernel;
   r["host"] = bool(d.host);
+  r["concurrent"] = d.concurrent;
   nb::list consts;
   for (const auto& c : d.constants) {
     nb::object v;
@@ -81,6 +82,9 @@ void bind_metal(nb::module_& m) {
   m.def("metal_sim_last_step", [] { return to_list(metal::metal_sim_last_step()); },
         "The dispatch records of the last step the metal-sim device committed.");
   m.def("metal_libraries", &metal::library_names, "The op families of metal/ (one .metal file each).");
+  m.def("metal_library_source", &metal::library_source, "name"_a,
+        "The MSL source of metal/<name>.metal embedded in the binary, includes inlined (what the Metal device "
+        "compiles at run time).");
   m.def("set_row_split", [](Backend& d, bool enabled, double cpu_gflops, double gpu_gflops, double overhead_ms,
                             int64_t min_flops) {
     metal::RowSplitConfig c{enabled, cpu_gflops, gpu_gflops, overhead_ms, min_flops};

@@ -8,6 +8,10 @@
 #include "bindings.h"
 #include "core/thread_pool.h"
 #include "cpu/cpu_backend.h"
+#ifdef KRNL_HAS_CUDA
+#include "cuda/cuda_backend.h"
+#endif
+#include "metal/metal_device.h"
 
 namespace krnl::bindings {
 
@@ -36,6 +40,12 @@ NB_MODULE(_core, m) {
   using namespace krnl::bindings;
   m.doc() = "krnl native core: devices, tensors, ops, profiler";
   krnl::cpu::register_backend();
+#ifdef KRNL_HAS_CUDA
+  krnl::cuda::register_backend();  // only where a CUDA device and cuBLAS are usable
+#endif
+#ifdef KRNL_HAS_METAL
+  krnl::metal::register_metal_backend();  // only where a Metal GPU exists
+#endif
   if (const char* e = std::getenv("KRNL_TEST_SECOND_CPU"); e && *e == '1') krnl::cpu::register_second_backend();
 
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {

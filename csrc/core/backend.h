@@ -110,6 +110,20 @@ class Backend {
   void set_profiling(bool on) { profiling_ = on; }
   bool profiling() const { return profiling_; }
   void add_record(OpRecord r) { records_.push_back(std::move(r)); }
+  // What an op record's ms measures. The core times each op call on the host (ops.cpp run()):
+  // on a synchronous backend (CPU) that is the op. An asynchronous backend's call only encodes,
+  // so one that can time its own execution returns true here and, while profiling, reports the
+  // execution time of each op's work with add_device_ms (Metal: its dispatches run one command
+  // buffer each, waited, GPUEndTime - GPUStartTime); run() then records that sum instead of the
+  // host time, never both, so nothing is counted twice. Backends returning false (CPU, metal-sim)
+  // keep the host time.
+  virtual bool profiles_device_time() const { return false; }
+  void add_device_ms(double ms) { device_ms_ += ms; }
+  double take_device_ms() {
+    const double ms = device_ms_;
+    device_ms_ = 0;
+    return ms;
+  }
   const std::vector<OpRecord>& records() const { return records_; }
   void clear_records() { records_.clear(); }
 
@@ -129,6 +143,7 @@ class Backend {
   bool in_step_ = false;
   uint64_t last_committed_ = 0;
   bool profiling_ = false;
+  double device_ms_ = 0;
   std::vector<OpRecord> records_;
 };
 

@@ -46,6 +46,15 @@ struct Dispatch {
   // every earlier dispatch has completed and before any later one starts; the GPU half encoded
   // just before it may run concurrently (the encoder commits before calling it).
   std::function<void()> host;
+  // Dispatches of a step run in order, each seeing every earlier one's writes: the Metal encoder
+  // is MTLDispatchTypeConcurrent and puts a buffer memory barrier before each dispatch (a barrier
+  // orders everything after it behind everything before it). `true` says this dispatch has no
+  // dependency on the previous one (reads none of its outputs, writes nothing it reads or
+  // writes): the barrier is skipped and the two may overlap on the GPU. It stays ordered behind
+  // everything before the last barrier, so in a run of `true` records each must be independent
+  // of all the others of the run. The simulator executes records one after another and cannot
+  // catch a wrong `true`: set it only where the independence is evident.
+  bool concurrent = false;
 
   template <class Args>
   void set_args(uint32_t index, const Args& a) {
@@ -58,6 +67,11 @@ struct Dispatch {
 };
 
 // Every op family in metal/ (one .metal file each): the sources the backend embeds and compiles.
+// Both come from the table cmake/embed_metal.cmake generates from the files at build time
+// (sources.cpp), so the list cannot drift from metal/.
 const std::vector<std::string>& library_names();
+// The MSL source of metal/<name>.metal with its `#include "..."` lines (kargs.h, rng.h) inlined,
+// as the Metal backend compiles it at run time; std::invalid_argument for an unknown name.
+std::string library_source(const std::string& name);
 
 }  // namespace krnl::metal

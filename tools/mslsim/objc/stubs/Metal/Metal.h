@@ -22,6 +22,12 @@ typedef NS_ENUM(NSUInteger, MTLCommandBufferStatus) {
   MTLCommandBufferStatusScheduled = 3, MTLCommandBufferStatusCompleted = 4, MTLCommandBufferStatusError = 5,
 };
 typedef NS_ENUM(NSUInteger, MTLLanguageVersion) { MTLLanguageVersion3_0 = (3 << 16), MTLLanguageVersion3_1 = (3 << 16) + 1 };
+// Serial: each dispatch of an encoder sees the previous one's writes. Concurrent: dispatches may
+// overlap; memoryBarrierWithScope: orders them where needed.
+typedef NS_ENUM(NSUInteger, MTLDispatchType) { MTLDispatchTypeSerial = 0, MTLDispatchTypeConcurrent = 1 };
+typedef NS_OPTIONS(NSUInteger, MTLBarrierScope) {
+  MTLBarrierScopeBuffers = 1 << 0, MTLBarrierScopeTextures = 1 << 1, MTLBarrierScopeRenderTargets = 1 << 2,
+};
 
 typedef struct { NSUInteger width, height, depth; } MTLSize;
 static inline MTLSize MTLSizeMake(NSUInteger w, NSUInteger h, NSUInteger d) { MTLSize s = {w, h, d}; return s; }
@@ -73,9 +79,16 @@ static inline MTLSize MTLSizeMake(NSUInteger w, NSUInteger h, NSUInteger d) { MT
 - (void)setThreadgroupMemoryLength:(NSUInteger)length atIndex:(NSUInteger)index;
 - (void)dispatchThreadgroups:(MTLSize)threadgroupsPerGrid threadsPerThreadgroup:(MTLSize)threadsPerThreadgroup;
 - (void)dispatchThreads:(MTLSize)threadsPerGrid threadsPerThreadgroup:(MTLSize)threadsPerThreadgroup;
+- (void)memoryBarrierWithScope:(MTLBarrierScope)scope;
 @end
+@protocol MTLCommandBuffer;
+// Called once the command buffer has finished (successfully or not), on a Metal thread.
+typedef void (^MTLCommandBufferHandler)(id<MTLCommandBuffer>);
 @protocol MTLCommandBuffer <NSObject>
+@property (nullable, copy, atomic) NSString* label;
 - (nullable id<MTLComputeCommandEncoder>)computeCommandEncoder;
+- (nullable id<MTLComputeCommandEncoder>)computeCommandEncoderWithDispatchType:(MTLDispatchType)dispatchType;
+- (void)addCompletedHandler:(MTLCommandBufferHandler)block;
 - (void)commit;
 - (void)waitUntilCompleted;
 @property (readonly) MTLCommandBufferStatus status;
@@ -92,6 +105,12 @@ static inline MTLSize MTLSizeMake(NSUInteger w, NSUInteger h, NSUInteger d) { MT
 - (nullable id<MTLCommandQueue>)newCommandQueue;
 - (nullable id<MTLBuffer>)newBufferWithLength:(NSUInteger)length options:(MTLResourceOptions)options;
 - (nullable id<MTLBuffer>)newBufferWithBytes:(const void*)pointer length:(NSUInteger)length options:(MTLResourceOptions)options;
+// Wraps existing page-aligned memory without copying; deallocator (may be nil) runs when the
+// buffer is released.
+- (nullable id<MTLBuffer>)newBufferWithBytesNoCopy:(void*)pointer
+                                           length:(NSUInteger)length
+                                          options:(MTLResourceOptions)options
+                                      deallocator:(void (^_Nullable)(void* pointer, NSUInteger length))deallocator;
 - (nullable id<MTLLibrary>)newLibraryWithSource:(NSString*)source options:(nullable MTLCompileOptions*)options
                                          error:(__autoreleasing NSError**)error;
 - (nullable id<MTLLibrary>)newLibraryWithURL:(NSURL*)url error:(__autoreleasing NSError**)error;

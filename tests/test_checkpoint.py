@@ -7,6 +7,7 @@ import os
 import numpy as np
 import pytest
 
+import krnl
 import krnl.checkpoint as ckpt_mod
 from krnl.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from krnl.optim import AdamW, Schedule
@@ -61,7 +62,7 @@ def test_resume_continues_exactly(tmp_path, dev):
 
     def run(flat, opt, grads):
         for g in grads:
-            flat.grads.numpy()[:flat.numel] = g
+            krnl.ops.cast(flat.device.tensor(np.asarray(g, np.float32), "f32"), flat.grads[:flat.numel])
             opt.step()
 
     sched = dict(lr=1e-2, warmup_steps=2, total_steps=10)

@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 
+import krnl
 from krnl.optim import AdamW, LossScaler, Schedule
 from krnl.params import FlatParams
 
@@ -25,7 +26,9 @@ def flat_of(t, n):
 
 
 def set_grads(fp, g):
-    fp.grads.numpy()[:fp.numel] = np.asarray(g, dtype=np.float32)
+    # Uploaded, not written through numpy(): that is a copy on devices whose memory is not
+    # host-visible (cuda).
+    krnl.ops.cast(fp.device.tensor(np.asarray(g, dtype=np.float32), "f32"), fp.grads[:fp.numel])
 
 
 class NumpyAdamW:

@@ -6,6 +6,7 @@ import json
 import numpy as np
 import pytest
 
+import krnl
 from krnl.checkpoint import load_checkpoint
 from krnl.cli import main
 from krnl.default_task import CharTokenizer, base_weights, make_split, tiny_config
@@ -109,7 +110,7 @@ def test_nan_loss_stops_with_the_step(dev, tmp_path):
 
     def poison(step, rec):
         if step == 2:  # a NaN in the LoRA masters makes every later loss NaN
-            tr.model.lora_params.params.numpy()[0] = np.nan
+            krnl.ops.fill(tr.model.lora_params.params[0:1], float("nan"))  # on the device: numpy() may be a copy
             tr.model.lora_params.refresh_working()
 
     tr.on_step = poison

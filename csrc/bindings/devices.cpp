@@ -70,6 +70,10 @@ Tensor tensor_from(Backend& dev, nb::handle data, nb::handle dtype) {
 // Zero-copy view of a numpy array's memory (like torch.from_numpy): the tensor keeps the array
 // alive and ops write through to it.
 Tensor tensor_wrap(Backend& dev, nb::handle obj) {
+  if (!dev.host_visible())
+    throw std::invalid_argument("[from_numpy] " + dev.name() +
+                                " memory is not host-visible, so a numpy array cannot be shared with it; "
+                                "use Device.tensor() to copy");
   // No implicit conversion: a converted copy would silently swallow every write.
   nb::ndarray<nb::c_contig, nb::device::cpu> arr;
   if (!nb::try_cast(obj, arr, /*convert=*/false))

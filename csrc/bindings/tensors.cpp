@@ -3,6 +3,8 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <cstring>
+
 #include "bindings.h"
 
 namespace krnl::bindings {
@@ -15,12 +17,59 @@ void check_readable(const Tensor& t, const char* what) {
   if (d->in_step())
     throw std::runtime_error(std::string("[") + what + "] cannot read a tensor while a step is open on " + d->name() +
                              ": read results after the step is committed");
-  if (!d->host_visible()) throw std::runtime_error(std::string("[") + what + "] " + d->name() + " memory is not host-visible");
   d->synchronize();
+}
+
+// A host copy of a tensor on a device whose memory the CPU cannot read (CUDA): the bytes spanned
+// by the view are downloaded, then gathered through its strides. The array is the caller's own;
+// it is read-only, since writes could not reach the device (Device.tensor() / ops do that).
+nb::object to_numpy_copy(const Tensor& t) {
+  nb::object np = nb::module_::import_("numpy");
+  const Shape& sh = t.shape();
+  const Shape& stv = t.strides();
+  const size_t es = dtype_size(t.dtype());
+  const int64_t n = t.numel();
+  int64_t span = n ? 1 : 0;  // elements from the first to the last one the view reaches
+  for (size_t d = 0; d < sh.size() && n; ++d) span += (sh[d] - 1) * stv[d];
+  std::vector<uint8_t> raw(size_t(span) * es);
+  if (span) {
+    Tensor flat(t.storage(), t.offset(), Shape{span}, t.dtype());  // contiguous window of the buffer
+    t.device()->download(flat, raw.data());
+  }
+  const bool bf = t.dtype() == DType::bf16;
+  const char* name = bf ? "float32" : (t.dtype() == DType::f32 ? "float32" : t.dtype() == DType::f16 ? "float16" : "int32");
+  nb::object out = np.attr("empty")(nb::cast(sh), "dtype"_a = name);
+  auto view = nb::cast<nb::ndarray<nb::c_contig, nb::device::cpu>>(out);
+  auto* dst = static_cast<uint8_t*>(view.data());
+  const bool contiguous = t.is_contiguous();
+  for (int64_t i = 0; i < n; ++i) {
+    int64_t off = i;
+    if (!contiguous) {
+      int64_t rem = i;
+      off = 0;
+      for (size_t d = sh.size(); d-- > 0;) {
+        off += (rem % sh[d]) * stv[d];
+        rem /= sh[d];
+      }
+    }
+    if (bf) {
+      uint16_t h;
+      std::memcpy(&h, raw.data() + size_t(off) * 2, 2);
+      const float f = bf16_to_f32(h);
+      std::memcpy(dst + size_t(i) * 4, &f, 4);
+    } else {
+      std::memcpy(dst + size_t(i) * es, raw.data() + size_t(off) * es, es);
+    }
+  }
+  // Read-only, so that code writing through numpy() (which works on host-visible devices) fails
+  // loudly here instead of losing its writes in a copy.
+  out.attr("setflags")("write"_a = false);
+  return out;
 }
 
 nb::object to_numpy(const Tensor& t) {
   check_readable(t, "numpy");
+  if (!t.device()->host_visible()) return to_numpy_copy(t);
   if (t.dtype() == DType::bf16) {
     // numpy has no bfloat16: return a float32 copy.
     nb::object np = nb::module_::import_("numpy");
@@ -106,7 +155,8 @@ void bind_tensors(nb::module_& m) {
       .def_prop_ro("T", &Tensor::transpose, "Strided view with the last two dimensions swapped.")
       .def("__getitem__", &index)
       .def("numpy", &to_numpy,
-           "A numpy view of the memory (zero-copy; bf16 returns a float32 copy). Waits for committed work.")
+           "A numpy view of the memory (zero-copy; bf16 returns a float32 copy; on a device whose memory is "
+           "not host-visible, such as cuda, always a copy). Waits for committed work.")
       .def("__array__", [](const Tensor& t, nb::handle dtype, nb::handle copy) {
              nb::object a = to_numpy(t);
              (void)copy;

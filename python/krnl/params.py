@@ -51,7 +51,9 @@ class FlatParams:
             if v.shape != self.shapes[k]:
                 raise ValueError(f"[FlatParams.load] {k} has shape {v.shape}, expected {self.shapes[k]}")
             flat[off:off + size] = v.reshape(-1)
-        self.params.numpy()[:self.numel] = flat
+        # Uploaded and copied on the device: a numpy() view is a private copy on devices whose
+        # memory is not host-visible (cuda), so writing through it would be lost there.
+        ops.cast(self.device.tensor(flat, "f32"), self.params[:self.numel])
         self.refresh_working()
 
     def state(self):

@@ -1,0 +1,235 @@
+// RoPE and the materialised attention softmax (DESIGN section 5), one block per score row.
+#include "common.cuh"
+
+namespace krnl::cuda {
+namespace {
+
+// cos/sin table (T, R) of sign * pos[t] * inv_freq[i], angles in double: positions reach 1e5+
+// where float angles lose digits (same choice as the CPU backend).
+__global__ void rope_table_kernel(const int32_t* pos, const float* invf, float sign, int64_t T, int64_t R, float* cs,
+                                  float* sn) {
+  const int64_t n = T * R;
+  for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < n; k += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = k / R, i = k % R;
+    const double th = double(sign) * double(pos[t]) * double(invf[i]);
+    double s, c;
+    sincos(th, &s, &c);
+    cs[k] = float(c);
+    sn[k] = float(s);
+  }
+}
+
+// Rotate-half on the first 2R dims of each row of D (row r is position r % T); dims >= 2R stay.
+__global__ void rope_apply_kernel(DType dt, void* x, int64_t rows, int64_t T, int64_t D, int64_t R, const float* cs,
+                                  const float* sn) {
+  const int64_t n = rows * R;
+  for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < n; k += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = k / R, i = k % R, t = r % T;
+    const float c = cs[t * R + i], s = sn[t * R + i];
+    const int64_t o = r * D + i;
+    const float a = ld(dt, x, o), b = ld(dt, x, o + R);
+    st(dt, x, o, a * c - b * s);
+    st(dt, x, o + R, b * c + a * s);
+  }
+}
+
+// The same with VEC consecutive rotation indices per work item, as 16-byte vectors of both
+// halves (R a multiple of the vector, rows 16-byte aligned).
+template <bool W16>
+__global__ void rope_apply_vec_kernel(DType dt, void* x, int64_t rows, int64_t T, int64_t D, int64_t R, const float* cs,
+                                      const float* sn) {
+  constexpr int VEC = W16 ? 8 : 4;
+  const int64_t per_row = R / VEC, n = rows * per_row;
+  for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < n; k += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = k / per_row, i0 = (k % per_row) * VEC, t = r % T;
+    const int64_t o = r * D + i0;
+    float a[VEC], b[VEC];
+    load_vec<W16>(dt, x, o, a);
+    load_vec<W16>(dt, x, o + R, b);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      const float c = cs[t * R + i0 + e], s = sn[t * R + i0 + e];
+      const float ae = a[e];
+      a[e] = ae * c - b[e] * s;
+      b[e] = b[e] * c + ae * s;
+    }
+    store_vec<W16>(dt, x, o, a);
+    store_vec<W16>(dt, x, o + R, b);
+  }
+}
+
+// Row r of (.., Tq, Tk) scores: query at absolute position q = r % Tq + (Tk - Tq) sees keys
+// j <= q (of its own segment when segments are given). Masked entries are exact zeros. P may
+// alias S: every pass reads only what the same thread writes last.
+__global__ void softmax_causal_kernel(DType dt, const void* S, void* P, int64_t Tq, int64_t Tk, float scale,
+                                      const int32_t* seg) {
+  __shared__ float sh[32];
+  const int64_t r = blockIdx.x, base = r * Tk, q = r % Tq + (Tk - Tq);
+  const int32_t sq = seg ? seg[q] : 0;
+  float m = -3.402823466e38f;
+  for (int64_t j = threadIdx.x; j <= q; j += blockDim.x)
+    if (!seg || seg[j] == sq) m = fmaxf(m, ld(dt, S, base + j));
+  m = block_max(m, sh);
+  float sum = 0.f;
+  for (int64_t j = threadIdx.x; j <= q; j += blockDim.x)
+    if (!seg || seg[j] == sq) sum += expf(scale * (ld(dt, S, base + j) - m));
+  const float inv = 1.f / block_sum(sum, sh);
+  for (int64_t j = threadIdx.x; j < Tk; j += blockDim.x) {
+    float p = 0.f;
+    if (j <= q && (!seg || seg[j] == sq)) p = expf(scale * (ld(dt, S, base + j) - m)) * inv;
+    st(dt, P, base + j, p);
+  }
+}
+
+// dS = P * (dP - rowsum(P * dP)) * scale; dS may alias dP.
+__global__ void softmax_bwd_kernel(DType dt, const void* P, const void* dP, void* dS, int64_t L, float scale) {
+  __shared__ float sh[32];
+  const int64_t base = int64_t(blockIdx.x) * L;
+  float pd = 0.f;
+  for (int64_t j = threadIdx.x; j < L; j += blockDim.x) pd += ld(dt, P, base + j) * ld(dt, dP, base + j);
+  pd = block_sum(pd, sh);
+  for (int64_t j = threadIdx.x; j < L; j += blockDim.x) {
+    const float p = ld(dt, P, base + j), d = ld(dt, dP, base + j);
+    st(dt, dS, base + j, p * (d - pd) * scale);
+  }
+}
+
+// Same contract as softmax_causal_kernel. Vectors starting past q are neither read nor needed.
+template <bool W16, int NV>
+__global__ void softmax_causal_reg_kernel(DType dt, const void* S, void* P, int64_t Tq, int64_t Tk, float scale,
+                                          const int32_t* seg) {
+  constexpr int VEC = W16 ? 8 : 4;
+  __shared__ float sh[32];
+  const int64_t r = blockIdx.x, base = r * Tk, q = r % Tq + (Tk - Tq);
+  const int32_t sq = seg ? seg[q] : 0;
+  float x[NV][VEC];  // the row's values, then their exponentials
+  float m = -3.402823466e38f;
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    const int64_t j0 = (int64_t(k) * blockDim.x + threadIdx.x) * VEC;
+    if (j0 <= q) {
+      load_vec<W16>(dt, S, base + j0, x[k]);
+#pragma unroll
+      for (int e = 0; e < VEC; ++e)
+        if (j0 + e <= q && (!seg || seg[j0 + e] == sq)) m = fmaxf(m, x[k][e]);
+    }
+  }
+  m = block_max(m, sh);
+  float sum = 0.f;
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    const int64_t j0 = (int64_t(k) * blockDim.x + threadIdx.x) * VEC;
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      const bool vis = j0 + e <= q && (!seg || seg[j0 + e] == sq);
+      x[k][e] = vis ? expf(scale * (x[k][e] - m)) : 0.f;
+      sum += x[k][e];
+    }
+  }
+  const float inv = 1.f / block_sum(sum, sh);
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    const int64_t j0 = (int64_t(k) * blockDim.x + threadIdx.x) * VEC;
+    if (j0 < Tk) {
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) x[k][e] *= inv;
+      store_vec<W16>(dt, P, base + j0, x[k]);
+    }
+  }
+}
+
+template <bool W16, int NV>
+__global__ void softmax_bwd_reg_kernel(DType dt, const void* P, const void* dP, void* dS, int64_t L, float scale) {
+  constexpr int VEC = W16 ? 8 : 4;
+  __shared__ float sh[32];
+  const int64_t base = int64_t(blockIdx.x) * L;
+  float p[NV][VEC], d[NV][VEC];
+  float pd = 0.f;
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    const int64_t j0 = (int64_t(k) * blockDim.x + threadIdx.x) * VEC;
+    if (j0 < L) {
+      load_vec<W16>(dt, P, base + j0, p[k]);
+      load_vec<W16>(dt, dP, base + j0, d[k]);
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) pd += p[k][e] * d[k][e];
+    }
+  }
+  pd = block_sum(pd, sh);  // every load of the block precedes its barriers: dS may alias dP
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    const int64_t j0 = (int64_t(k) * blockDim.x + threadIdx.x) * VEC;
+    if (j0 < L) {
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) p[k][e] = p[k][e] * (d[k][e] - pd) * scale;
+      store_vec<W16>(dt, dS, base + j0, p[k]);
+    }
+  }
+}
+
+}  // namespace
+
+void CudaBackend::rope(const Tensor& x, const Tensor& positions, const Tensor& inv_freq, float sign) {
+  OpTimer timer(this);
+  const int64_t T = x.size(-2), D = x.size(-1), R = inv_freq.numel(), rows = D ? x.numel() / D : 0;
+  if (rows == 0 || T == 0) return;
+  Tensor tab = scratch(2 * T * R);  // cos (T, R) then sin (T, R)
+  float* cs = tab.ptr<float>();
+  float* sn = cs + T * R;
+  rope_table_kernel<<<grid_for(T * R), kThreads, 0, stream_>>>(positions.ptr<int32_t>(), inv_freq.ptr<float>(), sign,
+                                                                T, R, cs, sn);
+  const int vec = x.dtype() == DType::f32 ? 4 : 8;
+  if (R % vec == 0 && vectorizable(x.dtype(), D, {x.data()})) {
+    const int64_t n = rows * (R / vec);
+    if (x.dtype() == DType::f32)
+      rope_apply_vec_kernel<false><<<grid_for(n), kThreads, 0, stream_>>>(x.dtype(), x.data(), rows, T, D, R, cs, sn);
+    else
+      rope_apply_vec_kernel<true><<<grid_for(n), kThreads, 0, stream_>>>(x.dtype(), x.data(), rows, T, D, R, cs, sn);
+  } else {
+    rope_apply_kernel<<<grid_for(rows * R), kThreads, 0, stream_>>>(x.dtype(), x.data(), rows, T, D, R, cs, sn);
+  }
+  check_launch("rope");
+}
+
+void CudaBackend::softmax_causal_forward(const Tensor& S, const Tensor& P, float scale, const Tensor* segments) {
+  OpTimer timer(this);
+  const int64_t Tq = S.size(-2), Tk = S.size(-1), rows = Tk ? S.numel() / Tk : 0;
+  if (rows == 0) return;
+  const RegPlan rp = reg_plan(S.dtype(), Tk, {S.data(), P.data()});
+  if (rp.threads) {
+    const bool w16 = S.dtype() != DType::f32;
+    const int32_t* seg = segments ? segments->ptr<int32_t>() : nullptr;
+    const unsigned g = unsigned(rows);
+#define KRNL_SOFTMAX_FWD(W, NV) \
+  softmax_causal_reg_kernel<W, NV><<<g, rp.threads, 0, stream_>>>(S.dtype(), S.data(), P.data(), Tq, Tk, scale, seg)
+    KRNL_DISPATCH_REG(w16, rp.nv, KRNL_SOFTMAX_FWD)
+#undef KRNL_SOFTMAX_FWD
+    check_launch("softmax_causal_forward");
+    return;
+  }
+  softmax_causal_kernel<<<unsigned(rows), std::min(row_threads(Tk), 512), 0, stream_>>>(
+      S.dtype(), S.data(), P.data(), Tq, Tk, scale, segments ? segments->ptr<int32_t>() : nullptr);
+  check_launch("softmax_causal_forward");
+}
+
+void CudaBackend::softmax_backward(const Tensor& P, const Tensor& dP, const Tensor& dS, float scale) {
+  OpTimer timer(this);
+  const int64_t L = P.dim() ? P.size(-1) : 1, rows = L ? P.numel() / L : 0;
+  if (rows == 0) return;
+  const RegPlan rp = reg_plan(P.dtype(), L, {P.data(), dP.data(), dS.data()});
+  if (rp.threads) {
+    const bool w16 = P.dtype() != DType::f32;
+    const unsigned g = unsigned(rows);
+#define KRNL_SOFTMAX_BWD(W, NV) \
+  softmax_bwd_reg_kernel<W, NV><<<g, rp.threads, 0, stream_>>>(P.dtype(), P.data(), dP.data(), dS.data(), L, scale)
+    KRNL_DISPATCH_REG(w16, rp.nv, KRNL_SOFTMAX_BWD)
+#undef KRNL_SOFTMAX_BWD
+    check_launch("softmax_backward");
+    return;
+  }
+  softmax_bwd_kernel<<<unsigned(rows), std::min(row_threads(L), 512), 0, stream_>>>(P.dtype(), P.data(), dP.data(),
+                                                                                     dS.data(), L, scale);
+  check_launch("softmax_backward");
+}
+
+}  // namespace krnl::cuda

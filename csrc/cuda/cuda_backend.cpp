@@ -1,0 +1,230 @@
+// CUDA backend: registration, memory, submission (stream + one event per step) and the cuBLAS
+// loader. The ops live in the .cu files beside this one.
+#include "cuda_backend.h"
+
+#include <dlfcn.h>
+
+#include <cstdlib>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+
+#include "cublas_api.h"
+
+namespace krnl::cuda {
+
+void check(cudaError_t e, const char* op) {
+  if (e == cudaSuccess) return;
+  throw std::runtime_error(std::string("[") + op + "] CUDA error " + cudaGetErrorName(e) + ": " + cudaGetErrorString(e));
+}
+
+// ---- cuBLAS, opened lazily: KRNL_CUBLAS (a path) first, then the sonames of CUDA 13 and 12 on
+// the loader's path, then the toolkit's usual folder (often not on the loader's path).
+
+namespace {
+std::string g_cublas_error;
+
+const CublasApi* load_cublas() {
+  std::vector<std::string> names;
+  if (const char* p = std::getenv("KRNL_CUBLAS"); p && *p) names.push_back(p);
+  for (const char* n : {"libcublas.so.13", "libcublas.so.12", "libcublas.so", "/usr/local/cuda/lib64/libcublas.so.13",
+                        "/usr/local/cuda/lib64/libcublas.so.12"})
+    names.push_back(n);
+  void* lib = nullptr;
+  for (const auto& n : names)
+    if ((lib = dlopen(n.c_str(), RTLD_NOW | RTLD_LOCAL))) break;
+  if (!lib) {
+    const char* e = dlerror();
+    g_cublas_error = std::string("cannot open libcublas (tried KRNL_CUBLAS, libcublas.so.13/.12, /usr/local/cuda/lib64): ") +
+                     (e ? e : "");
+    return nullptr;
+  }
+  static CublasApi api;
+  auto sym = [&](const char* name) {
+    void* f = dlsym(lib, name);
+    if (!f) g_cublas_error = std::string("libcublas lacks ") + name;
+    return f;
+  };
+  api.create = reinterpret_cast<decltype(api.create)>(sym("cublasCreate_v2"));
+  api.destroy = reinterpret_cast<decltype(api.destroy)>(sym("cublasDestroy_v2"));
+  api.set_stream = reinterpret_cast<decltype(api.set_stream)>(sym("cublasSetStream_v2"));
+  api.gemm_strided_batched = reinterpret_cast<decltype(api.gemm_strided_batched)>(sym("cublasGemmStridedBatchedEx"));
+  if (!api.create || !api.destroy || !api.set_stream || !api.gemm_strided_batched) return nullptr;
+  return &api;
+}
+}  // namespace
+
+const CublasApi* cublas() {
+  static std::once_flag once;
+  static const CublasApi* api = nullptr;
+  std::call_once(once, [] { api = load_cublas(); });
+  return api;
+}
+
+const char* cublas_error() { return g_cublas_error.c_str(); }
+
+// ---- registration
+
+namespace {
+std::string g_unavailable = "register_backend() was not called";
+}
+
+const std::string& unavailable_reason() { return g_unavailable; }
+
+void register_backend() {
+  if (const char* e = std::getenv("KRNL_DISABLE_CUDA"); e && *e == '1') {
+    g_unavailable = "KRNL_DISABLE_CUDA=1";
+    return;
+  }
+  int n = 0;
+  // No driver, no device, a driver too old for this runtime: all just mean "no cuda device".
+  const cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess || n < 1) {
+    g_unavailable = e != cudaSuccess ? std::string("no usable CUDA driver/device: ") + cudaGetErrorString(e)
+                                     : std::string("no CUDA device");
+    cudaGetLastError();  // clear the non-sticky error so later runtime calls start clean
+    return;
+  }
+  if (!cublas()) {
+    g_unavailable = cublas_error();
+    return;
+  }
+  g_unavailable.clear();
+  register_device("cuda", 100, []() -> Backend* { return new CudaBackend(0); });
+}
+
+// ---- the backend
+
+CudaBackend::CudaBackend(int device) : Backend("cuda"), device_(device) {
+  check(cudaSetDevice(device_), "cuda");
+  check(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device_), "cuda");
+  // Non-blocking: the legacy default stream (used by other libraries in the process) must not
+  // serialise against our steps.
+  check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cuda");
+  const CublasApi* api = cublas();
+  if (!api) throw std::runtime_error(std::string("[cuda] ") + cublas_error());
+  cublasHandle h = nullptr;
+  if (api->create(&h) != 0) throw std::runtime_error("[cuda] cublasCreate failed");
+  if (api->set_stream(h, stream_) != 0) throw std::runtime_error("[cuda] cublasSetStream failed");
+  cublas_ = h;
+}
+
+CudaBackend::~CudaBackend() {
+  // Devices live until exit (the registry leaks them); nothing to tear down in order.
+}
+
+SplitKConfig CudaBackend::split_k_config() const {
+  // Auto-routing never splits (min_tiles 0): cuBLAS picks its own split-K for skinny outputs, and
+  // on the H200 it beat every forced split of W3's LoRA GEMMs (bench/test_cuda_w3.py: e.g.
+  // (4096, 16) = x (4096, 14336) A^T: 33.4 us plain, 35.1 us split 2, 35.3 us split 4). Forced
+  // splits (GemmArgs.split_k > 1) still run as slices + reduce (gemm.cu).
+  SplitKConfig c;
+  c.tile_m = 128;
+  c.tile_n = 128;
+  c.min_tiles = 0;
+  c.k_unit = 128;
+  c.max_splits = 16;
+  c.min_k_per_split = 512;
+  return c;
+}
+
+void* CudaBackend::raw_alloc(size_t bytes) {
+  void* p = nullptr;
+  // Plain device memory (never managed). A failure returns nullptr so the pool can give its
+  // cache back and retry before reporting exhaustion.
+  if (cudaMalloc(&p, bytes) != cudaSuccess) {
+    cudaGetLastError();
+    return nullptr;
+  }
+  return p;
+}
+
+void CudaBackend::raw_free(void* p, size_t) {
+  // The pool hands back only buffers whose step has completed (or that no step used).
+  cudaFree(p);
+}
+
+void CudaBackend::upload(const Tensor& dst, const void* src) {
+  if (dst.nbytes() == 0) return;
+  // Stream-ordered after the queued work; a pageable source is staged before this returns, so
+  // the caller may free it at once.
+  check(cudaMemcpyAsync(dst.data(), src, dst.nbytes(), cudaMemcpyHostToDevice, stream_), "upload");
+}
+
+void CudaBackend::download(const Tensor& src, void* dst) {
+  if (src.nbytes() == 0) return;
+  check(cudaMemcpyAsync(dst, src.data(), src.nbytes(), cudaMemcpyDeviceToHost, stream_), "download");
+  check(cudaStreamSynchronize(stream_), "download");
+}
+
+std::vector<int32_t> CudaBackend::read_i32(const void* p, int64_t n, const char* op) {
+  std::vector<int32_t> h(size_t(n > 0 ? n : 0));
+  if (n <= 0) return h;
+  check(cudaMemcpyAsync(h.data(), p, size_t(n) * 4, cudaMemcpyDeviceToHost, stream_), op);
+  check(cudaStreamSynchronize(stream_), op);
+  return h;
+}
+
+CudaBackend::OpTimer::OpTimer(CudaBackend* d) : dev_(d), on_(d->profiling() && d->timer_depth_ == 0) {
+  if (on_) {
+    if (!dev_->prof_start_) {
+      check(cudaEventCreate(&dev_->prof_start_), "profile");
+      check(cudaEventCreate(&dev_->prof_end_), "profile");
+    }
+    check(cudaEventRecord(dev_->prof_start_, dev_->stream_), "profile");
+  }
+  ++dev_->timer_depth_;  // last: a constructor that throws runs no destructor
+}
+
+CudaBackend::OpTimer::~OpTimer() {
+  --dev_->timer_depth_;
+  if (!on_) return;
+  // A destructor must not throw: a failure here leaves the op's time out of the record; the
+  // error itself resurfaces at the next synchronisation.
+  float ms = 0.f;
+  if (cudaEventRecord(dev_->prof_end_, dev_->stream_) == cudaSuccess &&
+      cudaEventSynchronize(dev_->prof_end_) == cudaSuccess &&
+      cudaEventElapsedTime(&ms, dev_->prof_start_, dev_->prof_end_) == cudaSuccess)
+    dev_->add_device_ms(double(ms));
+}
+
+// ---- submission: ops are queued as they are called; a commit records one event.
+
+void CudaBackend::on_commit(uint64_t seq) {
+  check(cudaGetLastError(), "commit");
+  cudaEvent_t ev;
+  if (!spare_events_.empty()) {
+    ev = spare_events_.back();
+    spare_events_.pop_back();
+  } else {
+    check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "commit");
+  }
+  check(cudaEventRecord(ev, stream_), "commit");
+  inflight_.emplace_back(seq, ev);
+}
+
+uint64_t CudaBackend::query_completed() {
+  // Steps complete in stream order: pop finished events from the front.
+  while (!inflight_.empty()) {
+    cudaError_t e = cudaEventQuery(inflight_.front().second);
+    if (e == cudaErrorNotReady) break;
+    check(e, "step");
+    completed_ = inflight_.front().first;
+    spare_events_.push_back(inflight_.front().second);
+    inflight_.pop_front();
+  }
+  if (inflight_.empty()) completed_ = last_committed();
+  return completed_;
+}
+
+void CudaBackend::on_wait(uint64_t seq) {
+  for (auto& [s, ev] : inflight_) {
+    if (s >= seq) {
+      check(cudaEventSynchronize(ev), "wait");
+      break;
+    }
+  }
+  query_completed();
+}
+
+}  // namespace krnl::cuda

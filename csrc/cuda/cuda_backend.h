@@ -1,0 +1,110 @@
+// The CUDA backend: device memory from cudaMalloc through the BufferPool, every op enqueued on one
+// stream as it is called, one event per committed step (completed_seq polls them in order),
+// GEMMs through cuBLAS opened at run time (cublas_api.h, cuda_backend.cpp), the rest as kernels (*.cu, one
+// file per op family). Memory is not host-visible: upload/download copy.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <deque>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/backend.h"
+
+namespace krnl::cuda {
+
+// Registers "cuda" (priority above "cpu") when a CUDA device and cuBLAS are usable; a machine
+// without a GPU, driver or cuBLAS simply has no "cuda" device.
+void register_backend();
+// Why register_backend() added no "cuda" device ("" when it did).
+const std::string& unavailable_reason();
+
+// Throws std::runtime_error("[op] CUDA error <name>: <text>") unless e is cudaSuccess.
+void check(cudaError_t e, const char* op);
+
+class CudaBackend : public Backend {
+ public:
+  explicit CudaBackend(int device);
+  ~CudaBackend() override;
+  bool host_visible() const override { return false; }
+  bool synchronous() const override { return false; }
+  SplitKConfig split_k_config() const override;
+  // While profiling, each op's work is bracketed by two events and waited for (OpTimer), so the
+  // records hold GPU time, not the microseconds the host spends queueing.
+  bool profiles_device_time() const override { return true; }
+
+  void upload(const Tensor& dst, const void* src) override;
+  void download(const Tensor& src, void* dst) override;
+
+  cudaStream_t stream() const { return stream_; }
+  int sm_count() const { return sm_count_; }
+  // Copies n i32 entries at device address p to the host (waits for the stream: the ids may be
+  // written by work already queued).
+  std::vector<int32_t> read_i32(const void* p, int64_t n, const char* op);
+  // A scratch f32/f64 buffer from the pool, released (retired on the open step) by the caller
+  // dropping the tensor: kernels queued before the release still own it until the step completes.
+  Tensor scratch(int64_t n, DType dt = DType::f32) { return empty({n}, dt); }
+
+  // Scope of one op's launches: when profiling, events around them and their elapsed time
+  // reported through add_device_ms; otherwise nothing.
+  class OpTimer {
+   public:
+    explicit OpTimer(CudaBackend* d);
+    ~OpTimer();
+    OpTimer(const OpTimer&) = delete;
+    OpTimer& operator=(const OpTimer&) = delete;
+
+   private:
+    CudaBackend* dev_;
+    bool on_;
+  };
+
+  void gemm(const GemmArgs& a) override;
+  void rmsnorm_forward(const Tensor& x, const Tensor& w, const Tensor& y, const Tensor& rstd, float eps) override;
+  void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& dx,
+                        const Tensor* dw) override;
+  void swiglu_forward(const Tensor& g, const Tensor& u, const Tensor& s) override;
+  void swiglu_backward(const Tensor& ds, const Tensor& g, const Tensor& u, const Tensor& dg, const Tensor& du) override;
+  void rope(const Tensor& x, const Tensor& positions, const Tensor& inv_freq, float sign) override;
+  void softmax_causal_forward(const Tensor& S, const Tensor& P, float scale, const Tensor* segments) override;
+  void softmax_backward(const Tensor& P, const Tensor& dP, const Tensor& dS, float scale) override;
+  void embedding_forward(const Tensor& ids, const Tensor& table, const Tensor& out) override;
+  void embedding_backward(const Tensor& ids, const Tensor& dout, const Tensor& dtable) override;
+  void cross_entropy(const Tensor& logits, const Tensor& targets, const Tensor& loss, const Tensor* dlogits,
+                     int32_t ignore_index, float scale) override;
+  void add(const Tensor& a, const Tensor& b, const Tensor& out) override;
+  void axpy(float alpha, const Tensor& x, const Tensor& y) override;
+  void scale(const Tensor& x, float alpha, const Tensor& out) override;
+  void cast(const Tensor& x, const Tensor& out) override;
+  void transpose_heads(const Tensor& x, const Tensor& out) override;
+  void fill(const Tensor& x, double value) override;
+  void dropout(const Tensor& x, const Tensor& out, float p, uint64_t seed) override;
+  void adamw_update(const AdamWArgs& a) override;
+  void sumsq(const Tensor& x, const Tensor& out) override;
+  void nonfinite(const Tensor& x, const Tensor& flag) override;
+
+ protected:
+  void* raw_alloc(size_t bytes) override;
+  void raw_free(void* p, size_t bytes) override;
+  void on_commit(uint64_t seq) override;
+  void on_wait(uint64_t seq) override;
+  uint64_t query_completed() override;
+
+ private:
+  // beta * C over a (possibly row-strided, batched) output: the K = 0 GEMM.
+  void gemm_scale_output(const GemmArgs& g);
+  void gemm_split(const GemmArgs& g);
+
+  int device_ = 0;
+  int sm_count_ = 132;
+  cudaStream_t stream_ = nullptr;
+  void* cublas_ = nullptr;  // cublasHandle_t, opaque here (cuBLAS is loaded at run time)
+  std::deque<std::pair<uint64_t, cudaEvent_t>> inflight_;  // committed steps not yet seen complete
+  std::vector<cudaEvent_t> spare_events_;
+  uint64_t completed_ = 0;
+  cudaEvent_t prof_start_ = nullptr, prof_end_ = nullptr;  // timing events, made on first use
+  int timer_depth_ = 0;  // an op calling another (dropout p=0 -> cast) is timed once, outermost
+};
+
+}  // namespace krnl::cuda

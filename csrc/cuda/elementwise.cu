@@ -1,0 +1,280 @@
+// Elementwise ops: add, axpy, scale, cast, fill, dropout, SwiGLU and the head transpose. Each
+// element is read before its output is written by the same thread, so in-place calls (out
+// aliasing an input) are safe, as on the CPU backend.
+#include <cmath>
+#include <limits>
+
+#include "common.cuh"
+#include "core/rng.h"
+
+namespace krnl::cuda {
+namespace {
+
+#define KRNL_GRID_LOOP(i, n) \
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < (n); i += int64_t(gridDim.x) * blockDim.x)
+
+__global__ void add_kernel(DType dt, const void* a, const void* b, void* out, int64_t n) {
+  KRNL_GRID_LOOP(i, n) st(dt, out, i, ld(dt, a, i) + ld(dt, b, i));
+}
+
+// y += alpha * x; x and y may differ in dtype (f16 gradients into an f32 accumulator).
+__global__ void axpy_kernel(float alpha, DType xd, const void* x, DType yd, void* y, int64_t n) {
+  KRNL_GRID_LOOP(i, n) st(yd, y, i, ld(yd, y, i) + alpha * ld(xd, x, i));
+}
+
+__global__ void scale_kernel(DType dt, const void* x, float alpha, void* out, int64_t n) {
+  KRNL_GRID_LOOP(i, n) st(dt, out, i, alpha * ld(dt, x, i));
+}
+
+__global__ void cast_kernel(DType xd, const void* x, DType od, void* out, int64_t n) {
+  KRNL_GRID_LOOP(i, n) st(od, out, i, ld(xd, x, i));
+}
+
+template <class T>
+__global__ void fill_kernel(T* p, T v, int64_t n) {
+  KRNL_GRID_LOOP(i, n) p[i] = v;
+}
+
+__global__ void dropout_kernel(DType dt, const void* x, void* out, int64_t n, float p, uint64_t seed, float keep_scale) {
+  KRNL_GRID_LOOP(i, n) st(dt, out, i, dropout_keep(seed, uint64_t(i), p) ? ld(dt, x, i) * keep_scale : 0.f);
+}
+
+// s = silu(g) * u, sigmoid as 1 / (1 + exp(-g)) like the CPU backend.
+__global__ void swiglu_fwd_kernel(DType dt, const void* g, const void* u, void* s, int64_t n) {
+  KRNL_GRID_LOOP(i, n) {
+    const float gi = ld(dt, g, i), ui = ld(dt, u, i);
+    st(dt, s, i, gi / (1.f + expf(-gi)) * ui);
+  }
+}
+
+// dg/du may alias ds: all three inputs are read before either output is written.
+__global__ void swiglu_bwd_kernel(DType dt, const void* ds, const void* g, const void* u, void* dg, void* du, int64_t n) {
+  KRNL_GRID_LOOP(i, n) {
+    const float d = ld(dt, ds, i), gi = ld(dt, g, i), ui = ld(dt, u, i);
+    const float sig = 1.f / (1.f + expf(-gi));
+    st(dt, dg, i, d * ui * sig * (1.f + gi * (1.f - sig)));
+    st(dt, du, i, d * gi * sig);
+  }
+}
+
+// 16-byte vector forms of the big elementwise ops (n a multiple of the vector, aligned).
+template <bool W16>
+__global__ void add_vec_kernel(DType dt, const void* a, const void* b, void* out, int64_t nvec) {
+  constexpr int VEC = W16 ? 8 : 4;
+  KRNL_GRID_LOOP(v, nvec) {
+    float x[VEC], y[VEC];
+    load_vec<W16>(dt, a, v * VEC, x);
+    load_vec<W16>(dt, b, v * VEC, y);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) x[e] += y[e];
+    store_vec<W16>(dt, out, v * VEC, x);
+  }
+}
+
+template <bool W16>
+__global__ void axpy_vec_kernel(float alpha, DType dt, const void* x, void* y, int64_t nvec) {
+  constexpr int VEC = W16 ? 8 : 4;
+  KRNL_GRID_LOOP(v, nvec) {
+    float xv[VEC], yv[VEC];
+    load_vec<W16>(dt, x, v * VEC, xv);
+    load_vec<W16>(dt, y, v * VEC, yv);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) yv[e] += alpha * xv[e];
+    store_vec<W16>(dt, y, v * VEC, yv);
+  }
+}
+
+template <bool W16>
+__global__ void swiglu_fwd_vec_kernel(DType dt, const void* g, const void* u, void* s, int64_t nvec) {
+  constexpr int VEC = W16 ? 8 : 4;
+  KRNL_GRID_LOOP(v, nvec) {
+    float gv[VEC], uv[VEC];
+    load_vec<W16>(dt, g, v * VEC, gv);
+    load_vec<W16>(dt, u, v * VEC, uv);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) gv[e] = gv[e] / (1.f + expf(-gv[e])) * uv[e];
+    store_vec<W16>(dt, s, v * VEC, gv);
+  }
+}
+
+template <bool W16>
+__global__ void swiglu_bwd_vec_kernel(DType dt, const void* ds, const void* g, const void* u, void* dg, void* du,
+                                      int64_t nvec) {
+  constexpr int VEC = W16 ? 8 : 4;
+  KRNL_GRID_LOOP(v, nvec) {
+    float d[VEC], gv[VEC], uv[VEC];
+    load_vec<W16>(dt, ds, v * VEC, d);
+    load_vec<W16>(dt, g, v * VEC, gv);
+    load_vec<W16>(dt, u, v * VEC, uv);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {  // d becomes dg, uv becomes du: inputs are all read above
+      const float sig = 1.f / (1.f + expf(-gv[e]));
+      const float dge = d[e] * uv[e] * sig * (1.f + gv[e] * (1.f - sig));
+      uv[e] = d[e] * gv[e] * sig;
+      d[e] = dge;
+    }
+    store_vec<W16>(dt, dg, v * VEC, d);
+    store_vec<W16>(dt, du, v * VEC, uv);
+  }
+}
+
+// out (B, A, D) from x (A, B, D): W is the element type's width (2 or 4 bytes), or uint4 when
+// whole rows go as 16-byte vectors (D is then counted in vectors).
+template <class W>
+__global__ void transpose_heads_kernel(const W* __restrict__ x, W* __restrict__ out, int64_t A, int64_t B, int64_t D) {
+  const int64_t n = A * B * D;
+  KRNL_GRID_LOOP(i, n) {
+    const int64_t d = i % D, r = i / D, a = r / B, b = r % B;
+    out[(b * A + a) * D + d] = x[i];
+  }
+}
+
+}  // namespace
+
+void CudaBackend::add(const Tensor& a, const Tensor& b, const Tensor& out) {
+  OpTimer timer(this);
+  const int64_t n = a.numel();
+  if (!n) return;
+  if (vectorizable(a.dtype(), n, {a.data(), b.data(), out.data()})) {
+    const int64_t nv = n / (a.dtype() == DType::f32 ? 4 : 8);
+    if (a.dtype() == DType::f32)
+      add_vec_kernel<false><<<grid_for(nv), kThreads, 0, stream_>>>(a.dtype(), a.data(), b.data(), out.data(), nv);
+    else
+      add_vec_kernel<true><<<grid_for(nv), kThreads, 0, stream_>>>(a.dtype(), a.data(), b.data(), out.data(), nv);
+    check_launch("add");
+    return;
+  }
+  add_kernel<<<grid_for(n), kThreads, 0, stream_>>>(a.dtype(), a.data(), b.data(), out.data(), n);
+  check_launch("add");
+}
+
+void CudaBackend::axpy(float alpha, const Tensor& x, const Tensor& y) {
+  OpTimer timer(this);
+  const int64_t n = x.numel();
+  if (!n) return;
+  if (x.dtype() == y.dtype() && vectorizable(x.dtype(), n, {x.data(), y.data()})) {
+    const int64_t nv = n / (x.dtype() == DType::f32 ? 4 : 8);
+    if (x.dtype() == DType::f32)
+      axpy_vec_kernel<false><<<grid_for(nv), kThreads, 0, stream_>>>(alpha, x.dtype(), x.data(), y.data(), nv);
+    else
+      axpy_vec_kernel<true><<<grid_for(nv), kThreads, 0, stream_>>>(alpha, x.dtype(), x.data(), y.data(), nv);
+    check_launch("axpy");
+    return;
+  }
+  axpy_kernel<<<grid_for(n), kThreads, 0, stream_>>>(alpha, x.dtype(), x.data(), y.dtype(), y.data(), n);
+  check_launch("axpy");
+}
+
+void CudaBackend::scale(const Tensor& x, float alpha, const Tensor& out) {
+  OpTimer timer(this);
+  const int64_t n = x.numel();
+  if (!n) return;
+  scale_kernel<<<grid_for(n), kThreads, 0, stream_>>>(x.dtype(), x.data(), alpha, out.data(), n);
+  check_launch("scale");
+}
+
+void CudaBackend::cast(const Tensor& x, const Tensor& out) {
+  OpTimer timer(this);
+  const int64_t n = x.numel();
+  if (!n) return;
+  if (x.dtype() == out.dtype()) {  // a copy (i32 included); nothing to do when out is x itself
+    if (x.data() != out.data())
+      check(cudaMemcpyAsync(out.data(), x.data(), x.nbytes(), cudaMemcpyDeviceToDevice, stream_), "cast");
+    return;
+  }
+  cast_kernel<<<grid_for(n), kThreads, 0, stream_>>>(x.dtype(), x.data(), out.dtype(), out.data(), n);
+  check_launch("cast");
+}
+
+void CudaBackend::fill(const Tensor& x, double value) {
+  OpTimer timer(this);
+  const int64_t n = x.numel();
+  if (!n) return;
+  // The bit pattern is made on the host with dtype.h's conversions: identical to the CPU's.
+  switch (x.dtype()) {
+    case DType::f32:
+      fill_kernel<float><<<grid_for(n), kThreads, 0, stream_>>>(x.ptr<float>(), float(value), n);
+      break;
+    case DType::f16:
+      fill_kernel<uint16_t><<<grid_for(n), kThreads, 0, stream_>>>(x.ptr<uint16_t>(), f32_to_f16(float(value)), n);
+      break;
+    case DType::bf16:
+      fill_kernel<uint16_t><<<grid_for(n), kThreads, 0, stream_>>>(x.ptr<uint16_t>(), f32_to_bf16(float(value)), n);
+      break;
+    case DType::i32: {
+      // Saturating, NaN -> 0, as on the CPU backend.
+      double v = std::isnan(value) ? 0.0 : value;
+      v = std::min<double>(std::max<double>(v, std::numeric_limits<int32_t>::min()), std::numeric_limits<int32_t>::max());
+      fill_kernel<int32_t><<<grid_for(n), kThreads, 0, stream_>>>(x.ptr<int32_t>(), int32_t(v), n);
+      break;
+    }
+  }
+  check_launch("fill");
+}
+
+void CudaBackend::dropout(const Tensor& x, const Tensor& out, float p, uint64_t seed) {
+  OpTimer timer(this);
+  if (p == 0.f) return cast(x, out);  // same dtype: a copy
+  const int64_t n = x.numel();
+  if (!n) return;
+  dropout_kernel<<<grid_for(n), kThreads, 0, stream_>>>(x.dtype(), x.data(), out.data(), n, p, seed, 1.f / (1.f - p));
+  check_launch("dropout");
+}
+
+void CudaBackend::swiglu_forward(const Tensor& g, const Tensor& u, const Tensor& s) {
+  OpTimer timer(this);
+  const int64_t n = g.numel();
+  if (!n) return;
+  if (vectorizable(g.dtype(), n, {g.data(), u.data(), s.data()})) {
+    const int64_t nv = n / (g.dtype() == DType::f32 ? 4 : 8);
+    if (g.dtype() == DType::f32)
+      swiglu_fwd_vec_kernel<false><<<grid_for(nv), kThreads, 0, stream_>>>(g.dtype(), g.data(), u.data(), s.data(), nv);
+    else
+      swiglu_fwd_vec_kernel<true><<<grid_for(nv), kThreads, 0, stream_>>>(g.dtype(), g.data(), u.data(), s.data(), nv);
+    check_launch("swiglu_forward");
+    return;
+  }
+  swiglu_fwd_kernel<<<grid_for(n), kThreads, 0, stream_>>>(g.dtype(), g.data(), u.data(), s.data(), n);
+  check_launch("swiglu_forward");
+}
+
+void CudaBackend::swiglu_backward(const Tensor& ds, const Tensor& g, const Tensor& u, const Tensor& dg,
+                                  const Tensor& du) {
+  OpTimer timer(this);
+  const int64_t n = g.numel();
+  if (!n) return;
+  if (vectorizable(g.dtype(), n, {ds.data(), g.data(), u.data(), dg.data(), du.data()})) {
+    const int64_t nv = n / (g.dtype() == DType::f32 ? 4 : 8);
+    if (g.dtype() == DType::f32)
+      swiglu_bwd_vec_kernel<false><<<grid_for(nv), kThreads, 0, stream_>>>(g.dtype(), ds.data(), g.data(), u.data(),
+                                                                           dg.data(), du.data(), nv);
+    else
+      swiglu_bwd_vec_kernel<true><<<grid_for(nv), kThreads, 0, stream_>>>(g.dtype(), ds.data(), g.data(), u.data(),
+                                                                          dg.data(), du.data(), nv);
+    check_launch("swiglu_backward");
+    return;
+  }
+  swiglu_bwd_kernel<<<grid_for(n), kThreads, 0, stream_>>>(g.dtype(), ds.data(), g.data(), u.data(), dg.data(),
+                                                           du.data(), n);
+  check_launch("swiglu_backward");
+}
+
+void CudaBackend::transpose_heads(const Tensor& x, const Tensor& out) {
+  OpTimer timer(this);
+  const int64_t A = x.size(0), B = x.size(1), D = x.size(2), n = A * B * D;
+  if (!n) return;
+  const size_t row = size_t(D) * dtype_size(x.dtype());
+  if (row % 16 == 0 && vectorizable(DType::f32, 4, {x.data(), out.data()})) {
+    const int64_t dv = int64_t(row / 16);
+    transpose_heads_kernel<uint4><<<grid_for(A * B * dv), kThreads, 0, stream_>>>(x.ptr<uint4>(), out.ptr<uint4>(), A, B, dv);
+    check_launch("transpose_heads");
+    return;
+  }
+  if (dtype_size(x.dtype()) == 4)
+    transpose_heads_kernel<uint32_t><<<grid_for(n), kThreads, 0, stream_>>>(x.ptr<uint32_t>(), out.ptr<uint32_t>(), A, B, D);
+  else
+    transpose_heads_kernel<uint16_t><<<grid_for(n), kThreads, 0, stream_>>>(x.ptr<uint16_t>(), out.ptr<uint16_t>(), A, B, D);
+  check_launch("transpose_heads");
+}
+
+}  // namespace krnl::cuda

@@ -1,0 +1,141 @@
+// Embedding forward/backward and cross-entropy. Their id range checks are data-dependent: the
+// ids are copied to the host (after the queued work that may have written them) and checked
+// there, so a bad id raises ValueError at the call, with the CPU backend's message.
+#include <algorithm>
+#include <numeric>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "common.cuh"
+
+namespace krnl::cuda {
+namespace {
+
+void check_ids(const char* op, const char* what, const char* where, const std::vector<int32_t>& id, int64_t V,
+               const int32_t* ignore = nullptr) {
+  for (size_t i = 0; i < id.size(); ++i) {
+    if (ignore && id[i] == *ignore) continue;
+    if (id[i] < 0 || id[i] >= V)
+      throw std::invalid_argument(std::string("[") + op + "] " + what + " " + std::to_string(id[i]) + " at " + where +
+                                  " " + std::to_string(i) + " is out of range [0, " + std::to_string(V) + ")");
+  }
+}
+
+// out[t] = table[id[t]]: whole rows of C elements of width W bytes.
+template <class W>
+__global__ void embedding_fwd_kernel(const int32_t* ids, const W* __restrict__ table, W* __restrict__ out, int64_t n,
+                                     int64_t C) {
+  const int64_t total = n * C;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = i / C, c = i % C;
+    out[i] = table[int64_t(ids[t]) * C + c];
+  }
+}
+
+// One block row per distinct id (blockIdx.x), columns across threads: the id's tokens are added
+// in token order onto the existing row, exactly the CPU backend's summation order.
+__global__ void embedding_bwd_kernel(const int32_t* uniq, const int32_t* offs, const int32_t* pos, DType dt,
+                                     const void* dout, float* dtable, int64_t C) {
+  const int64_t c = blockIdx.y * int64_t(blockDim.x) + threadIdx.x;
+  if (c >= C) return;
+  const int64_t u = blockIdx.x;
+  float* row = dtable + int64_t(uniq[u]) * C;
+  float acc = row[c];
+  for (int32_t k = offs[u]; k < offs[u + 1]; ++k) acc += ld(dt, dout, int64_t(pos[k]) * C + c);
+  row[c] = acc;
+}
+
+// One block per row of logits: loss = logsumexp(x) - x[y]; dlogits (may alias logits) =
+// scale * (softmax(x) - onehot(y)). Ignored rows get loss 0 and a zero gradient.
+__global__ void cross_entropy_kernel(DType dt, const void* logits, const int32_t* targets, float* loss, void* dlogits,
+                                     int64_t V, int32_t ignore_index, float scale) {
+  __shared__ float sh[32];
+  const int64_t t = blockIdx.x, base = t * V;
+  const int32_t y = targets[t];
+  if (y == ignore_index) {
+    if (threadIdx.x == 0) loss[t] = 0.f;
+    if (dlogits)
+      for (int64_t j = threadIdx.x; j < V; j += blockDim.x) st(dt, dlogits, base + j, 0.f);
+    return;
+  }
+  float mx = -3.402823466e38f;
+  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) mx = fmaxf(mx, ld(dt, logits, base + j));
+  mx = block_max(mx, sh);
+  const float xt = ld(dt, logits, base + y);  // read before any thread writes the row
+  float se = 0.f;
+  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) se += expf(ld(dt, logits, base + j) - mx);
+  se = block_sum(se, sh);  // its barriers also order every read above before the writes below
+  if (threadIdx.x == 0) loss[t] = mx + logf(se) - xt;
+  if (!dlogits) return;
+  const float inv = 1.f / se;
+  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) {
+    const float e = expf(ld(dt, logits, base + j) - mx) * inv;
+    st(dt, dlogits, base + j, scale * (j == y ? e - 1.f : e));
+  }
+}
+
+}  // namespace
+
+void CudaBackend::embedding_forward(const Tensor& ids, const Tensor& table, const Tensor& out) {
+  OpTimer timer(this);
+  const int64_t V = table.size(0), C = table.size(1), n = ids.numel();
+  check_ids("embedding_forward", "id", "position", read_i32(ids.data(), n, "embedding_forward"), V);
+  if (n == 0 || C == 0) return;
+  if (dtype_size(table.dtype()) == 4)
+    embedding_fwd_kernel<uint32_t><<<grid_for(n * C), kThreads, 0, stream_>>>(ids.ptr<int32_t>(), table.ptr<uint32_t>(),
+                                                                              out.ptr<uint32_t>(), n, C);
+  else
+    embedding_fwd_kernel<uint16_t><<<grid_for(n * C), kThreads, 0, stream_>>>(ids.ptr<int32_t>(), table.ptr<uint16_t>(),
+                                                                              out.ptr<uint16_t>(), n, C);
+  check_launch("embedding_forward");
+}
+
+void CudaBackend::embedding_backward(const Tensor& ids, const Tensor& dout, const Tensor& dtable) {
+  OpTimer timer(this);
+  const int64_t V = dtable.size(0), C = dtable.size(1), n = ids.numel();
+  std::vector<int32_t> id = read_i32(ids.data(), n, "embedding_backward");
+  check_ids("embedding_backward", "id", "position", id, V);
+  if (n == 0 || C == 0) return;
+  // Group token positions by id, keeping token order within each id (stable sort).
+  std::vector<int32_t> pos(static_cast<size_t>(n));
+  std::iota(pos.begin(), pos.end(), 0);
+  std::stable_sort(pos.begin(), pos.end(), [&](int32_t a, int32_t b) { return id[size_t(a)] < id[size_t(b)]; });
+  std::vector<int32_t> uniq, offs;
+  for (int64_t k = 0; k < n; ++k) {
+    const int32_t v = id[size_t(pos[size_t(k)])];
+    if (uniq.empty() || uniq.back() != v) {
+      uniq.push_back(v);
+      offs.push_back(int32_t(k));
+    }
+  }
+  offs.push_back(int32_t(n));
+  const int64_t U = int64_t(uniq.size());
+  // One upload of [uniq (U) | offs (U + 1) | pos (n)].
+  std::vector<int32_t> packed;
+  packed.reserve(size_t(2 * U + 1 + n));
+  packed.insert(packed.end(), uniq.begin(), uniq.end());
+  packed.insert(packed.end(), offs.begin(), offs.end());
+  packed.insert(packed.end(), pos.begin(), pos.end());
+  Tensor plan = scratch(int64_t(packed.size()), DType::i32);
+  upload(plan, packed.data());
+  const int32_t* d = plan.ptr<int32_t>();
+  dim3 grid(unsigned(U), unsigned((C + kThreads - 1) / kThreads));
+  embedding_bwd_kernel<<<grid, kThreads, 0, stream_>>>(d, d + U, d + 2 * U + 1, dout.dtype(), dout.data(),
+                                                       dtable.ptr<float>(), C);
+  check_launch("embedding_backward");
+}
+
+void CudaBackend::cross_entropy(const Tensor& logits, const Tensor& targets, const Tensor& loss, const Tensor* dlogits,
+                                int32_t ignore_index, float scale) {
+  OpTimer timer(this);
+  const int64_t T = logits.size(0), V = logits.size(1);
+  check_ids("cross_entropy", "target", "row", read_i32(targets.data(), T, "cross_entropy"), V, &ignore_index);
+  if (T == 0) return;
+  cross_entropy_kernel<<<unsigned(T), std::min(row_threads(V), 1024), 0, stream_>>>(
+      logits.dtype(), logits.data(), targets.ptr<int32_t>(), loss.ptr<float>(), dlogits ? dlogits->data() : nullptr, V,
+      ignore_index, scale);
+  check_launch("cross_entropy");
+}
+
+}  // namespace krnl::cuda

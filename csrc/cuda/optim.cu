@@ -1,0 +1,100 @@
+// Optimizer ops over the flat fp32 parameter buffers: AdamW (with the working-copy refresh),
+// sumsq (fp64 partials, summed in a fixed order: the result does not depend on timing) and the
+// non-finite flag.
+#include <cmath>
+
+#include "common.cuh"
+
+namespace krnl::cuda {
+namespace {
+
+constexpr int kSumBlocks = 1024;  // fixed partial count: the summation order depends only on n
+
+__global__ void adamw_kernel(float* p, const float* g, float* m, float* v, int64_t n, float gs, float decay, float b1,
+                             float b2, float step_size, float bc2_sqrt, float eps, DType wd, void* working) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const float gi = g[i] * gs;
+    float pi = p[i];
+    pi -= decay * pi;
+    const float mi = b1 * m[i] + (1.f - b1) * gi;
+    const float vi = b2 * v[i] + (1.f - b2) * gi * gi;
+    pi -= step_size * (mi / (sqrtf(vi) / bc2_sqrt + eps));
+    m[i] = mi, v[i] = vi, p[i] = pi;
+    if (working) st(wd, working, i, pi);
+  }
+}
+
+__global__ void sumsq_partial_kernel(DType dt, const void* x, int64_t n, double* part) {
+  __shared__ double sh[kThreads];
+  double acc = 0;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const double v = ld(dt, x, i);
+    acc += v * v;
+  }
+  sh[threadIdx.x] = acc;
+  __syncthreads();
+  for (int s = blockDim.x / 2; s > 0; s >>= 1) {  // tree in a fixed shape
+    if (int(threadIdx.x) < s) sh[threadIdx.x] += sh[threadIdx.x + s];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) part[blockIdx.x] = sh[0];
+}
+
+__global__ void sumsq_final_kernel(const double* part, int parts, float* out) {
+  double s = 0;
+  for (int i = 0; i < parts; ++i) s += part[i];
+  *out = float(s);
+}
+
+// Exponent all ones = inf or NaN, tested on the raw bits. The flag is only ever set, never
+// cleared (the caller zeroes it once for many tensors).
+__global__ void nonfinite_kernel(DType dt, const void* x, int64_t n, int32_t* flag) {
+  bool bad = false;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    if (dt == DType::f32) {
+      bad |= (static_cast<const uint32_t*>(x)[i] & 0x7f800000u) == 0x7f800000u;
+    } else {
+      const uint16_t e = dt == DType::f16 ? 0x7c00 : 0x7f80;
+      bad |= (static_cast<const uint16_t*>(x)[i] & e) == e;
+    }
+  }
+  if (__syncthreads_or(bad) && threadIdx.x == 0) *flag = 1;
+}
+
+}  // namespace
+
+void CudaBackend::adamw_update(const AdamWArgs& a) {
+  OpTimer timer(this);
+  const int64_t n = a.params.numel();
+  if (!n) return;
+  // Bias corrections in double on the host, as the CPU backend computes them.
+  const double bc1 = 1.0 - std::pow(double(a.beta1), double(a.step));
+  const double bc2 = 1.0 - std::pow(double(a.beta2), double(a.step));
+  const float step_size = float(double(a.lr) / bc1), bc2_sqrt = float(std::sqrt(bc2));
+  const bool working = a.working.defined();
+  adamw_kernel<<<grid_for(n), kThreads, 0, stream_>>>(
+      a.params.ptr<float>(), a.grads.ptr<float>(), a.m.ptr<float>(), a.v.ptr<float>(), n, a.grad_scale,
+      a.lr * a.weight_decay, a.beta1, a.beta2, step_size, bc2_sqrt, a.eps, working ? a.working.dtype() : DType::f32,
+      working ? a.working.data() : nullptr);
+  check_launch("adamw_update");
+}
+
+void CudaBackend::sumsq(const Tensor& x, const Tensor& out) {
+  OpTimer timer(this);
+  const int64_t n = x.numel();
+  Tensor part64 = scratch(2 * kSumBlocks, DType::f32);  // (kSumBlocks,) f64 partials in f32-sized storage
+  double* p = static_cast<double*>(part64.data());
+  sumsq_partial_kernel<<<kSumBlocks, kThreads, 0, stream_>>>(x.dtype(), x.data(), n, p);
+  sumsq_final_kernel<<<1, 1, 0, stream_>>>(p, kSumBlocks, out.ptr<float>());
+  check_launch("sumsq");
+}
+
+void CudaBackend::nonfinite(const Tensor& x, const Tensor& flag) {
+  OpTimer timer(this);
+  const int64_t n = x.numel();
+  if (!n) return;
+  nonfinite_kernel<<<grid_for(n), kThreads, 0, stream_>>>(x.dtype(), x.data(), n, flag.ptr<int32_t>());
+  check_launch("nonfinite");
+}
+
+}  // namespace krnl::cuda

@@ -340,3 +340,34 @@ def test_gemm_row_strided_operand_broadcast_over_a_batch(dev):
     out = dev.empty((3, 5, 4))
     ops.gemm(wide[:, 2:10], stackB, out, batch=3)  # the (5, 8) block times each of 3 matrices
     np.testing.assert_allclose(read(out), w[:, 2:10] @ b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("trans", list(TRANS), ids=list(TRANS))
+@pytest.mark.parametrize("dt,cdt", DTYPE_PAIRS, ids=PAIR_IDS)
+def test_gemm_strided_3d_views(dev, trans, dt, cdt):
+    """3-D views of row and column ranges of every matrix of a stack (causal attention's query
+    row blocks and key prefixes): batch entries at the view's leading stride, rows at its row
+    stride; C's windows are written with beta != 0 and nothing outside them moves."""
+    ta, tb = TRANS[trans]
+    rng = np.random.default_rng(13)
+    batch, M, N, K = 5, 17, 13, 29
+    a_shape, b_shape = ((K, M) if ta else (M, K)), ((N, K) if tb else (K, N))
+    bigA, a = upload(dev, rng.standard_normal((batch, a_shape[0] + 6, a_shape[1] + 3)), dt)
+    bigB, b = upload(dev, rng.standard_normal((batch, b_shape[0] + 2, b_shape[1])), dt)
+    bigC, c = upload(dev, rng.standard_normal((batch, M + 4, N + 5)), cdt)
+    A = bigA[:, 6:, 1:1 + a_shape[1]]
+    B = bigB[:, :b_shape[0]]
+    C = bigC[:, 4:, 5:]
+    assert not (A.is_contiguous() or B.is_contiguous() or C.is_contiguous())
+    ops.gemm(A, B, C, trans_a=ta, trans_b=tb, alpha=0.5, beta=-0.75, batch=batch)
+    sa, sb = a[:, 6:, 1:1 + a_shape[1]], b[:, :b_shape[0]]
+    opa, opb = (np.swapaxes(sa, -1, -2) if ta else sa), (np.swapaxes(sb, -1, -2) if tb else sb)
+    c0 = c[:, 4:, 5:]
+    ref = 0.5 * (opa @ opb) - 0.75 * c0
+    got = read(bigC)
+    assert float(np.max(np.abs(got[:, 4:, 5:] - ref))) <= gemm_bound(K, cdt, ref, 0.5, opa, opb, -0.75, c0)
+    outside = np.ones(c.shape, bool)
+    outside[:, 4:, 5:] = False
+    np.testing.assert_array_equal(got[outside], c[outside], err_msg="write outside the C windows")
+    with pytest.raises(ValueError, match="leading dimension must equal batch"):
+        ops.gemm(A, B, C, trans_a=ta, trans_b=tb, batch=batch - 1)

@@ -105,6 +105,16 @@ GemmOperand gemm_operand(Check& c, const char* name, const Tensor& X, int64_t ba
     if (batch > 1 && is_output) c.fail(std::string(name) + " is a row-strided view and cannot be a batched output");
     return {X.size(0), X.size(1), 0, X.strides()[0]};
   }
+  if (X.defined() && X.dim() == 3 && !X.is_contiguous() && X.strides()[2] == 1 && X.strides()[1] >= X.size(2) &&
+      X.strides()[0] >= X.size(1) * X.strides()[1]) {
+    // A 3-D view of row blocks (e.g. rows r0:r1 of every head of a (H, T, D) tensor): batch
+    // entries at its leading stride, rows at its row stride; entries never overlap.
+    c.tensor_any(name, X);
+    if (X.size(0) != batch || stride >= 0)
+      c.fail(std::string(name) + " is a strided 3-D view: its leading dimension must equal batch (" +
+             std::to_string(batch) + ") and no explicit stride may be given, got " + X.describe());
+    return {X.size(1), X.size(2), X.strides()[0], X.strides()[1]};
+  }
   c.tensor(name, X);
   if (X.dim() != 2 && X.dim() != 3) c.fail(std::string(name) + " must be 2-D or 3-D (batch, rows, cols), got " + X.describe());
   GemmOperand o{X.size(-2), X.size(-1), 0, X.size(-1)};

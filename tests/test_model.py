@@ -192,6 +192,25 @@ def test_some_layers_and_targets(dev):
     check_grads(m, cfg, w, lcfg, lora, ids, tg)
 
 
+@pytest.mark.parametrize("kv_heads", [1, 2, 4], ids=["mqa", "gqa", "mha"])
+def test_causal_row_blocks(dev, kv_heads):
+    """Attention in query row blocks (the key blocks above the diagonal skipped; a short last
+    block): gradients against finite differences, and the same numbers as one block."""
+    cfg, w, lcfg, m, lora, ids, tg = make(dev, {"num_key_value_heads": kv_heads}, T=11, seed=21)
+    m.attn_block = 4  # blocks 0:4, 4:8, 8:11
+    assert m._row_blocks(11, None) == [(0, 4), (4, 8), (8, 11)]
+    g_blocks = check_grads(m, cfg, w, lcfg, lora, ids, tg)
+    dx_blocks = np.array(m.d_embed_out.numpy(), np.float64)
+    m.attn_block = 64
+    m.zero_grads()
+    m.forward_backward(ids, tg)
+    g_one = m.lora_grads()
+    for k in g_one:
+        np.testing.assert_allclose(g_blocks[k], g_one[k], rtol=1e-5, atol=1e-6 * np.abs(g_one[k]).max(), err_msg=k)
+    np.testing.assert_allclose(dx_blocks, np.asarray(m.d_embed_out.numpy(), np.float64), rtol=1e-5,
+                               atol=1e-6 * np.abs(dx_blocks).max())
+
+
 def test_dropout_masks(dev):
     """LoRA dropout: the gradient is that of the masked function (masks read back by applying the
     same op with the same seed to ones)."""

@@ -416,6 +416,7 @@ class LlamaModel:
                     lo = (lp.compute(kA), lp.compute(kB), lp.grad(kA), lp.grad(kB))
                 L[m] = LoraLinear(self, W, bias, lo, tag=i * len(ALL_MODULES) + tag)
             self.layers.append(L)
+        self.attn_block = 128
         self._ones_cache = None
         self._pos_rows = self._seg_rows = None
         self.d_embed_out = None
@@ -464,6 +465,22 @@ class LlamaModel:
 
     # -- layers ----------------------------------------------------------------------------
 
+    def _row_blocks(self, T, seg):
+        """Query row blocks of causal attention: (r0, r1) pairs covering [0, T). Blocks of 128
+        rows leave (nb - 1) / (2 nb) of the score matrix uncomputed; packed segments (their
+        softmax wants square scores) take one block."""
+        if seg is not None or T <= self.attn_block:
+            return [(0, T)]
+        return [(r0, min(T, r0 + self.attn_block)) for r0 in range(0, T, self.attn_block)]
+
+    def _qrows(self, x, s, r0, r1):
+        """Rows r0:r1 of query head s of every KV head's group, from x (H, T, cols) with the g
+        query heads of a KV head adjacent: a (Hk, r1 - r0, cols) view."""
+        if self.g == 1:
+            return x[:, r0:r1]
+        T = x.shape[1]
+        return x.reshape(self.Hk, self.g * T, x.shape[2])[:, s * T + r0:s * T + r1]
+
     def _qkv_forward(self, L, xn, cache):
         """q|k|v = xn Wqkv^T (+ bias) (+ LoRA into each column block): (rows, (H + 2 Hk) D)."""
         rows = xn.shape[0]
@@ -507,14 +524,22 @@ class LlamaModel:
             pos = self._row_pos(b)
             ops.rope(qh, pos, self.inv_freq)
             ops.rope(kh, pos, self.inv_freq)
-            S, P = d.empty((H, T, T), dt), d.empty((H, T, T), dt)
-            # GQA: the g query heads of KV head j are contiguous, so Q is (Hk, g*T, D).
-            ops.gemm(qh.reshape(Hk, g * T, D), kh, S.reshape(Hk, g * T, T), trans_b=True, batch=Hk)
-            ops.softmax_causal_forward(S, P, self._scale, None if self._seg_rows is None else self._seg_rows[b])
+            seg = None if self._seg_rows is None else self._seg_rows[b]
             oh = d.empty((H, T, D), dt)
-            ops.gemm(P.reshape(Hk, g * T, T), vh, oh.reshape(Hk, g * T, D), batch=Hk)
+            Ps = []
+            for r0, r1 in self._row_blocks(T, seg):
+                # Causal: queries r0:r1 see keys :r1 only, so the block's scores are (H, n, r1);
+                # the key blocks above the diagonal are never computed.
+                P = d.empty((H, r1 - r0, r1), dt)
+                for s in range(g):
+                    ops.gemm(self._qrows(qh, s, r0, r1), kh[:, :r1], self._qrows(P, s, 0, r1 - r0),
+                             trans_b=True, batch=Hk)                      # S = Q K^T
+                ops.softmax_causal_forward(P, P, self._scale, seg)         # in place: P = softmax(S)
+                for s in range(g):
+                    ops.gemm(self._qrows(P, s, 0, r1 - r0), vh[:, :r1], self._qrows(oh, s, r0, r1), batch=Hk)
+                Ps.append((r0, r1, P))
             ops.transpose_heads(oh, att[r].reshape(T, H, D))
-            per.append((qh, kh, vh, P))
+            per.append((qh, kh, vh, Ps))
         cache["attn"] = per
         cache["att"] = att
         return att
@@ -526,20 +551,30 @@ class LlamaModel:
         N = B * T
         NH = H + 2 * Hk
         dqkv = d.empty((N, NH * D), dt)
-        for b, (qh, kh, vh, P) in enumerate(cache["attn"]):
+        for b, (qh, kh, vh, Ps) in enumerate(cache["attn"]):
             r = slice(b * T, (b + 1) * T)
             doh = d.empty((H, T, D), dt)
             ops.transpose_heads(dattn[r].reshape(T, H, D), doh)
             dheads = d.empty((NH, T, D), dt)
             dqh, dkh, dvh = dheads[:H], dheads[H:H + Hk], dheads[H + Hk:]
-            dP, dS = d.empty((H, T, T), dt), d.empty((H, T, T), dt)
-            Pg, dOg = P.reshape(Hk, g * T, T), doh.reshape(Hk, g * T, D)
-            ops.gemm(Pg, dOg, dvh, trans_a=True, batch=Hk)                          # dV = P^T dO
-            ops.gemm(dOg, vh, dP.reshape(Hk, g * T, T), trans_b=True, batch=Hk)     # dP = dO V^T
-            ops.softmax_backward(P, dP, dS, self._scale)
-            dSg = dS.reshape(Hk, g * T, T)
-            ops.gemm(dSg, kh, dqh.reshape(Hk, g * T, D), batch=Hk)                  # dQ = dS K
-            ops.gemm(dSg, qh.reshape(Hk, g * T, D), dkh, trans_a=True, batch=Hk)    # dK = dS^T Q
+            # Last row block first: it reaches every key, so its dK and dV write all T rows
+            # (beta 0) and the earlier blocks accumulate into their shorter key ranges.
+            first = True
+            for r0, r1, P in reversed(Ps):
+                n = r1 - r0
+                dS = d.empty((H, n, r1), dt)
+                for s in range(g):
+                    ops.gemm(self._qrows(doh, s, r0, r1), vh[:, :r1], self._qrows(dS, s, 0, n),
+                             trans_b=True, batch=Hk)                      # dP = dO V^T
+                ops.softmax_backward(P, dS, dS, self._scale)               # in place: dS from dP
+                for s in range(g):
+                    beta = 0.0 if first else 1.0
+                    Pq, dSq, dOq = self._qrows(P, s, 0, n), self._qrows(dS, s, 0, n), self._qrows(doh, s, r0, r1)
+                    ops.gemm(Pq, dOq, dvh[:, :r1], trans_a=True, beta=beta, batch=Hk)   # dV (+)= P^T dO
+                    ops.gemm(dSq, kh[:, :r1], self._qrows(dqh, s, r0, r1), batch=Hk)     # dQ = dS K
+                    ops.gemm(dSq, self._qrows(qh, s, r0, r1), dkh[:, :r1], trans_a=True, beta=beta,
+                             batch=Hk)                                                  # dK (+)= dS^T Q
+                    first = False
             ops.rope(dqh, self._row_pos(b), self.inv_freq, -1.0)
             ops.rope(dkh, self._row_pos(b), self.inv_freq, -1.0)
             ops.transpose_heads(dheads, dqkv[r].reshape(T, NH, D))

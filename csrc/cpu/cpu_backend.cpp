@@ -137,9 +137,9 @@ void CpuBackend::gemm(const GemmArgs& g) {
   const int64_t a_rows = g.trans_a ? K : M, a_cols = g.trans_a ? M : K;
   const int64_t b_rows = g.trans_b ? N : K, b_cols = g.trans_b ? K : N;
   // Batched all-f32 products (the attention heads): one single-threaded BLAS call per entry on
-  // the pool. OpenBLAS's own threading of each small (T, T, D) product leaves cores waiting on
-  // its per-call fork/join (~80 vs ~130 GFLOP/s on 2 cores, measured); whole entries per thread
-  // do not.
+  // the pool. OpenBLAS's own threading of each small attention product pays a fork/join per
+  // call; whole entries per thread do not (16 heads of 128-512 rows, 2 cores: ~100-114 vs
+  // ~76-106 GFLOP/s, measured).
   ThreadPool& pool = ThreadPool::global();
   if (g.batch >= pool.size() && pool.size() > 1 && g.split_k == 1 && g.A.dtype() == DType::f32 &&
       g.B.dtype() == DType::f32 && cdt == DType::f32) {

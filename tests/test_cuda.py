@@ -243,3 +243,159 @@ def test_training_reduces_loss_on_cuda(cuda):
         cuda.synchronize()
     assert losses[-1] < losses[0] - 0.05, losses
     np.testing.assert_array_equal(read(m.head), w0)
+
+
+# ---- CUDA graphs (Device.capture / krnl.cuda_graph)
+
+def _mlp_inputs(cuda, seed, T=64, C=128, F=96):
+    rng = np.random.default_rng(seed)
+    t = lambda *s: cuda.tensor(rng.standard_normal(s).astype(np.float32) * 0.3)
+    return t(T, C), t(C), t(F, C), t(F, C), t(C, F)
+
+
+def _mlp_step(cuda, x, w, Wg, Wu, Wd, temps=None):
+    """gemm + rmsnorm + swiglu + add: y = x + swiglu(norm(x) Wg^T, norm(x) Wu^T) Wd^T."""
+    T, C = x.shape
+    F = Wg.shape[0]
+    h, rs = cuda.empty((T, C)), cuda.empty((T,))
+    ops.rmsnorm_forward(x, w, h, rs, 1e-5)
+    g, u, s = cuda.empty((T, F)), cuda.empty((T, F)), cuda.empty((T, F))
+    ops.gemm(h, Wg, g, trans_b=True)
+    ops.gemm(h, Wu, u, trans_b=True)
+    ops.swiglu_forward(g, u, s)
+    y = cuda.empty((T, C))
+    ops.gemm(s, Wd, y, trans_b=True)
+    ops.add(y, x, y)
+    if temps is not None:
+        temps[:] = [t.buffer_id for t in (h, rs, g, u, s)]
+    return y
+
+
+def test_graph_replay_matches_eager_and_follows_inputs(cuda):
+    x, w, Wg, Wu, Wd = _mlp_inputs(cuda, 0)
+    with cuda.step():
+        ref = _mlp_step(cuda, x, w, Wg, Wu, Wd)
+    ref = ref.numpy().copy()
+    g = krnl.cuda_graph(cuda, lambda: _mlp_step(cuda, x, w, Wg, Wu, Wd))
+    y = g.outputs
+    seq = g.replay()
+    assert seq > 0 and not cuda.in_step and not cuda.capturing
+    np.testing.assert_allclose(y.numpy(), ref, rtol=1e-6, atol=1e-6)
+    # New input contents, same tensor: the replay computes with them.
+    x2 = np.random.default_rng(1).standard_normal(x.shape).astype(np.float32)
+    cuda.upload(x, x2)
+    with cuda.step():
+        assert g.replay() == 0  # joins the open step
+    with cuda.step():
+        ref2 = _mlp_step(cuda, x, w, Wg, Wu, Wd)
+    np.testing.assert_allclose(y.numpy(), ref2.numpy(), rtol=1e-6, atol=1e-6)
+    assert np.max(np.abs(ref2.numpy() - ref)) > 0.1
+    for _ in range(3):  # back-to-back replays on the same buffers
+        g.replay()
+    np.testing.assert_allclose(y.numpy(), ref2.numpy(), rtol=1e-6, atol=1e-6)
+    g.release()
+    assert g.released
+    with pytest.raises(RuntimeError, match=r"\[replay\] the graph was released"):
+        g.replay()
+    np.testing.assert_allclose(y.numpy(), ref2.numpy(), rtol=1e-6, atol=1e-6)  # outputs outlive the graph
+
+
+def test_graph_keeps_its_buffers_out_of_the_pool(cuda):
+    """Temporaries freed inside the recorded call are baked into the graph: the pool must not
+    hand them out while it exists, and gets them back after release()."""
+    x, w, Wg, Wu, Wd = _mlp_inputs(cuda, 2)
+    temps = []
+    g = cuda.capture(lambda: _mlp_step(cuda, x, w, Wg, Wu, Wd, temps))
+    held = set(temps) | {g.outputs.buffer_id}
+    assert len(held) == 6
+    cuda.synchronize()
+    T, C, F = 64, 128, 96
+    fresh = [cuda.empty(s) for s in [(T, C), (T,), (T, F), (T, F), (T, F), (T, C)] * 3]
+    assert not held & {t.buffer_id for t in fresh}, "a buffer baked into a live graph was handed out"
+    del fresh
+    g.release()
+    cuda.synchronize()
+    again = [cuda.empty(s) for s in [(T, C), (T,), (T, F), (T, F), (T, F)] * 3]
+    assert set(temps) & {t.buffer_id for t in again}, "released graph buffers never came back to the pool"
+
+
+def test_graph_of_training_step_matches_eager(cuda):
+    """The tiny Llama's forward_backward (embedding, RoPE, GQA attention, SwiGLU, LoRA, cross
+    entropy) captured once and replayed: loss and every LoRA gradient equal the eager step's, also
+    after new token ids are uploaded into the captured ids tensor."""
+    rng = np.random.default_rng(7)
+    ids1, ids2, targets = (rng.integers(0, 61, (2, 9)) for _ in range(3))
+    m = _model(cuda, "f32")
+    ids_t = cuda.tensor(ids1.astype(np.int32), "i32")
+
+    def fb():
+        m.lora_params.zero_grads()
+        return m.forward_backward(ids_t, targets)  # numpy targets: a constant of the graph
+
+    g = cuda.capture(fb)
+    ref = _model(cuda, "f32")
+    for ids in (ids1, ids2):
+        cuda.upload(ids_t, ids.astype(np.int32))
+        g.replay()
+        cuda.synchronize()
+        loss_g = float(g.outputs.numpy()[0])
+        grads_g = {k: np.array(t.numpy(), np.float64) for k, t in m._lora_grads().items()}
+        loss_e, grads_e = _step(ref, ids, targets)
+        assert abs(loss_g - loss_e) <= 1e-6 * abs(loss_e), (loss_g, loss_e)
+        for k in grads_e:
+            np.testing.assert_allclose(grads_g[k], grads_e[k], rtol=1e-5, atol=1e-7 * np.max(np.abs(grads_e[k])),
+                                       err_msg=k)
+    _, g1 = _step(ref, ids1, targets)
+    assert any(np.max(np.abs(g1[k] - grads_e[k])) > 0 for k in g1), "the two id sets gave the same gradients"
+    g.release()
+
+
+def test_graph_bad_uses_raise_and_leave_the_device_usable(cuda):
+    x, w, Wg, Wu, Wd = _mlp_inputs(cuda, 3)
+
+    def host_read():
+        y = _mlp_step(cuda, x, w, Wg, Wu, Wd)
+        return y.numpy()  # fn runs inside a step (warm-up and recording): host reads are refused
+
+    with pytest.raises(RuntimeError, match=r"\[numpy\] cannot read a tensor while a step is open"):
+        cuda.capture(host_read)
+    with pytest.raises(RuntimeError, match=r"\[capture\] nested capture"):
+        cuda.capture(lambda: cuda.capture(lambda: None))
+    with pytest.raises(RuntimeError, match=r"\[wait\].*graph capture"):
+        cuda.capture(lambda: cuda.synchronize() if cuda.capturing else None)
+    with pytest.raises(RuntimeError, match=r"\[step\].*graph capture"):
+        cuda.capture(lambda: cuda.begin_step() if cuda.capturing else None)
+    ids = cuda.tensor(np.array([0, 3, 3], np.int32))
+    dtab, dout = cuda.zeros((5, 4)), cuda.tensor(np.ones((3, 4), np.float32))
+    with pytest.raises(RuntimeError, match=r"\[embedding_backward\].*graph capture"):
+        cuda.capture(lambda: ops.embedding_backward(ids, dout, dtab))
+    with cuda.step():
+        with pytest.raises(RuntimeError, match=r"\[capture\] cannot capture inside an open step"):
+            cuda.capture(lambda: None)
+    with pytest.raises(ZeroDivisionError):  # fn's own error comes through unchanged
+        cuda.capture(lambda: 1 / 0 if cuda.capturing else None)
+    assert not cuda.capturing and not cuda.in_step
+    with pytest.raises(NotImplementedError, match=r"\[capture\] not implemented on cpu"):
+        krnl.device("cpu").capture(lambda: None)
+    g = cuda.capture(lambda: _mlp_step(cuda, x, w, Wg, Wu, Wd))  # still works after every failure
+    g.replay()
+    with cuda.step():
+        ref = _mlp_step(cuda, x, w, Wg, Wu, Wd)
+    np.testing.assert_allclose(g.outputs.numpy(), ref.numpy(), rtol=1e-6, atol=1e-6)
+    g.release()
+
+
+def test_graph_replay_with_a_bad_id_gives_nan_not_a_fault(cuda):
+    """The eager host check cannot run in a replay: the kernel's own guard writes NaN instead of
+    reading outside the table."""
+    ids = cuda.tensor(np.array([0, 2, 1], np.int32))
+    table = cuda.tensor(np.arange(12, dtype=np.float32).reshape(4, 3))
+    out = cuda.empty((3, 3))
+    g = cuda.capture(lambda: ops.embedding_forward(ids, table, out))
+    cuda.upload(ids, np.array([1, 1000, 3], np.int32))
+    g.replay()
+    o = out.numpy()
+    np.testing.assert_array_equal(o[0], [3, 4, 5])
+    assert np.isnan(o[1]).all()
+    np.testing.assert_array_equal(o[2], [9, 10, 11])
+    g.release()

@@ -47,16 +47,12 @@ DType default_dtype(nb::handle arr) {
   return DType::f32;
 }
 
-// Copies any array-like into a new tensor of `dt` on `dev`.
-Tensor tensor_from(Backend& dev, nb::handle data, nb::handle dtype) {
+// Copies array-like data, converted to t's dtype, into the contiguous tensor t.
+void upload_into(Backend& dev, const Tensor& t, nb::handle arr) {
   nb::object np = nb::module_::import_("numpy");
-  nb::object arr = np.attr("asarray")(data);
-  DType dt = dtype.is_none() ? default_dtype(arr) : to_dtype(dtype);
-  arr = np.attr("ascontiguousarray")(arr, "dtype"_a = numpy_name(dt));
-  Shape shape = to_shape(arr.attr("shape"));
-  Tensor t = dev.empty(shape, dt);
-  auto view = nb::cast<nb::ndarray<nb::ro, nb::c_contig, nb::device::cpu>>(arr);
-  if (dt == DType::bf16) {
+  nb::object a = np.attr("ascontiguousarray")(arr, "dtype"_a = numpy_name(t.dtype()));
+  auto view = nb::cast<nb::ndarray<nb::ro, nb::c_contig, nb::device::cpu>>(a);
+  if (t.dtype() == DType::bf16) {
     std::vector<uint16_t> bits(size_t(t.numel()));
     const float* src = static_cast<const float*>(view.data());
     for (size_t i = 0; i < bits.size(); ++i) bits[i] = f32_to_bf16(src[i]);
@@ -64,8 +60,35 @@ Tensor tensor_from(Backend& dev, nb::handle data, nb::handle dtype) {
   } else {
     dev.upload(t, view.data());
   }
+}
+
+// Copies any array-like into a new tensor of `dt` on `dev`.
+Tensor tensor_from(Backend& dev, nb::handle data, nb::handle dtype) {
+  nb::object np = nb::module_::import_("numpy");
+  nb::object arr = np.attr("asarray")(data);
+  DType dt = dtype.is_none() ? default_dtype(arr) : to_dtype(dtype);
+  Tensor t = dev.empty(to_shape(arr.attr("shape")), dt);
+  upload_into(dev, t, arr);
   return t;
 }
+
+// Device.upload: new contents for an existing tensor (same shape), e.g. a captured graph's input.
+void upload_to(Backend& dev, const Tensor& t, nb::handle data) {
+  if (t.device() != &dev)
+    throw std::invalid_argument("[upload] the tensor is on " + t.device()->name() + ", not " + dev.name());
+  if (!t.is_contiguous()) throw std::invalid_argument("[upload] needs a contiguous tensor, got " + t.describe());
+  nb::object arr = nb::module_::import_("numpy").attr("asarray")(data);
+  if (to_shape(arr.attr("shape")) != t.shape())
+    throw std::invalid_argument("[upload] data of shape " + shape_str(to_shape(arr.attr("shape"))) +
+                                " does not match " + t.describe());
+  upload_into(dev, t, arr);
+}
+
+// A recorded graph and what the recorded call returned (its tensors are the graph's outputs).
+struct PyGraph {
+  std::unique_ptr<Graph> graph;
+  nb::object outputs;
+};
 
 // Zero-copy view of a numpy array's memory (like torch.from_numpy): the tensor keeps the array
 // alive and ops write through to it.
@@ -136,6 +159,29 @@ void bind_devices(nb::module_& m) {
            "Copies an array-like into a new tensor (dtype: f32, f16, bf16, i32; default from the data).")
       .def("from_numpy", &tensor_wrap, "array"_a,
            "Zero-copy tensor over a C-contiguous float32/float16/int32 numpy array (host-visible devices).")
+      .def("upload", &upload_to, "tensor"_a, "data"_a,
+           "Copies array-like data (converted to the tensor's dtype) into an existing contiguous tensor of the "
+           "same shape, in stream order.")
+      .def("capture", [](Backend& d, nb::callable fn) {
+             nb::object out = nb::none();
+             std::unique_ptr<Graph> g = d.capture([&](bool recording) {
+               nb::object r = fn();
+               if (recording) out = r;  // the warm-up's result is dropped at once: its buffers go back to the pool
+             });
+             return PyGraph{std::move(g), out};
+           }, "fn"_a,
+           "Records fn() as a graph that replay() re-runs with one launch (CUDA graphs; other devices raise "
+           "NotImplementedError). fn is called twice: once as an ordinary step (warm-up), then recorded; the "
+           "graph's `outputs` is what the recorded call returned.\n\n"
+           "Constraints: call it outside a step; fn must do the same work on both calls and may not open "
+           "steps, commit, wait, read device memory on the host (numpy(), host id checks such as "
+           "embedding_backward's) or capture again: those raise. Every replay repeats the recorded work on the "
+           "same buffers with the same shapes and scalars (seeds, lr, loss scale are frozen); data uploaded "
+           "inside fn (Device.tensor of numpy data) is a constant of the graph. To vary inputs, create them "
+           "before capture and write new contents with Device.upload (or ops) between replays. The graph keeps "
+           "every tensor the recorded call touched alive until release(). A bad id in a replayed embedding "
+           "or cross entropy gives NaN (the eager call's host check cannot run).")
+      .def_prop_ro("capturing", &Backend::capturing, "Whether a graph is being recorded.")
       .def("step", [](Backend& d) { return Step{&d}; },
            "One submission: every op inside joins it; it is committed on exit.")
       .def("begin_step", &Backend::begin_step)
@@ -159,6 +205,17 @@ void bind_devices(nb::module_& m) {
         r["max_splits"] = c.max_splits, r["min_k_per_split"] = c.min_k_per_split;
         return r;
       });
+
+  nb::class_<PyGraph>(m, "Graph", "A recorded step (Device.capture): replay() re-runs it with one launch.")
+      .def("replay", [](PyGraph& g) { return g.graph->replay(); },
+           "Queues the recorded work: as its own step (returns its seq) or inside the open step (returns 0).")
+      .def("release", [](PyGraph& g) { g.graph->release(); },
+           "Frees the graph; its buffers return to the pool once queued replays complete. `outputs` stay valid.")
+      .def_prop_ro("released", [](const PyGraph& g) { return g.graph->released(); })
+      .def_ro("outputs", &PyGraph::outputs, "What the recorded call of fn returned.")
+      .def("__enter__", [](PyGraph& g) { return &g; }, nb::rv_policy::reference)
+      .def("__exit__", [](PyGraph& g, nb::handle, nb::handle, nb::handle) { g.graph->release(); return false; },
+           nb::arg().none(), nb::arg().none(), nb::arg().none());
 
   // The pool logic on its own, with the caller playing the device's submission clock.
   struct HostPool {

@@ -22,7 +22,9 @@ Tensor Backend::empty(const Shape& shape, DType dt) {
     n *= d;
   }
   Buffer b = pool_->acquire(size_t(n) * dtype_size(dt), completed_seq());
-  return Tensor(std::make_shared<Storage>(this, b), 0, shape, dt);
+  auto st = std::make_shared<Storage>(this, b);
+  keep_for_capture(st);  // a buffer made while recording is baked into the graph
+  return Tensor(std::move(st), 0, shape, dt);
 }
 
 Tensor Backend::wrap(void* ptr, const Shape& shape, DType dt, std::function<void()> release) {
@@ -42,13 +44,17 @@ void Backend::upload(const Tensor& dst, const void* src) { std::memcpy(dst.data(
 void Backend::download(const Tensor& src, void* dst) { std::memcpy(dst, src.data(), src.nbytes()); }
 
 void Backend::begin_step() {
-  if (in_step_) throw std::runtime_error("[step] a step is already open on " + name_ + " (steps do not nest)");
+  if (in_step_)
+    throw std::runtime_error(capturing() ? "[step] a step was opened inside a graph capture on " + name_ +
+                                               " (the captured call is one step already)"
+                                         : "[step] a step is already open on " + name_ + " (steps do not nest)");
   in_step_ = true;
   on_begin_step();
 }
 
 uint64_t Backend::commit() {
   if (!in_step_) throw std::runtime_error("[step] commit without an open step on " + name_);
+  if (capturing()) throw std::runtime_error("[step] commit inside a graph capture on " + name_);
   in_step_ = false;
   ++last_committed_;
   on_commit(last_committed_);
@@ -56,6 +62,8 @@ uint64_t Backend::commit() {
 }
 
 void Backend::wait(uint64_t seq) {
+  if (capturing())
+    throw std::runtime_error("[wait] cannot wait for " + name_ + " inside a graph capture (the recorded work has not run)");
   if (seq > last_committed_)
     throw std::invalid_argument("[wait] seq " + std::to_string(seq) + " was never committed on " + name_);
   on_wait(seq);
@@ -66,6 +74,8 @@ uint64_t Backend::completed_seq() { return query_completed(); }
 void Backend::not_implemented(const char* op) const {
   throw NotImplementedError(std::string("[") + op + "] not implemented on " + name_);
 }
+
+std::unique_ptr<Graph> Backend::capture(const std::function<void(bool)>&) { not_implemented("capture"); }
 
 void Backend::gemm(const GemmArgs&) { not_implemented("gemm"); }
 void Backend::rmsnorm_forward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, float) { not_implemented("rmsnorm_forward"); }

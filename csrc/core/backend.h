@@ -8,6 +8,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 #include "buffer_pool.h"
@@ -45,6 +46,21 @@ struct AdamWArgs {
   float grad_scale = 1.f;   // folded into the gradient read: clip scale / loss scale
 };
 
+// A step recorded once and replayed whole (CUDA graphs: csrc/cuda/cuda_graph.cpp). It owns every
+// storage the recorded work touches: recorded device addresses stay valid and unshared while it
+// exists.
+class Graph {
+ public:
+  virtual ~Graph() = default;
+  // Queues the recorded work once, inside the open step or as its own step; returns that step's
+  // seq, or 0 when it joined an open one.
+  virtual uint64_t replay() = 0;
+  // Hands the recorded work and its storages back (the pool reuses them only after the replays
+  // queued so far complete). replay() throws afterwards.
+  virtual void release() = 0;
+  virtual bool released() const = 0;
+};
+
 class Backend {
  public:
   explicit Backend(std::string name);
@@ -70,6 +86,15 @@ class Backend {
   uint64_t completed_seq();
   bool in_step() const { return in_step_; }
   uint64_t last_committed() const { return last_committed_; }
+
+  // ---- graph capture. fn(false) runs first as one ordinary step (warm-up), fn(true) is then
+  // recorded into the returned Graph. Backends without graphs throw NotImplementedError.
+  virtual std::unique_ptr<Graph> capture(const std::function<void(bool recording)>& fn);
+  bool capturing() const { return capture_keep_ != nullptr; }
+  // While capturing: the graph will own s (called for every op operand and every new buffer).
+  void keep_for_capture(const std::shared_ptr<Storage>& s) {
+    if (capture_keep_) capture_keep_->insert(s);
+  }
 
   // ---- routing parameters (pure data for the core's routers)
   virtual SplitKConfig split_k_config() const { return {}; }
@@ -136,6 +161,8 @@ class Backend {
   virtual void on_commit(uint64_t /*seq*/) {}
   virtual void on_wait(uint64_t /*seq*/) {}
   virtual uint64_t query_completed() { return last_committed_; }
+  // Set by a backend's capture() while it records: where keep_for_capture collects storages.
+  std::unordered_set<std::shared_ptr<Storage>>* capture_keep_ = nullptr;
 
  private:
   std::string name_;

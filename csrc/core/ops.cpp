@@ -27,6 +27,7 @@ struct Check {
       dev = x.device();
     else if (x.device() != dev)
       fail(std::string(name) + " is on " + x.device()->name() + " but the other operands are on " + dev->name());
+    dev->keep_for_capture(x.storage());  // a captured graph bakes in this operand's address
     return x;
   }
   void dtype(const char* name, const Tensor& x, std::initializer_list<DType> ok) {

@@ -5,6 +5,7 @@
 #include <dlfcn.h>
 
 #include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -130,6 +131,21 @@ SplitKConfig CudaBackend::split_k_config() const {
 
 void* CudaBackend::raw_alloc(size_t bytes) {
   void* p = nullptr;
+  if (capturing()) {
+    // A buffer the warm-up did not leave in the pool. cudaMalloc is no stream operation, but a
+    // thread-local capture forbids it: relax this thread's mode for the call. Never nullptr here:
+    // the pool's retry would cudaFree its cache, which a capture cannot survive.
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    cudaThreadExchangeStreamCaptureMode(&mode);
+    const cudaError_t e = cudaMalloc(&p, bytes);
+    cudaThreadExchangeStreamCaptureMode(&mode);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      throw std::runtime_error("[capture] cudaMalloc of " + std::to_string(bytes) +
+                               " bytes failed while recording a graph: " + cudaGetErrorString(e));
+    }
+    return p;
+  }
   // Plain device memory (never managed). A failure returns nullptr so the pool can give its
   // cache back and retry before reporting exhaustion.
   if (cudaMalloc(&p, bytes) != cudaSuccess) {
@@ -140,24 +156,46 @@ void* CudaBackend::raw_alloc(size_t bytes) {
 }
 
 void CudaBackend::raw_free(void* p, size_t) {
-  // The pool hands back only buffers whose step has completed (or that no step used).
+  // The pool hands back only buffers whose step has completed (or that no step used). cudaFree
+  // synchronises, which would invalidate an open capture: then it waits for the capture's end.
+  if (capturing()) return defer(0, [p] { cudaFree(p); });
   cudaFree(p);
 }
 
 void CudaBackend::upload(const Tensor& dst, const void* src) {
   if (dst.nbytes() == 0) return;
+  const size_t slot = (dst.nbytes() + 255) / 256 * 256;
+  if (capturing()) {
+    // Recorded as a copy from pinned staging that every replay repeats: the data is the one given
+    // now (a constant of the graph); a copy from pageable memory could not be recorded at all.
+    if (!staging_ || staging_used_ + slot > staging_size_)
+      throw std::runtime_error("[upload] the recorded call uploads more than its warm-up call did (" +
+                               std::to_string(staging_used_ + slot) + " > " + std::to_string(staging_size_) +
+                               " bytes): fn must do the same work on both calls");
+    char* s = staging_ + staging_used_;
+    staging_used_ += slot;
+    std::memcpy(s, src, dst.nbytes());
+    check(cudaMemcpyAsync(dst.data(), s, dst.nbytes(), cudaMemcpyHostToDevice, stream_), "upload");
+    return;
+  }
+  if (probing_) probe_bytes_ += slot;
   // Stream-ordered after the queued work; a pageable source is staged before this returns, so
   // the caller may free it at once.
   check(cudaMemcpyAsync(dst.data(), src, dst.nbytes(), cudaMemcpyHostToDevice, stream_), "upload");
 }
 
 void CudaBackend::download(const Tensor& src, void* dst) {
+  if (capturing())
+    throw std::runtime_error("[download] cannot read cuda memory on the host inside a graph capture "
+                             "(the recorded work has not run): read outputs after replay()");
   if (src.nbytes() == 0) return;
   check(cudaMemcpyAsync(dst, src.data(), src.nbytes(), cudaMemcpyDeviceToHost, stream_), "download");
   check(cudaStreamSynchronize(stream_), "download");
 }
 
 std::vector<int32_t> CudaBackend::read_i32(const void* p, int64_t n, const char* op) {
+  if (capturing())
+    throw std::runtime_error(std::string("[") + op + "] reads device data on the host, which a graph capture cannot record");
   std::vector<int32_t> h(size_t(n > 0 ? n : 0));
   if (n <= 0) return h;
   check(cudaMemcpyAsync(h.data(), p, size_t(n) * 4, cudaMemcpyDeviceToHost, stream_), op);
@@ -165,7 +203,9 @@ std::vector<int32_t> CudaBackend::read_i32(const void* p, int64_t n, const char*
   return h;
 }
 
-CudaBackend::OpTimer::OpTimer(CudaBackend* d) : dev_(d), on_(d->profiling() && d->timer_depth_ == 0) {
+// Not while recording: the timer waits for its event, which a capture cannot do.
+CudaBackend::OpTimer::OpTimer(CudaBackend* d)
+    : dev_(d), on_(d->profiling() && d->timer_depth_ == 0 && !d->capturing()) {
   if (on_) {
     if (!dev_->prof_start_) {
       check(cudaEventCreate(&dev_->prof_start_), "profile");
@@ -204,7 +244,9 @@ void CudaBackend::on_commit(uint64_t seq) {
 }
 
 uint64_t CudaBackend::query_completed() {
-  // Steps complete in stream order: pop finished events from the front.
+  // No event queries while recording (thread-local capture forbids them); the answer is only
+  // conservative. Steps complete in stream order: pop finished events from the front.
+  if (capturing()) return completed_;
   while (!inflight_.empty()) {
     cudaError_t e = cudaEventQuery(inflight_.front().second);
     if (e == cudaErrorNotReady) break;
@@ -214,7 +256,27 @@ uint64_t CudaBackend::query_completed() {
     inflight_.pop_front();
   }
   if (inflight_.empty()) completed_ = last_committed();
+  run_deferred();
   return completed_;
+}
+
+void CudaBackend::defer(uint64_t seq, std::function<void()> f) {
+  deferred_.emplace_back(seq, std::move(f));
+  if (!capturing()) query_completed();
+}
+
+void CudaBackend::run_deferred() {
+  if (capturing() || deferred_.empty()) return;
+  std::vector<std::function<void()>> due;
+  for (size_t i = 0; i < deferred_.size();) {
+    if (deferred_[i].first <= completed_) {
+      due.push_back(std::move(deferred_[i].second));
+      deferred_.erase(deferred_.begin() + long(i));
+    } else {
+      ++i;
+    }
+  }
+  for (auto& f : due) f();  // after the scan: f may free memory whose release lands here again
 }
 
 void CudaBackend::on_wait(uint64_t seq) {

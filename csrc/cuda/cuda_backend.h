@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <deque>
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -36,6 +37,12 @@ class CudaBackend : public Backend {
 
   void upload(const Tensor& dst, const void* src) override;
   void download(const Tensor& src, void* dst) override;
+
+  // Records fn(true) as a CUDA graph after one warm-up call fn(false) (cuda_graph.cpp).
+  std::unique_ptr<Graph> capture(const std::function<void(bool)>& fn) override;
+  // Runs f once the step seq has completed and no capture is open (graph teardown, whose
+  // cudaFree-like calls would break a capture and whose memory a running replay may still use).
+  void defer(uint64_t seq, std::function<void()> f);
 
   cudaStream_t stream() const { return stream_; }
   int sm_count() const { return sm_count_; }
@@ -95,6 +102,7 @@ class CudaBackend : public Backend {
   // beta * C over a (possibly row-strided, batched) output: the K = 0 GEMM.
   void gemm_scale_output(const GemmArgs& g);
   void gemm_split(const GemmArgs& g);
+  void run_deferred();
 
   int device_ = 0;
   int sm_count_ = 132;
@@ -105,6 +113,14 @@ class CudaBackend : public Backend {
   uint64_t completed_ = 0;
   cudaEvent_t prof_start_ = nullptr, prof_end_ = nullptr;  // timing events, made on first use
   int timer_depth_ = 0;  // an op calling another (dropout p=0 -> cast) is timed once, outermost
+  // Uploads while recording copy from pinned staging (a graph node replays the copy): the warm-up
+  // call sizes it (probe), the graph owns it.
+  bool capture_busy_ = false;  // inside capture(): warm-up or recording (nesting is refused in both)
+  bool probing_ = false;
+  size_t probe_bytes_ = 0;
+  char* staging_ = nullptr;
+  size_t staging_size_ = 0, staging_used_ = 0;
+  std::vector<std::pair<uint64_t, std::function<void()>>> deferred_;
 };
 
 }  // namespace krnl::cuda

@@ -1,6 +1,8 @@
 // Embedding forward/backward and cross-entropy. Their id range checks are data-dependent: the
 // ids are copied to the host (after the queued work that may have written them) and checked
-// there, so a bad id raises ValueError at the call, with the CPU backend's message.
+// there, so a bad id raises ValueError at the call, with the CPU backend's message. A graph capture
+// cannot read them (they change between replays): there the kernels' own guard writes NaN for an
+// id out of range instead of reading outside the table.
 #include <algorithm>
 #include <numeric>
 #include <stdexcept>
@@ -25,11 +27,12 @@ void check_ids(const char* op, const char* what, const char* where, const std::v
 // out[t] = table[id[t]]: whole rows of C elements of width W bytes.
 template <class W>
 __global__ void embedding_fwd_kernel(const int32_t* ids, const W* __restrict__ table, W* __restrict__ out, int64_t n,
-                                     int64_t C) {
+                                     int64_t C, int64_t V, W nan) {
   const int64_t total = n * C;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t t = i / C, c = i % C;
-    out[i] = table[int64_t(ids[t]) * C + c];
+    const int32_t id = ids[t];
+    out[i] = id >= 0 && id < V ? table[int64_t(id) * C + c] : nan;
   }
 }
 
@@ -53,10 +56,11 @@ __global__ void cross_entropy_kernel(DType dt, const void* logits, const int32_t
   __shared__ float sh[32];
   const int64_t t = blockIdx.x, base = t * V;
   const int32_t y = targets[t];
-  if (y == ignore_index) {
-    if (threadIdx.x == 0) loss[t] = 0.f;
+  if (y == ignore_index || y < 0 || y >= V) {  // out of range only in a replayed graph: NaN
+    const float v = y == ignore_index ? 0.f : __int_as_float(0x7fc00000);
+    if (threadIdx.x == 0) loss[t] = v;
     if (dlogits)
-      for (int64_t j = threadIdx.x; j < V; j += blockDim.x) st(dt, dlogits, base + j, 0.f);
+      for (int64_t j = threadIdx.x; j < V; j += blockDim.x) st(dt, dlogits, base + j, v);
     return;
   }
   float mx = -3.402823466e38f;
@@ -80,20 +84,24 @@ __global__ void cross_entropy_kernel(DType dt, const void* logits, const int32_t
 void CudaBackend::embedding_forward(const Tensor& ids, const Tensor& table, const Tensor& out) {
   OpTimer timer(this);
   const int64_t V = table.size(0), C = table.size(1), n = ids.numel();
-  check_ids("embedding_forward", "id", "position", read_i32(ids.data(), n, "embedding_forward"), V);
+  if (!capturing()) check_ids("embedding_forward", "id", "position", read_i32(ids.data(), n, "embedding_forward"), V);
   if (n == 0 || C == 0) return;
   if (dtype_size(table.dtype()) == 4)
-    embedding_fwd_kernel<uint32_t><<<grid_for(n * C), kThreads, 0, stream_>>>(ids.ptr<int32_t>(), table.ptr<uint32_t>(),
-                                                                              out.ptr<uint32_t>(), n, C);
+    embedding_fwd_kernel<uint32_t><<<grid_for(n * C), kThreads, 0, stream_>>>(
+        ids.ptr<int32_t>(), table.ptr<uint32_t>(), out.ptr<uint32_t>(), n, C, V, 0x7fc00000u);
   else
-    embedding_fwd_kernel<uint16_t><<<grid_for(n * C), kThreads, 0, stream_>>>(ids.ptr<int32_t>(), table.ptr<uint16_t>(),
-                                                                              out.ptr<uint16_t>(), n, C);
+    embedding_fwd_kernel<uint16_t><<<grid_for(n * C), kThreads, 0, stream_>>>(
+        ids.ptr<int32_t>(), table.ptr<uint16_t>(), out.ptr<uint16_t>(), n, C, V,
+        uint16_t(table.dtype() == DType::bf16 ? 0x7fc0u : 0x7e00u));
   check_launch("embedding_forward");
 }
 
 void CudaBackend::embedding_backward(const Tensor& ids, const Tensor& dout, const Tensor& dtable) {
   OpTimer timer(this);
   const int64_t V = dtable.size(0), C = dtable.size(1), n = ids.numel();
+  if (capturing())
+    throw std::runtime_error("[embedding_backward] plans its deterministic sum from the ids on the host, "
+                             "so it cannot be recorded in a graph capture");
   std::vector<int32_t> id = read_i32(ids.data(), n, "embedding_backward");
   check_ids("embedding_backward", "id", "position", id, V);
   if (n == 0 || C == 0) return;
@@ -130,7 +138,8 @@ void CudaBackend::cross_entropy(const Tensor& logits, const Tensor& targets, con
                                 int32_t ignore_index, float scale) {
   OpTimer timer(this);
   const int64_t T = logits.size(0), V = logits.size(1);
-  check_ids("cross_entropy", "target", "row", read_i32(targets.data(), T, "cross_entropy"), V, &ignore_index);
+  if (!capturing())
+    check_ids("cross_entropy", "target", "row", read_i32(targets.data(), T, "cross_entropy"), V, &ignore_index);
   if (T == 0) return;
   cross_entropy_kernel<<<unsigned(T), std::min(row_threads(V), 1024), 0, stream_>>>(
       logits.dtype(), logits.data(), targets.ptr<int32_t>(), loss.ptr<float>(), dlogits ? dlogits->data() : nullptr, V,

@@ -112,10 +112,6 @@ void ew_geometry(Dispatch& d, int64_t n) {
 
 namespace {
 
-struct GemmView {  // one stored operand: element offset added to the tensor's, extent in elements
-  int64_t rows, cols, ld, stride;
-};
-
 int64_t extent_elems(int64_t rows, int64_t cols, int64_t ld, int64_t stride, int64_t batch) {
   if (rows == 0 || cols == 0) return 0;
   return (batch - 1) * stride + (rows - 1) * ld + cols;

@@ -28,7 +28,7 @@ from ._core import Device, Tensor, ops
 from .profiler import Profile, profile
 
 __version__ = "0.1.0"
-__all__ = ["Device", "Tensor", "ops", "device", "devices", "profile", "Profile", "num_threads"]
+__all__ = ["Device", "Tensor", "ops", "device", "devices", "profile", "Profile", "num_threads", "cuda_graph"]
 
 num_threads = _core.num_threads
 
@@ -45,3 +45,13 @@ def device(name=None):
     if not isinstance(name, str):
         raise TypeError(f"[device] name must be a string, got {type(name).__name__}")
     return _core.device(name)
+
+
+def cuda_graph(dev, fn):
+    """Records fn() on `dev` as a CUDA graph; returns a krnl.Graph whose replay() re-runs the whole
+    call with one launch (no Python, validation or per-op launch cost) and whose `outputs` is what
+    the recorded call returned. Same as dev.capture(fn); see its docstring for the constraints:
+    fn runs twice (warm-up, then recorded), replays reuse the recorded buffers, shapes and scalars,
+    inputs vary only through new contents written into tensors made before capture
+    (dev.upload(t, array)), and host reads, steps or nested captures inside fn raise."""
+    return dev.capture(fn)

@@ -1,6 +1,8 @@
 """W1 (DESIGN section 6): one LoRA training step of the KRNL MLP block, krnl's CPU backend next to
-a float32 numpy implementation of the same step, and the machine's sgemm rate measured in the
-same run. Run: pytest bench/ --benchmark-only (add -s to see the ratios as they are made)."""
+the peers of krnl.bench (float32 numpy, PyTorch eager and compiled, MLX eager and compiled) and the
+machine's sgemm rate measured in the same run. The workload and every peer live in krnl/bench/w1.py
+(shared with `krnl bench`); this file only times them with pytest-benchmark.
+Run: pytest bench/ --benchmark-only (add -s to see the ratios as they are made)."""
 
 import time
 
@@ -8,47 +10,14 @@ import numpy as np
 import pytest
 
 import krnl
-from krnl.mlp_block import MLPBlock, make_w1_params, w1_flops
-
-T, C, F, R = 512, 2048, 5632, 32
-SCALE = 2.0
-FLOPS = w1_flops(T, C, F, R)
-
-
-def numpy_w1_step(P, s=SCALE, eps=1e-5):
-    """The same step in float32 numpy: forward, dX and the four LoRA gradients."""
-    x, dy, w = P["x"], P["dy"], P["w_norm"]
-    f = np.float32
-    rstd = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + f(eps))
-    h = x * rstd * w
-    tg, tu = h @ P["Ag"].T, h @ P["Au"].T
-    g = h @ P["Wg"].T + (f(s) * tg) @ P["Bg"].T
-    u = h @ P["Wu"].T + (f(s) * tu) @ P["Bu"].T
-    sg = 1.0 / (1.0 + np.exp(-g))
-    a = g * sg * u
-    y = x + a @ P["Wd"].T
-    da = dy @ P["Wd"]
-    du = da * g * sg
-    dg = da * u * sg * (1.0 + g * (1.0 - sg))
-    grads = {"Bg": f(s) * dg.T @ tg, "Bu": f(s) * du.T @ tu}
-    dtg, dtu = f(s) * dg @ P["Bg"], f(s) * du @ P["Bu"]
-    grads["Ag"], grads["Au"] = dtg.T @ h, dtu.T @ h
-    dh = dg @ P["Wg"] + dtg @ P["Ag"] + du @ P["Wu"] + dtu @ P["Au"]
-    gw = dh * w
-    xhat = x * rstd
-    dx = rstd * (gw - xhat * np.mean(gw * xhat, axis=-1, keepdims=True)) + dy
-    return y, dx, grads
+from krnl.bench.session import compare
+from krnl.bench.w1 import C, F, FLOPS, R, T, krnl_w1, make_params, numpy_w1_step
+from krnl.bench.workloads import PEER_MODULES, W1
 
 
 @pytest.fixture(scope="module")
 def params():
-    return make_w1_params(T, C, F, R, seed=0)
-
-
-def _rate(fn, flops, reps=5):
-    fn()
-    best = min(_timed(fn) for _ in range(reps))
-    return flops / best
+    return make_params(T, C, F, R, seed=0)
 
 
 def _timed(fn):
@@ -61,21 +30,6 @@ def test_w1_numpy(benchmark, params):
     benchmark.group = "W1 step (CPU)"
     benchmark.extra_info["gflop"] = FLOPS / 1e9
     benchmark.pedantic(numpy_w1_step, args=(params,), rounds=5, warmup_rounds=1)
-
-
-def krnl_w1(params):
-    """(block, step): the W1 block on the CPU device and one training step of it (a submission)."""
-    dev = krnl.device("cpu")
-    block = MLPBlock(dev, params, T, scale=SCALE)
-    x, dy = dev.tensor(params["x"]), dev.tensor(params["dy"])
-
-    def step():
-        with dev.step():
-            block.forward(x)
-            block.backward(x, dy)
-        dev.synchronize()
-
-    return block, step
 
 
 def test_w1_krnl_cpu(benchmark, params):
@@ -92,6 +46,21 @@ def test_w1_krnl_cpu(benchmark, params):
     benchmark.group = "W1 step (CPU)"
     benchmark.extra_info["gflop"] = FLOPS / 1e9
     benchmark.pedantic(step, rounds=5, warmup_rounds=1)
+
+
+@pytest.mark.parametrize("peer", ["torch", "torch.compile", "mlx", "mx.compile"])
+def test_w1_peer(benchmark, params, peer):
+    """A peer of krnl.bench, checked against krnl at the small size, then timed (MLX's Linux CPU
+    wheel bundles a slow reference BLAS: one round)."""
+    pytest.importorskip(PEER_MODULES[peer], reason=f"{peer} (an optional bench peer) is not installed")
+    small = W1.make(W1.sizes["small"], "cpu")
+    bad = compare(W1.krnl(small)[1](), W1.peers[peer](small)[1](), W1.tolerance)
+    assert bad is None, f"{peer}: {bad}"
+    step = W1.peers[peer](params)[0]
+    step()  # compiles where the peer compiles
+    benchmark.group = "W1 step (CPU)"
+    benchmark.extra_info["gflop"] = FLOPS / 1e9
+    benchmark.pedantic(step, rounds=1 if peer.startswith("m") else 3, warmup_rounds=0)
 
 
 def test_w1_ratios(benchmark, params, results):

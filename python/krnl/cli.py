@@ -1,7 +1,8 @@
 """The `krnl` command line: `train`, `eval` and `generate` (the embedded default: a tiny Llama and a
 generated task; or, for eval and generate, an HF model folder from --model or the adapter's
 base_model_name_or_path), `fuse` (an adapter merged into its HF base, written as an HF folder),
-`w1` (LoRA on the W1 MLP block of DESIGN section 6, matching a teacher) and `devices`."""
+`w1` (LoRA on the W1 MLP block of DESIGN section 6, matching a teacher), `bench` (krnl/bench) and
+`devices`."""
 
 import argparse
 import sys
@@ -391,6 +392,11 @@ def main(argv=None):
     w.add_argument("--learning-rate", type=float, default=1e-2)
     w.add_argument("--seed", type=int, default=0)
     w.set_defaults(fn=cmd_w1)
+
+    from .bench.cli import add_arguments as bench_arguments, cmd_bench
+    b = sub.add_parser("bench", help="krnl next to numpy, PyTorch and MLX on W1/W2/W3 and GEMMs, behind a control gate")
+    bench_arguments(b)
+    b.set_defaults(fn=cmd_bench)
     args = p.parse_args(argv)
     if getattr(args, "config", None):
         t.set_defaults(**_yaml_defaults(args.config, t))

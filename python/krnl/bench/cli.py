@@ -1,0 +1,82 @@
+"""`krnl bench` (also `python -m krnl.bench`): the options and what runs them."""
+
+import argparse
+import sys
+
+from . import gate, report
+from .session import Session
+from .workloads import ALL, PEER_NAMES
+
+
+def _names(value, known, option):
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    unknown = [v for v in names if v not in known]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"{option}: unknown {unknown or value!r}; choose from {', '.join(known)}")
+    return names
+
+
+def add_arguments(p):
+    p.add_argument("--workloads", default=",".join(ALL), type=lambda v: _names(v, ALL, "--workloads"),
+                   help=f"comma-separated, of {','.join(ALL)} (default: all; w3 runs only on GPU devices)")
+    p.add_argument("--peers", default=",".join(PEER_NAMES), type=lambda v: _names(v, PEER_NAMES, "--peers"),
+                   help=f"comma-separated, of {','.join(PEER_NAMES)} (default: all)")
+    p.add_argument("--device", default=None, help="krnl device (default: the best available)")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (default 5)")
+    p.add_argument("--slow", type=float, default=10.0, metavar="S",
+                   help="a peer whose step takes more than S seconds is timed once, not every round")
+    p.add_argument("--quick", action="store_true", help="small sizes (seconds, for tests)")
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    p.add_argument("--png", metavar="PATH", help="write a bar chart (tokens/s per workload and implementation)")
+    p.add_argument("--profile", action="store_true", help="also print the per-op profile of one W2 step")
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure the control sgemm on a quiet machine and store it as this machine's reference; "
+                        "nothing else runs")
+    p.add_argument("--reference", metavar="PATH", default=None,
+                   help=f"the reference file (default: $KRNL_BENCH_REFERENCE or {gate.reference_path()})")
+    p.add_argument("--readme", metavar="PATH",
+                   help="replace the <!-- bench:start --> ... <!-- bench:end --> block of this README with the results")
+    p.add_argument("--from-json", metavar="PATH",
+                   help="run nothing: report (table, --png, --readme) from a JSON written by --json")
+
+
+def cmd_bench(args):
+    ref_path = args.reference or gate.reference_path()
+    if args.rounds < 1:
+        raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
+    if args.calibrate:
+        import krnl
+        dev = krnl.device(args.device)
+        c = gate.calibrate(dev, ref_path, quick=args.quick)
+        print(f"krnl bench: reference for '{c['key']}': control {c['n']}^3 sgemm {c['gflops']:.1f} GFLOP/s, "
+              f"written to {c['path']}")
+        return 0
+    if args.from_json:
+        res = report.read_json(args.from_json)
+    else:
+        log = lambda msg: print(msg, file=sys.stderr, flush=True)
+        s = Session(args.device, rounds=args.rounds, quick=args.quick, peers=args.peers, slow_s=args.slow,
+                    reference_path=ref_path, log=log)
+        res = s.run(args.workloads, profile=args.profile)
+    print(report.format_table(res))
+    if res.get("profile") and (args.profile or args.from_json):
+        print()
+        print(report.format_profile(res["profile"]))
+    if args.json and not args.from_json:
+        report.write_json(res, args.json)
+    if args.png:
+        report.write_png(res, args.png)
+    if args.readme:
+        report.replace_readme_block(args.readme, report.readme_block(res))
+    return 0
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="krnl bench", description="krnl and its peers, side by side, behind a control gate")
+    add_arguments(p)
+    args = p.parse_args(argv)
+    try:
+        return cmd_bench(args)
+    except ValueError as err:
+        print(f"krnl bench: error: {err}", file=sys.stderr)
+        return 1

@@ -1,0 +1,257 @@
+"""krnl.bench: the control gate, the reference file, peers checked before they are timed, the
+reports (table, JSON, PNG, README block) and `krnl bench --quick` end to end. No timed assertions:
+only what the figures are marked as and where they go."""
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+from krnl.bench import gate, report, w1
+from krnl.bench.cli import main as bench_main
+from krnl.bench.session import Session, compare
+from krnl.bench.workloads import W1, STEPS
+from krnl.cli import main as krnl_main
+
+
+@pytest.fixture(autouse=True)
+def reference(tmp_path, monkeypatch):
+    """Every test gets its own reference file: the user's ~/.cache is never read or written."""
+    path = tmp_path / "ref" / "bench_reference.json"
+    monkeypatch.setenv("KRNL_BENCH_REFERENCE", str(path))
+    return path
+
+
+# ---- the gate
+
+
+def test_verdict_trusted_when_steady_and_on_reference():
+    v = gate.verdict(100.0, 104.0, 98.0, 1024)
+    assert v["trusted"] and v["reasons"] == [] and v["notes"] == []
+
+
+def test_verdict_moved_more_than_ten_percent_is_untrusted():
+    v = gate.verdict(100.0, 85.0, None, 1024)
+    assert not v["trusted"]
+    assert "moved 15%" in v["reasons"][0] and "100.0 GFLOP/s before, 85.0 after" in v["reasons"][0]
+    assert v["notes"] and "--calibrate" in v["notes"][0]  # no reference: said, not hidden
+
+
+def test_verdict_off_reference_is_untrusted_even_when_steady():
+    v = gate.verdict(60.0, 61.0, 140.0, 1024)
+    assert not v["trusted"] and len(v["reasons"]) == 1
+    assert "off this machine's reference" in v["reasons"][0]
+
+
+def test_verdict_catches_a_load_between_workloads():
+    v = gate.verdict(100.0, 101.0, 100.0, 1024, between=[("before w2", 60.0)])
+    assert not v["trusted"] and "60.0 before w2" in v["reasons"][0] and len(v["reasons"]) == 2
+    assert [p["at"] for p in v["checkpoints"]] == ["before", "before w2", "after"]
+
+
+def test_verdict_without_reference_checks_drift_only():
+    v = gate.verdict(100.0, 95.0, None, 1024)
+    assert v["trusted"] and v["off_reference"] is None and v["notes"]
+
+
+class _Dev:
+    name = "cpu"
+
+
+def test_calibrate_writes_the_reference_atomically(reference, monkeypatch):
+    other = {"another machine | 8 cores | 8 threads | cpu": {"n": 1024, "gflops": 500.0}}
+    reference.parent.mkdir(parents=True)
+    reference.write_text(json.dumps(other))
+    writes = []
+    real = gate.atomic_write_bytes
+    monkeypatch.setattr(gate, "atomic_write_bytes", lambda p, d: (writes.append(p), real(p, d)))
+    rates = iter([100.0, 104.0])
+    c = gate.calibrate(_Dev(), reference, measure=lambda dev, n: next(rates))
+    assert writes == [reference]
+    stored = json.loads(reference.read_text())
+    key = gate.fingerprint_key(gate.fingerprint("cpu"))
+    assert stored[key]["gflops"] == pytest.approx(102.0) and stored[key]["n"] == 1024 and c["key"] == key
+    assert stored["another machine | 8 cores | 8 threads | cpu"]["gflops"] == 500.0  # others kept
+    assert [p.name for p in reference.parent.iterdir()] == [reference.name]  # no temp file left
+    assert gate.lookup_reference(reference, gate.fingerprint("cpu"), 1024)["gflops"] == pytest.approx(102.0)
+    assert gate.lookup_reference(reference, gate.fingerprint("cpu"), 256) is None  # other size: no reference
+
+
+def test_calibrate_refuses_a_busy_machine(reference):
+    rates = iter([100.0, 70.0])
+    with pytest.raises(ValueError, match="busy, nothing stored"):
+        gate.calibrate(_Dev(), reference, measure=lambda dev, n: next(rates))
+    assert not reference.exists()
+
+
+@pytest.mark.parametrize("text, msg", [("{not json", "malformed JSON at line 1"),
+                                       ('{"m": {"n": "big"}}', "entry 'm' must be an object"),
+                                       ("[1, 2]", "expected a JSON object")])
+def test_corrupt_reference_names_the_file(reference, text, msg):
+    reference.parent.mkdir(parents=True)
+    reference.write_text(text)
+    with pytest.raises(ValueError, match=msg) as e:
+        gate.load_references(reference)
+    assert str(reference) in str(e.value)
+
+
+def test_corrupt_reference_stops_krnl_bench_before_the_work(reference, capsys):
+    reference.parent.mkdir(parents=True)
+    reference.write_text("{oops")
+    assert krnl_main(["bench", "--quick", "--workloads", "gemm", "--peers", "numpy"]) == 1
+    err = capsys.readouterr().err
+    assert "krnl bench: error:" in err and str(reference) in err and "malformed JSON" in err
+
+
+# ---- peers: checked before timed, absent with a reason
+
+
+def test_compare_names_the_worst_output():
+    ref = {"y": np.ones(4), "dx": np.ones(3)}
+    assert compare(ref, {"y": np.ones(4), "dx": np.ones(3) + 1e-7}, 1e-4) is None
+    bad = compare(ref, {"y": np.ones(4), "dx": np.array([1, 1, 1.5])}, 1e-4)
+    assert "'dx'" in bad and "5.00e-01" in bad
+    assert "missing" in compare(ref, {"y": np.ones(4)}, 1e-4)
+    assert "not finite" in compare(ref, {"y": np.ones(4), "dx": np.full(3, np.nan)}, 1e-4)
+
+
+def _wrong_numpy(P):
+    """The numpy W1 step with one LoRA gradient 1% off: plausible numbers, wrong."""
+    step, result = w1.build_numpy(P)
+
+    def wrong():
+        out = result()
+        out["Ag"] = out["Ag"] * 1.01
+        return out
+
+    return step, wrong
+
+
+def _broken(P):
+    raise RuntimeError("no kernel for this shape")
+
+
+def test_session_lists_absent_peers_with_reasons(monkeypatch):
+    import krnl.bench.workloads as wl
+    monkeypatch.setitem(wl.PEER_MODULES, "mlx", "krnl_no_such_module")
+    s = Session("cpu", rounds=1, quick=True, peers=["numpy", "torch", "mlx", "mx.compile"], log=lambda m: None,
+                peer_overrides={("w1", "torch"): _wrong_numpy, ("w1", "mx.compile"): _broken})
+    s.sgemm_gflops = 100.0
+    s.run_step(W1)
+    rows = {r["impl"]: r for r in s.rows}
+    assert list(rows) == ["krnl", "numpy", "torch", "torch.compile", "mlx", "mx.compile"]  # nobody dropped
+    assert rows["torch.compile"]["status"] == "absent" and rows["torch.compile"]["reason"] == "not selected (--peers)"
+    assert rows["krnl"]["status"] == "ok" and rows["krnl"]["vs_krnl"] == 1.0
+    assert rows["numpy"]["status"] == "ok" and rows["numpy"]["ms"] > 0
+    assert rows["torch"]["status"] == "absent" and "failed its check against krnl" in rows["torch"]["reason"]
+    assert "'Ag'" in rows["torch"]["reason"]
+    assert rows["mlx"]["status"] == "absent" and "not installed" in rows["mlx"]["reason"]
+    assert rows["mx.compile"]["status"] == "absent" and "no kernel for this shape" in rows["mx.compile"]["reason"]
+
+
+def test_w3_is_skipped_on_cpu():
+    s = Session("cpu", rounds=1, quick=True, peers=["numpy"], log=lambda m: None)
+    s.run_step(STEPS["w3"])
+    assert [(r["impl"], r["status"], r["reason"]) for r in s.rows] == [("all", "skipped", "sized for the H200")]
+
+
+def test_bad_arguments_are_named(capsys):
+    with pytest.raises(ValueError, match="--rounds"):
+        Session("cpu", rounds=0)
+    with pytest.raises(ValueError, match="--peers: unknown"):
+        Session("cpu", peers=["jax"])
+    with pytest.raises(SystemExit):
+        bench_main(["--workloads", "w1,w9"])
+    assert "--workloads: unknown ['w9']" in capsys.readouterr().err
+
+
+# ---- reports
+
+
+def _result(trusted):
+    rows = [
+        {"workload": "w1", "title": "W1 MLP block (tiny)", "impl": "krnl", "status": "ok", "reason": None,
+         "ms": 10.0, "tokens_per_s": 6400.0, "gflops": 50.0, "of_sgemm": 0.5, "vs_krnl": 1.0, "samples": 3, "note": ""},
+        {"workload": "w1", "title": "W1 MLP block (tiny)", "impl": "mlx", "status": "ok", "reason": None,
+         "ms": 20.0, "tokens_per_s": 3200.0, "gflops": 25.0, "of_sgemm": 0.25, "vs_krnl": 0.5, "samples": 3,
+         "note": "Linux CPU wheel: bundled reference BLAS, slow (DESIGN 6)"},
+        {"workload": "w1", "title": "W1 MLP block (tiny)", "impl": "torch", "status": "absent",
+         "reason": "not installed (No module named 'torch')"},
+        {"workload": "gemm nn 256^3", "impl": "krnl", "status": "ok", "reason": None, "ms": 1.0,
+         "tokens_per_s": None, "gflops": 33.5, "of_sgemm": 1.0, "vs_krnl": None, "samples": 3, "note": ""},
+    ]
+    v = gate.verdict(100.0, 101.0 if trusted else 70.0, None, 256)
+    return {"krnl_version": "0.1.0", "date": "2026-11-29 10:00 UTC", "seconds": 1.0,
+            "machine": {"cpu": "Test CPU", "cores": 2, "threads": 2, "device": "cpu"}, "device": "cpu", "threads": 2,
+            "rounds": 3, "quick": True, "workloads": ["w1", "gemm"], "sgemm": {"n": 256, "gflops": 100.0},
+            "trusted": v["trusted"], "untrusted_reasons": v["reasons"], "gate": v, "reference_file": "x",
+            "rows": rows, "profile": None}
+
+
+def test_table_marks_every_figure_when_untrusted():
+    good, bad = report.format_table(_result(True)), report.format_table(_result(False))
+    assert "UNTRUSTED" not in good and "gate: TRUSTED" in good
+    assert "not installed (No module named 'torch')" in good and "reference BLAS" in good
+    figure_lines = [l for l in bad.splitlines() if re.search(r"\s(krnl|mlx)\s+\d", l)]
+    assert len(figure_lines) == 3 and all("UNTRUSTED" in l for l in figure_lines)
+    assert "moved 30%" in bad and "spread" in good
+
+
+def test_json_and_png_round_trip(tmp_path):
+    res = _result(False)
+    report.write_json(res, tmp_path / "r.json")
+    back = report.read_json(tmp_path / "r.json")
+    assert back == json.loads(json.dumps(res)) and back["trusted"] is False
+    report.write_png(back, tmp_path / "r.png")
+    assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (tmp_path / "other.json").write_text("{}")
+    with pytest.raises(ValueError, match="not a krnl bench result"):
+        report.read_json(tmp_path / "other.json")
+
+
+def test_readme_block_replaced_and_nothing_else(tmp_path):
+    readme = tmp_path / "README.md"
+    before, after = "# krnl\n\n## Performance\n\nHand-written text.\n\n", "\n\n## Layout\n\nmore\n"
+    readme.write_text(before + report.START + "\nold figures\n" + report.END + after)
+    report.replace_readme_block(readme, report.readme_block(_result(False)))
+    text = readme.read_text()
+    assert text.startswith(before) and text.endswith(after) and "old figures" not in text
+    block = text[len(before):-len(after)]
+    assert block.startswith(report.START) and block.endswith(report.END)
+    assert "**UNTRUSTED**" in block and "| w1 |" not in block and "W1 MLP block (tiny) | mlx | 20.0 |" in block
+    report.replace_readme_block(readme, report.readme_block(_result(True)))  # again: still one block
+    assert readme.read_text().count(report.START) == 1 and "UNTRUSTED" not in readme.read_text()
+    (tmp_path / "plain.md").write_text("no markers\n")
+    with pytest.raises(ValueError, match="plain.md must hold exactly one"):
+        report.replace_readme_block(tmp_path / "plain.md", "x")
+
+
+# ---- end to end
+
+
+def test_krnl_bench_quick_end_to_end(tmp_path, reference, capsys):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n## Performance\n\n{report.START}\n{report.END}\n")
+    assert krnl_main(["bench", "--calibrate", "--quick"]) in (0, 1)  # 1: the machine was busy; said so
+    capsys.readouterr()
+    out_json, out_png = tmp_path / "b.json", tmp_path / "b.png"
+    rc = krnl_main(["bench", "--quick", "--rounds", "2", "--peers", "numpy", "--workloads", "w1,w2,w3,gemm,lora",
+                    "--json", str(out_json), "--png", str(out_png), "--readme", str(readme), "--profile"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    res = json.loads(out_json.read_text())
+    assert isinstance(res["trusted"], bool) and res["gate"]["control_n"] == 256
+    got = {(r["workload"], r["impl"]): r["status"] for r in res["rows"]}
+    assert got[("w1", "krnl")] == got[("w1", "numpy")] == got[("w2", "numpy")] == "ok"
+    assert got[("w3", "all")] == "skipped" and got[("gemm tn 256^3", "krnl")] == "ok"
+    assert sum(1 for w, _ in got if w.startswith("lora ")) == 10
+    for peer in ("torch", "torch.compile", "mlx", "mx.compile"):  # not selected: listed, not dropped
+        assert got[("w1", peer)] == "absent"
+    assert "gate:" in out and "w3" in out and "per-op profile of one W2 step" in out
+    assert res["profile"]["rows"] and res["profile"]["rows"][0]["op"]
+    assert out_png.read_bytes()[:4] == b"\x89PNG" and report.START in readme.read_text()
+    assert "| numpy |" in readme.read_text()
+    # --from-json: the report again without running anything
+    assert krnl_main(["bench", "--from-json", str(out_json)]) == 0
+    assert "gate:" in capsys.readouterr().out

@@ -51,11 +51,18 @@ def _timed(fn):
     return time.perf_counter() - t0
 
 
-def interleave(fns, rounds):
-    """{name: [seconds per round]}: every round runs each fn once, in order."""
+# BLAS and OpenMP worker threads spin for a while after a call returns (OpenBLAS, MKL under
+# torch, MLX's pool): without a pause they steal a core from whichever implementation runs next.
+SETTLE_S = 0.3
+
+
+def interleave(fns, rounds, settle_s=SETTLE_S):
+    """{name: [seconds per round]}: every round runs each fn once, in order, each after a pause
+    that lets the previous one's worker threads go idle."""
     out = {k: [] for k in fns}
     for _ in range(rounds):
         for k, fn in fns.items():
+            time.sleep(settle_s)
             out[k].append(_timed(fn))
     return out
 

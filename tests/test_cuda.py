@@ -9,17 +9,14 @@ import pytest
 
 import krnl
 from krnl import ops
-from krnl.model import LlamaModel, LoraConfig, ModelConfig, random_weights
 
-from conftest import read
+from conftest import check_step_against_cpu, check_training_reduces_loss, lora_step, read, tiny_lora_model
 
 pytestmark = pytest.mark.skipif(
     "cuda" not in krnl.devices(),
     reason="no cuda device: it is registered only where a CUDA GPU, its driver and cuBLAS are present ("
            + (getattr(krnl._core, "cuda_unavailable_reason", lambda: "this build has no CUDA backend")() or "?") + ")")
 
-TINY = dict(model_type="llama", vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0)
 
 
 @pytest.fixture(scope="module")
@@ -188,61 +185,16 @@ def test_vector_and_scalar_paths_agree(cuda, dt):
     np.testing.assert_allclose(read(p), read(pu), rtol=tol, atol=tol * 1e-2)
 
 
-def _model(dev, dtype, seed=0):
-    cfg = ModelConfig.from_dict(TINY)
-    m = LlamaModel(dev, cfg, random_weights(cfg, seed, std=0.2), LoraConfig(r=2, alpha=4.0), dtype=dtype, seed=seed)
-    rng = np.random.default_rng(seed + 1)
-    lora = m.lora_state()
-    for k in lora:  # B non-zero so that every LoRA path carries gradient
-        if ".lora_B." in k:
-            lora[k] = (0.1 * rng.standard_normal(lora[k].shape)).astype(np.float32)
-    m.lora_params.load(lora)
-    return m
-
-
-def _step(m, ids, targets):
-    m.lora_params.zero_grads()
-    m.forward_backward(ids, targets)
-    m.dev.synchronize()
-    return m.read_loss(), {k: np.array(g.numpy(), np.float64) for k, g in m._lora_grads().items()}
-
-
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 def test_training_step_matches_cpu(cuda, dtype):
-    """Loss and every LoRA gradient of one forward/backward of the tiny Llama (GQA, RoPE, causal
-    attention, SwiGLU, tied head) on cuda against the CPU backend in f32. f32 differs only by
-    summation order (cuBLAS runs COMPUTE_32F, no TF32); bf16 rounds every activation to 8 bits."""
-    rng = np.random.default_rng(7)
-    ids, targets = rng.integers(0, 61, (2, 9)), rng.integers(0, 61, (2, 9))
-    loss_c, g_c = _step(_model(krnl.device("cpu"), "f32"), ids, targets)
-    loss_g, g_g = _step(_model(cuda, dtype), ids, targets)
-    tol = {"f32": 1e-5, "bf16": 5e-2}[dtype]
-    assert abs(loss_g - loss_c) <= tol * abs(loss_c), (loss_g, loss_c)
-    assert g_c.keys() == g_g.keys()
-    for k in g_c:
-        scale = float(np.max(np.abs(g_c[k])))
-        assert scale > 0, k
-        err = float(np.max(np.abs(g_g[k] - g_c[k])))
-        assert err <= 4 * tol * scale, f"{k}: {err:.3e} > {4 * tol * scale:.3e}"
+    """One forward/backward of the tiny Llama on cuda against the CPU backend in f32. f32 differs
+    only by summation order (cuBLAS runs COMPUTE_32F, no TF32); bf16 rounds every activation to 8
+    bits."""
+    check_step_against_cpu(cuda, dtype, {"f32": 1e-5, "bf16": 5e-2}[dtype])
 
 
 def test_training_reduces_loss_on_cuda(cuda):
-    """Four AdamW steps on a fixed batch lower the loss; base weights are untouched."""
-    from krnl.optim import AdamW, Schedule
-
-    m = _model(cuda, "bf16")
-    rng = np.random.default_rng(3)
-    ids, targets = rng.integers(0, 61, (2, 9)), rng.integers(0, 61, (2, 9))
-    w0 = read(m.head)
-    opt = AdamW(m.lora_params, Schedule(3e-2, kind="constant"))
-    losses = []
-    for _ in range(4):
-        loss, _ = _step(m, ids, targets)
-        losses.append(loss)
-        opt.step()
-        cuda.synchronize()
-    assert losses[-1] < losses[0] - 0.05, losses
-    np.testing.assert_array_equal(read(m.head), w0)
+    check_training_reduces_loss(cuda, "bf16")
 
 
 # ---- CUDA graphs (Device.capture / krnl.cuda_graph)
@@ -325,7 +277,7 @@ def test_graph_of_training_step_matches_eager(cuda):
     after new token ids are uploaded into the captured ids tensor."""
     rng = np.random.default_rng(7)
     ids1, ids2, targets = (rng.integers(0, 61, (2, 9)) for _ in range(3))
-    m = _model(cuda, "f32")
+    m = tiny_lora_model(cuda, "f32")
     ids_t = cuda.tensor(ids1.astype(np.int32), "i32")
 
     def fb():
@@ -333,19 +285,19 @@ def test_graph_of_training_step_matches_eager(cuda):
         return m.forward_backward(ids_t, targets)  # numpy targets: a constant of the graph
 
     g = cuda.capture(fb)
-    ref = _model(cuda, "f32")
+    ref = tiny_lora_model(cuda, "f32")
     for ids in (ids1, ids2):
         cuda.upload(ids_t, ids.astype(np.int32))
         g.replay()
         cuda.synchronize()
         loss_g = float(g.outputs.numpy()[0])
         grads_g = {k: np.array(t.numpy(), np.float64) for k, t in m._lora_grads().items()}
-        loss_e, grads_e = _step(ref, ids, targets)
+        loss_e, grads_e = lora_step(ref, ids, targets)
         assert abs(loss_g - loss_e) <= 1e-6 * abs(loss_e), (loss_g, loss_e)
         for k in grads_e:
             np.testing.assert_allclose(grads_g[k], grads_e[k], rtol=1e-5, atol=1e-7 * np.max(np.abs(grads_e[k])),
                                        err_msg=k)
-    _, g1 = _step(ref, ids1, targets)
+    _, g1 = lora_step(ref, ids1, targets)
     assert any(np.max(np.abs(g1[k] - grads_e[k])) > 0 for k in g1), "the two id sets gave the same gradients"
     g.release()
 

@@ -8,14 +8,11 @@ import pytest
 
 import krnl
 from krnl import ops
-from krnl.model import LlamaModel, LoraConfig, ModelConfig, random_weights
 
-from conftest import METAL_SIM, U32, UNIT_ROUNDOFF, read, upload
+from conftest import (METAL_SIM, U32, UNIT_ROUNDOFF, check_step_against_cpu, check_training_reduces_loss, read,
+                      upload)
 
 pytestmark = pytest.mark.skipif(METAL_SIM is None, reason="metal-sim is off (KRNL_TEST_METAL_SIM=0 or no g++)")
-
-TINY = dict(model_type="llama", vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0)
 
 
 @pytest.fixture(scope="module")
@@ -23,63 +20,16 @@ def sim():
     return krnl.device("metal-sim")
 
 
-def _model(dev, dtype, seed=0, grad_checkpoint=False):
-    cfg = ModelConfig.from_dict(TINY)
-    m = LlamaModel(dev, cfg, random_weights(cfg, seed, std=0.2), LoraConfig(r=2, alpha=4.0), dtype=dtype, seed=seed,
-                   grad_checkpoint=grad_checkpoint)
-    rng = np.random.default_rng(seed + 1)
-    lora = m.lora_state()
-    for k in lora:  # B non-zero so that every LoRA path carries gradient
-        if ".lora_B." in k:
-            lora[k] = (0.1 * rng.standard_normal(lora[k].shape)).astype(np.float32)
-    m.lora_params.load(lora)
-    return m
-
-
-def _step(m, ids, targets):
-    m.lora_params.zero_grads()
-    m.forward_backward(ids, targets)
-    m.dev.synchronize()
-    return m.read_loss(), {k: np.array(g.numpy(), np.float64) for k, g in m._lora_grads().items()}
-
-
 @pytest.mark.parametrize("dtype", ["f32", "f16"])
 def test_training_step_matches_cpu(sim, dtype):
-    """Loss and every LoRA gradient of one forward/backward of the tiny Llama (GQA, RoPE, causal
-    attention, SwiGLU, tied head) on metal-sim against the CPU backend in f32. f32 on the
-    simulator differs only by summation order (a few f32 ulps through two layers); f16 compute
-    rounds every activation to 11 bits, so it is held to f16-level tolerances."""
-    rng = np.random.default_rng(7)
-    ids, targets = rng.integers(0, 61, (2, 9)), rng.integers(0, 61, (2, 9))
-    loss_c, g_c = _step(_model(krnl.device("cpu"), "f32"), ids, targets)
-    loss_s, g_s = _step(_model(sim, dtype), ids, targets)
-    tol = {"f32": 1e-5, "f16": 2e-2}[dtype]
-    assert abs(loss_s - loss_c) <= tol * abs(loss_c), (loss_s, loss_c)
-    assert g_c.keys() == g_s.keys()
-    for k in g_c:
-        scale = float(np.max(np.abs(g_c[k])))
-        assert scale > 0, k
-        err = float(np.max(np.abs(g_s[k] - g_c[k])))
-        assert err <= 4 * tol * scale, f"{k}: {err:.3e} > {4 * tol * scale:.3e}"
+    """One forward/backward of the tiny Llama (GQA, RoPE, causal attention, SwiGLU, tied head) on
+    metal-sim against the CPU backend in f32. f32 differs only by summation order (a few f32 ulps
+    through two layers); f16 compute rounds every activation to 11 bits."""
+    check_step_against_cpu(sim, dtype, {"f32": 1e-5, "f16": 2e-2}[dtype])
 
 
 def test_training_reduces_loss_on_metal_sim(sim):
-    """Three AdamW steps on a fixed batch lower the loss; base weights are untouched."""
-    from krnl.optim import AdamW, Schedule
-
-    m = _model(sim, "f32", grad_checkpoint=True)
-    rng = np.random.default_rng(3)
-    ids, targets = rng.integers(0, 61, (2, 9)), rng.integers(0, 61, (2, 9))
-    w0 = read(m.head)
-    opt = AdamW(m.lora_params, Schedule(3e-2, kind="constant"))
-    losses = []
-    for _ in range(4):
-        loss, _ = _step(m, ids, targets)
-        losses.append(loss)
-        opt.step()
-        sim.synchronize()
-    assert losses[-1] < losses[0] - 0.05, losses
-    np.testing.assert_array_equal(read(m.head), w0)
+    check_training_reduces_loss(sim, "f32", grad_checkpoint=True)
 
 
 def test_nothing_runs_before_commit(sim):

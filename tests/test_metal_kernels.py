@@ -85,13 +85,18 @@ def _without_barriers(name):
     return dict(source=d / f"{name}_nobarrier.metal")
 
 
-@pytest.fixture(scope="module")
-def libs():
-    builds = dict(BUILDS, rmsnorm_nobarrier=_without_barriers("rmsnorm"),
-                  softmax_nobarrier=_without_barriers("softmax"))
+def build_all(builds):
+    """{name: Library} for {name: mslsim.build keyword arguments}, built in parallel (one compiler
+    per core) and cached by content hash: every test module's `libs` fixture goes through here."""
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         futures = {name: pool.submit(mslsim.build, **kw) for name, kw in builds.items()}
         return {name: f.result() for name, f in futures.items()}
+
+
+@pytest.fixture(scope="module")
+def libs():
+    return build_all(dict(BUILDS, rmsnorm_nobarrier=_without_barriers("rmsnorm"),
+                          softmax_nobarrier=_without_barriers("softmax")))
 
 
 DT = {"f32": np.float32, "f16": np.float16}
@@ -99,10 +104,14 @@ SIZES = [1, 31, 33, 127, 64 * 2048]
 TG = 256  # threads per threadgroup for the elementwise ops
 
 
-def ew_dispatch(lib, name, n, buffers, max_groups=64):
+def ew_dispatch(lib, name, n, buffers, max_groups=64, **kw):
     # at most max_groups threadgroups: the large size also exercises the grid-stride loop
     grid = max(1, min(-(-n // TG), max_groups))
-    lib.dispatch(name, grid=(grid, 1, 1), threads=(TG, 1, 1), buffers=buffers)
+    lib.dispatch(name, grid=(grid, 1, 1), threads=(TG, 1, 1), buffers=buffers, **kw)
+
+
+def f64(a):
+    return np.asarray(a, np.float64)
 
 
 # elementwise: f32 results are one float rounding of float64 (1e-6); f16 ones are computed in

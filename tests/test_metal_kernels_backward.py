@@ -6,13 +6,11 @@ Same approach as test_metal_kernels.py, whose helpers (kargs.h parsed into ctype
 free copies of a kernel file, the thread orders) are reused: each .metal file is built once per
 module in parallel (cached by content hash under MSLSIM_CACHE), sizes 1, 31, 33, 127 plus one
 realistic, f32 and f16, reductions under the simulator's random thread order."""
-import os
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 
-from test_metal_kernels import DT, KARGS, METAL, ORDERS, _caught, _without_barriers, mslsim
+from test_metal_kernels import DT, KARGS, METAL, ORDERS, SIZES, _caught, _without_barriers, build_all, ew_dispatch, f64
 
 SwigluArgs, RopeArgs, RmsnormBackwardArgs, SoftmaxBackwardArgs = (
     KARGS[n] for n in ("SwigluArgs", "RopeArgs", "RmsnormBackwardArgs", "SoftmaxBackwardArgs"))
@@ -32,23 +30,7 @@ def test_kargs_layout_backward():
 def libs():
     builds = {name: dict(source=METAL / f"{name}.metal") for name in ("swiglu", "rope", "rmsnorm", "softmax")}
     builds.update(rmsnorm_nobarrier=_without_barriers("rmsnorm"), softmax_nobarrier=_without_barriers("softmax"))
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        futures = {name: pool.submit(mslsim.build, **kw) for name, kw in builds.items()}
-        return {name: f.result() for name, f in futures.items()}
-
-
-SIZES = [1, 31, 33, 127, 64 * 2048]
-TG = 256
-
-
-def ew_dispatch(lib, name, n, buffers, max_groups=64, **kw):
-    # at most max_groups threadgroups: the large size also exercises the grid-stride loop
-    grid = max(1, min(-(-n // TG), max_groups))
-    lib.dispatch(name, grid=(grid, 1, 1), threads=(TG, 1, 1), buffers=buffers, **kw)
-
-
-def f64(a):
-    return a.astype(np.float64)
+    return build_all(builds)
 
 
 # ---------------------------------------------------------------------------------------------

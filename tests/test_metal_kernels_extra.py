@@ -7,13 +7,12 @@ module (cached by content hash under MSLSIM_CACHE), sizes 1, 31, 33, 127 plus on
 f32 and f16. Copies and masks are checked bit for bit; dropout's mask against a numpy
 reimplementation of csrc/core/rng.h (uint64 arithmetic); the dw reduction against float64 under
 random thread orders, and bit for bit across orders."""
-import os
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 
-from test_metal_kernels import DT, KARGS, METAL, ORDERS, ROOT, _caught, _without_barriers, mslsim
+from test_metal_kernels import (DT, KARGS, METAL, ORDERS, ROOT, SIZES, _caught, _without_barriers, build_all,
+                                ew_dispatch, f64)
 
 ElementwiseArgs, DropoutArgs, TransposeHeadsArgs, RmsnormBackwardArgs = (
     KARGS[n] for n in ("ElementwiseArgs", "DropoutArgs", "TransposeHeadsArgs", "RmsnormBackwardArgs"))
@@ -33,23 +32,7 @@ def libs():
     builds = {name: dict(source=METAL / f"{name}.metal", include_dirs=INCLUDE_DIRS)
               for name in ("elementwise", "rmsnorm")}
     builds.update(rmsnorm_nobarrier=_without_barriers("rmsnorm"))
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        futures = {name: pool.submit(mslsim.build, **kw) for name, kw in builds.items()}
-        return {name: f.result() for name, f in futures.items()}
-
-
-SIZES = [1, 31, 33, 127, 64 * 2048]
-TG = 256
-
-
-def ew_dispatch(lib, name, n, buffers, max_groups=64, **kw):
-    # at most max_groups threadgroups: the large size also exercises the grid-stride loop
-    grid = max(1, min(-(-n // TG), max_groups))
-    lib.dispatch(name, grid=(grid, 1, 1), threads=(TG, 1, 1), buffers=buffers, **kw)
-
-
-def f64(a):
-    return a.astype(np.float64)
+    return build_all(builds)
 
 
 def bits(a):

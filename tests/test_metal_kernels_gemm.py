@@ -8,13 +8,11 @@ checked), aligned (gemm_aligned = true) and one without its threadgroup barriers
 Matrices live in flat NaN-filled buffers addressed through (batch stride, row stride, 1), so a
 read outside the stored matrices (row padding, batch gaps) poisons the result and a write there
 is seen; C of beta == 0 is NaN-filled as well (it must not be read)."""
-import os
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 
-from test_metal_kernels import KARGS, METAL, ORDERS, _caught, _without_barriers, mslsim
+from test_metal_kernels import KARGS, METAL, ORDERS, _caught, _without_barriers, build_all, mslsim
 
 GemmArgs, GemmReduceArgs = KARGS["GemmArgs"], KARGS["GemmReduceArgs"]
 
@@ -44,9 +42,7 @@ def libs():
     builds = dict(plain=dict(source=METAL / "gemm.metal"),
                   aligned=dict(source=METAL / "gemm.metal", constants={"gemm_aligned": True}),
                   nobarrier=_without_barriers("gemm"))
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        futures = {name: pool.submit(mslsim.build, **kw) for name, kw in builds.items()}
-        return {name: f.result() for name, f in futures.items()}
+    return build_all(builds)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,13 +7,11 @@ free copies of a kernel file, the thread orders) are reused: each .metal file is
 module in parallel (cached by content hash under MSLSIM_CACHE), sizes 1, 31, 33, 127 plus one
 realistic, f32 and f16, reductions under the simulator's random thread order and bit for bit
 across orders where the kernel promises determinism."""
-import os
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 
-from test_metal_kernels import DT, KARGS, METAL, ORDERS, _caught, _without_barriers, mslsim
+from test_metal_kernels import DT, KARGS, METAL, ORDERS, SIZES, _caught, _without_barriers, build_all, f64
 
 CrossEntropyArgs, EmbeddingArgs, AdamwArgs, ReduceArgs = (
     KARGS[n] for n in ("CrossEntropyArgs", "EmbeddingArgs", "AdamwArgs", "ReduceArgs"))
@@ -21,13 +19,6 @@ CrossEntropyArgs, EmbeddingArgs, AdamwArgs, ReduceArgs = (
 rng = np.random.default_rng(2468)
 U32 = 2.0 ** -24  # unit roundoff of float
 U16 = 2.0 ** -11  # unit roundoff of half
-SIZES = [1, 31, 33, 127, 64 * 2048]
-
-
-def f64(a):
-    return np.asarray(a, np.float64)
-
-
 def test_kargs_layout_loss_optim():
     assert [f for f, _ in CrossEntropyArgs._fields_] == ["rows", "V", "ignore_index", "scale", "write_grad"]
     assert [f for f, _ in EmbeddingArgs._fields_] == ["n", "C", "V"]
@@ -40,9 +31,7 @@ def test_kargs_layout_loss_optim():
 def libs():
     builds = {name: dict(source=METAL / f"{name}.metal") for name in ("cross_entropy", "embedding", "optimizer")}
     builds.update(cross_entropy_nobarrier=_without_barriers("cross_entropy"))
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        futures = {name: pool.submit(mslsim.build, **kw) for name, kw in builds.items()}
-        return {name: f.result() for name, f in futures.items()}
+    return build_all(builds)
 
 
 # ---------------------------------------------------------------------------------------------

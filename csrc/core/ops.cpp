@@ -442,4 +442,14 @@ void nonfinite(const Tensor& x, const Tensor& flag) {
   run(c, shape_str(x.shape()), double(x.numel()), nbytes({&x}), x.dtype(), [&] { c.dev->nonfinite(x, flag); });
 }
 
+void check_ids(const char* op, const char* what, const char* where, const int32_t* ids, int64_t n, int64_t V,
+               const int32_t* ignore) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (ignore && ids[i] == *ignore) continue;
+    if (ids[i] < 0 || ids[i] >= V)
+      throw std::invalid_argument(std::string("[") + op + "] " + what + " " + std::to_string(ids[i]) + " at " + where +
+                                  " " + std::to_string(i) + " is out of range [0, " + std::to_string(V) + ")");
+  }
+}
+
 }  // namespace krnl::ops

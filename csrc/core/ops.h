@@ -42,4 +42,10 @@ void adamw_update(const AdamWArgs& a);
 void sumsq(const Tensor& x, const Tensor& out);
 void nonfinite(const Tensor& x, const Tensor& flag);
 
+// Range check of n token ids held in host memory, for the backends (before a gather or scatter
+// reads out of bounds), serial so that the error names the first bad entry: throws std::invalid_argument "[op] <what> <id> at <where> <i> is out of
+// range [0, V)"; ids equal to *ignore pass.
+void check_ids(const char* op, const char* what, const char* where, const int32_t* ids, int64_t n, int64_t V,
+               const int32_t* ignore = nullptr);
+
 }  // namespace krnl::ops

@@ -5,11 +5,10 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <stdexcept>
-#include <string>
 #include <vector>
 
 #include "convert.h"
+#include "core/ops.h"
 #include "core/rng.h"
 #include "cpu_backend.h"
 #include "vmath.h"
@@ -17,26 +16,8 @@
 namespace krnl::cpu {
 namespace {
 
-[[noreturn]] void fail(const char* op, const std::string& msg) {
-  throw std::invalid_argument(std::string("[") + op + "] " + msg);
-}
-
 // Row count of a tensor seen as (rows, cols), cols being its last dimension.
 inline int64_t rows_of(const Tensor& t, int64_t cols) { return cols ? t.numel() / cols : 0; }
-
-// Data-dependent index checks run serially before any work, so the error names the first bad
-// entry whatever the thread count.
-void check_ids(const char* op, const char* what, const char* where, const Tensor& ids, int64_t V,
-               const int32_t* ignore = nullptr) {
-  const int32_t* id = ids.ptr<int32_t>();
-  for (int64_t i = 0, n = ids.numel(); i < n; ++i) {
-    if (ignore && id[i] == *ignore) continue;
-    if (id[i] < 0 || id[i] >= V)
-      fail(op, std::string(what) + " " + std::to_string(id[i]) + " at " + where + " " + std::to_string(i) +
-                   " is out of range [0, " + std::to_string(V) + ")");
-  }
-}
-
 }  // namespace
 
 // ---- normalisation
@@ -236,7 +217,7 @@ void CpuBackend::softmax_backward(const Tensor& P, const Tensor& dP, const Tenso
 
 void CpuBackend::embedding_forward(const Tensor& ids, const Tensor& table, const Tensor& out) {
   const int64_t V = table.size(0), C = table.size(1), n = ids.numel();
-  check_ids("embedding_forward", "id", "position", ids, V);
+  ops::check_ids("embedding_forward", "id", "position", ids.ptr<int32_t>(), n, V);
   const int32_t* id = ids.ptr<int32_t>();
   const size_t row_bytes = size_t(C) * dtype_size(table.dtype());
   const char* src = static_cast<const char*>(table.data());
@@ -248,7 +229,7 @@ void CpuBackend::embedding_forward(const Tensor& ids, const Tensor& table, const
 
 void CpuBackend::embedding_backward(const Tensor& ids, const Tensor& dout, const Tensor& dtable) {
   const int64_t V = dtable.size(0), C = dtable.size(1), n = ids.numel();
-  check_ids("embedding_backward", "id", "position", ids, V);
+  ops::check_ids("embedding_backward", "id", "position", ids.ptr<int32_t>(), n, V);
   if (n == 0 || C == 0) return;
   const int32_t* id = ids.ptr<int32_t>();
   float* tab = dtable.ptr<float>();
@@ -271,7 +252,7 @@ void CpuBackend::embedding_backward(const Tensor& ids, const Tensor& dout, const
 void CpuBackend::cross_entropy(const Tensor& logits, const Tensor& targets, const Tensor& loss,
                                const Tensor* dlogits, int32_t ignore_index, float scale) {
   const int64_t T = logits.size(0), V = logits.size(1);
-  check_ids("cross_entropy", "target", "row", targets, V, &ignore_index);
+  ops::check_ids("cross_entropy", "target", "row", targets.ptr<int32_t>(), T, V, &ignore_index);
   const int32_t* tg = targets.ptr<int32_t>();
   float* lo = loss.ptr<float>();
   const DType dt = logits.dtype();

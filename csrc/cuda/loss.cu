@@ -10,19 +10,10 @@
 #include <vector>
 
 #include "common.cuh"
+#include "core/ops.h"
 
 namespace krnl::cuda {
 namespace {
-
-void check_ids(const char* op, const char* what, const char* where, const std::vector<int32_t>& id, int64_t V,
-               const int32_t* ignore = nullptr) {
-  for (size_t i = 0; i < id.size(); ++i) {
-    if (ignore && id[i] == *ignore) continue;
-    if (id[i] < 0 || id[i] >= V)
-      throw std::invalid_argument(std::string("[") + op + "] " + what + " " + std::to_string(id[i]) + " at " + where +
-                                  " " + std::to_string(i) + " is out of range [0, " + std::to_string(V) + ")");
-  }
-}
 
 // out[t] = table[id[t]]: whole rows of C elements of width W bytes.
 template <class W>
@@ -84,7 +75,8 @@ __global__ void cross_entropy_kernel(DType dt, const void* logits, const int32_t
 void CudaBackend::embedding_forward(const Tensor& ids, const Tensor& table, const Tensor& out) {
   OpTimer timer(this);
   const int64_t V = table.size(0), C = table.size(1), n = ids.numel();
-  if (!capturing()) check_ids("embedding_forward", "id", "position", read_i32(ids.data(), n, "embedding_forward"), V);
+  if (!capturing())
+    ops::check_ids("embedding_forward", "id", "position", read_i32(ids.data(), n, "embedding_forward").data(), n, V);
   if (n == 0 || C == 0) return;
   if (dtype_size(table.dtype()) == 4)
     embedding_fwd_kernel<uint32_t><<<grid_for(n * C), kThreads, 0, stream_>>>(
@@ -103,7 +95,7 @@ void CudaBackend::embedding_backward(const Tensor& ids, const Tensor& dout, cons
     throw std::runtime_error("[embedding_backward] plans its deterministic sum from the ids on the host, "
                              "so it cannot be recorded in a graph capture");
   std::vector<int32_t> id = read_i32(ids.data(), n, "embedding_backward");
-  check_ids("embedding_backward", "id", "position", id, V);
+  ops::check_ids("embedding_backward", "id", "position", id.data(), n, V);
   if (n == 0 || C == 0) return;
   // Group token positions by id, keeping token order within each id (stable sort).
   std::vector<int32_t> pos(static_cast<size_t>(n));
@@ -139,7 +131,8 @@ void CudaBackend::cross_entropy(const Tensor& logits, const Tensor& targets, con
   OpTimer timer(this);
   const int64_t T = logits.size(0), V = logits.size(1);
   if (!capturing())
-    check_ids("cross_entropy", "target", "row", read_i32(targets.data(), T, "cross_entropy"), V, &ignore_index);
+    ops::check_ids("cross_entropy", "target", "row", read_i32(targets.data(), T, "cross_entropy").data(), T, V,
+                    &ignore_index);
   if (T == 0) return;
   cross_entropy_kernel<<<unsigned(T), std::min(row_threads(V), 1024), 0, stream_>>>(
       logits.dtype(), logits.data(), targets.ptr<int32_t>(), loss.ptr<float>(), dlogits ? dlogits->data() : nullptr, V,

@@ -376,27 +376,12 @@ void MetalOps::softmax_backward(const Tensor& P, const Tensor& dP, const Tensor&
 
 // ---- embedding and loss
 
-namespace {
-
-// Ids are read on the host before encoding (shared memory; they come from uploads, never from an
-// earlier kernel of the step): an out-of-range id must raise, not read or write out of bounds.
-void check_ids(const char* op, const char* what, const Tensor& ids, int64_t V, const int32_t* ignore = nullptr) {
-  const int32_t* p = ids.ptr<int32_t>();
-  for (int64_t i = 0; i < ids.numel(); ++i) {
-    if (ignore && p[i] == *ignore) continue;
-    if (p[i] < 0 || p[i] >= V)
-      throw std::invalid_argument(std::string("[") + op + "] " + what + " " + std::to_string(p[i]) + " at position " +
-                                  std::to_string(i) + " is outside [0, " + std::to_string(V) + ")");
-  }
-}
-
-}  // namespace
-
 void MetalOps::embedding_forward(const Tensor& ids, const Tensor& table, const Tensor& out) {
   Emit e{this, "embedding_forward"};
   Dispatch d = e.make("embedding", "embedding_forward_" + e.sfx(table.dtype()));
   const int64_t V = table.size(0), C = table.size(1), n = ids.numel();
-  check_ids(e.op, "id", ids, V);
+  // ids come from uploads, never from an earlier kernel of the step: host-visible and final
+  ops::check_ids(e.op, "id", "position", ids.ptr<int32_t>(), n, V);
   if (n == 0 || C == 0) return;
   bind(d, 0, ids), bind(d, 1, table), bind(d, 2, out);
   d.set_args(3, EmbeddingArgs{u32(e.op, n, "n"), u32(e.op, C, "C"), u32(e.op, V, "V")});
@@ -408,7 +393,8 @@ void MetalOps::embedding_backward(const Tensor& ids, const Tensor& dout, const T
   Emit e{this, "embedding_backward"};
   Dispatch d = e.make("embedding", "embedding_backward_" + e.sfx(dout.dtype()));
   const int64_t V = dtable.size(0), C = dtable.size(1), n = ids.numel();
-  check_ids(e.op, "id", ids, V);
+  // ids come from uploads, never from an earlier kernel of the step: host-visible and final
+  ops::check_ids(e.op, "id", "position", ids.ptr<int32_t>(), n, V);
   if (n == 0 || C == 0) return;
   bind(d, 0, ids), bind(d, 1, dout), bind(d, 2, dtable);
   d.set_args(3, EmbeddingArgs{u32(e.op, n, "n"), u32(e.op, C, "C"), u32(e.op, V, "V")});
@@ -421,7 +407,7 @@ void MetalOps::cross_entropy(const Tensor& logits, const Tensor& targets, const 
   Emit e{this, "cross_entropy"};
   Dispatch d = e.make("cross_entropy", "cross_entropy_" + e.sfx(logits.dtype()));
   const int64_t T = logits.size(0), V = logits.size(1);
-  check_ids(e.op, "target", targets, V, &ignore_index);
+  ops::check_ids(e.op, "target", "row", targets.ptr<int32_t>(), T, V, &ignore_index);
   if (T == 0) return;
   bind(d, 0, logits), bind(d, 1, targets), bind(d, 2, loss), bind(d, 3, dlogits ? *dlogits : logits);
   d.set_args(4, CrossEntropyArgs{uint32_t(T), u32(e.op, V, "V"), ignore_index, scale, dlogits ? 1u : 0u});

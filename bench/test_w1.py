@@ -10,14 +10,13 @@ import numpy as np
 import pytest
 
 import krnl
-from krnl.bench.session import compare
-from krnl.bench.w1 import C, F, FLOPS, R, T, krnl_w1, make_params, numpy_w1_step
-from krnl.bench.workloads import PEER_MODULES, W1
+from krnl.bench.w1 import C, F, FLOPS, R, T, Problem, build_krnl, numpy_w1_step
+from krnl.bench.workloads import W1
 
 
 @pytest.fixture(scope="module")
 def params():
-    return make_params(T, C, F, R, seed=0)
+    return Problem(dict(T=T, C=C, F=F, R=R))
 
 
 def _timed(fn):
@@ -33,15 +32,15 @@ def test_w1_numpy(benchmark, params):
 
 
 def test_w1_krnl_cpu(benchmark, params):
-    block, step = krnl_w1(params)
+    step, result = build_krnl(params)
     # Same numbers as the numpy step before it is timed.
-    step()
+    out = result()
     y_ref, dx_ref, g_ref = numpy_w1_step(params)
-    np.testing.assert_allclose(block.y.numpy(), y_ref, rtol=1e-3, atol=1e-3)
-    np.testing.assert_allclose(block.dx.numpy(), dx_ref, rtol=1e-3, atol=1e-4)
+    np.testing.assert_allclose(out["y"], y_ref, rtol=1e-3, atol=1e-3)
+    np.testing.assert_allclose(out["dx"], dx_ref, rtol=1e-3, atol=1e-4)
     for k in g_ref:
         ref = g_ref[k]
-        assert np.max(np.abs(block.grads[k].numpy() - ref)) <= 1e-3 * np.max(np.abs(ref))
+        assert np.max(np.abs(out[k] - ref)) <= 1e-3 * np.max(np.abs(ref))
 
     benchmark.group = "W1 step (CPU)"
     benchmark.extra_info["gflop"] = FLOPS / 1e9
@@ -49,18 +48,8 @@ def test_w1_krnl_cpu(benchmark, params):
 
 
 @pytest.mark.parametrize("peer", ["torch", "torch.compile", "mlx", "mx.compile"])
-def test_w1_peer(benchmark, params, peer):
-    """A peer of krnl.bench, checked against krnl at the small size, then timed (MLX's Linux CPU
-    wheel bundles a slow reference BLAS: one round)."""
-    pytest.importorskip(PEER_MODULES[peer], reason=f"{peer} (an optional bench peer) is not installed")
-    small = W1.make(W1.sizes["small"], "cpu")
-    bad = compare(W1.krnl(small)[1](), W1.peers[peer](small)[1](), W1.tolerance)
-    assert bad is None, f"{peer}: {bad}"
-    step = W1.peers[peer](params)[0]
-    step()  # compiles where the peer compiles
-    benchmark.group = "W1 step (CPU)"
-    benchmark.extra_info["gflop"] = FLOPS / 1e9
-    benchmark.pedantic(step, rounds=1 if peer.startswith("m") else 3, warmup_rounds=0)
+def test_w1_peer(benchmark, params, peer, time_peer):
+    time_peer(benchmark, W1, params, peer, "W1 step (CPU)")
 
 
 def test_w1_ratios(benchmark, params, results):
@@ -68,7 +57,7 @@ def test_w1_ratios(benchmark, params, results):
     (krnl's gemm, i.e. the BLAS it calls, on the step's four large shapes and on 2048^3), so
     that drift of a shared machine hits all of them alike. Medians over rounds."""
     dev = krnl.device("cpu")
-    _, step = krnl_w1(params)
+    step = build_krnl(params)[0]
     E = lambda *shape: dev.tensor(np.ones(shape, np.float32))
     h, a, w_fc, w_cf = E(T, C), E(T, F), E(F, C), E(C, F)
     g_out, y_out = dev.empty((T, F)), dev.empty((T, C))

@@ -29,10 +29,9 @@ import numpy as np
 import pytest
 
 import krnl
-from krnl.bench.session import compare
-from krnl.bench.w2 import (C, D, F, FLOPS, H, R, T, V, Case, activation_bytes, build_torch, frozen_weight_bytes,
+from krnl.bench.w2 import (FLOPS, T, V, Case, activation_bytes, build_torch, frozen_weight_bytes,
                            step_temporaries_bytes)
-from krnl.bench.workloads import PEER_MODULES, W2
+from krnl.bench.workloads import W2
 
 GOAL = 1.5  # krnl tokens/s over PyTorch eager tokens/s
 
@@ -75,7 +74,7 @@ def checked():
 
 @pytest.fixture(scope="module")
 def w2(checked):
-    return Case(C=C, F=F, H=H, D=D, T=T, r=R, seed=0)
+    return Case.of(W2.sizes["full"])
 
 
 def _timed(fn):
@@ -122,18 +121,8 @@ def test_w2_torch_eager(benchmark, w2, torch_mod):
 
 
 @pytest.mark.parametrize("peer", ["numpy", "torch.compile", "mlx", "mx.compile"])
-def test_w2_peer(benchmark, w2, peer):
-    """A peer of krnl.bench, checked against krnl at the small size, then timed (MLX's Linux CPU
-    wheel bundles a slow reference BLAS: one round)."""
-    pytest.importorskip(PEER_MODULES[peer], reason=f"{peer} (an optional bench peer) is not installed")
-    small = W2.make(W2.sizes["small"], "cpu")
-    bad = compare(W2.krnl(small)[1](), W2.peers[peer](small)[1](), W2.tolerance)
-    assert bad is None, f"{peer}: {bad}"
-    step = W2.peers[peer](w2)[0]
-    step()  # compiles where the peer compiles
-    benchmark.group = "W2 step (CPU)"
-    benchmark.extra_info["gflop"] = FLOPS / 1e9
-    benchmark.pedantic(step, rounds=1 if peer.startswith("m") else 3, warmup_rounds=0)
+def test_w2_peer(benchmark, w2, peer, time_peer):
+    time_peer(benchmark, W2, w2, peer, "W2 step (CPU)")
 
 
 def test_w2_ratios(benchmark, w2, torch_mod, results):

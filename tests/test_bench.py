@@ -140,7 +140,8 @@ def test_session_lists_absent_peers_with_reasons(monkeypatch):
     s.sgemm_gflops = 100.0
     s.run_step(W1)
     rows = {r["impl"]: r for r in s.rows}
-    assert list(rows) == ["krnl", "numpy", "torch", "torch.compile", "mlx", "mx.compile"]  # nobody dropped
+    assert list(rows) == ["krnl", "numpy", "torch", "torch.compile", "compile+cudagraphs", "mlx",
+                          "mx.compile"]  # nobody dropped
     assert rows["torch.compile"]["status"] == "absent" and rows["torch.compile"]["reason"] == "not selected (--peers)"
     assert rows["krnl"]["status"] == "ok" and rows["krnl"]["vs_krnl"] == 1.0
     assert rows["numpy"]["status"] == "ok" and rows["numpy"]["ms"] > 0
@@ -148,6 +149,35 @@ def test_session_lists_absent_peers_with_reasons(monkeypatch):
     assert "'Ag'" in rows["torch"]["reason"]
     assert rows["mlx"]["status"] == "absent" and "not installed" in rows["mlx"]["reason"]
     assert rows["mx.compile"]["status"] == "absent" and "no kernel for this shape" in rows["mx.compile"]["reason"]
+
+
+def test_bf16_session_checks_peers_in_bf16_and_lists_the_rest():
+    """--dtype bf16 on the CPU: krnl and torch run the step in bf16 and are checked against each
+    other at the bf16 tolerance; numpy (f32 only) and CUDA graphs are listed with the reason."""
+    from krnl.bench.targets import TOLERANCE
+    s = Session("cpu", rounds=1, quick=True, peers=["numpy", "torch", "compile+cudagraphs"], log=lambda m: None,
+                dtype="bf16")
+    s.sgemm_gflops = 100.0
+    s.run_step(W1)
+    rows = {r["impl"]: r for r in s.rows}
+    assert rows["krnl"]["status"] == "ok" and rows["krnl"]["title"].endswith("; bf16)")
+    assert rows["numpy"]["status"] == "absent" and "f32 only" in rows["numpy"]["reason"]
+    assert rows["compile+cudagraphs"]["status"] == "absent" and "cuda devices only" in rows["compile+cudagraphs"]["reason"]
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        assert rows["torch"]["status"] == "absent" and "not installed" in rows["torch"]["reason"]
+        return
+    # an error of bf16 size shows both sides ran in bf16 (in f32 they agree to about 1e-6)
+    assert rows["torch"]["status"] == "ok" and 1e-4 < rows["torch"]["check_err"] <= TOLERANCE["bf16"]
+
+
+def test_untrusted_session_exits_2(monkeypatch, capsys):
+    rates = iter([100.0, 60.0])  # the control before and after: moved 40%
+    monkeypatch.setattr(gate, "measure_control", lambda dev, n: next(rates))
+    assert bench_main(["--quick", "--workloads", "gemm", "--peers", "numpy", "--rounds", "1"]) == 2
+    out, err = capsys.readouterr()
+    assert "UNTRUSTED" in out and "moved 40%" in out and "control gate failed" in err
 
 
 def test_w3_is_skipped_on_cpu():
@@ -213,18 +243,21 @@ def test_json_and_png_round_trip(tmp_path):
 def test_readme_block_replaced_and_nothing_else(tmp_path):
     readme = tmp_path / "README.md"
     before, after = "# krnl\n\n## Performance\n\nHand-written text.\n\n", "\n\n## Layout\n\nmore\n"
-    readme.write_text(before + report.START + "\nold figures\n" + report.END + after)
-    report.replace_readme_block(readme, report.readme_block(_result(False)))
+    start, end = report.markers("cpu")
+    cuda_block = "\n".join(report.markers("cuda:0")) + "\n"  # another device's block: left alone
+    readme.write_text(before + start + "\nold figures\n" + end + after + cuda_block)
+    report.replace_readme_block(readme, report.readme_block(_result(False)), "cpu")
     text = readme.read_text()
-    assert text.startswith(before) and text.endswith(after) and "old figures" not in text
-    block = text[len(before):-len(after)]
-    assert block.startswith(report.START) and block.endswith(report.END)
+    assert text.startswith(before) and text.endswith(after + cuda_block) and "old figures" not in text
+    block = text[len(before):-len(after + cuda_block)]
+    assert block.startswith(start) and block.endswith(end)
     assert "**UNTRUSTED**" in block and "| w1 |" not in block and "W1 MLP block (tiny) | mlx | 20.0 |" in block
-    report.replace_readme_block(readme, report.readme_block(_result(True)))  # again: still one block
-    assert readme.read_text().count(report.START) == 1 and "UNTRUSTED" not in readme.read_text()
+    report.replace_readme_block(readme, report.readme_block(_result(True)), "cpu")  # again: still one block
+    assert readme.read_text().count(start) == 1 and "UNTRUSTED" not in readme.read_text()
+    assert readme.read_text().endswith(cuda_block)
     (tmp_path / "plain.md").write_text("no markers\n")
     with pytest.raises(ValueError, match="plain.md must hold exactly one"):
-        report.replace_readme_block(tmp_path / "plain.md", "x")
+        report.replace_readme_block(tmp_path / "plain.md", "x", "cpu")
 
 
 # ---- end to end
@@ -232,26 +265,32 @@ def test_readme_block_replaced_and_nothing_else(tmp_path):
 
 def test_krnl_bench_quick_end_to_end(tmp_path, reference, capsys):
     readme = tmp_path / "README.md"
-    readme.write_text(f"# x\n\n## Performance\n\n{report.START}\n{report.END}\n")
+    start, end = report.markers("cpu")
+    readme.write_text(f"# x\n\n## Performance\n\n{start}\n{end}\n")
     assert krnl_main(["bench", "--calibrate", "--quick"]) in (0, 1)  # 1: the machine was busy; said so
     capsys.readouterr()
     out_json, out_png = tmp_path / "b.json", tmp_path / "b.png"
     # on the CPU device, where W3 (sized for a GPU) must be listed as skipped, on any machine
     rc = krnl_main(["bench", "--quick", "--device", "cpu", "--rounds", "2", "--peers", "numpy",
                     "--workloads", "w1,w2,w3,gemm,lora", "--json", str(out_json), "--png", str(out_png), "--readme", str(readme), "--profile"])
-    out = capsys.readouterr().out
-    assert rc == 0
+    captured = capsys.readouterr()
+    out = captured.out
     res = json.loads(out_json.read_text())
+    assert rc == (0 if res["trusted"] else 2)  # 2: the gate failed; the table says so, and stderr
+    assert res["trusted"] or "control gate failed" in captured.err
     assert isinstance(res["trusted"], bool) and res["gate"]["control_n"] == 256
     got = {(r["workload"], r["impl"]): r["status"] for r in res["rows"]}
     assert got[("w1", "krnl")] == got[("w1", "numpy")] == got[("w2", "numpy")] == "ok"
     assert got[("w3", "all")] == "skipped" and got[("gemm tn 256^3", "krnl")] == "ok"
-    assert sum(1 for w, _ in got if w.startswith("lora ")) == 10
-    for peer in ("torch", "torch.compile", "mlx", "mx.compile"):  # not selected: listed, not dropped
+    lora = [r for r in res["rows"] if r["workload"].startswith("lora ")]
+    assert len(lora) == 10 and all(0 < r["of_bound"] and r["bytes"] > 0 for r in lora)
+    assert "of its bandwidth bound" in lora[0]["note"]
+    for peer in ("torch", "torch.compile", "compile+cudagraphs", "mlx", "mx.compile"):  # listed, not dropped
         assert got[("w1", peer)] == "absent"
+    assert ("w1", "krnl graph") not in got  # graphs: CUDA only
     assert "gate:" in out and "w3" in out and "per-op profile of one W2 step" in out
     assert res["profile"]["rows"] and res["profile"]["rows"][0]["op"]
-    assert out_png.read_bytes()[:4] == b"\x89PNG" and report.START in readme.read_text()
+    assert out_png.read_bytes()[:4] == b"\x89PNG" and start in readme.read_text()
     assert "| numpy |" in readme.read_text()
     # --from-json: the report again without running anything
     assert krnl_main(["bench", "--from-json", str(out_json)]) == 0

@@ -416,10 +416,11 @@ class LlamaModel:
                     lo = (lp.compute(kA), lp.compute(kB), lp.grad(kA), lp.grad(kB))
                 L[m] = LoraLinear(self, W, bias, lo, tag=i * len(ALL_MODULES) + tag)
             self.layers.append(L)
-        # Causal row blocks pay off where each GEMM is slow next to its launch (CPU: measured
-        # 71 -> 53 ms of W2 attention); on the H200 the 32 blocks of W3 took its step from 10.3 to
-        # 14.9 ms, so GPUs keep one block.
-        self.attn_block = 128 if device.name.startswith("cpu") else 1 << 30
+        # Causal query row blocks skip the score blocks above the diagonal at the cost of more,
+        # smaller GEMMs. Measured: CPU, blocks of 128 took W2's attention from 71 to 53 ms; H200,
+        # W3 (T=4096) replayed 10.04 ms with one block, 9.50 / 9.36 / 9.49 / 10.04 with blocks of
+        # 2048 / 1024 / 512 / 256. Metal is unmeasured (no Apple GPU here): one block.
+        self.attn_block = {"cpu": 128, "cuda": 1024}.get(device.name.split(":")[0], 1 << 30)
         self._ones_cache = None
         self._pos_rows = self._seg_rows = None
         self.d_embed_out = None

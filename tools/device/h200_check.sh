@@ -1,15 +1,24 @@
 #!/bin/bash
-# The CUDA check on a lent H200 (the workplace's device tool): build krnl with the CUDA backend
-# there, run the test suite (the Metal simulator and Objective-C files are left to CI) and the W3
-# bench. The remote machine has Python, PyTorch, nvcc, cmake and ninja but no network, so the one
-# wheel the build needs travels in the ignored folder .whl:
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux_2_28_x86_64 -d .whl scipy-openblas32
-# then: device run `bash tools/device/h200_check.sh` with carry [".whl"].
+# The CUDA check on a lent H200 (the workplace's device tool), in two phases, one device call each:
+#   bash tools/device/h200_check.sh tests   build krnl with the CUDA backend there and run the test
+#                                           suite (the Metal simulator and Objective-C files are left
+#                                           to CI)
+#   bash tools/device/h200_check.sh bench   pytest bench/test_cuda.py: krnl bench's session on cuda
+#                                           (W1, W2, W3, GEMMs; peers), its JSON in $OUT/cuda_bench.json
+# The remote machine has Python, PyTorch, nvcc, cmake and ninja but no network, so wheels travel
+# in ignored folders named in the call's carry:
+#   .whl   the one wheel the build needs:
+#          python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#            --platform manylinux_2_28_x86_64 -d .whl scipy-openblas32
+#   .mlx1, .mlx2  (optional, for the MLX CUDA peer) mlx's wheel and the two halves of mlx-cuda-13's
+#          (90 MB, over one call's 64 MiB carry): `split -b 45m mlx_cuda_13-*.whl part_`, part_aa with
+#          the mlx wheel in .mlx1 (carried by the tests call, which keeps it in /tmp/mlx), part_ab in
+#          .mlx2 (carried by the bench call, made right after while the machine is warm).
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/krnl-out}
 mkdir -p "$OUT"
+phase=${1:-tests}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 CUB=$(find /usr/local /opt /usr/lib -name 'libcublas.so.1[23]*' 2>/dev/null | head -1)
@@ -20,8 +29,21 @@ cmake -S . -B build/h200 -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE
 cp build/h200/_core*.so python/krnl/
 export PYTHONPATH=python:/tmp/site KRNL_TEST_METAL_SIM=0
 python3 -c "import krnl; print(krnl.devices())"
-skip=""
-for f in test_mslsim test_metal_kernels test_metal_kernels_backward test_metal_kernels_extra test_metal_kernels_gemm \
-         test_metal_kernels_loss_optim test_metal_host; do skip="$skip --ignore=tests/$f.py"; done
-timeout 300 python3 -m pytest -q -n 12 -p no:cacheprovider tests $skip 2>&1 | tee "$OUT/tests.log" | tail -15
-timeout 120 python3 -m pytest -q -s -p no:cacheprovider bench/test_cuda_w3.py 2>&1 | tee "$OUT/w3.log" | grep -v "^\s*$" | tail -25
+
+if [ "$phase" = tests ]; then
+  [ -d .mlx1 ] && mkdir -p /tmp/mlx && cp .mlx1/* /tmp/mlx/
+  skip=""
+  for f in test_mslsim test_metal_kernels test_metal_kernels_backward test_metal_kernels_extra test_metal_kernels_gemm \
+           test_metal_kernels_loss_optim test_metal_host; do skip="$skip --ignore=tests/$f.py"; done
+  timeout 330 python3 -m pytest -q -n 12 -p no:cacheprovider tests $skip 2>&1 | tee "$OUT/tests.log" | tail -15
+else
+  if [ -f /tmp/mlx/part_aa ] && [ -f .mlx2/part_ab ]; then
+    # into the interpreter's own site-packages: libmlx.so finds the CUDA libraries of the nvidia-*
+    # wheels PyTorch installed there through its rpath ($ORIGIN/../../nvidia/...)
+    cat /tmp/mlx/part_aa .mlx2/part_ab > /tmp/mlx/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl &&
+      python3 -m pip install -q --no-index --no-deps --no-compile /tmp/mlx/mlx-*.whl /tmp/mlx/mlx_cuda_13-*.whl &&
+      python3 -c "import mlx.core as mx; print('mlx', mx.__version__, 'gpu:', mx.is_available(mx.gpu))"
+  fi
+  KRNL_BENCH_JSON="$OUT/cuda_bench.json" timeout ${BENCH_S:-540} python3 -m pytest -q -s -p no:cacheprovider \
+    bench/test_cuda.py 2>&1 | tee "$OUT/bench.log" | grep -v "^\s*$" | tail -120
+fi

@@ -7,6 +7,8 @@ from . import gate, report
 from .session import Session
 from .workloads import ALL, PEER_NAMES
 
+UNTRUSTED_EXIT = 2  # the session ran, but the gate says its figures are not measurements
+
 
 def _names(value, known, option):
     names = [v.strip() for v in value.split(",") if v.strip()]
@@ -22,13 +24,16 @@ def add_arguments(p):
     p.add_argument("--peers", default=",".join(PEER_NAMES), type=lambda v: _names(v, PEER_NAMES, "--peers"),
                    help=f"comma-separated, of {','.join(PEER_NAMES)} (default: all)")
     p.add_argument("--device", default=None, help="krnl device (default: the best available)")
+    p.add_argument("--dtype", choices=("f32", "bf16", "f16"), default=None,
+                   help="compute dtype of every implementation (default: the device's: f32 on the CPU, bf16 on CUDA, "
+                        "f16 on Metal)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (default 5)")
     p.add_argument("--slow", type=float, default=10.0, metavar="S",
                    help="a peer whose step takes more than S seconds is timed once, not every round")
     p.add_argument("--quick", action="store_true", help="small sizes (seconds, for tests)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--png", metavar="PATH", help="write a bar chart (tokens/s per workload and implementation)")
-    p.add_argument("--profile", action="store_true", help="also print the per-op profile of one W2 step")
+    p.add_argument("--profile", action="store_true", help="also print the per-op profile of one step (W2; W3 on a GPU)")
     p.add_argument("--calibrate", action="store_true",
                    help="measure the control sgemm on a quiet machine and store it as this machine's reference; "
                         "nothing else runs")
@@ -56,7 +61,7 @@ def cmd_bench(args):
     else:
         log = lambda msg: print(msg, file=sys.stderr, flush=True)
         s = Session(args.device, rounds=args.rounds, quick=args.quick, peers=args.peers, slow_s=args.slow,
-                    reference_path=ref_path, log=log)
+                    reference_path=ref_path, log=log, dtype=args.dtype)
         res = s.run(args.workloads, profile=args.profile)
     print(report.format_table(res))
     if res.get("profile") and (args.profile or args.from_json):
@@ -67,7 +72,10 @@ def cmd_bench(args):
     if args.png:
         report.write_png(res, args.png)
     if args.readme:
-        report.replace_readme_block(args.readme, report.readme_block(res))
+        report.replace_readme_block(args.readme, report.readme_block(res), res["device"])
+    if not res["trusted"] and not args.from_json:
+        print("krnl bench: the control gate failed: the figures above are untrusted (exit status 2)", file=sys.stderr)
+        return UNTRUSTED_EXIT
     return 0
 
 

@@ -12,7 +12,7 @@ import numpy as np
 
 import krnl
 from krnl.fileio import atomic_write_bytes, read_json_object
-from .workloads import is_gpu
+from .targets import is_gpu
 
 TOLERANCE = 0.10
 WHO = "krnl bench"

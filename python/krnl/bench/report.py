@@ -6,8 +6,13 @@ from pathlib import Path
 
 from krnl.fileio import atomic_write_bytes, read_json_object
 
-START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 MARK = "UNTRUSTED"
+
+
+def markers(device_name):
+    """The README block of one device kind: a CPU session and a CUDA session each own theirs."""
+    k = device_name.split(":")[0]
+    return f"<!-- bench:{k}:start -->", f"<!-- bench:{k}:end -->"
 
 
 def _f(v, fmt):
@@ -15,10 +20,24 @@ def _f(v, fmt):
     return "-".rjust(int(fmt.split(".")[0] or 0)) if v is None else format(v, fmt)
 
 
+def _ms(v, width=0):
+    """A time in ms with about three significant figures (a GPU GEMM takes 0.03 ms, a CPU step
+    1000 ms)."""
+    if v is None:
+        return "-".rjust(width)
+    digits = 1 if v >= 10 else 2 if v >= 1 else 3 if v >= 0.1 else 4
+    return format(v, f"{width}.{digits}f")
+
+
+def _rate(v, width=0):
+    """GFLOP/s: a decimal only where it says something."""
+    return "-".rjust(width) if v is None else format(v, f"{width}.{0 if v >= 1000 else 1}f")
+
+
 def _header(res):
     m = res["machine"]
     return (f"krnl bench {res['krnl_version']}, {res['date']}: device {res['device']} ({m['cpu']}, {m['cores']} cores, "
-            f"{res['threads']} threads); medians of {res['rounds']} interleaved rounds"
+            f"{res['threads']} threads), {res.get('dtype', 'f32')}; medians of {res['rounds']} interleaved rounds"
             + (" (--quick sizes)" if res.get("quick") else ""))
 
 
@@ -41,13 +60,13 @@ def gate_lines(res):
 def format_table(res):
     """The table: workload x implementation; every figure marked when the gate failed."""
     bad = not res["trusted"]
-    cols = (f"{'workload':46s} {'impl':14s} {'ms':>9s} {'tokens/s':>9s} {'GFLOP/s':>8s} {'of sgemm':>8s} {'vs krnl':>7s} "
-            f"{'spread':>6s}")
+    cols = (f"{'workload':46s} {'impl':18s} {'ms':>9s} {'tokens/s':>9s} {'GFLOP/s':>8s} {'of mm':>6s} {'vs krnl':>7s} "
+            f"{'spread':>6s} {'check':>7s}")
     lines = [_header(res)]
     if bad:
         lines.append(f"*** {MARK}: every figure below is marked; the machine changed during the session ***")
-    lines.append(f"sgemm {res['sgemm']['n']}^3 nn on {res['device']}: {res['sgemm']['gflops']:.1f} GFLOP/s "
-                 "(the 'of sgemm' base, same session)")
+    lines.append(f"matmul {res['sgemm']['n']}^3 nn {res.get('dtype', 'f32')} on {res['device']}: "
+                 f"{res['sgemm']['gflops']:.1f} GFLOP/s (the 'of mm' base, same session)")
     lines += ["", cols + ("  trust" if bad else "") + "  note", "-" * (len(cols) + 8)]
     last = None
     for r in res["rows"]:
@@ -56,20 +75,21 @@ def format_table(res):
             lines.append(f"{r['title']}:")
         last = r["workload"]
         if r["status"] != "ok":
-            lines.append(f"{label[:46]:46s} {r['impl']:14s} {r['status']}: {r['reason']}")
+            lines.append(f"{label[:46]:46s} {r['impl']:18s} {r['status']}: {r['reason']}")
             continue
-        line = (f"{label[:46]:46s} {r['impl']:14s} {_f(r['ms'], '9.2f')} {_f(r['tokens_per_s'], '9.0f')} "
-                f"{_f(r['gflops'], '8.1f')} {_f(r['of_sgemm'], '8.2f')} {_f(r['vs_krnl'], '7.2f')} "
-                f"{_f(r.get('spread') if r.get('samples', 0) > 1 else None, '6.2f')}")
+        line = (f"{label[:46]:46s} {r['impl']:18s} {_ms(r['ms'], 9)} {_f(r['tokens_per_s'], '9.0f')} "
+                f"{_rate(r['gflops'], 8)} {_f(r['of_sgemm'], '6.2f')} {_f(r['vs_krnl'], '7.2f')} "
+                f"{_f(r.get('spread') if r.get('samples', 0) > 1 else None, '6.2f')} {_f(r.get('check_err'), '7.0e')}")
         lines.append(line + (f"  {MARK}" if bad else "") + (f"  {r['note']}" if r["note"] else ""))
-    lines += ["", "vs krnl = krnl's step time / this implementation's (above 1: faster than krnl); "
-              "spread = slowest / fastest round."]
+    lines += ["", "of mm = GFLOP/s over the session's square matmul; vs krnl = krnl's step time / this "
+              "implementation's (above 1: faster than krnl); spread = slowest / fastest round; check = largest error "
+              "against krnl's outputs at the small size, relative to each output's largest value."]
     lines += gate_lines(res)
     return "\n".join(lines)
 
 
 def format_profile(prof):
-    lines = [f"per-op profile of one W2 step: {prof['op_ms']:.1f} ms in ops, {prof['wall_ms']:.1f} ms wall",
+    lines = [f"per-op profile of one {prof.get('workload', 'w2').upper()} step: {prof['op_ms']:.1f} ms in ops, {prof['wall_ms']:.1f} ms wall",
              f"{'op':24s} {'shape':34s} {'calls':>5s} {'ms':>9s} {'share':>6s} {'GFLOP/s':>8s}"]
     for g in prof["rows"]:
         lines.append(f"{g['op'][:24]:24s} {g['shape'][:34]:34s} {g['calls']:5d} {g['ms']:9.3f} "
@@ -135,13 +155,15 @@ def readme_block(res):
     """The README's performance figures (markdown) from a session's results."""
     m = res["machine"]
     bad = not res["trusted"]
-    out = [START,
+    start, end = markers(res["device"])
+    dt = res.get("dtype", "f32")
+    out = [start,
            f"Generated by `krnl bench --readme` from the run of {res['date']} on {m['cpu']} ({m['cores']} cores, "
-           f"device {res['device']}, {res['threads']} threads); medians of {res['rounds']} interleaved rounds. "
-           f"sgemm {res['sgemm']['n']}^3 in the same run: {res['sgemm']['gflops']:.1f} GFLOP/s.", ""]
+           f"device {res['device']}, {res['threads']} threads), {dt}; medians of {res['rounds']} interleaved rounds. "
+           f"matmul {res['sgemm']['n']}^3 {dt} in the same run: {res['sgemm']['gflops']:.1f} GFLOP/s.", ""]
     if bad:
         out += [f"**{MARK}**: " + "; ".join(res["untrusted_reasons"]) + ". The figures below are not results.", ""]
-    out += ["| workload | implementation | ms | tokens/s | GFLOP/s | of sgemm | vs krnl | note |",
+    out += ["| workload | implementation | ms | tokens/s | GFLOP/s | of mm | vs krnl | note |",
             "|---|---|---:|---:|---:|---:|---:|---|"]
     for r in res["rows"]:
         wl = r.get("title", r["workload"]).replace("|", "/")
@@ -149,17 +171,19 @@ def readme_block(res):
             out.append(f"| {wl} | {r['impl']} | | | | | | {r['status']}: {r['reason']} |")
             continue
         note = " ".join(x for x in ((MARK if bad else ""), r["note"]) if x)
-        out.append(f"| {wl} | {r['impl']} | {_f(r['ms'], '.1f')} | {_f(r['tokens_per_s'], '.0f')} | "
-                   f"{_f(r['gflops'], '.1f')} | {_f(r['of_sgemm'], '.2f')} | {_f(r['vs_krnl'], '.2f')} | {note} |")
+        out.append(f"| {wl} | {r['impl']} | {_ms(r['ms'])} | {_f(r['tokens_per_s'], '.0f')} | "
+                   f"{_rate(r['gflops'])} | {_f(r['of_sgemm'], '.2f')} | {_f(r['vs_krnl'], '.2f')} | {note} |")
     g = res["gate"]
     out += ["", f"Control gate: {g['control_n']}^3 sgemm {g['before_gflops']:.1f} -> {g['after_gflops']:.1f} GFLOP/s"
             + ("" if g["reference_gflops"] is None else f", reference {g['reference_gflops']:.1f}")
-            + f": {'trusted' if g['trusted'] else MARK}.", END]
+            + f": {'trusted' if g['trusted'] else MARK}.", end]
     return "\n".join(out)
 
 
-def replace_readme_block(path, block):
-    """Replaces the text between the bench markers in `path` (markers included) with `block`."""
+def replace_readme_block(path, block, device_name):
+    """Replaces the text between `device_name`'s bench markers in `path` (markers included) with
+    `block`."""
+    START, END = markers(device_name)
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")

@@ -2,16 +2,19 @@
 at a small size before it is timed, and krnl and its peers timed in interleaved rounds (drift of
 a shared machine then hits all of them alike). The result is one JSON-able dict."""
 
+import gc
 import importlib
+import sys
 import time
 
 import numpy as np
 
 import krnl
 from . import gate
-from .workloads import (ALL, PEER_MODULES, PEER_NAMES, INSTALL_HINT, STEPS, gemm_fn, is_gpu, lora_gemms, peer_note,
-                        square_gemms)
-from . import w1
+from .targets import TOLERANCE, Unavailable, compute_dtype, has_graphs, is_gpu
+from .workloads import (ALL, PEER_MODULES, PEER_NAMES, INSTALL_HINT, STEPS, copy_rate, gemm_bytes, gemm_fn, lora_gemms,
+                        peer_note, square_gemms)
+from . import w1, w2
 
 
 class PeerError(Exception):
@@ -24,22 +27,31 @@ def _why(e):
     return f"{type(e).__name__}: {lines[0][:160]}" if lines else type(e).__name__
 
 
-def compare(ref, got, tolerance):
-    """None if `got` matches `ref` output by output within `tolerance` of each reference's
-    largest magnitude; otherwise the reason, naming the worst output."""
+def worst_error(ref, got):
+    """(output, error) of the output of `got` furthest from `ref`, the error relative to that
+    reference's largest magnitude; or (None, reason) when they cannot be compared."""
     missing = sorted(set(ref) - set(got))
     if missing:
-        return f"missing outputs {missing[:3]}"
+        return None, f"missing outputs {missing[:3]}"
     worst, err = None, -1.0
     for k, r in ref.items():
         r, g = np.asarray(r, np.float64), np.asarray(got[k], np.float64)
         if r.shape != g.shape:
-            return f"output {k!r} has shape {g.shape}, krnl's {r.shape}"
+            return None, f"output {k!r} has shape {g.shape}, krnl's {r.shape}"
         if not np.isfinite(g).all():
-            return f"output {k!r} is not finite (nan or inf)"
+            return None, f"output {k!r} is not finite (nan or inf)"
         e = float(np.max(np.abs(g - r))) / max(float(np.max(np.abs(r))), 1e-30) if r.size else 0.0
         if e > err:
             worst, err = k, e
+    return worst, err
+
+
+def compare(ref, got, tolerance):
+    """None if `got` matches `ref` output by output within `tolerance` of each reference's
+    largest magnitude; otherwise the reason, naming the worst output."""
+    worst, err = worst_error(ref, got)
+    if worst is None:
+        return err
     if err > tolerance:
         return f"output {worst!r} off by {err:.2e} of its largest value (tolerance {tolerance:.0e})"
     return None
@@ -56,6 +68,24 @@ def _timed(fn):
 SETTLE_S = 0.3
 
 
+# A sample is at least this long: a GPU step of a fraction of a millisecond is repeated so that
+# the timer and the pause before it do not dominate.
+MIN_SAMPLE_S = 0.05
+
+
+def repeated(step, once_s):
+    """(fn, n): `step` n times per call, n such that a call takes about MIN_SAMPLE_S (at most 50)."""
+    n = int(max(1, min(50, MIN_SAMPLE_S // max(once_s, 1e-6))))
+    if n == 1:
+        return step, 1
+
+    def fn():
+        for _ in range(n):
+            step()
+
+    return fn, n
+
+
 def interleave(fns, rounds, settle_s=SETTLE_S):
     """{name: [seconds per round]}: every round runs each fn once, in order, each after a pause
     that lets the previous one's worker threads go idle."""
@@ -69,10 +99,16 @@ def interleave(fns, rounds, settle_s=SETTLE_S):
 
 class Session:
     def __init__(self, device=None, rounds=5, quick=False, peers=PEER_NAMES, slow_s=10.0,
-                 reference_path=None, log=print, peer_overrides=None):
+                 reference_path=None, log=print, peer_overrides=None, dtype=None):
         if rounds < 1:
             raise ValueError(f"[krnl bench] --rounds must be >= 1, got {rounds}")
+        if dtype is not None and dtype not in TOLERANCE:
+            raise ValueError(f"[krnl bench] --dtype: unknown {dtype!r}; choose from {', '.join(TOLERANCE)}")
         self.dev = krnl.device(device)
+        self.dtype = dtype or compute_dtype(self.dev.name)
+        # No pause between a GPU's samples: nothing spins on the host, and an idle GPU lowers its
+        # clocks, which would slow the first step of every sample.
+        self.settle_s = 0.0 if is_gpu(self.dev.name) else SETTLE_S
         self.rounds, self.quick, self.slow_s, self.log = rounds, quick, slow_s, log
         unknown = [p for p in peers if p not in PEER_NAMES]
         if unknown:
@@ -103,32 +139,48 @@ class Session:
     # ---- GEMMs
 
     def _sgemm_rate(self, n):
-        fn = gemm_fn(self.dev, n, n, n, False, False)
+        fn = gemm_fn(self.dev, n, n, n, False, False, dtype=self.dtype)
         fn()
         return 2 * n**3 / float(np.median([_timed(fn) for _ in range(max(self.rounds, 3))])) / 1e9
 
     def run_gemms(self, which):
-        n = self.sgemm_n
         shapes = []
         if "gemm" in which:
-            shapes += square_gemms(n)
+            for n in sorted({256 if self.quick else 2048, self.sgemm_n}):
+                shapes += square_gemms(n)
         if "lora" in which:
-            sz = w1.QUICK if self.quick else dict(T=w1.T, C=w1.C, F=w1.F, R=w1.R)
+            # the LoRA products of the device's reference workload: W1's on the CPU, W3's on a GPU
+            if self.quick:
+                sz = w1.QUICK
+            elif is_gpu(self.dev.name):
+                sz = dict(T=w2.W3["T"], C=w2.W3["C"], F=w2.W3["F"], R=w2.W3["r"])
+            else:
+                sz = dict(T=w1.T, C=w1.C, F=w1.F, R=w1.R)
             shapes += lora_gemms(sz["T"], sz["C"], sz["F"], sz["R"])
+            self.copy_bps = copy_rate(self.dev, self.dtype, 1 << (22 if self.quick else 30))
         if not shapes:
             return
-        # Skinny products take well under a millisecond: repeat them so the timer does not dominate.
-        fns, flops, reps = {}, {}, {}
-        for name, m, nn, k, ta, tb in shapes:
-            f = 2.0 * m * nn * k
-            reps[name] = int(min(20, max(1, 1e9 // f)))
-            fns[name] = gemm_fn(self.dev, m, nn, k, ta, tb, reps[name])
-            flops[name] = f
-            fns[name]()
-        times = interleave(fns, self.rounds)
+        # Skinny products take microseconds on a GPU, well under a millisecond on the CPU: each
+        # sample repeats a product so that it lasts about MIN_SAMPLE_S and the timer, the launch of
+        # the first and the final synchronize do not dominate.
+        fns, flops, reps, nbytes = {}, {}, {}, {}
+        for name, m, nn, k, ta, tb, beta, out_f32 in shapes:
+            run = gemm_fn(self.dev, m, nn, k, ta, tb, beta, out_f32, self.dtype)
+            run()
+            reps[name] = int(max(1, min(500, MIN_SAMPLE_S // max(_timed(run), 1e-6))))
+            fns[name] = (lambda run, n: lambda: run(n))(run, reps[name])
+            flops[name] = 2.0 * m * nn * k
+            nbytes[name] = gemm_bytes(m, nn, k, beta, out_f32, self.dtype) if name.startswith("lora") else None
+        times = interleave(fns, self.rounds, self.settle_s)
         for name in fns:
-            row = self._row(name, "krnl")
+            row = self._row(name, "krnl", dtype=self.dtype)
             self._figures(row, [t / reps[name] for t in times[name]], flops[name], None)
+            if nbytes[name]:
+                # the time the bytes take at the copy rate, over the time taken: 1 = at the bound
+                row["bytes"] = nbytes[name]
+                row["of_bound"] = nbytes[name] / self.copy_bps / (row["ms"] / 1e3)
+                row["note"] = (f"{row['of_bound']:.2f} of its bandwidth bound: {nbytes[name] / 1e6:.1f} MB at the "
+                               f"measured copy rate {self.copy_bps / 1e9:.0f} GB/s")
 
     # ---- training steps
 
@@ -145,48 +197,61 @@ class Session:
             raise PeerError(f"cannot import {mod}: {type(e).__name__}: {e}") from None
         return wl.peers[name]
 
-    def _check_peer(self, wl, name, small_ref, small):
-        """Builds the peer and checks it against krnl at the small size; PeerError with the reason."""
-        builder = self._peer_builder(wl, name)
+    def _check(self, builder, small_ref, small):
+        """Runs `builder` at the small size against krnl's outputs: its error, or PeerError with the
+        reason. Unavailable (no such device or dtype for this peer) passes through."""
         try:
             got = builder(small)[1]()
+        except Unavailable:
+            raise
         except Exception as e:  # a peer that breaks is listed with what broke, not dropped
             raise PeerError(f"failed at the check size: {_why(e)}") from None
-        bad = compare(small_ref, got, wl.tolerance)
+        bad = compare(small_ref, got, TOLERANCE[self.dtype])
         if bad:
             raise PeerError(f"failed its check against krnl at the small size: {bad}")
-        return builder
+        return worst_error(small_ref, got)[1]
 
     def run_step(self, wl):
         size = wl.sizes["quick" if self.quick else "full"]
-        title = f"{wl.title} ({wl.describe(size)})"
+        title = f"{wl.title} ({wl.describe(size)}; {self.dtype})"
         if wl.gpu_only and not is_gpu(self.dev.name):
             self._row(wl.name, "all", status="skipped", reason=wl.gpu_only, title=title)
             return
-        small = wl.make(wl.sizes["small"], self.dev.name)
+        small = wl.make(wl.sizes["small"], self.dev.name, self.dtype)
         small_ref = wl.krnl(small)[1]()
-        builders = {}
-        for name in PEER_NAMES:
+        impls = (("krnl graph",) if has_graphs(self.dev.name) else ()) + PEER_NAMES
+        builders, errs = {}, {}
+        for name in impls:
             try:
-                if name not in self.peers:
+                if name == "krnl graph":
+                    builder = wl.krnl_graph
+                elif name not in self.peers:
                     raise PeerError("not selected (--peers)")
-                if wl.gpu_only and not self.quick:
-                    raise PeerError(f"peers run on the host CPU; {wl.name.upper()} is {wl.gpu_only}")
-                builders[name] = self._check_peer(wl, name, small_ref, small)
-            except PeerError as e:
+                else:
+                    builder = self._peer_builder(wl, name)
+                errs[name] = self._check(builder, small_ref, small)
+                builders[name] = builder
+            except (PeerError, Unavailable) as e:
                 builders[name] = str(e)
-        problem = wl.make(size, self.dev.name)
+        del small
+        problem = wl.make(size, self.dev.name, self.dtype)
         tokens, flops = wl.tokens(problem), wl.flops(problem)
-        steps = {"krnl": wl.krnl(problem)[0]}
-        absent, single = {}, {}
+        k_step = wl.krnl(problem)[0]
+        k_step()  # warm-up
+        fn, n = repeated(k_step, min(_timed(k_step), _timed(k_step)))
+        steps, per = {"krnl": fn}, {"krnl": n}
+        absent, single, made = {}, {}, []
         for name, b in builders.items():
             if isinstance(b, str):
                 absent[name] = b
                 continue
             try:
                 step = b(problem)[0]
+                made.append(step)
                 step()  # warm-up (and compilation): never timed
                 t = _timed(step)
+                if t <= self.slow_s:  # twice: torch's CUDA graphs are recorded on the second call
+                    t = min(t, _timed(step))
             except Exception as e:
                 absent[name] = f"failed at the full size: {_why(e)}"
                 continue
@@ -195,23 +260,41 @@ class Session:
                 # warm run is its sample.
                 single[name] = [t]
             else:
-                steps[name] = step
-        steps["krnl"]()
+                steps[name], per[name] = repeated(step, t)
         self.log(f"  {wl.name}: timing {', '.join(steps)} in {self.rounds} interleaved rounds"
                  + (f"; {', '.join(single)} once (a step over {self.slow_s:g} s)" if single else ""))
-        times = interleave(steps, self.rounds)
+        times = interleave(steps, self.rounds, self.settle_s)
+        times = {k: [t / per[k] for t in v] for k, v in times.items()}
         times.update(single)
         k_ms = float(np.median(times["krnl"]))
-        for name in ("krnl",) + PEER_NAMES:
+        for name in ("krnl",) + impls:
             if name in absent:
-                self._row(wl.name, name, status="absent", reason=absent[name], title=title)
+                self._row(wl.name, name, status="absent", reason=absent[name], title=title, dtype=self.dtype)
                 continue
-            row = self._row(wl.name, name, title=title, note=peer_note(name) if name != "krnl" else "")
+            row = self._row(wl.name, name, title=title, note=peer_note(name, self.dev.name), dtype=self.dtype,
+                            check_err=errs.get(name))
             if name in single:
                 row["note"] = "; ".join(x for x in (row["note"], f"1 sample (step > {self.slow_s:g} s)") if x)
+            if per.get(name, 1) > 1:
+                row["note"] = "; ".join(x for x in (row["note"], f"{per[name]} steps a sample") if x)
             self._figures(row, times[name], flops, tokens)
             row["vs_krnl"] = k_ms / float(np.median(times[name]))
+        self._free(made)
         return problem
+
+    def _free(self, steps):
+        """Gives back what the timed implementations hold on the device before the next workload:
+        krnl's captured graphs, PyTorch's cached blocks."""
+        for step in steps:
+            release = getattr(step, "release", None)
+            if release:
+                release()
+        steps.clear()
+        gc.collect()
+        torch = sys.modules.get("torch")
+        if torch is not None and is_gpu(self.dev.name) and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        self.dev.synchronize()
 
     # ---- the whole session
 
@@ -226,7 +309,9 @@ class Session:
         t0 = time.time()
         self.log(f"krnl bench: control {n_ctl}^3 sgemm (before)")
         before = gate.measure_control(dev, n_ctl)
-        self.sgemm_n = 256 if self.quick else 2048
+        # The matmul rate every row is a fraction of: 2048^3 on the CPU, 8192^3 on a GPU (2048^3
+        # takes tens of microseconds there, far from the device's rate).
+        self.sgemm_n = 256 if self.quick else (8192 if is_gpu(dev.name) else 2048)
         self.sgemm_gflops = None
         self.run_gemms(workloads)
         # The 'of sgemm' base: the nn square row when it ran, else its own measurement.
@@ -234,6 +319,8 @@ class Session:
         self.sgemm_gflops = nn[0]["gflops"] if nn else self._sgemm_rate(self.sgemm_n)
         for r in self.rows:
             r["of_sgemm"] = r["gflops"] / self.sgemm_gflops
+        # the profiled step: the device's reference workload (W3 on a GPU, W2 elsewhere)
+        prof_wl = "w3" if is_gpu(dev.name) else "w2"
         prof, between = None, []
         for name in ("w1", "w2", "w3"):
             if name in workloads:
@@ -241,10 +328,12 @@ class Session:
                     between.append((f"before {name}", gate.measure_control(dev, n_ctl)))
                 self.log(f"krnl bench: {name}")
                 problem = self.run_step(STEPS[name])
-                if name == "w2" and profile and problem is not None:
-                    prof = self._profile(problem)
+                if name == prof_wl and profile and problem is not None:
+                    prof = self._profile(problem, name)
+                del problem
         if profile and prof is None:
-            prof = self._profile(STEPS["w2"].make(STEPS["w2"].sizes["quick" if self.quick else "full"], dev.name))
+            wl = STEPS[prof_wl]
+            prof = self._profile(wl.make(wl.sizes["quick" if self.quick else "full"], dev.name, self.dtype), prof_wl)
         self.log(f"krnl bench: control {n_ctl}^3 sgemm (after)")
         after = gate.measure_control(dev, n_ctl)
         verdict = gate.verdict(before, after, ref["gflops"] if ref else None, n_ctl, between=between)
@@ -252,7 +341,7 @@ class Session:
             "krnl_version": krnl.__version__,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t0)),
             "seconds": round(time.time() - t0, 1),
-            "machine": fp, "device": dev.name, "threads": krnl.num_threads(),
+            "machine": fp, "device": dev.name, "dtype": self.dtype, "threads": krnl.num_threads(),
             "rounds": self.rounds, "quick": self.quick, "workloads": list(workloads),
             "sgemm": {"n": self.sgemm_n, "gflops": self.sgemm_gflops},
             "trusted": verdict["trusted"], "untrusted_reasons": verdict["reasons"], "gate": verdict,
@@ -260,13 +349,13 @@ class Session:
             "rows": self.rows, "profile": prof,
         }
 
-    def _profile(self, case):
-        """The per-op profile of one W2 step (after a warm-up step)."""
+    def _profile(self, case, name):
+        """The per-op profile of one step of workload `name` (after a warm-up step)."""
         case.krnl_step()
         with krnl.profile(self.dev) as p:
             case.krnl_step()
         step_s = p.op_ms / 1e3
         rows = sorted(p.rows(), key=lambda g: -g["ms"])
-        return {"wall_ms": p.wall_ms, "op_ms": p.op_ms, "step_gflops": case.flops / step_s / 1e9 if step_s else None,
+        return {"workload": name, "wall_ms": p.wall_ms, "op_ms": p.op_ms, "step_gflops": case.flops / step_s / 1e9 if step_s else None,
                 "rows": [{"op": g["op"], "shape": g["shape"], "dtype": g["dtype"], "calls": g["calls"], "ms": g["ms"],
                           "share": g["share"], "gflops": g["gflops"]} for g in rows]}

@@ -1,13 +1,15 @@
 """W1 (DESIGN section 6): one LoRA training step of the KRNL MLP block (RMSNorm, SwiGLU, LoRA on
 gate and up; forward, dX and the four LoRA gradients), as krnl runs it and as each peer runs it.
 
-Every implementation is a builder `build(P) -> (step, result)`: `step()` runs one step to
-completion, `result()` runs one and returns {"y", "dx", "Ag", "Bg", "Au", "Bu"} as numpy f32."""
+Every implementation is a builder `build(P) -> (step, result)` of a Problem P (arrays, device,
+dtype): `step()` runs one step to completion, `result()` runs one and returns {"y", "dx", "Ag",
+"Bg", "Au", "Bu"} as numpy f32."""
 
 import numpy as np
 
 import krnl
 from krnl.mlp_block import MLPBlock, make_w1_params, w1_flops
+from .targets import mlx_target, numpy_only_f32_cpu, torch_target
 
 T, C, F, R = 512, 2048, 5632, 32
 SCALE = 2.0
@@ -51,34 +53,62 @@ def numpy_w1_step(P, s=SCALE, eps=EPS):
     return y, dx, grads
 
 
-def krnl_w1(params, device="cpu"):
-    """(block, step): the W1 block on `device` and one training step of it (a submission)."""
-    dev = krnl.device(device)
-    block = MLPBlock(dev, params, params["x"].shape[0], scale=SCALE)
-    x, dy = dev.tensor(params["x"]), dev.tensor(params["dy"])
+class Problem(dict):
+    """W1's numpy arrays (what every implementation reads), the krnl device and the dtype the
+    step runs in."""
+
+    def __init__(self, size, device="cpu", dtype="f32"):
+        super().__init__(make_params(**size))
+        self.device, self.dtype = device, dtype
+
+
+def krnl_w1(P):
+    """(block, body, dev): the W1 block of problem P on its device and dtype, and one training
+    step of it (a body to run inside a submission)."""
+    dev = krnl.device(P.device)
+    block = MLPBlock(dev, P, P["x"].shape[0], scale=SCALE, eps=EPS, dtype=P.dtype)
+    x, dy = dev.tensor(P["x"], P.dtype), dev.tensor(P["dy"], P.dtype)
+
+    def body():
+        block.forward(x)
+        block.backward(x, dy)
+
+    return block, body, dev
+
+
+def _krnl_outputs(block):
+    out = {"y": block.y.numpy(), "dx": block.dx.numpy()}
+    out.update({k: block.grads[k].numpy() for k in ("Ag", "Bg", "Au", "Bu")})
+    return {k: np.array(v, np.float32) for k, v in out.items()}
+
+
+def build_krnl(P):
+    block, body, dev = krnl_w1(P)
 
     def step():
         with dev.step():
-            block.forward(x)
-            block.backward(x, dy)
+            body()
         dev.synchronize()
 
-    return block, step
+    return step, lambda: (step(), _krnl_outputs(block))[1]
 
 
-def build_krnl(P, device="cpu"):
-    block, step = krnl_w1(P, device)
+def build_krnl_graph(P):
+    """The step recorded once as a CUDA graph and replayed (Device.capture)."""
+    block, body, dev = krnl_w1(P)
+    graph = dev.capture(body)
 
-    def result():
-        step()
-        out = {"y": block.y.numpy(), "dx": block.dx.numpy()}
-        out.update({k: block.grads[k].numpy() for k in ("Ag", "Bg", "Au", "Bu")})
-        return {k: np.array(v, np.float32) for k, v in out.items()}
+    def step():
+        graph.replay()
+        dev.synchronize()
 
-    return step, result
+    step.release = graph.release
+    return step, lambda: (step(), _krnl_outputs(block))[1]
 
 
 def build_numpy(P):
+    numpy_only_f32_cpu(P.device, P.dtype)
+
     def result():
         y, dx, g = numpy_w1_step(P)
         return {"y": y, "dx": dx, **g}
@@ -86,12 +116,14 @@ def build_numpy(P):
     return (lambda: numpy_w1_step(P)), result
 
 
-def _build_torch(P, compiled):
-    import torch
+def _build_torch(P, mode):
+    """PyTorch on the peer device of P's (CUDA, MPS or the CPU) in P's dtype; LoRA factors are
+    leaves in that dtype, as PEFT makes them on a model loaded in it. mode: None (eager), or a
+    torch.compile mode."""
+    torch, tdev, tdt, sync = torch_target(P.device, P.dtype, mode)
     import torch.nn.functional as Fn
 
-    torch.set_num_threads(krnl.num_threads())
-    t = lambda k: torch.from_numpy(np.ascontiguousarray(P[k]))
+    t = lambda k: torch.from_numpy(np.ascontiguousarray(P[k])).to(tdev, tdt)
     w, Wg, Wu, Wd, dy = t("w_norm"), t("Wg"), t("Wu"), t("Wd"), t("dy")
     lora = {k: t(k).clone().requires_grad_(True) for k in ("Ag", "Bg", "Au", "Bu")}
     x = t("x").clone().requires_grad_(True)
@@ -102,37 +134,44 @@ def _build_torch(P, compiled):
         u = Fn.linear(h, Wu) + Fn.linear(Fn.linear(h, Au) * SCALE, Bu)
         return x + Fn.linear(Fn.silu(g) * u, Wd)
 
-    fwd = torch.compile(block) if compiled else block
+    fwd = block if mode is None else torch.compile(block, mode=mode, dynamic=False)
     L = [lora[k] for k in ("Ag", "Bg", "Au", "Bu")]
 
     def step():
+        if mode == "reduce-overhead":  # a new iteration: the graph may overwrite earlier outputs
+            torch.compiler.cudagraph_mark_step_begin()
         for a in [x] + L:
             a.grad = None
         y = fwd(x, *L)
         y.backward(dy)
+        sync()
         return y
 
     def result():
         y = step()
-        out = {"y": y.detach().numpy().copy(), "dx": x.grad.numpy().copy()}
-        out.update({k: a.grad.numpy().copy() for k, a in lora.items()})
+        f = lambda v: v.detach().float().cpu().numpy().copy()
+        out = {"y": f(y), "dx": f(x.grad)}
+        out.update({k: f(a.grad) for k, a in lora.items()})
         return out
 
     return step, result
 
 
 def build_torch(P):
-    return _build_torch(P, compiled=False)
+    return _build_torch(P, None)
 
 
 def build_torch_compile(P):
-    return _build_torch(P, compiled=True)
+    return _build_torch(P, "default")
+
+
+def build_torch_cudagraphs(P):
+    return _build_torch(P, "reduce-overhead")
 
 
 def _build_mlx(P, compiled):
-    import mlx.core as mx
-
-    a = {k: mx.array(v) for k, v in P.items()}
+    mx, mdev, mdt = mlx_target(P.device, P.dtype)
+    a = {k: mx.array(v).astype(mdt) for k, v in P.items()}
     names = ("Ag", "Bg", "Au", "Bu")
 
     def block(x, Ag, Bg, Au, Bu):
@@ -148,14 +187,16 @@ def _build_mlx(P, compiled):
     fn = mx.compile(vjp) if compiled else vjp
 
     def step():
-        y, grads = fn(a["x"], a["dy"], *(a[k] for k in names))
-        mx.eval(y, grads)
+        with mx.stream(mdev):
+            y, grads = fn(a["x"], a["dy"], *(a[k] for k in names))
+            mx.eval(y, grads)
         return y, grads
 
     def result():
         y, grads = step()
-        out = {"y": np.array(y), "dx": np.array(grads[0])}
-        out.update({k: np.array(g) for k, g in zip(names, grads[1:])})
+        f = lambda v: np.array(v.astype(mx.float32))
+        out = {"y": f(y), "dx": f(grads[0])}
+        out.update({k: f(g) for k, g in zip(names, grads[1:])})
         return out
 
     return step, result
@@ -170,4 +211,4 @@ def build_mx_compile(P):
 
 
 PEERS = {"numpy": build_numpy, "torch": build_torch, "torch.compile": build_torch_compile,
-         "mlx": build_mlx, "mx.compile": build_mx_compile}
+         "compile+cudagraphs": build_torch_cudagraphs, "mlx": build_mlx, "mx.compile": build_mx_compile}

@@ -1,12 +1,15 @@
-"""W2 (DESIGN section 6): one LoRA training step of a single Llama layer, as krnl runs it and as
-each peer runs it (W3, the Llama-3-8B layer, is the same step at other sizes, with GQA).
+"""W2 and W3 (DESIGN section 6): one LoRA training step of a single Llama layer, as krnl runs it
+and as each peer runs it. W3, the Llama-3-8B layer, is the same step at other sizes, with GQA.
 
-    W2: 16 heads of 128 (MHA), RoPE (rotate-half), causal, LoRA r=32 (alpha 64) on q, k, v, o,
-        gate, up, down; T=512 (B=1), C=2048, F=5632, float32; frozen base weights.
+    W2: 16 heads of 128 (MHA), RoPE (rotate-half), causal, LoRA r=32 on q, k, v, o, gate, up,
+        down; T=512 (B=1), C=2048, F=5632, RMSNorm eps 1e-6 (Llama 2); frozen base weights.
+    W3: 32 query heads / 8 KV heads of 128, T=4096, C=4096, F=14336, r=16, eps 1e-5 (Llama 3).
+    Both: lora_alpha = 2r (scale 2, PEFT's usual choice); the dtype is the device's compute
+    dtype (f32 on the CPU, bf16 on CUDA) unless the caller names another.
 
 krnl runs it as a LlamaModel with num_hidden_layers=1 and vocab 256: embedding lookup, the layer,
 the final RMSNorm, an LM head of 256 rows and the mean cross entropy. The head is 2*2*T*V*C =
-1.07 GFLOP (forward + dX), under 1% of the layer's 115.5, and is not counted in the GFLOP/s.
+1.07 GFLOP at W2 (forward + dX), under 1% of the layer's 115.5, and is not counted in the GFLOP/s.
 One training step = forward + backward to the 14 LoRA gradients and the gradient at the layer
 input (the embedding output), no optimizer: the work PyTorch does in loss.backward().
 
@@ -19,12 +22,16 @@ import numpy as np
 
 import krnl
 from krnl.model import LlamaModel, LoraConfig, ModelConfig, lora_key, random_weights, ALL_MODULES
+from .targets import mlx_target, numpy_only_f32_cpu, torch_target
 
-T, C, F, H, D, R, ALPHA, V = 512, 2048, 5632, 16, 128, 32, 64.0, 256
+T, C, F, H, D, R, V = 512, 2048, 5632, 16, 128, 32, 256
 EPS = 1e-6
+W2 = dict(C=C, F=F, H=H, D=D, T=T, r=R)
 SMALL = dict(C=64, F=176, H=4, D=16, T=33, r=32, seed=3)  # the cross-check size
 QUICK = dict(C=256, F=704, H=4, D=64, T=64, r=8)
-W3 = dict(C=4096, F=14336, H=32, KV=8, D=128, T=4096, r=16)  # Llama-3-8B layer, for the H200
+W3 = dict(C=4096, F=14336, H=32, KV=8, D=128, T=4096, r=16, eps=1e-5)  # Llama-3-8B layer, for the H200
+W3_QUICK = dict(C=256, F=896, H=8, KV=2, D=32, T=64, r=16, eps=1e-5)
+W3_SMALL = dict(C=64, F=176, H=4, KV=2, D=16, T=33, r=16, eps=1e-5, seed=3)
 
 
 def w2_flops(T=T, C=C, F=F, H=H, D=D, R=R, KV=None):
@@ -79,11 +86,11 @@ def frozen_weight_bytes(C=C, F=F, elt=4):
     return elt * (4 * C * C + 3 * C * F)
 
 
-def _config(C, F, H, D, T, KV=None):
+def _config(C, F, H, D, T, KV=None, eps=EPS):
     return ModelConfig.from_dict({
         "model_type": "llama", "vocab_size": V, "hidden_size": C, "intermediate_size": F,
         "num_hidden_layers": 1, "num_attention_heads": H, "num_key_value_heads": H if KV is None else KV,
-        "head_dim": D, "rms_norm_eps": EPS, "max_position_embeddings": max(T, 64), "tie_word_embeddings": False})
+        "head_dim": D, "rms_norm_eps": eps, "max_position_embeddings": max(T, 64), "tie_word_embeddings": False})
 
 
 def _lora_values(cfg, r, seed):
@@ -99,11 +106,13 @@ def _lora_values(cfg, r, seed):
 
 
 class Case:
-    """One problem: weights, LoRA factors, ids and targets as numpy; krnl's model and step."""
+    """One problem: weights, LoRA factors, ids and targets as numpy; krnl's model (on `device`, in
+    `dtype`) and its step."""
 
-    def __init__(self, C, F, H, D, T, r, seed, KV=None, device="cpu"):
-        self.cfg = _config(C, F, H, D, T, KV)
-        self.T, self.r, self.scale = T, r, ALPHA / r
+    def __init__(self, C, F, H, D, T, r, seed=0, KV=None, eps=EPS, device="cpu", dtype="f32"):
+        self.cfg = _config(C, F, H, D, T, KV, eps)
+        self.T, self.r, self.eps, self.scale = T, r, eps, 2.0  # lora_alpha = 2r
+        self.device, self.dtype = device, dtype
         self.flops = w2_flops(T, C, F, H, D, r, KV)
         self.weights = random_weights(self.cfg, seed=seed, std=0.02)
         self.lora = _lora_values(self.cfg, r, seed + 1)
@@ -111,8 +120,12 @@ class Case:
         self.ids = rng.integers(0, V, (1, T)).astype(np.int32)
         self.targets = rng.integers(0, V, (1, T)).astype(np.int32)
         self.dev = krnl.device(device)
-        self.model = LlamaModel(self.dev, self.cfg, self.weights, lora=LoraConfig(r=r, alpha=ALPHA), dtype="f32")
+        self.model = LlamaModel(self.dev, self.cfg, self.weights, lora=LoraConfig(r=r, alpha=2.0 * r), dtype=dtype)
         self.model.lora_params.load(self.lora)
+
+    @classmethod
+    def of(cls, size, device="cpu", dtype="f32"):
+        return cls(**size, device=device, dtype=dtype)
 
     def krnl_step(self):
         m = self.model
@@ -121,10 +134,14 @@ class Case:
             m.forward_backward(self.ids, self.targets)
         self.dev.synchronize()
 
-    def krnl_result(self):
-        self.krnl_step()
+    def krnl_outputs(self):
+        """(loss, grads, dx) of the step that ran last."""
         return (self.model.read_loss(), self.model.lora_grads(),
                 np.array(self.model.d_embed_out.numpy(), np.float32).reshape(self.T, -1))
+
+    def krnl_result(self):
+        self.krnl_step()
+        return self.krnl_outputs()
 
 
 def _as_dict(loss, grads, dx):
@@ -135,6 +152,31 @@ def _as_dict(loss, grads, dx):
 
 def build_krnl(case):
     return case.krnl_step, lambda: _as_dict(*case.krnl_result())
+
+
+def build_krnl_graph(case):
+    """The step recorded once as a CUDA graph and replayed (Device.capture): ids live on the
+    device, the body opens no step of its own."""
+    m, dev = case.model, case.dev
+    ids = dev.tensor(case.ids, "i32")
+
+    def body():
+        m.zero_grads()
+        return m.forward_backward(ids, case.targets)
+
+    graph = dev.capture(body)
+
+    def step():
+        graph.replay()
+        dev.synchronize()
+
+    def result():
+        step()
+        loss, grads, dx = case.krnl_outputs()
+        return _as_dict(float(np.asarray(graph.outputs.numpy(), np.float32).reshape(-1)[0]), grads, dx)
+
+    step.release = graph.release
+    return step, result
 
 
 def _rope_tables(cfg, T):
@@ -150,27 +192,29 @@ def _weights_by_module(case):
             for m in ALL_MODULES}
 
 
-def build_torch(case, attn="sdpa", compiled=False):
-    """The same step in PyTorch, float32 (eager, or the layer through torch.compile): returns
-    (step, result_tuple) with result_tuple() -> (loss, grads, dx). attn: "sdpa" is
-    F.scaled_dot_product_attention(is_causal=True), "manual" dense matmul + masked softmax."""
-    import torch
+def build_torch(case, attn="sdpa", mode=None):
+    """The same step in PyTorch on the peer device of the case's (CUDA, MPS or the CPU), in the
+    case's dtype: frozen weights and LoRA leaves in that dtype, as PEFT on a model loaded in it;
+    logits and the loss in f32. mode: None (eager) or a torch.compile mode for the layer. attn:
+    "sdpa" is F.scaled_dot_product_attention(is_causal=True), "manual" dense matmul + masked
+    softmax. Returns (step, result_tuple) with result_tuple() -> (loss, grads, dx)."""
+    torch, tdev, tdt, sync = torch_target(case.device, case.dtype, mode)
     import torch.nn.functional as Fn
 
-    cfg, T, s = case.cfg, case.T, case.scale
+    cfg, T, s, eps = case.cfg, case.T, case.scale, case.eps
     Hh, Dh, Hk = cfg.num_attention_heads, cfg.head_dim, cfg.num_key_value_heads
-    t = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # shares the numpy memory
+    t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(tdev, tdt)
     w = {k: t(v) for k, v in case.weights.items()}
-    lora = {k: t(v.copy()).requires_grad_(True) for k, v in case.lora.items()}
+    lora = {k: t(v).clone().requires_grad_(True) for k, v in case.lora.items()}
     p = "model.layers.0."
     W = {m: t(a) for m, a in _weights_by_module(case).items()}
     AB = {m: (lora[lora_key(0, m, "A")], lora[lora_key(0, m, "B")]) for m in ALL_MODULES}
     n1, n2 = w[p + "input_layernorm.weight"], w[p + "post_attention_layernorm.weight"]
     embed, head, norm = w["model.embed_tokens.weight"], w["lm_head.weight"], w["model.norm.weight"]
     cos, sin = (t(a) for a in _rope_tables(cfg, T))
-    mask = torch.ones(T, T, dtype=torch.bool).tril()
-    ids = torch.from_numpy(case.ids.reshape(-1).astype(np.int64))
-    tgt = torch.from_numpy(case.targets.reshape(-1).astype(np.int64))
+    mask = torch.ones(T, T, dtype=torch.bool, device=tdev).tril()
+    ids = torch.from_numpy(case.ids.reshape(-1).astype(np.int64)).to(tdev)
+    tgt = torch.from_numpy(case.targets.reshape(-1).astype(np.int64)).to(tdev)
 
     def lin(h, m):
         A, B = AB[m]
@@ -184,7 +228,7 @@ def build_torch(case, attn="sdpa", compiled=False):
         return z.view(T, n, Dh).transpose(0, 1)
 
     def layer_loss(x):
-        xn = Fn.rms_norm(x, (x.shape[-1],), n1, EPS)
+        xn = Fn.rms_norm(x, (x.shape[-1],), n1, eps)
         q, k, v = rope(heads(lin(xn, "q_proj"), Hh)), rope(heads(lin(xn, "k_proj"), Hk)), heads(lin(xn, "v_proj"), Hk)
         if Hk != Hh:  # GQA (W3): each KV head serves Hh/Hk query heads
             k, v = k.repeat_interleave(Hh // Hk, 0), v.repeat_interleave(Hh // Hk, 0)
@@ -192,42 +236,46 @@ def build_torch(case, attn="sdpa", compiled=False):
             o = Fn.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True)[0]
         else:
             sc = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(Dh))
-            o = torch.softmax(sc.masked_fill(~mask, float("-inf")), -1) @ v
+            o = torch.softmax(sc.masked_fill(~mask, float("-inf")).float(), -1).to(tdt) @ v
         h = x + lin(o.transpose(0, 1).reshape(T, Hh * Dh), "o_proj")
-        hn = Fn.rms_norm(h, (h.shape[-1],), n2, EPS)
+        hn = Fn.rms_norm(h, (h.shape[-1],), n2, eps)
         y = h + lin(Fn.silu(lin(hn, "gate_proj")) * lin(hn, "up_proj"), "down_proj")
-        logits = Fn.linear(Fn.rms_norm(y, (y.shape[-1],), norm, EPS), head)
+        logits = Fn.linear(Fn.rms_norm(y, (y.shape[-1],), norm, eps), head).float()
         return Fn.cross_entropy(logits, tgt)
 
     # The embedding output is the leaf whose gradient is dX, so it stays outside the compiled region.
-    layer = torch.compile(layer_loss) if compiled else layer_loss
+    layer = layer_loss if mode is None else torch.compile(layer_loss, mode=mode, dynamic=False)
     state = {}
 
     def step():
+        if mode == "reduce-overhead":  # a new iteration: the graph may overwrite earlier outputs
+            torch.compiler.cudagraph_mark_step_begin()
         for a in lora.values():
             a.grad = None
         x = Fn.embedding(ids, embed).requires_grad_(True)  # frozen table; dX at its output, as krnl
         state["x"] = x
         loss = layer(x)
         loss.backward()
+        sync()
         return loss
 
     def result():
         loss = step()
-        return (float(loss.detach()), {k: a.grad.numpy().copy() for k, a in lora.items()},
-                state["x"].grad.numpy().copy())
+        f = lambda v: v.detach().float().cpu().numpy().copy()
+        return float(loss.detach()), {k: f(a.grad) for k, a in lora.items()}, f(state["x"].grad)
 
     return step, result
 
 
-def build_torch_eager(case):
-    step, result = build_torch(case, "sdpa")
-    return step, lambda: _as_dict(*result())
+def _torch_peer(mode):
+    def build(case):
+        step, result = build_torch(case, "sdpa", mode)
+        return step, lambda: _as_dict(*result())
+    return build
 
 
-def build_torch_compile(case):
-    step, result = build_torch(case, "sdpa", compiled=True)
-    return step, lambda: _as_dict(*result())
+build_torch_eager, build_torch_compile, build_torch_cudagraphs = (
+    _torch_peer(None), _torch_peer("default"), _torch_peer("reduce-overhead"))
 
 
 def numpy_w2_step(case):
@@ -245,7 +293,7 @@ def numpy_w2_step(case):
     half = Dh // 2
 
     def rms(x, g):
-        r = 1.0 / np.sqrt(np.mean(x * x, -1, keepdims=True) + np.float32(EPS))
+        r = 1.0 / np.sqrt(np.mean(x * x, -1, keepdims=True) + np.float32(case.eps))
         return x * r * g, r
 
     def rms_back(d, x, r, g):
@@ -323,22 +371,23 @@ def numpy_w2_step(case):
 
 
 def build_numpy(case):
+    numpy_only_f32_cpu(case.device, case.dtype)
     return (lambda: numpy_w2_step(case)), lambda: _as_dict(*numpy_w2_step(case))
 
 
 def _build_mlx(case, compiled):
-    import mlx.core as mx
-
-    cfg, T, s = case.cfg, case.T, case.scale
+    mx, mdev, mdt = mlx_target(case.device, case.dtype)
+    cfg, T, s, eps = case.cfg, case.T, case.scale, case.eps
     Hh, Dh, Hk = cfg.num_attention_heads, cfg.head_dim, cfg.num_key_value_heads
-    w = {k: mx.array(v) for k, v in case.weights.items()}
-    W = {m: mx.array(a) for m, a in _weights_by_module(case).items()}
+    arr = lambda a: mx.array(a).astype(mdt)
+    w = {k: arr(v) for k, v in case.weights.items()}
+    W = {m: arr(a) for m, a in _weights_by_module(case).items()}
     p = "model.layers.0."
     n1, n2 = w[p + "input_layernorm.weight"], w[p + "post_attention_layernorm.weight"]
     head, normw = w["lm_head.weight"], w["model.norm.weight"]
-    cos, sin = (mx.array(a) for a in _rope_tables(cfg, T))
+    cos, sin = (arr(a) for a in _rope_tables(cfg, T))
     ids, tgt = mx.array(case.ids.reshape(-1)), mx.array(case.targets.reshape(-1))
-    lora0 = {k: mx.array(v) for k, v in case.lora.items()}
+    lora0 = {k: arr(v) for k, v in case.lora.items()}
     half = Dh // 2
 
     def rope(z):
@@ -350,16 +399,16 @@ def _build_mlx(case, compiled):
             return h @ W[m].T + ((h @ A.T) @ B.T) * s
 
         heads = lambda z, n: z.reshape(T, n, Dh).transpose(1, 0, 2)
-        xn = mx.fast.rms_norm(x, n1, EPS)
+        xn = mx.fast.rms_norm(x, n1, eps)
         q, k = rope(heads(lin(xn, "q_proj"), Hh)), rope(heads(lin(xn, "k_proj"), Hk))
         v = heads(lin(xn, "v_proj"), Hk)
         o = mx.fast.scaled_dot_product_attention(q[None], k[None], v[None], scale=1.0 / math.sqrt(Dh),
                                                  mask="causal")[0]
         h = x + lin(o.transpose(1, 0, 2).reshape(T, Hh * Dh), "o_proj")
-        hn = mx.fast.rms_norm(h, n2, EPS)
+        hn = mx.fast.rms_norm(h, n2, eps)
         g = lin(hn, "gate_proj")
         y = h + lin(g * mx.sigmoid(g) * lin(hn, "up_proj"), "down_proj")
-        logits = mx.fast.rms_norm(y, normw, EPS) @ head.T
+        logits = (mx.fast.rms_norm(y, normw, eps) @ head.T).astype(mx.float32)
         picked = mx.take_along_axis(logits, tgt[:, None], -1)[:, 0]
         return mx.mean(mx.logsumexp(logits, -1) - picked)
 
@@ -368,13 +417,15 @@ def _build_mlx(case, compiled):
     x0 = w["model.embed_tokens.weight"][ids]  # the embedding output: dX is taken there, as krnl
 
     def step():
-        loss, (dx, dl) = fn(x0, lora0)
-        mx.eval(loss, dx, dl)
+        with mx.stream(mdev):
+            loss, (dx, dl) = fn(x0, lora0)
+            mx.eval(loss, dx, dl)
         return loss, dl, dx
 
     def result():
         loss, dl, dx = step()
-        return _as_dict(loss.item(), {k: np.array(v) for k, v in dl.items()}, np.array(dx))
+        f = lambda v: np.array(v.astype(mx.float32))
+        return _as_dict(loss.item(), {k: f(v) for k, v in dl.items()}, f(dx))
 
     return step, result
 
@@ -388,4 +439,4 @@ def build_mx_compile(case):
 
 
 PEERS = {"numpy": build_numpy, "torch": build_torch_eager, "torch.compile": build_torch_compile,
-         "mlx": build_mlx, "mx.compile": build_mx_compile}
+         "compile+cudagraphs": build_torch_cudagraphs, "mlx": build_mlx, "mx.compile": build_mx_compile}

@@ -1,0 +1,93 @@
+"""krnl's CUDA backend next to its peers on the same GPU, in one session of krnl.bench (the code of
+`krnl bench --device cuda`): W1, W2 and W3 (DESIGN section 6) in bf16, krnl eager and krnl with the
+step replayed as a CUDA graph, PyTorch eager, torch.compile, torch.compile with CUDA graphs, MLX and
+mx.compile (when its CUDA build is installed), each checked against krnl at a small size before
+it is timed; the square bf16 GEMMs and W3's skinny LoRA GEMMs against their bandwidth bound.
+
+Run (needs a CUDA device; skipped otherwise):
+    PYTHONPATH=python python -m pytest bench/test_cuda.py -s -q
+KRNL_BENCH_JSON=path also writes the session as `krnl bench --json` does (for --from-json --readme).
+"""
+
+import math
+import os
+import time
+
+import numpy as np
+import pytest
+
+import krnl
+from krnl.bench import report
+from krnl.bench.session import Session
+from krnl.bench.w2 import W3
+
+T, R = W3["T"], W3["r"]
+
+pytestmark = pytest.mark.skipif("cuda" not in krnl.devices(), reason="no cuda device")
+
+
+def _median_ms(fn, sync, warmup=2, rounds=7):
+    for _ in range(warmup):
+        fn()
+    sync()
+    ts = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        ts.append(time.perf_counter() - t0)
+    return 1e3 * float(np.median(ts)), 1e3 * float(np.min(ts)), 1e3 * float(np.max(ts))
+
+
+def test_cuda_session(results):
+    """The whole session; every implementation is timed or listed with its reason, krnl's graph
+    replay and PyTorch (when it has CUDA) pass their checks against krnl."""
+    s = Session("cuda", rounds=5, log=print)
+    res = s.run(["w1", "w2", "w3", "gemm", "lora"], profile=True)
+    table = report.format_table(res)
+    print("\n" + table + "\n\n" + report.format_profile(res["profile"]))
+    results.setdefault("_lines", []).extend(table.splitlines())
+    if os.environ.get("KRNL_BENCH_JSON"):
+        report.write_json(res, os.environ["KRNL_BENCH_JSON"])
+    rows = {(r["workload"], r["impl"]): r for r in res["rows"]}
+    for wl in ("w1", "w2", "w3"):
+        assert rows[(wl, "krnl")]["status"] == "ok" and math.isfinite(rows[(wl, "krnl")]["ms"])
+        assert rows[(wl, "krnl graph")]["status"] == "ok", rows[(wl, "krnl graph")]["reason"]
+        for impl in ("numpy", "torch", "torch.compile", "compile+cudagraphs", "mlx", "mx.compile"):
+            r = rows[(wl, impl)]
+            assert r["status"] == "ok" or r["reason"], (wl, impl)  # never dropped without a reason
+            assert "failed its check" not in (r["reason"] or ""), (wl, impl, r["reason"])
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        assert rows[("w3", "torch")]["status"] == "ok", rows[("w3", "torch")]["reason"]
+
+
+def test_w3_lora_gemm_split_k():
+    """The skinny LoRA GEMMs of W3 (T=4096, r=16, in/out 4096 or 14336), bf16 with f32 or bf16
+    output, timed with split_k = 1 (cuBLAS alone), 2 and 4 and as routed: the data behind
+    CudaBackend::split_k_config."""
+    from krnl import ops
+
+    dev = krnl.device("cuda")
+    rng = np.random.default_rng(4)
+    up = lambda *s: dev.tensor(rng.standard_normal(s).astype(np.float32), "bf16")
+    cases = []
+    for n_in in (4096, 14336):
+        X, A, dt = up(T, n_in), up(R, n_in), up(T, R)
+        cases += [(f"t = x A^T   nt M={T} N={R} K={n_in}", X, A, dev.empty((T, R), "bf16"), False, True),
+                  (f"dA = dt^T x tn M={R} N={n_in} K={T}", dt, X, dev.empty((R, n_in), "f32"), True, False)]
+        dy, B = up(T, n_in), up(n_in, R)
+        cases.append((f"dt = dy B    nn M={T} N={R} K={n_in}", dy, B, dev.empty((T, R), "bf16"), False, False))
+    lines = ["W3 LoRA GEMMs, us per call (median of 5 batches of 50):"]
+    for name, a, b, c, ta, tb in cases:
+        row = []
+        for s in (1, 2, 4, -1):
+            def run():
+                with dev.step():
+                    for _ in range(50):
+                        ops.gemm(a, b, c, trans_a=ta, trans_b=tb, split_k=s)
+            med, _, _ = _median_ms(run, dev.synchronize, warmup=1, rounds=5)
+            row.append(f"split {s if s > 0 else 'auto=' + str(ops.gemm_plan(a, b, c, trans_a=ta, trans_b=tb)[0])}: "
+                       f"{med * 1e3 / 50:6.1f}")
+        lines.append(f"  {name:36s} " + "  ".join(row))
+    print("\n" + "\n".join(lines))

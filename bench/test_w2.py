@@ -1,14 +1,6 @@
-"""W2 (DESIGN section 6): one LoRA training step of a single Llama layer on krnl's CPU backend,
-next to PyTorch eager doing the same step in the same run.
-
-    W2: 16 heads of 128 (MHA), RoPE (rotate-half), causal, LoRA r=32 (alpha 64) on q, k, v, o,
-        gate, up, down; T=512 (B=1), C=2048, F=5632, float32; frozen base weights.
-
-krnl runs it as a LlamaModel with num_hidden_layers=1 and vocab 256: embedding lookup, the layer,
-the final RMSNorm, an LM head of 256 rows and the mean cross entropy. The head is 2*2*T*V*C =
-1.07 GFLOP (forward + dX), under 1% of the layer's 115.5, and is not counted in the GFLOP/s.
-One training step = forward + backward to the 14 LoRA gradients and the gradient at the layer
-input (the embedding output), no optimizer: the work PyTorch does in loss.backward().
+"""W2 (DESIGN section 6, defined in krnl/bench/w2.py): one LoRA training step of a single Llama
+layer (T=512, C=2048, F=5632, 16x128 MHA, r=32 on all seven projections, f32) on krnl's CPU
+backend, next to PyTorch eager doing the same step in the same run.
 
 The workload, krnl's step and every peer live in krnl/bench/w2.py (shared with `krnl bench`); this
 file only times them with pytest-benchmark. PyTorch is optional (the torch tests are skipped
@@ -29,7 +21,7 @@ import numpy as np
 import pytest
 
 import krnl
-from krnl.bench.w2 import (FLOPS, T, V, Case, activation_bytes, build_torch, frozen_weight_bytes,
+from krnl.bench.w2 import (FLOPS, SMALL, T, V, Case, activation_bytes, build_torch, frozen_weight_bytes,
                            step_temporaries_bytes)
 from krnl.bench.workloads import W2
 
@@ -58,7 +50,7 @@ def checked():
     except ImportError:
         return False
     torch.set_num_threads(krnl.num_threads())
-    small = Case(C=64, F=176, H=4, D=16, T=33, r=32, seed=3)
+    small = Case.of(SMALL)
     k_loss, k_grads, k_dx = small.krnl_result()
     for attn in ("sdpa", "manual"):
         t_loss, t_grads, t_dx = build_torch(small, attn)[1]()

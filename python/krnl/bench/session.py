@@ -2,6 +2,7 @@
 at a small size before it is timed, and krnl and its peers timed in interleaved rounds (drift of
 a shared machine then hits all of them alike). The result is one JSON-able dict."""
 
+import functools
 import gc
 import importlib
 import sys
@@ -73,9 +74,14 @@ SETTLE_S = 0.3
 MIN_SAMPLE_S = 0.05
 
 
+def sample_reps(once_s, most=50):
+    """How many repetitions make a sample of about MIN_SAMPLE_S (1 to `most`)."""
+    return int(max(1, min(most, MIN_SAMPLE_S // max(once_s, 1e-6))))
+
+
 def repeated(step, once_s):
-    """(fn, n): `step` n times per call, n such that a call takes about MIN_SAMPLE_S (at most 50)."""
-    n = int(max(1, min(50, MIN_SAMPLE_S // max(once_s, 1e-6))))
+    """(fn, n): `step` n times per call, n = sample_reps(once_s)."""
+    n = sample_reps(once_s)
     if n == 1:
         return step, 1
 
@@ -167,8 +173,9 @@ class Session:
         for name, m, nn, k, ta, tb, beta, out_f32 in shapes:
             run = gemm_fn(self.dev, m, nn, k, ta, tb, beta, out_f32, self.dtype)
             run()
-            reps[name] = int(max(1, min(500, MIN_SAMPLE_S // max(_timed(run), 1e-6))))
-            fns[name] = (lambda run, n: lambda: run(n))(run, reps[name])
+            # queued back to back, one synchronize: a GPU's launch and sync latency amortised
+            reps[name] = sample_reps(_timed(run), most=500)
+            fns[name] = functools.partial(run, reps[name])
             flops[name] = 2.0 * m * nn * k
             nbytes[name] = gemm_bytes(m, nn, k, beta, out_f32, self.dtype) if name.startswith("lora") else None
         times = interleave(fns, self.rounds, self.settle_s)

@@ -33,6 +33,19 @@ def has_graphs(device_name):
     return kind(device_name) == "cuda"
 
 
+def replayed(dev, body):
+    """(step, graph): `body` recorded once on `dev` as a CUDA graph (Device.capture); step()
+    replays it and waits. step.release gives the graph's buffers back."""
+    graph = dev.capture(body)
+
+    def step():
+        graph.replay()
+        dev.synchronize()
+
+    step.release = graph.release
+    return step, graph
+
+
 def numpy_only_f32_cpu(device_name, dtype):
     if kind(device_name) != "cpu" or dtype != "f32":
         raise Unavailable(f"float32 on the host CPU: a peer of the cpu device in f32 only (this run: "

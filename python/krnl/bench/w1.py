@@ -9,7 +9,7 @@ import numpy as np
 
 import krnl
 from krnl.mlp_block import MLPBlock, make_w1_params, w1_flops
-from .targets import mlx_target, numpy_only_f32_cpu, torch_target
+from .targets import mlx_target, numpy_only_f32_cpu, replayed, torch_target
 
 T, C, F, R = 512, 2048, 5632, 32
 SCALE = 2.0
@@ -96,13 +96,7 @@ def build_krnl(P):
 def build_krnl_graph(P):
     """The step recorded once as a CUDA graph and replayed (Device.capture)."""
     block, body, dev = krnl_w1(P)
-    graph = dev.capture(body)
-
-    def step():
-        graph.replay()
-        dev.synchronize()
-
-    step.release = graph.release
+    step, _ = replayed(dev, body)
     return step, lambda: (step(), _krnl_outputs(block))[1]
 
 

@@ -22,7 +22,7 @@ import numpy as np
 
 import krnl
 from krnl.model import LlamaModel, LoraConfig, ModelConfig, lora_key, random_weights, ALL_MODULES
-from .targets import mlx_target, numpy_only_f32_cpu, torch_target
+from .targets import mlx_target, numpy_only_f32_cpu, replayed, torch_target
 
 T, C, F, H, D, R, V = 512, 2048, 5632, 16, 128, 32, 256
 EPS = 1e-6
@@ -164,18 +164,13 @@ def build_krnl_graph(case):
         m.zero_grads()
         return m.forward_backward(ids, case.targets)
 
-    graph = dev.capture(body)
-
-    def step():
-        graph.replay()
-        dev.synchronize()
+    step, graph = replayed(dev, body)
 
     def result():
         step()
         loss, grads, dx = case.krnl_outputs()
         return _as_dict(float(np.asarray(graph.outputs.numpy(), np.float32).reshape(-1)[0]), grads, dx)
 
-    step.release = graph.release
     return step, result
 
 

@@ -109,8 +109,8 @@ def gemm_bytes(m, n, k, beta, out_f32, dtype):
 
 
 def gemm_fn(dev, m, n, k, trans_a, trans_b, beta=0.0, out_f32=False, dtype="f32"):
-    """run(reps=1): `reps` GEMMs of the shape on `dev` in `dtype`, then a synchronize (inputs
-    stored as the op reads them)."""
+    """run(reps=1): `reps` GEMMs of the shape on `dev` in `dtype` queued back to back, then one
+    synchronize (inputs stored as the op reads them)."""
     rng = np.random.default_rng(0)
     a = dev.tensor(rng.standard_normal((k, m) if trans_a else (m, k)).astype(np.float32), dtype)
     b = dev.tensor(rng.standard_normal((n, k) if trans_b else (k, n)).astype(np.float32), dtype)

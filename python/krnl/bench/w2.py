@@ -76,8 +76,9 @@ def step_temporaries_bytes(T=T, C=C, F=F, H=H, R=R, elt=4):
     """Every buffer krnl's forward_backward allocates in one step (model.py, one layer, V=256):
     28 T*C (13 forward + final norm, dlogits-to-x, head dX + 12 backward), 6 T*F (g, u, a, da,
     dg, du), 4 H*T^2 (S, P, dP, dS), 14 T*r (t and dt of 7 adapters), T*V logits, 4 T rows.
-    DESIGN section 4: a buffer released in a step is reused only after the step completes, so
-    this (255.2 MB at W2) is about what the pool reserves for one step; the live peak is lower."""
+    On an asynchronous device a buffer released in a step is reused only after the step
+    completes (DESIGN section 4), so this (255.2 MB at W2) bounds what the pool reserves for one
+    step there; the CPU reuses released buffers within the step and reserves about the live peak."""
     return elt * (28 * T * C + 6 * T * F + 4 * H * T * T + 14 * T * R + T * V + 4 * T)
 
 

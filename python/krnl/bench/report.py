@@ -183,14 +183,14 @@ def readme_block(res):
 def replace_readme_block(path, block, device_name):
     """Replaces the text between `device_name`'s bench markers in `path` (markers included) with
     `block`."""
-    START, END = markers(device_name)
+    start, end = markers(device_name)
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise ValueError(f"[krnl bench] --readme: cannot read {path}: {e}") from None
-    i, j = text.find(START), text.find(END)
-    if i < 0 or j < i or text.count(START) != 1 or text.count(END) != 1:
-        raise ValueError(f"[krnl bench] --readme: {path} must hold exactly one {START} ... {END} block "
+    i, j = text.find(start), text.find(end)
+    if i < 0 or j < i or text.count(start) != 1 or text.count(end) != 1:
+        raise ValueError(f"[krnl bench] --readme: {path} must hold exactly one {start} ... {end} block "
                          "(put it in the Performance section)")
-    atomic_write_bytes(path, (text[:i] + block + text[j + len(END):]).encode("utf-8"))
+    atomic_write_bytes(path, (text[:i] + block + text[j + len(end):]).encode("utf-8"))

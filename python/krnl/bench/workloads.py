@@ -1,5 +1,5 @@
 """The workloads `krnl bench` runs: the training steps W1, W2, W3 (krnl and its peers) and the GEMM
-rows (square nn/nt/tn and the skinny LoRA products of W1/W2)."""
+rows (square nn/nt/tn and the skinny LoRA products of W1 on the CPU, of W3 on a GPU)."""
 
 import platform
 import time

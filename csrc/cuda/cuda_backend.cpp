@@ -116,7 +116,7 @@ CudaBackend::~CudaBackend() {
 
 SplitKConfig CudaBackend::split_k_config() const {
   // Auto-routing never splits (min_tiles 0): cuBLAS picks its own split-K for skinny outputs, and
-  // on the H200 it beat every forced split of W3's LoRA GEMMs (bench/test_cuda.py, split-K test: e.g.
+  // on the H200 it beat every forced split of W3's LoRA GEMMs (bench/test_gpu.py, split-K test: e.g.
   // (4096, 16) = x (4096, 14336) A^T: 33.4 us plain, 35.1 us split 2, 35.3 us split 4). Forced
   // splits (GemmArgs.split_k > 1) still run as slices + reduce (gemm.cu).
   SplitKConfig c;

@@ -3,7 +3,7 @@
 #   bash tools/device/h200_check.sh tests   build krnl with the CUDA backend there and run the test
 #                                           suite (the Metal simulator and Objective-C files are left
 #                                           to CI)
-#   bash tools/device/h200_check.sh bench   pytest bench/test_cuda.py: krnl bench's session on cuda
+#   bash tools/device/h200_check.sh bench   pytest bench/test_gpu.py: krnl bench's session on cuda
 #                                           (W1, W2, W3, GEMMs; peers), its JSON in $OUT/cuda_bench.json
 # The remote machine has Python, PyTorch, nvcc, cmake and ninja but no network, so wheels travel
 # in ignored folders named in the call's carry:
@@ -45,5 +45,5 @@ else
       python3 -c "import mlx.core as mx; print('mlx', mx.__version__, 'gpu:', mx.is_available(mx.gpu))"
   fi
   KRNL_BENCH_JSON="$OUT/cuda_bench.json" timeout ${BENCH_S:-540} python3 -m pytest -q -s -p no:cacheprovider \
-    bench/test_cuda.py 2>&1 | tee "$OUT/bench.log" | grep -v "^\s*$" | tail -120
+    bench/test_gpu.py 2>&1 | tee "$OUT/bench.log" | grep -v "^\s*$" | tail -120
 fi

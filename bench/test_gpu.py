@@ -1,11 +1,13 @@
-"""krnl's CUDA backend next to its peers on the same GPU, in one session of krnl.bench (the code of
-`krnl bench --device cuda`): W1, W2 and W3 (DESIGN section 6) in bf16, krnl eager and krnl with the
-step replayed as a CUDA graph, PyTorch eager, torch.compile, torch.compile with CUDA graphs, MLX and
-mx.compile (when its CUDA build is installed), each checked against krnl at a small size before
-it is timed; the square bf16 GEMMs and W3's skinny LoRA GEMMs against their bandwidth bound.
+"""krnl's GPU backends next to their peers on the same GPU, in one session of krnl.bench per GPU
+device (the code of `krnl bench --device cuda|metal`): W1, W2 and W3 (DESIGN section 6) in the
+device's compute dtype (bf16 on CUDA, f16 on Metal), krnl eager and, on CUDA, krnl with the step
+replayed as a CUDA graph, PyTorch eager, torch.compile (and with CUDA graphs on CUDA), MLX and
+mx.compile where their GPU builds are installed, each checked against krnl at a small size before
+it is timed; the square GEMMs and W3's skinny LoRA GEMMs against their bandwidth bound. The last
+test is CUDA's split-K table.
 
-Run (needs a CUDA device; skipped otherwise):
-    PYTHONPATH=python python -m pytest bench/test_cuda.py -s -q
+Run (needs a GPU device; skipped otherwise):
+    PYTHONPATH=python python -m pytest bench/test_gpu.py -s -q
 KRNL_BENCH_JSON=path also writes the session as `krnl bench --json` does (for --from-json --readme).
 """
 
@@ -19,11 +21,11 @@ import pytest
 import krnl
 from krnl.bench import report
 from krnl.bench.session import Session
+from krnl.bench.targets import has_graphs, is_gpu, torch_target, Unavailable
 from krnl.bench.w2 import W3
 
 T, R = W3["T"], W3["r"]
-
-pytestmark = pytest.mark.skipif("cuda" not in krnl.devices(), reason="no cuda device")
+GPUS = [d for d in krnl.devices() if is_gpu(d)]
 
 
 def _median_ms(fn, sync, warmup=2, rounds=7):
@@ -39,12 +41,13 @@ def _median_ms(fn, sync, warmup=2, rounds=7):
     return 1e3 * float(np.median(ts)), 1e3 * float(np.min(ts)), 1e3 * float(np.max(ts))
 
 
-def test_cuda_session(benchmark, results):
+@pytest.mark.parametrize("device", GPUS or [pytest.param("gpu", marks=pytest.mark.skip(reason="no GPU device"))])
+def test_gpu_session(benchmark, results, device):
     """The whole session; every implementation is timed or listed with its reason, krnl's graph
-    replay and PyTorch (when it has CUDA) pass their checks against krnl. The session times
-    itself (interleaved rounds): the benchmark fixture runs it once, so that
+    replay (CUDA) and PyTorch (where it has this GPU) pass their checks against krnl. The session
+    times itself (interleaved rounds): the benchmark fixture runs it once, so that
     `pytest bench --benchmark-only` includes it."""
-    s = Session("cuda", rounds=5, log=print)
+    s = Session(device, rounds=5, log=print)
     res = benchmark.pedantic(s.run, args=(["w1", "w2", "w3", "gemm", "lora"],), kwargs={"profile": True},
                              rounds=1, iterations=1)
     table = report.format_table(res)
@@ -55,16 +58,21 @@ def test_cuda_session(benchmark, results):
     rows = {(r["workload"], r["impl"]): r for r in res["rows"]}
     for wl in ("w1", "w2", "w3"):
         assert rows[(wl, "krnl")]["status"] == "ok" and math.isfinite(rows[(wl, "krnl")]["ms"])
-        assert rows[(wl, "krnl graph")]["status"] == "ok", rows[(wl, "krnl graph")]["reason"]
+        if has_graphs(device):
+            assert rows[(wl, "krnl graph")]["status"] == "ok", rows[(wl, "krnl graph")]["reason"]
         for impl in ("numpy", "torch", "torch.compile", "compile+cudagraphs", "mlx", "mx.compile"):
             r = rows[(wl, impl)]
             assert r["status"] == "ok" or r["reason"], (wl, impl)  # never dropped without a reason
             assert "failed its check" not in (r["reason"] or ""), (wl, impl, r["reason"])
-    torch = pytest.importorskip("torch")
-    if torch.cuda.is_available():
-        assert rows[("w3", "torch")]["status"] == "ok", rows[("w3", "torch")]["reason"]
+    pytest.importorskip("torch")
+    try:
+        torch_target(device, s.dtype)
+    except Unavailable:
+        return  # this torch has no backend for this GPU: its rows say so
+    assert rows[("w3", "torch")]["status"] == "ok", rows[("w3", "torch")]["reason"]
 
 
+@pytest.mark.skipif("cuda" not in krnl.devices(), reason="no cuda device")
 def test_w3_lora_gemm_split_k(benchmark):
     """The skinny LoRA GEMMs of W3 (T=4096, r=16, in/out 4096 or 14336), bf16 with f32 or bf16
     output, timed with split_k = 1 (cuBLAS alone), 2 and 4 and as routed: the data behind

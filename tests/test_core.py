@@ -178,9 +178,10 @@ def _fresh_pool(dev):
 
 
 def test_device_pool_reuses_only_after_commit(dev):
-    """A buffer released inside a step: on an asynchronous device it is pending until the step's
-    submission completes (ops of the step may still read it); on a synchronous one (CPU) the ops
-    have run, so the step itself reuses it."""
+    """A buffer released inside a step: on a device whose accesses are not all queue-ordered
+    (Metal) it is pending until the step's submission completes (ops of the step may still read
+    it); where they are (CPU, CUDA), later ops of the step run after those readers, so the step
+    itself reuses it."""
     n = 777_777  # f32: 3_111_108 bytes, a class no other test uses
     cls = cs(4 * n)
     _fresh_pool(dev)
@@ -193,15 +194,15 @@ def test_device_pool_reuses_only_after_commit(dev):
         st = dev.pool_stats()
         assert st["in_use"] == base["in_use"]
         t2 = dev.empty((n,), "f32")
-        if dev.synchronous:
-            assert st["pending"] == base["pending"], "a synchronous device has nothing left to wait for"
+        if dev.queue_ordered:
+            assert st["pending"] == base["pending"], "a queue-ordered device has nothing to wait for in a step"
             assert t2.buffer_id == tid, "the released buffer should be reused within the step"
         else:
             assert st["pending"] == base["pending"] + cls, "a buffer released inside a step must be pending"
             assert t2.buffer_id != tid, "a buffer released inside the open step was handed out again"
     dev.synchronize()
     t3 = dev.empty((n,), "f32")
-    if not dev.synchronous:
+    if not dev.queue_ordered:
         assert t3.buffer_id == tid, "after the step completed, the released buffer should be reused"
     st = dev.pool_stats()
     assert st["pending"] == base["pending"]
@@ -219,15 +220,16 @@ def test_device_pool_pending_clears_when_step_completes(dev):
     with dev.step():
         t = dev.empty((n,), "f32")
         del t
-        assert dev.pool_stats()["pending"] == base["pending"] + (0 if dev.synchronous else cls)
+        assert dev.pool_stats()["pending"] == base["pending"] + (0 if dev.queue_ordered else cls)
     dev.synchronize()
     st = dev.pool_stats()
     assert st["pending"] == base["pending"], f"stale pending bytes after synchronize: {st}"
     assert st["cached"] >= cls
 
 
-def test_synchronous_devices(dev):
+def test_synchronous_and_queue_ordered_devices(dev):
     assert dev.synchronous == (dev.name == "cpu")  # the CPU runs ops as they are called; the others queue them
+    assert dev.queue_ordered == (dev.name.split(":")[0] in ("cpu", "cuda"))  # CUDA: one stream for everything
 
 
 def test_device_pool_in_use_tracks_class_sizes(dev):

@@ -147,9 +147,11 @@ void bind_devices(nb::module_& m) {
       .def_prop_ro("name", &Backend::name)
       .def_prop_ro("host_visible", &Backend::host_visible,
                    "Whether tensors' memory is readable by the CPU (zero-copy numpy views).")
-      .def_prop_ro("synchronous", &Backend::synchronous,
-                   "Whether ops complete when they return (CPU): a buffer released inside a step is then "
-                   "reused within it; otherwise only once the step's submission has completed.")
+      .def_prop_ro("synchronous", &Backend::synchronous, "Whether ops complete when they return (CPU).")
+      .def_prop_ro("queue_ordered", &Backend::queue_ordered,
+                   "Whether every access to the device's memory runs in call order (CPU, CUDA): a buffer "
+                   "released inside a step is then reused within it; otherwise only once the step's "
+                   "submission has completed.")
       .def("__repr__", [](const Backend& d) { return "krnl.device('" + d.name() + "')"; })
       .def("empty", [](Backend& d, nb::handle shape, nb::handle dtype) { return d.empty(to_shape(shape), to_dtype(dtype)); },
            "shape"_a, "dtype"_a = "f32", "A new uninitialised tensor from the device's pool.")

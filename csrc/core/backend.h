@@ -68,6 +68,9 @@ class Backend {
   const std::string& name() const { return name_; }
   virtual bool host_visible() const { return true; }
   virtual bool synchronous() const { return true; }  // ops complete when they return (CPU)
+  // Every access to this device's memory (ops, uploads, downloads) runs in call order on one
+  // queue, or at once: a buffer released inside a step may then serve later ops of the same step.
+  virtual bool queue_ordered() const { return synchronous(); }
 
   // ---- memory
   Tensor empty(const Shape& shape, DType dt);

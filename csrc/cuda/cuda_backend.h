@@ -30,6 +30,7 @@ class CudaBackend : public Backend {
   ~CudaBackend() override;
   bool host_visible() const override { return false; }
   bool synchronous() const override { return false; }
+  bool queue_ordered() const override { return true; }  // kernels, cuBLAS and copies all on stream_
   SplitKConfig split_k_config() const override;
   // While profiling, each op's work is bracketed by two events and waited for (OpTimer), so the
   // records hold GPU time, not the microseconds the host spends queueing.

@@ -1,6 +1,8 @@
 """Where and in what each implementation of a workload runs: krnl's device and dtype, and the
 matching device of each peer (PyTorch's CUDA, MPS or CPU; MLX's GPU or CPU), or why there is none."""
 
+from functools import partial
+
 import krnl
 
 # A peer is checked against krnl at a small size in the dtype it is timed in. bf16 keeps 8
@@ -44,6 +46,14 @@ def replayed(dev, body):
 
     step.release = graph.release
     return step, graph
+
+
+def peer_builders(numpy, torch, mlx):
+    """A workload's peers by name (workloads.PEER_NAMES) from its three builders: torch(problem,
+    mode) with mode None (eager) or a torch.compile mode, mlx(problem, compiled)."""
+    return {"numpy": numpy, "torch": partial(torch, mode=None), "torch.compile": partial(torch, mode="default"),
+            "compile+cudagraphs": partial(torch, mode="reduce-overhead"), "mlx": partial(mlx, compiled=False),
+            "mx.compile": partial(mlx, compiled=True)}
 
 
 def numpy_only_f32_cpu(device_name, dtype):

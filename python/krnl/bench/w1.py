@@ -9,7 +9,7 @@ import numpy as np
 
 import krnl
 from krnl.mlp_block import MLPBlock, make_w1_params, w1_flops
-from .targets import mlx_target, numpy_only_f32_cpu, replayed, torch_target
+from .targets import mlx_target, numpy_only_f32_cpu, peer_builders, replayed, torch_target
 
 T, C, F, R = 512, 2048, 5632, 32
 SCALE = 2.0
@@ -151,18 +151,6 @@ def _build_torch(P, mode):
     return step, result
 
 
-def build_torch(P):
-    return _build_torch(P, None)
-
-
-def build_torch_compile(P):
-    return _build_torch(P, "default")
-
-
-def build_torch_cudagraphs(P):
-    return _build_torch(P, "reduce-overhead")
-
-
 def _build_mlx(P, compiled):
     mx, mdev, mdt = mlx_target(P.device, P.dtype)
     a = {k: mx.array(v).astype(mdt) for k, v in P.items()}
@@ -196,13 +184,4 @@ def _build_mlx(P, compiled):
     return step, result
 
 
-def build_mlx(P):
-    return _build_mlx(P, compiled=False)
-
-
-def build_mx_compile(P):
-    return _build_mlx(P, compiled=True)
-
-
-PEERS = {"numpy": build_numpy, "torch": build_torch, "torch.compile": build_torch_compile,
-         "compile+cudagraphs": build_torch_cudagraphs, "mlx": build_mlx, "mx.compile": build_mx_compile}
+PEERS = peer_builders(build_numpy, _build_torch, _build_mlx)

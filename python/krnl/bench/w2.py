@@ -22,7 +22,7 @@ import numpy as np
 
 import krnl
 from krnl.model import LlamaModel, LoraConfig, ModelConfig, lora_key, random_weights, ALL_MODULES
-from .targets import mlx_target, numpy_only_f32_cpu, replayed, torch_target
+from .targets import mlx_target, numpy_only_f32_cpu, peer_builders, replayed, torch_target
 
 T, C, F, H, D, R, V = 512, 2048, 5632, 16, 128, 32, 256
 EPS = 1e-6
@@ -263,15 +263,9 @@ def build_torch(case, attn="sdpa", mode=None):
     return step, result
 
 
-def _torch_peer(mode):
-    def build(case):
-        step, result = build_torch(case, "sdpa", mode)
-        return step, lambda: _as_dict(*result())
-    return build
-
-
-build_torch_eager, build_torch_compile, build_torch_cudagraphs = (
-    _torch_peer(None), _torch_peer("default"), _torch_peer("reduce-overhead"))
+def _build_torch_peer(case, mode):
+    step, result = build_torch(case, "sdpa", mode)
+    return step, lambda: _as_dict(*result())
 
 
 def numpy_w2_step(case):
@@ -426,13 +420,4 @@ def _build_mlx(case, compiled):
     return step, result
 
 
-def build_mlx(case):
-    return _build_mlx(case, compiled=False)
-
-
-def build_mx_compile(case):
-    return _build_mlx(case, compiled=True)
-
-
-PEERS = {"numpy": build_numpy, "torch": build_torch_eager, "torch.compile": build_torch_compile,
-         "compile+cudagraphs": build_torch_cudagraphs, "mlx": build_mlx, "mx.compile": build_mx_compile}
+PEERS = peer_builders(build_numpy, _build_torch_peer, _build_mlx)

@@ -3,7 +3,7 @@ rows (square nn/nt/tn and the skinny LoRA products of W1 on the CPU, of W3 on a 
 
 import platform
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Dict, Optional
 
 import numpy as np
@@ -63,11 +63,10 @@ W2 = Step(
     tokens=lambda case: case.T, flops=lambda case: case.flops,
     describe=lambda s: f"{s['H']}x{s['D']} heads, LoRA r={s['r']} x7, dX; T={s['T']} C={s['C']} F={s['F']}")
 
-W3 = Step(
-    name="w3", title="W3 Llama-3-8B layer",
+# W3 is W2's step at the Llama-3-8B layer's sizes (GQA), for GPUs only.
+W3 = replace(
+    W2, name="w3", title="W3 Llama-3-8B layer",
     sizes={"full": w2.W3, "quick": w2.W3_QUICK, "small": w2.W3_SMALL},
-    make=w2.Case.of, krnl=w2.build_krnl, krnl_graph=w2.build_krnl_graph, peers=w2.PEERS,
-    tokens=lambda case: case.T, flops=lambda case: case.flops,
     describe=lambda s: f"{s['H']}/{s['KV']} heads of {s['D']}, LoRA r={s['r']} x7, dX; T={s['T']} C={s['C']} F={s['F']}",
     gpu_only="sized for the H200")
 

@@ -178,13 +178,13 @@ void CudaBackend::rope(const Tensor& x, const Tensor& positions, const Tensor& i
   float* sn = cs + T * R;
   rope_table_kernel<<<grid_for(T * R), kThreads, 0, stream_>>>(positions.ptr<int32_t>(), inv_freq.ptr<float>(), sign,
                                                                 T, R, cs, sn);
-  const int vec = x.dtype() == DType::f32 ? 4 : 8;
+  const int64_t vec = vec_width(x.dtype());
   if (R % vec == 0 && vectorizable(x.dtype(), D, {x.data()})) {
     const int64_t n = rows * (R / vec);
-    if (x.dtype() == DType::f32)
-      rope_apply_vec_kernel<false><<<grid_for(n), kThreads, 0, stream_>>>(x.dtype(), x.data(), rows, T, D, R, cs, sn);
-    else
-      rope_apply_vec_kernel<true><<<grid_for(n), kThreads, 0, stream_>>>(x.dtype(), x.data(), rows, T, D, R, cs, sn);
+#define KRNL_ROPE(W) \
+  rope_apply_vec_kernel<W><<<grid_for(n), kThreads, 0, stream_>>>(x.dtype(), x.data(), rows, T, D, R, cs, sn)
+    KRNL_DISPATCH_VEC(x.dtype() != DType::f32, KRNL_ROPE)
+#undef KRNL_ROPE
   } else {
     rope_apply_kernel<<<grid_for(rows * R), kThreads, 0, stream_>>>(x.dtype(), x.data(), rows, T, D, R, cs, sn);
   }

@@ -137,17 +137,25 @@ __device__ __forceinline__ void store_vec(DType dt, void* p, int64_t i, const fl
   *reinterpret_cast<uint4*>(static_cast<char*>(p) + i * (W16 ? 2 : 4)) = make_uint4(w[0], w[1], w[2], w[3]);
 }
 
+// Elements of dt in a 16-byte vector.
+inline int64_t vec_width(DType dt) { return dt == DType::f32 ? 4 : 8; }
+
+// Whether n elements of dt at every pointer can go as whole 16-byte vectors.
+inline bool vectorizable(DType dt, int64_t n, std::initializer_list<const void*> ptrs) {
+  if (n % vec_width(dt)) return false;
+  for (const void* p : ptrs)
+    if (reinterpret_cast<uintptr_t>(p) % 16) return false;
+  return true;
+}
+
 // Launch shape of the register path for rows of n elements, or threads = 0 where it does not
 // apply (unaligned, a row length not a multiple of the vector, or too long a row).
 struct RegPlan {
   int threads = 0, nv = 0;
 };
 inline RegPlan reg_plan(DType dt, int64_t n, std::initializer_list<const void*> ptrs) {
-  const int vec = dt == DType::f32 ? 4 : 8;
-  if (n <= 0 || n % vec) return {};
-  for (const void* p : ptrs)
-    if (reinterpret_cast<uintptr_t>(p) % 16) return {};
-  const int64_t nvec = n / vec;
+  if (n <= 0 || !vectorizable(dt, n, ptrs)) return {};
+  const int64_t nvec = n / vec_width(dt);
   for (int nv : {1, 2, 4, 8}) {  // at most 256 threads where a few vectors each will do
     const int64_t t = (nvec + nv - 1) / nv;
     if (t <= 256) return {row_threads(t), nv};
@@ -155,7 +163,6 @@ inline RegPlan reg_plan(DType dt, int64_t n, std::initializer_list<const void*> 
   if ((nvec + 7) / 8 <= 1024) return {row_threads((nvec + 7) / 8), 8};
   return {};
 }
-
 
 // Runs CALL(W16, NV) with compile-time arguments for a RegPlan's vector count.
 #define KRNL_DISPATCH_REG(w16, nv, CALL)  \
@@ -170,12 +177,12 @@ inline RegPlan reg_plan(DType dt, int64_t n, std::initializer_list<const void*> 
     default: CALL(true, 8); break;         \
   }
 
-// Whether n elements of dt at every pointer can go as whole 16-byte vectors.
-inline bool vectorizable(DType dt, int64_t n, std::initializer_list<const void*> ptrs) {
-  if (n % (dt == DType::f32 ? 4 : 8)) return false;
-  for (const void* p : ptrs)
-    if (reinterpret_cast<uintptr_t>(p) % 16) return false;
-  return true;
-}
+// The 16-byte-vector twin of KRNL_DISPATCH_REG: CALL(true) for 16-bit dtypes, CALL(false) for f32.
+#define KRNL_DISPATCH_VEC(w16, CALL) \
+  if (w16) {                         \
+    CALL(true);                      \
+  } else {                           \
+    CALL(false);                     \
+  }
 
 }  // namespace krnl::cuda

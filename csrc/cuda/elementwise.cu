@@ -136,11 +136,10 @@ void CudaBackend::add(const Tensor& a, const Tensor& b, const Tensor& out) {
   const int64_t n = a.numel();
   if (!n) return;
   if (vectorizable(a.dtype(), n, {a.data(), b.data(), out.data()})) {
-    const int64_t nv = n / (a.dtype() == DType::f32 ? 4 : 8);
-    if (a.dtype() == DType::f32)
-      add_vec_kernel<false><<<grid_for(nv), kThreads, 0, stream_>>>(a.dtype(), a.data(), b.data(), out.data(), nv);
-    else
-      add_vec_kernel<true><<<grid_for(nv), kThreads, 0, stream_>>>(a.dtype(), a.data(), b.data(), out.data(), nv);
+    const int64_t nv = n / vec_width(a.dtype());
+#define KRNL_ADD(W) add_vec_kernel<W><<<grid_for(nv), kThreads, 0, stream_>>>(a.dtype(), a.data(), b.data(), out.data(), nv)
+    KRNL_DISPATCH_VEC(a.dtype() != DType::f32, KRNL_ADD)
+#undef KRNL_ADD
     check_launch("add");
     return;
   }
@@ -153,11 +152,10 @@ void CudaBackend::axpy(float alpha, const Tensor& x, const Tensor& y) {
   const int64_t n = x.numel();
   if (!n) return;
   if (x.dtype() == y.dtype() && vectorizable(x.dtype(), n, {x.data(), y.data()})) {
-    const int64_t nv = n / (x.dtype() == DType::f32 ? 4 : 8);
-    if (x.dtype() == DType::f32)
-      axpy_vec_kernel<false><<<grid_for(nv), kThreads, 0, stream_>>>(alpha, x.dtype(), x.data(), y.data(), nv);
-    else
-      axpy_vec_kernel<true><<<grid_for(nv), kThreads, 0, stream_>>>(alpha, x.dtype(), x.data(), y.data(), nv);
+    const int64_t nv = n / vec_width(x.dtype());
+#define KRNL_AXPY(W) axpy_vec_kernel<W><<<grid_for(nv), kThreads, 0, stream_>>>(alpha, x.dtype(), x.data(), y.data(), nv)
+    KRNL_DISPATCH_VEC(x.dtype() != DType::f32, KRNL_AXPY)
+#undef KRNL_AXPY
     check_launch("axpy");
     return;
   }
@@ -226,11 +224,11 @@ void CudaBackend::swiglu_forward(const Tensor& g, const Tensor& u, const Tensor&
   const int64_t n = g.numel();
   if (!n) return;
   if (vectorizable(g.dtype(), n, {g.data(), u.data(), s.data()})) {
-    const int64_t nv = n / (g.dtype() == DType::f32 ? 4 : 8);
-    if (g.dtype() == DType::f32)
-      swiglu_fwd_vec_kernel<false><<<grid_for(nv), kThreads, 0, stream_>>>(g.dtype(), g.data(), u.data(), s.data(), nv);
-    else
-      swiglu_fwd_vec_kernel<true><<<grid_for(nv), kThreads, 0, stream_>>>(g.dtype(), g.data(), u.data(), s.data(), nv);
+    const int64_t nv = n / vec_width(g.dtype());
+#define KRNL_SWIGLU_FWD(W) \
+  swiglu_fwd_vec_kernel<W><<<grid_for(nv), kThreads, 0, stream_>>>(g.dtype(), g.data(), u.data(), s.data(), nv)
+    KRNL_DISPATCH_VEC(g.dtype() != DType::f32, KRNL_SWIGLU_FWD)
+#undef KRNL_SWIGLU_FWD
     check_launch("swiglu_forward");
     return;
   }
@@ -244,13 +242,12 @@ void CudaBackend::swiglu_backward(const Tensor& ds, const Tensor& g, const Tenso
   const int64_t n = g.numel();
   if (!n) return;
   if (vectorizable(g.dtype(), n, {ds.data(), g.data(), u.data(), dg.data(), du.data()})) {
-    const int64_t nv = n / (g.dtype() == DType::f32 ? 4 : 8);
-    if (g.dtype() == DType::f32)
-      swiglu_bwd_vec_kernel<false><<<grid_for(nv), kThreads, 0, stream_>>>(g.dtype(), ds.data(), g.data(), u.data(),
-                                                                           dg.data(), du.data(), nv);
-    else
-      swiglu_bwd_vec_kernel<true><<<grid_for(nv), kThreads, 0, stream_>>>(g.dtype(), ds.data(), g.data(), u.data(),
-                                                                          dg.data(), du.data(), nv);
+    const int64_t nv = n / vec_width(g.dtype());
+#define KRNL_SWIGLU_BWD(W)                                                                                  \
+  swiglu_bwd_vec_kernel<W><<<grid_for(nv), kThreads, 0, stream_>>>(g.dtype(), ds.data(), g.data(), u.data(), \
+                                                                   dg.data(), du.data(), nv)
+    KRNL_DISPATCH_VEC(g.dtype() != DType::f32, KRNL_SWIGLU_BWD)
+#undef KRNL_SWIGLU_BWD
     check_launch("swiglu_backward");
     return;
   }

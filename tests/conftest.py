@@ -165,12 +165,12 @@ TINY_LLAMA = dict(model_type="llama", vocab_size=61, hidden_size=32, intermediat
                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0)
 
 
-def tiny_lora_model(dev, dtype, seed=0, grad_checkpoint=False):
-    """The tiny Llama (GQA, RoPE, SwiGLU, tied head) with LoRA r=2 on every projection, B non-zero
-    so that every LoRA path carries gradient."""
+def tiny_lora_model(dev, dtype, seed=0, grad_checkpoint=False, **config):
+    """The tiny Llama (GQA, RoPE, SwiGLU, tied head; `config` overrides TINY_LLAMA's fields) with
+    LoRA r=2 on every projection, B non-zero so that every LoRA path carries gradient."""
     from krnl.model import LlamaModel, LoraConfig, ModelConfig, random_weights
 
-    cfg = ModelConfig.from_dict(TINY_LLAMA)
+    cfg = ModelConfig.from_dict({**TINY_LLAMA, **config})
     m = LlamaModel(dev, cfg, random_weights(cfg, seed, std=0.2), LoraConfig(r=2, alpha=4.0), dtype=dtype, seed=seed,
                    grad_checkpoint=grad_checkpoint)
     rng = np.random.default_rng(seed + 1)

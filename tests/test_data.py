@@ -11,11 +11,11 @@ import json
 import numpy as np
 import pytest
 
-import krnl
 from krnl.data import (IGNORE_INDEX, DataError, LengthSortedBatches, Sample, chat_sample, completion_sample,
                        load_dataset, load_split, pack, text_sample)
-from krnl.model import LlamaModel, LoraConfig, ModelConfig, random_weights
 from krnl.tokenizer import Tokenizer
+
+from conftest import tiny_lora_model
 
 tokenizers = pytest.importorskip("tokenizers")
 
@@ -358,26 +358,8 @@ def test_pack_segments_positions_and_targets():
         pack(_samples([9]), 8)
 
 
-TINY = dict(model_type="llama", vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0,
-            max_position_embeddings=64)
-
-
-@pytest.fixture(scope="module")
-def dev():
-    return krnl.device("cpu")
-
-
 def _model(dev, vocab=61, seed=0):
-    cfg = ModelConfig.from_dict({**TINY, "vocab_size": vocab})
-    m = LlamaModel(dev, cfg, random_weights(cfg, seed, std=0.2), LoraConfig(r=2, alpha=4.0), seed=seed)
-    rng = np.random.default_rng(seed + 1)
-    st = m.lora_state()
-    for k in st:
-        if ".lora_B." in k:
-            st[k] = (0.1 * rng.standard_normal(st[k].shape)).astype(np.float32)
-    m.lora_params.load(st)
-    return m
+    return tiny_lora_model(dev, "f32", seed, vocab_size=vocab, max_position_embeddings=64)
 
 
 def test_packed_attention_never_crosses_a_sample_boundary(dev):

@@ -13,6 +13,7 @@ import numpy as np
 import krnl
 from krnl.fileio import atomic_write_bytes, read_json_object
 from .targets import is_gpu
+from .workloads import gemm_fn
 
 TOLERANCE = 0.10
 WHO = "krnl bench"
@@ -27,16 +28,12 @@ def control_size(device_name, quick=False):
 
 def measure_control(dev, n, reps=9):
     """Median GFLOP/s of n^3 sgemm on `dev` over `reps` timed calls after one warm-up."""
-    rng = np.random.default_rng(0)
-    a = dev.tensor(rng.standard_normal((n, n)).astype(np.float32))
-    b = dev.tensor(rng.standard_normal((n, n)).astype(np.float32))
-    c = dev.empty((n, n))
+    run = gemm_fn(dev, n, n, n, False, False)  # f32 whatever the session's dtype: one control per machine
     times = []
     time.sleep(0.3)  # as between timed steps (session.SETTLE_S): the last workload's BLAS workers may still spin
     for i in range(reps + 1):
         t0 = time.perf_counter()
-        krnl.ops.gemm(a, b, c)
-        dev.synchronize()
+        run()
         if i:
             times.append(time.perf_counter() - t0)
     return 2 * n**3 / float(np.median(times)) / 1e9

@@ -583,6 +583,129 @@ def test_softmax_backward_finite_differences(dev):
     assert_fd(read(dS), numeric, "dS")
 
 
+# ------------------------------------------------------------------------- fused attention
+
+
+def attention_ref(q, k, v, scale):
+    """float64 causal attention with GQA (query head h reads KV head h // g): o, lse, P."""
+    Hq, T, _ = q.shape
+    kk, vv = (np.repeat(x, Hq // k.shape[0], axis=0) for x in (k, v))
+    S = scale * np.einsum("htd,hsd->hts", q, kk)
+    S = np.where(np.tril(np.ones((T, T), bool)), S, -np.inf)
+    m = S.max(-1, keepdims=True)
+    e = np.exp(S - m)
+    lse = (m + np.log(e.sum(-1, keepdims=True)))[..., 0]
+    P = np.exp(S - lse[..., None])
+    return P @ vv, lse, P
+
+
+def attention_backward_ref(q, k, v, do, scale):
+    """float64 dq, dk, dv of attention_ref (dk, dv summed over each KV head's query heads)."""
+    Hq, Hk = q.shape[0], k.shape[0]
+    g = Hq // Hk
+    kk, vv = (np.repeat(x, g, axis=0) for x in (k, v))
+    _, _, P = attention_ref(q, k, v, scale)
+    dP = do @ vv.transpose(0, 2, 1)
+    dS = P * (dP - np.sum(dP * P, -1, keepdims=True)) * scale
+    dq = dS @ kk
+    dk = (dS.transpose(0, 2, 1) @ q).reshape(Hk, g, *k.shape[1:]).sum(1)
+    dv = (P.transpose(0, 2, 1) @ do).reshape(Hk, g, *v.shape[1:]).sum(1)
+    return dq, dk, dv
+
+
+def require_attention(dev, dt):
+    """The fused attention ops exist on the CPU (the reference loops, every dtype) and on CUDA
+    with cuDNN (bf16/f16); elsewhere the model takes the materialised path."""
+    if dev.name.split(":")[0] != "cpu" and not dev.fused_attention(dt):
+        pytest.skip(f"attention_forward is not on {dev.name} for {dt} (CUDA: cuDNN, bf16/f16 only)")
+
+
+# Output error of the fused kernels: 16-bit P and dS in their products, fp32 accumulation.
+ATTN_TOL = {"f32": 1e-5, "f16": 4 * UNIT_ROUNDOFF["f16"], "bf16": 4 * UNIT_ROUNDOFF["bf16"]}
+# (Hq, Hk, T, D): one token, awkward lengths, GQA with 2 and 4 query heads per KV head, D = 128.
+ATTN_CASES = [(1, 1, 1, 8), (2, 1, 31, 16), (4, 2, 33, 64), (8, 2, 65, 64), (4, 4, 127, 128)]
+ATTN_IDS = ["1x1x1x8", "2x1x31x16", "4x2x33x64", "8x2x65x64", "4x4x127x128"]
+
+
+def attention_inputs(dev, Hq, Hk, T, D, dt, seed):
+    rng = np.random.default_rng(seed)
+    return [upload(dev, rng.standard_normal(s), dt) for s in ((Hq, T, D), (Hk, T, D), (Hk, T, D))]
+
+
+@pytest.mark.parametrize("dt", FLOAT_DTYPES)
+@pytest.mark.parametrize("Hq,Hk,T,D", ATTN_CASES, ids=ATTN_IDS)
+def test_attention_forward(dev, Hq, Hk, T, D, dt):
+    """o and lse of the fused op against float64 attention on the same (rounded) inputs."""
+    require_attention(dev, dt)
+    (q, qf), (k, kf), (v, vf) = attention_inputs(dev, Hq, Hk, T, D, dt, 40)
+    scale = 1.0 / math.sqrt(D)
+    o, lse = empty_filled(dev, (Hq, T, D), dt), empty_filled(dev, (Hq, T), "f32")
+    ops.attention_forward(q, k, v, o, lse, scale)
+    o_ref, lse_ref, _ = attention_ref(qf, kf, vf, scale)
+    tol = ATTN_TOL[dt]
+    assert_close(read(o), o_ref, rtol=tol, atol=tol * np.max(np.abs(vf)), what="o")
+    assert_close(read(lse), lse_ref, rtol=0, atol=1e-5 if dt == "f32" else 2e-3, what="lse")
+    if T > 1:  # causal: query 0 sees key 0 only, so o[:, 0] is v[kv(h), 0] up to rounding
+        assert_close(read(o)[:, 0], np.repeat(vf, Hq // Hk, axis=0)[:, 0], rtol=tol, atol=tol, what="o row 0")
+
+
+@pytest.mark.parametrize("dt", FLOAT_DTYPES)
+@pytest.mark.parametrize("Hq,Hk,T,D", ATTN_CASES, ids=ATTN_IDS)
+def test_attention_backward(dev, Hq, Hk, T, D, dt):
+    """dq, dk, dv from the device's own o and lse against float64 gradients."""
+    require_attention(dev, dt)
+    (q, qf), (k, kf), (v, vf) = attention_inputs(dev, Hq, Hk, T, D, dt, 41)
+    do, dof = upload(dev, np.random.default_rng(42).standard_normal((Hq, T, D)), dt)
+    scale = 1.0 / math.sqrt(D)
+    o, lse = dev.empty((Hq, T, D), dt), dev.empty((Hq, T), "f32")
+    ops.attention_forward(q, k, v, o, lse, scale)
+    dq, dk, dv = (empty_filled(dev, s, dt) for s in ((Hq, T, D), (Hk, T, D), (Hk, T, D)))
+    ops.attention_backward(q, k, v, o, do, lse, dq, dk, dv, scale)
+    tol = 2 * ATTN_TOL[dt]
+    for name, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), attention_backward_ref(qf, kf, vf, dof, scale)):
+        assert_close(read(got), ref, rtol=tol, atol=tol * 1e-2, what=name)
+
+
+def test_attention_backward_finite_differences(dev):
+    """attention_backward is the gradient of L = sum(o * ct) through the device's own forward
+    (f32, GQA with two query heads per KV head)."""
+    require_attention(dev, "f32")
+    Hq, Hk, T, D, scale = 2, 1, 5, 4, 0.6
+    rng = np.random.default_rng(43)
+    x0 = [rng.standard_normal(s).astype(np.float32) for s in ((Hq, T, D), (Hk, T, D), (Hk, T, D))]
+    ct = rng.standard_normal((Hq, T, D)).astype(np.float32)
+
+    def forward(q, k, v):
+        o, lse = dev.empty((Hq, T, D)), dev.empty((Hq, T))
+        ops.attention_forward(to_dev(dev, q), to_dev(dev, k), to_dev(dev, v), o, lse, scale)
+        return o, lse
+
+    o, lse = forward(*x0)
+    grads = [dev.empty(x.shape) for x in x0]
+    ops.attention_backward(*(to_dev(dev, x) for x in x0), o, to_dev(dev, ct), lse, *grads, scale)
+    for i, name in enumerate(("dq", "dk", "dv")):
+        def loss(xi):
+            args = list(x0)
+            args[i] = xi
+            return float(np.sum(read(forward(*args)[0]) * ct))
+        assert_fd(read(grads[i]), fd_grad(loss, x0[i]), name)
+
+
+def test_attention_errors(dev):
+    """Bad operands name the op and the argument."""
+    q, k = dev.empty((4, 8, 16)), dev.empty((3, 8, 16))
+    o, lse = dev.empty((4, 8, 16)), dev.empty((4, 8))
+    with pytest.raises(ValueError, match=r"\[attention_forward\] k must be \(Hk, 8, 16\) with Hk dividing Hq = 4"):
+        ops.attention_forward(q, k, k, o, lse, 0.25)
+    k = dev.empty((2, 8, 16))
+    with pytest.raises(ValueError, match=r"\[attention_forward\] lse must have shape \(4, 8\)"):
+        ops.attention_forward(q, k, k, o, dev.empty((4, 7)), 0.25)
+    with pytest.raises(ValueError, match=r"\[attention_forward\] scale must be > 0"):
+        ops.attention_forward(q, k, k, o, lse, 0.0)
+    with pytest.raises(ValueError, match=r"\[attention_backward\] dk must have shape \(2, 8, 16\)"):
+        ops.attention_backward(q, k, k, o, o, lse, o, o, k, 0.25)
+
+
 # -------------------------------------------------------------------------------- embedding
 
 

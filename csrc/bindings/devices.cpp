@@ -152,6 +152,10 @@ void bind_devices(nb::module_& m) {
                    "Whether every access to the device's memory runs in call order (CPU, CUDA): a buffer "
                    "released inside a step is then reused within it; otherwise only once the step's "
                    "submission has completed.")
+      .def("fused_attention", [](const Backend& d, nb::handle dtype) { return d.fused_attention(to_dtype(dtype)); },
+           "dtype"_a,
+           "Whether ops.attention_forward/backward run here for this dtype and beat the materialised path "
+           "(CUDA with cuDNN, 16-bit): the model then takes them.")
       .def("__repr__", [](const Backend& d) { return "krnl.device('" + d.name() + "')"; })
       .def("empty", [](Backend& d, nb::handle shape, nb::handle dtype) { return d.empty(to_shape(shape), to_dtype(dtype)); },
            "shape"_a, "dtype"_a = "f32", "A new uninitialised tensor from the device's pool.")

@@ -37,6 +37,12 @@ void bind_ops(nb::module_& parent) {
         "i + Tk - Tq). Masked entries are exact zeros; segments (Tk,) i32 also masks across samples.");
   m.def("softmax_backward", &ops::softmax_backward, "P"_a, "dP"_a, "dS"_a, "scale"_a,
         "dS = P * (dP - rowsum(dP * P)) * scale.");
+  m.def("attention_forward", &ops::attention_forward, "q"_a, "k"_a, "v"_a, "o"_a, "lse"_a, "scale"_a,
+        "Fused causal attention: o = softmax(scale * q k^T, causal) v per head, never materialising the\n"
+        "scores. q, o (Hq, T, D); k, v (Hk, T, D), query head h reads KV head h // (Hq // Hk); lse (Hq, T) f32\n"
+        "receives the natural-log row sums of exp(scale * q.k), which attention_backward needs.");
+  m.def("attention_backward", &ops::attention_backward, "q"_a, "k"_a, "v"_a, "o"_a, "dout"_a, "lse"_a, "dq"_a,
+        "dk"_a, "dv"_a, "scale"_a, "dq, dk, dv (overwritten) of attention_forward, from its o and lse.");
   m.def("embedding_forward", &ops::embedding_forward, "ids"_a, "table"_a, "out"_a);
   m.def("embedding_backward", &ops::embedding_backward, "ids"_a, "dout"_a, "dtable"_a,
         "dtable (f32) += scatter of dout rows by id.");

@@ -90,6 +90,8 @@ void Backend::swiglu_backward(const Tensor&, const Tensor&, const Tensor&, const
 void Backend::rope(const Tensor&, const Tensor&, const Tensor&, float) { not_implemented("rope"); }
 void Backend::softmax_causal_forward(const Tensor&, const Tensor&, float, const Tensor*) { not_implemented("softmax_causal_forward"); }
 void Backend::softmax_backward(const Tensor&, const Tensor&, const Tensor&, float) { not_implemented("softmax_backward"); }
+void Backend::attention_forward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, float) { not_implemented("attention_forward"); }
+void Backend::attention_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, float) { not_implemented("attention_backward"); }
 void Backend::embedding_forward(const Tensor&, const Tensor&, const Tensor&) { not_implemented("embedding_forward"); }
 void Backend::embedding_backward(const Tensor&, const Tensor&, const Tensor&) { not_implemented("embedding_backward"); }
 void Backend::cross_entropy(const Tensor&, const Tensor&, const Tensor&, const Tensor*, int32_t, float) { not_implemented("cross_entropy"); }

@@ -112,6 +112,18 @@ class Backend {
   virtual void rope(const Tensor& x, const Tensor& positions, const Tensor& inv_freq, float sign);
   virtual void softmax_causal_forward(const Tensor& S, const Tensor& P, float scale, const Tensor* segments);
   virtual void softmax_backward(const Tensor& P, const Tensor& dP, const Tensor& dS, float scale);
+  // Fused causal attention (DESIGN section 5, flash form): q (Hq, T, D), k and v (Hk, T, D),
+  // query head h reads KV head h / (Hq / Hk); o (Hq, T, D); lse (Hq, T) f32, the natural-log
+  // sum of exp(scale * q.k) over the keys each query sees, which is all backward keeps of the
+  // scores. Backward overwrites dq, dk, dv.
+  virtual void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o,
+                                 const Tensor& lse, float scale);
+  virtual void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o,
+                                  const Tensor& dout, const Tensor& lse, const Tensor& dq, const Tensor& dk,
+                                  const Tensor& dv, float scale);
+  // Whether attention_forward/backward run here for operands of dtype dt and beat the
+  // materialised path (scores through gemm + softmax), so that the model should take them.
+  virtual bool fused_attention(DType /*dt*/) const { return false; }
   virtual void embedding_forward(const Tensor& ids, const Tensor& table, const Tensor& out);
   virtual void embedding_backward(const Tensor& ids, const Tensor& dout, const Tensor& dtable);
   virtual void cross_entropy(const Tensor& logits, const Tensor& targets, const Tensor& loss,

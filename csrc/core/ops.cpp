@@ -296,6 +296,50 @@ void softmax_backward(const Tensor& P, const Tensor& dP, const Tensor& dS, float
       [&] { c.dev->softmax_backward(P, dP, dS, scale); });
 }
 
+namespace {
+// Shared checks of attention_forward/backward: q (Hq, T, D), k and v (Hk, T, D) with Hk dividing
+// Hq, o like q, lse (Hq, T) f32. Returns the causal FLOPs of the forward's two products.
+double check_attention(Check& c, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o,
+                       const Tensor& lse, float scale) {
+  c.tensor("q", q), c.tensor("k", k), c.tensor("v", v), c.tensor("o", o), c.tensor("lse", lse);
+  c.floating("q", q);
+  if (q.dim() != 3) c.fail("q must be (Hq, T, D), got " + q.describe());
+  const int64_t Hq = q.size(0), T = q.size(1), D = q.size(2);
+  if (k.dim() != 3 || k.size(1) != T || k.size(2) != D || k.size(0) < 1 || Hq % k.size(0) != 0)
+    c.fail("k must be (Hk, " + std::to_string(T) + ", " + std::to_string(D) + ") with Hk dividing Hq = " +
+           std::to_string(Hq) + ", got " + k.describe());
+  c.same_dtype("k", k, "q", q);
+  c.shape("v", v, k.shape()), c.same_dtype("v", v, "q", q);
+  c.shape("o", o, q.shape()), c.same_dtype("o", o, "q", q);
+  c.shape("lse", lse, {Hq, T}), c.dtype("lse", lse, {DType::f32});
+  if (!(scale > 0)) c.fail("scale must be > 0");
+  return 2.0 * double(Hq) * double(D) * double(T) * double(T + 1);  // QK^T and PV over j <= i
+}
+}  // namespace
+
+void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& lse,
+                       float scale) {
+  Check c{"attention_forward"};
+  const double flops = check_attention(c, q, k, v, o, lse, scale);
+  run(c, shape_str(q.shape()) + " kv " + shape_str(k.shape()), flops, nbytes({&q, &k, &v, &o, &lse}), q.dtype(),
+      [&] { c.dev->attention_forward(q, k, v, o, lse, scale); });
+}
+
+void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& dout,
+                        const Tensor& lse, const Tensor& dq, const Tensor& dk, const Tensor& dv, float scale) {
+  Check c{"attention_backward"};
+  const double flops = check_attention(c, q, k, v, o, lse, scale);
+  c.tensor("dout", dout), c.tensor("dq", dq), c.tensor("dk", dk), c.tensor("dv", dv);
+  c.shape("dout", dout, q.shape()), c.same_dtype("dout", dout, "q", q);
+  c.shape("dq", dq, q.shape()), c.same_dtype("dq", dq, "q", q);
+  c.shape("dk", dk, k.shape()), c.same_dtype("dk", dk, "q", q);
+  c.shape("dv", dv, k.shape()), c.same_dtype("dv", dv, "q", q);
+  // Backward recomputes S and runs four more products: 2.5 forwards, as flash attention counts.
+  run(c, shape_str(q.shape()) + " kv " + shape_str(k.shape()), 2.5 * flops,
+      nbytes({&q, &k, &v, &o, &dout, &lse, &dq, &dk, &dv}), q.dtype(),
+      [&] { c.dev->attention_backward(q, k, v, o, dout, lse, dq, dk, dv, scale); });
+}
+
 void embedding_forward(const Tensor& ids, const Tensor& table, const Tensor& out) {
   Check c{"embedding_forward"};
   c.tensor("ids", ids), c.tensor("table", table), c.tensor("out", out);

@@ -27,6 +27,10 @@ void swiglu_backward(const Tensor& ds, const Tensor& g, const Tensor& u, const T
 void rope(const Tensor& x, const Tensor& positions, const Tensor& inv_freq, float sign);
 void softmax_causal_forward(const Tensor& S, const Tensor& P, float scale, const Tensor* segments);
 void softmax_backward(const Tensor& P, const Tensor& dP, const Tensor& dS, float scale);
+void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& lse,
+                       float scale);
+void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& dout,
+                        const Tensor& lse, const Tensor& dq, const Tensor& dk, const Tensor& dv, float scale);
 void embedding_forward(const Tensor& ids, const Tensor& table, const Tensor& out);
 void embedding_backward(const Tensor& ids, const Tensor& dout, const Tensor& dtable);
 void cross_entropy(const Tensor& logits, const Tensor& targets, const Tensor& loss, const Tensor* dlogits,

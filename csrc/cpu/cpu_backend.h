@@ -26,6 +26,13 @@ class CpuBackend : public Backend {
   void rope(const Tensor& x, const Tensor& positions, const Tensor& inv_freq, float sign) override;
   void softmax_causal_forward(const Tensor& S, const Tensor& P, float scale, const Tensor* segments) override;
   void softmax_backward(const Tensor& P, const Tensor& dP, const Tensor& dS, float scale) override;
+  // The reference of the fused attention contract: plain loops in f32, O(Hq T^2 D). The model
+  // keeps the materialised row-block path on the CPU (BLAS runs it faster): fused_attention() is false.
+  void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& lse,
+                         float scale) override;
+  void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& dout,
+                          const Tensor& lse, const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                          float scale) override;
   void embedding_forward(const Tensor& ids, const Tensor& table, const Tensor& out) override;
   void embedding_backward(const Tensor& ids, const Tensor& dout, const Tensor& dtable) override;
   void cross_entropy(const Tensor& logits, const Tensor& targets, const Tensor& loss, const Tensor* dlogits,

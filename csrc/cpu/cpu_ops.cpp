@@ -213,6 +213,74 @@ void CpuBackend::softmax_backward(const Tensor& P, const Tensor& dP, const Tenso
   });
 }
 
+namespace {
+std::vector<float> to_f32(const Tensor& x) {
+  std::vector<float> f(size_t(x.numel()));
+  load_all(x.dtype(), x.data(), 0, x.numel(), f.data());
+  return f;
+}
+}  // namespace
+
+void CpuBackend::attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o,
+                                   const Tensor& lse, float scale) {
+  const int64_t Hq = q.size(0), T = q.size(1), D = q.size(2), g = Hq / k.size(0);
+  const std::vector<float> qf = to_f32(q), kf = to_f32(k), vf = to_f32(v);
+  std::vector<float> of(qf.size());
+  float* ls = lse.ptr<float>();
+  for_rows(Hq * T, T * D, [&](int64_t r0, int64_t r1) {
+    float* p = scratch(0, T);
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t h = r / T, i = r % T, kv = (h / g) * T * D;
+      const float* qi = &qf[size_t(r * D)];
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j <= i; ++j) m = std::max(m, p[j] = scale * dot(qi, &kf[size_t(kv + j * D)], D));
+      float l = 0.f;
+      for (int64_t j = 0; j <= i; ++j) l += (p[j] = std::exp(p[j] - m));
+      float* oi = &of[size_t(r * D)];
+      for (int64_t j = 0; j <= i; ++j)
+        for (int64_t d = 0; d < D; ++d) oi[d] += p[j] * vf[size_t(kv + j * D + d)];
+      for (int64_t d = 0; d < D; ++d) oi[d] /= l;
+      ls[r] = m + std::log(l);
+    }
+  });
+  store_all(o.dtype(), of.data(), o.numel(), o.data(), 0);
+}
+
+void CpuBackend::attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o,
+                                    const Tensor& dout, const Tensor& lse, const Tensor& dq, const Tensor& dk,
+                                    const Tensor& dv, float scale) {
+  const int64_t Hq = q.size(0), Hk = k.size(0), T = q.size(1), D = q.size(2), g = Hq / Hk;
+  const std::vector<float> qf = to_f32(q), kf = to_f32(k), vf = to_f32(v), of = to_f32(o), df = to_f32(dout);
+  std::vector<float> dqf(qf.size()), dkf(kf.size()), dvf(vf.size());
+  const float* ls = lse.ptr<float>();
+  // One task per KV head: it owns that head's dk/dv rows and its g query heads' dq rows.
+  ThreadPool::global().parallel_for(Hk, 1, [&](int64_t k0, int64_t k1) {
+    float* ds = scratch(0, T);
+    for (int64_t kh = k0; kh < k1; ++kh)
+      for (int64_t h = kh * g; h < (kh + 1) * g; ++h)
+        for (int64_t i = 0; i < T; ++i) {
+          const int64_t r = h * T + i, kv = kh * T * D;
+          const float* qi = &qf[size_t(r * D)];
+          const float* doi = &df[size_t(r * D)];
+          const float Di = dot(doi, &of[size_t(r * D)], D);  // rowsum(dP * P) = dO . O
+          for (int64_t j = 0; j <= i; ++j) {
+            const float p = std::exp(scale * dot(qi, &kf[size_t(kv + j * D)], D) - ls[r]);
+            ds[j] = p * (dot(doi, &vf[size_t(kv + j * D)], D) - Di) * scale;
+            for (int64_t d = 0; d < D; ++d) dvf[size_t(kv + j * D + d)] += p * doi[d];
+          }
+          float* dqi = &dqf[size_t(r * D)];
+          for (int64_t j = 0; j <= i; ++j)
+            for (int64_t d = 0; d < D; ++d) {
+              dqi[d] += ds[j] * kf[size_t(kv + j * D + d)];
+              dkf[size_t(kv + j * D + d)] += ds[j] * qi[d];
+            }
+        }
+  });
+  store_all(dq.dtype(), dqf.data(), dq.numel(), dq.data(), 0);
+  store_all(dk.dtype(), dkf.data(), dk.numel(), dk.data(), 0);
+  store_all(dv.dtype(), dvf.data(), dv.numel(), dv.data(), 0);
+}
+
 // ---- embedding
 
 void CpuBackend::embedding_forward(const Tensor& ids, const Tensor& table, const Tensor& out) {

@@ -7,6 +7,7 @@
 
 #include <deque>
 #include <functional>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -77,6 +78,15 @@ class CudaBackend : public Backend {
   void rope(const Tensor& x, const Tensor& positions, const Tensor& inv_freq, float sign) override;
   void softmax_causal_forward(const Tensor& S, const Tensor& P, float scale, const Tensor* segments) override;
   void softmax_backward(const Tensor& P, const Tensor& dP, const Tensor& dS, float scale) override;
+#ifdef KRNL_HAS_CUDNN
+  // cuDNN's SDPA graphs, bf16/f16 (attention_cudnn.cpp); absent without cuDNN at build time.
+  void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& lse,
+                         float scale) override;
+  void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& dout,
+                          const Tensor& lse, const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                          float scale) override;
+  bool fused_attention(DType dt) const override;
+#endif
   void embedding_forward(const Tensor& ids, const Tensor& table, const Tensor& out) override;
   void embedding_backward(const Tensor& ids, const Tensor& dout, const Tensor& dtable) override;
   void cross_entropy(const Tensor& logits, const Tensor& targets, const Tensor& loss, const Tensor* dlogits,
@@ -122,6 +132,11 @@ class CudaBackend : public Backend {
   char* staging_ = nullptr;
   size_t staging_size_ = 0, staging_used_ = 0;
   std::vector<std::pair<uint64_t, std::function<void()>>> deferred_;
+#ifdef KRNL_HAS_CUDNN
+  struct CudnnState;  // the cuDNN handle and built attention graphs, made on first use
+  CudnnState& cudnn(const char* op);
+  std::shared_ptr<CudnnState> cudnn_;
+#endif
 };
 
 }  // namespace krnl::cuda

@@ -23,6 +23,18 @@ if _sys.platform != "darwin":
         if _saved is None:
             del _os.environ["OPENBLAS_THREAD_TIMEOUT"]
 
+    # The CUDA backend opens cuDNN (fused attention) and NVRTC (which cuDNN's attention engines
+    # compile with) at run time: point it at the libraries of installed nvidia wheels
+    # (nvidia-cudnn-cu13, nvidia-cuda-nvrtc), which are not on the loader's path.
+    for _env, _rel in (("KRNL_CUDNN", ("nvidia", "cudnn", "lib", "libcudnn.so.9")),
+                       ("KRNL_NVRTC", ("nvidia", "cu13", "lib", "libnvrtc.so.13")),
+                       ("KRNL_NVRTC", ("nvidia", "cuda_nvrtc", "lib", "libnvrtc.so.12"))):
+        if _env not in _os.environ:
+            for _p in _sys.path:
+                if _os.path.isfile(_os.path.join(_p or ".", *_rel)):
+                    _os.environ[_env] = _os.path.join(_p or ".", *_rel)
+                    break
+
 from . import _core
 from ._core import Device, Tensor, ops
 from .profiler import Profile, profile

@@ -421,6 +421,10 @@ class LlamaModel:
         # W3 (T=4096) replayed 10.04 ms with one block, 9.50 / 9.36 / 9.49 / 10.04 with blocks of
         # 2048 / 1024 / 512 / 256. Metal is unmeasured (no Apple GPU here): one block.
         self.attn_block = {"cpu": 128, "cuda": 1024}.get(device.name.split(":")[0], 1 << 30)
+        # Fused (flash) attention where the device runs it faster than the materialised path:
+        # CUDA with cuDNN in bf16/f16 (ops.attention_forward). Packed segments keep the
+        # materialised path (the fused op masks causally only). Settable, e.g. to compare both.
+        self.fused_attention = bool(device.fused_attention(dtype))
         self._ones_cache = None
         self._pos_rows = self._seg_rows = None
         self.d_embed_out = None
@@ -530,6 +534,12 @@ class LlamaModel:
             ops.rope(kh, pos, self.inv_freq)
             seg = None if self._seg_rows is None else self._seg_rows[b]
             oh = d.empty((H, T, D), dt)
+            if self.fused_attention and seg is None:
+                lse = d.empty((H, T), "f32")
+                ops.attention_forward(qh, kh, vh, oh, lse, self._scale)   # scores stay on chip
+                ops.transpose_heads(oh, att[r].reshape(T, H, D))
+                per.append((qh, kh, vh, (oh, lse)))
+                continue
             Ps = []
             for r0, r1 in self._row_blocks(T, seg):
                 # Causal: queries r0:r1 see keys :r1 only, so the block's scores are (H, n, r1);
@@ -548,6 +558,28 @@ class LlamaModel:
         cache["att"] = att
         return att
 
+    def _score_blocks_backward(self, qh, kh, vh, Ps, doh, dqh, dkh, dvh):
+        """dq, dk, dv of the materialised attention from its saved probability blocks Ps."""
+        d, dt, H, Hk, g = self.dev, self.dtype, self.H, self.Hk, self.g
+        # Last row block first: it reaches every key, so its dK and dV write all T rows
+        # (beta 0) and the earlier blocks accumulate into their shorter key ranges.
+        first = True
+        for r0, r1, P in reversed(Ps):
+            n = r1 - r0
+            dS = d.empty((H, n, r1), dt)
+            for s in range(g):
+                ops.gemm(self._qrows(doh, s, r0, r1), vh[:, :r1], self._qrows(dS, s, 0, n),
+                         trans_b=True, batch=Hk)                      # dP = dO V^T
+            ops.softmax_backward(P, dS, dS, self._scale)               # in place: dS from dP
+            for s in range(g):
+                beta = 0.0 if first else 1.0
+                Pq, dSq, dOq = self._qrows(P, s, 0, n), self._qrows(dS, s, 0, n), self._qrows(doh, s, r0, r1)
+                ops.gemm(Pq, dOq, dvh[:, :r1], trans_a=True, beta=beta, batch=Hk)   # dV (+)= P^T dO
+                ops.gemm(dSq, kh[:, :r1], self._qrows(dqh, s, r0, r1), batch=Hk)     # dQ = dS K
+                ops.gemm(dSq, self._qrows(qh, s, r0, r1), dkh[:, :r1], trans_a=True, beta=beta,
+                         batch=Hk)                                                  # dK (+)= dS^T Q
+                first = False
+
     def _attention_backward(self, L, xn, dattn, cache, dxn):
         """dattn: gradient at the o_proj input (N, H*D). Writes dxn (N, C)."""
         d, dt, H, Hk, D, g = self.dev, self.dtype, self.H, self.Hk, self.D, self.g
@@ -561,24 +593,10 @@ class LlamaModel:
             ops.transpose_heads(dattn[r].reshape(T, H, D), doh)
             dheads = d.empty((NH, T, D), dt)
             dqh, dkh, dvh = dheads[:H], dheads[H:H + Hk], dheads[H + Hk:]
-            # Last row block first: it reaches every key, so its dK and dV write all T rows
-            # (beta 0) and the earlier blocks accumulate into their shorter key ranges.
-            first = True
-            for r0, r1, P in reversed(Ps):
-                n = r1 - r0
-                dS = d.empty((H, n, r1), dt)
-                for s in range(g):
-                    ops.gemm(self._qrows(doh, s, r0, r1), vh[:, :r1], self._qrows(dS, s, 0, n),
-                             trans_b=True, batch=Hk)                      # dP = dO V^T
-                ops.softmax_backward(P, dS, dS, self._scale)               # in place: dS from dP
-                for s in range(g):
-                    beta = 0.0 if first else 1.0
-                    Pq, dSq, dOq = self._qrows(P, s, 0, n), self._qrows(dS, s, 0, n), self._qrows(doh, s, r0, r1)
-                    ops.gemm(Pq, dOq, dvh[:, :r1], trans_a=True, beta=beta, batch=Hk)   # dV (+)= P^T dO
-                    ops.gemm(dSq, kh[:, :r1], self._qrows(dqh, s, r0, r1), batch=Hk)     # dQ = dS K
-                    ops.gemm(dSq, self._qrows(qh, s, r0, r1), dkh[:, :r1], trans_a=True, beta=beta,
-                             batch=Hk)                                                  # dK (+)= dS^T Q
-                    first = False
+            if isinstance(Ps, tuple):  # fused forward: its output and log-sum-exp
+                ops.attention_backward(qh, kh, vh, Ps[0], doh, Ps[1], dqh, dkh, dvh, self._scale)
+            else:
+                self._score_blocks_backward(qh, kh, vh, Ps, doh, dqh, dkh, dvh)
             ops.rope(dqh, self._row_pos(b), self.inv_freq, -1.0)
             ops.rope(dkh, self._row_pos(b), self.inv_freq, -1.0)
             ops.transpose_heads(dheads, dqkv[r].reshape(T, NH, D))

@@ -5,11 +5,17 @@
 #                                           to CI)
 #   bash tools/device/h200_check.sh bench   pytest bench/test_gpu.py: krnl bench's session on cuda
 #                                           (W1, W2, W3, GEMMs; peers), its JSON in $OUT/cuda_bench.json
+#   bash tools/device/h200_check.sh build   the build alone (python/krnl then imports it)
 # The remote machine has Python, PyTorch, nvcc, cmake and ninja but no network, so wheels travel
 # in ignored folders named in the call's carry:
-#   .whl   the one wheel the build needs:
+#   .whl   what the build needs: the scipy-openblas32 wheel (the CPU backend's BLAS) and the
+#          header-only cuDNN frontend's include/ folder as a tarball (the fused attention; cudnn.h
+#          comes from the machine's nvidia-cudnn-cu13; the frontend's wheel is 11 MB, its headers
+#          0.4 MB packed, which leaves room for .mlx1 in the same call):
 #          python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#            --platform manylinux_2_28_x86_64 -d .whl scipy-openblas32
+#            --platform manylinux_2_28_x86_64 -d .whl scipy-openblas32 nvidia-cudnn-frontend
+#          unzip -q .whl/nvidia_cudnn_frontend-*.whl 'include/*' -d /tmp/fe && rm .whl/nvidia_cudnn_frontend-*.whl
+#          tar czf .whl/cudnn_frontend-include.tar.gz -C /tmp/fe include
 #   .mlx1, .mlx2  (optional, for the MLX CUDA peer) mlx's wheel and the two halves of mlx-cuda-13's
 #          (90 MB, over one call's 64 MiB carry): `split -b 45m mlx_cuda_13-*.whl part_`, part_aa with
 #          the mlx wheel in .mlx1 (carried by the tests call, which keeps it in /tmp/mlx), part_ab in
@@ -20,15 +26,23 @@ OUT=${OUT:-/tmp/krnl-out}
 mkdir -p "$OUT"
 phase=${1:-tests}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+for t in .whl/cudnn_frontend*include.tar.gz; do [ -f "$t" ] && tar xzf "$t" -C /tmp/site; done
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 CUB=$(find /usr/local /opt /usr/lib -name 'libcublas.so.1[23]*' 2>/dev/null | head -1)
 [ -n "$CUB" ] && export KRNL_CUBLAS=$CUB  # cuBLAS is opened at run time (csrc/cuda/cublas_api.h)
 export PYTHONPATH=/tmp/site
-cmake -S . -B build/h200 -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$(which python3)" > "$OUT/cmake.log" 2>&1 &&
-  cmake --build build/h200 -j16 >> "$OUT/cmake.log" 2>&1 || { grep -E "error|FAILED" "$OUT/cmake.log" | head -40; exit 1; }
-cp build/h200/_core*.so python/krnl/
+# The system compiler, not the image's CC/CXX (/opt/gcc): that one compiles against GCC 13's
+# headers but links an older libstdc++ statically, and the mix crashed inside the cuDNN
+# frontend (a std::stringstream formatting an integer). With /usr/bin/g++ the module takes the
+# system's libstdc++.so.6 like any other.
+export CC=/usr/bin/gcc CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++
+cmake -S . -B build/cuda-h200 -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$(which python3)" > "$OUT/cmake.log" 2>&1 &&
+  cmake --build build/cuda-h200 -j16 >> "$OUT/cmake.log" 2>&1 || { grep -E "error|FAILED" "$OUT/cmake.log" | head -40; exit 1; }
+cp build/cuda-h200/_core*.so python/krnl/
+readelf -d python/krnl/_core*.so | grep -q "libstdc++" || { echo "the module links no libstdc++.so (a static, mismatched one?)"; exit 1; }
 export PYTHONPATH=python:/tmp/site KRNL_TEST_METAL_SIM=0
-python3 -c "import krnl; print(krnl.devices())"
+python3 -c "import krnl; d = krnl.device('cuda'); print(krnl.devices(), 'fused attention (bf16):', d.fused_attention('bf16'))"
+grep "krnl: cuDNN" "$OUT/cmake.log"
 
 if [ "$phase" = tests ]; then
   [ -d .mlx1 ] && mkdir -p /tmp/mlx && cp .mlx1/* /tmp/mlx/
@@ -36,7 +50,7 @@ if [ "$phase" = tests ]; then
   for f in test_mslsim test_metal_kernels test_metal_kernels_backward test_metal_kernels_extra test_metal_kernels_gemm \
            test_metal_kernels_loss_optim test_metal_host; do skip="$skip --ignore=tests/$f.py"; done
   timeout 330 python3 -m pytest -q -n 12 -p no:cacheprovider tests $skip 2>&1 | tee "$OUT/tests.log" | tail -15
-else
+elif [ "$phase" = bench ]; then
   if [ -f /tmp/mlx/part_aa ] && [ -f .mlx2/part_ab ]; then
     # into the interpreter's own site-packages: libmlx.so finds the CUDA libraries of the nvidia-*
     # wheels PyTorch installed there through its rpath ($ORIGIN/../../nvidia/...)

@@ -85,19 +85,15 @@ enum Uid : int64_t { kQ = 1, kK, kV, kO, kStats, kDO, kDQ, kDK, kDV };
 
 fe::DataType_t fe_dtype(DType dt) { return dt == DType::bf16 ? fe::DataType_t::BFLOAT16 : fe::DataType_t::HALF; }
 
-// (1, H, T, D) over a contiguous (H, T, D) tensor.
-fe::graph::Tensor_attributes heads(const char* name, int64_t uid, int64_t H, int64_t T, int64_t D) {
-  return fe::graph::Tensor_attributes().set_name(name).set_uid(uid).set_dim({1, H, T, D}).set_stride(
-      {H * T * D, T * D, D, 1});
+// (1, H, T, D) over a contiguous (H, T, D) tensor; D = 1 for the (H, T) log-sum-exp.
+fe::graph::Tensor_attributes& place(fe::graph::Tensor_attributes& t, int64_t uid, int64_t H, int64_t T, int64_t D) {
+  return t.set_uid(uid).set_dim({1, H, T, D}).set_stride({H * T * D, T * D, D, 1});
 }
 
-fe::graph::Tensor_attributes stats(int64_t H, int64_t T) {
-  return fe::graph::Tensor_attributes()
-      .set_name("lse")
-      .set_uid(kStats)
-      .set_dim({1, H, T, 1})
-      .set_stride({H * T, T, 1, 1})
-      .set_data_type(fe::DataType_t::FLOAT);
+fe::graph::Tensor_attributes input(const char* name, int64_t uid, int64_t H, int64_t T, int64_t D) {
+  fe::graph::Tensor_attributes t;
+  place(t.set_name(name), uid, H, T, D);
+  return t;
 }
 
 }  // namespace
@@ -125,27 +121,26 @@ struct CudaBackend::CudnnState {
     g->set_io_data_type(fe_dtype(dt))
         .set_intermediate_data_type(fe::DataType_t::FLOAT)
         .set_compute_data_type(fe::DataType_t::FLOAT);
-    auto q = g->tensor(heads("q", kQ, Hq, T, D));
-    auto k = g->tensor(heads("k", kK, Hk, T, D));
-    auto v = g->tensor(heads("v", kV, Hk, T, D));
+    auto q = g->tensor(input("q", kQ, Hq, T, D));
+    auto k = g->tensor(input("k", kK, Hk, T, D));
+    auto v = g->tensor(input("v", kV, Hk, T, D));
     if (!backward) {
       auto opts = fe::graph::SDPA_attributes().set_name("attention_forward").set_generate_stats(true).set_attn_scale(
           scale);
       opts.set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT).set_diagonal_band_right_bound(0);
       auto [o, lse] = g->sdpa(q, k, v, opts);
-      o->set_output(true).set_uid(kO).set_dim({1, Hq, T, D}).set_stride({Hq * T * D, T * D, D, 1});
-      lse->set_output(true).set_uid(kStats).set_data_type(fe::DataType_t::FLOAT).set_dim({1, Hq, T, 1}).set_stride(
-          {Hq * T, T, 1, 1});
+      place(o->set_output(true), kO, Hq, T, D);
+      place(lse->set_output(true).set_data_type(fe::DataType_t::FLOAT), kStats, Hq, T, 1);
     } else {
-      auto o = g->tensor(heads("o", kO, Hq, T, D));
-      auto dO = g->tensor(heads("dout", kDO, Hq, T, D));
-      auto lse = g->tensor(stats(Hq, T));
+      auto o = g->tensor(input("o", kO, Hq, T, D));
+      auto dO = g->tensor(input("dout", kDO, Hq, T, D));
+      auto lse = g->tensor(input("lse", kStats, Hq, T, 1).set_data_type(fe::DataType_t::FLOAT));
       auto opts = fe::graph::SDPA_backward_attributes().set_name("attention_backward").set_attn_scale(scale);
       opts.set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT).set_diagonal_band_right_bound(0);
       auto [dq, dk, dv] = g->sdpa_backward(q, k, v, o, dO, lse, opts);
-      dq->set_output(true).set_uid(kDQ).set_dim({1, Hq, T, D}).set_stride({Hq * T * D, T * D, D, 1});
-      dk->set_output(true).set_uid(kDK).set_dim({1, Hk, T, D}).set_stride({Hk * T * D, T * D, D, 1});
-      dv->set_output(true).set_uid(kDV).set_dim({1, Hk, T, D}).set_stride({Hk * T * D, T * D, D, 1});
+      place(dq->set_output(true), kDQ, Hq, T, D);
+      place(dk->set_output(true), kDK, Hk, T, D);
+      place(dv->set_output(true), kDV, Hk, T, D);
     }
     auto err = g->build(handle, {fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK});
     if (!err.is_good())

@@ -108,16 +108,19 @@ def gemm_bytes(m, n, k, beta, out_f32, dtype):
 
 
 def gemm_fn(dev, m, n, k, trans_a, trans_b, beta=0.0, out_f32=False, dtype="f32"):
-    """run(reps=1): `reps` GEMMs of the shape on `dev` in `dtype` queued back to back, then one
-    synchronize (inputs stored as the op reads them)."""
+    """run(reps=1): `reps` GEMMs of the shape on `dev` in `dtype` queued back to back in one step,
+    as a training step queues them, then one synchronize (inputs stored as the op reads them).
+    Outside a step each op is its own submission: on the H200 that added ~7 us to each skinny
+    LoRA product of W3 (21.6 us a call against 14.2 inside one step, same session)."""
     rng = np.random.default_rng(0)
     a = dev.tensor(rng.standard_normal((k, m) if trans_a else (m, k)).astype(np.float32), dtype)
     b = dev.tensor(rng.standard_normal((n, k) if trans_b else (k, n)).astype(np.float32), dtype)
     c = dev.tensor(np.zeros((m, n), np.float32), "f32" if out_f32 else dtype)
 
     def run(reps=1):
-        for _ in range(reps):
-            krnl.ops.gemm(a, b, c, trans_a=trans_a, trans_b=trans_b, beta=beta)
+        with dev.step():
+            for _ in range(reps):
+                krnl.ops.gemm(a, b, c, trans_a=trans_a, trans_b=trans_b, beta=beta)
         dev.synchronize()
 
     return run

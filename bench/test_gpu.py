@@ -3,8 +3,8 @@ device (the code of `krnl bench --device cuda|metal`): W1, W2 and W3 (DESIGN sec
 device's compute dtype (bf16 on CUDA, f16 on Metal), krnl eager and, on CUDA, krnl with the step
 replayed as a CUDA graph, PyTorch eager, torch.compile (and with CUDA graphs on CUDA), MLX and
 mx.compile where their GPU builds are installed, each checked against krnl at a small size before
-it is timed; the square GEMMs and W3's skinny LoRA GEMMs against their bandwidth bound. The last
-test is CUDA's split-K table.
+it is timed; the square GEMMs and W3's skinny LoRA GEMMs against their bandwidth bound. Then
+CUDA's split-K table and W3 with the fused attention against the materialised one.
 
 Run (needs a GPU device; skipped otherwise):
     PYTHONPATH=python python -m pytest bench/test_gpu.py -s -q
@@ -106,3 +106,44 @@ def test_w3_lora_gemm_split_k(benchmark):
 
     lines = benchmark.pedantic(measure, rounds=1, iterations=1)
     print("\n" + "\n".join(lines))
+
+
+@pytest.mark.skipif("cuda" not in krnl.devices() or not krnl.device("cuda").fused_attention("bf16"),
+                    reason="no cuda device with the fused (cuDNN) attention")
+def test_w3_fused_attention(benchmark):
+    """W3 in bf16 with the fused attention (the default on CUDA with cuDNN) and with
+    `model.fused_attention = False` in one process: eager and replayed step times (interleaved
+    rounds), the pool's live peak of each path, and their outputs against each other."""
+    from krnl.bench.w2 import Case, _as_dict, build_krnl_graph
+
+    def measure():
+        c = Case.of(W3, "cuda", "bf16")
+        dev, m = c.dev, c.model
+        out, steps, peak = {}, {}, {}
+        for fused in (True, False):
+            m.fused_attention = fused
+            c.krnl_step()
+            dev.synchronize()
+            dev.trim()
+            base = dev.pool_stats()["in_use"]
+            dev.reset_peak()
+            out[fused] = _as_dict(*c.krnl_result())
+            peak[fused] = (dev.pool_stats()["peak_in_use"] - base) / 2**30
+            steps[(fused, "eager")] = c.krnl_step
+            steps[(fused, "graph")] = build_krnl_graph(c)[0]
+        times = {k: [] for k in steps}
+        for _ in range(5):
+            for k, f in steps.items():
+                times[k].append(_median_ms(f, dev.synchronize, warmup=1, rounds=5)[0])
+        return out, peak, {k: float(np.median(v)) for k, v in times.items()}
+
+    out, peak, ms = benchmark.pedantic(measure, rounds=1, iterations=1)
+    name = {True: "fused", False: "materialised"}
+    print("\nW3 attention, ms per step (median of 5 rounds) and live pool peak:")
+    for f in (True, False):
+        print(f"  {name[f]:12s} eager {ms[(f, 'eager')]:6.2f}  graph {ms[(f, 'graph')]:6.2f}  peak {peak[f]:.2f} GiB")
+    a, b = out[True], out[False]
+    assert abs(float(a["loss"]) - float(b["loss"])) <= 1e-3 * abs(float(b["loss"]))
+    for k in b:  # bf16 activations: the two paths round differently
+        assert np.max(np.abs(a[k] - b[k])) <= 5e-2 * np.max(np.abs(b[k])), k
+    assert peak[True] < peak[False]  # the (H, T, T) scores are never stored

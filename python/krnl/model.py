@@ -518,7 +518,7 @@ class LlamaModel:
         return out
 
     def _attention_forward(self, L, xn, B, T, cache):
-        d, dt, H, Hk, D, g = self.dev, self.dtype, self.H, self.Hk, self.D, self.g
+        d, dt, H, Hk, D = self.dev, self.dtype, self.H, self.Hk, self.D
         N, NH = B * T, H + 2 * Hk
         qkv = self._qkv_forward(L, xn, cache)
         att = d.empty((N, H * D), dt)
@@ -535,28 +535,33 @@ class LlamaModel:
             seg = None if self._seg_rows is None else self._seg_rows[b]
             oh = d.empty((H, T, D), dt)
             if self.fused_attention and seg is None:
-                lse = d.empty((H, T), "f32")
-                ops.attention_forward(qh, kh, vh, oh, lse, self._scale)   # scores stay on chip
-                ops.transpose_heads(oh, att[r].reshape(T, H, D))
-                per.append((qh, kh, vh, (oh, lse)))
-                continue
-            Ps = []
-            for r0, r1 in self._row_blocks(T, seg):
-                # Causal: queries r0:r1 see keys :r1 only, so the block's scores are (H, n, r1);
-                # the key blocks above the diagonal are never computed.
-                P = d.empty((H, r1 - r0, r1), dt)
-                for s in range(g):
-                    ops.gemm(self._qrows(qh, s, r0, r1), kh[:, :r1], self._qrows(P, s, 0, r1 - r0),
-                             trans_b=True, batch=Hk)                      # S = Q K^T
-                ops.softmax_causal_forward(P, P, self._scale, seg)         # in place: P = softmax(S)
-                for s in range(g):
-                    ops.gemm(self._qrows(P, s, 0, r1 - r0), vh[:, :r1], self._qrows(oh, s, r0, r1), batch=Hk)
-                Ps.append((r0, r1, P))
+                saved = (oh, d.empty((H, T), "f32"))                      # its output and log-sum-exp
+                ops.attention_forward(qh, kh, vh, oh, saved[1], self._scale)   # scores stay on chip
+            else:
+                saved = self._score_blocks_forward(qh, kh, vh, oh, T, seg)
             ops.transpose_heads(oh, att[r].reshape(T, H, D))
-            per.append((qh, kh, vh, Ps))
+            per.append((qh, kh, vh, saved))
         cache["attn"] = per
         cache["att"] = att
         return att
+
+    def _score_blocks_forward(self, qh, kh, vh, oh, T, seg):
+        """oh = the materialised attention of qh, kh, vh; returns the saved probability blocks
+        [(r0, r1, P)] that _score_blocks_backward reads."""
+        d, dt, H, Hk, g = self.dev, self.dtype, self.H, self.Hk, self.g
+        Ps = []
+        for r0, r1 in self._row_blocks(T, seg):
+            # Causal: queries r0:r1 see keys :r1 only, so the block's scores are (H, n, r1);
+            # the key blocks above the diagonal are never computed.
+            P = d.empty((H, r1 - r0, r1), dt)
+            for s in range(g):
+                ops.gemm(self._qrows(qh, s, r0, r1), kh[:, :r1], self._qrows(P, s, 0, r1 - r0),
+                         trans_b=True, batch=Hk)                      # S = Q K^T
+            ops.softmax_causal_forward(P, P, self._scale, seg)         # in place: P = softmax(S)
+            for s in range(g):
+                ops.gemm(self._qrows(P, s, 0, r1 - r0), vh[:, :r1], self._qrows(oh, s, r0, r1), batch=Hk)
+            Ps.append((r0, r1, P))
+        return Ps
 
     def _score_blocks_backward(self, qh, kh, vh, Ps, doh, dqh, dkh, dvh):
         """dq, dk, dv of the materialised attention from its saved probability blocks Ps."""

@@ -83,6 +83,9 @@ bool cudnn_loaded() {
 
 enum Uid : int64_t { kQ = 1, kK, kV, kO, kStats, kDO, kDQ, kDK, kDV };
 
+// The dtypes cuDNN's flash attention takes (f32 keeps the materialised path).
+bool fused_dtype(DType dt) { return dt == DType::bf16 || dt == DType::f16; }
+
 fe::DataType_t fe_dtype(DType dt) { return dt == DType::bf16 ? fe::DataType_t::BFLOAT16 : fe::DataType_t::HALF; }
 
 // (1, H, T, D) over a contiguous (H, T, D) tensor; D = 1 for the (H, T) log-sum-exp.
@@ -155,7 +158,7 @@ struct CudaBackend::CudnnState {
 };
 
 bool CudaBackend::fused_attention(DType dt) const {
-  return (dt == DType::bf16 || dt == DType::f16) && cudnn_loaded();
+  return fused_dtype(dt) && cudnn_loaded();
 }
 
 CudaBackend::CudnnState& CudaBackend::cudnn(const char* op) {
@@ -173,7 +176,7 @@ CudaBackend::CudnnState& CudaBackend::cudnn(const char* op) {
 
 namespace {
 void check_fused_dtype(DType dt, const char* op) {
-  if (dt != DType::bf16 && dt != DType::f16)
+  if (!fused_dtype(dt))
     throw NotImplementedError(std::string("[") + op + "] cuDNN's fused attention takes bf16 or f16 on cuda, got " +
                               dtype_name(dt) + " (f32 takes the materialised path)");
 }

@@ -6,12 +6,14 @@ from pathlib import Path
 
 from krnl.fileio import atomic_write_bytes, read_json_object
 
+from .targets import kind
+
 MARK = "UNTRUSTED"
 
 
 def markers(device_name):
     """The README block of one device kind: a CPU session and a CUDA session each own theirs."""
-    k = device_name.split(":")[0]
+    k = kind(device_name)
     return f"<!-- bench:{k}:start -->", f"<!-- bench:{k}:end -->"
 
 

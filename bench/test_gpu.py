@@ -108,7 +108,8 @@ def test_w3_lora_gemm_split_k(benchmark):
     print("\n" + "\n".join(lines))
 
 
-@pytest.mark.skipif("cuda" not in krnl.devices() or not krnl.device("cuda").fused_attention("bf16"),
+@pytest.mark.skipif("cuda" not in krnl.devices()
+                    or "bf16" not in krnl.device("cuda").capabilities()["fused_attention"]["dtypes"],
                     reason="no cuda device with the fused (cuDNN) attention")
 def test_w3_fused_attention(benchmark):
     """W3 in bf16 with the fused attention (the default on CUDA with cuDNN) and with

@@ -3,6 +3,7 @@ constants and tolerances, upload/read-back helpers and host-side (numpy) convers
 float64 oracles use. Op-specific oracles live next to their tests."""
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -43,12 +44,12 @@ if os.environ.get("KRNL_TEST_METAL_SIM", "1") != "0":
         # random thread order everywhere: every op test is also a race test of its kernels
         METAL_SIM = mslsim.metal_sim.register(krnl._core, ROOT, random_order=True)
 
+# Which devices the `dev` fixture runs on (the test devices by name: which to test, not what
+# they can do, which their capabilities() say).
 DEVICES = [d for d in krnl.devices() if d not in ("cpu:1", "metal-sim")]
 # Test modules whose `dev` tests also run on metal-sim: the op suite. Model-level tests would
 # take minutes per case on the simulator; test_metal_sim.py runs one training step there instead.
-SIM_MODULES = {"test_ops", "test_gemm", "test_metal_sim"}
-# Metal kernels are f32/f16 only (bf16 is emulated and slow on Apple GPUs before M3, DESIGN 4).
-SIM_DTYPES_ABSENT = ("bf16",)
+SIM_MODULES = {"test_ops", "test_gemm", "test_metal_sim", "test_capabilities"}
 
 
 def pytest_generate_tests(metafunc):
@@ -59,19 +60,50 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("dev", names, indirect=True)
 
 
+def _names_dtype(text, dtype):
+    """Whether `text` (a parameter or a test name) names `dtype` as a word: 'bf16' names bf16,
+    not f16."""
+    return re.search(rf"(?<![a-z0-9]){dtype}(?![a-z0-9])", text) is not None
+
+
 def pytest_collection_modifyitems(config, items):
+    # A test of a float dtype the device has no kernels for (its capabilities' dtypes: Metal has
+    # no bf16) is skipped, saying so; every other test runs.
+    dtypes = {}
     for item in items:
         cs = getattr(item, "callspec", None)
-        if not cs or cs.params.get("dev") != "metal-sim":
+        name = cs.params.get("dev") if cs else None
+        if name is None:
             continue
-        values = [v for k, v in cs.params.items() if k != "dev" and isinstance(v, str)]
-        if any(dt in v for dt in SIM_DTYPES_ABSENT for v in values + [item.originalname]):
-            item.add_marker(pytest.mark.skip(reason="Metal kernels are f32/f16: no bf16 on metal-sim"))
+        if name not in dtypes:
+            dtypes[name] = krnl.device(name).capabilities()["dtypes"]
+        values = [v for k, v in cs.params.items() if k != "dev" and isinstance(v, str)] + [item.originalname]
+        absent = [dt for dt in FLOAT_DTYPES if dt not in dtypes[name] and any(_names_dtype(v, dt) for v in values)]
+        if absent:
+            item.add_marker(pytest.mark.skip(reason=f"{name} has no {'/'.join(absent)} kernels (its capabilities' "
+                                                    f"dtypes: {', '.join(dtypes[name])})"))
 
 
 def device_dtypes(dev):
-    """The float dtypes `dev` has kernels for."""
-    return tuple(d for d in FLOAT_DTYPES if not (dev.name == "metal-sim" and d in SIM_DTYPES_ABSENT))
+    """The float dtypes `dev` has kernels for (its capabilities' dtypes), in FLOAT_DTYPES order."""
+    have = dev.capabilities()["dtypes"]
+    return tuple(d for d in FLOAT_DTYPES if d in have)
+
+
+def attention_ops_missing(dev, dtype):
+    """Why ops.attention_forward cannot run on `dev` in `dtype` (the backend's NotImplementedError),
+    or None where it runs. The fused ops exist where the capabilities list the dtype (the model
+    takes them there: no probe may hide their absence) and may exist elsewhere as a reference (the
+    CPU's loops, every dtype), which only trying one tells."""
+    if dtype in dev.capabilities()["fused_attention"]["dtypes"]:
+        return None
+    q = dev.zeros((1, 1, 8), dtype)
+    try:
+        krnl.ops.attention_forward(q, q, q, dev.empty((1, 1, 8), dtype), dev.empty((1, 1), "f32"), 1.0)
+        dev.synchronize()
+    except NotImplementedError as e:
+        return str(e)
+    return None
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ import re
 import numpy as np
 import pytest
 
+import krnl
 from krnl.bench import gate, report, w1
 from krnl.bench.cli import main as bench_main
 from krnl.bench.session import Session, compare
@@ -57,6 +58,9 @@ def test_verdict_without_reference_checks_drift_only():
 
 class _Dev:
     name = "cpu"
+
+    def capabilities(self):
+        return krnl.device("cpu").capabilities()
 
 
 def test_calibrate_writes_the_reference_atomically(reference, monkeypatch):
@@ -162,12 +166,13 @@ def test_bf16_session_checks_peers_in_bf16_and_lists_the_rest():
     rows = {r["impl"]: r for r in s.rows}
     assert rows["krnl"]["status"] == "ok" and rows["krnl"]["title"].endswith("; bf16)")
     assert rows["numpy"]["status"] == "absent" and "f32 only" in rows["numpy"]["reason"]
-    assert rows["compile+cudagraphs"]["status"] == "absent" and "cuda devices only" in rows["compile+cudagraphs"]["reason"]
     try:
         import torch  # noqa: F401
-    except ImportError:
-        assert rows["torch"]["status"] == "absent" and "not installed" in rows["torch"]["reason"]
+    except ImportError:  # every torch peer says so first
+        for name in ("torch", "compile+cudagraphs"):
+            assert rows[name]["status"] == "absent" and "not installed" in rows[name]["reason"], rows[name]
         return
+    assert rows["compile+cudagraphs"]["status"] == "absent" and "cuda devices only" in rows["compile+cudagraphs"]["reason"]
     # an error of bf16 size shows both sides ran in bf16 (in f32 they agree to about 1e-6)
     assert rows["torch"]["status"] == "ok" and 1e-4 < rows["torch"]["check_err"] <= TOLERANCE["bf16"]
 
@@ -213,7 +218,8 @@ def _result(trusted):
     ]
     v = gate.verdict(100.0, 101.0 if trusted else 70.0, None, 256)
     return {"krnl_version": "0.1.0", "date": "2026-11-29 10:00 UTC", "seconds": 1.0,
-            "machine": {"cpu": "Test CPU", "cores": 2, "threads": 2, "device": "cpu"}, "device": "cpu", "threads": 2,
+            "machine": {"cpu": "Test CPU", "cores": 2, "threads": 2, "device": "cpu"}, "device": "cpu", "kind": "cpu",
+            "threads": 2,
             "rounds": 3, "quick": True, "workloads": ["w1", "gemm"], "sgemm": {"n": 256, "gflops": 100.0},
             "trusted": v["trusted"], "untrusted_reasons": v["reasons"], "gate": v, "reference_file": "x",
             "rows": rows, "profile": None}
@@ -244,7 +250,7 @@ def test_readme_block_replaced_and_nothing_else(tmp_path):
     readme = tmp_path / "README.md"
     before, after = "# krnl\n\n## Performance\n\nHand-written text.\n\n", "\n\n## Layout\n\nmore\n"
     start, end = report.markers("cpu")
-    cuda_block = "\n".join(report.markers("cuda:0")) + "\n"  # another device's block: left alone
+    cuda_block = "\n".join(report.markers("cuda")) + "\n"  # another device kind's block: left alone
     readme.write_text(before + start + "\nold figures\n" + end + after + cuda_block)
     report.replace_readme_block(readme, report.readme_block(_result(False)), "cpu")
     text = readme.read_text()
@@ -258,6 +264,16 @@ def test_readme_block_replaced_and_nothing_else(tmp_path):
     (tmp_path / "plain.md").write_text("no markers\n")
     with pytest.raises(ValueError, match="plain.md must hold exactly one"):
         report.replace_readme_block(tmp_path / "plain.md", "x", "cpu")
+
+
+def test_result_kind_is_the_recorded_kind():
+    """A session records its device's kind; the README block is that kind's whatever the device's
+    name. Results from before the kind was recorded ran on "cpu" or "cuda", named by their kind."""
+    res = _result(True)
+    assert report.result_kind({**res, "device": "cpu:1"}) == "cpu"
+    assert report.readme_block({**res, "device": "cpu:1"}).startswith(report.markers("cpu")[0])
+    old = {k: v for k, v in res.items() if k != "kind"}
+    assert report.result_kind({**old, "device": "cuda"}) == "cuda"
 
 
 # ---- end to end
@@ -287,7 +303,8 @@ def test_krnl_bench_quick_end_to_end(tmp_path, reference, capsys):
     assert "of its bandwidth bound" in lora[0]["note"]
     for peer in ("torch", "torch.compile", "compile+cudagraphs", "mlx", "mx.compile"):  # listed, not dropped
         assert got[("w1", peer)] == "absent"
-    assert ("w1", "krnl graph") not in got  # graphs: CUDA only
+    assert ("w1", "krnl graph") not in got  # the CPU's capabilities: no graphs
+    assert res["kind"] == "cpu"  # the README block is the device kind's (report.result_kind)
     assert "gate:" in out and "w3" in out and "per-op profile of one W2 step" in out
     assert res["profile"]["rows"] and res["profile"]["rows"][0]["op"]
     assert out_png.read_bytes()[:4] == b"\x89PNG" and start in readme.read_text()

@@ -194,7 +194,7 @@ def test_device_pool_reuses_only_after_commit(dev):
         st = dev.pool_stats()
         assert st["in_use"] == base["in_use"]
         t2 = dev.empty((n,), "f32")
-        if dev.queue_ordered:
+        if dev.capabilities()["queue_ordered"]:
             assert st["pending"] == base["pending"], "a queue-ordered device has nothing to wait for in a step"
             assert t2.buffer_id == tid, "the released buffer should be reused within the step"
         else:
@@ -202,7 +202,7 @@ def test_device_pool_reuses_only_after_commit(dev):
             assert t2.buffer_id != tid, "a buffer released inside the open step was handed out again"
     dev.synchronize()
     t3 = dev.empty((n,), "f32")
-    if not dev.queue_ordered:
+    if not dev.capabilities()["queue_ordered"]:
         assert t3.buffer_id == tid, "after the step completed, the released buffer should be reused"
     st = dev.pool_stats()
     assert st["pending"] == base["pending"]
@@ -220,16 +220,11 @@ def test_device_pool_pending_clears_when_step_completes(dev):
     with dev.step():
         t = dev.empty((n,), "f32")
         del t
-        assert dev.pool_stats()["pending"] == base["pending"] + (0 if dev.queue_ordered else cls)
+        assert dev.pool_stats()["pending"] == base["pending"] + (0 if dev.capabilities()["queue_ordered"] else cls)
     dev.synchronize()
     st = dev.pool_stats()
     assert st["pending"] == base["pending"], f"stale pending bytes after synchronize: {st}"
     assert st["cached"] >= cls
-
-
-def test_synchronous_and_queue_ordered_devices(dev):
-    assert dev.synchronous == (dev.name == "cpu")  # the CPU runs ops as they are called; the others queue them
-    assert dev.queue_ordered == (dev.name.split(":")[0] in ("cpu", "cuda"))  # CUDA: one stream for everything
 
 
 def test_device_pool_in_use_tracks_class_sizes(dev):
@@ -460,7 +455,7 @@ def test_tensor_bad_dtype_names(dev):
 
 
 def test_from_numpy_is_zero_copy(dev):
-    if not dev.host_visible:
+    if not dev.capabilities()["host_visible"]:
         pytest.skip(f"{dev.name} memory is not host-visible; from_numpy is documented to refuse")
     a = np.zeros((4, 6), np.float32)
     t = dev.from_numpy(a)
@@ -489,7 +484,7 @@ def test_from_numpy_is_zero_copy(dev):
 def test_from_numpy_non_contiguous_is_not_silently_copied(dev):
     # The contract is a zero-copy view of a C-contiguous array. A strided array must be refused
     # (TypeError/ValueError), never silently copied so that writes are lost.
-    if not dev.host_visible:
+    if not dev.capabilities()["host_visible"]:
         pytest.skip("not host-visible")
     base = np.zeros((4, 8), np.float32)
     strided = base[:, ::2]
@@ -503,7 +498,7 @@ def test_from_numpy_non_contiguous_is_not_silently_copied(dev):
 
 
 def test_tensor_numpy_is_a_view(dev):
-    if not dev.host_visible:
+    if not dev.capabilities()["host_visible"]:
         pytest.skip("not host-visible")
     t = dev.tensor(np.ones(6, np.float32))
     v = t.numpy()
@@ -580,7 +575,7 @@ def test_tensor_reshape(dev):
 
 
 def test_storage_lifetimes(dev):
-    if not dev.host_visible:
+    if not dev.capabilities()["host_visible"]:
         pytest.skip("not host-visible")
     a = np.arange(5000, dtype=np.float32)
     base = _stats(dev)["in_use"]

@@ -15,7 +15,7 @@ from conftest import check_step_against_cpu, check_training_reduces_loss, lora_s
 pytestmark = pytest.mark.skipif(
     "cuda" not in krnl.devices(),
     reason="no cuda device: it is registered only where a CUDA GPU, its driver and cuBLAS are present ("
-           + (getattr(krnl._core, "cuda_unavailable_reason", lambda: "this build has no CUDA backend")() or "?") + ")")
+           + krnl.unavailable_devices().get("cuda", "this build has no CUDA backend") + ")")
 
 
 
@@ -26,10 +26,22 @@ def cuda():
 
 def test_registered_first_not_host_visible(cuda):
     assert krnl.devices()[0] == "cuda", krnl.devices()
+    assert "cuda" not in krnl.unavailable_devices()
     assert krnl.device().name == "cuda"
-    assert not cuda.host_visible
+    assert not cuda.capabilities()["host_visible"]
     with pytest.raises(ValueError, match=r"\[from_numpy\].*not host-visible"):
         cuda.from_numpy(np.zeros(4, np.float32))
+
+
+def test_capabilities(cuda):
+    """What the model and krnl bench read on cuda: every float dtype, bf16 training, graphs, query
+    row blocks of 1024, and the fused attention exactly where the ops run (cuDNN, 16-bit)."""
+    c = cuda.capabilities()
+    assert (c["kind"], c["compute_dtype"], c["graphs"], c["attention_block"]) == ("cuda", "bf16", True, 1024)
+    assert c["dtypes"] == ["f32", "f16", "bf16"]
+    assert (c["host_visible"], c["synchronous"], c["queue_ordered"]) == (False, False, True)
+    assert c["fused_attention"]["dtypes"] in ([], ["f16", "bf16"]) and not c["fused_attention"]["segments"]
+    assert c["details"]["gpu"] and int(c["details"]["sm_count"]) > 0
 
 
 def test_numpy_is_a_copy_of_any_view(cuda):
@@ -358,7 +370,7 @@ def test_fused_attention_step_matches_materialised(cuda):
     """The tiny Llama with 64-wide heads in bf16, one step with the fused attention ops (the
     default where cuDNN loads) against the same model on the materialised path; the profile shows
     which path ran. Then the fused step captured as a graph and replayed matches eager."""
-    if not cuda.fused_attention("bf16"):
+    if "bf16" not in cuda.capabilities()["fused_attention"]["dtypes"]:
         pytest.skip("no fused attention on this cuda device (built without cuDNN headers, or libcudnn absent)")
     rng = np.random.default_rng(9)
     ids, targets = rng.integers(0, 61, (2, 33)), rng.integers(0, 61, (2, 33))

@@ -274,7 +274,8 @@ def test_cli_generate_and_eval_with_model_folder(folders, tmp_path, capsys):
 
     ad = _peft_adapter(folders["llama"], tmp_path / "peft", 9, r=2, lora_alpha=4, target_modules=["q_proj"])
     # base_model_name_or_path is the folder: --model may be left out; eval needs --data.
-    assert main(["generate", "--adapter-path", str(ad), "--prompt", "w5 w7 w9", "--max-tokens", "4"]) == 0
+    # f32: the reference below decodes greedily in f32 (the CLI's default is the device's compute dtype)
+    assert main(["generate", "--adapter-path", str(ad), "--prompt", "w5 w7 w9", "--max-tokens", "4", "--dtype", "f32"]) == 0
     text = capsys.readouterr().out.strip()
     want = hf.load_model(folders["llama"], krnl.device("cpu"), adapter=ad).generate([5, 7, 9], max_new_tokens=4,
                                                                                     eos_id=0)

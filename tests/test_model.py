@@ -220,7 +220,7 @@ def test_fused_attention_path(dev, kv_heads):
     bound (the fused loops land 1.5e-4 off, the materialised path just inside, the two agreeing
     to 1e-6 of dX's largest entry)."""
     cfg, w, lcfg, m, lora, ids, tg = make(dev, {"num_key_value_heads": kv_heads}, T=11, seed=21)
-    assert not m.fused_attention  # the CPU keeps the materialised path by default
+    assert not m.fused_attention  # the CPU's capabilities list no fused dtype: it keeps the materialised path
     m.fused_attention = True
     g_fused = check_grads(m, cfg, w, lcfg, lora, ids, tg)
     dx_fused = np.array(m.d_embed_out.numpy(), np.float64)

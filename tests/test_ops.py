@@ -11,7 +11,8 @@ import pytest
 from krnl import ops
 
 from conftest import (FLOAT_DTYPES, device_dtypes, OUT_RTOL, SUBNORMAL, U32, UNIT_ROUNDOFF, assert_close,
-                      assert_close_elementwise, bf16_bits, bf16_value, empty_filled, read, to_dev, upload)
+                      assert_close_elementwise, attention_ops_missing, bf16_bits, bf16_value, empty_filled, read,
+                      to_dev, upload)
 
 # Shapes of row-wise ops (rows..., C): awkward row counts and widths, a 3-D one, a realistic one.
 ROW_SHAPES = [(1, 1), (31, 33), (33, 127), (127, 31), (2, 3, 33), (256, 2048)]
@@ -616,8 +617,9 @@ def attention_backward_ref(q, k, v, do, scale):
 def require_attention(dev, dt):
     """The fused attention ops exist on the CPU (the reference loops, every dtype) and on CUDA
     with cuDNN (bf16/f16); elsewhere the model takes the materialised path."""
-    if dev.name.split(":")[0] != "cpu" and not dev.fused_attention(dt):
-        pytest.skip(f"attention_forward is not on {dev.name} for {dt} (CUDA: cuDNN, bf16/f16 only)")
+    why = attention_ops_missing(dev, dt)
+    if why:
+        pytest.skip(f"attention_forward does not run on {dev.name} in {dt}: {why}")
 
 
 # Output error of the fused kernels: 16-bit P and dS in their products, fp32 accumulation.

@@ -56,8 +56,10 @@ void upload_into(Backend& dev, const Tensor& t, nb::handle arr) {
     std::vector<uint16_t> bits(size_t(t.numel()));
     const float* src = static_cast<const float*>(view.data());
     for (size_t i = 0; i < bits.size(); ++i) bits[i] = f32_to_bf16(src[i]);
+    nb::gil_scoped_release release;  // an upload may wait for device work (metal-sim's executor is Python)
     dev.upload(t, bits.data());
   } else {
+    nb::gil_scoped_release release;
     dev.upload(t, view.data());
   }
 }
@@ -122,6 +124,31 @@ Tensor tensor_wrap(Backend& dev, nb::handle obj) {
   });
 }
 
+nb::dict capabilities_dict(const Capabilities& c) {
+  auto names = [](const std::vector<DType>& v) {
+    nb::list l;
+    for (DType d : v) l.append(dtype_name(d));
+    return l;
+  };
+  nb::dict fused;
+  fused["dtypes"] = names(c.fused_attention_dtypes);
+  fused["segments"] = c.fused_attention_segments;
+  nb::dict details;
+  for (const auto& [k, v] : c.details) details[k.c_str()] = v;
+  nb::dict d;
+  d["kind"] = c.kind;
+  d["dtypes"] = names(c.dtypes);
+  d["compute_dtype"] = dtype_name(c.compute_dtype);
+  d["fused_attention"] = fused;
+  d["graphs"] = c.graphs;
+  d["host_visible"] = c.host_visible;
+  d["synchronous"] = c.synchronous;
+  d["queue_ordered"] = c.queue_ordered;
+  d["attention_block"] = c.attention_block;
+  d["details"] = details;
+  return d;
+}
+
 struct Step {
   Backend* dev;
   uint64_t seq = 0;
@@ -133,29 +160,34 @@ void bind_devices(nb::module_& m) {
   using namespace nb::literals;
 
   m.def("devices", &available_devices, "Names of the devices this build can use, best first.");
+  m.def("unavailable_devices", [] {
+          nb::dict d;
+          for (const auto& [name, reason] : unavailable_devices()) d[name.c_str()] = reason;
+          return d;
+        }, "Devices this build has but this machine cannot run: {name: one-line reason}.");
   m.def(
       "device", [](const std::string& name) { return get_device(name); }, "name"_a, nb::rv_policy::reference,
       "The device called `name` ('cpu', ...).");
 
   nb::class_<Step>(m, "Step", "Context manager of one submission: `with dev.step(): ...`.")
       .def("__enter__", [](Step& s) { s.dev->begin_step(); return &s; }, nb::rv_policy::reference)
-      .def("__exit__", [](Step& s, nb::handle, nb::handle, nb::handle) { s.seq = s.dev->commit(); return false; },
+      .def("__exit__", [](Step& s, nb::handle, nb::handle, nb::handle) {
+             nb::gil_scoped_release release;
+             s.seq = s.dev->commit();
+             return false;
+           },
            nb::arg().none(), nb::arg().none(), nb::arg().none())
       .def_ro("seq", &Step::seq, "The submission's sequence number once committed (0 before).");
 
   nb::class_<Backend>(m, "Device")
       .def_prop_ro("name", &Backend::name)
-      .def_prop_ro("host_visible", &Backend::host_visible,
-                   "Whether tensors' memory is readable by the CPU (zero-copy numpy views).")
-      .def_prop_ro("synchronous", &Backend::synchronous, "Whether ops complete when they return (CPU).")
-      .def_prop_ro("queue_ordered", &Backend::queue_ordered,
-                   "Whether every access to the device's memory runs in call order (CPU, CUDA): a buffer "
-                   "released inside a step is then reused within it; otherwise only once the step's "
-                   "submission has completed.")
-      .def("fused_attention", [](const Backend& d, nb::handle dtype) { return d.fused_attention(to_dtype(dtype)); },
-           "dtype"_a,
-           "Whether ops.attention_forward/backward run here for this dtype and beat the materialised path "
-           "(CUDA with cuDNN, 16-bit): the model then takes them.")
+      .def("capabilities", [](const Backend& d) { return capabilities_dict(d.capabilities()); },
+           "What this device can do, from its backend: kind, dtypes (float compute dtypes with kernels here), "
+           "compute_dtype (the training default), fused_attention ({dtypes, segments}: where the fused attention "
+           "ops beat the materialised path), graphs (capture/replay), host_visible (zero-copy numpy views), "
+           "synchronous (ops complete when they return), queue_ordered (buffers released inside a step are "
+           "reused within it), attention_block (query rows per materialised attention block, 0: all), details "
+           "(hardware facts).")
       .def("__repr__", [](const Backend& d) { return "krnl.device('" + d.name() + "')"; })
       .def("empty", [](Backend& d, nb::handle shape, nb::handle dtype) { return d.empty(to_shape(shape), to_dtype(dtype)); },
            "shape"_a, "dtype"_a = "f32", "A new uninitialised tensor from the device's pool.")
@@ -194,9 +226,13 @@ void bind_devices(nb::module_& m) {
       .def("step", [](Backend& d) { return Step{&d}; },
            "One submission: every op inside joins it; it is committed on exit.")
       .def("begin_step", &Backend::begin_step)
-      .def("commit", &Backend::commit, "Closes the open step; returns its sequence number.")
-      .def("wait", &Backend::wait, "seq"_a, "Blocks until submission `seq` has completed.")
-      .def("synchronize", &Backend::synchronize, "Blocks until every committed submission has completed.")
+      // Without the GIL: these may wait for device work, which metal-sim runs in Python.
+      .def("commit", &Backend::commit, nb::call_guard<nb::gil_scoped_release>(),
+           "Closes the open step; returns its sequence number.")
+      .def("wait", &Backend::wait, nb::call_guard<nb::gil_scoped_release>(), "seq"_a,
+           "Blocks until submission `seq` has completed.")
+      .def("synchronize", &Backend::synchronize, nb::call_guard<nb::gil_scoped_release>(),
+           "Blocks until every committed submission has completed.")
       .def_prop_ro("in_step", &Backend::in_step)
       .def_prop_ro("completed_seq", &Backend::completed_seq)
       .def_prop_ro("last_committed", &Backend::last_committed)

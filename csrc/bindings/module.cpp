@@ -59,10 +59,6 @@ NB_MODULE(_core, m) {
   m.def("num_threads", [] { return krnl::ThreadPool::global().size(); },
         "Threads of the core's pool (KRNL_NUM_THREADS, else the hardware's count).");
 
-#ifdef KRNL_HAS_CUDA
-  m.def("cuda_unavailable_reason", [] { return krnl::cuda::unavailable_reason(); },
-        "Why this build has no 'cuda' device here ('' when it has one).");
-#endif
   bind_devices(m);
   bind_tensors(m);
   bind_ops(m);

@@ -15,6 +15,16 @@ Backend::Backend(std::string name) : name_(std::move(name)) {
 
 Backend::~Backend() = default;
 
+Capabilities Backend::capabilities() const {
+  Capabilities c;
+  c.kind = name_.substr(0, name_.find(':'));
+  c.dtypes = {DType::f32};
+  c.host_visible = host_visible();
+  c.synchronous = synchronous();
+  c.queue_ordered = queue_ordered();
+  return c;
+}
+
 Tensor Backend::empty(const Shape& shape, DType dt) {
   int64_t n = 1;
   for (auto d : shape) {
@@ -121,7 +131,26 @@ std::vector<Entry>& registry() {
   static auto* r = new std::vector<Entry>();  // leaked: devices outlive every tensor
   return *r;
 }
+std::vector<std::pair<std::string, std::string>>& unavailable() {
+  static auto* u = new std::vector<std::pair<std::string, std::string>>();
+  return *u;
+}
 }  // namespace
+
+void register_unavailable(const std::string& name, const std::string& reason) {
+  std::lock_guard<std::mutex> lk(registry_mu());
+  for (auto& [n, r] : unavailable())
+    if (n == name) {
+      r = reason;
+      return;
+    }
+  unavailable().emplace_back(name, reason);
+}
+
+std::vector<std::pair<std::string, std::string>> unavailable_devices() {
+  std::lock_guard<std::mutex> lk(registry_mu());
+  return unavailable();
+}
 
 void register_device(const std::string& name, int priority, Backend* (*make)()) {
   std::lock_guard<std::mutex> lk(registry_mu());

@@ -61,6 +61,23 @@ class Graph {
   virtual bool released() const = 0;
 };
 
+// What a backend can do, answered by the backend itself: the model, the
+// trainer, the CLI, krnl bench and the tests read it instead of deriving policy from a name.
+struct Capabilities {
+  std::string kind;                  // "cpu", "cuda", "metal", or a test device's kind ("metal-sim")
+  std::vector<DType> dtypes;         // float compute dtypes whose kernels run here
+  DType compute_dtype = DType::f32;  // the training default
+  std::vector<DType> fused_attention_dtypes;  // where attention_forward/backward beat the materialised path
+  bool fused_attention_segments = false;      // ... also with packed segments
+  bool graphs = false;         // capture() records a step that replays whole
+  bool host_visible = true;    // tensors' memory is readable by the CPU (zero-copy numpy views)
+  bool synchronous = true;     // ops complete when they return
+  bool queue_ordered = true;   // every memory access runs in call order (reuse within a step)
+  int64_t attention_block = 0; // query rows per block of the materialised attention (0: all at once)
+  // Facts about the hardware behind the device (GPU name, GPU family, ...), for people.
+  std::vector<std::pair<std::string, std::string>> details;
+};
+
 class Backend {
  public:
   explicit Backend(std::string name);
@@ -71,6 +88,10 @@ class Backend {
   // Every access to this device's memory (ops, uploads, downloads) runs in call order on one
   // queue, or at once: a buffer released inside a step may then serve later ops of the same step.
   virtual bool queue_ordered() const { return synchronous(); }
+
+  // Fields a backend leaves alone come from the virtuals above (host_visible, synchronous,
+  // queue_ordered); backends override this to add the rest.
+  virtual Capabilities capabilities() const;
 
   // ---- memory
   Tensor empty(const Shape& shape, DType dt);
@@ -121,9 +142,6 @@ class Backend {
   virtual void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o,
                                   const Tensor& dout, const Tensor& lse, const Tensor& dq, const Tensor& dk,
                                   const Tensor& dv, float scale);
-  // Whether attention_forward/backward run here for operands of dtype dt and beat the
-  // materialised path (scores through gemm + softmax), so that the model should take them.
-  virtual bool fused_attention(DType /*dt*/) const { return false; }
   virtual void embedding_forward(const Tensor& ids, const Tensor& table, const Tensor& out);
   virtual void embedding_backward(const Tensor& ids, const Tensor& dout, const Tensor& dtable);
   virtual void cross_entropy(const Tensor& logits, const Tensor& targets, const Tensor& loss,
@@ -193,6 +211,10 @@ class Backend {
 // (best first). Each backend folder registers itself; devices are created on first use and
 // live until exit.
 void register_device(const std::string& name, int priority, Backend* (*make)());
+// A device this build has but this machine cannot run, with a one-line reason ("metal: the GPU
+// lacks Apple7 features"): `krnl devices` prints it; the device stays out of available_devices().
+void register_unavailable(const std::string& name, const std::string& reason);
+std::vector<std::pair<std::string, std::string>> unavailable_devices();
 std::vector<std::string> available_devices();
 Backend* get_device(const std::string& name);
 

@@ -69,4 +69,13 @@ class BlasSingleThread {
   bool on_;
 };
 
+// Which BLAS this build calls, for people (Device.capabilities()["details"]["blas"]).
+inline const char* blas_name() {
+#if defined(KRNL_ACCELERATE)
+  return "Accelerate";
+#else
+  return scipy_openblas_get_config();  // "OpenBLAS 0.3.x DYNAMIC_ARCH ... <core> MAX_THREADS=n"
+#endif
+}
+
 }  // namespace krnl::cpu

@@ -7,6 +7,7 @@
 #if defined(_WIN32)
 #include <malloc.h>
 #endif
+#include <string>
 #include <vector>
 
 #include "blas.h"
@@ -33,6 +34,17 @@ void CpuBackend::raw_free(void* p, size_t) {
 #else
   std::free(p);
 #endif
+}
+
+Capabilities CpuBackend::capabilities() const {
+  Capabilities c = Backend::capabilities();
+  c.dtypes = {DType::f32, DType::f16, DType::bf16};
+  c.compute_dtype = DType::f32;  // the kernels compute in f32 whatever the operands: 16-bit saves no time
+  // Causal query row blocks skip the score blocks above the diagonal at the cost of more, smaller
+  // GEMMs: measured, blocks of 128 took W2's attention from 71 to 53 ms.
+  c.attention_block = 128;
+  c.details = {{"blas", blas_name()}, {"threads", std::to_string(ThreadPool::global().size())}};
+  return c;
 }
 
 SplitKConfig CpuBackend::split_k_config() const {

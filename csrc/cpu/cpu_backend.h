@@ -15,6 +15,9 @@ class CpuBackend : public Backend {
   explicit CpuBackend(const char* name = "cpu");
   bool host_visible() const override { return true; }
   bool synchronous() const override { return true; }
+  // Every float dtype (16-bit operands widen to f32 in the kernels), training in f32, attention in
+  // blocks of 128 query rows, never fused (the reference attention ops lose to BLAS).
+  Capabilities capabilities() const override;
   SplitKConfig split_k_config() const override;
 
   void gemm(const GemmArgs& a) override;
@@ -27,7 +30,8 @@ class CpuBackend : public Backend {
   void softmax_causal_forward(const Tensor& S, const Tensor& P, float scale, const Tensor* segments) override;
   void softmax_backward(const Tensor& P, const Tensor& dP, const Tensor& dS, float scale) override;
   // The reference of the fused attention contract: plain loops in f32, O(Hq T^2 D). The model
-  // keeps the materialised row-block path on the CPU (BLAS runs it faster): fused_attention() is false.
+  // keeps the materialised row-block path on the CPU (BLAS runs it faster): capabilities() lists no
+  // fused_attention dtypes.
   void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& lse,
                          float scale) override;
   void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& dout,

@@ -157,8 +157,12 @@ struct CudaBackend::CudnnState {
   }
 };
 
-bool CudaBackend::fused_attention(DType dt) const {
-  return fused_dtype(dt) && cudnn_loaded();
+std::vector<DType> CudaBackend::fused_attention_dtypes() const {
+  std::vector<DType> v;
+  if (!cudnn_loaded()) return v;
+  for (DType dt : {DType::f32, DType::f16, DType::bf16})
+    if (fused_dtype(dt)) v.push_back(dt);
+  return v;
 }
 
 CudaBackend::CudnnState& CudaBackend::cudnn(const char* op) {

@@ -17,10 +17,8 @@
 namespace krnl::cuda {
 
 // Registers "cuda" (priority above "cpu") when a CUDA device and cuBLAS are usable; a machine
-// without a GPU, driver or cuBLAS simply has no "cuda" device.
+// without a GPU, driver or cuBLAS has no "cuda" device, and register_unavailable says why.
 void register_backend();
-// Why register_backend() added no "cuda" device ("" when it did).
-const std::string& unavailable_reason();
 
 // Throws std::runtime_error("[op] CUDA error <name>: <text>") unless e is cudaSuccess.
 void check(cudaError_t e, const char* op);
@@ -32,6 +30,9 @@ class CudaBackend : public Backend {
   bool host_visible() const override { return false; }
   bool synchronous() const override { return false; }
   bool queue_ordered() const override { return true; }  // kernels, cuBLAS and copies all on stream_
+  // Every float dtype, training in bf16, graphs, attention in blocks of 1024 query rows or fused
+  // (cuDNN, 16-bit); details: the GPU's name, compute capability and SM count.
+  Capabilities capabilities() const override;
   SplitKConfig split_k_config() const override;
   // While profiling, each op's work is bracketed by two events and waited for (OpTimer), so the
   // records hold GPU time, not the microseconds the host spends queueing.
@@ -85,7 +86,9 @@ class CudaBackend : public Backend {
   void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& dout,
                           const Tensor& lse, const Tensor& dq, const Tensor& dk, const Tensor& dv,
                           float scale) override;
-  bool fused_attention(DType dt) const override;
+  // The dtypes in which the ops above run here, so that the model takes them: cuDNN's (bf16, f16)
+  // where libcudnn loaded, else none.
+  std::vector<DType> fused_attention_dtypes() const;
 #endif
   void embedding_forward(const Tensor& ids, const Tensor& table, const Tensor& out) override;
   void embedding_backward(const Tensor& ids, const Tensor& dout, const Tensor& dtable) override;
@@ -117,6 +120,7 @@ class CudaBackend : public Backend {
 
   int device_ = 0;
   int sm_count_ = 132;
+  std::string gpu_name_, compute_capability_;  // for capabilities(): read once, outside any capture
   cudaStream_t stream_ = nullptr;
   void* cublas_ = nullptr;  // cublasHandle_t, opaque here (cuBLAS is loaded at run time)
   std::deque<std::pair<uint64_t, cudaEvent_t>> inflight_;  // committed steps not yet seen complete

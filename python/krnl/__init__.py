@@ -40,7 +40,8 @@ from ._core import Device, Tensor, ops
 from .profiler import Profile, profile
 
 __version__ = "0.1.0"
-__all__ = ["Device", "Tensor", "ops", "device", "devices", "profile", "Profile", "num_threads", "cuda_graph"]
+__all__ = ["Device", "Tensor", "ops", "device", "devices", "unavailable_devices", "profile", "Profile", "num_threads",
+           "cuda_graph"]
 
 num_threads = _core.num_threads
 
@@ -48,6 +49,11 @@ num_threads = _core.num_threads
 def devices():
     """Names of the devices this build can use, best first (e.g. ['cpu'])."""
     return list(_core.devices())
+
+
+def unavailable_devices():
+    """Devices this build has but this machine cannot run, with why: {name: one-line reason}."""
+    return dict(_core.unavailable_devices())
 
 
 def device(name=None):

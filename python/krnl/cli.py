@@ -5,6 +5,7 @@ base_model_name_or_path), `fuse` (an adapter merged into its HF base, written as
 `devices`."""
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -18,14 +19,46 @@ from .mlp_block import MLPBlock, make_w1_params, w1_flops
 ops = krnl.ops
 
 
+def _describe(caps):
+    """A device's capabilities on one line: key=value, the hardware details last."""
+    fa = caps["fused_attention"]
+    fused = ",".join(fa["dtypes"]) + ("+segments" if fa["segments"] else "") if fa["dtypes"] else "-"
+    yn = lambda b: "yes" if b else "no"
+    parts = [f"kind={caps['kind']}", f"dtypes={','.join(caps['dtypes'])}", f"compute={caps['compute_dtype']}",
+             f"fused_attention={fused}", f"attention_block={caps['attention_block'] or 'all'}",
+             f"graphs={yn(caps['graphs'])}", f"host_visible={yn(caps['host_visible'])}",
+             f"synchronous={yn(caps['synchronous'])}", f"queue_ordered={yn(caps['queue_ordered'])}"]
+    if caps["details"]:
+        parts.append("(" + "; ".join(f"{k}: {v}" for k, v in caps["details"].items()) + ")")
+    return " ".join(parts)
+
+
 def cmd_devices(args):
-    for name in krnl.devices():
-        print(name)
+    # Best first, as krnl.device() picks; then what this build has but cannot run here, and why.
+    caps = {name: krnl.device(name).capabilities() for name in krnl.devices()}
+    unavailable = krnl.unavailable_devices()
+    if args.json:
+        print(json.dumps({"devices": caps, "unavailable": unavailable}, indent=2))
+        return 0
+    width = max(map(len, caps), default=0)
+    for name, c in caps.items():
+        print(f"{name:{width}}  {_describe(c)}")
+    for name, reason in unavailable.items():
+        print(f"{name}: unavailable: {reason}")
     return 0
 
 
-def cmd_w1(args):
+def _device(args):
+    """The device of --device (the best available by default); a --dtype left out becomes the
+    device's training dtype (its capabilities' compute_dtype)."""
     dev = krnl.device(args.device)
+    if getattr(args, "dtype", None) is None:
+        args.dtype = dev.capabilities()["compute_dtype"]
+    return dev
+
+
+def cmd_w1(args):
+    dev = _device(args)
     T, C, F, R = args.tokens, args.width, args.ffn, args.rank
     P = make_w1_params(T, C, F, R, seed=args.seed)
     rng = np.random.default_rng(args.seed + 1)
@@ -166,7 +199,7 @@ def cmd_fuse(args):
 def cmd_train(args):
     from .trainer import Trainer, TrainConfig, plot_metrics
 
-    dev = krnl.device(args.device)
+    dev = _device(args)
     lora = _lora_from_args(args)
     if args.model:
         if not args.data:
@@ -222,7 +255,7 @@ def cmd_train(args):
 
 
 def cmd_eval(args):
-    dev = krnl.device(args.device)
+    dev = _device(args)
     tok, model = _load_trained(args, dev)
     if tok is None:  # an HF base: evaluate on --data's test split (valid when there is no test)
         if not args.data:
@@ -251,7 +284,7 @@ def cmd_eval(args):
 
 
 def cmd_generate(args):
-    dev = krnl.device(args.device)
+    dev = _device(args)
     tok, model = _load_trained(args, dev)
     if tok is None:
         from .tokenizer import Tokenizer
@@ -310,11 +343,15 @@ def _yaml_defaults(path, parser):
 def main(argv=None):
     p = argparse.ArgumentParser(prog="krnl", description="LoRA fine-tuning engine")
     sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("devices", help="list the devices this build can use").set_defaults(fn=cmd_devices)
+    d = sub.add_parser("devices", help="list the devices this build can use, with what each can do, and why any "
+                       "other is unavailable here")
+    d.add_argument("--json", action="store_true", help="print everything as JSON")
+    d.set_defaults(fn=cmd_devices)
 
     def common(q):
         q.add_argument("--device", default=None, help="cpu, ... (default: best available)")
-        q.add_argument("--dtype", default="f32", choices=["f32", "f16", "bf16"], help="compute dtype")
+        q.add_argument("--dtype", default=None, choices=["f32", "f16", "bf16"],
+                       help="compute dtype (default: the device's compute dtype, see `krnl devices`)")
         q.add_argument("--seed", type=int, default=0)
 
     t = sub.add_parser("train", help="LoRA fine-tune (default: the embedded tiny model and task)")
@@ -388,7 +425,8 @@ def main(argv=None):
     w.add_argument("--width", type=int, default=2048)
     w.add_argument("--ffn", type=int, default=5632)
     w.add_argument("--rank", type=int, default=32)
-    w.add_argument("--dtype", default="f32", choices=["f32", "f16", "bf16"])
+    w.add_argument("--dtype", default=None, choices=["f32", "f16", "bf16"],
+                   help="compute dtype (default: the device's compute dtype, see `krnl devices`)")
     w.add_argument("--learning-rate", type=float, default=1e-2)
     w.add_argument("--seed", type=int, default=0)
     w.set_defaults(fn=cmd_w1)

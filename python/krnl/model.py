@@ -416,15 +416,16 @@ class LlamaModel:
                     lo = (lp.compute(kA), lp.compute(kB), lp.grad(kA), lp.grad(kB))
                 L[m] = LoraLinear(self, W, bias, lo, tag=i * len(ALL_MODULES) + tag)
             self.layers.append(L)
+        caps = device.capabilities()
         # Causal query row blocks skip the score blocks above the diagonal at the cost of more,
-        # smaller GEMMs. Measured: CPU, blocks of 128 took W2's attention from 71 to 53 ms; H200,
-        # W3 (T=4096) replayed 10.04 ms with one block, 9.50 / 9.36 / 9.49 / 10.04 with blocks of
-        # 2048 / 1024 / 512 / 256. Metal is unmeasured (no Apple GPU here): one block.
-        self.attn_block = {"cpu": 128, "cuda": 1024}.get(device.name.split(":")[0], 1 << 30)
-        # Fused (flash) attention where the device runs it faster than the materialised path:
-        # CUDA with cuDNN in bf16/f16 (ops.attention_forward). Packed segments keep the
-        # materialised path (the fused op masks causally only). Settable, e.g. to compare both.
-        self.fused_attention = bool(device.fused_attention(dtype))
+        # smaller GEMMs: the device says how many rows a block takes (0: all, one block; its
+        # backend holds the measurements).
+        self.attn_block = caps["attention_block"]
+        # Fused (flash) attention where the device runs it faster than the materialised path, in
+        # the dtypes it lists (CUDA with cuDNN: bf16/f16; ops.attention_forward). Packed segments
+        # keep the materialised path (the fused ops mask causally only). Settable, e.g. to compare
+        # both.
+        self.fused_attention = dtype in caps["fused_attention"]["dtypes"]
         self._ones_cache = None
         self._pos_rows = self._seg_rows = None
         self.d_embed_out = None
@@ -474,10 +475,10 @@ class LlamaModel:
     # -- layers ----------------------------------------------------------------------------
 
     def _row_blocks(self, T, seg):
-        """Query row blocks of causal attention: (r0, r1) pairs covering [0, T). Blocks of 128
-        rows leave (nb - 1) / (2 nb) of the score matrix uncomputed; packed segments (their
+        """Query row blocks of causal attention: (r0, r1) pairs covering [0, T). nb blocks leave
+        (nb - 1) / (2 nb) of the score matrix uncomputed; attn_block 0 and packed segments (their
         softmax wants square scores) take one block."""
-        if seg is not None or T <= self.attn_block:
+        if seg is not None or not self.attn_block or T <= self.attn_block:
             return [(0, T)]
         return [(r0, min(T, r0 + self.attn_block)) for r0 in range(0, T, self.attn_block)]
 

@@ -25,8 +25,8 @@ def add_arguments(p):
                    help=f"comma-separated, of {','.join(PEER_NAMES)} (default: all)")
     p.add_argument("--device", default=None, help="krnl device (default: the best available)")
     p.add_argument("--dtype", choices=("f32", "bf16", "f16"), default=None,
-                   help="compute dtype of every implementation (default: the device's: f32 on the CPU, bf16 on CUDA, "
-                        "f16 on Metal)")
+                   help="compute dtype of every implementation (default: the device's compute dtype, see "
+                        "`krnl devices`: f32 on the CPU, bf16 on CUDA, f16 on Metal)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (default 5)")
     p.add_argument("--slow", type=float, default=10.0, metavar="S",
                    help="a peer whose step takes more than S seconds is timed once, not every round")
@@ -72,7 +72,7 @@ def cmd_bench(args):
     if args.png:
         report.write_png(res, args.png)
     if args.readme:
-        report.replace_readme_block(args.readme, report.readme_block(res), res["device"])
+        report.replace_readme_block(args.readme, report.readme_block(res), report.result_kind(res))
     if not res["trusted"] and not args.from_json:
         print("krnl bench: the control gate failed: the figures above are untrusted (exit status 2)", file=sys.stderr)
         return UNTRUSTED_EXIT

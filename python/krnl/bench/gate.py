@@ -19,11 +19,11 @@ TOLERANCE = 0.10
 WHO = "krnl bench"
 
 
-def control_size(device_name, quick=False):
+def control_size(device, quick=False):
     """1024^3 on the CPU (about 15 ms at 140 GFLOP/s), 4096^3 on a GPU; 256^3 for --quick."""
     if quick:
         return 256
-    return 4096 if is_gpu(device_name) else 1024
+    return 4096 if is_gpu(device) else 1024
 
 
 def measure_control(dev, n, reps=9):
@@ -93,7 +93,7 @@ def calibrate(dev, path, quick=False, measure=measure_control):
     """Measures the control twice and stores it as this machine's reference (atomically). Refuses
     when the two measurements differ by more than TOLERANCE: a busy machine is no reference."""
     fp = fingerprint(dev.name)
-    n = control_size(dev.name, quick)
+    n = control_size(dev, quick)
     first, second = measure(dev, n), measure(dev, n)
     moved = abs(second - first) / max(first, second)
     if moved > TOLERANCE:

@@ -12,7 +12,7 @@ import numpy as np
 
 import krnl
 from . import gate
-from .targets import TOLERANCE, Unavailable, compute_dtype, has_graphs, is_gpu
+from .targets import TOLERANCE, Unavailable, compute_dtype, has_graphs, is_gpu, kind
 from .workloads import (ALL, PEER_MODULES, PEER_NAMES, INSTALL_HINT, STEPS, copy_rate, gemm_bytes, gemm_fn, lora_gemms,
                         peer_note, square_gemms)
 from . import w1, w2
@@ -111,10 +111,10 @@ class Session:
         if dtype is not None and dtype not in TOLERANCE:
             raise ValueError(f"[krnl bench] --dtype: unknown {dtype!r}; choose from {', '.join(TOLERANCE)}")
         self.dev = krnl.device(device)
-        self.dtype = dtype or compute_dtype(self.dev.name)
+        self.dtype = dtype or compute_dtype(self.dev)
         # No pause between a GPU's samples: nothing spins on the host, and an idle GPU lowers its
         # clocks, which would slow the first step of every sample.
-        self.settle_s = 0.0 if is_gpu(self.dev.name) else SETTLE_S
+        self.settle_s = 0.0 if is_gpu(self.dev) else SETTLE_S
         self.rounds, self.quick, self.slow_s, self.log = rounds, quick, slow_s, log
         unknown = [p for p in peers if p not in PEER_NAMES]
         if unknown:
@@ -158,7 +158,7 @@ class Session:
             # the LoRA products of the device's reference workload: W1's on the CPU, W3's on a GPU
             if self.quick:
                 sz = w1.QUICK
-            elif is_gpu(self.dev.name):
+            elif is_gpu(self.dev):
                 sz = dict(T=w2.W3["T"], C=w2.W3["C"], F=w2.W3["F"], R=w2.W3["r"])
             else:
                 sz = dict(T=w1.T, C=w1.C, F=w1.F, R=w1.R)
@@ -221,12 +221,12 @@ class Session:
     def run_step(self, wl):
         size = wl.sizes["quick" if self.quick else "full"]
         title = f"{wl.title} ({wl.describe(size)}; {self.dtype})"
-        if wl.gpu_only and not is_gpu(self.dev.name):
+        if wl.gpu_only and not is_gpu(self.dev):
             self._row(wl.name, "all", status="skipped", reason=wl.gpu_only, title=title)
             return
         small = wl.make(wl.sizes["small"], self.dev.name, self.dtype)
         small_ref = wl.krnl(small)[1]()
-        impls = (("krnl graph",) if has_graphs(self.dev.name) else ()) + PEER_NAMES
+        impls = (("krnl graph",) if has_graphs(self.dev) else ()) + PEER_NAMES
         builders, errs = {}, {}
         for name in impls:
             try:
@@ -278,7 +278,7 @@ class Session:
             if name in absent:
                 self._row(wl.name, name, status="absent", reason=absent[name], title=title, dtype=self.dtype)
                 continue
-            row = self._row(wl.name, name, title=title, note=peer_note(name, self.dev.name), dtype=self.dtype,
+            row = self._row(wl.name, name, title=title, note=peer_note(name, self.dev), dtype=self.dtype,
                             check_err=errs.get(name))
             if name in single:
                 row["note"] = "; ".join(x for x in (row["note"], f"1 sample (step > {self.slow_s:g} s)") if x)
@@ -299,7 +299,7 @@ class Session:
         steps.clear()
         gc.collect()
         torch = sys.modules.get("torch")
-        if torch is not None and is_gpu(self.dev.name) and torch.cuda.is_available():
+        if torch is not None and is_gpu(self.dev) and torch.cuda.is_available():
             torch.cuda.empty_cache()
         self.dev.synchronize()
 
@@ -310,7 +310,7 @@ class Session:
         if unknown:
             raise ValueError(f"[krnl bench] --workloads: unknown {unknown}; known: {', '.join(ALL)}")
         dev = self.dev
-        n_ctl = gate.control_size(dev.name, self.quick)
+        n_ctl = gate.control_size(dev, self.quick)
         fp = gate.fingerprint(dev.name)
         ref = gate.lookup_reference(self.reference_path, fp, n_ctl)  # a corrupt file fails here, before the work
         t0 = time.time()
@@ -318,7 +318,7 @@ class Session:
         before = gate.measure_control(dev, n_ctl)
         # The matmul rate every row is a fraction of: 2048^3 on the CPU, 8192^3 on a GPU (2048^3
         # takes tens of microseconds there, far from the device's rate).
-        self.sgemm_n = 256 if self.quick else (8192 if is_gpu(dev.name) else 2048)
+        self.sgemm_n = 256 if self.quick else (8192 if is_gpu(dev) else 2048)
         self.sgemm_gflops = None
         self.run_gemms(workloads)
         # The 'of sgemm' base: the nn square row when it ran, else its own measurement.
@@ -327,7 +327,7 @@ class Session:
         for r in self.rows:
             r["of_sgemm"] = r["gflops"] / self.sgemm_gflops
         # the profiled step: the device's reference workload (W3 on a GPU, W2 elsewhere)
-        prof_wl = "w3" if is_gpu(dev.name) else "w2"
+        prof_wl = "w3" if is_gpu(dev) else "w2"
         prof, between = None, []
         for name in ("w1", "w2", "w3"):
             if name in workloads:
@@ -348,7 +348,7 @@ class Session:
             "krnl_version": krnl.__version__,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t0)),
             "seconds": round(time.time() - t0, 1),
-            "machine": fp, "device": dev.name, "dtype": self.dtype, "threads": krnl.num_threads(),
+            "machine": fp, "device": dev.name, "kind": kind(dev), "dtype": self.dtype, "threads": krnl.num_threads(),
             "rounds": self.rounds, "quick": self.quick, "workloads": list(workloads),
             "sgemm": {"n": self.sgemm_n, "gflops": self.sgemm_gflops},
             "trusted": verdict["trusted"], "untrusted_reasons": verdict["reasons"], "gate": verdict,

@@ -15,24 +15,36 @@ class Unavailable(Exception):
     """A peer that cannot run this problem here (its device or dtype); the message says why."""
 
 
-def kind(device_name):
-    return device_name.split(":")[0]
+# The device kinds (capabilities()["kind"]) that are GPUs: W3 and the GPU sizes run there, and a
+# peer's GPU device stands beside them. Not "not synchronous": metal-sim queues its ops too, but
+# it is the CPU running Metal's kernels, hours over W3.
+GPU_KINDS = ("cuda", "metal")
 
 
-def is_gpu(device_name):
+def capabilities(device):
+    """The capabilities of `device`, a krnl Device or a device name (Device.capabilities())."""
+    return (krnl.device(device) if isinstance(device, str) else device).capabilities()
+
+
+def kind(device):
+    """The backend behind `device` (a Device or a name): "cpu", "cuda", "metal", ..."""
+    return capabilities(device)["kind"]
+
+
+def is_gpu(device):
     """W3 runs only here: metal-sim and the CPU would take hours over a Llama-3-8B layer."""
-    return kind(device_name) in ("cuda", "metal")
+    return kind(device) in GPU_KINDS
 
 
-def compute_dtype(device_name):
-    """The dtype a step is timed in unless --dtype says otherwise: what a user trains in there
-    (bf16 on CUDA; f16 on Metal, which has no bf16 in krnl; f32 on the CPU)."""
-    return {"cuda": "bf16", "metal": "f16"}.get(kind(device_name), "f32")
+def compute_dtype(device):
+    """The dtype a step is timed in unless --dtype says otherwise: what a user trains in there,
+    the device's compute_dtype (bf16 on CUDA, f16 on Metal, f32 on the CPU)."""
+    return capabilities(device)["compute_dtype"]
 
 
-def has_graphs(device_name):
+def has_graphs(device):
     """Whether krnl can capture a step as a replayable graph on this device (Device.capture)."""
-    return kind(device_name) == "cuda"
+    return capabilities(device)["graphs"]
 
 
 def replayed(dev, body):
@@ -93,7 +105,7 @@ def mlx_target(device_name, dtype):
     k = kind(device_name)
     if k == "cpu":
         dev = mx.cpu
-    elif k in ("cuda", "metal"):
+    elif k in GPU_KINDS:
         if not mx.is_available(mx.gpu):
             raise Unavailable("this MLX build has no GPU (the Linux CPU wheel); pip install \"mlx[cuda13]\"")
         dev = mx.gpu

@@ -19,9 +19,9 @@ INSTALL_HINT = {"torch": 'pip install torch',
                 "mlx.core": 'pip install "mlx[cpu]" (Linux CPU), "mlx[cuda13]" (Linux CUDA) or mlx (macOS)'}
 
 
-def peer_note(name, device_name="cpu"):
-    """What a reader must know next to a peer's figure."""
-    if name in ("mlx", "mx.compile") and platform.system() == "Linux" and kind(device_name) == "cpu":
+def peer_note(name, device="cpu"):
+    """What a reader must know next to a peer's figure (`device`: krnl's, a Device or a name)."""
+    if name in ("mlx", "mx.compile") and platform.system() == "Linux" and kind(device) == "cpu":
         return "Linux CPU wheel: bundled reference BLAS, slow (DESIGN 6)"
     if name in ("torch.compile", "compile+cudagraphs", "mx.compile"):
         return "compiled before timing"

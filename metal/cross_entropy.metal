@@ -1,3 +1,4 @@
+// msl: 3.0 (krnl's floor; newest feature used: simd_max/simd_sum, MSL 2.x)
 // cross_entropy: per row r of logits (rows, V), with y = targets[r],
 //   loss[r] = max + log(sum_j exp(x_j - max)) - x_y        (f32)
 //   dlogits[r, j] = scale * (softmax_j - (j == y))        (only when write_grad != 0)

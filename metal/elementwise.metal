@@ -1,3 +1,4 @@
+// msl: 3.0 (krnl's floor; newest feature used: 64-bit integers in rng.h's hash, MSL 2.x)
 // Elementwise ops over flat contiguous buffers: fill (f32, f16, i32), add, axpy, scale, cast
 // (f32 <-> f16 and same-dtype copies), dropout.
 // Any n: a grid-stride loop with a bounds check, so the host may launch any 1-D grid (one thread

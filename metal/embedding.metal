@@ -1,3 +1,4 @@
+// msl: 3.0 (krnl's floor; newest feature used: 64-bit indices (ulong), MSL 2.x)
 // Embedding lookup and its gradient. Ids are (n,) i32, checked on the host before the dispatch
 // (as the CPU backend does); an id outside [0, V) still never touches memory out of range here:
 // the forward writes a NaN row for it (so a missed check shows), the backward skips it.

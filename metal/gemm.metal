@@ -1,3 +1,4 @@
+// msl: 3.0 (krnl's floor; newest feature used: simdgroup_matrix, MSL 2.3)
 // gemm: C = alpha * op(A) * op(B) + beta * C (metal/kargs.h GemmArgs), accumulated in fp32; A and
 // B f32 or f16, C of the operand type or f32 (gemm_*_f16_f32, LoRA gradients). Variants: nn;
 // nt (op(B) = B^T, B stored (N, K)); tn (op(A) = A^T, A stored (K, M)). Stored matrices are

@@ -1,3 +1,4 @@
+// msl: 3.0 (krnl's floor; newest feature used: simd_sum/simd_any and a device atomic_int, MSL 2.x)
 // Optimizer-step kernels: AdamW over flat f32 buffers, the two-pass sum of squares (global grad
 // norm) and the inf/NaN flag (dynamic loss scaling). Geometry per kernel below.
 #include <metal_stdlib>

@@ -1,3 +1,4 @@
+// msl: 3.0 (krnl's floor; newest feature used: simd_sum, MSL 2.x)
 // rmsnorm_forward: y[r, :] = x[r, :] * rstd[r] * w, rstd[r] = 1 / sqrt(mean(x[r, :]^2) + eps) (f32).
 // One threadgroup per row (grid = rows), any threadgroup size up to 1024 (a multiple of 32 is
 // best). Sum of squares in float: per-thread fma, simd_sum, then one partial per SIMD-group in

@@ -1,3 +1,4 @@
+// msl: 3.0 (krnl's floor; newest feature used: 64-bit indices (ulong), MSL 2.x)
 // rope: rotary position embedding in place on x (rows, D), rows = batch * T, row r at time
 // t = r % T. rotate_half on the first 2R dims (R = number of inv_freq entries):
 //   a = x[i], b = x[i + R], theta = sign * positions[t] * inv_freq[i]

@@ -1,3 +1,4 @@
+// msl: 3.0 (krnl's floor; newest feature used: simd_max/simd_sum, MSL 2.x)
 // softmax_causal_forward: P = causal softmax of scale * S over the last dim.
 // S, P (rows, tk), rows = batch * tq; query row r sits at position q = r % tq + tk - tq and sees
 // keys j <= q (and, with segments, only keys of its own segment). Masked entries are written as

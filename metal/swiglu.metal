@@ -1,3 +1,4 @@
+// msl: 3.0 (krnl's floor; newest feature used: nothing past MSL 2.0)
 // SwiGLU over flat contiguous buffers of n elements (g, u, s, ds, dg, du all the same shape).
 // swiglu_forward:  s = silu(g) * u, silu(g) = g * sig(g), sig(g) = 1 / (1 + exp(-g)).
 // swiglu_backward: du = ds * silu(g); dg = ds * u * sig * (1 + g * (1 - sig)).

@@ -54,12 +54,12 @@ def test_metal_host_objc_check(mm):
 # Each plant: (text in device.mm, its replacement, the error clang must report there).
 PLANTS = [
     # a misspelt selector (under ARC an unknown selector is an error, not a warning)
-    ("[enc_ memoryBarrierWithScope:MTLBarrierScopeBuffers]", "[enc_ memoryBarrierWithScop:MTLBarrierScopeBuffers]",
+    ("[enc memoryBarrierWithScope:MTLBarrierScopeBuffers]", "[enc memoryBarrierWithScop:MTLBarrierScopeBuffers]",
      "not found"),
     # a C++ container where the API takes a pointer
-    ("[enc_ setBytes:d.args.data() length:", "[enc_ setBytes:d.args length:", "no viable conversion"),
-    # a selector of the wrong protocol (a command buffer has no dispatch method)
-    ("[enc_ dispatchThreadgroups:", "[cb_ dispatchThreadgroups:", "dispatchThreadgroups"),
+    ("[enc setBytes:d.args.data() length:", "[enc setBytes:d.args length:", "no viable conversion"),
+    # a selector of the wrong protocol (an encoder has no commit; the command buffer does)
+    ("[cb commit];", "[enc commit];", "commit"),
     # a std::string where an NSString* is expected
     ("[lib newFunctionWithName:ns(d.kernel)]", "[lib newFunctionWithName:d.kernel]", "no viable conversion"),
 ]

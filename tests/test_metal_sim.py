@@ -1,8 +1,14 @@
-"""The Metal backend end to end on the metal-sim device (DESIGN section 7): the dispatch records of
-csrc/metal/ops.cpp executed by tools/mslsim. The op suite (test_ops.py, test_gemm.py) also runs
-here; this file checks what only a whole device shows: the tiny-model LoRA training step against
-the CPU backend, step semantics (nothing runs before commit), the pool's completion gating,
-split-K routing and the CPU/GPU row split."""
+"""The Metal backend end to end on the metal-sim device: the dispatch
+records of csrc/metal/ops.cpp, submitted as command buffers by csrc/metal/submission.cpp (the code
+device.mm runs) and executed by tools/mslsim on a worker thread. The op suite (test_ops.py,
+test_gemm.py) also runs here; this file checks what only a whole device shows: the tiny-model LoRA
+training step against the CPU backend, step semantics, the pool's completion gating, split-K
+routing, the CPU/GPU row split, and the ordering rules of an asynchronous step. Completion lags
+behind commit deterministically (by default a command buffer runs only once waited for), and each
+ordering rule is shown to be what its test needs: switched off (a test-only switch), it fails."""
+import contextlib
+import time
+
 import numpy as np
 import pytest
 
@@ -33,10 +39,12 @@ def test_training_reduces_loss_on_metal_sim(sim):
 
 
 def test_nothing_runs_before_commit(sim):
-    """Like a command buffer: a step's work runs at commit (reading a tensor inside the step is
-    refused), and the step's records are its ops in order."""
+    """Like a command buffer: nothing of a step runs before commit (reading a tensor inside the step
+    is refused), completion lags behind commit (here: until a wait), and the step's records are its
+    ops in order."""
     x = sim.tensor(np.arange(8, dtype=np.float32))
     y = sim.zeros((8,), "f32")
+    sim.synchronize()
     before = METAL_SIM.dispatches
     with sim.step():
         ops.scale(x, 2.0, y)
@@ -44,11 +52,27 @@ def test_nothing_runs_before_commit(sim):
         assert METAL_SIM.dispatches == before  # encoded, not run
         with pytest.raises(RuntimeError, match="step is open"):
             y.numpy()
-    assert METAL_SIM.dispatches == before + 2
+    assert METAL_SIM.dispatches == before and sim.completed_seq < sim.last_committed  # committed, not run
     sim.synchronize()
+    assert METAL_SIM.dispatches == before + 2 and sim.completed_seq == sim.last_committed
     np.testing.assert_array_equal(np.array(y.numpy()), 3 * np.arange(8))
     recs = krnl._core.metal_sim_last_step()
     assert [r["kernel"] for r in recs] == ["scale_f32", "add_f32"]
+
+
+def test_pool_waits_for_the_committed_step(sim):
+    """A buffer released after its step was committed is handed out again only once that step has
+    completed: until then a new tensor gets other memory, whose writes cannot race the step."""
+    x = sim.tensor(np.ones(4096, np.float32))
+    with sim.step():
+        a = sim.empty((4096,), "f32")
+        ops.scale(x, 3.0, a)
+    a_id = a.buffer_id
+    del a  # its buffer is still read by the committed, not yet run, step
+    c = sim.empty((4096,), "f32")
+    assert c.buffer_id != a_id and sim.pool_stats()["pending"] >= 4096 * 4
+    sim.synchronize()
+    assert sim.pool_stats()["pending"] == 0
 
 
 def test_pool_reuses_buffers_only_after_their_step(sim):
@@ -147,3 +171,239 @@ def test_bf16_is_refused_by_name(sim):
     x = sim.empty((4,), "bf16")
     with pytest.raises(NotImplementedError, match=r"\[fill\] bf16 not implemented on metal-sim"):
         ops.fill(x, 1.0)
+
+
+# ---- the ordering rules of an asynchronous step (csrc/metal/submission.cpp)
+
+@contextlib.contextmanager
+def rules_off(sim, **off):
+    """Switches ordering rules off for the block (tests only), then back on."""
+    sim.synchronize()
+    krnl._core.metal_set_ordering_rules(sim, **{k: False for k in off})
+    try:
+        yield
+    finally:
+        sim.synchronize()
+        krnl._core.metal_set_ordering_rules(sim)
+
+
+@contextlib.contextmanager
+def command_buffers(sim, max_dispatches, max_ms=1e9):
+    old = krnl._core.metal_command_buffer_policy(sim)
+    krnl._core.metal_set_command_buffer_policy(sim, max_dispatches, max_ms)
+    try:
+        yield
+    finally:
+        krnl._core.metal_set_command_buffer_policy(sim, old["max_dispatches"], old["max_ms"])
+
+
+@contextlib.contextmanager
+def lag(mode, max_ms=0.0, seed=0):
+    krnl._core.metal_sim_set_lag(mode, max_ms, seed)
+    try:
+        yield
+    finally:
+        krnl._core.metal_sim_set_lag("wait")
+
+
+@contextlib.contextmanager
+def row_split(sim, cpu_gflops=100.0, gpu_gflops=300.0):
+    krnl._core.set_row_split(sim, True, cpu_gflops=cpu_gflops, gpu_gflops=gpu_gflops, overhead_ms=0.0, min_flops=0)
+    try:
+        yield
+    finally:
+        krnl._core.set_row_split(sim, False)
+
+
+def _row_split_after_producer(sim, factor):
+    """A row-split GEMM whose A and C come from kernels earlier in the same step: the host part
+    must read what those kernels wrote (`factor` makes them differ from any earlier call's, so
+    stale memory cannot pass for them). Returns (C, reference)."""
+    rng = np.random.default_rng(21)
+    M, N, K = 96, 64, 128
+    (A0, a0), (B, b), (C0, c0) = (upload(sim, rng.standard_normal(s)) for s in ((M, K), (N, K), (M, N)))
+    A, C = sim.empty((M, K), "f32"), sim.empty((M, N), "f32")
+    sim.synchronize()
+    with row_split(sim), sim.step():
+        ops.scale(A0, factor, A)
+        ops.scale(C0, factor, C)
+        ops.gemm(A, B, C, trans_b=True, beta=0.5, split_k=1)
+    sim.synchronize()
+    return read(C), factor * (a0 @ b.T + 0.5 * c0)
+
+
+def test_host_record_waits_for_earlier_records(sim):
+    """Defect 4: the CPU half of a row-split GEMM starts only once the kernels before it (which
+    produce A, and C for beta != 0) have completed; its own GPU half is a separate command buffer
+    that runs alongside it. Without the rule the host reads A and C before they are written."""
+    got, ref = _row_split_after_producer(sim, 2.0)
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+    step = krnl._core.metal_last_step(sim)
+    assert [r["host"] for r in step["records"]] == [False, False, False, True]
+    assert step["command_buffers"] == [2, 1]  # the producers, then the GPU half alone
+    with rules_off(sim, host_after_earlier=True):
+        got_off, ref = _row_split_after_producer(sim, 3.0)
+    cpu_rows = krnl._core.plan_row_split(96, 1.0 / 100, 1.0 / 300, 0.0, 32)["cpu_rows"]
+    assert cpu_rows > 0
+    assert not np.allclose(got_off[:cpu_rows], ref[:cpu_rows], rtol=1e-4, atol=1e-4)
+
+
+def _upload_inside_step(sim):
+    x = sim.tensor(np.ones(64, np.float32))
+    y, z = sim.empty((64,), "f32"), sim.empty((64,), "f32")
+    with sim.step():
+        ops.scale(x, 2.0, y)  # encoded before the upload: reads the old x
+        sim.upload(x, np.full(64, 5.0, np.float32))
+        ops.add(x, y, z)      # encoded after it: reads the new x
+    sim.synchronize()
+    return read(y), read(z)
+
+
+def _upload_after_commit(sim):
+    x = sim.tensor(np.ones(64, np.float32))
+    y = sim.empty((64,), "f32")
+    with sim.step():
+        ops.scale(x, 2.0, y)
+    sim.upload(x, np.full(64, 5.0, np.float32))  # the step is committed, not yet run
+    sim.synchronize()
+    return read(y), read(x)
+
+
+def test_upload_in_call_order(sim):
+    """Defect 6: a host write lands in call order relative to the step's records, encoded or
+    committed: work recorded before it sees the old contents, work after it the new ones."""
+    y, z = _upload_inside_step(sim)
+    np.testing.assert_array_equal(y, 2.0)
+    np.testing.assert_array_equal(z, 7.0)
+    y, x = _upload_after_commit(sim)
+    np.testing.assert_array_equal(y, 2.0)
+    np.testing.assert_array_equal(x, 5.0)
+    with rules_off(sim, upload_in_order=True):
+        assert not np.array_equal(_upload_inside_step(sim)[0], np.full(64, 2.0))
+        assert not np.array_equal(_upload_after_commit(sim)[0], np.full(64, 2.0))
+
+
+def test_upload_into_fresh_buffer_does_not_wait(sim):
+    """A buffer no unfinished work binds is written at once: Device.tensor inside a step neither
+    flushes nor waits (the step still runs as one command buffer, only when waited for)."""
+    x = sim.tensor(np.ones(64, np.float32))
+    y = sim.empty((64,), "f32")
+    sim.synchronize()
+    before = METAL_SIM.dispatches
+    with sim.step():
+        ops.scale(x, 2.0, y)
+        w = sim.tensor(np.full(64, 3.0, np.float32))
+        ops.add(y, w, y)
+        assert METAL_SIM.dispatches == before
+    assert krnl._core.metal_last_step(sim)["command_buffers"] == [2]
+    sim.synchronize()
+    np.testing.assert_array_equal(read(y), 5.0)
+
+
+def _eight_scales(sim):
+    x = sim.tensor(np.ones(256, np.float32))
+    ys = [sim.empty((256,), "f32") for _ in range(8)]
+    with sim.step():
+        for i, y in enumerate(ys):
+            ops.scale(x if i == 0 else ys[i - 1], 2.0, y)
+    sim.synchronize()
+    return read(ys[-1]), krnl._core.metal_last_step(sim)["command_buffers"]
+
+
+def test_step_split_into_command_buffers(sim):
+    """Defect 5: a step is cut into command buffers by dispatch count (and estimated work), each
+    depending on the last, with one result; without the cut it is one command buffer."""
+    with command_buffers(sim, 3):
+        out, cbs = _eight_scales(sim)
+        np.testing.assert_array_equal(out, 256.0)
+        assert cbs == [3, 3, 2]
+        with rules_off(sim, split_steps=True):
+            assert _eight_scales(sim)[1] == [8]
+    with command_buffers(sim, 64, max_ms=1e-12):  # every dispatch over the work budget
+        assert _eight_scales(sim)[1] == [1] * 8
+
+
+def test_gpu_starts_before_the_step_is_encoded(sim):
+    """With command buffers cut early, the GPU (here the worker, completing at once) runs the first
+    part of a step while the host is still encoding the rest."""
+    x = sim.tensor(np.ones(256, np.float32))
+    y = sim.empty((256,), "f32")
+    sim.synchronize()
+    with command_buffers(sim, 2), lag("none"):
+        before = METAL_SIM.dispatches
+        with sim.step():
+            ops.scale(x, 2.0, y)
+            ops.scale(y, 2.0, y)
+            t0 = time.monotonic()
+            while METAL_SIM.dispatches < before + 2 and time.monotonic() - t0 < 60:
+                time.sleep(0.01)
+            assert METAL_SIM.dispatches == before + 2, "the first command buffer did not start before commit"
+            ops.scale(y, 2.0, y)
+        sim.synchronize()
+    np.testing.assert_array_equal(read(y), 8.0)
+
+
+def test_failed_command_buffer_raised_at_step_end(sim, monkeypatch):
+    """A command buffer that fails is raised when its step is waited (the step's end), naming the
+    step, which of its command buffers, and its first and last ops; the step still completes (its
+    buffers return to the pool) and the device keeps working."""
+    x = sim.tensor(np.ones(256, np.float32))
+    ys = [sim.empty((256,), "f32") for _ in range(5)]
+    sim.synchronize()
+    run = METAL_SIM.run
+
+    def faulty(r):
+        if r["kernel"] == "add_f32":
+            raise RuntimeError("injected fault")
+        run(r)
+
+    monkeypatch.setattr(METAL_SIM, "run", faulty)
+    with command_buffers(sim, 2):
+        with sim.step() as st:
+            ops.scale(x, 2.0, ys[0])
+            ops.scale(x, 2.0, ys[1])
+            ops.add(ys[0], ys[1], ys[2])   # command buffer 2: add .. scale
+            ops.scale(x, 2.0, ys[3])
+            ops.scale(x, 2.0, ys[4])
+        with pytest.raises(RuntimeError) as e:
+            sim.wait(st.seq)
+    msg = str(e.value)
+    assert msg.startswith("[metal] command buffer failed:") and "injected fault" in msg, msg
+    assert f"step {st.seq}, command buffer 2: add (add_f32) .. scale (scale_f32)" in msg, msg
+    assert sim.completed_seq == st.seq
+    # The step's last command buffer is submitted by commit itself: its failure too is the step's.
+    with sim.step() as st:
+        ops.add(ys[0], ys[1], ys[2])
+    with pytest.raises(RuntimeError, match=rf"step {st.seq}, command buffer 1: add \(add_f32\)\)"):
+        sim.synchronize()
+    monkeypatch.setattr(METAL_SIM, "run", run)
+    sim.synchronize()  # raised once only
+    np.testing.assert_array_equal(read(ys[4]), 2.0)
+    ops.add(ys[0], ys[1], ys[2])
+    np.testing.assert_array_equal(read(ys[2]), 4.0)
+
+
+def test_training_step_with_late_completion_and_host_records(sim):
+    """The tiny model's step against the CPU backend with completion lagging by seeded random
+    delays, the step cut every four dispatches, and the f32 GEMMs row-split with a CPU three times
+    the GPU's rate, so that at this size the host takes them whole (host records that must wait for
+    the kernels before them): every ordering rule at once on real work."""
+    with lag("delay", max_ms=2.0, seed=5), command_buffers(sim, 4), row_split(sim, 300.0, 100.0):
+        check_step_against_cpu(sim, "f32", 1e-5)
+        assert any(r["host"] for r in krnl._core.metal_last_step(sim)["records"])
+
+
+def test_set_lag_rejects_unknown_mode():
+    with pytest.raises(ValueError, match="lag must be 'none', 'wait' or 'delay'"):
+        krnl._core.metal_sim_set_lag("later")
+
+
+
+def test_capabilities_follow_the_gpu_policy(sim):
+    """metal-sim answers capabilities() as device.mm's "metal" would for the GPU it stands for (an
+    Apple7 GPU): the dtypes and training dtype of the policy functions, asynchronous completion."""
+    c = sim.capabilities()
+    pol = krnl._core.metal_gpu_policy(dict(apple_family=7))
+    assert c["kind"] == "metal-sim" and c["dtypes"] == pol["dtypes"] and c["compute_dtype"] == pol["compute_dtype"]
+    assert (c["synchronous"], c["queue_ordered"], c["host_visible"], c["graphs"]) == (False, False, True, False)
+    assert c["details"]["gpu_family"] == "apple7" and c["details"]["bf16"].startswith("emulated")

@@ -1,7 +1,9 @@
 // The Metal backend's test surface: the metal-sim device (its executor comes from Python:
-// tools/mslsim runs the kernels), its last step's dispatch records, and the row-split option of
-// every Metal device.
+// tools/mslsim runs the kernels) and its lag, the last step's records and command buffers, the
+// portable policy functions on made-up GPUs, the ordering switches, the command-buffer policy and
+// the row-split option of every Metal device.
 #include <nanobind/stl/function.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -9,6 +11,7 @@
 
 #include "bindings.h"
 #include "metal/metal_sim.h"
+#include "metal/policy.h"
 
 namespace krnl::bindings {
 namespace {
@@ -59,10 +62,34 @@ nb::list to_list(const std::vector<Dispatch>& v) {
   return l;
 }
 
-metal::MetalOps& metal_device(Backend& d) {
+metal::MetalOps& metal_device(Backend& d, const char* what) {
   auto* m = dynamic_cast<metal::MetalOps*>(&d);
-  if (!m) throw std::invalid_argument("[row_split] device " + d.name() + " is not a Metal device");
+  if (!m) throw std::invalid_argument(std::string("[") + what + "] device " + d.name() + " is not a Metal device");
   return *m;
+}
+
+// A made-up GPU for the policy functions: {name, apple_family, mac2, unified_memory, low_power,
+// removable, working_set}, absent keys at their defaults.
+metal::GpuDescription gpu_from(const nb::dict& d) {
+  metal::GpuDescription g;
+  for (auto [k, v] : d) {
+    const std::string key = nb::cast<std::string>(k);
+    if (key == "name") g.name = nb::cast<std::string>(v);
+    else if (key == "apple_family") g.apple_family = nb::cast<int>(v);
+    else if (key == "mac2") g.mac2 = nb::cast<bool>(v);
+    else if (key == "unified_memory") g.unified_memory = nb::cast<bool>(v);
+    else if (key == "low_power") g.low_power = nb::cast<bool>(v);
+    else if (key == "removable") g.removable = nb::cast<bool>(v);
+    else if (key == "working_set") g.working_set = nb::cast<uint64_t>(v);
+    else throw std::invalid_argument("[metal_gpu] unknown GPU description key '" + key + "'");
+  }
+  return g;
+}
+
+nb::dict policy_dict(const metal::CommandBufferPolicy& p) {
+  nb::dict r;
+  r["max_dispatches"] = p.max_dispatches, r["max_ms"] = p.max_ms, r["gflops"] = p.gflops, r["gbps"] = p.gbps;
+  return r;
 }
 
 }  // namespace
@@ -71,26 +98,114 @@ void bind_metal(nb::module_& m) {
   m.def("register_metal_sim", [](nb::callable fn) {
     // Kept alive for the life of the process: a static destructor must not touch Python.
     auto* keep = new nb::callable(std::move(fn));
-    metal::register_metal_sim([keep](const std::vector<Dispatch>& step) {
+    metal::register_metal_sim([keep](const std::vector<Dispatch>& records) {
+      // Runs on the simulator's worker thread. A Python error becomes a C++ one here, while the
+      // GIL is held (its text needs it): the command buffer's failure, raised at its step's end.
       nb::gil_scoped_acquire gil;
-      (*keep)(to_list(step));
+      try {
+        (*keep)(to_list(records));
+      } catch (nb::python_error& e) {
+        throw std::runtime_error(e.what());
+      }
     });
+    // The worker calls into Python: it finishes and stops while the interpreter still runs.
+    nb::module_::import_("atexit").attr("register")(nb::cpp_function([] {
+      nb::gil_scoped_release release;
+      metal::metal_sim_shutdown();
+    }));
   }, "executor"_a,
-        "Registers the 'metal-sim' device: at each commit, executor(records) runs the step's dispatch records "
-        "(dicts: kernel, library, constants, buffers as (index, address, extent, base, offset), args bytes, grid, "
-        "threads) on the CPU. The test suite passes tools/mslsim's executor.");
-  m.def("metal_sim_last_step", [] { return to_list(metal::metal_sim_last_step()); },
+        "Registers the 'metal-sim' device: each committed command buffer's dispatch records (dicts: kernel, "
+        "library, constants, buffers as (index, address, extent, base, offset), args bytes, grid, threads) run "
+        "as executor(records) on a worker thread. The test suite passes tools/mslsim's executor.");
+  m.def("metal_sim_set_lag", [](const std::string& mode, double max_ms, uint64_t seed) {
+          nb::gil_scoped_release release;
+          metal::metal_sim_set_lag(mode, max_ms, seed);
+        }, "mode"_a, "max_ms"_a = 0.0, "seed"_a = 0,
+        "How metal-sim's completion lags behind commit: 'wait' (a command buffer runs only once waited for; the "
+        "default), 'delay' (also after a seeded random delay of up to max_ms), 'none' (at once).");
+  m.def("metal_last_step", [](Backend& d) {
+          metal::MetalOps& mo = metal_device(d, "metal_last_step");
+          nb::dict r;
+          r["records"] = to_list(mo.last_step_records());
+          r["command_buffers"] = mo.last_step_command_buffers();
+          return r;
+        }, "device"_a,
+        "The last committed step of a Metal device that keeps its log (metal-sim): its records (GPU and host, in "
+        "call order) and the dispatch count of each of its command buffers.");
+  m.def("metal_sim_last_step", [] { return to_list(metal_device(*get_device("metal-sim"), "metal_sim_last_step").last_step_records()); },
         "The dispatch records of the last step the metal-sim device committed.");
+  m.def("metal_set_ordering_rules", [](Backend& d, bool host_after_earlier, bool upload_in_order, bool split_steps) {
+          metal_device(d, "metal_set_ordering_rules").set_ordering_rules({host_after_earlier, upload_in_order, split_steps});
+        }, "device"_a, "host_after_earlier"_a = true, "upload_in_order"_a = true, "split_steps"_a = true,
+        "Tests only: switches the ordering rules of a Metal device's steps off, to show what each is for.");
+  m.def("metal_command_buffer_policy", [](Backend& d) {
+          return policy_dict(metal_device(d, "metal_command_buffer_policy").command_buffer_policy());
+        }, "device"_a);
+  m.def("metal_set_command_buffer_policy", [](Backend& d, uint32_t max_dispatches, double max_ms) {
+          if (max_dispatches < 1 || !(max_ms > 0))
+            throw std::invalid_argument("[metal_set_command_buffer_policy] max_dispatches must be >= 1 and max_ms > 0");
+          metal::MetalOps& mo = metal_device(d, "metal_set_command_buffer_policy");
+          metal::CommandBufferPolicy p = mo.command_buffer_policy();
+          p.max_dispatches = max_dispatches, p.max_ms = max_ms;
+          mo.set_command_buffer_policy(p);
+        }, "device"_a, "max_dispatches"_a, "max_ms"_a,
+        "When a step's work goes into another command buffer on a Metal device.");
+  // The portable policy functions device.mm calls, on made-up GPUs (tests/test_metal_policy.py).
+  m.def("metal_gpu_policy", [](const nb::dict& desc) {
+          metal::GpuDescription g = gpu_from(desc);
+          std::string why;
+          nb::dict r;
+          r["usable"] = metal::gpu_usable(g, &why);
+          r["reason"] = why;
+          r["native_bf16"] = metal::native_bf16(g);
+          nb::list dts;
+          for (DType t : metal::compute_dtypes(g, false)) dts.append(dtype_name(t));
+          r["dtypes"] = dts;
+          r["compute_dtype"] = dtype_name(metal::default_compute_dtype(g, false));
+          nb::list dts_k;
+          for (DType t : metal::compute_dtypes(g, true)) dts_k.append(dtype_name(t));
+          r["dtypes_with_bf16_kernels"] = dts_k;
+          r["compute_dtype_with_bf16_kernels"] = dtype_name(metal::default_compute_dtype(g, true));
+          r["command_buffer"] = policy_dict(metal::command_buffer_policy(g));
+          return r;
+        }, "gpu"_a, "What the Metal backend decides for a GPU described as a dict (device.mm's view of it).");
+  m.def("metal_choose_device", [](const std::vector<nb::dict>& candidates, uint32_t os_msl, uint32_t needed_msl) {
+          std::vector<metal::GpuDescription> gs;
+          for (const auto& c : candidates) gs.push_back(gpu_from(c));
+          metal::DeviceChoice ch = metal::choose_device(gs, os_msl, needed_msl);
+          return nb::make_tuple(ch.index, ch.reason);
+        }, "candidates"_a, "os_msl"_a, "needed_msl"_a,
+        "The GPU the 'metal' device takes: (index into candidates, '') or (-1, one-line reason). Candidates list "
+        "the system default first; os_msl / needed_msl are MSL versions as major*100+minor.");
+  m.def("metal_plan_command_buffers", [](const nb::dict& gpu, const std::vector<std::pair<double, double>>& work,
+                                         uint32_t max_dispatches, double max_ms) {
+          metal::CommandBufferPolicy p = metal::command_buffer_policy(gpu_from(gpu));
+          if (max_dispatches) p.max_dispatches = max_dispatches;
+          if (max_ms > 0) p.max_ms = max_ms;
+          std::vector<double> ms;
+          for (auto [flops, bytes] : work) {
+            Dispatch d;
+            d.flops = flops;
+            d.buffers.push_back({0, nullptr, 0, size_t(bytes)});
+            ms.push_back(metal::estimate_ms(d, p));
+          }
+          return metal::plan_command_buffers(p, ms);
+        }, "gpu"_a, "work"_a, "max_dispatches"_a = 0, "max_ms"_a = 0.0,
+        "Command-buffer sizes (dispatch counts) for a step of dispatches given as (flops, bytes), under the GPU's "
+        "policy (max_dispatches / max_ms override it when set).");
   m.def("metal_libraries", &metal::library_names, "The op families of metal/ (one .metal file each).");
   m.def("metal_library_source", &metal::library_source, "name"_a,
         "The MSL source of metal/<name>.metal embedded in the binary, includes inlined (what the Metal device "
         "compiles at run time).");
+  m.def("metal_library_msl_version", &metal::library_msl_version, "name"_a,
+        "The MSL version metal/<name>.metal declares on its first line ('// msl: X.Y') as major * 100 + minor "
+        "(3.1 -> 301): the language version the Metal device compiles it with.");
   m.def("set_row_split", [](Backend& d, bool enabled, double cpu_gflops, double gpu_gflops, double overhead_ms,
                             int64_t min_flops) {
     metal::RowSplitConfig c{enabled, cpu_gflops, gpu_gflops, overhead_ms, min_flops};
     if (enabled && !(cpu_gflops > 0 && gpu_gflops > 0))
       throw std::invalid_argument("[row_split] cpu_gflops and gpu_gflops must be > 0 (measured rates)");
-    metal_device(d).set_row_split(c);
+    metal_device(d, "row_split").set_row_split(c);
   }, "device"_a, "enabled"_a, "cpu_gflops"_a = 0.0, "gpu_gflops"_a = 0.0, "overhead_ms"_a = 0.0,
         "min_flops"_a = int64_t(1) << 30,
         "CPU/GPU row split of large f32 GEMMs on a Metal device: the CPU takes the share of rows the core's planner "

@@ -10,8 +10,11 @@ namespace krnl::bindings {
 void bind_ops(nb::module_& parent) {
   using namespace nb::literals;
   nb::module_ m = parent.def_submodule("ops", "Device ops (DESIGN section 2). Outputs are passed in.");
+  // Without the GIL: an op may wait for device work (a host record waits for the GPU work before
+  // it), and metal-sim's executor, which runs that work, is Python on another thread.
+  const auto release = nb::call_guard<nb::gil_scoped_release>();
 
-  m.def("gemm", &ops::gemm, "A"_a, "B"_a, "C"_a, "trans_a"_a = false, "trans_b"_a = false, "alpha"_a = 1.0f,
+  m.def("gemm", &ops::gemm, release, "A"_a, "B"_a, "C"_a, "trans_a"_a = false, "trans_b"_a = false, "alpha"_a = 1.0f,
         "beta"_a = 0.0f, "batch"_a = 1, "stride_a"_a = -1, "stride_b"_a = -1, "stride_c"_a = -1, "split_k"_a = -1,
         "C = alpha*op(A)*op(B) + beta*C with fp32 accumulation. Operands are 2-D, or 3-D with a leading batch\n"
         "dimension; stride_* (elements) override the per-batch step (0 broadcasts). split_k: -1 routes\n"
@@ -23,41 +26,41 @@ void bind_ops(nb::module_& parent) {
         }, "A"_a, "B"_a, "C"_a, "trans_a"_a = false, "trans_b"_a = false, "batch"_a = 1, "stride_a"_a = -1,
         "stride_b"_a = -1, "stride_c"_a = -1, "split_k"_a = -1,
         "The (splits, k_per_split) that gemm would use for these operands.");
-  m.def("rmsnorm_forward", &ops::rmsnorm_forward, "x"_a, "w"_a, "y"_a, "rstd"_a, "eps"_a = 1e-5f,
+  m.def("rmsnorm_forward", &ops::rmsnorm_forward, release, "x"_a, "w"_a, "y"_a, "rstd"_a, "eps"_a = 1e-5f,
         "y = x * rstd * w with rstd = 1/sqrt(mean(x^2) + eps) per row (rstd is f32, saved for backward).");
-  m.def("rmsnorm_backward", &ops::rmsnorm_backward, "dy"_a, "x"_a, "w"_a, "rstd"_a, "dx"_a, "dw"_a = nb::none(),
+  m.def("rmsnorm_backward", &ops::rmsnorm_backward, release, "dy"_a, "x"_a, "w"_a, "rstd"_a, "dx"_a, "dw"_a = nb::none(),
         "dx (overwritten) and optionally dw (f32, accumulated) of rmsnorm_forward.");
-  m.def("swiglu_forward", &ops::swiglu_forward, "g"_a, "u"_a, "s"_a, "s = silu(g) * u.");
-  m.def("swiglu_backward", &ops::swiglu_backward, "ds"_a, "g"_a, "u"_a, "dg"_a, "du"_a);
-  m.def("rope", &ops::rope, "x"_a, "positions"_a, "inv_freq"_a, "sign"_a = 1.0f,
+  m.def("swiglu_forward", &ops::swiglu_forward, release, "g"_a, "u"_a, "s"_a, "s = silu(g) * u.");
+  m.def("swiglu_backward", &ops::swiglu_backward, release, "ds"_a, "g"_a, "u"_a, "dg"_a, "du"_a);
+  m.def("rope", &ops::rope, release, "x"_a, "positions"_a, "inv_freq"_a, "sign"_a = 1.0f,
         "In-place rotary embedding of x (..., T, D), rotate_half convention on the first 2*len(inv_freq)\n"
         "dims; sign=-1 applies the inverse rotation (the backward).");
-  m.def("softmax_causal_forward", &ops::softmax_causal_forward, "S"_a, "P"_a, "scale"_a, "segments"_a = nb::none(),
+  m.def("softmax_causal_forward", &ops::softmax_causal_forward, release, "S"_a, "P"_a, "scale"_a, "segments"_a = nb::none(),
         "P = causal softmax of scale*S over the last dim (S is (..., Tq, Tk); query i sits at position\n"
         "i + Tk - Tq). Masked entries are exact zeros; segments (Tk,) i32 also masks across samples.");
-  m.def("softmax_backward", &ops::softmax_backward, "P"_a, "dP"_a, "dS"_a, "scale"_a,
+  m.def("softmax_backward", &ops::softmax_backward, release, "P"_a, "dP"_a, "dS"_a, "scale"_a,
         "dS = P * (dP - rowsum(dP * P)) * scale.");
-  m.def("attention_forward", &ops::attention_forward, "q"_a, "k"_a, "v"_a, "o"_a, "lse"_a, "scale"_a,
+  m.def("attention_forward", &ops::attention_forward, release, "q"_a, "k"_a, "v"_a, "o"_a, "lse"_a, "scale"_a,
         "Fused causal attention: o = softmax(scale * q k^T, causal) v per head, never materialising the\n"
         "scores. q, o (Hq, T, D); k, v (Hk, T, D), query head h reads KV head h // (Hq // Hk); lse (Hq, T) f32\n"
         "receives the natural-log row sums of exp(scale * q.k), which attention_backward needs.");
-  m.def("attention_backward", &ops::attention_backward, "q"_a, "k"_a, "v"_a, "o"_a, "dout"_a, "lse"_a, "dq"_a,
+  m.def("attention_backward", &ops::attention_backward, release, "q"_a, "k"_a, "v"_a, "o"_a, "dout"_a, "lse"_a, "dq"_a,
         "dk"_a, "dv"_a, "scale"_a, "dq, dk, dv (overwritten) of attention_forward, from its o and lse.");
-  m.def("embedding_forward", &ops::embedding_forward, "ids"_a, "table"_a, "out"_a);
-  m.def("embedding_backward", &ops::embedding_backward, "ids"_a, "dout"_a, "dtable"_a,
+  m.def("embedding_forward", &ops::embedding_forward, release, "ids"_a, "table"_a, "out"_a);
+  m.def("embedding_backward", &ops::embedding_backward, release, "ids"_a, "dout"_a, "dtable"_a,
         "dtable (f32) += scatter of dout rows by id.");
-  m.def("cross_entropy", &ops::cross_entropy, "logits"_a, "targets"_a, "loss"_a, "dlogits"_a = nb::none(),
+  m.def("cross_entropy", &ops::cross_entropy, release, "logits"_a, "targets"_a, "loss"_a, "dlogits"_a = nb::none(),
         "ignore_index"_a = -100, "scale"_a = 1.0f,
         "Per-row loss (f32, 0 where ignored) and optionally dlogits = scale*(softmax - onehot), which may\n"
         "be the logits tensor itself.");
-  m.def("add", &ops::add, "a"_a, "b"_a, "out"_a);
-  m.def("axpy", &ops::axpy, "alpha"_a, "x"_a, "y"_a, "y += alpha * x.");
-  m.def("scale", &ops::scale, "x"_a, "alpha"_a, "out"_a, "out = alpha * x.");
-  m.def("cast", &ops::cast, "x"_a, "out"_a, "out = x converted to out's dtype (round to nearest even).");
-  m.def("transpose_heads", &ops::transpose_heads, "x"_a, "out"_a,
+  m.def("add", &ops::add, release, "a"_a, "b"_a, "out"_a);
+  m.def("axpy", &ops::axpy, release, "alpha"_a, "x"_a, "y"_a, "y += alpha * x.");
+  m.def("scale", &ops::scale, release, "x"_a, "alpha"_a, "out"_a, "out = alpha * x.");
+  m.def("cast", &ops::cast, release, "x"_a, "out"_a, "out = x converted to out's dtype (round to nearest even).");
+  m.def("transpose_heads", &ops::transpose_heads, release, "x"_a, "out"_a,
         "out (B, A, D) = x (A, B, D) with the first two axes swapped, e.g. (T, H, D) <-> (H, T, D).");
-  m.def("fill", &ops::fill, "x"_a, "value"_a);
-  m.def("dropout", &ops::dropout, "x"_a, "out"_a, "p"_a, "seed"_a,
+  m.def("fill", &ops::fill, release, "x"_a, "value"_a);
+  m.def("dropout", &ops::dropout, release, "x"_a, "out"_a, "p"_a, "seed"_a,
         "out = x * keep / (1 - p); keep is a hash of (seed, index), so the same call on dy is the backward.");
   m.def("adamw_update", [](const Tensor& params, const Tensor& grads, const Tensor& m_, const Tensor& v, float lr,
                            float beta1, float beta2, float eps, float weight_decay, int64_t step, float grad_scale,
@@ -68,12 +71,12 @@ void bind_ops(nb::module_& parent) {
           a.lr = lr, a.beta1 = beta1, a.beta2 = beta2, a.eps = eps, a.weight_decay = weight_decay;
           a.step = step, a.grad_scale = grad_scale;
           ops::adamw_update(a);
-        }, "params"_a, "grads"_a, "m"_a, "v"_a, "lr"_a, "beta1"_a = 0.9f, "beta2"_a = 0.999f, "eps"_a = 1e-8f,
+        }, release, "params"_a, "grads"_a, "m"_a, "v"_a, "lr"_a, "beta1"_a = 0.9f, "beta2"_a = 0.999f, "eps"_a = 1e-8f,
         "weight_decay"_a = 0.0f, "step"_a = 1, "grad_scale"_a = 1.0f, "working"_a = nb::none(),
         "PyTorch AdamW over flat f32 buffers (decoupled decay, eps outside sqrt, 1-based bias correction).\n"
         "grads are multiplied by grad_scale as read; `working` receives the updated params in its dtype.");
-  m.def("sumsq", &ops::sumsq, "x"_a, "out"_a, "out[0] = sum(x^2) (f32).");
-  m.def("nonfinite", &ops::nonfinite, "x"_a, "flag"_a, "flag[0] = 1 if x holds inf or NaN (never cleared).");
+  m.def("sumsq", &ops::sumsq, release, "x"_a, "out"_a, "out[0] = sum(x^2) (f32).");
+  m.def("nonfinite", &ops::nonfinite, release, "x"_a, "flag"_a, "flag[0] = 1 if x holds inf or NaN (never cleared).");
 }
 
 }  // namespace krnl::bindings

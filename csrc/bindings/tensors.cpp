@@ -17,6 +17,7 @@ void check_readable(const Tensor& t, const char* what) {
   if (d->in_step())
     throw std::runtime_error(std::string("[") + what + "] cannot read a tensor while a step is open on " + d->name() +
                              ": read results after the step is committed");
+  nb::gil_scoped_release release;  // the wait may need another thread's Python (metal-sim's executor)
   d->synchronize();
 }
 

@@ -1,48 +1,37 @@
-// The "metal" device (DESIGN section 7): executes the Dispatch records of MetalOps (ops.cpp) on
-// an Apple GPU. Objective-C++ with ARC, macOS only, deliberately thin: every decision about
-// kernels, grids, offsets and arguments is made in portable code and tested on metal-sim; this
-// file only turns records into Metal calls. No Objective-C type leaves this file (the class is
-// local; metal_device.h declares a plain function).
+// The "metal" device: executes the command buffers of MetalOps on an
+// Apple GPU. Objective-C++ with ARC, macOS only, deliberately thin: the kernels, grids, offsets
+// and arguments of every op (ops.cpp), the cut of a step into command buffers, the ordering of
+// host records and host writes, completion and failures (submission.cpp), and the choice of GPU
+// and its dtypes (policy.cpp) are portable code that metal-sim runs in CI. This file turns those
+// decisions into Metal calls. No Objective-C type leaves it (metal_device.h declares a function).
 //
-// Submission model, per step (Backend::begin_step ... commit):
-// - one command buffer from the device's one queue, with ONE compute encoder of
-//   MTLDispatchTypeConcurrent. Serial semantics come from a buffer memory barrier before every
-//   dispatch except the encoder's first and those marked Dispatch::concurrent;
-// - a record with `host` set splits the step: the encoder is ended and its command buffer
-//   committed, host() runs on this thread while the GPU works through what was encoded before
-//   it (the GPU half of a row-split GEMM overlaps the CPU half), then the GPU is waited and a
-//   new command buffer and encoder continue the step;
-// - commit: endEncoding, a completion handler that advances the completed seq (the buffer
-//   pool's recycling clock), commit. The step's last command buffer is kept for wait().
-// A failed command buffer (GPU fault, timeout) is reported as a C++ exception
-// "[metal] command buffer failed: ..." from wait(), or from the next commit if no wait saw it
-// first; failures of the intermediate command buffers (host splits, profiling) are raised by
-// the op that waited on them. Nothing here aborts the process.
+// Device choice: MTLCreateSystemDefaultDevice() can return nil in a command-line process that
+// does not link CoreGraphics (CMakeLists.txt links it), so MTLCopyAllDevices() is asked too; the
+// device registers only on a GPU that runs every kernel (Apple7 family: simdgroup matrices),
+// otherwise krnl.devices() omits it and `krnl devices` prints the reason.
 //
-// Memory: every pool buffer is a shared-storage MTLBuffer (unified memory): raw_alloc returns
-// its contents pointer and keeps pointer -> MTLBuffer, which encode() uses to bind. Memory
-// wrapped from the host (Device.from_numpy) is bound through a no-copy MTLBuffer over the pages
-// that hold it.
+// A command buffer (MetalOps::submit): one compute encoder of MTLDispatchTypeConcurrent; serial
+// semantics come from a buffer memory barrier before every dispatch except the encoder's first
+// and those marked Dispatch::concurrent. Its completed handler reports to MetalOps (completion
+// and failure, on a Metal thread); wait_submission waits for the command buffers themselves.
 //
-// Autorelease pools: Metal returns autoreleased objects (command buffers, encoders, errors).
-// Each entry point (begin_step, encode, commit, wait, alloc) drains its own pool; the objects a
-// step needs across calls (command buffer, encoder) are held by strong references until commit
-// or wait. A single pool spanning begin_step..commit is not used: pools are a per-thread stack,
-// and a step's calls may come from different threads or be interleaved with other code's pools.
-// Errors are carried out of each pool as std::exception_ptr and rethrown after it is drained.
+// Memory: every pool buffer is a shared-storage MTLBuffer (unified memory): raw_alloc returns its
+// contents pointer and keeps pointer -> MTLBuffer, which binding uses. Memory wrapped from the
+// host (Device.from_numpy) is bound through a no-copy MTLBuffer over the pages that hold it.
+//
+// Autorelease pools: Metal returns autoreleased objects (command buffers, encoders, errors). Each
+// entry point drains its own pool; errors leave it as std::exception_ptr, rethrown after it is
+// drained. Nothing here aborts the process.
 #import <Foundation/Foundation.h>
 #import <Metal/Metal.h>
 
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
-#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <exception>
 #include <map>
-#include <memory>
 #include <mutex>
 #include <new>
 #include <stdexcept>
@@ -53,6 +42,7 @@
 
 #include "metal/metal_device.h"
 #include "metal/metal_ops.h"
+#include "metal/policy.h"
 
 #if !__has_feature(objc_arc)
 #error "csrc/metal/device.mm must be compiled with -fobjc-arc (CMakeLists.txt sets it)"
@@ -89,55 +79,60 @@ void pooled(F&& f) {
   if (error) std::rethrow_exception(error);
 }
 
-// Completion state shared with the command buffers' handlers, which run on a Metal thread and
-// may outlive a call: held by shared_ptr in each handler block.
-struct Completion {
-  std::atomic<uint64_t> completed{0};  // newest step known complete
-  std::mutex mu;
-  uint64_t failed_step = 0;  // first failure not yet raised (0: none)
-  std::string failure;
-  uint64_t raised_upto = 0;  // failures of steps up to here were already raised
+// What the policy functions need to know of a GPU.
+GpuDescription describe_gpu(id<MTLDevice> d) {
+  GpuDescription g;
+  g.name = text([d name]);
+  if (@available(macOS 14.0, *)) {
+    if ([d supportsFamily:MTLGPUFamilyApple9]) g.apple_family = 9;
+  }
+  if (g.apple_family == 0 && [d supportsFamily:MTLGPUFamilyApple8]) g.apple_family = 8;
+  if (g.apple_family == 0 && [d supportsFamily:MTLGPUFamilyApple7]) g.apple_family = 7;
+  g.mac2 = [d supportsFamily:MTLGPUFamilyMac2];
+  g.unified_memory = [d hasUnifiedMemory];
+  g.low_power = [d isLowPower];
+  g.removable = [d isRemovable];
+  g.working_set = [d recommendedMaxWorkingSetSize];
+  return g;
+}
 
-  void complete(uint64_t seq) {
-    uint64_t c = completed.load(std::memory_order_relaxed);
-    while (c < seq && !completed.compare_exchange_weak(c, seq, std::memory_order_release)) {
+// The newest Metal Shading Language this macOS compiles (major * 100 + minor; 0: below 3.0, the
+// oldest version a kernel may declare).
+uint32_t os_msl_version() {
+  if (@available(macOS 15.0, *)) return 302;
+  if (@available(macOS 14.0, *)) return 301;
+  if (@available(macOS 13.0, *)) return 300;
+  return 0;
+}
+
+// The newest MSL any kernel declares (each metal/*.metal says which it needs on its first line).
+uint32_t needed_msl_version() {
+  uint32_t v = 0;
+  for (const std::string& name : library_names()) v = std::max(v, library_msl_version(name));
+  return v;
+}
+
+// The compiler's language version for a library that declares MSL v (choose_device has checked
+// that this macOS compiles the newest one declared).
+void set_language_version(MTLCompileOptions* options, uint32_t v) {
+  if (v >= 302) {
+    if (@available(macOS 15.0, *)) {
+      options.languageVersion = MTLLanguageVersion3_2;
+      return;
     }
   }
-  void fail(uint64_t seq, std::string msg) {
-    std::lock_guard<std::mutex> lk(mu);
-    if (seq <= raised_upto || failed_step != 0) return;
-    failed_step = seq;
-    failure = std::move(msg);
-  }
-  // The pending failure of a step <= upto, if any; it counts as raised from then on.
-  bool take(uint64_t upto, uint64_t* step, std::string* msg) {
-    std::lock_guard<std::mutex> lk(mu);
-    if (failed_step == 0 || failed_step > upto) return false;
-    *step = failed_step;
-    *msg = std::move(failure);
-    raised_upto = std::max(raised_upto, failed_step);
-    failed_step = 0;
-    failure.clear();
-    return true;
-  }
-  // A failure of step `seq` found directly (wait): its handler must not raise it again.
-  void mark_raised(uint64_t seq) {
-    std::lock_guard<std::mutex> lk(mu);
-    raised_upto = std::max(raised_upto, seq);
-    if (failed_step != 0 && failed_step <= raised_upto) {
-      failed_step = 0;
-      failure.clear();
+  if (v >= 301) {
+    if (@available(macOS 14.0, *)) {
+      options.languageVersion = MTLLanguageVersion3_1;
+      return;
     }
   }
-};
-
-[[noreturn]] void raise_failure(const std::string& what, const std::string& msg) {
-  throw std::runtime_error("[metal] command buffer failed: " + msg + " (" + what + ")");
+  if (@available(macOS 13.0, *)) options.languageVersion = MTLLanguageVersion3_0;
 }
 
 class MetalBackend final : public MetalOps {
  public:
-  explicit MetalBackend(id<MTLDevice> device) : MetalOps("metal"), device_(device) {
+  MetalBackend(id<MTLDevice> device, const GpuDescription& gpu) : MetalOps("metal", gpu), device_(device) {
     queue_ = [device_ newCommandQueue];
     if (!queue_) throw std::runtime_error("[metal] could not create a command queue on " + text([device_ name]));
     page_ = size_t(sysconf(_SC_PAGESIZE));
@@ -146,94 +141,90 @@ class MetalBackend final : public MetalOps {
   // Devices live until exit (core/backend.cpp's registry); this is for completeness.
   ~MetalBackend() override {
     @autoreleasepool {
-      if (enc_) [enc_ endEncoding];  // an encoder must be ended before it is released
-      if (cb_) [cb_ commit];
-      for (auto& [seq, cb] : inflight_) [cb waitUntilCompleted];
-      if (cb_) [cb_ waitUntilCompleted];
-      enc_ = nil;
-      cb_ = nil;
+      for (auto& [sub, cb] : inflight_) [cb waitUntilCompleted];
       inflight_.clear();
     }
   }
 
   bool profiles_device_time() const override { return true; }
 
- protected:
-  void on_begin_step() override {
-    pooled([&] { open_encoder(); });
+  Capabilities capabilities() const override {
+    Capabilities c = MetalOps::capabilities();
+    c.kind = "metal";
+    return c;
   }
 
-  void encode(Dispatch&& d) override {
+ protected:
+  // Builds (or finds) the record's pipeline and checks its limits while the op that asked for it
+  // is still on the stack, so that a kernel that does not compile fails that op.
+  void prepare(const Dispatch& d) override {
     pooled([&] {
-      if (!cb_) throw std::logic_error("[metal] " + d.op + ": dispatch outside a step");
-      if (d.host) {
-        run_host(d);
-      } else if (!profiling()) {
-        encode_gpu(d);
-      } else {
-        // Profiling: the dispatch alone in a command buffer, waited, so GPUEndTime -
-        // GPUStartTime is its GPU time (core/ops.cpp records it as the op's time). Work
-        // encoded earlier in the step is flushed first, untimed: it belongs to no profiled op.
-        if (encoded_ > 0) wait_checked(split(), "earlier work of the step", "");
-        if (!encode_gpu(d)) return;
-        id<MTLCommandBuffer> cb = split();
-        wait_checked(cb, d.op, d.kernel);
-        add_device_ms(([cb GPUEndTime] - [cb GPUStartTime]) * 1e3);
-      }
+      if (d.grid[0] == 0 || d.grid[1] == 0 || d.grid[2] == 0) return;
+      id<MTLComputePipelineState> ps = pipeline(d);
+      const uint64_t threads = uint64_t(d.threads[0]) * d.threads[1] * d.threads[2];
+      if (threads == 0 || threads > [ps maxTotalThreadsPerThreadgroup])
+        throw std::invalid_argument("[metal] " + d.op + ": kernel " + d.kernel + " takes at most " +
+                                    std::to_string([ps maxTotalThreadsPerThreadgroup]) +
+                                    " threads per threadgroup, the dispatch asks for " + std::to_string(threads));
+      uint64_t tg_bytes = [ps staticThreadgroupMemoryLength];
+      for (const auto& [index, bytes] : d.threadgroup_memory) tg_bytes += (uint64_t(bytes) + 15) / 16 * 16;
+      if (tg_bytes > [device_ maxThreadgroupMemoryLength])
+        throw std::invalid_argument("[metal] " + d.op + ": kernel " + d.kernel + " needs " + std::to_string(tg_bytes) +
+                                    " bytes of threadgroup memory, the device has " +
+                                    std::to_string([device_ maxThreadgroupMemoryLength]));
+      if (d.args.size() > 4096)  // setBytes is for small data; kargs.h structs are tens of bytes
+        throw std::invalid_argument("[metal] " + d.op + ": argument struct of " + std::to_string(d.args.size()) +
+                                    " bytes is over setBytes' 4 KiB");
     });
   }
 
-  void on_commit(uint64_t seq) override {
+  void submit(uint64_t sub, std::vector<Dispatch>&& records, bool /*timed: GPU times are always read*/) override {
     pooled([&] {
-      id<MTLCommandBuffer> cb = cb_;
-      [enc_ endEncoding];
-      enc_ = nil;
-      cb_ = nil;
+      id<MTLCommandBuffer> cb = [queue_ commandBuffer];
+      if (!cb) throw std::runtime_error("[metal] could not create a command buffer");
+      id<MTLComputeCommandEncoder> enc = [cb computeCommandEncoderWithDispatchType:MTLDispatchTypeConcurrent];
+      if (!enc) throw std::runtime_error("[metal] could not create a compute encoder");
+      size_t encoded = 0;
+      try {
+        for (const Dispatch& d : records)
+          if (encode_gpu(enc, d, encoded)) ++encoded;
+      } catch (...) {
+        [enc endEncoding];  // an encoder must be ended before it is released; the buffer is never committed
+        throw;
+      }
+      [enc endEncoding];
       // Plain locals, so that the block holds copies (it runs after this call has returned).
-      std::shared_ptr<Completion> done = done_;
-      const uint64_t step_seq = seq;
+      MetalOps* self = this;
+      const uint64_t number = sub;
       [cb addCompletedHandler:^(id<MTLCommandBuffer> b) {
-        if ([b status] == MTLCommandBufferStatusError) done->fail(step_seq, describe([b error]));
-        done->complete(step_seq);
+        report(self, number, b);
       }];
       [cb commit];
-      inflight_[seq] = cb;
-      // Steps whose handler has run need no wait: drop them (and their buffers' references).
-      const uint64_t c = done_->completed.load(std::memory_order_acquire);
-      inflight_.erase(inflight_.begin(), inflight_.upper_bound(c));
-      // A failure seen since the last wait is raised now; this step's own comes later.
-      uint64_t step = 0;
-      std::string msg;
-      if (done_->take(UINT64_MAX, &step, &msg)) raise_failure("step " + std::to_string(step), msg);
+      std::lock_guard<std::mutex> lk(inflight_mu_);
+      inflight_[sub] = cb;
+      // Reported ones need no wait: drop them (a command buffer retains every buffer it binds).
+      inflight_.erase(inflight_.begin(), inflight_.upper_bound(submissions_done()));
     });
   }
 
-  void on_wait(uint64_t seq) override {
+  // (Parameters are not named `id`: that is Objective-C's object type.)
+  void wait_submission(uint64_t upto) override {
     pooled([&] {
-      // One queue runs its command buffers in commit order; every step up to seq is waited so
-      // that a failure of any of them is seen here.
-      uint64_t failed = 0;
-      std::string msg;
-      while (!inflight_.empty() && inflight_.begin()->first <= seq) {
-        auto [s, cb] = *inflight_.begin();
-        inflight_.erase(inflight_.begin());
+      // One queue runs its command buffers in commit order: every one up to `upto` is waited, so
+      // that each is reported (its handler may run a little later; reports are idempotent).
+      std::vector<std::pair<uint64_t, id<MTLCommandBuffer>>> todo;
+      {
+        std::lock_guard<std::mutex> lk(inflight_mu_);
+        auto end = inflight_.upper_bound(upto);
+        todo.assign(inflight_.begin(), end);
+        inflight_.erase(inflight_.begin(), end);
+      }
+      for (auto& [sub, cb] : todo) {
         [cb waitUntilCompleted];
-        done_->complete(s);  // the handler may run a little later: the pool need not wait for it
-        if ([cb status] == MTLCommandBufferStatusError && failed == 0) {
-          failed = s;
-          msg = describe([cb error]);
-        }
+        report(this, sub, cb);
       }
-      if (failed != 0) {
-        done_->mark_raised(failed);
-        raise_failure("step " + std::to_string(failed), msg);
-      }
-      uint64_t step = 0;
-      if (done_->take(seq, &step, &msg)) raise_failure("step " + std::to_string(step), msg);
     });
   }
-
-  uint64_t query_completed() override { return done_->completed.load(std::memory_order_acquire); }
 
   void* raw_alloc(size_t bytes) override {
     void* p = nullptr;
@@ -258,81 +249,32 @@ class MetalBackend final : public MetalOps {
   }
 
  private:
-  void open_encoder() {
-    cb_ = [queue_ commandBuffer];
-    if (!cb_) throw std::runtime_error("[metal] could not create a command buffer");
-    enc_ = [cb_ computeCommandEncoderWithDispatchType:MTLDispatchTypeConcurrent];
-    if (!enc_) throw std::runtime_error("[metal] could not create a compute encoder");
-    encoded_ = 0;
-  }
-
-  // Ends and commits the open command buffer, opens the next one for the rest of the step, and
-  // returns the committed one (not waited).
-  id<MTLCommandBuffer> split() {
-    id<MTLCommandBuffer> cb = cb_;
-    [enc_ endEncoding];
-    enc_ = nil;
-    cb_ = nil;
-    [cb commit];
-    open_encoder();
-    return cb;
-  }
-
-  void wait_checked(id<MTLCommandBuffer> cb, const std::string& op, const std::string& kernel) {
-    [cb waitUntilCompleted];
-    if ([cb status] == MTLCommandBufferStatusError)
-      raise_failure(kernel.empty() ? op : op + ", kernel " + kernel, describe([cb error]));
-  }
-
-  // Host work between GPU dispatches: everything encoded before it is committed and runs on the
-  // GPU while host() runs here; the step continues in a new command buffer once both are done.
-  void run_host(Dispatch& d) {
-    const auto t0 = std::chrono::steady_clock::now();
-    id<MTLCommandBuffer> cb = split();
-    try {
-      d.host();
-    } catch (...) {
-      [cb waitUntilCompleted];  // the GPU half still uses the op's buffers
-      throw;
+  static void report(MetalOps* self, uint64_t sub, id<MTLCommandBuffer> cb) {
+    const double ms = ([cb GPUEndTime] - [cb GPUStartTime]) * 1e3;
+    if ([cb status] == MTLCommandBufferStatusError) {
+      const std::string error = describe([cb error]);
+      self->submission_done(sub, &error, ms);
+    } else {
+      self->submission_done(sub, nullptr, ms);
     }
-    wait_checked(cb, d.op, d.kernel);
-    // Profiling has already run and timed the GPU half alone, so this is the host call's time.
-    if (profiling()) add_device_ms(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
   }
 
-  // Encodes one GPU dispatch into the open encoder; false when there is nothing to run.
-  bool encode_gpu(const Dispatch& d) {
+  // Encodes one GPU dispatch (prepared when it was recorded); false when there is nothing to run.
+  bool encode_gpu(id<MTLComputeCommandEncoder> enc, const Dispatch& d, size_t encoded) {
     if (d.grid[0] == 0 || d.grid[1] == 0 || d.grid[2] == 0) return false;
-    id<MTLComputePipelineState> ps = pipeline(d);
-    const uint64_t threads = uint64_t(d.threads[0]) * d.threads[1] * d.threads[2];
-    if (threads == 0 || threads > [ps maxTotalThreadsPerThreadgroup])
-      throw std::invalid_argument("[metal] " + d.op + ": kernel " + d.kernel + " takes at most " +
-                                  std::to_string([ps maxTotalThreadsPerThreadgroup]) +
-                                  " threads per threadgroup, the dispatch asks for " + std::to_string(threads));
-    uint64_t tg_bytes = [ps staticThreadgroupMemoryLength];
-    for (const auto& [index, bytes] : d.threadgroup_memory) tg_bytes += (uint64_t(bytes) + 15) / 16 * 16;
-    if (tg_bytes > [device_ maxThreadgroupMemoryLength])
-      throw std::invalid_argument("[metal] " + d.op + ": kernel " + d.kernel + " needs " + std::to_string(tg_bytes) +
-                                  " bytes of threadgroup memory, the device has " +
-                                  std::to_string([device_ maxThreadgroupMemoryLength]));
-    if (d.args.size() > 4096)  // setBytes is for small data; kargs.h structs are tens of bytes
-      throw std::invalid_argument("[metal] " + d.op + ": argument struct of " + std::to_string(d.args.size()) +
-                                  " bytes is over setBytes' 4 KiB");
-
-    if (encoded_ > 0 && !d.concurrent) [enc_ memoryBarrierWithScope:MTLBarrierScopeBuffers];
-    [enc_ setComputePipelineState:ps];
+    if (encoded > 0 && !d.concurrent) [enc memoryBarrierWithScope:MTLBarrierScopeBuffers];
+    [enc setComputePipelineState:pipeline(d)];
     for (const BufferBinding& b : d.buffers) {
       NSUInteger offset = 0;
       id<MTLBuffer> buf = buffer_for(d, b, &offset);
-      [enc_ setBuffer:buf offset:offset atIndex:b.index];
+      [enc setBuffer:buf offset:offset atIndex:b.index];
     }
-    if (!d.args.empty()) [enc_ setBytes:d.args.data() length:d.args.size() atIndex:d.args_index];
+    if (!d.args.empty()) [enc setBytes:d.args.data() length:d.args.size() atIndex:d.args_index];
     // Threadgroup memory lengths must be multiples of 16 bytes; rounding up only adds padding.
     for (const auto& [index, bytes] : d.threadgroup_memory)
-      [enc_ setThreadgroupMemoryLength:(NSUInteger(bytes) + 15) / 16 * 16 atIndex:index];
-    [enc_ dispatchThreadgroups:MTLSizeMake(d.grid[0], d.grid[1], d.grid[2])
-         threadsPerThreadgroup:MTLSizeMake(d.threads[0], d.threads[1], d.threads[2])];
-    ++encoded_;
+      [enc setThreadgroupMemoryLength:(NSUInteger(bytes) + 15) / 16 * 16 atIndex:index];
+    [enc dispatchThreadgroups:MTLSizeMake(d.grid[0], d.grid[1], d.grid[2])
+        threadsPerThreadgroup:MTLSizeMake(d.threads[0], d.threads[1], d.threads[2])];
     return true;
   }
 
@@ -368,7 +310,7 @@ class MetalBackend final : public MetalOps {
     if (it != libraries_.end()) return it->second;
     const std::string source = library_source(name);  // embedded at build time (sources.cpp)
     MTLCompileOptions* options = [[MTLCompileOptions alloc] init];
-    if (@available(macOS 14.0, *)) options.languageVersion = MTLLanguageVersion3_1;  // the kernels are MSL 3.1
+    set_language_version(options, library_msl_version(name));  // the version the file declares
     // IEEE semantics: fast math lets the compiler assume no NaN/Inf, which would break the
     // non-finite gradient check and the -inf masking of the softmax kernels.
     options.fastMathEnabled = NO;
@@ -431,44 +373,47 @@ class MetalBackend final : public MetalOps {
   id<MTLDevice> device_;
   id<MTLCommandQueue> queue_;
   size_t page_ = 16384;
-  // The open step: command buffer and its encoder (nil outside a step).
-  id<MTLCommandBuffer> cb_;
-  id<MTLComputeCommandEncoder> enc_;
-  size_t encoded_ = 0;  // dispatches in enc_: the first needs no barrier
-  // Committed steps not yet known complete: the step's last command buffer, for wait().
-  std::map<uint64_t, id<MTLCommandBuffer>> inflight_;
-  std::shared_ptr<Completion> done_ = std::make_shared<Completion>();
+  std::mutex inflight_mu_;
+  std::map<uint64_t, id<MTLCommandBuffer>> inflight_;  // committed, not yet waited
   std::unordered_map<std::string, id<MTLLibrary>> libraries_;
   std::unordered_map<std::string, id<MTLComputePipelineState>> pipelines_;
-  std::mutex buffers_mu_;  // raw_alloc/raw_free run under the pool's lock, encode under none
+  std::mutex buffers_mu_;  // raw_alloc/raw_free run under the pool's lock, encoding under none
   std::unordered_map<void*, id<MTLBuffer>> buffers_;
 };
 
+// The GPU register_metal_backend chose, and its description.
+id<MTLDevice> g_device = nil;
+GpuDescription g_gpu;
+
 Backend* make_metal_backend() {
   Backend* b = nullptr;
-  pooled([&] {
-    id<MTLDevice> device = MTLCreateSystemDefaultDevice();
-    if (!device) throw std::runtime_error("[metal] no Metal device");
-    b = new MetalBackend(device);
-  });
+  pooled([&] { b = new MetalBackend(g_device, g_gpu); });
   return b;
 }
 
 }  // namespace
 
 void register_metal_backend() {
-  // The kernels are MSL 3.1, which the Metal compiler of macOS 14 and later accepts: on older
-  // systems the device is not offered at all (the CPU stays the default) rather than failing at
-  // the first op.
-  if (@available(macOS 14.0, *)) {
-  } else {
-    return;
-  }
-  bool present = false;
-  @autoreleasepool {
-    present = MTLCreateSystemDefaultDevice() != nil;
-  }
-  if (present) register_device("metal", 100, &make_metal_backend);
+  pooled([&] {
+    std::vector<id<MTLDevice>> devices;
+    id<MTLDevice> preferred = MTLCreateSystemDefaultDevice();
+    if (preferred) devices.push_back(preferred);
+    NSArray<id<MTLDevice>>* all = MTLCopyAllDevices();
+    for (NSUInteger i = 0; all && i < [all count]; ++i) {
+      id<MTLDevice> d = [all objectAtIndex:i];
+      if (!preferred || [d registryID] != [preferred registryID]) devices.push_back(d);
+    }
+    std::vector<GpuDescription> described;
+    for (id<MTLDevice> d : devices) described.push_back(describe_gpu(d));
+    const DeviceChoice choice = choose_device(described, os_msl_version(), needed_msl_version());
+    if (choice.index < 0) {
+      register_unavailable("metal", choice.reason);
+      return;
+    }
+    g_device = devices[size_t(choice.index)];
+    g_gpu = described[size_t(choice.index)];
+    register_device("metal", 100, &make_metal_backend);
+  });
 }
 
 }  // namespace krnl::metal

@@ -42,10 +42,13 @@ struct Dispatch {
   std::vector<std::pair<uint32_t, uint32_t>> threadgroup_memory;  // (index, bytes)
   std::array<uint32_t, 3> grid{1, 1, 1};     // threadgroups per grid (dispatchThreadgroups)
   std::array<uint32_t, 3> threads{1, 1, 1};  // threads per threadgroup
-  // Host work between GPU dispatches (the CPU half of a row-split GEMM). An encoder runs it after
-  // every earlier dispatch has completed and before any later one starts; the GPU half encoded
-  // just before it may run concurrently (the encoder commits before calling it).
+  // Host work between GPU dispatches (the CPU half of a row-split GEMM; submission.cpp). It
+  // starts once every earlier record of the step has completed, except the last `host_overlap`
+  // GPU records before it (its own GPU half), which run alongside it; later records start after
+  // both.
   std::function<void()> host;
+  uint32_t host_overlap = 0;
+  double flops = 0;  // counted arithmetic, for the command-buffer split's time estimate (policy.h)
   // Dispatches of a step run in order, each seeing every earlier one's writes: the Metal encoder
   // is MTLDispatchTypeConcurrent and puts a buffer memory barrier before each dispatch (a barrier
   // orders everything after it behind everything before it). `true` says this dispatch has no
@@ -73,5 +76,9 @@ const std::vector<std::string>& library_names();
 // The MSL source of metal/<name>.metal with its `#include "..."` lines (kargs.h, rng.h) inlined,
 // as the Metal backend compiles it at run time; std::invalid_argument for an unknown name.
 std::string library_source(const std::string& name);
+// The MSL version metal/<name>.metal needs, from its first line `// msl: X.Y` (checked by
+// tools/mslsim/dialect), as major * 100 + minor (3.1 -> 301): the language version the host
+// compiles the library with. std::invalid_argument for an unknown name.
+uint32_t library_msl_version(const std::string& name);
 
 }  // namespace krnl::metal

@@ -1,14 +1,24 @@
 // The Metal backend's op logic, portable (DESIGN section 7): every op of the contract becomes
 // Dispatch records (dispatch.h) handed to encode(). Kernel choice, grids, argument structs
 // (metal/kargs.h), split-K routing, head batching by buffer offset and the CPU/GPU row split are
-// decided here, so they run in CI on the metal-sim device; a subclass only executes records:
-// the Objective-C++ layer on macOS (device.mm), the simulator elsewhere (metal_sim.cpp).
+// decided here, so they run in CI on the metal-sim device. So is the submission of a step
+// (submission.cpp): its cut into command buffers, the ordering of host records and host writes,
+// completion and failures. A subclass only executes command buffers: the Objective-C++ layer on
+// macOS (device.mm), the simulator's worker thread elsewhere (metal_sim.cpp).
 #pragma once
+#include <atomic>
+#include <deque>
 #include <initializer_list>
+#include <map>
+#include <mutex>
+#include <set>
 #include <string>
+#include <unordered_map>
+#include <vector>
 
 #include "core/backend.h"
 #include "metal/dispatch.h"
+#include "metal/policy.h"
 
 namespace krnl::metal {
 
@@ -22,15 +32,40 @@ struct RowSplitConfig {
   int64_t min_flops = int64_t(1) << 30;  // smaller GEMMs are not worth a split
 };
 
+// The ordering rules of a step on an asynchronous device (submission.cpp). Each can be switched
+// off by tests only, to show that the rule is what their test needs; never off otherwise.
+struct OrderingRules {
+  bool host_after_earlier = true;  // a host record waits for every earlier record but its own GPU half
+  bool upload_in_order = true;     // a host write waits for the encoded or running work that uses the buffer
+  bool split_steps = true;         // a step is cut into command buffers by the CommandBufferPolicy
+};
+
 class MetalOps : public Backend {
  public:
-  explicit MetalOps(std::string name);
+  MetalOps(std::string name, GpuDescription gpu);
   ~MetalOps() override;
   bool host_visible() const override { return true; }  // unified memory: shared-storage buffers
   bool synchronous() const override { return false; }
+  Capabilities capabilities() const override;
   SplitKConfig split_k_config() const override;
   void set_row_split(const RowSplitConfig& c) { row_split_ = c; }
   const RowSplitConfig& row_split() const { return row_split_; }
+  const GpuDescription& gpu() const { return gpu_; }
+  void set_command_buffer_policy(const CommandBufferPolicy& p) {
+    cb_policy_ = p;
+    cutter_ = CommandBufferCutter(p);
+  }
+  const CommandBufferPolicy& command_buffer_policy() const { return cb_policy_; }
+  void set_ordering_rules(const OrderingRules& r) { rules_ = r; }
+  // Records of the last committed step (GPU and host, in call order) and the dispatch counts of
+  // its command buffers, kept while enabled (metal-sim's tests of the host logic).
+  void keep_step_log(bool on) { keep_log_ = on; }
+  const std::vector<Dispatch>& last_step_records() const { return last_log_; }
+  const std::vector<size_t>& last_step_command_buffers() const { return last_cbs_; }
+
+  // Host writes in call order: waits for the encoded or running work that
+  // binds dst's buffer, then copies.
+  void upload(const Tensor& dst, const void* src) override;
 
   void gemm(const krnl::GemmArgs& a) override;
   void rmsnorm_forward(const Tensor& x, const Tensor& w, const Tensor& y, const Tensor& rstd, float eps) override;
@@ -56,17 +91,81 @@ class MetalOps : public Backend {
   void sumsq(const Tensor& x, const Tensor& out) override;
   void nonfinite(const Tensor& x, const Tensor& flag) override;
 
+  // Called by an executor, from any thread, once submission `id` has completed (error: its
+  // failure, else null; gpu_ms: its GPU time where measured). Calls after the first are ignored.
+  void submission_done(uint64_t id, const std::string* error, double gpu_ms);
+
  protected:
-  // Executes (or queues, until commit) one dispatch of the open step.
-  virtual void encode(Dispatch&& d) = 0;
+  // ---- the executor: device.mm (Metal command buffers) or metal-sim (a worker thread)
+  // Checks a GPU record when it is encoded (device.mm builds its pipeline here, so that a kernel
+  // that does not compile fails the op that asked for it).
+  virtual void prepare(const Dispatch& /*d*/) {}
+  // Commits one command buffer of GPU records as submission `id` (ids count up from 1). The
+  // executor reports its completion with submission_done(id, ...). `timed`: profiling wants its
+  // GPU time.
+  virtual void submit(uint64_t id, std::vector<Dispatch>&& records, bool timed) = 0;
+  // Blocks until submission `id` and every earlier one have completed and been reported.
+  virtual void wait_submission(uint64_t id) = 0;
+
+  // Queues one record of the open step (ops.cpp's output).
+  void encode(Dispatch&& d);
+  // Every submission up to this id has completed and been reported.
+  uint64_t submissions_done() const { return done_upto_.load(std::memory_order_acquire); }
 
  private:
+  // ---- submission (submission.cpp)
+  void on_begin_step() override;
+  void on_commit(uint64_t seq) override;
+  void on_wait(uint64_t seq) override;
+  uint64_t query_completed() override;
+  uint64_t flush(bool timed = false);  // submits the open command buffer; returns its id (0: empty)
+  void wait_all();                     // every submission so far
+  void run_host(Dispatch& d);
+  void raise_failures(uint64_t upto_step);
+
+
   void elementwise(const char* op, const std::string& kernel, std::initializer_list<const Tensor*> tensors, int64_t n,
                    float alpha);
   void gemm_plain(const krnl::GemmArgs& a, int64_t row0, int64_t rows);
   void gemm_split_k(const krnl::GemmArgs& a);
   void gemm_row_split(const krnl::GemmArgs& a, int64_t cpu_rows);
+
+  GpuDescription gpu_;
   RowSplitConfig row_split_;
+  CommandBufferPolicy cb_policy_;
+  OrderingRules rules_;
+
+  // The open step (caller's thread only).
+  uint64_t open_step_ = 0;      // its seq once committed
+  std::vector<Dispatch> open_;  // GPU records of the open command buffer
+  CommandBufferCutter cutter_{cb_policy_};
+  uint32_t step_cbs_ = 0;  // command buffers of the open step so far
+  uint64_t submitted_ = 0;  // newest submission id
+  // Buffer base -> newest step whose records bind it (open or running), for upload ordering.
+  std::unordered_map<void*, uint64_t> last_use_;
+  bool keep_log_ = false;
+  std::vector<Dispatch> log_, last_log_;
+  std::vector<size_t> cbs_, last_cbs_;
+
+  // Completion, reported by executor threads.
+  struct Pending {
+    uint64_t step;
+    uint32_t index;          // of the command buffer within its step, from 1
+    bool timed;
+    std::string first, last;  // ops (kernels) of its first and last records
+  };
+  struct Failure {
+    uint64_t step;
+    std::string message;
+  };
+  std::mutex done_mu_;
+  std::map<uint64_t, Pending> pending_;       // submitted, not yet reported
+  std::set<uint64_t> done_ahead_;             // reported before an earlier one
+  std::atomic<uint64_t> done_upto_{0};        // every submission up to here is reported
+  std::map<uint64_t, double> timed_ms_;       // GPU time of timed submissions
+  std::vector<Failure> failures_;             // not yet raised
+  std::deque<std::pair<uint64_t, uint64_t>> step_ends_;  // (step, its last submission), not yet complete
+  uint64_t completed_step_ = 0;
 };
 
 }  // namespace krnl::metal

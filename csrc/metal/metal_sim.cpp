@@ -1,52 +1,71 @@
 #include "metal/metal_sim.h"
 
+#include <chrono>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
+#include <mutex>
 #include <stdexcept>
+#include <thread>
 
 namespace krnl::metal {
 namespace {
+
+using Clock = std::chrono::steady_clock;
 
 SimExecutor& executor() {
   static SimExecutor e;
   return e;
 }
 
-std::vector<Dispatch>& last_step() {
-  static std::vector<Dispatch> v;
-  return v;
-}
+enum class Lag { none, wait, delay };
 
-class SimBackend : public MetalOps {
+class SimBackend final : public MetalOps {
  public:
-  SimBackend() : MetalOps("metal-sim") {}
+  SimBackend() : MetalOps("metal-sim", metal_sim_gpu()) {
+    keep_step_log(true);
+    worker_ = std::thread([this] { run(); });
+  }
+
+  void set_lag(Lag lag, double max_ms, uint64_t seed) {
+    drain();
+    std::lock_guard<std::mutex> lk(mu_);
+    lag_ = lag;
+    max_ms_ = max_ms;
+    rng_ = seed;
+  }
+
+  void shutdown() {
+    drain();
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    if (worker_.joinable()) worker_.join();
+  }
 
  protected:
-  // Like a command buffer: nothing of a step runs before commit, so code that reads a result
-  // inside its step sees stale memory here as it would on a GPU.
-  void encode(Dispatch&& d) override { queue_.push_back(std::move(d)); }
-  void on_begin_step() override { queue_.clear(); }
-  void on_commit(uint64_t seq) override {
-    std::vector<Dispatch> step;
-    step.swap(queue_);
-    // The executor may throw (a kernel fault): the step then counts as completed, so the pool
-    // can recycle its buffers and the device stays usable for the next step.
-    struct Done {
-      SimBackend* self;
-      uint64_t seq;
-      ~Done() { self->completed_ = seq; }
-    } done{this, seq};
-    last_step() = step;
-    for (size_t i = 0; i < step.size();) {
-      // Host work (the CPU half of a row split) runs between the GPU dispatches around it.
-      size_t j = i;
-      while (j < step.size() && !step[j].host) ++j;
-      if (j > i) executor()(std::vector<Dispatch>(step.begin() + long(i), step.begin() + long(j)));
-      if (j < step.size()) step[j].host();
-      i = j + 1;
+  void submit(uint64_t id, std::vector<Dispatch>&& records, bool) override {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (stop_) throw std::runtime_error("[metal-sim] the simulator was shut down");
+      queue_.push_back({id, std::move(records), Clock::now() + next_delay()});
     }
+    cv_.notify_all();
   }
-  uint64_t query_completed() override { return completed_; }
+
+  void wait_submission(uint64_t id) override {
+    std::unique_lock<std::mutex> lk(mu_);
+    release_ = std::max(release_, id);
+    cv_.notify_all();
+    // The executor is Python and takes the GIL: a caller that waits while holding it would wait
+    // forever. Every binding that can wait releases it; this turns a missed one into an error.
+    if (!cv_.wait_for(lk, std::chrono::minutes(5), [&] { return ran_ >= id; }))
+      throw std::runtime_error("[metal-sim] command buffer " + std::to_string(id) +
+                               " did not complete in 5 minutes (a wait while holding the GIL?)");
+  }
 
   void* raw_alloc(size_t bytes) override {
     void* p = std::aligned_alloc(256, (bytes + 255) / 256 * 256);
@@ -57,20 +76,115 @@ class SimBackend : public MetalOps {
   void raw_free(void* p, size_t) override { std::free(p); }
 
  private:
-  std::vector<Dispatch> queue_;
-  uint64_t completed_ = 0;
+  struct Item {
+    uint64_t id;
+    std::vector<Dispatch> records;
+    Clock::time_point due;
+  };
+
+  void drain() {
+    uint64_t last = 0;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (!queue_.empty()) last = queue_.back().id;
+    }
+    if (last) wait_submission(last);
+  }
+
+  Clock::duration next_delay() {
+    if (lag_ != Lag::delay) return Clock::duration::zero();
+    rng_ += 0x9E3779B97F4A7C15ull;  // splitmix64: a seeded, platform-independent sequence
+    uint64_t z = rng_;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    const double ms = max_ms_ * double(z >> 11) / double(1ull << 53);
+    return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double, std::milli>(ms));
+  }
+
+  bool ready(const Item& it) const {
+    return lag_ == Lag::none || release_ >= it.id || (lag_ == Lag::delay && Clock::now() >= it.due);
+  }
+
+  // The worker: one command buffer at a time, in commit order, as one queue runs them.
+  void run() {
+    std::unique_lock<std::mutex> lk(mu_);
+    for (;;) {
+      while (!stop_ && (queue_.empty() || !ready(queue_.front()))) {
+        if (!queue_.empty() && lag_ == Lag::delay)
+          cv_.wait_until(lk, queue_.front().due);
+        else
+          cv_.wait(lk);
+      }
+      if (queue_.empty()) return;  // stopped, nothing left
+      Item it = std::move(queue_.front());
+      queue_.pop_front();
+      lk.unlock();
+      std::string error;
+      bool failed = false;
+      try {
+        // Host work between GPU dispatches is MetalOps' (run_host): a command buffer holds none.
+        executor()(it.records);
+      } catch (const std::exception& e) {
+        failed = true;
+        error = e.what();
+      } catch (...) {
+        failed = true;
+        error = "unknown error";
+      }
+      submission_done(it.id, failed ? &error : nullptr, 0);
+      lk.lock();
+      ran_ = it.id;
+      cv_.notify_all();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Item> queue_;
+  uint64_t release_ = 0;  // waited for: runs now in every mode
+  uint64_t ran_ = 0;      // completed and reported
+  bool stop_ = false;
+  Lag lag_ = Lag::wait;
+  double max_ms_ = 0;
+  uint64_t rng_ = 0;
+  std::thread worker_;  // lives as long as the device: until metal_sim_shutdown()
 };
 
-Backend* make_sim() { return new SimBackend(); }
+SimBackend* g_sim = nullptr;  // set when the device is first used (the registry creates it)
 
 }  // namespace
+
+GpuDescription metal_sim_gpu() {
+  GpuDescription g;
+  g.name = "metal-sim (tools/mslsim on the CPU, standing for an Apple7 GPU)";
+  g.apple_family = 7;
+  g.unified_memory = true;
+  return g;
+}
 
 void register_metal_sim(SimExecutor e) {
   if (!e) throw std::invalid_argument("[metal-sim] the executor must be callable");
   executor() = std::move(e);
-  register_device("metal-sim", -100, &make_sim);
+  register_device("metal-sim", -100, []() -> Backend* { return g_sim = new SimBackend(); });
 }
 
-const std::vector<Dispatch>& metal_sim_last_step() { return last_step(); }
+void metal_sim_set_lag(const std::string& mode, double max_ms, uint64_t seed) {
+  Lag lag;
+  if (mode == "none")
+    lag = Lag::none;
+  else if (mode == "wait")
+    lag = Lag::wait;
+  else if (mode == "delay")
+    lag = Lag::delay;
+  else
+    throw std::invalid_argument("[metal-sim] lag must be 'none', 'wait' or 'delay', got '" + mode + "'");
+  if (!(max_ms >= 0)) throw std::invalid_argument("[metal-sim] max_ms must be >= 0");
+  static_cast<SimBackend*>(get_device("metal-sim"))->set_lag(lag, max_ms, seed);
+}
+
+void metal_sim_shutdown() {
+  if (g_sim) g_sim->shutdown();
+}
 
 }  // namespace krnl::metal

@@ -1,9 +1,18 @@
-// The metal-sim test device (DESIGN section 7): the Metal backend's op logic (MetalOps) with an
-// encoder that queues the dispatch records of a step and, at commit, hands them to an executor
-// running the MSL kernels on the CPU (tools/mslsim, registered from Python by the test suite).
-// Memory is plain host memory, as Apple's shared-storage buffers are host-visible.
+// The metal-sim test device: the Metal backend's op logic and its
+// submission of steps (MetalOps, the same code device.mm runs) with an executor that runs each
+// committed command buffer's dispatch records on a worker thread, through the MSL kernels run on
+// the CPU (tools/mslsim, registered from Python by the test suite). Memory is plain host memory,
+// as Apple's shared-storage buffers are host-visible.
+//
+// Completion lags behind commit, deterministically, so that CI sees ordering bugs:
+//   "wait"  (default): a command buffer runs only once someone waits for it or a later one;
+//   "delay": also after a delay drawn from a seeded generator (0..max_ms), so work overlaps the
+//            host the way a GPU does;
+//   "none":  as soon as it is committed.
 #pragma once
+#include <cstdint>
 #include <functional>
+#include <string>
 #include <vector>
 
 #include "metal/metal_ops.h"
@@ -15,8 +24,13 @@ using SimExecutor = std::function<void(const std::vector<Dispatch>&)>;
 // Registers the "metal-sim" device (lowest priority: never the default) running on `executor`.
 void register_metal_sim(SimExecutor executor);
 
-// The dispatches the metal-sim device executed in its last committed step (for tests of the
-// host logic: which kernels, grids and offsets an op produced).
-const std::vector<Dispatch>& metal_sim_last_step();
+// Sets how completion lags behind commit (see above); waits for the work committed so far first.
+void metal_sim_set_lag(const std::string& mode, double max_ms, uint64_t seed);
+
+// Runs what was committed and stops the worker (at interpreter exit, while Python still runs).
+void metal_sim_shutdown();
+
+// The GPU the simulator stands for: an Apple7 GPU (an M1), the family the kernels need.
+GpuDescription metal_sim_gpu();
 
 }  // namespace krnl::metal

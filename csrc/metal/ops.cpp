@@ -50,8 +50,25 @@ uint32_t ew_groups(int64_t n) { return std::max<uint32_t>(1, std::min<uint32_t>(
 
 }  // namespace
 
-MetalOps::MetalOps(std::string name) : Backend(std::move(name)) {}
+MetalOps::MetalOps(std::string name, GpuDescription gpu)
+    : Backend(std::move(name)), gpu_(std::move(gpu)), cb_policy_(metal::command_buffer_policy(gpu_)) {}
 MetalOps::~MetalOps() = default;
+
+// No bf16 kernels in metal/ yet: f32 and f16 everywhere, training in f16.
+constexpr bool kBf16Kernels = false;
+
+Capabilities MetalOps::capabilities() const {
+  Capabilities c = Backend::capabilities();
+  c.dtypes = compute_dtypes(gpu_, kBf16Kernels);
+  c.compute_dtype = default_compute_dtype(gpu_, kBf16Kernels);
+  c.details = {{"gpu", gpu_.name},
+               {"gpu_family", gpu_.apple_family ? "apple" + std::to_string(gpu_.apple_family) : "below apple7"},
+               {"bf16", std::string(native_bf16(gpu_) ? "native" : "emulated by Metal") +
+                            (kBf16Kernels ? "" : "; no bf16 kernels in krnl yet")},
+               {"command_buffer", "at most " + std::to_string(cb_policy_.max_dispatches) + " dispatches or ~" +
+                                      std::to_string(int(cb_policy_.max_ms)) + " ms of estimated GPU work"}};
+  return c;
+}
 
 SplitKConfig MetalOps::split_k_config() const {
   SplitKConfig c;
@@ -204,6 +221,7 @@ void MetalOps::gemm_plain(const CoreGemmArgs& a, int64_t row0, int64_t rows) {
                        (a.B.offset() / es) % 4 == 0 && (a.C.offset() / cs + size_t(c_off)) % 4 == 0 &&
                        a.stride_a % 4 == 0 && a.stride_b % 4 == 0 && a.stride_c % 4 == 0;
   d.constant_bool(0, aligned);
+  d.flops = 2.0 * double(rows) * double(a.N) * double(a.K) * double(a.batch);
   d.grid = {ceil_div(a.N, kGemmTile), ceil_div(rows, kGemmTile), uint32_t(a.batch)};
   d.threads = {32, 1, 1};
   encode(std::move(d));
@@ -231,6 +249,7 @@ void MetalOps::gemm_split_k(const CoreGemmArgs& a) {
     g.alpha = 1.f, g.beta = 0.f;
     d.set_args(3, g);
     d.constant_bool(0, false);
+    d.flops = 2.0 * double(a.M) * double(a.N) * double(a.K);
     d.grid = {ceil_div(a.N, kGemmTile), ceil_div(a.M, kGemmTile), uint32_t(splits)};
     d.threads = {32, 1, 1};
     encode(std::move(d));
@@ -252,7 +271,8 @@ void MetalOps::gemm_split_k(const CoreGemmArgs& a) {
 // buffer could outlive the tensor it copied). Results differ from the pure-GPU GEMM only by the
 // two engines' summation orders.
 void MetalOps::gemm_row_split(const CoreGemmArgs& a, int64_t cpu_rows) {
-  gemm_plain(a, cpu_rows, a.M - cpu_rows);
+  const bool gpu_half = cpu_rows < a.M;  // the planner may give the CPU every row
+  if (gpu_half) gemm_plain(a, cpu_rows, a.M - cpu_rows);
   Dispatch h = Emit{this, "gemm"}.make("gemm", "host_sgemm");
   Backend* cpu = get_device("cpu");
   CoreGemmArgs part = a;
@@ -270,6 +290,7 @@ void MetalOps::gemm_row_split(const CoreGemmArgs& a, int64_t cpu_rows) {
     Tensor C = host_view(part.C, 0, part.M, part.N, part.ldc);
     ops::gemm(A, B, C, part.trans_a, part.trans_b, part.alpha, part.beta, 1, -1, -1, -1, 1);
   };
+  h.host_overlap = gpu_half ? 1 : 0;  // the GPU half just encoded runs alongside
   encode(std::move(h));
 }
 

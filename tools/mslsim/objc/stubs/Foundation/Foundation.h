@@ -38,6 +38,7 @@ __attribute__((objc_root_class))
 @end
 @interface NSArray<ObjectType> : NSObject
 @property (readonly) NSUInteger count;
+- (ObjectType)objectAtIndex:(NSUInteger)index;
 @end
 @interface NSDictionary<KeyType, ObjectType> : NSObject
 @end

@@ -21,7 +21,13 @@ typedef NS_ENUM(NSUInteger, MTLCommandBufferStatus) {
   MTLCommandBufferStatusNotEnqueued = 0, MTLCommandBufferStatusEnqueued = 1, MTLCommandBufferStatusCommitted = 2,
   MTLCommandBufferStatusScheduled = 3, MTLCommandBufferStatusCompleted = 4, MTLCommandBufferStatusError = 5,
 };
-typedef NS_ENUM(NSUInteger, MTLLanguageVersion) { MTLLanguageVersion3_0 = (3 << 16), MTLLanguageVersion3_1 = (3 << 16) + 1 };
+typedef NS_ENUM(NSUInteger, MTLLanguageVersion) {
+  MTLLanguageVersion3_0 = (3 << 16), MTLLanguageVersion3_1 = (3 << 16) + 1, MTLLanguageVersion3_2 = (3 << 16) + 2,
+};
+typedef NS_ENUM(NSInteger, MTLGPUFamily) {
+  MTLGPUFamilyApple7 = 1007, MTLGPUFamilyApple8 = 1008, MTLGPUFamilyApple9 = 1009, MTLGPUFamilyMac2 = 2002,
+  MTLGPUFamilyMetal3 = 5001,
+};
 // Serial: each dispatch of an encoder sees the previous one's writes. Concurrent: dispatches may
 // overlap; memoryBarrierWithScope: orders them where needed.
 typedef NS_ENUM(NSUInteger, MTLDispatchType) { MTLDispatchTypeSerial = 0, MTLDispatchTypeConcurrent = 1 };
@@ -101,7 +107,13 @@ typedef void (^MTLCommandBufferHandler)(id<MTLCommandBuffer>);
 @end
 @protocol MTLDevice <NSObject>
 @property (readonly) NSString* name;
+@property (readonly) uint64_t registryID;
 @property (readonly) NSUInteger maxThreadgroupMemoryLength;
+@property (readonly) BOOL hasUnifiedMemory;
+@property (readonly, getter=isLowPower) BOOL lowPower;
+@property (readonly, getter=isRemovable) BOOL removable;
+@property (readonly) uint64_t recommendedMaxWorkingSetSize;
+- (BOOL)supportsFamily:(MTLGPUFamily)gpuFamily;
 - (nullable id<MTLCommandQueue>)newCommandQueue;
 - (nullable id<MTLBuffer>)newBufferWithLength:(NSUInteger)length options:(MTLResourceOptions)options;
 - (nullable id<MTLBuffer>)newBufferWithBytes:(const void*)pointer length:(NSUInteger)length options:(MTLResourceOptions)options;
@@ -122,6 +134,7 @@ typedef void (^MTLCommandBufferHandler)(id<MTLCommandBuffer>);
 extern "C" {
 #endif
 id<MTLDevice> _Nullable MTLCreateSystemDefaultDevice(void);
+NSArray<id<MTLDevice>>* MTLCopyAllDevices(void);
 #ifdef __cplusplus
 }
 #endif

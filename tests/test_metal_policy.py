@@ -1,0 +1,139 @@
+"""The Metal backend's device policy, as the portable functions csrc/metal/device.mm calls
+(csrc/metal/policy.cpp), on made-up GPUs: which GPU the "metal" device takes and when it is absent
+(with the one-line reason `krnl devices` prints), the dtypes it computes in, and how a step is cut
+into command buffers. device.mm only fills a GpuDescription from the Metal API (supportsFamily:,
+the MTLDevice properties) and calls these, so the rules are tested here although no Mac runs."""
+import pytest
+
+from krnl import _core
+
+# What device.mm reads on each machine: Apple documents MTLGPUFamilyApple7 for A14/M1, Apple8 for
+# A15/M2, Apple9 for A17/M3; Intel and AMD Macs report only the Mac2 family; the paravirtual GPU of
+# a macOS virtual machine (hosted CI runners) lacks the Apple7 features.
+M1 = dict(name="Apple M1", apple_family=7, mac2=True, unified_memory=True)
+M2 = dict(name="Apple M2 Pro", apple_family=8, mac2=True, unified_memory=True)
+M3 = dict(name="Apple M3 Max", apple_family=9, mac2=True, unified_memory=True)
+INTEL = dict(name="Intel(R) UHD Graphics 630", apple_family=0, mac2=True, unified_memory=True, low_power=True)
+AMD = dict(name="AMD Radeon Pro 5500M", apple_family=0, mac2=True)
+PARAVIRTUAL = dict(name="Apple Paravirtual device", apple_family=0, mac2=True, unified_memory=True)
+
+MSL_31 = 301
+
+
+@pytest.mark.parametrize("gpu", [M1, M2, M3], ids=["m1", "m2", "m3"])
+def test_apple_silicon_runs_the_kernels(gpu):
+    p = _core.metal_gpu_policy(gpu)
+    assert p["usable"] and p["reason"] == ""
+    assert _core.metal_choose_device([gpu], MSL_31, MSL_31) == (0, "")
+
+
+@pytest.mark.parametrize("gpu", [INTEL, AMD, PARAVIRTUAL], ids=["intel", "amd", "paravirtual"])
+def test_gpus_below_apple7_are_refused_with_the_reason(gpu):
+    p = _core.metal_gpu_policy(gpu)
+    assert not p["usable"]
+    assert gpu["name"] in p["reason"] and "Apple7" in p["reason"]
+    index, reason = _core.metal_choose_device([gpu], MSL_31, MSL_31)
+    assert index == -1
+    assert reason.startswith("no usable GPU: ") and gpu["name"] in reason and "\n" not in reason
+
+
+def test_bf16_only_where_native():
+    """bf16 would be offered only on Apple9 (M3) and later, where MSL bfloat runs natively, and
+    only once bf16 kernels exist; today every Apple GPU computes in f32/f16 and trains in f16."""
+    for gpu, native in ((M1, False), (M2, False), (M3, True)):
+        p = _core.metal_gpu_policy(gpu)
+        assert p["native_bf16"] is native, gpu["name"]
+        assert p["dtypes"] == ["f32", "f16"] and p["compute_dtype"] == "f16"
+        assert p["dtypes_with_bf16_kernels"] == (["f32", "f16", "bf16"] if native else ["f32", "f16"])
+        assert p["compute_dtype_with_bf16_kernels"] == ("bf16" if native else "f16")
+
+
+def test_choice_prefers_the_system_default_and_falls_back():
+    # The default device comes first when MTLCreateSystemDefaultDevice() returned one.
+    assert _core.metal_choose_device([M1, M3], MSL_31, MSL_31)[0] == 0
+    # A default that cannot run the kernels is passed over for a device of MTLCopyAllDevices().
+    assert _core.metal_choose_device([AMD, M2], MSL_31, MSL_31) == (1, "")
+    # MTLCreateSystemDefaultDevice() returned nil (no CoreGraphics): MTLCopyAllDevices() alone.
+    assert _core.metal_choose_device([M1], MSL_31, MSL_31) == (0, "")
+
+
+def test_no_device_at_all():
+    index, reason = _core.metal_choose_device([], MSL_31, MSL_31)
+    assert index == -1 and "no Metal device" in reason and "MTLCopyAllDevices" in reason
+
+
+def test_every_refusal_named():
+    index, reason = _core.metal_choose_device([INTEL, AMD], MSL_31, MSL_31)
+    assert index == -1 and INTEL["name"] in reason and AMD["name"] in reason and "\n" not in reason
+
+
+def test_os_too_old_for_the_kernels_language():
+    index, reason = _core.metal_choose_device([M3], 300, MSL_31)
+    assert index == -1 and "3.1" in reason and "3.0" in reason and "macOS 14" in reason
+    assert _core.metal_choose_device([M3], 302, MSL_31) == (0, "")
+    index, reason = _core.metal_choose_device([M3], 0, 300)  # macOS 12: below MSL 3.0
+    assert index == -1 and "below 3.0" in reason and "macOS 13" in reason
+
+
+def test_kernels_language_version_is_what_the_os_check_uses():
+    # The newest MSL any kernel declares: device.mm compares it with what the OS compiles.
+    versions = [_core.metal_library_msl_version(n) for n in _core.metal_libraries()]
+    assert all(200 <= v <= 400 for v in versions), versions
+    need = max(versions)
+    assert _core.metal_choose_device([M1], need, need)[0] == 0
+    assert _core.metal_choose_device([M1], need - 1, need)[0] == -1
+
+
+def test_unknown_description_key_is_an_error():
+    with pytest.raises(ValueError, match="unknown GPU description key 'family'"):
+        _core.metal_gpu_policy(dict(name="x", family=7))
+
+
+# ---- command buffers (csrc/metal/submission.cpp cuts a step by this policy)
+
+def _gemm(m, n, k, es=2):
+    return (2.0 * m * n * k, float(es * (m * k + n * k + m * n)))
+
+
+def test_command_buffers_cut_by_dispatch_count():
+    work = [(0.0, 4096.0)] * 150  # small elementwise dispatches
+    sizes = _core.metal_plan_command_buffers(M1, work)
+    cap = _core.metal_gpu_policy(M1)["command_buffer"]["max_dispatches"]
+    assert sum(sizes) == 150 and max(sizes) == cap and len(sizes) == -(-150 // cap)
+
+
+def test_command_buffers_cut_by_estimated_work():
+    """A W3-sized step (Llama-3-8B layer, T=4096): each command buffer's estimated GPU time stays
+    within the policy's budget (plus the one dispatch that crossed it), far below the seconds after
+    which macOS ends a command buffer on a display-attached Mac."""
+    T, C, F = 4096, 4096, 14336
+    step = [_gemm(T, C, C), _gemm(T, F, C), _gemm(T, F, C), _gemm(T, C, F)] * 6
+    for gpu in (M1, M3):
+        pol = _core.metal_gpu_policy(gpu)["command_buffer"]
+        est = [flops / (pol["gflops"] * 1e6) + nbytes / (pol["gbps"] * 1e6) for flops, nbytes in step]
+        sizes = _core.metal_plan_command_buffers(gpu, step)
+        assert sum(sizes) == len(step) and len(sizes) > 1
+        i = 0
+        for s in sizes:
+            assert sum(est[i:i + s - 1]) < pol["max_ms"] <= sum(est[i:i + s]) or i + s == len(step)
+            i += s
+    # A faster family gets longer command buffers for the same work (W2-sized GEMMs, ~2 ms each).
+    w2 = [_gemm(512, 2048, 2048)] * 100
+    assert len(_core.metal_plan_command_buffers(M3, w2)) < len(_core.metal_plan_command_buffers(M1, w2))
+
+
+def test_command_buffer_estimate_is_conservative():
+    """The rates assumed are at or below the slowest Mac GPU of the family (an M1 with 7 GPU cores:
+    7 x 128 ALUs x 2 flops x 1.278 GHz = 2.29 TFLOP/s f32; 68 GB/s), so real command buffers run
+    shorter than planned, never longer."""
+    pol = _core.metal_gpu_policy(M1)["command_buffer"]
+    assert pol["gflops"] <= 2290 and pol["gbps"] <= 68
+    # At that rate a 4096^3 GEMM takes ~69 ms: two share a command buffer, three do not; a
+    # 4096 x 14336 x 4096 GEMM (a Llama-3-8B MLP projection) fills one alone.
+    assert _core.metal_plan_command_buffers(M1, [_gemm(4096, 4096, 4096)] * 3) == [2, 1]
+    assert _core.metal_plan_command_buffers(M1, [_gemm(4096, 14336, 4096)] * 3) == [1, 1, 1]
+
+
+def test_plan_overrides():
+    assert _core.metal_plan_command_buffers(M1, [(0.0, 64.0)] * 7, max_dispatches=3) == [3, 3, 1]
+    assert _core.metal_plan_command_buffers(M1, [(2e9, 0.0)] * 4, max_ms=1e-9) == [1, 1, 1, 1]

@@ -73,10 +73,11 @@ def test_gpu_session(benchmark, results, device):
 
 
 @pytest.mark.skipif("cuda" not in krnl.devices(), reason="no cuda device")
-def test_w3_lora_gemm_split_k(benchmark):
-    """The skinny LoRA GEMMs of W3 (T=4096, r=16, in/out 4096 or 14336), bf16 with f32 or bf16
-    output, timed with split_k = 1 (cuBLAS alone), 2 and 4 and as routed: the data behind
-    CudaBackend::split_k_config."""
+def test_w3_lora_gemm_times_by_split(benchmark):
+    """Records the skinny LoRA GEMMs of W3 (T=4096, r=16, in/out 4096 or 14336), bf16 with f32 or
+    bf16 output, timed with split_k = 1 (cuBLAS alone), 2 and 4 and as routed: the data behind
+    CudaBackend::split_k_config. Asserts that every split computes the same product as split 1
+    (within the output dtype's rounding and fp32 summation order), never a speed."""
     from krnl import ops
 
     def measure():
@@ -92,7 +93,7 @@ def test_w3_lora_gemm_split_k(benchmark):
             cases.append((f"dt = dy B    nn M={T} N={R} K={n_in}", dy, B, dev.empty((T, R), "bf16"), False, False))
         lines = ["W3 LoRA GEMMs, us per call (median of 5 batches of 50):"]
         for name, a, b, c, ta, tb in cases:
-            row = []
+            row, outputs = [], []
             for s in (1, 2, 4, -1):
                 def run():
                     with dev.step():
@@ -101,11 +102,18 @@ def test_w3_lora_gemm_split_k(benchmark):
                 med, _, _ = _median_ms(run, dev.synchronize, warmup=1, rounds=5)
                 row.append(f"split {s if s > 0 else 'auto=' + str(ops.gemm_plan(a, b, c, trans_a=ta, trans_b=tb)[0])}: "
                            f"{med * 1e3 / 50:6.1f}")
+                outputs.append(np.array(c.numpy(), np.float64))
+            # bf16 outputs round once (2^-8 relative); f32 ones differ by summation order only
+            tol = 2.0**-7 if c.dtype == "bf16" else 1e-4
+            scale = float(np.max(np.abs(outputs[0])))
+            for s, o in zip((2, 4, "auto"), outputs[1:]):
+                assert float(np.max(np.abs(o - outputs[0]))) <= tol * scale, f"{name}: split {s} differs from split 1"
             lines.append(f"  {name:36s} " + "  ".join(row))
         return lines
 
     lines = benchmark.pedantic(measure, rounds=1, iterations=1)
     print("\n" + "\n".join(lines))
+    assert len(lines) == 1 + 6  # every case of the table was measured and checked
 
 
 @pytest.mark.skipif("cuda" not in krnl.devices()

@@ -52,10 +52,11 @@ def test_w1_peer(benchmark, params, peer, time_peer):
     time_peer(benchmark, W1, params, peer, "W1 step (CPU)")
 
 
-def test_w1_ratios(benchmark, params, results):
-    """The ratios, from rounds that interleave krnl's step, numpy's step and the machine's sgemm
-    (krnl's gemm, i.e. the BLAS it calls, on the step's four large shapes and on 2048^3), so
-    that drift of a shared machine hits all of them alike. Medians over rounds."""
+def test_w1_interleaved_rounds(benchmark, params, results):
+    """Records the ratios, from rounds that interleave krnl's step, numpy's step and the machine's
+    sgemm (krnl's gemm, i.e. the BLAS it calls, on the step's four large shapes and on 2048^3), so
+    that drift of a shared machine hits all of them alike. Medians over rounds. What it asserts is
+    the record's structure; speed is reported, never asserted."""
     dev = krnl.device("cpu")
     step = build_krnl(params)[0]
     E = lambda *shape: dev.tensor(np.ones(shape, np.float32))
@@ -95,8 +96,11 @@ def test_w1_ratios(benchmark, params, results):
         f"krnl / numpy speed: {float(np.median(r[:, 1] / r[:, 0])):.2f}x",
         f"sgemm: step's large shapes {np.median(shapes_rate) / 1e9:.1f} GFLOP/s; square 2048^3 "
         f"{np.median(square_rate) / 1e9:.1f} GFLOP/s",
-        f"W1 step rate / sgemm rate: {vs_shapes:.2f} of the step's shapes, {vs_best:.2f} of the best (goal 0.85){trust}",
+        f"W1 step rate / sgemm rate: {vs_shapes:.2f} of the step's shapes, {vs_best:.2f} of the best{trust}",
     ]
     print("\n" + "\n".join(lines))
-    # The step's numbers were checked against numpy in test_w1_krnl_cpu; here only sanity.
-    assert np.isfinite(r).all() and vs_shapes > 0
+    benchmark.extra_info.update(krnl_ms=krnl_s * 1e3, numpy_ms=numpy_s * 1e3, vs_shapes=vs_shapes, vs_best=vs_best,
+                                spread=spread)
+    # Seven timed rounds of four timings each, all measured (the step's numbers were checked
+    # against numpy in test_w1_krnl_cpu).
+    assert r.shape == (7, 4) and np.all(np.isfinite(r)) and np.all(r > 0), r

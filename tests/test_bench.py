@@ -279,12 +279,22 @@ def test_result_kind_is_the_recorded_kind():
 # ---- end to end
 
 
-def test_krnl_bench_quick_end_to_end(tmp_path, reference, capsys):
+def test_krnl_bench_quick_end_to_end(tmp_path, reference, capsys, monkeypatch):
     readme = tmp_path / "README.md"
     start, end = report.markers("cpu")
     readme.write_text(f"# x\n\n## Performance\n\n{start}\n{end}\n")
-    assert krnl_main(["bench", "--calibrate", "--quick"]) in (0, 1)  # 1: the machine was busy; said so
+    # --calibrate with a steady control stores the reference (exit 0); a control that moves
+    # between its two measurements stores nothing and says why (exit 1). Steady and moving are
+    # made here: a real machine's control may do either.
+    calibrate = gate.calibrate
+    rates = iter([100.0, 60.0])
+    monkeypatch.setattr(gate, "calibrate", lambda *a, **k: calibrate(*a, **k, measure=lambda dev, n: next(rates)))
+    assert krnl_main(["bench", "--calibrate", "--quick"]) == 1
+    assert "the machine is busy, nothing stored" in capsys.readouterr().err and not reference.exists()
+    monkeypatch.setattr(gate, "calibrate", lambda *a, **k: calibrate(*a, **k, measure=lambda dev, n: 100.0))
+    assert krnl_main(["bench", "--calibrate", "--quick"]) == 0
     capsys.readouterr()
+    assert reference.exists() and '"gflops": 100.0' in reference.read_text()
     out_json, out_png = tmp_path / "b.json", tmp_path / "b.png"
     # on the CPU device, where W3 (sized for a GPU) must be listed as skipped, on any machine
     rc = krnl_main(["bench", "--quick", "--device", "cpu", "--rounds", "2", "--peers", "numpy",

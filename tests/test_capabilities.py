@@ -10,6 +10,7 @@ import pytest
 
 import krnl
 from krnl import ops
+from krnl.attention import row_blocks
 
 from conftest import FLOAT_DTYPES, ROOT, lora_step, tiny_lora_model
 
@@ -176,14 +177,14 @@ def test_model_takes_attention_policy_from_capabilities(monkeypatch):
     loss_fused, fused_ops = step_ops(fused)
     assert {"attention_forward", "attention_backward"} <= set(fused_ops) and "softmax_causal_forward" not in fused_ops
     fused.fused_attention = False  # the materialised path, now in blocks of 4 rows: 0:4, 4:8, 8:11
-    assert fused._row_blocks(11, None) == [(0, 4), (4, 8), (8, 11)]
+    assert row_blocks(11, fused.attn_block) == [(0, 4), (4, 8), (8, 11)]
     loss_blocks, block_ops = step_ops(fused)
     per_step = 2 * fused.config.num_hidden_layers  # batches of 2 rows, one softmax per block per layer and row
     assert block_ops.count("softmax_causal_forward") == 3 * per_step
 
     _with_capabilities(monkeypatch, attention_block=0)
     whole = tiny_lora_model(dev, "f32")
-    assert whole.attn_block == 0 and whole._row_blocks(4096, None) == [(0, 4096)]
+    assert whole.attn_block == 0 and row_blocks(4096, whole.attn_block) == [(0, 4096)]
     loss_whole, whole_ops = step_ops(whole)
     assert whole_ops.count("softmax_causal_forward") == per_step
     for other in (loss_fused, loss_blocks, loss_whole):

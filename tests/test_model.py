@@ -10,7 +10,8 @@ import pytest
 
 import krnl
 from krnl import ops
-from krnl.model import (ALL_MODULES, ATTN_MODULES, LlamaModel, LoraConfig, ModelConfig, lora_key,
+from krnl.attention import row_blocks
+from krnl.model import (ATTN_MODULES, LlamaModel, LoraConfig, ModelConfig, lora_key,
                         random_weights)
 
 TINY = dict(model_type="llama", vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -198,7 +199,7 @@ def test_causal_row_blocks(dev, kv_heads):
     block): gradients against finite differences, and the same numbers as one block."""
     cfg, w, lcfg, m, lora, ids, tg = make(dev, {"num_key_value_heads": kv_heads}, T=11, seed=21)
     m.attn_block = 4  # blocks 0:4, 4:8, 8:11
-    assert m._row_blocks(11, None) == [(0, 4), (4, 8), (8, 11)]
+    assert row_blocks(11, m.attn_block) == [(0, 4), (4, 8), (8, 11)]
     g_blocks = check_grads(m, cfg, w, lcfg, lora, ids, tg)
     dx_blocks = np.array(m.d_embed_out.numpy(), np.float64)
     m.attn_block = 64
@@ -243,11 +244,10 @@ def test_dropout_masks(dev):
     masks = {}
     N = ids.size
     for i, L in enumerate(m.layers):
-        for mm in ALL_MODULES:
-            lin = L[mm]
+        for mm, lin in L.linears().items():
             ones = dev.tensor(np.ones((N, lin.inp), np.float32))
             out = dev.empty((N, lin.inp), "f32")
-            ops.dropout(ones, out, lin.p, lin._seed())
+            ops.dropout(ones, out, lin.dropout, lin.seed(m._call_seed))
             masks[(i, mm)] = np.asarray(out.numpy(), np.float64)
     frac = np.mean([(mk == 0).mean() for mk in masks.values()])
     assert 0.2 < frac < 0.4

@@ -29,13 +29,8 @@ def _model(dev, dtype="f32", r=4, dropout=0.0, hidden=None):
 def _frozen_bits(model):
     out = {"embed": model.embed.numpy().copy(), "norm": model.norm_w.numpy().copy()}
     for i, L in enumerate(model.layers):
-        for name, lin in L.items():
-            if lin is None:  # no q/k/v bias
-                continue
-            if hasattr(lin, "W"):
-                out[f"{i}.{name}"] = lin.W.numpy().copy()
-            else:
-                out[f"{i}.{name}"] = lin.numpy().copy()
+        for name, w in L.frozen().items():
+            out[f"{i}.{name}"] = w.numpy().copy()
     return out
 
 

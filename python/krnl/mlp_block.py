@@ -11,6 +11,8 @@ views of one flat f32 buffer so one adamw_update covers them all.
 import numpy as np
 
 from . import _core
+from .layer import Mlp, mlp_backward, mlp_forward
+from .lora import LoraFactors, LoraLinear
 from .params import FlatParams
 
 ops = _core.ops
@@ -47,8 +49,10 @@ def make_w1_params(T, C, F, R, seed=0):
 
 
 class MLPBlock:
-    """The W1 block on one device. `dtype` is the compute dtype of activations and frozen
-    weights; LoRA masters and gradients stay f32 (DESIGN section 4)."""
+    """The W1 block on one device: layer.py's MLP with LoRA on gate and up (lora.LoraLinear, each
+    backward overwriting the gradients) and a frozen down projection. `dtype` is the compute
+    dtype of activations and frozen weights; LoRA masters and gradients stay f32 (DESIGN
+    section 4). T is the number of rows of x."""
 
     def __init__(self, device, params, T, scale=2.0, eps=1e-5, dtype="f32"):
         self.dev, self.T, self.scale, self.eps, self.dtype = device, T, float(scale), float(eps), dtype
@@ -56,56 +60,30 @@ class MLPBlock:
         self.F = params["Wg"].shape[0]
         self.R = params["Ag"].shape[0]
         d, C, F, R = device, self.C, self.F, self.R
-        self.w_norm = d.tensor(params["w_norm"], dtype)
+        self.w_norm = d.tensor(params["w_norm"], dtype)                  # (C,)
         self.Wg, self.Wu, self.Wd = (d.tensor(params[k], dtype) for k in ("Wg", "Wu", "Wd"))
         # LoRA masters, gradients and Adam moments: one flat f32 buffer each, views per factor.
         self.lora_params = FlatParams(d, {"Ag": (R, C), "Bg": (F, R), "Au": (R, C), "Bu": (F, R)}, dtype)
         self.lora_params.load({k: params[k] for k in LORA_NAMES})
         self.grads = {k: self.lora_params.grad(k) for k in LORA_NAMES}
         self.lora_w = {k: self.lora_params.compute(k) for k in LORA_NAMES}
-        self._alloc()
+
+        def lora(W, a, b):
+            f = LoraFactors(self.lora_w[a], self.lora_w[b], self.grads[a], self.grads[b])
+            return LoraLinear(W, f, self.scale, accumulate_grads=False)
+
+        self.mlp = Mlp(self.w_norm, lora(self.Wg, "Ag", "Bg"), lora(self.Wu, "Au", "Bu"), LoraLinear(self.Wd), self.eps)
+        self.y = self.dx = self._cache = None  # (T, C) output and input gradient of the last call
         self.adam_step = 0
 
-    def _alloc(self):
-        d, T, C, F, R, dt = self.dev, self.T, self.C, self.F, self.R, self.dtype
-        e = d.empty
-        self.h, self.rstd = e((T, C), dt), e((T,), "f32")
-        self.tg, self.tu = e((T, R), dt), e((T, R), dt)
-        self.g, self.u, self.a = e((T, F), dt), e((T, F), dt), e((T, F), dt)
-        self.y = e((T, C), dt)
-        self.da, self.dg, self.du = e((T, F), dt), e((T, F), dt), e((T, F), dt)
-        self.dtg, self.dtu = e((T, R), dt), e((T, R), dt)
-        self.dh, self.dx = e((T, C), dt), e((T, C), dt)
-
     def forward(self, x):
-        s, L = self.scale, self.lora_w
-        ops.rmsnorm_forward(x, self.w_norm, self.h, self.rstd, self.eps)
-        for W, A, B, t, out in ((self.Wg, L["Ag"], L["Bg"], self.tg, self.g),
-                                (self.Wu, L["Au"], L["Bu"], self.tu, self.u)):
-            ops.gemm(self.h, A, t, trans_b=True)                          # t = h A^T        (T, R)
-            ops.gemm(self.h, W, out, trans_b=True)                        # h W^T            (T, F)
-            ops.gemm(t, B, out, trans_b=True, alpha=s, beta=1.0)          # += s t B^T       (T, F)
-        ops.swiglu_forward(self.g, self.u, self.a)
-        ops.gemm(self.a, self.Wd, self.y, trans_b=True)                   # y = a Wd^T       (T, C)
-        ops.add(self.y, x, self.y)                                        # residual
+        """y (T, C) = x + down(silu(gate(h)) * up(h)), h = rmsnorm(x) w_norm."""
+        self.y, self._cache = mlp_forward(self.mlp, x)
         return self.y
 
     def backward(self, x, dy):
-        """Overwrites the LoRA gradients; returns dx."""
-        s, L = self.scale, self.lora_w
-        ops.gemm(dy, self.Wd, self.da)                                    # da = dy Wd       (T, F)
-        ops.swiglu_backward(self.da, self.g, self.u, self.dg, self.du)
-        first = True
-        for W, A, B, t, dz, dt, gA, gB in ((self.Wg, L["Ag"], L["Bg"], self.tg, self.dg, self.dtg, "Ag", "Bg"),
-                                           (self.Wu, L["Au"], L["Bu"], self.tu, self.du, self.dtu, "Au", "Bu")):
-            ops.gemm(dz, t, self.grads[gB], trans_a=True, alpha=s)        # dB = s dz^T t    (F, R)
-            ops.gemm(dz, B, dt, alpha=s)                                  # dt = s dz B      (T, R)
-            ops.gemm(dt, self.h, self.grads[gA], trans_a=True)            # dA = dt^T h      (R, C)
-            ops.gemm(dz, W, self.dh, beta=0.0 if first else 1.0)          # dh (+)= dz W     (T, C)
-            ops.gemm(dt, A, self.dh, beta=1.0)                            # dh += dt A       (T, C)
-            first = False
-        ops.rmsnorm_backward(self.dh, x, self.w_norm, self.rstd, self.dx)
-        ops.axpy(1.0, dy, self.dx)                                        # residual
+        """Overwrites the LoRA gradients; returns dx (T, C)."""
+        self.dx = mlp_backward(self.mlp, x, self._cache, dy)
         return self.dx
 
     def adamw(self, lr, weight_decay=0.0):

@@ -1,0 +1,271 @@
+"""What a model is: the Llama-family configuration (HF config.json), the LoRA configuration, PEFT's
+key names of LoRA factors, and random weights for tiny test models. No device code."""
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+ALL_MODULES = ATTN_MODULES + MLP_MODULES
+QKV_MODULES = ("q_proj", "k_proj", "v_proj")
+IGNORE_INDEX = -100
+
+
+@dataclass
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[dict] = None
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    max_position_embeddings: int = 2048
+    sliding_window: Optional[int] = None  # attention window (mistral; qwen2 with use_sliding_window)
+    source: str = field(default="<dict>", repr=False, compare=False)
+
+    @classmethod
+    def from_file(cls, path):
+        path = str(path)
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise ValueError(f"[ModelConfig] cannot read {path}: {e}") from e
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"[ModelConfig] {path}: malformed JSON at line {e.lineno}, column {e.colno}: {e.msg}") from e
+        return cls.from_dict(d, source=path)
+
+    @classmethod
+    def from_dict(cls, d, source="<dict>"):
+        where = f"[ModelConfig] {source}"
+        if not isinstance(d, dict):
+            raise ValueError(f"{where}: expected a JSON object, got {type(d).__name__}")
+        mt = d.get("model_type")
+        if mt not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"{where}: unknown model_type {mt!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+
+        def get(key, kind, default=None, required=True, positive=True):
+            if key not in d or d[key] is None:
+                if required and default is None:
+                    raise ValueError(f"{where}: missing key {key!r}")
+                return default
+            v = d[key]
+            if kind is int:
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v):
+                    raise ValueError(f"{where}: key {key!r} must be an integer, got {v!r}")
+                v = int(v)
+            elif kind is float:
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                    raise ValueError(f"{where}: key {key!r} must be a number, got {v!r}")
+                v = float(v)
+            elif kind is bool:
+                if not isinstance(v, bool):
+                    raise ValueError(f"{where}: key {key!r} must be true or false, got {v!r}")
+            if positive and kind in (int, float) and not v > 0:
+                raise ValueError(f"{where}: key {key!r} must be > 0, got {v!r}")
+            return v
+
+        C = get("hidden_size", int)
+        H = get("num_attention_heads", int)
+        Hk = get("num_key_value_heads", int, default=H)
+        if H % Hk:
+            raise ValueError(f"{where}: num_attention_heads ({H}) must be a multiple of num_key_value_heads ({Hk})")
+        if "head_dim" in d and d["head_dim"] is not None:
+            D = get("head_dim", int)
+        else:
+            if C % H:
+                raise ValueError(f"{where}: hidden_size ({C}) is not a multiple of num_attention_heads ({H}) "
+                                 "and head_dim is not given")
+            D = C // H
+        if D % 2:
+            raise ValueError(f"{where}: head_dim must be even for rotary embeddings, got {D}")
+        rs = d.get("rope_scaling")
+        if rs is not None:
+            if not isinstance(rs, dict):
+                raise ValueError(f"{where}: key 'rope_scaling' must be an object or null, got {rs!r}")
+            kind = rs.get("rope_type", rs.get("type"))
+            if kind in (None, "default"):
+                rs = None
+            elif kind == "linear":
+                if not isinstance(rs.get("factor"), (int, float)) or not rs["factor"] > 0:
+                    raise ValueError(f"{where}: key 'rope_scaling.factor' must be a number > 0, got {rs.get('factor')!r}")
+            elif kind == "llama3":
+                for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+                    if not isinstance(rs.get(k), (int, float)) or not rs[k] > 0:
+                        raise ValueError(f"{where}: key 'rope_scaling.{k}' must be a number > 0, got {rs.get(k)!r}")
+                if rs["high_freq_factor"] <= rs["low_freq_factor"]:
+                    raise ValueError(f"{where}: rope_scaling.high_freq_factor must exceed low_freq_factor")
+            else:
+                raise ValueError(f"{where}: unsupported key 'rope_scaling' type {kind!r}; supported: linear, llama3")
+        if mt == "qwen2":
+            bias = True  # Qwen2 always has q/k/v biases (HF hard-codes them)
+            if "attention_bias" in d and d["attention_bias"] is not None:
+                bias = get("attention_bias", bool)
+        else:
+            bias = get("attention_bias", bool, default=False, required=False)
+        sw = None
+        if mt == "mistral" or (mt == "qwen2" and d.get("use_sliding_window")):
+            sw = get("sliding_window", int, default=None, required=False)
+        return cls(
+            model_type=mt,
+            vocab_size=get("vocab_size", int),
+            hidden_size=C,
+            intermediate_size=get("intermediate_size", int),
+            num_hidden_layers=get("num_hidden_layers", int),
+            num_attention_heads=H,
+            num_key_value_heads=Hk,
+            head_dim=D,
+            rope_theta=get("rope_theta", float, default=10000.0),
+            rope_scaling=dict(rs) if rs else None,
+            rms_norm_eps=get("rms_norm_eps", float, default=1e-6),
+            tie_word_embeddings=get("tie_word_embeddings", bool, default=False, required=False),
+            attention_bias=bias,
+            max_position_embeddings=get("max_position_embeddings", int, default=2048),
+            sliding_window=sw,
+            source=source,
+        )
+
+    def module_shape(self, name):
+        """(out, in) of a projection."""
+        C, F, H, Hk, D = (self.hidden_size, self.intermediate_size, self.num_attention_heads,
+                          self.num_key_value_heads, self.head_dim)
+        return {"q_proj": (H * D, C), "k_proj": (Hk * D, C), "v_proj": (Hk * D, C), "o_proj": (C, H * D),
+                "gate_proj": (F, C), "up_proj": (F, C), "down_proj": (C, F)}[name]
+
+    def inv_freq(self):
+        """The rotary inverse frequencies (D/2,) as HF computes them, rope_scaling included."""
+        D = self.head_dim
+        inv = 1.0 / (self.rope_theta ** (np.arange(0, D, 2, dtype=np.int64).astype(np.float64) / D))
+        rs = self.rope_scaling
+        if rs:
+            kind = rs.get("rope_type", rs.get("type"))
+            if kind == "linear":
+                inv = inv / float(rs["factor"])
+            elif kind == "llama3":
+                factor, lo, hi = float(rs["factor"]), float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
+                old = float(rs["original_max_position_embeddings"])
+                low_wl, high_wl = old / lo, old / hi
+                wl = 2 * math.pi / inv
+                out = np.where(wl > low_wl, inv / factor, inv)
+                smooth = (old / wl - lo) / (hi - lo)
+                smoothed = (1 - smooth) * out / factor + smooth * out
+                medium = ~(wl < high_wl) & ~(wl > low_wl)
+                inv = np.where(medium, smoothed, out)
+        return inv.astype(np.float32)
+
+    def weight_shapes(self):
+        """{HF name: shape} of every weight this config needs."""
+        C, V = self.hidden_size, self.vocab_size
+        s = {"model.embed_tokens.weight": (V, C)}
+        for i in range(self.num_hidden_layers):
+            p = f"model.layers.{i}."
+            for m in ATTN_MODULES:
+                s[p + f"self_attn.{m}.weight"] = self.module_shape(m)
+            if self.attention_bias:
+                for m in ("q_proj", "k_proj", "v_proj"):
+                    s[p + f"self_attn.{m}.bias"] = (self.module_shape(m)[0],)
+            for m in MLP_MODULES:
+                s[p + f"mlp.{m}.weight"] = self.module_shape(m)
+            s[p + "input_layernorm.weight"] = (C,)
+            s[p + "post_attention_layernorm.weight"] = (C,)
+        s["model.norm.weight"] = (C,)
+        if not self.tie_word_embeddings:
+            s["lm_head.weight"] = (V, C)
+        return s
+
+    def check_weights(self, weights, who="[LlamaModel]"):
+        """Raises ValueError naming every missing, unexpected or misshapen weight of {HF name: array}."""
+        want = self.weight_shapes()
+        have = set(weights)
+        missing = sorted(set(want) - have)
+        unexpected = sorted(have - set(want))
+        if self.tie_word_embeddings and "lm_head.weight" in unexpected:
+            unexpected.remove("lm_head.weight")  # some tied checkpoints still store it; ignored
+        bad = [f"{k}: {tuple(np.shape(weights[k]))} (expected {want[k]})" for k in sorted(set(want) & have)
+               if tuple(np.shape(weights[k])) != tuple(want[k])]
+        msgs = []
+        if missing:
+            msgs.append(f"missing weights {missing}")
+        if unexpected:
+            msgs.append(f"unexpected weights {unexpected}")
+        if bad:
+            msgs.append(f"wrong shapes {bad}")
+        if msgs:
+            raise ValueError(f"{who} weights do not match the config ({self.source}): " + "; ".join(msgs))
+
+
+@dataclass
+class LoraConfig:
+    r: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: tuple = ALL_MODULES
+    use_rslora: bool = False
+    layers: Optional[list] = None
+
+    @property
+    def scale(self):
+        return self.alpha / math.sqrt(self.r) if self.use_rslora else self.alpha / self.r
+
+    def validate(self, config):
+        if isinstance(self.target_modules, str):
+            self.target_modules = (self.target_modules,)
+        self.target_modules = tuple(self.target_modules)
+        bad = [m for m in self.target_modules if m not in ALL_MODULES]
+        if bad:
+            raise ValueError(f"[LoraConfig] unknown target module(s) {bad}; valid names: {', '.join(ALL_MODULES)}")
+        if isinstance(self.r, bool) or not isinstance(self.r, (int, np.integer)):
+            raise ValueError(f"[LoraConfig] r must be an integer, got {self.r!r}")
+        for m in self.target_modules:
+            out, inp = config.module_shape(m)
+            if self.r < 1 or self.r > min(out, inp):
+                raise ValueError(f"[LoraConfig] r={self.r} is invalid for {m} (in={inp}, out={out}): "
+                                 f"it must be between 1 and min(in, out) = {min(out, inp)}")
+        if not (0.0 <= float(self.dropout) < 1.0):
+            raise ValueError(f"[LoraConfig] dropout must be in [0, 1), got {self.dropout!r}")
+        if not float(self.alpha) > 0:
+            raise ValueError(f"[LoraConfig] alpha must be > 0, got {self.alpha!r}")
+        n = config.num_hidden_layers
+        if self.layers is not None:
+            bad = [i for i in self.layers if not isinstance(i, (int, np.integer)) or not 0 <= i < n]
+            if bad:
+                raise ValueError(f"[LoraConfig] layers {bad} out of range for a model of {n} layers")
+
+    def adapted_layers(self, config):
+        n = config.num_hidden_layers
+        return list(range(n)) if self.layers is None else sorted(set(int(i) for i in self.layers))
+
+
+def lora_key(layer, module, factor):
+    """PEFT's key of a LoRA factor ('A' or 'B')."""
+    part = "self_attn" if module in ATTN_MODULES else "mlp"
+    return f"base_model.model.model.layers.{layer}.{part}.{module}.lora_{factor}.weight"
+
+
+def random_weights(config, seed=0, std=0.02):
+    """Random HF-named float32 weights for tiny models (norm weights near 1)."""
+    rng = np.random.default_rng(seed)
+    w = {}
+    for k, shape in config.weight_shapes().items():
+        if k.endswith("norm.weight"):
+            w[k] = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+        elif k.endswith(".bias"):
+            w[k] = (0.1 * rng.standard_normal(shape)).astype(np.float32)
+        else:
+            w[k] = (std * rng.standard_normal(shape)).astype(np.float32)
+    return w
+

@@ -1,0 +1,271 @@
+"""One decoder layer of the Llama family, forward and backward over core ops (llm.c style):
+
+    xn = rmsnorm(x) n1
+    q|k|v = xn Wqkv^T (+ b) (+ LoRA per block)    heads, rotary positions
+    h = x + o_proj(attention(q, k, v))
+    y = h + down(silu(gate(hn)) * up(hn))           hn = rmsnorm(h) n2
+
+N = B T rows of C features; H query heads and Hk key/value heads of D features. A Layer holds the
+frozen weights and the LoRA linears, a Batch the rows of one call, a LayerCache what backward reads."""
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy as np
+
+from . import _core
+from .attention import fused_forward, materialised_forward
+from .config import ALL_MODULES, ATTN_MODULES, QKV_MODULES
+from .lora import LoraLinear, LoraSaved, factors
+
+ops = _core.ops
+Tensor = _core.Tensor
+
+
+@dataclass(frozen=True)
+class Heads:
+    """The attention head layout, shared by every layer."""
+    H: int              # query heads
+    Hk: int             # key/value heads
+    D: int              # features per head
+    inv_freq: Tensor    # (D/2,) f32 rotary inverse frequencies
+
+    @property
+    def g(self):
+        return self.H // self.Hk  # query heads per KV head, adjacent
+
+    @property
+    def scale(self):
+        return 1.0 / math.sqrt(self.D)
+
+
+class Ones:
+    """A (rows, 1) column of ones in the compute dtype, grown on demand: adds a bias as a GEMM."""
+
+    def __init__(self, device, dtype):
+        self.dev, self.dtype, self.col = device, dtype, None
+
+    def __call__(self, rows):
+        if self.col is None or self.col.shape[0] < rows:
+            self.col = self.dev.tensor(np.ones((rows, 1), np.float32), self.dtype)
+        return self.col[:rows]
+
+
+@dataclass
+class Mlp:
+    """y = h + down(silu(gate(hn)) * up(hn)), hn = rmsnorm(h) norm."""
+    norm: Tensor        # (C,)
+    gate: LoraLinear    # (F, C)
+    up: LoraLinear      # (F, C)
+    down: LoraLinear    # (C, F)
+    eps: float
+
+
+@dataclass
+class MlpCache:
+    hn: Tensor          # (N, C) rmsnorm(h) norm
+    rstd: Tensor        # (N,) f32
+    g: Tensor           # (N, F) gate(hn)
+    u: Tensor           # (N, F) up(hn)
+    a: Tensor           # (N, F) silu(g) * u
+    gate: Optional[LoraSaved]
+    up: Optional[LoraSaved]
+    down: Optional[LoraSaved]
+
+
+@dataclass
+class Layer:
+    heads: Heads
+    eps: float
+    n1: Tensor                  # (C,) input_layernorm
+    # q, k and v share their input: their weights live in one (QKV, C) buffer, QKV = (H + 2 Hk) D,
+    # so the projection is one GEMM and one head transpose instead of three of each (fewer
+    # dispatches for GPU backends; on the 2-core CPU with OpenBLAS the time is the same,
+    # measured). q/k/v_proj's W are row ranges of it, their outputs column blocks.
+    qkv: Tensor                 # (QKV, C)
+    qkv_bias: Optional[Tensor]  # (1, QKV)
+    ones: Ones
+    q_proj: LoraLinear
+    k_proj: LoraLinear
+    v_proj: LoraLinear
+    o_proj: LoraLinear          # (C, H D)
+    mlp: Mlp
+
+    def linears(self):
+        """{HF module name: LoraLinear}."""
+        m = self.mlp
+        return {"q_proj": self.q_proj, "k_proj": self.k_proj, "v_proj": self.v_proj, "o_proj": self.o_proj,
+                "gate_proj": m.gate, "up_proj": m.up, "down_proj": m.down}
+
+    def qkv_blocks(self):
+        """(linear, c0, c1): q, k and v with their column block of the fused projection."""
+        q, k = self.q_proj.out, self.k_proj.out
+        return [(self.q_proj, 0, q), (self.k_proj, q, q + k), (self.v_proj, q + k, q + 2 * k)]
+
+    def frozen(self):
+        """{name: tensor} of the frozen weights (the q/k/v weights inside qkv)."""
+        out = {"n1": self.n1, "n2": self.mlp.norm, "qkv": self.qkv}
+        if self.qkv_bias is not None:
+            out["qkv_bias"] = self.qkv_bias
+        out.update({m: lin.W for m, lin in self.linears().items() if m not in QKV_MODULES})
+        return out
+
+
+@dataclass
+class Batch:
+    """The rows of one call: B sequences of T tokens, N = B T rows, and how to attend them."""
+    B: int
+    T: int
+    positions: list                  # B of (T,) i32: rotary positions of each row
+    segments: Optional[list] = None  # B of (T,) i32: packed samples' ids (attention stays inside)
+    call_seed: Optional[int] = None  # seeds the dropout masks; None (eval) turns dropout off
+    fused: bool = False              # fused attention for rows without segments
+    attn_block: int = 0              # query rows per materialised block (0: one block)
+
+    def attend(self, b, q, k, v, out, scale):
+        """out (H, T, D) = attention of row b; returns its saved state."""
+        seg = None if self.segments is None else self.segments[b]
+        if self.fused and seg is None:  # the fused ops mask causally only
+            return fused_forward(q, k, v, out, scale)
+        return materialised_forward(q, k, v, out, scale, seg, self.attn_block)
+
+
+@dataclass
+class LayerCache:
+    xn: Tensor          # (N, C) rmsnorm(x) n1
+    r1: Tensor          # (N,) f32
+    qkv: list           # LoraSaved (or None) of q, k, v
+    attn: list          # B saved attention states (attention.FusedSaved / MaterialisedSaved)
+    o: Optional[LoraSaved]
+    h: Tensor           # (N, C) x + attention
+    mlp: MlpCache
+
+
+def build_layer(i, config, weights, device, dtype, heads, ones, lora_config, lora_params, adapted):
+    """Layer i from HF-named float32 weights, uploaded in the compute dtype; the LoRA factors of
+    the (layer, module) pairs in adapted are views of lora_params."""
+    c, p = config, f"model.layers.{i}."
+
+    def up(names, shape=None):  # one weight, or several concatenated along their first dimension
+        a = np.concatenate([np.asarray(weights[k], np.float32) for k in names])
+        return device.tensor(a if shape is None else a.reshape(shape), dtype)
+
+    qkv = up([f"{p}self_attn.{m}.weight" for m in QKV_MODULES])
+    qkv_bias = up([f"{p}self_attn.{m}.bias" for m in QKV_MODULES], (1, -1)) if c.attention_bias else None
+    lin, r0 = {}, 0
+    for tag, m in enumerate(ALL_MODULES):
+        if m in QKV_MODULES:
+            n = c.module_shape(m)[0]
+            W, r0 = qkv[r0:r0 + n], r0 + n
+        else:
+            W = up([f"{p}{'self_attn' if m in ATTN_MODULES else 'mlp'}.{m}.weight"])
+        f = factors(lora_params, i, m) if (i, m) in adapted else None
+        lin[m] = LoraLinear(W, f, lora_config.scale, lora_config.dropout, tag=i * len(ALL_MODULES) + tag)
+    eps = c.rms_norm_eps
+    mlp = Mlp(up([p + "post_attention_layernorm.weight"]), lin["gate_proj"], lin["up_proj"], lin["down_proj"], eps)
+    return Layer(heads, eps, up([p + "input_layernorm.weight"]), qkv, qkv_bias, ones,
+                 lin["q_proj"], lin["k_proj"], lin["v_proj"], lin["o_proj"], mlp)
+
+
+def mlp_forward(mlp, h, call_seed=None):
+    """Returns y (N, C) = h + down(silu(gate(hn)) * up(hn)) and what mlp_backward needs."""
+    d, dt = h.device, h.dtype
+    N, C, F = h.shape[0], h.shape[1], mlp.gate.out
+    hn, rstd = d.empty((N, C), dt), d.empty((N,), "f32")                 # (N, C), (N,)
+    ops.rmsnorm_forward(h, mlp.norm, hn, rstd, mlp.eps)
+    g, u, a = d.empty((N, F), dt), d.empty((N, F), dt), d.empty((N, F), dt)  # (N, F) each
+    gs = mlp.gate.forward(hn, g, call_seed)
+    us = mlp.up.forward(hn, u, call_seed)
+    ops.swiglu_forward(g, u, a)
+    y = d.empty((N, C), dt)
+    ds = mlp.down.forward(a, y, call_seed)
+    ops.add(y, h, y)                                                      # y = h + mlp
+    return y, MlpCache(hn, rstd, g, u, a, gs, us, ds)
+
+
+def mlp_backward(mlp, h, cache, dy):
+    """Returns dh (N, C) given dy (N, C); LoRA gradients as the linears keep them."""
+    d, dt = h.device, h.dtype
+    N, C, F = h.shape[0], h.shape[1], mlp.gate.out
+    da = d.empty((N, F), dt)
+    mlp.down.backward(dy, cache.down, da)
+    dg, du = d.empty((N, F), dt), d.empty((N, F), dt)
+    ops.swiglu_backward(da, cache.g, cache.u, dg, du)
+    dhn = d.empty((N, C), dt)
+    mlp.gate.backward(dg, cache.gate, dhn)
+    mlp.up.backward(du, cache.up, dhn, accumulate=True)
+    dh = d.empty((N, C), dt)
+    ops.rmsnorm_backward(dhn, h, mlp.norm, cache.rstd, dh)
+    ops.axpy(1.0, dy, dh)                                                 # residual
+    return dh
+
+
+def qkv_forward(L, xn, call_seed=None):
+    """q|k|v (N, QKV) = xn Wqkv^T (+ 1 b) (+ LoRA into each column block); also the LoRA saves."""
+    N = xn.shape[0]
+    qkv = xn.device.empty((N, L.qkv.shape[0]), xn.dtype)
+    ops.gemm(xn, L.qkv, qkv, trans_b=True)
+    if L.qkv_bias is not None:
+        ops.gemm(L.ones(N), L.qkv_bias, qkv, beta=1.0)
+    return qkv, [lin.lora_forward(xn, qkv[:, c0:c1], call_seed) for lin, c0, c1 in L.qkv_blocks()]
+
+
+def layer_forward(L, x, batch, attend: Optional[Callable] = None):
+    """Returns (y, cache) for x (N, C). attend(b, q, k, v, out) runs the attention of row b
+    (default: batch.attend) and returns its saved state."""
+    d, dt, hd = x.device, x.dtype, L.heads
+    B, T, H, Hk, D = batch.B, batch.T, hd.H, hd.Hk, hd.D
+    N, C, NH = B * T, x.shape[1], H + 2 * Hk
+    if attend is None:
+        attend = lambda b, q, k, v, out: batch.attend(b, q, k, v, out, hd.scale)
+    xn, r1 = d.empty((N, C), dt), d.empty((N,), "f32")                   # (N, C), (N,)
+    ops.rmsnorm_forward(x, L.n1, xn, r1, L.eps)
+    qkv, qkv_saved = qkv_forward(L, xn, batch.call_seed)                 # (N, NH D)
+    att = d.empty((N, H * D), dt)                                         # (N, H D)
+    saved = []
+    for b in range(B):
+        r = slice(b * T, (b + 1) * T)
+        # One transpose makes every head of q, k and v head-major.
+        heads = d.empty((NH, T, D), dt)                                   # (NH, T, D)
+        ops.transpose_heads(qkv[r].reshape(T, NH, D), heads)
+        q, k, v = heads[:H], heads[H:H + Hk], heads[H + Hk:]             # (H, T, D), (Hk, T, D) x2
+        ops.rope(q, batch.positions[b], hd.inv_freq)
+        ops.rope(k, batch.positions[b], hd.inv_freq)
+        oh = d.empty((H, T, D), dt)                                       # (H, T, D)
+        saved.append(attend(b, q, k, v, oh))
+        ops.transpose_heads(oh, att[r].reshape(T, H, D))
+    h = d.empty((N, C), dt)                                               # (N, C)
+    o_saved = L.o_proj.forward(att, h, batch.call_seed)
+    ops.add(h, x, h)                                                      # h = x + attn
+    y, mlp_cache = mlp_forward(L.mlp, h, batch.call_seed)
+    return y, LayerCache(xn, r1, qkv_saved, saved, o_saved, h, mlp_cache)
+
+
+def layer_backward(L, x, cache, dy, batch):
+    """Returns dx (N, C) given dy (N, C), the gradient at the layer output."""
+    d, dt, hd = x.device, x.dtype, L.heads
+    B, T, H, Hk, D = batch.B, batch.T, hd.H, hd.Hk, hd.D
+    N, C, NH = B * T, x.shape[1], H + 2 * Hk
+    dh = mlp_backward(L.mlp, cache.h, cache.mlp, dy)                      # (N, C)
+    datt = d.empty((N, H * D), dt)                                        # (N, H D)
+    L.o_proj.backward(dh, cache.o, datt)
+    dqkv = d.empty((N, NH * D), dt)                                       # (N, NH D)
+    for b, saved in enumerate(cache.attn):
+        r = slice(b * T, (b + 1) * T)
+        doh = d.empty((H, T, D), dt)                                      # (H, T, D)
+        ops.transpose_heads(datt[r].reshape(T, H, D), doh)
+        dheads = d.empty((NH, T, D), dt)                                  # (NH, T, D)
+        dq, dk, dv = dheads[:H], dheads[H:H + Hk], dheads[H + Hk:]
+        saved.backward(doh, dq, dk, dv)
+        ops.rope(dq, batch.positions[b], hd.inv_freq, -1.0)
+        ops.rope(dk, batch.positions[b], hd.inv_freq, -1.0)
+        ops.transpose_heads(dheads, dqkv[r].reshape(T, NH, D))
+    dxn = d.empty((N, C), dt)                                             # (N, C)
+    ops.gemm(dqkv, L.qkv, dxn)                                            # dxn = dq|dk|dv Wqkv
+    for (lin, c0, c1), s in zip(L.qkv_blocks(), cache.qkv):
+        lin.lora_backward(dqkv[:, c0:c1], s, dxn)
+    dx = d.empty((N, C), dt)
+    ops.rmsnorm_backward(dxn, x, L.n1, cache.r1, dx)
+    ops.axpy(1.0, dh, dx)                                                 # residual
+    return dx

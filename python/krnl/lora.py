@@ -1,0 +1,134 @@
+"""The LoRA linear of DESIGN section 3, shared by the Llama model and the W1 block:
+
+    y = x W^T + s (drop(x) A^T) B^T        W (out, in) frozen, A (r, in), B (out, r) trainable
+
+A and B are views of one FlatParams (f32 masters and gradients, the compute dtype's working copy),
+created here with PEFT's key names and initialisation."""
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from . import _core
+from .config import ALL_MODULES, lora_key
+from .params import FlatParams
+
+ops = _core.ops
+
+SEED_MASK = 0x7FFFFFFFFFFFFFFF
+
+
+@dataclass(frozen=True)
+class LoraFactors:
+    """The trainable factors of one adapted linear and their gradients."""
+    A: _core.Tensor   # (r, in)   compute dtype
+    B: _core.Tensor   # (out, r)  compute dtype
+    gA: _core.Tensor  # (r, in)   f32
+    gB: _core.Tensor  # (out, r)  f32
+
+
+@dataclass
+class LoraSaved:
+    """What the LoRA backward reads from its forward."""
+    xd: _core.Tensor    # (rows, in) drop(x); x itself without dropout
+    t: _core.Tensor     # (rows, r)  drop(x) A^T
+    seed: Optional[int]  # the dropout mask's seed, None without dropout
+
+
+class LoraLinear:
+    """y = x W^T (+ s drop(x) A^T B^T). Without factors it is the frozen linear alone. Gradients
+    accumulate into gA, gB (beta 1: the caller zeros them, micro-batches add up) unless
+    accumulate_grads is False, where each backward overwrites them."""
+
+    def __init__(self, W, factors=None, scale=1.0, dropout=0.0, tag=0, accumulate_grads=True):
+        self.W = W                        # (out, in) frozen, compute dtype
+        self.out, self.inp = W.shape
+        self.factors = factors            # LoraFactors or None
+        self.scale = float(scale)
+        self.dropout = float(dropout)
+        self.tag = tag                    # tells this linear's dropout masks from the others'
+        self.grad_beta = 1.0 if accumulate_grads else 0.0
+
+    def seed(self, call_seed):
+        """The dropout seed of this linear in the call numbered call_seed."""
+        return (call_seed * 1000003 + self.tag) & SEED_MASK
+
+    def forward(self, x, y, call_seed=None):
+        """y = x W^T + LoRA, x (rows, in), y (rows, out); returns what backward needs. call_seed
+        None (eval) turns dropout off."""
+        ops.gemm(x, self.W, y, trans_b=True)                              # y = x W^T
+        return self.lora_forward(x, y, call_seed)
+
+    def lora_forward(self, x, y, call_seed=None):
+        """y += s drop(x) A^T B^T (y may be a column block of a fused output)."""
+        f = self.factors
+        if f is None:
+            return None
+        d, dt, rows = self.W.device, f.A.dtype, x.shape[0]
+        xd, seed = x, None
+        if self.dropout > 0 and call_seed is not None:
+            seed = self.seed(call_seed)
+            xd = d.empty((rows, self.inp), dt)
+            ops.dropout(x, xd, self.dropout, seed)
+        t = d.empty((rows, f.A.shape[0]), dt)
+        ops.gemm(xd, f.A, t, trans_b=True)                                # t = drop(x) A^T   (rows, r)
+        ops.gemm(t, f.B, y, trans_b=True, alpha=self.scale, beta=1.0)     # y += s t B^T
+        return LoraSaved(xd, t, seed)
+
+    def backward(self, dy, saved, dx, accumulate=False):
+        """dx (+)= dy W + drop(dt A); the LoRA gradients from dy (rows, out)."""
+        ops.gemm(dy, self.W, dx, beta=1.0 if accumulate else 0.0)         # dx (+)= dy W
+        self.lora_backward(dy, saved, dx)
+
+    def lora_backward(self, dy, saved, dx):
+        """LoRA gradients from dy (possibly a column block) and dx += drop(dt A)."""
+        f = self.factors
+        if f is None:
+            return
+        d, cdt, rows = self.W.device, f.A.dtype, dy.shape[0]
+        s, beta = self.scale, self.grad_beta
+        ops.gemm(dy, saved.t, f.gB, trans_a=True, alpha=s, beta=beta)     # dB (+)= s dy^T t    (out, r)
+        dt = d.empty((rows, f.A.shape[0]), cdt)
+        ops.gemm(dy, f.B, dt, alpha=s)                                    # dt = s dy B         (rows, r)
+        ops.gemm(dt, saved.xd, f.gA, trans_a=True, beta=beta)             # dA (+)= dt^T drop(x) (r, in)
+        if saved.seed is not None:
+            tmp, tmp2 = d.empty((rows, self.inp), cdt), d.empty((rows, self.inp), cdt)
+            ops.gemm(dt, f.A, tmp)
+            ops.dropout(tmp, tmp2, self.dropout, saved.seed)              # same mask as forward
+            ops.axpy(1.0, tmp2, dx)
+        else:
+            ops.gemm(dt, f.A, dx, beta=1.0)                               # dx += dt A
+
+
+def init_lora(device, config, lora_config, dtype, seed):
+    """The LoRA factors of a model as one FlatParams, A then B per adapted module in layer order,
+    initialised as PEFT does (A uniform, B zero); also the set of adapted (layer, module) pairs."""
+    r = lora_config.r
+    adapted, shapes = set(), {}
+    for i in lora_config.adapted_layers(config):
+        for m in ALL_MODULES:
+            if m in lora_config.target_modules:
+                out, inp = config.module_shape(m)
+                shapes[lora_key(i, m, "A")] = (r, inp)
+                shapes[lora_key(i, m, "B")] = (out, r)
+                adapted.add((i, m))
+    params = FlatParams(device, shapes, dtype)
+    rng = np.random.default_rng(seed)
+    init = {}
+    for k, shp in shapes.items():
+        if ".lora_A." in k:   # PEFT: kaiming_uniform_(a=sqrt(5)) => U(-1/sqrt(in), 1/sqrt(in))
+            b = 1.0 / math.sqrt(shp[1])
+            init[k] = rng.uniform(-b, b, size=shp).astype(np.float32)
+        else:
+            init[k] = np.zeros(shp, np.float32)
+    if shapes:
+        params.load(init)
+    return params, adapted
+
+
+def factors(params, layer, module):
+    """The LoraFactors of (layer, module) in params."""
+    kA, kB = lora_key(layer, module, "A"), lora_key(layer, module, "B")
+    return LoraFactors(params.compute(kA), params.compute(kB), params.grad(kA), params.grad(kB))

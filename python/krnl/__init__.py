@@ -1,5 +1,30 @@
 """krnl: LoRA fine-tuning with hand-written kernels. This package is the thin Python side; the
-native core (`krnl._core`) owns devices, memory and every op."""
+native core (`krnl._core`) owns devices, memory and every op.
+
+Its modules form layers, lowest first. A module imports modules of its own layer or lower ones,
+never higher, and no import circle exists; tests/test_layering.py reads this table and checks
+both, counting imports inside functions too, so keep the table's form (a layer's name, then its
+modules relative to krnl; `bench.*` is every module of krnl/bench):
+
+    ops       __init__ _core profiler
+    storage   fileio safetensors_io checkpoint tokenizer
+    model     params config lora attention layer generate model mlp_block
+    formats   adapter hf
+    train     optim batches data default_task trainer
+    cli       cli cli_args cli_device __main__ bench bench.*
+
+- ops: the native core and what this file re-exports from it; importing any submodule runs this
+  file first, so it may import nothing above.
+- storage: bytes on disk (atomic writes, safetensors, checkpoints, tokenizers), knowing nothing
+  of the model, so that the model may read files through it.
+- model: parameters, the model's configuration and LoRA layout, the layers, the model stack.
+- formats: the files that describe a model (HF folders, PEFT and mlx-lm adapters); they turn into
+  a ModelConfig, a LoraConfig or a LlamaModel, so they stand on the model, and hf builds on
+  adapter, never the reverse.
+- train: the optimizer, batches, datasets, the embedded default task and the training loop; data
+  and trainer both draw on batches and not on each other.
+- cli: the `krnl` commands and the benchmark harness (krnl.bench), which may use everything.
+"""
 
 import sys as _sys
 

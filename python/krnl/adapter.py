@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 
 from .fileio import atomic_write_bytes, read_json_object
+from .model import ALL_MODULES, ATTN_MODULES, LoraConfig, lora_key
+from .safetensors_io import LazyTensor, read_safetensors_header
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -58,8 +60,6 @@ _MLX_KEY = re.compile(r"^(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora
 
 def _read_f32_tensors(path, who):
     """{name: float32 array} of a safetensors file (F32, F16 and BF16 tensors)."""
-    from .hf import LazyTensor, read_safetensors_header
-
     try:
         header, _ = read_safetensors_header(path)
     except ValueError as e:
@@ -92,8 +92,6 @@ def read_adapter(path, config):
     info has "format", "base_model" and the raw "config". Adapted modules and layers come from the
     tensors present; names, shapes and the rank are checked and any mismatch is a ValueError that
     lists the offending tensors."""
-    from .model import ALL_MODULES, ATTN_MODULES, LoraConfig, lora_key
-
     path = Path(path)
     fmt = adapter_format(path)
     cfg = read_json_object(path / CONFIG_NAME, "adapter")

@@ -13,28 +13,26 @@ the turn. prompt/completion samples go through the chat template as a user and a
 when the checkpoint has one (as mlx-lm does), else they are the BOS-prefixed prompt followed by
 the completion and EOS.
 
-Samples longer than max_seq_length are truncated (counted). Batches are either packed (several
-samples per row, each with its own attention segment and positions restarting at 0, so no token
-attends across a sample boundary) or length-sorted (samples of similar length batched together,
-padded to the longest in the batch).
+Samples longer than max_seq_length are truncated (counted). Batches (krnl.batches) are either
+packed (several samples per row, each with its own attention segment and positions restarting at
+0, so no token attends across a sample boundary) or length-sorted (samples of similar length
+batched together, padded to the longest in the batch).
 
 Errors name the file and line.
 """
 
-import bisect
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-IGNORE_INDEX = -100
+# Packing and the batch sources are in batches.py (the trainer uses them too); the names stay
+# importable from here.
+from .batches import IGNORE_INDEX, Batches, DataError, LengthSortedBatches, Packed, pack, pad_batch  # noqa: F401
+
 SPLITS = ("train", "valid", "test")
 FORMATS = ("text", "completions", "chat")
-
-
-class DataError(ValueError):
-    pass
 
 
 @dataclass
@@ -230,8 +228,6 @@ class Split:
         """The training batch source (next(), state(), load_state()): shuffled packed rows when
         packing, else shuffled length-sorted batches."""
         if self.pack:
-            from .trainer import Batches
-
             p = self.packed()
             if len(p.ids) < batch_size:
                 raise DataError(f"[data] {self.path}: {len(self.samples)} samples pack into {len(p.ids)} rows of "
@@ -316,102 +312,3 @@ def load_dataset(folder, tokenizer, max_seq_length, mask_prompt=True, pack=False
         out[name] = load_split(p, tokenizer, max_seq_length, mask_prompt=mask_prompt, vocab_size=vocab_size,
                                name=name, pack=pack)
     return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Packing and batching
-
-
-@dataclass
-class Packed:
-    ids: np.ndarray        # (R, T) int32
-    targets: np.ndarray    # (R, T) int32, -100 where ignored (padding, masked tokens, sample ends)
-    segments: np.ndarray   # (R, T) int32: index of the sample within its row; padding one past the last
-    positions: np.ndarray  # (R, T) int32: restart at 0 at each sample (and in the padding)
-    rows: list             # per row, the indices of its samples in order
-
-
-def pack(samples, seq_len, pad_id=0):
-    """Packs samples (each at most seq_len tokens) into rows of seq_len tokens, best-fit
-    decreasing. A token attends only to tokens of its own sample (segments), its position restarts
-    at each sample, and the last token of a sample predicts nothing."""
-    lens = [len(s) for s in samples]
-    if any(n > seq_len for n in lens):
-        raise DataError(f"[data] a sample of {max(lens)} tokens does not fit rows of {seq_len}")
-    order = sorted(range(len(samples)), key=lambda i: (-lens[i], i))
-    caps, rows = [], []   # caps: sorted (room left, row)
-    for i in order:
-        k = bisect.bisect_left(caps, (lens[i], -1))
-        if k < len(caps):
-            room, r = caps.pop(k)
-        else:
-            room, r = seq_len, len(rows)
-            rows.append([])
-        rows[r].append(i)
-        room -= lens[i]
-        if room > 0:
-            bisect.insort(caps, (room, r))
-    R = len(rows)
-    ids = np.full((R, seq_len), pad_id, np.int32)
-    tg = np.full((R, seq_len), IGNORE_INDEX, np.int32)
-    seg = np.zeros((R, seq_len), np.int32)
-    pos = np.zeros((R, seq_len), np.int32)
-    for r, members in enumerate(rows):
-        t = 0
-        for j, i in enumerate(members):
-            n = lens[i]
-            ids[r, t:t + n] = samples[i].ids
-            tg[r, t:t + n] = samples[i].targets()
-            seg[r, t:t + n] = j
-            pos[r, t:t + n] = np.arange(n)
-            t += n
-        seg[r, t:] = len(members)
-        pos[r, t:] = np.arange(seq_len - t)
-    return Packed(ids, tg, seg, pos, rows)
-
-
-def pad_batch(samples, pad_id=0, pad_to=1):
-    """(ids, targets) (B, T) of samples right-padded to the longest (rounded up to pad_to)."""
-    T = max(len(s) for s in samples)
-    T = -(-T // pad_to) * pad_to
-    ids = np.full((len(samples), T), pad_id, np.int32)
-    tg = np.full((len(samples), T), IGNORE_INDEX, np.int32)
-    for b, s in enumerate(samples):
-        ids[b, :len(s)] = s.ids
-        tg[b, :len(s)] = s.targets()
-    return ids, tg
-
-
-class LengthSortedBatches:
-    """Batches of samples of similar length (consecutive in length order), padded to the longest
-    of the batch; the batch order is shuffled each epoch, deterministically from (seed, epoch).
-    Same interface as trainer.Batches: next(), state(), load_state()."""
-
-    def __init__(self, samples, batch_size, seed, pad_id=0, pad_to=1, where="<data>"):
-        if len(samples) < batch_size:
-            raise DataError(f"[data] {where}: {len(samples)} samples are fewer than one batch of {batch_size}")
-        self.samples, self.batch_size, self.seed = samples, int(batch_size), seed
-        self.pad_id, self.pad_to = pad_id, pad_to
-        self.order = sorted(range(len(samples)), key=lambda i: (len(samples[i]), i))
-        self.n_batches = len(samples) // batch_size   # the incomplete last batch is left out
-        self.epoch, self.index = 0, 0
-        self._perm = None
-
-    def _batch_order(self):
-        if self._perm is None:
-            self._perm = np.random.default_rng([self.seed, self.epoch]).permutation(self.n_batches)
-        return self._perm
-
-    def next(self):
-        if self.index >= self.n_batches:
-            self.epoch, self.index, self._perm = self.epoch + 1, 0, None
-        b = int(self._batch_order()[self.index])
-        self.index += 1
-        rows = self.order[b * self.batch_size:(b + 1) * self.batch_size]
-        return pad_batch([self.samples[i] for i in rows], self.pad_id, self.pad_to)
-
-    def state(self):
-        return {"epoch": self.epoch, "index": self.index}
-
-    def load_state(self, s):
-        self.epoch, self.index, self._perm = int(s["epoch"]), int(s["index"]), None

@@ -2,10 +2,8 @@
 shards named by `model.safetensors.index.json`, for the llama, mistral and qwen2 families.
 
 Weights are mapped to the core as stored ([out, in], no transposes). The safetensors files are
-parsed here (8-byte header length, JSON header, raw little-endian data) and memory-mapped, so a
-tensor is read from disk only when it is uploaded; bf16, which numpy has no type for, is widened
-to f32 by a 16-bit shift one tensor at a time. The model converts every tensor to its compute
-dtype on upload.
+memory-mapped (krnl.safetensors_io), so a tensor is read from disk only when it is uploaded; the
+model converts every tensor to its compute dtype on upload.
 
 `fuse` merges a LoRA adapter into the base weights, W' = W + s B A (float32 math, stored back in
 each tensor's original dtype), and writes an HF folder that transformers loads: sharded
@@ -13,7 +11,6 @@ safetensors with an index, config.json and the tokenizer files.
 """
 
 import json
-import struct
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +18,9 @@ import numpy as np
 from .adapter import read_adapter
 from .fileio import atomic_write_bytes, atomic_write_chunks, read_json_object
 from .model import ATTN_MODULES, LlamaModel, ModelConfig, lora_key
+from .safetensors_io import LazyTensor, encode, header_bytes, nbytes, read_safetensors_header
+# Defined here before safetensors_io.py took the format; krnl.hf.bf16_to_f32 and friends stay.
+from .safetensors_io import bf16_to_f32, f32_to_bf16  # noqa: F401
 
 CONFIG_NAME = "config.json"
 SINGLE_NAME = "model.safetensors"
@@ -29,106 +29,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
                    "chat_template.json")
 
-_NP_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "F64": np.dtype("<f8")}
-_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
 _FLOAT_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
 
 
 # ---------------------------------------------------------------------------------------------
-# bf16 <-> f32
-
-
-def bf16_to_f32(u16):
-    """uint16 bf16 bit patterns -> float32 (exact)."""
-    return (np.asarray(u16, np.uint16).astype(np.uint32) << 16).view(np.float32)
-
-
-def f32_to_bf16(x):
-    """float32 -> uint16 bf16 bit patterns, rounded to nearest even (NaN stays NaN)."""
-    u = np.ascontiguousarray(x, np.float32).view(np.uint32)
-    rounded = ((u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
-    nan = np.isnan(np.asarray(x, np.float32))
-    if nan.any():
-        rounded = np.where(nan, ((u >> 16) | np.uint32(0x40)).astype(np.uint16), rounded)
-    return rounded
-
-
-# ---------------------------------------------------------------------------------------------
-# safetensors, read side
-
-
-class LazyTensor:
-    """A tensor in a memory-mapped safetensors file: `.shape`, `.st_dtype` ("F32", "F16", "BF16")
-    and `np.asarray(t, np.float32)`; bytes are read and converted only when asked for."""
-
-    def __init__(self, path, name, st_dtype, shape, start, end):
-        self.path, self.name, self.st_dtype = path, name, st_dtype
-        self.shape, self.start, self.end = tuple(int(s) for s in shape), int(start), int(end)
-        self._mm = None
-
-    @property
-    def ndim(self):
-        return len(self.shape)
-
-    def raw(self):
-        """The stored elements: a read-only memmap (f32/f16/f64) or uint16 bit patterns (bf16)."""
-        n = int(np.prod(self.shape)) if self.shape else 1
-        if n == 0:
-            return np.zeros(self.shape, np.uint16 if self.st_dtype == "BF16" else _NP_DTYPES[self.st_dtype])
-        dt = np.dtype("<u2") if self.st_dtype == "BF16" else _NP_DTYPES[self.st_dtype]
-        return np.memmap(self.path, dtype=dt, mode="r", offset=self.start, shape=self.shape)
-
-    def raw_bytes(self):
-        with open(self.path, "rb") as f:
-            f.seek(self.start)
-            return f.read(self.end - self.start)
-
-    def float32(self):
-        r = self.raw()
-        if self.st_dtype == "BF16":
-            return bf16_to_f32(r)
-        return np.asarray(r, np.float32)
-
-    def __array__(self, dtype=None, copy=None):
-        a = self.float32()
-        return a if dtype is None else a.astype(dtype, copy=False)
-
-    def __repr__(self):
-        return f"LazyTensor({self.name!r}, {self.st_dtype}, {self.shape}, {self.path})"
-
-
-def read_safetensors_header(path):
-    """{name: (dtype, shape, abs_start, abs_end)} and the metadata dict of one safetensors file."""
-    path = Path(path)
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise ValueError("shorter than the 8-byte header length")
-            (n,) = struct.unpack("<Q", head)
-            if n > min(size - 8, 100 << 20):
-                raise ValueError(f"header length {n} exceeds the file size {size}")
-            header = json.loads(f.read(n))
-    except OSError as e:
-        raise ValueError(f"[hf] cannot read {path}: {e}") from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"[hf] {path} is not a valid safetensors file: {e}") from None
-    if not isinstance(header, dict):
-        raise ValueError(f"[hf] {path} is not a valid safetensors file: the header is not a JSON object")
-    meta = header.pop("__metadata__", None) or {}
-    base, out = 8 + n, {}
-    for name, info in header.items():
-        try:
-            dt, shape, (b, e) = info["dtype"], info["shape"], info["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise ValueError(f"[hf] {path}: malformed header entry for {name!r}") from None
-        if dt not in _ITEMSIZE:
-            raise ValueError(f"[hf] {path}: tensor {name!r} has dtype {dt}; krnl reads F32, F16 and BF16 weights")
-        if e - b != _ITEMSIZE[dt] * (int(np.prod(shape)) if shape else 1) or base + e > size:
-            raise ValueError(f"[hf] {path}: tensor {name!r} has inconsistent data offsets (truncated file?)")
-        out[name] = (dt, tuple(shape), base + b, base + e)
-    return out, meta
+# HF folders: the weight files and their tensors
 
 
 def safetensors_files(folder):
@@ -263,26 +168,6 @@ def _parse_size(s):
     return int(t)
 
 
-def _safetensors_header(entries, metadata=None):
-    """entries: [(name, st_dtype, shape, nbytes)] in data order -> header bytes (padded to 8)."""
-    h, off = {}, 0
-    if metadata:
-        h["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
-    for name, dt, shape, nb in entries:
-        h[name] = {"dtype": dt, "shape": [int(s) for s in shape], "data_offsets": [off, off + nb]}
-        off += nb
-    js = json.dumps(h, separators=(",", ":")).encode()
-    js += b" " * (-len(js) % 8)
-    return struct.pack("<Q", len(js)) + js
-
-
-def _encode(arr32, st_dtype):
-    """float32 array -> bytes in the safetensors dtype."""
-    if st_dtype == "BF16":
-        return f32_to_bf16(arr32).astype("<u2").tobytes()
-    return np.ascontiguousarray(arr32, _NP_DTYPES[st_dtype]).tobytes()
-
-
 def write_sharded(out_folder, items, shard_size="2GB", metadata=None):
     """Writes [(name, st_dtype, shape, producer)] (producer() -> bytes, called once, in order) as
     model.safetensors, or model-0000i-of-0000n.safetensors shards plus the index when they exceed
@@ -291,7 +176,7 @@ def write_sharded(out_folder, items, shard_size="2GB", metadata=None):
     limit = max(1, _parse_size(shard_size))
     shards, cur, cur_size = [], [], 0
     for it in items:
-        nb = _ITEMSIZE[it[1]] * (int(np.prod(it[2])) if it[2] else 1)
+        nb = nbytes(it[1], it[2])
         if cur and cur_size + nb > limit:
             shards.append(cur)
             cur, cur_size = [], 0
@@ -304,7 +189,7 @@ def write_sharded(out_folder, items, shard_size="2GB", metadata=None):
     meta = {"format": "pt", **(metadata or {})}
     weight_map, total = {}, 0
     for fname, shard in zip(names, shards):
-        header = _safetensors_header([(nm, dt, sh, nb) for nm, dt, sh, _, nb in shard], meta)
+        header = header_bytes([(nm, dt, sh, nb) for nm, dt, sh, _, nb in shard], meta)
 
         def chunks(shard=shard, header=header):
             yield header
@@ -359,10 +244,10 @@ def fuse(model_folder, adapter_folder, out_folder, shard_size="2GB", dtype=None)
         def make():
             if name in delta:
                 A, B = delta[name]
-                return _encode(merged_weight(t.float32(), A, B, s), st)
+                return encode(merged_weight(t.float32(), A, B, s), st)
             if st == t.st_dtype:
                 return t.raw_bytes()
-            return _encode(t.float32(), st)
+            return encode(t.float32(), st)
         return make
 
     # Keep the checkpoint's order: embeddings, layers in order, norm, head.

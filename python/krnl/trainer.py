@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from . import adapter as adapter_io
+from .batches import Batches
 from .checkpoint import load_checkpoint, save_checkpoint
 from .fileio import atomic_write_bytes
 from .optim import AdamW, Schedule
@@ -47,51 +48,6 @@ class TrainConfig:
                 raise ValueError(f"[train] {name} must be >= 0, got {getattr(self, name)}")
         if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):
             raise ValueError(f"[train] learning_rate must be > 0, got {self.learning_rate}")
-
-
-class Batches:
-    """Deterministic shuffled batches of rows of (ids, targets) and, for packed rows, their
-    (segments, positions) (krnl.data.pack); the position (epoch, index) is all that is needed to
-    continue the same sequence. next() gives (ids, targets) or (ids, targets, segments, positions)."""
-
-    def __init__(self, ids, targets, batch_size, seed, segments=None, positions=None):
-        ids, targets = np.asarray(ids, np.int32), np.asarray(targets, np.int32)
-        if ids.shape != targets.shape or ids.ndim != 2:
-            raise ValueError(f"[data] ids {ids.shape} and targets {targets.shape} must be equal 2-D shapes")
-        if (segments is None) != (positions is None):
-            raise ValueError("[data] segments and positions come together (packed rows)")
-        if segments is not None:
-            segments, positions = np.asarray(segments, np.int32), np.asarray(positions, np.int32)
-            if segments.shape != ids.shape or positions.shape != ids.shape:
-                raise ValueError(f"[data] segments {segments.shape} and positions {positions.shape} must have the "
-                                 f"shape of ids {ids.shape}")
-        if len(ids) < batch_size:
-            raise ValueError(f"[data] {len(ids)} samples are fewer than one batch of {batch_size}")
-        self.ids, self.targets, self.batch_size, self.seed = ids, targets, batch_size, seed
-        self.segments, self.positions = segments, positions
-        self.epoch, self.index = 0, 0
-        self._order = None
-
-    def _perm(self):
-        if self._order is None:
-            self._order = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.ids))
-        return self._order
-
-    def next(self):
-        per_epoch = len(self.ids) // self.batch_size
-        if self.index >= per_epoch:
-            self.epoch, self.index, self._order = self.epoch + 1, 0, None
-        rows = self._perm()[self.index * self.batch_size:(self.index + 1) * self.batch_size]
-        self.index += 1
-        if self.segments is not None:
-            return self.ids[rows], self.targets[rows], self.segments[rows], self.positions[rows]
-        return self.ids[rows], self.targets[rows]
-
-    def state(self):
-        return {"epoch": self.epoch, "index": self.index}
-
-    def load_state(self, s):
-        self.epoch, self.index, self._order = int(s["epoch"]), int(s["index"]), None
 
 
 def _batch_args(batch):

@@ -1,0 +1,149 @@
+"""The `krnl` command line's arguments: the parser of every subcommand and the train options read
+from a YAML file. The commands themselves live in cli.py and cli_device.py."""
+
+import argparse
+
+
+def yaml_defaults(path, parser):
+    """Train options from a YAML file (mlx-lm style: flat keys with underscores or dashes, and a
+    lora_parameters mapping with rank, alpha or scale, dropout). Unknown keys are errors."""
+    import yaml
+
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except OSError as e:
+        raise SystemExit(f"krnl train: error: --config {path}: {e.strerror}")
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark else ""
+        raise SystemExit(f"krnl train: error: {path}{where}: invalid YAML ({getattr(e, 'problem', e)})")
+    if not isinstance(data, dict):
+        raise SystemExit(f"krnl train: error: {path}: expected a mapping of options")
+    known = {a.dest for a in parser._actions}
+    out = {}
+    lp = data.pop("lora_parameters", None) or {}
+    if lp:
+        rank = int(lp.get("rank", parser.get_default("lora_rank")))
+        out["lora_rank"] = rank
+        if "alpha" in lp:
+            out["lora_alpha"] = float(lp["alpha"])
+        elif "scale" in lp:  # mlx-lm stores alpha / r
+            out["lora_alpha"] = float(lp["scale"]) * rank
+        if "dropout" in lp:
+            out["lora_dropout"] = float(lp["dropout"])
+    for key, value in data.items():
+        dest = str(key).replace("-", "_")
+        if dest not in known or dest in ("help", "config"):
+            raise SystemExit(f"krnl train: error: {path}: unknown option {key!r}")
+        out[dest] = value
+    return out
+
+
+def parse_args(argv, commands):
+    """The parsed command line; `fn` is the function of the chosen command, from `commands`
+    ({command name: function}), so that this module needs none of them. A train --config YAML
+    file fills in the options the command line leaves out."""
+    p = argparse.ArgumentParser(prog="krnl", description="LoRA fine-tuning engine")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("devices", help="list the devices this build can use, with what each can do, and why any "
+                       "other is unavailable here")
+    d.add_argument("--json", action="store_true", help="print everything as JSON")
+    d.set_defaults(fn=commands["devices"])
+
+    def common(q):
+        q.add_argument("--device", default=None, help="cpu, ... (default: best available)")
+        q.add_argument("--dtype", default=None, choices=["f32", "f16", "bf16"],
+                       help="compute dtype (default: the device's compute dtype, see `krnl devices`)")
+        q.add_argument("--seed", type=int, default=0)
+
+    t = sub.add_parser("train", help="LoRA fine-tune (default: the embedded tiny model and task)")
+    common(t)
+    t.add_argument("--adapter-path", default="adapters", help="output folder: adapter, checkpoints, metrics")
+    t.add_argument("--config", default=None, help="YAML file of train options (flags given on the command line win)")
+    t.add_argument("--model", default=None, help="HF model folder (default: the embedded tiny model)")
+    t.add_argument("--data", default=None, help="folder with train.jsonl (and valid.jsonl, test.jsonl)")
+    t.add_argument("--max-seq-length", type=int, default=2048)
+    t.add_argument("--mask-prompt", action=argparse.BooleanOptionalAction, default=True,
+                   help="learn only completions / assistant turns (default: on)")
+    t.add_argument("--pack", action="store_true", help="pack short samples into full rows (attention never "
+                   "crosses samples); default: length-sorted batches")
+    t.add_argument("--iters", type=int, default=1500, help="optimizer steps")
+    t.add_argument("--epochs", type=float, default=None, help="passes over the training set (overrides --iters)")
+    t.add_argument("--batch-size", type=int, default=16)
+    t.add_argument("--grad-accumulation", type=int, default=1)
+    t.add_argument("--learning-rate", type=float, default=3e-3)
+    t.add_argument("--warmup", type=int, default=30)
+    t.add_argument("--lr-schedule", default="cosine", choices=["cosine", "linear", "constant"])
+    t.add_argument("--weight-decay", type=float, default=0.0)
+    t.add_argument("--max-grad-norm", type=float, default=1.0, help="0 disables clipping")
+    t.add_argument("--steps-per-eval", type=int, default=100)
+    t.add_argument("--save-every", type=int, default=200)
+    t.add_argument("--lora-rank", type=int, default=16)
+    t.add_argument("--lora-alpha", type=float, default=32.0)
+    t.add_argument("--lora-dropout", type=float, default=0.0)
+    t.add_argument("--rslora", action="store_true", help="scale by alpha/sqrt(r) (rsLoRA)")
+    t.add_argument("--lora-layers", default=None, help="comma-separated layer indices (default: all)")
+    t.add_argument("--lora-targets", default=None, help="comma-separated modules (default: q,k,v,o,gate,up,down)")
+    t.add_argument("--grad-checkpoint", action="store_true", help="recompute layers in backward (less memory)")
+    t.add_argument("--train-samples", type=int, default=4000)
+    t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --adapter-path")
+    t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.set_defaults(fn=commands["train"])
+
+    e = sub.add_parser("eval", help="test loss of a trained adapter")
+    common(e)
+    e.add_argument("--adapter-path", default="adapters")
+    e.add_argument("--model", default=None, help="HF model folder (default: the adapter's base model)")
+    e.add_argument("--data", default=None, help="folder with test.jsonl (or valid.jsonl), for HF models")
+    e.add_argument("--max-seq-length", type=int, default=2048)
+    e.add_argument("--samples", type=int, default=256, help="generated samples (embedded default)")
+    e.set_defaults(fn=commands["eval"])
+
+    g = sub.add_parser("generate", help="sample from the model with a trained adapter (KV-cached)")
+    common(g)
+    g.add_argument("--adapter-path", default="adapters")
+    g.add_argument("--model", default=None, help="HF model folder (default: the adapter's base model)")
+    g.add_argument("--prompt", default="+2c>")
+    g.add_argument("--max-tokens", type=int, default=16)
+    g.add_argument("--temp", type=float, default=0.0, help="0: greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--raw-prompt", action="store_true",
+                   help="send the prompt as is (default: as a user turn of the model's chat template, if any)")
+    g.set_defaults(fn=commands["generate"])
+
+    f = sub.add_parser("fuse", help="merge an adapter into its base model and write an HF folder")
+    f.add_argument("--model", default=None, help="the base model's HF folder (default: the adapter's base model)")
+    f.add_argument("--adapter-path", default="adapters", help="adapter folder (PEFT or mlx-lm layout)")
+    f.add_argument("--save-path", default="fused_model", help="output HF folder")
+    f.add_argument("--max-shard-size", default="2GB", help="largest safetensors shard, e.g. 2GB, 500MB")
+    f.add_argument("--dtype", default=None, choices=["f32", "f16", "bf16"],
+                   help="output dtype (default: each tensor's stored dtype)")
+    f.set_defaults(fn=commands["fuse"])
+
+    w = sub.add_parser("w1", help="train LoRA on the W1 MLP block to match a teacher (a small, real LoRA run)")
+    w.add_argument("--device", default=None, help="cpu, ... (default: best available)")
+    w.add_argument("--steps", type=int, default=10)
+    w.add_argument("--tokens", type=int, default=512)
+    w.add_argument("--width", type=int, default=2048)
+    w.add_argument("--ffn", type=int, default=5632)
+    w.add_argument("--rank", type=int, default=32)
+    w.add_argument("--dtype", default=None, choices=["f32", "f16", "bf16"],
+                   help="compute dtype (default: the device's compute dtype, see `krnl devices`)")
+    w.add_argument("--learning-rate", type=float, default=1e-2)
+    w.add_argument("--seed", type=int, default=0)
+    w.set_defaults(fn=commands["w1"])
+
+    from .bench.cli import add_arguments as bench_arguments
+    b = sub.add_parser("bench", help="krnl next to numpy, PyTorch and MLX on W1/W2/W3 and GEMMs, behind a control gate")
+    bench_arguments(b)
+    b.set_defaults(fn=commands["bench"])
+    args = p.parse_args(argv)
+    if getattr(args, "config", None):
+        t.set_defaults(**yaml_defaults(args.config, t))
+        args = p.parse_args(argv)
+    for name in ("steps", "tokens", "width", "ffn", "rank", "iters", "batch_size", "grad_accumulation",
+                 "lora_rank", "max_tokens", "samples", "train_samples"):
+        if getattr(args, name, 1) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    return args

@@ -88,7 +88,7 @@ class Executor:
 def register(core, root, random_order: bool = False) -> Executor:
     """Registers krnl's metal-sim device with an executor over `root`/metal; returns the executor."""
     ex = Executor(root, random_order)
-    core.register_metal_sim(ex)
+    core.testing.register_metal_sim(ex)
     return ex
 
 

@@ -9,8 +9,6 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
-#include <cstring>
-
 #include "bindings.h"
 #include "metal/metal_sim.h"
 #include "metal/policy.h"
@@ -20,7 +18,6 @@ namespace {
 
 using namespace nb::literals;
 using metal::Dispatch;
-using metal::FunctionConstant;
 
 nb::dict to_dict(const Dispatch& d) {
   nb::dict r;
@@ -28,21 +25,8 @@ nb::dict to_dict(const Dispatch& d) {
   r["library"] = d.library;
   r["kernel"] = d.kernel;
   r["host"] = bool(d.host);
-  r["concurrent"] = d.concurrent;
   nb::list consts;
-  for (const auto& c : d.constants) {
-    nb::object v;
-    if (c.type == FunctionConstant::Type::Bool) {
-      v = nb::bool_(c.bits != 0);
-    } else if (c.type == FunctionConstant::Type::UInt) {
-      v = nb::int_(c.bits);
-    } else {
-      float f;
-      std::memcpy(&f, &c.bits, 4);
-      v = nb::float_(f);
-    }
-    consts.append(nb::make_tuple(c.index, v));
-  }
+  for (const auto& c : d.constants) consts.append(nb::make_tuple(c.index, c.value));
   r["constants"] = consts;
   nb::list bufs;
   for (const auto& b : d.buffers)
@@ -50,9 +34,6 @@ nb::dict to_dict(const Dispatch& d) {
   r["buffers"] = bufs;
   r["args_index"] = d.args_index;
   r["args"] = nb::bytes(reinterpret_cast<const char*>(d.args.data()), d.args.size());
-  nb::list tgm;
-  for (const auto& [i, n] : d.threadgroup_memory) tgm.append(nb::make_tuple(i, n));
-  r["threadgroup_memory"] = tgm;
   r["grid"] = nb::make_tuple(d.grid[0], d.grid[1], d.grid[2]);
   r["threads"] = nb::make_tuple(d.threads[0], d.threads[1], d.threads[2]);
   return r;

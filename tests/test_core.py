@@ -953,3 +953,14 @@ def test_ops_reject_operands_on_another_device():
     y = krnl.device("cpu:1").empty((4, 8))
     with pytest.raises(ValueError, match=r"^\[add\] out is on cpu:1"):
         ops.add(a, a, y)
+
+
+def test_every_op_of_the_list_is_bound():
+    # csrc/core/op_list.h is the one op list in C++; the bindings are written by hand (argument
+    # names, defaults, docstrings), so this is what keeps them from drifting apart.
+    listed = list(_core.testing.op_names())
+    assert len(listed) == len(set(listed)) and "gemm" in listed
+    bound = {n for n in dir(ops) if not n.startswith("_") and callable(getattr(ops, n))}
+    assert sorted(set(listed) - bound) == [], "ops of op_list.h missing from krnl._core.ops"
+    # gemm_plan is gemm's routing decision, an entry point of the core but not an op of a backend
+    assert sorted(bound - set(listed)) == ["gemm_plan"]

@@ -1,7 +1,8 @@
 // krnl._core.testing: what only the tests call, built into the module but kept out of its
-// user API: a second CPU device, the buffer pool over malloc and the pure planners. The Metal
-// hooks (metal-sim and friends) join it from metal.cpp.
+// user API: a second CPU device, the buffer pool over malloc, the pure planners and the op list.
+// The Metal hooks (metal-sim and friends) join it from metal.cpp.
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <cstdlib>
 #include <unordered_map>
@@ -16,6 +17,13 @@ void bind_testing(nb::module_& m) {
   using namespace nb::literals;
   m.def("register_second_cpu", &cpu::register_second_backend,
         "Registers a second CPU device, 'cpu:1', for the cross-device error tests (idempotent).");
+  m.def("op_names", [] {
+          std::vector<std::string> names;
+#define KRNL_OP_NAME(name, params) names.push_back(#name);
+          KRNL_OPS(KRNL_OP_NAME)
+#undef KRNL_OP_NAME
+          return names;
+        }, "The ops of csrc/core/op_list.h, in order: the tests check that krnl._core.ops binds each.");
 
   // The pool logic on its own, with the caller playing the device's submission clock.
   struct HostPool {

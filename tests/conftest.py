@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-# A second CPU device ("cpu:1") exists only for the cross-device error tests.
-os.environ.setdefault("KRNL_TEST_SECOND_CPU", "1")
+import krnl
 
-import krnl  # noqa: E402
+# A second CPU device ("cpu:1") exists only for the cross-device error tests.
+krnl._core.testing.register_second_cpu()
 
 FLOAT_DTYPES = ("f32", "f16", "bf16")
 

@@ -16,7 +16,7 @@ import krnl
 from krnl import _core
 
 ops = _core.ops
-HostBufferPool = _core.HostBufferPool
+HostBufferPool = _core.testing.HostBufferPool
 cs = HostBufferPool.class_size
 
 
@@ -766,22 +766,22 @@ def _brute_split(M, N, K, batch, tile_m, tile_n, min_tiles, k_unit, max_splits, 
 def test_plan_split_k_hand_cases():
     kw = dict(tile_m=32, tile_n=32, k_unit=32, max_splits=16, min_k_per_split=256)
     # never split when disabled or when the output already has enough tiles
-    assert _core.plan_split_k(32, 32, 4096, min_tiles=0, **kw) == (1, 4096)
-    assert _core.plan_split_k(256, 256, 4096, min_tiles=64, **kw) == (1, 4096)  # 64 tiles
-    assert _core.plan_split_k(256, 256, 4096, min_tiles=65, **kw) == (2, 2048)
+    assert _core.testing.plan_split_k(32, 32, 4096, min_tiles=0, **kw) == (1, 4096)
+    assert _core.testing.plan_split_k(256, 256, 4096, min_tiles=64, **kw) == (1, 4096)  # 64 tiles
+    assert _core.testing.plan_split_k(256, 256, 4096, min_tiles=65, **kw) == (2, 2048)
     # one tile, target 4: four slices of 1024
-    assert _core.plan_split_k(32, 32, 4096, min_tiles=4, **kw) == (4, 1024)
+    assert _core.testing.plan_split_k(32, 32, 4096, min_tiles=4, **kw) == (4, 1024)
     # target 3 on K=4096: 3 does not divide, smallest reaching split is 4
-    assert _core.plan_split_k(32, 32, 4096, min_tiles=3, **kw) == (4, 1024)
+    assert _core.testing.plan_split_k(32, 32, 4096, min_tiles=3, **kw) == (4, 1024)
     # batch counts towards the tiles
-    assert _core.plan_split_k(32, 32, 4096, batch=4, min_tiles=4, **kw) == (1, 4096)
+    assert _core.testing.plan_split_k(32, 32, 4096, batch=4, min_tiles=4, **kw) == (1, 4096)
     # K=768, target 8: 8 slices would be 96 < 256; largest equal split below the target is 3
-    assert _core.plan_split_k(32, 32, 768, min_tiles=8, **kw) == (3, 256)
+    assert _core.testing.plan_split_k(32, 32, 768, min_tiles=8, **kw) == (3, 256)
     # prime K: no equal split at all
-    assert _core.plan_split_k(1, 1, 8191, min_tiles=100, tile_m=32, tile_n=32, k_unit=1, max_splits=16,
+    assert _core.testing.plan_split_k(1, 1, 8191, min_tiles=100, tile_m=32, tile_n=32, k_unit=1, max_splits=16,
                               min_k_per_split=1) == (1, 8191)
     # slices must be multiples of k_unit: K=4160=65*64, k_unit 64 -> 5 slices of 832 (13*64)
-    assert _core.plan_split_k(16, 16, 4160, min_tiles=4, tile_m=32, tile_n=32, k_unit=64, max_splits=8,
+    assert _core.testing.plan_split_k(16, 16, 4160, min_tiles=4, tile_m=32, tile_n=32, k_unit=64, max_splits=8,
                               min_k_per_split=512) == (5, 832)
 
 
@@ -796,7 +796,7 @@ def test_plan_split_k_properties():
         k_unit = int(rng.choice([1, 8, 32, 64]))
         max_splits = int(rng.integers(2, 17))
         min_k = int(rng.choice([1, 64, 256, 512]))
-        got = _core.plan_split_k(M, N, K, batch=batch, tile_m=tile_m, tile_n=tile_n, min_tiles=min_tiles,
+        got = _core.testing.plan_split_k(M, N, K, batch=batch, tile_m=tile_m, tile_n=tile_n, min_tiles=min_tiles,
                                  k_unit=k_unit, max_splits=max_splits, min_k_per_split=min_k)
         s, kp = got
         assert s * kp == K
@@ -825,7 +825,7 @@ def test_gemm_plan_uses_device_config(dev):
 
 
 def _check_row_split(M, t_cpu, t_gpu, overhead, tile_m):
-    r = _core.plan_row_split(M, t_cpu, t_gpu, overhead, tile_m)
+    r = _core.testing.plan_row_split(M, t_cpu, t_gpu, overhead, tile_m)
     p = r["cpu_fraction"]
     assert 0.0 <= p <= 1.0
     assert r["cpu_rows"] + r["gpu_rows"] == M
@@ -854,27 +854,27 @@ def test_plan_row_split_balances_both_engines():
 
 def test_plan_row_split_hand_cases():
     # equal engines, no overhead: half each
-    r = _core.plan_row_split(512, 10.0, 10.0, 0.0, 32)
+    r = _core.testing.plan_row_split(512, 10.0, 10.0, 0.0, 32)
     assert r["cpu_fraction"] == 0.5 and r["cpu_rows"] == 256 and r["gpu_rows"] == 256
     # CPU 3x slower, no overhead: p = 1/4
-    r = _core.plan_row_split(512, 30.0, 10.0, 0.0, 32)
+    r = _core.testing.plan_row_split(512, 30.0, 10.0, 0.0, 32)
     assert r["cpu_fraction"] == pytest.approx(0.25) and r["cpu_rows"] == 128
     # overhead 2, t_cpu 8, t_gpu 4: p = 6/12
-    r = _core.plan_row_split(100, 8.0, 4.0, 2.0, 8)
+    r = _core.testing.plan_row_split(100, 8.0, 4.0, 2.0, 8)
     assert r["cpu_fraction"] == pytest.approx(0.5)
     assert r["cpu_rows"] in (48, 56) and r["cpu_rows"] + r["gpu_rows"] == 100
     # overhead at least the CPU's whole time: everything on the CPU
     for o in (5.0, 7.5):
-        r = _core.plan_row_split(1000, 5.0, 1.0, o, 64)
+        r = _core.testing.plan_row_split(1000, 5.0, 1.0, o, 64)
         assert r["cpu_fraction"] == 1.0 and r["cpu_rows"] == 1000 and r["gpu_rows"] == 0
     # GPU much faster: (almost) nothing on the CPU
-    r = _core.plan_row_split(4096, 100.0, 0.01, 0.0, 32)
+    r = _core.testing.plan_row_split(4096, 100.0, 0.01, 0.0, 32)
     assert r["cpu_fraction"] < 1e-3 and r["cpu_rows"] == 0 and r["gpu_rows"] == 4096
     # M not a multiple of the tile: all-CPU still means all M rows (no partial GPU tile)
-    r = _core.plan_row_split(90, 5.0, 1.0, 6.0, 64)
+    r = _core.testing.plan_row_split(90, 5.0, 1.0, 6.0, 64)
     assert r["cpu_fraction"] == 1.0
     assert r["cpu_rows"] == 90 and r["gpu_rows"] == 0, r
-    r = _core.plan_row_split(0, 1.0, 1.0, 0.0, 32)
+    r = _core.testing.plan_row_split(0, 1.0, 1.0, 0.0, 32)
     assert r["cpu_rows"] == 0 and r["gpu_rows"] == 0
 
 
@@ -892,7 +892,7 @@ def test_plan_row_split_hand_cases():
 ])
 def test_plan_row_split_bad_arguments(args):
     with pytest.raises(ValueError, match=r"^\[plan_row_split\]"):
-        _core.plan_row_split(*args)
+        _core.testing.plan_row_split(*args)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -953,3 +953,14 @@ def test_ops_reject_operands_on_another_device():
     y = krnl.device("cpu:1").empty((4, 8))
     with pytest.raises(ValueError, match=r"^\[add\] out is on cpu:1"):
         ops.add(a, a, y)
+
+
+def test_every_op_of_the_list_is_bound():
+    # csrc/core/op_list.h is the one op list in C++; the bindings are written by hand (argument
+    # names, defaults, docstrings), so this is what keeps them from drifting apart.
+    listed = list(_core.testing.op_names())
+    assert len(listed) == len(set(listed)) and "gemm" in listed
+    bound = {n for n in dir(ops) if not n.startswith("_") and callable(getattr(ops, n))}
+    assert sorted(set(listed) - bound) == [], "ops of op_list.h missing from krnl._core.ops"
+    # gemm_plan is gemm's routing decision, an entry point of the core but not an op of a backend
+    assert sorted(bound - set(listed)) == ["gemm_plan"]

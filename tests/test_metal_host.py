@@ -54,8 +54,7 @@ def test_metal_host_objc_check(mm):
 # Each plant: (text in device.mm, its replacement, the error clang must report there).
 PLANTS = [
     # a misspelt selector (under ARC an unknown selector is an error, not a warning)
-    ("[enc memoryBarrierWithScope:MTLBarrierScopeBuffers]", "[enc memoryBarrierWithScop:MTLBarrierScopeBuffers]",
-     "not found"),
+    ("[enc setComputePipelineState:pipeline(d)]", "[enc setComputePipelineStat:pipeline(d)]", "not found"),
     # a C++ container where the API takes a pointer
     ("[enc setBytes:d.args.data() length:", "[enc setBytes:d.args length:", "no viable conversion"),
     # a selector of the wrong protocol (an encoder has no commit; the command buffer does)

@@ -22,17 +22,17 @@ MSL_31 = 301
 
 @pytest.mark.parametrize("gpu", [M1, M2, M3], ids=["m1", "m2", "m3"])
 def test_apple_silicon_runs_the_kernels(gpu):
-    p = _core.metal_gpu_policy(gpu)
+    p = _core.testing.metal_gpu_policy(gpu)
     assert p["usable"] and p["reason"] == ""
-    assert _core.metal_choose_device([gpu], MSL_31, MSL_31) == (0, "")
+    assert _core.testing.metal_choose_device([gpu], MSL_31, MSL_31) == (0, "")
 
 
 @pytest.mark.parametrize("gpu", [INTEL, AMD, PARAVIRTUAL], ids=["intel", "amd", "paravirtual"])
 def test_gpus_below_apple7_are_refused_with_the_reason(gpu):
-    p = _core.metal_gpu_policy(gpu)
+    p = _core.testing.metal_gpu_policy(gpu)
     assert not p["usable"]
     assert gpu["name"] in p["reason"] and "Apple7" in p["reason"]
-    index, reason = _core.metal_choose_device([gpu], MSL_31, MSL_31)
+    index, reason = _core.testing.metal_choose_device([gpu], MSL_31, MSL_31)
     assert index == -1
     assert reason.startswith("no usable GPU: ") and gpu["name"] in reason and "\n" not in reason
 
@@ -41,7 +41,7 @@ def test_bf16_only_where_native():
     """bf16 would be offered only on Apple9 (M3) and later, where MSL bfloat runs natively, and
     only once bf16 kernels exist; today every Apple GPU computes in f32/f16 and trains in f16."""
     for gpu, native in ((M1, False), (M2, False), (M3, True)):
-        p = _core.metal_gpu_policy(gpu)
+        p = _core.testing.metal_gpu_policy(gpu)
         assert p["native_bf16"] is native, gpu["name"]
         assert p["dtypes"] == ["f32", "f16"] and p["compute_dtype"] == "f16"
         assert p["dtypes_with_bf16_kernels"] == (["f32", "f16", "bf16"] if native else ["f32", "f16"])
@@ -50,28 +50,28 @@ def test_bf16_only_where_native():
 
 def test_choice_prefers_the_system_default_and_falls_back():
     # The default device comes first when MTLCreateSystemDefaultDevice() returned one.
-    assert _core.metal_choose_device([M1, M3], MSL_31, MSL_31)[0] == 0
+    assert _core.testing.metal_choose_device([M1, M3], MSL_31, MSL_31)[0] == 0
     # A default that cannot run the kernels is passed over for a device of MTLCopyAllDevices().
-    assert _core.metal_choose_device([AMD, M2], MSL_31, MSL_31) == (1, "")
+    assert _core.testing.metal_choose_device([AMD, M2], MSL_31, MSL_31) == (1, "")
     # MTLCreateSystemDefaultDevice() returned nil (no CoreGraphics): MTLCopyAllDevices() alone.
-    assert _core.metal_choose_device([M1], MSL_31, MSL_31) == (0, "")
+    assert _core.testing.metal_choose_device([M1], MSL_31, MSL_31) == (0, "")
 
 
 def test_no_device_at_all():
-    index, reason = _core.metal_choose_device([], MSL_31, MSL_31)
+    index, reason = _core.testing.metal_choose_device([], MSL_31, MSL_31)
     assert index == -1 and "no Metal device" in reason and "MTLCopyAllDevices" in reason
 
 
 def test_every_refusal_named():
-    index, reason = _core.metal_choose_device([INTEL, AMD], MSL_31, MSL_31)
+    index, reason = _core.testing.metal_choose_device([INTEL, AMD], MSL_31, MSL_31)
     assert index == -1 and INTEL["name"] in reason and AMD["name"] in reason and "\n" not in reason
 
 
 def test_os_too_old_for_the_kernels_language():
-    index, reason = _core.metal_choose_device([M3], 300, MSL_31)
+    index, reason = _core.testing.metal_choose_device([M3], 300, MSL_31)
     assert index == -1 and "3.1" in reason and "3.0" in reason and "macOS 14" in reason
-    assert _core.metal_choose_device([M3], 302, MSL_31) == (0, "")
-    index, reason = _core.metal_choose_device([M3], 0, 300)  # macOS 12: below MSL 3.0
+    assert _core.testing.metal_choose_device([M3], 302, MSL_31) == (0, "")
+    index, reason = _core.testing.metal_choose_device([M3], 0, 300)  # macOS 12: below MSL 3.0
     assert index == -1 and "below 3.0" in reason and "macOS 13" in reason
 
 
@@ -80,13 +80,13 @@ def test_kernels_language_version_is_what_the_os_check_uses():
     versions = [_core.metal_library_msl_version(n) for n in _core.metal_libraries()]
     assert all(200 <= v <= 400 for v in versions), versions
     need = max(versions)
-    assert _core.metal_choose_device([M1], need, need)[0] == 0
-    assert _core.metal_choose_device([M1], need - 1, need)[0] == -1
+    assert _core.testing.metal_choose_device([M1], need, need)[0] == 0
+    assert _core.testing.metal_choose_device([M1], need - 1, need)[0] == -1
 
 
 def test_unknown_description_key_is_an_error():
     with pytest.raises(ValueError, match="unknown GPU description key 'family'"):
-        _core.metal_gpu_policy(dict(name="x", family=7))
+        _core.testing.metal_gpu_policy(dict(name="x", family=7))
 
 
 # ---- command buffers (csrc/metal/submission.cpp cuts a step by this policy)
@@ -97,8 +97,8 @@ def _gemm(m, n, k, es=2):
 
 def test_command_buffers_cut_by_dispatch_count():
     work = [(0.0, 4096.0)] * 150  # small elementwise dispatches
-    sizes = _core.metal_plan_command_buffers(M1, work)
-    cap = _core.metal_gpu_policy(M1)["command_buffer"]["max_dispatches"]
+    sizes = _core.testing.metal_plan_command_buffers(M1, work)
+    cap = _core.testing.metal_gpu_policy(M1)["command_buffer"]["max_dispatches"]
     assert sum(sizes) == 150 and max(sizes) == cap and len(sizes) == -(-150 // cap)
 
 
@@ -109,9 +109,9 @@ def test_command_buffers_cut_by_estimated_work():
     T, C, F = 4096, 4096, 14336
     step = [_gemm(T, C, C), _gemm(T, F, C), _gemm(T, F, C), _gemm(T, C, F)] * 6
     for gpu in (M1, M3):
-        pol = _core.metal_gpu_policy(gpu)["command_buffer"]
+        pol = _core.testing.metal_gpu_policy(gpu)["command_buffer"]
         est = [flops / (pol["gflops"] * 1e6) + nbytes / (pol["gbps"] * 1e6) for flops, nbytes in step]
-        sizes = _core.metal_plan_command_buffers(gpu, step)
+        sizes = _core.testing.metal_plan_command_buffers(gpu, step)
         assert sum(sizes) == len(step) and len(sizes) > 1
         i = 0
         for s in sizes:
@@ -119,21 +119,21 @@ def test_command_buffers_cut_by_estimated_work():
             i += s
     # A faster family gets longer command buffers for the same work (W2-sized GEMMs, ~2 ms each).
     w2 = [_gemm(512, 2048, 2048)] * 100
-    assert len(_core.metal_plan_command_buffers(M3, w2)) < len(_core.metal_plan_command_buffers(M1, w2))
+    assert len(_core.testing.metal_plan_command_buffers(M3, w2)) < len(_core.testing.metal_plan_command_buffers(M1, w2))
 
 
 def test_command_buffer_estimate_is_conservative():
     """The rates assumed are at or below the slowest Mac GPU of the family (an M1 with 7 GPU cores:
     7 x 128 ALUs x 2 flops x 1.278 GHz = 2.29 TFLOP/s f32; 68 GB/s), so real command buffers run
     shorter than planned, never longer."""
-    pol = _core.metal_gpu_policy(M1)["command_buffer"]
+    pol = _core.testing.metal_gpu_policy(M1)["command_buffer"]
     assert pol["gflops"] <= 2290 and pol["gbps"] <= 68
     # At that rate a 4096^3 GEMM takes ~69 ms: two share a command buffer, three do not; a
     # 4096 x 14336 x 4096 GEMM (a Llama-3-8B MLP projection) fills one alone.
-    assert _core.metal_plan_command_buffers(M1, [_gemm(4096, 4096, 4096)] * 3) == [2, 1]
-    assert _core.metal_plan_command_buffers(M1, [_gemm(4096, 14336, 4096)] * 3) == [1, 1, 1]
+    assert _core.testing.metal_plan_command_buffers(M1, [_gemm(4096, 4096, 4096)] * 3) == [2, 1]
+    assert _core.testing.metal_plan_command_buffers(M1, [_gemm(4096, 14336, 4096)] * 3) == [1, 1, 1]
 
 
 def test_plan_overrides():
-    assert _core.metal_plan_command_buffers(M1, [(0.0, 64.0)] * 7, max_dispatches=3) == [3, 3, 1]
-    assert _core.metal_plan_command_buffers(M1, [(2e9, 0.0)] * 4, max_ms=1e-9) == [1, 1, 1, 1]
+    assert _core.testing.metal_plan_command_buffers(M1, [(0.0, 64.0)] * 7, max_dispatches=3) == [3, 3, 1]
+    assert _core.testing.metal_plan_command_buffers(M1, [(2e9, 0.0)] * 4, max_ms=1e-9) == [1, 1, 1, 1]

@@ -56,7 +56,7 @@ def test_nothing_runs_before_commit(sim):
     sim.synchronize()
     assert METAL_SIM.dispatches == before + 2 and sim.completed_seq == sim.last_committed
     np.testing.assert_array_equal(np.array(y.numpy()), 3 * np.arange(8))
-    recs = krnl._core.metal_sim_last_step()
+    recs = krnl._core.testing.metal_sim_last_step()
     assert [r["kernel"] for r in recs] == ["scale_f32", "add_f32"]
 
 
@@ -103,11 +103,11 @@ def test_split_k_records_and_result(sim):
     assert plan[0] > 1, plan
     C = sim.empty((T, R), "f32")
     ops.gemm(A, B, C, trans_b=True)
-    kernels = [r["kernel"] for r in krnl._core.metal_sim_last_step()]
+    kernels = [r["kernel"] for r in krnl._core.testing.metal_sim_last_step()]
     assert kernels == ["gemm_splitk_nt_f32", "gemm_reduce_f32"], kernels
     P = sim.empty((T, R), "f32")
     ops.gemm(A, B, P, trans_b=True, split_k=1)
-    assert [r["kernel"] for r in krnl._core.metal_sim_last_step()] == ["gemm_nt_f32"]
+    assert [r["kernel"] for r in krnl._core.testing.metal_sim_last_step()] == ["gemm_nt_f32"]
     ref = a @ b.T
     bound = 2 * F * U32 * float(np.max(np.abs(a)) * np.max(np.abs(b))) * 4
     assert float(np.max(np.abs(read(C) - ref))) <= bound
@@ -123,7 +123,7 @@ def test_head_batching_by_offset(sim):
     K, k = upload(sim, rng.standard_normal((H, T, D)))
     S = sim.empty((H, T, T), "f32")
     ops.gemm(Q[1:], K, S, trans_b=True, batch=H)
-    (rec,) = krnl._core.metal_sim_last_step()
+    (rec,) = krnl._core.testing.metal_sim_last_step()
     assert rec["kernel"] == "gemm_nt_f32" and rec["grid"][2] == H
     offsets = {i: off for i, _, _, _, off in rec["buffers"]}
     assert offsets[0] == T * D * 4  # Q[1:] bound at its offset
@@ -144,15 +144,15 @@ def test_row_split_gemm_equals_gpu_gemm(sim, M, dt, cdt):
     ops.cast(C0, ref)
     ops.gemm(A, B, ref, trans_b=True, alpha=0.5, beta=0.25, split_k=1)
     gpu = read(ref)
-    krnl._core.set_row_split(sim, True, cpu_gflops=100.0, gpu_gflops=300.0, overhead_ms=0.0, min_flops=0)
+    krnl._core.testing.set_row_split(sim, True, cpu_gflops=100.0, gpu_gflops=300.0, overhead_ms=0.0, min_flops=0)
     try:
         C = sim.empty((M, N), cdt)
         ops.cast(C0, C)
         ops.gemm(A, B, C, trans_b=True, alpha=0.5, beta=0.25, split_k=1)
-        recs = krnl._core.metal_sim_last_step()
+        recs = krnl._core.testing.metal_sim_last_step()
     finally:
-        krnl._core.set_row_split(sim, False)
-    plan = krnl._core.plan_row_split(M, 1.0 / 100, 1.0 / 300, 0.0, 32)
+        krnl._core.testing.set_row_split(sim, False)
+    plan = krnl._core.testing.plan_row_split(M, 1.0 / 100, 1.0 / 300, 0.0, 32)
     if plan["cpu_rows"] == 0:
         assert [r["host"] for r in recs] == [False]
     else:
@@ -179,40 +179,41 @@ def test_bf16_is_refused_by_name(sim):
 def rules_off(sim, **off):
     """Switches ordering rules off for the block (tests only), then back on."""
     sim.synchronize()
-    krnl._core.metal_set_ordering_rules(sim, **{k: False for k in off})
+    krnl._core.testing.metal_set_ordering_rules(sim, **{k: False for k in off})
     try:
         yield
     finally:
         sim.synchronize()
-        krnl._core.metal_set_ordering_rules(sim)
+        krnl._core.testing.metal_set_ordering_rules(sim)
 
 
 @contextlib.contextmanager
 def command_buffers(sim, max_dispatches, max_ms=1e9):
-    old = krnl._core.metal_command_buffer_policy(sim)
-    krnl._core.metal_set_command_buffer_policy(sim, max_dispatches, max_ms)
+    old = krnl._core.testing.metal_command_buffer_policy(sim)
+    krnl._core.testing.metal_set_command_buffer_policy(sim, max_dispatches, max_ms)
     try:
         yield
     finally:
-        krnl._core.metal_set_command_buffer_policy(sim, old["max_dispatches"], old["max_ms"])
+        krnl._core.testing.metal_set_command_buffer_policy(sim, old["max_dispatches"], old["max_ms"])
 
 
 @contextlib.contextmanager
 def lag(mode, max_ms=0.0, seed=0):
-    krnl._core.metal_sim_set_lag(mode, max_ms, seed)
+    krnl._core.testing.metal_sim_set_lag(mode, max_ms, seed)
     try:
         yield
     finally:
-        krnl._core.metal_sim_set_lag("wait")
+        krnl._core.testing.metal_sim_set_lag("wait")
 
 
 @contextlib.contextmanager
 def row_split(sim, cpu_gflops=100.0, gpu_gflops=300.0):
-    krnl._core.set_row_split(sim, True, cpu_gflops=cpu_gflops, gpu_gflops=gpu_gflops, overhead_ms=0.0, min_flops=0)
+    krnl._core.testing.set_row_split(sim, True, cpu_gflops=cpu_gflops, gpu_gflops=gpu_gflops, overhead_ms=0.0,
+                                     min_flops=0)
     try:
         yield
     finally:
-        krnl._core.set_row_split(sim, False)
+        krnl._core.testing.set_row_split(sim, False)
 
 
 def _row_split_after_producer(sim, factor):
@@ -238,12 +239,12 @@ def test_host_record_waits_for_earlier_records(sim):
     that runs alongside it. Without the rule the host reads A and C before they are written."""
     got, ref = _row_split_after_producer(sim, 2.0)
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
-    step = krnl._core.metal_last_step(sim)
+    step = krnl._core.testing.metal_last_step(sim)
     assert [r["host"] for r in step["records"]] == [False, False, False, True]
     assert step["command_buffers"] == [2, 1]  # the producers, then the GPU half alone
     with rules_off(sim, host_after_earlier=True):
         got_off, ref = _row_split_after_producer(sim, 3.0)
-    cpu_rows = krnl._core.plan_row_split(96, 1.0 / 100, 1.0 / 300, 0.0, 32)["cpu_rows"]
+    cpu_rows = krnl._core.testing.plan_row_split(96, 1.0 / 100, 1.0 / 300, 0.0, 32)["cpu_rows"]
     assert cpu_rows > 0
     assert not np.allclose(got_off[:cpu_rows], ref[:cpu_rows], rtol=1e-4, atol=1e-4)
 
@@ -295,7 +296,7 @@ def test_upload_into_fresh_buffer_does_not_wait(sim):
         w = sim.tensor(np.full(64, 3.0, np.float32))
         ops.add(y, w, y)
         assert METAL_SIM.dispatches == before
-    assert krnl._core.metal_last_step(sim)["command_buffers"] == [2]
+    assert krnl._core.testing.metal_last_step(sim)["command_buffers"] == [2]
     sim.synchronize()
     np.testing.assert_array_equal(read(y), 5.0)
 
@@ -307,7 +308,7 @@ def _eight_scales(sim):
         for i, y in enumerate(ys):
             ops.scale(x if i == 0 else ys[i - 1], 2.0, y)
     sim.synchronize()
-    return read(ys[-1]), krnl._core.metal_last_step(sim)["command_buffers"]
+    return read(ys[-1]), krnl._core.testing.metal_last_step(sim)["command_buffers"]
 
 
 def test_step_split_into_command_buffers(sim):
@@ -390,12 +391,12 @@ def test_training_step_with_late_completion_and_host_records(sim):
     the kernels before them): every ordering rule at once on real work."""
     with lag("delay", max_ms=2.0, seed=5), command_buffers(sim, 4), row_split(sim, 300.0, 100.0):
         check_step_against_cpu(sim, "f32", 1e-5)
-        assert any(r["host"] for r in krnl._core.metal_last_step(sim)["records"])
+        assert any(r["host"] for r in krnl._core.testing.metal_last_step(sim)["records"])
 
 
 def test_set_lag_rejects_unknown_mode():
     with pytest.raises(ValueError, match="lag must be 'none', 'wait' or 'delay'"):
-        krnl._core.metal_sim_set_lag("later")
+        krnl._core.testing.metal_sim_set_lag("later")
 
 
 
@@ -403,7 +404,7 @@ def test_capabilities_follow_the_gpu_policy(sim):
     """metal-sim answers capabilities() as device.mm's "metal" would for the GPU it stands for (an
     Apple7 GPU): the dtypes and training dtype of the policy functions, asynchronous completion."""
     c = sim.capabilities()
-    pol = krnl._core.metal_gpu_policy(dict(apple_family=7))
+    pol = krnl._core.testing.metal_gpu_policy(dict(apple_family=7))
     assert c["kind"] == "metal-sim" and c["dtypes"] == pol["dtypes"] and c["compute_dtype"] == pol["compute_dtype"]
     assert (c["synchronous"], c["queue_ordered"], c["host_visible"], c["graphs"]) == (False, False, True, False)
     assert c["details"]["gpu_family"] == "apple7" and c["details"]["bf16"].startswith("emulated")

@@ -12,9 +12,13 @@ void bind_devices(nb::module_& m);
 void bind_tensors(nb::module_& m);
 void bind_ops(nb::module_& m);
 void bind_profiler(nb::module_& m);
-void bind_metal(nb::module_& m);
+// The Metal sources' facts go to the module, its test hooks to krnl._core.testing.
+void bind_metal(nb::module_& m, nb::module_& testing);
+// krnl._core.testing: test devices and hooks, built in but not part of the user API.
+void bind_testing(nb::module_& testing);
 
 Shape to_shape(nb::handle obj);       // int or sequence of ints
 DType to_dtype(nb::handle obj);       // "f16", "float16", numpy dtypes, ...
+nb::dict pool_stats_dict(const PoolStats& s);  // Device.pool_stats and the test pool's stats
 
 }  // namespace krnl::bindings

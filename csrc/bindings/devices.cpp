@@ -1,11 +1,10 @@
-// Devices: creation of tensors, the step context, pool statistics; the pure planners.
+// Devices: creation of tensors, the step context, pool statistics.
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/function.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include <cstring>
-#include <unordered_map>
 
 #include "bindings.h"
 #include "core/ops.h"
@@ -15,19 +14,6 @@ namespace krnl::bindings {
 namespace {
 
 using namespace nb::literals;
-
-nb::dict pool_stats_dict(const PoolStats& s) {
-  nb::dict d;
-  d["in_use"] = s.in_use;
-  d["pending"] = s.pending;
-  d["cached"] = s.cached;
-  d["reserved"] = s.reserved;
-  d["peak_in_use"] = s.peak_in_use;
-  d["peak_reserved"] = s.peak_reserved;
-  d["allocations"] = s.allocations;
-  d["reuses"] = s.reuses;
-  return d;
-}
 
 const char* numpy_name(DType d) {
   switch (d) {
@@ -156,6 +142,19 @@ struct Step {
 
 }  // namespace
 
+nb::dict pool_stats_dict(const PoolStats& s) {
+  nb::dict d;
+  d["in_use"] = s.in_use;
+  d["pending"] = s.pending;
+  d["cached"] = s.cached;
+  d["reserved"] = s.reserved;
+  d["peak_in_use"] = s.peak_in_use;
+  d["peak_reserved"] = s.peak_reserved;
+  d["allocations"] = s.allocations;
+  d["reuses"] = s.reuses;
+  return d;
+}
+
 void bind_devices(nb::module_& m) {
   using namespace nb::literals;
 
@@ -261,44 +260,6 @@ void bind_devices(nb::module_& m) {
       .def("__enter__", [](PyGraph& g) { return &g; }, nb::rv_policy::reference)
       .def("__exit__", [](PyGraph& g, nb::handle, nb::handle, nb::handle) { g.graph->release(); return false; },
            nb::arg().none(), nb::arg().none(), nb::arg().none());
-
-  // The pool logic on its own, with the caller playing the device's submission clock.
-  struct HostPool {
-    BufferPool pool{[](size_t n) { return std::malloc(n); }, [](void* p, size_t) { std::free(p); }};
-    std::unordered_map<uint64_t, Buffer> live;
-  };
-  nb::class_<HostPool>(m, "HostBufferPool", "A BufferPool over malloc, for testing its policy.")
-      .def(nb::init<>())
-      .def_static("class_size", &BufferPool::class_size, "bytes"_a)
-      .def("acquire", [](HostPool& h, size_t bytes, uint64_t completed) {
-             Buffer b = h.pool.acquire(bytes, completed);
-             h.live[b.id] = b;
-             return nb::make_tuple(b.id, b.bytes);
-           }, "bytes"_a, "completed_seq"_a, "Returns (buffer id, class size).")
-      .def("release", [](HostPool& h, uint64_t id, uint64_t retire_seq, uint64_t completed) {
-             auto it = h.live.find(id);
-             if (it == h.live.end()) throw std::invalid_argument("[release] buffer " + std::to_string(id) + " is not in use");
-             h.pool.release(it->second, retire_seq, completed);
-             h.live.erase(it);
-           }, "id"_a, "retire_seq"_a, "completed_seq"_a)
-      .def("trim", [](HostPool& h) { h.pool.trim(); })
-      .def("reset_peak", [](HostPool& h) { h.pool.reset_peak(); })
-      .def("stats", [](HostPool& h) { return pool_stats_dict(h.pool.stats()); });
-
-  m.def("plan_split_k", [](int64_t M, int64_t N, int64_t K, int64_t batch, int64_t tile_m, int64_t tile_n,
-                           int64_t min_tiles, int64_t k_unit, int64_t max_splits, int64_t min_k_per_split) {
-          SplitKConfig c{tile_m, tile_n, min_tiles, k_unit, max_splits, min_k_per_split};
-          SplitKPlan p = plan_split_k(M, N, K, batch, c);
-          return nb::make_tuple(p.splits, p.k_per_split);
-        }, "M"_a, "N"_a, "K"_a, "batch"_a = 1, "tile_m"_a = 32, "tile_n"_a = 32, "min_tiles"_a = 0, "k_unit"_a = 32,
-        "max_splits"_a = 16, "min_k_per_split"_a = 256, "Split-K routing: returns (splits, k_per_split).");
-  m.def("plan_row_split", [](int64_t M, double t_cpu, double t_gpu, double overhead, int64_t tile_m) {
-          RowSplitPlan p = plan_row_split(M, t_cpu, t_gpu, overhead, tile_m);
-          nb::dict r;
-          r["cpu_rows"] = p.cpu_rows, r["gpu_rows"] = p.gpu_rows, r["cpu_fraction"] = p.cpu_fraction;
-          return r;
-        }, "M"_a, "t_cpu"_a, "t_gpu"_a, "overhead"_a = 0.0, "tile_m"_a = 32,
-        "CPU/GPU row split of a GEMM so both finish together: p = (O + T_gpu)/(T_cpu + T_gpu).");
 }
 
 }  // namespace krnl::bindings

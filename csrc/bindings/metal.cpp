@@ -1,13 +1,13 @@
-// The Metal backend's test surface: the metal-sim device (its executor comes from Python:
-// tools/mslsim runs the kernels) and its lag, the last step's records and command buffers, the
-// portable policy functions on made-up GPUs, the ordering switches, the command-buffer policy and
-// the row-split option of every Metal device.
+// The Metal backend's bindings. In krnl._core: the MSL sources embedded in the binary (product
+// facts; the macOS workflow reads their versions). In krnl._core.testing, its test surface: the
+// metal-sim device (its executor comes from Python: tools/mslsim runs the kernels) and its lag,
+// the last step's records and command buffers, the portable policy functions on made-up GPUs, the
+// ordering switches, the command-buffer policy and the row-split option of every Metal device
+// (no product path sets it: it takes measured rates, which only the tests supply).
 #include <nanobind/stl/function.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
-
-#include <cstring>
 
 #include "bindings.h"
 #include "metal/metal_sim.h"
@@ -18,7 +18,6 @@ namespace {
 
 using namespace nb::literals;
 using metal::Dispatch;
-using metal::FunctionConstant;
 
 nb::dict to_dict(const Dispatch& d) {
   nb::dict r;
@@ -26,21 +25,8 @@ nb::dict to_dict(const Dispatch& d) {
   r["library"] = d.library;
   r["kernel"] = d.kernel;
   r["host"] = bool(d.host);
-  r["concurrent"] = d.concurrent;
   nb::list consts;
-  for (const auto& c : d.constants) {
-    nb::object v;
-    if (c.type == FunctionConstant::Type::Bool) {
-      v = nb::bool_(c.bits != 0);
-    } else if (c.type == FunctionConstant::Type::UInt) {
-      v = nb::int_(c.bits);
-    } else {
-      float f;
-      std::memcpy(&f, &c.bits, 4);
-      v = nb::float_(f);
-    }
-    consts.append(nb::make_tuple(c.index, v));
-  }
+  for (const auto& c : d.constants) consts.append(nb::make_tuple(c.index, c.value));
   r["constants"] = consts;
   nb::list bufs;
   for (const auto& b : d.buffers)
@@ -48,9 +34,6 @@ nb::dict to_dict(const Dispatch& d) {
   r["buffers"] = bufs;
   r["args_index"] = d.args_index;
   r["args"] = nb::bytes(reinterpret_cast<const char*>(d.args.data()), d.args.size());
-  nb::list tgm;
-  for (const auto& [i, n] : d.threadgroup_memory) tgm.append(nb::make_tuple(i, n));
-  r["threadgroup_memory"] = tgm;
   r["grid"] = nb::make_tuple(d.grid[0], d.grid[1], d.grid[2]);
   r["threads"] = nb::make_tuple(d.threads[0], d.threads[1], d.threads[2]);
   return r;
@@ -94,8 +77,15 @@ nb::dict policy_dict(const metal::CommandBufferPolicy& p) {
 
 }  // namespace
 
-void bind_metal(nb::module_& m) {
-  m.def("register_metal_sim", [](nb::callable fn) {
+void bind_metal(nb::module_& m, nb::module_& t) {
+  m.def("metal_libraries", &metal::library_names, "The op families of metal/ (one .metal file each).");
+  m.def("metal_library_source", &metal::library_source, "name"_a,
+        "The MSL source of metal/<name>.metal embedded in the binary, includes inlined (what the Metal device "
+        "compiles at run time).");
+  m.def("metal_library_msl_version", &metal::library_msl_version, "name"_a,
+        "The MSL version metal/<name>.metal declares on its first line ('// msl: X.Y') as major * 100 + minor "
+        "(3.1 -> 301): the language version the Metal device compiles it with.");
+  t.def("register_metal_sim", [](nb::callable fn) {
     // Kept alive for the life of the process: a static destructor must not touch Python.
     auto* keep = new nb::callable(std::move(fn));
     metal::register_metal_sim([keep](const std::vector<Dispatch>& records) {
@@ -117,13 +107,13 @@ void bind_metal(nb::module_& m) {
         "Registers the 'metal-sim' device: each committed command buffer's dispatch records (dicts: kernel, "
         "library, constants, buffers as (index, address, extent, base, offset), args bytes, grid, threads) run "
         "as executor(records) on a worker thread. The test suite passes tools/mslsim's executor.");
-  m.def("metal_sim_set_lag", [](const std::string& mode, double max_ms, uint64_t seed) {
+  t.def("metal_sim_set_lag", [](const std::string& mode, double max_ms, uint64_t seed) {
           nb::gil_scoped_release release;
           metal::metal_sim_set_lag(mode, max_ms, seed);
         }, "mode"_a, "max_ms"_a = 0.0, "seed"_a = 0,
         "How metal-sim's completion lags behind commit: 'wait' (a command buffer runs only once waited for; the "
         "default), 'delay' (also after a seeded random delay of up to max_ms), 'none' (at once).");
-  m.def("metal_last_step", [](Backend& d) {
+  t.def("metal_last_step", [](Backend& d) {
           metal::MetalOps& mo = metal_device(d, "metal_last_step");
           nb::dict r;
           r["records"] = to_list(mo.last_step_records());
@@ -132,16 +122,16 @@ void bind_metal(nb::module_& m) {
         }, "device"_a,
         "The last committed step of a Metal device that keeps its log (metal-sim): its records (GPU and host, in "
         "call order) and the dispatch count of each of its command buffers.");
-  m.def("metal_sim_last_step", [] { return to_list(metal_device(*get_device("metal-sim"), "metal_sim_last_step").last_step_records()); },
+  t.def("metal_sim_last_step", [] { return to_list(metal_device(*get_device("metal-sim"), "metal_sim_last_step").last_step_records()); },
         "The dispatch records of the last step the metal-sim device committed.");
-  m.def("metal_set_ordering_rules", [](Backend& d, bool host_after_earlier, bool upload_in_order, bool split_steps) {
+  t.def("metal_set_ordering_rules", [](Backend& d, bool host_after_earlier, bool upload_in_order, bool split_steps) {
           metal_device(d, "metal_set_ordering_rules").set_ordering_rules({host_after_earlier, upload_in_order, split_steps});
         }, "device"_a, "host_after_earlier"_a = true, "upload_in_order"_a = true, "split_steps"_a = true,
         "Tests only: switches the ordering rules of a Metal device's steps off, to show what each is for.");
-  m.def("metal_command_buffer_policy", [](Backend& d) {
+  t.def("metal_command_buffer_policy", [](Backend& d) {
           return policy_dict(metal_device(d, "metal_command_buffer_policy").command_buffer_policy());
         }, "device"_a);
-  m.def("metal_set_command_buffer_policy", [](Backend& d, uint32_t max_dispatches, double max_ms) {
+  t.def("metal_set_command_buffer_policy", [](Backend& d, uint32_t max_dispatches, double max_ms) {
           if (max_dispatches < 1 || !(max_ms > 0))
             throw std::invalid_argument("[metal_set_command_buffer_policy] max_dispatches must be >= 1 and max_ms > 0");
           metal::MetalOps& mo = metal_device(d, "metal_set_command_buffer_policy");
@@ -151,7 +141,7 @@ void bind_metal(nb::module_& m) {
         }, "device"_a, "max_dispatches"_a, "max_ms"_a,
         "When a step's work goes into another command buffer on a Metal device.");
   // The portable policy functions device.mm calls, on made-up GPUs (tests/test_metal_policy.py).
-  m.def("metal_gpu_policy", [](const nb::dict& desc) {
+  t.def("metal_gpu_policy", [](const nb::dict& desc) {
           metal::GpuDescription g = gpu_from(desc);
           std::string why;
           nb::dict r;
@@ -169,7 +159,7 @@ void bind_metal(nb::module_& m) {
           r["command_buffer"] = policy_dict(metal::command_buffer_policy(g));
           return r;
         }, "gpu"_a, "What the Metal backend decides for a GPU described as a dict (device.mm's view of it).");
-  m.def("metal_choose_device", [](const std::vector<nb::dict>& candidates, uint32_t os_msl, uint32_t needed_msl) {
+  t.def("metal_choose_device", [](const std::vector<nb::dict>& candidates, uint32_t os_msl, uint32_t needed_msl) {
           std::vector<metal::GpuDescription> gs;
           for (const auto& c : candidates) gs.push_back(gpu_from(c));
           metal::DeviceChoice ch = metal::choose_device(gs, os_msl, needed_msl);
@@ -177,7 +167,7 @@ void bind_metal(nb::module_& m) {
         }, "candidates"_a, "os_msl"_a, "needed_msl"_a,
         "The GPU the 'metal' device takes: (index into candidates, '') or (-1, one-line reason). Candidates list "
         "the system default first; os_msl / needed_msl are MSL versions as major*100+minor.");
-  m.def("metal_plan_command_buffers", [](const nb::dict& gpu, const std::vector<std::pair<double, double>>& work,
+  t.def("metal_plan_command_buffers", [](const nb::dict& gpu, const std::vector<std::pair<double, double>>& work,
                                          uint32_t max_dispatches, double max_ms) {
           metal::CommandBufferPolicy p = metal::command_buffer_policy(gpu_from(gpu));
           if (max_dispatches) p.max_dispatches = max_dispatches;
@@ -193,14 +183,7 @@ void bind_metal(nb::module_& m) {
         }, "gpu"_a, "work"_a, "max_dispatches"_a = 0, "max_ms"_a = 0.0,
         "Command-buffer sizes (dispatch counts) for a step of dispatches given as (flops, bytes), under the GPU's "
         "policy (max_dispatches / max_ms override it when set).");
-  m.def("metal_libraries", &metal::library_names, "The op families of metal/ (one .metal file each).");
-  m.def("metal_library_source", &metal::library_source, "name"_a,
-        "The MSL source of metal/<name>.metal embedded in the binary, includes inlined (what the Metal device "
-        "compiles at run time).");
-  m.def("metal_library_msl_version", &metal::library_msl_version, "name"_a,
-        "The MSL version metal/<name>.metal declares on its first line ('// msl: X.Y') as major * 100 + minor "
-        "(3.1 -> 301): the language version the Metal device compiles it with.");
-  m.def("set_row_split", [](Backend& d, bool enabled, double cpu_gflops, double gpu_gflops, double overhead_ms,
+  t.def("set_row_split", [](Backend& d, bool enabled, double cpu_gflops, double gpu_gflops, double overhead_ms,
                             int64_t min_flops) {
     metal::RowSplitConfig c{enabled, cpu_gflops, gpu_gflops, overhead_ms, min_flops};
     if (enabled && !(cpu_gflops > 0 && gpu_gflops > 0))

@@ -3,8 +3,6 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
-#include <cstdlib>
-
 #include "bindings.h"
 #include "core/thread_pool.h"
 #include "cpu/cpu_backend.h"
@@ -46,7 +44,6 @@ NB_MODULE(_core, m) {
 #ifdef KRNL_HAS_METAL
   krnl::metal::register_metal_backend();  // only where a Metal GPU exists
 #endif
-  if (const char* e = std::getenv("KRNL_TEST_SECOND_CPU"); e && *e == '1') krnl::cpu::register_second_backend();
 
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {
@@ -63,5 +60,8 @@ NB_MODULE(_core, m) {
   bind_tensors(m);
   bind_ops(m);
   bind_profiler(m);
-  bind_metal(m);
+  nb::module_ testing = m.def_submodule(
+      "testing", "Test devices and hooks for krnl's own tests (tests/conftest.py, tools/mslsim): not the user API.");
+  bind_testing(testing);
+  bind_metal(m, testing);
 }

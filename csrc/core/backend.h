@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "buffer_pool.h"
+#include "op_list.h"
 #include "split_k.h"
 #include "tensor.h"
 
@@ -123,41 +124,10 @@ class Backend {
   // ---- routing parameters (pure data for the core's routers)
   virtual SplitKConfig split_k_config() const { return {}; }
 
-  // ---- ops (validated by the core before they get here)
-  virtual void gemm(const GemmArgs& a);
-  virtual void rmsnorm_forward(const Tensor& x, const Tensor& w, const Tensor& y, const Tensor& rstd, float eps);
-  virtual void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
-                                const Tensor& dx, const Tensor* dw);
-  virtual void swiglu_forward(const Tensor& g, const Tensor& u, const Tensor& s);
-  virtual void swiglu_backward(const Tensor& ds, const Tensor& g, const Tensor& u, const Tensor& dg, const Tensor& du);
-  virtual void rope(const Tensor& x, const Tensor& positions, const Tensor& inv_freq, float sign);
-  virtual void softmax_causal_forward(const Tensor& S, const Tensor& P, float scale, const Tensor* segments);
-  virtual void softmax_backward(const Tensor& P, const Tensor& dP, const Tensor& dS, float scale);
-  // Fused causal attention (DESIGN section 5, flash form): q (Hq, T, D), k and v (Hk, T, D),
-  // query head h reads KV head h / (Hq / Hk); o (Hq, T, D); lse (Hq, T) f32, the natural-log
-  // sum of exp(scale * q.k) over the keys each query sees, which is all backward keeps of the
-  // scores. Backward overwrites dq, dk, dv.
-  virtual void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o,
-                                 const Tensor& lse, float scale);
-  virtual void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o,
-                                  const Tensor& dout, const Tensor& lse, const Tensor& dq, const Tensor& dk,
-                                  const Tensor& dv, float scale);
-  virtual void embedding_forward(const Tensor& ids, const Tensor& table, const Tensor& out);
-  virtual void embedding_backward(const Tensor& ids, const Tensor& dout, const Tensor& dtable);
-  virtual void cross_entropy(const Tensor& logits, const Tensor& targets, const Tensor& loss,
-                             const Tensor* dlogits, int32_t ignore_index, float scale);
-  virtual void add(const Tensor& a, const Tensor& b, const Tensor& out);
-  virtual void axpy(float alpha, const Tensor& x, const Tensor& y);
-  virtual void scale(const Tensor& x, float alpha, const Tensor& out);
-  virtual void cast(const Tensor& x, const Tensor& out);
-  // out (B, A, D) = x (A, B, D) with the first two axes swapped: token-major (T, H, D)
-  // projections to head-major (H, T, D) attention operands and back.
-  virtual void transpose_heads(const Tensor& x, const Tensor& out);
-  virtual void fill(const Tensor& x, double value);
-  virtual void dropout(const Tensor& x, const Tensor& out, float p, uint64_t seed);
-  virtual void adamw_update(const AdamWArgs& a);
-  virtual void sumsq(const Tensor& x, const Tensor& out);
-  virtual void nonfinite(const Tensor& x, const Tensor& flag);
+  // ---- ops (validated by the core before they get here): one virtual per entry of op_list.h.
+#define KRNL_BACKEND_OP(name, params) virtual void name params;
+  KRNL_OPS(KRNL_BACKEND_OP)
+#undef KRNL_BACKEND_OP
 
   // ---- profiling: one record per op while enabled
   struct OpRecord {

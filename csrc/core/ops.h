@@ -19,32 +19,10 @@ SplitKPlan gemm_plan(const Tensor& A, const Tensor& B, const Tensor& C, bool tra
                      int64_t batch = 1, int64_t stride_a = -1, int64_t stride_b = -1, int64_t stride_c = -1,
                      int64_t split_k = -1);
 
-void rmsnorm_forward(const Tensor& x, const Tensor& w, const Tensor& y, const Tensor& rstd, float eps);
-void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& dx,
-                      const Tensor* dw);
-void swiglu_forward(const Tensor& g, const Tensor& u, const Tensor& s);
-void swiglu_backward(const Tensor& ds, const Tensor& g, const Tensor& u, const Tensor& dg, const Tensor& du);
-void rope(const Tensor& x, const Tensor& positions, const Tensor& inv_freq, float sign);
-void softmax_causal_forward(const Tensor& S, const Tensor& P, float scale, const Tensor* segments);
-void softmax_backward(const Tensor& P, const Tensor& dP, const Tensor& dS, float scale);
-void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& lse,
-                       float scale);
-void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& dout,
-                        const Tensor& lse, const Tensor& dq, const Tensor& dk, const Tensor& dv, float scale);
-void embedding_forward(const Tensor& ids, const Tensor& table, const Tensor& out);
-void embedding_backward(const Tensor& ids, const Tensor& dout, const Tensor& dtable);
-void cross_entropy(const Tensor& logits, const Tensor& targets, const Tensor& loss, const Tensor* dlogits,
-                   int32_t ignore_index, float scale);
-void add(const Tensor& a, const Tensor& b, const Tensor& out);
-void axpy(float alpha, const Tensor& x, const Tensor& y);
-void scale(const Tensor& x, float alpha, const Tensor& out);
-void cast(const Tensor& x, const Tensor& out);
-void transpose_heads(const Tensor& x, const Tensor& out);
-void fill(const Tensor& x, double value);
-void dropout(const Tensor& x, const Tensor& out, float p, uint64_t seed);
-void adamw_update(const AdamWArgs& a);
-void sumsq(const Tensor& x, const Tensor& out);
-void nonfinite(const Tensor& x, const Tensor& flag);
+// Every other op of op_list.h, with the backend's parameters.
+#define KRNL_CORE_OP(name, params) void name params;
+KRNL_DIRECT_OPS(KRNL_CORE_OP)
+#undef KRNL_CORE_OP
 
 // Range check of n token ids held in host memory, for the backends (before a gather or scatter
 // reads out of bounds), serial so that the error names the first bad entry: throws std::invalid_argument "[op] <what> <id> at <where> <i> is out of

@@ -10,10 +10,11 @@
 // device registers only on a GPU that runs every kernel (Apple7 family: simdgroup matrices),
 // otherwise krnl.devices() omits it and `krnl devices` prints the reason.
 //
-// A command buffer (MetalOps::submit): one compute encoder of MTLDispatchTypeConcurrent; serial
-// semantics come from a buffer memory barrier before every dispatch except the encoder's first
-// and those marked Dispatch::concurrent. Its completed handler reports to MetalOps (completion
-// and failure, on a Metal thread); wait_submission waits for the command buffers themselves.
+// A command buffer (MetalOps::submit): one serial compute encoder, so each dispatch sees every
+// earlier one's writes (ops.cpp marks no dispatch as independent: a concurrent encoder with a
+// barrier before each would be the same thing said longer). Its completed handler reports to
+// MetalOps (completion and failure, on a Metal thread); wait_submission waits for the command
+// buffers themselves.
 //
 // Memory: every pool buffer is a shared-storage MTLBuffer (unified memory): raw_alloc returns its
 // contents pointer and keeps pointer -> MTLBuffer, which binding uses. Memory wrapped from the
@@ -29,7 +30,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <exception>
 #include <map>
 #include <mutex>
@@ -166,8 +166,8 @@ class MetalBackend final : public MetalOps {
         throw std::invalid_argument("[metal] " + d.op + ": kernel " + d.kernel + " takes at most " +
                                     std::to_string([ps maxTotalThreadsPerThreadgroup]) +
                                     " threads per threadgroup, the dispatch asks for " + std::to_string(threads));
-      uint64_t tg_bytes = [ps staticThreadgroupMemoryLength];
-      for (const auto& [index, bytes] : d.threadgroup_memory) tg_bytes += (uint64_t(bytes) + 15) / 16 * 16;
+      // Threadgroup arrays are declared in the kernels (no dispatch sets a length at run time).
+      const uint64_t tg_bytes = [ps staticThreadgroupMemoryLength];
       if (tg_bytes > [device_ maxThreadgroupMemoryLength])
         throw std::invalid_argument("[metal] " + d.op + ": kernel " + d.kernel + " needs " + std::to_string(tg_bytes) +
                                     " bytes of threadgroup memory, the device has " +
@@ -182,12 +182,10 @@ class MetalBackend final : public MetalOps {
     pooled([&] {
       id<MTLCommandBuffer> cb = [queue_ commandBuffer];
       if (!cb) throw std::runtime_error("[metal] could not create a command buffer");
-      id<MTLComputeCommandEncoder> enc = [cb computeCommandEncoderWithDispatchType:MTLDispatchTypeConcurrent];
+      id<MTLComputeCommandEncoder> enc = [cb computeCommandEncoderWithDispatchType:MTLDispatchTypeSerial];
       if (!enc) throw std::runtime_error("[metal] could not create a compute encoder");
-      size_t encoded = 0;
       try {
-        for (const Dispatch& d : records)
-          if (encode_gpu(enc, d, encoded)) ++encoded;
+        for (const Dispatch& d : records) encode_gpu(enc, d);
       } catch (...) {
         [enc endEncoding];  // an encoder must be ended before it is released; the buffer is never committed
         throw;
@@ -259,10 +257,9 @@ class MetalBackend final : public MetalOps {
     }
   }
 
-  // Encodes one GPU dispatch (prepared when it was recorded); false when there is nothing to run.
-  bool encode_gpu(id<MTLComputeCommandEncoder> enc, const Dispatch& d, size_t encoded) {
-    if (d.grid[0] == 0 || d.grid[1] == 0 || d.grid[2] == 0) return false;
-    if (encoded > 0 && !d.concurrent) [enc memoryBarrierWithScope:MTLBarrierScopeBuffers];
+  // Encodes one GPU dispatch (prepared when it was recorded); an empty grid has nothing to run.
+  void encode_gpu(id<MTLComputeCommandEncoder> enc, const Dispatch& d) {
+    if (d.grid[0] == 0 || d.grid[1] == 0 || d.grid[2] == 0) return;
     [enc setComputePipelineState:pipeline(d)];
     for (const BufferBinding& b : d.buffers) {
       NSUInteger offset = 0;
@@ -270,12 +267,8 @@ class MetalBackend final : public MetalOps {
       [enc setBuffer:buf offset:offset atIndex:b.index];
     }
     if (!d.args.empty()) [enc setBytes:d.args.data() length:d.args.size() atIndex:d.args_index];
-    // Threadgroup memory lengths must be multiples of 16 bytes; rounding up only adds padding.
-    for (const auto& [index, bytes] : d.threadgroup_memory)
-      [enc setThreadgroupMemoryLength:(NSUInteger(bytes) + 15) / 16 * 16 atIndex:index];
     [enc dispatchThreadgroups:MTLSizeMake(d.grid[0], d.grid[1], d.grid[2])
         threadsPerThreadgroup:MTLSizeMake(d.threads[0], d.threads[1], d.threads[2])];
-    return true;
   }
 
   // The MTLBuffer behind a binding and the byte offset to bind it at.
@@ -327,7 +320,7 @@ class MetalBackend final : public MetalOps {
   id<MTLComputePipelineState> pipeline(const Dispatch& d) {
     std::string key = d.kernel;
     for (const FunctionConstant& c : d.constants)
-      key += "|" + std::to_string(c.index) + ":" + std::to_string(int(c.type)) + ":" + std::to_string(c.bits);
+      key += "|" + std::to_string(c.index) + ":" + (c.value ? "1" : "0");
     auto it = pipelines_.find(key);
     if (it != pipelines_.end()) return it->second;
 
@@ -338,26 +331,8 @@ class MetalBackend final : public MetalOps {
       fn = [lib newFunctionWithName:ns(d.kernel)];
     } else {
       MTLFunctionConstantValues* values = [[MTLFunctionConstantValues alloc] init];
-      for (const FunctionConstant& c : d.constants) {
-        switch (c.type) {
-          case FunctionConstant::Type::Bool: {
-            const bool v = c.bits != 0;
-            [values setConstantValue:&v type:MTLDataTypeBool atIndex:c.index];
-            break;
-          }
-          case FunctionConstant::Type::UInt: {
-            const uint32_t v = c.bits;
-            [values setConstantValue:&v type:MTLDataTypeUInt atIndex:c.index];
-            break;
-          }
-          case FunctionConstant::Type::Float: {
-            float v;
-            std::memcpy(&v, &c.bits, sizeof v);
-            [values setConstantValue:&v type:MTLDataTypeFloat atIndex:c.index];
-            break;
-          }
-        }
-      }
+      for (const FunctionConstant& c : d.constants)
+        [values setConstantValue:&c.value type:MTLDataTypeBool atIndex:c.index];
       fn = [lib newFunctionWithName:ns(d.kernel) constantValues:values error:&error];
     }
     if (!fn)

@@ -23,14 +23,15 @@ struct BufferBinding {
   size_t extent = 0;
 };
 
-// A [[function_constant(index)]] value: specialises the pipeline (part of its cache key).
+// A [[function_constant(index)]] value: specialises the pipeline (part of its cache key). Only
+// bool constants exist (gemm's aligned-tile switch); another type comes with its first kernel.
 struct FunctionConstant {
-  enum class Type : uint8_t { Bool, UInt, Float };
   uint32_t index = 0;
-  Type type = Type::Bool;
-  uint32_t bits = 0;  // the value's bits (bool: 0/1, float: IEEE bits)
+  bool value = false;
 };
 
+// Dispatches of a step run in call order, each seeing every earlier one's writes (device.mm
+// encodes them serially; the simulator runs them one after another).
 struct Dispatch {
   std::string op;       // the core op this dispatch implements (profiling, error messages)
   std::string library;  // the op family: metal/<library>.metal
@@ -39,7 +40,6 @@ struct Dispatch {
   std::vector<BufferBinding> buffers;
   uint32_t args_index = 0;    // the kargs.h struct is set as bytes at [[buffer(args_index)]]
   std::vector<uint8_t> args;
-  std::vector<std::pair<uint32_t, uint32_t>> threadgroup_memory;  // (index, bytes)
   std::array<uint32_t, 3> grid{1, 1, 1};     // threadgroups per grid (dispatchThreadgroups)
   std::array<uint32_t, 3> threads{1, 1, 1};  // threads per threadgroup
   // Host work between GPU dispatches (the CPU half of a row-split GEMM; submission.cpp). It
@@ -49,15 +49,6 @@ struct Dispatch {
   std::function<void()> host;
   uint32_t host_overlap = 0;
   double flops = 0;  // counted arithmetic, for the command-buffer split's time estimate (policy.h)
-  // Dispatches of a step run in order, each seeing every earlier one's writes: the Metal encoder
-  // is MTLDispatchTypeConcurrent and puts a buffer memory barrier before each dispatch (a barrier
-  // orders everything after it behind everything before it). `true` says this dispatch has no
-  // dependency on the previous one (reads none of its outputs, writes nothing it reads or
-  // writes): the barrier is skipped and the two may overlap on the GPU. It stays ordered behind
-  // everything before the last barrier, so in a run of `true` records each must be independent
-  // of all the others of the run. The simulator executes records one after another and cannot
-  // catch a wrong `true`: set it only where the independence is evident.
-  bool concurrent = false;
 
   template <class Args>
   void set_args(uint32_t index, const Args& a) {
@@ -66,7 +57,7 @@ struct Dispatch {
     args.assign(p, p + sizeof(Args));
   }
   void bind(uint32_t index, void* base, size_t offset, size_t extent) { buffers.push_back({index, base, offset, extent}); }
-  void constant_bool(uint32_t index, bool v) { constants.push_back({index, FunctionConstant::Type::Bool, v ? 1u : 0u}); }
+  void constant_bool(uint32_t index, bool v) { constants.push_back({index, v}); }
 };
 
 // Every op family in metal/ (one .metal file each): the sources the backend embeds and compiles.

@@ -79,8 +79,7 @@ class Executor:
         # see one memory: the guarded copies would split them, so such a dispatch runs unguarded.
         spans.sort()
         overlap = any(b0 < a1 for (_, a1), (b0, _) in zip(spans, spans[1:]))
-        lib.dispatch(r["kernel"], grid=r["grid"], threads=r["threads"], buffers=buffers,
-                     threadgroup_memory=dict(r["threadgroup_memory"]), guard=not overlap,
+        lib.dispatch(r["kernel"], grid=r["grid"], threads=r["threads"], buffers=buffers, guard=not overlap,
                      random_order=self.random_order, seed=self.dispatches)
         self.dispatches += 1
 
@@ -88,7 +87,7 @@ class Executor:
 def register(core, root, random_order: bool = False) -> Executor:
     """Registers krnl's metal-sim device with an executor over `root`/metal; returns the executor."""
     ex = Executor(root, random_order)
-    core.register_metal_sim(ex)
+    core.testing.register_metal_sim(ex)
     return ex
 
 

@@ -1,0 +1,67 @@
+// krnl._core.testing: what only the tests call, built into the module but kept out of its
+// user API: a second CPU device, the buffer pool over malloc, the pure planners and the op list.
+// The Metal hooks (metal-sim and friends) join it from metal.cpp.
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdlib>
+#include <unordered_map>
+
+#include "bindings.h"
+#include "core/split_k.h"
+#include "cpu/cpu_backend.h"
+
+namespace krnl::bindings {
+
+void bind_testing(nb::module_& m) {
+  using namespace nb::literals;
+  m.def("register_second_cpu", &cpu::register_second_backend,
+        "Registers a second CPU device, 'cpu:1', for the cross-device error tests (idempotent).");
+  m.def("op_names", [] {
+          std::vector<std::string> names;
+#define KRNL_OP_NAME(name, params) names.push_back(#name);
+          KRNL_OPS(KRNL_OP_NAME)
+#undef KRNL_OP_NAME
+          return names;
+        }, "The ops of csrc/core/op_list.h, in order: the tests check that krnl._core.ops binds each.");
+
+  // The pool logic on its own, with the caller playing the device's submission clock.
+  struct HostPool {
+    BufferPool pool{[](size_t n) { return std::malloc(n); }, [](void* p, size_t) { std::free(p); }};
+    std::unordered_map<uint64_t, Buffer> live;
+  };
+  nb::class_<HostPool>(m, "HostBufferPool", "A BufferPool over malloc, for testing its policy.")
+      .def(nb::init<>())
+      .def_static("class_size", &BufferPool::class_size, "bytes"_a)
+      .def("acquire", [](HostPool& h, size_t bytes, uint64_t completed) {
+             Buffer b = h.pool.acquire(bytes, completed);
+             h.live[b.id] = b;
+             return nb::make_tuple(b.id, b.bytes);
+           }, "bytes"_a, "completed_seq"_a, "Returns (buffer id, class size).")
+      .def("release", [](HostPool& h, uint64_t id, uint64_t retire_seq, uint64_t completed) {
+             auto it = h.live.find(id);
+             if (it == h.live.end()) throw std::invalid_argument("[release] buffer " + std::to_string(id) + " is not in use");
+             h.pool.release(it->second, retire_seq, completed);
+             h.live.erase(it);
+           }, "id"_a, "retire_seq"_a, "completed_seq"_a)
+      .def("trim", [](HostPool& h) { h.pool.trim(); })
+      .def("reset_peak", [](HostPool& h) { h.pool.reset_peak(); })
+      .def("stats", [](HostPool& h) { return pool_stats_dict(h.pool.stats()); });
+
+  m.def("plan_split_k", [](int64_t M, int64_t N, int64_t K, int64_t batch, int64_t tile_m, int64_t tile_n,
+                           int64_t min_tiles, int64_t k_unit, int64_t max_splits, int64_t min_k_per_split) {
+          SplitKConfig c{tile_m, tile_n, min_tiles, k_unit, max_splits, min_k_per_split};
+          SplitKPlan p = plan_split_k(M, N, K, batch, c);
+          return nb::make_tuple(p.splits, p.k_per_split);
+        }, "M"_a, "N"_a, "K"_a, "batch"_a = 1, "tile_m"_a = 32, "tile_n"_a = 32, "min_tiles"_a = 0, "k_unit"_a = 32,
+        "max_splits"_a = 16, "min_k_per_split"_a = 256, "Split-K routing: returns (splits, k_per_split).");
+  m.def("plan_row_split", [](int64_t M, double t_cpu, double t_gpu, double overhead, int64_t tile_m) {
+          RowSplitPlan p = plan_row_split(M, t_cpu, t_gpu, overhead, tile_m);
+          nb::dict r;
+          r["cpu_rows"] = p.cpu_rows, r["gpu_rows"] = p.gpu_rows, r["cpu_fraction"] = p.cpu_fraction;
+          return r;
+        }, "M"_a, "t_cpu"_a, "t_gpu"_a, "overhead"_a = 0.0, "tile_m"_a = 32,
+        "CPU/GPU row split of a GEMM so both finish together: p = (O + T_gpu)/(T_cpu + T_gpu).");
+}
+
+}  // namespace krnl::bindings

@@ -1,0 +1,51 @@
+// The op list (DESIGN section 2): every op of the backend contract once, as X(name, (parameters)).
+// Generated from it: the Backend virtuals (backend.h), their "[op] not implemented" defaults
+// (backend.cpp) and the core's entry points (ops.h). Adding an op here declares all three; ops.cpp
+// then defines the entry point (its validation), a backend overrides the virtual where it has
+// the op, and bindings/ops.cpp binds it by hand with its argument names, defaults and docstring
+// (tests/test_core.py checks that every op of this list is bound).
+//
+// Expanded where Tensor, GemmArgs and AdamWArgs are declared (backend.h), so nothing is included.
+// Notes on single ops (a comment cannot sit inside the macro's lines):
+// - attention_forward/backward: fused causal attention (DESIGN section 5, flash form). q (Hq, T,
+//   D), k and v (Hk, T, D), query head h reads KV head h / (Hq / Hk); o (Hq, T, D); lse (Hq, T)
+//   f32, the natural-log sum of exp(scale * q.k) over the keys each query sees, which is all
+//   backward keeps of the scores. Backward overwrites dq, dk, dv.
+// - transpose_heads: out (B, A, D) = x (A, B, D) with the first two axes swapped: token-major
+//   (T, H, D) projections to head-major (H, T, D) attention operands and back.
+#pragma once
+
+// Every op. gemm comes apart from the rest: the backend gets the router's GemmArgs, while the
+// core's entry point takes tensors and flags (ops.h declares it by hand).
+#define KRNL_OPS(X)               \
+  X(gemm, (const GemmArgs& a))    \
+  KRNL_DIRECT_OPS(X)
+
+// The ops whose core entry point takes the backend's parameters unchanged.
+#define KRNL_DIRECT_OPS(X)                                                                                          \
+  X(rmsnorm_forward, (const Tensor& x, const Tensor& w, const Tensor& y, const Tensor& rstd, float eps))            \
+  X(rmsnorm_backward, (const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& dx,    \
+                       const Tensor* dw))                                                                           \
+  X(swiglu_forward, (const Tensor& g, const Tensor& u, const Tensor& s))                                            \
+  X(swiglu_backward, (const Tensor& ds, const Tensor& g, const Tensor& u, const Tensor& dg, const Tensor& du))      \
+  X(rope, (const Tensor& x, const Tensor& positions, const Tensor& inv_freq, float sign))                           \
+  X(softmax_causal_forward, (const Tensor& S, const Tensor& P, float scale, const Tensor* segments))                \
+  X(softmax_backward, (const Tensor& P, const Tensor& dP, const Tensor& dS, float scale))                           \
+  X(attention_forward, (const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& lse,      \
+                        float scale))                                                                               \
+  X(attention_backward, (const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& dout,    \
+                         const Tensor& lse, const Tensor& dq, const Tensor& dk, const Tensor& dv, float scale))     \
+  X(embedding_forward, (const Tensor& ids, const Tensor& table, const Tensor& out))                                 \
+  X(embedding_backward, (const Tensor& ids, const Tensor& dout, const Tensor& dtable))                              \
+  X(cross_entropy, (const Tensor& logits, const Tensor& targets, const Tensor& loss, const Tensor* dlogits,         \
+                    int32_t ignore_index, float scale))                                                             \
+  X(add, (const Tensor& a, const Tensor& b, const Tensor& out))                                                     \
+  X(axpy, (float alpha, const Tensor& x, const Tensor& y))                                                          \
+  X(scale, (const Tensor& x, float alpha, const Tensor& out))                                                       \
+  X(cast, (const Tensor& x, const Tensor& out))                                                                     \
+  X(transpose_heads, (const Tensor& x, const Tensor& out))                                                          \
+  X(fill, (const Tensor& x, double value))                                                                          \
+  X(dropout, (const Tensor& x, const Tensor& out, float p, uint64_t seed))                                          \
+  X(adamw_update, (const AdamWArgs& a))                                                                             \
+  X(sumsq, (const Tensor& x, const Tensor& out))                                                                    \
+  X(nonfinite, (const Tensor& x, const Tensor& flag))

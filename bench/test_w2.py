@@ -21,8 +21,9 @@ import numpy as np
 import pytest
 
 import krnl
-from krnl.bench.w2 import (FLOPS, SMALL, T, V, Case, activation_bytes, build_torch, frozen_weight_bytes,
+from krnl.bench.w2 import (FLOPS, SMALL, T, V, Case, activation_bytes, frozen_weight_bytes,
                            step_temporaries_bytes)
+from krnl.bench.w2_peers import build_torch
 from krnl.bench.workloads import W2
 
 GOAL = 1.5  # krnl tokens/s over PyTorch eager tokens/s

@@ -21,12 +21,6 @@ ROOT = Path(__file__).resolve().parents[1] / "python" / "krnl"
 NATIVE = {"_core"}  # compiled extensions: no source file here
 MAX_LINES = 400
 
-# Files over MAX_LINES today, each with why. An entry whose file has come under the limit fails the
-# test, so that the list only shrinks.
-OVERSIZE = {
-    "bench/w2.py": "the W2 workload with its numpy, PyTorch and MLX peers; to be split with the bench work",
-}
-
 
 def module_name(path, root=ROOT):
     """Module name relative to krnl: "__init__" for the package itself, "bench" for
@@ -225,12 +219,5 @@ def test_packages_sit_no_higher_than_their_modules():
 def test_file_size(path):
     rel = path.relative_to(ROOT).as_posix()
     n = len(path.read_text(encoding="utf-8").splitlines())
-    if rel in OVERSIZE:
-        assert n > MAX_LINES, f"{rel} has {n} lines now: remove it from OVERSIZE"
-        pytest.xfail(f"{rel}: {n} lines; {OVERSIZE[rel]}")
     assert n <= MAX_LINES, f"{rel} has {n} lines (at most {MAX_LINES}): split it"
 
-
-def test_oversize_entries_exist():
-    # An entry for a file that is gone (renamed, split away) would excuse nothing; drop it.
-    assert [f for f in OVERSIZE if not (ROOT / f).exists()] == []

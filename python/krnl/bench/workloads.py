@@ -9,7 +9,7 @@ from typing import Callable, Dict, Optional
 import numpy as np
 
 import krnl
-from . import w1, w2
+from . import w1, w2, w2_peers
 from .targets import kind
 
 PEER_NAMES = ("numpy", "torch", "torch.compile", "compile+cudagraphs", "mlx", "mx.compile")
@@ -59,7 +59,7 @@ W1 = Step(
 W2 = Step(
     name="w2", title="W2 Llama layer",
     sizes={"full": w2.W2, "quick": w2.QUICK, "small": w2.SMALL},
-    make=w2.Case.of, krnl=w2.build_krnl, krnl_graph=w2.build_krnl_graph, peers=w2.PEERS,
+    make=w2.Case.of, krnl=w2.build_krnl, krnl_graph=w2.build_krnl_graph, peers=w2_peers.PEERS,
     tokens=lambda case: case.T, flops=lambda case: case.flops,
     describe=lambda s: f"{s['H']}x{s['D']} heads, LoRA r={s['r']} x7, dX; T={s['T']} C={s['C']} F={s['F']}")
 

@@ -1,5 +1,5 @@
 """krnl's GPU backends next to their peers on the same GPU, in one session of krnl.bench per GPU
-device (the code of `krnl bench --device cuda|metal`): W1, W2 and W3 (DESIGN section 6) in the
+device (the code of `krnl bench --device cuda|metal`): W1, W2 and W3 (docs/performance.md, 'Workloads') in the
 device's compute dtype (bf16 on CUDA, f16 on Metal), krnl eager and, on CUDA, krnl with the step
 replayed as a CUDA graph, PyTorch eager, torch.compile (and with CUDA graphs on CUDA), MLX and
 mx.compile where their GPU builds are installed, each checked against krnl at a small size before

@@ -1,4 +1,4 @@
-"""W1 (DESIGN section 6): one LoRA training step of the KRNL MLP block, krnl's CPU backend next to
+"""W1 (docs/performance.md, 'Workloads'): one LoRA training step of the KRNL MLP block, krnl's CPU backend next to
 the peers of krnl.bench (float32 numpy, PyTorch eager and compiled, MLX eager and compiled) and the
 machine's sgemm rate measured in the same run. The workload and every peer live in krnl/bench/w1.py
 (shared with `krnl bench`); this file only times them with pytest-benchmark.

@@ -1,4 +1,4 @@
-"""W2 (DESIGN section 6, defined in krnl/bench/w2.py): one LoRA training step of a single Llama
+"""W2 (docs/performance.md, 'Workloads'; defined in krnl/bench/w2.py): one LoRA training step of a single Llama
 layer (T=512, C=2048, F=5632, 16x128 MHA, r=32 on all seven projections, f32) on krnl's CPU
 backend, next to PyTorch eager doing the same step in the same run.
 
@@ -101,7 +101,7 @@ def test_w2_krnl_cpu(benchmark, w2, results):
         f"backward {act / MB:.1f} MB; pool reserved {st['peak_reserved'] / MB:.1f} MB = resident + "
         f"{(st['peak_reserved'] - before) / MB:.1f} MB of step buffers, next to all the step's temporaries "
         f"{tmp / MB:.1f} MB (the CPU reuses a buffer released in a step within it; asynchronous devices only "
-        f"after the step, DESIGN 4)",
+        f"after the step)",
     ]
     print("\n" + lines[-1])
     assert peak >= before and peak - before >= act * 0.9

@@ -1,4 +1,4 @@
-# Embeds the MSL sources of metal/*.metal into the binary (DESIGN section 7): the Metal backend
+# Embeds the MSL sources of metal/*.metal into the binary (docs/architecture.md, 'The Metal backend'): the Metal backend
 # compiles them at run time with newLibraryWithSource, so installing krnl needs no Xcode Metal
 # toolchain. Run at build time on every platform (the table is tested on Linux too):
 #

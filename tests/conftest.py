@@ -33,8 +33,8 @@ OUT_RTOL = {dt: UNIT_ROUNDOFF[dt] + 16 * U32 for dt in FLOAT_DTYPES}
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# The metal-sim device: the Metal backend's dispatch records executed by tools/mslsim (DESIGN
-# section 7). Registered here, for the tests only; KRNL_TEST_METAL_SIM=0 turns it off.
+# The metal-sim device: the Metal backend's dispatch records executed by tools/mslsim (docs/architecture.md,
+# 'How Metal is tested without a Mac'). Registered here, for the tests only; KRNL_TEST_METAL_SIM=0 turns it off.
 METAL_SIM = None
 if os.environ.get("KRNL_TEST_METAL_SIM", "1") != "0":
     sys.path.insert(0, str(ROOT / "tools" / "mslsim"))

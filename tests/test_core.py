@@ -1,8 +1,8 @@
 """Infrastructure of the core: the buffer pool's policy, steps, tensors and views, op validation,
 the split-K and row-split planners, the profiler and the device registry.
 
-Expected values come from the documented contracts (DESIGN sections 1, 2, 4 and the headers in
-csrc/core), worked out by hand or by independent brute force in the test, never by running krnl.
+Expected values come from the documented contracts (docs/architecture.md: 'The op contract', 'Memory', 'Steps';
+the headers in csrc/core), worked out by hand or by independent brute force in the test, never by running krnl.
 The `dev` fixture (tests/conftest.py) is parametrised over krnl.devices().
 """
 

@@ -251,7 +251,7 @@ def test_gemm_auto_split_k_lora_shape(dev):
 
 @pytest.mark.parametrize("dt", FLOAT_DTYPES)
 def test_gemm_lora_shapes(dev, dt):
-    """The LoRA forward/backward GEMMs of DESIGN section 3 at T=256, in=2048, out=5632, R=32,
+    """The LoRA forward/backward GEMMs (docs/architecture.md, 'LoRA') at T=256, in=2048, out=5632, R=32,
     auto-routed, plus the large frozen-weight product y = x*W^T."""
     rng = np.random.default_rng(9)
     T, IN, OUT, R = 256, 2048, 5632, 32

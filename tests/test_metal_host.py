@@ -1,4 +1,4 @@
-"""The Metal backend's macOS-only layer, checked where no Mac exists (DESIGN section 7).
+"""The Metal backend's macOS-only layer, checked where no Mac exists (docs/architecture.md, 'How Metal is tested without a Mac').
 
 - csrc/metal/*.mm (Objective-C++, ARC) are syntax- and type-checked with clang against the
   hand-written Foundation/Metal declarations of tools/mslsim/objc/stubs; copies of device.mm with

@@ -9,7 +9,7 @@ namespace krnl::bindings {
 
 void bind_ops(nb::module_& parent) {
   using namespace nb::literals;
-  nb::module_ m = parent.def_submodule("ops", "Device ops (DESIGN section 2). Outputs are passed in.");
+  nb::module_ m = parent.def_submodule("ops", "Device ops (docs/architecture.md, 'The op contract'). Outputs are passed in.");
   // Without the GIL: an op may wait for device work (a host record waits for the GPU work before
   // it), and metal-sim's executor, which runs that work, is Python on another thread.
   const auto release = nb::call_guard<nb::gil_scoped_release>();

@@ -1,4 +1,4 @@
-// The backend contract (DESIGN section 2). The core validates every op call once (ops.cpp)
+// The backend contract (docs/architecture.md, 'The op contract'). The core validates every op call once (ops.cpp)
 // and then calls one of these virtuals with checked, contiguous tensors on this device.
 // A backend overrides what it implements; the rest throw "[op] not implemented on <device>".
 #pragma once

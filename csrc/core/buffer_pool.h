@@ -1,6 +1,6 @@
 // Size-class buffer pool. A buffer released while its submission may still be running is
 // retired with that submission's seq and handed out again only once the backend reports
-// completed_seq >= seq (DESIGN section 4; where every access is queue-ordered, CPU and CUDA, the
+// completed_seq >= seq (docs/architecture.md, 'Memory'; where every access is queue-ordered, CPU and CUDA, the
 // backend releases with a completed seq inside a step and the buffer is cached at once).
 #pragma once
 #include <cstddef>

@@ -1,4 +1,4 @@
-// The op list (DESIGN section 2): every op of the backend contract once, as X(name, (parameters)).
+// The op list (docs/architecture.md, 'The op contract'): every op of the backend contract once, as X(name, (parameters)).
 // Generated from it: the Backend virtuals (backend.h), their "[op] not implemented" defaults
 // (backend.cpp) and the core's entry points (ops.h). Adding an op here declares all three; ops.cpp
 // then defines the entry point (its validation), a backend overrides the virtual where it has
@@ -7,7 +7,7 @@
 //
 // Expanded where Tensor, GemmArgs and AdamWArgs are declared (backend.h), so nothing is included.
 // Notes on single ops (a comment cannot sit inside the macro's lines):
-// - attention_forward/backward: fused causal attention (DESIGN section 5, flash form). q (Hq, T,
+// - attention_forward/backward: fused causal attention (docs/architecture.md, 'Attention'; flash form). q (Hq, T,
 //   D), k and v (Hk, T, D), query head h reads KV head h / (Hq / Hk); o (Hq, T, D); lse (Hq, T)
 //   f32, the natural-log sum of exp(scale * q.k) over the keys each query sees, which is all
 //   backward keeps of the scores. Backward overwrites dq, dk, dv.

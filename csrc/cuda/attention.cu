@@ -1,4 +1,4 @@
-// RoPE and the materialised attention softmax (DESIGN section 5), one block per score row.
+// RoPE and the materialised attention softmax (docs/architecture.md, 'Attention'), one block per score row.
 #include "common.cuh"
 
 namespace krnl::cuda {

@@ -1,4 +1,4 @@
-// The Metal backend's op logic, portable (DESIGN section 7): every op of the contract becomes
+// The Metal backend's op logic, portable (docs/architecture.md, 'The Metal backend'): every op of the contract becomes
 // Dispatch records (dispatch.h) handed to encode(). Kernel choice, grids, argument structs
 // (metal/kargs.h), split-K routing, head batching by buffer offset and the CPU/GPU row split are
 // decided here, so they run in CI on the metal-sim device. So is the submission of a step

@@ -1,8 +1,8 @@
-// Dispatch records for every op of the contract on the Metal kernels (DESIGN section 7). Portable
+// Dispatch records for every op of the contract on the Metal kernels (docs/architecture.md, 'The Metal backend'). Portable
 // C++: runs in CI on the metal-sim device, and on macOS under the Objective-C++ encoder. The core
 // has validated every call (shapes, dtypes, devices); what is checked here is only what the
 // kernels add: Metal kernels exist for f32 and f16 (bf16 is emulated and slow on Apple GPUs before
-// M3, DESIGN section 4), and argument structs hold 32-bit sizes.
+// M3; docs/architecture.md, 'Device capabilities'), and argument structs hold 32-bit sizes.
 #include "metal/metal_ops.h"
 
 #include <algorithm>

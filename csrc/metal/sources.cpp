@@ -1,4 +1,4 @@
-// The MSL sources embedded in the binary (DESIGN section 7): metal_sources.h is generated at build
+// The MSL sources embedded in the binary (docs/architecture.md, 'The Metal backend'): metal_sources.h is generated at build
 // time by cmake/embed_metal.cmake from metal/*.metal, so the list of libraries and their texts
 // have one origin, the files. Portable: compiled and tested on every platform; the Objective-C++
 // layer (device.mm) compiles these sources with newLibraryWithSource at first use.

@@ -1,5 +1,5 @@
 """The device-level commands of the `krnl` command line: `devices` (what each device can do, and
-why any other is unavailable here) and `w1` (LoRA on the W1 MLP block of DESIGN section 6,
+why any other is unavailable here) and `w1` (LoRA on the W1 MLP block of docs/performance.md,
 matching a teacher), which need no model folder, tokenizer or data; and the --device/--dtype
 choice every command shares."""
 

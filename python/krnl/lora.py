@@ -1,4 +1,4 @@
-"""The LoRA linear of DESIGN section 3, shared by the Llama model and the W1 block:
+"""The LoRA linear (docs/architecture.md, 'LoRA'), shared by the Llama model and the W1 block:
 
     y = x W^T + s (drop(x) A^T) B^T        W (out, in) frozen, A (r, in), B (out, r) trainable
 

@@ -1,4 +1,4 @@
-"""W1 of DESIGN section 6: the KRNL MLP block with LoRA on gate and up, as explicit forward and
+"""W1 (docs/performance.md, 'Workloads'): the KRNL MLP block with LoRA on gate and up, as explicit forward and
 backward over core ops (llm.c style, no autograd tape).
 
     h = rmsnorm(x) * w_norm
@@ -51,8 +51,8 @@ def make_w1_params(T, C, F, R, seed=0):
 class MLPBlock:
     """The W1 block on one device: layer.py's MLP with LoRA on gate and up (lora.LoraLinear, each
     backward overwriting the gradients) and a frozen down projection. `dtype` is the compute
-    dtype of activations and frozen weights; LoRA masters and gradients stay f32 (DESIGN
-    section 4). T is the number of rows of x."""
+    dtype of activations and frozen weights; LoRA masters and gradients stay f32 (docs/architecture.md,
+    'Training numerics'). T is the number of rows of x."""
 
     def __init__(self, device, params, T, scale=2.0, eps=1e-5, dtype="f32"):
         self.dev, self.T, self.scale, self.eps, self.dtype = device, T, float(scale), float(eps), dtype

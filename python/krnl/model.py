@@ -1,5 +1,5 @@
 """The Llama family (llama, mistral, qwen2) with LoRA adapters, as explicit forward and backward
-over core ops (llm.c style, no autograd tape; DESIGN sections 3, 5 and 8): the stack of decoder
+over core ops (llm.c style, no autograd tape; docs/architecture.md): the stack of decoder
 layers (layer.py), the loss and evaluation; generation is in generate.py.
 
     x0 = embed(ids)

@@ -1,4 +1,4 @@
-"""Optimizer and learning-rate schedule (DESIGN sections 2 and 4).
+"""Optimizer and learning-rate schedule (docs/architecture.md, 'Training numerics').
 
 AdamW runs as ONE `adamw_update` over the flat f32 buffers of a `FlatParams` (masters, grads,
 m, v laid out identically). Per optimizer step the device does: a nonfinite check of the grads
@@ -99,7 +99,7 @@ class Schedule:
 
 
 class LossScaler:
-    """Dynamic loss scaling (DESIGN section 4): the caller multiplies the loss gradient by
+    """Dynamic loss scaling (docs/architecture.md, 'Training numerics'): the caller multiplies the loss gradient by
     `scale`; on inf/NaN grads the step is skipped and the scale divided by `factor` (not below
     min_scale); after `growth_interval` consecutive clean steps it is multiplied by `factor`.
     Disabled, `scale` is 1 and `update` never skips."""

@@ -1,4 +1,4 @@
-"""Trainable parameters as one flat f32 buffer (DESIGN section 2 and 4): the masters, their
+"""Trainable parameters as one flat f32 buffer (docs/architecture.md, 'LoRA'): the masters, their
 gradients and the Adam moments are four flat tensors laid out identically, so one adamw_update,
 one sumsq and one nonfinite cover every parameter. Each named parameter is a view by offset.
 A compute-dtype working copy (f16/bf16) is refreshed by the optimizer step."""

@@ -1,4 +1,4 @@
-"""Benchmarks users can trust (DESIGN section 6): the workloads W1, W2, W3 and the GEMM rows, krnl
+"""Benchmarks users can trust (docs/performance.md): the workloads W1, W2, W3 and the GEMM rows, krnl
 next to its peers (numpy, PyTorch eager and compiled, MLX eager and compiled) in one session,
 each peer checked against krnl before it is timed, the session behind a control gate.
 

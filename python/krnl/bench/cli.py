@@ -40,7 +40,8 @@ def add_arguments(p):
     p.add_argument("--reference", metavar="PATH", default=None,
                    help=f"the reference file (default: $KRNL_BENCH_REFERENCE or {gate.reference_path()})")
     p.add_argument("--readme", metavar="PATH",
-                   help="replace the <!-- bench:start --> ... <!-- bench:end --> block of this README with the results")
+                   help="replace the device kind's <!-- bench:KIND:start --> ... <!-- bench:KIND:end --> block of "
+                        "this file (docs/performance.md) with the results")
     p.add_argument("--from-json", metavar="PATH",
                    help="run nothing: report (table, --png, --readme) from a JSON written by --json")
 

@@ -1,4 +1,4 @@
-"""W1 (DESIGN section 6): one LoRA training step of the KRNL MLP block (RMSNorm, SwiGLU, LoRA on
+"""W1 (docs/performance.md, 'Workloads'): one LoRA training step of the KRNL MLP block (RMSNorm, SwiGLU, LoRA on
 gate and up; forward, dX and the four LoRA gradients), as krnl runs it and as each peer runs it.
 
 Every implementation is a builder `build(P) -> (step, result)` of a Problem P (arrays, device,

@@ -1,4 +1,4 @@
-"""W2 and W3 (DESIGN section 6): one LoRA training step of a single Llama layer, as krnl runs it
+"""W2 and W3 (docs/performance.md, 'Workloads'): one LoRA training step of a single Llama layer, as krnl runs it
 and as each peer runs it. W3, the Llama-3-8B layer, is the same step at other sizes, with GQA.
 
     W2: 16 heads of 128 (MHA), RoPE (rotate-half), causal, LoRA r=32 on q, k, v, o, gate, up,
@@ -78,7 +78,7 @@ def step_temporaries_bytes(T=T, C=C, F=F, H=H, R=R, elt=4):
     28 T*C (13 forward + final norm, dlogits-to-x, head dX + 12 backward), 6 T*F (g, u, a, da,
     dg, du), 4 H*T^2 (S, P, dP, dS), 14 T*r (t and dt of 7 adapters), T*V logits, 4 T rows.
     On an asynchronous device a buffer released in a step is reused only after the step
-    completes (DESIGN section 4), so this (255.2 MB at W2) bounds what the pool reserves for one
+    completes (docs/architecture.md, 'Memory'), so this (255.2 MB at W2) bounds what the pool reserves for one
     step there; the CPU reuses released buffers within the step and reserves about the live peak."""
     return elt * (28 * T * C + 6 * T * F + 4 * H * T * T + 14 * T * R + T * V + 4 * T)
 

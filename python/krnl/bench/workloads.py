@@ -22,7 +22,7 @@ INSTALL_HINT = {"torch": 'pip install torch',
 def peer_note(name, device="cpu"):
     """What a reader must know next to a peer's figure (`device`: krnl's, a Device or a name)."""
     if name in ("mlx", "mx.compile") and platform.system() == "Linux" and kind(device) == "cpu":
-        return "Linux CPU wheel: bundled reference BLAS, slow (DESIGN 6)"
+        return "Linux CPU wheel: bundled reference BLAS, slow"
     if name in ("torch.compile", "compile+cudagraphs", "mx.compile"):
         return "compiled before timing"
     if name == "krnl graph":
@@ -85,7 +85,7 @@ def square_gemms(n):
 def lora_gemms(T, C, F, R):
     """The skinny products of a LoRA projection with input or output width K in {C, F}, as krnl's
     W1 block and Llama layer call them: (name, m, n, k, trans_a, trans_b, beta, out_f32); the
-    gradients dA, dB are written in f32 (DESIGN 2: LoRA gradients are f32), z += t B^T adds into
+    gradients dA, dB are written in f32 (LoRA gradients are f32), z += t B^T adds into
     the base projection's output."""
     out = []
     for K in sorted({C, F}):

@@ -163,7 +163,7 @@ def test_generate_with_kv_cache_matches_full_recompute(dev):
 
 def test_cli_errors_are_clear(tmp_path, capsys):
     assert main(["generate", "--adapter-path", str(tmp_path / "none")]) == 1
-    assert "adapter_config.json not found" in capsys.readouterr().err
+    assert f"adapter folder {tmp_path / 'none'} not found" in capsys.readouterr().err
     assert main(["train", "--iters", "2", "--lora-rank", "9999", "--adapter-path", str(tmp_path), "--quiet"]) == 1
     assert "9999" in capsys.readouterr().err
 

@@ -1,4 +1,4 @@
-"""LoRA adapters in PEFT's on-disk format (DESIGN section 8): `adapter_config.json` and
+"""LoRA adapters in PEFT's on-disk format (docs/architecture.md, 'Models, adapters and data'): `adapter_config.json` and
 `adapter_model.safetensors` with keys `base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight`,
 A (r, in) and B (out, r), so PEFT, transformers and vLLM load them unchanged. Files are written
 atomically (temporary file in the same folder, fsync, rename)."""

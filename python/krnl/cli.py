@@ -1,7 +1,7 @@
 """The `krnl` command line: `train`, `eval` and `generate` (the embedded default: a tiny Llama and a
 generated task; or, for eval and generate, an HF model folder from --model or the adapter's
 base_model_name_or_path), `fuse` (an adapter merged into its HF base, written as an HF folder),
-`w1` (LoRA on the W1 MLP block of DESIGN section 6, matching a teacher), `bench` (krnl/bench) and
+`w1` (LoRA on the W1 MLP block of docs/performance.md, matching a teacher), `bench` (krnl/bench) and
 `devices`. The argument parser is in cli_args.py; `devices`, `w1` and the device choice are in
 cli_device.py; `krnl.cli:main` stays the entry point."""
 
@@ -14,6 +14,7 @@ import krnl
 
 from .cli_args import parse_args
 from .cli_device import cmd_devices, cmd_w1, device_from_args
+from .run_folder import claim
 
 DEFAULT_BASE = "krnl:default-tiny-llama"  # the embedded default's base model id (adapter_config)
 BASE_SEED = 1234
@@ -29,14 +30,43 @@ def _default_model(dev, lora, dtype, seed, grad_checkpoint=False):
     return tok, LlamaModel(dev, config, weights, lora=lora, dtype=dtype, seed=seed, grad_checkpoint=grad_checkpoint)
 
 
+SHORT_TARGETS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj", "up": "up_proj",
+                 "down": "down_proj"}
+
+
+def lora_targets(text):
+    """The module names of --lora-targets: short names (q,k,v,o,gate,up,down), module names
+    (q_proj) or mlx-lm's keys (self_attn.q_proj, mlp.gate_proj), comma-separated."""
+    from .model import ALL_MODULES, ATTN_MODULES
+
+    out = []
+    for item in str(text).split(","):
+        name = item.strip()
+        m = SHORT_TARGETS.get(name, name)
+        part, _, last = m.rpartition(".")
+        if part:  # an mlx-lm key: its prefix must be the module's block
+            m = last if part == ("self_attn" if last in ATTN_MODULES else "mlp") else name
+        if m not in ALL_MODULES:
+            raise ValueError(f"--lora-targets: unknown module {name!r}; accepted: {', '.join(SHORT_TARGETS)}, "
+                             f"{', '.join(ALL_MODULES)}, self_attn.q_proj ... mlp.down_proj")
+        if m not in out:
+            out.append(m)
+    return tuple(out)
+
+
 def _lora_from_args(args):
     from .model import LoraConfig
 
     kw = {"r": args.lora_rank, "alpha": args.lora_alpha, "dropout": args.lora_dropout, "use_rslora": args.rslora}
     if args.lora_layers:
-        kw["layers"] = [int(x) for x in args.lora_layers.split(",")]
+        items = [x.strip() for x in str(args.lora_layers).split(",")]
+        bad = [x for x in items if not x.isdigit()]
+        if bad:
+            raise ValueError(f"--lora-layers: not a layer index: {', '.join(map(repr, bad))}; give comma-separated "
+                             f"layer numbers from 0, e.g. --lora-layers 0,1,2")
+        kw["layers"] = [int(x) for x in items]
     if args.lora_targets:
-        kw["target_modules"] = tuple(t.strip() for t in args.lora_targets.split(","))
+        kw["target_modules"] = lora_targets(args.lora_targets)
     return LoraConfig(**kw)
 
 
@@ -59,11 +89,37 @@ def _adapter_base(args):
                      f"pass the base model's HF folder with --model (the embedded default is {DEFAULT_BASE!r})")
 
 
+def _resolve_adapter_path(args):
+    """eval and generate: None (the base model alone) for --adapter-path "" or, with no
+    --adapter-path, when there is no adapters folder; an explicit path that does not exist is an
+    error. Says in one line when the base model runs alone."""
+    path = args.adapter_path
+    if path is None:
+        path = "adapters" if Path("adapters").exists() else ""
+    elif path and not Path(path).exists():
+        raise ValueError(f"adapter folder {path} not found (leave out --adapter-path, or pass --adapter-path \"\", "
+                         "to use the base model alone)")
+    if not path:
+        what = (f"the base model {args.model}" if args.model else
+                f"the base model: the untrained embedded default ({DEFAULT_BASE})")
+        print(f"no adapter: {'evaluating' if args.cmd == 'eval' else 'generating with'} {what}", file=sys.stderr)
+        path = None
+    args.adapter_path = path
+    return path
+
+
 def _load_trained(args, dev):
     """(tokenizer, model): the base (an HF folder from --model or the adapter's config, else the
-    embedded default) with the adapter found at --adapter-path (PEFT or mlx-lm layout)."""
+    embedded default) with the adapter found at --adapter-path (PEFT or mlx-lm layout), or the
+    base alone (see _resolve_adapter_path)."""
     from .adapter import read_adapter
 
+    if _resolve_adapter_path(args) is None:
+        if args.model:
+            from .hf import load_model
+
+            return None, load_model(args.model, dev, dtype=args.dtype)
+        return _default_model(dev, None, args.dtype, seed=0)
     base = _adapter_base(args)
     if base is not None:
         from .hf import load_model
@@ -147,12 +203,18 @@ def cmd_train(args):
                       val_every=args.steps_per_eval, save_every=args.save_every, seed=args.seed)
     fingerprint = {"base": base_id, "model": vars(model.config), "lora": vars(lora), "dtype": args.dtype}
     trainer = Trainer(model, cfg, train, valid, out_dir=args.adapter_path, fingerprint=fingerprint,
-                      base_model=base_id, progress=not args.quiet)
+                      base_model=base_id, progress=not args.quiet, options=_run_options(args))
     print(f"krnl {krnl.__version__} on {dev.name}: {what}, LoRA r={lora.r} on {len(model.adapted)} modules "
           f"({model.lora_params.numel} trainable parameters), {args.dtype}")
-    if args.resume:
-        print(f"resumed from step {trainer.resume()}")
-    summary = trainer.run()
+    resuming = args.resume or args.resume_from is not None
+    lock = claim(args.adapter_path, resume=resuming, overwrite=args.overwrite)  # the OS drops it at exit
+    if resuming and not _resume(args, trainer):
+        lock.release()
+        return 0
+    try:
+        summary = trainer.run()
+    except KeyboardInterrupt:
+        raise Interrupted(_interrupted_message(trainer, args.adapter_path)) from None
     png = Path(args.adapter_path) / "loss.png"
     plot_metrics(summary["metrics"], png)
     val = f", validation loss {summary['val_loss']:.4f}" if summary["val_loss"] is not None else ""
@@ -161,7 +223,74 @@ def cmd_train(args):
     print(f"adapter: {args.adapter_path}/adapter_model.safetensors (PEFT format); metrics: {summary['metrics']}; "
           f"loss curve: {png}")
     print(f"try: {hint}")
+    lock.release()
     return 0
+
+
+def _run_options(args):
+    """The options outside TrainConfig that a resumed run must share with its checkpoint."""
+    if not args.model:
+        return {"train_samples": args.train_samples}
+    import hashlib
+
+    train = Path(args.data) / "train.jsonl"
+    digest = hashlib.sha256(train.read_bytes()).hexdigest()[:16] if train.is_file() else None
+    return {"data": str(Path(args.data).resolve()), "data_sha256": digest, "max_seq_length": args.max_seq_length,
+            "mask_prompt": args.mask_prompt, "pack": args.pack}
+
+
+def _resume(args, trainer):
+    """Restores --resume-from's checkpoint (a step or a path), else the newest that verifies, and
+    says what resume did; False when the run is already at --iters (nothing to do)."""
+    where = args.resume_from
+    step = trainer.resume(int(where) if where is not None and where.isdigit() else where,
+                          override=args.resume_override)
+    for note in trainer.notes:
+        print(note)
+    iters = trainer.cfg.iters
+    if step >= iters:
+        print(f"already at step {step} of {iters}; nothing to do" if step == iters else
+              f"already at step {step}, past --iters {iters}; nothing to do")
+        if not (Path(args.adapter_path) / "adapter_model.safetensors").exists():
+            trainer.save_adapter()  # a run stopped between its last checkpoint and the adapter
+        return False
+    print(f"resumed from step {step}")
+    return True
+
+
+class Interrupted(Exception):
+    """Ctrl-C during a command; main() prints the message and exits 130."""
+
+
+def _interrupted_message(trainer, out_dir):
+    from .checkpoint import list_checkpoints
+
+    found = list_checkpoints(Path(out_dir) / "checkpoints")
+    newest = f"step {found[-1][0]}; continue with --resume" if found else "none yet; start the run again"
+    return f"interrupted at step {trainer.step}; newest checkpoint: {newest}"
+
+
+def _os_error_message(err, args):
+    """One line for an OSError: the path, what went wrong and what to do."""
+    import errno
+
+    path = err.filename or getattr(args, "adapter_path", None) or getattr(args, "save_path", None) or "?"
+    if err.filename2:
+        path = f"{path} -> {err.filename2}"
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        todo = "the disk is full: free some space (or write elsewhere)"
+    elif err.errno == errno.EROFS:
+        todo = "read-only file system: choose a folder on a writable disk"
+    elif err.errno in (errno.EACCES, errno.EPERM):
+        todo = "permission denied: fix its permissions (the folder must be writable) or choose another path"
+    elif err.errno == errno.ENOTDIR:
+        todo = "a part of this path is a file, not a folder: choose another path"
+    elif err.errno == errno.ENOENT:
+        todo = "no such file or folder"
+    else:
+        todo = err.strerror or str(err)
+    checkpoints = " (checkpoints written so far are intact)" if args.cmd == "train" else ""
+    return f"{path}: {todo}{checkpoints}"
 
 
 def cmd_eval(args):
@@ -225,6 +354,15 @@ def main(argv=None):
     except (ValueError, FloatingPointError) as err:
         print(f"krnl {args.cmd}: error: {err}", file=sys.stderr)
         return 1
+    except OSError as err:  # disk full, read-only folder, permissions: one line, not a traceback
+        print(f"krnl {args.cmd}: error: {_os_error_message(err, args)}", file=sys.stderr)
+        return 1
+    except Interrupted as err:
+        print(f"\nkrnl {args.cmd}: {err}", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:
+        print(f"\nkrnl {args.cmd}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

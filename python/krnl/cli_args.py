@@ -2,6 +2,7 @@
 from a YAML file. The commands themselves live in cli.py and cli_device.py."""
 
 import argparse
+import re
 
 
 def yaml_defaults(path, parser):
@@ -23,21 +24,96 @@ def yaml_defaults(path, parser):
     known = {a.dest for a in parser._actions}
     out = {}
     lp = data.pop("lora_parameters", None) or {}
+    if not isinstance(lp, dict):
+        raise SystemExit(f"krnl train: error: {path}: lora_parameters must be a mapping (rank, alpha or scale, "
+                         f"dropout, keys), got {lp!r}")
     if lp:
-        rank = int(lp.get("rank", parser.get_default("lora_rank")))
+        rank = _yaml_number(path, "lora_parameters.rank", lp.get("rank", parser.get_default("lora_rank")), int)
         out["lora_rank"] = rank
         if "alpha" in lp:
-            out["lora_alpha"] = float(lp["alpha"])
+            out["lora_alpha"] = _yaml_number(path, "lora_parameters.alpha", lp["alpha"], float)
         elif "scale" in lp:  # mlx-lm stores alpha / r
-            out["lora_alpha"] = float(lp["scale"]) * rank
+            out["lora_alpha"] = _yaml_number(path, "lora_parameters.scale", lp["scale"], float) * rank
         if "dropout" in lp:
-            out["lora_dropout"] = float(lp["dropout"])
+            out["lora_dropout"] = _yaml_number(path, "lora_parameters.dropout", lp["dropout"], float)
+        if "keys" in lp:  # mlx-lm's module keys, e.g. [self_attn.q_proj, mlp.gate_proj]
+            out["lora_targets"] = _yaml_list(path, "lora_parameters.keys", lp["keys"])
+    actions = {a.dest: a for a in parser._actions}
     for key, value in data.items():
         dest = str(key).replace("-", "_")
         if dest not in known or dest in ("help", "config"):
             raise SystemExit(f"krnl train: error: {path}: unknown option {key!r}")
-        out[dest] = value
+        out[dest] = _yaml_value(path, key, value, actions[dest])
     return out
+
+
+def _yaml_number(path, key, value, kind):
+    """`value` as an int or float, or SystemExit naming the file and the option."""
+    what = "an integer" if kind is int else "a number"
+    try:
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise ValueError
+        v = float(value)
+        if kind is int:
+            if v != int(v):
+                raise ValueError
+            return int(v)
+        return v
+    except (ValueError, OverflowError):
+        raise SystemExit(f"krnl train: error: {path}: option {key!r} must be {what}, got {value!r}") from None
+
+
+def _yaml_list(path, key, value):
+    """A comma-separated string from a YAML list or scalar (--lora-layers, --lora-targets)."""
+    if isinstance(value, (list, tuple)):
+        if not all(isinstance(v, (str, int)) and not isinstance(v, bool) for v in value):
+            raise SystemExit(f"krnl train: error: {path}: option {key!r} must be a list of names or numbers, "
+                             f"got {value!r}")
+        return ",".join(str(v) for v in value)
+    if isinstance(value, (str, int)) and not isinstance(value, bool):
+        return str(value)
+    raise SystemExit(f"krnl train: error: {path}: option {key!r} must be a comma-separated string or a list, "
+                     f"got {value!r}")
+
+
+def _yaml_value(path, key, value, action):
+    """A YAML option's value checked against its flag: type, choices, true/false for switches."""
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse.BooleanOptionalAction)):
+        if not isinstance(value, bool):
+            raise SystemExit(f"krnl train: error: {path}: option {key!r} must be true or false, got {value!r}")
+        return value
+    if value is None:  # YAML null: the flag's default
+        return action.default
+    if action.dest in ("lora_layers", "lora_targets"):
+        return _yaml_list(path, key, value)
+    if action.type in (int, float):
+        value = _yaml_number(path, key, value, action.type)
+    elif isinstance(value, (list, dict, bool)):
+        raise SystemExit(f"krnl train: error: {path}: option {key!r} must be a single value, got {value!r}")
+    else:
+        value = str(value)
+    if action.choices is not None and value not in action.choices:
+        raise SystemExit(f"krnl train: error: {path}: option {key!r} must be one of "
+                         f"{', '.join(map(str, action.choices))}, got {value!r}")
+    return value
+
+
+def _show_default(value):
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value).replace("%", "%%")
+
+
+def _help_with_defaults(parser):
+    """Appends "(default: ...)" to every option's help that does not already state its default."""
+    for a in parser._actions:
+        if not a.option_strings or a.default is argparse.SUPPRESS or isinstance(a, argparse._HelpAction):
+            continue
+        text = a.help or ""
+        if not re.search(r"\bdefault[: ]", text.lower()):  # "(default: x)", "(default x)", "; default: x"
+            a.help = (text + " " if text else "") + f"(default: {_show_default(a.default)})"
 
 
 def parse_args(argv, commands):
@@ -84,16 +160,27 @@ def parse_args(argv, commands):
     t.add_argument("--lora-dropout", type=float, default=0.0)
     t.add_argument("--rslora", action="store_true", help="scale by alpha/sqrt(r) (rsLoRA)")
     t.add_argument("--lora-layers", default=None, help="comma-separated layer indices (default: all)")
-    t.add_argument("--lora-targets", default=None, help="comma-separated modules (default: q,k,v,o,gate,up,down)")
+    t.add_argument("--lora-targets", default=None, help="comma-separated modules: short names (q,k,v,o,gate,up,down), module "
+                   "names (q_proj) or mlx-lm keys (self_attn.q_proj) (default: all seven)")
     t.add_argument("--grad-checkpoint", action="store_true", help="recompute layers in backward (less memory)")
     t.add_argument("--train-samples", type=int, default=4000)
-    t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --adapter-path")
+    t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --adapter-path that "
+                   "verifies (the run's options must match the checkpoint's; --iters may grow)")
+    t.add_argument("--resume-from", default=None, metavar="STEP|PATH",
+                   help="continue from the checkpoint of this step in --adapter-path, or at this path (implies --resume)")
+    t.add_argument("--resume-override", action="store_true",
+                   help="resume even where options differ from the checkpoint's (the new ones apply; a different model "
+                   "or LoRA layout stays refused)")
+    t.add_argument("--overwrite", action="store_true",
+                   help="start a new run in an --adapter-path that holds another run (its checkpoints, metrics and "
+                   "adapter are removed)")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.set_defaults(fn=commands["train"])
 
     e = sub.add_parser("eval", help="test loss of a trained adapter")
     common(e)
-    e.add_argument("--adapter-path", default="adapters")
+    e.add_argument("--adapter-path", default=None, help="adapter folder (default: adapters when that folder "
+                   "exists, else the base model alone); \"\" for the base model alone")
     e.add_argument("--model", default=None, help="HF model folder (default: the adapter's base model)")
     e.add_argument("--data", default=None, help="folder with test.jsonl (or valid.jsonl), for HF models")
     e.add_argument("--max-seq-length", type=int, default=2048)
@@ -102,7 +189,8 @@ def parse_args(argv, commands):
 
     g = sub.add_parser("generate", help="sample from the model with a trained adapter (KV-cached)")
     common(g)
-    g.add_argument("--adapter-path", default="adapters")
+    g.add_argument("--adapter-path", default=None, help="adapter folder (default: adapters when that folder "
+                   "exists, else the base model alone); \"\" for the base model alone")
     g.add_argument("--model", default=None, help="HF model folder (default: the adapter's base model)")
     g.add_argument("--prompt", default="+2c>")
     g.add_argument("--max-tokens", type=int, default=16)
@@ -138,6 +226,8 @@ def parse_args(argv, commands):
     b = sub.add_parser("bench", help="krnl next to numpy, PyTorch and MLX on W1/W2/W3 and GEMMs, behind a control gate")
     bench_arguments(b)
     b.set_defaults(fn=commands["bench"])
+    for q in (d, t, e, g, f, w, b):
+        _help_with_defaults(q)
     args = p.parse_args(argv)
     if getattr(args, "config", None):
         t.set_defaults(**yaml_defaults(args.config, t))
@@ -146,4 +236,6 @@ def parse_args(argv, commands):
                  "lora_rank", "max_tokens", "samples", "train_samples"):
         if getattr(args, name, 1) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if getattr(args, "seed", 0) < 0:
+        raise SystemExit(f"krnl {args.cmd}: error: --seed must be >= 0, got {args.seed}")
     return args

@@ -68,14 +68,16 @@ def read_jsonl(path):
     path = Path(path)
     out = []
     try:
-        f = open(path, encoding="utf-8")
+        raw = path.read_bytes()
     except OSError as e:
         raise DataError(f"[data] cannot read {path}: {e}") from e
-    with f:
+    lines = []
+    for n, bline in enumerate(raw.split(b"\n"), 1):  # decoded per line: an error names its line
         try:
-            lines = list(f)
+            lines.append(bline.decode("utf-8-sig" if n == 1 else "utf-8"))
         except UnicodeDecodeError as e:
-            raise DataError(f"[data] {path}: not UTF-8 text ({e})") from e
+            _fail(path, n, f"not UTF-8 text (byte 0x{bline[e.start]:02x} at column {e.start + 1}); "
+                  "save the file as UTF-8")
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue

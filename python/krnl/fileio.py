@@ -5,7 +5,27 @@ JSON objects read with errors that name the file and line."""
 import json
 import os
 import tempfile
+import threading
 from pathlib import Path
+
+_UMASK_LOCK = threading.Lock()
+
+
+def current_umask():
+    """The process umask. Read from /proc/self/status where there is one (no side effect); else by
+    setting and restoring it under a lock (os.umask is process-wide: for that instant another
+    thread's new file would get the temporary, strict 077)."""
+    try:
+        with open("/proc/self/status", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    with _UMASK_LOCK:
+        mask = os.umask(0o077)
+        os.umask(mask)
+    return mask
 
 
 def atomic_write_bytes(path, data):
@@ -20,14 +40,18 @@ def atomic_write_chunks(path, chunks):
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
+            # mkstemp creates 0600; the file gets the mode any new file would (0666 less the umask).
+            os.fchmod(f.fileno(), 0o666 & ~current_umask())
             for data in chunks:
                 f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(e, OSError) and e.errno is not None and e.filename is None:
+            e.filename = str(path)  # a failed write (disk full) names the file it was for
         raise
 
 

@@ -1,4 +1,4 @@
-"""Hugging Face model folders (DESIGN section 8): `config.json` plus one `model.safetensors` or
+"""Hugging Face model folders (docs/architecture.md, 'Models, adapters and data'): `config.json` plus one `model.safetensors` or
 shards named by `model.safetensors.index.json`, for the llama, mistral and qwen2 families.
 
 Weights are mapped to the core as stored ([out, in], no transposes). The safetensors files are

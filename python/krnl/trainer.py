@@ -17,9 +17,10 @@ import numpy as np
 
 from . import adapter as adapter_io
 from .batches import Batches
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import fingerprint_diff, list_checkpoints, load_checkpoint, resolve_checkpoint, save_checkpoint
 from .fileio import atomic_write_bytes
 from .optim import AdamW, Schedule
+from .run_folder import describe, option_changes, repair_metrics
 
 
 @dataclass
@@ -59,7 +60,7 @@ def _batch_args(batch):
 
 class Trainer:
     def __init__(self, model, cfg, train, valid=None, out_dir="krnl_out", fingerprint=None, base_model="",
-                 progress=True, on_step=None):
+                 progress=True, on_step=None, options=None):
         cfg.validate()
         self.model, self.cfg, self.valid = model, cfg, valid
         # train: (ids, targets[, segments, positions]) arrays, a krnl.data.Split (its batches()),
@@ -75,6 +76,10 @@ class Trainer:
         self.fingerprint = fingerprint or {}
         self.base_model = base_model
         self.progress, self.on_step = progress, on_step
+        # Run options outside TrainConfig that a resume must match (data, ...): {name: JSON value}.
+        self.options = dict(options or {})
+        self.notes = []      # what resume() did besides restoring (skipped checkpoints, changes): lines
+        self.resumed = None  # what resume() changed, recorded in the first metrics row after it
         sched = Schedule(cfg.learning_rate, warmup_steps=min(cfg.warmup, cfg.iters), total_steps=cfg.iters,
                          kind=cfg.schedule, min_lr_ratio=cfg.min_lr_ratio)
         self.opt = AdamW(model.lora_params, sched, weight_decay=cfg.weight_decay,
@@ -87,28 +92,109 @@ class Trainer:
 
     def _trainer_state(self):
         return {"step": self.step, "data": self.data.state(), "dropout_seed": self.model._call_seed,
-                "config": asdict(self.cfg)}
+                "config": asdict(self.cfg), "options": self.options}
 
     def save(self):
         save_checkpoint(self.out / "checkpoints", adapter=self.model.lora_state(),
                         optimizer_state=self.opt.state_dict(), trainer_state=self._trainer_state(),
                         model_fingerprint=self.fingerprint, step=self.step, keep_last=self.cfg.keep_checkpoints)
 
-    def resume(self, path=None):
-        """Restores the newest checkpoint under out_dir (or `path`); returns its step."""
-        ck = load_checkpoint(path or self.out / "checkpoints", expected_fingerprint=self.fingerprint)
+    def _candidates(self, path):
+        """The checkpoints resume tries, in order: `path` (a checkpoint directory, or a checkpoint
+        root) or the step it names (an int); for a root, the one its `latest` names, then the
+        older ones, newest first."""
+        root = self.out / "checkpoints"
+        if isinstance(path, int):
+            found = dict(list_checkpoints(root))
+            if path not in found:
+                have = ", ".join(str(s) for s in found) or "none"
+                raise ValueError(f"[train] --resume-from {path}: {root} has no checkpoint of step {path} "
+                                 f"(steps there: {have})")
+            return [Path(found[path])]
+        if path is None and not list_checkpoints(root):
+            raise ValueError(f"[train] --resume: {root} holds no checkpoint; start a new run (with --overwrite "
+                             f"if {self.out} holds an earlier run's files)")
+        root = Path(path) if path is not None else root
+        found = list_checkpoints(root)
+        if (root / "manifest.json").exists() or not found:
+            return [root]  # one checkpoint, or none: load_checkpoint says what is wrong
+        try:
+            first = Path(resolve_checkpoint(root))
+        except ValueError as e:  # a corrupt `latest`
+            self.notes.append(f"{e}; trying the step-* checkpoints, newest first")
+            first = Path(found[-1][1])
+        first_step = dict((Path(p), s) for s, p in found).get(first, found[-1][0])
+        return [first] + [Path(p) for s, p in reversed(found) if s < first_step]
+
+    def resume(self, path=None, override=False):
+        """Restores the newest checkpoint under out_dir that verifies (a corrupt one is skipped,
+        with a line in self.notes), or the checkpoint `path` names (a directory, a checkpoint root,
+        or a step number); returns its step. TrainConfig fields and options that differ from the
+        checkpoint's are refused (ValueError listing them) unless override; cfg.iters may differ:
+        the learning-rate schedule is then stretched (or shrunk) to end at cfg.iters."""
+        cands = self._candidates(path)
+        skipped = []
+        for cand in cands:
+            try:
+                ck = load_checkpoint(cand)
+                break
+            except ValueError as e:
+                if len(cands) == 1:
+                    raise
+                skipped.append(f"{cand.name}: {e}")
+        else:
+            raise ValueError(f"[train] no checkpoint under {cands[0].parent} verifies: " + "; ".join(skipped))
+        self.notes.extend(f"skipped checkpoint {s} (falling back to {Path(ck.path).name})" for s in skipped)
+        diff = fingerprint_diff(ck.fingerprint, json.loads(json.dumps(self.fingerprint)))
+        if diff:
+            raise ValueError(f"[train] {ck.path} belongs to a different model or LoRA layout (--resume-override "
+                             f"cannot change these): " + "; ".join(diff[:5])
+                             + (f" (and {len(diff) - 5} more)" if len(diff) > 5 else ""))
+        st = ck.trainer_state
+        saved = dict(st.get("config", {}), **st.get("options", {}))
+        changes = option_changes(saved, dict(asdict(self.cfg), **self.options))
+        if changes and not override:
+            raise ValueError(f"[train] {ck.path} was trained with other options: {describe(changes)}; rerun with "
+                             f"the checkpoint's values, or pass --resume-override to continue with these")
         self.model.lora_params.load(ck.adapter)
         self.opt.load_state_dict(ck.optimizer_state)
-        st = ck.trainer_state
         self.data.load_state(st["data"])
         self.model._call_seed = int(st["dropout_seed"])
         self.step = int(st["step"])
-        # Metrics written after this checkpoint by the interrupted run are replayed: drop them.
-        mp = self.out / "metrics.jsonl"
-        if mp.exists():
-            keep = [ln for ln in mp.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= self.step]
-            atomic_write_bytes(mp, "".join(ln + "\n" for ln in keep).encode())
+        # Metrics written after this checkpoint by the interrupted run are replayed: drop them, and
+        # a torn last line (a write cut short).
+        note = repair_metrics(self.out / "metrics.jsonl", self.step)
+        if note:
+            self.notes.append(note)
+        if self.step < self.cfg.iters:
+            self._apply_changes(changes, saved.get("iters"))
         return self.step
+
+    def _apply_changes(self, changes, saved_iters):
+        """After a restore: the overridden options take effect and the schedule ends at cfg.iters."""
+        cfg, sched = self.cfg, self.opt.schedule
+        if changes:
+            self.notes.append(f"continuing with changed options (--resume-override): {describe(changes)}")
+            if "weight_decay" in changes:
+                self.opt.weight_decay = float(cfg.weight_decay)
+            if "max_grad_norm" in changes:
+                self.opt.max_grad_norm = float(cfg.max_grad_norm) if cfg.max_grad_norm else None
+        warm = cfg.warmup if "warmup" in changes else sched.warmup_steps
+        new = Schedule(cfg.learning_rate if "learning_rate" in changes else sched.lr,
+                       warmup_steps=min(warm, cfg.iters), total_steps=cfg.iters,
+                       kind=cfg.schedule if "schedule" in changes else sched.kind,
+                       min_lr_ratio=cfg.min_lr_ratio if "min_lr_ratio" in changes else sched.min_lr_ratio)
+        changed = {k: list(v) for k, v in changes.items()}
+        if saved_iters is not None and saved_iters != cfg.iters:
+            changed["iters"] = [saved_iters, cfg.iters]
+        if new.state_dict() != sched.state_dict():
+            old_total = sched.total_steps
+            self.opt.schedule = new
+            why = f"--iters {saved_iters} -> {cfg.iters}: " if "iters" in changed else ""
+            self.notes.append(f"{why}learning-rate schedule from step {self.step + 1}: {new.kind}, warmup "
+                              f"{new.warmup_steps}, ending at step {new.total_steps} (was {old_total})")
+        if changed or new is self.opt.schedule:
+            self.resumed = {"from_step": self.step, "changed": changed, "schedule": self.opt.schedule.state_dict()}
 
     # -- loop --------------------------------------------------------------------------------
 
@@ -159,6 +245,8 @@ class Trainer:
                 rec = {"step": self.step, "loss": loss, "lr": info["lr"], "grad_norm": info["grad_norm"],
                        "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0, "peak_mem_mib": peak,
                        "skipped_steps": info["skipped_steps"], "loss_scale": info["loss_scale"]}
+                if self.resumed is not None:  # the first step after a resume that changed the run
+                    rec["resumed"], self.resumed = self.resumed, None
                 self.history.append((self.step, loss))
                 last = self.step == cfg.iters
                 if (cfg.val_every and self.step % cfg.val_every == 0) or last:

@@ -155,6 +155,7 @@ def test_session_lists_absent_peers_with_reasons(monkeypatch):
     assert rows["mx.compile"]["status"] == "absent" and "no kernel for this shape" in rows["mx.compile"]["reason"]
 
 
+@pytest.mark.torch
 def test_bf16_session_checks_peers_in_bf16_and_lists_the_rest():
     """--dtype bf16 on the CPU: krnl and torch run the step in bf16 and are checked against each
     other at the bf16 tolerance; numpy (f32 only) and CUDA graphs are listed with the reason."""
@@ -210,7 +211,7 @@ def _result(trusted):
          "ms": 10.0, "tokens_per_s": 6400.0, "gflops": 50.0, "of_sgemm": 0.5, "vs_krnl": 1.0, "samples": 3, "note": ""},
         {"workload": "w1", "title": "W1 MLP block (tiny)", "impl": "mlx", "status": "ok", "reason": None,
          "ms": 20.0, "tokens_per_s": 3200.0, "gflops": 25.0, "of_sgemm": 0.25, "vs_krnl": 0.5, "samples": 3,
-         "note": "Linux CPU wheel: bundled reference BLAS, slow (DESIGN 6)"},
+         "note": "Linux CPU wheel: bundled reference BLAS, slow"},
         {"workload": "w1", "title": "W1 MLP block (tiny)", "impl": "torch", "status": "absent",
          "reason": "not installed (No module named 'torch')"},
         {"workload": "gemm nn 256^3", "impl": "krnl", "status": "ok", "reason": None, "ms": 1.0,

@@ -24,7 +24,8 @@ import krnl  # noqa: E402
 from krnl import adapter as adapter_io  # noqa: E402
 from krnl import hf  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+# torch: the whole module needs torch (stage 2 of .ci/run selects it with -m torch).
+pytestmark = [pytest.mark.torch, pytest.mark.filterwarnings("ignore::FutureWarning")]
 
 V = 101
 F32_RTOL = 1e-4

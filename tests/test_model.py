@@ -388,6 +388,7 @@ def test_low_precision_dtypes(dev, dtype):
      "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                       "original_max_position_embeddings": 16}},
 ], ids=["qwen2_bias", "llama_tied_mqa"])
+@pytest.mark.torch
 def test_against_torch(dev, over):
     torch = pytest.importorskip("torch")
     cfg, w, lcfg, m, lora, ids, tg = make(dev, over, {"use_rslora": True}, T=8, seed=12)

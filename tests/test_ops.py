@@ -1,4 +1,4 @@
-"""Every non-GEMM op of the backend contract (DESIGN section 2) against a float64 numpy oracle
+"""Every non-GEMM op of the backend contract (docs/architecture.md, 'The op contract') against a float64 numpy oracle
 at awkward sizes and one realistic size, in every dtype the op accepts; backward ops also
 against central finite differences taken through the device's own forward op; attention
 causality, GQA folding and packed-sample segments built from the ops."""
@@ -450,7 +450,7 @@ def test_softmax_causal_forward_segments(dev, dt):
 
 
 def attention(dev, Q, K, V, dt, scale, segments=None):
-    """Materialised causal attention from the ops (DESIGN section 5), head-major (H, T, D)."""
+    """Materialised causal attention from the ops (docs/architecture.md, 'Attention'), head-major (H, T, D)."""
     H, T, D = Q.shape
     S = empty_filled(dev, (H, T, T), dt)
     P = empty_filled(dev, (H, T, T), dt)
@@ -895,7 +895,7 @@ def test_cross_entropy_rejects_out_of_range_target(dev, bad):
 
 @pytest.mark.parametrize("dt", FLOAT_DTYPES)
 def test_cross_entropy_chunked_views(dev, dt):
-    """The caller chunks over tokens (DESIGN section 2): each call gets row-range views of one
+    """The caller chunks over tokens (docs/architecture.md, 'The op contract'): each call gets row-range views of one
     logits/targets/loss buffer, gradient written in place; the result equals the whole."""
     rng = np.random.default_rng(136)
     T, V, chunk = 40, 127, 16
@@ -1316,6 +1316,7 @@ def test_adamw_update_working_copy(dev, wdt):
             check_bits(got, bf16_value(bf16_bits(p32)), "working bf16")
 
 
+@pytest.mark.torch
 def test_adamw_update_matches_torch(dev):
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(55)

@@ -177,11 +177,14 @@ def parse_args(argv, commands):
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.set_defaults(fn=commands["train"])
 
+    def adapter_and_model(q):  # eval and generate: which adapter, on which base
+        q.add_argument("--adapter-path", default=None, help="adapter folder (default: adapters when that folder "
+                       "exists, else the base model alone); \"\" for the base model alone")
+        q.add_argument("--model", default=None, help="HF model folder (default: the adapter's base model)")
+
     e = sub.add_parser("eval", help="test loss of a trained adapter")
     common(e)
-    e.add_argument("--adapter-path", default=None, help="adapter folder (default: adapters when that folder "
-                   "exists, else the base model alone); \"\" for the base model alone")
-    e.add_argument("--model", default=None, help="HF model folder (default: the adapter's base model)")
+    adapter_and_model(e)
     e.add_argument("--data", default=None, help="folder with test.jsonl (or valid.jsonl), for HF models")
     e.add_argument("--max-seq-length", type=int, default=2048)
     e.add_argument("--samples", type=int, default=256, help="generated samples (embedded default)")
@@ -189,9 +192,7 @@ def parse_args(argv, commands):
 
     g = sub.add_parser("generate", help="sample from the model with a trained adapter (KV-cached)")
     common(g)
-    g.add_argument("--adapter-path", default=None, help="adapter folder (default: adapters when that folder "
-                   "exists, else the base model alone); \"\" for the base model alone")
-    g.add_argument("--model", default=None, help="HF model folder (default: the adapter's base model)")
+    adapter_and_model(g)
     g.add_argument("--prompt", default="+2c>")
     g.add_argument("--max-tokens", type=int, default=16)
     g.add_argument("--temp", type=float, default=0.0, help="0: greedy")

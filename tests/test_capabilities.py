@@ -1,4 +1,4 @@
-"""Device.capabilities(), the one answer to "what can this device do" (issue 13, item 3): every
+"""Device.capabilities(), the one answer to "what can this device do": every
 device gives every field with its type, each field agrees with what the device then does, the
 CPU's values, the model's attention policy taken from it, and no policy derived from a device's
 name anywhere in the package, the bench or the test fixtures."""

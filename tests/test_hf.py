@@ -1,4 +1,4 @@
-"""Real model folders and adapters against transformers and PEFT (issue 5): tiny random Llama
+"""Real model folders and adapters against transformers and PEFT: tiny random Llama
 (GQA, sharded) and Qwen2 (q/k/v biases) written by save_pretrained load in krnl with the same
 logits and loss; PEFT adapters go both ways; mlx-lm adapters load; `krnl fuse` output loads in
 transformers; bad inputs give clear errors.

@@ -1,4 +1,4 @@
-"""A newcomer's first hour (issue 15): base models without an adapter, output files with the
+"""A newcomer's first hour: base models without an adapter, output files with the
 user's umask, one-line errors (disk full, a path under a file, bad options, non-UTF-8 data),
 Ctrl-C during training, --lora-targets forms and --help defaults. No torch needed."""
 

@@ -20,5 +20,6 @@ void bind_testing(nb::module_& testing);
 Shape to_shape(nb::handle obj);       // int or sequence of ints
 DType to_dtype(nb::handle obj);       // "f16", "float16", numpy dtypes, ...
 nb::dict pool_stats_dict(const PoolStats& s);  // Device.pool_stats and the test pool's stats
+nb::list dtype_names(const std::vector<DType>& v);  // ["f32", "f16", ...]
 
 }  // namespace krnl::bindings

@@ -111,19 +111,14 @@ Tensor tensor_wrap(Backend& dev, nb::handle obj) {
 }
 
 nb::dict capabilities_dict(const Capabilities& c) {
-  auto names = [](const std::vector<DType>& v) {
-    nb::list l;
-    for (DType d : v) l.append(dtype_name(d));
-    return l;
-  };
   nb::dict fused;
-  fused["dtypes"] = names(c.fused_attention_dtypes);
+  fused["dtypes"] = dtype_names(c.fused_attention_dtypes);
   fused["segments"] = c.fused_attention_segments;
   nb::dict details;
   for (const auto& [k, v] : c.details) details[k.c_str()] = v;
   nb::dict d;
   d["kind"] = c.kind;
-  d["dtypes"] = names(c.dtypes);
+  d["dtypes"] = dtype_names(c.dtypes);
   d["compute_dtype"] = dtype_name(c.compute_dtype);
   d["fused_attention"] = fused;
   d["graphs"] = c.graphs;
@@ -153,6 +148,12 @@ nb::dict pool_stats_dict(const PoolStats& s) {
   d["allocations"] = s.allocations;
   d["reuses"] = s.reuses;
   return d;
+}
+
+nb::list dtype_names(const std::vector<DType>& v) {
+  nb::list l;
+  for (DType d : v) l.append(dtype_name(d));
+  return l;
 }
 
 void bind_devices(nb::module_& m) {

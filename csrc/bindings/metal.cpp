@@ -148,13 +148,9 @@ void bind_metal(nb::module_& m, nb::module_& t) {
           r["usable"] = metal::gpu_usable(g, &why);
           r["reason"] = why;
           r["native_bf16"] = metal::native_bf16(g);
-          nb::list dts;
-          for (DType t : metal::compute_dtypes(g, false)) dts.append(dtype_name(t));
-          r["dtypes"] = dts;
+          r["dtypes"] = dtype_names(metal::compute_dtypes(g, false));
           r["compute_dtype"] = dtype_name(metal::default_compute_dtype(g, false));
-          nb::list dts_k;
-          for (DType t : metal::compute_dtypes(g, true)) dts_k.append(dtype_name(t));
-          r["dtypes_with_bf16_kernels"] = dts_k;
+          r["dtypes_with_bf16_kernels"] = dtype_names(metal::compute_dtypes(g, true));
           r["compute_dtype_with_bf16_kernels"] = dtype_name(metal::default_compute_dtype(g, true));
           r["command_buffer"] = policy_dict(metal::command_buffer_policy(g));
           return r;

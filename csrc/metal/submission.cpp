@@ -59,11 +59,11 @@ uint64_t MetalOps::flush(bool timed) {
   try {
     submit(id, std::move(records), timed);
   } catch (...) {
-    // Nothing of it was committed: it counts as complete, and its own error is the one raised.
+    // Nothing of it was committed: it counts as complete, without a failure of its own to raise
+    // later (its error is the one raised now).
+    submission_done(id, nullptr, 0);
     std::lock_guard<std::mutex> lk(done_mu_);
-    pending_.erase(id);
-    done_ahead_.insert(id);
-    while (done_ahead_.erase(done_upto_.load() + 1)) done_upto_.fetch_add(1);
+    timed_ms_.erase(id);
     throw;
   }
   return id;

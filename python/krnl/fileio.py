@@ -28,20 +28,21 @@ def current_umask():
     return mask
 
 
-def atomic_write_bytes(path, data):
+def atomic_write_bytes(path, data, mode=None):
     """Replaces `path` with `data`."""
-    atomic_write_chunks(path, (data,))
+    atomic_write_chunks(path, (data,), mode)
 
 
-def atomic_write_chunks(path, chunks):
-    """atomic_write_bytes for an iterable of byte strings (large files are streamed)."""
+def atomic_write_chunks(path, chunks, mode=None):
+    """atomic_write_bytes for an iterable of byte strings (large files are streamed). `mode`: the
+    file's permission bits; by default those of any new file (0666 less the umask)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            # mkstemp creates 0600; the file gets the mode any new file would (0666 less the umask).
-            os.fchmod(f.fileno(), 0o666 & ~current_umask())
+            # mkstemp creates 0600
+            os.fchmod(f.fileno(), 0o666 & ~current_umask() if mode is None else mode)
             for data in chunks:
                 f.write(data)
             f.flush()

@@ -10,10 +10,10 @@ the refusal message. The file itself stays (removing it would let two writers lo
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 from .checkpoint import list_checkpoints
+from .fileio import atomic_write_bytes
 
 LOCK_NAME = ".krnl-train.lock"
 METRICS = "metrics.jsonl"
@@ -124,24 +124,6 @@ def remove_run(folder):
             pass
 
 
-def _rewrite(path, data):
-    """Replaces `path` atomically, keeping its permission bits (the user's umask at creation)."""
-    path = Path(path)
-    mode = os.stat(path).st_mode & 0o7777
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), mode)
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def repair_metrics(path, step):
     """Drops the rows of metrics file `path` past `step` (the interrupted run's, to be replayed)
     and a torn last line (a write cut short); rewrites the file atomically when anything was
@@ -171,7 +153,8 @@ def repair_metrics(path, step):
             continue
         keep.append(raw.decode("utf-8"))
     if dropped:
-        _rewrite(path, "".join(ln + "\n" for ln in keep).encode())
+        # atomically, keeping the file's permission bits (the user's umask at its creation)
+        atomic_write_bytes(path, "".join(ln + "\n" for ln in keep).encode(), mode=os.stat(path).st_mode & 0o7777)
     return note
 
 

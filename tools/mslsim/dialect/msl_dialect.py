@@ -589,15 +589,12 @@ def _text_recursion(masked: str, origins) -> list[Problem]:
 
 
 def _match_brace(s: str, i: int) -> int:
-    depth = 0
-    for j in range(i, len(s)):
-        if s[j] == "{":
-            depth += 1
-        elif s[j] == "}":
-            depth -= 1
-            if depth == 0:
-                return j
-    return len(s) - 1
+    # mslsim's bracket matcher; an unclosed body (code the compiler never saw) runs to the end
+    t = _transform()
+    try:
+        return t.match_close(s, i)
+    except t.MslsimError:
+        return len(s) - 1
 
 
 def _match_back(s: str, j: int) -> int:

@@ -28,9 +28,10 @@ def test_every_device_answers_every_field(name):
     assert c["dtypes"] and set(c["dtypes"]) <= set(FLOAT_DTYPES) and len(set(c["dtypes"])) == len(c["dtypes"])
     assert c["compute_dtype"] in c["dtypes"]
     fa = c["fused_attention"]
-    assert set(fa) == {"dtypes", "segments"} and type(fa["segments"]) is bool
+    assert set(fa) == {"dtypes", "segments", "window", "head_dims"}
+    assert type(fa["segments"]) is bool and type(fa["window"]) is bool
+    assert all(type(D) is int and D > 0 for D in fa["head_dims"])
     assert set(fa["dtypes"]) <= set(c["dtypes"])
-    assert fa["dtypes"] or not fa["segments"], "fused attention with segments but in no dtype"
     assert c["attention_block"] >= 0
     assert all(type(k) is str and type(v) is str for k, v in c["details"].items())
     # A device that runs each op as it is called runs every access in call order.
@@ -42,7 +43,8 @@ def test_cpu_values():
         c = krnl.device(name).capabilities()
         assert {k: v for k, v in c.items() if k != "details"} == {
             "kind": "cpu", "dtypes": ["f32", "f16", "bf16"], "compute_dtype": "f32",
-            "fused_attention": {"dtypes": [], "segments": False}, "graphs": False, "host_visible": True,
+            "fused_attention": {"dtypes": [], "segments": True, "window": True, "head_dims": []},
+            "graphs": False, "host_visible": True,
             "synchronous": True, "queue_ordered": True, "attention_block": 128}, name
         assert c["details"]["blas"] and int(c["details"]["threads"]) == krnl.num_threads()
 
@@ -151,6 +153,9 @@ def _with_capabilities(monkeypatch, **fields):
     monkeypatch.setattr(krnl.Device, "capabilities", fake)
 
 
+FUSED_F32 = {"dtypes": ["f32"], "segments": False, "window": False, "head_dims": []}
+
+
 def test_model_takes_attention_policy_from_capabilities(monkeypatch):
     """A CPU that claims fused f32 attention and query blocks of 4 rows gets a model that takes
     ops.attention_forward/backward (the CPU has them as reference loops) and splits the
@@ -170,7 +175,7 @@ def test_model_takes_attention_policy_from_capabilities(monkeypatch):
     loss_plain, plain_ops = step_ops(plain)
     assert "attention_forward" not in plain_ops
 
-    _with_capabilities(monkeypatch, fused_attention={"dtypes": ["f32"], "segments": False}, attention_block=4)
+    _with_capabilities(monkeypatch, fused_attention=FUSED_F32, attention_block=4)
     fused = tiny_lora_model(dev, "f32")
     assert fused.fused_attention and fused.attn_block == 4
     assert not tiny_lora_model(dev, "bf16").fused_attention  # fused in the listed dtypes only
@@ -189,6 +194,58 @@ def test_model_takes_attention_policy_from_capabilities(monkeypatch):
     assert whole_ops.count("softmax_causal_forward") == per_step
     for other in (loss_fused, loss_blocks, loss_whole):
         assert other == pytest.approx(loss_plain, rel=1e-5)
+
+
+def _attention_ops(m, ids, targets, **kw):
+    """(loss, the ops of one forward/backward with packed rows or positions in kw)."""
+    krnl._core.clear_profile(m.dev)
+    with krnl.profile(m.dev) as prof:
+        m.lora_params.zero_grads()
+        m.forward_backward(ids, targets, **kw)
+        m.dev.synchronize()
+    return m.read_loss(), [r["op"] for r in prof.records]
+
+
+def test_model_takes_packed_rows_fused_where_listed(monkeypatch):
+    """Packed rows take the fused op where the capabilities list segments (the CPU's reference
+    loops take them), else the materialised path; same loss; a head size outside the listed ones
+    keeps the materialised path."""
+    dev = krnl.device("cpu")
+    rng = np.random.default_rng(6)
+    ids, targets = rng.integers(0, 61, (2, 11)), rng.integers(0, 61, (2, 11))
+    seg = np.array([[0] * 4 + [1] * 7, [0] * 2 + [1] * 6 + [2] * 3], np.int32)
+    pos = np.concatenate([np.arange(4), np.arange(7)])[None].repeat(2, 0)
+    pos[1] = np.concatenate([np.arange(2), np.arange(6), np.arange(3)])
+    kw = {"segments": seg, "positions": pos}
+    losses = {}
+    for segments in (False, True):
+        _with_capabilities(monkeypatch, fused_attention={**FUSED_F32, "segments": segments})
+        m = tiny_lora_model(dev, "f32")
+        losses[segments], names = _attention_ops(m, ids, targets, **kw)
+        assert ("attention_forward" in names) == segments and ("softmax_causal_forward" in names) != segments
+    assert losses[True] == pytest.approx(losses[False], rel=1e-5)
+    head_dim = tiny_lora_model(dev, "f32").config.head_dim
+    _with_capabilities(monkeypatch, fused_attention={**FUSED_F32, "head_dims": [head_dim + 8]})
+    assert not tiny_lora_model(dev, "f32").fused_attention
+
+
+def test_model_sliding_window_needs_a_fused_window(monkeypatch):
+    """Rows longer than the config's sliding window run where the fused op lists the window, with
+    the window applied (a loss unlike the unwindowed one); elsewhere they are refused in one line."""
+    dev = krnl.device("cpu")
+    rng = np.random.default_rng(8)
+    ids, targets = rng.integers(0, 61, (2, 11)), rng.integers(0, 61, (2, 11))
+    wide = tiny_lora_model(dev, "f32")
+    loss_wide, _ = _attention_ops(wide, ids, targets)
+    with pytest.raises(ValueError, match=r"sequence length 11 exceeds the sliding window 4 .*fused"):
+        tiny_lora_model(dev, "f32", model_type="mistral", sliding_window=4).forward_backward(ids, targets)
+    _with_capabilities(monkeypatch, fused_attention={**FUSED_F32, "window": True})
+    m = tiny_lora_model(dev, "f32", model_type="mistral", sliding_window=4)
+    loss_win, names = _attention_ops(m, ids, targets)
+    assert "attention_forward" in names and loss_win != pytest.approx(loss_wide, rel=1e-4)
+    m.fused_attention = False  # the materialised path has no window
+    with pytest.raises(ValueError, match="sliding window 4"):
+        m.forward_backward(ids, targets)
 
 
 # ---- no policy from a device's name

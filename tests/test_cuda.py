@@ -40,7 +40,8 @@ def test_capabilities(cuda):
     assert (c["kind"], c["compute_dtype"], c["graphs"], c["attention_block"]) == ("cuda", "bf16", True, 1024)
     assert c["dtypes"] == ["f32", "f16", "bf16"]
     assert (c["host_visible"], c["synchronous"], c["queue_ordered"]) == (False, False, True)
-    assert c["fused_attention"]["dtypes"] in ([], ["f16", "bf16"]) and not c["fused_attention"]["segments"]
+    fa = c["fused_attention"]
+    assert fa["dtypes"] in ([], ["f16", "bf16"]) and not fa["segments"] and fa["window"] == bool(fa["dtypes"])
     assert c["details"]["gpu"] and int(c["details"]["sm_count"]) > 0
 
 

@@ -587,12 +587,23 @@ def test_softmax_backward_finite_differences(dev):
 # ------------------------------------------------------------------------- fused attention
 
 
-def attention_ref(q, k, v, scale):
+def attention_mask(T, segments=None, window=0):
+    """(T, T) bool: query i sees key j (the op contract, written independently of the kernels)."""
+    i, j = np.arange(T)[:, None], np.arange(T)[None, :]
+    m = j <= i
+    if window:
+        m &= i - j < window
+    if segments is not None:
+        m &= segments[:, None] == segments[None, :]
+    return m
+
+
+def attention_ref(q, k, v, scale, segments=None, window=0):
     """float64 causal attention with GQA (query head h reads KV head h // g): o, lse, P."""
     Hq, T, _ = q.shape
     kk, vv = (np.repeat(x, Hq // k.shape[0], axis=0) for x in (k, v))
     S = scale * np.einsum("htd,hsd->hts", q, kk)
-    S = np.where(np.tril(np.ones((T, T), bool)), S, -np.inf)
+    S = np.where(attention_mask(T, segments, window), S, -np.inf)
     m = S.max(-1, keepdims=True)
     e = np.exp(S - m)
     lse = (m + np.log(e.sum(-1, keepdims=True)))[..., 0]
@@ -600,12 +611,12 @@ def attention_ref(q, k, v, scale):
     return P @ vv, lse, P
 
 
-def attention_backward_ref(q, k, v, do, scale):
+def attention_backward_ref(q, k, v, do, scale, segments=None, window=0):
     """float64 dq, dk, dv of attention_ref (dk, dv summed over each KV head's query heads)."""
     Hq, Hk = q.shape[0], k.shape[0]
     g = Hq // Hk
     kk, vv = (np.repeat(x, g, axis=0) for x in (k, v))
-    _, _, P = attention_ref(q, k, v, scale)
+    _, _, P = attention_ref(q, k, v, scale, segments, window)
     dP = do @ vv.transpose(0, 2, 1)
     dS = P * (dP - np.sum(dP * P, -1, keepdims=True)) * scale
     dq = dS @ kk
@@ -693,6 +704,97 @@ def test_attention_backward_finite_differences(dev):
         assert_fd(read(grads[i]), fd_grad(loss, x0[i]), name)
 
 
+def require_attention_masks(dev, dt, segments, window):
+    """The fused op takes packed segments / a window where the capabilities say so (the CPU's
+    reference loops always)."""
+    require_attention(dev, dt)
+    fa = dev.capabilities()["fused_attention"]
+    if segments and not fa["segments"]:
+        pytest.skip(f"{dev.name}'s fused attention lists no packed segments")
+    if window and not fa["window"]:
+        pytest.skip(f"{dev.name}'s fused attention lists no sliding window")
+
+
+def packed_segments(T, seed):
+    """(T,) i32 ids of packed samples of random lengths (1 included), ids increasing."""
+    rng = np.random.default_rng(seed)
+    lengths = []
+    while sum(lengths) < T:
+        lengths.append(int(rng.integers(1, max(2, T // 3) + 1)))
+    seg = np.repeat(np.arange(len(lengths), dtype=np.int32), lengths)[:T]
+    return seg
+
+
+# (Hq, Hk, T, D, packed, window): windows shorter than, equal to and longer than the row
+ATTN_MASK_CASES = [(2, 1, 31, 16, True, 0), (4, 2, 33, 64, False, 8), (4, 1, 65, 64, True, 16),
+                   (2, 2, 33, 16, False, 33), (2, 1, 1, 8, True, 1), (4, 2, 127, 128, True, 40)]
+ATTN_MASK_IDS = ["packed-31", "window8-33", "packed-window16-65", "window33-33", "packed-window1-1",
+                 "packed-window40-127"]
+
+
+@pytest.mark.parametrize("dt", FLOAT_DTYPES)
+@pytest.mark.parametrize("Hq,Hk,T,D,packed,window", ATTN_MASK_CASES, ids=ATTN_MASK_IDS)
+def test_attention_forward_masks(dev, Hq, Hk, T, D, packed, window, dt):
+    """Packed segments and a sliding window: o and lse against float64 attention under the same mask."""
+    require_attention_masks(dev, dt, packed, window)
+    (q, qf), (k, kf), (v, vf) = attention_inputs(dev, Hq, Hk, T, D, dt, 44)
+    seg = packed_segments(T, 45) if packed else None
+    scale = 1.0 / math.sqrt(D)
+    o, lse = empty_filled(dev, (Hq, T, D), dt), empty_filled(dev, (Hq, T), "f32")
+    ops.attention_forward(q, k, v, o, lse, scale, None if seg is None else to_dev(dev, seg, "i32"), window)
+    o_ref, lse_ref, _ = attention_ref(qf, kf, vf, scale, seg, window)
+    tol = ATTN_TOL[dt]
+    assert_close(read(o), o_ref, rtol=tol, atol=tol * np.max(np.abs(vf)), what="o")
+    assert_close(read(lse), lse_ref, rtol=0, atol=1e-5 if dt == "f32" else 2e-3, what="lse")
+
+
+@pytest.mark.parametrize("dt", FLOAT_DTYPES)
+@pytest.mark.parametrize("Hq,Hk,T,D,packed,window", ATTN_MASK_CASES, ids=ATTN_MASK_IDS)
+def test_attention_backward_masks(dev, Hq, Hk, T, D, packed, window, dt):
+    """dq, dk, dv under packed segments and a sliding window against float64 gradients."""
+    require_attention_masks(dev, dt, packed, window)
+    (q, qf), (k, kf), (v, vf) = attention_inputs(dev, Hq, Hk, T, D, dt, 46)
+    do, dof = upload(dev, np.random.default_rng(47).standard_normal((Hq, T, D)), dt)
+    seg = packed_segments(T, 48) if packed else None
+    sd = None if seg is None else to_dev(dev, seg, "i32")
+    scale = 1.0 / math.sqrt(D)
+    o, lse = dev.empty((Hq, T, D), dt), dev.empty((Hq, T), "f32")
+    ops.attention_forward(q, k, v, o, lse, scale, sd, window)
+    dq, dk, dv = (empty_filled(dev, s, dt) for s in ((Hq, T, D), (Hk, T, D), (Hk, T, D)))
+    ops.attention_backward(q, k, v, o, do, lse, dq, dk, dv, scale, sd, window)
+    tol = 2 * ATTN_TOL[dt]
+    refs = attention_backward_ref(qf, kf, vf, dof, scale, seg, window)
+    for name, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), refs):
+        assert_close(read(got), ref, rtol=tol, atol=tol * 1e-2, what=name)
+
+
+def test_attention_masks_finite_differences(dev):
+    """With segments and a window, attention_backward is the gradient of sum(o * ct) through the
+    device's own forward (f32, GQA)."""
+    require_attention_masks(dev, "f32", True, True)
+    Hq, Hk, T, D, scale, window = 2, 1, 7, 4, 0.6, 3
+    seg = np.array([0, 0, 0, 0, 1, 1, 2], np.int32)
+    rng = np.random.default_rng(49)
+    x0 = [rng.standard_normal(s).astype(np.float32) for s in ((Hq, T, D), (Hk, T, D), (Hk, T, D))]
+    ct = rng.standard_normal((Hq, T, D)).astype(np.float32)
+    sd = to_dev(dev, seg, "i32")
+
+    def forward(q, k, v):
+        o, lse = dev.empty((Hq, T, D)), dev.empty((Hq, T))
+        ops.attention_forward(to_dev(dev, q), to_dev(dev, k), to_dev(dev, v), o, lse, scale, sd, window)
+        return o, lse
+
+    o, lse = forward(*x0)
+    grads = [dev.empty(x.shape) for x in x0]
+    ops.attention_backward(*(to_dev(dev, x) for x in x0), o, to_dev(dev, ct), lse, *grads, scale, sd, window)
+    for i, name in enumerate(("dq", "dk", "dv")):
+        def loss(xi):
+            args = list(x0)
+            args[i] = xi
+            return float(np.sum(read(forward(*args)[0]) * ct))
+        assert_fd(read(grads[i]), fd_grad(loss, x0[i]), name)
+
+
 def test_attention_errors(dev):
     """Bad operands name the op and the argument."""
     q, k = dev.empty((4, 8, 16)), dev.empty((3, 8, 16))
@@ -706,6 +808,12 @@ def test_attention_errors(dev):
         ops.attention_forward(q, k, k, o, lse, 0.0)
     with pytest.raises(ValueError, match=r"\[attention_backward\] dk must have shape \(2, 8, 16\)"):
         ops.attention_backward(q, k, k, o, o, lse, o, o, k, 0.25)
+    with pytest.raises(ValueError, match=r"\[attention_forward\] segments must have shape \(8,\)"):
+        ops.attention_forward(q, k, k, o, lse, 0.25, dev.zeros((7,), "i32"))
+    with pytest.raises(ValueError, match=r"\[attention_forward\] segments must be i32, got f32"):
+        ops.attention_forward(q, k, k, o, lse, 0.25, dev.zeros((8,)))
+    with pytest.raises(ValueError, match=r"\[attention_backward\] window must be >= 0"):
+        ops.attention_backward(q, k, k, o, o, lse, o, k, k, 0.25, None, -1)
 
 
 # -------------------------------------------------------------------------------- embedding

@@ -41,11 +41,14 @@ void bind_ops(nb::module_& parent) {
   m.def("softmax_backward", &ops::softmax_backward, release, "P"_a, "dP"_a, "dS"_a, "scale"_a,
         "dS = P * (dP - rowsum(dP * P)) * scale.");
   m.def("attention_forward", &ops::attention_forward, release, "q"_a, "k"_a, "v"_a, "o"_a, "lse"_a, "scale"_a,
+        "segments"_a = nb::none(), "window"_a = 0,
         "Fused causal attention: o = softmax(scale * q k^T, causal) v per head, never materialising the\n"
         "scores. q, o (Hq, T, D); k, v (Hk, T, D), query head h reads KV head h // (Hq // Hk); lse (Hq, T) f32\n"
-        "receives the natural-log row sums of exp(scale * q.k), which attention_backward needs.");
+        "receives the natural-log row sums of exp(scale * q.k), which attention_backward needs. Query i sees\n"
+        "key j <= i, within i - j < window if window > 0, and of its own sample if segments (T,) i32 are given.");
   m.def("attention_backward", &ops::attention_backward, release, "q"_a, "k"_a, "v"_a, "o"_a, "dout"_a, "lse"_a, "dq"_a,
-        "dk"_a, "dv"_a, "scale"_a, "dq, dk, dv (overwritten) of attention_forward, from its o and lse.");
+        "dk"_a, "dv"_a, "scale"_a, "segments"_a = nb::none(), "window"_a = 0,
+        "dq, dk, dv (overwritten) of attention_forward (same segments and window), from its o and lse.");
   m.def("embedding_forward", &ops::embedding_forward, release, "ids"_a, "table"_a, "out"_a);
   m.def("embedding_backward", &ops::embedding_backward, release, "ids"_a, "dout"_a, "dtable"_a,
         "dtable (f32) += scatter of dout rows by id.");

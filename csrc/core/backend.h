@@ -70,6 +70,8 @@ struct Capabilities {
   DType compute_dtype = DType::f32;  // the training default
   std::vector<DType> fused_attention_dtypes;  // where attention_forward/backward beat the materialised path
   bool fused_attention_segments = false;      // ... also with packed segments
+  bool fused_attention_window = false;        // ... also with a sliding window
+  std::vector<int64_t> fused_attention_head_dims;  // ... for these head sizes D (empty: any)
   bool graphs = false;         // capture() records a step that replays whole
   bool host_visible = true;    // tensors' memory is readable by the CPU (zero-copy numpy views)
   bool synchronous = true;     // ops complete when they return

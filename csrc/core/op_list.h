@@ -10,7 +10,9 @@
 // - attention_forward/backward: fused causal attention (docs/architecture.md, 'Attention'; flash form). q (Hq, T,
 //   D), k and v (Hk, T, D), query head h reads KV head h / (Hq / Hk); o (Hq, T, D); lse (Hq, T)
 //   f32, the natural-log sum of exp(scale * q.k) over the keys each query sees, which is all
-//   backward keeps of the scores. Backward overwrites dq, dk, dv.
+//   backward keeps of the scores. Backward overwrites dq, dk, dv. Query i sees key j iff j <= i,
+//   and i - j < window where window > 0 (sliding window), and seg[i] == seg[j] where segments
+//   (T,) i32 are given (packed samples). Capabilities say which of these a backend's fused op takes.
 // - transpose_heads: out (B, A, D) = x (A, B, D) with the first two axes swapped: token-major
 //   (T, H, D) projections to head-major (H, T, D) attention operands and back.
 #pragma once
@@ -32,9 +34,10 @@
   X(softmax_causal_forward, (const Tensor& S, const Tensor& P, float scale, const Tensor* segments))                \
   X(softmax_backward, (const Tensor& P, const Tensor& dP, const Tensor& dS, float scale))                           \
   X(attention_forward, (const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& lse,      \
-                        float scale))                                                                               \
+                        float scale, const Tensor* segments, int64_t window))                                       \
   X(attention_backward, (const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& dout,    \
-                         const Tensor& lse, const Tensor& dq, const Tensor& dk, const Tensor& dv, float scale))     \
+                         const Tensor& lse, const Tensor& dq, const Tensor& dk, const Tensor& dv, float scale,      \
+                         const Tensor* segments, int64_t window))                                                   \
   X(embedding_forward, (const Tensor& ids, const Tensor& table, const Tensor& out))                                 \
   X(embedding_backward, (const Tensor& ids, const Tensor& dout, const Tensor& dtable))                              \
   X(cross_entropy, (const Tensor& logits, const Tensor& targets, const Tensor& loss, const Tensor* dlogits,         \

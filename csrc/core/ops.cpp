@@ -300,7 +300,7 @@ namespace {
 // Shared checks of attention_forward/backward: q (Hq, T, D), k and v (Hk, T, D) with Hk dividing
 // Hq, o like q, lse (Hq, T) f32. Returns the causal FLOPs of the forward's two products.
 double check_attention(Check& c, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o,
-                       const Tensor& lse, float scale) {
+                       const Tensor& lse, float scale, const Tensor* segments, int64_t window) {
   c.tensor("q", q), c.tensor("k", k), c.tensor("v", v), c.tensor("o", o), c.tensor("lse", lse);
   c.floating("q", q);
   if (q.dim() != 3) c.fail("q must be (Hq, T, D), got " + q.describe());
@@ -313,22 +313,32 @@ double check_attention(Check& c, const Tensor& q, const Tensor& k, const Tensor&
   c.shape("o", o, q.shape()), c.same_dtype("o", o, "q", q);
   c.shape("lse", lse, {Hq, T}), c.dtype("lse", lse, {DType::f32});
   if (!(scale > 0)) c.fail("scale must be > 0");
-  return 2.0 * double(Hq) * double(D) * double(T) * double(T + 1);  // QK^T and PV over j <= i
+  if (segments) {
+    c.tensor("segments", *segments);
+    c.dtype("segments", *segments, {DType::i32});
+    c.shape("segments", *segments, {T});
+  }
+  if (window < 0) c.fail("window must be >= 0 (0: no sliding window), got " + std::to_string(window));
+  // QK^T and PV over the keys each query sees (an upper bound with segments)
+  const double keys = window > 0 && window < T ? double(window) * double(2 * T - window + 1) / 2.0
+                                               : double(T) * double(T + 1) / 2.0;
+  return 4.0 * double(Hq) * double(D) * keys;
 }
 }  // namespace
 
 void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& lse,
-                       float scale) {
+                       float scale, const Tensor* segments, int64_t window) {
   Check c{"attention_forward"};
-  const double flops = check_attention(c, q, k, v, o, lse, scale);
+  const double flops = check_attention(c, q, k, v, o, lse, scale, segments, window);
   run(c, shape_str(q.shape()) + " kv " + shape_str(k.shape()), flops, nbytes({&q, &k, &v, &o, &lse}), q.dtype(),
-      [&] { c.dev->attention_forward(q, k, v, o, lse, scale); });
+      [&] { c.dev->attention_forward(q, k, v, o, lse, scale, segments, window); });
 }
 
 void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& dout,
-                        const Tensor& lse, const Tensor& dq, const Tensor& dk, const Tensor& dv, float scale) {
+                        const Tensor& lse, const Tensor& dq, const Tensor& dk, const Tensor& dv, float scale,
+                        const Tensor* segments, int64_t window) {
   Check c{"attention_backward"};
-  const double flops = check_attention(c, q, k, v, o, lse, scale);
+  const double flops = check_attention(c, q, k, v, o, lse, scale, segments, window);
   c.tensor("dout", dout), c.tensor("dq", dq), c.tensor("dk", dk), c.tensor("dv", dv);
   c.shape("dout", dout, q.shape()), c.same_dtype("dout", dout, "q", q);
   c.shape("dq", dq, q.shape()), c.same_dtype("dq", dq, "q", q);
@@ -337,7 +347,7 @@ void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const
   // Backward recomputes S and runs four more products: 2.5 forwards, as flash attention counts.
   run(c, shape_str(q.shape()) + " kv " + shape_str(k.shape()), 2.5 * flops,
       nbytes({&q, &k, &v, &o, &dout, &lse, &dq, &dk, &dv}), q.dtype(),
-      [&] { c.dev->attention_backward(q, k, v, o, dout, lse, dq, dk, dv, scale); });
+      [&] { c.dev->attention_backward(q, k, v, o, dout, lse, dq, dk, dv, scale, segments, window); });
 }
 
 void embedding_forward(const Tensor& ids, const Tensor& table, const Tensor& out) {

@@ -33,10 +33,10 @@ class CpuBackend : public Backend {
   // keeps the materialised row-block path on the CPU (BLAS runs it faster): capabilities() lists no
   // fused_attention dtypes.
   void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& lse,
-                         float scale) override;
+                         float scale, const Tensor* segments, int64_t window) override;
   void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& dout,
-                          const Tensor& lse, const Tensor& dq, const Tensor& dk, const Tensor& dv,
-                          float scale) override;
+                          const Tensor& lse, const Tensor& dq, const Tensor& dk, const Tensor& dv, float scale,
+                          const Tensor* segments, int64_t window) override;
   void embedding_forward(const Tensor& ids, const Tensor& table, const Tensor& out) override;
   void embedding_backward(const Tensor& ids, const Tensor& dout, const Tensor& dtable) override;
   void cross_entropy(const Tensor& logits, const Tensor& targets, const Tensor& loss, const Tensor* dlogits,

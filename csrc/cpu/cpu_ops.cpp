@@ -219,25 +219,35 @@ std::vector<float> to_f32(const Tensor& x) {
   load_all(x.dtype(), x.data(), 0, x.numel(), f.data());
   return f;
 }
+
+// The keys query i sees (op_list.h): j in [first(i), i] with the same segment.
+struct AttentionMask {
+  const int32_t* seg;  // (T,) or null
+  int64_t window;      // 0: none
+  int64_t first(int64_t i) const { return window > 0 ? std::max<int64_t>(0, i - window + 1) : 0; }
+  bool sees(int64_t i, int64_t j) const { return !seg || seg[i] == seg[j]; }
+};
 }  // namespace
 
 void CpuBackend::attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o,
-                                   const Tensor& lse, float scale) {
+                                   const Tensor& lse, float scale, const Tensor* segments, int64_t window) {
   const int64_t Hq = q.size(0), T = q.size(1), D = q.size(2), g = Hq / k.size(0);
   const std::vector<float> qf = to_f32(q), kf = to_f32(k), vf = to_f32(v);
   std::vector<float> of(qf.size());
   float* ls = lse.ptr<float>();
+  const AttentionMask mask{segments ? segments->ptr<int32_t>() : nullptr, window};
   for_rows(Hq * T, T * D, [&](int64_t r0, int64_t r1) {
     float* p = scratch(0, T);
     for (int64_t r = r0; r < r1; ++r) {
-      const int64_t h = r / T, i = r % T, kv = (h / g) * T * D;
+      const int64_t h = r / T, i = r % T, kv = (h / g) * T * D, j0 = mask.first(i);
       const float* qi = &qf[size_t(r * D)];
       float m = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j <= i; ++j) m = std::max(m, p[j] = scale * dot(qi, &kf[size_t(kv + j * D)], D));
+      for (int64_t j = j0; j <= i; ++j)
+        if (mask.sees(i, j)) m = std::max(m, p[j] = scale * dot(qi, &kf[size_t(kv + j * D)], D));
       float l = 0.f;
-      for (int64_t j = 0; j <= i; ++j) l += (p[j] = std::exp(p[j] - m));
+      for (int64_t j = j0; j <= i; ++j) l += (p[j] = mask.sees(i, j) ? std::exp(p[j] - m) : 0.f);
       float* oi = &of[size_t(r * D)];
-      for (int64_t j = 0; j <= i; ++j)
+      for (int64_t j = j0; j <= i; ++j)
         for (int64_t d = 0; d < D; ++d) oi[d] += p[j] * vf[size_t(kv + j * D + d)];
       for (int64_t d = 0; d < D; ++d) oi[d] /= l;
       ls[r] = m + std::log(l);
@@ -248,28 +258,33 @@ void CpuBackend::attention_forward(const Tensor& q, const Tensor& k, const Tenso
 
 void CpuBackend::attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o,
                                     const Tensor& dout, const Tensor& lse, const Tensor& dq, const Tensor& dk,
-                                    const Tensor& dv, float scale) {
+                                    const Tensor& dv, float scale, const Tensor* segments, int64_t window) {
   const int64_t Hq = q.size(0), Hk = k.size(0), T = q.size(1), D = q.size(2), g = Hq / Hk;
   const std::vector<float> qf = to_f32(q), kf = to_f32(k), vf = to_f32(v), of = to_f32(o), df = to_f32(dout);
   std::vector<float> dqf(qf.size()), dkf(kf.size()), dvf(vf.size());
   const float* ls = lse.ptr<float>();
+  const AttentionMask mask{segments ? segments->ptr<int32_t>() : nullptr, window};
   // One task per KV head: it owns that head's dk/dv rows and its g query heads' dq rows.
   ThreadPool::global().parallel_for(Hk, 1, [&](int64_t k0, int64_t k1) {
     float* ds = scratch(0, T);
     for (int64_t kh = k0; kh < k1; ++kh)
       for (int64_t h = kh * g; h < (kh + 1) * g; ++h)
         for (int64_t i = 0; i < T; ++i) {
-          const int64_t r = h * T + i, kv = kh * T * D;
+          const int64_t r = h * T + i, kv = kh * T * D, j0 = mask.first(i);
           const float* qi = &qf[size_t(r * D)];
           const float* doi = &df[size_t(r * D)];
           const float Di = dot(doi, &of[size_t(r * D)], D);  // rowsum(dP * P) = dO . O
-          for (int64_t j = 0; j <= i; ++j) {
+          for (int64_t j = j0; j <= i; ++j) {
+            if (!mask.sees(i, j)) {
+              ds[j] = 0.f;
+              continue;
+            }
             const float p = std::exp(scale * dot(qi, &kf[size_t(kv + j * D)], D) - ls[r]);
             ds[j] = p * (dot(doi, &vf[size_t(kv + j * D)], D) - Di) * scale;
             for (int64_t d = 0; d < D; ++d) dvf[size_t(kv + j * D + d)] += p * doi[d];
           }
           float* dqi = &dqf[size_t(r * D)];
-          for (int64_t j = 0; j <= i; ++j)
+          for (int64_t j = j0; j <= i; ++j)
             for (int64_t d = 0; d < D; ++d) {
               dqi[d] += ds[j] * kf[size_t(kv + j * D + d)];
               dkf[size_t(kv + j * D + d)] += ds[j] * qi[d];

@@ -6,6 +6,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <stdexcept>
@@ -109,16 +110,17 @@ struct CudaBackend::CudnnState {
     std::shared_ptr<fe::graph::Graph> graph;
     int64_t workspace = 0;
   };
-  using Key = std::tuple<bool, int, int64_t, int64_t, int64_t, int64_t, float>;
+  using Key = std::tuple<bool, int, int64_t, int64_t, int64_t, int64_t, float, int64_t>;
   std::map<Key, Plan> plans;
 
   ~CudnnState() {
     if (handle) fe::detail::destroy_handle(handle);
   }
 
+  // window > 0: key j visible to query i only where i - j < window (cuDNN's left bound: j + window > i).
   const Plan& plan(bool backward, DType dt, int64_t Hq, int64_t Hk, int64_t T, int64_t D, float scale,
-                   const char* op) {
-    const Key key{backward, int(dt), Hq, Hk, T, D, scale};
+                   int64_t window, const char* op) {
+    const Key key{backward, int(dt), Hq, Hk, T, D, scale, window};
     if (auto it = plans.find(key); it != plans.end()) return it->second;
     auto g = std::make_shared<fe::graph::Graph>();
     g->set_io_data_type(fe_dtype(dt))
@@ -131,6 +133,7 @@ struct CudaBackend::CudnnState {
       auto opts = fe::graph::SDPA_attributes().set_name("attention_forward").set_generate_stats(true).set_attn_scale(
           scale);
       opts.set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT).set_diagonal_band_right_bound(0);
+      if (window > 0) opts.set_diagonal_band_left_bound(int(window));
       auto [o, lse] = g->sdpa(q, k, v, opts);
       place(o->set_output(true), kO, Hq, T, D);
       place(lse->set_output(true).set_data_type(fe::DataType_t::FLOAT), kStats, Hq, T, 1);
@@ -140,6 +143,7 @@ struct CudaBackend::CudnnState {
       auto lse = g->tensor(input("lse", kStats, Hq, T, 1).set_data_type(fe::DataType_t::FLOAT));
       auto opts = fe::graph::SDPA_backward_attributes().set_name("attention_backward").set_attn_scale(scale);
       opts.set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT).set_diagonal_band_right_bound(0);
+      if (window > 0) opts.set_diagonal_band_left_bound(int(window));
       auto [dq, dk, dv] = g->sdpa_backward(q, k, v, o, dO, lse, opts);
       place(dq->set_output(true), kDQ, Hq, T, D);
       place(dk->set_output(true), kDK, Hk, T, D);
@@ -179,10 +183,17 @@ CudaBackend::CudnnState& CudaBackend::cudnn(const char* op) {
 }
 
 namespace {
-void check_fused_dtype(DType dt, const char* op) {
+void check_fused(DType dt, const Tensor* segments, int64_t window, const char* op) {
   if (!fused_dtype(dt))
     throw NotImplementedError(std::string("[") + op + "] cuDNN's fused attention takes bf16 or f16 on cuda, got " +
                               dtype_name(dt) + " (f32 takes the materialised path)");
+  // Packed rows would be cuDNN's ragged layout over token-major rows; the head-major operands here
+  // are not, so the model keeps those rows materialised (capabilities: segments false).
+  if (segments)
+    throw NotImplementedError(std::string("[") + op + "] packed segments are not implemented in cuda's fused "
+                              "attention (they take the materialised path)");
+  if (window > int64_t(std::numeric_limits<int>::max()))
+    throw std::invalid_argument(std::string("[") + op + "] window " + std::to_string(window) + " exceeds cuDNN's int");
 }
 
 void execute(fe::graph::Graph& g, cudnnHandle_t h, std::unordered_map<int64_t, void*>& pack, void* ws,
@@ -193,11 +204,13 @@ void execute(fe::graph::Graph& g, cudnnHandle_t h, std::unordered_map<int64_t, v
 }  // namespace
 
 void CudaBackend::attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o,
-                                    const Tensor& lse, float scale) {
-  check_fused_dtype(q.dtype(), "attention_forward");
+                                    const Tensor& lse, float scale, const Tensor* segments, int64_t window) {
+  check_fused(q.dtype(), segments, window, "attention_forward");
   if (q.numel() == 0) return;
+  if (window >= q.size(1)) window = 0;  // a window as long as the row masks nothing: one plan
   CudnnState& s = cudnn("attention_forward");
-  const auto& p = s.plan(false, q.dtype(), q.size(0), k.size(0), q.size(1), q.size(2), scale, "attention_forward");
+  const auto& p =
+      s.plan(false, q.dtype(), q.size(0), k.size(0), q.size(1), q.size(2), scale, window, "attention_forward");
   OpTimer timer(this);
   Tensor ws = p.workspace ? scratch((p.workspace + 3) / 4) : Tensor();
   std::unordered_map<int64_t, void*> pack{
@@ -207,9 +220,10 @@ void CudaBackend::attention_forward(const Tensor& q, const Tensor& k, const Tens
 
 void CudaBackend::attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o,
                                      const Tensor& dout, const Tensor& lse, const Tensor& dq, const Tensor& dk,
-                                     const Tensor& dv, float scale) {
-  check_fused_dtype(q.dtype(), "attention_backward");
+                                     const Tensor& dv, float scale, const Tensor* segments, int64_t window) {
+  check_fused(q.dtype(), segments, window, "attention_backward");
   if (q.numel() == 0) return;
+  if (window >= q.size(1)) window = 0;
   if (q.size(1) == 1) {
     // One token (cuDNN's backward refuses T = 1): o = v, so dq = dk = 0 and dv[h] sums the dO
     // of its g query heads, a (1, g) x (g, D) product of ones per KV head.
@@ -227,7 +241,8 @@ void CudaBackend::attention_backward(const Tensor& q, const Tensor& k, const Ten
     return;
   }
   CudnnState& s = cudnn("attention_backward");
-  const auto& p = s.plan(true, q.dtype(), q.size(0), k.size(0), q.size(1), q.size(2), scale, "attention_backward");
+  const auto& p =
+      s.plan(true, q.dtype(), q.size(0), k.size(0), q.size(1), q.size(2), scale, window, "attention_backward");
   OpTimer timer(this);
   Tensor ws = p.workspace ? scratch((p.workspace + 3) / 4) : Tensor();
   std::unordered_map<int64_t, void*> pack{{kQ, q.data()},   {kK, k.data()},      {kV, v.data()},

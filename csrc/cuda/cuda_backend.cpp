@@ -117,7 +117,8 @@ Capabilities CudaBackend::capabilities() const {
   c.dtypes = {DType::f32, DType::f16, DType::bf16};
   c.compute_dtype = DType::bf16;  // tensor-core GEMMs with f32's exponent range: no loss scaling
 #ifdef KRNL_HAS_CUDNN
-  c.fused_attention_dtypes = fused_attention_dtypes();  // causal only: packed segments stay materialised
+  c.fused_attention_dtypes = fused_attention_dtypes();  // packed segments stay materialised
+  c.fused_attention_window = !c.fused_attention_dtypes.empty();  // cuDNN's diagonal band
 #endif
   c.graphs = true;  // capture() (cuda_graph.cpp)
   // Causal query row blocks skip the score blocks above the diagonal at the cost of more, smaller

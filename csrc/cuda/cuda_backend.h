@@ -82,10 +82,10 @@ class CudaBackend : public Backend {
 #ifdef KRNL_HAS_CUDNN
   // cuDNN's SDPA graphs, bf16/f16 (attention_cudnn.cpp); absent without cuDNN at build time.
   void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& lse,
-                         float scale) override;
+                         float scale, const Tensor* segments, int64_t window) override;
   void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& dout,
-                          const Tensor& lse, const Tensor& dq, const Tensor& dk, const Tensor& dv,
-                          float scale) override;
+                          const Tensor& lse, const Tensor& dq, const Tensor& dk, const Tensor& dv, float scale,
+                          const Tensor* segments, int64_t window) override;
   // The dtypes in which the ops above run here, so that the model takes them: cuDNN's (bf16, f16)
   // where libcudnn loaded, else none.
   std::vector<DType> fused_attention_dtypes() const;

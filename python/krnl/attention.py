@@ -1,7 +1,9 @@
 """Causal attention of one sequence over head-major q, k, v, forward and backward, two ways:
 
   fused         ops.attention_forward/backward: the scores never leave the chip; saves the output
-                and the log-sum-exp of each query (CUDA with cuDNN; the CPU runs reference loops)
+                and the log-sum-exp of each query (CUDA with cuDNN, Metal's flash kernels; the CPU
+                runs reference loops); packed segments and a sliding window where the device's
+                capabilities list them
   materialised  S = Q K^T, P = softmax(S), O = P V as GEMMs in query row blocks; saves P
 
 Query head h reads KV head h // g (g = H / Hk query heads per KV head, adjacent). Each forward
@@ -23,6 +25,8 @@ class FusedSaved:
     out: _core.Tensor  # (H, T, D) the attention output
     lse: _core.Tensor  # (H, T) f32 log-sum-exp of each query's scaled scores
     scale: float
+    segments: Optional[_core.Tensor] = None  # (T,) i32 packed samples' ids
+    window: int = 0                          # sliding window (0: none)
 
     def backward(self, dout, dq, dk, dv):
         fused_backward(self, dout, dq, dk, dv)
@@ -40,17 +44,18 @@ class MaterialisedSaved:
         materialised_backward(self, dout, dq, dk, dv)
 
 
-def fused_forward(q, k, v, out, scale):
-    """out (H, T, D) = causal attention of q, k, v with the fused op."""
+def fused_forward(q, k, v, out, scale, segments=None, window=0):
+    """out (H, T, D) = causal attention of q, k, v with the fused op; segments (T,) i32 keep
+    each query in its sample, window > 0 limits it to the last `window` keys."""
     lse = q.device.empty((q.shape[0], q.shape[1]), "f32")                 # (H, T)
-    ops.attention_forward(q, k, v, out, lse, scale)
-    return FusedSaved(q, k, v, out, lse, scale)
+    ops.attention_forward(q, k, v, out, lse, scale, segments, window)
+    return FusedSaved(q, k, v, out, lse, scale, segments, window)
 
 
 def fused_backward(saved, dout, dq, dk, dv):
     """dq (H, T, D), dk, dv (Hk, T, D) from dout (H, T, D)."""
     s = saved
-    ops.attention_backward(s.q, s.k, s.v, s.out, dout, s.lse, dq, dk, dv, s.scale)
+    ops.attention_backward(s.q, s.k, s.v, s.out, dout, s.lse, dq, dk, dv, s.scale, s.segments, s.window)
 
 
 def row_blocks(T, block, segments=None):

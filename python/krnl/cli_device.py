@@ -19,7 +19,9 @@ ops = krnl.ops
 def _describe(caps):
     """A device's capabilities on one line: key=value, the hardware details last."""
     fa = caps["fused_attention"]
-    fused = ",".join(fa["dtypes"]) + ("+segments" if fa["segments"] else "") if fa["dtypes"] else "-"
+    extras = [w for w in ("segments", "window") if fa[w]] + (["D=" + "/".join(map(str, fa["head_dims"]))]
+                                                              if fa["head_dims"] else [])
+    fused = "+".join([",".join(fa["dtypes"])] + extras) if fa["dtypes"] else "-"
     yn = lambda b: "yes" if b else "no"
     parts = [f"kind={caps['kind']}", f"dtypes={','.join(caps['dtypes'])}", f"compute={caps['compute_dtype']}",
              f"fused_attention={fused}", f"attention_block={caps['attention_block'] or 'all'}",

@@ -120,14 +120,16 @@ class Batch:
     positions: list                  # B of (T,) i32: rotary positions of each row
     segments: Optional[list] = None  # B of (T,) i32: packed samples' ids (attention stays inside)
     call_seed: Optional[int] = None  # seeds the dropout masks; None (eval) turns dropout off
-    fused: bool = False              # fused attention for rows without segments
+    fused: bool = False              # fused attention (ops.attention_forward/backward)
+    fused_segments: bool = False     # ... also for packed rows (else those stay materialised)
     attn_block: int = 0              # query rows per materialised block (0: one block)
+    window: int = 0                  # sliding window of the fused op (0: none; never materialised)
 
     def attend(self, b, q, k, v, out, scale):
         """out (H, T, D) = attention of row b; returns its saved state."""
         seg = None if self.segments is None else self.segments[b]
-        if self.fused and seg is None:  # the fused ops mask causally only
-            return fused_forward(q, k, v, out, scale)
+        if self.fused and (seg is None or self.fused_segments):
+            return fused_forward(q, k, v, out, scale, seg, self.window)
         return materialised_forward(q, k, v, out, scale, seg, self.attn_block)
 
 

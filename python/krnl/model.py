@@ -58,10 +58,11 @@ class LlamaModel:
         # backend holds the measurements).
         self.attn_block = caps["attention_block"]
         # Fused (flash) attention where the device runs it faster than the materialised path, in
-        # the dtypes it lists (CUDA with cuDNN: bf16/f16; ops.attention_forward). Packed segments
-        # keep the materialised path (the fused ops mask causally only). Settable, e.g. to compare
-        # both.
-        self.fused_attention = dtype in caps["fused_attention"]["dtypes"]
+        # the dtypes and head sizes it lists (ops.attention_forward); packed rows and a sliding
+        # window take it where the device lists those too. Settable, e.g. to compare both paths.
+        fa = caps["fused_attention"]
+        self.fused_attention = dtype in fa["dtypes"] and (not fa["head_dims"] or c.head_dim in fa["head_dims"])
+        self.fused_segments, self.fused_window = fa["segments"], fa["window"]
         self.d_embed_out = None
         self._loss = None
 
@@ -104,7 +105,7 @@ class LlamaModel:
                                  f"got [{pos.min()}, {pos.max()}]")
         elif T > mp:
             raise ValueError(f"[LlamaModel] sequence length {T} exceeds max_position_embeddings {mp}")
-        sw = self.config.sliding_window
+        sw, window = self.config.sliding_window, 0
         if sw is not None:
             span = T
             if seg is not None:  # the longest run of one segment bounds the attention span
@@ -112,15 +113,19 @@ class LlamaModel:
                 run_starts = np.flatnonzero(np.concatenate([edges.reshape(-1), [True]]))
                 span = int(np.diff(run_starts).max())
             if span > sw:
-                raise ValueError(f"[LlamaModel] sequence length {span} exceeds the sliding window {sw} of "
-                                 f"{self.config.source}: windowed attention is not implemented")
+                if not (self.fused_attention and self.fused_window and (seg is None or self.fused_segments)):
+                    raise ValueError(f"[LlamaModel] sequence length {span} exceeds the sliding window {sw} of "
+                                     f"{self.config.source}: windowed attention needs the fused attention of a "
+                                     f"device that lists it (capabilities()['fused_attention']['window'])")
+                window = sw
         d = self.dev
         if pos is None:
             positions = [d.tensor(np.arange(T, dtype=np.int32), "i32")] * B  # one tensor, every row
         else:
             positions = [d.tensor(pos[b], "i32") for b in range(B)]
         segments = None if seg is None else [d.tensor(seg[b], "i32") for b in range(B)]
-        return Batch(B, T, positions, segments, call_seed, self.fused_attention, self.attn_block)
+        return Batch(B, T, positions, segments, call_seed, self.fused_attention, self.fused_segments,
+                     self.attn_block, window)
 
     # -- the stack -------------------------------------------------------------------------
 

@@ -5,6 +5,7 @@ float64 oracles use. Op-specific oracles live next to their tests."""
 import os
 import re
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -255,3 +256,38 @@ def check_training_reduces_loss(dev, dtype, grad_checkpoint=False):
         dev.synchronize()
     assert losses[-1] < losses[0] - 0.05, losses
     np.testing.assert_array_equal(read(m.head), w0)
+
+
+# ---- metal-sim time per test module, printed at the end of the run (CI's budget is watched there)
+
+# Modules that run MSL kernels on the simulator directly (not through the `dev` fixture).
+_SIM_KERNEL_MODULES = re.compile(r"test_(mslsim|metal_kernels\w*)$")
+_sim_seconds: dict = {}
+
+
+def _runs_on_metal_sim(item):
+    cs = getattr(item, "callspec", None)
+    module = item.module.__name__.rpartition(".")[2]
+    return ((cs is not None and cs.params.get("dev") == "metal-sim") or "sim" in item.fixturenames
+            or _SIM_KERNEL_MODULES.match(module) is not None)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    t0 = time.perf_counter()
+    yield
+    if _runs_on_metal_sim(item):
+        module = item.module.__name__.rpartition(".")[2]
+        n, s = _sim_seconds.get(module, (0, 0.0))
+        _sim_seconds[module] = (n + 1, s + time.perf_counter() - t0)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _sim_seconds:
+        return
+    tr = terminalreporter
+    tr.section("metal-sim time per test module")
+    for module, (n, s) in sorted(_sim_seconds.items(), key=lambda kv: -kv[1][1]):
+        tr.write_line(f"{module:40s} {n:5d} tests {s:8.1f} s")
+    tr.write_line(f"{'total':40s} {sum(n for n, _ in _sim_seconds.values()):5d} tests "
+                  f"{sum(s for _, s in _sim_seconds.values()):8.1f} s")

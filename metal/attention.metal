@@ -30,8 +30,10 @@
 //     both staged would not fit (K_SHARE: D > 128) they take turns in one buffer, Q staged twice
 //     per block. At D = 256 (K_BK = K_BQ = 8, shared), f32: 8 + 8 + 8 + 0.25 * 5 KiB = 25.3 KiB.
 // Every tile size is a whole number of 8x8 fragments; rows past T are staged as zeros and masked.
-// Key blocks that packed segments exclude are not skipped: segment ids need not be sorted, so
-// telling would cost as much as the mask itself.
+// Blocks outside the causal band and the window are never visited. With packed segments each
+// visited block first evaluates its mask (1/D of the block's products; segment ids need not be
+// sorted) and is skipped when no query sees any key of it: most blocks below the diagonal when
+// the samples are short. The byte counts above leave out 16 bytes of block flags.
 #include <metal_stdlib>
 #include <metal_simdgroup_matrix>
 #include "kargs.h"
@@ -49,16 +51,16 @@ struct AttnTile {
         F_SG = DP <= 128 ? 4 : 2,               // forward: SIMD-groups, query rows, keys per block
         F_BQ = 8 * F_SG,
         F_BK = DP <= 64 ? 32 : (DP <= 128 ? 16 : 8),
-        F_BYTES = F_BQ * F_BK * 4 + F_SG * 256 + (F_BQ * DP + F_BK * DP + F_BQ * F_BK) * ES,
+        F_BYTES = F_BQ * F_BK * 4 + F_SG * 256 + 16 + (F_BQ * DP + F_BK * DP + F_BQ * F_BK) * ES,
         Q_SG = DP <= 64 ? 4 : (DP <= 128 ? 2 : 1),   // dq: SIMD-groups, query rows, keys per block
         Q_BQ = 8 * Q_SG,
         Q_BK = DP <= 128 ? 16 : 8,
-        Q_BYTES = 2 * Q_BQ * Q_BK * 4 + Q_SG * 256 + (2 * Q_BQ * DP + Q_BK * DP + Q_BQ * Q_BK) * ES,
+        Q_BYTES = 2 * Q_BQ * Q_BK * 4 + Q_SG * 256 + 16 + (2 * Q_BQ * DP + Q_BK * DP + Q_BQ * Q_BK) * ES,
         K_SG = DP <= 128 ? 2 : 1,               // dk, dv: SIMD-groups, keys, query rows per block
         K_BK = 8 * K_SG,
         K_BQ = DP <= 64 ? 16 : 8,
         K_SHARE = DP > 128 ? 1 : 0,             // Q and dO take turns in one buffer
-        K_BYTES = 2 * K_BK * K_BQ * 4 + K_SG * 256 +
+        K_BYTES = 2 * K_BK * K_BQ * 4 + K_SG * 256 + 16 +
                   (2 * K_BK * DP + (2 - K_SHARE) * K_BQ * DP + 2 * K_BK * K_BQ) * ES,
     };
     static_assert(F_BYTES <= 32768 && Q_BYTES <= 32768 && K_BYTES <= 32768, "32 KiB of threadgroup memory");
@@ -80,6 +82,23 @@ inline void attn_stage(threadgroup T* dst, device const T* src, uint r0, uint n,
 inline bool attn_visible(uint i, uint j, uint n, uint window, device const int* seg, bool use_seg)
 {
     return i < n && j <= i && (window == 0 || i - j < window) && (!use_seg || seg[i] == seg[j]);
+}
+
+// Whether any query of [i0, i0 + R) sees any key of [j0, j0 + C). Every thread of the threadgroup
+// calls it (after a barrier that follows the previous call's reads) and gets the same answer.
+template <int R, int C>
+inline bool attn_block_visible(uint i0, uint j0, uint n, uint window, device const int* seg, bool use_seg,
+                               threadgroup uint* flags, uint tid, uint ntg, uint lane, uint sg, uint nsg)
+{
+    bool any = false;
+    for (uint e = tid; e < R * C && !any; e += ntg)
+        any = attn_visible(i0 + e / C, j0 + e % C, n, window, seg, use_seg);
+    any = simd_any(any);
+    if (lane == 0) flags[sg] = any ? 1u : 0u;
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    bool keep = false;
+    for (uint s = 0; s < nsg; ++s) keep = keep || flags[s] != 0u;
+    return keep;
 }
 
 // One SIMD-group: out (8, N) f32 (row stride ldo) = A (8, DP) B^T with B (N, DP), both staged.
@@ -150,7 +169,8 @@ kernel void attention_forward(device const T*         q    [[buffer(0)]],
     threadgroup float4 smem[Tile::F_BYTES / 16];
     threadgroup float* s_s  = (threadgroup float*)smem;          // (BQ, BK) scores
     threadgroup float* d_s  = s_s + BQ * BK;                     // (F_SG, 8, 8) diagonal, then output chunks
-    threadgroup T*     q_s  = (threadgroup T*)(d_s + Tile::F_SG * 64);  // (BQ, DP)
+    threadgroup uint*  f_s  = (threadgroup uint*)(d_s + Tile::F_SG * 64);  // (4,) block flags
+    threadgroup T*     q_s  = (threadgroup T*)(f_s + 4);         // (BQ, DP)
     threadgroup T*     kv_s = q_s + BQ * DP;                     // (BK, DP) K, then V
     threadgroup T*     p_s  = kv_s + BK * DP;                    // (BQ, BK) probabilities
 
@@ -178,6 +198,8 @@ kernel void attention_forward(device const T*         q    [[buffer(0)]],
 
     for (uint k0 = k_begin; k0 < k_end; k0 += BK) {
         threadgroup_barrier(mem_flags::mem_threadgroup);   // every SIMD-group is done with V
+        if (use_seg && !attn_block_visible<BQ, BK>(q0, k0, n, window, seg, use_seg, f_s, tid, NT, lane, sg, Tile::F_SG))
+            continue;
         attn_stage<T, D, BK>(kv_s, kh, k0, n, tid, NT);
         threadgroup_barrier(mem_flags::mem_threadgroup);
         attn_abt<T, DB, BK>(srow, BK, q_s + sg * 8 * DP, kv_s, DP);
@@ -256,7 +278,8 @@ kernel void attention_backward_dq(device const T*         q     [[buffer(0)]],
     threadgroup float* s_s  = (threadgroup float*)smem;          // (BQ, BK) scores
     threadgroup float* dp_s = s_s + BQ * BK;                     // (BQ, BK) dO V^T
     threadgroup float* c_s  = dp_s + BQ * BK;                    // (Q_SG, 8, 8) output chunks
-    threadgroup T*     q_s  = (threadgroup T*)(c_s + Tile::Q_SG * 64);  // (BQ, DP)
+    threadgroup uint*  f_s  = (threadgroup uint*)(c_s + Tile::Q_SG * 64);  // (4,) block flags
+    threadgroup T*     q_s  = (threadgroup T*)(f_s + 4);         // (BQ, DP)
     threadgroup T*     do_s = q_s + BQ * DP;                     // (BQ, DP)
     threadgroup T*     kv_s = do_s + BQ * DP;                    // (BK, DP) V, then K
     threadgroup T*     ds_s = kv_s + BK * DP;                    // (BQ, BK) P (dP - delta)
@@ -285,6 +308,8 @@ kernel void attention_backward_dq(device const T*         q     [[buffer(0)]],
 
     for (uint k0 = k_begin; k0 < k_end; k0 += BK) {
         threadgroup_barrier(mem_flags::mem_threadgroup);   // every SIMD-group is done with K
+        if (use_seg && !attn_block_visible<BQ, BK>(q0, k0, n, window, seg, use_seg, f_s, tid, NT, lane, sg, Tile::Q_SG))
+            continue;
         attn_stage<T, D, BK>(kv_s, vh, k0, n, tid, NT);
         threadgroup_barrier(mem_flags::mem_threadgroup);
         attn_abt<T, DB, BK>(dprow, BK, do_s + sg * 8 * DP, kv_s, DP);
@@ -326,7 +351,8 @@ kernel void attention_backward_dkv(device const T*         q     [[buffer(0)]],
     threadgroup float* s_s  = (threadgroup float*)smem;          // (BK, BQ) K Q^T
     threadgroup float* dp_s = s_s + BK * BQ;                     // (BK, BQ) V dO^T
     threadgroup float* c_s  = dp_s + BK * BQ;                    // (K_SG, 8, 8) output chunks
-    threadgroup T*     k_s  = (threadgroup T*)(c_s + Tile::K_SG * 64);  // (BK, DP)
+    threadgroup uint*  f_s  = (threadgroup uint*)(c_s + Tile::K_SG * 64);  // (4,) block flags
+    threadgroup T*     k_s  = (threadgroup T*)(f_s + 4);         // (BK, DP)
     threadgroup T*     v_s  = k_s + BK * DP;                     // (BK, DP)
     threadgroup T*     p_s  = v_s + BK * DP;                     // (BK, BQ) P^T
     threadgroup T*     ds_s = p_s + BK * BQ;                     // (BK, BQ) dS^T
@@ -363,6 +389,8 @@ kernel void attention_backward_dkv(device const T*         q     [[buffer(0)]],
         device const float* delta_h = delta + (ulong)h * n;
         for (uint i0 = q_begin; i0 < q_end; i0 += BQ) {
             threadgroup_barrier(mem_flags::mem_threadgroup);   // every SIMD-group is done with Q and dO
+            if (use_seg && !attn_block_visible<BQ, BK>(i0, k0, n, window, seg, use_seg, f_s, tid, NT, lane, sg, Tile::K_SG))
+                continue;
             attn_stage<T, D, BQ>(q_s, qh, i0, n, tid, NT);
             if (!Tile::K_SHARE) attn_stage<T, D, BQ>(do_s, doh, i0, n, tid, NT);
             threadgroup_barrier(mem_flags::mem_threadgroup);

@@ -61,10 +61,10 @@ Capabilities MetalOps::capabilities() const {
   Capabilities c = Backend::capabilities();
   c.dtypes = compute_dtypes(gpu_, kBf16Kernels);
   c.compute_dtype = default_compute_dtype(gpu_, kBf16Kernels);
-  // metal/attention.metal: every mask of the contract, at the head sizes it instantiates. bf16
-  // kernels exist there behind __HAVE_BFLOAT__; they join here with the backend's bf16 policy.
-  for (DType d : c.dtypes)
-    if (d != DType::bf16) c.fused_attention_dtypes.push_back(d);
+  // metal/attention.metal: every dtype the backend has kernels for (its bf16 kernels sit behind
+  // __HAVE_BFLOAT__, like every family's, so they come with the backend's bf16 policy), every
+  // mask of the contract, at the head sizes it instantiates.
+  c.fused_attention_dtypes = c.dtypes;
   c.fused_attention_segments = c.fused_attention_window = true;
   c.fused_attention_head_dims = attention_head_dims();
   c.details = {{"gpu", gpu_.name},

@@ -34,6 +34,8 @@
 // visited block first evaluates its mask (1/D of the block's products; segment ids need not be
 // sorted) and is skipped when no query sees any key of it: most blocks below the diagonal when
 // the samples are short. The byte counts above leave out 16 bytes of block flags.
+// Registers: the forward and dq hold DB f32 accumulator fragments per SIMD-group, dk/dv 2 DB (at
+// D = 256: 128 floats per thread), which may spill on an Apple GPU; none of this has run on one.
 #include <metal_stdlib>
 #include <metal_simdgroup_matrix>
 #include "kargs.h"

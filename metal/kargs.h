@@ -40,6 +40,20 @@ struct SoftmaxArgs {
     uint32_t has_segments;
 };
 
+// attention_forward / attention_backward (metal/attention.metal): q (Hq, T, D), k, v (Hk, T, D),
+// query head h reads KV head h / (Hq / Hk). Query i sees key j iff j <= i, and i - j < window where
+// window > 0, and seg[i] == seg[j] where has_segments != 0 (segments (T,) i32 bound; when 0 the
+// segment buffer must still be bound and is not read).
+struct AttentionArgs {
+    uint32_t Hq;
+    uint32_t Hk;
+    uint32_t T;
+    uint32_t D;
+    uint32_t window;
+    uint32_t has_segments;
+    float    scale;
+};
+
 // swiglu_forward (s = silu(g) * u) and swiglu_backward (dg, du from ds, g, u): flat buffers of n
 // elements.
 struct SwigluArgs {

@@ -91,12 +91,16 @@ def device_dtypes(dev):
     return tuple(d for d in FLOAT_DTYPES if d in have)
 
 
-def attention_ops_missing(dev, dtype):
-    """Why ops.attention_forward cannot run on `dev` in `dtype` (the backend's NotImplementedError),
-    or None where it runs. The fused ops exist where the capabilities list the dtype (the model
-    takes them there: no probe may hide their absence) and may exist elsewhere as a reference (the
-    CPU's loops, every dtype), which only trying one tells."""
-    if dtype in dev.capabilities()["fused_attention"]["dtypes"]:
+def attention_ops_missing(dev, dtype, head_dim=None):
+    """Why ops.attention_forward cannot run on `dev` in `dtype` at head size `head_dim` (the
+    backend's NotImplementedError), or None where it runs. The fused ops exist where the
+    capabilities list the dtype and the head size (the model takes them there: no probe may hide
+    their absence) and may exist elsewhere as a reference (the CPU's loops, every dtype), which
+    only trying one tells."""
+    fa = dev.capabilities()["fused_attention"]
+    if head_dim is not None and fa["head_dims"] and head_dim not in fa["head_dims"]:
+        return f"head size {head_dim} is not among the fused kernels' {fa['head_dims']}"
+    if dtype in fa["dtypes"]:
         return None
     q = dev.zeros((1, 1, 8), dtype)
     try:

@@ -15,8 +15,8 @@ import pytest
 import krnl
 from krnl import ops
 
-from conftest import (METAL_SIM, U32, UNIT_ROUNDOFF, check_step_against_cpu, check_training_reduces_loss, read,
-                      upload)
+from conftest import (METAL_SIM, U32, UNIT_ROUNDOFF, check_step_against_cpu, check_training_reduces_loss, lora_step,
+                      read, tiny_lora_model, upload)
 
 pytestmark = pytest.mark.skipif(METAL_SIM is None, reason="metal-sim is off (KRNL_TEST_METAL_SIM=0 or no g++)")
 
@@ -36,6 +36,37 @@ def test_training_step_matches_cpu(sim, dtype):
 
 def test_training_reduces_loss_on_metal_sim(sim):
     check_training_reduces_loss(sim, "f32", grad_checkpoint=True)
+
+
+def test_training_step_takes_the_fused_attention(sim):
+    """The tiny model's head size (8) has Metal attention kernels, so its step (the one checked
+    against the CPU above) runs through them instead of the materialised scores."""
+    m = tiny_lora_model(sim, "f16")
+    assert m.fused_attention
+    rng = np.random.default_rng(7)
+    lora_step(m, rng.integers(0, 61, (2, 9)), rng.integers(0, 61, (2, 9)))
+    kernels = {r["kernel"] for r in krnl._core.testing.metal_sim_last_step()}
+    assert {"attention_forward_d8_f16", "attention_backward_delta_f16", "attention_backward_dq_d8_f16",
+            "attention_backward_dkv_d8_f16"} <= kernels, sorted(kernels)
+    assert not any(k.startswith("softmax") for k in kernels)
+
+
+def test_attention_head_sizes(sim):
+    """The fused op runs in every dtype of the device, with every mask, at the head sizes
+    metal/attention.metal instantiates; another size raises NotImplementedError naming the op and
+    the sizes there are."""
+    caps = sim.capabilities()
+    assert caps["fused_attention"] == {"dtypes": caps["dtypes"], "segments": True, "window": True,
+                                       "head_dims": [4, 8, 16, 32, 64, 80, 96, 128, 256]}
+    assert {"f32", "f16"} <= set(caps["dtypes"])
+    q, lse = sim.zeros((2, 3, 24), "f32"), sim.empty((2, 3), "f32")
+    sizes = r"\(Metal kernels for D in 4, 8, 16, 32, 64, 80, 96, 128, 256\)"
+    with pytest.raises(NotImplementedError, match=r"\[attention_forward\] head size D = 24 not implemented on "
+                                                  r"metal-sim " + sizes):
+        ops.attention_forward(q, q, q, sim.empty((2, 3, 24)), lse, 0.5)
+    with pytest.raises(NotImplementedError, match=r"\[attention_backward\] head size D = 24 .* " + sizes):
+        ops.attention_backward(q, q, q, q, q, lse, sim.empty((2, 3, 24)), sim.empty((2, 3, 24)),
+                               sim.empty((2, 3, 24)), 0.5)
 
 
 def test_nothing_runs_before_commit(sim):

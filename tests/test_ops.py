@@ -625,19 +625,22 @@ def attention_backward_ref(q, k, v, do, scale, segments=None, window=0):
     return dq, dk, dv
 
 
-def require_attention(dev, dt):
-    """The fused attention ops exist on the CPU (the reference loops, every dtype) and on CUDA
-    with cuDNN (bf16/f16); elsewhere the model takes the materialised path."""
-    why = attention_ops_missing(dev, dt)
+def require_attention(dev, dt, head_dim=None):
+    """The fused attention ops exist on the CPU (the reference loops, every dtype), on CUDA
+    with cuDNN (bf16/f16) and on Metal (f32/f16, the head sizes its capabilities list); elsewhere
+    the model takes the materialised path."""
+    why = attention_ops_missing(dev, dt, head_dim)
     if why:
         pytest.skip(f"attention_forward does not run on {dev.name} in {dt}: {why}")
 
 
 # Output error of the fused kernels: 16-bit P and dS in their products, fp32 accumulation.
 ATTN_TOL = {"f32": 1e-5, "f16": 4 * UNIT_ROUNDOFF["f16"], "bf16": 4 * UNIT_ROUNDOFF["bf16"]}
-# (Hq, Hk, T, D): one token, awkward lengths, GQA with 2 and 4 query heads per KV head, D = 128.
-ATTN_CASES = [(1, 1, 1, 8), (2, 1, 31, 16), (4, 2, 33, 64), (8, 2, 65, 64), (4, 4, 127, 128)]
-ATTN_IDS = ["1x1x1x8", "2x1x31x16", "4x2x33x64", "8x2x65x64", "4x4x127x128"]
+# (Hq, Hk, T, D): one token, awkward lengths, GQA with 2 and 4 query heads per KV head, MQA with 3,
+# MHA, the head sizes 80, 96, 128 and 256 (short rows: 256 is the slowest on a simulator).
+ATTN_CASES = [(1, 1, 1, 8), (2, 1, 31, 16), (4, 2, 33, 64), (8, 2, 65, 64), (4, 4, 127, 128), (3, 1, 33, 80),
+              (2, 2, 31, 96), (2, 1, 33, 256)]
+ATTN_IDS = ["1x1x1x8", "2x1x31x16", "4x2x33x64", "8x2x65x64", "4x4x127x128", "3x1x33x80", "2x2x31x96", "2x1x33x256"]
 
 
 def attention_inputs(dev, Hq, Hk, T, D, dt, seed):
@@ -649,7 +652,7 @@ def attention_inputs(dev, Hq, Hk, T, D, dt, seed):
 @pytest.mark.parametrize("Hq,Hk,T,D", ATTN_CASES, ids=ATTN_IDS)
 def test_attention_forward(dev, Hq, Hk, T, D, dt):
     """o and lse of the fused op against float64 attention on the same (rounded) inputs."""
-    require_attention(dev, dt)
+    require_attention(dev, dt, D)
     (q, qf), (k, kf), (v, vf) = attention_inputs(dev, Hq, Hk, T, D, dt, 40)
     scale = 1.0 / math.sqrt(D)
     o, lse = empty_filled(dev, (Hq, T, D), dt), empty_filled(dev, (Hq, T), "f32")
@@ -666,7 +669,7 @@ def test_attention_forward(dev, Hq, Hk, T, D, dt):
 @pytest.mark.parametrize("Hq,Hk,T,D", ATTN_CASES, ids=ATTN_IDS)
 def test_attention_backward(dev, Hq, Hk, T, D, dt):
     """dq, dk, dv from the device's own o and lse against float64 gradients."""
-    require_attention(dev, dt)
+    require_attention(dev, dt, D)
     (q, qf), (k, kf), (v, vf) = attention_inputs(dev, Hq, Hk, T, D, dt, 41)
     do, dof = upload(dev, np.random.default_rng(42).standard_normal((Hq, T, D)), dt)
     scale = 1.0 / math.sqrt(D)
@@ -682,8 +685,8 @@ def test_attention_backward(dev, Hq, Hk, T, D, dt):
 def test_attention_backward_finite_differences(dev):
     """attention_backward is the gradient of L = sum(o * ct) through the device's own forward
     (f32, GQA with two query heads per KV head)."""
-    require_attention(dev, "f32")
     Hq, Hk, T, D, scale = 2, 1, 5, 4, 0.6
+    require_attention(dev, "f32", D)
     rng = np.random.default_rng(43)
     x0 = [rng.standard_normal(s).astype(np.float32) for s in ((Hq, T, D), (Hk, T, D), (Hk, T, D))]
     ct = rng.standard_normal((Hq, T, D)).astype(np.float32)
@@ -704,10 +707,10 @@ def test_attention_backward_finite_differences(dev):
         assert_fd(read(grads[i]), fd_grad(loss, x0[i]), name)
 
 
-def require_attention_masks(dev, dt, segments, window):
+def require_attention_masks(dev, dt, segments, window, head_dim=None):
     """The fused op takes packed segments / a window where the capabilities say so (the CPU's
     reference loops always)."""
-    require_attention(dev, dt)
+    require_attention(dev, dt, head_dim)
     fa = dev.capabilities()["fused_attention"]
     if segments and not fa["segments"]:
         pytest.skip(f"{dev.name}'s fused attention lists no packed segments")
@@ -727,16 +730,17 @@ def packed_segments(T, seed):
 
 # (Hq, Hk, T, D, packed, window): windows shorter than, equal to and longer than the row
 ATTN_MASK_CASES = [(2, 1, 31, 16, True, 0), (4, 2, 33, 64, False, 8), (4, 1, 65, 64, True, 16),
-                   (2, 2, 33, 16, False, 33), (2, 1, 1, 8, True, 1), (4, 2, 127, 128, True, 40)]
+                   (2, 2, 33, 16, False, 33), (2, 1, 1, 8, True, 1), (4, 2, 127, 128, True, 40),
+                   (3, 1, 31, 96, False, 5), (2, 1, 33, 256, True, 9)]
 ATTN_MASK_IDS = ["packed-31", "window8-33", "packed-window16-65", "window33-33", "packed-window1-1",
-                 "packed-window40-127"]
+                 "packed-window40-127", "window5-31-d96", "packed-window9-33-d256"]
 
 
 @pytest.mark.parametrize("dt", FLOAT_DTYPES)
 @pytest.mark.parametrize("Hq,Hk,T,D,packed,window", ATTN_MASK_CASES, ids=ATTN_MASK_IDS)
 def test_attention_forward_masks(dev, Hq, Hk, T, D, packed, window, dt):
     """Packed segments and a sliding window: o and lse against float64 attention under the same mask."""
-    require_attention_masks(dev, dt, packed, window)
+    require_attention_masks(dev, dt, packed, window, D)
     (q, qf), (k, kf), (v, vf) = attention_inputs(dev, Hq, Hk, T, D, dt, 44)
     seg = packed_segments(T, 45) if packed else None
     scale = 1.0 / math.sqrt(D)
@@ -752,7 +756,7 @@ def test_attention_forward_masks(dev, Hq, Hk, T, D, packed, window, dt):
 @pytest.mark.parametrize("Hq,Hk,T,D,packed,window", ATTN_MASK_CASES, ids=ATTN_MASK_IDS)
 def test_attention_backward_masks(dev, Hq, Hk, T, D, packed, window, dt):
     """dq, dk, dv under packed segments and a sliding window against float64 gradients."""
-    require_attention_masks(dev, dt, packed, window)
+    require_attention_masks(dev, dt, packed, window, D)
     (q, qf), (k, kf), (v, vf) = attention_inputs(dev, Hq, Hk, T, D, dt, 46)
     do, dof = upload(dev, np.random.default_rng(47).standard_normal((Hq, T, D)), dt)
     seg = packed_segments(T, 48) if packed else None
@@ -771,8 +775,8 @@ def test_attention_backward_masks(dev, Hq, Hk, T, D, packed, window, dt):
 def test_attention_masks_finite_differences(dev):
     """With segments and a window, attention_backward is the gradient of sum(o * ct) through the
     device's own forward (f32, GQA)."""
-    require_attention_masks(dev, "f32", True, True)
     Hq, Hk, T, D, scale, window = 2, 1, 7, 4, 0.6, 3
+    require_attention_masks(dev, "f32", True, True, D)
     seg = np.array([0, 0, 0, 0, 1, 1, 2], np.int32)
     rng = np.random.default_rng(49)
     x0 = [rng.standard_normal(s).astype(np.float32) for s in ((Hq, T, D), (Hk, T, D), (Hk, T, D))]

@@ -57,6 +57,8 @@ class MetalOps : public Backend {
   }
   const CommandBufferPolicy& command_buffer_policy() const { return cb_policy_; }
   void set_ordering_rules(const OrderingRules& r) { rules_ = r; }
+  // The head sizes D of the fused attention kernels (metal/attention.metal instantiates each).
+  static std::vector<int64_t> attention_head_dims();
   // Records of the last committed step (GPU and host, in call order) and the dispatch counts of
   // its command buffers, kept while enabled (metal-sim's tests of the host logic).
   void keep_step_log(bool on) { keep_log_ = on; }
@@ -76,6 +78,11 @@ class MetalOps : public Backend {
   void rope(const Tensor& x, const Tensor& positions, const Tensor& inv_freq, float sign) override;
   void softmax_causal_forward(const Tensor& S, const Tensor& P, float scale, const Tensor* segments) override;
   void softmax_backward(const Tensor& P, const Tensor& dP, const Tensor& dS, float scale) override;
+  void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& lse,
+                         float scale, const Tensor* segments, int64_t window) override;
+  void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& dout,
+                          const Tensor& lse, const Tensor& dq, const Tensor& dk, const Tensor& dv, float scale,
+                          const Tensor* segments, int64_t window) override;
   void embedding_forward(const Tensor& ids, const Tensor& table, const Tensor& out) override;
   void embedding_backward(const Tensor& ids, const Tensor& dout, const Tensor& dtable) override;
   void cross_entropy(const Tensor& logits, const Tensor& targets, const Tensor& loss, const Tensor* dlogits,

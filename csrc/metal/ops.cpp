@@ -61,6 +61,12 @@ Capabilities MetalOps::capabilities() const {
   Capabilities c = Backend::capabilities();
   c.dtypes = compute_dtypes(gpu_, kBf16Kernels);
   c.compute_dtype = default_compute_dtype(gpu_, kBf16Kernels);
+  // metal/attention.metal: every dtype the backend has kernels for (its bf16 kernels sit behind
+  // __HAVE_BFLOAT__, like every family's, so they come with the backend's bf16 policy), every
+  // mask of the contract, at the head sizes it instantiates.
+  c.fused_attention_dtypes = c.dtypes;
+  c.fused_attention_segments = c.fused_attention_window = true;
+  c.fused_attention_head_dims = attention_head_dims();
   c.details = {{"gpu", gpu_.name},
                {"gpu_family", gpu_.apple_family ? "apple" + std::to_string(gpu_.apple_family) : "below apple7"},
                {"bf16", std::string(native_bf16(gpu_) ? "native" : "emulated by Metal") +
@@ -393,6 +399,116 @@ void MetalOps::softmax_backward(const Tensor& P, const Tensor& dP, const Tensor&
   d.grid = {uint32_t(rows), 1, 1};
   d.threads = {row_threads(cols), 1, 1};
   encode(std::move(d));
+}
+
+// ---- fused attention (metal/attention.metal)
+
+namespace {
+
+// The head sizes attention.metal instantiates (its ATTN_ALL_SIZES), and its tiles per size: the
+// SIMD-groups of 8 rows per threadgroup of each kernel (AttnTile there).
+constexpr int64_t kAttentionHeadDims[] = {4, 8, 16, 32, 64, 80, 96, 128, 256};
+struct AttentionTiles {
+  uint32_t fwd_sg, dq_sg, dkv_sg;
+};
+AttentionTiles attention_tiles(int64_t D) {
+  const int64_t dp = (D + 7) / 8 * 8;
+  return {dp <= 128 ? 4u : 2u, dp <= 64 ? 4u : (dp <= 128 ? 2u : 1u), dp <= 128 ? 2u : 1u};
+}
+
+// The kernel-name stem of head size D, or NotImplementedError naming the sizes there are.
+std::string attention_size(const char* op, const std::string& device, int64_t D) {
+  for (int64_t d : kAttentionHeadDims)
+    if (d == D) return "_d" + std::to_string(D) + "_";
+  std::string sizes;
+  for (int64_t d : kAttentionHeadDims) sizes += (sizes.empty() ? "" : ", ") + std::to_string(d);
+  throw NotImplementedError(std::string("[") + op + "] head size D = " + std::to_string(D) + " not implemented on " +
+                            device + " (Metal kernels for D in " + sizes + ")");
+}
+
+// The causal (and windowed) query-key pairs: the FLOPs of one product are 2 D times this.
+double attention_pairs(int64_t T, int64_t window) {
+  return window > 0 && window < T ? double(window) * double(2 * T - window + 1) / 2.0 : double(T) * double(T + 1) / 2.0;
+}
+
+// q, k, v, the masks' segments (or a dummy binding) and the argument struct, shared by the kernels.
+AttentionArgs attention_args(const char* op, const Tensor& q, const Tensor& k, float scale, const Tensor* segments,
+                             int64_t window) {
+  return AttentionArgs{u32(op, q.size(0), "Hq"), u32(op, k.size(0), "Hk"), u32(op, q.size(1), "T"),
+                       u32(op, q.size(2), "D"),  u32(op, window, "window"), segments ? 1u : 0u, scale};
+}
+void bind_segments(Dispatch& d, uint32_t index, const Tensor& q, const Tensor* segments) {
+  if (segments)
+    bind(d, index, *segments);
+  else
+    bind(d, index, q, 0);  // must be bound; not read
+}
+
+}  // namespace
+
+std::vector<int64_t> MetalOps::attention_head_dims() {
+  return std::vector<int64_t>(std::begin(kAttentionHeadDims), std::end(kAttentionHeadDims));
+}
+
+void MetalOps::attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& lse,
+                                 float scale, const Tensor* segments, int64_t window) {
+  Emit e{this, "attention_forward"};
+  const int64_t Hq = q.size(0), T = q.size(1), D = q.size(2);
+  Dispatch d = e.make("attention", "attention_forward" + attention_size(e.op, name(), D) + e.sfx(q.dtype()));
+  const AttentionArgs args = attention_args(e.op, q, k, scale, segments, window);
+  if (T == 0 || Hq == 0) return;
+  const AttentionTiles t = attention_tiles(D);
+  bind(d, 0, q), bind(d, 1, k), bind(d, 2, v), bind(d, 3, o), bind(d, 4, lse);
+  bind_segments(d, 5, q, segments);
+  d.set_args(6, args);
+  d.flops = 4.0 * double(Hq) * double(D) * attention_pairs(T, window);
+  d.grid = {ceil_div(T, 8 * t.fwd_sg), uint32_t(Hq), 1};
+  d.threads = {32 * t.fwd_sg, 1, 1};
+  encode(std::move(d));
+}
+
+// Three dispatches: delta = rowsum(dout * o); dq per query block; dk and dv per key block, each
+// summing over the query heads of its KV head (no float atomics).
+void MetalOps::attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o,
+                                  const Tensor& dout, const Tensor& lse, const Tensor& dq, const Tensor& dk,
+                                  const Tensor& dv, float scale, const Tensor* segments, int64_t window) {
+  Emit e{this, "attention_backward"};
+  const int64_t Hq = q.size(0), Hk = k.size(0), T = q.size(1), D = q.size(2);
+  const std::string size = attention_size(e.op, name(), D), sfx = e.sfx(q.dtype());
+  const AttentionArgs args = attention_args(e.op, q, k, scale, segments, window);
+  u32(e.op, Hq * T, "Hq * T");
+  if (T == 0 || Hq == 0) return;
+  const AttentionTiles t = attention_tiles(D);
+  const double product = 2.0 * double(Hq) * double(D) * attention_pairs(T, window);  // one of the products
+  Tensor delta = empty({Hq, T}, DType::f32);  // (Hq, T) released after encoding: reused only after the step
+
+  Dispatch dd = e.make("attention", "attention_backward_delta_" + sfx);
+  bind(dd, 0, o), bind(dd, 1, dout), bind(dd, 2, delta);
+  dd.set_args(3, args);
+  dd.flops = 2.0 * double(Hq * T * D);
+  dd.grid = {ceil_div(Hq * T, 256), 1, 1};
+  dd.threads = {256, 1, 1};
+  encode(std::move(dd));
+
+  Dispatch dqd = e.make("attention", "attention_backward_dq" + size + sfx);
+  bind(dqd, 0, q), bind(dqd, 1, k), bind(dqd, 2, v), bind(dqd, 3, dout), bind(dqd, 4, lse), bind(dqd, 5, delta);
+  bind_segments(dqd, 6, q, segments);
+  bind(dqd, 7, dq);
+  dqd.set_args(8, args);
+  dqd.flops = 3.0 * product;  // S, dP, dS K
+  dqd.grid = {ceil_div(T, 8 * t.dq_sg), uint32_t(Hq), 1};
+  dqd.threads = {32 * t.dq_sg, 1, 1};
+  encode(std::move(dqd));
+
+  Dispatch dkv = e.make("attention", "attention_backward_dkv" + size + sfx);
+  bind(dkv, 0, q), bind(dkv, 1, k), bind(dkv, 2, v), bind(dkv, 3, dout), bind(dkv, 4, lse), bind(dkv, 5, delta);
+  bind_segments(dkv, 6, q, segments);
+  bind(dkv, 7, dk), bind(dkv, 8, dv);
+  dkv.set_args(9, args);
+  dkv.flops = 4.0 * product;  // S^T, dP^T, P^T dO, dS^T Q
+  dkv.grid = {ceil_div(T, 8 * t.dkv_sg), uint32_t(Hk), 1};
+  dkv.threads = {32 * t.dkv_sg, 1, 1};
+  encode(std::move(dkv));
 }
 
 // ---- embedding and loss

@@ -223,6 +223,7 @@ T as_type(U x);
 enum class mem_flags { mem_none = 0, mem_device = 1, mem_threadgroup = 2, mem_texture = 4 };
 constexpr mem_flags operator|(mem_flags a, mem_flags b) { return mem_flags(int(a) | int(b)); }
 void threadgroup_barrier(mem_flags flags);
+void simdgroup_barrier(mem_flags flags);
 
 // ---- SIMD-group functions: the reductions and votes the kernels use.
 template <class T>
@@ -230,6 +231,8 @@ typename msl14_detail::enable_if<msl14_detail::is_scalar<T>::value, T>::type sim
 template <class T>
 typename msl14_detail::enable_if<msl14_detail::is_scalar<T>::value, T>::type simd_max(T x);
 bool simd_any(bool x);
+template <class T>
+typename msl14_detail::enable_if<msl14_detail::is_scalar<T>::value, T>::type simd_shuffle_xor(T x, ushort mask);
 
 // ---- Atomics: device or threadgroup atomic_int/atomic_uint, relaxed order only.
 enum memory_order { memory_order_relaxed };

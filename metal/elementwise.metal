@@ -1,6 +1,7 @@
 // msl: 3.0 (krnl's floor; newest feature used: 64-bit integers in rng.h's hash, MSL 2.x)
-// Elementwise ops over flat contiguous buffers: fill (f32, f16, i32), add, axpy, scale, cast
-// (f32 <-> f16 and same-dtype copies), dropout.
+// Elementwise ops over flat contiguous buffers: fill (f32, f16, bf16, i32), add, axpy, scale, cast
+// (between any two of f32, f16, bf16, and same-dtype copies), dropout. The bf16 kernels sit
+// behind __HAVE_BFLOAT__ (MSL 3.1, compiled only for GPUs with native bf16).
 // Any n: a grid-stride loop with a bounds check, so the host may launch any 1-D grid (one thread
 // per element or fewer). Half operands are computed in float and rounded once on the store.
 // transpose_heads: a 3-D grid, x over D (grid-stride, vectorised by 4 when D % 4 == 0), y over B,
@@ -68,6 +69,18 @@ kernel void ew_cast(device const S*                x    [[buffer(0)]],
                     uint gsz [[threads_per_grid]])
 {
     for (uint i = gid; i < args.n; i += gsz) out[i] = D(x[i]);
+}
+
+// out[i] = D(float(x[i])): casts to or from bfloat go through float (exact from f16 and bf16), so
+// each is one rounding into D, and no half <-> bfloat conversion is needed
+template <typename S, typename D>
+kernel void ew_cast_via_float(device const S*           x    [[buffer(0)]],
+                              device D*                 out  [[buffer(1)]],
+                              constant ElementwiseArgs& args [[buffer(2)]],
+                              uint gid [[thread_position_in_grid]],
+                              uint gsz [[threads_per_grid]])
+{
+    for (uint i = gid; i < args.n; i += gsz) out[i] = D(float(x[i]));
 }
 
 // x[i] = alpha converted to int32 as CpuBackend::fill does: NaN gives 0, out-of-range values
@@ -147,3 +160,20 @@ template [[host_name("dropout_f32")]] [[kernel]] decltype(ew_dropout<float>) ew_
 template [[host_name("dropout_f16")]] [[kernel]] decltype(ew_dropout<half>)  ew_dropout<half>;
 template [[host_name("transpose_heads_f32")]] [[kernel]] decltype(transpose_heads<float>) transpose_heads<float>;
 template [[host_name("transpose_heads_f16")]] [[kernel]] decltype(transpose_heads<half>)  transpose_heads<half>;
+#if defined(__HAVE_BFLOAT__)
+template [[host_name("fill_bf16")]]  [[kernel]] decltype(ew_fill<bfloat>)  ew_fill<bfloat>;
+template [[host_name("add_bf16")]]   [[kernel]] decltype(ew_add<bfloat>)   ew_add<bfloat>;
+template [[host_name("axpy_bf16")]]  [[kernel]] decltype(ew_axpy<bfloat, bfloat>) ew_axpy<bfloat, bfloat>;
+template [[host_name("axpy_bf16_f32")]] [[kernel]] decltype(ew_axpy<bfloat, float>) ew_axpy<bfloat, float>;
+template [[host_name("axpy_f32_bf16")]] [[kernel]] decltype(ew_axpy<float, bfloat>) ew_axpy<float, bfloat>;
+template [[host_name("axpy_f16_bf16")]] [[kernel]] decltype(ew_axpy<half, bfloat>) ew_axpy<half, bfloat>;
+template [[host_name("axpy_bf16_f16")]] [[kernel]] decltype(ew_axpy<bfloat, half>) ew_axpy<bfloat, half>;
+template [[host_name("scale_bf16")]] [[kernel]] decltype(ew_scale<bfloat>) ew_scale<bfloat>;
+template [[host_name("cast_f32_bf16")]] [[kernel]] decltype(ew_cast_via_float<float, bfloat>) ew_cast_via_float<float, bfloat>;
+template [[host_name("cast_bf16_f32")]] [[kernel]] decltype(ew_cast_via_float<bfloat, float>) ew_cast_via_float<bfloat, float>;
+template [[host_name("cast_f16_bf16")]] [[kernel]] decltype(ew_cast_via_float<half, bfloat>)  ew_cast_via_float<half, bfloat>;
+template [[host_name("cast_bf16_f16")]] [[kernel]] decltype(ew_cast_via_float<bfloat, half>)  ew_cast_via_float<bfloat, half>;
+template [[host_name("cast_bf16_bf16")]] [[kernel]] decltype(ew_cast<bfloat, bfloat>) ew_cast<bfloat, bfloat>;
+template [[host_name("dropout_bf16")]] [[kernel]] decltype(ew_dropout<bfloat>) ew_dropout<bfloat>;
+template [[host_name("transpose_heads_bf16")]] [[kernel]] decltype(transpose_heads<bfloat>) transpose_heads<bfloat>;
+#endif

@@ -10,6 +10,9 @@ using namespace metal;
 template <typename T> inline T quiet_nan();
 template <> inline float quiet_nan<float>() { return as_type<float>(0x7fc00000u); }
 template <> inline half  quiet_nan<half>()  { return as_type<half>(ushort(0x7e00)); }
+#if defined(__HAVE_BFLOAT__)
+template <> inline bfloat quiet_nan<bfloat>() { return as_type<bfloat>(ushort(0x7fc0)); }
+#endif
 
 // embedding_forward: out[t, c] = table[ids[t], c], a plain copy (no rounding: T in, T out).
 // Geometry: a 1D grid-stride loop over the n * C output elements (row-major, so adjacent lanes
@@ -80,3 +83,9 @@ template [[host_name("embedding_backward_f32")]] [[kernel]]
 decltype(embedding_backward<float>) embedding_backward<float>;
 template [[host_name("embedding_backward_f16")]] [[kernel]]
 decltype(embedding_backward<half>) embedding_backward<half>;
+#if defined(__HAVE_BFLOAT__)
+template [[host_name("embedding_forward_bf16")]] [[kernel]]
+decltype(embedding_forward<bfloat>) embedding_forward<bfloat>;
+template [[host_name("embedding_backward_bf16")]] [[kernel]]
+decltype(embedding_backward<bfloat>) embedding_backward<bfloat>;
+#endif

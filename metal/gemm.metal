@@ -1,6 +1,6 @@
 // msl: 3.0 (krnl's floor; newest feature used: simdgroup_matrix, MSL 2.3)
 // gemm: C = alpha * op(A) * op(B) + beta * C (metal/kargs.h GemmArgs), accumulated in fp32; A and
-// B f32 or f16, C of the operand type or f32 (gemm_*_f16_f32, LoRA gradients). Variants: nn;
+// B f32, f16 or bf16, C of the operand type or f32 (gemm_*_f16_f32, LoRA gradients). Variants: nn;
 // nt (op(B) = B^T, B stored (N, K)); tn (op(A) = A^T, A stored (K, M)). Stored matrices are
 // row-major with row strides lda/ldb/ldc; batch entry z = grid.z sits at element offsets
 // z * stride_a/b/c (0 broadcasts one matrix to every batch entry).
@@ -29,7 +29,9 @@
 // transposed. Half operands go to simdgroup_half8x8 fragments that multiply into float
 // accumulators (products of halves are exact in float); the result tile goes through a float
 // staging tile (aliasing the operand tiles) so that edge tiles can be written element-wise, and
-// half outputs are rounded once there.
+// half outputs are rounded once there. bfloat operands (the _bf16 kernels, behind __HAVE_BFLOAT__:
+// MSL 3.1, compiled only for GPUs with native bf16) take the same path with simdgroup_bfloat8x8
+// fragments; their products are exact in float too.
 #include <metal_stdlib>
 #include <metal_simdgroup_matrix>
 #include "kargs.h"
@@ -233,6 +235,14 @@ template [[host_name("gemm_tn_f16")]]     [[kernel]] decltype(gemm_plain<half, h
 template [[host_name("gemm_nn_f16_f32")]] [[kernel]] decltype(gemm_plain<half, float, false, false>)  gemm_plain<half, float, false, false>;
 template [[host_name("gemm_nt_f16_f32")]] [[kernel]] decltype(gemm_plain<half, float, false, true>)   gemm_plain<half, float, false, true>;
 template [[host_name("gemm_tn_f16_f32")]] [[kernel]] decltype(gemm_plain<half, float, true, false>)   gemm_plain<half, float, true, false>;
+#if defined(__HAVE_BFLOAT__)  // MSL 3.1 on a GPU with native bf16 (the host compiles 3.1 there)
+template [[host_name("gemm_nn_bf16")]]     [[kernel]] decltype(gemm_plain<bfloat, bfloat, false, false>) gemm_plain<bfloat, bfloat, false, false>;
+template [[host_name("gemm_nt_bf16")]]     [[kernel]] decltype(gemm_plain<bfloat, bfloat, false, true>)  gemm_plain<bfloat, bfloat, false, true>;
+template [[host_name("gemm_tn_bf16")]]     [[kernel]] decltype(gemm_plain<bfloat, bfloat, true, false>)  gemm_plain<bfloat, bfloat, true, false>;
+template [[host_name("gemm_nn_bf16_f32")]] [[kernel]] decltype(gemm_plain<bfloat, float, false, false>)  gemm_plain<bfloat, float, false, false>;
+template [[host_name("gemm_nt_bf16_f32")]] [[kernel]] decltype(gemm_plain<bfloat, float, false, true>)   gemm_plain<bfloat, float, false, true>;
+template [[host_name("gemm_tn_bf16_f32")]] [[kernel]] decltype(gemm_plain<bfloat, float, true, false>)   gemm_plain<bfloat, float, true, false>;
+#endif
 
 template [[host_name("gemm_splitk_nn_f32")]] [[kernel]] decltype(gemm_splitk<float, false, false>) gemm_splitk<float, false, false>;
 template [[host_name("gemm_splitk_nt_f32")]] [[kernel]] decltype(gemm_splitk<float, false, true>)  gemm_splitk<float, false, true>;
@@ -240,6 +250,14 @@ template [[host_name("gemm_splitk_tn_f32")]] [[kernel]] decltype(gemm_splitk<flo
 template [[host_name("gemm_splitk_nn_f16")]] [[kernel]] decltype(gemm_splitk<half, false, false>)  gemm_splitk<half, false, false>;
 template [[host_name("gemm_splitk_nt_f16")]] [[kernel]] decltype(gemm_splitk<half, false, true>)   gemm_splitk<half, false, true>;
 template [[host_name("gemm_splitk_tn_f16")]] [[kernel]] decltype(gemm_splitk<half, true, false>)   gemm_splitk<half, true, false>;
+#if defined(__HAVE_BFLOAT__)
+template [[host_name("gemm_splitk_nn_bf16")]] [[kernel]] decltype(gemm_splitk<bfloat, false, false>) gemm_splitk<bfloat, false, false>;
+template [[host_name("gemm_splitk_nt_bf16")]] [[kernel]] decltype(gemm_splitk<bfloat, false, true>)  gemm_splitk<bfloat, false, true>;
+template [[host_name("gemm_splitk_tn_bf16")]] [[kernel]] decltype(gemm_splitk<bfloat, true, false>)  gemm_splitk<bfloat, true, false>;
+#endif
 
 template [[host_name("gemm_reduce_f32")]] [[kernel]] decltype(gemm_reduce<float>) gemm_reduce<float>;
 template [[host_name("gemm_reduce_f16")]] [[kernel]] decltype(gemm_reduce<half>)  gemm_reduce<half>;
+#if defined(__HAVE_BFLOAT__)
+template [[host_name("gemm_reduce_bf16")]] [[kernel]] decltype(gemm_reduce<bfloat>) gemm_reduce<bfloat>;
+#endif

@@ -3,6 +3,8 @@
 // One threadgroup per row (grid = rows), any threadgroup size up to 1024 (a multiple of 32 is
 // best). Sum of squares in float: per-thread fma, simd_sum, then one partial per SIMD-group in
 // threadgroup memory. Half operands are read and combined in float, rounded once on the store.
+// y (and dy, dx in the backward) are x's dtype, or f32 from bf16 x with f32 w (the _yf32 and
+// _dyf32 kernels).
 // rmsnorm_backward: the same geometry (one threadgroup per row).
 // rmsnorm_backward_dw: 2-D threadgroups (tx, ty) with tx * ty <= 1024, grid (ceil(cols / tx), 1)
 // or fewer (groups stride over column blocks): thread (i, j) owns column block + i and sums rows
@@ -13,10 +15,11 @@ using namespace metal;
 
 #define RMS_MAX_SIMDGROUPS 32  // 1024 threads / 32 lanes
 
-template <typename T, typename W>  // W: the weight's dtype (f32 weights may scale f16 activations)
+// W: the weight's dtype (f32 weights may scale f16/bf16 activations); Y: y's (x's, or f32)
+template <typename T, typename W, typename Y = T>
 kernel void rmsnorm_forward(device const T*       x    [[buffer(0)]],
                             device const W*       w    [[buffer(1)]],
-                            device T*             y    [[buffer(2)]],
+                            device Y*             y    [[buffer(2)]],
                             device float*         rstd [[buffer(3)]],
                             constant RmsnormArgs& args [[buffer(4)]],
                             uint row  [[threadgroup_position_in_grid]],
@@ -27,12 +30,13 @@ kernel void rmsnorm_forward(device const T*       x    [[buffer(0)]],
                             uint nsg  [[simdgroups_per_threadgroup]])
 {
     using T4 = vec<T, 4>;
+    using Y4 = vec<Y, 4>;
     threadgroup float partial[RMS_MAX_SIMDGROUPS];
 
     if (row >= args.rows) return;  // whole threadgroup: uniform, before any barrier
     const uint cols = args.cols;
     device const T* xr = x + (ulong)row * cols;
-    device T*       yr = y + (ulong)row * cols;
+    device Y*       yr = y + (ulong)row * cols;
     const bool vec4 = (cols & 3) == 0;  // rows then start 4-element aligned
 
     float ss = 0.0f;
@@ -59,18 +63,23 @@ kernel void rmsnorm_forward(device const T*       x    [[buffer(0)]],
     if (vec4) {
         device const T4* x4 = (device const T4*)xr;
         device const vec<W, 4>* w4 = (device const vec<W, 4>*)w;
-        device T4*       y4 = (device T4*)yr;
+        device Y4*       y4 = (device Y4*)yr;
         for (uint i = tid; i < cols / 4; i += ntg)
-            y4[i] = T4(float4(x4[i]) * inv * float4(w4[i]));
+            y4[i] = Y4(float4(x4[i]) * inv * float4(w4[i]));
     } else {
         for (uint i = tid; i < cols; i += ntg)
-            yr[i] = T(float(xr[i]) * inv * float(w[i]));
+            yr[i] = Y(float(xr[i]) * inv * float(w[i]));
     }
 }
 
 template [[host_name("rmsnorm_forward_f32")]] [[kernel]] decltype(rmsnorm_forward<float, float>) rmsnorm_forward<float, float>;
 template [[host_name("rmsnorm_forward_f16")]] [[kernel]] decltype(rmsnorm_forward<half, half>)   rmsnorm_forward<half, half>;
 template [[host_name("rmsnorm_forward_f16_wf32")]] [[kernel]] decltype(rmsnorm_forward<half, float>) rmsnorm_forward<half, float>;
+#if defined(__HAVE_BFLOAT__)
+template [[host_name("rmsnorm_forward_bf16")]] [[kernel]] decltype(rmsnorm_forward<bfloat, bfloat>) rmsnorm_forward<bfloat, bfloat>;
+template [[host_name("rmsnorm_forward_bf16_wf32")]] [[kernel]] decltype(rmsnorm_forward<bfloat, float>) rmsnorm_forward<bfloat, float>;
+template [[host_name("rmsnorm_forward_bf16_wf32_yf32")]] [[kernel]] decltype(rmsnorm_forward<bfloat, float, float>) rmsnorm_forward<bfloat, float, float>;
+#endif
 
 // rmsnorm_backward: dx[r, :] = rstd[r] * (g - xhat * mean(g * xhat)), g = dy[r, :] * w,
 // xhat = x[r, :] * rstd[r], with rstd the forward's (rows,) f32 output. dw (the sum over rows of
@@ -79,12 +88,12 @@ template [[host_name("rmsnorm_forward_f16_wf32")]] [[kernel]] decltype(rmsnorm_f
 // per-thread fma, simd_sum, one partial per SIMD-group in threadgroup memory, summed in the same
 // order by every thread. dx may alias dy: every thread finishes reading the row for the
 // reduction before the barrier, and afterwards reads and writes only its own elements.
-template <typename T, typename W>
-kernel void rmsnorm_backward(device const T*               dy   [[buffer(0)]],
+template <typename T, typename W, typename G = T>  // G: dy's and dx's dtype (x's, or f32)
+kernel void rmsnorm_backward(device const G*               dy   [[buffer(0)]],
                              device const T*               x    [[buffer(1)]],
                              device const W*               w    [[buffer(2)]],
                              device const float*           rstd [[buffer(3)]],
-                             device T*                     dx   [[buffer(4)]],
+                             device G*                     dx   [[buffer(4)]],
                              constant RmsnormBackwardArgs& args [[buffer(5)]],
                              uint row  [[threadgroup_position_in_grid]],
                              uint tid  [[thread_position_in_threadgroup]],
@@ -97,9 +106,9 @@ kernel void rmsnorm_backward(device const T*               dy   [[buffer(0)]],
 
     if (row >= args.rows) return;  // whole threadgroup: uniform, before any barrier
     const uint cols = args.cols;
-    device const T* dyr = dy + (ulong)row * cols;
+    device const G* dyr = dy + (ulong)row * cols;
     device const T* xr  = x + (ulong)row * cols;
-    device T*       dxr = dx + (ulong)row * cols;
+    device G*       dxr = dx + (ulong)row * cols;
     const float inv = rstd[row];
 
     float gx = 0.0f;  // sum of g * x over the row
@@ -114,21 +123,26 @@ kernel void rmsnorm_backward(device const T*               dy   [[buffer(0)]],
 
     for (uint i = tid; i < cols; i += ntg) {
         const float g = float(dyr[i]) * float(w[i]);
-        dxr[i] = T(inv * (g - float(xr[i]) * inv * m));
+        dxr[i] = G(inv * (g - float(xr[i]) * inv * m));
     }
 }
 
 template [[host_name("rmsnorm_backward_f32")]] [[kernel]] decltype(rmsnorm_backward<float, float>) rmsnorm_backward<float, float>;
 template [[host_name("rmsnorm_backward_f16")]] [[kernel]] decltype(rmsnorm_backward<half, half>)   rmsnorm_backward<half, half>;
 template [[host_name("rmsnorm_backward_f16_wf32")]] [[kernel]] decltype(rmsnorm_backward<half, float>) rmsnorm_backward<half, float>;
+#if defined(__HAVE_BFLOAT__)
+template [[host_name("rmsnorm_backward_bf16")]] [[kernel]] decltype(rmsnorm_backward<bfloat, bfloat>) rmsnorm_backward<bfloat, bfloat>;
+template [[host_name("rmsnorm_backward_bf16_wf32")]] [[kernel]] decltype(rmsnorm_backward<bfloat, float>) rmsnorm_backward<bfloat, float>;
+template [[host_name("rmsnorm_backward_bf16_wf32_dyf32")]] [[kernel]] decltype(rmsnorm_backward<bfloat, float, float>) rmsnorm_backward<bfloat, float, float>;
+#endif
 
 // rmsnorm_backward_dw: dw[c] += sum_r dy[r, c] * x[r, c] * rstd[r] (dw f32, accumulated like the
 // CPU backend's). A cross-row reduction, so a fixed order instead of atomics: each column's rows
 // are split into ty strided strands summed in row order, then the strands are added in strand
 // order by thread j == 0. Adjacent threads (i) read adjacent columns of a row: coalesced. The
 // explicit fma leaves the compiler no contraction choice, so the sum is reproducible.
-template <typename T>
-kernel void rmsnorm_backward_dw(device const T*               dy   [[buffer(0)]],
+template <typename T, typename G = T>  // G: dy's dtype
+kernel void rmsnorm_backward_dw(device const G*               dy   [[buffer(0)]],
                                 device const T*               x    [[buffer(1)]],
                                 device const float*           rstd [[buffer(2)]],
                                 device float*                 dw   [[buffer(3)]],
@@ -165,3 +179,7 @@ kernel void rmsnorm_backward_dw(device const T*               dy   [[buffer(0)]]
 
 template [[host_name("rmsnorm_backward_dw_f32")]] [[kernel]] decltype(rmsnorm_backward_dw<float>) rmsnorm_backward_dw<float>;
 template [[host_name("rmsnorm_backward_dw_f16")]] [[kernel]] decltype(rmsnorm_backward_dw<half>)  rmsnorm_backward_dw<half>;
+#if defined(__HAVE_BFLOAT__)
+template [[host_name("rmsnorm_backward_dw_bf16")]] [[kernel]] decltype(rmsnorm_backward_dw<bfloat>) rmsnorm_backward_dw<bfloat>;
+template [[host_name("rmsnorm_backward_dw_bf16_dyf32")]] [[kernel]] decltype(rmsnorm_backward_dw<bfloat, float>) rmsnorm_backward_dw<bfloat, float>;
+#endif

@@ -69,6 +69,10 @@ template [[host_name("softmax_causal_forward_f32")]] [[kernel]]
 decltype(softmax_causal_forward<float>) softmax_causal_forward<float>;
 template [[host_name("softmax_causal_forward_f16")]] [[kernel]]
 decltype(softmax_causal_forward<half>) softmax_causal_forward<half>;
+#if defined(__HAVE_BFLOAT__)
+template [[host_name("softmax_causal_forward_bf16")]] [[kernel]]
+decltype(softmax_causal_forward<bfloat>) softmax_causal_forward<bfloat>;
+#endif
 
 // softmax_backward: dS = P * (dP - rowsum(dP * P)) * scale over rows of length cols (any mask is
 // already in P: masked entries are zeros there and stay zeros). One threadgroup per row
@@ -112,3 +116,7 @@ template [[host_name("softmax_backward_f32")]] [[kernel]]
 decltype(softmax_backward<float>) softmax_backward<float>;
 template [[host_name("softmax_backward_f16")]] [[kernel]]
 decltype(softmax_backward<half>) softmax_backward<half>;
+#if defined(__HAVE_BFLOAT__)
+template [[host_name("softmax_backward_bf16")]] [[kernel]]
+decltype(softmax_backward<bfloat>) softmax_backward<bfloat>;
+#endif

@@ -2,6 +2,7 @@
 constants and tolerances, upload/read-back helpers and host-side (numpy) conversions that the
 float64 oracles use. Op-specific oracles live next to their tests."""
 
+import contextlib
 import os
 import re
 import sys
@@ -37,6 +38,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # The metal-sim device: the Metal backend's dispatch records executed by tools/mslsim (docs/architecture.md,
 # 'How Metal is tested without a Mac'). Registered here, for the tests only; KRNL_TEST_METAL_SIM=0 turns it off.
 METAL_SIM = None
+# The GPU metal-sim stands for in the suite: Apple9 (M3), native bf16, so that the bf16 kernels run
+# and the bf16 cases of the op suite are not skipped; metal_sim_as() switches for a test.
+METAL_SIM_FAMILY = 9
 if os.environ.get("KRNL_TEST_METAL_SIM", "1") != "0":
     sys.path.insert(0, str(ROOT / "tools" / "mslsim"))
     import mslsim.metal_sim  # noqa: E402
@@ -44,6 +48,7 @@ if os.environ.get("KRNL_TEST_METAL_SIM", "1") != "0":
     if mslsim.metal_sim.available():
         # random thread order everywhere: every op test is also a race test of its kernels
         METAL_SIM = mslsim.metal_sim.register(krnl._core, ROOT, random_order=True)
+        krnl._core.testing.metal_sim_set_gpu(METAL_SIM_FAMILY)
 
 # Which devices the `dev` fixture runs on (the test devices by name: which to test, not what
 # they can do, which their capabilities() say).
@@ -68,8 +73,8 @@ def _names_dtype(text, dtype):
 
 
 def pytest_collection_modifyitems(config, items):
-    # A test of a float dtype the device has no kernels for (its capabilities' dtypes: Metal has
-    # no bf16) is skipped, saying so; every other test runs.
+    # A test of a float dtype the device has no kernels for (its capabilities' dtypes: Metal on a
+    # GPU without native bf16 offers none) is skipped, saying so; every other test runs.
     dtypes = {}
     for item in items:
         cs = getattr(item, "callspec", None)
@@ -83,6 +88,17 @@ def pytest_collection_modifyitems(config, items):
         if absent:
             item.add_marker(pytest.mark.skip(reason=f"{name} has no {'/'.join(absent)} kernels (its capabilities' "
                                                     f"dtypes: {', '.join(dtypes[name])})"))
+
+
+@contextlib.contextmanager
+def metal_sim_as(apple_family):
+    """metal-sim standing for an Apple GPU of that family for the block (its capabilities and bf16
+    policy follow), then for the suite's Apple9 again (native bf16: every kernel runs)."""
+    krnl._core.testing.metal_sim_set_gpu(apple_family)
+    try:
+        yield krnl.device("metal-sim")
+    finally:
+        krnl._core.testing.metal_sim_set_gpu(METAL_SIM_FAMILY)
 
 
 def device_dtypes(dev):

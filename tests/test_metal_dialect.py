@@ -198,12 +198,14 @@ def test_msl_idioms_are_accepted(tmp_path, mode):
 # ------------------------------------------------------------------------------------------------
 # MSL versions
 # ------------------------------------------------------------------------------------------------
+# A block the host compiles only as MSL 3.1, on GPUs with native bf16 (csrc/metal/device.mm).
+BF16_BLOCK = re.compile(r"^#if defined\(__HAVE_BFLOAT__\).*?^#endif", re.S | re.M)
+
+
 def _uses_bfloat(path):
-    """bfloat outside `#if defined(__HAVE_BFLOAT__)` ... `#endif`: such a block is compiled only as
-    MSL 3.1, which defines the macro."""
+    """Whether the file uses bfloat outside its `#if defined(__HAVE_BFLOAT__)` blocks."""
     code = re.sub(r"//[^\n]*|/\*.*?\*/", "", path.read_text(), flags=re.S)
-    code = re.sub(r"^#if defined\(__HAVE_BFLOAT__\)$.*?^#endif", "", code, flags=re.S | re.M)
-    return re.search(r"\bbfloat", code) is not None
+    return re.search(r"\bbfloat", BF16_BLOCK.sub("", code)) is not None
 
 
 @pytest.mark.parametrize("path", KERNELS, ids=[p.stem for p in KERNELS])
@@ -222,6 +224,34 @@ def test_bfloat_needs_msl_3_1(tmp_path):
     _assert_bites(path, md.check(path, compiler=compiler), {"compile"}, lines)
     path, _ = _plant(tmp_path, body, version="3.1")
     assert not md.check(path, compiler=compiler)
+
+
+BF16_BODY = ("float f(float v) {{ return v; }}\n"
+             "#if defined(__HAVE_BFLOAT__)\n"
+             "float g(float v) {{\n  bfloat b = bfloat(v);\n  return float(b){extra};  {mark}\n}}\n"
+             "#endif")
+
+
+@pytest.mark.parametrize("path", KERNELS, ids=[p.stem for p in KERNELS])
+def test_bf16_blocks_are_checked_as_msl_3_1(path):
+    """Every kernel family has bf16 kernels behind __HAVE_BFLOAT__, outside which it uses no
+    bfloat: its declared version (3.0) is checked without them and 3.1 with them."""
+    text = path.read_text()
+    assert BF16_BLOCK.search(text) and "_bf16" in "".join(BF16_BLOCK.findall(text)), path.name
+    assert md.checked_versions(path, md.declared_version(path)) == [md.declared_version(path), (3, 1)]
+
+
+def test_bf16_block_under_msl_3_0(tmp_path):
+    """bfloat behind __HAVE_BFLOAT__ passes in a 3.0 file, and what is wrong inside the block is
+    still found (by the 3.1 pass, which names itself)."""
+    compiler = _require(ANY, NO_COMPILER)
+    path, _ = _plant(tmp_path, BF16_BODY.format(extra="", mark=""), version="3.0")
+    assert md.checked_versions(path, (3, 0)) == [(3, 0), (3, 1)]
+    assert not md.check(path, compiler=compiler)
+    path, lines = _plant(tmp_path, BF16_BODY.format(extra=" * 0.5", mark="//!"), version="3.0")
+    probs = md.check(path, compiler=compiler)
+    _assert_bites(path, probs, {"double"}, lines)
+    assert all("checked as MSL 3.1" in p.message for p in probs), probs
 
 
 @pytest.mark.parametrize("first, why", [("#include <metal_stdlib>", "the first line must declare"),

@@ -2,10 +2,17 @@
 (csrc/metal/policy.cpp), on made-up GPUs: which GPU the "metal" device takes and when it is absent
 (with the one-line reason `krnl devices` prints), the dtypes it computes in, and how a step is cut
 into command buffers. device.mm only fills a GpuDescription from the Metal API (supportsFamily:,
-the MTLDevice properties) and calls these, so the rules are tested here although no Mac runs."""
+the MTLDevice properties) and calls these, so the rules are tested here although no Mac runs.
+The bf16 policy is also checked on a device: metal-sim standing for an M1, M2 or M3."""
+import numpy as np
 import pytest
 
-from krnl import _core
+import krnl
+from krnl import _core, ops
+
+from conftest import METAL_SIM, metal_sim_as
+
+needs_sim = pytest.mark.skipif(METAL_SIM is None, reason="metal-sim is off (KRNL_TEST_METAL_SIM=0 or no g++)")
 
 # What device.mm reads on each machine: Apple documents MTLGPUFamilyApple7 for A14/M1, Apple8 for
 # A15/M2, Apple9 for A17/M3; Intel and AMD Macs report only the Mac2 family; the paravirtual GPU of
@@ -38,8 +45,9 @@ def test_gpus_below_apple7_are_refused_with_the_reason(gpu):
 
 
 def test_bf16_only_where_native():
-    """bf16 would be offered only on Apple9 (M3) and later, where MSL bfloat runs natively, and
-    only once bf16 kernels exist; today every Apple GPU computes in f32/f16 and trains in f16."""
+    """bf16 is offered only on Apple9 (M3) and later, where MSL bfloat runs natively (elsewhere
+    Metal emulates it, ~40x slower than f16): there it is also the training dtype; older GPUs
+    train in f16 with loss scaling. Without bf16 kernels, no GPU would offer it."""
     for gpu, native in ((M1, False), (M2, False), (M3, True)):
         p = _core.testing.metal_gpu_policy(gpu)
         assert p["native_bf16"] is native, gpu["name"]
@@ -137,3 +145,75 @@ def test_command_buffer_estimate_is_conservative():
 def test_plan_overrides():
     assert _core.testing.metal_plan_command_buffers(M1, [(0.0, 64.0)] * 7, max_dispatches=3) == [3, 3, 1]
     assert _core.testing.metal_plan_command_buffers(M1, [(2e9, 0.0)] * 4, max_ms=1e-9) == [1, 1, 1, 1]
+
+
+# ---- the same policy on a device: metal-sim standing for an M1, an M2 or an M3
+
+def _bf16_calls(dev):
+    """One call per kernel family, each with a bf16 operand or output."""
+    b = lambda *shape: dev.empty(shape, "bf16")  # noqa: E731  (zeros would call fill)
+    f = lambda *shape: dev.zeros(shape, "f32")  # noqa: E731
+    ids = dev.tensor(np.zeros(3, np.int32), "i32")
+    return {
+        "gemm": lambda: ops.gemm(b(3, 5), b(5, 2), b(3, 2)),
+        "rmsnorm_forward": lambda: ops.rmsnorm_forward(b(3, 4), f(4), b(3, 4), f(3), 1e-5),
+        "swiglu_forward": lambda: ops.swiglu_forward(b(7), b(7), b(7)),
+        "rope": lambda: ops.rope(b(2, 3, 4), ids, f(2), 1.0),
+        "softmax_backward": lambda: ops.softmax_backward(b(3, 3), b(3, 3), b(3, 3), 1.0),
+        "embedding_forward": lambda: ops.embedding_forward(ids, b(4, 2), b(3, 2)),
+        "cross_entropy": lambda: ops.cross_entropy(b(3, 4), ids, f(3)),
+        "axpy": lambda: ops.axpy(1.0, b(5), f(5)),
+        "cast": lambda: ops.cast(f(5), b(5)),
+        "fill": lambda: ops.fill(b(5), 1.0),
+        "adamw_update": lambda: ops.adamw_update(f(4), f(4), f(4), f(4), 1e-3, 0.9, 0.999, 1e-8, 0.0, 1, 1.0,
+                                                 working=b(4)),
+        "nonfinite": lambda: ops.nonfinite(b(5), dev.zeros((1,), "i32")),
+    }
+
+
+@needs_sim
+@pytest.mark.parametrize("family", [7, 8])
+def test_metal_sim_without_native_bf16_refuses_it(family):
+    """As an M1 or M2: no bf16 in the dtypes, f16 the training dtype, and every op family refuses
+    bf16 with a one-line error naming the op and why; f16 still runs."""
+    with metal_sim_as(family) as dev:
+        c = dev.capabilities()
+        pol = _core.testing.metal_gpu_policy(dict(apple_family=family))
+        assert c["dtypes"] == pol["dtypes_with_bf16_kernels"] == ["f32", "f16"] and c["compute_dtype"] == "f16"
+        assert c["details"]["gpu_family"] == f"apple{family}" and c["details"]["bf16"].startswith("emulated")
+        for op, call in _bf16_calls(dev).items():
+            with pytest.raises(NotImplementedError) as e:
+                call()
+                dev.synchronize()
+            msg = str(e.value)
+            assert msg.startswith(f"[{op}] bf16 not implemented on metal-sim: this GPU emulates bf16"), msg
+            assert "40x slower than f16" in msg and "\n" not in msg, msg
+        x = dev.zeros((5,), "f16")
+        ops.fill(x, 1.5)
+        np.testing.assert_array_equal(np.array(x.numpy(), np.float32), np.full(5, 1.5, np.float32))
+
+
+@needs_sim
+def test_metal_sim_with_native_bf16_offers_it():
+    """As an M3 (the suite's default): bf16 listed and the training dtype, and every op family
+    runs it."""
+    with metal_sim_as(9) as dev:
+        c = dev.capabilities()
+        pol = _core.testing.metal_gpu_policy(dict(apple_family=9))
+        assert c["dtypes"] == pol["dtypes_with_bf16_kernels"] == ["f32", "f16", "bf16"]
+        assert c["compute_dtype"] == pol["compute_dtype_with_bf16_kernels"] == "bf16"
+        assert c["details"]["gpu_family"] == "apple9" and c["details"]["bf16"] == "native"
+        for op, call in _bf16_calls(dev).items():
+            call()  # raises if refused or if the kernel is missing from the library
+        dev.synchronize()
+        x = dev.zeros((5,), "bf16")
+        ops.fill(x, 1.5)
+        np.testing.assert_array_equal(np.array(x.numpy(), np.float32), np.full(5, 1.5, np.float32))
+
+
+@needs_sim
+@pytest.mark.parametrize("family", [0, 6, 10])
+def test_metal_sim_stands_only_for_known_families(family):
+    with pytest.raises(ValueError, match="apple_family must be 7, 8 or 9"):
+        _core.testing.metal_sim_set_gpu(family)
+    assert krnl.device("metal-sim").capabilities()["details"]["gpu_family"] == "apple9"  # unchanged

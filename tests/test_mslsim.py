@@ -233,6 +233,43 @@ def test_simdgroup_matrix_thread_elements(feat):
     np.testing.assert_allclose(C, (A @ B).T, rtol=1e-5, atol=1e-5)
 
 
+def _bf16_rne(x32):
+    """float32 -> bfloat16 bits, round to nearest even on the bits; NaN keeps its sign and top
+    payload bits and is made quiet."""
+    u = x32.view(np.uint32).astype(np.uint64)
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    return np.where(nan, (u >> 16) | 0x40, (u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def test_bfloat(feat):
+    """The shim's bfloat (MSL 3.1; __HAVE_BFLOAT__ is defined): round to nearest even from float,
+    ties both ways, overflow to inf, NaN kept; exact widening; arithmetic rounds once per operation."""
+    special = np.array([0x3F808000, 0x3F818000, 0x3F80FFFF, 0x7F7FFFFF, 0x7F7F8000, 0xFF7F8000, 0x00008000,
+                        0x00018000, 0x7FC00000, 0xFF800001, 0x7F800000, 0x80000000], np.uint32).view(np.float32)
+    x = np.concatenate([special, rng.standard_normal(116).astype(np.float32) * 1e3]).astype(np.float32)
+    n = x.size // 2
+    bits = np.zeros(3 * n, np.uint16)
+    back = np.zeros(n, np.float32)
+    feat.dispatch("bfloat_ops", grid=(1, 1, 1), threads=(n, 1, 1), buffers=[x, bits, back])
+    bits = bits.reshape(n, 3)
+    a, b = _bf16_rne(x[0::2]), _bf16_rne(x[1::2])
+    np.testing.assert_array_equal(bits[:, 0], a)
+    widen = lambda h: (h.astype(np.uint32) << 16).view(np.float32)  # noqa: E731
+    np.testing.assert_array_equal(back.view(np.uint32), widen(a).view(np.uint32))
+    with np.errstate(invalid="ignore", over="ignore"):
+        np.testing.assert_array_equal(bits[:, 1], _bf16_rne((widen(a) + widen(b)).astype(np.float32)))
+        np.testing.assert_array_equal(bits[:, 2], _bf16_rne((widen(b) * np.float32(2)).astype(np.float32)))
+
+
+def test_simdgroup_bfloat_matrix(feat):
+    A = _bf16_rne(rng.standard_normal((8, 8)).astype(np.float32))
+    B = _bf16_rne(rng.standard_normal((8, 8)).astype(np.float32))
+    C = np.zeros((8, 8), np.float32)
+    feat.dispatch("sgmat_bfloat", grid=(1, 1, 1), threads=(32, 1, 1), buffers=[A, B, C], random_order=True)
+    widen = lambda h: (h.astype(np.uint32) << 16).view(np.float32).astype(np.float64)  # noqa: E731
+    np.testing.assert_allclose(C, widen(A) @ widen(B) + 1.0, rtol=1e-5, atol=1e-5)
+
+
 # ---------------------------------------------------------------------------------------------
 # bugs that must be reported
 # ---------------------------------------------------------------------------------------------

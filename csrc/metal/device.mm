@@ -303,7 +303,12 @@ class MetalBackend final : public MetalOps {
     if (it != libraries_.end()) return it->second;
     const std::string source = library_source(name);  // embedded at build time (sources.cpp)
     MTLCompileOptions* options = [[MTLCompileOptions alloc] init];
-    set_language_version(options, library_msl_version(name));  // the version the file declares
+    // The version the file declares, or MSL 3.1 where the GPU runs bf16 natively: 3.1 defines
+    // __HAVE_BFLOAT__, behind which the _bf16 kernels sit, so they exist exactly where
+    // capabilities() offer bf16 (an M3 runs macOS 14 or later, which compiles 3.1).
+    uint32_t msl = library_msl_version(name);
+    if (native_bf16(gpu())) msl = std::max<uint32_t>(msl, 301);
+    set_language_version(options, msl);
     // IEEE semantics: fast math lets the compiler assume no NaN/Inf, which would break the
     // non-finite gradient check and the -inf masking of the softmax kernels.
     options.fastMathEnabled = NO;

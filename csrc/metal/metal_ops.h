@@ -114,6 +114,13 @@ class MetalOps : public Backend {
   // Blocks until submission `id` and every earlier one have completed and been reported.
   virtual void wait_submission(uint64_t id) = 0;
 
+  // The GPU this device stands for, and the policy that follows from it (metal-sim's tests only:
+  // a real device keeps the GPU it was made for). Call with no work in flight.
+  void set_gpu(const GpuDescription& g) {
+    gpu_ = g;
+    set_command_buffer_policy(metal::command_buffer_policy(g));
+  }
+
   // Queues one record of the open step (ops.cpp's output).
   void encode(Dispatch&& d);
   // Every submission up to this id has completed and been reported.

@@ -36,6 +36,11 @@ class SimBackend final : public MetalOps {
     rng_ = seed;
   }
 
+  void stand_for(const GpuDescription& g) {
+    drain();
+    set_gpu(g);
+  }
+
   void shutdown() {
     drain();
     {
@@ -155,10 +160,10 @@ SimBackend* g_sim = nullptr;  // set when the device is first used (the registry
 
 }  // namespace
 
-GpuDescription metal_sim_gpu() {
+GpuDescription metal_sim_gpu(int apple_family) {
   GpuDescription g;
-  g.name = "metal-sim (tools/mslsim on the CPU, standing for an Apple7 GPU)";
-  g.apple_family = 7;
+  g.name = "metal-sim (tools/mslsim on the CPU, standing for an Apple" + std::to_string(apple_family) + " GPU)";
+  g.apple_family = apple_family;
   g.unified_memory = true;
   return g;
 }
@@ -181,6 +186,13 @@ void metal_sim_set_lag(const std::string& mode, double max_ms, uint64_t seed) {
     throw std::invalid_argument("[metal-sim] lag must be 'none', 'wait' or 'delay', got '" + mode + "'");
   if (!(max_ms >= 0)) throw std::invalid_argument("[metal-sim] max_ms must be >= 0");
   static_cast<SimBackend*>(get_device("metal-sim"))->set_lag(lag, max_ms, seed);
+}
+
+void metal_sim_set_gpu(int apple_family) {
+  if (apple_family < 7 || apple_family > 9)
+    throw std::invalid_argument("[metal-sim] apple_family must be 7, 8 or 9 (the families the policy knows), got " +
+                                std::to_string(apple_family));
+  static_cast<SimBackend*>(get_device("metal-sim"))->stand_for(metal_sim_gpu(apple_family));
 }
 
 void metal_sim_shutdown() {

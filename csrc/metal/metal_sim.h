@@ -30,7 +30,12 @@ void metal_sim_set_lag(const std::string& mode, double max_ms, uint64_t seed);
 // Runs what was committed and stops the worker (at interpreter exit, while Python still runs).
 void metal_sim_shutdown();
 
-// The GPU the simulator stands for: an Apple7 GPU (an M1), the family the kernels need.
-GpuDescription metal_sim_gpu();
+// Makes metal-sim stand for an Apple GPU of that family (7: M1, 8: M2, 9: M3), so that its
+// capabilities() and bf16 refusals follow that GPU's policy; waits for committed work first.
+void metal_sim_set_gpu(int apple_family);
+
+// The GPU the simulator stands for: by default an Apple9 GPU (an M3), which has native bf16, so
+// that every kernel of metal/ runs; metal_sim_set_gpu picks another family.
+GpuDescription metal_sim_gpu(int apple_family = 9);
 
 }  // namespace krnl::metal

@@ -1,8 +1,9 @@
 // Dispatch records for every op of the contract on the Metal kernels (docs/architecture.md, 'The Metal backend'). Portable
 // C++: runs in CI on the metal-sim device, and on macOS under the Objective-C++ encoder. The core
 // has validated every call (shapes, dtypes, devices); what is checked here is only what the
-// kernels add: Metal kernels exist for f32 and f16 (bf16 is emulated and slow on Apple GPUs before
-// M3; docs/architecture.md, 'Device capabilities'), and argument structs hold 32-bit sizes.
+// kernels add: bf16 kernels run only where the GPU has native bf16 (emulated bf16 is ~40x slower
+// than f16 before M3; docs/architecture.md, 'Device capabilities'), and argument structs hold
+// 32-bit sizes.
 #include "metal/metal_ops.h"
 
 #include <algorithm>
@@ -54,8 +55,9 @@ MetalOps::MetalOps(std::string name, GpuDescription gpu)
     : Backend(std::move(name)), gpu_(std::move(gpu)), cb_policy_(metal::command_buffer_policy(gpu_)) {}
 MetalOps::~MetalOps() = default;
 
-// No bf16 kernels in metal/ yet: f32 and f16 everywhere, training in f16.
-constexpr bool kBf16Kernels = false;
+// metal/ has bf16 kernels (inside `#if defined(__HAVE_BFLOAT__)`); the policy offers them only
+// where the GPU runs bf16 natively, and device.mm compiles MSL 3.1 there.
+constexpr bool kBf16Kernels = true;
 
 Capabilities MetalOps::capabilities() const {
   Capabilities c = Backend::capabilities();
@@ -69,8 +71,8 @@ Capabilities MetalOps::capabilities() const {
   c.fused_attention_head_dims = attention_head_dims();
   c.details = {{"gpu", gpu_.name},
                {"gpu_family", gpu_.apple_family ? "apple" + std::to_string(gpu_.apple_family) : "below apple7"},
-               {"bf16", std::string(native_bf16(gpu_) ? "native" : "emulated by Metal") +
-                            (kBf16Kernels ? "" : "; no bf16 kernels in krnl yet")},
+               {"bf16", native_bf16(gpu_) ? std::string("native")
+                                          : std::string("emulated by Metal (~40x slower than f16): not offered")},
                {"command_buffer", "at most " + std::to_string(cb_policy_.max_dispatches) + " dispatches or ~" +
                                       std::to_string(int(cb_policy_.max_ms)) + " ms of estimated GPU work"}};
   return c;
@@ -96,16 +98,19 @@ struct Emit {
   MetalOps* self;
   const char* op;
 
-  // Kernel dtype suffix; bf16 has no Metal kernels (see the file comment).
+  // Kernel dtype suffix. bf16 only where the GPU has it natively (see the file comment): the
+  // library is then compiled as MSL 3.1 and holds the _bf16 kernels.
   std::string sfx(DType d) const {
     switch (d) {
       case DType::f32: return "f32";
       case DType::f16: return "f16";
       case DType::i32: return "i32";
-      case DType::bf16: break;
+      case DType::bf16:
+        if (kBf16Kernels && native_bf16(self->gpu())) return "bf16";
+        break;
     }
     throw NotImplementedError(std::string("[") + op + "] bf16 not implemented on " + self->name() +
-                              " (Metal kernels are f32 and f16)");
+                              ": this GPU emulates bf16 (~40x slower than f16; native from Apple9, M3); use f16");
   }
   Dispatch make(const char* library, std::string kernel) const {
     Dispatch d;
@@ -162,8 +167,9 @@ void MetalOps::gemm(const CoreGemmArgs& a) {
       if (a.B.dtype() == DType::f32) {
         std::memcpy(I.data(), eye.data(), eye.size() * 4);
       } else {
+        const bool bf = a.B.dtype() == DType::bf16;
         std::vector<uint16_t> h(eye.size());
-        for (size_t i = 0; i < h.size(); ++i) h[i] = f32_to_f16(eye[i]);
+        for (size_t i = 0; i < h.size(); ++i) h[i] = bf ? f32_to_bf16(eye[i]) : f32_to_f16(eye[i]);
         std::memcpy(I.data(), h.data(), h.size() * 2);
       }
     }
@@ -204,7 +210,7 @@ void MetalOps::gemm(const CoreGemmArgs& a) {
 void MetalOps::gemm_plain(const CoreGemmArgs& a, int64_t row0, int64_t rows) {
   Emit e{this, "gemm"};
   const std::string in = e.sfx(a.A.dtype());
-  const bool widen = a.C.dtype() != a.A.dtype();  // f16 operands, f32 C (LoRA gradients)
+  const bool widen = a.C.dtype() != a.A.dtype();  // f16/bf16 operands, f32 C (LoRA gradients)
   Dispatch d = e.make("gemm", "gemm_" + gemm_variant(a.trans_a, a.trans_b) + "_" + in + (widen ? "_f32" : ""));
   const size_t es = dtype_size(a.A.dtype()), cs = dtype_size(a.C.dtype());
   const int64_t a_off = a.trans_a ? row0 : row0 * a.lda, c_off = row0 * a.ldc;
@@ -305,11 +311,14 @@ void MetalOps::gemm_row_split(const CoreGemmArgs& a, int64_t cpu_rows) {
 void MetalOps::rmsnorm_forward(const Tensor& x, const Tensor& w, const Tensor& y, const Tensor& rstd, float eps) {
   Emit e{this, "rmsnorm_forward"};
   const std::string s = e.sfx(x.dtype());
-  if (y.dtype() != x.dtype()) throw NotImplementedError("[rmsnorm_forward] y must have x's dtype on " + name());
+  // y in x's dtype, or f32 from bf16 x scaled by f32 w (the kernels rmsnorm.metal has)
+  const bool wide = y.dtype() != x.dtype();
+  if (wide && !(x.dtype() == DType::bf16 && w.dtype() == DType::f32 && y.dtype() == DType::f32))
+    throw NotImplementedError("[rmsnorm_forward] y must have x's dtype (or be f32, from bf16 x and f32 w) on " + name());
   const int64_t C = x.size(-1), rows = C ? x.numel() / C : 0;
   if (rows == 0) return;
-  const std::string wsfx = w.dtype() != x.dtype() ? "_wf32" : "";  // f32 weights scaling f16 activations
-  Dispatch d = e.make("rmsnorm", "rmsnorm_forward_" + s + wsfx);
+  const std::string wsfx = w.dtype() != x.dtype() ? "_wf32" : "";  // f32 weights scaling f16/bf16 activations
+  Dispatch d = e.make("rmsnorm", "rmsnorm_forward_" + s + wsfx + (wide ? "_yf32" : ""));
   bind(d, 0, x), bind(d, 1, w), bind(d, 2, y), bind(d, 3, rstd);
   d.set_args(4, RmsnormArgs{u32(e.op, rows, "rows"), u32(e.op, C, "cols"), eps});
   d.grid = {uint32_t(rows), 1, 1};
@@ -321,20 +330,25 @@ void MetalOps::rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor&
                                 const Tensor& dx, const Tensor* dw) {
   Emit e{this, "rmsnorm_backward"};
   const std::string s = e.sfx(x.dtype());
-  if (dy.dtype() != x.dtype() || dx.dtype() != x.dtype())
-    throw NotImplementedError("[rmsnorm_backward] dy and dx must have x's dtype on " + name());
+  // dy and dx in x's dtype, or both f32 with bf16 x and f32 w (the kernels rmsnorm.metal has)
+  const bool wide = dy.dtype() != x.dtype();
+  if (dx.dtype() != dy.dtype() ||
+      (wide && !(x.dtype() == DType::bf16 && w.dtype() == DType::f32 && dy.dtype() == DType::f32)))
+    throw NotImplementedError("[rmsnorm_backward] dy and dx must have x's dtype (or both be f32, with bf16 x and f32 w) on " +
+                              name());
+  const std::string gsfx = wide ? "_dyf32" : "";
   const int64_t C = x.size(-1), rows = C ? x.numel() / C : 0;
   if (rows == 0) return;
   const RmsnormBackwardArgs args{u32(e.op, rows, "rows"), u32(e.op, C, "cols")};
   if (dw) {  // first: dx may overwrite dy
-    Dispatch d = e.make("rmsnorm", "rmsnorm_backward_dw_" + s);
+    Dispatch d = e.make("rmsnorm", "rmsnorm_backward_dw_" + s + gsfx);
     bind(d, 0, dy), bind(d, 1, x), bind(d, 2, rstd), bind(d, 3, *dw);
     d.set_args(4, args);
     d.grid = {ceil_div(C, 32), 1, 1};  // 32 columns per threadgroup, rows in 8 strands
     d.threads = {32, 8, 1};
     encode(std::move(d));
   }
-  Dispatch d = e.make("rmsnorm", "rmsnorm_backward_" + s + (w.dtype() != x.dtype() ? "_wf32" : ""));
+  Dispatch d = e.make("rmsnorm", "rmsnorm_backward_" + s + (w.dtype() != x.dtype() ? "_wf32" : "") + gsfx);
   bind(d, 0, dy), bind(d, 1, x), bind(d, 2, w), bind(d, 3, rstd), bind(d, 4, dx);
   d.set_args(5, args);
   d.grid = {uint32_t(rows), 1, 1};

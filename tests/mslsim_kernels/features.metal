@@ -103,3 +103,33 @@ kernel void sgmat_elements(device const float* A [[buffer(0)]],
     out[gid] = select(float4(0.0f), float4(1.0f), isnan(v)) + select(float4(0.0f), float4(2.0f), isinf(v))
              + select(float4(0.0f), float4(4.0f), signbit(v));
 }
+
+#if defined(__HAVE_BFLOAT__)
+// bfloat (MSL 3.1): float -> bfloat rounding, bfloat -> float, bfloat arithmetic (one rounding per
+// operation), bfloat4 and a simdgroup_bfloat8x8 product into float accumulators.
+kernel void bfloat_ops(device const float*  x    [[buffer(0)]],
+                       device ushort*       bits [[buffer(1)]],   // (n, 3): bfloat(x), bfloat(x) + bfloat(y), bfloat4 * 2
+                       device float*        back [[buffer(2)]],   // (n,): float(bfloat(x))
+                       uint gid [[thread_position_in_grid]])
+{
+    const bfloat a = bfloat(x[2 * gid]), b = bfloat(x[2 * gid + 1]);
+    const bfloat4 v = bfloat4(a, b, a, b) * bfloat4(2.0f);
+    bits[3 * gid]     = as_type<ushort>(a);
+    bits[3 * gid + 1] = as_type<ushort>(bfloat(a + b));
+    bits[3 * gid + 2] = as_type<ushort>(bfloat(v.y));
+    back[gid] = float(a);
+}
+
+kernel void sgmat_bfloat(device const bfloat* A [[buffer(0)]],
+                         device const bfloat* B [[buffer(1)]],
+                         device float*        C [[buffer(2)]],
+                         ushort lane [[thread_index_in_simdgroup]])
+{
+    simdgroup_bfloat8x8 a, b;
+    simdgroup_float8x8 c = make_filled_simdgroup_matrix<float, 8, 8>(1.0f);
+    simdgroup_load(a, A, 8);
+    simdgroup_load(b, B, 8);
+    simdgroup_multiply_accumulate(c, a, b, c);
+    simdgroup_store(c, C, 8);
+}
+#endif

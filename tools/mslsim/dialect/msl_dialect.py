@@ -11,6 +11,9 @@ anything MSL forbids, would first fail on a Mac. Per file:
    uses, but not below 3.0, krnl's floor: the first version spelled -std=metal3.0 and
    MTLLanguageVersion3_0 (macOS 13); 2.x is spelled -std=macos-metal2.x and would only add
    macOS 11-12. Today every kernel declares 3.0: their newest feature is simdgroup_matrix (2.3).
+   Code behind `#if defined(__HAVE_BFLOAT__)` (the bf16 kernels) is compiled by the host only
+   for GPUs with native bf16, as MSL 3.1, which defines that macro: a file that has such a block
+   is checked twice, at its declared version (the block left out) and at 3.1 (the block in).
 2. Attributes are validated against the MSL ones the simulator knows, then blanked (clang takes
    no attributes on the explicit instantiations that name kernels); `1.5h` becomes half(1.5f).
 3. `-std=c++14 -fsyntax-only -nostdinc -pedantic-errors -Werror` against include/msl14.h: the
@@ -123,6 +126,18 @@ def parse_version_line(first_line: str, where: str = "<source>") -> tuple[int, i
         raise VersionError(where, f"MSL {v[0]}.{v[1]} is not one of {known} (the C++14-based versions "
                                   f"this check and `metal -std=metalX.Y` cover)")
     return v
+
+
+BFLOAT_GUARD = re.compile(r"^\s*#\s*if\s+defined\s*\(?\s*__HAVE_BFLOAT__", re.M)
+
+
+def checked_versions(path, declared: tuple[int, int]) -> list[tuple[int, int]]:
+    """The versions a file is compiled at: the one it declares, and 3.1 too where the file has
+    code behind __HAVE_BFLOAT__ (compiled as 3.1 on GPUs with native bf16: csrc/metal/device.mm)."""
+    text = Path(path).read_text(encoding="utf-8")
+    if declared < (3, 1) and BFLOAT_GUARD.search(text):
+        return [declared, (3, 1)]
+    return [declared]
 
 
 def declared_version(path) -> tuple[int, int]:
@@ -620,7 +635,7 @@ def check(path, *, compiler: Compiler | None = None, mode: str = "auto", include
     path = Path(path)
     shown = _display(str(path))
     try:
-        major, minor = declared_version(path)
+        declared = declared_version(path)
     except VersionError as e:
         return [Problem(e.file, 1, "version", e.message)]
     compiler = compiler or find_compiler()
@@ -630,6 +645,23 @@ def check(path, *, compiler: Compiler | None = None, mode: str = "auto", include
         mode = "ast" if compiler.is_clang else "text"
     if mode == "ast" and not compiler.is_clang:
         raise DialectError(f"mode 'ast' needs clang, not {compiler.path}")
+    probs = []
+    for major, minor in checked_versions(path, declared):
+        for p in _check_at(path, shown, major, minor, compiler, mode, include_dirs):
+            if (major, minor) != declared:  # say which pass found it: the bf16 blocks are in only here
+                p = Problem(p.file, p.line, p.rule, f"{p.message} (checked as MSL {major}.{minor}, __HAVE_BFLOAT__ set)")
+            probs.append(p)
+    seen, out = set(), []
+    for p in probs:
+        key = (p.file, p.line, p.rule, p.message if p.rule == "compile" else "")
+        if key not in seen:
+            seen.add(key)
+            out.append(p)
+    return out
+
+
+def _check_at(path, shown, major, minor, compiler, mode, include_dirs) -> list[Problem]:
+    """check() at one MSL version."""
     tr = _transform()
     dirs = [Path(d) for d in (include_dirs if include_dirs is not None else DEFAULT_INCLUDE_DIRS)]
     target = CLANG_FLAGS if compiler.is_clang else GCC_FLAGS
@@ -669,13 +701,7 @@ def check(path, *, compiler: Compiler | None = None, mode: str = "auto", include
             raise DialectError(f"{shown}: clang printed no AST")
     else:
         probs += _text_problems(tr.mask(code), origins)
-    seen, out = set(), []
-    for p in probs:
-        key = (p.file, p.line, p.rule, p.message if p.rule == "compile" else "")
-        if key not in seen:
-            seen.add(key)
-            out.append(p)
-    return out
+    return probs
 
 
 def main(argv=None) -> int:

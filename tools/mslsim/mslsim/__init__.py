@@ -79,7 +79,8 @@ def _shim_hash() -> str:
 
 def preprocess(path: Path, cxx: str, defines: dict | None = None, include_dirs=()) -> str:
     cmd = [cxx, "-E", "-x", "c++", "-std=c++17", f"-I{STUB_INCLUDE}", "-D__METAL_VERSION__=310",
-           "-D__METAL_MACOS__", "-DMSLSIM=1"]
+           "-D__METAL_MACOS__", "-DMSLSIM=1",
+           "-D__HAVE_BFLOAT__=1"]  # the shim has bfloat, as MSL 3.1 on a GPU with native bf16
     cmd += [f"-I{d}" for d in include_dirs]
     cmd += [f"-D{k}={v}" for k, v in (defines or {}).items()]
     cmd.append(str(path))

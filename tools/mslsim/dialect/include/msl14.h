@@ -55,6 +55,7 @@ struct bfloat {
   bfloat() = default;
   bfloat(float);
   operator float() const;
+  unsigned short bits_;  // 16 bits, as MSL's: sizeof and as_type<bfloat>(ushort) agree
 };
 #endif
 

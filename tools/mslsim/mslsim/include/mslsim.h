@@ -39,10 +39,45 @@ typedef unsigned short ushort;
 typedef unsigned char uchar;
 typedef unsigned long ulong;
 
+// bfloat (MSL 3.1): 16 bits, the top half of a float. g++ 12 has no arithmetic __bf16, so a
+// class: float -> bfloat rounds to nearest even on the bits (NaN kept, made quiet), bfloat ->
+// float is exact, and arithmetic runs in float and rounds once, as one bfloat operation on a GPU
+// does. Construction from a number is explicit (kernels spell T(x)); reading is implicit, so
+// bfloat mixed with float computes in float.
+struct bfloat {
+  uint16_t bits;
+  bfloat() = default;
+  explicit bfloat(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) bits = uint16_t((u >> 16) | 0x40u);  // NaN: sign and payload top, quiet
+    else bits = uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);             // RNE; overflow rounds to inf
+  }
+  template <class S, std::enable_if_t<std::is_arithmetic_v<S> || std::is_same_v<S, _Float16>, int> = 0>
+  explicit bfloat(S s) : bfloat(float(s)) {}
+  operator float() const {
+    const uint32_t u = uint32_t(bits) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+  bfloat& operator+=(bfloat o) { return *this = bfloat(float(*this) + float(o)); }
+  bfloat& operator-=(bfloat o) { return *this = bfloat(float(*this) - float(o)); }
+  bfloat& operator*=(bfloat o) { return *this = bfloat(float(*this) * float(o)); }
+  bfloat& operator/=(bfloat o) { return *this = bfloat(float(*this) / float(o)); }
+};
+inline bfloat operator+(bfloat a, bfloat b) { return bfloat(float(a) + float(b)); }
+inline bfloat operator-(bfloat a, bfloat b) { return bfloat(float(a) - float(b)); }
+inline bfloat operator*(bfloat a, bfloat b) { return bfloat(float(a) * float(b)); }
+inline bfloat operator/(bfloat a, bfloat b) { return bfloat(float(a) / float(b)); }
+inline bfloat operator-(bfloat a) { bfloat r = a; r.bits ^= 0x8000u; return r; }
+static_assert(sizeof(bfloat) == 2 && std::is_trivially_copyable_v<bfloat>, "bfloat is 16 plain bits");
+
 namespace mslsim {
 
 template <class X>
-inline constexpr bool is_scalar_v = std::is_arithmetic_v<X> || std::is_same_v<std::remove_cv_t<X>, _Float16>;
+inline constexpr bool is_scalar_v = std::is_arithmetic_v<X> || std::is_same_v<std::remove_cv_t<X>, _Float16> ||
+                                    std::is_same_v<std::remove_cv_t<X>, bfloat>;
 
 // ------------------------------------------------------------------------------------------------
 // Vectors: vec<T,N> with .x/.y/.z/.w, .r/.g/.b/.a, all 2-4 component swizzles, MSL layout
@@ -258,6 +293,7 @@ template <class T, int K, int C, int R> inline mat<T, C, R> operator*(const mat<
 MSLSIM_VEC_NAMES(float, float) MSLSIM_VEC_NAMES(_Float16, half) MSLSIM_VEC_NAMES(int, int) MSLSIM_VEC_NAMES(uint, uint)
 MSLSIM_VEC_NAMES(short, short) MSLSIM_VEC_NAMES(ushort, ushort) MSLSIM_VEC_NAMES(char, char) MSLSIM_VEC_NAMES(uchar, uchar)
 MSLSIM_VEC_NAMES(bool, bool) MSLSIM_VEC_NAMES(long, long) MSLSIM_VEC_NAMES(ulong, ulong)
+MSLSIM_VEC_NAMES(bfloat, bfloat)
 #undef MSLSIM_VEC_NAMES
 #define MSLSIM_MAT_NAMES(T, name)                                                                        \
   typedef mslsim::mat<T, 2, 2> name##2x2; typedef mslsim::mat<T, 2, 3> name##2x3; typedef mslsim::mat<T, 2, 4> name##2x4; \
@@ -278,7 +314,7 @@ template <class To, class From> inline To as_type(const From& f) {
 // namespace metal: math, relational, geometric, type traits, limits
 // ------------------------------------------------------------------------------------------------
 namespace metal {
-using ::half; using ::uint; using ::ushort; using ::uchar; using ::ulong;
+using ::half; using ::bfloat; using ::uint; using ::ushort; using ::uchar; using ::ulong;
 using ::float2; using ::float3; using ::float4; using ::half2; using ::half3; using ::half4;
 using ::int2; using ::int3; using ::int4; using ::uint2; using ::uint3; using ::uint4;
 template <class T, int N> using vec = mslsim::vec<T, N>;
@@ -304,7 +340,8 @@ using std::make_integer_sequence; using std::index_sequence; using std::make_ind
 template <class T> using uniform = T;  // MSL's uniform<T> marks a threadgroup-uniform value
 template <class T> constexpr T make_uniform(T v) { return v; }
 template <class T> struct is_floating_point
-    : std::integral_constant<bool, std::is_floating_point_v<T> || std::is_same_v<std::remove_cv_t<T>, _Float16>> {};
+    : std::integral_constant<bool, std::is_floating_point_v<T> || std::is_same_v<std::remove_cv_t<T>, _Float16> ||
+                                       std::is_same_v<std::remove_cv_t<T>, bfloat>> {};
 template <class T> inline constexpr bool is_floating_point_v = is_floating_point<T>::value;
 template <class T> struct is_arithmetic : std::integral_constant<bool, mslsim::is_scalar_v<T>> {};
 template <class T> inline constexpr bool is_arithmetic_v = is_arithmetic<T>::value;

@@ -209,6 +209,7 @@ template <class T, int Cols, int Rows> struct simdgroup_matrix {
 };
 typedef simdgroup_matrix<float, 8, 8> simdgroup_float8x8;
 typedef simdgroup_matrix<half, 8, 8> simdgroup_half8x8;
+typedef simdgroup_matrix<bfloat, 8, 8> simdgroup_bfloat8x8;
 
 namespace detail {
 template <class T> inline void sg_gather(const simdgroup_matrix<T, 8, 8>& cm) {

@@ -380,24 +380,37 @@ kernel void gemm_steel(device const T*     A    [[buffer(0)]],
 }
 
 // steel64: 64x64 tile, 2x2 SIMD-groups of 32x32. steel32: 32x32 tile, 2x2 SIMD-groups of 16x16.
-#define GEMM_STEEL(NAME, T, TC, TA, TB, BM, BN) \
-    template [[host_name(NAME)]] [[kernel]] decltype(gemm_steel<T, TC, TA, TB, BM, BN, 2, 2>) gemm_steel<T, TC, TA, TB, BM, BN, 2, 2>;
-#define GEMM_STEEL_FORMS(V, SFX, T, TC, BM, BN) \
-    GEMM_STEEL("gemm_" V "_nn_" SFX, T, TC, false, false, BM, BN) \
-    GEMM_STEEL("gemm_" V "_nt_" SFX, T, TC, false, true,  BM, BN) \
-    GEMM_STEEL("gemm_" V "_tn_" SFX, T, TC, true,  false, BM, BN)
-
-GEMM_STEEL_FORMS("steel64", "f32",     float, float, 64, 64)
-GEMM_STEEL_FORMS("steel64", "f16",     half,  half,  64, 64)
-GEMM_STEEL_FORMS("steel64", "f16_f32", half,  float, 64, 64)
-GEMM_STEEL_FORMS("steel32", "f32",     float, float, 32, 32)
-GEMM_STEEL_FORMS("steel32", "f16",     half,  half,  32, 32)
-GEMM_STEEL_FORMS("steel32", "f16_f32", half,  float, 32, 32)
+template [[host_name("gemm_steel64_nn_f32")]]   [[kernel]] decltype(gemm_steel<float, float, false, false, 64, 64, 2, 2>) gemm_steel<float, float, false, false, 64, 64, 2, 2>;
+template [[host_name("gemm_steel64_nt_f32")]]   [[kernel]] decltype(gemm_steel<float, float, false, true, 64, 64, 2, 2>) gemm_steel<float, float, false, true, 64, 64, 2, 2>;
+template [[host_name("gemm_steel64_tn_f32")]]   [[kernel]] decltype(gemm_steel<float, float, true, false, 64, 64, 2, 2>) gemm_steel<float, float, true, false, 64, 64, 2, 2>;
+template [[host_name("gemm_steel64_nn_f16")]]   [[kernel]] decltype(gemm_steel<half, half, false, false, 64, 64, 2, 2>) gemm_steel<half, half, false, false, 64, 64, 2, 2>;
+template [[host_name("gemm_steel64_nt_f16")]]   [[kernel]] decltype(gemm_steel<half, half, false, true, 64, 64, 2, 2>) gemm_steel<half, half, false, true, 64, 64, 2, 2>;
+template [[host_name("gemm_steel64_tn_f16")]]   [[kernel]] decltype(gemm_steel<half, half, true, false, 64, 64, 2, 2>) gemm_steel<half, half, true, false, 64, 64, 2, 2>;
+template [[host_name("gemm_steel64_nn_f16_f32")]] [[kernel]] decltype(gemm_steel<half, float, false, false, 64, 64, 2, 2>) gemm_steel<half, float, false, false, 64, 64, 2, 2>;
+template [[host_name("gemm_steel64_nt_f16_f32")]] [[kernel]] decltype(gemm_steel<half, float, false, true, 64, 64, 2, 2>) gemm_steel<half, float, false, true, 64, 64, 2, 2>;
+template [[host_name("gemm_steel64_tn_f16_f32")]] [[kernel]] decltype(gemm_steel<half, float, true, false, 64, 64, 2, 2>) gemm_steel<half, float, true, false, 64, 64, 2, 2>;
+template [[host_name("gemm_steel32_nn_f32")]]   [[kernel]] decltype(gemm_steel<float, float, false, false, 32, 32, 2, 2>) gemm_steel<float, float, false, false, 32, 32, 2, 2>;
+template [[host_name("gemm_steel32_nt_f32")]]   [[kernel]] decltype(gemm_steel<float, float, false, true, 32, 32, 2, 2>) gemm_steel<float, float, false, true, 32, 32, 2, 2>;
+template [[host_name("gemm_steel32_tn_f32")]]   [[kernel]] decltype(gemm_steel<float, float, true, false, 32, 32, 2, 2>) gemm_steel<float, float, true, false, 32, 32, 2, 2>;
+template [[host_name("gemm_steel32_nn_f16")]]   [[kernel]] decltype(gemm_steel<half, half, false, false, 32, 32, 2, 2>) gemm_steel<half, half, false, false, 32, 32, 2, 2>;
+template [[host_name("gemm_steel32_nt_f16")]]   [[kernel]] decltype(gemm_steel<half, half, false, true, 32, 32, 2, 2>) gemm_steel<half, half, false, true, 32, 32, 2, 2>;
+template [[host_name("gemm_steel32_tn_f16")]]   [[kernel]] decltype(gemm_steel<half, half, true, false, 32, 32, 2, 2>) gemm_steel<half, half, true, false, 32, 32, 2, 2>;
+template [[host_name("gemm_steel32_nn_f16_f32")]] [[kernel]] decltype(gemm_steel<half, float, false, false, 32, 32, 2, 2>) gemm_steel<half, float, false, false, 32, 32, 2, 2>;
+template [[host_name("gemm_steel32_nt_f16_f32")]] [[kernel]] decltype(gemm_steel<half, float, false, true, 32, 32, 2, 2>) gemm_steel<half, float, false, true, 32, 32, 2, 2>;
+template [[host_name("gemm_steel32_tn_f16_f32")]] [[kernel]] decltype(gemm_steel<half, float, true, false, 32, 32, 2, 2>) gemm_steel<half, float, true, false, 32, 32, 2, 2>;
 
 #if defined(__HAVE_BFLOAT__)
 // bf16 operands (MSL 3.1, native on Apple9+), accumulated in float like the others.
-GEMM_STEEL_FORMS("steel64", "bf16",     bfloat, bfloat, 64, 64)
-GEMM_STEEL_FORMS("steel64", "bf16_f32", bfloat, float,  64, 64)
-GEMM_STEEL_FORMS("steel32", "bf16",     bfloat, bfloat, 32, 32)
-GEMM_STEEL_FORMS("steel32", "bf16_f32", bfloat, float,  32, 32)
+template [[host_name("gemm_steel64_nn_bf16")]]  [[kernel]] decltype(gemm_steel<bfloat, bfloat, false, false, 64, 64, 2, 2>) gemm_steel<bfloat, bfloat, false, false, 64, 64, 2, 2>;
+template [[host_name("gemm_steel64_nt_bf16")]]  [[kernel]] decltype(gemm_steel<bfloat, bfloat, false, true, 64, 64, 2, 2>) gemm_steel<bfloat, bfloat, false, true, 64, 64, 2, 2>;
+template [[host_name("gemm_steel64_tn_bf16")]]  [[kernel]] decltype(gemm_steel<bfloat, bfloat, true, false, 64, 64, 2, 2>) gemm_steel<bfloat, bfloat, true, false, 64, 64, 2, 2>;
+template [[host_name("gemm_steel64_nn_bf16_f32")]] [[kernel]] decltype(gemm_steel<bfloat, float, false, false, 64, 64, 2, 2>) gemm_steel<bfloat, float, false, false, 64, 64, 2, 2>;
+template [[host_name("gemm_steel64_nt_bf16_f32")]] [[kernel]] decltype(gemm_steel<bfloat, float, false, true, 64, 64, 2, 2>) gemm_steel<bfloat, float, false, true, 64, 64, 2, 2>;
+template [[host_name("gemm_steel64_tn_bf16_f32")]] [[kernel]] decltype(gemm_steel<bfloat, float, true, false, 64, 64, 2, 2>) gemm_steel<bfloat, float, true, false, 64, 64, 2, 2>;
+template [[host_name("gemm_steel32_nn_bf16")]]  [[kernel]] decltype(gemm_steel<bfloat, bfloat, false, false, 32, 32, 2, 2>) gemm_steel<bfloat, bfloat, false, false, 32, 32, 2, 2>;
+template [[host_name("gemm_steel32_nt_bf16")]]  [[kernel]] decltype(gemm_steel<bfloat, bfloat, false, true, 32, 32, 2, 2>) gemm_steel<bfloat, bfloat, false, true, 32, 32, 2, 2>;
+template [[host_name("gemm_steel32_tn_bf16")]]  [[kernel]] decltype(gemm_steel<bfloat, bfloat, true, false, 32, 32, 2, 2>) gemm_steel<bfloat, bfloat, true, false, 32, 32, 2, 2>;
+template [[host_name("gemm_steel32_nn_bf16_f32")]] [[kernel]] decltype(gemm_steel<bfloat, float, false, false, 32, 32, 2, 2>) gemm_steel<bfloat, float, false, false, 32, 32, 2, 2>;
+template [[host_name("gemm_steel32_nt_bf16_f32")]] [[kernel]] decltype(gemm_steel<bfloat, float, false, true, 32, 32, 2, 2>) gemm_steel<bfloat, float, false, true, 32, 32, 2, 2>;
+template [[host_name("gemm_steel32_tn_bf16_f32")]] [[kernel]] decltype(gemm_steel<bfloat, float, true, false, 32, 32, 2, 2>) gemm_steel<bfloat, float, true, false, 32, 32, 2, 2>;
 #endif

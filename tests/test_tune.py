@@ -122,15 +122,18 @@ def test_timed_run_uses_the_variant(sim, monkeypatch):
 @needs_sim
 def test_failing_variant_left_out(sim, capsys):
     def timer(run, cls, v):
-        if v == "steel64":
-            raise RuntimeError("[gemm] pipeline gemm_steel64_nn_f32 failed\nsecond line")
+        if v == "steel64" or (v == "tile32" and cls == "f32.nn.large"):
+            raise RuntimeError(f"[gemm] pipeline of {v} failed\nsecond line")
         return 2.0 if v == "tile32" else 1.0
 
     res = tune.measure(sim, ["f32"], timer=timer, warmup=0, repeats=1)
+    assert res.pop("f32.nn.large") == {}  # the default failed: no comparison, the class keeps it
     assert all(t == {"tile32": 2.0, "steel32": 1.0} for t in res.values())
+    assert tune.winner({}, "tile32") is None
     err = capsys.readouterr().err.splitlines()
-    assert len(err) == 12 and all(e.startswith("krnl: GEMM variant steel64 failed on f32.") and "second" not in e
-                                  for e in err)
+    assert len(err) == 12 and not any("second" in e for e in err)  # one line each
+    assert sum(e.startswith("krnl: GEMM variant tile32 failed on f32.nn.large") for e in err) == 1
+    assert sum(e.startswith("krnl: GEMM variant steel64 failed on f32.") for e in err) == 11
 
 
 @needs_sim
@@ -244,6 +247,16 @@ def test_train_tunes_before_its_first_step(tmp_path, monkeypatch, flag):
     monkeypatch.chdir(tmp_path)
     assert main(["train", "--device", "cpu", *TINY, *flag]) == 0
     assert events == [("tune", "f32", bool(flag)), "run"]
+
+
+@needs_sim
+def test_no_tuning_for_a_dtype_without_kernels(tunable_sim, cache, capsys, monkeypatch):
+    real = krnl.Device.capabilities
+    monkeypatch.setattr(krnl.Device, "capabilities", lambda d: {**real(d), "dtypes": ["f32", "f16"]})
+    assert tune.ensure_tuned(tunable_sim, "bf16", timer=boom) == "skipped"
+    assert main(["tune", "--device", "metal-sim", "--dtype", "bf16"]) == 1
+    assert "metal-sim has no bf16 kernels (its dtypes: f32, f16)" in capsys.readouterr().err
+    assert not cache.exists()
 
 
 def test_tune_arguments():

@@ -114,6 +114,8 @@ def measure(dev, dtypes, timer=wall_timer, warmup=2, repeats=5, log=None):
                     t = [timer(run, cls, v) for _ in range(warmup + repeats)][warmup:]
                 except Exception as e:  # noqa: BLE001 - any failure rules the variant out, not the tuning
                     note(f"GEMM variant {v} failed on {cls} ({M}x{N}x{K}), left out: {str(e).splitlines()[0]}")
+                    if not times:  # the default failed: nothing to compare with, the class keeps it
+                        break
                     continue
                 times[v] = statistics.median(t)
             results[cls] = times
@@ -206,7 +208,7 @@ def ensure_tuned(dev, dtype, no_tune=False, timer=wall_timer, path=None):
     if not tunable(dev):
         return "skipped"
     have = load(dev, path)
-    if no_tune:
+    if no_tune or dtype not in dev.capabilities()["dtypes"]:  # no kernels: the run fails on its own
         return "skipped"
     if {p[0] for p in plan(dev, [dtype])} <= have:
         return "cached"
@@ -222,7 +224,11 @@ def cmd_tune(args):
         print(f"krnl tune: {dev.name} has no GEMM variants worth timing (its capabilities' gemm_tuning is off: "
               f"only a Metal GPU is tuned)", file=sys.stderr)
         return 1
-    dtypes = [args.dtype] if args.dtype else [d for d in dev.capabilities()["dtypes"]]
+    have = dev.capabilities()["dtypes"]
+    if args.dtype and args.dtype not in have:
+        print(f"krnl tune: {dev.name} has no {args.dtype} kernels (its dtypes: {', '.join(have)})", file=sys.stderr)
+        return 1
+    dtypes = [args.dtype] if args.dtype else list(have)
 
     def log(cls, shape, times, best):
         cols = "  ".join(f"{v} {t * 1e3:8.3f} ms" for v, t in times.items())

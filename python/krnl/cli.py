@@ -2,8 +2,9 @@
 generated task; or, for eval and generate, an HF model folder from --model or the adapter's
 base_model_name_or_path), `fuse` (an adapter merged into its HF base, written as an HF folder),
 `w1` (LoRA on the W1 MLP block of docs/performance.md, matching a teacher), `bench` (krnl/bench),
-`tune` (tune.py: the GEMM variants timed on this GPU) and `devices`. The argument parser is in cli_args.py; `devices`, `w1` and the device choice are in
-cli_device.py; `krnl.cli:main` stays the entry point."""
+`tune` (tune.py: the GEMM variants timed on this GPU) and `devices`. The argument parser is in
+cli_args.py; `devices`, `w1` and the device choice are in cli_device.py; `krnl.cli:main` stays
+the entry point."""
 
 import sys
 from pathlib import Path

@@ -88,7 +88,7 @@ constant bool gemm_is_aligned = is_function_constant_defined(gemm_aligned) && ge
 // one vector read when aligned; otherwise 4 scalar reads, bounds-checked and zero filled on edge
 // tiles (zeros add nothing to the dot products, and out-of-range rows/columns are never stored).
 // NT threads share the work (lane: the thread's index in the threadgroup).
-template <typename T, int R, int C, bool TRANSPOSE, int NT = GEMM_THREADS>
+template <typename T, int R, int C, bool TRANSPOSE, int NT>
 inline void gemm_stage(threadgroup T* dst, uint ldd, device const T* src, uint ld, uint r0, uint c0,
                        uint rows, uint cols, uint lane, bool aligned, bool full)
 {
@@ -139,13 +139,13 @@ inline void gemm_tile(device const T* A, device const T* B, device TC* C, uint M
     for (uint k0 = kb; k0 < ke; k0 += GEMM_BK) {
         const bool full = mn_full && k0 + GEMM_BK <= ke;   // uniform over the SIMD-group
         if (TA)  // A stored (K, M): read along m, transpose into [m][k]
-            gemm_stage<T, GEMM_BK, GEMM_BM, true>(As, GEMM_LDA_S, A, lda, k0, m0, ke, M, lane, aligned, full);
+            gemm_stage<T, GEMM_BK, GEMM_BM, true, GEMM_THREADS>(As, GEMM_LDA_S, A, lda, k0, m0, ke, M, lane, aligned, full);
         else
-            gemm_stage<T, GEMM_BM, GEMM_BK, false>(As, GEMM_LDA_S, A, lda, m0, k0, M, ke, lane, aligned, full);
+            gemm_stage<T, GEMM_BM, GEMM_BK, false, GEMM_THREADS>(As, GEMM_LDA_S, A, lda, m0, k0, M, ke, lane, aligned, full);
         if (TB)  // B stored (N, K): read along k, transpose into [k][n]
-            gemm_stage<T, GEMM_BN, GEMM_BK, true>(Bs, GEMM_LDB_S, B, ldb, n0, k0, N, ke, lane, aligned, full);
+            gemm_stage<T, GEMM_BN, GEMM_BK, true, GEMM_THREADS>(Bs, GEMM_LDB_S, B, ldb, n0, k0, N, ke, lane, aligned, full);
         else
-            gemm_stage<T, GEMM_BK, GEMM_BN, false>(Bs, GEMM_LDB_S, B, ldb, k0, n0, ke, N, lane, aligned, full);
+            gemm_stage<T, GEMM_BK, GEMM_BN, false, GEMM_THREADS>(Bs, GEMM_LDB_S, B, ldb, k0, n0, ke, N, lane, aligned, full);
         threadgroup_barrier(mem_flags::mem_threadgroup);   // tiles complete before any lane reads them
 
 #pragma clang loop unroll(full)

@@ -120,6 +120,25 @@ def test_timed_run_uses_the_variant(sim, monkeypatch):
 
 
 @needs_sim
+@pytest.mark.parametrize("make", [tune.device_timer, lambda dev: tune.wall_timer])
+def test_real_timers_time_the_run(sim, make):
+    """The default timer (the device's time for the ops of run(), from a profile) and the wall
+    timer both return the seconds of one synchronised GEMM."""
+    A, C = sim.zeros((33, 40), "f32"), sim.empty((33, 33), "f32")
+    calls = []
+
+    def run():
+        calls.append(1)
+        with sim.step():
+            krnl.ops.gemm(A, A, C, trans_b=True, split_k=1)
+        sim.synchronize()
+
+    t = make(sim)(run, "f32.nt.skinny", "tile32")
+    assert calls == [1] and isinstance(t, float) and 0 < t < 60
+    assert not sim.in_step
+
+
+@needs_sim
 def test_failing_variant_left_out(sim, capsys):
     def timer(run, cls, v):
         if v == "steel64" or (v == "tile32" and cls == "f32.nn.large"):

@@ -81,18 +81,32 @@ def plan(dev, dtypes):
     return out
 
 
+def device_timer(dev):
+    """timer(run, shape class, variant) -> seconds of dev's own time for run()'s ops: on Metal the
+    GPU's timestamps (while profiling, each record runs alone in a command buffer), so that the
+    host's commit and wait do not blur small products; elsewhere the ops' host time."""
+    def timer(run, shape_class, variant):
+        with krnl.profile(dev) as prof:
+            run()
+        return (prof.op_ms if prof.records else prof.wall_ms) / 1e3
+
+    return timer
+
+
 def wall_timer(run, shape_class, variant):
-    """Seconds one synchronised run() takes (run waits for the device itself)."""
+    """Seconds one synchronised run() takes, host overhead included."""
     t0 = time.perf_counter()
     run()
     return time.perf_counter() - t0
 
 
-def measure(dev, dtypes, timer=wall_timer, warmup=2, repeats=5, log=None):
+def measure(dev, dtypes, timer=None, warmup=2, repeats=5, log=None):
     """{shape class: {variant: median seconds}} of every class of `dtypes` and every variant of
     dev: `warmup` runs (pipeline builds, first touches) left out, the median of `repeats`. timer
-    (run, shape class, variant) -> seconds; tests pass a fake one. A variant that fails (a kernel
-    the GPU's compiler refuses) is left out with a note. dev's choice table is restored."""
+    (run, shape class, variant) -> seconds, device_timer(dev) by default; tests pass a fake one.
+    A variant that fails (a kernel the GPU's compiler refuses) is left out with a note. dev's
+    choice table is restored."""
+    timer = timer or device_timer(dev)
     saved = dict(dev.gemm_choices())
     rng = np.random.default_rng(0)
     results = {}
@@ -191,7 +205,7 @@ def store(dev, choices, path=None):
     return path
 
 
-def tune(dev, dtypes, timer=wall_timer, path=None, warmup=2, repeats=5, log=None):
+def tune(dev, dtypes, timer=None, path=None, warmup=2, repeats=5, log=None):
     """Measures every class of `dtypes`, stores the winners and applies them to dev: {class: variant}."""
     results = measure(dev, dtypes, timer, warmup, repeats, log)
     default = dev.gemm_variants()[0]
@@ -202,7 +216,7 @@ def tune(dev, dtypes, timer=wall_timer, path=None, warmup=2, repeats=5, log=None
     return choices
 
 
-def ensure_tuned(dev, dtype, no_tune=False, timer=wall_timer, path=None):
+def ensure_tuned(dev, dtype, no_tune=False, timer=None, path=None):
     """train's step zero: 'skipped' (--no-tune, or dev not tunable), 'cached' (this GPU's entry
     covers dtype's classes: applied) or 'tuned' (measured now, with a note saying so)."""
     if not tunable(dev):

@@ -158,7 +158,8 @@ def test_failing_variant_left_out(sim, capsys):
 @needs_sim
 def test_winner_stored_and_loaded(tunable_sim, cache):
     dev = tunable_sim
-    choices = tune.tune(dev, ["f16"], timer=FakeTimer(steel64_on_large))
+    choices, saved = tune.tune(dev, ["f16"], timer=FakeTimer(steel64_on_large))
+    assert saved == cache
     large = {c for c in dev.gemm_shape_classes() if c.startswith(("f16.", "f16_f32.")) and c.endswith(".large")}
     assert {c for c, v in choices.items() if v == "steel64"} == large
     assert set(choices.values()) == {"tile32", "steel64"} and len(choices) == 24  # steel32's 1% is noise
@@ -217,6 +218,17 @@ def test_entry_this_build_cannot_apply_is_ignored(tunable_sim, cache, capsys):
     assert tune.load(tunable_sim) == set() and tunable_sim.gemm_choices() == {}
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and "unknown GEMM variant 'steel256'" in err
+
+
+@needs_sim
+def test_unwritable_cache_still_applies_this_run(tunable_sim, tmp_path, monkeypatch, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("KRNL_CACHE", str(blocker / "sub"))  # a folder under a file: cannot be made
+    choices, saved = tune.tune(tunable_sim, ["f32"], timer=FakeTimer(lambda c, v: 0.5 if v == "steel64" else 1.0))
+    assert saved is None and set(choices.values()) == {"steel64"} and tunable_sim.gemm_choices() == choices
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith("krnl: could not save the GEMM tuning to ")
 
 
 def test_never_tunes_on_cpu_or_metal_sim(cache, capsys):

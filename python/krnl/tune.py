@@ -158,7 +158,7 @@ def read_cache(path=None):
     path = Path(path) if path is not None else cache_path()
     try:
         d = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # no cache (yet)
         return {}
     except (OSError, UnicodeDecodeError, ValueError) as e:
         note(f"ignoring the GEMM tuning cache {path}: {str(e).splitlines()[0]}")
@@ -194,26 +194,32 @@ def load(dev, path=None):
 
 
 def store(dev, choices, path=None):
-    """Merges `choices` into this GPU's cache entry, written atomically (the user's umask)."""
+    """Merges `choices` into this GPU's cache entry, written atomically (the user's umask); the
+    path, or None with a note where it cannot be written (the choices still apply this run)."""
     path = Path(path) if path is not None else cache_path()
     entries = read_cache(path)
     key = cache_key(dev)
     old = entries.get(key, {}).get("choices", {})
     entries[key] = {"choices": {**old, **choices}, "variants": list(dev.gemm_variants()), "krnl": krnl.__version__}
     text = json.dumps({"format": FORMAT, "entries": entries}, indent=1, sort_keys=True) + "\n"
-    atomic_write_bytes(path, text.encode("utf-8"))
+    try:
+        atomic_write_bytes(path, text.encode("utf-8"))
+    except OSError as e:
+        note(f"could not save the GEMM tuning to {path} (it applies to this run only): {e}")
+        return None
     return path
 
 
 def tune(dev, dtypes, timer=None, path=None, warmup=2, repeats=5, log=None):
-    """Measures every class of `dtypes`, stores the winners and applies them to dev: {class: variant}."""
+    """Measures every class of `dtypes`, stores the winners and applies them to dev: ({class:
+    variant}, the cache file, None where it could not be written)."""
     results = measure(dev, dtypes, timer, warmup, repeats, log)
     default = dev.gemm_variants()[0]
     choices = {cls: w for cls, times in results.items() if (w := winner(times, default)) is not None}
-    store(dev, choices, path)
+    saved = store(dev, choices, path)
     for cls, v in choices.items():
         dev.set_gemm_choice(cls, v)
-    return choices
+    return choices, saved
 
 
 def ensure_tuned(dev, dtype, no_tune=False, timer=None, path=None):
@@ -249,8 +255,8 @@ def cmd_tune(args):
         print(f"{cls:22} {'x'.join(map(str, shape)):>14}  {cols}  -> {best}", flush=True)
 
     print(f"krnl tune on {cache_key(dev)}: median of {args.repeats} runs per variant")
-    choices = tune(dev, dtypes, repeats=args.repeats, log=log)
+    choices, saved = tune(dev, dtypes, repeats=args.repeats, log=log)
     default = dev.gemm_variants()[0]
     changed = sum(v != default for v in choices.values())
-    print(f"{len(choices)} shape classes, {changed} not on {default}; saved to {cache_path()}")
-    return 0
+    print(f"{len(choices)} shape classes, {changed} not on {default}" + (f"; saved to {saved}" if saved else ""))
+    return 0 if saved else 1

@@ -44,6 +44,10 @@ def note(msg):
     print(f"krnl: {msg}", file=sys.stderr)
 
 
+def first_line(err):
+    return (str(err).splitlines() or [type(err).__name__])[0]
+
+
 def tunable(dev):
     """Whether timing dev's GEMM variants measures a real GPU (its capabilities say so)."""
     return bool(dev.capabilities().get("gemm_tuning")) and len(dev.gemm_variants()) > 1
@@ -127,7 +131,7 @@ def measure(dev, dtypes, timer=None, warmup=2, repeats=5, log=None):
                 try:
                     t = [timer(run, cls, v) for _ in range(warmup + repeats)][warmup:]
                 except Exception as e:  # noqa: BLE001 - any failure rules the variant out, not the tuning
-                    note(f"GEMM variant {v} failed on {cls} ({M}x{N}x{K}), left out: {str(e).splitlines()[0]}")
+                    note(f"GEMM variant {v} failed on {cls} ({M}x{N}x{K}), left out: {first_line(e)}")
                     if not times:  # the default failed: nothing to compare with, the class keeps it
                         break
                     continue
@@ -161,7 +165,7 @@ def read_cache(path=None):
     except (FileNotFoundError, NotADirectoryError):  # no cache (yet)
         return {}
     except (OSError, UnicodeDecodeError, ValueError) as e:
-        note(f"ignoring the GEMM tuning cache {path}: {str(e).splitlines()[0]}")
+        note(f"ignoring the GEMM tuning cache {path}: {first_line(e)}")
         return {}
     entries = d.get("entries") if isinstance(d, dict) and d.get("format") == FORMAT else None
     if not isinstance(entries, dict) or not all(

@@ -236,7 +236,7 @@ def ensure_tuned(dev, dtype, no_tune=False, timer=None, path=None):
         return "skipped"
     if {p[0] for p in plan(dev, [dtype])} <= have:
         return "cached"
-    note(f"timing the GEMM variants for {dtype} on {cache_key(dev)} once (a few seconds; --no-tune skips, "
+    note(f"timing the GEMM variants for {dtype} on {cache_key(dev)}, once for this GPU (--no-tune skips it, "
          f"`krnl tune` redoes it)")
     tune(dev, [dtype], timer=timer, path=path)
     return "tuned"

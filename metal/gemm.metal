@@ -5,10 +5,31 @@
 // row-major with row strides lda/ldb/ldc; batch entry z = grid.z sits at element offsets
 // z * stride_a/b/c (0 broadcasts one matrix to every batch entry).
 //
-// Dispatch geometry (dispatchThreadgroups, every threadgroup ONE SIMD-group of 32 threads):
+// Plain GEMM variants (the host picks one per shape class; `krnl tune` measures which wins on the
+// user's GPU, today's tile32 without a measurement). Per K step of 16, with M N K FLOPs = 2 M N K:
+//   tile32   gemm_{nn,nt,tn}_{f32,f16,f16_f32}: 32x32 tile, ONE SIMD-group (32 threads), 16
+//            accumulators of 8x8 (32 floats per thread); threadgroup memory 4,864 bytes (operand
+//            tiles, then the float result tile in the same bytes); device reads 1 element per 32
+//            FLOPs; 8 fragment loads per 16 products. The result goes through threadgroup memory.
+//   steel64  gemm_steel64_{nn,nt,tn}_{...}: 64x64 tile, 4 SIMD-groups (128 threads) of 32x32
+//            sub-tiles, 16 accumulators each (32 floats per thread, as tile32); threadgroup memory
+//            9,472 bytes f32, 4,736 half (operands only); device reads 1 element per 64 FLOPs (half
+//            of tile32's); 4x fewer threadgroups, so small outputs fill fewer GPU cores. The
+//            result is stored from the accumulators (2 adjacent elements per lane).
+//   steel32  gemm_steel32_{nn,nt,tn}_{...}: 32x32 tile, 4 SIMD-groups (128 threads) of 16x16
+//            sub-tiles, 4 accumulators each (8 floats per thread: more threadgroups per core);
+//            threadgroup memory 4,864 bytes f32, 2,432 half; device reads as tile32, but 4x the
+//            threads per tile (small and skinny outputs) and twice the fragment loads per product
+//            (4 per 4). Result stored from the accumulators.
+//   Every variant sums k in the same order (16-deep steps, 8-deep products) and applies alpha
+//   and beta with the same fma; only the tiling differs.
+//
+// Dispatch geometry (dispatchThreadgroups):
 //   gemm_{nn,nt,tn}_{f32,f16,f16_f32}: grid (ceil(N/32), ceil(M/32), batch), threads (32, 1, 1);
 //     threadgroup (x, y) computes the 32x32 tile C[32y.., 32x..] with 4x4 simdgroup_float8x8
 //     accumulators.
+//   gemm_steel64_*: grid (ceil(N/64), ceil(M/64), batch), threads (128, 1, 1).
+//   gemm_steel32_*: grid (ceil(N/32), ceil(M/32), batch), threads (128, 1, 1).
 //   gemm_splitk_{nn,nt,tn}_{f32,f16}: grid (ceil(N/32), ceil(M/32), splits), threads (32, 1, 1);
 //     z = split s sums k in [s * k_split, min(K, (s + 1) * k_split)) into the dense f32 partials
 //     buffer(2) at s * M * N (row stride N). Batch is 1; alpha, beta, ldc, stride_* are unused.
@@ -17,13 +38,14 @@
 //     outside (N, M) return. C = alpha * sum_s partials[s] + beta * C, summed in s order.
 // beta == 0 never reads C (it may hold NaN or garbage).
 //
-// Function constant 0, gemm_aligned (bool; unset = false): the host promises M, N, K multiples of
-// 32, lda/ldb/ldc multiples of 4, 4-element aligned buffer offsets and batch strides (and, for
-// the split-K kernels, k_split a multiple of 32). The kernels then drop every edge check and use
+// Function constant 0, gemm_aligned (bool; unset = false): the host promises M, N multiples of the
+// variant's tile (32, or 64 for steel64), K a multiple of 32, lda/ldb/ldc multiples of 4,
+// 4-element aligned buffer offsets and batch strides (and, for the split-K kernels, k_split a
+// multiple of 32). The kernels then drop every edge check and use
 // vector loads and stores. Unset or false: any M, N, K >= 1 (K may be below the tile) and any
 // strides; edge tiles are zero filled on the way in and bounds-checked on the way out.
 //
-// Per K step of 16 the op(A) tile (32 x 16, [m][k]) and the op(B) tile (16 x 32, [k][n]) are
+// tile32: per K step of 16 the op(A) tile (32 x 16, [m][k]) and the op(B) tile (16 x 32, [k][n]) are
 // staged in threadgroup memory, always in those orientations: operands stored the other way
 // (A of tn, B of nt) are read along their contiguous dimension, 4 elements per read, and written
 // transposed. Half operands go to simdgroup_half8x8 fragments that multiply into float
@@ -67,14 +89,15 @@ constant bool gemm_is_aligned = is_function_constant_defined(gemm_aligned) && ge
 // step (consecutive lanes cover consecutive 4-element groups, so device reads are coalesced):
 // one vector read when aligned; otherwise 4 scalar reads, bounds-checked and zero filled on edge
 // tiles (zeros add nothing to the dot products, and out-of-range rows/columns are never stored).
-template <typename T, int R, int C, bool TRANSPOSE>
+// NT threads share the work (lane: the thread's index in the threadgroup).
+template <typename T, int R, int C, bool TRANSPOSE, int NT>
 inline void gemm_stage(threadgroup T* dst, uint ldd, device const T* src, uint ld, uint r0, uint c0,
                        uint rows, uint cols, uint lane, bool aligned, bool full)
 {
     typedef vec<T, 4> T4;
 #pragma clang loop unroll(full)
-    for (uint i = 0; i < R * C / 4 / GEMM_THREADS; ++i) {
-        const uint v = lane + i * GEMM_THREADS;
+    for (uint i = 0; i < R * C / 4 / NT; ++i) {
+        const uint v = lane + i * NT;
         const uint r = v / (C / 4), c = (v % (C / 4)) * 4;
         device const T* p = src + (ulong)(r0 + r) * ld + (c0 + c);
         T4 x;
@@ -118,13 +141,13 @@ inline void gemm_tile(device const T* A, device const T* B, device TC* C, uint M
     for (uint k0 = kb; k0 < ke; k0 += GEMM_BK) {
         const bool full = mn_full && k0 + GEMM_BK <= ke;   // uniform over the SIMD-group
         if (TA)  // A stored (K, M): read along m, transpose into [m][k]
-            gemm_stage<T, GEMM_BK, GEMM_BM, true>(As, GEMM_LDA_S, A, lda, k0, m0, ke, M, lane, aligned, full);
+            gemm_stage<T, GEMM_BK, GEMM_BM, true, GEMM_THREADS>(As, GEMM_LDA_S, A, lda, k0, m0, ke, M, lane, aligned, full);
         else
-            gemm_stage<T, GEMM_BM, GEMM_BK, false>(As, GEMM_LDA_S, A, lda, m0, k0, M, ke, lane, aligned, full);
+            gemm_stage<T, GEMM_BM, GEMM_BK, false, GEMM_THREADS>(As, GEMM_LDA_S, A, lda, m0, k0, M, ke, lane, aligned, full);
         if (TB)  // B stored (N, K): read along k, transpose into [k][n]
-            gemm_stage<T, GEMM_BN, GEMM_BK, true>(Bs, GEMM_LDB_S, B, ldb, n0, k0, N, ke, lane, aligned, full);
+            gemm_stage<T, GEMM_BN, GEMM_BK, true, GEMM_THREADS>(Bs, GEMM_LDB_S, B, ldb, n0, k0, N, ke, lane, aligned, full);
         else
-            gemm_stage<T, GEMM_BK, GEMM_BN, false>(Bs, GEMM_LDB_S, B, ldb, k0, n0, ke, N, lane, aligned, full);
+            gemm_stage<T, GEMM_BK, GEMM_BN, false, GEMM_THREADS>(Bs, GEMM_LDB_S, B, ldb, k0, n0, ke, N, lane, aligned, full);
         threadgroup_barrier(mem_flags::mem_threadgroup);   // tiles complete before any lane reads them
 
 #pragma clang loop unroll(full)
@@ -260,4 +283,152 @@ template [[host_name("gemm_reduce_f32")]] [[kernel]] decltype(gemm_reduce<float>
 template [[host_name("gemm_reduce_f16")]] [[kernel]] decltype(gemm_reduce<half>)  gemm_reduce<half>;
 #if defined(__HAVE_BFLOAT__)
 template [[host_name("gemm_reduce_bf16")]] [[kernel]] decltype(gemm_reduce<bfloat>) gemm_reduce<bfloat>;
+#endif
+
+// ---- Multi-SIMD-group variants (steel32, steel64; the file comment says what each trades)
+
+enum {
+    STEEL_BK  = 16,   // K step staged per iteration, as in gemm_tile
+    STEEL_PAD = 4,    // staged-row padding, as in gemm_tile
+};
+
+// One BM x BN output tile at (m0, n0) by WM x WN SIMD-groups, each owning a (BM/WM) x (BN/WN)
+// sub-tile in 8x8 float accumulators; all 32 WM WN threads stage the operand tiles together.
+// The result goes from the accumulators straight to C: each lane holds two adjacent elements of
+// every 8x8 accumulator (thread_elements(), Apple's lane layout below), so no threadgroup tile
+// is needed for C. Whole tiles store without checks (vector stores when aligned); ragged tiles
+// check each element. k runs in the same order as gemm_tile (16-deep steps, two 8-deep
+// products), and the epilogue is the same fma, so the sums are the same fp32 operations.
+template <typename T, typename TC, bool TA, bool TB, int BM, int BN, int WM, int WN>
+inline void gemm_steel_tile(device const T* A, device const T* B, device TC* C, uint M, uint N, uint K,
+                            uint lda, uint ldb, uint ldc, float alpha, float beta, uint m0, uint n0,
+                            uint tid, uint sg, uint lane, threadgroup T* As, threadgroup T* Bs, bool aligned)
+{
+    constexpr int NT = 32 * WM * WN;
+    constexpr int SM = BM / WM, SN = BN / WN;    // a SIMD-group's sub-tile
+    constexpr int FM = SM / 8, FN = SN / 8;      // its 8x8 accumulators
+    constexpr int LDA_S = STEEL_BK + STEEL_PAD;  // As [BM][LDA_S]: op(A) tile as [m][k]
+    constexpr int LDB_S = BN + STEEL_PAD;        // Bs [BK][LDB_S]: op(B) tile as [k][n]
+    const uint sm = sg / WN, sn = sg % WN;
+
+    simdgroup_float8x8 acc[FM][FN];
+#pragma clang loop unroll(full)
+    for (uint i = 0; i < FM; ++i)
+#pragma clang loop unroll(full)
+        for (uint j = 0; j < FN; ++j)
+            acc[i][j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+
+    const bool mn_full = m0 + BM <= M && n0 + BN <= N;
+    for (uint k0 = 0; k0 < K; k0 += STEEL_BK) {
+        const bool full = mn_full && k0 + STEEL_BK <= K;   // uniform over the threadgroup
+        if (TA)  // A stored (K, M): read along m, transpose into [m][k]
+            gemm_stage<T, STEEL_BK, BM, true, NT>(As, LDA_S, A, lda, k0, m0, K, M, tid, aligned, full);
+        else
+            gemm_stage<T, BM, STEEL_BK, false, NT>(As, LDA_S, A, lda, m0, k0, M, K, tid, aligned, full);
+        if (TB)  // B stored (N, K): read along k, transpose into [k][n]
+            gemm_stage<T, BN, STEEL_BK, true, NT>(Bs, LDB_S, B, ldb, n0, k0, N, K, tid, aligned, full);
+        else
+            gemm_stage<T, STEEL_BK, BN, false, NT>(Bs, LDB_S, B, ldb, k0, n0, K, N, tid, aligned, full);
+        threadgroup_barrier(mem_flags::mem_threadgroup);   // tiles complete before any SIMD-group reads them
+
+#pragma clang loop unroll(full)
+        for (uint kk = 0; kk < STEEL_BK; kk += 8) {
+            simdgroup_matrix<T, 8, 8> a[FM];
+            simdgroup_matrix<T, 8, 8> b[FN];
+#pragma clang loop unroll(full)
+            for (uint i = 0; i < FM; ++i)
+                simdgroup_load(a[i], As + (sm * SM + i * 8) * LDA_S + kk, LDA_S);
+#pragma clang loop unroll(full)
+            for (uint j = 0; j < FN; ++j)
+                simdgroup_load(b[j], Bs + kk * LDB_S + sn * SN + j * 8, LDB_S);
+#pragma clang loop unroll(full)
+            for (uint i = 0; i < FM; ++i)
+#pragma clang loop unroll(full)
+                for (uint j = 0; j < FN; ++j)
+                    simdgroup_multiply_accumulate(acc[i][j], a[i], b[j], acc[i][j]);
+        }
+        // every SIMD-group is done reading before the next step overwrites the tiles
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+    }
+
+    // Apple's distribution of an 8x8 simdgroup_matrix: lane holds row fr, columns fc and fc + 1.
+    const uint q = lane / 4;
+    const uint fr = (q & 4) + (lane / 2) % 4, fc = (q & 2) * 2 + (lane % 2) * 2;
+    const bool use_c = beta != 0.0f;
+#pragma clang loop unroll(full)
+    for (uint i = 0; i < FM; ++i) {
+        const uint m = m0 + sm * SM + i * 8 + fr;
+#pragma clang loop unroll(full)
+        for (uint j = 0; j < FN; ++j) {
+            const uint n = n0 + sn * SN + j * 8 + fc;
+            const float2 s = acc[i][j].thread_elements();
+            device TC* p = C + (ulong)m * ldc + n;
+            if (aligned) {  // n even, ldc and C's offset multiples of 4: 2-element aligned
+                typedef vec<TC, 2> TC2;
+                *(device TC2*)p = TC2(use_c ? fma(float2(alpha), s, float2(beta) * float2(*(device TC2*)p))
+                                            : float2(alpha) * s);
+            } else {
+                for (uint e = 0; e < 2; ++e)
+                    if (mn_full || (m < M && n + e < N))
+                        p[e] = TC(use_c ? fma(alpha, s[e], beta * float(p[e])) : alpha * s[e]);
+            }
+        }
+    }
+}
+
+// Grid (ceil(N/BN), ceil(M/BM), batch), threads (32 WM WN, 1, 1). The operand tiles are
+// threadgroup arrays of T: half operands stage half the bytes of float ones.
+template <typename T, typename TC, bool TA, bool TB, int BM, int BN, int WM, int WN>
+kernel void gemm_steel(device const T*     A    [[buffer(0)]],
+                       device const T*     B    [[buffer(1)]],
+                       device TC*          C    [[buffer(2)]],
+                       constant GemmArgs&  args [[buffer(3)]],
+                       uint3 tg   [[threadgroup_position_in_grid]],
+                       uint  tid  [[thread_index_in_threadgroup]],
+                       uint  sg   [[simdgroup_index_in_threadgroup]],
+                       uint  lane [[thread_index_in_simdgroup]])
+{
+    threadgroup T As[BM * (STEEL_BK + STEEL_PAD)];
+    threadgroup T Bs[STEEL_BK * (BN + STEEL_PAD)];
+    const ulong z = tg.z;
+    gemm_steel_tile<T, TC, TA, TB, BM, BN, WM, WN>(
+        A + z * args.stride_a, B + z * args.stride_b, C + z * args.stride_c, args.M, args.N, args.K,
+        args.lda, args.ldb, args.ldc, args.alpha, args.beta, tg.y * BM, tg.x * BN, tid, sg, lane, As, Bs,
+        gemm_is_aligned);
+}
+
+// steel64: 64x64 tile, 2x2 SIMD-groups of 32x32. steel32: 32x32 tile, 2x2 SIMD-groups of 16x16.
+template [[host_name("gemm_steel64_nn_f32")]]   [[kernel]] decltype(gemm_steel<float, float, false, false, 64, 64, 2, 2>) gemm_steel<float, float, false, false, 64, 64, 2, 2>;
+template [[host_name("gemm_steel64_nt_f32")]]   [[kernel]] decltype(gemm_steel<float, float, false, true, 64, 64, 2, 2>) gemm_steel<float, float, false, true, 64, 64, 2, 2>;
+template [[host_name("gemm_steel64_tn_f32")]]   [[kernel]] decltype(gemm_steel<float, float, true, false, 64, 64, 2, 2>) gemm_steel<float, float, true, false, 64, 64, 2, 2>;
+template [[host_name("gemm_steel64_nn_f16")]]   [[kernel]] decltype(gemm_steel<half, half, false, false, 64, 64, 2, 2>) gemm_steel<half, half, false, false, 64, 64, 2, 2>;
+template [[host_name("gemm_steel64_nt_f16")]]   [[kernel]] decltype(gemm_steel<half, half, false, true, 64, 64, 2, 2>) gemm_steel<half, half, false, true, 64, 64, 2, 2>;
+template [[host_name("gemm_steel64_tn_f16")]]   [[kernel]] decltype(gemm_steel<half, half, true, false, 64, 64, 2, 2>) gemm_steel<half, half, true, false, 64, 64, 2, 2>;
+template [[host_name("gemm_steel64_nn_f16_f32")]] [[kernel]] decltype(gemm_steel<half, float, false, false, 64, 64, 2, 2>) gemm_steel<half, float, false, false, 64, 64, 2, 2>;
+template [[host_name("gemm_steel64_nt_f16_f32")]] [[kernel]] decltype(gemm_steel<half, float, false, true, 64, 64, 2, 2>) gemm_steel<half, float, false, true, 64, 64, 2, 2>;
+template [[host_name("gemm_steel64_tn_f16_f32")]] [[kernel]] decltype(gemm_steel<half, float, true, false, 64, 64, 2, 2>) gemm_steel<half, float, true, false, 64, 64, 2, 2>;
+template [[host_name("gemm_steel32_nn_f32")]]   [[kernel]] decltype(gemm_steel<float, float, false, false, 32, 32, 2, 2>) gemm_steel<float, float, false, false, 32, 32, 2, 2>;
+template [[host_name("gemm_steel32_nt_f32")]]   [[kernel]] decltype(gemm_steel<float, float, false, true, 32, 32, 2, 2>) gemm_steel<float, float, false, true, 32, 32, 2, 2>;
+template [[host_name("gemm_steel32_tn_f32")]]   [[kernel]] decltype(gemm_steel<float, float, true, false, 32, 32, 2, 2>) gemm_steel<float, float, true, false, 32, 32, 2, 2>;
+template [[host_name("gemm_steel32_nn_f16")]]   [[kernel]] decltype(gemm_steel<half, half, false, false, 32, 32, 2, 2>) gemm_steel<half, half, false, false, 32, 32, 2, 2>;
+template [[host_name("gemm_steel32_nt_f16")]]   [[kernel]] decltype(gemm_steel<half, half, false, true, 32, 32, 2, 2>) gemm_steel<half, half, false, true, 32, 32, 2, 2>;
+template [[host_name("gemm_steel32_tn_f16")]]   [[kernel]] decltype(gemm_steel<half, half, true, false, 32, 32, 2, 2>) gemm_steel<half, half, true, false, 32, 32, 2, 2>;
+template [[host_name("gemm_steel32_nn_f16_f32")]] [[kernel]] decltype(gemm_steel<half, float, false, false, 32, 32, 2, 2>) gemm_steel<half, float, false, false, 32, 32, 2, 2>;
+template [[host_name("gemm_steel32_nt_f16_f32")]] [[kernel]] decltype(gemm_steel<half, float, false, true, 32, 32, 2, 2>) gemm_steel<half, float, false, true, 32, 32, 2, 2>;
+template [[host_name("gemm_steel32_tn_f16_f32")]] [[kernel]] decltype(gemm_steel<half, float, true, false, 32, 32, 2, 2>) gemm_steel<half, float, true, false, 32, 32, 2, 2>;
+
+#if defined(__HAVE_BFLOAT__)
+// bf16 operands (MSL 3.1, native on Apple9+), accumulated in float like the others.
+template [[host_name("gemm_steel64_nn_bf16")]]  [[kernel]] decltype(gemm_steel<bfloat, bfloat, false, false, 64, 64, 2, 2>) gemm_steel<bfloat, bfloat, false, false, 64, 64, 2, 2>;
+template [[host_name("gemm_steel64_nt_bf16")]]  [[kernel]] decltype(gemm_steel<bfloat, bfloat, false, true, 64, 64, 2, 2>) gemm_steel<bfloat, bfloat, false, true, 64, 64, 2, 2>;
+template [[host_name("gemm_steel64_tn_bf16")]]  [[kernel]] decltype(gemm_steel<bfloat, bfloat, true, false, 64, 64, 2, 2>) gemm_steel<bfloat, bfloat, true, false, 64, 64, 2, 2>;
+template [[host_name("gemm_steel64_nn_bf16_f32")]] [[kernel]] decltype(gemm_steel<bfloat, float, false, false, 64, 64, 2, 2>) gemm_steel<bfloat, float, false, false, 64, 64, 2, 2>;
+template [[host_name("gemm_steel64_nt_bf16_f32")]] [[kernel]] decltype(gemm_steel<bfloat, float, false, true, 64, 64, 2, 2>) gemm_steel<bfloat, float, false, true, 64, 64, 2, 2>;
+template [[host_name("gemm_steel64_tn_bf16_f32")]] [[kernel]] decltype(gemm_steel<bfloat, float, true, false, 64, 64, 2, 2>) gemm_steel<bfloat, float, true, false, 64, 64, 2, 2>;
+template [[host_name("gemm_steel32_nn_bf16")]]  [[kernel]] decltype(gemm_steel<bfloat, bfloat, false, false, 32, 32, 2, 2>) gemm_steel<bfloat, bfloat, false, false, 32, 32, 2, 2>;
+template [[host_name("gemm_steel32_nt_bf16")]]  [[kernel]] decltype(gemm_steel<bfloat, bfloat, false, true, 32, 32, 2, 2>) gemm_steel<bfloat, bfloat, false, true, 32, 32, 2, 2>;
+template [[host_name("gemm_steel32_tn_bf16")]]  [[kernel]] decltype(gemm_steel<bfloat, bfloat, true, false, 32, 32, 2, 2>) gemm_steel<bfloat, bfloat, true, false, 32, 32, 2, 2>;
+template [[host_name("gemm_steel32_nn_bf16_f32")]] [[kernel]] decltype(gemm_steel<bfloat, float, false, false, 32, 32, 2, 2>) gemm_steel<bfloat, float, false, false, 32, 32, 2, 2>;
+template [[host_name("gemm_steel32_nt_bf16_f32")]] [[kernel]] decltype(gemm_steel<bfloat, float, false, true, 32, 32, 2, 2>) gemm_steel<bfloat, float, false, true, 32, 32, 2, 2>;
+template [[host_name("gemm_steel32_tn_bf16_f32")]] [[kernel]] decltype(gemm_steel<bfloat, float, true, false, 32, 32, 2, 2>) gemm_steel<bfloat, float, true, false, 32, 32, 2, 2>;
 #endif

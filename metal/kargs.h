@@ -86,7 +86,8 @@ struct SoftmaxBackwardArgs {
 // gemm (metal/gemm.metal): C = alpha * op(A) * op(B) + beta * C per batch entry b = grid.z, with
 // the matrices at element offsets b * stride_* (0 broadcasts). C is (M, N); op(A) (M, K); op(B)
 // (K, N); lda/ldb/ldc are the row strides of the stored matrices. Plain kernels: grid
-// (ceil(N/32), ceil(M/32), batch) threadgroups of 32 threads (one SIMD-group, 32x32 output tile).
+// (ceil(N/tile), ceil(M/tile), batch), one threadgroup per output tile (gemm.metal's variants:
+// tile32 32 threads, 32x32; steel64 128 threads, 64x64; steel32 128 threads, 32x32).
 // Split-K partial kernels (batch must be 1): grid.z = split s covers k in
 // [s * k_split, min(K, (s + 1) * k_split)) and writes alpha-free fp32 partials to
 // buffer(2) at s * M * N (dense, row stride N); alpha and beta are ignored there.

@@ -312,3 +312,110 @@ def test_gemm_metal_missing_barrier_detected(libs):
     ref = run(libs["plain"], 0)
     assert ref is not None
     assert _caught(lambda seed: run(libs["nobarrier"], seed), ref)
+
+
+# ---------------------------------------------------------------------------------------------
+# multi-SIMD-group variants (steel64: 64x64 tile, steel32: 32x32 tile; 4 SIMD-groups each)
+# ---------------------------------------------------------------------------------------------
+VARIANT_TILE = {"steel64": 64, "steel32": 32}
+# 65 and 127 leave ragged 64-tiles; 64 is whole; 1, 31, 33 are below or past one tile.
+VARIANT_SHAPES = [(1, 1, 1), (31, 33, 127), (65, 127, 33), (127, 65, 1), (64, 64, 31), (33, 1, 65), (1, 65, 64)]
+
+
+def run_variant(lib, v, op, dt, M, N, K, A, B, C, alpha=1.0, beta=0.0, **kw):
+    t = VARIANT_TILE[v]
+    lib.dispatch(f"gemm_{v}_{op}_{dt}", grid=(-(-N // t), -(-M // t), C.batch), threads=(128, 1, 1),
+                 buffers=[A.flat, B.flat, C.flat, args(M, N, K, A, B, C, alpha, beta)], **kw)
+
+
+def variant_case(lib, v, op, dt, M, N, K, alpha, beta, pad=0, batch=1, stride_a=None, stride_b=None, **kw):
+    A, B = operands(op, dt, M, N, K, pad, batch, stride_a, stride_b)
+    C = Mat(DTYPES[dt][1], M, N, N + pad, batch, fill=beta != 0)
+    C0 = C.view()
+    run_variant(lib, v, op, dt, M, N, K, A, B, C, alpha, beta, **kw)
+    ref, bound = reference(op, A, B, C0, alpha, beta)
+    check(C.view(), ref, bound, DTYPES[dt][1] == np.float16)
+    assert A.padding_untouched() and B.padding_untouched() and C.padding_untouched()
+    return A, B, C0, C
+
+
+@pytest.mark.parametrize("dt", list(DTYPES))
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("v", list(VARIANT_TILE))
+def test_gemm_variant_metal(libs, v, op, dt):
+    """Awkward sizes, alpha != 1 and beta = 0 on a NaN-filled C; then beta != 0 with row strides
+    (odd: rows not 4-aligned) whose NaN padding must be neither read nor written."""
+    for shape in VARIANT_SHAPES:
+        variant_case(libs["plain"], v, op, dt, *shape, alpha=1.5, beta=0.0)
+    variant_case(libs["plain"], v, op, dt, 65, 33, 45, alpha=-0.75, beta=0.5, pad=3)
+    variant_case(libs["plain"], v, op, dt, 31, 64, 1, alpha=0.0, beta=-2.0, pad=1)
+
+
+@pytest.mark.parametrize("dt", ["f32", "f16"])
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("v", list(VARIANT_TILE))
+def test_gemm_variant_metal_batched(libs, v, op, dt):
+    """grid.z = batch with gaps between the matrices and stride-0 broadcasts."""
+    M, N, K = 65, 31, 20
+    ar, ac = (K, M) if op[0] == "t" else (M, K)
+    br, bc = (N, K) if op[1] == "t" else (K, N)
+    variant_case(libs["plain"], v, op, dt, M, N, K, 0.5, 0.0, batch=3, stride_a=ar * ac + 7, stride_b=0)
+    variant_case(libs["plain"], v, op, dt, M, N, K, 1.0, -1.0, batch=2, stride_a=0, stride_b=br * bc + 7, pad=2)
+
+
+@pytest.mark.parametrize("dt", list(DTYPES))
+@pytest.mark.parametrize("op", OPS)
+def test_gemm_variants_bit_identical_to_tile32(libs, op, dt):
+    """Every variant sums k in tile32's order and applies alpha, beta with its fma: the same bits,
+    unaligned on a ragged problem and aligned (gemm_aligned = true: vector loads and stores) on
+    one that keeps the promise (M, N multiples of 64, K of 32, ld % 4 == 0)."""
+    for lib, (M, N, K), pad in [("plain", (65, 33, 47), 1), ("aligned", (64, 128, 64), 4)]:
+        A, B = operands(op, dt, M, N, K, pad)
+        C = Mat(DTYPES[dt][1], M, N, N + pad, fill=True)
+        C0, c0 = C.flat.copy(), C.view()
+        outs = {}
+        for v in ["tile32"] + list(VARIANT_TILE):
+            C.flat[...] = C0
+            if v == "tile32":
+                run_gemm(libs[lib], op, dt, M, N, K, A, B, C, 0.75, 0.5)
+            else:
+                run_variant(libs[lib], v, op, dt, M, N, K, A, B, C, 0.75, 0.5)
+            outs[v] = C.flat.copy()
+        ref, bound = reference(op, A, B, c0, 0.75, 0.5)
+        C.flat[...] = outs["steel64"]
+        check(C.view(), ref, bound, DTYPES[dt][1] == np.float16)
+        for v in VARIANT_TILE:
+            np.testing.assert_array_equal(outs[v], outs["tile32"], err_msg=f"{v} ({lib})")
+
+
+def test_gemm_variant_metal_thread_orders_bit_identical(libs):
+    """The same bits for every worker count and random thread order (4 SIMD-groups share the
+    staged tiles: a missing barrier would show as a difference)."""
+    M, N, K = 65, 40, 50
+    A, B = operands("tn", "f16", M, N, K, pad=1)
+    for v in VARIANT_TILE:
+        outs = []
+        for kw in ORDERS:
+            C = Mat(np.float16, M, N, fill=False)
+            run_variant(libs["plain"], v, "tn", "f16", M, N, K, A, B, C, 1.0, 0.0, **kw)
+            outs.append(C.view())
+        for o in outs[1:]:
+            np.testing.assert_array_equal(o, outs[0])
+
+
+@pytest.mark.parametrize("v", list(VARIANT_TILE))
+def test_gemm_variant_metal_missing_barrier_detected(libs, v):
+    M, N, K = 65, 31, 45
+    A, B = operands("nn", "f32", M, N, K)
+
+    def run(lib, seed):
+        C = Mat(np.float32, M, N, fill=False)
+        try:
+            run_variant(lib, v, "nn", "f32", M, N, K, A, B, C, random_order=True, seed=seed)
+        except mslsim.MslsimError:
+            return None
+        return C.view()
+
+    ref = run(libs["plain"], 0)
+    assert ref is not None
+    assert _caught(lambda seed: run(libs["nobarrier"], seed), ref)

@@ -295,7 +295,7 @@ def test_lora_targets_accepts_short_module_and_mlx_names(tmp_path, monkeypatch, 
     assert "unknown module 'attention'" in _one_line_error(capsys.readouterr().err)
 
 
-@pytest.mark.parametrize("cmd", ["train", "eval", "generate", "fuse", "w1", "devices"])
+@pytest.mark.parametrize("cmd", ["train", "eval", "generate", "fuse", "w1", "tune", "devices"])
 def test_help_shows_every_default(cmd, capsys):
     with pytest.raises(SystemExit) as e:
         main([cmd, "--help"])

@@ -1,6 +1,7 @@
 // Devices: creation of tensors, the step context, pool statistics.
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/function.h>
+#include <nanobind/stl/map.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -9,6 +10,7 @@
 #include "bindings.h"
 #include "core/ops.h"
 #include "core/split_k.h"
+#include "metal/metal_ops.h"
 
 namespace krnl::bindings {
 namespace {
@@ -130,8 +132,16 @@ nb::dict capabilities_dict(const Capabilities& c) {
   d["synchronous"] = c.synchronous;
   d["queue_ordered"] = c.queue_ordered;
   d["attention_block"] = c.attention_block;
+  d["gemm_tuning"] = c.gemm_tuning;
   d["details"] = details;
   return d;
+}
+
+// The GEMM variant table lives on Metal devices; `what` names the method in the error.
+metal::MetalOps& gemm_table(Backend& d, const char* what) {
+  auto* m = dynamic_cast<metal::MetalOps*>(&d);
+  if (!m) throw std::invalid_argument(std::string("[") + what + "] " + d.name() + " has one GEMM kernel (no variants)");
+  return *m;
 }
 
 struct Step {
@@ -191,8 +201,39 @@ void bind_devices(nb::module_& m) {
            "fused attention ops beat the materialised path, with packed segments, a sliding window, for which head "
            "sizes; [] = any), graphs (capture/replay), host_visible (zero-copy numpy views), "
            "synchronous (ops complete when they return), queue_ordered (buffers released inside a step are "
-           "reused within it), attention_block (query rows per materialised attention block, 0: all), details "
-           "(hardware facts).")
+           "reused within it), attention_block (query rows per materialised attention block, 0: all), "
+           "gemm_tuning (timing the GEMM variants measures a real GPU: krnl tune), details (hardware facts).")
+      .def("gemm_variants", [](Backend& d) {
+             auto* m = dynamic_cast<metal::MetalOps*>(&d);
+             return m ? m->gemm_variants() : std::vector<std::string>{};
+           },
+           "The plain GEMM kernels this device can choose between, the default first ([] where there is one).")
+      .def("gemm_shape_classes", [](Backend& d) { return gemm_table(d, "gemm_shape_classes").gemm_shape_classes(); },
+           "Every shape class a GEMM variant is chosen for: dtype.form.size, e.g. f16.nt.large.")
+      .def("gemm_shape_class", [](Backend& d, int64_t M, int64_t N, int64_t K, bool trans_a, bool trans_b,
+                                  nb::handle dtype, nb::handle c_dtype, int64_t batch) {
+             const DType a = to_dtype(dtype);
+             return gemm_table(d, "gemm_shape_class")
+                 .gemm_shape_class(M, N, K, batch, trans_a, trans_b, a, c_dtype.is_none() ? a : to_dtype(c_dtype));
+           },
+           "M"_a, "N"_a, "K"_a, "trans_a"_a = false, "trans_b"_a = false, "dtype"_a = "f32",
+           "c_dtype"_a = nb::none(), "batch"_a = 1,
+           "The shape class of gemm(op(A) (M, K), op(B) (K, N)) with operands of `dtype` and C of `c_dtype`.")
+      .def("gemm_choices", [](Backend& d) {
+             auto* m = dynamic_cast<metal::MetalOps*>(&d);
+             return m ? m->gemm_choices() : std::map<std::string, std::string>{};
+           },
+           "The variant table: {shape class or '*': variant}; a class without an entry takes '*', else the default.")
+      .def("set_gemm_choice", [](Backend& d, const std::string& shape_class, nb::handle variant) {
+             gemm_table(d, "set_gemm_choice")
+                 .set_gemm_choice(shape_class, variant.is_none() ? std::string() : nb::cast<std::string>(variant));
+           },
+           "shape_class"_a, "variant"_a.none(),
+           "Runs `variant` for GEMMs of `shape_class` ('*': every class without its own entry); None removes the entry.")
+      .def("clear_gemm_choices", [](Backend& d) {
+             if (auto* m = dynamic_cast<metal::MetalOps*>(&d)) m->clear_gemm_choices();
+           },
+           "Every GEMM back to the default variant.")
       .def("__repr__", [](const Backend& d) { return "krnl.device('" + d.name() + "')"; })
       .def("empty", [](Backend& d, nb::handle shape, nb::handle dtype) { return d.empty(to_shape(shape), to_dtype(dtype)); },
            "shape"_a, "dtype"_a = "f32", "A new uninitialised tensor from the device's pool.")

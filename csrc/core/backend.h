@@ -77,6 +77,9 @@ struct Capabilities {
   bool synchronous = true;     // ops complete when they return
   bool queue_ordered = true;   // every memory access runs in call order (reuse within a step)
   int64_t attention_block = 0; // query rows per block of the materialised attention (0: all at once)
+  // Timing the device's GEMM variants (krnl tune) measures something real: only a physical GPU
+  // with more than one variant (Metal); never a simulator.
+  bool gemm_tuning = false;
   // Facts about the hardware behind the device (GPU name, GPU family, ...), for people.
   std::vector<std::pair<std::string, std::string>> details;
 };

@@ -151,6 +151,7 @@ class MetalBackend final : public MetalOps {
   Capabilities capabilities() const override {
     Capabilities c = MetalOps::capabilities();
     c.kind = "metal";
+    c.gemm_tuning = true;  // a real GPU: its GEMM variants are worth timing (krnl tune)
     return c;
   }
 

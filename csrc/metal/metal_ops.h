@@ -59,6 +59,21 @@ class MetalOps : public Backend {
   void set_ordering_rules(const OrderingRules& r) { rules_ = r; }
   // The head sizes D of the fused attention kernels (metal/attention.metal instantiates each).
   static std::vector<int64_t> attention_head_dims();
+
+  // ---- GEMM variants (metal/gemm.metal's header says what each trades). gemm_plain runs, for
+  // each call, the variant chosen for its shape class: the class's own entry, else the "*"
+  // entry, else tile32. `krnl tune` measures the variants on the user's GPU and fills the table.
+  static const std::vector<std::string>& gemm_variants();  // tile32 (the default) first
+  // "<operand dtype>[_f32 when C widens].<nn|nt|tn>.<skinny|shallow|medium|large>": skinny
+  // min(M, N) <= 64 (LoRA products with the rank as M or N), shallow K <= 64 (the rank as K),
+  // else by outputs: large from 2^20 (M N batch), medium below.
+  static std::string gemm_shape_class(int64_t M, int64_t N, int64_t K, int64_t batch, bool trans_a, bool trans_b,
+                                      DType a, DType c);
+  static std::vector<std::string> gemm_shape_classes();  // every class, in a fixed order
+  // variant "" removes the entry; std::invalid_argument for an unknown class or variant.
+  void set_gemm_choice(const std::string& shape_class, const std::string& variant);
+  const std::map<std::string, std::string>& gemm_choices() const { return gemm_choice_; }
+  void clear_gemm_choices() { gemm_choice_.clear(); }
   // Records of the last committed step (GPU and host, in call order) and the dispatch counts of
   // its command buffers, kept while enabled (metal-sim's tests of the host logic).
   void keep_step_log(bool on) { keep_log_ = on; }
@@ -145,6 +160,7 @@ class MetalOps : public Backend {
   void gemm_row_split(const krnl::GemmArgs& a, int64_t cpu_rows);
 
   GpuDescription gpu_;
+  std::map<std::string, std::string> gemm_choice_;  // shape class (or "*") -> variant
   RowSplitConfig row_split_;
   CommandBufferPolicy cb_policy_;
   OrderingRules rules_;

@@ -147,7 +147,78 @@ int64_t extent_elems(int64_t rows, int64_t cols, int64_t ld, int64_t stride, int
 
 std::string gemm_variant(bool ta, bool tb) { return std::string(ta ? "t" : "n") + (tb ? "t" : "n"); }
 
+// The plain kernels of gemm.metal: the variant's name, its kernel-name infix, its output tile and
+// threads per threadgroup (one threadgroup per tile).
+struct GemmKernel {
+  const char* name;
+  const char* infix;
+  uint32_t tile_m, tile_n, threads;
+};
+constexpr GemmKernel kGemmKernels[] = {
+    {"tile32", "", 32, 32, 32},            // today's kernel: the default
+    {"steel64", "steel64_", 64, 64, 128},  // 2x2 SIMD-groups of 32x32
+    {"steel32", "steel32_", 32, 32, 128},  // 2x2 SIMD-groups of 16x16
+};
+
+const GemmKernel* find_gemm_kernel(const std::string& name) {
+  for (const auto& k : kGemmKernels)
+    if (name == k.name) return &k;
+  return nullptr;
+}
+
+const char* const kGemmClassDtypes[] = {"f32", "f16", "f16_f32", "bf16", "bf16_f32"};
+const char* const kGemmClassForms[] = {"nn", "nt", "tn"};
+const char* const kGemmClassSizes[] = {"skinny", "shallow", "medium", "large"};
+
 }  // namespace
+
+const std::vector<std::string>& MetalOps::gemm_variants() {
+  static const std::vector<std::string> names = [] {
+    std::vector<std::string> v;
+    for (const auto& k : kGemmKernels) v.push_back(k.name);
+    return v;
+  }();
+  return names;
+}
+
+std::string MetalOps::gemm_shape_class(int64_t M, int64_t N, int64_t K, int64_t batch, bool trans_a, bool trans_b,
+                                       DType a, DType c) {
+  const std::string dt = std::string(dtype_name(a)) + (c != a ? std::string("_") + dtype_name(c) : std::string());
+  // tt runs as nt (the transpose of B) and then tn: class it by the product, tn
+  const std::string form = trans_a && trans_b ? "tn" : gemm_variant(trans_a, trans_b);
+  const char* size = std::min(M, N) <= 64              ? "skinny"
+                     : K <= 64                         ? "shallow"
+                     : double(M) * double(N) * double(std::max<int64_t>(batch, 1)) >= double(1 << 20) ? "large"
+                                                       : "medium";
+  return dt + "." + form + "." + size;
+}
+
+std::vector<std::string> MetalOps::gemm_shape_classes() {
+  std::vector<std::string> v;
+  for (const char* d : kGemmClassDtypes)
+    for (const char* f : kGemmClassForms)
+      for (const char* s : kGemmClassSizes) v.push_back(std::string(d) + "." + f + "." + s);
+  return v;
+}
+
+void MetalOps::set_gemm_choice(const std::string& shape_class, const std::string& variant) {
+  if (shape_class != "*") {
+    const auto all = gemm_shape_classes();
+    if (std::find(all.begin(), all.end(), shape_class) == all.end())
+      throw std::invalid_argument("[set_gemm_choice] unknown shape class '" + shape_class +
+                                  "' (dtype.form.size, e.g. f16.nt.large, or * for every class)");
+  }
+  if (variant.empty()) {
+    gemm_choice_.erase(shape_class);
+    return;
+  }
+  if (!find_gemm_kernel(variant)) {
+    std::string names;
+    for (const auto& k : kGemmKernels) names += std::string(names.empty() ? "" : ", ") + k.name;
+    throw std::invalid_argument("[set_gemm_choice] unknown GEMM variant '" + variant + "'; " + name() + " has " + names);
+  }
+  gemm_choice_[shape_class] = variant;
+}
 
 void MetalOps::gemm(const CoreGemmArgs& a) {
   Emit e{this, "gemm"};
@@ -211,7 +282,16 @@ void MetalOps::gemm_plain(const CoreGemmArgs& a, int64_t row0, int64_t rows) {
   Emit e{this, "gemm"};
   const std::string in = e.sfx(a.A.dtype());
   const bool widen = a.C.dtype() != a.A.dtype();  // f16/bf16 operands, f32 C (LoRA gradients)
-  Dispatch d = e.make("gemm", "gemm_" + gemm_variant(a.trans_a, a.trans_b) + "_" + in + (widen ? "_f32" : ""));
+  // The variant chosen for this call's shape class (set_gemm_choice), else tile32.
+  const GemmKernel* kern = &kGemmKernels[0];
+  if (!gemm_choice_.empty()) {
+    auto it = gemm_choice_.find(
+        gemm_shape_class(rows, a.N, a.K, a.batch, a.trans_a, a.trans_b, a.A.dtype(), a.C.dtype()));
+    if (it == gemm_choice_.end()) it = gemm_choice_.find("*");
+    if (it != gemm_choice_.end()) kern = find_gemm_kernel(it->second);
+  }
+  Dispatch d = e.make("gemm", std::string("gemm_") + kern->infix + gemm_variant(a.trans_a, a.trans_b) + "_" + in +
+                                  (widen ? "_f32" : ""));
   const size_t es = dtype_size(a.A.dtype()), cs = dtype_size(a.C.dtype());
   const int64_t a_off = a.trans_a ? row0 : row0 * a.lda, c_off = row0 * a.ldc;
   const int64_t ar = a.trans_a ? a.K : rows, ac = a.trans_a ? rows : a.K;
@@ -228,14 +308,14 @@ void MetalOps::gemm_plain(const CoreGemmArgs& a, int64_t row0, int64_t rows) {
   g.alpha = a.alpha, g.beta = a.beta;
   d.set_args(3, g);
   // Aligned: whole tiles everywhere and 16-byte rows, so the kernel drops its edge checks.
-  const bool aligned = rows % kGemmTile == 0 && a.N % kGemmTile == 0 && a.K % kGemmTile == 0 && a.lda % 4 == 0 &&
+  const bool aligned = rows % kern->tile_m == 0 && a.N % kern->tile_n == 0 && a.K % kGemmTile == 0 && a.lda % 4 == 0 &&
                        a.ldb % 4 == 0 && a.ldc % 4 == 0 && (a.A.offset() / es + size_t(a_off)) % 4 == 0 &&
                        (a.B.offset() / es) % 4 == 0 && (a.C.offset() / cs + size_t(c_off)) % 4 == 0 &&
                        a.stride_a % 4 == 0 && a.stride_b % 4 == 0 && a.stride_c % 4 == 0;
   d.constant_bool(0, aligned);
   d.flops = 2.0 * double(rows) * double(a.N) * double(a.K) * double(a.batch);
-  d.grid = {ceil_div(a.N, kGemmTile), ceil_div(rows, kGemmTile), uint32_t(a.batch)};
-  d.threads = {32, 1, 1};
+  d.grid = {ceil_div(a.N, kern->tile_n), ceil_div(rows, kern->tile_m), uint32_t(a.batch)};
+  d.threads = {kern->threads, 1, 1};
   encode(std::move(d));
 }
 

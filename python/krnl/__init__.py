@@ -11,7 +11,7 @@ modules relative to krnl; `bench.*` is every module of krnl/bench):
     model     params config lora attention layer generate model mlp_block
     formats   adapter hf
     train     optim batches data default_task trainer
-    cli       cli cli_args cli_device __main__ bench bench.*
+    cli       cli cli_args cli_device tune __main__ bench bench.*
 
 - ops: the native core and what this file re-exports from it; importing any submodule runs this
   file first, so it may import nothing above.
@@ -23,7 +23,8 @@ modules relative to krnl; `bench.*` is every module of krnl/bench):
   adapter, never the reverse.
 - train: the optimizer, batches, datasets, the embedded default task and the training loop; data
   and trainer both draw on batches and not on each other.
-- cli: the `krnl` commands and the benchmark harness (krnl.bench), which may use everything.
+- cli: the `krnl` commands, GEMM tuning (`krnl tune`) and the benchmark harness (krnl.bench), which
+  may use everything.
 """
 
 import sys as _sys

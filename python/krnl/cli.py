@@ -1,9 +1,10 @@
 """The `krnl` command line: `train`, `eval` and `generate` (the embedded default: a tiny Llama and a
 generated task; or, for eval and generate, an HF model folder from --model or the adapter's
 base_model_name_or_path), `fuse` (an adapter merged into its HF base, written as an HF folder),
-`w1` (LoRA on the W1 MLP block of docs/performance.md, matching a teacher), `bench` (krnl/bench) and
-`devices`. The argument parser is in cli_args.py; `devices`, `w1` and the device choice are in
-cli_device.py; `krnl.cli:main` stays the entry point."""
+`w1` (LoRA on the W1 MLP block of docs/performance.md, matching a teacher), `bench` (krnl/bench),
+`tune` (tune.py: the GEMM variants timed on this GPU) and `devices`. The argument parser is in
+cli_args.py; `devices`, `w1` and the device choice are in cli_device.py; `krnl.cli:main` stays
+the entry point."""
 
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ import krnl
 from .cli_args import parse_args
 from .cli_device import cmd_devices, cmd_w1, device_from_args
 from .run_folder import claim
+from .tune import cmd_tune, ensure_tuned
 
 DEFAULT_BASE = "krnl:default-tiny-llama"  # the embedded default's base model id (adapter_config)
 BASE_SEED = 1234
@@ -211,6 +213,7 @@ def cmd_train(args):
     if resuming and not _resume(args, trainer):
         lock.release()
         return 0
+    ensure_tuned(dev, args.dtype, no_tune=args.no_tune)  # before the first step, never inside one
     try:
         summary = trainer.run()
     except KeyboardInterrupt:
@@ -347,7 +350,7 @@ def main(argv=None):
     from .bench.cli import cmd_bench  # krnl.bench pulls in its workloads: only once the CLI runs
 
     commands = {"devices": cmd_devices, "train": cmd_train, "eval": cmd_eval, "generate": cmd_generate,
-                "fuse": cmd_fuse, "w1": cmd_w1, "bench": cmd_bench}
+                "fuse": cmd_fuse, "w1": cmd_w1, "tune": cmd_tune, "bench": cmd_bench}
     args = parse_args(argv, commands)
     try:
         return args.fn(args)

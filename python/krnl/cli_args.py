@@ -175,6 +175,8 @@ def parse_args(argv, commands):
                    help="start a new run in an --adapter-path that holds another run (its checkpoints, metrics and "
                    "adapter are removed)")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.add_argument("--no-tune", action="store_true", help="do not time the GEMM variants before the first step on a "
+                   "GPU that has no tuning yet (see `krnl tune`)")
     t.set_defaults(fn=commands["train"])
 
     def adapter_and_model(q):  # eval and generate: which adapter, on which base
@@ -223,18 +225,26 @@ def parse_args(argv, commands):
     w.add_argument("--seed", type=int, default=0)
     w.set_defaults(fn=commands["w1"])
 
+    u = sub.add_parser("tune", help="time the GEMM variants on this GPU and keep the fastest per shape class "
+                       "(cached per GPU and OS version; train does it once by itself)")
+    u.add_argument("--device", default=None, help="a Metal GPU (default: best available)")
+    u.add_argument("--dtype", default=None, choices=["f32", "f16", "bf16"],
+                   help="operand dtype to tune (default: every dtype the device has kernels for)")
+    u.add_argument("--repeats", type=int, default=5, help="timed runs per variant and shape class (median)")
+    u.set_defaults(fn=commands["tune"])
+
     from .bench.cli import add_arguments as bench_arguments
     b = sub.add_parser("bench", help="krnl next to numpy, PyTorch and MLX on W1/W2/W3 and GEMMs, behind a control gate")
     bench_arguments(b)
     b.set_defaults(fn=commands["bench"])
-    for q in (d, t, e, g, f, w, b):
+    for q in (d, t, e, g, f, w, u, b):
         _help_with_defaults(q)
     args = p.parse_args(argv)
     if getattr(args, "config", None):
         t.set_defaults(**yaml_defaults(args.config, t))
         args = p.parse_args(argv)
     for name in ("steps", "tokens", "width", "ffn", "rank", "iters", "batch_size", "grad_accumulation",
-                 "lora_rank", "max_tokens", "samples", "train_samples"):
+                 "lora_rank", "max_tokens", "samples", "train_samples", "repeats"):
         if getattr(args, name, 1) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if getattr(args, "seed", 0) < 0:

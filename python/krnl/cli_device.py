@@ -12,6 +12,7 @@ import numpy as np
 import krnl
 
 from .mlp_block import MLPBlock, make_w1_params, w1_flops
+from .tune import load as load_tuning
 
 ops = krnl.ops
 
@@ -26,7 +27,8 @@ def _describe(caps):
     parts = [f"kind={caps['kind']}", f"dtypes={','.join(caps['dtypes'])}", f"compute={caps['compute_dtype']}",
              f"fused_attention={fused}", f"attention_block={caps['attention_block'] or 'all'}",
              f"graphs={yn(caps['graphs'])}", f"host_visible={yn(caps['host_visible'])}",
-             f"synchronous={yn(caps['synchronous'])}", f"queue_ordered={yn(caps['queue_ordered'])}"]
+             f"synchronous={yn(caps['synchronous'])}", f"queue_ordered={yn(caps['queue_ordered'])}",
+             f"gemm_tuning={yn(caps['gemm_tuning'])}"]
     if caps["details"]:
         parts.append("(" + "; ".join(f"{k}: {v}" for k, v in caps["details"].items()) + ")")
     return " ".join(parts)
@@ -51,6 +53,7 @@ def device_from_args(args):
     """The device of --device (the best available by default); a --dtype left out becomes the
     device's training dtype (its capabilities' compute_dtype)."""
     dev = krnl.device(args.device)
+    load_tuning(dev)  # this GPU's GEMM variant choices (krnl tune), where a cache entry exists
     if getattr(args, "dtype", None) is None:
         args.dtype = dev.capabilities()["compute_dtype"]
     return dev

@@ -60,6 +60,10 @@ def cmd_bench(args):
     if args.from_json:
         res = report.read_json(args.from_json)
     else:
+        import krnl
+        from ..tune import load as load_tuning
+
+        load_tuning(krnl.device(args.device))  # the GEMM variants `krnl tune` chose for this GPU, if any
         log = lambda msg: print(msg, file=sys.stderr, flush=True)
         s = Session(args.device, rounds=args.rounds, quick=args.quick, peers=args.peers, slow_s=args.slow,
                     reference_path=ref_path, log=log, dtype=args.dtype)

@@ -257,6 +257,10 @@ template <class T> bool is_function_constant_defined(const T& name);
 template <class T, int Cols, int Rows> struct simdgroup_matrix {
   static_assert(msl14_detail::is_float_scalar<T>::value, "simdgroup_matrix holds float or half (bfloat from MSL 3.1)");
   static_assert(Cols == 8 && Rows == 8, "simdgroup_matrix is 8x8");
+  // The two elements this lane holds (row (q & 4) + (lane / 2) % 4 with q = lane / 4, columns
+  // (q & 2) * 2 + (lane % 2) * 2 and the next one).
+  vec<T, 2>& thread_elements();
+  const vec<T, 2>& thread_elements() const;
   T elements_[2];
 };
 typedef simdgroup_matrix<float, 8, 8> simdgroup_float8x8;

@@ -6,7 +6,8 @@
         that ran and those that did not
     python tools/mslcuda/sanitize.py barrier N    gemm_nn_f32 of a copy of metal/gemm.metal with
         its N-th `threadgroup_barrier` deleted (N = 0: the file as it is), on a 70x45x37 product
-        (grid 2 x 3 threadgroups, ragged); prints the largest error against numpy
+        (grid 2 x 3 threadgroups, ragged); prints the largest error against numpy (--build-only:
+        only compiles it, outside the sanitizer)
 
 Numbers are not checked here (the op suite and workloads.py do that at size): this only has to
 run every kernel where the sanitizer watches."""
@@ -117,7 +118,7 @@ def run_kernels(device="metal-cuda"):
     return 0
 
 
-def run_barrier(n: int):
+def run_barrier(n: int, build_only: bool = False):
     import mslcuda
     src = (ROOT / "metal" / "gemm.metal").read_text()
     sites = [m.start() for m in re.finditer(re.escape(BARRIER), src)]
@@ -127,10 +128,13 @@ def run_barrier(n: int):
         s = sites[n - 1]
         src = src[:s] + " " * len(BARRIER) + src[s + len(BARRIER):]  # same lines and columns
     with tempfile.TemporaryDirectory() as d:
-        path = Path(d) / "gemm.metal"
+        path = Path(d) / "metal" / "gemm.metal"  # named as the original in the generated code's line markers
+        path.parent.mkdir()
         path.write_text(src)
         lib = mslcuda.build(path, {0: False}, include_dirs=[ROOT / "metal", ROOT / "csrc" / "core"],
                             name=f"gemm_nobarrier{n}")
+    if build_only:
+        return 0
     rt = mslcuda.runtime()
     M, N, K = 70, 45, 37
     rng = np.random.default_rng(1)
@@ -155,6 +159,6 @@ def run_barrier(n: int):
 if __name__ == "__main__":
     if len(sys.argv) >= 2 and sys.argv[1] == "kernels":
         sys.exit(run_kernels(*sys.argv[2:3]))
-    if len(sys.argv) == 3 and sys.argv[1] == "barrier":
-        sys.exit(run_barrier(int(sys.argv[2])))
+    if len(sys.argv) in (3, 4) and sys.argv[1] == "barrier":
+        sys.exit(run_barrier(int(sys.argv[2]), sys.argv[3:] == ["--build-only"]))
     raise SystemExit(__doc__)

@@ -105,7 +105,10 @@ def _compile(stem: str, code: str, opt: str, what: str, link_only_check: bool = 
     """nvcc `code` into <cache>/<stem>-<hash>.so (or reuse it)."""
     nvcc = _nvcc()
     flags = _flags(opt)
-    h = hashlib.sha256("\0".join([code, " ".join(flags), _toolchain_id(nvcc)] +
+    # the include folder's place is no part of the key (its headers' contents are): a cache built
+    # in one checkout serves another
+    key_flags = [f for f in flags if f != f"-I{INCLUDE_DIR}"]
+    h = hashlib.sha256("\0".join([code, " ".join(key_flags), _toolchain_id(nvcc)] +
                                  [f.read_text() for f in sorted(INCLUDE_DIR.glob("*.h"))]).encode())
     cache = cache_dir()
     cache.mkdir(parents=True, exist_ok=True)

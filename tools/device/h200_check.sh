@@ -122,7 +122,7 @@ elif [ "$phase" = metal-cuda ] || [ "$phase" = sanitize ]; then
     sanitize_all $SANITIZE > "$OUT/sanitize.out" 2>&1 &
   fi
   # the whole suite's `dev` tests on metal-cuda (cpu and cuda ran in the tests phase)
-  KRNL_TEST_METAL_CUDA=1 timeout ${MC_TESTS_S:-300} python3 -m pytest -q -n 12 -p no:cacheprovider tests \
+  KRNL_TEST_METAL_CUDA=1 timeout ${MC_TESTS_S:-300} python3 -m pytest -q -rs -n 12 -p no:cacheprovider tests \
     --ignore=tests/test_metal_host.py --ignore=tests/test_metal_api.py -k "metal-cuda" --maxfail=50 \
     2>&1 | tee "$OUT/metal_cuda_tests.log" | tail -40
   KRNL_TEST_METAL_CUDA=1 timeout ${MC_WORKLOADS_S:-200} python3 tools/mslcuda/workloads.py --json "$OUT/workloads.json" \

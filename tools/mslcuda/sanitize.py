@@ -141,7 +141,7 @@ def run_barrier(n: int, build_only: bool = False):
     A, B = rng.standard_normal((M, K)).astype(np.float32), rng.standard_normal((K, N)).astype(np.float32)
     bufs = {}
     for i, arr in ((0, A), (1, B), (2, np.zeros((M, N), np.float32))):
-        p = rt._lib.mslcuda_alloc(arr.nbytes)
+        p = rt.alloc(arr.nbytes)
         ctypes.memmove(p, arr.ctypes.data, arr.nbytes)
         bufs[i] = p
     args = np.array([M, N, K, K, N, N, 0, 0, 0, K], np.uint32).tobytes() + np.array([1.0, 0.0], np.float32).tobytes()
@@ -152,7 +152,7 @@ def run_barrier(n: int, build_only: bool = False):
     print(f"gemm.metal with barrier {n} of {len(sites)} deleted: max error {np.max(np.abs(C - ref)):.3e}"
           if n else f"gemm.metal as it is: max error {np.max(np.abs(C - ref)):.3e}")
     for p in bufs.values():
-        rt._lib.mslcuda_free(p)
+        rt.free(p)
     return 0
 
 

@@ -63,6 +63,7 @@ def main(argv=None):
         mslsim.metal_sim.register(krnl._core, ROOT)
     have = krnl.device(a.dev).capabilities()["dtypes"]
     report, ok = [], True
+    f32_ref = {}  # workload -> the reference device's f32 outputs
     for name in a.workloads:
         step = STEPS[name]
         for dt in a.dtype:
@@ -79,9 +80,18 @@ def main(argv=None):
                 worst = max(errs, key=errs.get)
                 row.update(errors=errs, worst=worst, worst_error=errs[worst], seconds={a.ref: t_cuda, a.dev: t_mc},
                            ok=errs[worst] <= TOLERANCE[dt])
+                note = ""
+                if dt == "f32":
+                    f32_ref[name] = ref
+                elif name in f32_ref:
+                    # where the two disagree, which one the dtype moved: each against the f32 reference
+                    vs = {d: compare(f32_ref[name], o) for d, o in ((a.ref, ref), (a.dev, got))}
+                    row["against_f32"] = vs
+                    note = "; against f32: " + ", ".join(f"{d} {max(e.values()):.2e} ({max(e, key=e.get)})"
+                                                         for d, e in vs.items())
                 print(f"{name} {dt} {step.describe(step.sizes[a.size])}: worst {worst} {errs[worst]:.2e} "
                       f"(tolerance {TOLERANCE[dt]:.0e}) {'ok' if row['ok'] else 'OFF'}; "
-                      f"{len(errs)} outputs; step {t_cuda:.2f} s {a.ref}, {t_mc:.2f} s {a.dev}", flush=True)
+                      f"{len(errs)} outputs; step {t_cuda:.2f} s {a.ref}, {t_mc:.2f} s {a.dev}{note}", flush=True)
             except Exception as e:  # a failure is a finding: report it and go on
                 row.update(ok=False, error=f"{type(e).__name__}: {e}"[:2000])
                 print(f"{name} {dt}: FAILED {row['error']}", flush=True)

@@ -161,6 +161,15 @@ class Runtime:
         """The C function `fn` of the runtime as an integer (krnl's device allocates through it)."""
         return ctypes.cast(getattr(self._lib, fn), ctypes.c_void_p).value
 
+    def alloc(self, n: int) -> int:
+        p = self._lib.mslcuda_alloc(n)
+        if not p:
+            raise MslcudaError(f"cudaMallocManaged of {n} bytes failed")
+        return p
+
+    def free(self, p: int):
+        self._lib.mslcuda_free(p)
+
     def synchronize(self):
         err = self._lib.mslcuda_synchronize()
         if err:

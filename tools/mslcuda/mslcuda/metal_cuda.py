@@ -11,6 +11,7 @@ the GPU before it returns, so completion means the host may read. Memory is mana
 from __future__ import annotations
 
 import collections
+import ctypes
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,7 +30,7 @@ class Executor:
         self.rt = runtime()
         self.dispatches = 0  # launched so far (tests read it)
         self.launched = collections.Counter()  # by kernel name (the sanitizer driver's coverage)
-        self._checked: set = set()  # buffer bases the GPU can reach
+        self._reachable: set = set()  # buffer bases the GPU can reach (managed memory)
 
     def libraries(self):
         return sorted(p.stem for p in self.metal_dir.glob("*.metal"))
@@ -64,24 +65,46 @@ class Executor:
     def __call__(self, records):
         if not self._libs:
             self.warm()
+        bounce = self._bounce_buffers(records)
         try:
             for r in records:
-                self.run(r)
+                self.run(r, bounce)
         finally:
             # the command buffer is complete once the GPU is done: an error of any of its kernels
             # fails it (raised at its step's end)
-            self.rt.synchronize()
+            try:
+                self.rt.synchronize()
+            finally:
+                for base, (tmp, n) in bounce.items():
+                    ctypes.memmove(base, tmp, n)  # the kernels' writes, back into the host memory
+                    self.rt.free(tmp)
 
-    def run(self, r: dict):
+    def _bounce_buffers(self, records):
+        """{base: (managed copy, bytes)} for bound host memory the GPU cannot reach (a from_numpy
+        tensor where the system does not page host memory in): the command buffer works on a
+        managed copy, written back when it completes, as the shared memory it stands for would be."""
+        ends = {}
+        for r in records:
+            for _index, _address, extent, base, offset in r["buffers"]:
+                if not extent:
+                    continue
+                if base not in self._reachable:
+                    if self.rt.device_accessible(base):
+                        self._reachable.add(base)
+                        continue
+                    ends[base] = max(ends.get(base, 0), offset + extent)
+        out = {}
+        for base, n in ends.items():
+            tmp = self.rt.alloc(n)
+            ctypes.memmove(tmp, base, n)
+            out[base] = (tmp, n)
+        return out
+
+    def run(self, r: dict, bounce=None):
         lib = self.library(r["library"], tuple(r["constants"]))
         buffers = {}
-        for index, address, extent, base, _offset in r["buffers"]:
-            if extent and base not in self._checked:
-                if not self.rt.device_accessible(base):
-                    raise MslcudaError(f"[{r['op']}] {r['kernel']}: buffer({index}) is host memory the GPU cannot "
-                                       "reach (a from_numpy tensor?)")
-                self._checked.add(base)
-            buffers[index] = address
+        for index, address, _extent, base, offset in r["buffers"]:
+            buffers[index] = bounce[base][0] + offset if bounce and base in bounce else address
         lib.launch(r["kernel"], r["grid"], r["threads"], buffers, bytes(r["args"]), r["args_index"])
         self.dispatches += 1
         self.launched[r["kernel"]] += 1

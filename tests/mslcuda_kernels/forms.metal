@@ -60,7 +60,9 @@ kernel void forms(device const T*   x     [[buffer(0)]],
     simdgroup_barrier(mem_flags::mem_threadgroup);
     simdgroup_store(acc, buf, 8);
     y[gid] = dot(f, f) + tri((device const float*)y, 0) + 1.5h + (is_function_constant_defined(has_scale) ? scale : 1.0f)
-           + float(as_type<ushort>(half(f.x)) & 1) + max(f.y, f.z) + clamp(f.w, 0.0f, 1.0f);
+           + float(as_type<ushort>(half(f.x)) & 1) + max(f.y, f.z) + clamp(f.w, 0.0f, 1.0f)
+           + metal::exp(f.x) + metal::max(f.y, 1.0f) + metal::abs(f.z) + metal::fast::exp(f.w) + float(metal::min(gid, 3u))
+           + metal::precise::divide(1.0f, f.x) + metal::sqrt(metal::fma(f.x, f.x, 1.0f)) + float(bfloat(f.y));
 }
 
 template [[host_name("forms_f32")]] [[kernel]] decltype(forms<float>) forms<float>;

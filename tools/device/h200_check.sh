@@ -72,7 +72,7 @@ if [ "$phase" = tests ]; then
   [ -d .mlx1 ] && mkdir -p /tmp/mlx && cp .mlx1/* /tmp/mlx/
   skip=""
   for f in test_mslsim test_metal_kernels test_metal_kernels_backward test_metal_kernels_extra test_metal_kernels_gemm \
-           test_metal_kernels_loss_optim test_metal_host test_metal_dialect test_metal_api; do
+           test_metal_kernels_loss_optim test_metal_host test_metal_dialect test_metal_api test_mslcuda; do
     skip="$skip --ignore=tests/$f.py"
   done
   timeout 330 python3 -m pytest -q -n 12 -p no:cacheprovider tests $skip 2>&1 | tee "$OUT/tests.log" | tail -15

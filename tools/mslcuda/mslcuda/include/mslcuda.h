@@ -247,6 +247,26 @@ MSLCUDA_VEC_TYPES(ulong, ulong)
 // device code); MSL's vector forms, precise:: and fast:: namespaces and the rest are here.
 // ------------------------------------------------------------------------------------------------
 namespace metal {
+// CUDA's scalar functions under metal:: too (metal::exp(x), as MLX-style kernels write): the same
+// entities, so an unqualified call after `using namespace metal` is not ambiguous.
+using ::abs;
+using ::ceil;
+using ::cos;
+using ::exp;
+using ::exp2;
+using ::fabs;
+using ::floor;
+using ::fma;
+using ::log;
+using ::log2;
+using ::max;
+using ::min;
+using ::pow;
+using ::round;
+using ::sin;
+using ::sqrt;
+using ::tanh;
+using ::trunc;
 #define MSLCUDA_VEC_MATH1(NAME, FN)                                                                  \
   template <class T, int N> MSLD vec<T, N> NAME(const vec<T, N>& a) {                               \
     vec<T, N> r; for (int i = 0; i < N; ++i) r[i] = T(FN(float(a[i]))); return r; }

@@ -53,12 +53,13 @@ def test_msl_forms_become_cuda():
     assert "static constexpr bool bias_on = true && use_bias;" in code
     assert "(false ? scale : 1.0f)" in code
     # an unset constant's parameter is passed as null
-    assert "forms<float>(mslcuda::buffer(lp, 0), mslcuda::buffer(lp, 1), mslcuda::buffer(lp, 2), mslcuda::BufArg{nullptr}," in code
+    assert "f = &forms<float>; f(mslcuda::buffer(lp, 0), mslcuda::buffer(lp, 1), mslcuda::buffer(lp, 2), mslcuda::BufArg{nullptr}," in code
     # program-scope constants: an array in __constant__ memory, a scalar as constexpr
     assert "__constant__ const float weights[3] = {0.25f, 0.5f, 0.25f};" in code
     assert "static constexpr int K = 3;" in code
     # every function and member function is device code, declarations included
     assert "template <typename T> __device__ inline T two();" in code
+    assert "template <typename T, typename U = T> __device__ inline U twice(T x)" in code
     assert "template <> __device__ inline half two<half>() { return half(2.0f); }" in code
     assert "__device__ void add(float x)" in code and "__device__ float get() const" in code
     assert "__device__ static float tri(" in code

@@ -9,6 +9,8 @@ constant bool bias_on = is_function_constant_defined(use_bias) && use_bias;
 constant float weights[3] = {0.25, 0.5, 0.25};
 constant int K = 3;
 
+template <typename T, typename U = T> inline U twice(T x) { return U(x + x); }
+
 template <typename T> inline T two();
 template <> inline float two<float>() { return 2.0f; }
 template <> inline half two<half>() { return 2.0h; }
@@ -30,9 +32,9 @@ static float tri(device const float* x, uint i)
     return s;
 }
 
-template <typename T>
+template <typename T, typename Y = float>
 kernel void forms(device const T*   x     [[buffer(0)]],
-                  device float*     y     [[buffer(1)]],
+                  device Y*         y     [[buffer(1)]],
                   device atomic_int* cnt  [[buffer(2)]],
                   constant float&   scale [[buffer(3), function_constant(has_scale)]],
                   uint gid  [[thread_position_in_grid]],
@@ -43,7 +45,7 @@ kernel void forms(device const T*   x     [[buffer(0)]],
     threadgroup float buf[64];
     threadgroup T tile[64];
     Acc a{0.0f};
-    a.add(float(x[gid]) * float(two<T>()));
+    a.add(float(x[gid]) * float(two<T>()) + twice(0.5f));
     buf[tid.x % 64] = a.get() + (bias_on ? 1.0 : 0.5);
     tile[tid.x % 64] = T(buf[tid.x % 64]);
     threadgroup_barrier(mem_flags::mem_threadgroup);

@@ -45,7 +45,9 @@ def run_kernels(device="metal-cuda"):
     def t(shape, dt="f32", scale=1.0):
         return dev.tensor((scale * rng.standard_normal(shape)).astype(np.float32), dt)
 
-    for dt in ("f32", "f16"):
+    caps = dev.capabilities()
+    fused = caps["fused_attention"]
+    for dt in [d for d in ("f32", "f16", "bf16") if d in caps["dtypes"]]:
         # GEMM: unaligned 70x45x37 (grid 2 x 3, ragged), aligned 64x96x64, batched, split-K, f16 -> f32
         M, N, K = 70, 45, 37
         for ta, tb in ((False, False), (False, True), (True, False)):
@@ -54,7 +56,7 @@ def run_kernels(device="metal-cuda"):
             ops.gemm(A, B, dev.empty((M, N), dt), trans_a=ta, trans_b=tb, split_k=1)
             A3, B3 = t((96, M) if ta else (M, 96), dt), t((N, 96) if tb else (96, N), dt)  # K = 3 x 32
             ops.gemm(A3, B3, t((M, N), dt), trans_a=ta, trans_b=tb, beta=0.5, split_k=3)
-            ops.gemm(A, B, t((M, N), "f32"), trans_a=ta, trans_b=tb, beta=1.0, split_k=1) if dt == "f16" else None
+            ops.gemm(A, B, t((M, N), "f32"), trans_a=ta, trans_b=tb, beta=1.0, split_k=1) if dt != "f32" else None
             Aa = t((64, 64), dt)
             ops.gemm(Aa, t((64, 96), dt) if not tb else t((96, 64), dt), dev.empty((64, 96), dt), trans_a=ta,
                      trans_b=tb, split_k=1)
@@ -64,7 +66,7 @@ def run_kernels(device="metal-cuda"):
         # row kernels: 3 rows, 45 and 1000 columns
         for cols in (45, 1000):
             x, dy = t((3, cols), dt), t((3, cols), dt)
-            for wdt in ((dt, "f32") if dt == "f16" else (dt,)):
+            for wdt in ((dt, "f32") if dt != "f32" else (dt,)):
                 w = t((cols,), wdt)
                 y, rstd = dev.empty((3, cols), dt), dev.empty((3,), "f32")
                 ops.rmsnorm_forward(x, w, y, rstd)
@@ -85,8 +87,9 @@ def run_kernels(device="metal-cuda"):
         ops.add(a, b, dev.empty((n,), dt))
         ops.scale(a, 0.5, dev.empty((n,), dt))
         ops.axpy(0.5, a, b)
-        ops.axpy(0.5, a, t((n,), "f16" if dt == "f32" else "f32"))
-        for odt in ("f32", "f16"):
+        for odt in [d for d in ("f32", "f16", "bf16") if d in caps["dtypes"] and d != dt]:
+            ops.axpy(0.5, a, t((n,), odt))
+        for odt in [d for d in ("f32", "f16", "bf16") if d in caps["dtypes"]]:
             ops.cast(a, dev.empty((n,), odt))
         ops.fill(dev.empty((n,), dt), 1.5)
         ops.dropout(a, dev.empty((n,), dt), 0.3, 7)
@@ -102,6 +105,8 @@ def run_kernels(device="metal-cuda"):
         ops.sumsq(t((3000,), dt), dev.empty((1,), "f32"))
         ops.nonfinite(a, dev.zeros((1,), "i32"))
         ops.adamw_update(t((n,)), t((n,)), t((n,)), dev.zeros((n,), "f32"), 1e-3, working=dev.empty((n,), dt))
+        if dt in fused["dtypes"]:  # the fused attention, where the backend has it: GQA, ragged T
+            attention(dev, t, dt, fused["segments"])
     ops.fill(dev.empty((100,), "i32"), 3)
     ops.adamw_update(t((n,)), t((n,)), t((n,)), dev.zeros((n,), "f32"), 1e-3)
     dev.synchronize()
@@ -116,6 +121,27 @@ def run_kernels(device="metal-cuda"):
     missing = sorted(names - ran)
     print("kernels not run: " + (", ".join(missing) if missing else "none"))
     return 0
+
+
+def attention(dev, t, dt, segments):
+    """attention_forward and _backward at T = 37 (ragged blocks), 4 query heads on 2 KV heads,
+    head dims 16 and 64, plain, with a window and (where supported) with packed segments."""
+    import numpy as np
+    from krnl import ops
+    T = 37
+    seg = dev.tensor(np.repeat(np.arange(3), [10, 20, 7]).astype(np.int32), "i32") if segments else None
+    for D in (16, 64):
+        q, k, v = t((4, T, D), dt), t((2, T, D), dt), t((2, T, D), dt)
+        for extra in ({}, {"window": 5}, {"segments": seg} if seg is not None else None):
+            if extra is None:
+                continue
+            try:
+                o, lse = dev.empty((4, T, D), dt), dev.empty((4, T), "f32")
+                ops.attention_forward(q, k, v, o, lse, 0.25, **extra)
+            except TypeError:  # a core without the keyword (segments, window): the plain call only
+                continue
+            ops.attention_backward(q, k, v, o, t((4, T, D), dt), lse, dev.empty((4, T, D), dt),
+                                   dev.empty((2, T, D), dt), dev.empty((2, T, D), dt), 0.25, **extra)
 
 
 def run_barrier(n: int, build_only: bool = False):

@@ -4,7 +4,7 @@ and backward, python/krnl/bench) on "cuda" (cuBLAS and the CUDA backend's kernel
 weights and inputs; per output, the largest difference relative to the CUDA output's largest
 magnitude, against krnl bench's tolerance for the dtype (python/krnl/bench/targets.py).
 
-    KRNL_TEST_METAL_CUDA=1 python tools/mslcuda/workloads.py [--size full] [--dtype f32 f16] [--json out.json]
+    KRNL_TEST_METAL_CUDA=1 python tools/mslcuda/workloads.py [--size full] [--dtype f32 f16 bf16] [--json out.json]
 
 Run by tools/device/h200_check.sh metal-cuda. Exit status 1 when any output is off or fails."""
 from __future__ import annotations
@@ -48,7 +48,7 @@ def compare(ref, got):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", default="full", choices=("full", "quick", "small"))
-    ap.add_argument("--dtype", nargs="+", default=["f32", "f16"])
+    ap.add_argument("--dtype", nargs="+", default=None, help="default: every float dtype both devices have")
     ap.add_argument("--workloads", nargs="+", default=["w1", "w2", "w3"])
     ap.add_argument("--json", default=None)
     ap.add_argument("--ref", default="cuda", help="the reference device")
@@ -62,6 +62,8 @@ def main(argv=None):
         import mslsim.metal_sim
         mslsim.metal_sim.register(krnl._core, ROOT)
     have = krnl.device(a.dev).capabilities()["dtypes"]
+    if a.dtype is None:
+        a.dtype = [d for d in ("f32", "f16", "bf16") if d in have and d in krnl.device(a.ref).capabilities()["dtypes"]]
     report, ok = [], True
     f32_ref = {}  # workload -> the reference device's f32 outputs
     for name in a.workloads:

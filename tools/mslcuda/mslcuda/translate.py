@@ -74,10 +74,12 @@ def _scopes(m: str, ed: _Edits, text: str):
                 stack.append("class")
                 seg = i + 1
             else:
-                func = (not re.search(r"\benum\b", st) and "=" not in st.replace("==", "") and
-                        re.search(r"\)\s*(?:const\s*|noexcept\s*|mutable\s*)*$|\)\s*:\s*[^{};]*$", st))
+                ds = _decl_start(m, seg, i)  # judged after any template header (`typename Y = T`)
+                decl = m[ds:i].strip()
+                func = (not re.search(r"\benum\b", decl) and "=" not in decl.replace("==", "") and
+                        re.search(r"\)\s*(?:const\s*|noexcept\s*|mutable\s*)*$|\)\s*:\s*[^{};]*$", decl))
                 if func:
-                    ed.add(_decl_start(m, seg, i), _decl_start(m, seg, i), "__device__ ")
+                    ed.add(ds, ds, "__device__ ")
                 i = match_close(m, i) + 1
                 if func:  # a body ends its declaration; an initialiser or enum list runs on to its `;`
                     seg = i
@@ -256,8 +258,10 @@ def translate(text: str, constants: dict | None = None) -> Translated:
                 args.append("mslcuda::BufArg{nullptr}")
             else:
                 args.append(f"mslcuda::buffer(lp, {p.index})")
+        # through the address, as MSL's `decltype(f<...>) f<...>` names it: default template arguments
+        # apply, and nothing is deduced from the converted arguments
         lines.append(f'extern "C" __global__ void __launch_bounds__(1024) msl_{host}(const __grid_constant__ '
-                     f"mslcuda::LaunchParams lp) {{ {callee}({', '.join(args)}); }}")
+                     f"mslcuda::LaunchParams lp) {{ auto* const f = &{callee}; f({', '.join(args)}); }}")
         cases.append(f"    case {k}: msl_{host}<<<g, b, 0, stream>>>(lp); break;")
         names.append(f'"{host}"')
     lines += [

@@ -50,6 +50,17 @@ if os.environ.get("KRNL_TEST_METAL_SIM", "1") != "0":
         METAL_SIM = mslsim.metal_sim.register(krnl._core, ROOT, random_order=True)
         krnl._core.testing.metal_sim_set_gpu(METAL_SIM_FAMILY)
 
+# The metal-cuda device: the same records and the unmodified kernels run on an NVIDIA GPU by
+# tools/mslcuda (tools/device/h200_check.sh metal-cuda). Only when asked for, never by default and
+# never in CI; once registered it is one of DEVICES, so every module's `dev` tests run on it, the
+# model's too. Asked for where it cannot run, registration fails loudly instead of skipping.
+METAL_CUDA = None
+if os.environ.get("KRNL_TEST_METAL_CUDA", "0") == "1":
+    sys.path.insert(0, str(ROOT / "tools" / "mslcuda"))
+    import mslcuda.metal_cuda  # noqa: E402
+
+    METAL_CUDA = mslcuda.metal_cuda.register(krnl._core, ROOT)
+
 # Which devices the `dev` fixture runs on (the test devices by name: which to test, not what
 # they can do, which their capabilities() say).
 DEVICES = [d for d in krnl.devices() if d not in ("cpu:1", "metal-sim")]

@@ -208,7 +208,8 @@ def test_loss_scaler_unit():
 
 def test_f16_default_enables_scaling(dev):
     assert AdamW(make_flat(dev, "f16"), Schedule(1e-3, kind="constant")).loss_scale == 2.0**16
-    assert AdamW(make_flat(dev, "bf16"), Schedule(1e-3, kind="constant")).loss_scale == 1.0
+    if "bf16" in dev.capabilities()["dtypes"]:  # a device without bf16 kernels has no bf16 working copy
+        assert AdamW(make_flat(dev, "bf16"), Schedule(1e-3, kind="constant")).loss_scale == 1.0
     assert AdamW(make_flat(dev, "f32"), Schedule(1e-3, kind="constant")).loss_scale == 1.0
 
 

@@ -107,6 +107,28 @@ void bind_metal(nb::module_& m, nb::module_& t) {
         "Registers the 'metal-sim' device: each committed command buffer's dispatch records (dicts: kernel, "
         "library, constants, buffers as (index, address, extent, base, offset), args bytes, grid, threads) run "
         "as executor(records) on a worker thread. The test suite passes tools/mslsim's executor.");
+  t.def("register_metal_cuda", [](nb::callable fn, uintptr_t alloc, uintptr_t free, int apple_family) {
+    auto* keep = new nb::callable(std::move(fn));  // for the life of the process, as metal-sim's
+    metal::SimMemory mem;
+    mem.alloc = reinterpret_cast<void* (*)(size_t)>(alloc);
+    mem.free = reinterpret_cast<void (*)(void*)>(free);
+    metal::register_metal_cuda([keep](const std::vector<Dispatch>& records) {
+      nb::gil_scoped_acquire gil;
+      try {
+        (*keep)(to_list(records));
+      } catch (nb::python_error& e) {
+        throw std::runtime_error(e.what());
+      }
+    }, mem, apple_family);
+    nb::module_::import_("atexit").attr("register")(nb::cpp_function([] {
+      nb::gil_scoped_release release;
+      metal::metal_sim_shutdown();
+    }));
+  }, "executor"_a, "alloc"_a, "free"_a, "apple_family"_a = 9,
+        "Registers the 'metal-cuda' device: metal-sim's device with executor(records) running each committed "
+        "command buffer on an NVIDIA GPU (tools/mslcuda; it returns once the GPU has finished) and memory from "
+        "the C functions at addresses alloc (void* (size_t)) and free (void (void*)). apple_family: the GPU "
+        "family it stands for (its capabilities).");
   t.def("metal_sim_set_lag", [](const std::string& mode, double max_ms, uint64_t seed) {
           nb::gil_scoped_release release;
           metal::metal_sim_set_lag(mode, max_ms, seed);

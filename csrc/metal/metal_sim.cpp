@@ -19,11 +19,27 @@ SimExecutor& executor() {
   return e;
 }
 
+// metal-cuda's executor, memory and GPU family (register_metal_cuda).
+struct CudaConfig {
+  SimExecutor executor;
+  SimMemory memory;
+  int apple_family = 9;
+};
+CudaConfig& cuda_config() {
+  static CudaConfig c;
+  return c;
+}
+
 enum class Lag { none, wait, delay };
 
 class SimBackend final : public MetalOps {
  public:
-  SimBackend() : MetalOps("metal-sim", metal_sim_gpu()) {
+  SimBackend() : MetalOps("metal-sim", metal_sim_gpu()), executor_(executor()) {
+    keep_step_log(true);
+    worker_ = std::thread([this] { run(); });
+  }
+  SimBackend(const std::string& name, GpuDescription gpu, SimExecutor executor, SimMemory memory)
+      : MetalOps(name, std::move(gpu)), executor_(std::move(executor)), memory_(memory), lag_(Lag::none) {
     keep_step_log(true);
     worker_ = std::thread([this] { run(); });
   }
@@ -55,7 +71,7 @@ class SimBackend final : public MetalOps {
   void submit(uint64_t id, std::vector<Dispatch>&& records, bool) override {
     {
       std::lock_guard<std::mutex> lk(mu_);
-      if (stop_) throw std::runtime_error("[metal-sim] the simulator was shut down");
+      if (stop_) throw std::runtime_error("[" + name() + "] the device was shut down");
       queue_.push_back({id, std::move(records), Clock::now() + next_delay()});
     }
     cv_.notify_all();
@@ -68,17 +84,27 @@ class SimBackend final : public MetalOps {
     // The executor is Python and takes the GIL: a caller that waits while holding it would wait
     // forever. Every binding that can wait releases it; this turns a missed one into an error.
     if (!cv_.wait_for(lk, std::chrono::minutes(5), [&] { return ran_ >= id; }))
-      throw std::runtime_error("[metal-sim] command buffer " + std::to_string(id) +
+      throw std::runtime_error("[" + name() + "] command buffer " + std::to_string(id) +
                                " did not complete in 5 minutes (a wait while holding the GIL?)");
   }
 
   void* raw_alloc(size_t bytes) override {
+    if (memory_.alloc) {  // the executor's memory fills new buffers itself
+      void* p = memory_.alloc(bytes);
+      if (!p) throw std::bad_alloc();
+      return p;
+    }
     void* p = std::aligned_alloc(256, (bytes + 255) / 256 * 256);
     if (!p) throw std::bad_alloc();
     std::memset(p, 0xFF, bytes);  // NaN in every float type: unwritten outputs show in tests
     return p;
   }
-  void raw_free(void* p, size_t) override { std::free(p); }
+  void raw_free(void* p, size_t) override {
+    if (memory_.free)
+      memory_.free(p);
+    else
+      std::free(p);
+  }
 
  private:
   struct Item {
@@ -129,7 +155,7 @@ class SimBackend final : public MetalOps {
       bool failed = false;
       try {
         // Host work between GPU dispatches is MetalOps' (run_host): a command buffer holds none.
-        executor()(it.records);
+        executor_(it.records);
       } catch (const std::exception& e) {
         failed = true;
         error = e.what();
@@ -144,6 +170,8 @@ class SimBackend final : public MetalOps {
     }
   }
 
+  SimExecutor executor_;
+  SimMemory memory_;  // null functions: host memory
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Item> queue_;
@@ -156,7 +184,8 @@ class SimBackend final : public MetalOps {
   std::thread worker_;  // lives as long as the device: until metal_sim_shutdown()
 };
 
-SimBackend* g_sim = nullptr;  // set when the device is first used (the registry creates it)
+SimBackend* g_sim = nullptr;   // set when the device is first used (the registry creates it)
+SimBackend* g_cuda = nullptr;  // metal-cuda's, likewise
 
 }  // namespace
 
@@ -172,6 +201,21 @@ void register_metal_sim(SimExecutor e) {
   if (!e) throw std::invalid_argument("[metal-sim] the executor must be callable");
   executor() = std::move(e);
   register_device("metal-sim", -100, []() -> Backend* { return g_sim = new SimBackend(); });
+}
+
+void register_metal_cuda(SimExecutor e, SimMemory memory, int apple_family) {
+  if (!e) throw std::invalid_argument("[metal-cuda] the executor must be callable");
+  if (!memory.alloc || !memory.free) throw std::invalid_argument("[metal-cuda] alloc and free must be given");
+  if (apple_family < 7) throw std::invalid_argument("[metal-cuda] the kernels need the Apple7 family or later");
+  cuda_config() = {std::move(e), memory, apple_family};
+  register_device("metal-cuda", -100, []() -> Backend* {
+    const CudaConfig& c = cuda_config();
+    GpuDescription g;
+    g.name = "metal-cuda (tools/mslcuda on an NVIDIA GPU, standing for an Apple" + std::to_string(c.apple_family) + " GPU)";
+    g.apple_family = c.apple_family;
+    g.unified_memory = true;
+    return g_cuda = new SimBackend("metal-cuda", g, c.executor, c.memory);
+  });
 }
 
 void metal_sim_set_lag(const std::string& mode, double max_ms, uint64_t seed) {
@@ -197,6 +241,7 @@ void metal_sim_set_gpu(int apple_family) {
 
 void metal_sim_shutdown() {
   if (g_sim) g_sim->shutdown();
+  if (g_cuda) g_cuda->shutdown();
 }
 
 }  // namespace krnl::metal

@@ -24,10 +24,25 @@ using SimExecutor = std::function<void(const std::vector<Dispatch>&)>;
 // Registers the "metal-sim" device (lowest priority: never the default) running on `executor`.
 void register_metal_sim(SimExecutor executor);
 
+// The memory of an executor device, as C functions: metal-cuda's are cudaMallocManaged and
+// cudaFree (tools/mslcuda), visible to the host like Apple's shared storage; called without the
+// GIL. alloc returns null when it fails.
+struct SimMemory {
+  void* (*alloc)(size_t bytes) = nullptr;
+  void (*free)(void* p) = nullptr;
+};
+
+// Registers "metal-cuda": the same device as metal-sim (MetalOps on a worker thread) with its own
+// executor (tools/mslcuda: the kernels of metal/ on an NVIDIA GPU, each command buffer finished
+// before the executor returns), its own memory, and the Apple GPU family it stands for. Never the
+// default. Completion does not lag: a command buffer runs as soon as it is committed.
+void register_metal_cuda(SimExecutor executor, SimMemory memory, int apple_family);
+
 // Sets how completion lags behind commit (see above); waits for the work committed so far first.
 void metal_sim_set_lag(const std::string& mode, double max_ms, uint64_t seed);
 
-// Runs what was committed and stops the worker (at interpreter exit, while Python still runs).
+// Runs what was committed and stops the workers of metal-sim and metal-cuda (at interpreter exit,
+// while Python still runs).
 void metal_sim_shutdown();
 
 // Makes metal-sim stand for an Apple GPU of that family (7: M1, 8: M2, 9: M3), so that its

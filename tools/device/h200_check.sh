@@ -6,6 +6,21 @@
 #   bash tools/device/h200_check.sh bench   pytest bench/test_gpu.py: krnl bench's session on cuda
 #                                           (W1, W2, W3, GEMMs; peers), its JSON in $OUT/cuda_bench.json
 #   bash tools/device/h200_check.sh build   the build alone (python/krnl then imports it)
+#   bash tools/device/h200_check.sh metal-cuda
+#                                           the unmodified metal/*.metal kernels on the H200
+#                                           (tools/mslcuda): every test module's `dev` tests on the
+#                                           "metal-cuda" device, then W1, W2, W3 at full size against
+#                                           the CUDA backend (tools/mslcuda/workloads.py); with
+#                                           SANITIZE="racecheck ..." the sanitize phase of those
+#                                           tools runs alongside (one call where device time is short)
+#   bash tools/device/h200_check.sh sanitize TOOL...
+#                                           compute-sanitizer --tool TOOL (racecheck, synccheck,
+#                                           initcheck, memcheck) over every kernel at 2-3 threadgroups
+#                                           per dimension with ragged edges (tools/mslcuda/sanitize.py);
+#                                           racecheck also runs gemm.metal copies with one barrier
+#                                           deleted and fails unless it reports each; logs in $OUT
+#   MSLCUDA_CACHE (optional): a folder of mslcuda libraries built here with the same nvcc (13.0),
+#          carried to skip the kernels' compile there (a stale one is simply rebuilt).
 # The remote machine has Python, PyTorch, nvcc, cmake and ninja but no network, so wheels travel
 # in ignored folders named in the call's carry:
 #   .whl   what the build needs: the scipy-openblas32 wheel (the CPU backend's BLAS) and the
@@ -57,10 +72,63 @@ if [ "$phase" = tests ]; then
   [ -d .mlx1 ] && mkdir -p /tmp/mlx && cp .mlx1/* /tmp/mlx/
   skip=""
   for f in test_mslsim test_metal_kernels test_metal_kernels_backward test_metal_kernels_extra test_metal_kernels_gemm \
-           test_metal_kernels_loss_optim test_metal_host test_metal_dialect test_metal_api; do
+           test_metal_kernels_loss_optim test_metal_host test_metal_dialect test_metal_api test_mslcuda; do
     skip="$skip --ignore=tests/$f.py"
   done
   timeout 330 python3 -m pytest -q -n 12 -p no:cacheprovider tests $skip 2>&1 | tee "$OUT/tests.log" | tail -15
+elif [ "$phase" = metal-cuda ] || [ "$phase" = sanitize ]; then
+  export MSLCUDA_CACHE=${MSLCUDA_CACHE:-/tmp/mslcuda-cache}
+  # every library once, in parallel, before any test process needs one
+  python3 -c "import sys; sys.path.insert(0, 'tools/mslcuda'); import mslcuda.metal_cuda as m; ex = m.Executor('.'); ex.warm(); print('mslcuda:', len(ex.variants()), 'libraries on', ex.rt.device_name())" || exit 1
+  sanitize() {  # sanitize TOOL: every kernel under compute-sanitizer; 0 when it reports nothing
+    local tool=$1 log="$OUT/sanitize_$1.log" rc=0
+    timeout ${SAN_S:-200} compute-sanitizer --tool "$tool" --print-limit 20 python3 tools/mslcuda/sanitize.py kernels \
+      > "$log" 2>&1
+    grep -E "SUMMARY|kernels not run|mslcuda sanitize|Device not supported|Error|rror:" "$log" | head -8 | sed "s/^/$tool: /"
+    if [ "$tool" = racecheck ]; then
+      # racecheck files hazards as warnings: count both (the numbers alone did not catch a race)
+      grep -qE "RACECHECK SUMMARY: 0 hazards displayed \(0 errors, 0 warnings\)" "$log" || rc=1
+      for n in 0 1 2 3; do python3 tools/mslcuda/sanitize.py barrier $n --build-only & done; wait  # nvcc outside
+      for n in 0 1 2 3; do  # 0: gemm.metal as it is; n: its n-th threadgroup_barrier deleted
+        timeout 100 compute-sanitizer --tool racecheck --print-limit 5 python3 tools/mslcuda/sanitize.py barrier $n \
+          > "$OUT/racecheck_barrier$n.log" 2>&1 &
+      done
+      wait
+      for n in 0 1 2 3; do
+        h=$(grep -oE "RACECHECK SUMMARY: [0-9]+ hazards" "$OUT/racecheck_barrier$n.log" | grep -oE "[0-9]+")
+        echo "racecheck barrier $n: ${h:-no summary} hazards; $(grep -h 'gemm.metal' "$OUT/racecheck_barrier$n.log" | tail -1)"
+        grep -h "RACECHECK SUMMARY" "$OUT/racecheck_barrier$n.log"
+        if [ "$n" = 0 ]; then [ "${h:-x}" = 0 ] || rc=1; else [ "${h:-0}" -gt 0 ] || { echo "racecheck missed deleted barrier $n"; rc=1; }; fi
+      done
+    else
+      grep -qE "ERROR SUMMARY: 0 errors" "$log" || rc=1
+    fi
+    echo "sanitize $tool: $([ $rc = 0 ] && echo clean || echo FINDINGS)"
+    return $rc
+  }
+  sanitize_all() {  # the tools at once (each its own process on the one GPU); 0 when all are clean
+    local rc=0 tool
+    for tool in "$@"; do sanitize "$tool" > "$OUT/sanitize_$tool.out" 2>&1 & done
+    for tool in "$@"; do wait -n || rc=1; done
+    cat "$OUT"/sanitize_*.out
+    return $rc
+  }
+  if [ "$phase" = sanitize ]; then
+    shift
+    sanitize_all "${@:-racecheck}"
+    exit $?
+  fi
+  if [ -n "$SANITIZE" ]; then
+    sanitize_all $SANITIZE > "$OUT/sanitize.out" 2>&1 &
+  fi
+  # the whole suite's `dev` tests on metal-cuda (cpu and cuda ran in the tests phase)
+  KRNL_TEST_METAL_CUDA=1 timeout ${MC_TESTS_S:-300} python3 -m pytest -q -rs -n 12 -p no:cacheprovider tests \
+    --ignore=tests/test_metal_host.py --ignore=tests/test_metal_api.py -k "metal-cuda" --maxfail=50 \
+    2>&1 | tee "$OUT/metal_cuda_tests.log" | tail -40
+  KRNL_TEST_METAL_CUDA=1 timeout ${MC_WORKLOADS_S:-200} python3 tools/mslcuda/workloads.py --json "$OUT/workloads.json" \
+    2>&1 | tee "$OUT/workloads.log"
+  wait
+  [ -f "$OUT/sanitize.out" ] && cat "$OUT/sanitize.out"
 elif [ "$phase" = bench ]; then
   if [ -f /tmp/mlx/part_aa ] && [ -f .mlx2/part_ab ]; then
     # into the interpreter's own site-packages: libmlx.so finds the CUDA libraries of the nvidia-*

@@ -1,0 +1,133 @@
+"""The executor of krnl's `metal-cuda` test device: runs the dispatch records of the Metal
+backend (csrc/metal/ops.cpp), the same records metal-sim executes, with the unmodified kernels of
+metal/ compiled for an NVIDIA GPU by mslcuda.
+
+    import mslcuda.metal_cuda
+    mslcuda.metal_cuda.register(krnl._core, repo_root)   # then krnl.device("metal-cuda")
+
+Each command buffer's records are launched in order on one stream and the executor waits for
+the GPU before it returns, so completion means the host may read. Memory is managed
+(mslcuda_alloc, cudaMallocManaged): tensors are host-visible as on Apple's unified memory."""
+from __future__ import annotations
+
+import collections
+import ctypes
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+from . import MslcudaError, build, runtime
+
+
+class Executor:
+    def __init__(self, root: Path):
+        root = Path(root)
+        self.metal_dir = root / "metal"
+        self.include_dirs = [self.metal_dir, root / "csrc" / "core"]  # kargs.h, rng.h
+        self._libs: dict = {}
+        self._lock = threading.Lock()
+        self.rt = runtime()
+        self.dispatches = 0  # launched so far (tests read it)
+        self.launched = collections.Counter()  # by kernel name (the sanitizer driver's coverage)
+        self._reachable: set = set()  # buffer bases the GPU can reach (managed memory)
+
+    def libraries(self):
+        return sorted(p.stem for p in self.metal_dir.glob("*.metal"))
+
+    def library(self, name: str, constants: tuple):
+        key = (name, constants)
+        with self._lock:  # one build per key; different keys build in parallel
+            fut = self._libs.get(key)
+            mine = fut is None
+            if mine:
+                fut = self._libs[key] = Future()
+        if mine:
+            try:
+                fut.set_result(build(self.metal_dir / f"{name}.metal", dict(constants), include_dirs=self.include_dirs))
+            except BaseException as e:
+                fut.set_exception(e)
+                with self._lock:
+                    del self._libs[key]
+        return fut.result()
+
+    def variants(self):
+        """Every (library, constants) the Metal backend dispatches: gemm with its alignment
+        constant (index 0) set either way, the rest without constants."""
+        return [(n, ()) for n in self.libraries() if n != "gemm"] + [("gemm", ((0, True),)), ("gemm", ((0, False),))]
+
+    def warm(self, variants=None):
+        """Builds the libraries in parallel, one nvcc per core (a cold cache otherwise builds them
+        one at a time as the first records need them)."""
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            list(pool.map(lambda v: self.library(v[0], tuple(v[1])), variants or self.variants()))
+
+    def __call__(self, records):
+        if not self._libs:
+            self.warm()
+        bounce = self._bounce_buffers(records)
+        try:
+            for r in records:
+                self.run(r, bounce)
+        finally:
+            # the command buffer is complete once the GPU is done: an error of any of its kernels
+            # fails it (raised at its step's end)
+            try:
+                self.rt.synchronize()
+            finally:
+                for base, (tmp, n) in bounce.items():
+                    ctypes.memmove(base, tmp, n)  # the kernels' writes, back into the host memory
+                    self.rt.free(tmp)
+
+    def _bounce_buffers(self, records):
+        """{base: (managed copy, bytes)} for bound host memory the GPU cannot reach (a from_numpy
+        tensor where the system does not page host memory in): the command buffer works on a
+        managed copy, written back when it completes, as the shared memory it stands for would be."""
+        ends = {}
+        for r in records:
+            for _index, _address, extent, base, offset in r["buffers"]:
+                if not extent:
+                    continue
+                if base not in self._reachable:
+                    if self.rt.device_accessible(base):
+                        self._reachable.add(base)
+                        continue
+                    ends[base] = max(ends.get(base, 0), offset + extent)
+        out = {}
+        for base, n in ends.items():
+            tmp = self.rt.alloc(n)
+            ctypes.memmove(tmp, base, n)
+            out[base] = (tmp, n)
+        return out
+
+    def run(self, r: dict, bounce=None):
+        lib = self.library(r["library"], tuple(r["constants"]))
+        buffers = {}
+        for index, address, _extent, base, offset in r["buffers"]:
+            buffers[index] = bounce[base][0] + offset if bounce and base in bounce else address
+        lib.launch(r["kernel"], r["grid"], r["threads"], buffers, bytes(r["args"]), r["args_index"])
+        self.dispatches += 1
+        self.launched[r["kernel"]] += 1
+
+
+def register(core, root, apple_family: int = 9) -> Executor:
+    """Registers krnl's metal-cuda device with an executor over `root`/metal; returns it."""
+    ex = Executor(root)
+    core.testing.register_metal_cuda(ex, ex.rt.address("mslcuda_alloc"), ex.rt.address("mslcuda_free"),
+                                     apple_family)
+    return ex
+
+
+def available() -> bool:
+    """Whether this machine can run metal-cuda: nvcc and a CUDA GPU (the runtime builds and finds one)."""
+    import shutil
+    if shutil.which(os.environ.get("MSLCUDA_NVCC") or "nvcc") is None:
+        return False
+    try:
+        runtime()
+    except (MslcudaError, OSError):
+        return False
+    return True
+
+
+__all__ = ["Executor", "register", "available", "MslcudaError"]

@@ -1,0 +1,190 @@
+"""What compute-sanitizer runs over the MSL kernels (tools/device/h200_check.sh sanitize TOOL).
+
+    python tools/mslcuda/sanitize.py kernels [metal-sim]   every kernel of metal/ at least once, through
+        krnl's ops on metal-cuda (the Metal backend's own grids and arguments), at sizes that give
+        2-3 threadgroups per grid dimension with ragged edges, f32 and f16; prints the kernels
+        that ran and those that did not
+    python tools/mslcuda/sanitize.py barrier N    gemm_nn_f32 of a copy of metal/gemm.metal with
+        its N-th `threadgroup_barrier` deleted (N = 0: the file as it is), on a 70x45x37 product
+        (grid 2 x 3 threadgroups, ragged); prints the largest error against numpy (--build-only:
+        only compiles it, outside the sanitizer)
+
+Numbers are not checked here (the op suite and workloads.py do that at size): this only has to
+run every kernel where the sanitizer watches."""
+from __future__ import annotations
+
+import ctypes
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools" / "mslcuda"))
+
+BARRIER = "threadgroup_barrier(mem_flags::mem_threadgroup);"
+
+
+def run_kernels(device="metal-cuda"):
+    import krnl
+    from krnl import ops
+
+    if device == "metal-sim":  # a dry run of this driver where no GPU is (every op must accept its call)
+        sys.path.insert(0, str(ROOT / "tools" / "mslsim"))
+        import mslsim.metal_sim
+        mslsim.metal_sim.register(krnl._core, ROOT)
+        ex = None
+    else:
+        import mslcuda.metal_cuda
+        ex = mslcuda.metal_cuda.register(krnl._core, ROOT)
+    dev = krnl.device(device)
+    rng = np.random.default_rng(0)
+
+    def t(shape, dt="f32", scale=1.0):
+        return dev.tensor((scale * rng.standard_normal(shape)).astype(np.float32), dt)
+
+    caps = dev.capabilities()
+    fused = caps["fused_attention"]
+    for dt in [d for d in ("f32", "f16", "bf16") if d in caps["dtypes"]]:
+        # GEMM: unaligned 70x45x37 (grid 2 x 3, ragged), aligned 64x96x64, batched, split-K, f16 -> f32
+        M, N, K = 70, 45, 37
+        for ta, tb in ((False, False), (False, True), (True, False)):
+            A = t((K, M) if ta else (M, K), dt)
+            B = t((N, K) if tb else (K, N), dt)
+            ops.gemm(A, B, dev.empty((M, N), dt), trans_a=ta, trans_b=tb, split_k=1)
+            A3, B3 = t((96, M) if ta else (M, 96), dt), t((N, 96) if tb else (96, N), dt)  # K = 3 x 32
+            ops.gemm(A3, B3, t((M, N), dt), trans_a=ta, trans_b=tb, beta=0.5, split_k=3)
+            ops.gemm(A, B, t((M, N), "f32"), trans_a=ta, trans_b=tb, beta=1.0, split_k=1) if dt != "f32" else None
+            Aa = t((64, 64), dt)
+            ops.gemm(Aa, t((64, 96), dt) if not tb else t((96, 64), dt), dev.empty((64, 96), dt), trans_a=ta,
+                     trans_b=tb, split_k=1)
+            ops.gemm(Aa, t((64, 96), dt) if not tb else t((96, 64), dt), dev.empty((64, 96), dt), trans_a=ta,
+                     trans_b=tb, split_k=2)
+        ops.gemm(t((2, M, K), dt), t((2, K, N), dt), dev.empty((2, M, N), dt), batch=2, split_k=1)
+        # row kernels: 3 rows, 45 and 1000 columns
+        for cols in (45, 1000):
+            x, dy = t((3, cols), dt), t((3, cols), dt)
+            for wdt in ((dt, "f32") if dt != "f32" else (dt,)):
+                w = t((cols,), wdt)
+                y, rstd = dev.empty((3, cols), dt), dev.empty((3,), "f32")
+                ops.rmsnorm_forward(x, w, y, rstd)
+                dw = dev.zeros((cols,), "f32")
+                ops.rmsnorm_backward(dy, x, w, rstd, dev.empty((3, cols), dt), dw)
+            S = t((3, cols), dt)
+            ops.softmax_backward(S, t((3, cols), dt), dev.empty((3, cols), dt), 0.5)
+            tgt = dev.tensor(np.array([1, -100, cols - 1], np.int32), "i32")
+            ops.cross_entropy(S, tgt, dev.empty((3,), "f32"), dev.empty((3, cols), dt))
+        T = 37
+        S = t((2, T, T), dt)
+        ops.softmax_causal_forward(S, dev.empty((2, T, T), dt), 0.3)
+        seg = dev.tensor(np.repeat(np.arange(3), [10, 20, 7]).astype(np.int32), "i32")
+        ops.softmax_causal_forward(S, dev.empty((2, T, T), dt), 0.3, seg)
+        # elementwise and friends over 1000 elements
+        n = 1000
+        a, b = t((n,), dt), t((n,), dt)
+        ops.add(a, b, dev.empty((n,), dt))
+        ops.scale(a, 0.5, dev.empty((n,), dt))
+        ops.axpy(0.5, a, b)
+        for odt in [d for d in ("f32", "f16", "bf16") if d in caps["dtypes"] and d != dt]:
+            ops.axpy(0.5, a, t((n,), odt))
+        for odt in [d for d in ("f32", "f16", "bf16") if d in caps["dtypes"]]:
+            ops.cast(a, dev.empty((n,), odt))
+        ops.fill(dev.empty((n,), dt), 1.5)
+        ops.dropout(a, dev.empty((n,), dt), 0.3, 7)
+        ops.swiglu_forward(a, b, dev.empty((n,), dt))
+        ops.swiglu_backward(t((n,), dt), a, b, dev.empty((n,), dt), dev.empty((n,), dt))
+        ops.transpose_heads(t((3, 5, 8), dt), dev.empty((5, 3, 8), dt))
+        ops.transpose_heads(t((3, 5, 7), dt), dev.empty((5, 3, 7), dt))
+        x = t((2, T, 16), dt)
+        ops.rope(x, dev.tensor(np.arange(T, dtype=np.int32), "i32"), dev.tensor(np.ones(6, np.float32), "f32"))
+        ids = dev.tensor(rng.integers(0, 50, 70).astype(np.int32), "i32")
+        ops.embedding_forward(ids, t((50, 45), dt), dev.empty((70, 45), dt))
+        ops.embedding_backward(ids, t((70, 45), dt), dev.zeros((50, 45), "f32"))
+        ops.sumsq(t((3000,), dt), dev.empty((1,), "f32"))
+        ops.nonfinite(a, dev.zeros((1,), "i32"))
+        ops.adamw_update(t((n,)), t((n,)), t((n,)), dev.zeros((n,), "f32"), 1e-3, working=dev.empty((n,), dt))
+        if dt in fused["dtypes"]:  # the fused attention, where the backend has it: GQA, ragged T
+            attention(dev, t, dt, fused["segments"])
+    ops.fill(dev.empty((100,), "i32"), 3)
+    ops.adamw_update(t((n,)), t((n,)), t((n,)), dev.zeros((n,), "f32"), 1e-3)
+    dev.synchronize()
+    if ex is None:
+        print("dry run on metal-sim: every call accepted")
+        return 0
+    names = set()
+    for lib, consts in ex.variants():
+        names |= set(ex.library(lib, tuple(consts)).kernel_names)
+    ran = set(ex.launched)
+    print(f"mslcuda sanitize: {sum(ex.launched.values())} dispatches of {len(ran)} of {len(names)} kernels")
+    missing = sorted(names - ran)
+    print("kernels not run: " + (", ".join(missing) if missing else "none"))
+    return 0
+
+
+def attention(dev, t, dt, segments):
+    """attention_forward and _backward at T = 37 (ragged blocks), 4 query heads on 2 KV heads,
+    head dims 16 and 64, plain, with a window and (where supported) with packed segments."""
+    import numpy as np
+    from krnl import ops
+    T = 37
+    seg = dev.tensor(np.repeat(np.arange(3), [10, 20, 7]).astype(np.int32), "i32") if segments else None
+    for D in (16, 64):
+        q, k, v = t((4, T, D), dt), t((2, T, D), dt), t((2, T, D), dt)
+        for extra in ({}, {"window": 5}, {"segments": seg} if seg is not None else None):
+            if extra is None:
+                continue
+            try:
+                o, lse = dev.empty((4, T, D), dt), dev.empty((4, T), "f32")
+                ops.attention_forward(q, k, v, o, lse, 0.25, **extra)
+            except TypeError:  # a core without the keyword (segments, window): the plain call only
+                continue
+            ops.attention_backward(q, k, v, o, t((4, T, D), dt), lse, dev.empty((4, T, D), dt),
+                                   dev.empty((2, T, D), dt), dev.empty((2, T, D), dt), 0.25, **extra)
+
+
+def run_barrier(n: int, build_only: bool = False):
+    import mslcuda
+    src = (ROOT / "metal" / "gemm.metal").read_text()
+    sites = [m.start() for m in re.finditer(re.escape(BARRIER), src)]
+    if n:
+        if not 1 <= n <= len(sites):
+            raise SystemExit(f"gemm.metal has {len(sites)} barriers; got {n}")
+        s = sites[n - 1]
+        src = src[:s] + " " * len(BARRIER) + src[s + len(BARRIER):]  # same lines and columns
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "metal" / "gemm.metal"  # named as the original in the generated code's line markers
+        path.parent.mkdir()
+        path.write_text(src)
+        lib = mslcuda.build(path, {0: False}, include_dirs=[ROOT / "metal", ROOT / "csrc" / "core"],
+                            name=f"gemm_nobarrier{n}")
+    if build_only:
+        return 0
+    rt = mslcuda.runtime()
+    M, N, K = 70, 45, 37
+    rng = np.random.default_rng(1)
+    A, B = rng.standard_normal((M, K)).astype(np.float32), rng.standard_normal((K, N)).astype(np.float32)
+    bufs = {}
+    for i, arr in ((0, A), (1, B), (2, np.zeros((M, N), np.float32))):
+        p = rt.alloc(arr.nbytes)
+        ctypes.memmove(p, arr.ctypes.data, arr.nbytes)
+        bufs[i] = p
+    args = np.array([M, N, K, K, N, N, 0, 0, 0, K], np.uint32).tobytes() + np.array([1.0, 0.0], np.float32).tobytes()
+    lib.launch("gemm_nn_f32", (-(-N // 32), -(-M // 32), 1), (32, 1, 1), bufs, args, 3)
+    rt.synchronize()
+    C = np.ctypeslib.as_array((ctypes.c_float * (M * N)).from_address(bufs[2])).reshape(M, N).copy()
+    ref = A.astype(np.float64) @ B.astype(np.float64)
+    print(f"gemm.metal with barrier {n} of {len(sites)} deleted: max error {np.max(np.abs(C - ref)):.3e}"
+          if n else f"gemm.metal as it is: max error {np.max(np.abs(C - ref)):.3e}")
+    for p in bufs.values():
+        rt.free(p)
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) >= 2 and sys.argv[1] == "kernels":
+        sys.exit(run_kernels(*sys.argv[2:3]))
+    if len(sys.argv) in (3, 4) and sys.argv[1] == "barrier":
+        sys.exit(run_barrier(int(sys.argv[2]), sys.argv[3:] == ["--build-only"]))
+    raise SystemExit(__doc__)

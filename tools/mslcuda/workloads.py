@@ -1,0 +1,110 @@
+"""W1, W2 and W3 at full size through the MSL kernels: each workload's training step (forward
+and backward, python/krnl/bench) on "cuda" (cuBLAS and the CUDA backend's kernels) and on
+"metal-cuda" (the Metal backend's records, metal/*.metal compiled by mslcuda), from the same
+weights and inputs; per output, the largest difference relative to the CUDA output's largest
+magnitude, against krnl bench's tolerance for the dtype (python/krnl/bench/targets.py).
+
+    KRNL_TEST_METAL_CUDA=1 python tools/mslcuda/workloads.py [--size full] [--dtype f32 f16 bf16] [--json out.json]
+
+Run by tools/device/h200_check.sh metal-cuda. Exit status 1 when any output is off or fails."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools" / "mslcuda"))
+
+import krnl  # noqa: E402
+from krnl.bench.targets import TOLERANCE  # noqa: E402
+from krnl.bench.workloads import STEPS  # noqa: E402
+
+
+def outputs(step, size, device, dtype):
+    problem = step.make(step.sizes[size], device, dtype)
+    _, result = step.krnl(problem)
+    t0 = time.perf_counter()
+    out = result()
+    return {k: np.asarray(v, np.float64) for k, v in out.items()}, time.perf_counter() - t0
+
+
+def compare(ref, got):
+    """{output: error relative to the reference's largest magnitude} (inf where not finite)."""
+    errs = {}
+    for k, r in ref.items():
+        g = got[k]
+        if g.shape != r.shape or not np.isfinite(g).all():
+            errs[k] = float("inf")
+            continue
+        errs[k] = float(np.max(np.abs(g - r))) / max(float(np.max(np.abs(r))), 1e-30) if r.size else 0.0
+    return errs
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", default="full", choices=("full", "quick", "small"))
+    ap.add_argument("--dtype", nargs="+", default=None, help="default: every float dtype both devices have")
+    ap.add_argument("--workloads", nargs="+", default=["w1", "w2", "w3"])
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--ref", default="cuda", help="the reference device")
+    ap.add_argument("--dev", default="metal-cuda", help="the device under test (metal-sim: a dry run without a GPU)")
+    a = ap.parse_args(argv)
+    if a.dev == "metal-cuda" and a.dev not in krnl.devices():
+        import mslcuda.metal_cuda
+        mslcuda.metal_cuda.register(krnl._core, ROOT)
+    elif a.dev == "metal-sim" and a.dev not in krnl.devices():
+        sys.path.insert(0, str(ROOT / "tools" / "mslsim"))
+        import mslsim.metal_sim
+        mslsim.metal_sim.register(krnl._core, ROOT)
+    have = krnl.device(a.dev).capabilities()["dtypes"]
+    if a.dtype is None:
+        a.dtype = [d for d in ("f32", "f16", "bf16") if d in have and d in krnl.device(a.ref).capabilities()["dtypes"]]
+    report, ok = [], True
+    f32_ref = {}  # workload -> the reference device's f32 outputs
+    for name in a.workloads:
+        step = STEPS[name]
+        for dt in a.dtype:
+            row = {"workload": name, "size": a.size, "dtype": dt, "tolerance": TOLERANCE[dt]}
+            if dt not in have:
+                row["skipped"] = f"{a.dev} has no {dt} kernels"
+                print(f"{name} {dt}: skipped ({row['skipped']})", flush=True)
+                report.append(row)
+                continue
+            try:
+                ref, t_cuda = outputs(step, a.size, a.ref, dt)
+                got, t_mc = outputs(step, a.size, a.dev, dt)
+                errs = compare(ref, got)
+                worst = max(errs, key=errs.get)
+                row.update(errors=errs, worst=worst, worst_error=errs[worst], seconds={a.ref: t_cuda, a.dev: t_mc},
+                           ok=errs[worst] <= TOLERANCE[dt])
+                note = ""
+                if dt == "f32":
+                    f32_ref[name] = ref
+                elif name in f32_ref:
+                    # where the two disagree, which one the dtype moved: each against the f32 reference
+                    vs = {d: compare(f32_ref[name], o) for d, o in ((a.ref, ref), (a.dev, got))}
+                    row["against_f32"] = vs
+                    note = "; against f32: " + ", ".join(f"{d} {max(e.values()):.2e} ({max(e, key=e.get)})"
+                                                         for d, e in vs.items())
+                print(f"{name} {dt} {step.describe(step.sizes[a.size])}: worst {worst} {errs[worst]:.2e} "
+                      f"(tolerance {TOLERANCE[dt]:.0e}) {'ok' if row['ok'] else 'OFF'}; "
+                      f"{len(errs)} outputs; step {t_cuda:.2f} s {a.ref}, {t_mc:.2f} s {a.dev}{note}", flush=True)
+            except Exception as e:  # a failure is a finding: report it and go on
+                row.update(ok=False, error=f"{type(e).__name__}: {e}"[:2000])
+                print(f"{name} {dt}: FAILED {row['error']}", flush=True)
+            ok &= row["ok"]
+            report.append(row)
+            krnl.device(a.ref).trim()
+            krnl.device(a.dev).trim()
+    if a.json:
+        Path(a.json).write_text(json.dumps(report, indent=1))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

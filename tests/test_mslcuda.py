@@ -25,10 +25,11 @@ VARIANTS = [(p.stem, {}) for p in sorted(METAL.glob("*.metal")) if p.stem != "ge
 
 
 def host_names(path):
-    """The kernels a .metal file exports, from its source text (bfloat ones included: mslcuda
-    defines __HAVE_BFLOAT__)."""
-    text = path.read_text()
-    return set(re.findall(r'host_name\(\s*"(\w+)"\s*\)', text))
+    """The kernels a .metal file exports, from its preprocessed text (host names built by macros,
+    as attention.metal's, expanded; bfloat ones included: mslcuda defines __HAVE_BFLOAT__)."""
+    text = mslcuda.preprocess(path, include_dirs=INCLUDES)
+    # adjacent string literals ("attention_forward_d" "64" "_" "f16") are one name
+    return {"".join(re.findall(r'"(\w*)"', m)) for m in re.findall(r'host_name\(((?:\s*"\w*")+)\s*\)', text)}
 
 
 @pytest.mark.parametrize("name,constants", VARIANTS, ids=[f"{n}{'-' + str(c[0]) if c else ''}" for n, c in VARIANTS])

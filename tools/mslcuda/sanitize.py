@@ -47,8 +47,12 @@ def run_kernels(device="metal-cuda"):
 
     caps = dev.capabilities()
     fused = caps["fused_attention"]
-    for dt in [d for d in ("f32", "f16", "bf16") if d in caps["dtypes"]]:
-        # GEMM: unaligned 70x45x37 (grid 2 x 3, ragged), aligned 64x96x64, batched, split-K, f16 -> f32
+    variants = dev.gemm_variants() or [None]
+    for dt, variant in [(d, v) for d in ("f32", "f16", "bf16") if d in caps["dtypes"] for v in variants]:
+        # GEMM: unaligned 70x45x37 (grid 2 x 3, ragged), aligned 64x96x64, batched, split-K, f16 -> f32;
+        # each variant of the Metal backend (metal/gemm.metal: tile32, steel32, steel64) in turn
+        if variant is not None:
+            dev.set_gemm_choice("*", variant)
         M, N, K = 70, 45, 37
         for ta, tb in ((False, False), (False, True), (True, False)):
             A = t((K, M) if ta else (M, K), dt)
@@ -63,6 +67,10 @@ def run_kernels(device="metal-cuda"):
             ops.gemm(Aa, t((64, 96), dt) if not tb else t((96, 64), dt), dev.empty((64, 96), dt), trans_a=ta,
                      trans_b=tb, split_k=2)
         ops.gemm(t((2, M, K), dt), t((2, K, N), dt), dev.empty((2, M, N), dt), batch=2, split_k=1)
+        if variant is not None:
+            dev.clear_gemm_choices()
+        if variant not in (None, variants[0]):
+            continue  # the rest once per dtype
         # row kernels: 3 rows, 45 and 1000 columns
         for cols in (45, 1000):
             x, dy = t((3, cols), dt), t((3, cols), dt)
@@ -106,7 +114,7 @@ def run_kernels(device="metal-cuda"):
         ops.nonfinite(a, dev.zeros((1,), "i32"))
         ops.adamw_update(t((n,)), t((n,)), t((n,)), dev.zeros((n,), "f32"), 1e-3, working=dev.empty((n,), dt))
         if dt in fused["dtypes"]:  # the fused attention, where the backend has it: GQA, ragged T
-            attention(dev, t, dt, fused["segments"])
+            attention(dev, t, dt, fused["segments"], fused["head_dims"] or (16, 64))
     ops.fill(dev.empty((100,), "i32"), 3)
     ops.adamw_update(t((n,)), t((n,)), t((n,)), dev.zeros((n,), "f32"), 1e-3)
     dev.synchronize()
@@ -123,14 +131,13 @@ def run_kernels(device="metal-cuda"):
     return 0
 
 
-def attention(dev, t, dt, segments):
-    """attention_forward and _backward at T = 37 (ragged blocks), 4 query heads on 2 KV heads,
-    head dims 16 and 64, plain, with a window and (where supported) with packed segments."""
-    import numpy as np
+def attention(dev, t, dt, segments, head_dims):
+    """attention_forward and _backward at T = 37 (ragged blocks), 4 query heads on 2 KV heads, at
+    every head size the device lists, plain, with a window and (where supported) packed segments."""
     from krnl import ops
     T = 37
     seg = dev.tensor(np.repeat(np.arange(3), [10, 20, 7]).astype(np.int32), "i32") if segments else None
-    for D in (16, 64):
+    for D in head_dims:
         q, k, v = t((4, T, D), dt), t((2, T, D), dt), t((2, T, D), dt)
         for extra in ({}, {"window": 5}, {"segments": seg} if seg is not None else None):
             if extra is None:

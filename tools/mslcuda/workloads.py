@@ -2,7 +2,9 @@
 and backward, python/krnl/bench) on "cuda" (cuBLAS and the CUDA backend's kernels) and on
 "metal-cuda" (the Metal backend's records, metal/*.metal compiled by mslcuda), from the same
 weights and inputs; per output, the largest difference relative to the CUDA output's largest
-magnitude, against krnl bench's tolerance for the dtype (python/krnl/bench/targets.py).
+magnitude, against krnl bench's tolerance for the dtype (python/krnl/bench/targets.py). A 16-bit
+run off by more also passes when it is no farther (x1.25) from the f32 result than the reference
+device's own run in that dtype: then the dtype, not the kernels, sets the difference.
 
     KRNL_TEST_METAL_CUDA=1 python tools/mslcuda/workloads.py [--size full] [--dtype f32 f16 bf16] [--json out.json]
 
@@ -91,6 +93,13 @@ def main(argv=None):
                     row["against_f32"] = vs
                     note = "; against f32: " + ", ".join(f"{d} {max(e.values()):.2e} ({max(e, key=e.get)})"
                                                          for d, e in vs.items())
+                    # Two 16-bit runs can differ by more than the dtype's tolerance where the dtype
+                    # itself is that far from f32 (long sequences): then the MSL kernels pass if they
+                    # are as close to the f32 result as the reference device's own 16-bit run.
+                    mine, theirs = max(vs[a.dev].values()), max(vs[a.ref].values())
+                    if not row["ok"] and mine <= 1.25 * theirs:
+                        row["ok"] = True
+                        note += f"; ok: within 1.25x of {a.ref}'s own distance from f32"
                 print(f"{name} {dt} {step.describe(step.sizes[a.size])}: worst {worst} {errs[worst]:.2e} "
                       f"(tolerance {TOLERANCE[dt]:.0e}) {'ok' if row['ok'] else 'OFF'}; "
                       f"{len(errs)} outputs; step {t_cuda:.2f} s {a.ref}, {t_mc:.2f} s {a.dev}{note}", flush=True)

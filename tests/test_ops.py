@@ -670,41 +670,53 @@ def test_attention_forward(dev, Hq, Hk, T, D, dt):
 def test_attention_backward(dev, Hq, Hk, T, D, dt):
     """dq, dk, dv from the device's own o and lse against float64 gradients."""
     require_attention(dev, dt, D)
-    (q, qf), (k, kf), (v, vf) = attention_inputs(dev, Hq, Hk, T, D, dt, 41)
-    do, dof = upload(dev, np.random.default_rng(42).standard_normal((Hq, T, D)), dt)
+    check_attention_backward(dev, Hq, Hk, T, D, dt, 41)
+
+
+def check_attention_backward(dev, Hq, Hk, T, D, dt, seed, seg=None, window=0):
+    """dq, dk, dv of the fused op (from its own o and lse; seg a (T,) numpy array or None)
+    against float64 gradients under the same mask."""
+    (q, qf), (k, kf), (v, vf) = attention_inputs(dev, Hq, Hk, T, D, dt, seed)
+    do, dof = upload(dev, np.random.default_rng(seed + 1).standard_normal((Hq, T, D)), dt)
+    sd = None if seg is None else to_dev(dev, seg, "i32")
     scale = 1.0 / math.sqrt(D)
     o, lse = dev.empty((Hq, T, D), dt), dev.empty((Hq, T), "f32")
-    ops.attention_forward(q, k, v, o, lse, scale)
+    ops.attention_forward(q, k, v, o, lse, scale, sd, window)
     dq, dk, dv = (empty_filled(dev, s, dt) for s in ((Hq, T, D), (Hk, T, D), (Hk, T, D)))
-    ops.attention_backward(q, k, v, o, do, lse, dq, dk, dv, scale)
+    ops.attention_backward(q, k, v, o, do, lse, dq, dk, dv, scale, sd, window)
     tol = 2 * ATTN_TOL[dt]
-    for name, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), attention_backward_ref(qf, kf, vf, dof, scale)):
+    refs = attention_backward_ref(qf, kf, vf, dof, scale, seg, window)
+    for name, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), refs):
         assert_close(read(got), ref, rtol=tol, atol=tol * 1e-2, what=name)
 
 
-def test_attention_backward_finite_differences(dev):
-    """attention_backward is the gradient of L = sum(o * ct) through the device's own forward
-    (f32, GQA with two query heads per KV head)."""
-    Hq, Hk, T, D, scale = 2, 1, 5, 4, 0.6
-    require_attention(dev, "f32", D)
-    rng = np.random.default_rng(43)
+def check_attention_finite_differences(dev, Hq, Hk, T, D, scale, seed, seg=None, window=0):
+    """attention_backward is the gradient of L = sum(o * ct) through the device's own forward (f32)."""
+    rng = np.random.default_rng(seed)
     x0 = [rng.standard_normal(s).astype(np.float32) for s in ((Hq, T, D), (Hk, T, D), (Hk, T, D))]
     ct = rng.standard_normal((Hq, T, D)).astype(np.float32)
+    sd = None if seg is None else to_dev(dev, seg, "i32")
 
     def forward(q, k, v):
         o, lse = dev.empty((Hq, T, D)), dev.empty((Hq, T))
-        ops.attention_forward(to_dev(dev, q), to_dev(dev, k), to_dev(dev, v), o, lse, scale)
+        ops.attention_forward(to_dev(dev, q), to_dev(dev, k), to_dev(dev, v), o, lse, scale, sd, window)
         return o, lse
 
     o, lse = forward(*x0)
     grads = [dev.empty(x.shape) for x in x0]
-    ops.attention_backward(*(to_dev(dev, x) for x in x0), o, to_dev(dev, ct), lse, *grads, scale)
+    ops.attention_backward(*(to_dev(dev, x) for x in x0), o, to_dev(dev, ct), lse, *grads, scale, sd, window)
     for i, name in enumerate(("dq", "dk", "dv")):
         def loss(xi):
             args = list(x0)
             args[i] = xi
             return float(np.sum(read(forward(*args)[0]) * ct))
         assert_fd(read(grads[i]), fd_grad(loss, x0[i]), name)
+
+
+def test_attention_backward_finite_differences(dev):
+    """The gradient check of the fused op: GQA with two query heads per KV head, f32."""
+    require_attention(dev, "f32", 4)
+    check_attention_finite_differences(dev, 2, 1, 5, 4, 0.6, 43)
 
 
 def require_attention_masks(dev, dt, segments, window, head_dim=None):
@@ -757,19 +769,7 @@ def test_attention_forward_masks(dev, Hq, Hk, T, D, packed, window, dt):
 def test_attention_backward_masks(dev, Hq, Hk, T, D, packed, window, dt):
     """dq, dk, dv under packed segments and a sliding window against float64 gradients."""
     require_attention_masks(dev, dt, packed, window, D)
-    (q, qf), (k, kf), (v, vf) = attention_inputs(dev, Hq, Hk, T, D, dt, 46)
-    do, dof = upload(dev, np.random.default_rng(47).standard_normal((Hq, T, D)), dt)
-    seg = packed_segments(T, 48) if packed else None
-    sd = None if seg is None else to_dev(dev, seg, "i32")
-    scale = 1.0 / math.sqrt(D)
-    o, lse = dev.empty((Hq, T, D), dt), dev.empty((Hq, T), "f32")
-    ops.attention_forward(q, k, v, o, lse, scale, sd, window)
-    dq, dk, dv = (empty_filled(dev, s, dt) for s in ((Hq, T, D), (Hk, T, D), (Hk, T, D)))
-    ops.attention_backward(q, k, v, o, do, lse, dq, dk, dv, scale, sd, window)
-    tol = 2 * ATTN_TOL[dt]
-    refs = attention_backward_ref(qf, kf, vf, dof, scale, seg, window)
-    for name, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), refs):
-        assert_close(read(got), ref, rtol=tol, atol=tol * 1e-2, what=name)
+    check_attention_backward(dev, Hq, Hk, T, D, dt, 46, packed_segments(T, 48) if packed else None, window)
 
 
 def test_attention_masks_finite_differences(dev):
@@ -777,26 +777,7 @@ def test_attention_masks_finite_differences(dev):
     device's own forward (f32, GQA)."""
     Hq, Hk, T, D, scale, window = 2, 1, 7, 4, 0.6, 3
     require_attention_masks(dev, "f32", True, True, D)
-    seg = np.array([0, 0, 0, 0, 1, 1, 2], np.int32)
-    rng = np.random.default_rng(49)
-    x0 = [rng.standard_normal(s).astype(np.float32) for s in ((Hq, T, D), (Hk, T, D), (Hk, T, D))]
-    ct = rng.standard_normal((Hq, T, D)).astype(np.float32)
-    sd = to_dev(dev, seg, "i32")
-
-    def forward(q, k, v):
-        o, lse = dev.empty((Hq, T, D)), dev.empty((Hq, T))
-        ops.attention_forward(to_dev(dev, q), to_dev(dev, k), to_dev(dev, v), o, lse, scale, sd, window)
-        return o, lse
-
-    o, lse = forward(*x0)
-    grads = [dev.empty(x.shape) for x in x0]
-    ops.attention_backward(*(to_dev(dev, x) for x in x0), o, to_dev(dev, ct), lse, *grads, scale, sd, window)
-    for i, name in enumerate(("dq", "dk", "dv")):
-        def loss(xi):
-            args = list(x0)
-            args[i] = xi
-            return float(np.sum(read(forward(*args)[0]) * ct))
-        assert_fd(read(grads[i]), fd_grad(loss, x0[i]), name)
+    check_attention_finite_differences(dev, Hq, Hk, T, D, scale, 49, np.array([0, 0, 0, 0, 1, 1, 2], np.int32), window)
 
 
 def test_attention_errors(dev):

@@ -13,54 +13,20 @@ from __future__ import annotations
 import collections
 import ctypes
 import os
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+
+from mslsim.metal_sim import LibraryCache
 
 from . import MslcudaError, build, runtime
 
 
-class Executor:
+class Executor(LibraryCache):
     def __init__(self, root: Path):
-        root = Path(root)
-        self.metal_dir = root / "metal"
-        self.include_dirs = [self.metal_dir, root / "csrc" / "core"]  # kargs.h, rng.h
-        self._libs: dict = {}
-        self._lock = threading.Lock()
+        super().__init__(root, build)
         self.rt = runtime()
         self.dispatches = 0  # launched so far (tests read it)
         self.launched = collections.Counter()  # by kernel name (the sanitizer driver's coverage)
         self._reachable: set = set()  # buffer bases the GPU can reach (managed memory)
-
-    def libraries(self):
-        return sorted(p.stem for p in self.metal_dir.glob("*.metal"))
-
-    def library(self, name: str, constants: tuple):
-        key = (name, constants)
-        with self._lock:  # one build per key; different keys build in parallel
-            fut = self._libs.get(key)
-            mine = fut is None
-            if mine:
-                fut = self._libs[key] = Future()
-        if mine:
-            try:
-                fut.set_result(build(self.metal_dir / f"{name}.metal", dict(constants), include_dirs=self.include_dirs))
-            except BaseException as e:
-                fut.set_exception(e)
-                with self._lock:
-                    del self._libs[key]
-        return fut.result()
-
-    def variants(self):
-        """Every (library, constants) the Metal backend dispatches: gemm with its alignment
-        constant (index 0) set either way, the rest without constants."""
-        return [(n, ()) for n in self.libraries() if n != "gemm"] + [("gemm", ((0, True),)), ("gemm", ((0, False),))]
-
-    def warm(self, variants=None):
-        """Builds the libraries in parallel, one nvcc per core (a cold cache otherwise builds them
-        one at a time as the first records need them)."""
-        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            list(pool.map(lambda v: self.library(v[0], tuple(v[1])), variants or self.variants()))
 
     def __call__(self, records):
         if not self._libs:

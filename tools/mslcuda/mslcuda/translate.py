@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass, field
 
 from mslsim.transform import (BUILTINS, MslsimError, STD_ATTRIBUTES, _Edits, _literal, _parse_params, blank, mask,
-                              match_close, safe_int, split_top, string_literals)
+                              kernel_instantiations, match_close, safe_int, split_top, string_literals)
 
 
 class MslcudaError(MslsimError):
@@ -155,39 +155,9 @@ def translate(text: str, constants: dict | None = None) -> Translated:
             out.kernels[string_literals(hn.group(1)) if hn else name] = name
 
     # -- explicit instantiations: recorded, then blanked (the wrapper instantiates the callee)
-    for tm in re.finditer(r"\btemplate\b", m):
-        j = tm.end()
-        while j < len(m) and m[j].isspace():
-            j += 1
-        if j < len(m) and m[j] == "<":
-            continue
-        end = m.find(";", j)
-        stmt_m, stmt_o = m[tm.start():end], text[tm.start():end]
-        hn = re.search(r"host_name\s*\((.*?)\)\s*\]\]", stmt_o, re.S)
-        if not hn and not re.search(r"\bkernel\b", stmt_m):
-            continue
-        s2 = re.sub(r"\[\[.*?\]\]", lambda x: blank(x.group(0)), stmt_m, flags=re.S)
-        s2 = re.sub(r"\bdecltype\s*\(", lambda x: blank(x.group(0)), s2)
-        callee = None
-        for cm in re.finditer(r"([A-Za-z_][\w:]*)\s*<", s2):
-            if cm.group(1) in ("template", "decltype"):
-                continue
-            lt = cm.end() - 1
-            try:
-                gt = match_close(s2, lt)
-            except MslsimError:
-                continue
-            rest = s2[gt + 1:].lstrip()
-            if rest.startswith("(") or rest == "" or rest.startswith(";"):
-                callee = (cm.group(1) + stmt_o[lt:gt + 1]).strip()
-                break
-        if callee is None:
-            raise MslcudaError(f"cannot parse kernel instantiation: {stmt_o.strip()[:200]}")
-        base = callee.split("<")[0].split("::")[-1]
-        if base not in defs:
-            raise MslcudaError(f"instantiation of unknown kernel template '{base}'")
-        out.kernels[string_literals(hn.group(1)) if hn else callee] = callee
-        ed.add(tm.start(), end + 1, blank(text[tm.start():end + 1]))
+    for a, b, host, callee in kernel_instantiations(m, text, defs, MslcudaError):
+        out.kernels[host] = callee
+        ed.add(a, b, blank(text[a:b]))
 
     # -- threadgroup variables declared at statement start -> __shared__
     for gm in re.finditer(r"\bthreadgroup\b", m):

@@ -20,17 +20,18 @@ import numpy as np
 from . import MslsimError, build
 
 
-class Executor:
-    def __init__(self, root: Path, random_order: bool = False):
+class LibraryCache:
+    """The libraries of <root>/metal, each built once per (op family, function constants) by
+    `build(path, constants, include_dirs=...)`, in parallel where warmed: shared by the metal-sim
+    executor and tools/mslcuda's metal-cuda one."""
+
+    def __init__(self, root: Path, build_fn):
         root = Path(root)
-        # Shuffle the GPU threads after every barrier and SIMD-group call (a new seed per
-        # dispatch): a missing barrier or a lockstep assumption then shows as a wrong result.
-        self.random_order = random_order
         self.metal_dir = root / "metal"
         self.include_dirs = [self.metal_dir, root / "csrc" / "core"]  # kargs.h, rng.h
+        self._build = build_fn
         self._libs: dict = {}
         self._lock = threading.Lock()
-        self.dispatches = 0  # executed so far (tests read it)
 
     def libraries(self):
         return sorted(p.stem for p in self.metal_dir.glob("*.metal"))
@@ -44,23 +45,37 @@ class Executor:
                 fut = self._libs[key] = Future()
         if mine:
             try:
-                fut.set_result(build(self.metal_dir / f"{name}.metal", dict(constants), include_dirs=self.include_dirs))
+                fut.set_result(self._build(self.metal_dir / f"{name}.metal", dict(constants),
+                                           include_dirs=self.include_dirs))
             except BaseException as e:
                 fut.set_exception(e)
                 with self._lock:
                     del self._libs[key]  # a later call retries (e.g. after the source is fixed)
         return fut.result()
 
-    def warm(self, variants):
+    def variants(self):
+        """Every (library, constants) the Metal backend dispatches: gemm with its alignment
+        constant (index 0) set either way, the rest without constants."""
+        return [(n, ()) for n in self.libraries() if n != "gemm"] + [("gemm", ((0, True),)), ("gemm", ((0, False),))]
+
+    def warm(self, variants=None):
         """Builds (library, constants) pairs in parallel, one compiler per core: a cold cache
-        otherwise compiles them one at a time as the first tests need them."""
+        otherwise compiles them one at a time as the first records need them."""
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            list(pool.map(lambda v: self.library(v[0], tuple(v[1])), variants))
+            list(pool.map(lambda v: self.library(v[0], tuple(v[1])), variants or self.variants()))
+
+
+class Executor(LibraryCache):
+    def __init__(self, root: Path, random_order: bool = False):
+        super().__init__(root, build)
+        # Shuffle the GPU threads after every barrier and SIMD-group call (a new seed per
+        # dispatch): a missing barrier or a lockstep assumption then shows as a wrong result.
+        self.random_order = random_order
+        self.dispatches = 0  # executed so far (tests read it)
 
     def __call__(self, records):
         if not self._libs:
-            # every dispatch of gemm sets its alignment constant (index 0): build both variants
-            self.warm([(n, ()) for n in self.libraries() if n != "gemm"] + [("gemm", ((0, True),)), ("gemm", ((0, False),))])
+            self.warm()
         for r in records:
             self.run(r)
 
@@ -98,4 +113,4 @@ def available() -> bool:
     return shutil.which(_cxx()) is not None and os.name == "posix"
 
 
-__all__ = ["Executor", "register", "available", "MslsimError"]
+__all__ = ["Executor", "LibraryCache", "register", "available", "MslsimError"]

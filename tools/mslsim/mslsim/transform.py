@@ -179,6 +179,52 @@ class _Edits:
         return text
 
 
+def kernel_instantiations(m: str, text: str, defs, error=MslsimError):
+    """The explicit kernel instantiations of a file, `template [[host_name("x")]] [[kernel]] void
+    f<T>(...);` or `... decltype(f<T>) f<T>;`: (start, end, host name, callee f<T>) per statement,
+    from its masked text m (comments and literals blanked) and the original text; defs holds the
+    kernel templates defined. `error` is raised for a statement that cannot be parsed."""
+    for tm in re.finditer(r"\btemplate\b", m):
+        j = tm.end()
+        while j < len(m) and m[j].isspace():
+            j += 1
+        if j < len(m) and m[j] == "<":
+            continue
+        end = j
+        depth = 0
+        while end < len(m) and not (m[end] == ";" and depth == 0):
+            if m[end] in "([{":
+                depth += 1
+            elif m[end] in ")]}":
+                depth -= 1
+            end += 1
+        stmt_m, stmt_o = m[tm.start():end], text[tm.start():end]
+        hn = re.search(r"host_name\s*\((.*?)\)\s*\]\]", stmt_o, re.S)
+        if not hn and not re.search(r"\bkernel\b|\[\[\s*kernel\s*\]\]", stmt_m):
+            continue
+        s2 = re.sub(r"\[\[.*?\]\]", lambda x: blank(x.group(0)), stmt_m, flags=re.S)
+        s2 = re.sub(r"\bdecltype\s*\(", lambda x: blank(x.group(0)), s2)
+        callee = None
+        for cm in re.finditer(r"([A-Za-z_][\w:]*)\s*<", s2):
+            if cm.group(1) in ("template", "decltype"):
+                continue
+            lt = cm.end() - 1
+            try:
+                gt = match_close(s2, lt)
+            except MslsimError:
+                continue
+            rest = s2[gt + 1:].lstrip()
+            if rest.startswith("(") or rest == "" or rest.startswith(";"):
+                callee = (cm.group(1) + stmt_o[lt:gt + 1]).strip()
+                break
+        if callee is None:
+            raise error(f"cannot parse kernel instantiation: {stmt_o.strip()[:200]}")
+        base = callee.split("<")[0].split("::")[-1]
+        if base not in defs:
+            raise error(f"instantiation of unknown kernel template '{base}'")
+        yield tm.start(), end + 1, string_literals(hn.group(1)) if hn else callee, callee
+
+
 def _parse_params(orig: str, m: str, fc_values: dict[str, bool]) -> list[Param]:
     params: list[Param] = []
     if not m.strip() or m.strip() == "void":
@@ -299,47 +345,9 @@ def transform(text: str, constants: dict | None = None) -> Transformed:
             out.kernels[string_literals(hn.group(1)) if hn else name] = name
 
     # -- explicit instantiations: template [[host_name("x")]] [[kernel]] void f<T>(...);  / decltype(f<T>) f<T>;
-    for tm in re.finditer(r"\btemplate\b", m):
-        j = tm.end()
-        while j < len(m) and m[j].isspace():
-            j += 1
-        if j < len(m) and m[j] == "<":
-            continue
-        end = j
-        depth = 0
-        while end < len(m) and not (m[end] == ";" and depth == 0):
-            if m[end] in "([{":
-                depth += 1
-            elif m[end] in ")]}":
-                depth -= 1
-            end += 1
-        stmt_m, stmt_o = m[tm.start():end], text[tm.start():end]
-        hn = re.search(r"host_name\s*\((.*?)\)\s*\]\]", stmt_o, re.S)
-        if not hn and not re.search(r"\bkernel\b|\[\[\s*kernel\s*\]\]", stmt_m):
-            continue
-        s2 = re.sub(r"\[\[.*?\]\]", lambda x: blank(x.group(0)), stmt_m, flags=re.S)
-        s2 = re.sub(r"\bdecltype\s*\(", lambda x: blank(x.group(0)), s2)
-        callee = None
-        for cm in re.finditer(r"([A-Za-z_][\w:]*)\s*<", s2):
-            if cm.group(1) in ("template", "decltype"):
-                continue
-            lt = cm.end() - 1
-            try:
-                gt = match_close(s2, lt)
-            except MslsimError:
-                continue
-            rest = s2[gt + 1:].lstrip()
-            if rest.startswith("(") or rest == "" or rest.startswith(";"):
-                callee = (cm.group(1) + stmt_o[lt:gt + 1]).strip()
-                break
-        if callee is None:
-            raise MslsimError(f"cannot parse kernel instantiation: {stmt_o.strip()[:200]}")
-        base = callee.split("<")[0].split("::")[-1]
-        if base not in defs:
-            raise MslsimError(f"instantiation of unknown kernel template '{base}'")
-        host = string_literals(hn.group(1)) if hn else callee
+    for a, b, host, callee in kernel_instantiations(m, text, defs):
         out.kernels[host] = callee
-        ed.add(tm.start(), end + 1, blank(text[tm.start():end + 1]))
+        ed.add(a, b, blank(text[a:b]))
 
     # -- threadgroup variables declared in a kernel body -> per-threadgroup shared storage
     uid = 0

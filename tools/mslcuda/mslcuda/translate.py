@@ -18,8 +18,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from mslsim.transform import (BUILTINS, MslsimError, STD_ATTRIBUTES, _Edits, _literal, _parse_params, blank, mask,
-                              kernel_instantiations, match_close, safe_int, split_top, string_literals)
+from mslsim.transform import (MslsimError, STD_ATTRIBUTES, _Edits, _parse_params, bake_function_constants, blank,
+                              kernel_instantiations, mask, match_close, split_top, string_literals)
 
 
 class MslcudaError(MslsimError):
@@ -113,29 +113,7 @@ def translate(text: str, constants: dict | None = None) -> Translated:
     out = Translated("")
 
     # -- function constants
-    fc_values: dict[str, bool] = {}
-    used = set()
-    for fm in re.finditer(r"\bconstant\s+([A-Za-z_][\w:<>, ]*?)\s+([A-Za-z_]\w*)\s*\[\[\s*function_constant\s*\((.*?)\)\s*\]\]\s*;",
-                          m, re.S):
-        ctype, name = fm.group(1).strip(), fm.group(2)
-        idx = safe_int(text[fm.start(3):fm.end(3)])
-        key = name if name in constants else idx if idx in constants else None
-        if key is not None:
-            used.add(key)
-            rep = f"static constexpr {ctype} {name} = {_literal(ctype, constants[key])};"
-            fc_values[name] = bool(constants[key]) if ctype == "bool" else True
-        else:
-            rep = f"static constexpr {ctype} {name} = {ctype}();"
-            fc_values[name] = False
-        out.function_constants[name] = (ctype, idx, key is not None)
-        ed.add(fm.start(), fm.end(), _keep_lines(text[fm.start():fm.end()], rep))
-    unknown = set(constants) - used
-    if unknown:
-        raise MslcudaError(f"function constants {sorted(map(str, unknown))} are not declared in the source")
-    for dm in re.finditer(r"\bis_function_constant_defined\s*\(\s*(\w+)\s*\)", m):
-        if dm.group(1) not in out.function_constants:
-            raise MslcudaError(f"is_function_constant_defined({dm.group(1)}): no such function constant")
-        ed.add(dm.start(), dm.end(), "true" if out.function_constants[dm.group(1)][2] else "false")
+    fc_values = bake_function_constants(text, m, constants, ed, out.function_constants, MslcudaError)
 
     # -- kernel definitions: `kernel` goes (the scope pass makes them __device__ functions)
     defs = {}

@@ -291,6 +291,39 @@ def _literal(ctype: str, value) -> str:
     raise MslsimError(f"unsupported function constant value {value!r}")
 
 
+def bake_function_constants(text: str, m: str, constants: dict, ed, declared: dict, error=MslsimError):
+    """Queues on `ed` the rewrite of each `constant T name [[function_constant(i)]];` into a
+    constexpr with its value from `constants` (by name or index; unset: T()) and of each
+    is_function_constant_defined(name) into true/false; fills declared {name: (type, index,
+    defined)}. Returns {name: truth value} (an unset constant is false), for the parameters that
+    take [[function_constant(name)]]. Lines are kept (errors point at the .metal line)."""
+    fc_values: dict[str, bool] = {}
+    used = set()
+    for fm in re.finditer(r"\bconstant\s+([A-Za-z_][\w:<>, ]*?)\s+([A-Za-z_]\w*)\s*\[\[\s*function_constant\s*\((.*?)\)\s*\]\]\s*;",
+                          m, re.S):
+        ctype, name = fm.group(1).strip(), fm.group(2)
+        idx = safe_int(text[fm.start(3):fm.end(3)])
+        key = name if name in constants else idx if idx in constants else None
+        if key is not None:
+            used.add(key)
+            rep = f"static constexpr {ctype} {name} = {_literal(ctype, constants[key])};"
+            fc_values[name] = bool(constants[key]) if ctype == "bool" else True
+        else:
+            rep = f"static constexpr {ctype} {name} = {ctype}();"
+            fc_values[name] = False
+        declared[name] = (ctype, idx, key is not None)
+        ed.add(fm.start(), fm.end(), rep + "\n" * text[fm.start():fm.end()].count("\n"))
+    unknown = set(constants) - used
+    if unknown:
+        raise error(f"function constants {sorted(map(str, unknown))} are not declared in the source")
+    for dm in re.finditer(r"\bis_function_constant_defined\s*\(\s*(\w+)\s*\)", m):
+        name = dm.group(1)
+        if name not in declared:
+            raise error(f"is_function_constant_defined({name}): no such function constant")
+        ed.add(dm.start(), dm.end(), "true" if declared[name][2] else "false")
+    return fc_values
+
+
 def transform(text: str, constants: dict | None = None) -> Transformed:
     """Rewrite preprocessed MSL `text` into a C++ translation unit for the shim, with function
     constants (by name or index) baked in as constexpr values and a registry of host names."""
@@ -300,32 +333,7 @@ def transform(text: str, constants: dict | None = None) -> Transformed:
     out = Transformed("")
 
     # -- function constants: `constant T name [[function_constant(i)]];` -> constexpr with the value
-    fc_values: dict[str, bool] = {}
-    used_constants = set()
-    for fm in re.finditer(r"\bconstant\s+([A-Za-z_][\w:<>, ]*?)\s+([A-Za-z_]\w*)\s*\[\[\s*function_constant\s*\((.*?)\)\s*\]\]\s*;",
-                          m, re.S):
-        ctype, name = fm.group(1).strip(), fm.group(2)
-        idx = safe_int(text[fm.start(3):fm.end(3)])
-        key = name if name in constants else idx if idx in constants else None
-        defined = key is not None
-        if defined:
-            used_constants.add(key)
-            val = constants[key]
-            rep = f"static constexpr {ctype} {name} = {_literal(ctype, val)};"
-            fc_values[name] = bool(val) if ctype == "bool" else True
-        else:
-            rep = f"static constexpr {ctype} {name} = {ctype}();"
-            fc_values[name] = False
-        out.function_constants[name] = (ctype, idx, defined)
-        ed.add(fm.start(), fm.end(), rep + "\n" * text[fm.start():fm.end()].count("\n"))
-    unknown = set(constants) - used_constants
-    if unknown:
-        raise MslsimError(f"function constants {sorted(map(str, unknown))} are not declared in the source")
-    for dm in re.finditer(r"\bis_function_constant_defined\s*\(\s*(\w+)\s*\)", m):
-        name = dm.group(1)
-        if name not in out.function_constants:
-            raise MslsimError(f"is_function_constant_defined({name}): no such function constant")
-        ed.add(dm.start(), dm.end(), "true" if out.function_constants[name][2] else "false")
+    fc_values = bake_function_constants(text, m, constants, ed, out.function_constants)
 
     # -- kernel definitions
     defs: dict[str, KernelDef] = {}

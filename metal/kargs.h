@@ -182,6 +182,17 @@ struct TransposeHeadsArgs {
     uint32_t D;
 };
 
+// quantized_matmul: out (N, M) = x (N, K) op(W) + beta * out, W (O, I) from packed codes
+// (O, words) and scales/biases (O, I / group_size); transpose: K = I, M = O; else K = O, M = I.
+struct QuantizedMatmulArgs {
+    uint32_t N;
+    uint32_t M;
+    uint32_t K;
+    uint32_t words;       // 32-bit words per row of W (I * bits / 32)
+    uint32_t group_size;
+    float    beta;
+};
+
 #ifdef __cplusplus
 #ifndef __METAL_VERSION__
 }  // namespace krnl::metal

@@ -60,6 +60,11 @@ void bind_ops(nb::module_& parent) {
   m.def("axpy", &ops::axpy, release, "alpha"_a, "x"_a, "y"_a, "y += alpha * x.");
   m.def("scale", &ops::scale, release, "x"_a, "alpha"_a, "out"_a, "out = alpha * x.");
   m.def("cast", &ops::cast, release, "x"_a, "out"_a, "out = x converted to out's dtype (round to nearest even).");
+  m.def("quantized_matmul", &ops::quantized_matmul, release, "x"_a, "w"_a, "scales"_a, "biases"_a, "out"_a,
+        "transpose"_a = true, "group_size"_a = 64, "bits"_a = 4, "beta"_a = 0.0f,
+        "out = x W^T (transpose, a linear's forward) or x W (its input gradient), + beta * out, with W (O, I)\n"
+        "quantized as MLX does: w (O, I * bits / 32) i32 packed codes, scales and biases (O, I / group_size);\n"
+        "W = scales * q + biases per group of group_size inputs. f32 accumulation; W is never dequantized whole.");
   m.def("transpose_heads", &ops::transpose_heads, release, "x"_a, "out"_a,
         "out (B, A, D) = x (A, B, D) with the first two axes swapped, e.g. (T, H, D) <-> (H, T, D).");
   m.def("fill", &ops::fill, release, "x"_a, "value"_a);

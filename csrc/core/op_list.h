@@ -13,6 +13,12 @@
 //   backward keeps of the scores. Backward overwrites dq, dk, dv. Query i sees key j iff j <= i,
 //   and i - j < window where window > 0 (sliding window), and seg[i] == seg[j] where segments
 //   (T,) i32 are given (packed samples). Capabilities say which of these a backend's fused op takes.
+// - quantized_matmul: W (O, I) quantized as MLX does (affine, per group of group_size consecutive
+//   inputs of a row): w (O, I * bits / 32) i32 holds the bits-wide codes q, 32 / bits per 32-bit
+//   word, element j of a row in word j / (32 / bits) at bit (j % (32 / bits)) * bits; scales and
+//   biases (O, I / group_size) in x's dtype or f32; W[o, j] = scales[o, j / gs] * q + biases[o, j / gs].
+//   transpose: out (N, O) = x (N, I) W^T (a linear's forward); else out (N, I) = x (N, O) W (its
+//   input gradient). out = that + beta * out, accumulated in f32; never a full dequantized W.
 // - transpose_heads: out (B, A, D) = x (A, B, D) with the first two axes swapped: token-major
 //   (T, H, D) projections to head-major (H, T, D) attention operands and back.
 #pragma once
@@ -47,6 +53,8 @@
   X(scale, (const Tensor& x, float alpha, const Tensor& out))                                                       \
   X(cast, (const Tensor& x, const Tensor& out))                                                                     \
   X(transpose_heads, (const Tensor& x, const Tensor& out))                                                          \
+  X(quantized_matmul, (const Tensor& x, const Tensor& w, const Tensor& scales, const Tensor& biases,                 \
+                       const Tensor& out, bool transpose, int64_t group_size, int64_t bits, float beta))            \
   X(fill, (const Tensor& x, double value))                                                                          \
   X(dropout, (const Tensor& x, const Tensor& out, float p, uint64_t seed))                                          \
   X(adamw_update, (const AdamWArgs& a))                                                                             \

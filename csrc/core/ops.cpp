@@ -433,6 +433,39 @@ void cast(const Tensor& x, const Tensor& out) {
       x.dtype(), [&] { c.dev->cast(x, out); });
 }
 
+void quantized_matmul(const Tensor& x, const Tensor& w, const Tensor& scales, const Tensor& biases, const Tensor& out,
+                      bool transpose, int64_t group_size, int64_t bits, float beta) {
+  Check c{"quantized_matmul"};
+  c.tensor("x", x), c.tensor("w", w), c.tensor("scales", scales), c.tensor("biases", biases), c.tensor("out", out);
+  if (bits != 2 && bits != 4 && bits != 8) c.fail("bits must be 2, 4 or 8, got " + std::to_string(bits));
+  if (group_size != 32 && group_size != 64 && group_size != 128)
+    c.fail("group_size must be 32, 64 or 128, got " + std::to_string(group_size));
+  c.floating("x", x);
+  c.dtype("w", w, {DType::i32});
+  if (x.dim() != 2) c.fail("x must be 2-D (N, I) or (N, O), got " + x.describe());
+  if (w.dim() != 2) c.fail("w must be 2-D (O, I * bits / 32) of packed codes, got " + w.describe());
+  const int64_t O = w.size(0), I = w.size(1) * 32 / bits, G = I / group_size;
+  if (scales.dim() != 2 || scales.size(0) != O || scales.size(1) * group_size != I)
+    c.fail("scales must be (" + std::to_string(O) + ", " + std::to_string(G) + ") for w " + w.describe() +
+           " at " + std::to_string(bits) + " bits and group_size " + std::to_string(group_size) + ", got " +
+           scales.describe());
+  if (scales.dtype() != x.dtype() && scales.dtype() != DType::f32)
+    c.fail("scales must be " + (x.dtype() == DType::f32 ? std::string("f32")
+                                                       : std::string(dtype_name(x.dtype())) + " (x's dtype) or f32") +
+           ", got " + scales.describe());
+  c.shape("biases", biases, scales.shape()), c.same_dtype("biases", biases, "scales", scales);
+  const int64_t N = x.size(0), K = transpose ? I : O, M = transpose ? O : I;
+  if (x.size(1) != K)
+    c.fail("x must be (N, " + std::to_string(K) + ") for " + (transpose ? "out = x W^T" : "out = x W") + " with W (" +
+           std::to_string(O) + ", " + std::to_string(I) + "), got " + x.describe());
+  c.shape("out", out, {N, M}), c.same_dtype("out", out, "x", x);
+  if (out.storage() == x.storage() && out.numel() > 0) c.fail("out must not share memory with x");
+  run(c, shape_str(x.shape()) + (transpose ? " W^T " : " W ") + "(" + std::to_string(O) + ", " + std::to_string(I) +
+             ") q" + std::to_string(bits) + "g" + std::to_string(group_size),
+      2.0 * double(N) * double(O) * double(I), nbytes({&x, &w, &scales, &biases, &out}), x.dtype(),
+      [&] { c.dev->quantized_matmul(x, w, scales, biases, out, transpose, group_size, bits, beta); });
+}
+
 void transpose_heads(const Tensor& x, const Tensor& out) {
   Check c{"transpose_heads"};
   c.tensor("x", x), c.tensor("out", out);

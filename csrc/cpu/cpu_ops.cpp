@@ -1,12 +1,14 @@
 // CPU ops other than gemm: loops over the core's thread pool, computing in float on rows or
 // blocks loaded and stored through convert.h, so each op is written once for every float dtype.
 // Calls arrive validated (ops.cpp); only data-dependent errors (ids, targets) are raised here.
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <vector>
 
+#include "blas.h"
 #include "convert.h"
 #include "core/ops.h"
 #include "core/rng.h"
@@ -427,6 +429,49 @@ void fill_as(const Tensor& x, T v) {
   for_blocks(x.numel(), [&](int64_t i0, int64_t i1) { std::fill(p + i0, p + i1, v); });
 }
 }  // namespace
+
+// ---- quantized matmul: W dequantized a tile of rows at a time into f32, each tile one sgemm
+
+void CpuBackend::quantized_matmul(const Tensor& x, const Tensor& w, const Tensor& scales, const Tensor& biases,
+                                  const Tensor& out, bool transpose, int64_t group_size, int64_t bits, float beta) {
+  const int64_t N = x.size(0), O = w.size(0), words = w.size(1), I = words * 32 / bits, G = I / group_size;
+  const int64_t M = transpose ? O : I, K = transpose ? I : O;
+  if (N == 0 || M == 0) return;
+  constexpr int64_t kTile = 256;  // rows of W per dequantized tile: (256, I) f32, a few MB at most
+  std::vector<float> xf(size_t(N * K)), of(size_t(N * M)), sf(size_t(O * G)), bf(size_t(O * G));
+  load_all(x.dtype(), x.data(), 0, N * K, xf.data());
+  load_all(scales.dtype(), scales.data(), 0, O * G, sf.data());
+  load_all(biases.dtype(), biases.data(), 0, O * G, bf.data());
+  if (beta != 0.f) {
+    load_all(out.dtype(), out.data(), 0, N * M, of.data());
+    for (float& v : of) v *= beta;
+  }
+  const uint32_t* codes = static_cast<const uint32_t*>(w.data());
+  const int64_t per = 32 / bits;
+  const uint32_t mask = (1u << bits) - 1u;
+  std::vector<float> tile(size_t(std::min(kTile, O) * I));
+  for (int64_t o0 = 0; o0 < O; o0 += kTile) {
+    const int64_t rows = std::min(kTile, O - o0);
+    ThreadPool::global().parallel_for(rows, 1, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const uint32_t* wr = codes + (o0 + r) * words;
+        const float* s = &sf[size_t((o0 + r) * G)];
+        const float* b = &bf[size_t((o0 + r) * G)];
+        float* t = &tile[size_t(r * I)];
+        for (int64_t j = 0; j < I; ++j) {
+          const uint32_t q = (wr[j / per] >> ((j % per) * bits)) & mask;
+          t[j] = s[j / group_size] * float(q) + b[j / group_size];
+        }
+      }
+    });
+    if (transpose)  // out[:, o0:o0+rows] (+)= x (N, I) tile^T
+      sgemm(false, true, N, rows, I, 1.f, xf.data(), I, tile.data(), I, beta != 0.f ? 1.f : 0.f, &of[size_t(o0)], O);
+    else            // out (N, I) += x[:, o0:o0+rows] tile
+      sgemm(false, false, N, I, rows, 1.f, &xf[size_t(o0)], O, tile.data(), I, o0 > 0 || beta != 0.f ? 1.f : 0.f,
+            of.data(), I);
+  }
+  store_all(out.dtype(), of.data(), N * M, out.data(), 0);
+}
 
 void CpuBackend::transpose_heads(const Tensor& x, const Tensor& out) {
   // Rows of D elements move as whole; the dtype only sets the row's byte size.

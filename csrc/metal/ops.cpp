@@ -724,6 +724,26 @@ void MetalOps::transpose_heads(const Tensor& x, const Tensor& out) {
   encode(std::move(d));
 }
 
+// ---- quantized weights
+
+void MetalOps::quantized_matmul(const Tensor& x, const Tensor& w, const Tensor& scales, const Tensor& biases,
+                                const Tensor& out, bool transpose, int64_t group_size, int64_t bits, float beta) {
+  Emit e{this, "quantized_matmul"};
+  const std::string xs = e.sfx(x.dtype());
+  const bool sf32 = scales.dtype() != x.dtype();  // f32 scales and biases with 16-bit x
+  const int64_t N = x.size(0), K = x.size(1), M = out.size(1);
+  if (N == 0 || M == 0) return;
+  Dispatch d = e.make("quantized", std::string("quantized_matmul_") + (transpose ? "t_" : "n_") + xs +
+                                       (sf32 ? "_sf32" : "") + "_b" + std::to_string(bits));
+  bind(d, 0, x), bind(d, 1, w), bind(d, 2, scales), bind(d, 3, biases), bind(d, 4, out);
+  d.set_args(5, QuantizedMatmulArgs{u32(e.op, N, "N"), u32(e.op, M, "M"), u32(e.op, K, "K"),
+                                    u32(e.op, w.size(1), "words"), uint32_t(group_size), beta});
+  u32(e.op, N * M, "N * M");
+  d.flops = 2.0 * double(N) * double(M) * double(K);
+  ew_geometry(d, N * M);
+  encode(std::move(d));
+}
+
 // ---- optimizer
 
 void MetalOps::adamw_update(const AdamWArgs& a) {

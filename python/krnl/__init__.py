@@ -7,7 +7,7 @@ both, counting imports inside functions too, so keep the table's form (a layer's
 modules relative to krnl; `bench.*` is every module of krnl/bench):
 
     ops       __init__ _core profiler
-    storage   fileio safetensors_io checkpoint run_folder tokenizer
+    storage   fileio safetensors_io checkpoint run_folder tokenizer quant
     model     params config lora attention layer generate model mlp_block
     formats   adapter hf
     train     optim batches data default_task trainer

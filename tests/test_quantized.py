@@ -1,0 +1,166 @@
+"""Quantized weights in MLX's layout: krnl.quant's packing and quantization (against mx.quantize
+where mlx installs) and ops.quantized_matmul against float64 products with the dequantized
+weights, at awkward shapes, every bits and group size, forward (x W^T) and input gradient (x W)."""
+
+import numpy as np
+import pytest
+
+import krnl
+from krnl import ops, quant
+
+from conftest import FLOAT_DTYPES, U32, UNIT_ROUNDOFF, assert_close_elementwise, read, round_to, to_dev, upload
+
+
+def test_pack_layout():
+    """Element j of a row sits in word j // (32 / bits) at bit (j % (32 / bits)) * bits."""
+    codes = np.array([[1, 2, 3, 4, 5, 6, 7, 8, 15, 0, 0, 0, 0, 0, 0, 9]])
+    w = quant.pack(codes, 4)
+    assert w.dtype == np.int32 and w.shape == (1, 2)
+    assert w.view(np.uint32)[0, 0] == 0x87654321 and w.view(np.uint32)[0, 1] == 0x9000000F
+    rng = np.random.default_rng(0)
+    for bits in quant.BITS:
+        c = rng.integers(0, 1 << bits, (3, 64))
+        assert np.array_equal(quant.unpack(quant.pack(c, bits), bits), c)
+
+
+@pytest.mark.parametrize("bits", quant.BITS)
+@pytest.mark.parametrize("group_size", quant.GROUP_SIZES)
+def test_quantize_round_trip(bits, group_size):
+    """Each weight whose code is not clipped comes back within half a step of its group, a clipped
+    one (the far end, whose step count the exact near end rounds) within 1.5 steps; the end of
+    larger magnitude exactly (it is the bias); a constant group exactly."""
+    rng = np.random.default_rng(bits * group_size)
+    w = (rng.standard_normal((5, 3 * group_size)) * rng.uniform(0.01, 4, (5, 1))).astype(np.float32)
+    w[0, :group_size] = 0.75
+    wq, s, b = quant.quantize(w, bits, group_size)
+    back = quant.dequantize(wq, s, b, bits, group_size)
+    step = np.repeat(np.abs(s), group_size, axis=1)
+    codes = quant.unpack(wq, bits)
+    inside = (codes > 0) & (codes < (1 << bits) - 1)
+    err = np.abs(back - w) - 1e-6 * np.abs(w)
+    assert np.all(err[inside] <= 0.5 * step[inside] * (1 + 1e-5)) and np.all(err <= 1.5 * step)
+    assert np.array_equal(back[0, :group_size], w[0, :group_size])
+    g = w.reshape(5, -1, group_size)
+    far = np.where(np.abs(g.min(2)) > np.abs(g.max(2)), g.min(2), g.max(2))
+    np.testing.assert_allclose(b, far, rtol=0)
+
+
+@pytest.mark.mlx
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_quantize_matches_mlx(dtype):
+    """Codes, scales and biases bit-identical to mx.quantize (scales and biases rounded to the
+    weight's dtype, as MLX returns them)."""
+    mx = pytest.importorskip("mlx.core")
+    rng = np.random.default_rng(3)
+    for bits in quant.BITS:
+        for gs in quant.GROUP_SIZES:
+            w = (rng.standard_normal((6, 384)) * rng.uniform(0.01, 3, (6, 1))).astype(np.float32)
+            w[1, :gs] = -np.abs(w[1, :gs])
+            wm = mx.array(w).astype(getattr(mx, dtype))
+            wq, s, b = mx.quantize(wm, group_size=gs, bits=bits)
+            pq, ps, pb = quant.quantize(np.array(wm.astype(mx.float32)), bits, gs)
+            as_dtype = lambda a: np.array(mx.array(a).astype(getattr(mx, dtype)).astype(mx.float32))
+            assert np.array_equal(np.array(wq).view(np.int32), pq), (bits, gs)
+            assert np.array_equal(np.array(s.astype(mx.float32)), as_dtype(ps)), (bits, gs)
+            assert np.array_equal(np.array(b.astype(mx.float32)), as_dtype(pb)), (bits, gs)
+
+
+def test_quantize_errors():
+    with pytest.raises(ValueError, match=r"\[quantize\] bits must be one of \(2, 4, 8\), got 3"):
+        quant.quantize(np.zeros((2, 64)), 3, 64)
+    with pytest.raises(ValueError, match=r"\[quantize\] W must be 2-D with its last dimension a multiple of "
+                                         r"group_size 64, got shape \(2, 96\)"):
+        quant.quantize(np.zeros((2, 96)), 4, 64)
+
+
+# ------------------------------------------------------------------------------- quantized_matmul
+
+
+def quantized_missing(dev):
+    """Why ops.quantized_matmul cannot run on dev (its NotImplementedError), or None."""
+    x, w = dev.zeros((1, 32)), dev.zeros((1, 4), "i32")
+    s = dev.zeros((1, 1))
+    try:
+        ops.quantized_matmul(x, w, s, s, dev.empty((1, 1)), True, 32, 4)
+        dev.synchronize()
+    except NotImplementedError as e:
+        return str(e)
+    return None
+
+
+def quantized_inputs(dev, O, I, bits, group_size, sdt, seed):
+    """(w, scales, biases) on dev and W (O, I) float64 as the device sees it (scales and biases
+    rounded to sdt): random codes, scales of both signs, as quantize makes them."""
+    rng = np.random.default_rng(seed)
+    codes = rng.integers(0, 1 << bits, (O, I))
+    G = I // group_size
+    scales = rng.uniform(0.01, 0.2, (O, G)) * rng.choice([-1.0, 1.0], (O, G))
+    biases = rng.standard_normal((O, G))
+    s, sf = upload(dev, scales, sdt)
+    b, bf = upload(dev, biases, sdt)
+    W = np.repeat(sf, group_size, axis=1) * codes + np.repeat(bf, group_size, axis=1)
+    return to_dev(dev, quant.pack(codes, bits), "i32"), s, b, W
+
+
+# (N, O, I, group_size): 1 and 33 rows, I not a multiple of 128, O across the CPU's 256-row tiles
+QMM_CASES = [(1, 1, 32, 32), (33, 31, 96, 32), (2, 300, 192, 64), (33, 65, 320, 64), (5, 17, 384, 128)]
+
+
+@pytest.mark.parametrize("dt", FLOAT_DTYPES)
+@pytest.mark.parametrize("bits", quant.BITS)
+@pytest.mark.parametrize("transpose", [True, False], ids=["xWt", "xW"])
+@pytest.mark.parametrize("N,O,I,group_size", QMM_CASES, ids=[f"{n}x{o}x{i}g{g}" for n, o, i, g in QMM_CASES])
+def test_quantized_matmul(dev, N, O, I, group_size, transpose, bits, dt):
+    """out = x W^T (forward) or x W (input gradient) with W dequantized, against float64 from the
+    same rounded inputs; then beta = 0.5 accumulates into out. Bound per element: the f32 sum's
+    error over K terms (of |x| |W|) and one rounding into dt."""
+    why = quantized_missing(dev)
+    if why:
+        pytest.skip(why)
+    w, s, b, W = quantized_inputs(dev, O, I, bits, group_size, dt, seed=N * O + bits)
+    K, M = (I, O) if transpose else (O, I)
+    x, xf = upload(dev, np.random.default_rng(O).standard_normal((N, K)), dt)
+    Wop = W.T if transpose else W                                        # (K, M)
+    ref, mag = xf @ Wop, np.abs(xf) @ np.abs(Wop)
+    tol = (K + 4) * U32 * mag
+    out = dev.empty((N, M), dt)
+    ops.quantized_matmul(x, w, s, b, out, transpose, group_size, bits)
+    got = read(out)
+    assert_close_elementwise(got, ref, UNIT_ROUNDOFF[dt], tol, what="out")
+    ops.quantized_matmul(x, w, s, b, out, transpose, group_size, bits, beta=0.5)
+    assert_close_elementwise(read(out), ref + 0.5 * got, 2 * UNIT_ROUNDOFF[dt], 2 * tol, what="out, beta 0.5")
+
+
+def test_quantized_matmul_f32_scales_with_16_bit_activations(dev):
+    """Scales and biases may stay f32 (the GGUF and quantize-on-load paths keep them unrounded)."""
+    why = quantized_missing(dev)
+    if why:
+        pytest.skip(why)
+    w, s, b, W = quantized_inputs(dev, 9, 64, 4, 32, "f32", seed=1)
+    x, xf = upload(dev, np.random.default_rng(2).standard_normal((3, 64)), "bf16")
+    out = dev.empty((3, 9), "bf16")
+    ops.quantized_matmul(x, w, s, b, out, True, 32, 4)
+    assert_close_elementwise(read(out), round_to(xf @ W.T, "f32"), UNIT_ROUNDOFF["bf16"],
+                             (64 + 4) * U32 * (np.abs(xf) @ np.abs(W.T)), what="out")
+
+
+def test_quantized_matmul_errors(dev):
+    """Bad layouts are refused in one line naming the op and the tensor."""
+    x, w, s = dev.zeros((2, 64)), dev.zeros((3, 8), "i32"), dev.zeros((3, 2))
+    out = dev.empty((2, 3))
+    with pytest.raises(ValueError, match=r"\[quantized_matmul\] bits must be 2, 4 or 8, got 3"):
+        ops.quantized_matmul(x, w, s, s, out, True, 32, 3)
+    with pytest.raises(ValueError, match=r"\[quantized_matmul\] group_size must be 32, 64 or 128, got 48"):
+        ops.quantized_matmul(x, w, s, s, out, True, 48, 4)
+    with pytest.raises(ValueError, match=r"\[quantized_matmul\] w must be i32"):
+        ops.quantized_matmul(x, dev.zeros((3, 8)), s, s, out, True, 32, 4)
+    with pytest.raises(ValueError, match=r"\[quantized_matmul\] scales must be \(3, 2\) for w .* got"):
+        ops.quantized_matmul(x, w, dev.zeros((3, 1)), s, out, True, 32, 4)
+    with pytest.raises(ValueError, match=r"\[quantized_matmul\] biases must have shape \(3, 2\)"):
+        ops.quantized_matmul(x, w, s, dev.zeros((3, 3)), out, True, 32, 4)
+    with pytest.raises(ValueError, match=r"\[quantized_matmul\] x must be \(N, 3\) for out = x W"):
+        ops.quantized_matmul(x, w, s, s, dev.empty((2, 64)), False, 32, 4)
+    with pytest.raises(ValueError, match=r"\[quantized_matmul\] out must have shape \(2, 3\)"):
+        ops.quantized_matmul(x, w, s, s, dev.empty((2, 4)), True, 32, 4)
+    with pytest.raises(ValueError, match=r"\[quantized_matmul\] scales must be f32, got"):
+        ops.quantized_matmul(x, w, dev.zeros((3, 2), "f16"), dev.zeros((3, 2), "f16"), out, True, 32, 4)

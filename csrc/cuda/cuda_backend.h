@@ -99,6 +99,8 @@ class CudaBackend : public Backend {
   void scale(const Tensor& x, float alpha, const Tensor& out) override;
   void cast(const Tensor& x, const Tensor& out) override;
   void transpose_heads(const Tensor& x, const Tensor& out) override;
+  void quantized_matmul(const Tensor& x, const Tensor& w, const Tensor& scales, const Tensor& biases,
+                        const Tensor& out, bool transpose, int64_t group_size, int64_t bits, float beta) override;
   void fill(const Tensor& x, double value) override;
   void dropout(const Tensor& x, const Tensor& out, float p, uint64_t seed) override;
   void adamw_update(const AdamWArgs& a) override;

@@ -164,3 +164,61 @@ def test_quantized_matmul_errors(dev):
         ops.quantized_matmul(x, w, s, s, dev.empty((2, 4)), True, 32, 4)
     with pytest.raises(ValueError, match=r"\[quantized_matmul\] scales must be f32, got"):
         ops.quantized_matmul(x, w, dev.zeros((3, 2), "f16"), dev.zeros((3, 2), "f16"), out, True, 32, 4)
+
+
+# ------------------------------------------------------------------- LoRA on a quantized base
+
+
+def _tiny(dev, quantize=None, weights=None, dtype="f32"):
+    """The tiny Llama (in-features multiples of 32) with LoRA on every projection, B non-zero; its
+    seven projections quantized where quantize = (bits, group_size)."""
+    from krnl.model import LlamaModel, LoraConfig, ModelConfig, random_weights
+
+    from conftest import TINY_LLAMA
+    cfg = ModelConfig.from_dict({**TINY_LLAMA, "intermediate_size": 64})
+    weights = weights if weights is not None else random_weights(cfg, 0, std=0.2)
+    m = LlamaModel(dev, cfg, weights, LoraConfig(r=2, alpha=4.0), dtype=dtype, seed=0, quantize=quantize)
+    lora = m.lora_state()
+    rng = np.random.default_rng(1)
+    for k in lora:
+        if ".lora_B." in k:
+            lora[k] = (0.1 * rng.standard_normal(lora[k].shape)).astype(np.float32)
+    m.lora_params.load(lora)
+    return m, weights
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_lora_on_a_quantized_base_equals_the_dequantized_base(dev, bits):
+    """A model whose projections are quantized gives the loss and LoRA gradients of a dense model
+    holding the dequantized weights (f32: both compute the same products), and the quantized one
+    differs from the original weights' model (the base really is quantized)."""
+    from conftest import lora_step
+    why = quantized_missing(dev)
+    if why:
+        pytest.skip(why)
+    rng = np.random.default_rng(7)
+    ids, targets = rng.integers(0, 61, (2, 9)), rng.integers(0, 61, (2, 9))
+    q, weights = _tiny(dev, (bits, 32))
+    dense_weights = dict(weights)
+    for i, L in enumerate(q.layers):
+        for name, lin in L.linears().items():
+            block = "self_attn" if name in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            dense_weights[f"model.layers.{i}.{block}.{name}.weight"] = lin.W.numpy()
+    loss_q, g_q = lora_step(q, ids, targets)
+    loss_d, g_d = lora_step(_tiny(dev, None, dense_weights)[0], ids, targets)
+    loss_o, _ = lora_step(_tiny(dev, None, weights)[0], ids, targets)
+    assert loss_q == pytest.approx(loss_d, rel=1e-5) and loss_q != pytest.approx(loss_o, rel=1e-6)
+    for k in g_d:
+        np.testing.assert_allclose(g_q[k], g_d[k], rtol=1e-4, atol=1e-5 * np.max(np.abs(g_d[k])), err_msg=k)
+
+
+def test_quantized_base_refuses_a_group_size_that_does_not_divide(dev):
+    from krnl.model import LlamaModel, LoraConfig, ModelConfig, random_weights
+
+    from conftest import TINY_LLAMA
+    cfg = ModelConfig.from_dict({**TINY_LLAMA, "intermediate_size": 48})
+    with pytest.raises(ValueError, match=r"\[quantize\] model.layers.0.mlp.down_proj.weight \(32, 48\): its input "
+                                         r"size must be a multiple of --q-group-size 32"):
+        LlamaModel(dev, cfg, random_weights(cfg, 0), LoraConfig(r=2), quantize=(4, 32))
+    with pytest.raises(ValueError, match=r"\[quantize\] bits must be one of \(2, 4, 8\), got 3"):
+        LlamaModel(dev, cfg, random_weights(cfg, 0), LoraConfig(r=2), quantize=(3, 32))

@@ -18,6 +18,7 @@ from . import _core
 from .attention import fused_forward, materialised_forward
 from .config import ALL_MODULES, ATTN_MODULES, QKV_MODULES
 from .lora import LoraLinear, LoraSaved, factors
+from .qweight import QuantizedWeight, linear, linear_grad
 
 ops = _core.ops
 Tensor = _core.Tensor
@@ -83,7 +84,7 @@ class Layer:
     # so the projection is one GEMM and one head transpose instead of three of each (fewer
     # dispatches for GPU backends; on the 2-core CPU with OpenBLAS the time is the same,
     # measured). q/k/v_proj's W are row ranges of it, their outputs column blocks.
-    qkv: Tensor                 # (QKV, C)
+    qkv: Tensor                 # (QKV, C); a QuantizedWeight with --quantize
     qkv_bias: Optional[Tensor]  # (1, QKV)
     ones: Ones
     q_proj: LoraLinear
@@ -144,16 +145,23 @@ class LayerCache:
     mlp: MlpCache
 
 
-def build_layer(i, config, weights, device, dtype, heads, ones, lora_config, lora_params, adapted):
-    """Layer i from HF-named float32 weights, uploaded in the compute dtype; the LoRA factors of
-    the (layer, module) pairs in adapted are views of lora_params."""
+def build_layer(i, config, weights, device, dtype, heads, ones, lora_config, lora_params, adapted, quantize=None):
+    """Layer i from HF-named float32 weights, uploaded in the compute dtype (the seven projections
+    quantized where quantize = (bits, group_size)); the LoRA factors of the (layer, module) pairs
+    in adapted are views of lora_params."""
     c, p = config, f"model.layers.{i}."
 
     def up(names, shape=None):  # one weight, or several concatenated along their first dimension
         a = np.concatenate([np.asarray(weights[k], np.float32) for k in names])
         return device.tensor(a if shape is None else a.reshape(shape), dtype)
 
-    qkv = up([f"{p}self_attn.{m}.weight" for m in QKV_MODULES])
+    def up_linear(names):  # a projection's weight (rows of several concatenated), quantized or not
+        if quantize is None:
+            return up(names)
+        a = np.concatenate([np.asarray(weights[k], np.float32) for k in names])
+        return QuantizedWeight.quantize(device, a, dtype, *quantize, what=names[0])
+
+    qkv = up_linear([f"{p}self_attn.{m}.weight" for m in QKV_MODULES])
     qkv_bias = up([f"{p}self_attn.{m}.bias" for m in QKV_MODULES], (1, -1)) if c.attention_bias else None
     lin, r0 = {}, 0
     for tag, m in enumerate(ALL_MODULES):
@@ -161,7 +169,7 @@ def build_layer(i, config, weights, device, dtype, heads, ones, lora_config, lor
             n = c.module_shape(m)[0]
             W, r0 = qkv[r0:r0 + n], r0 + n
         else:
-            W = up([f"{p}{'self_attn' if m in ATTN_MODULES else 'mlp'}.{m}.weight"])
+            W = up_linear([f"{p}{'self_attn' if m in ATTN_MODULES else 'mlp'}.{m}.weight"])
         f = factors(lora_params, i, m) if (i, m) in adapted else None
         lin[m] = LoraLinear(W, f, lora_config.scale, lora_config.dropout, tag=i * len(ALL_MODULES) + tag)
     eps = c.rms_norm_eps
@@ -207,7 +215,7 @@ def qkv_forward(L, xn, call_seed=None):
     """q|k|v (N, QKV) = xn Wqkv^T (+ 1 b) (+ LoRA into each column block); also the LoRA saves."""
     N = xn.shape[0]
     qkv = xn.device.empty((N, L.qkv.shape[0]), xn.dtype)
-    ops.gemm(xn, L.qkv, qkv, trans_b=True)
+    linear(xn, L.qkv, qkv)
     if L.qkv_bias is not None:
         ops.gemm(L.ones(N), L.qkv_bias, qkv, beta=1.0)
     return qkv, [lin.lora_forward(xn, qkv[:, c0:c1], call_seed) for lin, c0, c1 in L.qkv_blocks()]
@@ -264,7 +272,7 @@ def layer_backward(L, x, cache, dy, batch):
         ops.rope(dk, batch.positions[b], hd.inv_freq, -1.0)
         ops.transpose_heads(dheads, dqkv[r].reshape(T, NH, D))
     dxn = d.empty((N, C), dt)                                             # (N, C)
-    ops.gemm(dqkv, L.qkv, dxn)                                            # dxn = dq|dk|dv Wqkv
+    linear_grad(dqkv, L.qkv, dxn)                                         # dxn = dq|dk|dv Wqkv
     for (lin, c0, c1), s in zip(L.qkv_blocks(), cache.qkv):
         lin.lora_backward(dqkv[:, c0:c1], s, dxn)
     dx = d.empty((N, C), dt)

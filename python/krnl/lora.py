@@ -14,6 +14,7 @@ import numpy as np
 from . import _core
 from .config import ALL_MODULES, lora_key
 from .params import FlatParams
+from .qweight import linear, linear_grad
 
 ops = _core.ops
 
@@ -43,7 +44,7 @@ class LoraLinear:
     accumulate_grads is False, where each backward overwrites them."""
 
     def __init__(self, W, factors=None, scale=1.0, dropout=0.0, tag=0, accumulate_grads=True):
-        self.W = W                        # (out, in) frozen, compute dtype
+        self.W = W                        # (out, in) frozen: a compute-dtype tensor or a QuantizedWeight
         self.out, self.inp = W.shape
         self.factors = factors            # LoraFactors or None
         self.scale = float(scale)
@@ -58,7 +59,7 @@ class LoraLinear:
     def forward(self, x, y, call_seed=None):
         """y = x W^T + LoRA, x (rows, in), y (rows, out); returns what backward needs. call_seed
         None (eval) turns dropout off."""
-        ops.gemm(x, self.W, y, trans_b=True)                              # y = x W^T
+        linear(x, self.W, y)                                              # y = x W^T
         return self.lora_forward(x, y, call_seed)
 
     def lora_forward(self, x, y, call_seed=None):
@@ -79,7 +80,7 @@ class LoraLinear:
 
     def backward(self, dy, saved, dx, accumulate=False):
         """dx (+)= dy W + drop(dt A); the LoRA gradients from dy (rows, out)."""
-        ops.gemm(dy, self.W, dx, beta=1.0 if accumulate else 0.0)         # dx (+)= dy W
+        linear_grad(dy, self.W, dx, 1.0 if accumulate else 0.0)           # dx (+)= dy W
         self.lora_backward(dy, saved, dx)
 
     def lora_backward(self, dy, saved, dx):

@@ -22,13 +22,14 @@ from .config import (ALL_MODULES, ATTN_MODULES, IGNORE_INDEX, MLP_MODULES, QKV_M
 from .generate import generate
 from .layer import Batch, Heads, Ones, build_layer, layer_backward, layer_forward
 from .lora import init_lora
+from . import quant
 
 ops = _core.ops
 
 
 class LlamaModel:
     def __init__(self, device, config, weights, lora=None, dtype="f32", seed=0, grad_checkpoint=False,
-                 ce_chunk=1024):
+                 ce_chunk=1024, quantize=None):
         if isinstance(config, dict):
             config = ModelConfig.from_dict(config)
         if dtype not in ("f32", "f16", "bf16"):
@@ -50,8 +51,13 @@ class LlamaModel:
         self.heads = Heads(c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                            device.tensor(c.inv_freq(), "f32"))
         ones = Ones(device, dtype)  # shared by the layers' q/k/v biases
+        # quantize = (bits, group_size): the seven projections held quantized as MLX does (QLoRA on
+        # a base quantized on load); embeddings, head and norms stay in the compute dtype.
+        self.quantize = None if quantize is None else (int(quantize[0]), int(quantize[1]))
+        if self.quantize is not None:
+            quant.check((1, self.quantize[1]), *self.quantize)
         self.layers = [build_layer(i, c, weights, device, dtype, self.heads, ones, self.lora_config,
-                                   self.lora_params, self.adapted) for i in range(c.num_hidden_layers)]
+                                   self.lora_params, self.adapted, self.quantize) for i in range(c.num_hidden_layers)]
         caps = device.capabilities()
         # Causal query row blocks skip the score blocks above the diagonal at the cost of more,
         # smaller GEMMs: the device says how many rows a block takes (0: all, one block; its

@@ -1,0 +1,69 @@
+"""Frozen linear weights held quantized (MLX's affine layout, krnl.quant) and the two products a
+linear needs from any frozen weight, dense or quantized:
+
+    linear(x, W, y)              y = x W^T            (forward)
+    linear_grad(dy, W, dx, beta) dx = dy W + beta dx  (input gradient)
+
+A dense W is a (out, in) tensor and goes through ops.gemm; a QuantizedWeight through
+ops.quantized_matmul, which never dequantizes it whole."""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import _core, quant
+
+ops = _core.ops
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    w: _core.Tensor       # (out, in * bits / 32) i32 packed codes
+    scales: _core.Tensor  # (out, in / group_size) compute dtype
+    biases: _core.Tensor  # (out, in / group_size)
+    bits: int
+    group_size: int
+
+    @staticmethod
+    def quantize(device, W, dtype, bits, group_size, what="W"):
+        """W (out, in) float quantized as mx.quantize does; scales and biases stored in dtype."""
+        W = np.asarray(W, np.float32)
+        if W.ndim != 2 or W.shape[1] % group_size:
+            raise ValueError(f"[quantize] {what} {tuple(W.shape)}: its input size must be a multiple of "
+                             f"--q-group-size {group_size}")
+        w, s, b = quant.quantize(W, bits, group_size)
+        return QuantizedWeight(device.tensor(w, "i32"), device.tensor(s, dtype), device.tensor(b, dtype), bits,
+                               group_size)
+
+    @property
+    def shape(self):
+        return (self.w.shape[0], self.w.shape[1] * 32 // self.bits)
+
+    @property
+    def device(self):
+        return self.w.device
+
+    def __getitem__(self, rows):
+        """Rows r0:r1 (whole quantization groups: a row's groups never span rows)."""
+        return QuantizedWeight(self.w[rows], self.scales[rows], self.biases[rows], self.bits, self.group_size)
+
+    def numpy(self):
+        """The dequantized weight (out, in) float32, as the products see it."""
+        return quant.dequantize(self.w.numpy(), np.asarray(self.scales.numpy(), np.float32),
+                                np.asarray(self.biases.numpy(), np.float32), self.bits, self.group_size)
+
+
+def linear(x, W, y):
+    """y (rows, out) = x (rows, in) W^T."""
+    if isinstance(W, QuantizedWeight):
+        ops.quantized_matmul(x, W.w, W.scales, W.biases, y, True, W.group_size, W.bits)
+    else:
+        ops.gemm(x, W, y, trans_b=True)
+
+
+def linear_grad(dy, W, dx, beta=0.0):
+    """dx (rows, in) = dy (rows, out) W + beta dx."""
+    if isinstance(W, QuantizedWeight):
+        ops.quantized_matmul(dy, W.w, W.scales, W.biases, dx, False, W.group_size, W.bits, beta)
+    else:
+        ops.gemm(dy, W, dx, beta=beta)

@@ -223,6 +223,40 @@ def assert_close_elementwise(got, ref, rtol, atol=0.0, what=""):
                     f"got {got[i]!r} ref {ref[i]!r} (err {err[i]:.3e} > {np.broadcast_to(bound, err.shape)[i]:.3e})")
 
 
+# ---- a tiny HF model folder (test_newcomer.py, test_quantized.py)
+
+HF_VOCAB = 32
+
+
+@pytest.fixture
+def hf_folder(tmp_path):
+    """A tiny random Llama HF folder (in-features multiples of 32, so it also quantizes): config.json,
+    model.safetensors, a word-level tokenizer of HF_VOCAB tokens ("</s>", "w1" .. "w31")."""
+    tokenizers = pytest.importorskip("tokenizers")
+    import json
+
+    from safetensors.numpy import save_file
+
+    from krnl.model import ModelConfig, random_weights
+
+    folder = tmp_path / "base"
+    folder.mkdir()
+    cfg = dict(model_type="llama", vocab_size=HF_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5,
+               tie_word_embeddings=False)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    save_file(random_weights(ModelConfig.from_dict(cfg), seed=3), str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
+    vocab = {"</s>": 0, **{f"w{i}": i for i in range(1, HF_VOCAB)}}
+    tk = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="</s>"))
+    tk.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tk.decoder = tokenizers.decoders.WordPiece(prefix="##")
+    tk.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    return folder
+
+
+
 # ---- the tiny Llama of the device-level training checks (test_metal_sim.py, test_cuda.py)
 
 TINY_LLAMA = dict(model_type="llama", vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,

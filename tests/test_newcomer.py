@@ -17,9 +17,9 @@ import krnl.trainer
 from krnl.checkpoint import list_checkpoints, load_checkpoint
 from krnl.cli import lora_targets, main
 from krnl.data import DataError, read_jsonl
-from krnl.model import ModelConfig, random_weights
+from krnl.model import ModelConfig
 
-V = 32
+from conftest import HF_VOCAB as V
 TINY = ["--iters", "2", "--train-samples", "64", "--batch-size", "4", "--quiet", "--steps-per-eval", "0"]
 
 
@@ -28,30 +28,6 @@ def _one_line_error(err, cmd="train"):
     assert len(lines) == 1, err
     assert lines[0].startswith(f"krnl {cmd}: error: ") and "Traceback" not in err, err
     return lines[0]
-
-
-@pytest.fixture
-def hf_folder(tmp_path):
-    """A tiny random Llama HF folder: config.json, model.safetensors, a word-level tokenizer of V
-    tokens ("</s>", "w1" .. "w31")."""
-    tokenizers = pytest.importorskip("tokenizers")
-    from safetensors.numpy import save_file
-
-    folder = tmp_path / "base"
-    folder.mkdir()
-    cfg = dict(model_type="llama", vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5,
-               tie_word_embeddings=False)
-    (folder / "config.json").write_text(json.dumps(cfg))
-    save_file(random_weights(ModelConfig.from_dict(cfg), seed=3), str(folder / "model.safetensors"),
-              metadata={"format": "pt"})
-    vocab = {"</s>": 0, **{f"w{i}": i for i in range(1, V)}}
-    tk = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="</s>"))
-    tk.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
-    tk.decoder = tokenizers.decoders.WordPiece(prefix="##")
-    tk.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
-    return folder
 
 
 # ---------------------------------------------------------------------------------------------

@@ -222,3 +222,32 @@ def test_quantized_base_refuses_a_group_size_that_does_not_divide(dev):
         LlamaModel(dev, cfg, random_weights(cfg, 0), LoraConfig(r=2), quantize=(4, 32))
     with pytest.raises(ValueError, match=r"\[quantize\] bits must be one of \(2, 4, 8\), got 3"):
         LlamaModel(dev, cfg, random_weights(cfg, 0), LoraConfig(r=2), quantize=(3, 32))
+
+
+def test_cli_train_eval_generate_on_a_quantized_base(hf_folder, tmp_path, monkeypatch, capsys):
+    """krnl train --quantize 4 on an HF folder: the loss goes down, the checkpoint records the
+    quantization (resume without it is refused), and eval and generate run with the same flags."""
+    import json
+
+    from krnl.cli import main
+    monkeypatch.chdir(tmp_path)
+    data = tmp_path / "data"
+    data.mkdir()
+    rows = "".join(json.dumps({"text": f"w{i} w{i + 1} w{i + 2} w{i + 3}"}) + "\n" for i in range(1, 20))
+    (data / "train.jsonl").write_text(rows)
+    (data / "valid.jsonl").write_text(rows)
+    q = ["--quantize", "4", "--q-group-size", "32"]
+    common = ["--model", str(hf_folder), "--data", str(data), "--dtype", "f32", "--batch-size", "4", "--quiet",
+              "--learning-rate", "1e-2", "--no-tune"]
+    assert main(["train", *common, *q, "--iters", "12", "--save-every", "6", "--steps-per-eval", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "base quantized to 4 bits (groups of 32)" in out
+    losses = [json.loads(x)["loss"] for x in (tmp_path / "adapters" / "metrics.jsonl").read_text().splitlines()
+              if "loss" in json.loads(x)]
+    assert losses[-1] < losses[0]
+    assert main(["train", *common, "--iters", "14", "--resume"]) == 1
+    assert "quantize" in capsys.readouterr().err
+    assert main(["eval", "--data", str(data), *q]) == 0
+    assert "valid loss" in capsys.readouterr().out
+    assert main(["generate", "--prompt", "w3 w4", "--max-tokens", "2", *q]) == 0
+    assert capsys.readouterr().out.strip().startswith("w3 w4")

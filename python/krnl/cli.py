@@ -22,14 +22,20 @@ DEFAULT_BASE = "krnl:default-tiny-llama"  # the embedded default's base model id
 BASE_SEED = 1234
 
 
-def _default_model(dev, lora, dtype, seed, grad_checkpoint=False):
+def _quantize(args):
+    """(bits, group_size) from --quantize / --q-group-size, None for a base in the compute dtype."""
+    return None if getattr(args, "quantize", None) is None else (args.quantize, args.q_group_size)
+
+
+def _default_model(dev, lora, dtype, seed, grad_checkpoint=False, quantize=None):
     from .default_task import CharTokenizer, base_weights, tiny_config
     from .model import LlamaModel, ModelConfig
 
     tok = CharTokenizer()
     config = ModelConfig.from_dict(tiny_config(tok.vocab_size), source="<embedded default>")
     weights = base_weights(config, seed=BASE_SEED)
-    return tok, LlamaModel(dev, config, weights, lora=lora, dtype=dtype, seed=seed, grad_checkpoint=grad_checkpoint)
+    return tok, LlamaModel(dev, config, weights, lora=lora, dtype=dtype, seed=seed, grad_checkpoint=grad_checkpoint,
+                           quantize=quantize)
 
 
 SHORT_TARGETS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj", "up": "up_proj",
@@ -120,13 +126,13 @@ def _load_trained(args, dev):
         if args.model:
             from .hf import load_model
 
-            return None, load_model(args.model, dev, dtype=args.dtype)
-        return _default_model(dev, None, args.dtype, seed=0)
+            return None, load_model(args.model, dev, dtype=args.dtype, quantize=_quantize(args))
+        return _default_model(dev, None, args.dtype, seed=0, quantize=_quantize(args))
     base = _adapter_base(args)
     if base is not None:
         from .hf import load_model
 
-        model = load_model(base, dev, dtype=args.dtype, adapter=args.adapter_path)
+        model = load_model(base, dev, dtype=args.dtype, adapter=args.adapter_path, quantize=_quantize(args))
         return None, model
     from .default_task import CharTokenizer, tiny_config
     from .model import ModelConfig
@@ -134,7 +140,7 @@ def _load_trained(args, dev):
     config = ModelConfig.from_dict(tiny_config(CharTokenizer().vocab_size), source="<embedded default>")
     lora, tensors, _ = read_adapter(args.adapter_path, config)
     lora.dropout = 0.0
-    tok, model = _default_model(dev, lora, args.dtype, seed=0)
+    tok, model = _default_model(dev, lora, args.dtype, seed=0, quantize=_quantize(args))
     model.lora_params.load(tensors)
     return tok, model
 
@@ -147,7 +153,7 @@ def _hf_base(args, dev, lora):
     from .tokenizer import Tokenizer
 
     model = load_model(args.model, dev, lora=lora, dtype=args.dtype, seed=args.seed,
-                       grad_checkpoint=args.grad_checkpoint)
+                       grad_checkpoint=args.grad_checkpoint, quantize=_quantize(args))
     return Tokenizer.from_folder(args.model), model, str(Path(args.model).resolve())
 
 
@@ -187,7 +193,8 @@ def cmd_train(args):
     else:
         from .default_task import make_split
 
-        tok, model = _default_model(dev, lora, args.dtype, seed=args.seed, grad_checkpoint=args.grad_checkpoint)
+        tok, model = _default_model(dev, lora, args.dtype, seed=args.seed, grad_checkpoint=args.grad_checkpoint,
+                                    quantize=_quantize(args))
         train = make_split(tok, args.train_samples, seed=args.seed + 100)
         valid = make_split(tok, 256, seed=args.seed + 200)
         n_train, base_id = len(train[0]), DEFAULT_BASE
@@ -204,10 +211,13 @@ def cmd_train(args):
                       weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
                       val_every=args.steps_per_eval, save_every=args.save_every, seed=args.seed)
     fingerprint = {"base": base_id, "model": vars(model.config), "lora": vars(lora), "dtype": args.dtype}
+    if model.quantize is not None:  # only then: older checkpoints have no such key
+        fingerprint["quantize"] = list(model.quantize)
     trainer = Trainer(model, cfg, train, valid, out_dir=args.adapter_path, fingerprint=fingerprint,
                       base_model=base_id, progress=not args.quiet, options=_run_options(args))
     print(f"krnl {krnl.__version__} on {dev.name}: {what}, LoRA r={lora.r} on {len(model.adapted)} modules "
-          f"({model.lora_params.numel} trainable parameters), {args.dtype}")
+          f"({model.lora_params.numel} trainable parameters), {args.dtype}"
+          + (f", base quantized to {model.quantize[0]} bits (groups of {model.quantize[1]})" if model.quantize else ""))
     resuming = args.resume or args.resume_from is not None
     lock = claim(args.adapter_path, resume=resuming, overwrite=args.overwrite)  # the OS drops it at exit
     if resuming and not _resume(args, trainer):

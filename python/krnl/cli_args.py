@@ -133,8 +133,16 @@ def parse_args(argv, commands):
                        help="compute dtype (default: the device's compute dtype, see `krnl devices`)")
         q.add_argument("--seed", type=int, default=0)
 
+    def quantize(q):  # train, eval and generate: the base held quantized (QLoRA)
+        q.add_argument("--quantize", type=int, default=None, choices=[2, 4, 8],
+                       help="hold the base's projections quantized to this many bits, as MLX does (affine, a scale "
+                       "and a bias per group); eval and generate need the value training used")
+        q.add_argument("--q-group-size", type=int, default=64, choices=[32, 64, 128],
+                       help="inputs per quantization group (with --quantize)")
+
     t = sub.add_parser("train", help="LoRA fine-tune (default: the embedded tiny model and task)")
     common(t)
+    quantize(t)
     t.add_argument("--adapter-path", default="adapters", help="output folder: adapter, checkpoints, metrics")
     t.add_argument("--config", default=None, help="YAML file of train options (flags given on the command line win)")
     t.add_argument("--model", default=None, help="HF model folder (default: the embedded tiny model)")
@@ -186,6 +194,7 @@ def parse_args(argv, commands):
 
     e = sub.add_parser("eval", help="test loss of a trained adapter")
     common(e)
+    quantize(e)
     adapter_and_model(e)
     e.add_argument("--data", default=None, help="folder with test.jsonl (or valid.jsonl), for HF models")
     e.add_argument("--max-seq-length", type=int, default=2048)
@@ -194,6 +203,7 @@ def parse_args(argv, commands):
 
     g = sub.add_parser("generate", help="sample from the model with a trained adapter (KV-cached)")
     common(g)
+    quantize(g)
     adapter_and_model(g)
     g.add_argument("--prompt", default="+2c>")
     g.add_argument("--max-tokens", type=int, default=16)

@@ -263,14 +263,16 @@ TINY_LLAMA = dict(model_type="llama", vocab_size=61, hidden_size=32, intermediat
                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0)
 
 
-def tiny_lora_model(dev, dtype, seed=0, grad_checkpoint=False, **config):
+def tiny_lora_model(dev, dtype, seed=0, grad_checkpoint=False, weights=None, quantize=None, **config):
     """The tiny Llama (GQA, RoPE, SwiGLU, tied head; `config` overrides TINY_LLAMA's fields) with
-    LoRA r=2 on every projection, B non-zero so that every LoRA path carries gradient."""
+    LoRA r=2 on every projection, B non-zero so that every LoRA path carries gradient; `weights`
+    replace its random ones, `quantize` = (bits, group_size) holds its projections quantized."""
     from krnl.model import LlamaModel, LoraConfig, ModelConfig, random_weights
 
     cfg = ModelConfig.from_dict({**TINY_LLAMA, **config})
-    m = LlamaModel(dev, cfg, random_weights(cfg, seed, std=0.2), LoraConfig(r=2, alpha=4.0), dtype=dtype, seed=seed,
-                   grad_checkpoint=grad_checkpoint)
+    weights = weights if weights is not None else random_weights(cfg, seed, std=0.2)
+    m = LlamaModel(dev, cfg, weights, LoraConfig(r=2, alpha=4.0), dtype=dtype, seed=seed,
+                   grad_checkpoint=grad_checkpoint, quantize=quantize)
     rng = np.random.default_rng(seed + 1)
     lora = m.lora_state()
     for k in lora:

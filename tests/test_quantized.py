@@ -169,22 +169,15 @@ def test_quantized_matmul_errors(dev):
 # ------------------------------------------------------------------- LoRA on a quantized base
 
 
-def _tiny(dev, quantize=None, weights=None, dtype="f32"):
-    """The tiny Llama (in-features multiples of 32) with LoRA on every projection, B non-zero; its
-    seven projections quantized where quantize = (bits, group_size)."""
-    from krnl.model import LlamaModel, LoraConfig, ModelConfig, random_weights
+def _tiny(dev, quantize=None, weights=None):
+    """The suite's tiny LoRA model with in-features of 32 and 64 (so it quantizes at group size
+    32) and the same random weights unless `weights` replace them."""
+    from krnl.model import ModelConfig, random_weights
 
-    from conftest import TINY_LLAMA
-    cfg = ModelConfig.from_dict({**TINY_LLAMA, "intermediate_size": 64})
-    weights = weights if weights is not None else random_weights(cfg, 0, std=0.2)
-    m = LlamaModel(dev, cfg, weights, LoraConfig(r=2, alpha=4.0), dtype=dtype, seed=0, quantize=quantize)
-    lora = m.lora_state()
-    rng = np.random.default_rng(1)
-    for k in lora:
-        if ".lora_B." in k:
-            lora[k] = (0.1 * rng.standard_normal(lora[k].shape)).astype(np.float32)
-    m.lora_params.load(lora)
-    return m, weights
+    from conftest import TINY_LLAMA, tiny_lora_model
+    if weights is None:
+        weights = random_weights(ModelConfig.from_dict({**TINY_LLAMA, "intermediate_size": 64}), 0, std=0.2)
+    return tiny_lora_model(dev, "f32", weights=weights, quantize=quantize, intermediate_size=64), weights
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -45,6 +45,34 @@ nb::list to_list(const std::vector<Dispatch>& v) {
   return l;
 }
 
+// A simulator device's executor calling `fn`, kept alive for the life of the process (a static
+// destructor must not touch Python). It runs on the device's worker thread; a Python error becomes
+// a C++ one while the GIL is held (its text needs it): the command buffer's failure, raised at its
+// step's end.
+metal::SimExecutor python_executor(nb::callable fn) {
+  auto* keep = new nb::callable(std::move(fn));
+  return [keep](const std::vector<Dispatch>& records) {
+    nb::gil_scoped_acquire gil;
+    try {
+      (*keep)(to_list(records));
+    } catch (nb::python_error& e) {
+      throw std::runtime_error(e.what());
+    }
+  };
+}
+
+// The workers call into Python: they finish and stop while the interpreter still runs (one atexit
+// hook for every simulator device).
+void stop_workers_at_exit() {
+  static bool registered = false;
+  if (registered) return;
+  nb::module_::import_("atexit").attr("register")(nb::cpp_function([] {
+    nb::gil_scoped_release release;
+    metal::metal_sim_shutdown();
+  }));
+  registered = true;
+}
+
 metal::MetalOps& metal_device(Backend& d, const char* what) {
   auto* m = dynamic_cast<metal::MetalOps*>(&d);
   if (!m) throw std::invalid_argument(std::string("[") + what + "] device " + d.name() + " is not a Metal device");
@@ -86,44 +114,18 @@ void bind_metal(nb::module_& m, nb::module_& t) {
         "The MSL version metal/<name>.metal declares on its first line ('// msl: X.Y') as major * 100 + minor "
         "(3.1 -> 301): the language version the Metal device compiles it with.");
   t.def("register_metal_sim", [](nb::callable fn) {
-    // Kept alive for the life of the process: a static destructor must not touch Python.
-    auto* keep = new nb::callable(std::move(fn));
-    metal::register_metal_sim([keep](const std::vector<Dispatch>& records) {
-      // Runs on the simulator's worker thread. A Python error becomes a C++ one here, while the
-      // GIL is held (its text needs it): the command buffer's failure, raised at its step's end.
-      nb::gil_scoped_acquire gil;
-      try {
-        (*keep)(to_list(records));
-      } catch (nb::python_error& e) {
-        throw std::runtime_error(e.what());
-      }
-    });
-    // The worker calls into Python: it finishes and stops while the interpreter still runs.
-    nb::module_::import_("atexit").attr("register")(nb::cpp_function([] {
-      nb::gil_scoped_release release;
-      metal::metal_sim_shutdown();
-    }));
+    metal::register_metal_sim(python_executor(std::move(fn)));
+    stop_workers_at_exit();
   }, "executor"_a,
         "Registers the 'metal-sim' device: each committed command buffer's dispatch records (dicts: kernel, "
         "library, constants, buffers as (index, address, extent, base, offset), args bytes, grid, threads) run "
         "as executor(records) on a worker thread. The test suite passes tools/mslsim's executor.");
   t.def("register_metal_cuda", [](nb::callable fn, uintptr_t alloc, uintptr_t free, int apple_family) {
-    auto* keep = new nb::callable(std::move(fn));  // for the life of the process, as metal-sim's
     metal::SimMemory mem;
     mem.alloc = reinterpret_cast<void* (*)(size_t)>(alloc);
     mem.free = reinterpret_cast<void (*)(void*)>(free);
-    metal::register_metal_cuda([keep](const std::vector<Dispatch>& records) {
-      nb::gil_scoped_acquire gil;
-      try {
-        (*keep)(to_list(records));
-      } catch (nb::python_error& e) {
-        throw std::runtime_error(e.what());
-      }
-    }, mem, apple_family);
-    nb::module_::import_("atexit").attr("register")(nb::cpp_function([] {
-      nb::gil_scoped_release release;
-      metal::metal_sim_shutdown();
-    }));
+    metal::register_metal_cuda(python_executor(std::move(fn)), mem, apple_family);
+    stop_workers_at_exit();
   }, "executor"_a, "alloc"_a, "free"_a, "apple_family"_a = 9,
         "Registers the 'metal-cuda' device: metal-sim's device with executor(records) running each committed "
         "command buffer on an NVIDIA GPU (tools/mslcuda; it returns once the GPU has finished) and memory from "

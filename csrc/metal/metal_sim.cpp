@@ -210,10 +210,8 @@ void register_metal_cuda(SimExecutor e, SimMemory memory, int apple_family) {
   cuda_config() = {std::move(e), memory, apple_family};
   register_device("metal-cuda", -100, []() -> Backend* {
     const CudaConfig& c = cuda_config();
-    GpuDescription g;
+    GpuDescription g = metal_sim_gpu(c.apple_family);
     g.name = "metal-cuda (tools/mslcuda on an NVIDIA GPU, standing for an Apple" + std::to_string(c.apple_family) + " GPU)";
-    g.apple_family = c.apple_family;
-    g.unified_memory = true;
     return g_cuda = new SimBackend("metal-cuda", g, c.executor, c.memory);
   });
 }

@@ -151,15 +151,17 @@ def build_layer(i, config, weights, device, dtype, heads, ones, lora_config, lor
     in adapted are views of lora_params."""
     c, p = config, f"model.layers.{i}."
 
-    def up(names, shape=None):  # one weight, or several concatenated along their first dimension
-        a = np.concatenate([np.asarray(weights[k], np.float32) for k in names])
+    def rows(names):  # one weight, or several concatenated along their first dimension
+        return np.concatenate([np.asarray(weights[k], np.float32) for k in names])
+
+    def up(names, shape=None):
+        a = rows(names)
         return device.tensor(a if shape is None else a.reshape(shape), dtype)
 
-    def up_linear(names):  # a projection's weight (rows of several concatenated), quantized or not
+    def up_linear(names):  # a projection's weight, quantized or not
         if quantize is None:
             return up(names)
-        a = np.concatenate([np.asarray(weights[k], np.float32) for k in names])
-        return QuantizedWeight.quantize(device, a, dtype, *quantize, what=names[0])
+        return QuantizedWeight.quantize(device, rows(names), dtype, *quantize, what=names[0])
 
     qkv = up_linear([f"{p}self_attn.{m}.weight" for m in QKV_MODULES])
     qkv_bias = up([f"{p}self_attn.{m}.bias" for m in QKV_MODULES], (1, -1)) if c.attention_bias else None

@@ -19,7 +19,8 @@ import re
 from dataclasses import dataclass, field
 
 from mslsim.transform import (MslsimError, STD_ATTRIBUTES, _Edits, _parse_params, bake_function_constants, blank,
-                              kernel_instantiations, mask, match_close, split_top, string_literals)
+                              kernel_instantiations, mask, match_close, string_literals,
+                              threadgroup_declarations)
 
 
 class MslcudaError(MslsimError):
@@ -138,19 +139,8 @@ def translate(text: str, constants: dict | None = None) -> Translated:
         ed.add(a, b, blank(text[a:b]))
 
     # -- threadgroup variables declared at statement start -> __shared__
-    for gm in re.finditer(r"\bthreadgroup\b", m):
-        k = gm.start() - 1
-        while k >= 0 and m[k].isspace():
-            k -= 1
-        if k >= 0 and m[k] not in ";{}":
-            continue
-        semi = m.find(";", gm.end())
-        stmt = re.sub(r"\[[^\]]*\]", "", m[gm.end():semi])
-        if re.search(r"[*&(=]", stmt):
-            continue
-        if len(split_top(stmt)) > 1:
-            raise MslcudaError(f"declare one threadgroup variable per statement: 'threadgroup{m[gm.end():semi].strip()}'")
-        ed.add(gm.start(), gm.end(), "__shared__ ")
+    for start, end, _ in threadgroup_declarations(m, MslcudaError):
+        ed.add(start, end, "__shared__ ")
 
     # -- every function gets __device__; program-scope constants
     _scopes(m, ed, text)

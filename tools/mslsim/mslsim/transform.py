@@ -225,6 +225,27 @@ def kernel_instantiations(m: str, text: str, defs, error=MslsimError):
         yield tm.start(), end + 1, string_literals(hn.group(1)) if hn else callee, callee
 
 
+def threadgroup_declarations(m: str, error=MslsimError):
+    """The threadgroup variables declared at statement start in masked text m (not pointers,
+    references, parameters or initialised ones): (start and end of the keyword `threadgroup`, the
+    statement's `;`) each. Several variables in one statement raise `error`: stripping
+    `threadgroup` would silently make them per-thread variables."""
+    for gm in re.finditer(r"\bthreadgroup\b", m):
+        k = gm.start() - 1
+        while k >= 0 and m[k].isspace():
+            k -= 1
+        if k >= 0 and m[k] not in ";{}":
+            continue
+        semi = m.find(";", gm.end())
+        stmt = m[gm.end():semi]
+        nodims = re.sub(r"\[[^\]]*\]", "", stmt)
+        if re.search(r"[*&(=]", nodims):
+            continue
+        if len(split_top(nodims)) > 1:
+            raise error(f"declare one threadgroup variable per statement: 'threadgroup{stmt.strip()}'"[:300])
+        yield gm.start(), gm.end(), semi
+
+
 def _parse_params(orig: str, m: str, fc_values: dict[str, bool]) -> list[Param]:
     params: list[Param] = []
     if not m.strip() or m.strip() == "void":
@@ -359,30 +380,18 @@ def transform(text: str, constants: dict | None = None) -> Transformed:
 
     # -- threadgroup variables declared in a kernel body -> per-threadgroup shared storage
     uid = 0
-    for gm in re.finditer(r"\bthreadgroup\b", m):
-        k = gm.start() - 1
-        while k >= 0 and m[k].isspace():
-            k -= 1
-        if k >= 0 and m[k] not in ";{}":
-            continue
-        semi = m.find(";", gm.end())
-        stmt = m[gm.end():semi]
-        nodims = re.sub(r"\[[^\]]*\]", "", stmt)
-        if re.search(r"[*&(=]", nodims):
-            continue
-        if len(split_top(nodims)) > 1:
-            # stripping `threadgroup` would silently make these per-thread variables
-            raise MslsimError(f"declare one threadgroup variable per statement: 'threadgroup{stmt.strip()}'"[:300])
+    for start, end, semi in threadgroup_declarations(m):
+        stmt = m[end:semi]
         dm = re.fullmatch(r"\s*(.+?)\s+([A-Za-z_]\w*)\s*((?:\[[^\]]*\]\s*)*)", stmt, re.S)
         if not dm:
             continue
-        orig = text[gm.end():semi]
+        orig = text[end:semi]
         ctype = orig[dm.start(1):dm.end(1)].strip()
         dims = re.sub(r"\s+", "", orig[dm.start(3):dm.end(3)])
         uid += 1
         rep = f"auto& {dm.group(2)} = ::mslsim::rt::tg_var<{ctype}{dims}>({uid});"
-        rep += "\n" * text[gm.start():semi + 1].count("\n")
-        ed.add(gm.start(), semi + 1, rep)
+        rep += "\n" * text[start:semi + 1].count("\n")
+        ed.add(start, semi + 1, rep)
 
     # -- attributes, address spaces, keywords, half literals
     for am in re.finditer(r"\[\[(.*?)\]\]", m, re.S):

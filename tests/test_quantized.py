@@ -14,6 +14,10 @@ from conftest import FLOAT_DTYPES, U32, UNIT_ROUNDOFF, assert_close_elementwise,
 def test_pack_layout():
     """Element j of a row sits in word j // (32 / bits) at bit (j % (32 / bits)) * bits."""
     codes = np.array([[1, 2, 3, 4, 5, 6, 7, 8, 15, 0, 0, 0, 0, 0, 0, 9]])
+    # 3 bits: one little-endian bit stream; code 10 straddles words 0 and 1 (bits 30-32).
+    c3 = np.zeros((1, 32), np.int64)
+    c3[0, 10], c3[0, 31] = 7, 5
+    assert quant.pack(c3, 3).view(np.uint32).tolist() == [[0xC0000000, 0x1, 0xA0000000]]
     w = quant.pack(codes, 4)
     assert w.dtype == np.int32 and w.shape == (1, 2)
     assert w.view(np.uint32)[0, 0] == 0x87654321 and w.view(np.uint32)[0, 1] == 0x9000000F
@@ -30,7 +34,7 @@ def test_quantize_round_trip(bits, group_size):
     one (the far end, whose step count the exact near end rounds) within 1.5 steps; the end of
     larger magnitude exactly (it is the bias); a constant group exactly."""
     rng = np.random.default_rng(bits * group_size)
-    w = (rng.standard_normal((5, 3 * group_size)) * rng.uniform(0.01, 4, (5, 1))).astype(np.float32)
+    w = (rng.standard_normal((5, 4 * group_size)) * rng.uniform(0.01, 4, (5, 1))).astype(np.float32)
     w[0, :group_size] = 0.75
     wq, s, b = quant.quantize(w, bits, group_size)
     back = quant.dequantize(wq, s, b, bits, group_size)
@@ -53,7 +57,7 @@ def test_quantize_matches_mlx(dtype):
     mx = pytest.importorskip("mlx.core")
     rng = np.random.default_rng(3)
     for bits in quant.BITS:
-        for gs in quant.GROUP_SIZES:
+        for gs in quant.MLX_GROUP_SIZES:
             w = (rng.standard_normal((6, 384)) * rng.uniform(0.01, 3, (6, 1))).astype(np.float32)
             w[1, :gs] = -np.abs(w[1, :gs])
             wm = mx.array(w).astype(getattr(mx, dtype))
@@ -66,10 +70,10 @@ def test_quantize_matches_mlx(dtype):
 
 
 def test_quantize_errors():
-    with pytest.raises(ValueError, match=r"\[quantize\] bits must be one of \(2, 4, 8\), got 3"):
-        quant.quantize(np.zeros((2, 64)), 3, 64)
+    with pytest.raises(ValueError, match=r"\[quantize\] bits must be one of \(2, 3, 4, 5, 6, 8\), got 7"):
+        quant.quantize(np.zeros((2, 64)), 7, 64)
     with pytest.raises(ValueError, match=r"\[quantize\] W must be 2-D with its last dimension a multiple of "
-                                         r"group_size 64, got shape \(2, 96\)"):
+                                         r"group_size 64 .*, got shape \(2, 96\)"):
         quant.quantize(np.zeros((2, 96)), 4, 64)
 
 

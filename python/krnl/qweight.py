@@ -17,6 +17,46 @@ ops = _core.ops
 
 
 @dataclass(frozen=True)
+class QuantizedArray:
+    """A weight (O, I) as a quantized file stores it, on the host: what readers of MLX folders and
+    GGUF files hand the model in its weights dict, in place of a float array. w, scales and biases
+    are anything np.asarray reads (numpy arrays, memory-mapped LazyTensors): codes (O, I * bits /
+    32) int32 or uint32 in krnl.quant's layout, scales and biases (O, I / group_size) float.
+    scale_dtype names the dtype the file stores scales and biases in ("f32", "f16" or "bf16"):
+    the model keeps them in its compute dtype only where that is the same dtype (or f32 compute),
+    otherwise in f32, so that no scale is rounded. np.asarray(a, np.float32) dequantizes it whole
+    (for what the model holds dense: embeddings, fuse)."""
+    w: object
+    scales: object
+    biases: object
+    bits: int
+    group_size: int
+    scale_dtype: str = "f32"
+
+    def __post_init__(self):
+        s = tuple(np.shape(self.scales))
+        quant.check((s[0] if s else 0, np.shape(self.w)[1] * 32 // self.bits), self.bits, self.group_size)
+        if self.scale_dtype not in ("f32", "f16", "bf16"):
+            raise ValueError(f"[quantize] scale_dtype must be f32, f16 or bf16, got {self.scale_dtype!r}")
+
+    @property
+    def shape(self):
+        return (int(np.shape(self.w)[0]), int(np.shape(self.w)[1]) * 32 // self.bits)
+
+    @property
+    def ndim(self):
+        return 2
+
+    def dequantize(self):
+        return quant.dequantize(np.asarray(self.w), np.asarray(self.scales, np.float32),
+                                np.asarray(self.biases, np.float32), self.bits, self.group_size)
+
+    def __array__(self, dtype=None, copy=None):
+        a = self.dequantize()
+        return a if dtype is None else a.astype(dtype, copy=False)
+
+
+@dataclass(frozen=True)
 class QuantizedWeight:
     w: _core.Tensor       # (out, in * bits / 32) i32 packed codes
     scales: _core.Tensor  # (out, in / group_size) compute dtype

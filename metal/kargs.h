@@ -191,6 +191,8 @@ struct QuantizedMatmulArgs {
     uint32_t words;       // 32-bit words per row of W (I * bits / 32)
     uint32_t group_size;
     float    beta;
+    uint32_t ldx;         // row strides of x and out (column blocks of a wider matrix allowed)
+    uint32_t ldo;
 };
 
 #ifdef __cplusplus

@@ -1,7 +1,8 @@
 // msl: 3.0 (krnl's floor; newest feature used: nothing past MSL 2.0)
 // quantized_matmul: out (N, M) = x (N, K) op(W) + beta * out with W (O, I) quantized as MLX does
-// (metal/kargs.h QuantizedMatmulArgs; csrc/core/op_list.h has the layout): codes packed 32 / BITS
-// to a 32-bit word, W[o, j] = scales[o, j / gs] * q + biases[o, j / gs].
+// (metal/kargs.h QuantizedMatmulArgs; csrc/core/op_list.h has the layout): each row's codes one
+// little-endian bit stream of 32-bit words (3, 5 and 6 bits straddle words),
+// W[o, j] = scales[o, j / gs] * q + biases[o, j / gs]. x and out rows are args.ldx / args.ldo apart.
 //   quantized_matmul_t_*:  transpose, out (N, O) = x (N, I) W^T  (a linear's forward)
 //   quantized_matmul_n_*:  out (N, I) = x (N, O) W               (its input gradient)
 // Names: quantized_matmul_{t,n}_<x dtype>[_sf32]_b<bits>; _sf32 when scales and biases are f32
@@ -18,9 +19,13 @@ using namespace metal;
 template <int BITS>
 inline float dequant(device const uint* w, uint words, uint o, uint j, float s, float b)
 {
-    constexpr uint PER = 32 / BITS, MASK = (1u << BITS) - 1u;
-    const uint q = (w[o * words + j / PER] >> ((j % PER) * BITS)) & MASK;
-    return s * float(q) + b;
+    constexpr uint MASK = (1u << BITS) - 1u;
+    device const uint* row = w + o * words;
+    const uint bit = j * BITS, wi = bit >> 5, sh = bit & 31u;
+    uint q = row[wi] >> sh;
+    if (32 % BITS != 0 && sh + BITS > 32)  // only widths that do not divide 32 straddle words
+        q |= row[wi + 1] << (32 - sh);
+    return s * float(q & MASK) + b;
 }
 
 template <typename T, typename S, int BITS, bool TRANSPOSE>
@@ -37,7 +42,7 @@ kernel void quantized_matmul(device const T*    x      [[buffer(0)]],
     const uint I = TRANSPOSE ? args.K : args.M, G = I / gs;
     for (uint e = gid; e < total; e += gsz) {
         const uint n = e / args.M, m = e % args.M;
-        device const T* xr = x + n * args.K;
+        device const T* xr = x + n * args.ldx;
         float acc = 0.0f;
         if (TRANSPOSE) {  // o = m: one row of W, group by group
             for (uint g = 0; g < G; ++g) {
@@ -52,23 +57,20 @@ kernel void quantized_matmul(device const T*    x      [[buffer(0)]],
                           acc);
         }
         // beta == 0 never reads out (it may hold NaN)
-        out[e] = T(args.beta != 0.0f ? fma(args.beta, float(out[e]), acc) : acc);
+        device T* o = out + n * args.ldo + m;
+        *o = T(args.beta != 0.0f ? fma(args.beta, float(*o), acc) : acc);
     }
 }
 
+#define QMM_KERNEL(T, S, NAME, BITS)                                                                         \
+    template [[host_name("quantized_matmul_t_" NAME "_b" #BITS)]] [[kernel]]                            \
+    decltype(quantized_matmul<T, S, BITS, true>) quantized_matmul<T, S, BITS, true>;                      \
+    template [[host_name("quantized_matmul_n_" NAME "_b" #BITS)]] [[kernel]]                            \
+    decltype(quantized_matmul<T, S, BITS, false>) quantized_matmul<T, S, BITS, false>;
+
 #define QMM_KERNELS(T, S, NAME)                                                                              \
-    template [[host_name("quantized_matmul_t_" NAME "_b2")]] [[kernel]]                                 \
-    decltype(quantized_matmul<T, S, 2, true>) quantized_matmul<T, S, 2, true>;                            \
-    template [[host_name("quantized_matmul_t_" NAME "_b4")]] [[kernel]]                                 \
-    decltype(quantized_matmul<T, S, 4, true>) quantized_matmul<T, S, 4, true>;                            \
-    template [[host_name("quantized_matmul_t_" NAME "_b8")]] [[kernel]]                                 \
-    decltype(quantized_matmul<T, S, 8, true>) quantized_matmul<T, S, 8, true>;                            \
-    template [[host_name("quantized_matmul_n_" NAME "_b2")]] [[kernel]]                                 \
-    decltype(quantized_matmul<T, S, 2, false>) quantized_matmul<T, S, 2, false>;                          \
-    template [[host_name("quantized_matmul_n_" NAME "_b4")]] [[kernel]]                                 \
-    decltype(quantized_matmul<T, S, 4, false>) quantized_matmul<T, S, 4, false>;                          \
-    template [[host_name("quantized_matmul_n_" NAME "_b8")]] [[kernel]]                                 \
-    decltype(quantized_matmul<T, S, 8, false>) quantized_matmul<T, S, 8, false>;
+    QMM_KERNEL(T, S, NAME, 2) QMM_KERNEL(T, S, NAME, 3) QMM_KERNEL(T, S, NAME, 4)                           \
+    QMM_KERNEL(T, S, NAME, 5) QMM_KERNEL(T, S, NAME, 6) QMM_KERNEL(T, S, NAME, 8)
 
 QMM_KERNELS(float, float, "f32")
 QMM_KERNELS(half, half, "f16")

@@ -14,11 +14,14 @@
 //   and i - j < window where window > 0 (sliding window), and seg[i] == seg[j] where segments
 //   (T,) i32 are given (packed samples). Capabilities say which of these a backend's fused op takes.
 // - quantized_matmul: W (O, I) quantized as MLX does (affine, per group of group_size consecutive
-//   inputs of a row): w (O, I * bits / 32) i32 holds the bits-wide codes q, 32 / bits per 32-bit
-//   word, element j of a row in word j / (32 / bits) at bit (j % (32 / bits)) * bits; scales and
-//   biases (O, I / group_size) in x's dtype or f32; W[o, j] = scales[o, j / gs] * q + biases[o, j / gs].
-//   transpose: out (N, O) = x (N, I) W^T (a linear's forward); else out (N, I) = x (N, O) W (its
-//   input gradient). out = that + beta * out, accumulated in f32; never a full dequantized W.
+//   inputs of a row; bits 2, 3, 4, 5, 6, 8; group_size 16, 32, 64, 128): w (O, I * bits / 32) i32
+//   holds each row's codes q as one little-endian bit stream, element j at bit j * bits (codes of
+//   3, 5 and 6 bits straddle words); scales and biases (O, I / group_size) in x's dtype or f32;
+//   W[o, j] = scales[o, j / gs] * q + biases[o, j / gs]. transpose: out (N, O) = x (N, I) W^T (a
+//   linear's forward); else out (N, I) = x (N, O) W (its input gradient). out = that + beta * out,
+//   accumulated in f32; x and out may be row-strided 2-D views. Never a full dequantized W per
+//   call beyond one transient (O, I) matrix in x's dtype (CUDA's cuBLAS path, which rounds W to a
+//   16-bit x's dtype first, as MLX and bitsandbytes do).
 // - transpose_heads: out (B, A, D) = x (A, B, D) with the first two axes swapped: token-major
 //   (T, H, D) projections to head-major (H, T, D) attention operands and back.
 #pragma once

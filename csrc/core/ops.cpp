@@ -436,14 +436,23 @@ void cast(const Tensor& x, const Tensor& out) {
 void quantized_matmul(const Tensor& x, const Tensor& w, const Tensor& scales, const Tensor& biases, const Tensor& out,
                       bool transpose, int64_t group_size, int64_t bits, float beta) {
   Check c{"quantized_matmul"};
-  c.tensor("x", x), c.tensor("w", w), c.tensor("scales", scales), c.tensor("biases", biases), c.tensor("out", out);
-  if (bits != 2 && bits != 4 && bits != 8) c.fail("bits must be 2, 4 or 8, got " + std::to_string(bits));
-  if (group_size != 32 && group_size != 64 && group_size != 128)
-    c.fail("group_size must be 32, 64 or 128, got " + std::to_string(group_size));
+  // x and out may be row-strided 2-D views (column blocks of a fused q|k|v projection).
+  auto rows_view = [&](const char* name, const Tensor& t) {
+    if (t.defined() && t.dim() == 2 && !t.is_contiguous() && t.strides()[1] == 1 && t.strides()[0] >= t.size(1))
+      c.tensor_any(name, t);
+    else
+      c.tensor(name, t);
+  };
+  rows_view("x", x), c.tensor("w", w), c.tensor("scales", scales), c.tensor("biases", biases), rows_view("out", out);
+  if (bits != 2 && bits != 3 && bits != 4 && bits != 5 && bits != 6 && bits != 8)
+    c.fail("bits must be 2, 3, 4, 5, 6 or 8, got " + std::to_string(bits));
+  if (group_size != 16 && group_size != 32 && group_size != 64 && group_size != 128)
+    c.fail("group_size must be 16, 32, 64 or 128, got " + std::to_string(group_size));
   c.floating("x", x);
   c.dtype("w", w, {DType::i32});
   if (x.dim() != 2) c.fail("x must be 2-D (N, I) or (N, O), got " + x.describe());
-  if (w.dim() != 2) c.fail("w must be 2-D (O, I * bits / 32) of packed codes, got " + w.describe());
+  if (w.dim() != 2 || (w.size(1) * 32) % bits)
+    c.fail("w must be 2-D (O, I * bits / 32) of packed " + std::to_string(bits) + "-bit codes, got " + w.describe());
   const int64_t O = w.size(0), I = w.size(1) * 32 / bits, G = I / group_size;
   if (scales.dim() != 2 || scales.size(0) != O || scales.size(1) * group_size != I)
     c.fail("scales must be (" + std::to_string(O) + ", " + std::to_string(G) + ") for w " + w.describe() +

@@ -436,18 +436,18 @@ void CpuBackend::quantized_matmul(const Tensor& x, const Tensor& w, const Tensor
                                   const Tensor& out, bool transpose, int64_t group_size, int64_t bits, float beta) {
   const int64_t N = x.size(0), O = w.size(0), words = w.size(1), I = words * 32 / bits, G = I / group_size;
   const int64_t M = transpose ? O : I, K = transpose ? I : O;
+  const int64_t ldx = x.strides()[0], ldo = out.strides()[0];  // row strides: x and out may be column blocks
   if (N == 0 || M == 0) return;
   constexpr int64_t kTile = 256;  // rows of W per dequantized tile: (256, I) f32, a few MB at most
   std::vector<float> xf(size_t(N * K)), of(size_t(N * M)), sf(size_t(O * G)), bf(size_t(O * G));
-  load_all(x.dtype(), x.data(), 0, N * K, xf.data());
+  for (int64_t n = 0; n < N; ++n) load_all(x.dtype(), x.data(), n * ldx, K, &xf[size_t(n * K)]);
   load_all(scales.dtype(), scales.data(), 0, O * G, sf.data());
   load_all(biases.dtype(), biases.data(), 0, O * G, bf.data());
   if (beta != 0.f) {
-    load_all(out.dtype(), out.data(), 0, N * M, of.data());
+    for (int64_t n = 0; n < N; ++n) load_all(out.dtype(), out.data(), n * ldo, M, &of[size_t(n * M)]);
     for (float& v : of) v *= beta;
   }
   const uint32_t* codes = static_cast<const uint32_t*>(w.data());
-  const int64_t per = 32 / bits;
   const uint32_t mask = (1u << bits) - 1u;
   std::vector<float> tile(size_t(std::min(kTile, O) * I));
   for (int64_t o0 = 0; o0 < O; o0 += kTile) {
@@ -459,8 +459,11 @@ void CpuBackend::quantized_matmul(const Tensor& x, const Tensor& w, const Tensor
         const float* b = &bf[size_t((o0 + r) * G)];
         float* t = &tile[size_t(r * I)];
         for (int64_t j = 0; j < I; ++j) {
-          const uint32_t q = (wr[j / per] >> ((j % per) * bits)) & mask;
-          t[j] = s[j / group_size] * float(q) + b[j / group_size];
+          // The row's codes are one bit stream: a code may straddle two words (3, 5, 6 bits).
+          const int64_t bit = j * bits, wi = bit >> 5, sh = bit & 31;
+          uint32_t q = wr[wi] >> sh;
+          if (sh + bits > 32) q |= wr[wi + 1] << (32 - sh);
+          t[j] = s[j / group_size] * float(q & mask) + b[j / group_size];
         }
       }
     });
@@ -470,7 +473,7 @@ void CpuBackend::quantized_matmul(const Tensor& x, const Tensor& w, const Tensor
       sgemm(false, false, N, I, rows, 1.f, &xf[size_t(o0)], O, tile.data(), I, o0 > 0 || beta != 0.f ? 1.f : 0.f,
             of.data(), I);
   }
-  store_all(out.dtype(), of.data(), N * M, out.data(), 0);
+  for (int64_t n = 0; n < N; ++n) store_all(out.dtype(), &of[size_t(n * M)], M, out.data(), n * ldo);
 }
 
 void CpuBackend::transpose_heads(const Tensor& x, const Tensor& out) {

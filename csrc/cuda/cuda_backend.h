@@ -116,6 +116,7 @@ class CudaBackend : public Backend {
 
  private:
   // beta * C over a (possibly row-strided, batched) output: the K = 0 GEMM.
+  void gemm_untimed(const GemmArgs& g);  // gemm's body, for ops that end in a GEMM (quantized_matmul)
   void gemm_scale_output(const GemmArgs& g);
   void gemm_split(const GemmArgs& g);
   void run_deferred();

@@ -1,26 +1,37 @@
-// quantized_matmul on CUDA (csrc/core/op_list.h has the layout): W (O, I) stays packed in MLX's
-// affine layout and each thread dequantizes the codes it reads, accumulating in float. A first,
-// untuned kernel (one thread per output element, no shared-memory tiles): correct at any shape,
-// bound by the reads of x and the codes; a tiled or tensor-core version comes with the
-// quantized-base benchmark.
+// quantized_matmul on CUDA (csrc/core/op_list.h has the layout). Two paths:
+// - from kDequantMinRows rows of x on (training): W dequantized once into a transient (O, I)
+//   matrix in x's dtype (released to the stream-ordered pool right after, so at most one lives at
+//   a time), then one cuBLAS GEMM with f32 accumulation: tensor cores at the cost of rounding W to
+//   a 16-bit x's dtype first, as MLX and bitsandbytes do;
+// - fewer rows (generation): one thread per output element dequantizing the codes it reads, so a
+//   token's forward never writes W out whole.
 #include "common.cuh"
 
 namespace krnl::cuda {
 namespace {
 
+constexpr int64_t kDequantMinRows = 16;
+
+// Code j of a row: the row's codes are one little-endian bit stream of 32-bit words.
+template <int BITS>
+__device__ __forceinline__ uint32_t code(const uint32_t* row, int64_t j) {
+  const int64_t bit = j * BITS, wi = bit >> 5;
+  const int sh = int(bit & 31);
+  uint32_t q = row[wi] >> sh;
+  if (32 % BITS != 0 && sh + BITS > 32) q |= row[wi + 1] << (32 - sh);  // 3, 5, 6 bits straddle words
+  return q & ((1u << BITS) - 1u);
+}
+
 template <int BITS>
 __device__ __forceinline__ float dequant(const uint32_t* w, int64_t words, int64_t o, int64_t j, float s, float b) {
-  constexpr int PER = 32 / BITS;
-  constexpr uint32_t MASK = (1u << BITS) - 1u;
-  const uint32_t q = (w[o * words + j / PER] >> ((j % PER) * BITS)) & MASK;
-  return s * float(q) + b;
+  return s * float(code<BITS>(w + o * words, j)) + b;
 }
 
 // out (N, M) = x (N, K) op(W) + beta out; transpose: K = I, M = O (x W^T); else K = O, M = I (x W).
 template <int BITS, bool TRANSPOSE>
-__global__ void quantized_matmul_kernel(DType xdt, const void* x, const uint32_t* w, DType sdt, const void* scales,
-                                        const void* biases, void* out, int64_t N, int64_t M, int64_t K, int64_t words,
-                                        int64_t gs, float beta) {
+__global__ void quantized_matmul_kernel(DType xdt, const void* x, int64_t ldx, const uint32_t* w, DType sdt,
+                                        const void* scales, const void* biases, void* out, int64_t ldo, int64_t N,
+                                        int64_t M, int64_t K, int64_t words, int64_t gs, float beta) {
   const int64_t I = TRANSPOSE ? K : M, G = I / gs, total = N * M;
   for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < total; e += int64_t(gridDim.x) * blockDim.x) {
     const int64_t n = e / M, m = e % M;
@@ -29,26 +40,66 @@ __global__ void quantized_matmul_kernel(DType xdt, const void* x, const uint32_t
       for (int64_t g = 0; g < G; ++g) {
         const float s = ld(sdt, scales, m * G + g), b = ld(sdt, biases, m * G + g);
         for (int64_t j = g * gs; j < (g + 1) * gs; ++j)
-          acc = fmaf(ld(xdt, x, n * K + j), dequant<BITS>(w, words, m, j, s, b), acc);
+          acc = fmaf(ld(xdt, x, n * ldx + j), dequant<BITS>(w, words, m, j, s, b), acc);
       }
     } else {  // j = m: one column of W, down its rows
       const int64_t g = m / gs;
       for (int64_t o = 0; o < K; ++o)
-        acc = fmaf(ld(xdt, x, n * K + o),
+        acc = fmaf(ld(xdt, x, n * ldx + o),
                    dequant<BITS>(w, words, o, m, ld(sdt, scales, o * G + g), ld(sdt, biases, o * G + g)), acc);
     }
-    st(xdt, out, e, beta != 0.f ? fmaf(beta, ld(xdt, out, e), acc) : acc);  // beta 0 never reads out
+    const int64_t oi = n * ldo + m;
+    st(xdt, out, oi, beta != 0.f ? fmaf(beta, ld(xdt, out, oi), acc) : acc);  // beta 0 never reads out
+  }
+}
+
+// wd (O, I) in odt = W: a thread per run of codes that fills whole words (PER codes in WORDS
+// words), so each code word is read once.
+template <int BITS>
+__global__ void dequantize_kernel(const uint32_t* w, int64_t words, DType sdt, const void* scales,
+                                  const void* biases, int64_t O, int64_t I, int64_t gs, DType odt, void* wd) {
+  constexpr int PER = BITS == 3 || BITS == 5 ? 32 : BITS == 6 ? 16 : 32 / BITS;
+  const int64_t runs_per_row = I / PER, total = O * runs_per_row, G = I / gs;
+  for (int64_t t = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; t < total; t += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t o = t / runs_per_row, j0 = (t % runs_per_row) * PER;
+    const uint32_t* row = w + o * words;
+#pragma unroll
+    for (int k = 0; k < PER; ++k) {
+      const int64_t j = j0 + k, g = o * G + j / gs;
+      st(odt, wd, o * I + j, ld(sdt, scales, g) * float(code<BITS>(row, j)) + ld(sdt, biases, g));
+    }
   }
 }
 
 template <int BITS>
-void launch(bool transpose, unsigned grid, cudaStream_t s, DType xdt, const void* x, const uint32_t* w, DType sdt,
-            const void* sc, const void* bi, void* out, int64_t N, int64_t M, int64_t K, int64_t words, int64_t gs,
-            float beta) {
+void launch(bool transpose, unsigned grid, cudaStream_t s, DType xdt, const void* x, int64_t ldx, const uint32_t* w,
+            DType sdt, const void* sc, const void* bi, void* out, int64_t ldo, int64_t N, int64_t M, int64_t K,
+            int64_t words, int64_t gs, float beta) {
   if (transpose)
-    quantized_matmul_kernel<BITS, true><<<grid, kThreads, 0, s>>>(xdt, x, w, sdt, sc, bi, out, N, M, K, words, gs, beta);
+    quantized_matmul_kernel<BITS, true>
+        <<<grid, kThreads, 0, s>>>(xdt, x, ldx, w, sdt, sc, bi, out, ldo, N, M, K, words, gs, beta);
   else
-    quantized_matmul_kernel<BITS, false><<<grid, kThreads, 0, s>>>(xdt, x, w, sdt, sc, bi, out, N, M, K, words, gs, beta);
+    quantized_matmul_kernel<BITS, false>
+        <<<grid, kThreads, 0, s>>>(xdt, x, ldx, w, sdt, sc, bi, out, ldo, N, M, K, words, gs, beta);
+}
+
+template <int BITS>
+void launch_dequantize(cudaStream_t s, const uint32_t* w, int64_t words, DType sdt, const void* sc, const void* bi,
+                       int64_t O, int64_t I, int64_t gs, DType odt, void* wd) {
+  constexpr int64_t PER = BITS == 3 || BITS == 5 ? 32 : BITS == 6 ? 16 : 32 / BITS;
+  dequantize_kernel<BITS><<<grid_for(O * I / PER), kThreads, 0, s>>>(w, words, sdt, sc, bi, O, I, gs, odt, wd);
+}
+
+template <class F2, class F3, class F4, class F5, class F6, class F8>
+auto by_bits(int64_t bits, F2 f2, F3 f3, F4 f4, F5 f5, F6 f6, F8 f8) {
+  switch (bits) {  // the core allows exactly these
+    case 2: return f2;
+    case 3: return f3;
+    case 4: return f4;
+    case 5: return f5;
+    case 6: return f6;
+    default: return f8;
+  }
 }
 
 }  // namespace
@@ -56,13 +107,24 @@ void launch(bool transpose, unsigned grid, cudaStream_t s, DType xdt, const void
 void CudaBackend::quantized_matmul(const Tensor& x, const Tensor& w, const Tensor& scales, const Tensor& biases,
                                    const Tensor& out, bool transpose, int64_t group_size, int64_t bits, float beta) {
   OpTimer timer(this);
-  const int64_t N = x.size(0), K = x.size(1), M = out.size(1);
+  const int64_t N = x.size(0), K = x.size(1), M = out.size(1), O = w.size(0), words = w.size(1), I = words * 32 / bits;
+  const int64_t ldx = x.strides()[0], ldo = out.strides()[0];
   if (N == 0 || M == 0) return;
-  const unsigned grid = grid_for(N * M);
   const auto* codes = static_cast<const uint32_t*>(w.data());
-  auto go = bits == 2 ? launch<2> : bits == 4 ? launch<4> : launch<8>;  // the core allows 2, 4, 8
-  go(transpose, grid, stream_, x.dtype(), x.data(), codes, scales.dtype(), scales.data(), biases.data(), out.data(), N,
-     M, K, w.size(1), group_size, beta);
+  if (N >= kDequantMinRows) {
+    Tensor wd = empty({O, I}, x.dtype());  // (O, I) transient, back to the pool when this op returns
+    auto deq = by_bits(bits, launch_dequantize<2>, launch_dequantize<3>, launch_dequantize<4>, launch_dequantize<5>,
+                       launch_dequantize<6>, launch_dequantize<8>);
+    deq(stream_, codes, words, scales.dtype(), scales.data(), biases.data(), O, I, group_size, x.dtype(), wd.data());
+    check_launch("quantized_matmul");
+    GemmArgs g;
+    g.A = x, g.B = wd, g.C = out, g.trans_b = transpose, g.beta = beta;
+    g.M = N, g.N = M, g.K = K, g.lda = ldx, g.ldb = I, g.ldc = ldo;
+    return gemm_untimed(g);
+  }
+  auto go = by_bits(bits, launch<2>, launch<3>, launch<4>, launch<5>, launch<6>, launch<8>);
+  go(transpose, grid_for(N * M), stream_, x.dtype(), x.data(), ldx, codes, scales.dtype(), scales.data(),
+     biases.data(), out.data(), ldo, N, M, K, words, group_size, beta);
   check_launch("quantized_matmul");
 }
 

@@ -735,10 +735,14 @@ void MetalOps::quantized_matmul(const Tensor& x, const Tensor& w, const Tensor& 
   if (N == 0 || M == 0) return;
   Dispatch d = e.make("quantized", std::string("quantized_matmul_") + (transpose ? "t_" : "n_") + xs +
                                        (sf32 ? "_sf32" : "") + "_b" + std::to_string(bits));
-  bind(d, 0, x), bind(d, 1, w), bind(d, 2, scales), bind(d, 3, biases), bind(d, 4, out);
+  const int64_t ldx = x.strides()[0], ldo = out.strides()[0];  // column-block views allowed
+  bind(d, 0, x, size_t(extent_elems(N, K, ldx, 0, 1)) * dtype_size(x.dtype()));
+  bind(d, 1, w), bind(d, 2, scales), bind(d, 3, biases);
+  bind(d, 4, out, size_t(extent_elems(N, M, ldo, 0, 1)) * dtype_size(out.dtype()));
   d.set_args(5, QuantizedMatmulArgs{u32(e.op, N, "N"), u32(e.op, M, "M"), u32(e.op, K, "K"),
-                                    u32(e.op, w.size(1), "words"), uint32_t(group_size), beta});
-  u32(e.op, N * M, "N * M");
+                                    u32(e.op, w.size(1), "words"), uint32_t(group_size), beta, u32(e.op, ldx, "ldx"),
+                                    u32(e.op, ldo, "ldo")});
+  u32(e.op, N * M, "N * M"), u32(e.op, (N - 1) * std::max(ldx, ldo) + std::max(K, M), "x and out extents");
   d.flops = 2.0 * double(N) * double(M) * double(K);
   ew_geometry(d, N * M);
   encode(std::move(d));

@@ -6,6 +6,7 @@ import numpy as np
 
 from . import _core
 from .layer import Batch, layer_forward
+from .qweight import linear
 
 ops = _core.ops
 
@@ -70,7 +71,7 @@ def decode(model, ids, start, cache):
         last, xn, r = x[n - 1:n], d.empty((1, C), dt), d.empty((1,), "f32")
         ops.rmsnorm_forward(last, model.norm_w, xn, r, c.rms_norm_eps)
         logits = d.empty((1, c.vocab_size), "f32" if dt == "f32" else dt)  # (1, V)
-        ops.gemm(xn, model.head, logits, trans_b=True)
+        linear(xn, model.head, logits)
     return np.asarray(logits.numpy()[0], np.float32)
 
 

@@ -18,7 +18,7 @@ from . import _core
 from .attention import fused_forward, materialised_forward
 from .config import ALL_MODULES, ATTN_MODULES, QKV_MODULES
 from .lora import LoraLinear, LoraSaved, factors
-from .qweight import QuantizedWeight, linear, linear_grad
+from .qweight import frozen_weight, linear, linear_grad
 
 ops = _core.ops
 Tensor = _core.Tensor
@@ -84,7 +84,7 @@ class Layer:
     # so the projection is one GEMM and one head transpose instead of three of each (fewer
     # dispatches for GPU backends; on the 2-core CPU with OpenBLAS the time is the same,
     # measured). q/k/v_proj's W are row ranges of it, their outputs column blocks.
-    qkv: Tensor                 # (QKV, C); a QuantizedWeight with --quantize
+    qkv: Tensor                 # (QKV, C); a QuantizedWeight (or RowStack) on a quantized base
     qkv_bias: Optional[Tensor]  # (1, QKV)
     ones: Ones
     q_proj: LoraLinear
@@ -151,17 +151,12 @@ def build_layer(i, config, weights, device, dtype, heads, ones, lora_config, lor
     in adapted are views of lora_params."""
     c, p = config, f"model.layers.{i}."
 
-    def rows(names):  # one weight, or several concatenated along their first dimension
-        return np.concatenate([np.asarray(weights[k], np.float32) for k in names])
-
     def up(names, shape=None):
-        a = rows(names)
+        a = np.concatenate([np.asarray(weights[k], np.float32) for k in names])
         return device.tensor(a if shape is None else a.reshape(shape), dtype)
 
-    def up_linear(names):  # a projection's weight, quantized or not
-        if quantize is None:
-            return up(names)
-        return QuantizedWeight.quantize(device, rows(names), dtype, *quantize, what=names[0])
+    def up_linear(names):  # a projection's weight: dense, quantized as stored, or quantized on load
+        return frozen_weight(device, [weights[k] for k in names], dtype, quantize, what=names[0])
 
     qkv = up_linear([f"{p}self_attn.{m}.weight" for m in QKV_MODULES])
     qkv_bias = up([f"{p}self_attn.{m}.bias" for m in QKV_MODULES], (1, -1)) if c.attention_bias else None

@@ -22,6 +22,7 @@ from .config import (ALL_MODULES, ATTN_MODULES, IGNORE_INDEX, MLP_MODULES, QKV_M
 from .generate import generate
 from .layer import Batch, Heads, Ones, build_layer, layer_backward, layer_forward
 from .lora import init_lora
+from .qweight import frozen_weight, linear, linear_grad
 from . import quant
 
 ops = _core.ops
@@ -44,7 +45,9 @@ class LlamaModel:
         c = config
         up = lambda k: device.tensor(np.asarray(weights[k], np.float32), dtype)
         self.embed = up("model.embed_tokens.weight")                     # (V, C)
-        self.head = self.embed if c.tie_word_embeddings else up("lm_head.weight")
+        # An untied head stays quantized where the file quantizes it; the embedding table is
+        # held dequantized (rows are gathered, and a tied head shares it).
+        self.head = self.embed if c.tie_word_embeddings else frozen_weight(device, [weights["lm_head.weight"]], dtype)
         self.norm_w = up("model.norm.weight")                            # (C,)
         # LoRA factors: one FlatParams, PEFT names, A then B per adapted module.
         self.lora_params, self.adapted = init_lora(device, c, self.lora_config, dtype, seed)
@@ -215,9 +218,9 @@ class LlamaModel:
             for r0 in range(0, N, self.ce_chunk):
                 r1 = min(N, r0 + self.ce_chunk)
                 logits = d.empty((r1 - r0, V), dt)
-                ops.gemm(xn[r0:r1], self.head, logits, trans_b=True)          # logits = xn W^T
+                linear(xn[r0:r1], self.head, logits)                          # logits = xn W^T
                 ops.cross_entropy(logits, tt[r0:r1], rows_loss[r0:r1], logits, IGNORE_INDEX, scale)
-                ops.gemm(logits, self.head, dxn[r0:r1])                       # dxn = dlogits W
+                linear_grad(logits, self.head, dxn[r0:r1])                    # dxn = dlogits W
             dx = d.empty((N, C), dt)
             ops.rmsnorm_backward(dxn, x, self.norm_w, rstd, dx)
             for i in reversed(range(c.num_hidden_layers)):
@@ -246,7 +249,7 @@ class LlamaModel:
         for r0 in range(0, N, self.ce_chunk):
             r1 = min(N, r0 + self.ce_chunk)
             logits = d.empty((r1 - r0, V), dt)
-            ops.gemm(xn[r0:r1], self.head, logits, trans_b=True)
+            linear(xn[r0:r1], self.head, logits)
             fn(r0, r1, logits)
 
     def loss(self, ids, targets, segments=None, positions=None):

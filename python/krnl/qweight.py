@@ -5,7 +5,7 @@ linear needs from any frozen weight, dense or quantized:
     linear_grad(dy, W, dx, beta) dx = dy W + beta dx  (input gradient)
 
 A dense W is a (out, in) tensor and goes through ops.gemm; a QuantizedWeight through
-ops.quantized_matmul, which never dequantizes it whole."""
+ops.quantized_matmul, which never dequantizes it whole; a RowStack part by part."""
 
 from dataclasses import dataclass
 
@@ -65,6 +65,18 @@ class QuantizedWeight:
     group_size: int
 
     @staticmethod
+    def upload(device, arrays, dtype):
+        """One QuantizedWeight from QuantizedArrays of the same layout stacked along rows (q, k and
+        v into one projection). Scales and biases stay in the compute dtype where the file stores
+        them in it (or the compute dtype is f32), otherwise in f32: no scale is rounded."""
+        a0 = arrays[0]
+        sdt = dtype if a0.scale_dtype == dtype or dtype == "f32" else "f32"
+        cat = lambda get, dt: np.concatenate([np.asarray(get(a), dt) for a in arrays])
+        w = cat(lambda a: np.ascontiguousarray(np.asarray(a.w)).view(np.int32), np.int32)
+        return QuantizedWeight(device.tensor(w, "i32"), device.tensor(cat(lambda a: a.scales, np.float32), sdt),
+                               device.tensor(cat(lambda a: a.biases, np.float32), sdt), a0.bits, a0.group_size)
+
+    @staticmethod
     def quantize(device, W, dtype, bits, group_size, what="W"):
         """W (out, in) float quantized as mx.quantize does; scales and biases stored in dtype."""
         W = np.asarray(W, np.float32)
@@ -93,9 +105,57 @@ class QuantizedWeight:
                                 np.asarray(self.biases.numpy(), np.float32), self.bits, self.group_size)
 
 
+class RowStack:
+    """Frozen weights stacked along rows that cannot be one tensor: the q, k and v projections of
+    a checkpoint that quantizes them differently (MLX's mixed-precision recipes). The products
+    run per part on column blocks of the fused activations."""
+
+    def __init__(self, parts):
+        self.parts = list(parts)
+        self.rows = [p.shape[0] for p in self.parts]
+        self.starts = np.concatenate([[0], np.cumsum(self.rows)]).tolist()
+
+    @property
+    def shape(self):
+        return (self.starts[-1], self.parts[0].shape[1])
+
+    @property
+    def device(self):
+        return self.parts[0].device
+
+    def __getitem__(self, rows):
+        """The part whose rows are exactly r0:r1 (the layer slices q, k and v)."""
+        i = self.starts.index(rows.start)
+        if self.starts[i + 1] != rows.stop:
+            raise IndexError(f"[RowStack] rows {rows.start}:{rows.stop} are not one part {self.starts}")
+        return self.parts[i]
+
+    def numpy(self):
+        return np.concatenate([np.asarray(p.numpy(), np.float32) for p in self.parts])
+
+
+def frozen_weight(device, arrays, dtype, quantize=None, what="W"):
+    """The frozen weight of one projection made of `arrays` stacked along rows (float arrays or
+    QuantizedArrays as a file holds them): dense in the compute dtype, quantized as the file
+    has it, quantized on load where quantize = (bits, group_size) is given and the file holds
+    floats, or a RowStack where the parts cannot share one layout."""
+    q = [isinstance(a, QuantizedArray) for a in arrays]
+    if all(q) and len({(a.bits, a.group_size, a.scale_dtype) for a in arrays}) == 1:
+        return QuantizedWeight.upload(device, arrays, dtype)
+    if any(q):
+        return RowStack([frozen_weight(device, [a], dtype, quantize, what) for a in arrays])
+    W = np.concatenate([np.asarray(a, np.float32) for a in arrays])
+    if quantize is None:
+        return device.tensor(W, dtype)
+    return QuantizedWeight.quantize(device, W, dtype, *quantize, what=what)
+
+
 def linear(x, W, y):
     """y (rows, out) = x (rows, in) W^T."""
-    if isinstance(W, QuantizedWeight):
+    if isinstance(W, RowStack):
+        for p, r0, r1 in zip(W.parts, W.starts, W.starts[1:]):
+            linear(x, p, y[:, r0:r1])
+    elif isinstance(W, QuantizedWeight):
         ops.quantized_matmul(x, W.w, W.scales, W.biases, y, True, W.group_size, W.bits)
     else:
         ops.gemm(x, W, y, trans_b=True)
@@ -103,7 +163,10 @@ def linear(x, W, y):
 
 def linear_grad(dy, W, dx, beta=0.0):
     """dx (rows, in) = dy (rows, out) W + beta dx."""
-    if isinstance(W, QuantizedWeight):
+    if isinstance(W, RowStack):
+        for i, (p, r0, r1) in enumerate(zip(W.parts, W.starts, W.starts[1:])):
+            linear_grad(dy[:, r0:r1], p, dx, beta if i == 0 else 1.0)
+    elif isinstance(W, QuantizedWeight):
         ops.quantized_matmul(dy, W.w, W.scales, W.biases, dx, False, W.group_size, W.bits, beta)
     else:
         ops.gemm(dy, W, dx, beta=beta)

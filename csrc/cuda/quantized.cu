@@ -53,12 +53,12 @@ __global__ void quantized_matmul_kernel(DType xdt, const void* x, int64_t ldx, c
   }
 }
 
-// wd (O, I) in odt = W: a thread per run of codes that fills whole words (PER codes in WORDS
-// words), so each code word is read once.
+// wd (O, I) in odt = W for 3, 5 and 6 bits: a thread per run of codes that fills whole words
+// (32 codes in 3 or 5 words, 16 in 3), so each code word is read once.
 template <int BITS>
 __global__ void dequantize_kernel(const uint32_t* w, int64_t words, DType sdt, const void* scales,
                                   const void* biases, int64_t O, int64_t I, int64_t gs, DType odt, void* wd) {
-  constexpr int PER = BITS == 3 || BITS == 5 ? 32 : BITS == 6 ? 16 : 32 / BITS;
+  constexpr int PER = BITS == 6 ? 16 : 32;
   const int64_t runs_per_row = I / PER, total = O * runs_per_row, G = I / gs;
   for (int64_t t = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; t < total; t += int64_t(gridDim.x) * blockDim.x) {
     const int64_t o = t / runs_per_row, j0 = (t % runs_per_row) * PER;
@@ -67,6 +67,40 @@ __global__ void dequantize_kernel(const uint32_t* w, int64_t words, DType sdt, c
     for (int k = 0; k < PER; ++k) {
       const int64_t j = j0 + k, g = o * G + j / gs;
       st(odt, wd, o * I + j, ld(sdt, scales, g) * float(code<BITS>(row, j)) + ld(sdt, biases, g));
+    }
+  }
+}
+
+// The same for 2, 4 and 8 bits, where a word holds whole codes of one group: a thread per word,
+// its PER outputs (ES bytes each) written with 8- or 16-byte stores.
+template <int BITS, int ES>
+__global__ void dequantize_words_kernel(const uint32_t* w, int64_t total_words, int64_t words, DType sdt,
+                                        const void* scales, const void* biases, int64_t I, int64_t gs, DType odt,
+                                        void* wd) {
+  constexpr int PER = 32 / BITS, NB = PER * ES;
+  constexpr uint32_t MASK = (1u << BITS) - 1u;
+  const int64_t G = I / gs;
+  for (int64_t t = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; t < total_words;
+       t += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t o = t / words, j0 = (t % words) * PER, g = o * G + j0 / gs;
+    const float s = ld(sdt, scales, g), b = ld(sdt, biases, g);
+    const uint32_t u = w[t];
+    uint32_t packed[NB / 4] = {};
+#pragma unroll
+    for (int k = 0; k < PER; ++k) {
+      const float v = s * float((u >> (k * BITS)) & MASK) + b;
+      if (ES == 4)
+        packed[k] = __float_as_uint(v);
+      else
+        packed[k / 2] |= uint32_t(odt == DType::f16 ? to_f16_bits(v) : to_bf16_bits(v)) << (16 * (k & 1));
+    }
+    char* dst = static_cast<char*>(wd) + (o * I + j0) * ES;  // I * ES is a multiple of 16: aligned
+    if constexpr (NB % 16 == 0) {
+#pragma unroll
+      for (int i = 0; i < NB / 16; ++i)
+        reinterpret_cast<uint4*>(dst)[i] = make_uint4(packed[4 * i], packed[4 * i + 1], packed[4 * i + 2], packed[4 * i + 3]);
+    } else {
+      *reinterpret_cast<uint2*>(dst) = make_uint2(packed[0], packed[1]);
     }
   }
 }
@@ -86,8 +120,16 @@ void launch(bool transpose, unsigned grid, cudaStream_t s, DType xdt, const void
 template <int BITS>
 void launch_dequantize(cudaStream_t s, const uint32_t* w, int64_t words, DType sdt, const void* sc, const void* bi,
                        int64_t O, int64_t I, int64_t gs, DType odt, void* wd) {
-  constexpr int64_t PER = BITS == 3 || BITS == 5 ? 32 : BITS == 6 ? 16 : 32 / BITS;
-  dequantize_kernel<BITS><<<grid_for(O * I / PER), kThreads, 0, s>>>(w, words, sdt, sc, bi, O, I, gs, odt, wd);
+  if constexpr (32 % BITS == 0) {
+    const int64_t n = O * words;
+    if (odt == DType::f32)
+      dequantize_words_kernel<BITS, 4><<<grid_for(n), kThreads, 0, s>>>(w, n, words, sdt, sc, bi, I, gs, odt, wd);
+    else
+      dequantize_words_kernel<BITS, 2><<<grid_for(n), kThreads, 0, s>>>(w, n, words, sdt, sc, bi, I, gs, odt, wd);
+  } else {
+    constexpr int64_t PER = BITS == 6 ? 16 : 32;
+    dequantize_kernel<BITS><<<grid_for(O * I / PER), kThreads, 0, s>>>(w, words, sdt, sc, bi, O, I, gs, odt, wd);
+  }
 }
 
 template <class F2, class F3, class F4, class F5, class F6, class F8>

@@ -6,6 +6,9 @@
 #   bash tools/device/h200_check.sh bench   pytest bench/test_gpu.py: krnl bench's session on cuda
 #                                           (W1, W2, W3, GEMMs; peers), its JSON in $OUT/cuda_bench.json
 #   bash tools/device/h200_check.sh build   the build alone (python/krnl then imports it)
+#   bash tools/device/h200_check.sh qlora   tests/test_quantized.py on cuda, then `krnl bench --workloads qlora`:
+#                                           the 8B-shaped QLoRA step, krnl next to PEFT on a
+#                                           bitsandbytes NF4 base (JSON in $OUT/qlora_bench.json)
 #   bash tools/device/h200_check.sh metal-cuda
 #                                           the unmodified metal/*.metal kernels on the H200
 #                                           (tools/mslcuda): every test module's `dev` tests on the
@@ -31,6 +34,9 @@
 #            --platform manylinux_2_28_x86_64 -d .whl scipy-openblas32 nvidia-cudnn-frontend
 #          unzip -q .whl/nvidia_cudnn_frontend-*.whl 'include/*' -d /tmp/fe && rm .whl/nvidia_cudnn_frontend-*.whl
 #          tar czf .whl/cudnn_frontend-include.tar.gz -C /tmp/fe include
+#   .bnb   (qlora phase) bitsandbytes, unpacked from its wheel without the libraries of other CUDA
+#          and ROCm versions (the wheel is 43 MB, its CUDA 13 part 4 MB):
+#          unzip -q bitsandbytes-*.whl -d .bnb -x '*cuda1[12]*' '*rocm*' '*xpu*'
 #   .mlx1, .mlx2  (optional, for the MLX CUDA peer) mlx's wheel and the two halves of mlx-cuda-13's
 #          (90 MB, over one call's 64 MiB carry): `split -b 45m mlx_cuda_13-*.whl part_`, part_aa with
 #          the mlx wheel in .mlx1 (carried by the tests call, which keeps it in /tmp/mlx), part_ab in
@@ -139,4 +145,9 @@ elif [ "$phase" = bench ]; then
   fi
   KRNL_BENCH_JSON="$OUT/cuda_bench.json" timeout ${BENCH_S:-540} python3 -m pytest -q -s -p no:cacheprovider \
     bench/test_gpu.py 2>&1 | tee "$OUT/bench.log" | grep -v "^\s*$" | tail -120
+elif [ "$phase" = qlora ]; then
+  timeout ${QTESTS_S:-200} python3 -m pytest -q -p no:cacheprovider tests/test_quantized.py -k "cuda" 2>&1 | tail -5
+  [ -d .bnb ] && export PYTHONPATH=$PYTHONPATH:$PWD/.bnb
+  timeout ${BENCH_S:-400} python3 -m krnl.bench --workloads qlora --peers torch --rounds 1 ${QLORA_PROFILE:+--profile} --json "$OUT/qlora_bench.json" \
+    2>&1 | tee "$OUT/qlora_bench.log" | tail -30
 fi

@@ -5,7 +5,7 @@ import sys
 
 from . import gate, report
 from .session import Session
-from .workloads import ALL, PEER_NAMES
+from .workloads import ALL, KNOWN, PEER_NAMES
 
 UNTRUSTED_EXIT = 2  # the session ran, but the gate says its figures are not measurements
 
@@ -19,8 +19,9 @@ def _names(value, known, option):
 
 
 def add_arguments(p):
-    p.add_argument("--workloads", default=",".join(ALL), type=lambda v: _names(v, ALL, "--workloads"),
-                   help=f"comma-separated, of {','.join(ALL)} (default: all; w3 runs only on GPU devices)")
+    p.add_argument("--workloads", default=",".join(ALL), type=lambda v: _names(v, KNOWN, "--workloads"),
+                   help=f"comma-separated, of {','.join(KNOWN)} (default: {','.join(ALL)}; w3 and qlora run "
+                        "only on GPU devices, except with --quick)")
     p.add_argument("--peers", default=",".join(PEER_NAMES), type=lambda v: _names(v, PEER_NAMES, "--peers"),
                    help=f"comma-separated, of {','.join(PEER_NAMES)} (default: all)")
     p.add_argument("--device", default=None, help="krnl device (default: the best available)")

@@ -13,7 +13,7 @@ import numpy as np
 import krnl
 from . import gate
 from .targets import TOLERANCE, Unavailable, compute_dtype, has_graphs, is_gpu, kind
-from .workloads import (ALL, PEER_MODULES, PEER_NAMES, INSTALL_HINT, STEPS, copy_rate, gemm_bytes, gemm_fn, lora_gemms,
+from .workloads import (ALL, KNOWN, PEER_MODULES, PEER_NAMES, INSTALL_HINT, STEPS, copy_rate, gemm_bytes, gemm_fn, lora_gemms,
                         peer_note, square_gemms)
 from . import w1, w2
 
@@ -306,9 +306,9 @@ class Session:
     # ---- the whole session
 
     def run(self, workloads=ALL, profile=False):
-        unknown = [w for w in workloads if w not in ALL]
+        unknown = [w for w in workloads if w not in KNOWN]
         if unknown:
-            raise ValueError(f"[krnl bench] --workloads: unknown {unknown}; known: {', '.join(ALL)}")
+            raise ValueError(f"[krnl bench] --workloads: unknown {unknown}; known: {', '.join(KNOWN)}")
         dev = self.dev
         n_ctl = gate.control_size(dev, self.quick)
         fp = gate.fingerprint(dev.name)
@@ -338,6 +338,10 @@ class Session:
                 if name == prof_wl and profile and problem is not None:
                     prof = self._profile(problem, name)
                 del problem
+        if "qlora" in workloads:
+            if self.rows:
+                between.append(("before qlora", gate.measure_control(dev, n_ctl)))
+            self.run_qlora(profile)
         if profile and prof is None:
             wl = STEPS[prof_wl]
             prof = self._profile(wl.make(wl.sizes["quick" if self.quick else "full"], dev.name, self.dtype), prof_wl)
@@ -355,6 +359,22 @@ class Session:
             "reference_file": str(self.reference_path),
             "rows": self.rows, "profile": prof,
         }
+
+    def run_qlora(self, profile=False):
+        from . import qlora
+        if not self.quick and not is_gpu(self.dev):
+            self._row("qlora", "krnl", status="skipped", reason="sized for the H200 (an 8B-shaped model); --quick runs "
+                                                                "a small one here")
+            return
+        self.log("krnl bench: qlora")
+        for r in qlora.run(self.dev, self.dtype, quick=self.quick, peers="torch" in self.peers, log=self.log,
+                            profile=profile):
+            peak, loss = r.pop("peak_bytes", None), r.pop("loss", None)
+            note = ", ".join(x for x in (f"peak {peak / 2**30:.2f} GiB" if peak else "",
+                                         f"x{r.pop('peak_vs_krnl'):.2f} krnl's peak" if r.get("peak_vs_krnl") else "",
+                                         f"loss {loss:.3f}" if loss is not None else "") if x)
+            r.pop("peak_vs_krnl", None)
+            self._row("qlora", r.pop("impl"), note=note, peak_bytes=peak, loss=loss, **r)
 
     def _profile(self, case, name):
         """The per-op profile of one step of workload `name` (after a warm-up step)."""

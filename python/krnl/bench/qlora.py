@@ -1,0 +1,206 @@
+"""The QLoRA workload: LoRA r=16 on all seven projections of a Llama-shaped model whose base is held
+in 4 bits (groups of 64), one optimizer step per sample of `B` rows of `T` tokens, gradient
+checkpointing off on both sides. krnl (MLX's affine 4-bit layout, ops.quantized_matmul) next to
+transformers + PEFT on a bitsandbytes 4-bit base (NF4, double quantization, bf16 compute: the
+QLoRA recipe), or, where bitsandbytes does not run, PEFT on a bf16 base, labelled as such.
+
+Weights are random and generated in memory (nothing written to disk); the two sides cannot share
+them (NF4 codes are not affine ones), so the losses are reported side by side, not compared.
+Reported per implementation: steady tokens/s (warm-up steps excluded), the peak device memory of
+the training steps (the model and optimizer state included: peaks are reset after the build,
+when only the model lives), and the loss after the timed steps."""
+
+import gc
+import time
+
+import numpy as np
+
+import krnl
+
+# Llama-3-8B's shape; "quick" is for tests and the CPU.
+SIZES = {
+    "full": dict(layers=32, C=4096, F=14336, H=32, KV=8, V=128256, T=2048, B=1, steps=10, warmup=3),
+    "quick": dict(layers=2, C=128, F=256, H=4, KV=2, V=512, T=64, B=2, steps=3, warmup=1),
+}
+BITS, GROUP = 4, 64
+MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def hf_config(s):
+    return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": s["C"],
+            "intermediate_size": s["F"], "num_hidden_layers": s["layers"], "num_attention_heads": s["H"],
+            "num_key_value_heads": s["KV"], "vocab_size": s["V"], "max_position_embeddings": max(8192, s["T"]),
+            "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False, "hidden_act": "silu"}
+
+
+def tokens(s, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, s["V"], (s["B"], s["T"])) for _ in range(s["warmup"] + s["steps"])]
+
+
+def random_quantized(rng, out_f, in_f):
+    """A random 4-bit weight as a quantized file holds one: uniform codes, bf16-representable
+    scales (std of the weights about 0.02) and biases centring each group."""
+    from ..qweight import QuantizedArray
+    from ..safetensors_io import bf16_to_f32, f32_to_bf16
+    words = rng.integers(0, 2**32, (out_f, in_f * BITS // 32), dtype=np.uint32).view(np.int32)
+    scales = bf16_to_f32(f32_to_bf16(rng.uniform(0.004, 0.006, (out_f, in_f // GROUP)).astype(np.float32)))
+    biases = bf16_to_f32(f32_to_bf16(-7.5 * scales))
+    return QuantizedArray(words, scales, biases, BITS, GROUP, "bf16")
+
+
+def krnl_weights(s, seed=0):
+    from ..config import ModelConfig
+    cfg = ModelConfig.from_dict(hf_config(s))
+    rng = np.random.default_rng(seed)
+    w = {}
+    for name, shape in cfg.weight_shapes().items():
+        if name.endswith("norm.weight"):
+            w[name] = np.ones(shape, np.float32)
+        elif name.split(".")[-2] in MODULES:
+            w[name] = random_quantized(rng, *shape)
+        else:  # embeddings and the untied head stay bf16, as bitsandbytes QLoRA keeps them
+            w[name] = (0.02 * rng.standard_normal(shape, dtype=np.float32))
+    return cfg, w
+
+
+def run_krnl(dev, s, batches, dtype, log=print, profile=False):
+    from ..config import LoraConfig
+    from ..model import LlamaModel
+    from ..optim import AdamW, Schedule
+    cfg, weights = krnl_weights(s)
+    model = LlamaModel(dev, cfg, weights, LoraConfig(r=16, alpha=32.0), dtype=dtype)
+    del weights
+    gc.collect()
+    opt = AdamW(model.lora_params, Schedule(1e-4, kind="constant"), max_grad_norm=1.0)
+    dev.synchronize()
+    dev.reset_peak()
+
+    def step(ids):
+        model.lora_params.zero_grads()
+        model.forward_backward(ids, np.concatenate([ids[:, 1:], np.full((ids.shape[0], 1), -100)], axis=1))
+        opt.step()
+        return model.read_loss()
+
+    res = _time(step, batches, s, dev.synchronize, lambda: dev.pool_stats()["peak_in_use"], log, "krnl")
+    if profile:  # one more step, op by op: where the step's time goes
+        with krnl.profile(dev) as p:
+            step(batches[-1])
+        log(f"krnl bench: qlora krnl profile: {p.op_ms:.1f} ms in ops, {p.wall_ms:.1f} ms wall")
+        for g in sorted(p.rows(), key=lambda g: -g["ms"])[:14]:
+            log(f"  {g['op'][:22]:22s} {g['shape'][:40]:40s} {g['calls']:5d} {g['ms']:9.2f} ms {100 * g['share']:5.1f}%")
+    return res
+
+
+def _time(step, batches, s, sync, peak, log, who):
+    for ids in batches[:s["warmup"]]:
+        step(ids)
+    sync()
+    t0 = time.perf_counter()
+    loss = None
+    for ids in batches[s["warmup"]:]:
+        loss = step(ids)
+    sync()
+    dt = time.perf_counter() - t0
+    toks = s["steps"] * s["B"] * s["T"]
+    log(f"krnl bench: qlora {who}: {toks / dt:,.0f} tokens/s, peak {peak() / 2**30:.2f} GiB, loss {loss:.4f}")
+    return {"tokens_per_s": toks / dt, "ms": 1e3 * dt / s["steps"], "peak_bytes": int(peak()), "loss": float(loss),
+            "samples": s["steps"]}
+
+
+def peft_model(s, torch, on_gpu):
+    """transformers' Llama with random weights, its seven projections on a bitsandbytes NF4 base
+    where bitsandbytes runs (else bf16, and the label says so), LoRA r=16 through PEFT."""
+    import transformers
+    from peft import LoraConfig, get_peft_model
+    device = "cuda" if on_gpu else "cpu"
+    torch.manual_seed(0)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf_config(s), use_cache=False,
+                                                                           attn_implementation="sdpa"))
+    finally:
+        torch.set_default_dtype(prev)
+    label = "PEFT bf16 base"
+    try:
+        import bitsandbytes as bnb
+        for layer in model.model.layers:
+            for part in (layer.self_attn, layer.mlp):
+                for name in MODULES:
+                    lin = getattr(part, name, None)
+                    if lin is None:
+                        continue
+                    q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=False, compute_dtype=torch.bfloat16,
+                                          quant_type="nf4", device=device)
+                    q.weight = bnb.nn.Params4bit(lin.weight.data, requires_grad=False, quant_type="nf4",
+                                                 blocksize=GROUP, compress_statistics=True).to(device)
+                    setattr(part, name, q)
+                    del lin
+        label = "PEFT bnb-nf4"
+    except Exception as e:  # noqa: BLE001 (bitsandbytes absent or without this device's backend)
+        label += f" (bitsandbytes: {type(e).__name__}: {str(e)[:80]})"
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=list(MODULES)))
+    return model, label
+
+
+def run_peft(s, batches, on_gpu, log=print):
+    import torch
+    model, label = peft_model(s, torch, on_gpu)
+    gc.collect()
+    if on_gpu:
+        torch.cuda.empty_cache()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    device = "cuda" if on_gpu else "cpu"
+
+    def step(ids):
+        t = torch.as_tensor(ids, device=device)
+        loss = model(input_ids=t, labels=t).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    peak = (lambda: torch.cuda.max_memory_allocated()) if on_gpu else (lambda: 0)
+    res = _time(step, batches, s, sync, peak, log, label)
+    res["label"] = label
+    del model, opt
+    gc.collect()
+    if on_gpu:
+        torch.cuda.empty_cache()
+    return res
+
+
+def run(dev, dtype="bf16", quick=False, peers=True, log=print, profile=False):
+    """Rows for the session: krnl (in dtype), then the PEFT peer (bf16) where torch and peft import."""
+    s = SIZES["quick" if quick else "full"]
+    batches = tokens(s)
+    desc = (f"QLoRA 4-bit g{GROUP}, LoRA r=16 x7; {s['layers']} layers C={s['C']} F={s['F']} "
+            f"V={s['V']}, B={s['B']} T={s['T']}")
+    rows = [dict(impl="krnl", title=desc, **run_krnl(dev, s, batches, dtype, log, profile))]
+    gc.collect()
+    dev.trim()
+    if peers:
+        try:
+            import peft  # noqa: F401
+            import torch
+        except ImportError as e:
+            rows.append(dict(impl="PEFT", status="skipped", reason=f"{e.name} is not installed"))
+        else:
+            from .targets import is_gpu
+            on_gpu = is_gpu(dev) and torch.cuda.is_available()
+            r = run_peft(s, batches, on_gpu, log)
+            rows.append(dict(impl=r.pop("label"), **r))
+    k = rows[0]
+    for r in rows[1:]:
+        if r.get("tokens_per_s"):
+            r["vs_krnl"] = r["tokens_per_s"] / k["tokens_per_s"]
+            r["peak_vs_krnl"] = r["peak_bytes"] / k["peak_bytes"] if k["peak_bytes"] and r["peak_bytes"] else None
+    return rows

@@ -117,13 +117,16 @@ def run_kernels(device="metal-cuda"):
         ops.sumsq(t((3000,), dt), dev.empty((1,), "f32"))
         ops.nonfinite(a, dev.zeros((1,), "i32"))
         ops.adamw_update(t((n,)), t((n,)), t((n,)), dev.zeros((n,), "f32"), 1e-3, working=dev.empty((n,), dt))
-        # quantized_matmul: W (45, 96) at every bits, both directions, scales in dt and in f32
-        for bits in (2, 4, 8):
+        # quantized_matmul: W (45, 96) at every bits, both directions, scales in dt and in f32;
+        # x and out as column blocks of wider matrices once per bits
+        for bits in (2, 3, 4, 5, 6, 8):
             w = dev.tensor(rng.integers(0, 2**31, (45, 96 * bits // 32)).astype(np.int32), "i32")
             for sdt in ((dt, "f32") if dt != "f32" else (dt,)):
                 sc, bi = t((45, 3), sdt, 0.1), t((45, 3), sdt)
                 ops.quantized_matmul(t((7, 96), dt), w, sc, bi, dev.empty((7, 45), dt), True, 32, bits)
                 ops.quantized_matmul(t((7, 45), dt), w, sc, bi, t((7, 96), dt), False, 32, bits, 0.5)
+            sc, bi = t((45, 3), dt, 0.1), t((45, 3), dt)
+            ops.quantized_matmul(t((7, 100), dt)[:, 3:99], w, sc, bi, t((7, 50), dt)[:, 2:47], True, 32, bits)
         if dt in fused["dtypes"]:  # the fused attention, where the backend has it: GQA, ragged T
             attention(dev, t, dt, fused["segments"], fused["head_dims"] or (16, 64))
     ops.fill(dev.empty((100,), "i32"), 3)

@@ -195,6 +195,15 @@ struct QuantizedMatmulArgs {
     uint32_t ldo;
 };
 
+// quantized_embedding: out (n, C) = rows ids of a table (V, C) quantized like quantized_matmul's W.
+struct QuantizedEmbeddingArgs {
+    uint32_t n;
+    uint32_t C;
+    uint32_t V;
+    uint32_t words;       // 32-bit words per row of the table (C * bits / 32)
+    uint32_t group_size;
+};
+
 #ifdef __cplusplus
 #ifndef __METAL_VERSION__
 }  // namespace krnl::metal

@@ -5,7 +5,8 @@
 // W[o, j] = scales[o, j / gs] * q + biases[o, j / gs]. x and out rows are args.ldx / args.ldo apart.
 //   quantized_matmul_t_*:  transpose, out (N, O) = x (N, I) W^T  (a linear's forward)
 //   quantized_matmul_n_*:  out (N, I) = x (N, O) W               (its input gradient)
-// Names: quantized_matmul_{t,n}_<x dtype>[_sf32]_b<bits>; _sf32 when scales and biases are f32
+//   quantized_embedding_*: out (n, C) = rows ids of the table W, dequantized
+// Names: quantized_matmul_{t,n}_<x dtype>[_sf32]_b<bits> (quantized_embedding_<out dtype>...); _sf32 when scales and biases are f32
 // while x is 16-bit. x and out share a dtype; products accumulate in float, out rounds once.
 //
 // A first, untuned kernel: one thread per output element, a grid-stride loop over N * M, each
@@ -62,11 +63,39 @@ kernel void quantized_matmul(device const T*    x      [[buffer(0)]],
     }
 }
 
+// quantized_embedding: out[t, c] = the dequantized table[ids[t], c]; one thread per output element
+// (grid-stride, any grid). Ids are checked on the host; one outside [0, V) still reads nothing
+// out of range and writes NaN (so a missed check shows).
+template <typename T, typename S, int BITS>
+kernel void quantized_embedding(device const int*   ids    [[buffer(0)]],
+                                device const uint*  w      [[buffer(1)]],
+                                device const S*     scales [[buffer(2)]],
+                                device const S*     biases [[buffer(3)]],
+                                device T*           out    [[buffer(4)]],
+                                constant QuantizedEmbeddingArgs& args [[buffer(5)]],
+                                uint gid [[thread_position_in_grid]],
+                                uint gsz [[threads_per_grid]])
+{
+    const uint C = args.C, G = C / args.group_size, total = args.n * C;
+    for (uint i = gid; i < total; i += gsz) {
+        const uint t = i / C, c = i - t * C;
+        const int id = ids[t];
+        if (uint(id) < args.V) {
+            const uint g = uint(id) * G + c / args.group_size;
+            out[i] = T(dequant<BITS>(w, args.words, uint(id), c, float(scales[g]), float(biases[g])));
+        } else {
+            out[i] = T(as_type<float>(0x7fc00000u));
+        }
+    }
+}
+
 #define QMM_KERNEL(T, S, NAME, BITS)                                                                         \
     template [[host_name("quantized_matmul_t_" NAME "_b" #BITS)]] [[kernel]]                            \
     decltype(quantized_matmul<T, S, BITS, true>) quantized_matmul<T, S, BITS, true>;                      \
     template [[host_name("quantized_matmul_n_" NAME "_b" #BITS)]] [[kernel]]                            \
-    decltype(quantized_matmul<T, S, BITS, false>) quantized_matmul<T, S, BITS, false>;
+    decltype(quantized_matmul<T, S, BITS, false>) quantized_matmul<T, S, BITS, false>;                    \
+    template [[host_name("quantized_embedding_" NAME "_b" #BITS)]] [[kernel]]                           \
+    decltype(quantized_embedding<T, S, BITS>) quantized_embedding<T, S, BITS>;
 
 #define QMM_KERNELS(T, S, NAME)                                                                              \
     QMM_KERNEL(T, S, NAME, 2) QMM_KERNEL(T, S, NAME, 3) QMM_KERNEL(T, S, NAME, 4)                           \

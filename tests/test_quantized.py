@@ -150,6 +150,35 @@ def test_quantized_matmul_f32_scales_with_16_bit_activations(dev):
                              (64 + 4) * U32 * (np.abs(xf) @ np.abs(W.T)), what="out")
 
 
+@pytest.mark.parametrize("dt", FLOAT_DTYPES)
+@pytest.mark.parametrize("bits", quant.BITS)
+@pytest.mark.parametrize("V,C,group_size", [(1, 32, 32), (33, 96, 32), (7, 64, 16), (5, 384, 128)])
+def test_quantized_embedding(dev, V, C, group_size, bits, dt):
+    """Rows of a quantized table, repeated and in any order, equal the float64 dequantized rows
+    rounded once to dt; scales in dt or f32."""
+    why = quantized_missing(dev)
+    if why:
+        pytest.skip(why)
+    for sdt in ((dt, "f32") if dt != "f32" else ("f32",)):
+        w, s, b, W = quantized_inputs(dev, V, C, bits, group_size, sdt, seed=V + C + bits)
+        ids = np.random.default_rng(C).integers(0, V, 37).astype(np.int32)
+        out = dev.empty((37, C), dt)
+        ops.quantized_embedding(dev.tensor(ids, "i32"), w, s, b, out, group_size, bits)
+        np.testing.assert_array_equal(read(out), round_to(W[ids], dt), err_msg=f"scales {sdt}")
+
+
+def test_quantized_embedding_errors(dev):
+    w, s = dev.zeros((5, 8), "i32"), dev.zeros((5, 2))
+    ids = dev.tensor(np.array([0, 4, 5], np.int32), "i32")
+    with pytest.raises(ValueError, match=r"\[quantized_embedding\] id 5 at position 2 is out of range"):
+        ops.quantized_embedding(ids, w, s, s, dev.empty((3, 64)), 32, 4)
+        dev.synchronize()
+    with pytest.raises(ValueError, match=r"\[quantized_embedding\] out must have shape \(3, 64\)"):
+        ops.quantized_embedding(ids, w, s, s, dev.empty((3, 32)), 32, 4)
+    with pytest.raises(ValueError, match=r"\[quantized_embedding\] scales must be \(5, 2\) for w"):
+        ops.quantized_embedding(ids, w, dev.zeros((5, 4)), dev.zeros((5, 4)), dev.empty((3, 64)), 32, 4)
+
+
 @pytest.mark.parametrize("bits", [3, 4])
 def test_quantized_matmul_column_blocks(dev, bits):
     """x and out may be row-strided column blocks of wider matrices (a fused q|k|v projection
@@ -281,7 +310,7 @@ def test_model_takes_quantized_arrays(dev, dtype):
     ids, targets = rng.integers(0, 61, (2, 9)), rng.integers(0, 61, (2, 9))
     mq = tiny_lora_model(dev, dtype, weights=qw, intermediate_size=64, tie_word_embeddings=False)
     L = mq.layers[0]
-    assert isinstance(L.qkv, RowStack) and isinstance(mq.head, QuantizedWeight)
+    assert isinstance(L.qkv, RowStack) and isinstance(mq.head, QuantizedWeight) and isinstance(mq.embed, QuantizedWeight)
     assert [p.bits for p in L.qkv.parts] == [4, 8, 6] and L.mlp.down.W.scales.dtype == dtype
     assert L.mlp.up.W.scales.dtype == "f32"
     loss_q, g_q = lora_step(mq, ids, targets)
@@ -291,6 +320,15 @@ def test_model_takes_quantized_arrays(dev, dtype):
     assert loss_q == pytest.approx(loss_d, rel=rtol)
     for k in g_d:
         np.testing.assert_allclose(g_q[k], g_d[k], rtol=10 * rtol, atol=10 * rtol * np.max(np.abs(g_d[k])), err_msg=k)
+    # tied: the quantized table is the head too; generation runs through both
+    tied = {k: v for k, v in qw.items() if k != "lm_head.weight"}
+    dense_tied = {k: v for k, v in dense.items() if k != "lm_head.weight"}
+    mt = tiny_lora_model(dev, dtype, weights=tied, intermediate_size=64, tie_word_embeddings=True)
+    assert mt.head is mt.embed and isinstance(mt.embed, QuantizedWeight)
+    md = tiny_lora_model(dev, "f32", weights=dense_tied, intermediate_size=64, tie_word_embeddings=True)
+    assert lora_step(mt, ids, targets)[0] == pytest.approx(lora_step(md, ids, targets)[0], rel=rtol)
+    if dtype == "f32":
+        assert mt.generate([3, 5, 7], max_new_tokens=4) == md.generate([3, 5, 7], max_new_tokens=4)
 
 
 def test_cli_train_eval_generate_on_a_quantized_base(hf_folder, tmp_path, monkeypatch, capsys):

@@ -64,7 +64,11 @@ void bind_ops(nb::module_& parent) {
         "transpose"_a = true, "group_size"_a = 64, "bits"_a = 4, "beta"_a = 0.0f,
         "out = x W^T (transpose, a linear's forward) or x W (its input gradient), + beta * out, with W (O, I)\n"
         "quantized as MLX does: w (O, I * bits / 32) i32 packed codes, scales and biases (O, I / group_size);\n"
-        "W = scales * q + biases per group of group_size inputs. f32 accumulation; W is never dequantized whole.");
+        "W = scales * q + biases per group of group_size inputs (bits 2-8, a bit stream per row). f32\n"
+        "accumulation; x and out may be column blocks; at most one transient dequantized W (CUDA, 16+ rows).");
+  m.def("quantized_embedding", &ops::quantized_embedding, release, "ids"_a, "w"_a, "scales"_a, "biases"_a, "out"_a,
+        "group_size"_a = 64, "bits"_a = 4,
+        "out (n, C) = rows ids (n,) of a table (V, C) quantized as quantized_matmul's W, dequantized.");
   m.def("transpose_heads", &ops::transpose_heads, release, "x"_a, "out"_a,
         "out (B, A, D) = x (A, B, D) with the first two axes swapped, e.g. (T, H, D) <-> (H, T, D).");
   m.def("fill", &ops::fill, release, "x"_a, "value"_a);

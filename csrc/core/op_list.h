@@ -22,6 +22,9 @@
 //   accumulated in f32; x and out may be row-strided 2-D views. Never a full dequantized W per
 //   call beyond one transient (O, I) matrix in x's dtype (CUDA's cuBLAS path, which rounds W to a
 //   16-bit x's dtype first, as MLX and bitsandbytes do).
+// - quantized_embedding: out (n, C) = rows ids (n,) of a table (V, C) held as quantized_matmul's W
+//   (w (V, C * bits / 32), scales and biases (V, C / group_size) in out's dtype or f32),
+//   dequantized; an embedding that stays quantized (and doubles as a tied head). Ids are checked.
 // - transpose_heads: out (B, A, D) = x (A, B, D) with the first two axes swapped: token-major
 //   (T, H, D) projections to head-major (H, T, D) attention operands and back.
 #pragma once
@@ -58,6 +61,8 @@
   X(transpose_heads, (const Tensor& x, const Tensor& out))                                                          \
   X(quantized_matmul, (const Tensor& x, const Tensor& w, const Tensor& scales, const Tensor& biases,                 \
                        const Tensor& out, bool transpose, int64_t group_size, int64_t bits, float beta))            \
+  X(quantized_embedding, (const Tensor& ids, const Tensor& w, const Tensor& scales, const Tensor& biases,            \
+                          const Tensor& out, int64_t group_size, int64_t bits))                                     \
   X(fill, (const Tensor& x, double value))                                                                          \
   X(dropout, (const Tensor& x, const Tensor& out, float p, uint64_t seed))                                          \
   X(adamw_update, (const AdamWArgs& a))                                                                             \

@@ -48,6 +48,8 @@ class CpuBackend : public Backend {
   // Tiles of 256 rows of W dequantized to f32, one sgemm each (never all of W at once).
   void quantized_matmul(const Tensor& x, const Tensor& w, const Tensor& scales, const Tensor& biases,
                         const Tensor& out, bool transpose, int64_t group_size, int64_t bits, float beta) override;
+  void quantized_embedding(const Tensor& ids, const Tensor& w, const Tensor& scales, const Tensor& biases,
+                           const Tensor& out, int64_t group_size, int64_t bits) override;
   void transpose_heads(const Tensor& x, const Tensor& out) override;
   void fill(const Tensor& x, double value) override;
   void dropout(const Tensor& x, const Tensor& out, float p, uint64_t seed) override;

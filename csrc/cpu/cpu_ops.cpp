@@ -476,6 +476,31 @@ void CpuBackend::quantized_matmul(const Tensor& x, const Tensor& w, const Tensor
   for (int64_t n = 0; n < N; ++n) store_all(out.dtype(), &of[size_t(n * M)], M, out.data(), n * ldo);
 }
 
+void CpuBackend::quantized_embedding(const Tensor& ids, const Tensor& w, const Tensor& scales, const Tensor& biases,
+                                     const Tensor& out, int64_t group_size, int64_t bits) {
+  const int64_t V = w.size(0), words = w.size(1), C = words * 32 / bits, G = C / group_size, n = ids.numel();
+  ops::check_ids("quantized_embedding", "id", "position", ids.ptr<int32_t>(), n, V);
+  const int32_t* id = ids.ptr<int32_t>();
+  const uint32_t* codes = static_cast<const uint32_t*>(w.data());
+  const uint32_t mask = (1u << bits) - 1u;
+  for_rows(n, C, [&](int64_t t0, int64_t t1) {
+    std::vector<float> row(static_cast<size_t>(C)), s(static_cast<size_t>(G)), b(static_cast<size_t>(G));
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t v = id[t];
+      load_all(scales.dtype(), scales.data(), v * G, G, s.data());
+      load_all(biases.dtype(), biases.data(), v * G, G, b.data());
+      const uint32_t* wr = codes + v * words;
+      for (int64_t j = 0; j < C; ++j) {
+        const int64_t bit = j * bits, wi = bit >> 5, sh = bit & 31;
+        uint32_t q = wr[wi] >> sh;
+        if (sh + bits > 32) q |= wr[wi + 1] << (32 - sh);
+        row[size_t(j)] = s[size_t(j / group_size)] * float(q & mask) + b[size_t(j / group_size)];
+      }
+      store_all(out.dtype(), row.data(), C, out.data(), t * C);
+    }
+  });
+}
+
 void CpuBackend::transpose_heads(const Tensor& x, const Tensor& out) {
   // Rows of D elements move as whole; the dtype only sets the row's byte size.
   const int64_t A = x.size(0), B = x.size(1);

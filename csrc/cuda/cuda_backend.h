@@ -101,6 +101,8 @@ class CudaBackend : public Backend {
   void transpose_heads(const Tensor& x, const Tensor& out) override;
   void quantized_matmul(const Tensor& x, const Tensor& w, const Tensor& scales, const Tensor& biases,
                         const Tensor& out, bool transpose, int64_t group_size, int64_t bits, float beta) override;
+  void quantized_embedding(const Tensor& ids, const Tensor& w, const Tensor& scales, const Tensor& biases,
+                           const Tensor& out, int64_t group_size, int64_t bits) override;
   void fill(const Tensor& x, double value) override;
   void dropout(const Tensor& x, const Tensor& out, float p, uint64_t seed) override;
   void adamw_update(const AdamWArgs& a) override;

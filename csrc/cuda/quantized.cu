@@ -6,6 +6,7 @@
 // - fewer rows (generation): one thread per output element dequantizing the codes it reads, so a
 //   token's forward never writes W out whole.
 #include "common.cuh"
+#include "core/ops.h"
 
 namespace krnl::cuda {
 namespace {
@@ -105,6 +106,29 @@ __global__ void dequantize_words_kernel(const uint32_t* w, int64_t total_words, 
   }
 }
 
+// out[t, c] = the dequantized table[ids[t], c]; an id outside [0, V) (checked on the host before)
+// writes NaN and reads nothing.
+template <int BITS>
+__global__ void quantized_embedding_kernel(const int32_t* ids, const uint32_t* w, int64_t words, DType sdt,
+                                           const void* scales, const void* biases, DType odt, void* out, int64_t n,
+                                           int64_t C, int64_t V, int64_t gs) {
+  const int64_t G = C / gs;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n * C; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = i / C, c = i % C, id = ids[t];
+    if (id >= 0 && id < V)
+      st(odt, out, i, dequant<BITS>(w, words, id, c, ld(sdt, scales, id * G + c / gs), ld(sdt, biases, id * G + c / gs)));
+    else
+      st(odt, out, i, __uint_as_float(0x7fc00000u));
+  }
+}
+
+template <int BITS>
+void launch_embedding(cudaStream_t s, const int32_t* ids, const uint32_t* w, int64_t words, DType sdt,
+                      const void* sc, const void* bi, DType odt, void* out, int64_t n, int64_t C, int64_t V,
+                      int64_t gs) {
+  quantized_embedding_kernel<BITS><<<grid_for(n * C), kThreads, 0, s>>>(ids, w, words, sdt, sc, bi, odt, out, n, C, V, gs);
+}
+
 template <int BITS>
 void launch(bool transpose, unsigned grid, cudaStream_t s, DType xdt, const void* x, int64_t ldx, const uint32_t* w,
             DType sdt, const void* sc, const void* bi, void* out, int64_t ldo, int64_t N, int64_t M, int64_t K,
@@ -168,6 +192,20 @@ void CudaBackend::quantized_matmul(const Tensor& x, const Tensor& w, const Tenso
   go(transpose, grid_for(N * M), stream_, x.dtype(), x.data(), ldx, codes, scales.dtype(), scales.data(),
      biases.data(), out.data(), ldo, N, M, K, words, group_size, beta);
   check_launch("quantized_matmul");
+}
+
+void CudaBackend::quantized_embedding(const Tensor& ids, const Tensor& w, const Tensor& scales, const Tensor& biases,
+                                      const Tensor& out, int64_t group_size, int64_t bits) {
+  OpTimer timer(this);
+  const int64_t V = w.size(0), C = out.size(-1), n = ids.numel();
+  if (!capturing())
+    ops::check_ids("quantized_embedding", "id", "position", read_i32(ids.data(), n, "quantized_embedding").data(), n, V);
+  if (n == 0 || C == 0) return;
+  auto go = by_bits(bits, launch_embedding<2>, launch_embedding<3>, launch_embedding<4>, launch_embedding<5>,
+                    launch_embedding<6>, launch_embedding<8>);
+  go(stream_, ids.ptr<int32_t>(), static_cast<const uint32_t*>(w.data()), w.size(1), scales.dtype(), scales.data(),
+     biases.data(), out.dtype(), out.data(), n, C, V, group_size);
+  check_launch("quantized_embedding");
 }
 
 }  // namespace krnl::cuda

@@ -748,6 +748,24 @@ void MetalOps::quantized_matmul(const Tensor& x, const Tensor& w, const Tensor& 
   encode(std::move(d));
 }
 
+void MetalOps::quantized_embedding(const Tensor& ids, const Tensor& w, const Tensor& scales, const Tensor& biases,
+                                   const Tensor& out, int64_t group_size, int64_t bits) {
+  Emit e{this, "quantized_embedding"};
+  const int64_t V = w.size(0), C = out.size(-1), n = ids.numel();
+  // ids come from uploads, never from an earlier kernel of the step: host-visible and final
+  ops::check_ids(e.op, "id", "position", ids.ptr<int32_t>(), n, V);
+  if (n == 0 || C == 0) return;
+  const bool sf32 = scales.dtype() != out.dtype();
+  Dispatch d = e.make("quantized", "quantized_embedding_" + e.sfx(out.dtype()) + (sf32 ? "_sf32" : "") + "_b" +
+                                       std::to_string(bits));
+  bind(d, 0, ids), bind(d, 1, w), bind(d, 2, scales), bind(d, 3, biases), bind(d, 4, out);
+  d.set_args(5, QuantizedEmbeddingArgs{u32(e.op, n, "n"), u32(e.op, C, "C"), u32(e.op, V, "V"),
+                                       u32(e.op, w.size(1), "words"), uint32_t(group_size)});
+  u32(e.op, n * C, "n * C");
+  ew_geometry(d, n * C);
+  encode(std::move(d));
+}
+
 // ---- optimizer
 
 void MetalOps::adamw_update(const AdamWArgs& a) {

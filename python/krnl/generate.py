@@ -6,7 +6,7 @@ import numpy as np
 
 from . import _core
 from .layer import Batch, layer_forward
-from .qweight import linear
+from .qweight import embed, linear
 
 ops = _core.ops
 
@@ -65,7 +65,7 @@ def decode(model, ids, start, cache):
         ids_t = d.tensor(np.asarray(ids, np.int32), "i32")
         batch = Batch(1, n, [d.tensor(np.arange(start, start + n, dtype=np.int32), "i32")])
         x = d.empty((n, C), dt)                                           # (n, C)
-        ops.embedding_forward(ids_t, model.embed, x)
+        embed(ids_t, model.embed, x)
         for i, L in enumerate(model.layers):
             x, _ = layer_forward(L, x, batch, cache.attention(i, start))
         last, xn, r = x[n - 1:n], d.empty((1, C), dt), d.empty((1,), "f32")

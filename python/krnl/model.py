@@ -22,7 +22,7 @@ from .config import (ALL_MODULES, ATTN_MODULES, IGNORE_INDEX, MLP_MODULES, QKV_M
 from .generate import generate
 from .layer import Batch, Heads, Ones, build_layer, layer_backward, layer_forward
 from .lora import init_lora
-from .qweight import frozen_weight, linear, linear_grad
+from .qweight import embed, frozen_weight, linear, linear_grad
 from . import quant
 
 ops = _core.ops
@@ -44,9 +44,9 @@ class LlamaModel:
         config.check_weights(weights)
         c = config
         up = lambda k: device.tensor(np.asarray(weights[k], np.float32), dtype)
-        self.embed = up("model.embed_tokens.weight")                     # (V, C)
-        # An untied head stays quantized where the file quantizes it; the embedding table is
-        # held dequantized (rows are gathered, and a tied head shares it).
+        self.embed = frozen_weight(device, [weights["model.embed_tokens.weight"]], dtype)  # (V, C)
+        # The embedding table and an untied head stay quantized where the file quantizes them
+        # (a tied head is the table); --quantize leaves both in the compute dtype.
         self.head = self.embed if c.tie_word_embeddings else frozen_weight(device, [weights["lm_head.weight"]], dtype)
         self.norm_w = up("model.norm.weight")                            # (C,)
         # LoRA factors: one FlatParams, PEFT names, A then B per adapted module.
@@ -144,7 +144,7 @@ class LlamaModel:
         d, dt, c = self.dev, self.dtype, self.config
         N, C = batch.B * batch.T, c.hidden_size
         x = d.empty((N, C), dt)
-        ops.embedding_forward(ids_t, self.embed, x)
+        embed(ids_t, self.embed, x)
         saved = []
         for L in self.layers:
             out, cache = layer_forward(L, x, batch)

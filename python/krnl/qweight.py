@@ -4,6 +4,8 @@ linear needs from any frozen weight, dense or quantized:
     linear(x, W, y)              y = x W^T            (forward)
     linear_grad(dy, W, dx, beta) dx = dy W + beta dx  (input gradient)
 
+and the rows an embedding table gives (embed), dense or quantized.
+
 A dense W is a (out, in) tensor and goes through ops.gemm; a QuantizedWeight through
 ops.quantized_matmul, which never dequantizes it whole; a RowStack part by part."""
 
@@ -148,6 +150,14 @@ def frozen_weight(device, arrays, dtype, quantize=None, what="W"):
     if quantize is None:
         return device.tensor(W, dtype)
     return QuantizedWeight.quantize(device, W, dtype, *quantize, what=what)
+
+
+def embed(ids, table, out):
+    """out (n, C) = rows ids (n,) of an embedding table, dense or quantized."""
+    if isinstance(table, QuantizedWeight):
+        ops.quantized_embedding(ids, table.w, table.scales, table.biases, out, table.group_size, table.bits)
+    else:
+        ops.embedding_forward(ids, table, out)
 
 
 def linear(x, W, y):

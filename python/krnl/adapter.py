@@ -64,7 +64,7 @@ def mlx_adapter(lora, tensors, config, base_model=""):
         raise ValueError(f"[adapter] mlx-lm adapts the last num_layers layers of a model; LoRA on layers {layers} of "
                          f"{n} has no mlx-lm layout (adapt layers {n - len(layers)}..{n - 1} instead)")
     out, keys = {}, []
-    for m in lora.target_modules:
+    for m in (m for m in ALL_MODULES if m in lora.target_modules):  # one order, whatever the flag's
         keys.append(f"{'self_attn' if m in ATTN_MODULES else 'mlp'}.{m}")
         for i in layers:
             for f in ("A", "B"):

@@ -363,3 +363,24 @@ def test_fuse_from_and_to_mlx_folder(tmp_path, capsys):
     assert np.array_equal(np.asarray(q[merged].w).view(np.int32), w)
     assert np.array_equal(np.asarray(q[merged].scales, np.float32), round_bf16(s))
     assert fuse(tmp_path / "m", tmp_path / "a", tmp_path / "q2", quantize=(8, 64))["merged"]
+
+
+@pytest.mark.torch
+def test_fused_mlx_folder_loads_in_transformers(tmp_path):
+    """fuse from an MLX folder writes a plain HF folder: transformers loads it and gives krnl's
+    loss of the quantized base with the adapter (f32 output, so no rounding in between)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    write_mlx_folder(tmp_path / "m", mixed_layouts())
+    config = ModelConfig.from_dict(base_config())
+    lora = LoraConfig(r=2, alpha=3.0, target_modules=("q_proj", "down_proj"))
+    krnl.adapter.save_mlx_adapter(tmp_path / "a", lora, random_adapter(config, lora), config)
+    fuse(tmp_path / "m", tmp_path / "a", tmp_path / "hf", dtype="f32")
+    ids = np.random.default_rng(2).integers(0, V, (2, 12))
+    want = load_model(tmp_path / "m", krnl.device("cpu"), adapter=tmp_path / "a").loss(ids[:, :-1], ids[:, 1:])
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32,
+                                                              attn_implementation="eager").eval()
+    with torch.no_grad():
+        logits = model(torch.tensor(ids[:, :-1])).logits.float()
+    got = torch.nn.functional.cross_entropy(logits.reshape(-1, V), torch.tensor(ids[:, 1:]).reshape(-1)).item()
+    assert got == pytest.approx(want, rel=1e-4)

@@ -187,7 +187,8 @@ def parse_args(argv, commands):
     quantize(t)
     t.add_argument("--adapter-path", default="adapters", help="output folder: adapter, checkpoints, metrics")
     t.add_argument("--config", default=None, help="YAML file of train options (flags given on the command line win)")
-    t.add_argument("--model", default=None, help="HF model folder (default: the embedded tiny model)")
+    t.add_argument("--model", default=None, help="HF or MLX quantized model folder (default: the embedded tiny "
+                   "model)")
     t.add_argument("--data", default=None, help="folder with train.jsonl (and valid.jsonl, test.jsonl)")
     t.add_argument("--max-seq-length", type=int, default=2048)
     t.add_argument("--mask-prompt", action=argparse.BooleanOptionalAction, default=True,
@@ -235,7 +236,8 @@ def parse_args(argv, commands):
     def adapter_and_model(q):  # eval and generate: which adapter, on which base
         q.add_argument("--adapter-path", default=None, help="adapter folder (default: adapters when that folder "
                        "exists, else the base model alone); \"\" for the base model alone")
-        q.add_argument("--model", default=None, help="HF model folder (default: the adapter's base model)")
+        q.add_argument("--model", default=None, help="HF or MLX quantized model folder (default: the adapter's base "
+                       "model)")
 
     e = sub.add_parser("eval", help="test loss of a trained adapter")
     common(e)

@@ -384,3 +384,19 @@ def test_fused_mlx_folder_loads_in_transformers(tmp_path):
         logits = model(torch.tensor(ids[:, :-1])).logits.float()
     got = torch.nn.functional.cross_entropy(logits.reshape(-1, V), torch.tensor(ids[:, 1:]).reshape(-1)).item()
     assert got == pytest.approx(want, rel=1e-4)
+
+
+def test_quantize_folder_overrides(tmp_path):
+    base = make_base(tmp_path / "base")
+    over = {"model.layers.0.self_attn.v_proj": (8, 32), "lm_head": None, "model.layers.1.mlp.down_proj": (2, 128)}
+    krnl.hf.quantize_folder(base, tmp_path / "q", 4, 64, overrides=over)
+    q = json.loads((tmp_path / "q" / "config.json").read_text())["quantization"]
+    assert q == {"group_size": 64, "bits": 4, "mode": "affine",
+                 "model.layers.0.self_attn.v_proj": {"group_size": 32, "bits": 8, "mode": "affine"},
+                 "model.layers.1.mlp.down_proj": {"group_size": 128, "bits": 2, "mode": "affine"}}
+    w = load_hf_weights(tmp_path / "q")
+    assert not isinstance(w["lm_head.weight"], QuantizedArray)
+    assert (w["model.layers.0.self_attn.v_proj.weight"].bits, w["model.layers.0.self_attn.k_proj.weight"].bits) == (8, 4)
+    assert w["model.layers.1.mlp.down_proj.weight"].group_size == 128
+    with pytest.raises(ValueError, match=r"\[quantize\] bits must be one of"):
+        krnl.hf.quantize_folder(base, tmp_path / "q2", 7, 64)

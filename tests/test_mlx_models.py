@@ -159,3 +159,21 @@ def test_fuse_quantize_loads_in_mlx_lm(mlx_lm, tmp_path, capsys):
         assert krnl_loss(out, ids) == pytest.approx(mlx_loss(out, ids), rel=1e-4)
         # The fused folder is the base with the adapter, up to 8-bit rounding of the merged modules.
         assert krnl_loss(out, ids) == pytest.approx(krnl_loss(src, ids, adapter=ad), rel=2e-2)
+
+
+def test_quantize_overrides_match_mlx_mixed_recipe(mlx_lm, tmp_path):
+    """quantize_folder's per-module overrides written as mlx-lm's mixed_3_6 recipe lays out 3
+    layers (layer 2's v_proj and down_proj and the head at 6 bits, the rest at 3): the same
+    tensors, bit for bit, and mlx-lm loads krnl's folder with its per-module config entries."""
+    base = make_base(tmp_path / "base", num_hidden_layers=3)
+    mlx_lm.convert(str(base), str(tmp_path / "ref"), quantize=True, quant_predicate="mixed_3_6", q_group_size=64)
+    six = (6, 64)
+    over = {"model.layers.2.self_attn.v_proj": six, "model.layers.2.mlp.down_proj": six, "lm_head": six}
+    quantize_folder(base, tmp_path / "mine", 3, 64, overrides=over)
+    ref, mine = mlx_tensors(tmp_path / "ref"), mlx_tensors(tmp_path / "mine")
+    assert set(mine) == set(ref) and not [k for k in ref if not same_bits(ref[k], mine[k])]
+    q = json.loads((tmp_path / "mine" / "config.json").read_text())["quantization"]
+    assert q == {"group_size": 64, "bits": 3, "mode": "affine",
+                 **{m: {"group_size": 64, "bits": 6, "mode": "affine"} for m in over}}
+    ids = tokens(5)
+    assert krnl_loss(tmp_path / "mine", ids) == pytest.approx(mlx_loss(tmp_path / "mine", ids), rel=1e-4)

@@ -75,10 +75,9 @@ def write_mlx_folder(folder, layouts, scale_st="BF16", quantization=None, seed=0
     folder = Path(folder)
     folder.mkdir(parents=True)
     cfg = base_config(**kw)
-    config = ModelConfig.from_dict(cfg)
     rng = np.random.default_rng(seed)
     items, expect = [], {}
-    for name, shape in config.weight_shapes().items():
+    for name, shape in ModelConfig.from_dict(cfg).weight_shapes().items():
         m = name[:-len(".weight")] if name.endswith(".weight") else None
         if m in layouts:
             bits, gs = layouts[m]
@@ -119,8 +118,7 @@ def mixed_layouts(L=2):
 
 
 def test_lazy_tensor_reads_u32_and_i32_as_integers(tmp_path):
-    u = np.array([[0, 1, 0xFFFFFFFF], [0x80000000, 7, 123456789]], np.uint32)
-    i = np.array([-1, 2, -(2 ** 31), 5], np.int32)
+    u, i = np.array([[0, 1, 0xFFFFFFFF], [0x80000000, 7, 9]], np.uint32), np.array([-1, 2, -(2 ** 31), 5], np.int32)
     write_sharded(tmp_path, [("u", "U32", u.shape, u.tobytes), ("i", "I32", i.shape, i.tobytes)])
     header, _ = read_safetensors_header(tmp_path / "model.safetensors")
     t = {k: LazyTensor(str(tmp_path / "model.safetensors"), k, *v) for k, v in header.items()}
@@ -136,11 +134,9 @@ def test_read_mlx_folder_mixed_layouts(tmp_path):
     expect = write_mlx_folder(tmp_path / "m", lay, quantization={"group_size": 64, "bits": 4, "mode": "affine",
                                                                    **over})
     w = load_hf_weights(tmp_path / "m")
-    config = ModelConfig.from_dict(base_config())
-    assert set(w) == set(config.weight_shapes())
+    assert set(w) == set(ModelConfig.from_dict(base_config()).weight_shapes())
     for name, want in expect.items():
-        m = name[:-len(".weight")]
-        a = w[name]
+        m, a = name[:-len(".weight")], w[name]
         assert tuple(a.shape) == want.shape, name
         if m in lay:
             assert isinstance(a, QuantizedArray) and (a.bits, a.group_size) == lay[m], name
@@ -230,9 +226,9 @@ def test_model_on_mlx_folder_matches_dense_dequantized(tmp_path):
         load_model(tmp_path / "m", dev, quantize=(4, 64))
 
 
-def header_of(folder):
+def header_of(folder):  # {name: (dtype, shape)}, metadata
     h, meta = read_safetensors_header(Path(folder) / "model.safetensors")
-    return {k: (v[0], v[1]) for k, v in h.items()}, meta
+    return {k: v[:2] for k, v in h.items()}, meta
 
 
 def test_quantize_command_writes_mlx_layout(tmp_path, capsys):
@@ -340,7 +336,8 @@ def test_fuse_from_and_to_mlx_folder(tmp_path, capsys):
     # To an HF folder: dequantized, bf16, no quantization in its config.
     assert main(["fuse", "--adapter-path", str(tmp_path / "a"), "--save-path", str(tmp_path / "hf")]) == 0
     cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
-    assert "quantization" not in cfg and "quantization_config" not in cfg and cfg.get("torch_dtype", cfg.get("dtype")) == "bfloat16"
+    assert "quantization" not in cfg and "quantization_config" not in cfg
+    assert cfg.get("torch_dtype", cfg.get("dtype")) == "bfloat16"
     h, _ = header_of(tmp_path / "hf")
     assert set(h) == set(config.weight_shapes()) and {v[0] for v in h.values()} == {"BF16"}
     hf = load_hf_weights(tmp_path / "hf")
@@ -396,7 +393,7 @@ def test_quantize_folder_overrides(tmp_path):
                  "model.layers.1.mlp.down_proj": {"group_size": 128, "bits": 2, "mode": "affine"}}
     w = load_hf_weights(tmp_path / "q")
     assert not isinstance(w["lm_head.weight"], QuantizedArray)
-    assert (w["model.layers.0.self_attn.v_proj.weight"].bits, w["model.layers.0.self_attn.k_proj.weight"].bits) == (8, 4)
+    assert w["model.layers.0.self_attn.v_proj.weight"].bits == 8 and w["model.layers.0.self_attn.k_proj.weight"].bits == 4
     assert w["model.layers.1.mlp.down_proj.weight"].group_size == 128
     with pytest.raises(ValueError, match=r"\[quantize\] bits must be one of"):
         krnl.hf.quantize_folder(base, tmp_path / "q2", 7, 64)

@@ -155,7 +155,8 @@ def test_fuse_quantize_loads_in_mlx_lm(mlx_lm, tmp_path, capsys):
                      "--q-group-size", "32"]) == 0
         capsys.readouterr()
         w = load_hf_weights(out)
-        assert (w["model.layers.0.mlp.up_proj.weight"].bits, w["model.layers.0.mlp.up_proj.weight"].group_size) == (8, 32)
+        up = w["model.layers.0.mlp.up_proj.weight"]
+        assert (up.bits, up.group_size) == (8, 32)
         assert krnl_loss(out, ids) == pytest.approx(mlx_loss(out, ids), rel=1e-4)
         # The fused folder is the base with the adapter, up to 8-bit rounding of the merged modules.
         assert krnl_loss(out, ids) == pytest.approx(krnl_loss(src, ids, adapter=ad), rel=2e-2)

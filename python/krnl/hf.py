@@ -21,7 +21,7 @@ import numpy as np
 
 from .adapter import read_adapter
 from .fileio import atomic_write_bytes, atomic_write_chunks, read_json_object
-from .mlx_folder import FLOAT_NAMES, mlx_items, model_dtype, quantization, read_quantized
+from .mlx_folder import mlx_items, model_dtype, quantization, read_quantized
 from .model import ATTN_MODULES, LlamaModel, ModelConfig, lora_key
 from .qweight import QuantizedArray
 from .safetensors_io import LazyTensor, encode, header_bytes, nbytes, read_safetensors_header
@@ -306,12 +306,12 @@ def _write_folder(model_folder, weights, config, out_folder, shard_size, dtype, 
             t = weights[name]
             st = force or t.st_dtype
             get = merged.get(name) or (lambda t=t: np.asarray(t, np.float32))
-            keep = name not in merged and getattr(t, "st_dtype", None) == st
-            items.append((name, st, tuple(t.shape), t.raw_bytes if keep else (lambda get=get, st=st: encode(get(), st))))
+            keep = name not in merged and getattr(t, "st_dtype", None) == st  # the stored bytes as they are
+            producer = t.raw_bytes if keep else (lambda get=get, st=st: encode(get(), st))
+            items.append((name, st, tuple(t.shape), producer))
     files = write_sharded(out_folder, items, shard_size=shard_size, metadata=meta)
     if force:
-        names = {v: k for k, v in FLOAT_NAMES.items()}
-        cfg["torch_dtype" if "torch_dtype" in cfg else "dtype"] = names[force.lower()]
+        cfg["torch_dtype" if "torch_dtype" in cfg else "dtype"] = _FLOAT_NAMES[force]
     atomic_write_bytes(out_folder / CONFIG_NAME, (json.dumps(cfg, indent=2) + "\n").encode())
     return files
 

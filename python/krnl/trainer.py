@@ -284,7 +284,8 @@ class Trainer:
         state = self.model.lora_state()
         adapter_io.save_adapter(self.out, state, cfg)
         if self.adapter_format == "mlx":
-            adapter_io.save_mlx_adapter(self.out / adapter_io.MLX_SUBFOLDER, lc, state, self.model.config, self.base_model)
+            adapter_io.save_mlx_adapter(self.out / adapter_io.MLX_SUBFOLDER, lc, state, self.model.config,
+                                        self.base_model)
 
 
 def plot_metrics(metrics_path, png_path):

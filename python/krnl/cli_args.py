@@ -279,7 +279,7 @@ def parse_args(argv, commands):
     z = sub.add_parser("quantize", help="write an HF model folder as an MLX quantized folder (as mlx_lm.convert -q)")
     z.add_argument("--model", required=True, help="the HF folder to quantize (f32, f16 or bf16 weights)")
     z.add_argument("--save-path", default="mlx_model", help="output folder")
-    z.add_argument("--bits", type=int, default=4, choices=[2, 3, 4, 5, 6, 8])
+    z.add_argument("--bits", type=int, default=4, choices=[2, 3, 4, 5, 6, 8], help="bits per quantized weight")
     z.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128], help="inputs per quantization group")
     z.add_argument("--dtype", default=None, choices=["f32", "f16", "bf16"],
                    help="dtype of the scales, biases and unquantized weights (default: the config's torch_dtype, "

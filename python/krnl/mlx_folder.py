@@ -110,11 +110,11 @@ def read_quantized(tensors, config, q, folder):
             what = "missing" if b is None else f"{b.st_dtype} {b.shape}"
             bad.append(f"{bk}: {what} (expected {s.st_dtype} {s.shape} like {sk})")
             continue
-        words = w.shape[1]
+        words, groups = w.shape[1], s.shape[1] if s.ndim == 2 else 0
         bits = words * 32 // I if I else 0
-        gs = I // s.shape[1] if s.ndim == 2 and s.shape[1] else 0
+        gs = I // groups if groups else 0
         if (w.shape[0] != O or s.shape[0] != O or words * 32 != bits * I or bits not in quant.BITS
-                or gs * s.shape[1] != I or gs not in quant.GROUP_SIZES):
+                or gs * groups != I or gs not in quant.GROUP_SIZES):
             bad.append(f"{at}: codes {w.shape} and scales {s.shape} do not quantize a ({O}, {I}) weight at "
                        f"bits {quant.BITS} and group sizes {quant.GROUP_SIZES}")
             continue

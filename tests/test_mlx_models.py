@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from test_mlx_folder import V, make_base, random_adapter, write_data
+from mlx_folders import V, make_base, random_adapter, write_data
 
 import krnl
 from krnl.cli import main
@@ -162,19 +162,19 @@ def test_fuse_quantize_loads_in_mlx_lm(mlx_lm, tmp_path, capsys):
         assert krnl_loss(out, ids) == pytest.approx(krnl_loss(src, ids, adapter=ad), rel=2e-2)
 
 
-def test_quantize_overrides_match_mlx_mixed_recipe(mlx_lm, tmp_path):
-    """quantize_folder's per-module overrides written as mlx-lm's mixed_3_6 recipe lays out 3
-    layers (layer 2's v_proj and down_proj and the head at 6 bits, the rest at 3): the same
-    tensors, bit for bit, and mlx-lm loads krnl's folder with its per-module config entries."""
-    base = make_base(tmp_path / "base", num_hidden_layers=3)
-    mlx_lm.convert(str(base), str(tmp_path / "ref"), quantize=True, quant_predicate="mixed_3_6", q_group_size=64)
-    six = (6, 64)
-    over = {"model.layers.2.self_attn.v_proj": six, "model.layers.2.mlp.down_proj": six, "lm_head": six}
-    quantize_folder(base, tmp_path / "mine", 3, 64, overrides=over)
+@pytest.mark.parametrize("recipe, layers", [("mixed_3_6", 3), ("mixed_2_6", 9), ("mixed_3_4", 2), ("mixed_4_6", 17)])
+def test_quantize_recipes_match_mlx_convert(mlx_lm, tmp_path, recipe, layers):
+    """krnl quantize --quant-predicate writes the tensors of mlx_lm.convert's mixed recipes bit for
+    bit (layer counts where the first and last eighths and every third layer differ), and
+    mlx-lm loads krnl's folder, whose config holds only the modules at the high bits."""
+    base = make_base(tmp_path / "base", num_hidden_layers=layers)
+    mlx_lm.convert(str(base), str(tmp_path / "ref"), quantize=True, quant_predicate=recipe, q_group_size=64)
+    assert main(["quantize", "--model", str(base), "--save-path", str(tmp_path / "mine"), "--quant-predicate",
+                 recipe]) == 0
     ref, mine = mlx_tensors(tmp_path / "ref"), mlx_tensors(tmp_path / "mine")
     assert set(mine) == set(ref) and not [k for k in ref if not same_bits(ref[k], mine[k])]
     q = json.loads((tmp_path / "mine" / "config.json").read_text())["quantization"]
-    assert q == {"group_size": 64, "bits": 3, "mode": "affine",
-                 **{m: {"group_size": 64, "bits": 6, "mode": "affine"} for m in over}}
+    high = {k for k, v in q.items() if isinstance(v, dict)}
+    assert "lm_head" in high and len({v["bits"] for k, v in q.items() if k in high}) == 1
     ids = tokens(5)
     assert krnl_loss(tmp_path / "mine", ids) == pytest.approx(mlx_loss(tmp_path / "mine", ids), rel=1e-4)

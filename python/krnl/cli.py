@@ -137,8 +137,9 @@ def cmd_quantize(args):
     from .hf import quantize_folder
 
     info = quantize_folder(args.model, args.save_path, args.bits, args.group_size, dtype=args.dtype,
-                           shard_size=args.max_shard_size)
-    print(f"quantized {args.model} to {args.bits} bits (groups of {args.group_size}) into {args.save_path}: "
+                           shard_size=args.max_shard_size, recipe=args.quant_predicate)
+    bits = args.quant_predicate or f"{args.bits} bits"
+    print(f"quantized {args.model} to {bits} (groups of {args.group_size}) into {args.save_path}: "
           f"{', '.join(info['files'])}" + (f"; copied {', '.join(info['copied'])}" if info["copied"] else ""))
     return 0
 

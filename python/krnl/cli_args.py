@@ -281,6 +281,8 @@ def parse_args(argv, commands):
     z.add_argument("--save-path", default="mlx_model", help="output folder")
     z.add_argument("--bits", type=int, default=4, choices=[2, 3, 4, 5, 6, 8], help="bits per quantized weight")
     z.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128], help="inputs per quantization group")
+    z.add_argument("--quant-predicate", default=None, choices=["mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6"],
+                   help="one of mlx-lm's mixed-bit recipes (sets the bits; v_proj, down_proj and the head get more)")
     z.add_argument("--dtype", default=None, choices=["f32", "f16", "bf16"],
                    help="dtype of the scales, biases and unquantized weights (default: the config's torch_dtype, "
                    "else the stored one)")

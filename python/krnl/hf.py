@@ -21,7 +21,7 @@ import numpy as np
 
 from .adapter import read_adapter
 from .fileio import atomic_write_bytes, atomic_write_chunks, read_json_object
-from .mlx_folder import mlx_items, model_dtype, quantization, read_quantized
+from .mlx_folder import mlx_items, model_dtype, quantization, read_quantized, recipe_overrides
 from .model import ATTN_MODULES, LlamaModel, ModelConfig, lora_key
 from .qweight import QuantizedArray
 from .safetensors_io import LazyTensor, encode, header_bytes, nbytes, read_safetensors_header
@@ -263,11 +263,12 @@ def fuse(model_folder, adapter_folder, out_folder, shard_size="2GB", dtype=None,
 
 
 def quantize_folder(model_folder, out_folder, bits=4, group_size=64, dtype=None, shard_size="2GB",
-                    overrides=None):
+                    overrides=None, recipe=None):
     """Writes the float HF folder at `model_folder` as an MLX quantized folder, as `mlx_lm.convert
     -q` does: the linears and the embedding whose input size is a multiple of group_size
-    quantized (`overrides` {module path: (bits, group_size) or None} for single modules), the
-    rest and the scales in dtype (the config's torch_dtype when None). Returns a summary dict."""
+    quantized (`overrides` {module path: (bits, group_size) or None} for single modules, or one
+    of mlx-lm's mixed `recipe`s, which sets the bits), the rest and the scales in dtype (the
+    config's torch_dtype when None). Returns a summary dict."""
     model_folder, out_folder = Path(model_folder), Path(out_folder)
     if out_folder.resolve() == model_folder.resolve():
         raise ValueError(f"[quantize] the output folder must differ from the model folder {model_folder}")
@@ -277,6 +278,8 @@ def quantize_folder(model_folder, out_folder, bits=4, group_size=64, dtype=None,
     if held:
         raise ValueError(f"[quantize] {model_folder} is quantized already ({held[0].bits} bits, groups of "
                          f"{held[0].group_size}); krnl quantize reads float HF folders")
+    if recipe is not None:
+        bits, overrides = recipe_overrides(config, recipe, group_size)
     files = _write_folder(model_folder, weights, config, out_folder, shard_size, dtype, (bits, group_size),
                           overrides=overrides)
     return {"files": files, "copied": _copy_tokenizer(model_folder, out_folder)}

@@ -149,6 +149,25 @@ def plan(config, bits, group_size, overrides=None):
     return out
 
 
+RECIPES = {"mixed_2_6": (2, 6), "mixed_3_4": (3, 4), "mixed_3_6": (3, 6), "mixed_4_6": (4, 6)}
+
+
+def recipe_overrides(config, recipe, group_size=64):
+    """(low bits, {module path: (bits, group_size)}) of one of mlx-lm's mixed recipes (its
+    --quant-predicate, after llama.cpp's Q4_K_M choice): v_proj and down_proj get the high bits in
+    the first and last eighth of the layers and in every third layer between, the head always;
+    every other module gets the low bits."""
+    if recipe not in RECIPES:
+        raise ValueError(f"[quantize] unknown recipe {recipe!r}; one of {', '.join(RECIPES)}")
+    low, high = RECIPES[recipe]
+    L = config.num_hidden_layers
+    out = {"lm_head": (high, group_size)} if not config.tie_word_embeddings else {}
+    for i in range(L):
+        if i < L // 8 or i >= 7 * L // 8 or (i - L // 8) % 3 == 2:
+            out[f"model.layers.{i}.self_attn.v_proj"] = out[f"model.layers.{i}.mlp.down_proj"] = (high, group_size)
+    return low, out
+
+
 def config_entry(layouts, bits, group_size):
     """The "quantization" object of config.json: the default plus one entry per module quantized
     otherwise (mlx-lm writes its mixed recipes this way)."""

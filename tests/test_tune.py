@@ -294,6 +294,6 @@ def test_tune_arguments():
     from krnl.cli_args import parse_args
 
     args = parse_args(["tune", "--dtype", "f16", "--repeats", "3"], {k: None for k in (
-        "devices", "train", "eval", "generate", "fuse", "w1", "tune", "bench")})
+        "devices", "train", "eval", "generate", "fuse", "quantize", "w1", "tune", "bench")})
     assert (args.cmd, args.dtype, args.repeats, args.device) == ("tune", "f16", 3, None)
     assert os.environ.get("KRNL_CACHE") is None or tune.cache_path().name == tune.CACHE_NAME

@@ -1,7 +1,9 @@
 """LoRA adapters in PEFT's on-disk format (docs/architecture.md, 'Models, adapters and data'): `adapter_config.json` and
 `adapter_model.safetensors` with keys `base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight`,
-A (r, in) and B (out, r), so PEFT, transformers and vLLM load them unchanged. Files are written
-atomically (temporary file in the same folder, fsync, rename)."""
+A (r, in) and B (out, r), so PEFT, transformers and vLLM load them unchanged; and mlx-lm's layout
+(`adapters.safetensors`, keys `model.layers.N.self_attn.q_proj.lora_a`, the factors transposed),
+which `mlx_lm.load(path, adapter_path=...)` loads. Files are written atomically (temporary file
+in the same folder, fsync, rename)."""
 
 import json
 import re
@@ -15,6 +17,11 @@ from .safetensors_io import LazyTensor, read_safetensors_header
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
+MLX_WEIGHTS_NAME = "adapters.safetensors"
+# krnl train --adapter-format mlx writes mlx-lm's files into this subfolder of the PEFT folder:
+# both layouts call their config adapter_config.json, with different keys, and PEFT versions
+# before 0.14 (and other PEFT readers) refuse a config with keys they do not know.
+MLX_SUBFOLDER = "mlx"
 
 
 def peft_config(lora, base_model="", layers=None):
@@ -48,10 +55,42 @@ def save_adapter(path, tensors, config):
     atomic_write_bytes(path / CONFIG_NAME, (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
 
 
+def mlx_adapter(lora, tensors, config, base_model=""):
+    """({mlx-lm key: float32 array}, adapter_config.json dict) of a LoRA adapter in mlx-lm's layout:
+    lora_a = A^T (in, r), lora_b = B^T (r, out), the scale itself in lora_parameters. mlx-lm
+    adapts the last num_layers layers: other layer sets have no such layout (a ValueError)."""
+    n, layers = config.num_hidden_layers, lora.adapted_layers(config)
+    if layers != list(range(n - len(layers), n)):
+        raise ValueError(f"[adapter] mlx-lm adapts the last num_layers layers of a model; LoRA on layers {layers} of "
+                         f"{n} has no mlx-lm layout (adapt layers {n - len(layers)}..{n - 1} instead)")
+    out, keys = {}, []
+    for m in (m for m in ALL_MODULES if m in lora.target_modules):  # one order, whatever the flag's
+        keys.append(f"{'self_attn' if m in ATTN_MODULES else 'mlp'}.{m}")
+        for i in layers:
+            for f in ("A", "B"):
+                out[f"model.layers.{i}.{keys[-1]}.lora_{f.lower()}"] = np.asarray(tensors[lora_key(i, m, f)],
+                                                                                  np.float32).T
+    cfg = {"fine_tune_type": "lora", "model": base_model, "num_layers": len(layers),
+           "lora_parameters": {"rank": int(lora.r), "scale": float(lora.scale), "dropout": float(lora.dropout),
+                               "keys": keys}}
+    return out, cfg
+
+
+def save_mlx_adapter(path, lora, tensors, config, base_model=""):
+    """Writes the adapter (PEFT keys, as save_adapter takes them) in mlx-lm's layout into folder
+    `path`: adapters.safetensors and adapter_config.json, what mlx-lm's --adapter-path names."""
+    from safetensors.numpy import save
+
+    out, cfg = mlx_adapter(lora, tensors, config, base_model)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    blob = save({k: np.ascontiguousarray(v) for k, v in out.items()}, metadata={"format": "mlx"})
+    atomic_write_bytes(path / MLX_WEIGHTS_NAME, blob)
+    atomic_write_bytes(path / CONFIG_NAME, (json.dumps(cfg, indent=2, sort_keys=True) + "\n").encode())
+
+
 # ---------------------------------------------------------------------------------------------
 # Adapters made by others: PEFT (safetensors) and mlx-lm layouts, checked against a model config.
-
-MLX_WEIGHTS_NAME = "adapters.safetensors"
 
 _PEFT_KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)\."
                        r"lora_([AB])(?:\.([\w-]+))?\.weight$")

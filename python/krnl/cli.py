@@ -1,6 +1,7 @@
 """The `krnl` command line: `train`, `eval` and `generate` (the embedded default: a tiny Llama and a
 generated task; or, for eval and generate, an HF model folder from --model or the adapter's
-base_model_name_or_path), `fuse` (an adapter merged into its HF base, written as an HF folder),
+base_model_name_or_path), `fuse` (an adapter merged into its base, written as an HF folder or an MLX quantized one),
+`quantize` (an HF folder written as an MLX quantized folder),
 `w1` (LoRA on the W1 MLP block of docs/performance.md, matching a teacher), `bench` (krnl/bench),
 `tune` (tune.py: the GEMM variants timed on this GPU) and `devices`. The argument parser is in
 cli_args.py; `devices`, `w1` and the device choice are in cli_device.py; `krnl.cli:main` stays
@@ -13,7 +14,7 @@ import numpy as np
 
 import krnl
 
-from .cli_args import parse_args
+from .cli_args import lora_from_args, lora_targets, parse_args  # noqa: F401 (krnl.cli.lora_targets)
 from .cli_device import cmd_devices, cmd_w1, device_from_args
 from .run_folder import claim
 from .tune import cmd_tune, ensure_tuned
@@ -36,46 +37,6 @@ def _default_model(dev, lora, dtype, seed, grad_checkpoint=False, quantize=None)
     weights = base_weights(config, seed=BASE_SEED)
     return tok, LlamaModel(dev, config, weights, lora=lora, dtype=dtype, seed=seed, grad_checkpoint=grad_checkpoint,
                            quantize=quantize)
-
-
-SHORT_TARGETS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj", "up": "up_proj",
-                 "down": "down_proj"}
-
-
-def lora_targets(text):
-    """The module names of --lora-targets: short names (q,k,v,o,gate,up,down), module names
-    (q_proj) or mlx-lm's keys (self_attn.q_proj, mlp.gate_proj), comma-separated."""
-    from .model import ALL_MODULES, ATTN_MODULES
-
-    out = []
-    for item in str(text).split(","):
-        name = item.strip()
-        m = SHORT_TARGETS.get(name, name)
-        part, _, last = m.rpartition(".")
-        if part:  # an mlx-lm key: its prefix must be the module's block
-            m = last if part == ("self_attn" if last in ATTN_MODULES else "mlp") else name
-        if m not in ALL_MODULES:
-            raise ValueError(f"--lora-targets: unknown module {name!r}; accepted: {', '.join(SHORT_TARGETS)}, "
-                             f"{', '.join(ALL_MODULES)}, self_attn.q_proj ... mlp.down_proj")
-        if m not in out:
-            out.append(m)
-    return tuple(out)
-
-
-def _lora_from_args(args):
-    from .model import LoraConfig
-
-    kw = {"r": args.lora_rank, "alpha": args.lora_alpha, "dropout": args.lora_dropout, "use_rslora": args.rslora}
-    if args.lora_layers:
-        items = [x.strip() for x in str(args.lora_layers).split(",")]
-        bad = [x for x in items if not x.isdigit()]
-        if bad:
-            raise ValueError(f"--lora-layers: not a layer index: {', '.join(map(repr, bad))}; give comma-separated "
-                             f"layer numbers from 0, e.g. --lora-layers 0,1,2")
-        kw["layers"] = [int(x) for x in items]
-    if args.lora_targets:
-        kw["target_modules"] = lora_targets(args.lora_targets)
-    return LoraConfig(**kw)
 
 
 def _adapter_base(args):
@@ -164,8 +125,21 @@ def cmd_fuse(args):
     if base is None:
         raise ValueError(f"[fuse] {args.adapter_path} belongs to the embedded default model; fuse needs an HF "
                          "model folder (--model)")
-    info = fuse(base, args.adapter_path, args.save_path, shard_size=args.max_shard_size, dtype=args.dtype)
-    print(f"fused {len(info['merged'])} weights (scale {info['scale']:g}) into {args.save_path}: "
+    q = None if args.quantize is None else (args.quantize, args.q_group_size)
+    info = fuse(base, args.adapter_path, args.save_path, shard_size=args.max_shard_size, dtype=args.dtype, quantize=q)
+    what = f" (MLX, {q[0]} bits, groups of {q[1]})" if q else ""
+    print(f"fused {len(info['merged'])} weights (scale {info['scale']:g}) into {args.save_path}{what}: "
+          f"{', '.join(info['files'])}" + (f"; copied {', '.join(info['copied'])}" if info["copied"] else ""))
+    return 0
+
+
+def cmd_quantize(args):
+    from .hf import quantize_folder
+
+    info = quantize_folder(args.model, args.save_path, args.bits, args.group_size, dtype=args.dtype,
+                           shard_size=args.max_shard_size, recipe=args.quant_predicate)
+    bits = args.quant_predicate or f"{args.bits} bits"
+    print(f"quantized {args.model} to {bits} (groups of {args.group_size}) into {args.save_path}: "
           f"{', '.join(info['files'])}" + (f"; copied {', '.join(info['copied'])}" if info["copied"] else ""))
     return 0
 
@@ -174,7 +148,7 @@ def cmd_train(args):
     from .trainer import Trainer, TrainConfig, plot_metrics
 
     dev = device_from_args(args)
-    lora = _lora_from_args(args)
+    lora = lora_from_args(args)
     if args.model:
         if not args.data:
             raise ValueError("[train] --data is required with --model")
@@ -214,7 +188,12 @@ def cmd_train(args):
     if model.quantize is not None:  # only then: older checkpoints have no such key
         fingerprint["quantize"] = list(model.quantize)
     trainer = Trainer(model, cfg, train, valid, out_dir=args.adapter_path, fingerprint=fingerprint,
-                      base_model=base_id, progress=not args.quiet, options=_run_options(args))
+                      base_model=base_id, progress=not args.quiet, options=_run_options(args),
+                      adapter_format=args.adapter_format)
+    if args.adapter_format == "mlx":  # refused before training, not after it
+        from .adapter import mlx_adapter
+
+        mlx_adapter(lora, model.lora_state(), model.config)
     print(f"krnl {krnl.__version__} on {dev.name}: {what}, LoRA r={lora.r} on {len(model.adapted)} modules "
           f"({model.lora_params.numel} trainable parameters), {args.dtype}"
           + (f", base quantized to {model.quantize[0]} bits (groups of {model.quantize[1]})" if model.quantize else ""))
@@ -233,7 +212,8 @@ def cmd_train(args):
     val = f", validation loss {summary['val_loss']:.4f}" if summary["val_loss"] is not None else ""
     print(f"step {summary['steps']}: train loss {summary['loss']:.4f}{val}"
           + (f", {summary['skipped_steps']} skipped steps" if summary["skipped_steps"] else ""))
-    print(f"adapter: {args.adapter_path}/adapter_model.safetensors (PEFT format); metrics: {summary['metrics']}; "
+    mlx = f", {args.adapter_path}/mlx (mlx-lm)" if args.adapter_format == "mlx" else ""
+    print(f"adapter: {args.adapter_path}/adapter_model.safetensors (PEFT format){mlx}; metrics: {summary['metrics']}; "
           f"loss curve: {png}")
     print(f"try: {hint}")
     lock.release()
@@ -360,7 +340,7 @@ def main(argv=None):
     from .bench.cli import cmd_bench  # krnl.bench pulls in its workloads: only once the CLI runs
 
     commands = {"devices": cmd_devices, "train": cmd_train, "eval": cmd_eval, "generate": cmd_generate,
-                "fuse": cmd_fuse, "w1": cmd_w1, "tune": cmd_tune, "bench": cmd_bench}
+                "fuse": cmd_fuse, "quantize": cmd_quantize, "w1": cmd_w1, "tune": cmd_tune, "bench": cmd_bench}
     args = parse_args(argv, commands)
     try:
         return args.fn(args)

@@ -1,5 +1,6 @@
-"""The `krnl` command line's arguments: the parser of every subcommand and the train options read
-from a YAML file. The commands themselves live in cli.py and cli_device.py."""
+"""The `krnl` command line's arguments: the parser of every subcommand, the train options read
+from a YAML file and the LoRA layout of train's --lora-* flags. The commands themselves live in
+cli.py and cli_device.py."""
 
 import argparse
 import re
@@ -116,6 +117,47 @@ def _help_with_defaults(parser):
             a.help = (text + " " if text else "") + f"(default: {_show_default(a.default)})"
 
 
+SHORT_TARGETS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj", "up": "up_proj",
+                 "down": "down_proj"}
+
+
+def lora_targets(text):
+    """The module names of --lora-targets: short names (q,k,v,o,gate,up,down), module names
+    (q_proj) or mlx-lm's keys (self_attn.q_proj, mlp.gate_proj), comma-separated."""
+    from .model import ALL_MODULES, ATTN_MODULES
+
+    out = []
+    for item in str(text).split(","):
+        name = item.strip()
+        m = SHORT_TARGETS.get(name, name)
+        part, _, last = m.rpartition(".")
+        if part:  # an mlx-lm key: its prefix must be the module's block
+            m = last if part == ("self_attn" if last in ATTN_MODULES else "mlp") else name
+        if m not in ALL_MODULES:
+            raise ValueError(f"--lora-targets: unknown module {name!r}; accepted: {', '.join(SHORT_TARGETS)}, "
+                             f"{', '.join(ALL_MODULES)}, self_attn.q_proj ... mlp.down_proj")
+        if m not in out:
+            out.append(m)
+    return tuple(out)
+
+
+def lora_from_args(args):
+    """The LoraConfig of train's --lora-* options."""
+    from .model import LoraConfig
+
+    kw = {"r": args.lora_rank, "alpha": args.lora_alpha, "dropout": args.lora_dropout, "use_rslora": args.rslora}
+    if args.lora_layers:
+        items = [x.strip() for x in str(args.lora_layers).split(",")]
+        bad = [x for x in items if not x.isdigit()]
+        if bad:
+            raise ValueError(f"--lora-layers: not a layer index: {', '.join(map(repr, bad))}; give comma-separated "
+                             f"layer numbers from 0, e.g. --lora-layers 0,1,2")
+        kw["layers"] = [int(x) for x in items]
+    if args.lora_targets:
+        kw["target_modules"] = lora_targets(args.lora_targets)
+    return LoraConfig(**kw)
+
+
 def parse_args(argv, commands):
     """The parsed command line; `fn` is the function of the chosen command, from `commands`
     ({command name: function}), so that this module needs none of them. A train --config YAML
@@ -145,7 +187,8 @@ def parse_args(argv, commands):
     quantize(t)
     t.add_argument("--adapter-path", default="adapters", help="output folder: adapter, checkpoints, metrics")
     t.add_argument("--config", default=None, help="YAML file of train options (flags given on the command line win)")
-    t.add_argument("--model", default=None, help="HF model folder (default: the embedded tiny model)")
+    t.add_argument("--model", default=None, help="HF or MLX quantized model folder (default: the embedded tiny "
+                   "model)")
     t.add_argument("--data", default=None, help="folder with train.jsonl (and valid.jsonl, test.jsonl)")
     t.add_argument("--max-seq-length", type=int, default=2048)
     t.add_argument("--mask-prompt", action=argparse.BooleanOptionalAction, default=True,
@@ -182,6 +225,9 @@ def parse_args(argv, commands):
     t.add_argument("--overwrite", action="store_true",
                    help="start a new run in an --adapter-path that holds another run (its checkpoints, metrics and "
                    "adapter are removed)")
+    t.add_argument("--adapter-format", default="peft", choices=["peft", "mlx"],
+                   help="peft: the PEFT files in --adapter-path; mlx: also mlx-lm's adapters.safetensors and "
+                   "adapter_config.json in --adapter-path/mlx, for mlx_lm --adapter-path")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.add_argument("--no-tune", action="store_true", help="do not time the GEMM variants before the first step on a "
                    "GPU that has no tuning yet (see `krnl tune`)")
@@ -190,7 +236,8 @@ def parse_args(argv, commands):
     def adapter_and_model(q):  # eval and generate: which adapter, on which base
         q.add_argument("--adapter-path", default=None, help="adapter folder (default: adapters when that folder "
                        "exists, else the base model alone); \"\" for the base model alone")
-        q.add_argument("--model", default=None, help="HF model folder (default: the adapter's base model)")
+        q.add_argument("--model", default=None, help="HF or MLX quantized model folder (default: the adapter's base "
+                       "model)")
 
     e = sub.add_parser("eval", help="test loss of a trained adapter")
     common(e)
@@ -213,14 +260,34 @@ def parse_args(argv, commands):
                    help="send the prompt as is (default: as a user turn of the model's chat template, if any)")
     g.set_defaults(fn=commands["generate"])
 
-    f = sub.add_parser("fuse", help="merge an adapter into its base model and write an HF folder")
-    f.add_argument("--model", default=None, help="the base model's HF folder (default: the adapter's base model)")
+    f = sub.add_parser("fuse", help="merge an adapter into its base model and write an HF folder (or, with "
+                       "--quantize, an MLX quantized folder)")
+    f.add_argument("--model", default=None, help="the base model's HF or MLX folder (default: the adapter's base "
+                   "model)")
     f.add_argument("--adapter-path", default="adapters", help="adapter folder (PEFT or mlx-lm layout)")
-    f.add_argument("--save-path", default="fused_model", help="output HF folder")
+    f.add_argument("--save-path", default="fused_model", help="output folder")
     f.add_argument("--max-shard-size", default="2GB", help="largest safetensors shard, e.g. 2GB, 500MB")
     f.add_argument("--dtype", default=None, choices=["f32", "f16", "bf16"],
-                   help="output dtype (default: each tensor's stored dtype)")
+                   help="output dtype (default: each tensor's stored dtype; bf16 from a quantized base; with "
+                   "--quantize the base's dtype)")
+    f.add_argument("--quantize", type=int, default=None, choices=[2, 3, 4, 5, 6, 8],
+                   help="write an MLX folder quantized to this many bits, as mlx_lm.convert -q does")
+    f.add_argument("--q-group-size", type=int, default=64, choices=[32, 64, 128],
+                   help="inputs per quantization group (with --quantize)")
     f.set_defaults(fn=commands["fuse"])
+
+    z = sub.add_parser("quantize", help="write an HF model folder as an MLX quantized folder (as mlx_lm.convert -q)")
+    z.add_argument("--model", required=True, help="the HF folder to quantize (f32, f16 or bf16 weights)")
+    z.add_argument("--save-path", default="mlx_model", help="output folder")
+    z.add_argument("--bits", type=int, default=4, choices=[2, 3, 4, 5, 6, 8], help="bits per quantized weight")
+    z.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128], help="inputs per quantization group")
+    z.add_argument("--quant-predicate", default=None, choices=["mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6"],
+                   help="one of mlx-lm's mixed-bit recipes (sets the bits; v_proj, down_proj and the head get more)")
+    z.add_argument("--dtype", default=None, choices=["f32", "f16", "bf16"],
+                   help="dtype of the scales, biases and unquantized weights (default: the config's torch_dtype, "
+                   "else the stored one)")
+    z.add_argument("--max-shard-size", default="2GB", help="largest safetensors shard, e.g. 2GB, 500MB")
+    z.set_defaults(fn=commands["quantize"])
 
     w = sub.add_parser("w1", help="train LoRA on the W1 MLP block to match a teacher (a small, real LoRA run)")
     w.add_argument("--device", default=None, help="cpu, ... (default: best available)")
@@ -247,7 +314,7 @@ def parse_args(argv, commands):
     b = sub.add_parser("bench", help="krnl next to numpy, PyTorch and MLX on W1/W2/W3 and GEMMs, behind a control gate")
     bench_arguments(b)
     b.set_defaults(fn=commands["bench"])
-    for q in (d, t, e, g, f, w, u, b):
+    for q in (d, t, e, g, f, z, w, u, b):
         _help_with_defaults(q)
     args = p.parse_args(argv)
     if getattr(args, "config", None):

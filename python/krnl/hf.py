@@ -5,9 +5,13 @@ Weights are mapped to the core as stored ([out, in], no transposes). The safeten
 memory-mapped (krnl.safetensors_io), so a tensor is read from disk only when it is uploaded; the
 model converts every tensor to its compute dtype on upload.
 
+An MLX quantized folder (krnl.mlx_folder) is an HF folder whose config has `quantization`: its
+quantized modules come back as QuantizedArray values under their `.weight` names.
+
 `fuse` merges a LoRA adapter into the base weights, W' = W + s B A (float32 math, stored back in
-each tensor's original dtype), and writes an HF folder that transformers loads: sharded
-safetensors with an index, config.json and the tokenizer files.
+each tensor's original dtype, bf16 for a quantized base), and writes an HF folder that
+transformers loads: sharded safetensors with an index, config.json and the tokenizer files; or,
+with `quantize`, an MLX quantized folder, which `quantize_folder` writes from a float HF folder.
 """
 
 import json
@@ -17,7 +21,9 @@ import numpy as np
 
 from .adapter import read_adapter
 from .fileio import atomic_write_bytes, atomic_write_chunks, read_json_object
+from .mlx_folder import mlx_items, model_dtype, quantization, read_quantized, recipe_overrides
 from .model import ATTN_MODULES, LlamaModel, ModelConfig, lora_key
+from .qweight import QuantizedArray
 from .safetensors_io import LazyTensor, encode, header_bytes, nbytes, read_safetensors_header
 # Defined here before safetensors_io.py took the format; krnl.hf.bf16_to_f32 and friends stay.
 from .safetensors_io import bf16_to_f32, f32_to_bf16  # noqa: F401
@@ -104,17 +110,21 @@ def normalize_config(d):
 def load_hf_weights(folder, config=None):
     """{HF name: LazyTensor} of the weights `config` needs (read_config(folder) when None), checked:
     a ValueError lists missing and unexpected tensors and wrong shapes, naming the files. The values
-    work as arrays (np.asarray(w, np.float32)); each is read from its memory map on first use."""
+    work as arrays (np.asarray(w, np.float32)); each is read from its memory map on first use. In
+    an MLX quantized folder the modules stored quantized are QuantizedArray values (shape (O, I))."""
     folder = Path(folder)
     config = read_config(folder) if config is None else config
     tensors = read_tensors(folder)
     want = config.weight_shapes()
     # Buffers some exporters keep (not weights).
     ignored = [k for k in tensors if k.endswith(".rotary_emb.inv_freq")]
-    if config.tie_word_embeddings and "lm_head.weight" in tensors:
-        ignored.append("lm_head.weight")  # tied checkpoints may store it; the embedding is used
+    if config.tie_word_embeddings:  # tied checkpoints may store a head; the embedding is used
+        ignored += [k for k in ("lm_head.weight", "lm_head.scales", "lm_head.biases") if k in tensors]
     for k in ignored:
         tensors.pop(k)
+    q = quantization(read_json_object(folder / CONFIG_NAME, "hf"), str(folder / CONFIG_NAME))
+    if q is not None:
+        read_quantized(tensors, config, q, folder)
     missing = sorted(set(want) - set(tensors))
     unexpected = sorted(set(tensors) - set(want))
     bad = [f"{k}: {tensors[k].shape} (expected {tuple(want[k])})" for k in sorted(set(want) & set(tensors))
@@ -130,7 +140,8 @@ def load_hf_weights(folder, config=None):
     if bad:
         msgs.append(f"wrong shapes {bad}")
     if msgs:
-        files = ", ".join(sorted({Path(t.path).name for t in tensors.values()})) or "no tensors"
+        paths = {(t.w if isinstance(t, QuantizedArray) else t).path for t in tensors.values()}
+        files = ", ".join(sorted(Path(p).name for p in paths)) or "no tensors"
         raise ValueError(f"[hf] {folder} ({files}) does not match its config ({config.model_type}, "
                          f"{config.num_hidden_layers} layers): " + "; ".join(msgs))
     return tensors
@@ -141,6 +152,10 @@ def load_model(folder, device, lora=None, dtype="f32", seed=0, grad_checkpoint=F
     LoRA config and weights are loaded (then `lora` must be None)."""
     config = read_config(folder)
     weights = load_hf_weights(folder, config)
+    held = [w for w in weights.values() if isinstance(w, QuantizedArray)]
+    if held and kw.get("quantize") is not None:
+        raise ValueError(f"[hf] {folder} is quantized already ({held[0].bits} bits, groups of {held[0].group_size}); "
+                         f"leave out --quantize")
     tensors = None
     if adapter is not None:
         if lora is not None:
@@ -222,53 +237,96 @@ def merged_weight(W32, A, B, scale):
             ).astype(np.float32)
 
 
-def fuse(model_folder, adapter_folder, out_folder, shard_size="2GB", dtype=None):
-    """Merges the adapter at `adapter_folder` (PEFT or mlx-lm layout) into the HF model at
-    `model_folder` and writes the result to `out_folder`. Tensors keep their stored dtype
-    (f32, f16 or bf16) unless dtype ("f32", "f16", "bf16") is given. Returns a summary dict."""
+def fuse(model_folder, adapter_folder, out_folder, shard_size="2GB", dtype=None, quantize=None):
+    """Merges the adapter at `adapter_folder` (PEFT or mlx-lm layout) into the model at
+    `model_folder` (an HF or MLX quantized folder) and writes the result to `out_folder`: an HF
+    folder whose tensors keep their stored dtype (f32, f16 or bf16; bf16 for quantized ones)
+    unless dtype ("f32", "f16", "bf16") is given; or, with quantize = (bits, group_size), an MLX
+    folder (W + s B A in float32, then quantized). Returns a summary dict."""
     model_folder, out_folder = Path(model_folder), Path(out_folder)
     if out_folder.resolve() == model_folder.resolve():
         raise ValueError(f"[fuse] the output folder must differ from the model folder {model_folder}")
     config = read_config(model_folder)
     weights = load_hf_weights(model_folder, config)
     lora, tensors, _ = read_adapter(adapter_folder, config)
-    force = {None: None, "f32": "F32", "f16": "F16", "bf16": "BF16"}[dtype]
     s = lora.scale
-    delta = {}
+    merged = {}
     for i in lora.adapted_layers(config):
         for m in lora.target_modules:
             part = "self_attn" if m in ATTN_MODULES else "mlp"
-            delta[f"model.layers.{i}.{part}.{m}.weight"] = (tensors[lora_key(i, m, "A")], tensors[lora_key(i, m, "B")])
+            name = f"model.layers.{i}.{part}.{m}.weight"
+            A, B = tensors[lora_key(i, m, "A")], tensors[lora_key(i, m, "B")]
+            merged[name] = lambda t=weights[name], A=A, B=B: merged_weight(np.asarray(t, np.float32), A, B, s)
+    files = _write_folder(model_folder, weights, config, out_folder, shard_size, dtype, quantize, merged)
+    copied = _copy_tokenizer(model_folder, out_folder)
+    return {"files": files, "merged": sorted(merged), "copied": copied, "scale": s}
 
-    def producer(name, t, st):
-        def make():
-            if name in delta:
-                A, B = delta[name]
-                return encode(merged_weight(t.float32(), A, B, s), st)
-            if st == t.st_dtype:
-                return t.raw_bytes()
-            return encode(t.float32(), st)
-        return make
 
+def quantize_folder(model_folder, out_folder, bits=4, group_size=64, dtype=None, shard_size="2GB",
+                    overrides=None, recipe=None):
+    """Writes the float HF folder at `model_folder` as an MLX quantized folder, as `mlx_lm.convert
+    -q` does: the linears and the embedding whose input size is a multiple of group_size
+    quantized (`overrides` {module path: (bits, group_size) or None} for single modules, or one
+    of mlx-lm's mixed `recipe`s, which sets the bits), the rest and the scales in dtype (the
+    config's torch_dtype when None). Returns a summary dict."""
+    model_folder, out_folder = Path(model_folder), Path(out_folder)
+    if out_folder.resolve() == model_folder.resolve():
+        raise ValueError(f"[quantize] the output folder must differ from the model folder {model_folder}")
+    config = read_config(model_folder)
+    weights = load_hf_weights(model_folder, config)
+    held = [w for w in weights.values() if isinstance(w, QuantizedArray)]
+    if held:
+        raise ValueError(f"[quantize] {model_folder} is quantized already ({held[0].bits} bits, groups of "
+                         f"{held[0].group_size}); krnl quantize reads float HF folders")
+    if recipe is not None:
+        bits, overrides = recipe_overrides(config, recipe, group_size)
+    files = _write_folder(model_folder, weights, config, out_folder, shard_size, dtype, (bits, group_size),
+                          overrides=overrides)
+    return {"files": files, "copied": _copy_tokenizer(model_folder, out_folder)}
+
+
+def _write_folder(model_folder, weights, config, out_folder, shard_size, dtype, quantize, merged=None,
+                  overrides=None):
+    """Writes weights (merged {name: () -> float32} replacing some) and config.json to out_folder:
+    an HF folder, or an MLX quantized one when quantize = (bits, group_size)."""
+    merged = merged or {}
+    cfg = read_json_object(model_folder / CONFIG_NAME, "hf")
+    for k in ("quantization", "quantization_config"):
+        cfg.pop(k, None)
     # Keep the checkpoint's order: embeddings, layers in order, norm, head.
     order = sorted(weights, key=_weight_order)
-    items = []
-    for name in order:
-        t = weights[name]
-        st = force or t.st_dtype
-        items.append((name, st, t.shape, producer(name, t, st)))
-    files = write_sharded(out_folder, items, shard_size=shard_size)
-    cfg = json.loads((model_folder / CONFIG_NAME).read_text(encoding="utf-8"))
+    if quantize is not None:
+        dt = dtype or model_dtype(cfg, weights)
+        items, cfg["quantization"] = mlx_items(config, weights, order, *quantize, dt, merged, overrides)
+        cfg["quantization_config"] = cfg["quantization"]
+        meta, force = {"format": "mlx"}, {"f32": "F32", "f16": "F16", "bf16": "BF16"}[dt]
+    else:
+        force = {None: None, "f32": "F32", "f16": "F16", "bf16": "BF16"}[dtype]
+        if force is None and any(isinstance(t, QuantizedArray) for t in weights.values()):
+            force = "BF16"  # a dequantized base: bf16 as MLX computes it, not f32 twice the size
+        items, meta = [], None
+        for name in order:
+            t = weights[name]
+            st = force or t.st_dtype
+            get = merged.get(name) or (lambda t=t: np.asarray(t, np.float32))
+            keep = name not in merged and getattr(t, "st_dtype", None) == st  # the stored bytes as they are
+            producer = t.raw_bytes if keep else (lambda get=get, st=st: encode(get(), st))
+            items.append((name, st, tuple(t.shape), producer))
+    files = write_sharded(out_folder, items, shard_size=shard_size, metadata=meta)
     if force:
         cfg["torch_dtype" if "torch_dtype" in cfg else "dtype"] = _FLOAT_NAMES[force]
     atomic_write_bytes(out_folder / CONFIG_NAME, (json.dumps(cfg, indent=2) + "\n").encode())
+    return files
+
+
+def _copy_tokenizer(model_folder, out_folder):
     copied = []
     for fn in TOKENIZER_FILES:
         src = model_folder / fn
         if src.is_file():
             atomic_write_bytes(out_folder / fn, src.read_bytes())
             copied.append(fn)
-    return {"files": files, "merged": sorted(delta), "copied": copied, "scale": s}
+    return copied
 
 
 def _weight_order(name):

@@ -11,8 +11,12 @@ from pathlib import Path
 
 import numpy as np
 
-NP_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "F64": np.dtype("<f8")}
-ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
+NP_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "F64": np.dtype("<f8"), "U32": np.dtype("<u4"),
+             "I32": np.dtype("<i4"), "U8": np.dtype("u1")}
+ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "U32": 4, "I32": 4, "U8": 1}
+# Integer tensors are quantized weights' packed codes (U32, I32) or the scales of MLX's
+# microscaling modes (U8): read as their raw integers, never converted to float.
+INT_DTYPES = ("U32", "I32", "U8")
 
 
 def nbytes(st_dtype, shape):
@@ -44,8 +48,10 @@ def f32_to_bf16(x):
 
 
 class LazyTensor:
-    """A tensor in a memory-mapped safetensors file: `.shape`, `.st_dtype` ("F32", "F16", "BF16")
-    and `np.asarray(t, np.float32)`; bytes are read and converted only when asked for."""
+    """A tensor in a memory-mapped safetensors file: `.shape`, `.st_dtype` ("F32", "F16", "BF16";
+    "U32", "I32" or "U8" for quantized files) and `np.asarray(t, np.float32)`; bytes are read and
+    converted only when asked for. An integer tensor reads as its raw integers (np.asarray(t)):
+    packed codes are bit patterns, and a float conversion of them means nothing."""
 
     def __init__(self, path, name, st_dtype, shape, start, end):
         self.path, self.name, self.st_dtype = path, name, st_dtype
@@ -57,7 +63,8 @@ class LazyTensor:
         return len(self.shape)
 
     def raw(self):
-        """The stored elements: a read-only memmap (f32/f16/f64) or uint16 bit patterns (bf16)."""
+        """The stored elements: a read-only memmap (f32/f16/f64, u32/i32/u8) or uint16 bit patterns
+        (bf16)."""
         n = int(np.prod(self.shape)) if self.shape else 1
         if n == 0:
             return np.zeros(self.shape, np.uint16 if self.st_dtype == "BF16" else NP_DTYPES[self.st_dtype])
@@ -76,6 +83,9 @@ class LazyTensor:
         return np.asarray(r, np.float32)
 
     def __array__(self, dtype=None, copy=None):
+        if self.st_dtype in INT_DTYPES:
+            a = np.array(self.raw())
+            return a if dtype is None else a.astype(dtype, copy=False)
         a = self.float32()
         return a if dtype is None else a.astype(dtype, copy=False)
 
@@ -110,7 +120,8 @@ def read_safetensors_header(path):
         except (KeyError, TypeError, ValueError):
             raise ValueError(f"[hf] {path}: malformed header entry for {name!r}") from None
         if dt not in ITEMSIZE:
-            raise ValueError(f"[hf] {path}: tensor {name!r} has dtype {dt}; krnl reads F32, F16 and BF16 weights")
+            raise ValueError(f"[hf] {path}: tensor {name!r} has dtype {dt}; krnl reads F32, F16 and BF16 "
+                             "weights and U32, I32 or U8 quantized tensors")
         if e - b != nbytes(dt, shape) or base + e > size:
             raise ValueError(f"[hf] {path}: tensor {name!r} has inconsistent data offsets (truncated file?)")
         out[name] = (dt, tuple(shape), base + b, base + e)

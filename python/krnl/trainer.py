@@ -60,7 +60,7 @@ def _batch_args(batch):
 
 class Trainer:
     def __init__(self, model, cfg, train, valid=None, out_dir="krnl_out", fingerprint=None, base_model="",
-                 progress=True, on_step=None, options=None):
+                 progress=True, on_step=None, options=None, adapter_format="peft"):
         cfg.validate()
         self.model, self.cfg, self.valid = model, cfg, valid
         # train: (ids, targets[, segments, positions]) arrays, a krnl.data.Split (its batches()),
@@ -76,6 +76,8 @@ class Trainer:
         self.fingerprint = fingerprint or {}
         self.base_model = base_model
         self.progress, self.on_step = progress, on_step
+        # "mlx": the adapter also in mlx-lm's layout, in out_dir/mlx (adapter.MLX_SUBFOLDER).
+        self.adapter_format = adapter_format
         # Run options outside TrainConfig that a resume must match (data, ...): {name: JSON value}.
         self.options = dict(options or {})
         self.notes = []      # what resume() did besides restoring (skipped checkpoints, changes): lines
@@ -279,7 +281,11 @@ class Trainer:
     def save_adapter(self):
         lc = self.model.lora_config
         cfg = adapter_io.peft_config(lc, base_model=self.base_model, layers=lc.layers)
-        adapter_io.save_adapter(self.out, self.model.lora_state(), cfg)
+        state = self.model.lora_state()
+        adapter_io.save_adapter(self.out, state, cfg)
+        if self.adapter_format == "mlx":
+            adapter_io.save_mlx_adapter(self.out / adapter_io.MLX_SUBFOLDER, lc, state, self.model.config,
+                                        self.base_model)
 
 
 def plot_metrics(metrics_path, png_path):

@@ -5,6 +5,8 @@ cli.py and cli_device.py."""
 import argparse
 import re
 
+from . import quant
+
 
 def yaml_defaults(path, parser):
     """Train options from a YAML file (mlx-lm style: flat keys with underscores or dashes, and a
@@ -176,10 +178,10 @@ def parse_args(argv, commands):
         q.add_argument("--seed", type=int, default=0)
 
     def quantize(q):  # train, eval and generate: the base held quantized (QLoRA)
-        q.add_argument("--quantize", type=int, default=None, choices=[2, 4, 8],
+        q.add_argument("--quantize", type=int, default=None, choices=list(quant.BITS),
                        help="hold the base's projections quantized to this many bits, as MLX does (affine, a scale "
                        "and a bias per group); eval and generate need the value training used")
-        q.add_argument("--q-group-size", type=int, default=64, choices=[32, 64, 128],
+        q.add_argument("--q-group-size", type=int, default=64, choices=list(quant.MLX_GROUP_SIZES),
                        help="inputs per quantization group (with --quantize)")
 
     t = sub.add_parser("train", help="LoRA fine-tune (default: the embedded tiny model and task)")
@@ -270,17 +272,18 @@ def parse_args(argv, commands):
     f.add_argument("--dtype", default=None, choices=["f32", "f16", "bf16"],
                    help="output dtype (default: each tensor's stored dtype; bf16 from a quantized base; with "
                    "--quantize the base's dtype)")
-    f.add_argument("--quantize", type=int, default=None, choices=[2, 3, 4, 5, 6, 8],
+    f.add_argument("--quantize", type=int, default=None, choices=list(quant.BITS),
                    help="write an MLX folder quantized to this many bits, as mlx_lm.convert -q does")
-    f.add_argument("--q-group-size", type=int, default=64, choices=[32, 64, 128],
+    f.add_argument("--q-group-size", type=int, default=64, choices=list(quant.MLX_GROUP_SIZES),
                    help="inputs per quantization group (with --quantize)")
     f.set_defaults(fn=commands["fuse"])
 
     z = sub.add_parser("quantize", help="write an HF model folder as an MLX quantized folder (as mlx_lm.convert -q)")
     z.add_argument("--model", required=True, help="the HF folder to quantize (f32, f16 or bf16 weights)")
     z.add_argument("--save-path", default="mlx_model", help="output folder")
-    z.add_argument("--bits", type=int, default=4, choices=[2, 3, 4, 5, 6, 8], help="bits per quantized weight")
-    z.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128], help="inputs per quantization group")
+    z.add_argument("--bits", type=int, default=4, choices=list(quant.BITS), help="bits per quantized weight")
+    z.add_argument("--group-size", type=int, default=64, choices=list(quant.MLX_GROUP_SIZES),
+                   help="inputs per quantization group")
     z.add_argument("--quant-predicate", default=None, choices=["mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6"],
                    help="one of mlx-lm's mixed-bit recipes (sets the bits; v_proj, down_proj and the head get more)")
     z.add_argument("--dtype", default=None, choices=["f32", "f16", "bf16"],

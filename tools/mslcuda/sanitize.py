@@ -127,6 +127,9 @@ def run_kernels(device="metal-cuda"):
                 ops.quantized_matmul(t((7, 45), dt), w, sc, bi, t((7, 96), dt), False, 32, bits, 0.5)
             sc, bi = t((45, 3), dt, 0.1), t((45, 3), dt)
             ops.quantized_matmul(t((7, 100), dt)[:, 3:99], w, sc, bi, t((7, 50), dt)[:, 2:47], True, 32, bits)
+            qids = dev.tensor(rng.integers(0, 45, 33).astype(np.int32), "i32")
+            for sdt in ((dt, "f32") if dt != "f32" else (dt,)):  # rows of the same W as an embedding table
+                ops.quantized_embedding(qids, w, t((45, 3), sdt, 0.1), t((45, 3), sdt), dev.empty((33, 96), dt), 32, bits)
         if dt in fused["dtypes"]:  # the fused attention, where the backend has it: GQA, ragged T
             attention(dev, t, dt, fused["segments"], fused["head_dims"] or (16, 64))
     ops.fill(dev.empty((100,), "i32"), 3)

@@ -1,5 +1,5 @@
 """The `krnl` command line: `train`, `eval` and `generate` (the embedded default: a tiny Llama and a
-generated task; or, for eval and generate, an HF model folder from --model or the adapter's
+generated task; or, for eval and generate, an HF model folder or GGUF file from --model or the adapter's
 base_model_name_or_path), `fuse` (an adapter merged into its HF base, written as an HF folder),
 `w1` (LoRA on the W1 MLP block of docs/performance.md, matching a teacher), `bench` (krnl/bench),
 `tune` (tune.py: the GEMM variants timed on this GPU) and `devices`. The argument parser is in
@@ -91,10 +91,12 @@ def _adapter_base(args):
     base = cfg.get("base_model_name_or_path", cfg.get("model"))
     if base == DEFAULT_BASE:
         return None
-    if isinstance(base, str) and base and Path(base).is_dir():
+    from .gguf_file import is_gguf
+
+    if isinstance(base, str) and base and (Path(base).is_dir() or is_gguf(base)):
         return base
-    raise ValueError(f"[{args.cmd}] {args.adapter_path} was trained on {base!r}, which is not a local folder; "
-                     f"pass the base model's HF folder with --model (the embedded default is {DEFAULT_BASE!r})")
+    raise ValueError(f"[{args.cmd}] {args.adapter_path} was trained on {base!r}, which is not a local folder nor GGUF "
+                     f"file; pass the base model with --model (the embedded default is {DEFAULT_BASE!r})")
 
 
 def _resolve_adapter_path(args):
@@ -149,12 +151,11 @@ def _hf_base(args, dev, lora):
     """(tokenizer, model, base id) for training on the HF folder at --model: the id written to
     adapter_config.json's base_model_name_or_path is the folder's absolute path, so eval,
     generate and fuse find the base without --model. (cmd_train calls this once --data is wired.)"""
-    from .hf import load_model
-    from .tokenizer import Tokenizer
+    from .hf import load_model, load_tokenizer
 
     model = load_model(args.model, dev, lora=lora, dtype=args.dtype, seed=args.seed,
                        grad_checkpoint=args.grad_checkpoint, quantize=_quantize(args))
-    return Tokenizer.from_folder(args.model), model, str(Path(args.model).resolve())
+    return load_tokenizer(args.model), model, str(Path(args.model).resolve())
 
 
 def cmd_fuse(args):
@@ -313,9 +314,9 @@ def cmd_eval(args):
         if not args.data:
             raise ValueError("[eval] --data is required to evaluate on an HF model")
         from .data import load_dataset
-        from .tokenizer import Tokenizer
+        from .hf import load_tokenizer
 
-        tok = Tokenizer.from_folder(_adapter_base(args))
+        tok = load_tokenizer(_adapter_base(args))
         ds = load_dataset(args.data, tok, args.max_seq_length, vocab_size=model.config.vocab_size,
                           required=("test",) if (Path(args.data) / "test.jsonl").exists() else ("valid",))
         split = ds["test"] or ds["valid"]
@@ -339,9 +340,9 @@ def cmd_generate(args):
     dev = device_from_args(args)
     tok, model = _load_trained(args, dev)
     if tok is None:
-        from .tokenizer import Tokenizer
+        from .hf import load_tokenizer
 
-        tok = Tokenizer.from_folder(_adapter_base(args))
+        tok = load_tokenizer(_adapter_base(args))
         if tok.has_chat_template and not args.raw_prompt:
             # As mlx-lm does: the prompt is the user's turn of a chat rendered by the checkpoint.
             text = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)

@@ -1,5 +1,7 @@
 """Hugging Face model folders (docs/architecture.md, 'Models, adapters and data'): `config.json` plus one `model.safetensors` or
-shards named by `model.safetensors.index.json`, for the llama, mistral and qwen2 families.
+shards named by `model.safetensors.index.json`, for the llama, mistral and qwen2 families. A
+GGUF file (gguf_file.py) stands wherever a folder does: load_model, load_tokenizer and fuse
+take either.
 
 Weights are mapped to the core as stored ([out, in], no transposes). The safetensors files are
 memory-mapped (krnl.safetensors_io), so a tensor is read from disk only when it is uploaded; the
@@ -17,8 +19,11 @@ import numpy as np
 
 from .adapter import read_adapter
 from .fileio import atomic_write_bytes, atomic_write_chunks, read_json_object
+from .gguf_file import is_gguf, read_gguf
+from .gguf_tokenizer import build_tokenizer, load_gguf_tokenizer, tokenizer_files
 from .model import ATTN_MODULES, LlamaModel, ModelConfig, lora_key
 from .safetensors_io import LazyTensor, encode, header_bytes, nbytes, read_safetensors_header
+from .tokenizer import Tokenizer
 # Defined here before safetensors_io.py took the format; krnl.hf.bf16_to_f32 and friends stay.
 from .safetensors_io import bf16_to_f32, f32_to_bf16  # noqa: F401
 
@@ -136,11 +141,21 @@ def load_hf_weights(folder, config=None):
     return tensors
 
 
+def load_tokenizer(path):
+    """The Tokenizer of an HF folder or of a GGUF file."""
+    return load_gguf_tokenizer(path) if is_gguf(path) else Tokenizer.from_folder(path)
+
+
 def load_model(folder, device, lora=None, dtype="f32", seed=0, grad_checkpoint=False, adapter=None, **kw):
-    """A LlamaModel from an HF folder. `adapter`: an adapter folder (PEFT or mlx-lm layout) whose
-    LoRA config and weights are loaded (then `lora` must be None)."""
-    config = read_config(folder)
-    weights = load_hf_weights(folder, config)
+    """A LlamaModel from an HF folder or a GGUF file (its quantized weights held as the file has
+    them). `adapter`: an adapter folder (PEFT or mlx-lm layout) whose LoRA config and weights are
+    loaded (then `lora` must be None)."""
+    if is_gguf(folder):
+        g = read_gguf(folder)
+        config, weights = g.config, g.weights
+    else:
+        config = read_config(folder)
+        weights = load_hf_weights(folder, config)
     tensors = None
     if adapter is not None:
         if lora is not None:
@@ -222,23 +237,31 @@ def merged_weight(W32, A, B, scale):
             ).astype(np.float32)
 
 
-def fuse(model_folder, adapter_folder, out_folder, shard_size="2GB", dtype=None):
-    """Merges the adapter at `adapter_folder` (PEFT or mlx-lm layout) into the HF model at
-    `model_folder` and writes the result to `out_folder`. Tensors keep their stored dtype
-    (f32, f16 or bf16) unless dtype ("f32", "f16", "bf16") is given. Returns a summary dict."""
-    model_folder, out_folder = Path(model_folder), Path(out_folder)
-    if out_folder.resolve() == model_folder.resolve():
-        raise ValueError(f"[fuse] the output folder must differ from the model folder {model_folder}")
-    config = read_config(model_folder)
-    weights = load_hf_weights(model_folder, config)
+def _lora_deltas(config, adapter_folder):
+    """(scale, {HF weight name: (A, B)}) of the adapter at adapter_folder."""
     lora, tensors, _ = read_adapter(adapter_folder, config)
-    force = {None: None, "f32": "F32", "f16": "F16", "bf16": "BF16"}[dtype]
-    s = lora.scale
     delta = {}
     for i in lora.adapted_layers(config):
         for m in lora.target_modules:
             part = "self_attn" if m in ATTN_MODULES else "mlp"
             delta[f"model.layers.{i}.{part}.{m}.weight"] = (tensors[lora_key(i, m, "A")], tensors[lora_key(i, m, "B")])
+    return lora.scale, delta
+
+
+def fuse(model_folder, adapter_folder, out_folder, shard_size="2GB", dtype=None):
+    """Merges the adapter at `adapter_folder` (PEFT or mlx-lm layout) into the HF model at
+    `model_folder` (or GGUF file: fuse_gguf) and writes the result to `out_folder`. Tensors keep
+    their stored dtype (f32, f16 or bf16) unless dtype ("f32", "f16", "bf16") is given. Returns a
+    summary dict."""
+    model_folder, out_folder = Path(model_folder), Path(out_folder)
+    if is_gguf(model_folder):
+        return fuse_gguf(model_folder, adapter_folder, out_folder, shard_size, dtype)
+    if out_folder.resolve() == model_folder.resolve():
+        raise ValueError(f"[fuse] the output folder must differ from the model folder {model_folder}")
+    config = read_config(model_folder)
+    weights = load_hf_weights(model_folder, config)
+    force = {None: None, "f32": "F32", "f16": "F16", "bf16": "BF16"}[dtype]
+    s, delta = _lora_deltas(config, adapter_folder)
 
     def producer(name, t, st):
         def make():
@@ -269,6 +292,35 @@ def fuse(model_folder, adapter_folder, out_folder, shard_size="2GB", dtype=None)
             atomic_write_bytes(out_folder / fn, src.read_bytes())
             copied.append(fn)
     return {"files": files, "merged": sorted(delta), "copied": copied, "scale": s}
+
+
+def fuse_gguf(path, adapter_folder, out_folder, shard_size="2GB", dtype=None):
+    """fuse for a GGUF base: every weight dequantized (exactly, to float32), the adapter merged,
+    stored as dtype (bf16 by default), with config.json and the file's tokenizer as
+    tokenizer.json and tokenizer_config.json (chat template included)."""
+    out_folder = Path(out_folder)
+    if out_folder.exists() and not out_folder.is_dir():
+        raise ValueError(f"[fuse] {out_folder} is a file; the output must be a folder")
+    g = read_gguf(path)
+    st = {None: "BF16", "f32": "F32", "f16": "F16", "bf16": "BF16"}[dtype]
+    s, delta = _lora_deltas(g.config, adapter_folder)
+
+    def producer(name, w):
+        def make():
+            if name in delta:
+                return encode(merged_weight(np.asarray(w, np.float32), *delta[name], s), st)
+            return encode(np.asarray(w, np.float32), st)
+        return make
+
+    items = [(n, st, tuple(g.config.weight_shapes()[n]), producer(n, g.weights[n]))
+             for n in sorted(g.weights, key=_weight_order)]
+    files = write_sharded(out_folder, items, shard_size=shard_size)
+    cfg = {**g.hf_config, "torch_dtype": _FLOAT_NAMES[st]}
+    atomic_write_bytes(out_folder / CONFIG_NAME, (json.dumps(cfg, indent=2) + "\n").encode())
+    tk_files = tokenizer_files(*build_tokenizer(g.metadata, source=str(path)))
+    for fn, data in tk_files.items():
+        atomic_write_bytes(out_folder / fn, data)
+    return {"files": files, "merged": sorted(delta), "copied": sorted(tk_files), "scale": s}
 
 
 def _weight_order(name):

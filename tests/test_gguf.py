@@ -18,7 +18,8 @@ from gguf_files import BLOCKS, TINY, hf_rows, mixed_types, raw_blocks, write_ggu
 
 KEPT = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 TEXTS = ["hello world", " the  hello\n12345", "héllo 世界 <s> x</s>", "<think>the", "  hello   world  ",
-         "<|im_start|>user\nhello<|im_end|>", "12345 1234", "", "<|endoftext|>the 123"]
+         "<|im_start|>user\nhello<|im_end|>", "12345 1234", "", "<|endoftext|>the 123",
+         "HeLLo World's DON'T 1234567\n\n\tx/y  \n", "helloWorld 1234"]
 
 
 def _loss(model, vocab, seed=1, rows=2, T=13):
@@ -151,6 +152,9 @@ def test_gguf_llama3_rope_factors_become_rope_scaling(tmp_path):
     assert g.config.rope_scaling == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
     assert np.allclose(g.config.inv_freq(), freqs / np.asarray(factors), rtol=1e-6)
+    lin = tmp_path / "linear.gguf"
+    write_gguf(lin, metadata={"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 2.5})
+    assert read_gguf(lin).config.rope_scaling == {"rope_type": "linear", "factor": 2.5}
     bad = tmp_path / "bad.gguf"
     write_gguf(bad, extra={"rope_freqs.weight": np.linspace(1, 3, D // 2).astype(np.float32)})
     with pytest.raises(ValueError, match=r"^\[gguf\] .*bad.gguf: its rope_freqs factors match no llama3"):
@@ -162,7 +166,7 @@ def test_gguf_llama3_rope_factors_become_rope_scaling(tmp_path):
 
 @pytest.mark.torch
 @pytest.mark.parametrize("arch,kind,pre", [("llama", "spm", None), ("qwen2", "bpe", "qwen2"),
-                                           ("llama", "bpe", "llama-bpe")])
+                                           ("llama", "bpe", "llama-bpe"), ("llama", "bpe", "tekken")])
 def test_gguf_tokenizer_matches_transformers(tmp_path, arch, kind, pre):
     pytest.importorskip("torch")  # transformers' GGUF reader imports torch
     from transformers import AutoTokenizer
@@ -197,3 +201,160 @@ def test_gguf_tokenizer_special_tokens_and_bos(tmp_path):
     assert (bpe.bos_id, bpe.eos_id, bpe.add_bos) == (end, end, False)
     assert bpe.encode(" the world") == [bpe.tk.token_to_id(t) for t in ("Ġthe", "Ġ", "world")]  # merges in rank order
     assert bpe.decode(bpe.encode("héllo 世界\n")) == "héllo 世界\n"
+
+
+# ---- the CLI: train, generate, fuse ----------------------------------------------------------
+
+
+def _data(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    rows = [{"prompt": "hello", "completion": " the world 123"}, {"prompt": "the world", "completion": " hello 12"}]
+    for split in ("train", "valid"):
+        (data / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return data
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_gguf_cli_trains_generates_and_fuses(tmp_path, capsys, arch):
+    from krnl.cli import main
+    from krnl.hf import load_model, load_tokenizer
+    from krnl.safetensors_io import read_safetensors_header
+    from krnl.tokenizer import Tokenizer
+
+    path = tmp_path / "m.gguf"
+    write_gguf(path, arch=arch, types={k: v for k, v in mixed_types().items() if v in KEPT + ("F16",)},
+               tokenizer="spm" if arch == "llama" else "bpe", pre="qwen2", tied=arch == "qwen2")
+    ad, data = tmp_path / "ad", _data(tmp_path)
+    train = ["train", "--model", str(path), "--data", str(data), "--adapter-path", str(ad), "--batch-size", "2",
+             "--max-seq-length", "32", "--learning-rate", "0.01", "--steps-per-eval", "0", "--save-every", "1",
+             "--quiet", "--device", "cpu", "--lora-rank", "2"]
+    assert main(train + ["--iters", "3"]) == 0
+    losses = [json.loads(x)["loss"] for x in (ad / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 3 and all(math.isfinite(v) for v in losses)
+    assert json.loads((ad / "adapter_config.json").read_text())["base_model_name_or_path"] == str(path.resolve())
+    assert (ad / "adapter_model.safetensors").is_file()
+    # Resume: the checkpoint's fingerprint (base path, config) matches a second load of the file.
+    assert main(train + ["--iters", "4", "--resume"]) == 0
+    assert len((ad / "metrics.jsonl").read_text().splitlines()) == 4
+    capsys.readouterr()
+    assert main(["eval", "--adapter-path", str(ad), "--data", str(data), "--max-seq-length", "32",
+                 "--device", "cpu"]) == 0
+    assert "valid loss" in capsys.readouterr().out
+
+    dev = krnl.device("cpu")
+    model = load_model(path, dev, adapter=ad)
+    tok = load_tokenizer(path)
+    capsys.readouterr()
+    assert main(["generate", "--adapter-path", str(ad), "--prompt", "hello", "--max-tokens", "3", "--raw-prompt",
+                 "--device", "cpu"]) == 0
+    want = model.generate(tok.encode("hello"), max_new_tokens=3, eos_id=tok.eos_id)
+    assert capsys.readouterr().out.rstrip("\n") == "hello" + tok.decode(want)
+
+    want_loss, ids, tg = _loss(model, model.config.vocab_size)
+    assert abs(want_loss - float(load_model(path, dev).loss(ids, tg))) > 1e-6  # the adapter is trained
+    for dtype, st in (("f32", "F32"), (None, "BF16")):
+        out = tmp_path / f"fused-{dtype}"
+        assert main(["fuse", "--adapter-path", str(ad), "--save-path", str(out)] + (["--dtype", dtype] if dtype else [])) == 0
+        header, _ = read_safetensors_header(out / "model.safetensors")
+        assert {v[0] for v in header.values()} == {st}
+        cfg = json.loads((out / "config.json").read_text())
+        assert cfg["model_type"] == arch and cfg["torch_dtype"] == {"F32": "float32", "BF16": "bfloat16"}[st]
+        fused = load_model(out, dev)
+        got = float(fused.loss(ids, tg))
+        assert abs(got - want_loss) <= (1e-4 if st == "F32" else 0.05) * max(1.0, want_loss), (st, got, want_loss)
+        ftok = Tokenizer.from_folder(out)
+        for text in TEXTS:
+            assert ftok.encode(text) == tok.encode(text), text
+        assert ftok.chat_template == tok.chat_template and ftok.eos_id == tok.eos_id
+
+
+# ---- bad input -------------------------------------------------------------------------------
+
+
+def test_gguf_bad_files_give_one_line_errors(tmp_path):
+    from krnl.gguf_file import read_gguf
+    from krnl.hf import load_model
+
+    good = tmp_path / "good.gguf"
+    write_gguf(good, types={"blk.0.attn_q.weight": "Q4_K"})
+    data = good.read_bytes()
+    cases = []
+    short = tmp_path / "short.gguf"
+    short.write_bytes(data[:len(data) // 2])
+    cases.append((short, r"short.gguf: not a readable GGUF file"))
+    header_only = tmp_path / "header.gguf"
+    header_only.write_bytes(data[:200])
+    cases.append((header_only, r"header.gguf: not a readable GGUF file"))
+    arch = tmp_path / "gemma.gguf"
+    write_gguf(arch, arch="gemma")
+    cases.append((arch, r"gemma.gguf: architecture 'gemma' is not supported"))
+    missing = tmp_path / "missing.gguf"
+    write_gguf(missing, drop=("blk.1.ffn_up.weight", "output_norm.weight"))
+    cases.append((missing, r"missing.gguf: missing tensors \['blk.1.ffn_up.weight', 'output_norm.weight'\]"))
+    extra = tmp_path / "extra.gguf"
+    write_gguf(extra, extra={"blk.0.attn_sinks.weight": np.zeros(4, np.float32)})
+    cases.append((extra, r"extra.gguf: unexpected tensors \['blk.0.attn_sinks.weight'\]"))
+    for p, msg in cases:
+        with pytest.raises(ValueError, match=r"^\[gguf\] .*" + msg) as e:
+            read_gguf(p)
+        assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match=r"^\[gguf\] .*nope.gguf: no such file"):
+        read_gguf(tmp_path / "nope.gguf")
+    with pytest.raises(ValueError, match=r"^\[hf\] .*is not a folder"):  # not GGUF: read as a folder
+        load_model(tmp_path / "nope.gguf", krnl.device("cpu"))
+
+
+# ---- against transformers' own GGUF loading --------------------------------------------------
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("arch,tied", [("llama", False), ("qwen2", True)])
+def test_gguf_loss_matches_transformers(tmp_path, arch, tied):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("accelerate")  # transformers loads GGUF files only with it
+    from transformers import AutoModelForCausalLM
+
+    from krnl.hf import load_model
+
+    # Only the types krnl keeps quantized (and floats): transformers keeps the others in f32.
+    types = {k: v for k, v in mixed_types().items() if v in KEPT + ("F16", "F32")}
+    write_gguf(tmp_path / "m.gguf", arch=arch, tied=tied, types=types,
+               tokenizer="spm" if arch == "llama" else "bpe", pre="qwen2")
+    model = load_model(tmp_path / "m.gguf", krnl.device("cpu"))
+    got, ids, tg = _loss(model, model.config.vocab_size)
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32)
+    with torch.no_grad():
+        logits = ref(torch.tensor(ids)).logits
+    want = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), torch.tensor(tg).reshape(-1),
+                                             ignore_index=-100)
+    assert abs(got - float(want)) <= 2e-5 * max(1.0, abs(got)), (got, float(want))
+
+
+@pytest.mark.torch
+def test_gguf_fused_folder_loads_in_transformers(tmp_path):
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from krnl.cli import main
+    from krnl.hf import load_model, load_tokenizer
+
+    path = tmp_path / "m.gguf"
+    write_gguf(path, arch="qwen2", tokenizer="bpe", pre="qwen2", types={"blk.0.attn_v.weight": "Q6_K",
+                                                                        "output.weight": "Q4_K"})
+    ad, out = tmp_path / "ad", tmp_path / "fused"
+    assert main(["train", "--model", str(path), "--data", str(_data(tmp_path)), "--adapter-path", str(ad), "--iters",
+                 "2", "--batch-size", "2", "--max-seq-length", "32", "--learning-rate", "0.02", "--steps-per-eval",
+                 "0", "--quiet", "--device", "cpu", "--lora-rank", "2"]) == 0
+    assert main(["fuse", "--adapter-path", str(ad), "--save-path", str(out), "--dtype", "f32"]) == 0
+    model = load_model(path, krnl.device("cpu"), adapter=ad)
+    want, ids, tg = _loss(model, model.config.vocab_size)
+    ref = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    with torch.no_grad():
+        logits = ref(torch.tensor(ids)).logits
+    got = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), torch.tensor(tg).reshape(-1),
+                                            ignore_index=-100)
+    assert abs(float(got) - want) <= 1e-4 * max(1.0, want)
+    tok, htok = load_tokenizer(path), AutoTokenizer.from_pretrained(out)
+    for text in TEXTS:
+        assert htok(text)["input_ids"] == tok.encode(text), text

@@ -115,7 +115,7 @@ def hf_config(path, md, tensors):
         "max_position_embeddings": int(md.get(f"{arch}.context_length") or 2048),
         "tie_word_embeddings": "output.weight" not in tensors, "torch_dtype": "bfloat16",
     }
-    if model_type == "qwen2":
+    if model_type == "qwen2" or "blk.0.attn_q.bias" in tensors:
         cfg["attention_bias"] = True
     for key, tk in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
         if md.get(f"tokenizer.ggml.{tk}") is not None:
@@ -152,6 +152,16 @@ def _hf_name(name):
     if m and m.group(2) in _LAYER:
         return f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}.{m.group(3)}"
     return None
+
+
+def _gguf_name(hf):
+    """The GGUF name of an HF weight name (for messages)."""
+    back = {v: k for k, v in _GLOBAL.items()}
+    if hf in back:
+        return back[hf]
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", hf)
+    g = {v: k for k, v in _LAYER.items()}.get(m.group(2)) if m else None
+    return f"blk.{m.group(1)}.{g}.{m.group(3)}" if g else hf
 
 
 def unpermute(w, n_head):
@@ -215,9 +225,8 @@ def read_gguf(path, quiet=False):
         raise ValueError(f"[gguf] {path}: unexpected tensors {unknown[:8]}{' ...' if len(unknown) > 8 else ''}")
     missing = sorted(set(config.weight_shapes()) - set(names.values()))
     if missing:
-        back = {v: k for k, v in _GLOBAL.items()}
-        raise ValueError(f"[gguf] {path}: missing tensors {[back.get(m, m) for m in missing][:8]} "
-                         f"(HF names {missing[:8]})")
+        raise ValueError(f"[gguf] {path}: missing tensors {sorted(_gguf_name(m) for m in missing)[:8]} "
+                         f"({len(missing)} in all)")
     weights, types, dequantized = {}, {}, {}
     for t in reader.tensors:
         hf = names.get(t.name)

@@ -6,12 +6,13 @@ library and wrapped in krnl.tokenizer.Tokenizer (docs/architecture.md, 'GGUF fil
   higher the merged token's score the earlier it applies. Spaces become "▁", one is prepended to
   the text (unless `add_space_prefix` is false), unknown bytes fall back to the <0xNN> tokens.
 - "gpt2": byte-level BPE from tokens and merges, split first by the regex that
-  `tokenizer.ggml.pre` names (llama3's, qwen2's; GPT-2's own otherwise).
+  `tokenizer.ggml.pre` names (llama3's, qwen2's, tekken's; GPT-2's own otherwise, with a note).
 - tokens typed 3 (control) are special added tokens, 4 (user-defined) plain added ones; the BOS,
   EOS, unknown and padding ids, add_bos / add_eos and `tokenizer.chat_template` come along.
 This is the layout transformers builds from the same file (AutoTokenizer with gguf_file)."""
 
 import json
+import sys
 
 from .gguf_file import open_reader, read_metadata
 from .tokenizer import Tokenizer
@@ -22,8 +23,11 @@ _LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
            r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_TEKKEN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+           r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+           r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 SPLITS = {"llama3": _LLAMA3, "llama-v3": _LLAMA3, "llama-bpe": _LLAMA3, "smaug-bpe": _LLAMA3, "qwen2": _QWEN2,
-          "deepseek-r1-qwen": _QWEN2}
+          "deepseek-r1-qwen": _QWEN2, "tekken": _TEKKEN}  # tekken: Mistral Nemo's files (arch llama)
 
 
 def spm_merges(tokens, scores):
@@ -94,8 +98,12 @@ def build_tokenizer(md, source="<gguf>"):
         vocab = {(t if set(t) <= spelled else "".join(alpha[b] for b in t.encode("utf-8"))): i
                  for i, t in enumerate(tokens)}
         tk = Tk(BPE(vocab=vocab, merges=merges, fuse_unk=False))
-        split = SPLITS.get(md.get("tokenizer.ggml.pre"))
+        pre = md.get("tokenizer.ggml.pre")
+        split = SPLITS.get(pre)
         if split is None:
+            if pre not in (None, "default", "gpt2", "gpt-2"):
+                print(f"note: {source}: pre-tokenizer {pre!r} is unknown to krnl; text is split as GPT-2 splits it, "
+                      "which may tokenize some text differently from llama.cpp", file=sys.stderr)
             tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         else:
             tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),

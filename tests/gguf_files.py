@@ -24,8 +24,8 @@ SPM_PIECES = ["▁", "t", "h", "e", "l", "o", "w", "r", "d", "1", "2", "3", "a",
               "▁he", "▁hel", "▁hell", "▁hello", "▁w", "▁wo", "or", "ld", "▁wor", "▁world", "12", "▁1", "▁12", "at"]
 # "3 4" and "o W" first: they merge across llama3's 3-digit and tekken's case splits, so that the
 # pre-tokenizers give different ids.
-BPE_MERGES = ["3 4", "o W", "Ġ t", "h e", "Ġt he", "l l", "e ll", "h ell", "Ġ h", "Ġh ell", "Ġhell o", "1 2", "w o", "l d", "r ld",
-              "wo rld", "Ġ w", "Ġw o", "Ġwo rld", "Ġ Ġ", "ĠĠ Ġ", "Ċ Ċ", "ĠĠ ĠĠ", "2 3", "12 3"]
+BPE_MERGES = ["3 4", "o W", "Ġ t", "h e", "Ġt he", "l l", "e ll", "h ell", "Ġ h", "Ġh ell", "Ġhell o", "1 2", "w o",
+              "l d", "r ld", "wo rld", "Ġ w", "Ġw o", "Ġwo rld", "Ġ Ġ", "ĠĠ Ġ", "Ċ Ċ", "ĠĠ ĠĠ", "2 3", "12 3"]
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 

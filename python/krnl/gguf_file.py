@@ -47,7 +47,7 @@ def is_gguf(path):
 @dataclass
 class GGUFModel:
     path: str
-    metadata: dict            # key -> value, every key but the tokenizer's big arrays read lazily
+    metadata: dict            # key -> value of every metadata key (the tokenizer's arrays as lists)
     hf_config: dict           # what config.json would say (model_type, sizes, architectures, ...)
     config: ModelConfig
     weights: dict             # HF name -> QuantizedArray or float array
@@ -100,7 +100,8 @@ def hf_config(path, md, tensors):
         raise ValueError(f"[gguf] {path}: per-layer kv head counts are not supported")
     D = int(md.get(f"{arch}.attention.key_length") or C // H)
     if int(md.get(f"{arch}.attention.value_length") or D) != D:
-        raise ValueError(f"[gguf] {path}: value_length {md[f'{arch}.attention.value_length']} differs from key_length {D}")
+        raise ValueError(f"[gguf] {path}: value_length {md[f'{arch}.attention.value_length']} differs from "
+                         f"key_length {D}")
     if int(md.get(f"{arch}.rope.dimension_count") or D) != D:
         raise ValueError(f"[gguf] {path}: partial rotary embeddings (rope.dimension_count "
                          f"{md[f'{arch}.rope.dimension_count']} < head_dim {D}) are not supported")
@@ -185,8 +186,8 @@ def _rows(a, n_head):
 
 
 def tensor_array(t, path):
-    """(QuantizedArray or float array, ggml type name) of one ReaderTensor; dequantized=True for
-    types krnl does not hold quantized."""
+    """(QuantizedArray or float array, dequantized) of one ReaderTensor: dequantized is True for
+    the quantized types krnl does not hold quantized (their values rounded to bf16)."""
     kind = t.tensor_type.name
     shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # (rows..., ne0)
     if kind in gguf_quants.LAYOUTS and len(shape) == 2:

@@ -10,10 +10,12 @@ bit for bit the value ggml dequantizes (ggml-quants.c, gguf-py's quants.py).
     Q5_K  256    176   same with 5-bit q                        5     32    q           d sc_j  -(dmin m_j)
     Q6_K  256    210   (d sc_j) (q - 32)  (sc int8, q 6 bits)   6     16    q           d sc_j  -32 (d sc_j)
 
-Why exact: d is an f16 (11 significant bits), sc at most 8 bits and q at most 8 bits, so every
-product above has at most 24 significant bits and is exact in float32; the one rounding left is
-the final addition, which ggml and s * q + b perform alike. (For Q6_K, s q and 32 s are both
-exact, and so is their difference s (q - 32), which has at most 24 bits.)
+Why exact: d is an f16 (11 significant bits). Where a scale multiplies, it has at most 7 bits
+(Q6_K's int8; 6 for the K-quants' 6-bit scales) and q at most 6 (5 in Q5_K, 4 in Q4_K); Q8_0
+multiplies d by an 8-bit q alone. So every product has at most 24 significant bits and is exact
+in float32; the one rounding left is the final addition, which ggml and s * q + b perform alike.
+(For Q6_K, s q and 32 s are both exact, and so is their difference s (q - 32), at most 24 bits.)
+The one difference is the sign of a zero: ggml's d * 0 with a negative d is -0, s * q + b is +0.
 
 No Python loop runs per block: each type is a few whole-array numpy operations."""
 

@@ -37,7 +37,7 @@ def _loss(model, vocab, seed=1, rows=2, T=13):
 def test_gguf_quantized_types_convert_exactly(kind, rows):
     from gguf.quants import dequantize
 
-    from krnl import gguf_quants, quant
+    from krnl import gguf_quants
     from krnl.qweight import QuantizedArray
 
     qk = BLOCKS[kind][0]
@@ -54,7 +54,6 @@ def test_gguf_quantized_types_convert_exactly(kind, rows):
     # Bit for bit, except that ggml's d * 0 keeps d's sign where s * q + b gives +0.
     same = (got.view(np.uint32) == want.view(np.uint32)) | ((got == 0) & (want == 0))
     assert same.all(), f"{kind}: {np.count_nonzero(~same)} values differ"
-    assert quant.unpack(w, bits).max() < 2 ** bits
     # Scales stored as f16 only where they are f16 values (the file's own d: Q8_0, Q4_0, Q4_1).
     assert sdt == ("f16" if kind in ("Q8_0", "Q4_0", "Q4_1") else "f32")
     if sdt == "f16":
@@ -64,7 +63,7 @@ def test_gguf_quantized_types_convert_exactly(kind, rows):
 def test_gguf_row_permutation_is_ggml_rope_and_undone():
     """The file's q/k rows (tests/gguf_files.hf_rows) rotated as GGML does (adjacent pairs) give
     the same attention scores as HF's rows rotated as HF does (halves); read_gguf's unpermute
-    restores HF's rows, for float and quantized (row-wise) arrays."""
+    restores HF's rows (quantized q/k rows: the model loss tests below)."""
     from krnl.gguf_file import permute, unpermute
 
     rng = np.random.default_rng(0)

@@ -359,3 +359,29 @@ def test_gguf_fused_folder_loads_in_transformers(tmp_path):
     tok, htok = load_tokenizer(path), AutoTokenizer.from_pretrained(out)
     for text in TEXTS:
         assert htok(text)["input_ids"] == tok.encode(text), text
+
+
+@pytest.mark.parametrize("bits", [4, 5, 6, 8])
+@pytest.mark.parametrize("rows", [1, 33])
+def test_gguf_pack_is_quant_pack(bits, rows):
+    from krnl import gguf_quants, quant
+
+    codes = np.random.default_rng(bits).integers(0, 2 ** bits, (rows, 96))
+    assert np.array_equal(gguf_quants._pack(codes, bits), quant.pack(codes, bits))
+
+
+def test_gguf_quantize_on_load_only_for_float_files(tmp_path):
+    from krnl.gguf_file import read_gguf
+    from krnl.hf import load_model
+    from krnl.model import LlamaModel
+
+    dev = krnl.device("cpu")
+    q, f = tmp_path / "q.gguf", tmp_path / "f.gguf"
+    write_gguf(q, types={"blk.1.ffn_down.weight": "Q8_0"})
+    dense = write_gguf(f, types={"blk.0.attn_v.weight": "F16"})
+    with pytest.raises(ValueError, match=r"^\[gguf\] .*q.gguf holds quantized tensors \(1\); leave out"):
+        load_model(q, dev, quantize=(4, 64))
+    config = read_gguf(f).config
+    got, ids, tg = _loss(load_model(f, dev, quantize=(4, 64)), config.vocab_size)
+    ref = LlamaModel(dev, config, dense, quantize=(4, 64))
+    assert abs(got - float(ref.loss(ids, tg))) <= 1e-6 * max(1.0, got)

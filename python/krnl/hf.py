@@ -22,6 +22,7 @@ from .fileio import atomic_write_bytes, atomic_write_chunks, read_json_object
 from .gguf_file import is_gguf, read_gguf
 from .gguf_tokenizer import build_tokenizer, load_gguf_tokenizer, tokenizer_files
 from .model import ATTN_MODULES, LlamaModel, ModelConfig, lora_key
+from .qweight import QuantizedArray
 from .safetensors_io import LazyTensor, encode, header_bytes, nbytes, read_safetensors_header
 from .tokenizer import Tokenizer
 # Defined here before safetensors_io.py took the format; krnl.hf.bf16_to_f32 and friends stay.
@@ -153,6 +154,9 @@ def load_model(folder, device, lora=None, dtype="f32", seed=0, grad_checkpoint=F
     if is_gguf(folder):
         g = read_gguf(folder)
         config, weights = g.config, g.weights
+        held = [w for w in weights.values() if isinstance(w, QuantizedArray)]
+        if held and kw.get("quantize") is not None:
+            raise ValueError(f"[gguf] {folder} holds quantized tensors ({len(held)}); leave out --quantize")
     else:
         config = read_config(folder)
         weights = load_hf_weights(folder, config)
@@ -237,17 +241,6 @@ def merged_weight(W32, A, B, scale):
             ).astype(np.float32)
 
 
-def _lora_deltas(config, adapter_folder):
-    """(scale, {HF weight name: (A, B)}) of the adapter at adapter_folder."""
-    lora, tensors, _ = read_adapter(adapter_folder, config)
-    delta = {}
-    for i in lora.adapted_layers(config):
-        for m in lora.target_modules:
-            part = "self_attn" if m in ATTN_MODULES else "mlp"
-            delta[f"model.layers.{i}.{part}.{m}.weight"] = (tensors[lora_key(i, m, "A")], tensors[lora_key(i, m, "B")])
-    return lora.scale, delta
-
-
 def fuse(model_folder, adapter_folder, out_folder, shard_size="2GB", dtype=None):
     """Merges the adapter at `adapter_folder` (PEFT or mlx-lm layout) into the HF model at
     `model_folder` (or GGUF file: fuse_gguf) and writes the result to `out_folder`. Tensors keep
@@ -260,8 +253,14 @@ def fuse(model_folder, adapter_folder, out_folder, shard_size="2GB", dtype=None)
         raise ValueError(f"[fuse] the output folder must differ from the model folder {model_folder}")
     config = read_config(model_folder)
     weights = load_hf_weights(model_folder, config)
+    lora, tensors, _ = read_adapter(adapter_folder, config)
     force = {None: None, "f32": "F32", "f16": "F16", "bf16": "BF16"}[dtype]
-    s, delta = _lora_deltas(config, adapter_folder)
+    s = lora.scale
+    delta = {}
+    for i in lora.adapted_layers(config):
+        for m in lora.target_modules:
+            part = "self_attn" if m in ATTN_MODULES else "mlp"
+            delta[f"model.layers.{i}.{part}.{m}.weight"] = (tensors[lora_key(i, m, "A")], tensors[lora_key(i, m, "B")])
 
     def producer(name, t, st):
         def make():
@@ -303,7 +302,12 @@ def fuse_gguf(path, adapter_folder, out_folder, shard_size="2GB", dtype=None):
         raise ValueError(f"[fuse] {out_folder} is a file; the output must be a folder")
     g = read_gguf(path)
     st = {None: "BF16", "f32": "F32", "f16": "F16", "bf16": "BF16"}[dtype]
-    s, delta = _lora_deltas(g.config, adapter_folder)
+    lora, tensors, _ = read_adapter(adapter_folder, g.config)
+    s, delta = lora.scale, {}
+    for i in lora.adapted_layers(g.config):
+        for m in lora.target_modules:
+            part = "self_attn" if m in ATTN_MODULES else "mlp"
+            delta[f"model.layers.{i}.{part}.{m}.weight"] = (tensors[lora_key(i, m, "A")], tensors[lora_key(i, m, "B")])
 
     def producer(name, w):
         def make():

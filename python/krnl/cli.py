@@ -159,13 +159,16 @@ def _hf_base(args, dev, lora):
 
 
 def cmd_fuse(args):
+    from .gguf_file import is_gguf
+    from .gguf_fuse import fuse_gguf
     from .hf import fuse
 
     base = _adapter_base(args)
     if base is None:
         raise ValueError(f"[fuse] {args.adapter_path} belongs to the embedded default model; fuse needs an HF "
-                         "model folder (--model)")
-    info = fuse(base, args.adapter_path, args.save_path, shard_size=args.max_shard_size, dtype=args.dtype)
+                         "model folder or GGUF file (--model)")
+    info = (fuse_gguf if is_gguf(base) else fuse)(base, args.adapter_path, args.save_path,
+                                                  shard_size=args.max_shard_size, dtype=args.dtype)
     print(f"fused {len(info['merged'])} weights (scale {info['scale']:g}) into {args.save_path}: "
           f"{', '.join(info['files'])}" + (f"; copied {', '.join(info['copied'])}" if info["copied"] else ""))
     return 0

@@ -1,7 +1,7 @@
 """Hugging Face model folders (docs/architecture.md, 'Models, adapters and data'): `config.json` plus one `model.safetensors` or
 shards named by `model.safetensors.index.json`, for the llama, mistral and qwen2 families. A
-GGUF file (gguf_file.py) stands wherever a folder does: load_model, load_tokenizer and fuse
-take either.
+GGUF file (gguf_file.py) stands wherever a folder does: load_model and load_tokenizer take
+either (fuse: gguf_fuse.py).
 
 Weights are mapped to the core as stored ([out, in], no transposes). The safetensors files are
 memory-mapped (krnl.safetensors_io), so a tensor is read from disk only when it is uploaded; the
@@ -20,7 +20,7 @@ import numpy as np
 from .adapter import read_adapter
 from .fileio import atomic_write_bytes, atomic_write_chunks, read_json_object
 from .gguf_file import is_gguf, read_gguf
-from .gguf_tokenizer import build_tokenizer, load_gguf_tokenizer, tokenizer_files
+from .gguf_tokenizer import load_gguf_tokenizer
 from .model import ATTN_MODULES, LlamaModel, ModelConfig, lora_key
 from .qweight import QuantizedArray
 from .safetensors_io import LazyTensor, encode, header_bytes, nbytes, read_safetensors_header
@@ -243,12 +243,9 @@ def merged_weight(W32, A, B, scale):
 
 def fuse(model_folder, adapter_folder, out_folder, shard_size="2GB", dtype=None):
     """Merges the adapter at `adapter_folder` (PEFT or mlx-lm layout) into the HF model at
-    `model_folder` (or GGUF file: fuse_gguf) and writes the result to `out_folder`. Tensors keep
-    their stored dtype (f32, f16 or bf16) unless dtype ("f32", "f16", "bf16") is given. Returns a
-    summary dict."""
+    `model_folder` and writes the result to `out_folder`. Tensors keep their stored dtype
+    (f32, f16 or bf16) unless dtype ("f32", "f16", "bf16") is given. Returns a summary dict."""
     model_folder, out_folder = Path(model_folder), Path(out_folder)
-    if is_gguf(model_folder):
-        return fuse_gguf(model_folder, adapter_folder, out_folder, shard_size, dtype)
     if out_folder.resolve() == model_folder.resolve():
         raise ValueError(f"[fuse] the output folder must differ from the model folder {model_folder}")
     config = read_config(model_folder)
@@ -291,40 +288,6 @@ def fuse(model_folder, adapter_folder, out_folder, shard_size="2GB", dtype=None)
             atomic_write_bytes(out_folder / fn, src.read_bytes())
             copied.append(fn)
     return {"files": files, "merged": sorted(delta), "copied": copied, "scale": s}
-
-
-def fuse_gguf(path, adapter_folder, out_folder, shard_size="2GB", dtype=None):
-    """fuse for a GGUF base: every weight dequantized (exactly, to float32), the adapter merged,
-    stored as dtype (bf16 by default), with config.json and the file's tokenizer as
-    tokenizer.json and tokenizer_config.json (chat template included)."""
-    out_folder = Path(out_folder)
-    if out_folder.exists() and not out_folder.is_dir():
-        raise ValueError(f"[fuse] {out_folder} is a file; the output must be a folder")
-    g = read_gguf(path)
-    st = {None: "BF16", "f32": "F32", "f16": "F16", "bf16": "BF16"}[dtype]
-    lora, tensors, _ = read_adapter(adapter_folder, g.config)
-    s, delta = lora.scale, {}
-    for i in lora.adapted_layers(g.config):
-        for m in lora.target_modules:
-            part = "self_attn" if m in ATTN_MODULES else "mlp"
-            delta[f"model.layers.{i}.{part}.{m}.weight"] = (tensors[lora_key(i, m, "A")], tensors[lora_key(i, m, "B")])
-
-    def producer(name, w):
-        def make():
-            if name in delta:
-                return encode(merged_weight(np.asarray(w, np.float32), *delta[name], s), st)
-            return encode(np.asarray(w, np.float32), st)
-        return make
-
-    items = [(n, st, tuple(g.config.weight_shapes()[n]), producer(n, g.weights[n]))
-             for n in sorted(g.weights, key=_weight_order)]
-    files = write_sharded(out_folder, items, shard_size=shard_size)
-    cfg = {**g.hf_config, "torch_dtype": _FLOAT_NAMES[st]}
-    atomic_write_bytes(out_folder / CONFIG_NAME, (json.dumps(cfg, indent=2) + "\n").encode())
-    tk_files = tokenizer_files(*build_tokenizer(g.metadata, source=str(path)))
-    for fn, data in tk_files.items():
-        atomic_write_bytes(out_folder / fn, data)
-    return {"files": files, "merged": sorted(delta), "copied": sorted(tk_files), "scale": s}
 
 
 def _weight_order(name):

@@ -7,9 +7,9 @@ both, counting imports inside functions too, so keep the table's form (a layer's
 modules relative to krnl; `bench.*` is every module of krnl/bench):
 
     ops       __init__ _core profiler
-    storage   fileio safetensors_io checkpoint run_folder tokenizer quant
+    storage   fileio safetensors_io checkpoint run_folder tokenizer quant gguf_quants
     model     params config qweight lora attention layer generate model mlp_block
-    formats   adapter mlx_folder hf
+    formats   adapter mlx_folder gguf_file gguf_tokenizer hf gguf_fuse
     train     optim batches data default_task trainer
     cli       cli cli_args cli_device tune __main__ bench bench.*
 
@@ -18,9 +18,10 @@ modules relative to krnl; `bench.*` is every module of krnl/bench):
 - storage: bytes on disk (atomic writes, safetensors, checkpoints, tokenizers), knowing nothing
   of the model, so that the model may read files through it.
 - model: parameters, the model's configuration and LoRA layout, the layers, the model stack.
-- formats: the files that describe a model (HF and MLX quantized folders, PEFT and mlx-lm
-  adapters); they turn into a ModelConfig, a LoraConfig or a LlamaModel, so they stand on the
-  model, and hf builds on adapter and mlx_folder, never the reverse.
+- formats: the files that describe a model (HF and MLX quantized folders, GGUF files, PEFT and
+  mlx-lm adapters); they turn into a ModelConfig, a LoraConfig or a LlamaModel, so they stand on
+  the model, and hf builds on adapter, mlx_folder and the GGUF reader, never the reverse
+  (gguf_fuse builds on hf).
 - train: the optimizer, batches, datasets, the embedded default task and the training loop; data
   and trainer both draw on batches and not on each other.
 - cli: the `krnl` commands, GEMM tuning (`krnl tune`) and the benchmark harness (krnl.bench), which

@@ -1,7 +1,7 @@
 """The `krnl` command line: `train`, `eval` and `generate` (the embedded default: a tiny Llama and a
-generated task; or, for eval and generate, an HF model folder from --model or the adapter's
-base_model_name_or_path), `fuse` (an adapter merged into its base, written as an HF folder or an MLX quantized one),
-`quantize` (an HF folder written as an MLX quantized folder),
+generated task; or, for eval and generate, an HF or MLX model folder or GGUF file from --model or the
+adapter's base_model_name_or_path), `fuse` (an adapter merged into its base, written as an HF folder or an MLX
+quantized one), `quantize` (an HF folder written as an MLX quantized folder),
 `w1` (LoRA on the W1 MLP block of docs/performance.md, matching a teacher), `bench` (krnl/bench),
 `tune` (tune.py: the GEMM variants timed on this GPU) and `devices`. The argument parser is in
 cli_args.py; `devices`, `w1` and the device choice are in cli_device.py; `krnl.cli:main` stays
@@ -52,10 +52,12 @@ def _adapter_base(args):
     base = cfg.get("base_model_name_or_path", cfg.get("model"))
     if base == DEFAULT_BASE:
         return None
-    if isinstance(base, str) and base and Path(base).is_dir():
+    from .gguf_file import is_gguf
+
+    if isinstance(base, str) and base and (Path(base).is_dir() or is_gguf(base)):
         return base
-    raise ValueError(f"[{args.cmd}] {args.adapter_path} was trained on {base!r}, which is not a local folder; "
-                     f"pass the base model's HF folder with --model (the embedded default is {DEFAULT_BASE!r})")
+    raise ValueError(f"[{args.cmd}] {args.adapter_path} was trained on {base!r}, which is not a local folder nor GGUF "
+                     f"file; pass the base model with --model (the embedded default is {DEFAULT_BASE!r})")
 
 
 def _resolve_adapter_path(args):
@@ -110,27 +112,49 @@ def _hf_base(args, dev, lora):
     """(tokenizer, model, base id) for training on the HF folder at --model: the id written to
     adapter_config.json's base_model_name_or_path is the folder's absolute path, so eval,
     generate and fuse find the base without --model. (cmd_train calls this once --data is wired.)"""
-    from .hf import load_model
-    from .tokenizer import Tokenizer
+    from .hf import load_model, load_tokenizer
 
     model = load_model(args.model, dev, lora=lora, dtype=args.dtype, seed=args.seed,
                        grad_checkpoint=args.grad_checkpoint, quantize=_quantize(args))
-    return Tokenizer.from_folder(args.model), model, str(Path(args.model).resolve())
+    return load_tokenizer(args.model), model, str(Path(args.model).resolve())
 
 
 def cmd_fuse(args):
+    from .gguf_file import is_gguf
     from .hf import fuse
 
     base = _adapter_base(args)
     if base is None:
         raise ValueError(f"[fuse] {args.adapter_path} belongs to the embedded default model; fuse needs an HF "
-                         "model folder (--model)")
+                         "model folder or GGUF file (--model)")
     q = None if args.quantize is None else (args.quantize, args.q_group_size)
-    info = fuse(base, args.adapter_path, args.save_path, shard_size=args.max_shard_size, dtype=args.dtype, quantize=q)
+    if is_gguf(base):
+        info = fuse_gguf_as(base, args, q)
+    else:
+        info = fuse(base, args.adapter_path, args.save_path, shard_size=args.max_shard_size, dtype=args.dtype,
+                    quantize=q)
     what = f" (MLX, {q[0]} bits, groups of {q[1]})" if q else ""
     print(f"fused {len(info['merged'])} weights (scale {info['scale']:g}) into {args.save_path}{what}: "
           f"{', '.join(info['files'])}" + (f"; copied {', '.join(info['copied'])}" if info["copied"] else ""))
     return 0
+
+
+def fuse_gguf_as(base, args, q):
+    """fuse of a GGUF base: an HF folder, or with q = (bits, group_size) an MLX folder quantized
+    from the fused HF folder (written beside the output, then removed)."""
+    import tempfile
+
+    from .gguf_fuse import fuse_gguf
+    from .hf import quantize_folder
+
+    if q is None:
+        return fuse_gguf(base, args.adapter_path, args.save_path, shard_size=args.max_shard_size, dtype=args.dtype)
+    out = Path(args.save_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".krnl-fuse-", dir=out.parent) as tmp:
+        info = fuse_gguf(base, args.adapter_path, tmp, shard_size=args.max_shard_size, dtype=args.dtype)
+        qinfo = quantize_folder(tmp, out, q[0], q[1], dtype=args.dtype, shard_size=args.max_shard_size)
+    return {**info, "files": qinfo["files"], "copied": qinfo.get("copied", info["copied"])}
 
 
 def cmd_quantize(args):
@@ -293,9 +317,9 @@ def cmd_eval(args):
         if not args.data:
             raise ValueError("[eval] --data is required to evaluate on an HF model")
         from .data import load_dataset
-        from .tokenizer import Tokenizer
+        from .hf import load_tokenizer
 
-        tok = Tokenizer.from_folder(_adapter_base(args))
+        tok = load_tokenizer(_adapter_base(args))
         ds = load_dataset(args.data, tok, args.max_seq_length, vocab_size=model.config.vocab_size,
                           required=("test",) if (Path(args.data) / "test.jsonl").exists() else ("valid",))
         split = ds["test"] or ds["valid"]
@@ -319,9 +343,9 @@ def cmd_generate(args):
     dev = device_from_args(args)
     tok, model = _load_trained(args, dev)
     if tok is None:
-        from .tokenizer import Tokenizer
+        from .hf import load_tokenizer
 
-        tok = Tokenizer.from_folder(_adapter_base(args))
+        tok = load_tokenizer(_adapter_base(args))
         if tok.has_chat_template and not args.raw_prompt:
             # As mlx-lm does: the prompt is the user's turn of a chat rendered by the checkpoint.
             text = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)

@@ -189,8 +189,8 @@ def parse_args(argv, commands):
     quantize(t)
     t.add_argument("--adapter-path", default="adapters", help="output folder: adapter, checkpoints, metrics")
     t.add_argument("--config", default=None, help="YAML file of train options (flags given on the command line win)")
-    t.add_argument("--model", default=None, help="HF or MLX quantized model folder (default: the embedded tiny "
-                   "model)")
+    t.add_argument("--model", default=None, help="HF or MLX quantized model folder, or GGUF file (default: the "
+                   "embedded tiny model)")
     t.add_argument("--data", default=None, help="folder with train.jsonl (and valid.jsonl, test.jsonl)")
     t.add_argument("--max-seq-length", type=int, default=2048)
     t.add_argument("--mask-prompt", action=argparse.BooleanOptionalAction, default=True,
@@ -238,8 +238,8 @@ def parse_args(argv, commands):
     def adapter_and_model(q):  # eval and generate: which adapter, on which base
         q.add_argument("--adapter-path", default=None, help="adapter folder (default: adapters when that folder "
                        "exists, else the base model alone); \"\" for the base model alone")
-        q.add_argument("--model", default=None, help="HF or MLX quantized model folder (default: the adapter's base "
-                       "model)")
+        q.add_argument("--model", default=None, help="HF or MLX quantized model folder, or GGUF file (default: the "
+                       "adapter's base model)")
 
     e = sub.add_parser("eval", help="test loss of a trained adapter")
     common(e)
@@ -264,8 +264,8 @@ def parse_args(argv, commands):
 
     f = sub.add_parser("fuse", help="merge an adapter into its base model and write an HF folder (or, with "
                        "--quantize, an MLX quantized folder)")
-    f.add_argument("--model", default=None, help="the base model's HF or MLX folder (default: the adapter's base "
-                   "model)")
+    f.add_argument("--model", default=None, help="the base model's HF or MLX folder, or GGUF file (default: the "
+                   "adapter's base model)")
     f.add_argument("--adapter-path", default="adapters", help="adapter folder (PEFT or mlx-lm layout)")
     f.add_argument("--save-path", default="fused_model", help="output folder")
     f.add_argument("--max-shard-size", default="2GB", help="largest safetensors shard, e.g. 2GB, 500MB")

@@ -1,5 +1,7 @@
 """Hugging Face model folders (docs/architecture.md, 'Models, adapters and data'): `config.json` plus one `model.safetensors` or
-shards named by `model.safetensors.index.json`, for the llama, mistral and qwen2 families.
+shards named by `model.safetensors.index.json`, for the llama, mistral and qwen2 families. A
+GGUF file (gguf_file.py) stands wherever a folder does: load_model and load_tokenizer take
+either (fuse: gguf_fuse.py).
 
 Weights are mapped to the core as stored ([out, in], no transposes). The safetensors files are
 memory-mapped (krnl.safetensors_io), so a tensor is read from disk only when it is uploaded; the
@@ -22,9 +24,12 @@ import numpy as np
 from .adapter import read_adapter
 from .fileio import atomic_write_bytes, atomic_write_chunks, read_json_object
 from .mlx_folder import mlx_items, model_dtype, quantization, read_quantized, recipe_overrides
+from .gguf_file import is_gguf, read_gguf
+from .gguf_tokenizer import load_gguf_tokenizer
 from .model import ATTN_MODULES, LlamaModel, ModelConfig, lora_key
 from .qweight import QuantizedArray
 from .safetensors_io import LazyTensor, encode, header_bytes, nbytes, read_safetensors_header
+from .tokenizer import Tokenizer
 # Defined here before safetensors_io.py took the format; krnl.hf.bf16_to_f32 and friends stay.
 from .safetensors_io import bf16_to_f32, f32_to_bf16  # noqa: F401
 
@@ -147,11 +152,21 @@ def load_hf_weights(folder, config=None):
     return tensors
 
 
+def load_tokenizer(path):
+    """The Tokenizer of an HF folder or of a GGUF file."""
+    return load_gguf_tokenizer(path) if is_gguf(path) else Tokenizer.from_folder(path)
+
+
 def load_model(folder, device, lora=None, dtype="f32", seed=0, grad_checkpoint=False, adapter=None, **kw):
-    """A LlamaModel from an HF folder. `adapter`: an adapter folder (PEFT or mlx-lm layout) whose
-    LoRA config and weights are loaded (then `lora` must be None)."""
-    config = read_config(folder)
-    weights = load_hf_weights(folder, config)
+    """A LlamaModel from an HF or MLX quantized folder, or a GGUF file (quantized weights held as
+    the file has them). `adapter`: an adapter folder (PEFT or mlx-lm layout) whose LoRA config and
+    weights are loaded (then `lora` must be None)."""
+    if is_gguf(folder):
+        g = read_gguf(folder)
+        config, weights = g.config, g.weights
+    else:
+        config = read_config(folder)
+        weights = load_hf_weights(folder, config)
     held = [w for w in weights.values() if isinstance(w, QuantizedArray)]
     if held and kw.get("quantize") is not None:
         raise ValueError(f"[hf] {folder} is quantized already ({held[0].bits} bits, groups of {held[0].group_size}); "

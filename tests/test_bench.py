@@ -192,6 +192,23 @@ def test_w3_is_skipped_on_cpu():
     assert [(r["impl"], r["status"], r["reason"]) for r in s.rows] == [("all", "skipped", "sized for the H200")]
 
 
+def test_qlora_workload_rows():
+    """The QLoRA workload: at full size only on a GPU; --quick runs krnl with and without gradient
+    checkpointing on the same batches (same losses: recomputation changes no value), and no PEFT
+    row where torch is not among the peers asked for."""
+    s = Session("cpu", rounds=1, quick=False, peers=["numpy"], log=lambda m: None)
+    s.run_qlora()
+    assert [(r["impl"], r["status"]) for r in s.rows] == [("krnl", "skipped")]
+    assert "sized for the H200" in s.rows[0]["reason"]
+    s = Session("cpu", rounds=1, quick=True, peers=["numpy"], log=lambda m: None)
+    s.run_qlora()
+    rows = {r["impl"]: r for r in s.rows}
+    assert list(rows) == ["krnl", "krnl grad-ckpt"]
+    plain, ckpt = rows["krnl"], rows["krnl grad-ckpt"]
+    assert plain["tokens_per_s"] > 0 and ckpt["tokens_per_s"] > 0 and np.isfinite(plain["loss"])
+    assert plain["loss"] == ckpt["loss"] and plain["title"].startswith("QLoRA 4-bit g64")
+
+
 def test_bad_arguments_are_named(capsys):
     with pytest.raises(ValueError, match="--rounds"):
         Session("cpu", rounds=0)

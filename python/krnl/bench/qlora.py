@@ -1,6 +1,7 @@
 """The QLoRA workload: LoRA r=16 on all seven projections of a Llama-shaped model whose base is held
 in 4 bits (groups of 64), one optimizer step per sample of `B` rows of `T` tokens, gradient
-checkpointing off on both sides. krnl (MLX's affine 4-bit layout, ops.quantized_matmul) next to
+checkpointing off on both sides (and a krnl row with it on, for the memory a smaller machine
+needs). krnl (MLX's affine 4-bit layout, ops.quantized_matmul) next to
 transformers + PEFT on a bitsandbytes 4-bit base (NF4, double quantization, bf16 compute: the
 QLoRA recipe), or, where bitsandbytes does not run, PEFT on a bf16 base, labelled as such.
 
@@ -64,12 +65,12 @@ def krnl_weights(s, seed=0):
     return cfg, w
 
 
-def run_krnl(dev, s, batches, dtype, log=print, profile=False):
+def run_krnl(dev, s, batches, dtype, log=print, profile=False, grad_checkpoint=False):
     from ..config import LoraConfig
     from ..model import LlamaModel
     from ..optim import AdamW, Schedule
     cfg, weights = krnl_weights(s)
-    model = LlamaModel(dev, cfg, weights, LoraConfig(r=16, alpha=32.0), dtype=dtype)
+    model = LlamaModel(dev, cfg, weights, LoraConfig(r=16, alpha=32.0), dtype=dtype, grad_checkpoint=grad_checkpoint)
     del weights
     gc.collect()
     opt = AdamW(model.lora_params, Schedule(1e-4, kind="constant"), max_grad_norm=1.0)
@@ -82,7 +83,8 @@ def run_krnl(dev, s, batches, dtype, log=print, profile=False):
         opt.step()
         return model.read_loss()
 
-    res = _time(step, batches, s, dev.synchronize, lambda: dev.pool_stats()["peak_in_use"], log, "krnl")
+    res = _time(step, batches, s, dev.synchronize, lambda: dev.pool_stats()["peak_in_use"], log,
+                "krnl" + (" (grad checkpoint)" if grad_checkpoint else ""))
     if profile:  # one more step, op by op: where the step's time goes
         with krnl.profile(dev) as p:
             step(batches[-1])
@@ -187,6 +189,10 @@ def run(dev, dtype="bf16", quick=False, peers=True, log=print, profile=False):
     rows = [dict(impl="krnl", title=desc, **run_krnl(dev, s, batches, dtype, log, profile))]
     gc.collect()
     dev.trim()
+    # what a smaller machine would run: layer inputs kept, the rest recomputed in the backward
+    rows.append(dict(impl="krnl grad-ckpt", **run_krnl(dev, s, batches, dtype, log, grad_checkpoint=True)))
+    gc.collect()
+    dev.trim()
     if peers:
         try:
             import peft  # noqa: F401
@@ -199,7 +205,7 @@ def run(dev, dtype="bf16", quick=False, peers=True, log=print, profile=False):
             r = run_peft(s, batches, on_gpu, log)
             rows.append(dict(impl=r.pop("label"), **r))
     k = rows[0]
-    for r in rows[1:]:
+    for r in rows[2:]:
         if r.get("tokens_per_s"):
             r["vs_krnl"] = r["tokens_per_s"] / k["tokens_per_s"]
             r["peak_vs_krnl"] = r["peak_bytes"] / k["peak_bytes"] if k["peak_bytes"] and r["peak_bytes"] else None

@@ -1,5 +1,6 @@
-"""What a model is: the Llama-family configuration (HF config.json), the LoRA configuration, PEFT's
-key names of LoRA factors, and random weights for tiny test models. No device code."""
+"""What a model is: the Llama-family configuration (HF config.json; qwen3 adds per-head q/k norms),
+the LoRA configuration, PEFT's key names of LoRA factors, and random weights for tiny test
+models. No device code."""
 
 import json
 import math
@@ -8,7 +9,7 @@ from typing import Optional
 
 import numpy as np
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 ALL_MODULES = ATTN_MODULES + MLP_MODULES
@@ -32,7 +33,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     max_position_embeddings: int = 2048
-    sliding_window: Optional[int] = None  # attention window (mistral; qwen2 with use_sliding_window)
+    sliding_window: Optional[int] = None  # attention window (mistral; qwen2/qwen3 with use_sliding_window)
     source: str = field(default="<dict>", repr=False, compare=False)
 
     @classmethod
@@ -118,7 +119,7 @@ class ModelConfig:
         else:
             bias = get("attention_bias", bool, default=False, required=False)
         sw = None
-        if mt == "mistral" or (mt == "qwen2" and d.get("use_sliding_window")):
+        if mt == "mistral" or (mt in ("qwen2", "qwen3") and d.get("use_sliding_window")):
             sw = get("sliding_window", int, default=None, required=False)
         return cls(
             model_type=mt,
@@ -138,6 +139,11 @@ class ModelConfig:
             sliding_window=sw,
             source=source,
         )
+
+    @property
+    def qk_norm(self):
+        """Qwen3 normalises each head of q and k (RMSNorm over D, weights (D,)) before rotary."""
+        return self.model_type == "qwen3"
 
     def module_shape(self, name):
         """(out, in) of a projection."""
@@ -178,6 +184,9 @@ class ModelConfig:
             if self.attention_bias:
                 for m in ("q_proj", "k_proj", "v_proj"):
                     s[p + f"self_attn.{m}.bias"] = (self.module_shape(m)[0],)
+            if self.qk_norm:
+                s[p + "self_attn.q_norm.weight"] = (self.head_dim,)
+                s[p + "self_attn.k_norm.weight"] = (self.head_dim,)
             for m in MLP_MODULES:
                 s[p + f"mlp.{m}.weight"] = self.module_shape(m)
             s[p + "input_layernorm.weight"] = (C,)

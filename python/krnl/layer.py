@@ -1,7 +1,7 @@
 """One decoder layer of the Llama family, forward and backward over core ops (llm.c style):
 
     xn = rmsnorm(x) n1
-    q|k|v = xn Wqkv^T (+ b) (+ LoRA per block)    heads, rotary positions
+    q|k|v = xn Wqkv^T (+ b) (+ LoRA per block)    heads, (qwen3: rmsnorm of each q and k head), rotary
     h = x + o_proj(attention(q, k, v))
     y = h + down(silu(gate(hn)) * up(hn))           hn = rmsnorm(h) n2
 
@@ -92,6 +92,8 @@ class Layer:
     v_proj: LoraLinear
     o_proj: LoraLinear          # (C, H D)
     mlp: Mlp
+    q_norm: Optional[Tensor] = None  # (D,) qwen3: RMSNorm of every query head (None: no q/k norm)
+    k_norm: Optional[Tensor] = None  # (D,) ... and of every key head
 
     def linears(self):
         """{HF module name: LoraLinear}."""
@@ -109,6 +111,8 @@ class Layer:
         out = {"n1": self.n1, "n2": self.mlp.norm, "qkv": self.qkv}
         if self.qkv_bias is not None:
             out["qkv_bias"] = self.qkv_bias
+        if self.q_norm is not None:
+            out.update(q_norm=self.q_norm, k_norm=self.k_norm)
         out.update({m: lin.W for m, lin in self.linears().items() if m not in QKV_MODULES})
         return out
 
@@ -140,6 +144,7 @@ class LayerCache:
     r1: Tensor          # (N,) f32
     qkv: list           # LoraSaved (or None) of q, k, v
     attn: list          # B saved attention states (attention.FusedSaved / MaterialisedSaved)
+    qk: Optional[list]  # qwen3: B of (heads (NH, T, D) before the q/k norms, rstd (H T + Hk T,) f32)
     o: Optional[LoraSaved]
     h: Tensor           # (N, C) x + attention
     mlp: MlpCache
@@ -171,8 +176,11 @@ def build_layer(i, config, weights, device, dtype, heads, ones, lora_config, lor
         lin[m] = LoraLinear(W, f, lora_config.scale, lora_config.dropout, tag=i * len(ALL_MODULES) + tag)
     eps = c.rms_norm_eps
     mlp = Mlp(up([p + "post_attention_layernorm.weight"]), lin["gate_proj"], lin["up_proj"], lin["down_proj"], eps)
+    qn = kn = None
+    if c.qk_norm:
+        qn, kn = up([p + "self_attn.q_norm.weight"]), up([p + "self_attn.k_norm.weight"])
     return Layer(heads, eps, up([p + "input_layernorm.weight"]), qkv, qkv_bias, ones,
-                 lin["q_proj"], lin["k_proj"], lin["v_proj"], lin["o_proj"], mlp)
+                 lin["q_proj"], lin["k_proj"], lin["v_proj"], lin["o_proj"], mlp, qn, kn)
 
 
 def mlp_forward(mlp, h, call_seed=None):
@@ -230,13 +238,16 @@ def layer_forward(L, x, batch, attend: Optional[Callable] = None):
     ops.rmsnorm_forward(x, L.n1, xn, r1, L.eps)
     qkv, qkv_saved = qkv_forward(L, xn, batch.call_seed)                 # (N, NH D)
     att = d.empty((N, H * D), dt)                                         # (N, H D)
-    saved = []
+    saved, qk_saved = [], ([] if L.q_norm is not None else None)
     for b in range(B):
         r = slice(b * T, (b + 1) * T)
         # One transpose makes every head of q, k and v head-major.
         heads = d.empty((NH, T, D), dt)                                   # (NH, T, D)
         ops.transpose_heads(qkv[r].reshape(T, NH, D), heads)
         q, k, v = heads[:H], heads[H:H + Hk], heads[H + Hk:]             # (H, T, D), (Hk, T, D) x2
+        if qk_saved is not None:
+            q, k, rstd = qk_norm_forward(L, heads, H, Hk)
+            qk_saved.append((heads, rstd))
         ops.rope(q, batch.positions[b], hd.inv_freq)
         ops.rope(k, batch.positions[b], hd.inv_freq)
         oh = d.empty((H, T, D), dt)                                       # (H, T, D)
@@ -246,7 +257,31 @@ def layer_forward(L, x, batch, attend: Optional[Callable] = None):
     o_saved = L.o_proj.forward(att, h, batch.call_seed)
     ops.add(h, x, h)                                                      # h = x + attn
     y, mlp_cache = mlp_forward(L.mlp, h, batch.call_seed)
-    return y, LayerCache(xn, r1, qkv_saved, saved, o_saved, h, mlp_cache)
+    return y, LayerCache(xn, r1, qkv_saved, saved, qk_saved, o_saved, h, mlp_cache)
+
+
+def qk_norm_forward(L, heads, H, Hk):
+    """Qwen3's per-head RMSNorm of q and k: head-major rows are contiguous, so each is one
+    rmsnorm over (heads T, D) rows. Returns q (H, T, D), k (Hk, T, D) normed into a new buffer
+    (heads keeps the inputs for backward) and their rstd (H T + Hk T,) f32."""
+    d, dt, T, D = heads.device, heads.dtype, heads.shape[1], heads.shape[2]
+    nq, nk = H * T, Hk * T
+    qk = d.empty((H + Hk, T, D), dt)                                      # (H + Hk, T, D)
+    rstd = d.empty((nq + nk,), "f32")                                     # (H T + Hk T,)
+    ops.rmsnorm_forward(heads[:H].reshape(nq, D), L.q_norm, qk[:H].reshape(nq, D), rstd[:nq], L.eps)
+    ops.rmsnorm_forward(heads[H:H + Hk].reshape(nk, D), L.k_norm, qk[H:].reshape(nk, D), rstd[nq:], L.eps)
+    return qk[:H], qk[H:], rstd
+
+
+def qk_norm_backward(L, heads, rstd, dqk, dheads, H, Hk):
+    """dheads[:H + Hk] (pre-norm q and k gradients) from dqk (H + Hk, T, D), the gradients at the
+    norms' outputs; the norm weights are frozen (no dw)."""
+    T, D = heads.shape[1], heads.shape[2]
+    nq, nk = H * T, Hk * T
+    ops.rmsnorm_backward(dqk[:H].reshape(nq, D), heads[:H].reshape(nq, D), L.q_norm, rstd[:nq],
+                         dheads[:H].reshape(nq, D))
+    ops.rmsnorm_backward(dqk[H:].reshape(nk, D), heads[H:H + Hk].reshape(nk, D), L.k_norm, rstd[nq:],
+                         dheads[H:H + Hk].reshape(nk, D))
 
 
 def layer_backward(L, x, cache, dy, batch):
@@ -264,9 +299,14 @@ def layer_backward(L, x, cache, dy, batch):
         ops.transpose_heads(datt[r].reshape(T, H, D), doh)
         dheads = d.empty((NH, T, D), dt)                                  # (NH, T, D)
         dq, dk, dv = dheads[:H], dheads[H:H + Hk], dheads[H + Hk:]
+        if cache.qk is not None:  # q/k gradients land after the norms, then flow through them
+            dqk = d.empty((H + Hk, T, D), dt)                             # (H + Hk, T, D)
+            dq, dk = dqk[:H], dqk[H:]
         saved.backward(doh, dq, dk, dv)
         ops.rope(dq, batch.positions[b], hd.inv_freq, -1.0)
         ops.rope(dk, batch.positions[b], hd.inv_freq, -1.0)
+        if cache.qk is not None:
+            qk_norm_backward(L, *cache.qk[b], dqk, dheads, H, Hk)
         ops.transpose_heads(dheads, dqkv[r].reshape(T, NH, D))
     dxn = d.empty((N, C), dt)                                             # (N, C)
     linear_grad(dqkv, L.qkv, dxn)                                         # dxn = dq|dk|dv Wqkv

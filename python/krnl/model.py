@@ -1,9 +1,10 @@
-"""The Llama family (llama, mistral, qwen2) with LoRA adapters, as explicit forward and backward
+"""The Llama family (llama, mistral, qwen2, qwen3) with LoRA adapters, as explicit forward and backward
 over core ops (llm.c style, no autograd tape; docs/architecture.md): the stack of decoder
 layers (layer.py), the loss and evaluation; generation is in generate.py.
 
     x0 = embed(ids)
     per layer:  h = x + o_proj(attn(rope(q_proj(n1)), rope(k_proj(n1)), v_proj(n1)))   n1 = rmsnorm(x)
+                (qwen3: rope(rmsnorm(q_proj(n1)) per head), likewise k)
                 y = h + down_proj(silu(gate_proj(n2)) * up_proj(n2))                  n2 = rmsnorm(h)
     logits = rmsnorm(x_L) W_head^T  (W_head = embed_tokens when tied), mean cross entropy over
     the targets that are not ignore_index (-100), chunked over tokens.

@@ -124,6 +124,9 @@ def write_gguf(path, arch="llama", types=None, tied=False, tokenizer="spm", seed
             shapes[f"blk.{i}.{g}.weight"] = (f"model.layers.{i}.{hf}.weight", (o, n))
             if arch == "qwen2" and g in ("attn_q", "attn_k", "attn_v"):
                 shapes[f"blk.{i}.{g}.bias"] = (f"model.layers.{i}.{hf}.bias", (o,))
+        if arch == "qwen3":  # RMSNorm of each q and k head
+            for g in ("q", "k"):
+                shapes[f"blk.{i}.attn_{g}_norm.weight"] = (f"model.layers.{i}.self_attn.{g}_norm.weight", (D,))
     hf_weights = {}
     from gguf.quants import dequantize
 

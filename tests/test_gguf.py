@@ -99,7 +99,8 @@ def test_gguf_row_permutation_is_ggml_rope_and_undone():
 # ---- files: config, weights, loss ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("arch,tied", [("llama", False), ("llama", True), ("qwen2", True), ("qwen2", False)])
+@pytest.mark.parametrize("arch,tied", [("llama", False), ("llama", True), ("qwen2", True), ("qwen2", False),
+                                       ("qwen3", False)])
 def test_gguf_model_loads_with_the_loss_of_its_dense_weights(tmp_path, arch, tied, capsys):
     from krnl.gguf_file import read_gguf
     from krnl.hf import load_model

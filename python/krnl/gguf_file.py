@@ -2,12 +2,12 @@
 HF folder gives krnl (docs/architecture.md, 'GGUF files'): an HF config dict, the weights under
 HF names and the tokenizer (gguf_tokenizer.py).
 
-- config: from the `{arch}.*` metadata of the llama (also Mistral's files) and qwen2
+- config: from the `{arch}.*` metadata of the llama (also Mistral's files), qwen2 and qwen3
   architectures; no `output.weight` tensor means tied embeddings.
 - weights: GGUF names to HF names; shapes come reversed (ne0, the input size, first), which the
   reader's row-major arrays already undo, so a row is an output. llama.cpp's converter permutes
   the rows of q and k of the llama architecture for GGML's interleaved rotary embedding; that is
-  undone here (qwen2 files are not permuted).
+  undone here (qwen2 and qwen3 files are not permuted).
 - Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K load as QuantizedArrays converted exactly
   (gguf_quants.py); every other quantized type is dequantized by gguf-py and rounded to bf16,
   with one note per load; F32, F16 and BF16 load as they are.
@@ -26,10 +26,12 @@ from .qweight import QuantizedArray
 from .safetensors_io import bf16_to_f32, f32_to_bf16
 
 MAGIC = b"GGUF"
-ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM")}
+ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+                 "qwen3": ("qwen3", "Qwen3ForCausalLM")}
 _LAYER = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
           "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-          "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+          "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+          "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}  # the last two: qwen3
 _GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
            "output.weight": "lm_head.weight"}
 _IGNORED = ("rope_freqs.weight",)  # llama3 rope scaling as factors: read into the config instead
@@ -80,7 +82,8 @@ def _f32(v):
 
 
 def hf_config(path, md, tensors):
-    """The HF config dict of a llama or qwen2 GGUF from its metadata; `tensors`: {name: (type, shape)}."""
+    """The HF config dict of a llama, qwen2 or qwen3 GGUF from its metadata; `tensors`: {name: (type,
+    shape)}."""
     arch = md.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise ValueError(f"[gguf] {path}: architecture {arch!r} is not supported; krnl reads "

@@ -311,6 +311,25 @@ def test_geglu_backward_finite_differences(dev):
     assert_fd(read(du), fd_grad(lambda uv: loss(g0, uv), u0), "du")
 
 
+@pytest.mark.torch
+def test_geglu_matches_transformers(dev):
+    """The activation is transformers' "gelu_pytorch_tanh" (Gemma's hidden_activation), forward and
+    gradient through torch's autograd, in f32: the formula, not just self-consistency."""
+    torch = pytest.importorskip("torch")
+    act = pytest.importorskip("transformers.activations").ACT2FN["gelu_pytorch_tanh"]
+    rng = np.random.default_rng(122)
+    shape = (33, 31)
+    g0, u0, ds0 = (rng.standard_normal(shape).astype(np.float32) * c for c in (3, 1, 1))
+    tg, tu = torch.tensor(g0, requires_grad=True), torch.tensor(u0, requires_grad=True)
+    ts = act(tg) * tu
+    ts.backward(torch.tensor(ds0))
+    s, dg, du = (dev.empty(shape) for _ in range(3))
+    ops.geglu_forward(to_dev(dev, g0), to_dev(dev, u0), s)
+    ops.geglu_backward(to_dev(dev, ds0), to_dev(dev, g0), to_dev(dev, u0), dg, du)
+    for got, want, what in ((s, ts, "s"), (dg, tg.grad, "dg"), (du, tu.grad, "du")):
+        assert_close(read(got), want.detach().numpy().astype(np.float64), rtol=1e-5, what=what)
+
+
 def softcap_inputs(rng, shape, cap):
     """Scores across the whole curve: tiny (|x| ~ 1e-3 cap, where tanh is near linear and needs
     relative accuracy), moderate, and saturated (|x| several caps)."""
@@ -680,6 +699,24 @@ def test_softmax_causal_forward_window_and_segments(dev, dt):
         P = empty_filled(dev, (2, T, T), dt)
         ops.softmax_causal_forward(S, P, 0.7, to_dev(dev, seg.astype(np.int32), "i32"), window)
         check_softmax(read(P), Sf, np.float64(np.float32(0.7)), dt, seg, what=f"window={window}", window=window)
+
+
+@pytest.mark.torch
+def test_softmax_causal_forward_window_matches_transformers(dev):
+    """The window is transformers' sliding window (Gemma 2/3, Mistral): its causal mask with
+    sliding_window_overlay, key kv visible to query q iff kv <= q and kv > q - sliding_window;
+    the op's nonzero pattern is that mask, rows of a later query block (Tq < Tk) included."""
+    pytest.importorskip("torch")
+    overlay = pytest.importorskip("transformers.masking_utils").sliding_window_overlay
+    rng = np.random.default_rng(32)
+    T, window = 33, 6
+    sees = overlay(window)
+    want = np.array([[kv <= q and bool(sees(0, 0, q, kv)) for kv in range(T)] for q in range(T)])
+    for r0 in (0, 20):  # the whole matrix, and the query block 20:33 against keys :33
+        S = to_dev(dev, rng.standard_normal((2, T - r0, T)).astype(np.float32))
+        P = dev.empty((2, T - r0, T))
+        ops.softmax_causal_forward(S, P, 0.5, window=window)
+        np.testing.assert_array_equal(read(P) != 0, np.broadcast_to(want[r0:], (2, T - r0, T)))
 
 
 def test_softmax_backward_finite_differences_window(dev):

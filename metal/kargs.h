@@ -30,14 +30,16 @@ struct RmsnormArgs {
 };
 
 // softmax_causal_forward: S, P (rows, tk) with rows = batch * tq; query row r sits at position
-// r % tq + tk - tq. has_segments != 0: buffer(2) holds (tk,) i32 segment ids (tq == tk); when 0
-// buffer(2) must still be bound (any buffer) and is not read.
+// q = r % tq + tk - tq. has_segments != 0: buffer(2) holds (tk,) i32 segment ids (tq == tk); when 0
+// buffer(2) must still be bound (any buffer) and is not read. window > 0: only keys j with
+// q - j < window are visible (0: no sliding window).
 struct SoftmaxArgs {
     uint32_t rows;
     uint32_t tq;
     uint32_t tk;
     float    scale;
     uint32_t has_segments;
+    uint32_t window;
 };
 
 // attention_forward / attention_backward (metal/attention.metal): q (Hq, T, D), k, v (Hk, T, D),
@@ -58,6 +60,19 @@ struct AttentionArgs {
 // elements.
 struct SwigluArgs {
     uint32_t n;
+};
+
+// geglu_forward (s = gelu_tanh(g) * u) and geglu_backward (dg, du from ds, g, u): flat buffers of n
+// elements.
+struct GegluArgs {
+    uint32_t n;
+};
+
+// softcap (out = cap * tanh(x / cap)) and softcap_backward (dx = dy * (1 - (y / cap)^2)): flat
+// buffers of n elements.
+struct SoftcapArgs {
+    uint32_t n;
+    float    cap;
 };
 
 // rope: x (rows, D) in place with rows = batch * T, row r at time t = r % T; positions (T,) i32,

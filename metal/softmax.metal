@@ -1,7 +1,8 @@
 // msl: 3.0 (krnl's floor; newest feature used: simd_max/simd_sum, MSL 2.x)
 // softmax_causal_forward: P = causal softmax of scale * S over the last dim.
 // S, P (rows, tk), rows = batch * tq; query row r sits at position q = r % tq + tk - tq and sees
-// keys j <= q (and, with segments, only keys of its own segment). Masked entries are written as
+// keys j <= q, only those with q - j < window where window > 0 (a sliding window), and with
+// segments only keys of its own segment. Masked entries are written as
 // exact zeros; the row max (over visible keys) is subtracted before exp, so no infinity is ever
 // produced or needed. One threadgroup per row (grid = rows), any threadgroup size up to 1024;
 // max and sum in float via simd_max/simd_sum and one partial per SIMD-group in threadgroup
@@ -32,6 +33,7 @@ kernel void softmax_causal_forward(device const T*       S    [[buffer(0)]],
     if (row >= args.rows) return;  // whole threadgroup: uniform, before any barrier
     const uint tk = args.tk;
     const uint q = row % args.tq + (tk - args.tq);  // keys 0..q are causally visible
+    const uint lo = args.window > 0 && q >= args.window ? q - args.window + 1 : 0;  // and keys from lo on
     const bool use_seg = args.has_segments != 0;
     const int sq = use_seg ? seg[q] : 0;
     const float scale = args.scale;
@@ -40,7 +42,7 @@ kernel void softmax_causal_forward(device const T*       S    [[buffer(0)]],
 
     // row max over the visible keys (the diagonal is always visible, so it is finite)
     float m = SM_LOWEST;
-    for (uint j = tid; j <= q; j += ntg)
+    for (uint j = lo + tid; j <= q; j += ntg)
         if (!use_seg || seg[j] == sq) m = max(m, float(sr[j]));
     m = simd_max(m);
     if (lane == 0) part_max[sg] = m;
@@ -50,7 +52,7 @@ kernel void softmax_causal_forward(device const T*       S    [[buffer(0)]],
 
     // sum of exp(scale * (s - m)) over the visible keys
     float sum = 0.0f;
-    for (uint j = tid; j <= q; j += ntg)
+    for (uint j = lo + tid; j <= q; j += ntg)
         if (!use_seg || seg[j] == sq) sum += exp(scale * (float(sr[j]) - m));
     sum = simd_sum(sum);
     if (lane == 0) part_sum[sg] = sum;
@@ -60,7 +62,7 @@ kernel void softmax_causal_forward(device const T*       S    [[buffer(0)]],
     const float inv = 1.0f / total;
 
     for (uint j = tid; j < tk; j += ntg) {
-        const bool visible = j <= q && (!use_seg || seg[j] == sq);
+        const bool visible = j >= lo && j <= q && (!use_seg || seg[j] == sq);
         pr[j] = visible ? T(exp(scale * (float(sr[j]) - m)) * inv) : T(0.0f);
     }
 }

@@ -50,7 +50,7 @@ ElementwiseArgs, RmsnormArgs, SoftmaxArgs = (KARGS[n] for n in ("ElementwiseArgs
 def test_kargs_layout():
     assert [f for f, _ in ElementwiseArgs._fields_][:3] == ["n", "alpha", "beta"]
     assert [f for f, _ in RmsnormArgs._fields_] == ["rows", "cols", "eps"]
-    assert [f for f, _ in SoftmaxArgs._fields_] == ["rows", "tq", "tk", "scale", "has_segments"]
+    assert [f for f, _ in SoftmaxArgs._fields_] == ["rows", "tq", "tk", "scale", "has_segments", "window"]
     for s in KARGS.values():  # 4-byte fields only: no padding, identical in MSL and C++
         assert ctypes.sizeof(s) == 4 * len(s._fields_)
 

@@ -158,6 +158,8 @@ def _bf16_calls(dev):
         "gemm": lambda: ops.gemm(b(3, 5), b(5, 2), b(3, 2)),
         "rmsnorm_forward": lambda: ops.rmsnorm_forward(b(3, 4), f(4), b(3, 4), f(3), 1e-5),
         "swiglu_forward": lambda: ops.swiglu_forward(b(7), b(7), b(7)),
+        "geglu_forward": lambda: ops.geglu_forward(b(7), b(7), b(7)),
+        "softcap": lambda: ops.softcap(b(7), 30.0, b(7)),
         "rope": lambda: ops.rope(b(2, 3, 4), ids, f(2), 1.0),
         "softmax_backward": lambda: ops.softmax_backward(b(3, 3), b(3, 3), b(3, 3), 1.0),
         "embedding_forward": lambda: ops.embedding_forward(ids, b(4, 2), b(3, 2)),

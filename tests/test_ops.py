@@ -220,6 +220,220 @@ def test_swiglu_backward_finite_differences(dev):
     assert_fd(read(du), fd_grad(lambda uv: loss(g0, uv), u0), "du")
 
 
+# ------------------------------------------------------------------- GeGLU and soft-capping
+
+GELU_K, GELU_A = math.sqrt(2.0 / math.pi), 0.044715
+GEGLU_SHAPES = [(1,), (31,), (33, 127), (127, 33), (100_003,)]
+GEGLU_IDS = ["1", "31", "33x127", "127x33", "100003"]
+# f32 math cannot give gelu values below ~1e-38 (g < -13: exp(-2z) overflows, the sigmoid is 0),
+# which bf16 could hold: an absolute allowance far below anything a model feels.
+GEGLU_ATOL = 2.0**-100
+
+
+def geglu_ref(g, u):
+    """s = gelu_tanh(g) u in float64 (transformers' gelu_pytorch_tanh: 0.5 x (1 + tanh(k (x + a x^3)))),
+    with the pieces the error bounds need: gelu'(g) and the magnitude of its two terms (they cancel
+    near g = -0.75), and cond, the relative error f32 gets from a few-ulp error in z = k (g + a g^3),
+    which the sigmoid/tanh amplifies by |2 z| (1 - sigmoid(2 z)) for negative g."""
+    z = GELU_K * (g + GELU_A * g ** 3)
+    # (1 + tanh z) / 2 as the sigmoid of 2z: 1 + tanh(z) cancels even in float64 for z < -10
+    sg = 1.0 / (1.0 + np.exp(-2.0 * z))
+    assert np.allclose(sg[np.abs(z) < 3], 0.5 * (1.0 + np.tanh(z[np.abs(z) < 3])), rtol=1e-12, atol=0)
+    gelu = g * sg
+    second = 2.0 * g * sg * (1.0 - sg) * GELU_K * (1.0 + 3.0 * GELU_A * g * g)  # 0.5 g (1 - t^2) k (1 + 3 a g^2)
+    dgelu = sg + second
+    cond = 1.0 + np.abs(2.0 * z) * (1.0 - sg)
+    return gelu * u, gelu, dgelu, sg + np.abs(second), cond
+
+
+@pytest.mark.parametrize("dt", FLOAT_DTYPES)
+@pytest.mark.parametrize("shape", GEGLU_SHAPES, ids=GEGLU_IDS)
+def test_geglu_forward(dev, shape, dt):
+    rng = np.random.default_rng(113)
+    g, gf = upload(dev, 3 * rng.standard_normal(shape), dt)
+    u, uf = upload(dev, rng.standard_normal(shape), dt)
+    s = empty_filled(dev, shape, dt)
+    ops.geglu_forward(g, u, s)
+    ref, _, _, _, cond = geglu_ref(gf, uf)
+    atol = GEGLU_ATOL + SUBNORMAL[dt]
+    assert_close_elementwise(read(s), ref, rtol=UNIT_ROUNDOFF[dt] + 16 * U32 * cond, atol=atol, what="s")
+
+
+@pytest.mark.parametrize("dt", FLOAT_DTYPES)
+@pytest.mark.parametrize("shape", GEGLU_SHAPES, ids=GEGLU_IDS)
+def test_geglu_backward(dev, shape, dt):
+    rng = np.random.default_rng(114)
+    g, gf = upload(dev, 3 * rng.standard_normal(shape), dt)
+    u, uf = upload(dev, rng.standard_normal(shape), dt)
+    ds, dsf = upload(dev, rng.standard_normal(shape), dt)
+    dg, du = empty_filled(dev, shape, dt), empty_filled(dev, shape, dt)
+    ops.geglu_backward(ds, g, u, dg, du)
+    _, gelu, dgelu, dgelu_mag, cond = geglu_ref(gf, uf)
+    atol = GEGLU_ATOL + SUBNORMAL[dt]
+    assert_close_elementwise(read(dg), dsf * uf * dgelu, rtol=UNIT_ROUNDOFF[dt],
+                             atol=16 * U32 * cond * np.abs(dsf * uf) * dgelu_mag + atol, what="dg")
+    assert_close_elementwise(read(du), dsf * gelu, rtol=UNIT_ROUNDOFF[dt] + 16 * U32 * cond, atol=atol, what="du")
+
+
+@pytest.mark.parametrize("alias", ["dg", "du"])
+def test_geglu_backward_in_place(dev, alias):
+    """dg or du may be ds itself (every input of an element is read before its outputs are written)."""
+    rng = np.random.default_rng(115)
+    shape = (33, 31)
+    g, gf = upload(dev, 3 * rng.standard_normal(shape))
+    u, uf = upload(dev, rng.standard_normal(shape))
+    ds, dsf = upload(dev, rng.standard_normal(shape))
+    other = empty_filled(dev, shape, "f32")
+    dg, du = (ds, other) if alias == "dg" else (other, ds)
+    ops.geglu_backward(ds, g, u, dg, du)
+    _, gelu, dgelu, dgelu_mag, cond = geglu_ref(gf, uf)
+    atol = GEGLU_ATOL + SUBNORMAL["f32"]
+    assert_close_elementwise(read(dg), dsf * uf * dgelu, rtol=U32,
+                             atol=16 * U32 * cond * np.abs(dsf * uf) * dgelu_mag + atol, what="dg")
+    assert_close_elementwise(read(du), dsf * gelu, rtol=U32 + 16 * U32 * cond, atol=atol, what="du")
+
+
+def test_geglu_backward_finite_differences(dev):
+    rng = np.random.default_rng(116)
+    shape = (3, 31)
+    g0 = (2 * rng.standard_normal(shape)).astype(np.float32)
+    u0 = rng.standard_normal(shape).astype(np.float32)
+    ct = rng.standard_normal(shape)
+
+    def loss(gv, uv):
+        s = dev.empty(shape)
+        ops.geglu_forward(to_dev(dev, gv), to_dev(dev, uv), s)
+        return float(np.sum(read(s) * ct))
+
+    dg, du = dev.empty(shape), dev.empty(shape)
+    ops.geglu_backward(to_dev(dev, ct), to_dev(dev, g0), to_dev(dev, u0), dg, du)
+    assert_fd(read(dg), fd_grad(lambda gv: loss(gv, u0), g0), "dg")
+    assert_fd(read(du), fd_grad(lambda uv: loss(g0, uv), u0), "du")
+
+
+@pytest.mark.torch
+def test_geglu_matches_transformers(dev):
+    """The activation is transformers' "gelu_pytorch_tanh" (Gemma's hidden_activation), forward and
+    gradient through torch's autograd, in f32: the formula, not just self-consistency."""
+    torch = pytest.importorskip("torch")
+    act = pytest.importorskip("transformers.activations").ACT2FN["gelu_pytorch_tanh"]
+    rng = np.random.default_rng(122)
+    shape = (33, 31)
+    g0, u0, ds0 = (rng.standard_normal(shape).astype(np.float32) * c for c in (3, 1, 1))
+    tg, tu = torch.tensor(g0, requires_grad=True), torch.tensor(u0, requires_grad=True)
+    ts = act(tg) * tu
+    ts.backward(torch.tensor(ds0))
+    s, dg, du = (dev.empty(shape) for _ in range(3))
+    ops.geglu_forward(to_dev(dev, g0), to_dev(dev, u0), s)
+    ops.geglu_backward(to_dev(dev, ds0), to_dev(dev, g0), to_dev(dev, u0), dg, du)
+    for got, want, what in ((s, ts, "s"), (dg, tg.grad, "dg"), (du, tu.grad, "du")):
+        assert_close(read(got), want.detach().numpy().astype(np.float64), rtol=1e-5, what=what)
+
+
+def softcap_inputs(rng, shape, cap):
+    """Scores across the whole curve: tiny (|x| ~ 1e-3 cap, where tanh is near linear and needs
+    relative accuracy), moderate, and saturated (|x| several caps)."""
+    x = cap * rng.standard_normal(shape) * rng.choice([1e-3, 0.3, 1.0, 4.0], size=shape)
+    return x
+
+
+@pytest.mark.parametrize("dt", FLOAT_DTYPES)
+@pytest.mark.parametrize("shape", GEGLU_SHAPES, ids=GEGLU_IDS)
+def test_softcap(dev, shape, dt):
+    rng = np.random.default_rng(117)
+    for cap in (50.0, 30.0, 0.7):
+        x, xf = upload(dev, softcap_inputs(rng, shape, cap), dt)
+        out = empty_filled(dev, shape, dt)
+        ops.softcap(x, cap, out)
+        ref = cap * np.tanh(xf / cap)  # cap: 50, 30 and 0.7 in f32 differ from float64 by < 1 ulp
+        assert_close_elementwise(read(out), ref, rtol=OUT_RTOL[dt], atol=SUBNORMAL[dt], what=f"cap={cap}")
+
+
+def test_softcap_in_place(dev):
+    rng = np.random.default_rng(118)
+    x, xf = upload(dev, softcap_inputs(rng, (127, 33), 30.0))
+    ops.softcap(x, 30.0, x)
+    assert_close_elementwise(read(x), 30.0 * np.tanh(xf / 30.0), rtol=OUT_RTOL["f32"], atol=SUBNORMAL["f32"])
+
+
+@pytest.mark.parametrize("dt", FLOAT_DTYPES)
+@pytest.mark.parametrize("shape", GEGLU_SHAPES, ids=GEGLU_IDS)
+def test_softcap_backward(dev, shape, dt):
+    """dx = dy (1 - (y / cap)^2) from the output y; near saturation 1 - r^2 cancels, so the bound
+    carries the rounding of r^2 (a few ulp of r^2) beside the output's."""
+    rng = np.random.default_rng(119)
+    cap = 30.0
+    y, yf = upload(dev, cap * np.tanh(softcap_inputs(rng, shape, cap) / cap), dt)
+    dy, dyf = upload(dev, rng.standard_normal(shape), dt)
+    dx = empty_filled(dev, shape, dt)
+    ops.softcap_backward(dy, y, cap, dx)
+    r = yf / cap
+    ref = dyf * (1.0 - r * r)
+    assert_close_elementwise(read(dx), ref, rtol=OUT_RTOL[dt], atol=8 * U32 * np.abs(dyf) * r * r + SUBNORMAL[dt],
+                             what="dx")
+
+
+@pytest.mark.parametrize("alias", ["dy", "y"])
+def test_softcap_backward_in_place(dev, alias):
+    rng = np.random.default_rng(120)
+    cap, shape = 50.0, (31, 33)
+    y, yf = upload(dev, cap * np.tanh(softcap_inputs(rng, shape, cap) / cap))
+    dy, dyf = upload(dev, rng.standard_normal(shape))
+    ops.softcap_backward(dy, y, cap, dy if alias == "dy" else y)
+    r = yf / cap
+    got = read(dy if alias == "dy" else y)
+    assert_close_elementwise(got, dyf * (1.0 - r * r), rtol=OUT_RTOL["f32"],
+                             atol=8 * U32 * np.abs(dyf) * r * r + SUBNORMAL["f32"])
+
+
+def test_softcap_backward_finite_differences(dev):
+    """softcap_backward(ct, softcap(x)) is the gradient of L = sum(softcap(x) * ct), differences
+    taken through the device's forward."""
+    rng = np.random.default_rng(121)
+    shape, cap = (3, 31), 5.0
+    x0 = (4 * rng.standard_normal(shape)).astype(np.float32)
+    ct = rng.standard_normal(shape)
+
+    def loss(xv):
+        out = dev.empty(shape)
+        ops.softcap(to_dev(dev, xv), cap, out)
+        return float(np.sum(read(out) * ct))
+
+    y = dev.empty(shape)
+    ops.softcap(to_dev(dev, x0), cap, y)
+    dx = dev.empty(shape)
+    ops.softcap_backward(to_dev(dev, ct), y, cap, dx)
+    assert_fd(read(dx), fd_grad(loss, x0), "dx")
+
+
+def test_geglu_and_softcap_bad_calls(dev):
+    """Bad shapes, dtypes and caps raise one-line ValueErrors naming the op and the argument."""
+    z = lambda shape, dt="f32": dev.zeros(shape, dt)  # noqa: E731
+    cases = [
+        ("geglu_forward", lambda: ops.geglu_forward(z((3, 4)), z((3, 5)), z((3, 4))), "u"),
+        ("geglu_forward", lambda: ops.geglu_forward(z((3, 4)), z((3, 4), "f16"), z((3, 4))), "u"),
+        ("geglu_forward", lambda: ops.geglu_forward(z((3, 4), "i32"), z((3, 4), "i32"), z((3, 4), "i32")), "g"),
+        ("geglu_backward", lambda: ops.geglu_backward(z((3, 4)), z((3, 4)), z((3, 4)), z((4, 3)), z((3, 4))), "dg"),
+        ("geglu_backward", lambda: ops.geglu_backward(z((3, 4), "f16"), z((3, 4)), z((3, 4)), z((3, 4)), z((3, 4))),
+         "ds"),
+        ("softcap", lambda: ops.softcap(z((5,)), 30.0, z((6,))), "out"),
+        ("softcap", lambda: ops.softcap(z((5,)), 30.0, z((5,), "bf16")), "out"),
+        ("softcap", lambda: ops.softcap(z((5,)), 0.0, z((5,))), "cap"),
+        ("softcap", lambda: ops.softcap(z((5,)), -1.0, z((5,))), "cap"),
+        ("softcap", lambda: ops.softcap(z((5,)), float("inf"), z((5,))), "cap"),
+        ("softcap_backward", lambda: ops.softcap_backward(z((5,)), z((5,)), 50.0, z((4,))), "dx"),
+        ("softcap_backward", lambda: ops.softcap_backward(z((5,), "f16"), z((5,)), 50.0, z((5,))), "dy"),
+        ("softcap_backward", lambda: ops.softcap_backward(z((5,)), z((5,)), float("nan"), z((5,))), "cap"),
+        ("softmax_causal_forward", lambda: ops.softmax_causal_forward(z((4, 4)), z((4, 4)), 1.0, window=-1),
+         "window"),
+    ]
+    for op, call, needle in cases:
+        with pytest.raises(ValueError) as e:
+            call()
+        msg = str(e.value)
+        assert msg.startswith(f"[{op}] ") and needle in msg and "\n" not in msg, msg
+
+
 # ------------------------------------------------------------------------------------- RoPE
 
 
@@ -367,12 +581,15 @@ def test_rope_backward_finite_differences(dev):
 # ------------------------------------------------------------------------- causal softmax
 
 
-def causal_softmax_ref(S, scale, segments=None):
+def causal_softmax_ref(S, scale, segments=None, window=0):
     """P over the last dim: query row i sits at position i + Tk - Tq and sees key j iff j <= that
-    position (and, with segments, seg[j] == seg[position]); returns P and the visibility mask."""
+    position (and, with segments, seg[j] == seg[position]; with window > 0, position - j < window);
+    returns P and the visibility mask."""
     Tq, Tk = S.shape[-2:]
     qpos = np.arange(Tq) + (Tk - Tq)
     mask = np.arange(Tk)[None, :] <= qpos[:, None]
+    if window:
+        mask = mask & (qpos[:, None] - np.arange(Tk)[None, :] < window)
     if segments is not None:
         mask = mask & (segments[None, :] == segments[qpos][:, None])
     z = np.where(mask, scale * S, -np.inf)
@@ -390,8 +607,8 @@ def softmax_rtol(dt, S, scale, mask):
     return UNIT_ROUNDOFF[dt] + (16 + 2 * spread + 2 * big) * U32 + reduction_rtol(S.shape[-1])
 
 
-def check_softmax(got, S, scale, dt, segments=None, what=""):
-    ref, mask = causal_softmax_ref(S, scale, segments)
+def check_softmax(got, S, scale, dt, segments=None, what="", window=0):
+    ref, mask = causal_softmax_ref(S, scale, segments, window)
     masked = got[~mask]
     assert np.all(masked == 0), f"{what}: {np.count_nonzero(masked)} masked entries are not exactly 0"
     rtol = softmax_rtol(dt, S, scale, mask)
@@ -447,6 +664,120 @@ def test_softmax_causal_forward_segments(dev, dt):
         P = empty_filled(dev, (2, T, T), dt)
         ops.softmax_causal_forward(S, P, 0.7, to_dev(dev, seg.astype(np.int32), "i32"))
         check_softmax(read(P), Sf, np.float64(np.float32(0.7)), dt, seg, what=f"segments {np.unique(seg)}")
+
+
+SOFTMAX_WINDOW_CASES = [((1, 1, 1), 1), ((2, 31, 31), 1), ((2, 31, 31), 5), ((3, 33, 33), 32), ((3, 33, 33), 33),
+                        ((1, 33, 33), 1000), ((4, 1, 33), 7), ((2, 5, 127), 16), ((1, 127, 127), 31), ((31, 64), 3)]
+
+
+@pytest.mark.parametrize("dt", FLOAT_DTYPES)
+@pytest.mark.parametrize("shape,window", SOFTMAX_WINDOW_CASES,
+                         ids=["-".join(map(str, s)) + f"-w{w}" for s, w in SOFTMAX_WINDOW_CASES])
+def test_softmax_causal_forward_window(dev, shape, window, dt):
+    """A sliding window: query at position q = i + Tk - Tq sees keys q - window < j <= q (the mask
+    of attention_forward), so Tq < Tk rows (a query row block scored against keys :r1) measure
+    the window from their true position. Masked entries are exact zeros; P may be S."""
+    rng = np.random.default_rng(28)
+    S, Sf = upload(dev, 3 * rng.standard_normal(shape), dt)
+    for scale in (1.0 / math.sqrt(128), 2.5):
+        P = empty_filled(dev, shape, dt)
+        ops.softmax_causal_forward(S, P, scale, window=window)
+        check_softmax(read(P), Sf, np.float64(np.float32(scale)), dt, what=f"scale={scale}", window=window)
+    S2, _ = upload(dev, Sf, dt)
+    ops.softmax_causal_forward(S2, S2, 0.5, None, window)
+    check_softmax(read(S2), Sf, 0.5, dt, what="in place", window=window)
+
+
+@pytest.mark.parametrize("dt", FLOAT_DTYPES)
+def test_softmax_causal_forward_window_and_segments(dev, dt):
+    """Both masks at once: a key must be in the window and in the query's sample."""
+    rng = np.random.default_rng(29)
+    seg = np.repeat([0, 1, 2], [10, 1, 22])
+    T = len(seg)
+    S, Sf = upload(dev, 3 * rng.standard_normal((2, T, T)), dt)
+    for window in (1, 4, 12):
+        P = empty_filled(dev, (2, T, T), dt)
+        ops.softmax_causal_forward(S, P, 0.7, to_dev(dev, seg.astype(np.int32), "i32"), window)
+        check_softmax(read(P), Sf, np.float64(np.float32(0.7)), dt, seg, what=f"window={window}", window=window)
+
+
+@pytest.mark.torch
+def test_softmax_causal_forward_window_matches_transformers(dev):
+    """The window is transformers' sliding window (Gemma 2/3, Mistral): its causal mask with
+    sliding_window_overlay, key kv visible to query q iff kv <= q and kv > q - sliding_window;
+    the op's nonzero pattern is that mask, rows of a later query block (Tq < Tk) included."""
+    pytest.importorskip("torch")
+    overlay = pytest.importorskip("transformers.masking_utils").sliding_window_overlay
+    rng = np.random.default_rng(32)
+    T, window = 33, 6
+    sees = overlay(window)
+    want = np.array([[kv <= q and bool(sees(0, 0, q, kv)) for kv in range(T)] for q in range(T)])
+    for r0 in (0, 20):  # the whole matrix, and the query block 20:33 against keys :33
+        S = to_dev(dev, rng.standard_normal((2, T - r0, T)).astype(np.float32))
+        P = dev.empty((2, T - r0, T))
+        ops.softmax_causal_forward(S, P, 0.5, window=window)
+        np.testing.assert_array_equal(read(P) != 0, np.broadcast_to(want[r0:], (2, T - r0, T)))
+
+
+def test_softmax_backward_finite_differences_window(dev):
+    """Through a windowed forward (rows with Tq < Tk): keys outside the window get exactly zero
+    gradient, from P's zeros alone (softmax_backward knows no mask)."""
+    rng = np.random.default_rng(30)
+    shape, scale, window = (2, 5, 9), 0.7, 3
+    s0 = rng.standard_normal(shape).astype(np.float32)
+    ct = rng.standard_normal(shape).astype(np.float32)
+
+    def loss(sv):
+        P = dev.empty(shape)
+        ops.softmax_causal_forward(to_dev(dev, sv), P, scale, window=window)
+        return float(np.sum(read(P) * ct))
+
+    P = dev.empty(shape)
+    ops.softmax_causal_forward(to_dev(dev, s0), P, scale, window=window)
+    dS = dev.empty(shape)
+    ops.softmax_backward(P, to_dev(dev, ct), dS, scale)
+    numeric = fd_grad(loss, s0)
+    _, mask = causal_softmax_ref(s0.astype(np.float64), scale, window=window)
+    assert np.all(numeric[~mask] == 0) and np.all(read(dS)[~mask] == 0)
+    assert_fd(read(dS), numeric, "dS")
+
+
+@pytest.mark.parametrize("block", [0, 8, 13])
+def test_materialised_attention_window(dev, block):
+    """krnl.attention's materialised path with a sliding window, in query row blocks (each scored
+    against keys :r1, so the op must place row i of a block at query r0 + i), GQA (4 query heads
+    on 2 KV heads): output and dq, dk, dv against float64 attention under the window's mask."""
+    from krnl import attention as attn
+
+    rng = np.random.default_rng(31)
+    H, Hk, T, D, window = 4, 2, 33, 8, 5
+    g = H // Hk
+    scale = 1.0 / math.sqrt(D)
+    shapes = ((H, T, D), (Hk, T, D), (Hk, T, D), (H, T, D))
+    q0, k0, v0, do0 = (rng.standard_normal(s).astype(np.float32) for s in shapes)
+    q, k, v, dout = (to_dev(dev, a) for a in (q0, k0, v0, do0))
+    out = empty_filled(dev, (H, T, D), "f32")
+    saved = attn.materialised_forward(q, k, v, out, scale, block=block, window=window)
+    dq, dk, dv = (empty_filled(dev, s, "f32") for s in ((H, T, D), (Hk, T, D), (Hk, T, D)))
+    saved.backward(dout, dq, dk, dv)
+
+    mask = attention_mask(T, window=window)
+    Q, K, V, dO = (a.astype(np.float64) for a in (q0, k0, v0, do0))
+    Kh, Vh = np.repeat(K, g, axis=0), np.repeat(V, g, axis=0)  # query head h reads KV head h // g
+    P, _ = causal_softmax_ref(Q @ np.swapaxes(Kh, 1, 2), scale, window=window)
+    O = P @ Vh
+    dP = dO @ np.swapaxes(Vh, 1, 2)
+    dS = P * (dP - np.sum(dP * P, -1, keepdims=True)) * scale
+    dQ = dS @ Kh
+    dK = (np.swapaxes(dS, 1, 2) @ Q).reshape(Hk, g, T, D).sum(1)
+    dV = (np.swapaxes(P, 1, 2) @ dO).reshape(Hk, g, T, D).sum(1)
+    assert np.all(P[:, ~mask] == 0) and np.any(~mask & (np.arange(T)[None, :] <= np.arange(T)[:, None]))
+    for got, ref, what in ((out, O, "out"), (dq, dQ, "dq"), (dk, dK, "dk"), (dv, dV, "dv")):
+        assert_close(read(got), ref, rtol=1e-5, what=what)
+    # the window mattered: without it the output differs
+    full = empty_filled(dev, (H, T, D), "f32")
+    attn.materialised_forward(q, k, v, full, scale, block=block)
+    assert np.max(np.abs(read(full) - O)) > 1e-2
 
 
 def attention(dev, Q, K, V, dt, scale, segments=None):

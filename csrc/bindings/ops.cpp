@@ -32,12 +32,22 @@ void bind_ops(nb::module_& parent) {
         "dx (overwritten) and optionally dw (f32, accumulated) of rmsnorm_forward.");
   m.def("swiglu_forward", &ops::swiglu_forward, release, "g"_a, "u"_a, "s"_a, "s = silu(g) * u.");
   m.def("swiglu_backward", &ops::swiglu_backward, release, "ds"_a, "g"_a, "u"_a, "dg"_a, "du"_a);
+  m.def("geglu_forward", &ops::geglu_forward, release, "g"_a, "u"_a, "s"_a,
+        "s = gelu_tanh(g) * u, gelu_tanh(x) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) (Gemma's MLP).");
+  m.def("geglu_backward", &ops::geglu_backward, release, "ds"_a, "g"_a, "u"_a, "dg"_a, "du"_a,
+        "dg, du (overwritten) of geglu_forward; they may alias ds.");
+  m.def("softcap", &ops::softcap, release, "x"_a, "cap"_a, "out"_a,
+        "out = cap * tanh(x / cap) (Gemma 2's soft-capping of scores and logits); out may be x.");
+  m.def("softcap_backward", &ops::softcap_backward, release, "dy"_a, "y"_a, "cap"_a, "dx"_a,
+        "dx = dy * (1 - (y / cap)^2) from softcap's OUTPUT y; dx may be dy or y.");
   m.def("rope", &ops::rope, release, "x"_a, "positions"_a, "inv_freq"_a, "sign"_a = 1.0f,
         "In-place rotary embedding of x (..., T, D), rotate_half convention on the first 2*len(inv_freq)\n"
         "dims; sign=-1 applies the inverse rotation (the backward).");
   m.def("softmax_causal_forward", &ops::softmax_causal_forward, release, "S"_a, "P"_a, "scale"_a, "segments"_a = nb::none(),
+        "window"_a = 0,
         "P = causal softmax of scale*S over the last dim (S is (..., Tq, Tk); query i sits at position\n"
-        "i + Tk - Tq). Masked entries are exact zeros; segments (Tk,) i32 also masks across samples.");
+        "q = i + Tk - Tq). Masked entries are exact zeros; segments (Tk,) i32 also masks across samples;\n"
+        "window > 0 keeps only keys j with q - j < window (attention_forward's sliding window).");
   m.def("softmax_backward", &ops::softmax_backward, release, "P"_a, "dP"_a, "dS"_a, "scale"_a,
         "dS = P * (dP - rowsum(dP * P)) * scale.");
   m.def("attention_forward", &ops::attention_forward, release, "q"_a, "k"_a, "v"_a, "o"_a, "lse"_a, "scale"_a,

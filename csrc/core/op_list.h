@@ -13,6 +13,14 @@
 //   backward keeps of the scores. Backward overwrites dq, dk, dv. Query i sees key j iff j <= i,
 //   and i - j < window where window > 0 (sliding window), and seg[i] == seg[j] where segments
 //   (T,) i32 are given (packed samples). Capabilities say which of these a backend's fused op takes.
+// - geglu_forward/backward: Gemma's gated MLP, s = gelu_tanh(g) * u with gelu_tanh(x) = 0.5 x (1 +
+//   tanh(sqrt(2/pi) (x + 0.044715 x^3))) (transformers' "gelu_pytorch_tanh"); shapes and dtypes as
+//   swiglu_forward/backward, and like them elementwise, so outputs may alias inputs.
+// - softcap/softcap_backward: Gemma 2's soft-capping, out = cap * tanh(x / cap) (out may be x);
+//   the backward takes the forward's OUTPUT y, dx = dy (1 - (y / cap)^2), so x need not be kept.
+// - softmax_causal_forward: query row i of S (..., Tq, Tk) sits at position q = i + Tk - Tq and sees
+//   key j iff j <= q, q - j < window where window > 0, and seg[q] == seg[j] where segments are given:
+//   attention_forward's mask, so a query row block r0:r1 scored against keys :r1 is masked right.
 // - quantized_matmul: W (O, I) quantized as MLX does (affine, per group of group_size consecutive
 //   inputs of a row; bits 2, 3, 4, 5, 6, 8; group_size 16, 32, 64, 128): w (O, I * bits / 32) i32
 //   holds each row's codes q as one little-endian bit stream, element j at bit j * bits (codes of
@@ -42,8 +50,13 @@
                        const Tensor* dw))                                                                           \
   X(swiglu_forward, (const Tensor& g, const Tensor& u, const Tensor& s))                                            \
   X(swiglu_backward, (const Tensor& ds, const Tensor& g, const Tensor& u, const Tensor& dg, const Tensor& du))      \
+  X(geglu_forward, (const Tensor& g, const Tensor& u, const Tensor& s))                                             \
+  X(geglu_backward, (const Tensor& ds, const Tensor& g, const Tensor& u, const Tensor& dg, const Tensor& du))       \
+  X(softcap, (const Tensor& x, float cap, const Tensor& out))                                                       \
+  X(softcap_backward, (const Tensor& dy, const Tensor& y, float cap, const Tensor& dx))                             \
   X(rope, (const Tensor& x, const Tensor& positions, const Tensor& inv_freq, float sign))                           \
-  X(softmax_causal_forward, (const Tensor& S, const Tensor& P, float scale, const Tensor* segments))                \
+  X(softmax_causal_forward, (const Tensor& S, const Tensor& P, float scale, const Tensor* segments,                 \
+                             int64_t window))                                                                       \
   X(softmax_backward, (const Tensor& P, const Tensor& dP, const Tensor& dS, float scale))                           \
   X(attention_forward, (const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& lse,      \
                         float scale, const Tensor* segments, int64_t window))                                       \

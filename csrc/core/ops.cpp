@@ -1,6 +1,7 @@
 #include "ops.h"
 
 #include <chrono>
+#include <cmath>
 #include <initializer_list>
 #include <stdexcept>
 #include <string>
@@ -250,6 +251,49 @@ void swiglu_backward(const Tensor& ds, const Tensor& g, const Tensor& u, const T
       [&] { c.dev->swiglu_backward(ds, g, u, dg, du); });
 }
 
+void geglu_forward(const Tensor& g, const Tensor& u, const Tensor& s) {
+  Check c{"geglu_forward"};
+  c.tensor("g", g), c.tensor("u", u), c.tensor("s", s);
+  c.floating("g", g);
+  c.shape("u", u, g.shape()), c.same_dtype("u", u, "g", g);
+  c.shape("s", s, g.shape()), c.same_dtype("s", s, "g", g);
+  run(c, shape_str(g.shape()), 10.0 * double(g.numel()), nbytes({&g, &u, &s}), g.dtype(),
+      [&] { c.dev->geglu_forward(g, u, s); });
+}
+
+void geglu_backward(const Tensor& ds, const Tensor& g, const Tensor& u, const Tensor& dg, const Tensor& du) {
+  Check c{"geglu_backward"};
+  c.tensor("ds", ds), c.tensor("g", g), c.tensor("u", u), c.tensor("dg", dg), c.tensor("du", du);
+  c.floating("g", g);
+  for (auto [n, t] : {std::pair<const char*, const Tensor*>{"ds", &ds}, {"u", &u}, {"dg", &dg}, {"du", &du}}) {
+    c.shape(n, *t, g.shape());
+    c.same_dtype(n, *t, "g", g);
+  }
+  run(c, shape_str(g.shape()), 18.0 * double(g.numel()), nbytes({&ds, &g, &u, &dg, &du}), g.dtype(),
+      [&] { c.dev->geglu_backward(ds, g, u, dg, du); });
+}
+
+void softcap(const Tensor& x, float cap, const Tensor& out) {
+  Check c{"softcap"};
+  c.tensor("x", x), c.tensor("out", out);
+  c.floating("x", x);
+  c.shape("out", out, x.shape()), c.same_dtype("out", out, "x", x);
+  if (!(cap > 0) || !std::isfinite(cap)) c.fail("cap must be finite and > 0, got " + std::to_string(cap));
+  run(c, shape_str(x.shape()), 4.0 * double(x.numel()), nbytes({&x, &out}), x.dtype(),
+      [&] { c.dev->softcap(x, cap, out); });
+}
+
+void softcap_backward(const Tensor& dy, const Tensor& y, float cap, const Tensor& dx) {
+  Check c{"softcap_backward"};
+  c.tensor("dy", dy), c.tensor("y", y), c.tensor("dx", dx);
+  c.floating("y", y);
+  c.shape("dy", dy, y.shape()), c.same_dtype("dy", dy, "y", y);
+  c.shape("dx", dx, y.shape()), c.same_dtype("dx", dx, "y", y);
+  if (!(cap > 0) || !std::isfinite(cap)) c.fail("cap must be finite and > 0, got " + std::to_string(cap));
+  run(c, shape_str(y.shape()), 4.0 * double(y.numel()), nbytes({&dy, &y, &dx}), y.dtype(),
+      [&] { c.dev->softcap_backward(dy, y, cap, dx); });
+}
+
 void rope(const Tensor& x, const Tensor& positions, const Tensor& inv_freq, float sign) {
   Check c{"rope"};
   c.tensor("x", x), c.tensor("positions", positions), c.tensor("inv_freq", inv_freq);
@@ -266,7 +310,7 @@ void rope(const Tensor& x, const Tensor& positions, const Tensor& inv_freq, floa
       [&] { c.dev->rope(x, positions, inv_freq, sign); });
 }
 
-void softmax_causal_forward(const Tensor& S, const Tensor& P, float scale, const Tensor* segments) {
+void softmax_causal_forward(const Tensor& S, const Tensor& P, float scale, const Tensor* segments, int64_t window) {
   Check c{"softmax_causal_forward"};
   c.tensor("S", S), c.tensor("P", P);
   c.rank_at_least("S", S, 2);
@@ -281,8 +325,9 @@ void softmax_causal_forward(const Tensor& S, const Tensor& P, float scale, const
     c.shape("segments", *segments, {Tk});
   }
   if (!(scale > 0)) c.fail("scale must be > 0");
+  if (window < 0) c.fail("window must be >= 0 (0: no sliding window), got " + std::to_string(window));
   run(c, shape_str(S.shape()), 5.0 * double(S.numel()), nbytes({&S, &P}), S.dtype(),
-      [&] { c.dev->softmax_causal_forward(S, P, scale, segments); });
+      [&] { c.dev->softmax_causal_forward(S, P, scale, segments, window); });
 }
 
 void softmax_backward(const Tensor& P, const Tensor& dP, const Tensor& dS, float scale) {

@@ -127,6 +127,94 @@ void CpuBackend::swiglu_backward(const Tensor& ds, const Tensor& g, const Tensor
   });
 }
 
+// ---- GeGLU (Gemma's gated MLP) and soft-capping
+
+namespace {
+constexpr float kGeluK = 0.7978845608028654f;  // sqrt(2 / pi)
+constexpr float kGeluA = 0.044715f;
+
+// e[i] = exp(-2 z), z = k (x + a x^3) for x = g[0..n): sg = 1 / (1 + e) = (1 + tanh z) / 2, and
+// gelu_tanh(x) = x sg. 1 + tanh from the sigmoid keeps its relative accuracy for very negative x
+// (1 + tanh would cancel there); the bulk exp does the work.
+void gelu_exp(const float* g, float* e, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) e[i] = -2.f * kGeluK * (g[i] + kGeluA * g[i] * g[i] * g[i]);
+  exp_inplace(e, n);
+}
+
+// gelu_tanh'(x) = (1 + t) / 2 + x (1 - t^2) k (1 + 3 a x^2) / 2 with 1 + t = 2 sg and
+// 1 - t^2 = 4 sg (1 - sg); 1 - sg as e sg where sg > 1/2, where 1 - sg would cancel.
+inline float gelu_grad(float x, float e, float sg) {
+  const float om = sg < 0.5f ? 1.f - sg : e * sg;
+  return sg + 2.f * x * sg * om * kGeluK * (1.f + 3.f * kGeluA * x * x);
+}
+}  // namespace
+
+void CpuBackend::geglu_forward(const Tensor& g, const Tensor& u, const Tensor& s) {
+  const DType dt = g.dtype();
+  for_blocks(g.numel(), [&](int64_t b, int64_t e) {
+    float gs[kBlock], us[kBlock], ss[kBlock], t[kBlock];
+    const int64_t n = e - b;
+    const float* gv = view(dt, g.data(), b, n, gs);
+    const float* uv = view(dt, u.data(), b, n, us);
+    gelu_exp(gv, t, n);
+    float* sv = out_window(dt, s.data(), b, ss);
+    for (int64_t i = 0; i < n; ++i) sv[i] = gv[i] / (1.f + t[i]) * uv[i];
+    flush(dt, sv, n, s.data(), b);
+  });
+}
+
+void CpuBackend::geglu_backward(const Tensor& ds, const Tensor& g, const Tensor& u, const Tensor& dg,
+                                const Tensor& du) {
+  const DType dt = g.dtype();
+  for_blocks(g.numel(), [&](int64_t b, int64_t e) {
+    float dss[kBlock], gs[kBlock], us[kBlock], dgs[kBlock], dus[kBlock], t[kBlock];
+    const int64_t n = e - b;
+    const float* dv = view(dt, ds.data(), b, n, dss);
+    const float* gv = view(dt, g.data(), b, n, gs);
+    const float* uv = view(dt, u.data(), b, n, us);
+    gelu_exp(gv, t, n);
+    float* dgv = out_window(dt, dg.data(), b, dgs);
+    float* duv = out_window(dt, du.data(), b, dus);
+    for (int64_t i = 0; i < n; ++i) {
+      // All inputs read before either output is written: dg/du may alias ds.
+      const float d = dv[i], x = gv[i], ui = uv[i], sg = 1.f / (1.f + t[i]);
+      dgv[i] = d * ui * gelu_grad(x, t[i], sg);
+      duv[i] = d * x * sg;
+    }
+    flush(dt, dgv, n, dg.data(), b);
+    flush(dt, duv, n, du.data(), b);
+  });
+}
+
+// std::tanh: within an ulp everywhere, near 0 too, where capped small scores need relative accuracy.
+void CpuBackend::softcap(const Tensor& x, float cap, const Tensor& out) {
+  const DType dt = x.dtype();
+  for_blocks(x.numel(), [&](int64_t b, int64_t e) {
+    float xs[kBlock], os[kBlock];
+    const int64_t n = e - b;
+    const float* xv = view(dt, x.data(), b, n, xs);
+    float* ov = out_window(dt, out.data(), b, os);  // may alias xv: element i read before written
+    for (int64_t i = 0; i < n; ++i) ov[i] = cap * std::tanh(xv[i] / cap);
+    flush(dt, ov, n, out.data(), b);
+  });
+}
+
+void CpuBackend::softcap_backward(const Tensor& dy, const Tensor& y, float cap, const Tensor& dx) {
+  const DType dt = y.dtype();
+  for_blocks(y.numel(), [&](int64_t b, int64_t e) {
+    float dys[kBlock], ys[kBlock], dxs[kBlock];
+    const int64_t n = e - b;
+    const float* dv = view(dt, dy.data(), b, n, dys);
+    const float* yv = view(dt, y.data(), b, n, ys);
+    float* dxv = out_window(dt, dx.data(), b, dxs);
+    for (int64_t i = 0; i < n; ++i) {
+      const float r = yv[i] / cap;  // tanh(x / cap): its derivative is 1 - tanh^2
+      dxv[i] = dv[i] * (1.f - r * r);
+    }
+    flush(dt, dxv, n, dx.data(), b);
+  });
+}
+
 // ---- RoPE
 
 void CpuBackend::rope(const Tensor& x, const Tensor& positions, const Tensor& inv_freq, float sign) {
@@ -163,7 +251,8 @@ void CpuBackend::rope(const Tensor& x, const Tensor& positions, const Tensor& in
 
 // ---- attention softmax
 
-void CpuBackend::softmax_causal_forward(const Tensor& S, const Tensor& P, float scale, const Tensor* segments) {
+void CpuBackend::softmax_causal_forward(const Tensor& S, const Tensor& P, float scale, const Tensor* segments,
+                                        int64_t window) {
   const int64_t Tq = S.size(-2), Tk = S.size(-1), rows = rows_of(S, Tk);
   if (rows == 0) return;
   const DType dt = S.dtype();
@@ -173,23 +262,25 @@ void CpuBackend::softmax_causal_forward(const Tensor& S, const Tensor& P, float 
     float* ps = scratch(1, Tk);
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t q = r % Tq + (Tk - Tq);  // absolute position of the query; keys j <= q
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, q - window + 1) : 0;  // and j >= lo
       const float* sr = view(dt, S.data(), r * Tk, q + 1, ss);
       float* pr = out_window(dt, P.data(), r * Tk, ps);  // may alias sr: read-before-write per j
       const int32_t sq = seg ? seg[q] : 0;
       float m = sr[q];  // the diagonal is always visible: no -inf seed needed
       if (!seg) {
-        for (int64_t j = 0; j < q; ++j) m = std::max(m, sr[j]);
+        for (int64_t j = lo; j < q; ++j) m = std::max(m, sr[j]);
       } else {
-        for (int64_t j = 0; j < q; ++j)
+        for (int64_t j = lo; j < q; ++j)
           if (seg[j] == sq) m = std::max(m, sr[j]);
       }
-      for (int64_t j = 0; j <= q; ++j) pr[j] = scale * (sr[j] - m);
-      exp_inplace(pr, q + 1);
+      for (int64_t j = lo; j <= q; ++j) pr[j] = scale * (sr[j] - m);
+      exp_inplace(pr + lo, q + 1 - lo);
       if (seg)
-        for (int64_t j = 0; j < q; ++j)
+        for (int64_t j = lo; j < q; ++j)
           if (seg[j] != sq) pr[j] = 0.f;
-      const float inv = 1.f / sum(pr, q + 1);
-      for (int64_t j = 0; j <= q; ++j) pr[j] *= inv;
+      const float inv = 1.f / sum(pr + lo, q + 1 - lo);
+      for (int64_t j = lo; j <= q; ++j) pr[j] *= inv;
+      for (int64_t j = 0; j < lo; ++j) pr[j] = 0.f;  // after the reads above: pr may alias sr
       for (int64_t j = q + 1; j < Tk; ++j) pr[j] = 0.f;
       flush(dt, pr, Tk, P.data(), r * Tk);
     }

@@ -59,24 +59,29 @@ __global__ void rope_apply_vec_kernel(DType dt, void* x, int64_t rows, int64_t T
 }
 
 // Row r of (.., Tq, Tk) scores: query at absolute position q = r % Tq + (Tk - Tq) sees keys
-// j <= q (of its own segment when segments are given). Masked entries are exact zeros. P may
-// alias S: every pass reads only what the same thread writes last.
+// j <= q, q - j < window where window > 0, and of its own segment when segments are given.
+// Masked entries are exact zeros. P may alias S: every pass reads only what the same thread
+// writes last.
+__device__ __forceinline__ int64_t window_start(int64_t q, int64_t window) {
+  return window > 0 && q >= window ? q - window + 1 : 0;
+}
+
 __global__ void softmax_causal_kernel(DType dt, const void* S, void* P, int64_t Tq, int64_t Tk, float scale,
-                                      const int32_t* seg) {
+                                      const int32_t* seg, int64_t window) {
   __shared__ float sh[32];
-  const int64_t r = blockIdx.x, base = r * Tk, q = r % Tq + (Tk - Tq);
+  const int64_t r = blockIdx.x, base = r * Tk, q = r % Tq + (Tk - Tq), lo = window_start(q, window);
   const int32_t sq = seg ? seg[q] : 0;
   float m = -3.402823466e38f;
-  for (int64_t j = threadIdx.x; j <= q; j += blockDim.x)
+  for (int64_t j = lo + threadIdx.x; j <= q; j += blockDim.x)
     if (!seg || seg[j] == sq) m = fmaxf(m, ld(dt, S, base + j));
   m = block_max(m, sh);
   float sum = 0.f;
-  for (int64_t j = threadIdx.x; j <= q; j += blockDim.x)
+  for (int64_t j = lo + threadIdx.x; j <= q; j += blockDim.x)
     if (!seg || seg[j] == sq) sum += expf(scale * (ld(dt, S, base + j) - m));
   const float inv = 1.f / block_sum(sum, sh);
   for (int64_t j = threadIdx.x; j < Tk; j += blockDim.x) {
     float p = 0.f;
-    if (j <= q && (!seg || seg[j] == sq)) p = expf(scale * (ld(dt, S, base + j) - m)) * inv;
+    if (j >= lo && j <= q && (!seg || seg[j] == sq)) p = expf(scale * (ld(dt, S, base + j) - m)) * inv;
     st(dt, P, base + j, p);
   }
 }
@@ -97,10 +102,10 @@ __global__ void softmax_bwd_kernel(DType dt, const void* P, const void* dP, void
 // Same contract as softmax_causal_kernel. Vectors starting past q are neither read nor needed.
 template <bool W16, int NV>
 __global__ void softmax_causal_reg_kernel(DType dt, const void* S, void* P, int64_t Tq, int64_t Tk, float scale,
-                                          const int32_t* seg) {
+                                          const int32_t* seg, int64_t window) {
   constexpr int VEC = W16 ? 8 : 4;
   __shared__ float sh[32];
-  const int64_t r = blockIdx.x, base = r * Tk, q = r % Tq + (Tk - Tq);
+  const int64_t r = blockIdx.x, base = r * Tk, q = r % Tq + (Tk - Tq), lo = window_start(q, window);
   const int32_t sq = seg ? seg[q] : 0;
   float x[NV][VEC];  // the row's values, then their exponentials
   float m = -3.402823466e38f;
@@ -111,7 +116,7 @@ __global__ void softmax_causal_reg_kernel(DType dt, const void* S, void* P, int6
       load_vec<W16>(dt, S, base + j0, x[k]);
 #pragma unroll
       for (int e = 0; e < VEC; ++e)
-        if (j0 + e <= q && (!seg || seg[j0 + e] == sq)) m = fmaxf(m, x[k][e]);
+        if (j0 + e >= lo && j0 + e <= q && (!seg || seg[j0 + e] == sq)) m = fmaxf(m, x[k][e]);
     }
   }
   m = block_max(m, sh);
@@ -121,7 +126,7 @@ __global__ void softmax_causal_reg_kernel(DType dt, const void* S, void* P, int6
     const int64_t j0 = (int64_t(k) * blockDim.x + threadIdx.x) * VEC;
 #pragma unroll
     for (int e = 0; e < VEC; ++e) {
-      const bool vis = j0 + e <= q && (!seg || seg[j0 + e] == sq);
+      const bool vis = j0 + e >= lo && j0 + e <= q && (!seg || seg[j0 + e] == sq);
       x[k][e] = vis ? expf(scale * (x[k][e] - m)) : 0.f;
       sum += x[k][e];
     }
@@ -191,7 +196,8 @@ void CudaBackend::rope(const Tensor& x, const Tensor& positions, const Tensor& i
   check_launch("rope");
 }
 
-void CudaBackend::softmax_causal_forward(const Tensor& S, const Tensor& P, float scale, const Tensor* segments) {
+void CudaBackend::softmax_causal_forward(const Tensor& S, const Tensor& P, float scale, const Tensor* segments,
+                                         int64_t window) {
   OpTimer timer(this);
   const int64_t Tq = S.size(-2), Tk = S.size(-1), rows = Tk ? S.numel() / Tk : 0;
   if (rows == 0) return;
@@ -201,14 +207,15 @@ void CudaBackend::softmax_causal_forward(const Tensor& S, const Tensor& P, float
     const int32_t* seg = segments ? segments->ptr<int32_t>() : nullptr;
     const unsigned g = unsigned(rows);
 #define KRNL_SOFTMAX_FWD(W, NV) \
-  softmax_causal_reg_kernel<W, NV><<<g, rp.threads, 0, stream_>>>(S.dtype(), S.data(), P.data(), Tq, Tk, scale, seg)
+  softmax_causal_reg_kernel<W, NV><<<g, rp.threads, 0, stream_>>>(S.dtype(), S.data(), P.data(), Tq, Tk, scale, seg, \
+                                                                   window)
     KRNL_DISPATCH_REG(w16, rp.nv, KRNL_SOFTMAX_FWD)
 #undef KRNL_SOFTMAX_FWD
     check_launch("softmax_causal_forward");
     return;
   }
   softmax_causal_kernel<<<unsigned(rows), std::min(row_threads(Tk), 512), 0, stream_>>>(
-      S.dtype(), S.data(), P.data(), Tq, Tk, scale, segments ? segments->ptr<int32_t>() : nullptr);
+      S.dtype(), S.data(), P.data(), Tq, Tk, scale, segments ? segments->ptr<int32_t>() : nullptr, window);
   check_launch("softmax_causal_forward");
 }
 

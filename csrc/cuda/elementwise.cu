@@ -1,4 +1,5 @@
-// Elementwise ops: add, axpy, scale, cast, fill, dropout, SwiGLU and the head transpose. Each
+// Elementwise ops: add, axpy, scale, cast, fill, dropout, SwiGLU, GeGLU, soft-capping and the
+// head transpose. Each
 // element is read before its output is written by the same thread, so in-place calls (out
 // aliasing an input) are safe, as on the CPU backend.
 #include <cmath>
@@ -57,6 +58,51 @@ __global__ void swiglu_bwd_kernel(DType dt, const void* ds, const void* g, const
   }
 }
 
+// GeGLU: gelu_tanh(x) = x sg with sg = sigmoid(2 k (x + a x^3)) = (1 + tanh(k (x + a x^3))) / 2
+// (transformers' "gelu_pytorch_tanh"); 1 + tanh from the sigmoid keeps its relative accuracy for
+// very negative x, as on the CPU backend. gelu' = sg + 2 x sg (1 - sg) k (1 + 3 a x^2).
+// 1 - sg is taken as e sg (e = exp(-2 z)) where sg > 1/2, where 1 - sg would cancel.
+__device__ __forceinline__ float gelu_exp(float x) {
+  return expf(-2.f * 0.7978845608028654f * (x + 0.044715f * x * x * x));
+}
+__device__ __forceinline__ float gelu_sigmoid(float x) { return 1.f / (1.f + gelu_exp(x)); }
+__device__ __forceinline__ float gelu_grad(float x, float& sg) {  // also returns sg
+  const float e = gelu_exp(x);
+  sg = 1.f / (1.f + e);
+  const float om = sg < 0.5f ? 1.f - sg : e * sg;
+  return sg + 2.f * x * sg * om * 0.7978845608028654f * (1.f + 3.f * 0.044715f * x * x);
+}
+
+__global__ void geglu_fwd_kernel(DType dt, const void* g, const void* u, void* s, int64_t n) {
+  KRNL_GRID_LOOP(i, n) {
+    const float gi = ld(dt, g, i), ui = ld(dt, u, i);
+    st(dt, s, i, gi * gelu_sigmoid(gi) * ui);
+  }
+}
+
+// dg/du may alias ds: all three inputs are read before either output is written.
+__global__ void geglu_bwd_kernel(DType dt, const void* ds, const void* g, const void* u, void* dg, void* du, int64_t n) {
+  KRNL_GRID_LOOP(i, n) {
+    const float d = ld(dt, ds, i), gi = ld(dt, g, i), ui = ld(dt, u, i);
+    float sg;
+    const float dgelu = gelu_grad(gi, sg);
+    st(dt, dg, i, d * ui * dgelu);
+    st(dt, du, i, d * gi * sg);
+  }
+}
+
+// out = cap tanh(x / cap) (out may be x); dx = dy (1 - (y / cap)^2) from the output y.
+__global__ void softcap_kernel(DType dt, const void* x, float cap, void* out, int64_t n) {
+  KRNL_GRID_LOOP(i, n) st(dt, out, i, cap * tanhf(ld(dt, x, i) / cap));
+}
+
+__global__ void softcap_bwd_kernel(DType dt, const void* dy, const void* y, float cap, void* dx, int64_t n) {
+  KRNL_GRID_LOOP(i, n) {
+    const float d = ld(dt, dy, i), r = ld(dt, y, i) / cap;
+    st(dt, dx, i, d * (1.f - r * r));
+  }
+}
+
 // 16-byte vector forms of the big elementwise ops (n a multiple of the vector, aligned).
 template <bool W16>
 __global__ void add_vec_kernel(DType dt, const void* a, const void* b, void* out, int64_t nvec) {
@@ -111,6 +157,40 @@ __global__ void swiglu_bwd_vec_kernel(DType dt, const void* ds, const void* g, c
       const float sig = 1.f / (1.f + expf(-gv[e]));
       const float dge = d[e] * uv[e] * sig * (1.f + gv[e] * (1.f - sig));
       uv[e] = d[e] * gv[e] * sig;
+      d[e] = dge;
+    }
+    store_vec<W16>(dt, dg, v * VEC, d);
+    store_vec<W16>(dt, du, v * VEC, uv);
+  }
+}
+
+template <bool W16>
+__global__ void geglu_fwd_vec_kernel(DType dt, const void* g, const void* u, void* s, int64_t nvec) {
+  constexpr int VEC = W16 ? 8 : 4;
+  KRNL_GRID_LOOP(v, nvec) {
+    float gv[VEC], uv[VEC];
+    load_vec<W16>(dt, g, v * VEC, gv);
+    load_vec<W16>(dt, u, v * VEC, uv);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) gv[e] = gv[e] * gelu_sigmoid(gv[e]) * uv[e];
+    store_vec<W16>(dt, s, v * VEC, gv);
+  }
+}
+
+template <bool W16>
+__global__ void geglu_bwd_vec_kernel(DType dt, const void* ds, const void* g, const void* u, void* dg, void* du,
+                                     int64_t nvec) {
+  constexpr int VEC = W16 ? 8 : 4;
+  KRNL_GRID_LOOP(v, nvec) {
+    float d[VEC], gv[VEC], uv[VEC];
+    load_vec<W16>(dt, ds, v * VEC, d);
+    load_vec<W16>(dt, g, v * VEC, gv);
+    load_vec<W16>(dt, u, v * VEC, uv);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {  // d becomes dg, uv becomes du: inputs are all read above
+      float sg;
+      const float dge = d[e] * uv[e] * gelu_grad(gv[e], sg);
+      uv[e] = d[e] * gv[e] * sg;
       d[e] = dge;
     }
     store_vec<W16>(dt, dg, v * VEC, d);
@@ -254,6 +334,59 @@ void CudaBackend::swiglu_backward(const Tensor& ds, const Tensor& g, const Tenso
   swiglu_bwd_kernel<<<grid_for(n), kThreads, 0, stream_>>>(g.dtype(), ds.data(), g.data(), u.data(), dg.data(),
                                                            du.data(), n);
   check_launch("swiglu_backward");
+}
+
+void CudaBackend::geglu_forward(const Tensor& g, const Tensor& u, const Tensor& s) {
+  OpTimer timer(this);
+  const int64_t n = g.numel();
+  if (!n) return;
+  if (vectorizable(g.dtype(), n, {g.data(), u.data(), s.data()})) {
+    const int64_t nv = n / vec_width(g.dtype());
+#define KRNL_GEGLU_FWD(W) \
+  geglu_fwd_vec_kernel<W><<<grid_for(nv), kThreads, 0, stream_>>>(g.dtype(), g.data(), u.data(), s.data(), nv)
+    KRNL_DISPATCH_VEC(g.dtype() != DType::f32, KRNL_GEGLU_FWD)
+#undef KRNL_GEGLU_FWD
+    check_launch("geglu_forward");
+    return;
+  }
+  geglu_fwd_kernel<<<grid_for(n), kThreads, 0, stream_>>>(g.dtype(), g.data(), u.data(), s.data(), n);
+  check_launch("geglu_forward");
+}
+
+void CudaBackend::geglu_backward(const Tensor& ds, const Tensor& g, const Tensor& u, const Tensor& dg,
+                                 const Tensor& du) {
+  OpTimer timer(this);
+  const int64_t n = g.numel();
+  if (!n) return;
+  if (vectorizable(g.dtype(), n, {ds.data(), g.data(), u.data(), dg.data(), du.data()})) {
+    const int64_t nv = n / vec_width(g.dtype());
+#define KRNL_GEGLU_BWD(W)                                                                                  \
+  geglu_bwd_vec_kernel<W><<<grid_for(nv), kThreads, 0, stream_>>>(g.dtype(), ds.data(), g.data(), u.data(), \
+                                                                  dg.data(), du.data(), nv)
+    KRNL_DISPATCH_VEC(g.dtype() != DType::f32, KRNL_GEGLU_BWD)
+#undef KRNL_GEGLU_BWD
+    check_launch("geglu_backward");
+    return;
+  }
+  geglu_bwd_kernel<<<grid_for(n), kThreads, 0, stream_>>>(g.dtype(), ds.data(), g.data(), u.data(), dg.data(),
+                                                          du.data(), n);
+  check_launch("geglu_backward");
+}
+
+void CudaBackend::softcap(const Tensor& x, float cap, const Tensor& out) {
+  OpTimer timer(this);
+  const int64_t n = x.numel();
+  if (!n) return;
+  softcap_kernel<<<grid_for(n), kThreads, 0, stream_>>>(x.dtype(), x.data(), cap, out.data(), n);
+  check_launch("softcap");
+}
+
+void CudaBackend::softcap_backward(const Tensor& dy, const Tensor& y, float cap, const Tensor& dx) {
+  OpTimer timer(this);
+  const int64_t n = y.numel();
+  if (!n) return;
+  softcap_bwd_kernel<<<grid_for(n), kThreads, 0, stream_>>>(y.dtype(), dy.data(), y.data(), cap, dx.data(), n);
+  check_launch("softcap_backward");
 }
 
 void CudaBackend::transpose_heads(const Tensor& x, const Tensor& out) {

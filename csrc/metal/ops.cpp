@@ -456,6 +456,46 @@ void MetalOps::swiglu_backward(const Tensor& ds, const Tensor& g, const Tensor& 
   encode(std::move(d));
 }
 
+void MetalOps::geglu_forward(const Tensor& g, const Tensor& u, const Tensor& s) {
+  Emit e{this, "geglu_forward"};
+  Dispatch d = e.make("geglu", "geglu_forward_" + e.sfx(g.dtype()));
+  if (g.numel() == 0) return;
+  bind(d, 0, g), bind(d, 1, u), bind(d, 2, s);
+  d.set_args(3, GegluArgs{u32(e.op, g.numel(), "n")});
+  ew_geometry(d, g.numel());
+  encode(std::move(d));
+}
+
+void MetalOps::geglu_backward(const Tensor& ds, const Tensor& g, const Tensor& u, const Tensor& dg, const Tensor& du) {
+  Emit e{this, "geglu_backward"};
+  Dispatch d = e.make("geglu", "geglu_backward_" + e.sfx(g.dtype()));
+  if (g.numel() == 0) return;
+  bind(d, 0, ds), bind(d, 1, g), bind(d, 2, u), bind(d, 3, dg), bind(d, 4, du);
+  d.set_args(5, GegluArgs{u32(e.op, g.numel(), "n")});
+  ew_geometry(d, g.numel());
+  encode(std::move(d));
+}
+
+void MetalOps::softcap(const Tensor& x, float cap, const Tensor& out) {
+  Emit e{this, "softcap"};
+  Dispatch d = e.make("softcap", "softcap_" + e.sfx(x.dtype()));
+  if (x.numel() == 0) return;
+  bind(d, 0, x), bind(d, 1, out);
+  d.set_args(2, SoftcapArgs{u32(e.op, x.numel(), "n"), cap});
+  ew_geometry(d, x.numel());
+  encode(std::move(d));
+}
+
+void MetalOps::softcap_backward(const Tensor& dy, const Tensor& y, float cap, const Tensor& dx) {
+  Emit e{this, "softcap_backward"};
+  Dispatch d = e.make("softcap", "softcap_backward_" + e.sfx(y.dtype()));
+  if (y.numel() == 0) return;
+  bind(d, 0, dy), bind(d, 1, y), bind(d, 2, dx);
+  d.set_args(3, SoftcapArgs{u32(e.op, y.numel(), "n"), cap});
+  ew_geometry(d, y.numel());
+  encode(std::move(d));
+}
+
 void MetalOps::rope(const Tensor& x, const Tensor& positions, const Tensor& inv_freq, float sign) {
   Emit e{this, "rope"};
   Dispatch d = e.make("rope", "rope_" + e.sfx(x.dtype()));
@@ -467,7 +507,8 @@ void MetalOps::rope(const Tensor& x, const Tensor& positions, const Tensor& inv_
   encode(std::move(d));
 }
 
-void MetalOps::softmax_causal_forward(const Tensor& S, const Tensor& P, float scale, const Tensor* segments) {
+void MetalOps::softmax_causal_forward(const Tensor& S, const Tensor& P, float scale, const Tensor* segments,
+                                      int64_t window) {
   Emit e{this, "softmax_causal_forward"};
   Dispatch d = e.make("softmax", "softmax_causal_forward_" + e.sfx(S.dtype()));
   const int64_t tq = S.size(-2), tk = S.size(-1), rows = tk ? S.numel() / tk : 0;
@@ -477,7 +518,9 @@ void MetalOps::softmax_causal_forward(const Tensor& S, const Tensor& P, float sc
     bind(d, 2, *segments);
   else
     bind(d, 2, S, 0);  // must be bound; not read
-  d.set_args(3, SoftmaxArgs{u32(e.op, rows, "rows"), uint32_t(tq), uint32_t(tk), scale, segments ? 1u : 0u});
+  // A window of tk keys or more masks nothing: as 0 it fits the kernel's u32.
+  const uint32_t win = window > 0 && window < tk ? uint32_t(window) : 0u;
+  d.set_args(3, SoftmaxArgs{u32(e.op, rows, "rows"), uint32_t(tq), uint32_t(tk), scale, segments ? 1u : 0u, win});
   d.grid = {uint32_t(rows), 1, 1};
   d.threads = {row_threads(tk), 1, 1};
   encode(std::move(d));

@@ -76,9 +76,11 @@ def qrows(x, Hk, s, r0, r1):
     return x.reshape(Hk, g * T, x.shape[2])[:, s * T + r0:s * T + r1]
 
 
-def materialised_forward(q, k, v, out, scale, segments: Optional[_core.Tensor] = None, block=0):
+def materialised_forward(q, k, v, out, scale, segments: Optional[_core.Tensor] = None, block=0, window=0):
     """out (H, T, D) = causal attention of q, k, v through materialised scores, in query row
-    blocks of `block` rows (0: one block); segments (T,) i32 keep each query in its sample."""
+    blocks of `block` rows (0: one block); segments (T,) i32 keep each query in its sample,
+    window > 0 limits it to the last `window` keys (the zeros it leaves in P carry the mask
+    into the backward)."""
     d, dt = q.device, q.dtype
     H, T = q.shape[0], q.shape[1]
     Hk = k.shape[0]
@@ -91,7 +93,9 @@ def materialised_forward(q, k, v, out, scale, segments: Optional[_core.Tensor] =
         for s in range(g):
             ops.gemm(qrows(q, Hk, s, r0, r1), k[:, :r1], qrows(P, Hk, s, 0, r1 - r0),
                      trans_b=True, batch=Hk)                              # S = Q K^T
-        ops.softmax_causal_forward(P, P, scale, segments)                 # in place: P = softmax(S)
+        # in place: P = softmax(S); row i of the block is query r0 + i (= i + r1 - (r1 - r0)), which
+        # the op's window measures from
+        ops.softmax_causal_forward(P, P, scale, segments, window=window)
         for s in range(g):
             ops.gemm(qrows(P, Hk, s, 0, r1 - r0), v[:, :r1], qrows(out, Hk, s, r0, r1), batch=Hk)
         blocks.append((r0, r1, P))

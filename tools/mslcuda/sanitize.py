@@ -93,6 +93,8 @@ def run_kernels(device="metal-cuda"):
         ops.softmax_causal_forward(S, dev.empty((2, T, T), dt), 0.3)
         seg = dev.tensor(np.repeat(np.arange(3), [10, 20, 7]).astype(np.int32), "i32")
         ops.softmax_causal_forward(S, dev.empty((2, T, T), dt), 0.3, seg)
+        ops.softmax_causal_forward(S, dev.empty((2, T, T), dt), 0.3, seg, 5)
+        ops.softmax_causal_forward(t((2, 9, T), dt), dev.empty((2, 9, T), dt), 0.3, window=4)
         # elementwise and friends over 1000 elements
         n = 1000
         a, b = t((n,), dt), t((n,), dt)
@@ -107,6 +109,10 @@ def run_kernels(device="metal-cuda"):
         ops.dropout(a, dev.empty((n,), dt), 0.3, 7)
         ops.swiglu_forward(a, b, dev.empty((n,), dt))
         ops.swiglu_backward(t((n,), dt), a, b, dev.empty((n,), dt), dev.empty((n,), dt))
+        ops.geglu_forward(a, b, dev.empty((n,), dt))
+        ops.geglu_backward(t((n,), dt), a, b, dev.empty((n,), dt), dev.empty((n,), dt))
+        ops.softcap(a, 30.0, dev.empty((n,), dt))
+        ops.softcap_backward(t((n,), dt), b, 30.0, dev.empty((n,), dt))
         ops.transpose_heads(t((3, 5, 8), dt), dev.empty((5, 3, 8), dt))
         ops.transpose_heads(t((3, 5, 7), dt), dev.empty((5, 3, 7), dt))
         x = t((2, T, 16), dt)

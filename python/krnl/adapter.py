@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 
 from .fileio import atomic_write_bytes, read_json_object
-from .model import ALL_MODULES, ATTN_MODULES, LoraConfig, lora_key
+from .config import module_part
+from .model import LoraConfig, lora_key
 from .safetensors_io import LazyTensor, read_safetensors_header
 
 CONFIG_NAME = "adapter_config.json"
@@ -64,8 +65,8 @@ def mlx_adapter(lora, tensors, config, base_model=""):
         raise ValueError(f"[adapter] mlx-lm adapts the last num_layers layers of a model; LoRA on layers {layers} of "
                          f"{n} has no mlx-lm layout (adapt layers {n - len(layers)}..{n - 1} instead)")
     out, keys = {}, []
-    for m in (m for m in ALL_MODULES if m in lora.target_modules):  # one order, whatever the flag's
-        keys.append(f"{'self_attn' if m in ATTN_MODULES else 'mlp'}.{m}")
+    for m in (m for m in config.lora_modules() if m in lora.target_modules):  # one order, whatever the flag's
+        keys.append(f"{module_part(m)}.{m}")
         for i in layers:
             for f in ("A", "B"):
                 out[f"model.layers.{i}.{keys[-1]}.lora_{f.lower()}"] = np.asarray(tensors[lora_key(i, m, f)],
@@ -176,7 +177,7 @@ def read_adapter(path, config):
     found, unexpected = {}, []
     for k, v in raw.items():
         m = pattern.match(k)
-        if not m or m.group(3) not in ALL_MODULES or (m.group(2) == "self_attn") != (m.group(3) in ATTN_MODULES):
+        if not m or m.group(3) not in config.lora_modules() or m.group(2) != module_part(m.group(3)):
             unexpected.append(k)
             continue
         i, mod, fac = int(m.group(1)), m.group(3), m.group(4).upper()
@@ -184,8 +185,8 @@ def read_adapter(path, config):
             v = v.T  # mlx-lm: lora_a (in, r), lora_b (r, out)
         found.setdefault((i, mod), {})[fac] = (k, np.ascontiguousarray(v, np.float32))
     if unexpected:
-        raise ValueError(f"[{who}] {fname} has tensors krnl cannot map to LoRA factors of q/k/v/o/gate/up/down "
-                         f"projections: {sorted(unexpected)}")
+        raise ValueError(f"[{who}] {fname} has tensors krnl cannot map to LoRA factors of the "
+                         f"{', '.join(config.lora_modules())} projections: {sorted(unexpected)}")
     if not found:
         raise ValueError(f"[{who}] {fname} holds no LoRA tensors")
     n = config.num_hidden_layers
@@ -209,7 +210,7 @@ def read_adapter(path, config):
     if bad:
         raise ValueError(f"[{who}] does not fit the model ({config.source}): " + "; ".join(bad))
     layers = sorted({i for i, _ in found})
-    modules = tuple(m for m in ALL_MODULES if any(mm == m for _, mm in found))
+    modules = tuple(m for m in config.lora_modules() if any(mm == m for _, mm in found))
     lora = LoraConfig(r=r, alpha=alpha, dropout=dropout, target_modules=modules, use_rslora=rslora,
                       layers=None if layers == list(range(n)) else layers)
     lora.validate(config)

@@ -126,18 +126,20 @@ SHORT_TARGETS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "ga
 def lora_targets(text):
     """The module names of --lora-targets: short names (q,k,v,o,gate,up,down), module names
     (q_proj) or mlx-lm's keys (self_attn.q_proj, mlp.gate_proj), comma-separated."""
-    from .model import ALL_MODULES, ATTN_MODULES
+    from .config import module_part
+    from .model import ALL_MODULES
 
+    names = ALL_MODULES + ("qkv_proj", "gate_up_proj")  # phi3's fused projections (the config checks which apply)
     out = []
     for item in str(text).split(","):
         name = item.strip()
         m = SHORT_TARGETS.get(name, name)
         part, _, last = m.rpartition(".")
         if part:  # an mlx-lm key: its prefix must be the module's block
-            m = last if part == ("self_attn" if last in ATTN_MODULES else "mlp") else name
-        if m not in ALL_MODULES:
+            m = last if part == module_part(last) else name
+        if m not in names:
             raise ValueError(f"--lora-targets: unknown module {name!r}; accepted: {', '.join(SHORT_TARGETS)}, "
-                             f"{', '.join(ALL_MODULES)}, self_attn.q_proj ... mlp.down_proj")
+                             f"{', '.join(names)}, self_attn.q_proj ... mlp.down_proj")
         if m not in out:
             out.append(m)
     return tuple(out)

@@ -9,7 +9,9 @@ from typing import Optional
 
 import numpy as np
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+from . import phi3
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 ALL_MODULES = ATTN_MODULES + MLP_MODULES
@@ -94,6 +96,8 @@ class ModelConfig:
             D = C // H
         if D % 2:
             raise ValueError(f"{where}: head_dim must be even for rotary embeddings, got {D}")
+        if mt == "phi3":
+            phi3.check_config(d, where)
         rs = d.get("rope_scaling")
         if rs is not None:
             if not isinstance(rs, dict):
@@ -110,8 +114,11 @@ class ModelConfig:
                         raise ValueError(f"{where}: key 'rope_scaling.{k}' must be a number > 0, got {rs.get(k)!r}")
                 if rs["high_freq_factor"] <= rs["low_freq_factor"]:
                     raise ValueError(f"{where}: rope_scaling.high_freq_factor must exceed low_freq_factor")
+            elif kind in ("longrope", "su") and mt == "phi3":
+                rs = phi3.check_longrope(rs, d, D, where)
             else:
-                raise ValueError(f"{where}: unsupported key 'rope_scaling' type {kind!r}; supported: linear, llama3")
+                raise ValueError(f"{where}: unsupported key 'rope_scaling' type {kind!r}; supported: linear, llama3"
+                                 + (", longrope" if mt == "phi3" else ""))
         if mt == "qwen2":
             bias = True  # Qwen2 always has q/k/v biases (HF hard-codes them)
             if "attention_bias" in d and d["attention_bias"] is not None:
@@ -119,7 +126,7 @@ class ModelConfig:
         else:
             bias = get("attention_bias", bool, default=False, required=False)
         sw = None
-        if mt == "mistral" or (mt in ("qwen2", "qwen3") and d.get("use_sliding_window")):
+        if mt in ("mistral", "phi3") or (mt in ("qwen2", "qwen3") and d.get("use_sliding_window")):
             sw = get("sliding_window", int, default=None, required=False)
         return cls(
             model_type=mt,
@@ -145,12 +152,43 @@ class ModelConfig:
         """Qwen3 normalises each head of q and k (RMSNorm over D, weights (D,)) before rotary."""
         return self.model_type == "qwen3"
 
+    @property
+    def fused_projections(self):
+        """Phi-3 stores q|k|v as qkv_proj and gate|up as gate_up_proj (phi3.py)."""
+        return self.model_type == "phi3"
+
+    def lora_modules(self):
+        """The module names LoRA targets take in this family (PEFT's), in layer order."""
+        return phi3.MODULES if self.fused_projections else ALL_MODULES
+
     def module_shape(self, name):
-        """(out, in) of a projection."""
+        """(out, in) of a projection (or of a fused one: qkv_proj, gate_up_proj)."""
         C, F, H, Hk, D = (self.hidden_size, self.intermediate_size, self.num_attention_heads,
                           self.num_key_value_heads, self.head_dim)
         return {"q_proj": (H * D, C), "k_proj": (Hk * D, C), "v_proj": (Hk * D, C), "o_proj": (C, H * D),
-                "gate_proj": (F, C), "up_proj": (F, C), "down_proj": (C, F)}[name]
+                "gate_proj": (F, C), "up_proj": (F, C), "down_proj": (C, F), "qkv_proj": ((H + 2 * Hk) * D, C),
+                "gate_up_proj": (2 * F, C)}[name]
+
+    @property
+    def rope_attention_factor(self):
+        """LongRoPE's scaling of cos and sin (1.0 otherwise)."""
+        rs = self.rope_scaling
+        return rs["attention_factor"] if rs and rs.get("rope_type") == "longrope" else 1.0
+
+    @property
+    def rope_switch_position(self):
+        """The first position whose call takes LongRoPE's long factors (None without longrope)."""
+        rs = self.rope_scaling
+        return rs["original_max_position_embeddings"] if rs and rs.get("rope_type") == "longrope" else None
+
+    def rope_inv_freq(self, max_position):
+        """inv_freq() for a call whose largest position is max_position: LongRoPE switches to
+        its long factors past original_max_position_embeddings, as transformers does."""
+        rs = self.rope_scaling
+        if rs and rs.get("rope_type") == "longrope":
+            long = max_position >= self.rope_switch_position
+            return phi3.longrope_inv_freq(rs, self.rope_theta, self.head_dim, long)
+        return self.inv_freq()
 
     def inv_freq(self):
         """The rotary inverse frequencies (D/2,) as HF computes them, rope_scaling included."""
@@ -161,6 +199,8 @@ class ModelConfig:
             kind = rs.get("rope_type", rs.get("type"))
             if kind == "linear":
                 inv = inv / float(rs["factor"])
+            elif kind == "longrope":
+                return phi3.longrope_inv_freq(rs, self.rope_theta, D, False)
             elif kind == "llama3":
                 factor, lo, hi = float(rs["factor"]), float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
                 old = float(rs["original_max_position_embeddings"])
@@ -179,16 +219,14 @@ class ModelConfig:
         s = {"model.embed_tokens.weight": (V, C)}
         for i in range(self.num_hidden_layers):
             p = f"model.layers.{i}."
-            for m in ATTN_MODULES:
-                s[p + f"self_attn.{m}.weight"] = self.module_shape(m)
+            for m in self.lora_modules():
+                s[p + f"{module_part(m)}.{m}.weight"] = self.module_shape(m)
             if self.attention_bias:
                 for m in ("q_proj", "k_proj", "v_proj"):
                     s[p + f"self_attn.{m}.bias"] = (self.module_shape(m)[0],)
             if self.qk_norm:
                 s[p + "self_attn.q_norm.weight"] = (self.head_dim,)
                 s[p + "self_attn.k_norm.weight"] = (self.head_dim,)
-            for m in MLP_MODULES:
-                s[p + f"mlp.{m}.weight"] = self.module_shape(m)
             s[p + "input_layernorm.weight"] = (C,)
             s[p + "post_attention_layernorm.weight"] = (C,)
         s["model.norm.weight"] = (C,)
@@ -234,9 +272,12 @@ class LoraConfig:
         if isinstance(self.target_modules, str):
             self.target_modules = (self.target_modules,)
         self.target_modules = tuple(self.target_modules)
-        bad = [m for m in self.target_modules if m not in ALL_MODULES]
+        if config.fused_projections:
+            self.target_modules = phi3.lora_targets(self.target_modules)
+        bad = [m for m in self.target_modules if m not in config.lora_modules()]
         if bad:
-            raise ValueError(f"[LoraConfig] unknown target module(s) {bad}; valid names: {', '.join(ALL_MODULES)}")
+            raise ValueError(f"[LoraConfig] unknown target module(s) {bad}; valid names: "
+                             f"{', '.join(config.lora_modules())}")
         if isinstance(self.r, bool) or not isinstance(self.r, (int, np.integer)):
             raise ValueError(f"[LoraConfig] r must be an integer, got {self.r!r}")
         for m in self.target_modules:
@@ -259,10 +300,14 @@ class LoraConfig:
         return list(range(n)) if self.layers is None else sorted(set(int(i) for i in self.layers))
 
 
+def module_part(module):
+    """The block of a projection: self_attn or mlp."""
+    return "self_attn" if module in ATTN_MODULES or module == "qkv_proj" else "mlp"
+
+
 def lora_key(layer, module, factor):
     """PEFT's key of a LoRA factor ('A' or 'B')."""
-    part = "self_attn" if module in ATTN_MODULES else "mlp"
-    return f"base_model.model.model.layers.{layer}.{part}.{module}.lora_{factor}.weight"
+    return f"base_model.model.model.layers.{layer}.{module_part(module)}.{module}.lora_{factor}.weight"
 
 
 def random_weights(config, seed=0, std=0.02):

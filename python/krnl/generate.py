@@ -63,7 +63,8 @@ def decode(model, ids, start, cache):
     n, C = len(ids), c.hidden_size
     with d.step():
         ids_t = d.tensor(np.asarray(ids, np.int32), "i32")
-        batch = Batch(1, n, [d.tensor(np.arange(start, start + n, dtype=np.int32), "i32")])
+        batch = Batch(1, n, [d.tensor(np.arange(start, start + n, dtype=np.int32), "i32")],
+                      inv_freq=model.call_inv_freq(start + n - 1))
         x = d.empty((n, C), dt)                                           # (n, C)
         embed(ids_t, model.embed, x)
         for i, L in enumerate(model.layers):
@@ -87,7 +88,12 @@ def generate(model, prompt, max_new_tokens=32, temperature=0.0, top_p=1.0, seed=
     cache = KVCache(model.dev, model.dtype, len(model.layers), model.heads, total)
     rng = np.random.default_rng(seed)
     out, pending, pos = [], prompt, 0
+    switch = model.config.rope_switch_position  # LongRoPE: None, or where the long factors begin
     while pos + len(pending) <= total:
+        if switch is not None and 0 < pos <= switch < pos + len(pending):
+            # The cached keys were rotated with the short factors: as transformers' Phi-3 does,
+            # run the whole sequence again with the long ones (once, then decode on).
+            pending, pos = prompt + out, 0
         logits = decode(model, pending, pos, cache)
         pos += len(pending)
         nxt = sample(logits, temperature, top_p, rng)

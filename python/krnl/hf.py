@@ -26,7 +26,8 @@ from .fileio import atomic_write_bytes, atomic_write_chunks, read_json_object
 from .mlx_folder import mlx_items, model_dtype, quantization, read_quantized, recipe_overrides
 from .gguf_file import is_gguf, read_gguf
 from .gguf_tokenizer import load_gguf_tokenizer
-from .model import ATTN_MODULES, LlamaModel, ModelConfig, lora_key
+from .config import module_part
+from .model import LlamaModel, ModelConfig, lora_key
 from .qweight import QuantizedArray
 from .safetensors_io import LazyTensor, encode, header_bytes, nbytes, read_safetensors_header
 from .tokenizer import Tokenizer
@@ -268,8 +269,7 @@ def fuse(model_folder, adapter_folder, out_folder, shard_size="2GB", dtype=None,
     merged = {}
     for i in lora.adapted_layers(config):
         for m in lora.target_modules:
-            part = "self_attn" if m in ATTN_MODULES else "mlp"
-            name = f"model.layers.{i}.{part}.{m}.weight"
+            name = f"model.layers.{i}.{module_part(m)}.{m}.weight"  # phi3: the fused weight
             A, B = tensors[lora_key(i, m, "A")], tensors[lora_key(i, m, "B")]
             merged[name] = lambda t=weights[name], A=A, B=B: merged_weight(np.asarray(t, np.float32), A, B, s)
     files = _write_folder(model_folder, weights, config, out_folder, shard_size, dtype, quantize, merged)

@@ -17,7 +17,7 @@ import numpy as np
 from . import _core
 from .attention import fused_forward, materialised_forward
 from .config import ALL_MODULES, ATTN_MODULES, QKV_MODULES
-from .lora import LoraLinear, LoraSaved, factors
+from .lora import LoraLinear, LoraSaved, dropout_tag, module_factors
 from .qweight import frozen_weight, linear, linear_grad
 
 ops = _core.ops
@@ -31,6 +31,9 @@ class Heads:
     Hk: int             # key/value heads
     D: int              # features per head
     inv_freq: Tensor    # (D/2,) f32 rotary inverse frequencies
+    # LongRoPE scales cos and sin by this factor; rotated q and k meet only in q.k, so the
+    # attention scale carries its square instead (exact up to rounding).
+    rope_factor: float = 1.0
 
     @property
     def g(self):
@@ -38,7 +41,11 @@ class Heads:
 
     @property
     def scale(self):
-        return 1.0 / math.sqrt(self.D)
+        return self.rope_factor ** 2 / math.sqrt(self.D)
+
+    def freqs(self, batch):
+        """The rotary inverse frequencies of a call: the batch's own (LongRoPE) or the layer's."""
+        return self.inv_freq if batch.inv_freq is None else batch.inv_freq
 
 
 class Ones:
@@ -129,6 +136,7 @@ class Batch:
     fused_segments: bool = False     # ... also for packed rows (else those stay materialised)
     attn_block: int = 0              # query rows per materialised block (0: one block)
     window: int = 0                  # sliding window of the fused op (0: none; never materialised)
+    inv_freq: Optional[Tensor] = None  # (D/2,) f32: this call's rotary frequencies (None: Heads')
 
     def attend(self, b, q, k, v, out, scale):
         """out (H, T, D) = attention of row b; returns its saved state."""
@@ -166,14 +174,14 @@ def build_layer(i, config, weights, device, dtype, heads, ones, lora_config, lor
     qkv = up_linear([f"{p}self_attn.{m}.weight" for m in QKV_MODULES])
     qkv_bias = up([f"{p}self_attn.{m}.bias" for m in QKV_MODULES], (1, -1)) if c.attention_bias else None
     lin, r0 = {}, 0
-    for tag, m in enumerate(ALL_MODULES):
+    for m in ALL_MODULES:
         if m in QKV_MODULES:
             n = c.module_shape(m)[0]
             W, r0 = qkv[r0:r0 + n], r0 + n
         else:
             W = up_linear([f"{p}{'self_attn' if m in ATTN_MODULES else 'mlp'}.{m}.weight"])
-        f = factors(lora_params, i, m) if (i, m) in adapted else None
-        lin[m] = LoraLinear(W, f, lora_config.scale, lora_config.dropout, tag=i * len(ALL_MODULES) + tag)
+        f = module_factors(c, lora_params, adapted, i, m)
+        lin[m] = LoraLinear(W, f, lora_config.scale, lora_config.dropout, tag=dropout_tag(c, i, m))
     eps = c.rms_norm_eps
     mlp = Mlp(up([p + "post_attention_layernorm.weight"]), lin["gate_proj"], lin["up_proj"], lin["down_proj"], eps)
     qn = kn = None
@@ -248,8 +256,8 @@ def layer_forward(L, x, batch, attend: Optional[Callable] = None):
         if qk_saved is not None:
             q, k, rstd = qk_norm_forward(L, heads, H, Hk)
             qk_saved.append((heads, rstd))
-        ops.rope(q, batch.positions[b], hd.inv_freq)
-        ops.rope(k, batch.positions[b], hd.inv_freq)
+        ops.rope(q, batch.positions[b], hd.freqs(batch))
+        ops.rope(k, batch.positions[b], hd.freqs(batch))
         oh = d.empty((H, T, D), dt)                                       # (H, T, D)
         saved.append(attend(b, q, k, v, oh))
         ops.transpose_heads(oh, att[r].reshape(T, H, D))
@@ -303,8 +311,8 @@ def layer_backward(L, x, cache, dy, batch):
             dqk = d.empty((H + Hk, T, D), dt)                             # (H + Hk, T, D)
             dq, dk = dqk[:H], dqk[H:]
         saved.backward(doh, dq, dk, dv)
-        ops.rope(dq, batch.positions[b], hd.inv_freq, -1.0)
-        ops.rope(dk, batch.positions[b], hd.inv_freq, -1.0)
+        ops.rope(dq, batch.positions[b], hd.freqs(batch), -1.0)
+        ops.rope(dk, batch.positions[b], hd.freqs(batch), -1.0)
         if cache.qk is not None:
             qk_norm_backward(L, *cache.qk[b], dqk, dheads, H, Hk)
         ops.transpose_heads(dheads, dqkv[r].reshape(T, NH, D))

@@ -13,6 +13,7 @@ import numpy as np
 
 from . import _core
 from .config import ALL_MODULES, lora_key
+from .phi3 import FUSED, MEMBER_OF
 from .params import FlatParams
 from .qweight import linear, linear_grad
 
@@ -109,7 +110,7 @@ def init_lora(device, config, lora_config, dtype, seed):
     r = lora_config.r
     adapted, shapes = set(), {}
     for i in lora_config.adapted_layers(config):
-        for m in ALL_MODULES:
+        for m in config.lora_modules():
             if m in lora_config.target_modules:
                 out, inp = config.module_shape(m)
                 shapes[lora_key(i, m, "A")] = (r, inp)
@@ -133,3 +134,29 @@ def factors(params, layer, module):
     """The LoraFactors of (layer, module) in params."""
     kA, kB = lora_key(layer, module, "A"), lora_key(layer, module, "B")
     return LoraFactors(params.compute(kA), params.compute(kB), params.grad(kA), params.grad(kB))
+
+
+def module_factors(config, params, adapted, layer, module):
+    """The LoraFactors of projection `module` of a layer, None when not adapted. A member of a
+    fused projection (phi3: q_proj of qkv_proj) shares the fused A and its gradient (the
+    members' dA add up into it) and takes its row block of B: LoRA on the fused module."""
+    fused = MEMBER_OF.get(module) if config.fused_projections else None
+    if fused is None:
+        return factors(params, layer, module) if (layer, module) in adapted else None
+    if (layer, fused) not in adapted:
+        return None
+    f, r0 = factors(params, layer, fused), 0
+    for m in FUSED[fused]:
+        n = config.module_shape(m)[0]
+        if m == module:
+            return LoraFactors(f.A, f.B[r0:r0 + n], f.gA, f.gB[r0:r0 + n])
+        r0 += n
+    raise AssertionError(module)
+
+
+def dropout_tag(config, layer, module):
+    """The tag of a projection's dropout masks: members of a fused projection share one, so
+    they drop the same inputs as the fused module's single mask does."""
+    if config.fused_projections:
+        module = FUSED.get(MEMBER_OF.get(module), (module,))[0]
+    return layer * len(ALL_MODULES) + ALL_MODULES.index(module)

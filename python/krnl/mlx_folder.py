@@ -17,7 +17,7 @@ of a module quantized as mx.quantize does, for krnl.hf.write_sharded."""
 import numpy as np
 
 from . import quant
-from .config import ATTN_MODULES, MLP_MODULES
+from .config import module_part
 from .qweight import QuantizedArray
 from .safetensors_io import encode, f32_to_bf16
 
@@ -31,8 +31,7 @@ def module_paths(config):
     Embedding layers), in checkpoint order."""
     out = ["model.embed_tokens"]
     for i in range(config.num_hidden_layers):
-        out += [f"model.layers.{i}.self_attn.{m}" for m in ATTN_MODULES]
-        out += [f"model.layers.{i}.mlp.{m}" for m in MLP_MODULES]
+        out += [f"model.layers.{i}.{module_part(m)}.{m}" for m in config.lora_modules()]
     if not config.tie_word_embeddings:
         out.append("lm_head")
     return out

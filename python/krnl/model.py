@@ -23,6 +23,7 @@ from .config import (ALL_MODULES, ATTN_MODULES, IGNORE_INDEX, MLP_MODULES, QKV_M
 from .generate import generate
 from .layer import Batch, Heads, Ones, build_layer, layer_backward, layer_forward
 from .lora import init_lora
+from . import phi3
 from .qweight import embed, frozen_weight, linear, linear_grad
 from . import quant
 
@@ -43,6 +44,8 @@ class LlamaModel:
         self.ce_chunk = int(ce_chunk)
         self._call_seed = int(seed)  # counts forward_backward calls: seeds their dropout masks
         config.check_weights(weights)
+        if config.fused_projections:  # phi3: q|k|v and gate|up rows of the fused weights
+            weights = phi3.split_fused(weights, config)
         c = config
         up = lambda k: device.tensor(np.asarray(weights[k], np.float32), dtype)
         self.embed = frozen_weight(device, [weights["model.embed_tokens.weight"]], dtype)  # (V, C)
@@ -53,7 +56,7 @@ class LlamaModel:
         # LoRA factors: one FlatParams, PEFT names, A then B per adapted module.
         self.lora_params, self.adapted = init_lora(device, c, self.lora_config, dtype, seed)
         self.heads = Heads(c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                           device.tensor(c.inv_freq(), "f32"))
+                           device.tensor(c.inv_freq(), "f32"), c.rope_attention_factor)
         ones = Ones(device, dtype)  # shared by the layers' q/k/v biases
         # quantize = (bits, group_size): the seven projections held quantized as MLX does (QLoRA on
         # a base quantized on load); embeddings, head and norms stay in the compute dtype.
@@ -135,7 +138,13 @@ class LlamaModel:
             positions = [d.tensor(pos[b], "i32") for b in range(B)]
         segments = None if seg is None else [d.tensor(seg[b], "i32") for b in range(B)]
         return Batch(B, T, positions, segments, call_seed, self.fused_attention, self.fused_segments,
-                     self.attn_block, window)
+                     self.attn_block, window, self.call_inv_freq(T - 1 if pos is None else int(pos.max())))
+
+    def call_inv_freq(self, max_position):
+        """The rotary frequencies of a call whose largest position is max_position when they
+        differ from the model's (LongRoPE's long factors), else None."""
+        inv = self.config.rope_inv_freq(max_position)
+        return None if np.array_equal(inv, self.config.inv_freq()) else self.dev.tensor(inv, "f32")
 
     # -- the stack -------------------------------------------------------------------------
 

@@ -322,3 +322,52 @@ def test_training_step_on_metal_sim_matches_cpu():
         scale = float(np.max(np.abs(g_c[k])))
         assert scale > 0, k
         assert float(np.max(np.abs(g_d[k] - g_c[k]))) <= 4e-5 * scale, k
+
+
+# ---------------------------------------------------------------------------------------------
+# mlx-lm: quantized fused weights and the adapter layout
+
+@pytest.mark.torch
+@pytest.mark.mlx
+def test_mlx_quantized_phi3_and_adapter_match_mlx_lm(tmp_path):
+    """mlx_lm.convert -q of a Phi-3 folder (fused qkv_proj and gate_up_proj quantized whole, krnl
+    splits their rows): krnl's loss equals mlx-lm's, without and with a krnl adapter in mlx-lm's
+    layout loaded by mlx_lm.load(adapter_path=...)."""
+    torch, transformers = _torch()
+    pytest.importorskip("mlx.core")
+    mlx_lm = pytest.importorskip("mlx_lm")
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    cfg = transformers.Phi3Config(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                  pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(3)
+    model = transformers.Phi3ForCausalLM(cfg)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if not n.endswith("norm.weight"):
+                p.copy_(torch.randn(p.shape) / p.shape[-1] ** 0.5)
+    model.save_pretrained(tmp_path / "base")
+    write_tokenizer(tmp_path / "base")
+    mlx_lm.convert(str(tmp_path / "base"), str(tmp_path / "q"), quantize=True, q_bits=4, q_group_size=32)
+    w = hf.load_hf_weights(tmp_path / "q")
+    assert isinstance(w["model.layers.0.self_attn.qkv_proj.weight"], krnl.qweight.QuantizedArray)
+    assert isinstance(w["model.layers.1.mlp.gate_up_proj.weight"], krnl.qweight.QuantizedArray)
+
+    def mlx_loss(ids, adapter=None):  # mlx-lm's mean next-token cross entropy, the model in f32
+        m, _ = mlx_lm.load(str(tmp_path / "q"), adapter_path=None if adapter is None else str(adapter))
+        m.set_dtype(mx.float32)
+        logits = m(mx.array(ids[:, :-1])).astype(mx.float32)
+        return nn.losses.cross_entropy(logits, mx.array(ids[:, 1:])).mean().item()
+
+    ids = np.random.default_rng(1).integers(0, V, (2, 14)).astype(np.int32)
+    lora = LoraConfig(r=2, alpha=4.0, target_modules=PHI3_MODULES)
+    m = hf.load_model(tmp_path / "q", krnl.device("cpu"), lora=lora)
+    st = m.lora_state()
+    assert m.loss(ids[:, :-1], ids[:, 1:]) == pytest.approx(mlx_loss(ids), rel=1e-4)  # B = 0: the base
+    st = _random_b(m, 2)
+    krnl.adapter.save_mlx_adapter(tmp_path / "ad", lora, st, m.config)
+    mine = m.loss(ids[:, :-1], ids[:, 1:])
+    assert abs(mine - mlx_loss(ids)) > 1e-2
+    assert mine == pytest.approx(mlx_loss(ids, tmp_path / "ad"), rel=1e-4)

@@ -112,6 +112,28 @@ def test_fused_members_share_a_and_the_dropout_mask():
     assert L.o_proj.seed(3) != L.q_proj.seed(3) and L.mlp.down.seed(3) != L.mlp.gate.seed(3)
 
 
+def test_fused_members_drop_the_same_inputs():
+    """In a training call q, k and v (gate and up) see one dropout mask of their shared input,
+    as PEFT's qkv_proj (gate_up_proj) does with its single dropout; o and down draw their own."""
+    from krnl.layer import layer_forward
+
+    c = ModelConfig.from_dict(_dict(num_hidden_layers=1))
+    m = krnl.model.LlamaModel(krnl.device("cpu"), c, krnl.model.random_weights(c), LoraConfig(r=2, dropout=0.4))
+    x = m.dev.tensor(np.random.default_rng(0).standard_normal((2 * 7, 40)).astype(np.float32), "f32")  # (N, C)
+    batch = m._batch((2, 7), call_seed=11)
+    with m.dev.step():
+        _, cache = layer_forward(m.layers[0], x, batch)
+    xq, xk, xv = (np.array(s.xd.numpy()) for s in cache.qkv)
+    xn = np.array(cache.xn.numpy())
+    dropped = xq == 0
+    assert 0.2 < dropped.mean() < 0.6 and not (xn == 0).any()
+    assert np.array_equal(xq, xk) and np.array_equal(xq, xv)
+    assert np.allclose(xq[~dropped], xn[~dropped] / 0.6, rtol=1e-6)
+    mc = cache.mlp
+    assert np.array_equal(mc.gate.xd.numpy(), mc.up.xd.numpy())
+    assert not np.array_equal(np.array(cache.o.xd.numpy()) == 0, dropped)  # o's input (N, H D), its own mask
+
+
 # ---------------------------------------------------------------------------------------------
 # Against transformers and PEFT (torch)
 

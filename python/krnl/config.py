@@ -219,14 +219,17 @@ class ModelConfig:
         s = {"model.embed_tokens.weight": (V, C)}
         for i in range(self.num_hidden_layers):
             p = f"model.layers.{i}."
-            for m in self.lora_modules():
-                s[p + f"{module_part(m)}.{m}.weight"] = self.module_shape(m)
+            mods = self.lora_modules()  # phi3: the fused qkv_proj and gate_up_proj
+            for m in (m for m in mods if module_part(m) == "self_attn"):
+                s[p + f"self_attn.{m}.weight"] = self.module_shape(m)
             if self.attention_bias:
                 for m in ("q_proj", "k_proj", "v_proj"):
                     s[p + f"self_attn.{m}.bias"] = (self.module_shape(m)[0],)
             if self.qk_norm:
                 s[p + "self_attn.q_norm.weight"] = (self.head_dim,)
                 s[p + "self_attn.k_norm.weight"] = (self.head_dim,)
+            for m in (m for m in mods if module_part(m) == "mlp"):
+                s[p + f"mlp.{m}.weight"] = self.module_shape(m)
             s[p + "input_layernorm.weight"] = (C,)
             s[p + "post_attention_layernorm.weight"] = (C,)
         s["model.norm.weight"] = (C,)

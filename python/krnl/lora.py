@@ -139,7 +139,8 @@ def factors(params, layer, module):
 def module_factors(config, params, adapted, layer, module):
     """The LoraFactors of projection `module` of a layer, None when not adapted. A member of a
     fused projection (phi3: q_proj of qkv_proj) shares the fused A and its gradient (the
-    members' dA add up into it) and takes its row block of B: LoRA on the fused module."""
+    members' dA add up into it, so its linears must accumulate gradients, as the model's do)
+    and takes its row block of B: LoRA on the fused module."""
     fused = MEMBER_OF.get(module) if config.fused_projections else None
     if fused is None:
         return factors(params, layer, module) if (layer, module) in adapted else None

@@ -1,5 +1,5 @@
 """Phi-3 / Phi-3.5 (model_type "phi3") specifics, used by config, lora and the model stack
-(docs/architecture.md, 'Phi-3'):
+(docs/architecture.md, 'Models, adapters and data'):
 
 - Fused projections: checkpoints store self_attn.qkv_proj (H D + 2 Hk D, C), rows q | k | v, and
   mlp.gate_up_proj (2F, C), rows gate | up. The model splits their rows at load (krnl's layer
@@ -62,7 +62,7 @@ def split_fused(weights, config):
 
 def row_slice(a, r0, r1):
     """Rows r0:r1 of a weight (array-like or QuantizedArray), read when used."""
-    if hasattr(a, "bits") and hasattr(a, "scales"):  # a QuantizedArray (qweight is above this module)
+    if hasattr(a, "bits") and hasattr(a, "scales"):  # a QuantizedArray (by duck type: qweight loads _core)
         return type(a)(Rows(a.w, r0, r1), Rows(a.scales, r0, r1), Rows(a.biases, r0, r1), a.bits, a.group_size,
                        a.scale_dtype)
     return Rows(a, r0, r1)

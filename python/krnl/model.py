@@ -55,6 +55,7 @@ class LlamaModel:
         self.norm_w = up("model.norm.weight")                            # (C,)
         # LoRA factors: one FlatParams, PEFT names, A then B per adapted module.
         self.lora_params, self.adapted = init_lora(device, c, self.lora_config, dtype, seed)
+        self._long_inv_freq = None  # (D/2,) f32 LongRoPE's long factors' frequencies, on first use
         self.heads = Heads(c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                            device.tensor(c.inv_freq(), "f32"), c.rope_attention_factor)
         ones = Ones(device, dtype)  # shared by the layers' q/k/v biases
@@ -141,10 +142,14 @@ class LlamaModel:
                      self.attn_block, window, self.call_inv_freq(T - 1 if pos is None else int(pos.max())))
 
     def call_inv_freq(self, max_position):
-        """The rotary frequencies of a call whose largest position is max_position when they
-        differ from the model's (LongRoPE's long factors), else None."""
-        inv = self.config.rope_inv_freq(max_position)
-        return None if np.array_equal(inv, self.config.inv_freq()) else self.dev.tensor(inv, "f32")
+        """The rotary frequencies of a call whose largest position is max_position where they
+        differ from the model's (LongRoPE's long factors, uploaded once), else None."""
+        switch = self.config.rope_switch_position
+        if switch is None or max_position < switch:
+            return None
+        if self._long_inv_freq is None:
+            self._long_inv_freq = self.dev.tensor(self.config.rope_inv_freq(max_position), "f32")
+        return self._long_inv_freq
 
     # -- the stack -------------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ from krnl import hf
 from krnl.model import ALL_MODULES, LoraConfig, ModelConfig, lora_key
 
 from conftest import METAL_SIM, lora_step, tiny_lora_model
-from mlx_folders import write_data, write_tokenizer
+from mlx_folders import make_base, write_data, write_tokenizer
 
 V = 61
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
@@ -152,6 +152,21 @@ def test_loss_matches_transformers(folders, name):
 
 
 @pytest.mark.torch
+def test_norms_fold_one_in_f32_in_every_dtype(folders):
+    """The frozen norm copies are 1 + w in f32 (rmsnorm's f32 weights), in a bf16 model too."""
+    folder = folders["gqa"]
+    w = hf.read_tensors(folder)
+    m = hf.load_model(folder, krnl.device("cpu"), dtype="bf16")
+    L = m.layers[1]
+    for t, name in ((L.n1, "input_layernorm"), (L.gemma.post_attn, "post_attention_layernorm"),
+                    (L.mlp.norm, "pre_feedforward_layernorm"), (L.mlp.post, "post_feedforward_layernorm")):
+        assert t.dtype == "f32"
+        want = 1.0 + np.asarray(w[f"model.layers.1.{name}.weight"], np.float32)
+        assert np.array_equal(np.asarray(t.numpy()), want), name
+    assert np.array_equal(np.asarray(m.norm_w.numpy()), 1.0 + np.asarray(w["model.norm.weight"], np.float32))
+
+
+@pytest.mark.torch
 def test_loss_without_attention_softcap_takes_the_fused_window(folders, tmp_path):
     """No attention cap: the fused op runs the windowed layers where the device lists the window
     (the CPU does), else the materialised window; both equal transformers."""
@@ -235,6 +250,23 @@ def test_greedy_generation_matches_transformers(folders, name):
 
 
 @pytest.mark.torch
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_cached_decode_logits_match_transformers(folders, name):
+    """The KV cache's logits, a prompt of 4 then one token at a time past the windows, equal
+    transformers' logits of the whole sequence (each layer's scale, cap and window in the cache)."""
+    torch, _ = _torch()
+    from krnl.generate import KVCache, decode
+
+    ids = np.random.default_rng(6).integers(0, V, T)
+    with torch.no_grad():
+        want = _hf_model(folders[name])(torch.tensor(ids[None])).logits[0].numpy()
+    m = hf.load_model(folders[name], krnl.device("cpu"))
+    cache = KVCache(m.dev, m.dtype, len(m.layers), m.heads, T, [L.gemma for L in m.layers])
+    got = [decode(m, list(ids[:4]), 0, cache)] + [decode(m, [int(ids[t])], t, cache) for t in range(4, T)]
+    assert np.abs(np.stack(got) - want[3:]).max() <= 1e-5 * np.abs(want).max()
+
+
+@pytest.mark.torch
 def test_cli_trains_a_gemma2_folder(folders, tmp_path):
     from krnl.cli import main
 
@@ -299,3 +331,35 @@ def test_training_step_on_metal_sim_matches_cpu():
         scale = float(np.max(np.abs(g_c[k])))
         assert scale > 0, k
         assert float(np.max(np.abs(g_d[k] - g_c[k]))) <= 4e-5 * scale, k
+
+
+@pytest.mark.mlx
+def test_mlx_quantized_gemma2_matches_mlx_lm(tmp_path):
+    """mlx_lm.convert -q of a Gemma 2 folder (the four norms stay float, the tied embedding is
+    quantized): krnl's loss equals mlx-lm's. mlx-lm's Gemma 2 has no sliding window, so the
+    sequences stay shorter than it."""
+    pytest.importorskip("mlx.core")
+    mlx_lm = pytest.importorskip("mlx_lm")
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    def mlx_loss(path, ids):  # mlx-lm's mean next-token cross entropy, the model in f32
+        model, _ = mlx_lm.load(str(path))
+        model.set_dtype(mx.float32)
+        logits = model(mx.array(ids[:, :-1])).astype(mx.float32)
+        return nn.losses.cross_entropy(logits, mx.array(ids[:, 1:])).mean().item()
+
+    base = make_base(tmp_path / "base", model_type="gemma2", head_dim=32, num_hidden_layers=2, rope_theta=10000.0,
+                     tie_word_embeddings=True, sliding_window=32, query_pre_attn_scalar=32,
+                     attn_logit_softcapping=3.0, final_logit_softcapping=4.0)
+    # transformers would pick Gemma's own tokenizer class for a gemma2 folder; ours is a plain one
+    (base / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>",
+                                                             "tokenizer_class": "PreTrainedTokenizerFast"}))
+    mlx_lm.convert(str(base), str(tmp_path / "q"), quantize=True, q_bits=4, q_group_size=32)
+    w = hf.load_hf_weights(tmp_path / "q")
+    assert isinstance(w["model.embed_tokens.weight"], krnl.qweight.QuantizedArray)
+    assert not isinstance(w["model.layers.0.post_feedforward_layernorm.weight"], krnl.qweight.QuantizedArray)
+    m = hf.load_model(tmp_path / "q", krnl.device("cpu"), dtype="f32")
+    for seed in range(2):
+        ids = np.random.default_rng(seed).integers(0, V, (2, 14)).astype(np.int32)
+        assert m.loss(ids[:, :-1], ids[:, 1:]) == pytest.approx(mlx_loss(tmp_path / "q", ids), rel=1e-4)

@@ -7,7 +7,8 @@
     x0 = embed(ids) * sqrt(C) (rounded to the compute dtype, as transformers does), logits soft-capped
 
 Every RMSNorm weight w scales by (1 + w): the frozen copies the layers hold have it folded in at
-load (`fuse` reads the files again, so it writes the original w). The fused attention op has no
+load, in f32 whatever the compute dtype (rmsnorm takes f32 weights; transformers multiplies by
+1 + w in f32 before rounding), and `fuse` reads the files again, so it writes the original w. The fused attention op has no
 soft-capping, so a layer with attn_softcap always takes the materialised path."""
 
 from dataclasses import dataclass

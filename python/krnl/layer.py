@@ -201,7 +201,7 @@ def build_gemma_layer(i, c, weights, device, dtype, heads, ones, qkv, qkv_bias, 
     """Gemma 2's layer: four norms with (1 + w) folded into the frozen copies, GeGLU, and its
     attention settings (gemma.GemmaAttn)."""
     p, g, eps = f"model.layers.{i}.", c.gemma, c.rms_norm_eps
-    norm = lambda name: device.tensor(gemma.norm_weight(weights[p + name]), dtype)  # (C,)
+    norm = lambda name: device.tensor(gemma.norm_weight(weights[p + name]), "f32")  # (C,) f32 (1 + w)
     mlp = Mlp(norm("pre_feedforward_layernorm.weight"), lin["gate_proj"], lin["up_proj"], lin["down_proj"], eps,
               norm("post_feedforward_layernorm.weight"))
     ga = gemma.GemmaAttn(norm("post_attention_layernorm.weight"), g["attn_scale"], g["attn_softcap"], g["windows"][i])

@@ -52,7 +52,7 @@ class LlamaModel:
         self.head = self.embed if c.tie_word_embeddings else frozen_weight(device, [weights["lm_head.weight"]], dtype)
         self.norm_w = up("model.norm.weight")                            # (C,)
         if c.gemma:  # (1 + w), folded into the frozen copy only
-            self.norm_w = device.tensor(gemma.norm_weight(weights["model.norm.weight"]), dtype)
+            self.norm_w = device.tensor(gemma.norm_weight(weights["model.norm.weight"]), "f32")
         self.embed_scale = gemma.embed_scale(c, dtype)                     # None but for gemma2
         self.final_softcap = c.gemma["final_softcap"] if c.gemma else 0.0
         # LoRA factors: one FlatParams, PEFT names, A then B per adapted module.

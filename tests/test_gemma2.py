@@ -167,6 +167,34 @@ def test_norms_fold_one_in_f32_in_every_dtype(folders):
 
 
 @pytest.mark.torch
+@pytest.mark.parametrize("dtype, torch_dtype", [("f32", "float32"), ("f16", "float16"), ("bf16", "bfloat16")])
+@pytest.mark.parametrize("C", [48, 2304, 3584])
+def test_embed_scale_rounds_as_transformers(dtype, torch_dtype, C):
+    torch, _ = _torch()
+    from krnl.gemma import embed_scale
+
+    c = ModelConfig.from_dict({**CONFIGS["gqa"], "model_type": "gemma2", "vocab_size": V, "hidden_size": C})
+    assert embed_scale(c, dtype) == float(torch.tensor(C ** 0.5, dtype=getattr(torch, torch_dtype)))
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("fused", [False, True])
+def test_packed_rows_equal_separate_sequences(folders, fused):
+    """Two samples packed in one row (segments, per-token positions) give the loss of the two
+    apart: the windows and the soft-capped scores stay inside a segment."""
+    folder = folders["gqa"]
+    rng = np.random.default_rng(8)
+    a, b = rng.integers(0, V, 6), rng.integers(0, V, 7)
+    tgt = lambda x: np.concatenate([x[1:], [-100]])
+    m = hf.load_model(folder, krnl.device("cpu"))
+    m.fused_attention = fused
+    la, lb = m.loss(a[None], tgt(a)[None]), m.loss(b[None], tgt(b)[None])
+    packed = m.loss(np.concatenate([a, b])[None], np.concatenate([tgt(a), tgt(b)])[None],
+                    segments=np.array([[0] * 6 + [1] * 7]), positions=np.concatenate([np.arange(6), np.arange(7)])[None])
+    assert packed == pytest.approx((5 * la + 6 * lb) / 11, rel=LOSS_RTOL)
+
+
+@pytest.mark.torch
 def test_loss_without_attention_softcap_takes_the_fused_window(folders, tmp_path):
     """No attention cap: the fused op runs the windowed layers where the device lists the window
     (the CPU does), else the materialised window; both equal transformers."""

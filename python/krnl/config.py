@@ -228,9 +228,9 @@ def gemma2_fields(d, get, where):
     "final_softcap" (0: none), "windows": per layer, the sliding window (0: full attention)}. Layers
     follow `layer_types`; older configs without it slide on even layers (transformers' default)."""
     n = get("num_hidden_layers", int)
-    if d.get("hidden_activation", d.get("hidden_act", "gelu_pytorch_tanh")) not in ("gelu_pytorch_tanh", None):
-        raise ValueError(f"{where}: unsupported hidden_activation {d.get('hidden_activation')!r}; "
-                         "supported: gelu_pytorch_tanh")
+    act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise ValueError(f"{where}: unsupported hidden_activation {act!r}; supported: gelu_pytorch_tanh")
     types = d.get("layer_types")
     if types is None:
         types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]

@@ -133,10 +133,11 @@ def test_loss_matches_transformers(folders, name):
     ids, labels, targets = _batch()
     ref_model = _hf_model(folder)
     ref = _torch_loss(ref_model, ids, labels)
-    for fused in (False, True):  # soft-capping keeps every layer materialised either way
+    # soft-capping keeps every layer materialised, fused or not; query row blocks of 4 (13 = 4 4 4 1)
+    for fused, block in ((False, 0), (True, 0), (False, 4)):
         m = hf.load_model(folder, krnl.device("cpu"))
-        m.fused_attention = fused
-        assert m.loss(ids, targets) == pytest.approx(ref, rel=LOSS_RTOL), fused
+        m.fused_attention, m.attn_block = fused, block
+        assert m.loss(ids, targets) == pytest.approx(ref, rel=LOSS_RTOL), (fused, block)
     with torch.no_grad():
         want = ref_model(torch.tensor(ids)).logits.numpy()
     got = m.logits(ids)
@@ -214,14 +215,16 @@ def test_loss_without_attention_softcap_takes_the_fused_window(folders, tmp_path
 
 
 @pytest.mark.torch
-@pytest.mark.parametrize("name, ckpt", [("gqa", False), ("old", True)])
-def test_lora_gradients_match_peft(folders, name, ckpt):
-    """All seven targets; PyTorch autograd through PEFT's LoRA on transformers' model."""
+@pytest.mark.parametrize("name, ckpt, block", [("gqa", False, 0), ("gqa", False, 4), ("old", True, 0)])
+def test_lora_gradients_match_peft(folders, name, ckpt, block):
+    """All seven targets; PyTorch autograd through PEFT's LoRA on transformers' model; block > 0:
+    the soft-capped attention in query row blocks."""
     torch, _ = _torch()
     peft = pytest.importorskip("peft")
     folder = folders[name]
     lora = LoraConfig(r=3, alpha=5.0, target_modules=ALL_MODULES)
     m = hf.load_model(folder, krnl.device("cpu"), lora=lora, grad_checkpoint=ckpt)
+    m.attn_block = block
     st = _random_b(m, 1)
     ids, labels, targets = _batch(2)
     loss, grads = lora_step(m, ids, targets)

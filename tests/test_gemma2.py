@@ -152,6 +152,25 @@ def test_loss_matches_transformers(folders, name):
         assert abs(other.loss(ids, targets) - ref) > 1e-4, change
 
 
+def test_attention_path_follows_cap_and_capabilities():
+    """A soft-capped layer is materialised even where the batch takes the fused op; without a cap
+    a windowed layer takes the fused op only where the device lists the window."""
+    from krnl.attention import FusedSaved, MaterialisedSaved
+    from krnl.gemma import GemmaAttn, SoftcapSaved, attend
+    from krnl.layer import Batch
+
+    d = krnl.device("cpu")
+    rng = np.random.default_rng(0)
+    q, k, v = (d.tensor(rng.standard_normal(s).astype(np.float32), "f32") for s in ((2, 7, 8), (1, 7, 8), (1, 7, 8)))
+    out = d.empty((2, 7, 8), "f32")
+    pos = [d.tensor(np.arange(7, dtype=np.int32), "i32")]
+    for cap, window, fused_window, want in ((2.0, 3, True, SoftcapSaved), (2.0, 0, True, SoftcapSaved),
+                                            (0.0, 3, True, FusedSaved), (0.0, 3, False, MaterialisedSaved),
+                                            (0.0, 0, False, FusedSaved)):
+        batch = Batch(1, 7, pos, fused=True, fused_window=fused_window)
+        assert type(attend(GemmaAttn(None, 0.3, cap, window), batch, 0, q, k, v, out)) is want, (cap, window)
+
+
 @pytest.mark.torch
 def test_norms_fold_one_in_f32_in_every_dtype(folders):
     """The frozen norm copies are 1 + w in f32 (rmsnorm's f32 weights), in a bf16 model too."""

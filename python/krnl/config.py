@@ -1,4 +1,5 @@
-"""What a model is: the Llama-family configuration (HF config.json; qwen3 adds per-head q/k norms),
+"""What a model is: the Llama-family configuration (HF config.json; qwen3 adds per-head q/k norms,
+gemma2 the four norms per layer, soft-capping and alternating sliding windows),
 the LoRA configuration, PEFT's key names of LoRA factors, and random weights for tiny test
 models. No device code."""
 
@@ -11,7 +12,7 @@ import numpy as np
 
 from . import phi3
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2")
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 ALL_MODULES = ATTN_MODULES + MLP_MODULES
@@ -36,6 +37,7 @@ class ModelConfig:
     attention_bias: bool = False
     max_position_embeddings: int = 2048
     sliding_window: Optional[int] = None  # attention window (mistral; qwen2/qwen3 with use_sliding_window)
+    gemma: Optional[dict] = None  # gemma2: gemma2_fields' dict (None for the other families)
     source: str = field(default="<dict>", repr=False, compare=False)
 
     @classmethod
@@ -144,6 +146,7 @@ class ModelConfig:
             attention_bias=bias,
             max_position_embeddings=get("max_position_embeddings", int, default=2048),
             sliding_window=sw,
+            gemma=gemma2_fields(d, get, where) if mt == "gemma2" else None,
             source=source,
         )
 
@@ -232,6 +235,9 @@ class ModelConfig:
                 s[p + f"mlp.{m}.weight"] = self.module_shape(m)
             s[p + "input_layernorm.weight"] = (C,)
             s[p + "post_attention_layernorm.weight"] = (C,)
+            if self.gemma:
+                s[p + "pre_feedforward_layernorm.weight"] = (C,)
+                s[p + "post_feedforward_layernorm.weight"] = (C,)
         s["model.norm.weight"] = (C,)
         if not self.tie_word_embeddings:
             s["lm_head.weight"] = (V, C)
@@ -256,6 +262,30 @@ class ModelConfig:
             msgs.append(f"wrong shapes {bad}")
         if msgs:
             raise ValueError(f"{who} weights do not match the config ({self.source}): " + "; ".join(msgs))
+
+
+def gemma2_fields(d, get, where):
+    """Gemma 2's keys: {"attn_scale": query_pre_attn_scalar ** -0.5, "attn_softcap" and
+    "final_softcap" (0: none), "windows": per layer, the sliding window (0: full attention)}. Layers
+    follow `layer_types`; older configs without it slide on even layers (transformers' default)."""
+    n = get("num_hidden_layers", int)
+    act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise ValueError(f"{where}: unsupported hidden_activation {act!r}; supported: gelu_pytorch_tanh")
+    types = d.get("layer_types")
+    if types is None:
+        types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+    if not isinstance(types, list) or len(types) != n or any(t not in ("sliding_attention", "full_attention")
+                                                            for t in types):
+        raise ValueError(f"{where}: key 'layer_types' must list {n} of 'sliding_attention' / 'full_attention', "
+                         f"got {types!r}")
+    sw = get("sliding_window", int, default=0, required=False) or 0
+    if sw == 0 and "sliding_attention" in types:
+        raise ValueError(f"{where}: layer_types has sliding_attention layers but no sliding_window")
+    return {"attn_scale": float(get("query_pre_attn_scalar", float, default=256.0)) ** -0.5,
+            "attn_softcap": get("attn_logit_softcapping", float, default=0.0, required=False) or 0.0,
+            "final_softcap": get("final_logit_softcapping", float, default=0.0, required=False) or 0.0,
+            "windows": [sw if t == "sliding_attention" else 0 for t in types]}
 
 
 @dataclass

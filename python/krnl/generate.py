@@ -14,8 +14,9 @@ ops = _core.ops
 class KVCache:
     """Per layer and KV head: keys and values (total, D), rows filled as positions are decoded."""
 
-    def __init__(self, device, dtype, n_layers, heads, total):
+    def __init__(self, device, dtype, n_layers, heads, total, gemma=None):
         self.heads = heads
+        self.gemma = gemma or [None] * n_layers  # per layer: gemma.GemmaAttn or None
         e = lambda: [device.empty((total, heads.D), dtype) for _ in range(heads.Hk)]
         self.k = [e() for _ in range(n_layers)]
         self.v = [e() for _ in range(n_layers)]
@@ -23,8 +24,11 @@ class KVCache:
     def attention(self, i, start):
         """layer_forward's attend for layer i on tokens at positions start..: appends their keys
         and values, then out = causal attention over every cached position."""
-        hd = self.heads
+        hd, ga = self.heads, self.gemma[i]
         Kc, Vc, g, D, scale = self.k[i], self.v[i], hd.g, hd.D, hd.scale
+        cap, window = 0.0, 0
+        if ga is not None:  # gemma2: its scale, soft-capped scores, the layer's sliding window
+            scale, cap, window = ga.scale, ga.softcap, ga.window
 
         def attend(b, q, k, v, out):  # q, out (H, n, D); k, v (Hk, n, D)
             d, dt, n = q.device, q.dtype, q.shape[1]
@@ -35,7 +39,10 @@ class KVCache:
                 # The g query heads of KV head j are contiguous: one (g n, D) operand.
                 S = d.empty((g, n, end), dt)
                 ops.gemm(q[j * g:(j + 1) * g].reshape(g * n, D), Kc[j][:end], S.reshape(g * n, end), trans_b=True)
-                ops.softmax_causal_forward(S, S, scale)                  # query i sits at start + i
+                if cap:
+                    ops.scale(S, scale, S)
+                    ops.softcap(S, cap, S)
+                ops.softmax_causal_forward(S, S, 1.0 if cap else scale, window=window)  # query i at start + i
                 ops.gemm(S.reshape(g * n, end), Vc[j][:end], out[j * g:(j + 1) * g].reshape(g * n, D))
             return None  # nothing to save: no backward
 
@@ -67,12 +74,16 @@ def decode(model, ids, start, cache):
                       inv_freq=model.call_inv_freq(start + n - 1))
         x = d.empty((n, C), dt)                                           # (n, C)
         embed(ids_t, model.embed, x)
+        if model.embed_scale is not None:
+            ops.scale(x, model.embed_scale, x)
         for i, L in enumerate(model.layers):
             x, _ = layer_forward(L, x, batch, cache.attention(i, start))
         last, xn, r = x[n - 1:n], d.empty((1, C), dt), d.empty((1,), "f32")
         ops.rmsnorm_forward(last, model.norm_w, xn, r, c.rms_norm_eps)
         logits = d.empty((1, c.vocab_size), "f32" if dt == "f32" else dt)  # (1, V)
         linear(xn, model.head, logits)
+        if model.final_softcap:
+            ops.softcap(logits, model.final_softcap, logits)
     return np.asarray(logits.numpy()[0], np.float32)
 
 
@@ -85,7 +96,8 @@ def generate(model, prompt, max_new_tokens=32, temperature=0.0, top_p=1.0, seed=
     total = min(len(prompt) + max_new_tokens, mp)
     if len(prompt) >= total:
         raise ValueError(f"[generate] the prompt fills max_position_embeddings {mp}")
-    cache = KVCache(model.dev, model.dtype, len(model.layers), model.heads, total)
+    cache = KVCache(model.dev, model.dtype, len(model.layers), model.heads, total,
+                    [L.gemma for L in model.layers])
     rng = np.random.default_rng(seed)
     out, pending, pos = [], prompt, 0
     switch = model.config.rope_switch_position  # LongRoPE: None, or where the long factors begin

@@ -4,6 +4,7 @@
     q|k|v = xn Wqkv^T (+ b) (+ LoRA per block)    heads, (qwen3: rmsnorm of each q and k head), rotary
     h = x + o_proj(attention(q, k, v))
     y = h + down(silu(gate(hn)) * up(hn))           hn = rmsnorm(h) n2
+    (gemma2, gemma.py: both sums' second terms RMS-normed first, GeGLU, its own attention)
 
 N = B T rows of C features; H query heads and Hk key/value heads of D features. A Layer holds the
 frozen weights and the LoRA linears, a Batch the rows of one call, a LayerCache what backward reads."""
@@ -16,6 +17,8 @@ import numpy as np
 
 from . import _core
 from .attention import fused_forward, materialised_forward
+from . import gemma
+from .gemma import GemmaAttn
 from .config import ALL_MODULES, ATTN_MODULES, QKV_MODULES
 from .lora import LoraLinear, LoraSaved, dropout_tag, module_factors
 from .qweight import frozen_weight, linear, linear_grad
@@ -68,6 +71,7 @@ class Mlp:
     up: LoraLinear      # (F, C)
     down: LoraLinear    # (C, F)
     eps: float
+    post: Optional[Tensor] = None  # (C,) gemma2: post_feedforward_layernorm (also selects GeGLU)
 
 
 @dataclass
@@ -80,6 +84,8 @@ class MlpCache:
     gate: Optional[LoraSaved]
     up: Optional[LoraSaved]
     down: Optional[LoraSaved]
+    m: Optional[Tensor] = None        # (N, C) gemma2: down(a) before the post norm
+    m_rstd: Optional[Tensor] = None   # (N,) f32 its rstd
 
 
 @dataclass
@@ -101,6 +107,7 @@ class Layer:
     mlp: Mlp
     q_norm: Optional[Tensor] = None  # (D,) qwen3: RMSNorm of every query head (None: no q/k norm)
     k_norm: Optional[Tensor] = None  # (D,) ... and of every key head
+    gemma: Optional[GemmaAttn] = None  # gemma2's attention settings and post-attention norm
 
     def linears(self):
         """{HF module name: LoraLinear}."""
@@ -120,6 +127,8 @@ class Layer:
             out["qkv_bias"] = self.qkv_bias
         if self.q_norm is not None:
             out.update(q_norm=self.q_norm, k_norm=self.k_norm)
+        if self.gemma is not None:
+            out.update(post_attn=self.gemma.post_attn, post_mlp=self.mlp.post)
         out.update({m: lin.W for m, lin in self.linears().items() if m not in QKV_MODULES})
         return out
 
@@ -137,6 +146,7 @@ class Batch:
     attn_block: int = 0              # query rows per materialised block (0: one block)
     window: int = 0                  # sliding window of the fused op (0: none; never materialised)
     inv_freq: Optional[Tensor] = None  # (D/2,) f32: this call's rotary frequencies (None: Heads')
+    fused_window: bool = False       # the fused op takes a window (gemma2's per-layer windows)
 
     def attend(self, b, q, k, v, out, scale):
         """out (H, T, D) = attention of row b; returns its saved state."""
@@ -156,6 +166,8 @@ class LayerCache:
     o: Optional[LoraSaved]
     h: Tensor           # (N, C) x + attention
     mlp: MlpCache
+    a: Optional[Tensor] = None       # (N, C) gemma2: o_proj's output before the post norm
+    a_rstd: Optional[Tensor] = None  # (N,) f32 its rstd
 
 
 def build_layer(i, config, weights, device, dtype, heads, ones, lora_config, lora_params, adapted, quantize=None):
@@ -183,12 +195,26 @@ def build_layer(i, config, weights, device, dtype, heads, ones, lora_config, lor
         f = module_factors(c, lora_params, adapted, i, m)
         lin[m] = LoraLinear(W, f, lora_config.scale, lora_config.dropout, tag=dropout_tag(c, i, m))
     eps = c.rms_norm_eps
+    if c.gemma:
+        return build_gemma_layer(i, c, weights, device, dtype, heads, ones, qkv, qkv_bias, lin)
     mlp = Mlp(up([p + "post_attention_layernorm.weight"]), lin["gate_proj"], lin["up_proj"], lin["down_proj"], eps)
     qn = kn = None
     if c.qk_norm:
         qn, kn = up([p + "self_attn.q_norm.weight"]), up([p + "self_attn.k_norm.weight"])
     return Layer(heads, eps, up([p + "input_layernorm.weight"]), qkv, qkv_bias, ones,
                  lin["q_proj"], lin["k_proj"], lin["v_proj"], lin["o_proj"], mlp, qn, kn)
+
+
+def build_gemma_layer(i, c, weights, device, dtype, heads, ones, qkv, qkv_bias, lin):
+    """Gemma 2's layer: four norms with (1 + w) folded into the frozen copies, GeGLU, and its
+    attention settings (gemma.GemmaAttn)."""
+    p, g, eps = f"model.layers.{i}.", c.gemma, c.rms_norm_eps
+    norm = lambda name: device.tensor(gemma.norm_weight(weights[p + name]), "f32")  # (C,) f32 (1 + w)
+    mlp = Mlp(norm("pre_feedforward_layernorm.weight"), lin["gate_proj"], lin["up_proj"], lin["down_proj"], eps,
+              norm("post_feedforward_layernorm.weight"))
+    ga = gemma.GemmaAttn(norm("post_attention_layernorm.weight"), g["attn_scale"], g["attn_softcap"], g["windows"][i])
+    return Layer(heads, eps, norm("input_layernorm.weight"), qkv, qkv_bias, ones,
+                 lin["q_proj"], lin["k_proj"], lin["v_proj"], lin["o_proj"], mlp, gemma=ga)
 
 
 def mlp_forward(mlp, h, call_seed=None):
@@ -200,11 +226,15 @@ def mlp_forward(mlp, h, call_seed=None):
     g, u, a = d.empty((N, F), dt), d.empty((N, F), dt), d.empty((N, F), dt)  # (N, F) each
     gs = mlp.gate.forward(hn, g, call_seed)
     us = mlp.up.forward(hn, u, call_seed)
-    ops.swiglu_forward(g, u, a)
+    (ops.swiglu_forward if mlp.post is None else ops.geglu_forward)(g, u, a)
     y = d.empty((N, C), dt)
     ds = mlp.down.forward(a, y, call_seed)
+    m = mr = None
+    if mlp.post is not None:                                              # gemma2: y = h + rmsnorm(m)
+        m = y
+        y, mr = gemma.post_norm_forward(mlp.post, m, mlp.eps)
     ops.add(y, h, y)                                                      # y = h + mlp
-    return y, MlpCache(hn, rstd, g, u, a, gs, us, ds)
+    return y, MlpCache(hn, rstd, g, u, a, gs, us, ds, m, mr)
 
 
 def mlp_backward(mlp, h, cache, dy):
@@ -212,9 +242,10 @@ def mlp_backward(mlp, h, cache, dy):
     d, dt = h.device, h.dtype
     N, C, F = h.shape[0], h.shape[1], mlp.gate.out
     da = d.empty((N, F), dt)
-    mlp.down.backward(dy, cache.down, da)
+    dm = dy if mlp.post is None else gemma.post_norm_backward(mlp.post, cache.m, cache.m_rstd, dy)
+    mlp.down.backward(dm, cache.down, da)
     dg, du = d.empty((N, F), dt), d.empty((N, F), dt)
-    ops.swiglu_backward(da, cache.g, cache.u, dg, du)
+    (ops.swiglu_backward if mlp.post is None else ops.geglu_backward)(da, cache.g, cache.u, dg, du)
     dhn = d.empty((N, C), dt)
     mlp.gate.backward(dg, cache.gate, dhn)
     mlp.up.backward(du, cache.up, dhn, accumulate=True)
@@ -240,7 +271,9 @@ def layer_forward(L, x, batch, attend: Optional[Callable] = None):
     d, dt, hd = x.device, x.dtype, L.heads
     B, T, H, Hk, D = batch.B, batch.T, hd.H, hd.Hk, hd.D
     N, C, NH = B * T, x.shape[1], H + 2 * Hk
-    if attend is None:
+    if attend is None and L.gemma is not None:
+        attend = lambda b, q, k, v, out: gemma.attend(L.gemma, batch, b, q, k, v, out)
+    elif attend is None:
         attend = lambda b, q, k, v, out: batch.attend(b, q, k, v, out, hd.scale)
     xn, r1 = d.empty((N, C), dt), d.empty((N,), "f32")                   # (N, C), (N,)
     ops.rmsnorm_forward(x, L.n1, xn, r1, L.eps)
@@ -263,9 +296,13 @@ def layer_forward(L, x, batch, attend: Optional[Callable] = None):
         ops.transpose_heads(oh, att[r].reshape(T, H, D))
     h = d.empty((N, C), dt)                                               # (N, C)
     o_saved = L.o_proj.forward(att, h, batch.call_seed)
+    a = ar = None
+    if L.gemma is not None:                                               # gemma2: h = x + rmsnorm(attn)
+        a = h
+        h, ar = gemma.post_norm_forward(L.gemma.post_attn, a, L.eps)
     ops.add(h, x, h)                                                      # h = x + attn
     y, mlp_cache = mlp_forward(L.mlp, h, batch.call_seed)
-    return y, LayerCache(xn, r1, qkv_saved, saved, qk_saved, o_saved, h, mlp_cache)
+    return y, LayerCache(xn, r1, qkv_saved, saved, qk_saved, o_saved, h, mlp_cache, a, ar)
 
 
 def qk_norm_forward(L, heads, H, Hk):
@@ -299,7 +336,8 @@ def layer_backward(L, x, cache, dy, batch):
     N, C, NH = B * T, x.shape[1], H + 2 * Hk
     dh = mlp_backward(L.mlp, cache.h, cache.mlp, dy)                      # (N, C)
     datt = d.empty((N, H * D), dt)                                        # (N, H D)
-    L.o_proj.backward(dh, cache.o, datt)
+    da = dh if L.gemma is None else gemma.post_norm_backward(L.gemma.post_attn, cache.a, cache.a_rstd, dh)
+    L.o_proj.backward(da, cache.o, datt)
     dqkv = d.empty((N, NH * D), dt)                                       # (N, NH D)
     for b, saved in enumerate(cache.attn):
         r = slice(b * T, (b + 1) * T)

@@ -1,4 +1,4 @@
-"""The Llama family (llama, mistral, qwen2, qwen3, phi3) with LoRA adapters, as explicit forward and backward
+"""The Llama family (llama, mistral, qwen2, qwen3, phi3, gemma2) with LoRA adapters, as explicit forward and backward
 over core ops (llm.c style, no autograd tape; docs/architecture.md): the stack of decoder
 layers (layer.py), the loss and evaluation; generation is in generate.py.
 
@@ -8,6 +8,7 @@ layers (layer.py), the loss and evaluation; generation is in generate.py.
                 y = h + down_proj(silu(gate_proj(n2)) * up_proj(n2))                  n2 = rmsnorm(h)
     logits = rmsnorm(x_L) W_head^T  (W_head = embed_tokens when tied), mean cross entropy over
     the targets that are not ignore_index (-100), chunked over tokens.
+    (gemma2, gemma.py: x0 scaled by sqrt(C), logits soft-capped, its own layer pieces)
 
 Frozen weights are uploaded once in the compute dtype, stored [out, in] as in HF checkpoints.
 Every adapted linear is y = x W^T (+ bias) + s (drop(x) A^T) B^T with A (r, in), B (out, r) as
@@ -25,7 +26,7 @@ from .layer import Batch, Heads, Ones, build_layer, layer_backward, layer_forwar
 from .lora import init_lora
 from . import phi3
 from .qweight import embed, frozen_weight, linear, linear_grad
-from . import quant
+from . import gemma, quant
 
 ops = _core.ops
 
@@ -53,6 +54,10 @@ class LlamaModel:
         # (a tied head is the table); --quantize leaves both in the compute dtype.
         self.head = self.embed if c.tie_word_embeddings else frozen_weight(device, [weights["lm_head.weight"]], dtype)
         self.norm_w = up("model.norm.weight")                            # (C,)
+        if c.gemma:  # (1 + w), folded into the frozen copy only
+            self.norm_w = device.tensor(gemma.norm_weight(weights["model.norm.weight"]), "f32")
+        self.embed_scale = gemma.embed_scale(c, dtype)                     # None but for gemma2
+        self.final_softcap = c.gemma["final_softcap"] if c.gemma else 0.0
         # LoRA factors: one FlatParams, PEFT names, A then B per adapted module.
         self.lora_params, self.adapted = init_lora(device, c, self.lora_config, dtype, seed)
         self._long_inv_freq = None  # (D/2,) f32 LongRoPE's long factors' frequencies, on first use
@@ -139,7 +144,8 @@ class LlamaModel:
             positions = [d.tensor(pos[b], "i32") for b in range(B)]
         segments = None if seg is None else [d.tensor(seg[b], "i32") for b in range(B)]
         return Batch(B, T, positions, segments, call_seed, self.fused_attention, self.fused_segments,
-                     self.attn_block, window, self.call_inv_freq(T - 1 if pos is None else int(pos.max())))
+                     self.attn_block, window, inv_freq=self.call_inv_freq(T - 1 if pos is None else int(pos.max())),
+                     fused_window=self.fused_window)
 
     def call_inv_freq(self, max_position):
         """The rotary frequencies of a call whose largest position is max_position where they
@@ -160,6 +166,8 @@ class LlamaModel:
         N, C = batch.B * batch.T, c.hidden_size
         x = d.empty((N, C), dt)
         embed(ids_t, self.embed, x)
+        if self.embed_scale is not None:
+            ops.scale(x, self.embed_scale, x)
         saved = []
         for L in self.layers:
             out, cache = layer_forward(L, x, batch)
@@ -234,8 +242,12 @@ class LlamaModel:
                 r1 = min(N, r0 + self.ce_chunk)
                 logits = d.empty((r1 - r0, V), dt)
                 linear(xn[r0:r1], self.head, logits)                          # logits = xn W^T
-                ops.cross_entropy(logits, tt[r0:r1], rows_loss[r0:r1], logits, IGNORE_INDEX, scale)
-                linear_grad(logits, self.head, dxn[r0:r1])                    # dxn = dlogits W
+                # soft-capped logits are kept for their backward: dlogits get their own buffer
+                dl = d.empty((r1 - r0, V), dt) if self.final_softcap else logits
+                gemma.cap_logits(self.final_softcap, logits)
+                ops.cross_entropy(logits, tt[r0:r1], rows_loss[r0:r1], dl, IGNORE_INDEX, scale)
+                gemma.cap_logits_backward(self.final_softcap, logits, dl)
+                linear_grad(dl, self.head, dxn[r0:r1])                        # dxn = dlogits W
             dx = d.empty((N, C), dt)
             ops.rmsnorm_backward(dxn, x, self.norm_w, rstd, dx)
             for i in reversed(range(c.num_hidden_layers)):
@@ -265,6 +277,7 @@ class LlamaModel:
             r1 = min(N, r0 + self.ce_chunk)
             logits = d.empty((r1 - r0, V), dt)
             linear(xn[r0:r1], self.head, logits)
+            gemma.cap_logits(self.final_softcap, logits)
             fn(r0, r1, logits)
 
     def loss(self, ids, targets, segments=None, positions=None):

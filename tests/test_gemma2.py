@@ -21,6 +21,8 @@ from krnl import hf
 from krnl.model import ALL_MODULES, LoraConfig, ModelConfig, lora_key
 
 from conftest import METAL_SIM, lora_step, tiny_lora_model
+from hf_families import (assert_peft_gradients, hf_model, random_b, save_random, token_batch, torch_loss,
+                         torch_modules)
 from mlx_folders import make_base, write_data, write_tokenizer
 
 V = 61
@@ -66,13 +68,10 @@ def test_config_reads_gemma2():
 # ---------------------------------------------------------------------------------------------
 # Against transformers and PEFT (torch)
 
-def _torch():
-    return pytest.importorskip("torch"), pytest.importorskip("transformers")
-
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    torch, transformers = _torch()
+    torch, transformers = torch_modules()
     root = tmp_path_factory.mktemp("gemma2")
     out = {}
     for i, (name, kw) in enumerate(CONFIGS.items()):
@@ -80,59 +79,23 @@ def folders(tmp_path_factory):
                                         tie_word_embeddings=True, **kw)
         torch.manual_seed(i)
         m = transformers.Gemma2ForCausalLM(cfg)
-        g = torch.Generator().manual_seed(10 + i)
-        with torch.no_grad():  # realistic sizes; norm weights around 0 (Gemma scales by 1 + w)
-            for n, p in m.named_parameters():
-                if n.endswith("norm.weight"):
-                    p.copy_(0.3 * torch.randn(p.shape, generator=g))
-                else:
-                    p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
-        m.save_pretrained(root / name)
-        write_tokenizer(root / name)
-        out[name] = root / name
+        out[name] = save_random(m, root / name, 10 + i, norm_center=0.0)
     return out
 
 
-def _hf_model(folder):
-    torch, transformers = _torch()
-    return transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32,
-                                                             attn_implementation="eager").eval()
-
-
 def _batch(seed=0, B=2):
-    rng = np.random.default_rng(seed)
-    ids = rng.integers(0, V, (B, T))
-    labels = ids.copy()
-    labels[0, :3] = -100  # masked prompt tokens
-    targets = np.concatenate([labels[:, 1:], np.full((B, 1), -100)], axis=1)  # krnl: target of position t
-    return ids, labels, targets
-
-
-def _torch_loss(model, ids, labels):
-    torch, _ = _torch()
-    with torch.no_grad():
-        return float(model(torch.tensor(ids), labels=torch.tensor(labels)).loss)
-
-
-def _random_b(model, seed):
-    rng = np.random.default_rng(seed)
-    st = model.lora_state()
-    for k in st:
-        if ".lora_B." in k:
-            st[k] = (0.3 * rng.standard_normal(st[k].shape)).astype(np.float32)
-    model.lora_params.load(st)
-    return st
+    return token_batch(V, seed, B, T)
 
 
 @pytest.mark.torch
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_loss_matches_transformers(folders, name):
-    torch, _ = _torch()
+    torch, _ = torch_modules()
     folder = folders[name]
     assert "lm_head.weight" not in hf.read_tensors(folder)
     ids, labels, targets = _batch()
-    ref_model = _hf_model(folder)
-    ref = _torch_loss(ref_model, ids, labels)
+    ref_model = hf_model(folder)
+    ref = torch_loss(ref_model, ids, labels)
     # soft-capping keeps every layer materialised, fused or not; query row blocks of 4 (13 = 4 4 4 1)
     for fused, block in ((False, 0), (True, 0), (False, 4)):
         m = hf.load_model(folder, krnl.device("cpu"))
@@ -190,7 +153,7 @@ def test_norms_fold_one_in_f32_in_every_dtype(folders):
 @pytest.mark.parametrize("dtype, torch_dtype", [("f32", "float32"), ("f16", "float16"), ("bf16", "bfloat16")])
 @pytest.mark.parametrize("C", [48, 2304, 3584])
 def test_embed_scale_rounds_as_transformers(dtype, torch_dtype, C):
-    torch, _ = _torch()
+    torch, _ = torch_modules()
     from krnl.gemma import embed_scale
 
     c = ModelConfig.from_dict({**CONFIGS["gqa"], "model_type": "gemma2", "vocab_size": V, "hidden_size": C})
@@ -218,14 +181,14 @@ def test_packed_rows_equal_separate_sequences(folders, fused):
 def test_loss_without_attention_softcap_takes_the_fused_window(folders, tmp_path):
     """No attention cap: the fused op runs the windowed layers where the device lists the window
     (the CPU does), else the materialised window; both equal transformers."""
-    torch, transformers = _torch()
+    torch, transformers = torch_modules()
     cfg = json.loads((folders["gqa"] / "config.json").read_text())
     cfg["attn_logit_softcapping"] = None
     (tmp_path / "f").mkdir()
     (tmp_path / "f" / "config.json").write_text(json.dumps(cfg))
     shutil.copy(folders["gqa"] / "model.safetensors", tmp_path / "f")
     ids, labels, targets = _batch(5)
-    ref = _torch_loss(_hf_model(tmp_path / "f"), ids, labels)
+    ref = torch_loss(hf_model(tmp_path / "f"), ids, labels)
     m = hf.load_model(tmp_path / "f", krnl.device("cpu"))
     assert krnl.device("cpu").capabilities()["fused_attention"]["window"]
     for fused, fused_window in ((True, True), (True, False), (False, False)):
@@ -238,60 +201,47 @@ def test_loss_without_attention_softcap_takes_the_fused_window(folders, tmp_path
 def test_lora_gradients_match_peft(folders, name, ckpt, block):
     """All seven targets; PyTorch autograd through PEFT's LoRA on transformers' model; block > 0:
     the soft-capped attention in query row blocks."""
-    torch, _ = _torch()
-    peft = pytest.importorskip("peft")
     folder = folders[name]
     lora = LoraConfig(r=3, alpha=5.0, target_modules=ALL_MODULES)
     m = hf.load_model(folder, krnl.device("cpu"), lora=lora, grad_checkpoint=ckpt)
     m.attn_block = block
-    st = _random_b(m, 1)
+    st = random_b(m, 1)
     ids, labels, targets = _batch(2)
     loss, grads = lora_step(m, ids, targets)
-
-    pm = peft.get_peft_model(_hf_model(folder), peft.LoraConfig(r=3, lora_alpha=5.0, target_modules=list(ALL_MODULES),
-                                                                lora_dropout=0.0))
-    peft.set_peft_model_state_dict(pm, {k: torch.tensor(v) for k, v in st.items()})
-    out = pm(torch.tensor(ids), labels=torch.tensor(labels))
-    out.loss.backward()
-    ref = {n.replace(".default", ""): p.grad.double().numpy() for n, p in pm.named_parameters() if p.requires_grad}
-    assert loss == pytest.approx(float(out.loss.detach()), rel=LOSS_RTOL)
-    assert set(ref) == set(grads) and len(ref) == 2 * 7 * CONFIGS[name]["num_hidden_layers"]
-    for k, g in ref.items():
-        scale = np.abs(g).max()
-        assert scale > 0, k
-        assert np.abs(grads[k] - g).max() <= GRAD_RTOL * scale, k
+    n_factors = 2 * 7 * CONFIGS[name]["num_hidden_layers"]
+    assert_peft_gradients(folder, lora, st, ids, labels, loss, grads, n_factors, LOSS_RTOL, GRAD_RTOL)
 
 
 @pytest.mark.torch
 def test_krnl_adapter_in_peft_and_fuse_in_transformers(folders, tmp_path):
-    torch, _ = _torch()
+    torch, _ = torch_modules()
     peft = pytest.importorskip("peft")
     folder = folders["gqa"]
     lora = LoraConfig(r=2, alpha=6.0, target_modules=ALL_MODULES, layers=[0, 2])
     m = hf.load_model(folder, krnl.device("cpu"), lora=lora)
-    st = _random_b(m, 3)
+    st = random_b(m, 3)
     krnl.adapter.save_adapter(tmp_path / "ad", st, krnl.adapter.peft_config(lora, str(folder), lora.layers))
     ids, labels, targets = _batch(4)
     mine = m.loss(ids, targets)
-    assert abs(mine - _torch_loss(_hf_model(folder), ids, labels)) > 1e-3  # the adapter matters
-    pm = peft.PeftModel.from_pretrained(_hf_model(folder), str(tmp_path / "ad")).eval()
-    assert _torch_loss(pm, ids, labels) == pytest.approx(mine, rel=LOSS_RTOL)
+    assert abs(mine - torch_loss(hf_model(folder), ids, labels)) > 1e-3  # the adapter matters
+    pm = peft.PeftModel.from_pretrained(hf_model(folder), str(tmp_path / "ad")).eval()
+    assert torch_loss(pm, ids, labels) == pytest.approx(mine, rel=LOSS_RTOL)
 
     hf.fuse(folder, tmp_path / "ad", tmp_path / "fused")
     t, orig = hf.read_tensors(tmp_path / "fused"), hf.read_tensors(folder)
     for n in ("model.norm.weight", "model.layers.1.pre_feedforward_layernorm.weight",
               "model.layers.2.post_attention_layernorm.weight"):  # the original w, not 1 + w
         assert np.array_equal(np.asarray(t[n], np.float32), np.asarray(orig[n], np.float32)), n
-    assert _torch_loss(_hf_model(tmp_path / "fused"), ids, labels) == pytest.approx(mine, rel=LOSS_RTOL)
+    assert torch_loss(hf_model(tmp_path / "fused"), ids, labels) == pytest.approx(mine, rel=LOSS_RTOL)
 
 
 @pytest.mark.torch
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_greedy_generation_matches_transformers(folders, name):
     """9 new tokens after 5: the cache grows past every sliding window."""
-    torch, _ = _torch()
+    torch, _ = torch_modules()
     prompt = [7, 7, 30, 2, 44]  # tokens that vary (tied heads favour repeating a token)
-    ref = _hf_model(folders[name])
+    ref = hf_model(folders[name])
     ref.generation_config.eos_token_id = None
     with torch.no_grad():
         want = ref.generate(torch.tensor([prompt]), max_new_tokens=9, do_sample=False, pad_token_id=0)[0, 5:].tolist()
@@ -304,12 +254,12 @@ def test_greedy_generation_matches_transformers(folders, name):
 def test_cached_decode_logits_match_transformers(folders, name):
     """The KV cache's logits, a prompt of 4 then one token at a time past the windows, equal
     transformers' logits of the whole sequence (each layer's scale, cap and window in the cache)."""
-    torch, _ = _torch()
+    torch, _ = torch_modules()
     from krnl.generate import KVCache, decode
 
     ids = np.random.default_rng(6).integers(0, V, T)
     with torch.no_grad():
-        want = _hf_model(folders[name])(torch.tensor(ids[None])).logits[0].numpy()
+        want = hf_model(folders[name])(torch.tensor(ids[None])).logits[0].numpy()
     m = hf.load_model(folders[name], krnl.device("cpu"))
     cache = KVCache(m.dev, m.dtype, len(m.layers), m.heads, T, [L.gemma for L in m.layers])
     got = [decode(m, list(ids[:4]), 0, cache)] + [decode(m, [int(ids[t])], t, cache) for t in range(4, T)]

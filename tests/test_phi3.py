@@ -20,6 +20,8 @@ from krnl import hf
 from krnl.model import LoraConfig, ModelConfig, lora_key
 
 from conftest import METAL_SIM, lora_step, tiny_lora_model
+from hf_families import (assert_peft_gradients, hf_model, random_b, save_random, token_batch, torch_loss,
+                         torch_modules)
 from mlx_folders import write_data, write_tokenizer
 
 V = 61
@@ -137,13 +139,10 @@ def test_fused_members_drop_the_same_inputs():
 # ---------------------------------------------------------------------------------------------
 # Against transformers and PEFT (torch)
 
-def _torch():
-    return pytest.importorskip("torch"), pytest.importorskip("transformers")
-
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    torch, transformers = _torch()
+    torch, transformers = torch_modules()
     root = tmp_path_factory.mktemp("phi3")
     out = {}
     for i, (name, kw) in enumerate(CONFIGS.items()):
@@ -151,49 +150,12 @@ def folders(tmp_path_factory):
                                       bos_token_id=1, eos_token_id=2, **kw)
         torch.manual_seed(i)
         m = transformers.Phi3ForCausalLM(cfg)
-        g = torch.Generator().manual_seed(10 + i)
-        with torch.no_grad():  # realistic sizes (the default init gives near-zero logits)
-            for n, p in m.named_parameters():
-                if n.endswith("norm.weight"):
-                    p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g))
-                else:
-                    p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
-        m.save_pretrained(root / name)
-        write_tokenizer(root / name)
-        out[name] = root / name
+        out[name] = save_random(m, root / name, 10 + i, norm_center=1.0)
     return out
 
 
-def _hf_model(folder):
-    torch, transformers = _torch()
-    return transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32,
-                                                             attn_implementation="eager").eval()
-
-
 def _batch(seed=0, B=2, T=13):
-    rng = np.random.default_rng(seed)
-    ids = rng.integers(0, V, (B, T))
-    labels = ids.copy()
-    labels[0, :3] = -100  # masked prompt tokens
-    targets = np.concatenate([labels[:, 1:], np.full((B, 1), -100)], axis=1)  # krnl: target of position t
-    return ids, labels, targets
-
-
-def _torch_loss(model, ids, labels):
-    torch, _ = _torch()
-    with torch.no_grad():
-        return float(model(torch.tensor(ids), labels=torch.tensor(labels)).loss)
-
-
-def _random_b(model, seed):
-    """B factors off zero, so that every LoRA path carries signal."""
-    rng = np.random.default_rng(seed)
-    st = model.lora_state()
-    for k in st:
-        if ".lora_B." in k:
-            st[k] = (0.3 * rng.standard_normal(st[k].shape)).astype(np.float32)
-    model.lora_params.load(st)
-    return st
+    return token_batch(V, seed, B, T)
 
 
 @pytest.mark.torch
@@ -202,7 +164,7 @@ def test_loss_matches_transformers(folders, name, T):
     folder = folders[name]
     assert "model.layers.0.self_attn.qkv_proj.weight" in hf.read_tensors(folder)
     ids, labels, targets = _batch(T=T)
-    ref = _torch_loss(_hf_model(folder), ids, labels)
+    ref = torch_loss(hf_model(folder), ids, labels)
     for fused in (False, True):
         m = hf.load_model(folder, krnl.device("cpu"))
         m.fused_attention = fused
@@ -218,45 +180,32 @@ def test_loss_matches_transformers(folders, name, T):
 @pytest.mark.parametrize("name, fused, ckpt", [("gqa", False, False), ("longrope", True, True)])
 def test_lora_gradients_match_peft(folders, name, fused, ckpt):
     """The four fused targets; PyTorch autograd through PEFT's LoRA on transformers' model."""
-    torch, _ = _torch()
-    peft = pytest.importorskip("peft")
     folder = folders[name]
     lora = LoraConfig(r=3, alpha=5.0, target_modules=PHI3_MODULES)
     m = hf.load_model(folder, krnl.device("cpu"), lora=lora, grad_checkpoint=ckpt)
     m.fused_attention = fused
-    st = _random_b(m, 1)
+    st = random_b(m, 1)
     ids, labels, targets = _batch(2)
     loss, grads = lora_step(m, ids, targets)
-
-    pm = peft.get_peft_model(_hf_model(folder), peft.LoraConfig(r=3, lora_alpha=5.0, target_modules=list(PHI3_MODULES),
-                                                                lora_dropout=0.0))
-    peft.set_peft_model_state_dict(pm, {k: torch.tensor(v) for k, v in st.items()})
-    out = pm(torch.tensor(ids), labels=torch.tensor(labels))
-    out.loss.backward()
-    ref = {n.replace(".default", ""): p.grad.double().numpy() for n, p in pm.named_parameters() if p.requires_grad}
-    assert loss == pytest.approx(float(out.loss.detach()), rel=LOSS_RTOL)
-    assert set(ref) == set(grads) and len(ref) == 2 * 4 * CONFIGS[name]["num_hidden_layers"]
-    for k, g in ref.items():
-        scale = np.abs(g).max()
-        assert scale > 0, k
-        assert np.abs(grads[k] - g).max() <= GRAD_RTOL * scale, k
+    n_factors = 2 * 4 * CONFIGS[name]["num_hidden_layers"]
+    assert_peft_gradients(folder, lora, st, ids, labels, loss, grads, n_factors, LOSS_RTOL, GRAD_RTOL)
 
 
 @pytest.mark.torch
 def test_krnl_adapter_in_peft_and_fuse_in_transformers(folders, tmp_path):
-    torch, _ = _torch()
+    torch, _ = torch_modules()
     peft = pytest.importorskip("peft")
     folder = folders["gqa"]
     lora = LoraConfig(r=2, alpha=6.0, target_modules=("q_proj", "k_proj", "v_proj", "gate_up_proj"), layers=[0, 2])
     m = hf.load_model(folder, krnl.device("cpu"), lora=lora)
-    st = _random_b(m, 3)
+    st = random_b(m, 3)
     assert lora_key(2, "qkv_proj", "B") in st and lora_key(0, "gate_up_proj", "A") in st and len(st) == 8
     krnl.adapter.save_adapter(tmp_path / "ad", st, krnl.adapter.peft_config(lora, str(folder), lora.layers))
     ids, labels, targets = _batch(4)
     mine = m.loss(ids, targets)
-    assert abs(mine - _torch_loss(_hf_model(folder), ids, labels)) > 1e-2  # the adapter matters
-    pm = peft.PeftModel.from_pretrained(_hf_model(folder), str(tmp_path / "ad")).eval()
-    assert _torch_loss(pm, ids, labels) == pytest.approx(mine, rel=LOSS_RTOL)
+    assert abs(mine - torch_loss(hf_model(folder), ids, labels)) > 1e-2  # the adapter matters
+    pm = peft.PeftModel.from_pretrained(hf_model(folder), str(tmp_path / "ad")).eval()
+    assert torch_loss(pm, ids, labels) == pytest.approx(mine, rel=LOSS_RTOL)
     again = hf.load_model(folder, krnl.device("cpu"), adapter=tmp_path / "ad")
     assert again.lora_config.target_modules == ("qkv_proj", "gate_up_proj")
     assert again.loss(ids, targets) == pytest.approx(mine, rel=1e-6)
@@ -264,7 +213,7 @@ def test_krnl_adapter_in_peft_and_fuse_in_transformers(folders, tmp_path):
     hf.fuse(folder, tmp_path / "ad", tmp_path / "fused")
     t = hf.read_tensors(tmp_path / "fused")
     assert "model.layers.2.self_attn.qkv_proj.weight" in t and "model.layers.0.self_attn.q_proj.weight" not in t
-    assert _torch_loss(_hf_model(tmp_path / "fused"), ids, labels) == pytest.approx(mine, rel=LOSS_RTOL)
+    assert torch_loss(hf_model(tmp_path / "fused"), ids, labels) == pytest.approx(mine, rel=LOSS_RTOL)
 
 
 @pytest.mark.torch
@@ -272,7 +221,7 @@ def test_mlx_adapter_layout_round_trips(folders, tmp_path):
     folder = folders["gqa"]
     lora = LoraConfig(r=2, alpha=4.0, target_modules=PHI3_MODULES, layers=[1, 2])
     m = hf.load_model(folder, krnl.device("cpu"), lora=lora)
-    st = _random_b(m, 6)
+    st = random_b(m, 6)
     krnl.adapter.save_mlx_adapter(tmp_path / "mx", lora, st, m.config)
     cfg = json.loads((tmp_path / "mx" / "adapter_config.json").read_text())
     assert cfg["lora_parameters"]["keys"] == ["self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj",
@@ -287,9 +236,9 @@ def test_mlx_adapter_layout_round_trips(folders, tmp_path):
 def test_greedy_generation_matches_transformers(folders, name):
     """longrope: the 5-token prompt takes the short factors, decoding past 8 positions the long
     ones, with the cached keys as they were rotated (transformers' dynamic choice per call)."""
-    torch, _ = _torch()
+    torch, _ = torch_modules()
     prompt = [5, 17, 3, 40, 9]
-    ref = _hf_model(folders[name])
+    ref = hf_model(folders[name])
     ref.generation_config.eos_token_id = None
     with torch.no_grad():
         want = ref.generate(torch.tensor([prompt]), max_new_tokens=9, do_sample=False, pad_token_id=0)[0, 5:].tolist()
@@ -355,7 +304,7 @@ def test_mlx_quantized_phi3_and_adapter_match_mlx_lm(tmp_path):
     """mlx_lm.convert -q of a Phi-3 folder (fused qkv_proj and gate_up_proj quantized whole, krnl
     splits their rows): krnl's loss equals mlx-lm's, without and with a krnl adapter in mlx-lm's
     layout loaded by mlx_lm.load(adapter_path=...)."""
-    torch, transformers = _torch()
+    torch, transformers = torch_modules()
     pytest.importorskip("mlx.core")
     mlx_lm = pytest.importorskip("mlx_lm")
     import mlx.core as mx
@@ -388,7 +337,7 @@ def test_mlx_quantized_phi3_and_adapter_match_mlx_lm(tmp_path):
     m = hf.load_model(tmp_path / "q", krnl.device("cpu"), lora=lora)
     st = m.lora_state()
     assert m.loss(ids[:, :-1], ids[:, 1:]) == pytest.approx(mlx_loss(ids), rel=1e-4)  # B = 0: the base
-    st = _random_b(m, 2)
+    st = random_b(m, 2)
     krnl.adapter.save_mlx_adapter(tmp_path / "ad", lora, st, m.config)
     mine = m.loss(ids[:, :-1], ids[:, 1:])
     assert abs(mine - mlx_loss(ids)) > 1e-2

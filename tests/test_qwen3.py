@@ -20,7 +20,9 @@ from krnl import hf
 from krnl.model import ALL_MODULES, LoraConfig, ModelConfig, lora_key
 
 from conftest import METAL_SIM, lora_step, tiny_lora_model
-from mlx_folders import make_base, write_data, write_tokenizer
+from hf_families import (assert_peft_gradients, hf_model, random_b, save_random, token_batch, torch_loss,
+                         torch_modules)
+from mlx_folders import make_base, write_data
 
 V = 61
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
@@ -52,13 +54,10 @@ def test_config_reads_qwen3():
 # ---------------------------------------------------------------------------------------------
 # Against transformers and PEFT (torch)
 
-def _torch():
-    return pytest.importorskip("torch"), pytest.importorskip("transformers")
-
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    torch, transformers = _torch()
+    torch, transformers = torch_modules()
     root = tmp_path_factory.mktemp("qwen3")
     out = {}
     for i, (name, kw) in enumerate(CONFIGS.items()):
@@ -66,49 +65,12 @@ def folders(tmp_path_factory):
                                        rope_theta=10000.0, **kw)
         torch.manual_seed(i)
         m = transformers.Qwen3ForCausalLM(cfg)
-        g = torch.Generator().manual_seed(10 + i)
-        with torch.no_grad():  # realistic sizes (the default init gives near-zero logits)
-            for n, p in m.named_parameters():
-                if n.endswith("norm.weight"):
-                    p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g))
-                else:
-                    p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
-        m.save_pretrained(root / name)
-        write_tokenizer(root / name)
-        out[name] = root / name
+        out[name] = save_random(m, root / name, 10 + i, norm_center=1.0)
     return out
 
 
-def _hf_model(folder):
-    torch, transformers = _torch()
-    return transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32,
-                                                             attn_implementation="eager").eval()
-
-
 def _batch(seed=0, B=2, T=13):
-    rng = np.random.default_rng(seed)
-    ids = rng.integers(0, V, (B, T))
-    labels = ids.copy()
-    labels[0, :3] = -100  # masked prompt tokens
-    targets = np.concatenate([labels[:, 1:], np.full((B, 1), -100)], axis=1)  # krnl: target of position t
-    return ids, labels, targets
-
-
-def _torch_loss(model, ids, labels):
-    torch, _ = _torch()
-    with torch.no_grad():
-        return float(model(torch.tensor(ids), labels=torch.tensor(labels)).loss)
-
-
-def _random_b(model, seed):
-    """B factors off zero, so that every LoRA path carries signal."""
-    rng = np.random.default_rng(seed)
-    st = model.lora_state()
-    for k in st:
-        if ".lora_B." in k:
-            st[k] = (0.3 * rng.standard_normal(st[k].shape)).astype(np.float32)
-    model.lora_params.load(st)
-    return st
+    return token_batch(V, seed, B, T)
 
 
 @pytest.mark.torch
@@ -117,7 +79,7 @@ def test_loss_matches_transformers(folders, name):
     folder = folders[name]
     assert ("lm_head.weight" in hf.read_tensors(folder)) != CONFIGS[name]["tie_word_embeddings"]
     ids, labels, targets = _batch()
-    ref = _torch_loss(_hf_model(folder), ids, labels)
+    ref = torch_loss(hf_model(folder), ids, labels)
     for fused in (False, True):
         m = hf.load_model(folder, krnl.device("cpu"))
         m.fused_attention = fused
@@ -133,57 +95,44 @@ def test_loss_matches_transformers(folders, name):
 @pytest.mark.parametrize("name, fused, ckpt", [("gqa", False, False), ("gqa", True, True), ("tied", True, False)])
 def test_lora_gradients_match_peft(folders, name, fused, ckpt):
     """All seven targets; PyTorch autograd through PEFT's LoRA on transformers' model."""
-    torch, _ = _torch()
-    peft = pytest.importorskip("peft")
     folder = folders[name]
     lora = LoraConfig(r=3, alpha=5.0, target_modules=ALL_MODULES)
     m = hf.load_model(folder, krnl.device("cpu"), lora=lora, grad_checkpoint=ckpt)
     m.fused_attention = fused
-    st = _random_b(m, 1)
+    st = random_b(m, 1)
     ids, labels, targets = _batch(2)
     loss, grads = lora_step(m, ids, targets)
-
-    pm = peft.get_peft_model(_hf_model(folder), peft.LoraConfig(r=3, lora_alpha=5.0, target_modules=list(ALL_MODULES),
-                                                                lora_dropout=0.0))
-    peft.set_peft_model_state_dict(pm, {k: torch.tensor(v) for k, v in st.items()})
-    out = pm(torch.tensor(ids), labels=torch.tensor(labels))
-    out.loss.backward()
-    ref = {n.replace(".default", ""): p.grad.double().numpy() for n, p in pm.named_parameters() if p.requires_grad}
-    assert loss == pytest.approx(float(out.loss.detach()), rel=LOSS_RTOL)
-    assert set(ref) == set(grads) and len(ref) == 2 * 7 * CONFIGS[name]["num_hidden_layers"]
-    for k, g in ref.items():
-        scale = np.abs(g).max()
-        assert scale > 0, k
-        assert np.abs(grads[k] - g).max() <= GRAD_RTOL * scale, k
+    n_factors = 2 * 7 * CONFIGS[name]["num_hidden_layers"]
+    assert_peft_gradients(folder, lora, st, ids, labels, loss, grads, n_factors, LOSS_RTOL, GRAD_RTOL)
 
 
 @pytest.mark.torch
 def test_krnl_adapter_in_peft_and_fuse_in_transformers(folders, tmp_path):
-    torch, _ = _torch()
+    torch, _ = torch_modules()
     peft = pytest.importorskip("peft")
     folder = folders["gqa"]
     lora = LoraConfig(r=2, alpha=6.0, target_modules=ALL_MODULES, layers=[0, 2])
     m = hf.load_model(folder, krnl.device("cpu"), lora=lora)
-    st = _random_b(m, 3)
+    st = random_b(m, 3)
     krnl.adapter.save_adapter(tmp_path / "ad", st, krnl.adapter.peft_config(lora, str(folder), lora.layers))
     ids, labels, targets = _batch(4)
     mine = m.loss(ids, targets)
-    assert abs(mine - _torch_loss(_hf_model(folder), ids, labels)) > 1e-2  # the adapter matters
-    pm = peft.PeftModel.from_pretrained(_hf_model(folder), str(tmp_path / "ad")).eval()
-    assert _torch_loss(pm, ids, labels) == pytest.approx(mine, rel=LOSS_RTOL)
+    assert abs(mine - torch_loss(hf_model(folder), ids, labels)) > 1e-2  # the adapter matters
+    pm = peft.PeftModel.from_pretrained(hf_model(folder), str(tmp_path / "ad")).eval()
+    assert torch_loss(pm, ids, labels) == pytest.approx(mine, rel=LOSS_RTOL)
 
     hf.fuse(folder, tmp_path / "ad", tmp_path / "fused")
     t = hf.read_tensors(tmp_path / "fused")
     assert "model.layers.1.self_attn.k_norm.weight" in t and "model.layers.2.self_attn.q_norm.weight" in t
-    assert _torch_loss(_hf_model(tmp_path / "fused"), ids, labels) == pytest.approx(mine, rel=LOSS_RTOL)
+    assert torch_loss(hf_model(tmp_path / "fused"), ids, labels) == pytest.approx(mine, rel=LOSS_RTOL)
 
 
 @pytest.mark.torch
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_greedy_generation_matches_transformers(folders, name):
-    torch, _ = _torch()
+    torch, _ = torch_modules()
     prompt = [5, 17, 3, 40, 9]
-    ref = _hf_model(folders[name])
+    ref = hf_model(folders[name])
     ref.generation_config.eos_token_id = None
     with torch.no_grad():
         want = ref.generate(torch.tensor([prompt]), max_new_tokens=9, do_sample=False, pad_token_id=0)[0, 5:].tolist()

@@ -87,84 +87,54 @@ void CpuBackend::rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tenso
 
 // ---- SwiGLU
 
-void CpuBackend::swiglu_forward(const Tensor& g, const Tensor& u, const Tensor& s) {
-  const DType dt = g.dtype();
-  for_blocks(g.numel(), [&](int64_t b, int64_t e) {
-    float gs[kBlock], us[kBlock], ss[kBlock], t[kBlock];
-    const int64_t n = e - b;
-    const float* gv = view(dt, g.data(), b, n, gs);
-    const float* uv = view(dt, u.data(), b, n, us);
-    for (int64_t i = 0; i < n; ++i) t[i] = -gv[i];
-    exp_inplace(t, n);  // sigmoid(g) = 1 / (1 + exp(-g))
-    float* sv = out_window(dt, s.data(), b, ss);
-    for (int64_t i = 0; i < n; ++i) sv[i] = gv[i] / (1.f + t[i]) * uv[i];
-    flush(dt, sv, n, s.data(), b);
-  });
-}
-
-void CpuBackend::swiglu_backward(const Tensor& ds, const Tensor& g, const Tensor& u, const Tensor& dg,
-                                 const Tensor& du) {
-  const DType dt = g.dtype();
-  for_blocks(g.numel(), [&](int64_t b, int64_t e) {
-    float dss[kBlock], gs[kBlock], us[kBlock], dgs[kBlock], dus[kBlock], t[kBlock];
-    const int64_t n = e - b;
-    const float* dv = view(dt, ds.data(), b, n, dss);
-    const float* gv = view(dt, g.data(), b, n, gs);
-    const float* uv = view(dt, u.data(), b, n, us);
-    for (int64_t i = 0; i < n; ++i) t[i] = -gv[i];
-    exp_inplace(t, n);
-    float* dgv = out_window(dt, dg.data(), b, dgs);
-    float* duv = out_window(dt, du.data(), b, dus);
-    for (int64_t i = 0; i < n; ++i) {
-      // All inputs read before either output is written: dg/du may alias ds.
-      const float d = dv[i], gi = gv[i], ui = uv[i];
-      const float sig = 1.f / (1.f + t[i]);
-      dgv[i] = d * ui * sig * (1.f + gi * (1.f - sig));
-      duv[i] = d * gi * sig;
-    }
-    flush(dt, dgv, n, dg.data(), b);
-    flush(dt, duv, n, du.data(), b);
-  });
-}
-
-// ---- GeGLU (Gemma's gated MLP) and soft-capping
+// ---- gated MLPs: s = act(g) * u with act(x) = x sg(x), sg a sigmoid of some z(x) computed as
+// 1 / (1 + e), e = exp(-z) from a bulk exp. SwiGLU: z = x (act = SiLU); GeGLU (Gemma): z = 2 k (x +
+// a x^3), act the tanh-approximated GELU. Act gives e and act'(x) from x, e and sg.
 
 namespace {
 constexpr float kGeluK = 0.7978845608028654f;  // sqrt(2 / pi)
 constexpr float kGeluA = 0.044715f;
 
-// e[i] = exp(-2 z), z = k (x + a x^3) for x = g[0..n): sg = 1 / (1 + e) = (1 + tanh z) / 2, and
-// gelu_tanh(x) = x sg. 1 + tanh from the sigmoid keeps its relative accuracy for very negative x
-// (1 + tanh would cancel there); the bulk exp does the work.
-void gelu_exp(const float* g, float* e, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) e[i] = -2.f * kGeluK * (g[i] + kGeluA * g[i] * g[i] * g[i]);
-  exp_inplace(e, n);
-}
+struct Silu {
+  static void exps(const float* g, float* e, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) e[i] = -g[i];
+    exp_inplace(e, n);
+  }
+  static float grad(float x, float, float sg) { return sg * (1.f + x * (1.f - sg)); }
+};
 
-// gelu_tanh'(x) = (1 + t) / 2 + x (1 - t^2) k (1 + 3 a x^2) / 2 with 1 + t = 2 sg and
-// 1 - t^2 = 4 sg (1 - sg); 1 - sg as e sg where sg > 1/2, where 1 - sg would cancel.
-inline float gelu_grad(float x, float e, float sg) {
-  const float om = sg < 0.5f ? 1.f - sg : e * sg;
-  return sg + 2.f * x * sg * om * kGeluK * (1.f + 3.f * kGeluA * x * x);
-}
-}  // namespace
+// sg = 1 / (1 + exp(-2 z)) = (1 + tanh z) / 2, so gelu_tanh(x) = x sg: 1 + tanh from the sigmoid
+// keeps its relative accuracy for very negative x (1 + tanh would cancel there).
+struct GeluTanh {
+  static void exps(const float* g, float* e, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) e[i] = -2.f * kGeluK * (g[i] + kGeluA * g[i] * g[i] * g[i]);
+    exp_inplace(e, n);
+  }
+  // gelu_tanh'(x) = (1 + t) / 2 + x (1 - t^2) k (1 + 3 a x^2) / 2 with 1 + t = 2 sg and
+  // 1 - t^2 = 4 sg (1 - sg); 1 - sg as e sg where sg > 1/2, where 1 - sg would cancel.
+  static float grad(float x, float e, float sg) {
+    const float om = sg < 0.5f ? 1.f - sg : e * sg;
+    return sg + 2.f * x * sg * om * kGeluK * (1.f + 3.f * kGeluA * x * x);
+  }
+};
 
-void CpuBackend::geglu_forward(const Tensor& g, const Tensor& u, const Tensor& s) {
+template <class Act>
+void gated_forward(const Tensor& g, const Tensor& u, const Tensor& s) {
   const DType dt = g.dtype();
   for_blocks(g.numel(), [&](int64_t b, int64_t e) {
     float gs[kBlock], us[kBlock], ss[kBlock], t[kBlock];
     const int64_t n = e - b;
     const float* gv = view(dt, g.data(), b, n, gs);
     const float* uv = view(dt, u.data(), b, n, us);
-    gelu_exp(gv, t, n);
+    Act::exps(gv, t, n);
     float* sv = out_window(dt, s.data(), b, ss);
     for (int64_t i = 0; i < n; ++i) sv[i] = gv[i] / (1.f + t[i]) * uv[i];
     flush(dt, sv, n, s.data(), b);
   });
 }
 
-void CpuBackend::geglu_backward(const Tensor& ds, const Tensor& g, const Tensor& u, const Tensor& dg,
-                                const Tensor& du) {
+template <class Act>
+void gated_backward(const Tensor& ds, const Tensor& g, const Tensor& u, const Tensor& dg, const Tensor& du) {
   const DType dt = g.dtype();
   for_blocks(g.numel(), [&](int64_t b, int64_t e) {
     float dss[kBlock], gs[kBlock], us[kBlock], dgs[kBlock], dus[kBlock], t[kBlock];
@@ -172,19 +142,36 @@ void CpuBackend::geglu_backward(const Tensor& ds, const Tensor& g, const Tensor&
     const float* dv = view(dt, ds.data(), b, n, dss);
     const float* gv = view(dt, g.data(), b, n, gs);
     const float* uv = view(dt, u.data(), b, n, us);
-    gelu_exp(gv, t, n);
+    Act::exps(gv, t, n);
     float* dgv = out_window(dt, dg.data(), b, dgs);
     float* duv = out_window(dt, du.data(), b, dus);
     for (int64_t i = 0; i < n; ++i) {
       // All inputs read before either output is written: dg/du may alias ds.
       const float d = dv[i], x = gv[i], ui = uv[i], sg = 1.f / (1.f + t[i]);
-      dgv[i] = d * ui * gelu_grad(x, t[i], sg);
+      dgv[i] = d * ui * Act::grad(x, t[i], sg);
       duv[i] = d * x * sg;
     }
     flush(dt, dgv, n, dg.data(), b);
     flush(dt, duv, n, du.data(), b);
   });
 }
+}  // namespace
+
+void CpuBackend::swiglu_forward(const Tensor& g, const Tensor& u, const Tensor& s) { gated_forward<Silu>(g, u, s); }
+
+void CpuBackend::swiglu_backward(const Tensor& ds, const Tensor& g, const Tensor& u, const Tensor& dg,
+                                 const Tensor& du) {
+  gated_backward<Silu>(ds, g, u, dg, du);
+}
+
+void CpuBackend::geglu_forward(const Tensor& g, const Tensor& u, const Tensor& s) { gated_forward<GeluTanh>(g, u, s); }
+
+void CpuBackend::geglu_backward(const Tensor& ds, const Tensor& g, const Tensor& u, const Tensor& dg,
+                                const Tensor& du) {
+  gated_backward<GeluTanh>(ds, g, u, dg, du);
+}
+
+// ---- soft-capping (Gemma 2's attention scores and logits)
 
 // std::tanh: within an ulp everywhere, near 0 too, where capped small scores need relative accuracy.
 void CpuBackend::softcap(const Tensor& x, float cap, const Tensor& out) {

@@ -89,7 +89,7 @@ void CpuBackend::rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tenso
 
 // ---- gated MLPs: s = act(g) * u with act(x) = x sg(x), sg a sigmoid of some z(x) computed as
 // 1 / (1 + e), e = exp(-z) from a bulk exp. SwiGLU: z = x (act = SiLU); GeGLU (Gemma): z = 2 k (x +
-// a x^3), act the tanh-approximated GELU. Act gives e and act'(x) from x, e and sg.
+// a x^3), act the tanh-approximated GELU. Act gives e, and dg = d u act'(x) from x, e and sg.
 
 namespace {
 constexpr float kGeluK = 0.7978845608028654f;  // sqrt(2 / pi)
@@ -100,7 +100,8 @@ struct Silu {
     for (int64_t i = 0; i < n; ++i) e[i] = -g[i];
     exp_inplace(e, n);
   }
-  static float grad(float x, float, float sg) { return sg * (1.f + x * (1.f - sg)); }
+  // d u act'(x), multiplied in this order (pinned results depend on it)
+  static float dg(float d, float u, float x, float, float sg) { return d * u * sg * (1.f + x * (1.f - sg)); }
 };
 
 // sg = 1 / (1 + exp(-2 z)) = (1 + tanh z) / 2, so gelu_tanh(x) = x sg: 1 + tanh from the sigmoid
@@ -112,9 +113,9 @@ struct GeluTanh {
   }
   // gelu_tanh'(x) = (1 + t) / 2 + x (1 - t^2) k (1 + 3 a x^2) / 2 with 1 + t = 2 sg and
   // 1 - t^2 = 4 sg (1 - sg); 1 - sg as e sg where sg > 1/2, where 1 - sg would cancel.
-  static float grad(float x, float e, float sg) {
+  static float dg(float d, float u, float x, float e, float sg) {
     const float om = sg < 0.5f ? 1.f - sg : e * sg;
-    return sg + 2.f * x * sg * om * kGeluK * (1.f + 3.f * kGeluA * x * x);
+    return d * u * (sg + 2.f * x * sg * om * kGeluK * (1.f + 3.f * kGeluA * x * x));
   }
 };
 
@@ -148,7 +149,7 @@ void gated_backward(const Tensor& ds, const Tensor& g, const Tensor& u, const Te
     for (int64_t i = 0; i < n; ++i) {
       // All inputs read before either output is written: dg/du may alias ds.
       const float d = dv[i], x = gv[i], ui = uv[i], sg = 1.f / (1.f + t[i]);
-      dgv[i] = d * ui * Act::grad(x, t[i], sg);
+      dgv[i] = Act::dg(d, ui, x, t[i], sg);
       duv[i] = d * x * sg;
     }
     flush(dt, dgv, n, dg.data(), b);

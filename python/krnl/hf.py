@@ -1,5 +1,5 @@
 """Hugging Face model folders (docs/architecture.md, 'Models, adapters and data'): `config.json` plus one `model.safetensors` or
-shards named by `model.safetensors.index.json`, for the llama, mistral, qwen2, qwen3, phi3 and gemma2 families. A
+shards named by `model.safetensors.index.json`, for the llama, mistral, qwen2, qwen3, phi3, gemma2 and gemma3_text families. A
 GGUF file (gguf_file.py) stands wherever a folder does: load_model and load_tokenizer take
 either (fuse: gguf_fuse.py).
 

@@ -1,4 +1,4 @@
-"""The Llama family (llama, mistral, qwen2, qwen3, phi3, gemma2) with LoRA adapters, as explicit forward and backward
+"""The Llama family (llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3_text) with LoRA adapters, as explicit forward and backward
 over core ops (llm.c style, no autograd tape; docs/architecture.md): the stack of decoder
 layers (layer.py), the loss and evaluation; generation is in generate.py.
 

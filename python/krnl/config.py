@@ -12,7 +12,7 @@ import numpy as np
 
 from . import gemma3, phi3
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "gemma3")
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 ALL_MODULES = ATTN_MODULES + MLP_MODULES
@@ -38,6 +38,7 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     sliding_window: Optional[int] = None  # attention window (mistral; qwen2/qwen3 with use_sliding_window)
     gemma: Optional[dict] = None  # gemma2/gemma3_text: gemma2_fields' dict (None for the other families)
+    multimodal: bool = False  # gemma3: the text tower of Gemma3ForConditionalGeneration (gemma3.py)
     source: str = field(default="<dict>", repr=False, compare=False)
 
     @classmethod
@@ -62,6 +63,9 @@ class ModelConfig:
         mt = d.get("model_type")
         if mt not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"{where}: unknown model_type {mt!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        multimodal = mt == "gemma3"  # Gemma3ForConditionalGeneration: its text tower
+        if multimodal:
+            d, mt = gemma3.text_config(d, where), "gemma3_text"
         if mt == "gemma3_text":
             d = gemma3.normalize(d, where)
 
@@ -148,7 +152,8 @@ class ModelConfig:
             attention_bias=bias,
             max_position_embeddings=get("max_position_embeddings", int, default=2048),
             sliding_window=sw,
-            gemma=gemma2_fields(d, get, where) if mt in ("gemma2", "gemma3_text") else None,
+            gemma=gemma2_fields(d, get, where) if mt in ("gemma2", "gemma3_text", "gemma3") else None,
+            multimodal=multimodal,
             source=source,
         )
 

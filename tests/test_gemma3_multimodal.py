@@ -39,6 +39,17 @@ MM_VISION = dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_
                  patch_size=14)
 
 
+def test_config_fills_transformers_defaults():
+    """The 4B checkpoint's text_config gives little more than its sizes: the rest is transformers'."""
+    c = ModelConfig.from_dict({"model_type": "gemma3", "vision_config": {}, "text_config": {
+        "hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text", "num_hidden_layers": 34,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024}})
+    assert c.multimodal and (c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (8, 4, 256)
+    assert c.vocab_size == 262208
+    assert c.max_position_embeddings == 131072 and c.tie_word_embeddings and c.gemma["attn_scale"] == 256 ** -0.5
+    assert c.gemma["windows"][:6] == [1024] * 5 + [0] and c.rope_theta == 1e6 and c.gemma["local_theta"] == 1e4
+
+
 def test_text_tower_names_both_layouts():
     from krnl.gemma3 import peft_keys_in, peft_keys_out, text_tower
 

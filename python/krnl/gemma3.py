@@ -1,20 +1,27 @@
 """Gemma 3's text configuration (model_type "gemma3_text"), read into the Gemma 2 fields config.py
-keeps, and the multimodal checkpoints' names of their text tower (below): no device code. Gemma 3 is Gemma 2's layer with q/k RMSNorm per head ((1 + w) as every
-Gemma norm), no soft-capping by default, and rotary frequencies per layer type: sliding layers
-rotate with `rope_local_base_freq` unscaled, full-attention layers with `rope_theta` and
-`rope_scaling`. transformers 5 writes both as `rope_parameters` = {"sliding_attention": {...},
-"full_attention": {...}}; older configs give the flat keys and `sliding_window_pattern` (every
-N-th layer full) in place of `layer_types`."""
+keeps, and the multimodal checkpoints' names of their text tower (below): no device code.
+Gemma 3 is Gemma 2's layer with q/k RMSNorm per head ((1 + w) as every Gemma norm), no
+soft-capping by default, and rotary frequencies per layer type: sliding layers rotate with
+`rope_local_base_freq` unscaled, full-attention layers with `rope_theta` and `rope_scaling`.
+transformers 5 writes both as `rope_parameters` = {"sliding_attention": {...}, "full_attention":
+{...}}; older configs give the flat keys and `sliding_window_pattern` (every N-th layer full) in
+place of `layer_types`."""
 
 import numpy as np
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
+# Gemma3TextConfig's defaults, which the multimodal checkpoints' text_config leaves out (it
+# lists little more than the sizes that differ); krnl's own defaults differ for some of these.
+DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+            "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 131_072,
+            "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "query_pre_attn_scalar": 256, "sliding_window": 4096}
 
 
 def normalize(d, where):
     """A copy of config dict d with flat `rope_theta`, `rope_scaling` (full-attention layers),
-    `rope_local_base_freq` (sliding layers) and `layer_types`, as gemma2_fields and ModelConfig read them."""
-    d = dict(d)
+    `rope_local_base_freq` (sliding layers) and `layer_types`, as gemma2_fields and ModelConfig read
+    them, and transformers' defaults where d leaves a key out."""
+    d = {**DEFAULTS, **d}
     if d.get("use_bidirectional_attention"):
         raise ValueError(f"{where}: use_bidirectional_attention is not supported (krnl trains causal models)")
     rp = d.get("rope_parameters")

@@ -258,3 +258,33 @@ def test_training_step_on_metal_sim_matches_cpu(dtype, tol):
         scale = float(np.max(np.abs(g_c[k])))
         assert scale > 0, k
         assert float(np.max(np.abs(g_d[k] - g_c[k]))) <= 4 * tol * scale, k
+
+
+@pytest.mark.mlx
+def test_mlx_quantized_gemma3_text_matches_mlx_lm(tmp_path):
+    """mlx_lm.convert -q of a gemma3_text folder (window 6, layer 2 of 3 full, scaled global rope):
+    krnl's loss equals mlx-lm's, for sequences within and past the window."""
+    pytest.importorskip("mlx.core")
+    mlx_lm = pytest.importorskip("mlx_lm")
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from mlx_folders import make_base
+
+    def mlx_loss(path, ids):  # mlx-lm's mean next-token cross entropy, the model in f32
+        model, _ = mlx_lm.load(str(path))
+        model.set_dtype(mx.float32)
+        logits = model(mx.array(ids[:, :-1])).astype(mx.float32)
+        return nn.losses.cross_entropy(logits, mx.array(ids[:, 1:])).mean().item()
+
+    base = make_base(tmp_path / "base", model_type="gemma3_text", head_dim=32, num_hidden_layers=3, rope_theta=1e6,
+                     rope_local_base_freq=1e4, tie_word_embeddings=True, sliding_window=6, sliding_window_pattern=3,
+                     query_pre_attn_scalar=32, rope_scaling={"rope_type": "linear", "factor": 8.0})
+    # transformers would pick Gemma's own tokenizer class for a gemma3 folder; ours is a plain one
+    (base / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>",
+                                                             "tokenizer_class": "PreTrainedTokenizerFast"}))
+    mlx_lm.convert(str(base), str(tmp_path / "q"), quantize=True, q_bits=4, q_group_size=32)
+    m = hf.load_model(tmp_path / "q", krnl.device("cpu"), dtype="f32")
+    for seed, n in ((0, 5), (1, 14)):
+        ids = np.random.default_rng(seed).integers(0, V, (2, n)).astype(np.int32)
+        assert m.loss(ids[:, :-1], ids[:, 1:]) == pytest.approx(mlx_loss(tmp_path / "q", ids), rel=1e-4)

@@ -62,13 +62,16 @@ def random_b(model, seed):
     return st
 
 
-def assert_peft_gradients(folder, lora, state, ids, labels, loss, grads, n_factors, loss_rtol, grad_rtol):
+def assert_peft_gradients(folder, lora, state, ids, labels, loss, grads, n_factors, loss_rtol, grad_rtol,
+                          **peft_kw):
     """krnl's loss and LoRA gradients (`grads`, PEFT names) against PyTorch autograd through
-    PEFT's LoRA (same r, alpha, targets and factors `state`) on transformers' model of `folder`:
-    every one of the n_factors gradients non-zero and within grad_rtol of its largest value."""
+    PEFT's LoRA (same r, alpha, targets and factors `state`; peft_kw more LoraConfig fields) on
+    transformers' model of `folder`: every one of the n_factors gradients non-zero and within
+    grad_rtol of its largest value."""
     torch, _ = torch_modules()
     peft = pytest.importorskip("peft")
-    cfg = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, target_modules=list(lora.target_modules), lora_dropout=0.0)
+    cfg = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, target_modules=list(lora.target_modules), lora_dropout=0.0,
+                          **peft_kw)
     pm = peft.get_peft_model(hf_model(folder), cfg)
     peft.set_peft_model_state_dict(pm, {k: torch.tensor(v) for k, v in state.items()})
     out = pm(torch.tensor(ids), labels=torch.tensor(labels))

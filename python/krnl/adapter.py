@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import gemma3
 from .fileio import atomic_write_bytes, read_json_object
 from .config import module_part
 from .model import LoraConfig, lora_key
@@ -25,9 +26,11 @@ MLX_WEIGHTS_NAME = "adapters.safetensors"
 MLX_SUBFOLDER = "mlx"
 
 
-def peft_config(lora, base_model="", layers=None):
-    """adapter_config.json contents for a LoraConfig-like object."""
-    return {
+def peft_config(lora, base_model="", layers=None, model_config=None):
+    """adapter_config.json contents for a LoraConfig-like object (a multimodal gemma3 model's
+    excludes its vision tower, whose q/k/v_proj PEFT would adapt too)."""
+    extra = {"exclude_modules": gemma3.EXCLUDE} if model_config is not None and model_config.multimodal else {}
+    return {**extra,
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model,
@@ -45,11 +48,14 @@ def peft_config(lora, base_model="", layers=None):
     }
 
 
-def save_adapter(path, tensors, config):
-    """Writes {PEFT key: float32 array} and the config dict into folder `path`."""
+def save_adapter(path, tensors, config, model_config=None):
+    """Writes {PEFT key: float32 array} and the config dict into folder `path` (for a multimodal
+    gemma3 model under PEFT's names on Gemma3ForConditionalGeneration)."""
     from safetensors.numpy import save
 
     path = Path(path)
+    if model_config is not None and model_config.multimodal:
+        tensors = gemma3.peft_keys_out(tensors)
     blob = save({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()},
                 metadata={"format": "pt"})
     atomic_write_bytes(path / WEIGHTS_NAME, blob)  # weights first: the config names a complete set
@@ -60,6 +66,8 @@ def mlx_adapter(lora, tensors, config, base_model=""):
     """({mlx-lm key: float32 array}, adapter_config.json dict) of a LoRA adapter in mlx-lm's layout:
     lora_a = A^T (in, r), lora_b = B^T (r, out), the scale itself in lora_parameters. mlx-lm
     adapts the last num_layers layers: other layer sets have no such layout (a ValueError)."""
+    if config.multimodal:
+        raise ValueError("[adapter] mlx-lm's layout of a multimodal gemma3 adapter is not written; use the PEFT one")
     n, layers = config.num_hidden_layers, lora.adapted_layers(config)
     if layers != list(range(n - len(layers), n)):
         raise ValueError(f"[adapter] mlx-lm adapts the last num_layers layers of a model; LoRA on layers {layers} of "
@@ -157,6 +165,8 @@ def read_adapter(path, config):
         dropout = float(cfg.get("lora_dropout") or 0.0)
         base = cfg.get("base_model_name_or_path")
         raw = _read_f32_tensors(path / WEIGHTS_NAME, who)
+        if config.multimodal:
+            raw = gemma3.peft_keys_in(raw)
         pattern, fname = _PEFT_KEY, WEIGHTS_NAME
     else:
         ft = cfg.get("fine_tune_type", "lora")

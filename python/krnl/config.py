@@ -10,9 +10,9 @@ from typing import Optional
 
 import numpy as np
 
-from . import phi3
+from . import gemma3, phi3
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "gemma3")
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 ALL_MODULES = ATTN_MODULES + MLP_MODULES
@@ -37,7 +37,8 @@ class ModelConfig:
     attention_bias: bool = False
     max_position_embeddings: int = 2048
     sliding_window: Optional[int] = None  # attention window (mistral; qwen2/qwen3 with use_sliding_window)
-    gemma: Optional[dict] = None  # gemma2: gemma2_fields' dict (None for the other families)
+    gemma: Optional[dict] = None  # gemma2/gemma3_text: gemma2_fields' dict (None for the other families)
+    multimodal: bool = False  # gemma3: the text tower of Gemma3ForConditionalGeneration (gemma3.py)
     source: str = field(default="<dict>", repr=False, compare=False)
 
     @classmethod
@@ -62,6 +63,11 @@ class ModelConfig:
         mt = d.get("model_type")
         if mt not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"{where}: unknown model_type {mt!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        multimodal = mt == "gemma3"  # Gemma3ForConditionalGeneration: its text tower
+        if multimodal:
+            d, mt = gemma3.text_config(d, where), "gemma3_text"
+        if mt == "gemma3_text":
+            d = gemma3.normalize(d, where)
 
         def get(key, kind, default=None, required=True, positive=True):
             if key not in d or d[key] is None:
@@ -146,14 +152,15 @@ class ModelConfig:
             attention_bias=bias,
             max_position_embeddings=get("max_position_embeddings", int, default=2048),
             sliding_window=sw,
-            gemma=gemma2_fields(d, get, where) if mt == "gemma2" else None,
+            gemma=gemma2_fields(d, get, where) if mt in ("gemma2", "gemma3_text", "gemma3") else None,
+            multimodal=multimodal,
             source=source,
         )
 
     @property
     def qk_norm(self):
-        """Qwen3 normalises each head of q and k (RMSNorm over D, weights (D,)) before rotary."""
-        return self.model_type == "qwen3"
+        """Qwen3 and Gemma 3 normalise each head of q and k (RMSNorm over D, weights (D,)) before rotary."""
+        return self.model_type in ("qwen3", "gemma3_text")
 
     @property
     def fused_projections(self):
@@ -266,8 +273,10 @@ class ModelConfig:
 
 def gemma2_fields(d, get, where):
     """Gemma 2's keys: {"attn_scale": query_pre_attn_scalar ** -0.5, "attn_softcap" and
-    "final_softcap" (0: none), "windows": per layer, the sliding window (0: full attention)}. Layers
-    follow `layer_types`; older configs without it slide on even layers (transformers' default)."""
+    "final_softcap" (0: none), "windows": per layer, the sliding window (0: full attention),
+    and for gemma3_text "local_theta": the sliding layers' rotary base, unscaled}. Layers follow
+    `layer_types`; older gemma2 configs without it slide on even layers (transformers' default;
+    gemma3.normalize fills it for gemma3_text)."""
     n = get("num_hidden_layers", int)
     act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
     if act != "gelu_pytorch_tanh":
@@ -282,10 +291,13 @@ def gemma2_fields(d, get, where):
     sw = get("sliding_window", int, default=0, required=False) or 0
     if sw == 0 and "sliding_attention" in types:
         raise ValueError(f"{where}: layer_types has sliding_attention layers but no sliding_window")
-    return {"attn_scale": float(get("query_pre_attn_scalar", float, default=256.0)) ** -0.5,
-            "attn_softcap": get("attn_logit_softcapping", float, default=0.0, required=False) or 0.0,
-            "final_softcap": get("final_logit_softcapping", float, default=0.0, required=False) or 0.0,
-            "windows": [sw if t == "sliding_attention" else 0 for t in types]}
+    g = {"attn_scale": float(get("query_pre_attn_scalar", float, default=256.0)) ** -0.5,
+         "attn_softcap": get("attn_logit_softcapping", float, default=0.0, required=False) or 0.0,
+         "final_softcap": get("final_logit_softcapping", float, default=0.0, required=False) or 0.0,
+         "windows": [sw if t == "sliding_attention" else 0 for t in types]}
+    if d.get("model_type") == "gemma3_text":
+        g["local_theta"] = get("rope_local_base_freq", float)
+    return g
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Hugging Face model folders (docs/architecture.md, 'Models, adapters and data'): `config.json` plus one `model.safetensors` or
-shards named by `model.safetensors.index.json`, for the llama, mistral, qwen2, qwen3, phi3 and gemma2 families. A
-GGUF file (gguf_file.py) stands wherever a folder does: load_model and load_tokenizer take
-either (fuse: gguf_fuse.py).
+shards named by `model.safetensors.index.json`, for the llama, mistral, qwen2, qwen3, phi3, gemma2
+and gemma3_text families. A GGUF file (gguf_file.py) stands wherever a folder does: load_model
+and load_tokenizer take either (fuse: gguf_fuse.py).
 
 Weights are mapped to the core as stored ([out, in], no transposes). The safetensors files are
 memory-mapped (krnl.safetensors_io), so a tensor is read from disk only when it is uploaded; the
@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import gemma3
 from .adapter import read_adapter
 from .fileio import atomic_write_bytes, atomic_write_chunks, read_json_object
 from .mlx_folder import mlx_items, model_dtype, quantization, read_quantized, recipe_overrides
@@ -121,6 +122,8 @@ def load_hf_weights(folder, config=None):
     folder = Path(folder)
     config = read_config(folder) if config is None else config
     tensors = read_tensors(folder)
+    if config.multimodal:  # the text tower, named as Gemma3ForCausalLM's; the vision tower ignored
+        tensors = gemma3.text_tower(tensors)[0]
     want = config.weight_shapes()
     # Buffers some exporters keep (not weights).
     ignored = [k for k in tensors if k.endswith(".rotary_emb.inv_freq")]
@@ -266,10 +269,16 @@ def fuse(model_folder, adapter_folder, out_folder, shard_size="2GB", dtype=None,
     weights = load_hf_weights(model_folder, config)
     lora, tensors, _ = read_adapter(adapter_folder, config)
     s = lora.scale
+    names = {k: k for k in weights}
+    if config.multimodal:  # written back under the stored names, the vision tower copied through
+        if quantize is not None:
+            raise ValueError(f"[fuse] {model_folder} is a multimodal gemma3 model; fuse it without --quantize")
+        _, names, rest = gemma3.text_tower(read_tensors(model_folder))
+        weights = {**{names[k]: t for k, t in weights.items()}, **rest}
     merged = {}
     for i in lora.adapted_layers(config):
         for m in lora.target_modules:
-            name = f"model.layers.{i}.{module_part(m)}.{m}.weight"  # phi3: the fused weight
+            name = names[f"model.layers.{i}.{module_part(m)}.{m}.weight"]  # phi3: the fused weight
             A, B = tensors[lora_key(i, m, "A")], tensors[lora_key(i, m, "B")]
             merged[name] = lambda t=weights[name], A=A, B=B: merged_weight(np.asarray(t, np.float32), A, B, s)
     files = _write_folder(model_folder, weights, config, out_folder, shard_size, dtype, quantize, merged)

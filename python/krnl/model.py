@@ -1,6 +1,7 @@
-"""The Llama family (llama, mistral, qwen2, qwen3, phi3, gemma2) with LoRA adapters, as explicit forward and backward
-over core ops (llm.c style, no autograd tape; docs/architecture.md): the stack of decoder
-layers (layer.py), the loss and evaluation; generation is in generate.py.
+"""The Llama family (llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3_text) with LoRA adapters,
+as explicit forward and backward over core ops (llm.c style, no autograd tape;
+docs/architecture.md): the stack of decoder layers (layer.py), the loss and evaluation;
+generation is in generate.py.
 
     x0 = embed(ids)
     per layer:  h = x + o_proj(attn(rope(q_proj(n1)), rope(k_proj(n1)), v_proj(n1)))   n1 = rmsnorm(x)

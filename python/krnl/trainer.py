@@ -280,9 +280,9 @@ class Trainer:
 
     def save_adapter(self):
         lc = self.model.lora_config
-        cfg = adapter_io.peft_config(lc, base_model=self.base_model, layers=lc.layers)
+        cfg = adapter_io.peft_config(lc, base_model=self.base_model, layers=lc.layers, model_config=self.model.config)
         state = self.model.lora_state()
-        adapter_io.save_adapter(self.out, state, cfg)
+        adapter_io.save_adapter(self.out, state, cfg, self.model.config)
         if self.adapter_format == "mlx":
             adapter_io.save_mlx_adapter(self.out / adapter_io.MLX_SUBFOLDER, lc, state, self.model.config,
                                         self.base_model)

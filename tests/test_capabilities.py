@@ -230,23 +230,35 @@ def test_model_takes_packed_rows_fused_where_listed(monkeypatch):
     assert not tiny_lora_model(dev, "f32").fused_attention
 
 
-def test_model_sliding_window_needs_a_fused_window(monkeypatch):
-    """Rows longer than the config's sliding window run where the fused op lists the window, with
-    the window applied (a loss unlike the unwindowed one); elsewhere they are refused in one line."""
+def test_model_sliding_window_on_both_paths(monkeypatch):
+    """Rows longer than the config's sliding window take the fused op where it lists the window
+    and the materialised softmax's window elsewhere: the same loss and LoRA gradients on both,
+    unlike the unwindowed model's; KV-cached generation keeps the window too (its tokens equal a
+    full forward's greedy choice at every step)."""
+    from conftest import lora_step
     dev = krnl.device("cpu")
     rng = np.random.default_rng(8)
     ids, targets = rng.integers(0, 61, (2, 11)), rng.integers(0, 61, (2, 11))
     wide = tiny_lora_model(dev, "f32")
     loss_wide, _ = _attention_ops(wide, ids, targets)
-    with pytest.raises(ValueError, match=r"sequence length 11 exceeds the sliding window 4 .*fused"):
-        tiny_lora_model(dev, "f32", model_type="mistral", sliding_window=4).forward_backward(ids, targets)
+    mat = tiny_lora_model(dev, "f32", model_type="mistral", sliding_window=4)
+    loss_mat, names = _attention_ops(mat, ids, targets)
+    assert "softmax_causal_forward" in names and "attention_forward" not in names
+    assert loss_mat != pytest.approx(loss_wide, rel=1e-4)
     _with_capabilities(monkeypatch, fused_attention={**FUSED_F32, "window": True})
-    m = tiny_lora_model(dev, "f32", model_type="mistral", sliding_window=4)
-    loss_win, names = _attention_ops(m, ids, targets)
-    assert "attention_forward" in names and loss_win != pytest.approx(loss_wide, rel=1e-4)
-    m.fused_attention = False  # the materialised path has no window
-    with pytest.raises(ValueError, match="sliding window 4"):
-        m.forward_backward(ids, targets)
+    fused = tiny_lora_model(dev, "f32", model_type="mistral", sliding_window=4)
+    loss_fused, names = _attention_ops(fused, ids, targets)
+    assert "attention_forward" in names and loss_fused == pytest.approx(loss_mat, rel=1e-5)
+    (lm, gm), (lf, gf) = lora_step(mat, ids, targets), lora_step(fused, ids, targets)
+    assert lm == pytest.approx(lf, rel=1e-5)
+    for k in gm:
+        np.testing.assert_allclose(gm[k], gf[k], rtol=1e-4, atol=1e-5 * np.abs(gm[k]).max(), err_msg=k)
+    prompt = [int(t) for t in ids[0, :6]]
+    got = mat.generate(prompt, max_new_tokens=5)
+    seq = list(prompt)
+    for _ in range(5):  # greedy from the full (windowed) forward of the whole sequence
+        seq.append(int(np.argmax(mat.logits(np.array([seq]))[0, -1])))
+    assert got == seq[len(prompt):]
 
 
 # ---- no policy from a device's name

@@ -474,9 +474,9 @@ def test_missing_and_invalid_keys(tmp_path):
     cfg = ModelConfig.from_file(_write(tmp_path, {**TINY, "model_type": "mistral", "sliding_window": 4}))
     assert cfg.model_type == "mistral" and cfg.head_dim == 8 and not cfg.attention_bias
     assert cfg.sliding_window == 4
+    # rows longer than the window run (the materialised window on the CPU: tests/test_capabilities.py)
     m = LlamaModel(krnl.device("cpu"), cfg, random_weights(cfg), LoraConfig(r=2))
-    with pytest.raises(ValueError, match="sliding window 4"):
-        m.forward_backward([[1, 2, 3, 4, 5]], [[2, 3, 4, 5, 6]])
+    assert np.isfinite(m.loss([[1, 2, 3, 4, 5]], [[2, 3, 4, 5, 6]]))
 
 
 def _write(tmp_path, d):

@@ -14,8 +14,8 @@ ops = _core.ops
 class KVCache:
     """Per layer and KV head: keys and values (total, D), rows filled as positions are decoded."""
 
-    def __init__(self, device, dtype, n_layers, heads, total, gemma=None):
-        self.heads = heads
+    def __init__(self, device, dtype, n_layers, heads, total, gemma=None, window=0):
+        self.heads, self.window = heads, int(window or 0)  # window: the config's sliding window
         self.gemma = gemma or [None] * n_layers  # per layer: gemma.GemmaAttn or None
         e = lambda: [device.empty((total, heads.D), dtype) for _ in range(heads.Hk)]
         self.k = [e() for _ in range(n_layers)]
@@ -26,7 +26,7 @@ class KVCache:
         and values, then out = causal attention over every cached position."""
         hd, ga = self.heads, self.gemma[i]
         Kc, Vc, g, D, scale = self.k[i], self.v[i], hd.g, hd.D, hd.scale
-        cap, window = 0.0, 0
+        cap, window = 0.0, self.window
         if ga is not None:  # gemma2: its scale, soft-capped scores, the layer's sliding window
             scale, cap, window = ga.scale, ga.softcap, ga.window
 
@@ -97,7 +97,7 @@ def generate(model, prompt, max_new_tokens=32, temperature=0.0, top_p=1.0, seed=
     if len(prompt) >= total:
         raise ValueError(f"[generate] the prompt fills max_position_embeddings {mp}")
     cache = KVCache(model.dev, model.dtype, len(model.layers), model.heads, total,
-                    [L.gemma for L in model.layers])
+                    [L.gemma for L in model.layers], model.config.sliding_window)
     rng = np.random.default_rng(seed)
     out, pending, pos = [], prompt, 0
     switch = model.config.rope_switch_position  # LongRoPE: None, or where the long factors begin

@@ -144,16 +144,16 @@ class Batch:
     fused: bool = False              # fused attention (ops.attention_forward/backward)
     fused_segments: bool = False     # ... also for packed rows (else those stay materialised)
     attn_block: int = 0              # query rows per materialised block (0: one block)
-    window: int = 0                  # sliding window of the fused op (0: none; never materialised)
+    window: int = 0                  # sliding window (0: none): the fused op's where it lists one, else materialised
     inv_freq: Optional[Tensor] = None  # (D/2,) f32: this call's rotary frequencies (None: Heads')
     fused_window: bool = False       # the fused op takes a window (gemma2's per-layer windows)
 
     def attend(self, b, q, k, v, out, scale):
         """out (H, T, D) = attention of row b; returns its saved state."""
         seg = None if self.segments is None else self.segments[b]
-        if self.fused and (seg is None or self.fused_segments):
+        if self.fused and (seg is None or self.fused_segments) and (not self.window or self.fused_window):
             return fused_forward(q, k, v, out, scale, seg, self.window)
-        return materialised_forward(q, k, v, out, scale, seg, self.attn_block)
+        return materialised_forward(q, k, v, out, scale, seg, self.attn_block, self.window)
 
 
 @dataclass

@@ -132,11 +132,7 @@ class LlamaModel:
                 edges = np.concatenate([np.ones((B, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
                 run_starts = np.flatnonzero(np.concatenate([edges.reshape(-1), [True]]))
                 span = int(np.diff(run_starts).max())
-            if span > sw:
-                if not (self.fused_attention and self.fused_window and (seg is None or self.fused_segments)):
-                    raise ValueError(f"[LlamaModel] sequence length {span} exceeds the sliding window {sw} of "
-                                     f"{self.config.source}: windowed attention needs the fused attention of a "
-                                     f"device that lists it (capabilities()['fused_attention']['window'])")
+            if span > sw:  # the fused op where the device lists windows, else the materialised softmax's
                 window = sw
         d = self.dev
         if pos is None:

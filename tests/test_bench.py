@@ -340,3 +340,113 @@ def test_krnl_bench_quick_end_to_end(tmp_path, reference, capsys, monkeypatch):
     # --from-json: the report again without running anything
     assert krnl_main(["bench", "--from-json", str(out_json)]) == 0
     assert "gate:" in capsys.readouterr().out
+
+
+# ---- the train workload (bench/train.py): `krnl train` end to end
+
+
+@pytest.fixture(scope="module")
+def train_folder(tmp_path_factory):
+    from krnl.bench import train
+    return train.write_folder(train.shape("quick"), tmp_path_factory.mktemp("train") / "model")
+
+
+def test_train_workload_loss_is_the_trainers(train_folder, tmp_path):
+    """The workload's krnl figures come from krnl's Trainer itself: its losses equal those of a
+    plain Trainer run (ids/targets arrays, run to the end) on the same folder and batch, and the
+    timing stops before the run's end-of-run files without changing a value."""
+    from krnl.bench import train
+    from krnl.config import LoraConfig
+    from krnl.hf import load_model
+    from krnl.trainer import TrainConfig, Trainer
+    dev = krnl.device("cpu")
+    s = train.shape("quick", steps=2, warmup=1)
+    b = train.batches(s)[0]
+    got = train.run_krnl(dev, "f32", train_folder, s, [b] * 3)
+    model = load_model(str(train_folder), dev, lora=LoraConfig(r=16, alpha=32.0), dtype="f32", seed=0)
+    cfg = TrainConfig(iters=3, batch_size=s["B"], learning_rate=1e-4, warmup=0, schedule="constant",
+                      max_grad_norm=1.0, val_every=0, save_every=0)
+    tr = Trainer(model, cfg, (b.ids, b.targets), out_dir=tmp_path / "run", progress=False)
+    summary = tr.run()
+    assert got["losses"] == [loss for _, loss in tr.history] and got["loss"] == summary["loss"]
+    assert got["losses"][2] < got["losses"][0]  # the same batch three times: training lowers its loss
+    assert got["samples"] == 2 and got["tokens"] == 2 * s["B"] * s["T"] and got["peak_bytes"] > 0
+    assert np.isfinite(got["tokens_per_s"]) and got["tokens_per_s"] > 0 and got["warmup_s"] > 0
+    assert abs(got["first_loss"] - np.log(s["V"])) < 0.1  # small random weights: near uniform
+
+
+def test_train_tokens_exclude_padding():
+    """tokens = input tokens that are not padding, the one definition every row is measured by;
+    the targets predict the next real token only."""
+    from krnl.bench import train
+    s = train.shape("quick")
+    full, padded = train.batches(s), train.batches(s, pad=True)
+    for b in padded:
+        real = np.arange(s["T"])[None, :] < b.lengths[:, None]
+        assert b.tokens == int(real.sum()) < s["B"] * s["T"] and (b.ids[~real] == train.PAD_ID).all()
+        assert (b.ids[real] != train.PAD_ID).all()
+        assert ((b.targets != -100).sum(1) == b.lengths - 1).all()
+        i, j = np.nonzero(b.targets != -100)
+        assert (b.targets[i, j] == b.ids[i, j + 1]).all()
+    assert all(b.tokens == s["B"] * s["T"] for b in full)
+    rows = train.run(krnl.device("cpu"), "f32", s, log=lambda m: None, bs=padded)
+    k = rows[0]
+    assert k["impl"] == "krnl" and k["tokens"] == sum(b.tokens for b in padded[s["warmup"]:])
+    assert k["tokens_per_s"] == pytest.approx(k["tokens"] / (k["ms"] * k["samples"] / 1e3))
+    assert k["peak_bytes"] is None  # the CPU: no figure rather than a wrong one
+    assert [(r["impl"], r["status"]) for r in rows[1:]] == [
+        ("PEFT eager", "absent"), ("PEFT torch.compile", "absent"), ("mlx-lm", "absent")]
+    assert all(r["reason"] == "not selected (--peers)" for r in rows[1:])
+
+
+@pytest.mark.torch
+def test_train_peft_first_loss_matches_krnl(train_folder):
+    """transformers + PEFT on the same folder and batches in f32: the first step's loss (LoRA B = 0,
+    the base model's) equals krnl's to 1e-4."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    from krnl.bench import train
+    s = train.shape("quick", steps=1, warmup=1)
+    bs = train.batches(s, pad=True)
+    rows = {r["impl"]: r for r in train.run(krnl.device("cpu"), "f32", s, peers=["torch"], log=lambda m: None,
+                                             folder=train_folder, bs=bs)}
+    k, t = rows["krnl"], rows["PEFT eager"]
+    assert t.get("status", "ok") == "ok", t.get("reason")
+    assert abs(t["first_loss"] - k["first_loss"]) <= 1e-4 * abs(k["first_loss"]), (k["first_loss"], t["first_loss"])
+    assert t["tokens"] == k["tokens"] and t["vs_krnl"] == pytest.approx(t["tokens_per_s"] / k["tokens_per_s"])
+
+
+def test_krnl_bench_train_rows_reach_json_table_and_docs(tmp_path, capsys):
+    readme = tmp_path / "performance.md"
+    start, end = report.markers("cpu")
+    readme.write_text(f"# x\n\n{start}\n{end}\n")
+    out_json = tmp_path / "t.json"
+    rc = bench_main(["--quick", "--device", "cpu", "--rounds", "1", "--peers", "numpy", "--workloads", "train",
+                     "--train-seq", "17", "--train-steps", "2", "--json", str(out_json), "--readme", str(readme)])
+    out = capsys.readouterr().out
+    res = json.loads(out_json.read_text())
+    assert rc == (0 if res["trusted"] else 2)
+    rows = {r["impl"]: r for r in res["rows"] if r["workload"] == "train"}
+    k = rows["krnl"]
+    assert k["status"] == "ok" and k["samples"] == 2 and k["tokens"] == 2 * 2 * 17 and "T=17" in k["title"]
+    assert np.isfinite(k["loss"]) and k["tokens_per_s"] > 0 and k["vs_krnl"] == 1.0
+    assert rows["PEFT eager"]["status"] == "absent" and rows["mlx-lm"]["status"] == "absent"
+    assert "Training end to end" in out and f"loss {k['loss']:.4f}" in out and "not selected (--peers)" in out
+    block = readme.read_text()
+    assert "| krnl |" in block and f"loss {k['loss']:.4f}" in block and "| PEFT eager |" in block
+
+
+def test_train_workload_sizes_and_errors(capsys):
+    from krnl.bench import train
+    rows = train.session_rows(Session("cpu", rounds=1, quick=False, peers=["numpy"], log=lambda m: None), {})
+    assert [(r["impl"], r["status"]) for r in rows] == [("krnl", "skipped")]
+    assert "1b shape is sized for a GPU" in rows[0]["reason"]
+    assert train.shape("8b", layers=2)["layers"] == 2 and train.shape("8b")["T"] == 4096
+    with pytest.raises(ValueError, match=r"--train-steps must be an integer >= 1, got 0"):
+        train.shape("1b", steps=0)
+    with pytest.raises(ValueError, match=r"--train-seq must be >= 2"):
+        train.shape("quick", seq=1)
+    with pytest.raises(SystemExit):
+        bench_main(["--workloads", "train", "--train-shape", "9b"])
+    assert "--train-shape" in capsys.readouterr().err

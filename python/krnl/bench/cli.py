@@ -20,8 +20,8 @@ def _names(value, known, option):
 
 def add_arguments(p):
     p.add_argument("--workloads", default=",".join(ALL), type=lambda v: _names(v, KNOWN, "--workloads"),
-                   help=f"comma-separated, of {','.join(KNOWN)} (default: {','.join(ALL)}; w3 and qlora run "
-                        "only on GPU devices, except with --quick)")
+                   help=f"comma-separated, of {','.join(KNOWN)} (default: {','.join(ALL)}; w3, qlora and train "
+                        "run only on GPU devices, except with --quick)")
     p.add_argument("--peers", default=",".join(PEER_NAMES), type=lambda v: _names(v, PEER_NAMES, "--peers"),
                    help=f"comma-separated, of {','.join(PEER_NAMES)} (default: all)")
     p.add_argument("--device", default=None, help="krnl device (default: the best available)")
@@ -32,6 +32,14 @@ def add_arguments(p):
     p.add_argument("--slow", type=float, default=10.0, metavar="S",
                    help="a peer whose step takes more than S seconds is timed once, not every round")
     p.add_argument("--quick", action="store_true", help="small sizes (seconds, for tests)")
+    g = p.add_argument_group("the train workload (`krnl train` end to end, bench/train.py)")
+    g.add_argument("--train-shape", choices=("1b", "8b", "quick"), default=None,
+                   help="1b: Llama-3.2-1B's layer x16, seq 2048, batch 4; 8b: Llama-3-8B's layer x8, seq 4096, "
+                        "batch 2; quick: a tiny model (default: quick with --quick, else 1b)")
+    for opt, what in (("layers", "decoder layers (default: the shape's)"), ("seq", "tokens per row (default: the "
+                      "shape's)"), ("batch", "rows per step (default: the shape's)"), ("steps", "timed steps "
+                      "(default 10; quick: 3)"), ("warmup", "untimed steps before them (default 3; quick: 1)")):
+        g.add_argument(f"--train-{opt}", type=int, default=None, metavar="N", help=what)
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--png", metavar="PATH", help="write a bar chart (tokens/s per workload and implementation)")
     p.add_argument("--profile", action="store_true", help="also print the per-op profile of one step (W2; W3 on a GPU)")
@@ -45,6 +53,12 @@ def add_arguments(p):
                         "this file (docs/performance.md) with the results")
     p.add_argument("--from-json", metavar="PATH",
                    help="run nothing: report (table, --png, --readme) from a JSON written by --json")
+
+
+def train_options(args):
+    """The --train-* options as bench/train.py takes them (None: the shape's own)."""
+    opts = {k: getattr(args, f"train_{k}", None) for k in ("layers", "seq", "batch", "steps", "warmup")}
+    return dict(opts, shape=getattr(args, "train_shape", None))
 
 
 def cmd_bench(args):
@@ -67,7 +81,7 @@ def cmd_bench(args):
         load_tuning(krnl.device(args.device))  # the GEMM variants `krnl tune` chose for this GPU, if any
         log = lambda msg: print(msg, file=sys.stderr, flush=True)
         s = Session(args.device, rounds=args.rounds, quick=args.quick, peers=args.peers, slow_s=args.slow,
-                    reference_path=ref_path, log=log, dtype=args.dtype)
+                    reference_path=ref_path, log=log, dtype=args.dtype, train=train_options(args))
         res = s.run(args.workloads, profile=args.profile)
     print(report.format_table(res))
     if res.get("profile") and (args.profile or args.from_json):

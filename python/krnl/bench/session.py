@@ -105,7 +105,7 @@ def interleave(fns, rounds, settle_s=SETTLE_S):
 
 class Session:
     def __init__(self, device=None, rounds=5, quick=False, peers=PEER_NAMES, slow_s=10.0,
-                 reference_path=None, log=print, peer_overrides=None, dtype=None):
+                 reference_path=None, log=print, peer_overrides=None, dtype=None, train=None):
         if rounds < 1:
             raise ValueError(f"[krnl bench] --rounds must be >= 1, got {rounds}")
         if dtype is not None and dtype not in TOLERANCE:
@@ -123,6 +123,7 @@ class Session:
         self.reference_path = reference_path or gate.reference_path()
         self.peer_overrides = peer_overrides or {}  # {(workload, peer): builder}: tests inject peers here
         self.rows = []
+        self.train_opts = dict(train or {})  # the --train-* options (bench/train.py)
 
     # ---- rows
 
@@ -342,6 +343,12 @@ class Session:
             if self.rows:
                 between.append(("before qlora", gate.measure_control(dev, n_ctl)))
             self.run_qlora(profile)
+        if "train" in workloads:
+            if self.rows:
+                between.append(("before train", gate.measure_control(dev, n_ctl)))
+            from . import train
+            for r in train.session_rows(self, self.train_opts):
+                self._row("train", r.pop("impl"), **r)
         if profile and prof is None:
             wl = STEPS[prof_wl]
             prof = self._profile(wl.make(wl.sizes["quick" if self.quick else "full"], dev.name, self.dtype), prof_wl)

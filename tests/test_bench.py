@@ -4,6 +4,8 @@ only what the figures are marked as and where they go."""
 
 import json
 import re
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -450,3 +452,29 @@ def test_train_workload_sizes_and_errors(capsys):
     with pytest.raises(SystemExit):
         bench_main(["--workloads", "train", "--train-shape", "9b"])
     assert "--train-shape" in capsys.readouterr().err
+
+
+@pytest.mark.mlx
+def test_train_mlx_lm_first_loss_matches_krnl():
+    """mlx-lm's trainer on the same folder and padded batches in f32: default_loss's length mask
+    scores the positions krnl's targets score, so the first losses agree to 1e-4."""
+    pytest.importorskip("mlx.core")
+    pytest.importorskip("mlx_lm")
+    from krnl.bench import train
+    from krnl.bench.targets import Unavailable
+    from krnl.bench.train_peers import mlx_lengths
+    s = train.shape("quick", layers=1, steps=1, warmup=1)
+    bs = train.batches(s, pad=True)
+    assert (mlx_lengths(bs[0])[:, 1] == bs[0].lengths - 1).all()
+    bad = train.Batch(bs[0].ids, bs[0].lengths)
+    bad.targets = bad.targets.copy()
+    bad.targets[0, 0] = (bad.targets[0, 0] + 1) % s["V"]  # not the next id: no length mask says this
+    with pytest.raises(Unavailable, match="not the ids shifted"):
+        mlx_lengths(bad)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = train.write_folder(s, Path(tmp) / "model")
+        rows = {r["impl"]: r for r in train.run(krnl.device("cpu"), "f32", s, peers=["mlx"], log=lambda m: None,
+                                                 folder=folder, bs=bs)}
+    k, m = rows["krnl"], rows["mlx-lm"]
+    assert m.get("status", "ok") == "ok", m.get("reason")
+    assert abs(m["first_loss"] - k["first_loss"]) <= 1e-4 * abs(k["first_loss"]), (k["first_loss"], m["first_loss"])

@@ -196,7 +196,7 @@ def run(dev, dtype, s, peers=(), log=print, on_gpu=False, folder=None, bs=None):
         title = f"Training end to end ({describe(s)}; {dtype})"
         rows = [dict(impl="krnl", **run_krnl(dev, dtype, folder, s, bs))]
         log(f"krnl bench: train krnl: {rows[0]['tokens_per_s']:,.0f} tokens/s, loss {rows[0]['loss']:.4f}")
-        rows += run_all(dev.name, dtype, folder, s, bs, peers, log, on_gpu)
+        rows += run_all(dev.name, dtype, folder, s, bs, peers, log)
     k = rows[0]["tokens_per_s"]
     for r in rows:
         r.update(title=title, dtype=dtype)

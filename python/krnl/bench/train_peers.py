@@ -155,7 +155,7 @@ def run_mlx(device_name, dtype, folder, s, bs):
     return res
 
 
-def run_all(device_name, dtype, folder, s, bs, peers, log=print, on_gpu=False):
+def run_all(device_name, dtype, folder, s, bs, peers, log=print):
     """A row per peer: figures, or status absent with the reason (not selected, not installed,
     failed)."""
     rows = []

@@ -266,7 +266,9 @@ void bind_devices(nb::module_& m) {
            "same buffers with the same shapes and scalars (seeds, lr, loss scale are frozen); data uploaded "
            "inside fn (Device.tensor of numpy data) is a constant of the graph. To vary inputs, create them "
            "before capture and write new contents with Device.upload (or ops) between replays. The graph keeps "
-           "every tensor the recorded call touched alive until release(). A bad id in a replayed embedding "
+           "every tensor made before the recording that the recorded call touched alive until release(); what "
+           "the recording allocates comes from the graph arena that every live graph shares, so the outputs of "
+           "a graph stay valid until another graph replays (read or copy them first). A bad id in a replayed embedding "
            "or cross entropy gives NaN (the eager call's host check cannot run).")
       .def_prop_ro("capturing", &Backend::capturing, "Whether a graph is being recorded.")
       .def("step", [](Backend& d) { return Step{&d}; },
@@ -284,9 +286,12 @@ void bind_devices(nb::module_& m) {
       .def_prop_ro("last_committed", &Backend::last_committed)
       .def("pool_stats", [](Backend& d) {
              d.pool().collect(d.completed_seq());
-             return pool_stats_dict(d.pool().stats());
+             nb::dict r = pool_stats_dict(d.pool().stats());
+             r["graph_arena"] = d.arena_bytes();
+             return r;
            },
-           "Bytes in use, pending (released inside an unfinished submission), cached, reserved, peaks.")
+           "Bytes in use, pending (released inside an unfinished submission), cached, reserved, peaks; "
+           "graph_arena: the part of in_use that live graphs' recordings hold (shared by every graph).")
       .def("reset_peak", [](Backend& d) { d.pool().reset_peak(); })
       .def("trim", [](Backend& d) { d.pool().trim(); }, "Returns cached buffers to the system.")
       .def_prop_ro("split_k_config", [](const Backend& d) {

@@ -31,10 +31,25 @@ Tensor Backend::empty(const Shape& shape, DType dt) {
     if (d < 0) throw std::invalid_argument("[empty] negative dimension in " + shape_str(shape));
     n *= d;
   }
-  Buffer b = pool_->acquire(size_t(n) * dtype_size(dt), completed_seq());
-  auto st = std::make_shared<Storage>(this, b);
-  keep_for_capture(st);  // a buffer made while recording is baked into the graph
-  return Tensor(std::move(st), 0, shape, dt);
+  const size_t bytes = size_t(n) * dtype_size(dt);
+  Buffer b;
+  if (!capturing()) {
+    b = pool_->acquire(bytes, completed_seq());
+  } else {  // a buffer made while recording is baked into the graph: the arena's (backend.h)
+    // Best fit: the smallest released buffer that holds it, so that graphs of shorter lengths
+    // run in the temporaries of longer ones.
+    auto it = arena_.free.lower_bound(BufferPool::class_size(bytes));
+    if (it != arena_.free.end()) {
+      b = it->second;
+      arena_.free.erase(it);
+    } else {
+      b = pool_->acquire(bytes, completed_seq());
+      arena_.owned.insert(b.id);
+      arena_.bytes += b.bytes;
+    }
+    arena_.recording.insert(b.id);
+  }
+  return Tensor(std::make_shared<Storage>(this, b), 0, shape, dt);
 }
 
 Tensor Backend::wrap(void* ptr, const Shape& shape, DType dt, std::function<void()> release) {
@@ -45,6 +60,14 @@ Tensor Backend::wrap(void* ptr, const Shape& shape, DType dt, std::function<void
 }
 
 void Backend::release_buffer(const Buffer& b) {
+  if (arena_.owned.count(b.id)) {
+    if (arena_.graphs > 0 || capturing()) {
+      arena_.free.emplace(b.bytes, b);
+      return;
+    }
+    arena_.owned.erase(b.id);  // the last graph is gone: back to the pool as any buffer
+    arena_.bytes -= b.bytes;
+  }
   // Inside an open step, ops of that step that read the buffer may not have run yet (seq = next
   // commit). Where every access is ordered on one queue (CPU: at once; CUDA: one stream) an op
   // that gets the buffer next runs after them, so it is free at once: a step's pool stays near its
@@ -53,6 +76,23 @@ void Backend::release_buffer(const Buffer& b) {
   const bool reuse_now = queue_ordered() && !capturing();
   uint64_t seq = in_step_ && !reuse_now ? last_committed_ + 1 : last_committed_;
   pool_->release(b, seq, completed_seq());
+}
+
+void Backend::graph_released() {
+  --arena_.graphs;
+  settle_arena();
+}
+
+void Backend::settle_arena() {
+  if (arena_.graphs > 0 || capturing()) return;
+  // A replay may still run on the queue: the buffers retire with the newest step that may hold it.
+  const uint64_t seq = last_committed_ + (in_step_ ? 1 : 0);
+  for (auto& [size, b] : arena_.free) {
+    arena_.owned.erase(b.id);
+    arena_.bytes -= b.bytes;
+    pool_->release(b, seq, completed_seq());
+  }
+  arena_.free.clear();
 }
 
 void Backend::upload(const Tensor& dst, const void* src) { std::memcpy(dst.data(), src, dst.nbytes()); }

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -122,9 +123,14 @@ class Backend {
   virtual std::unique_ptr<Graph> capture(const std::function<void(bool recording)>& fn);
   bool capturing() const { return capture_keep_ != nullptr; }
   // While capturing: the graph will own s (called for every op operand and every new buffer).
+  // Buffers made in this recording need no keeping: the arena owns them (backend.h, GraphArena).
   void keep_for_capture(const std::shared_ptr<Storage>& s) {
-    if (capture_keep_) capture_keep_->insert(s);
+    if (capture_keep_ && !arena_.recording.count(s->id())) capture_keep_->insert(s);
   }
+  // Live graphs: the arena lives while one does (a backend's Graph calls these).
+  void graph_created() { ++arena_.graphs; }
+  void graph_released();
+  size_t arena_bytes() const { return arena_.bytes; }
 
   // ---- routing parameters (pure data for the core's routers)
   virtual SplitKConfig split_k_config() const { return {}; }
@@ -169,12 +175,39 @@ class Backend {
   virtual void on_commit(uint64_t /*seq*/) {}
   virtual void on_wait(uint64_t /*seq*/) {}
   virtual uint64_t query_completed() { return last_committed_; }
-  // Set by a backend's capture() while it records: where keep_for_capture collects storages.
-  std::unordered_set<std::shared_ptr<Storage>>* capture_keep_ = nullptr;
+  // A backend's capture() brackets its recording with these: keep_for_capture collects storages
+  // in `keep` meanwhile.
+  void begin_recording(std::unordered_set<std::shared_ptr<Storage>>* keep) {
+    capture_keep_ = keep;
+    arena_.recording.clear();
+  }
+  void end_recording() {
+    capture_keep_ = nullptr;
+    arena_.recording.clear();
+  }
+  // Gives the arena's free buffers back to the pool when no graph is left (after a failed capture).
+  void settle_arena();
+
+  // The graph arena: every buffer made while recording comes from here. A graph replays on the
+  // device's one queue after everything queued before it, and reads none of its temporaries
+  // before writing them, so a buffer released while recording (a temporary of this graph) or
+  // after (an output nobody holds any more) may serve a later tensor of this recording or of
+  // another graph: graphs of different shapes then share one set of temporaries (the largest
+  // recording's working set, not the sum of all) instead of each keeping everything it ever
+  // allocated. A graph's outputs stay valid until another graph replays.
+  struct GraphArena {
+    std::multimap<size_t, Buffer> free;  // class size -> released buffers
+    std::unordered_set<uint64_t> owned;  // ids of every buffer the arena holds (free or in a tensor)
+    std::unordered_set<uint64_t> recording;  // ids handed out in the open recording
+    size_t bytes = 0;                    // held from the pool
+    int graphs = 0;
+  };
 
  private:
   std::string name_;
   std::unique_ptr<BufferPool> pool_;
+  GraphArena arena_;
+  std::unordered_set<std::shared_ptr<Storage>>* capture_keep_ = nullptr;
   bool in_step_ = false;
   uint64_t last_committed_ = 0;
   bool profiling_ = false;

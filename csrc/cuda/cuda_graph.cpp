@@ -2,12 +2,13 @@
 // cudaGraphLaunch per step, so the host-side cost of issuing its ops (Python, validation,
 // launches) is paid once.
 //
-// Memory: a graph bakes in device addresses. While recording, every op operand and every buffer
-// the pool hands out lands in the graph's keep set (Backend::keep_for_capture), so none of them
-// is freed or handed to another tensor while the graph exists, temporaries released inside the
-// recorded call included. The warm-up call before recording leaves its buffers in the pool, so
-// recording usually allocates nothing; uploads made while recording come from pinned staging the
-// warm-up sized, and are repeated (with the same data) by every replay.
+// Memory: a graph bakes in device addresses. While recording, every op operand made before it
+// lands in the graph's keep set (Backend::keep_for_capture), so none of them is freed or handed
+// to another tensor while the graph exists; every buffer made while recording comes from the
+// graph arena (backend.h), which keeps it for graphs only, shared by every live graph and reused
+// within a recording once released. The warm-up call before recording leaves its buffers in the
+// pool, so recording usually allocates nothing new; uploads made while recording come from
+// pinned staging the warm-up sized, and are repeated (with the same data) by every replay.
 #include <cuda_runtime.h>
 
 #include <memory>
@@ -26,7 +27,9 @@ using Keep = std::unordered_set<std::shared_ptr<Storage>>;
 class CudaGraph final : public Graph {
  public:
   CudaGraph(CudaBackend* dev, cudaGraph_t g, cudaGraphExec_t e, Keep keep, char* staging)
-      : dev_(dev), graph_(g), exec_(e), keep_(std::move(keep)), staging_(staging) {}
+      : dev_(dev), graph_(g), exec_(e), keep_(std::move(keep)), staging_(staging) {
+    dev_->graph_created();
+  }
   ~CudaGraph() override { release(); }
 
   uint64_t replay() override {
@@ -56,6 +59,7 @@ class CudaGraph final : public Graph {
       if (staging) cudaFreeHost(staging);
     });
     keep_.clear();  // storages retire on the current step, so the pool waits for the replays
+    dev_->graph_released();
   }
 
   bool released() const override { return exec_ == nullptr; }
@@ -105,16 +109,20 @@ std::unique_ptr<Graph> CudaBackend::capture(const std::function<void(bool)>& fn)
   // Thread-local: a forbidden call from this thread fails loudly; other threads are not ours.
   cudaError_t e = cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal);
   auto finish = [&] {  // leaves recording state; the step closes
-    capture_keep_ = nullptr;
+    end_recording();
     staging_ = nullptr, staging_size_ = 0;
     commit();
   };
-  if (e != cudaSuccess) {
+  auto fail = [&] {  // no graph: what the recording took from the arena goes back to the pool
     finish();
+    settle_arena();
     if (staging) cudaFreeHost(staging);
+  };
+  if (e != cudaSuccess) {
+    fail();
     check(e, "capture");
   }
-  capture_keep_ = &keep;
+  begin_recording(&keep);
   cudaGraph_t graph = nullptr;
   try {
     fn(true);
@@ -122,8 +130,7 @@ std::unique_ptr<Graph> CudaBackend::capture(const std::function<void(bool)>& fn)
     cudaStreamEndCapture(stream_, &graph);  // ends a capture that an error may have invalidated
     if (graph) cudaGraphDestroy(graph);
     cudaGetLastError();
-    finish();
-    if (staging) cudaFreeHost(staging);
+    fail();
     throw;
   }
   e = cudaStreamEndCapture(stream_, &graph);
@@ -132,6 +139,7 @@ std::unique_ptr<Graph> CudaBackend::capture(const std::function<void(bool)>& fn)
   if (e == cudaSuccess) e = cudaGraphInstantiate(&exec, graph, 0);
   if (e != cudaSuccess) {
     if (graph) cudaGraphDestroy(graph);
+    settle_arena();
     if (staging) cudaFreeHost(staging);
     cudaGetLastError();
     check(e, "capture");

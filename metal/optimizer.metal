@@ -8,9 +8,9 @@ using namespace metal;
 // ---- adamw_update, adamw_update_working_{f32,f16}
 // params, grads, m, v (n,) f32 at buffers 0..3; the working variants also store the updated
 // params into buffer(4) (f32 or f16, rounded once); AdamwArgs at buffer(5) for all three (index 4
-// is unused by the plain kernel), hyper, sq and flag at 6, 7, 8 (read only as AdamwArgs says). The statement order and the float operations are those of the
-// CPU backend (PyTorch's AdamW, see kargs.h); sqrt and the divides are the precise ones so that
-// fast math does not drift from it.
+// is unused by the plain kernel), hyper, sq and flag at 6, 7, 8 (read only as AdamwArgs says).
+// The statement order and the float operations are those of the CPU backend (PyTorch's AdamW, see
+// kargs.h); sqrt and the divides are the precise ones so that fast math does not drift from it.
 // Geometry: a grid-stride loop, any grid; e.g. 256 threads per threadgroup and
 // min(ceil(n / 256), 1024) threadgroups.
 // The step's scalars: from args, or (args.device_scalars) from hyper, sq and flag on the device,

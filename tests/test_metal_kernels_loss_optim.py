@@ -407,7 +407,8 @@ def test_adamw_update_metal_first_step_no_decay(libs):
     p0, g0, _, _ = adamw_inputs(n)
     m, v, p = np.zeros(n, np.float32), np.zeros(n, np.float32), p0.copy()
     a = adamw_args(n, lr=1e-2, wd=0.0, step=1, grad_scale=1.0, eps=1e-12)
-    libs["optimizer"].dispatch("adamw_update", grid=(1, 1, 1), threads=(32, 1, 1), buffers=[p, g0, m, v, None, a, *NO_SCALARS])
+    libs["optimizer"].dispatch("adamw_update", grid=(1, 1, 1), threads=(32, 1, 1),
+                               buffers=[p, g0, m, v, None, a, *NO_SCALARS])
     adamw_check(p, m, v, p0, g0, np.zeros(n, np.float32), np.zeros(n, np.float32), a)
     np.testing.assert_allclose(f64(p), f64(p0) - 1e-2 * np.sign(g0), rtol=0, atol=1e-6)
 

@@ -1967,7 +1967,8 @@ def test_device_scalar_arguments_bad_calls(dev):
             ops.dropout(x, y, 0.5, 1, seed_offset=bad)
     p, g, m, v = (dev.zeros((4,)) for _ in range(4))
     h, sq, fl = dev.zeros((5,)), dev.zeros((1,)), dev.zeros((1,), "i32")
-    cases = [(dict(hyper=dev.zeros((4,)), sq=sq), r"hyper .*shape"), (dict(hyper=dev.zeros((5,), "i32"), sq=sq), r"hyper .*f32"),
+    cases = [(dict(hyper=dev.zeros((4,)), sq=sq), r"hyper .*shape"),
+             (dict(hyper=dev.zeros((5,), "i32"), sq=sq), r"hyper .*f32"),
              (dict(hyper=h), r"sq is required"), (dict(hyper=h, sq=dev.zeros((2,))), r"sq .*shape"),
              (dict(hyper=h, sq=sq, flag=dev.zeros((1,))), r"flag .*i32"), (dict(sq=sq), r"sq is only read with hyper"),
              (dict(flag=fl), r"flag is only read with hyper"), (dict(hyper=other.zeros((5,)), sq=sq), r"hyper is on")]

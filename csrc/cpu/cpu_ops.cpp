@@ -666,7 +666,8 @@ void CpuBackend::adamw_update(const AdamWArgs& a) {
   const float b1 = a.beta1, b2 = a.beta2, eps = a.eps;
   if (a.hyper.defined()) {
     const float* h = a.hyper.ptr<float>();
-    AdamwDeviceScalars d = adamw_device_scalars(h, a.sq.ptr<float>()[0], a.flag.defined() ? a.flag.ptr<int32_t>() : nullptr);
+    const int32_t* flag = a.flag.defined() ? a.flag.ptr<int32_t>() : nullptr;
+    const AdamwDeviceScalars d = adamw_device_scalars(h, a.sq.ptr<float>()[0], flag);
     if (d.skip) return;  // a non-finite step: params, m, v and working stay as they are
     step_size = h[0], bc2_sqrt = h[1], decay = h[2], gs = d.grad_scale;
   }

@@ -2,6 +2,8 @@
 // cross_entropy: per row r of logits (rows, V), with y = targets[r],
 //   loss[r] = max + log(sum_j exp(x_j - max)) - x_y        (f32)
 //   dlogits[r, j] = scale * (softmax_j - (j == y))        (only when write_grad != 0)
+// with scale replaced by args.scale * scale_by[0] when args.scale_by != 0 (a device-resident
+// per-step factor, e.g. 1 / tokens of the step, which a replayed step cannot take as a constant).
 // Rows with y == ignore_index get loss 0 and (write_grad != 0) a zero gradient row. A target
 // outside [0, V) (the host checks them, as the CPU backend does) is never read: loss is NaN, so
 // a missed check shows in the loss sum, and the gradient gets no one-hot term.
@@ -30,6 +32,7 @@ kernel void cross_entropy(device const T*            logits  [[buffer(0)]],
                           device float*              loss    [[buffer(2)]],
                           device T*                  dlogits [[buffer(3)]],
                           constant CrossEntropyArgs& args    [[buffer(4)]],
+                          device const float*        scale_by [[buffer(5)]],
                           uint row  [[threadgroup_position_in_grid]],
                           uint tid  [[thread_position_in_threadgroup]],
                           uint ntg  [[threads_per_threadgroup]],
@@ -95,7 +98,7 @@ kernel void cross_entropy(device const T*            logits  [[buffer(0)]],
     if (!grad) return;
 
     const float inv = 1.0f / se;
-    const float sc = args.scale;
+    const float sc = args.scale_by != 0 ? args.scale * scale_by[0] : args.scale;  // formed once, in f32
     for (uint j = tid; j < V; j += ntg) {
         const float p = exp(float(xr[j]) - mx) * inv;
         dr[j] = T(sc * (int(j) == y ? p - 1.0f : p));

@@ -103,14 +103,18 @@ kernel void fill_i32(device int*                   x    [[buffer(0)]],
 
 // out[i] = keep ? x[i] * keep_scale : 0, keep = krnl::dropout_keep(seed, i, p): the mask is a pure
 // function of (seed, flat index), identical to every other backend's and to the backward's.
+// With args.use_offset, the seed adds offset (2,) i32 (low, high word) from the device.
 template <typename T>
-kernel void ew_dropout(device const T*             x    [[buffer(0)]],
-                       device T*                   out  [[buffer(1)]],
-                       constant DropoutArgs&       args [[buffer(2)]],
+kernel void ew_dropout(device const T*             x      [[buffer(0)]],
+                       device T*                   out    [[buffer(1)]],
+                       constant DropoutArgs&       args   [[buffer(2)]],
+                       device const int*           offset [[buffer(3)]],
                        uint gid [[thread_position_in_grid]],
                        uint gsz [[threads_per_grid]])
 {
-    const uint64_t seed  = uint64_t(args.seed_lo) | (uint64_t(args.seed_hi) << 32);
+    const uint64_t host_seed = uint64_t(args.seed_lo) | (uint64_t(args.seed_hi) << 32);
+    const uint64_t seed = args.use_offset != 0 ? krnl::dropout_seed(host_seed, uint(offset[0]), uint(offset[1]))
+                                               : host_seed;
     const float    p     = args.p;
     const float    scale = args.keep_scale;
     for (uint i = gid; i < args.n; i += gsz)

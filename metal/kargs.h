@@ -136,6 +136,8 @@ struct GemmReduceArgs {
 // is fully read before it is written); targets (rows,) i32; loss (rows,) f32 = logsumexp - x[y].
 // Rows whose target is ignore_index get loss 0 and a zero gradient. write_grad != 0: dlogits =
 // scale * (softmax - onehot(y)); when 0, buffer(3) must still be bound and is not written.
+// scale_by != 0: the factor is scale * scale_by[0] (buffer(5), (1,) f32, formed once in f32), a
+// per-step value a replayed step reads from the device; when 0, buffer(5) is bound, never read.
 // One threadgroup per row.
 struct CrossEntropyArgs {
     uint32_t rows;
@@ -143,6 +145,7 @@ struct CrossEntropyArgs {
     int32_t  ignore_index;
     float    scale;
     uint32_t write_grad;
+    uint32_t scale_by;
 };
 
 // embedding_forward: out (n, C) = table (V, C)[ids (n,) i32]; embedding_backward: dtable (V, C)
@@ -159,6 +162,12 @@ struct EmbeddingArgs {
 // p -= step_size * m / (sqrt(v) / bc2_sqrt + eps), with step_size = lr / (1 - b1^t),
 // bc2_sqrt = sqrt(1 - b2^t), decay = lr * weight_decay computed on the host. The working-copy
 // variants also store p into buffer(4) (f32 or f16).
+// device_scalars != 0: step_size, bc2_sqrt, decay and grad_scale come from the device instead:
+// hyper (buffer(6), (5,) f32 [step_size, bc2_sqrt, decay, inv_denom, max_norm]), sq (buffer(7),
+// (1,) f32, the grads' sum of squares), flag (buffer(8), (1,) i32, read only when use_flag != 0);
+// norm = sqrt(sq) * inv_denom, clip = max_norm > 0 ? min(1, max_norm / (norm + 1e-6)) : 1,
+// grad_scale = clip * inv_denom, and nothing is written when flag != 0 or sq is inf/NaN. When
+// device_scalars is 0, buffers 6..8 are bound and never read.
 struct AdamwArgs {
     uint32_t n;
     float    step_size;
@@ -168,6 +177,8 @@ struct AdamwArgs {
     float    beta2;
     float    eps;
     float    grad_scale;
+    uint32_t device_scalars;
+    uint32_t use_flag;
 };
 
 // sumsq (two passes): sumsq_partial: threadgroup g reduces x[g * chunk, min(n, (g + 1) * chunk))
@@ -181,13 +192,16 @@ struct ReduceArgs {
 };
 
 // dropout: out = keep ? x / (1 - p) : 0 with keep = krnl::dropout_keep(seed, i, p) of
-// csrc/core/rng.h (the same mask as every other backend).
+// csrc/core/rng.h (the same mask as every other backend). use_offset != 0: the seed is
+// krnl::dropout_seed(seed, offset[0], offset[1]) with offset (2,) i32 at buffer(3) (a per-step
+// value a replayed step reads from the device); when 0, buffer(3) is bound, never read.
 struct DropoutArgs {
     uint32_t n;
     uint32_t seed_lo;
     uint32_t seed_hi;
     float    p;
     float    keep_scale;
+    uint32_t use_offset;
 };
 
 // transpose_heads: out (B, A, D) = x (A, B, D) with the first two axes swapped.

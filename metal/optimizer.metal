@@ -8,20 +8,41 @@ using namespace metal;
 // ---- adamw_update, adamw_update_working_{f32,f16}
 // params, grads, m, v (n,) f32 at buffers 0..3; the working variants also store the updated
 // params into buffer(4) (f32 or f16, rounded once); AdamwArgs at buffer(5) for all three (index 4
-// is unused by the plain kernel). The statement order and the float operations are those of the
-// CPU backend (PyTorch's AdamW, see kargs.h); sqrt and the divides are the precise ones so that
-// fast math does not drift from it.
+// is unused by the plain kernel), hyper, sq and flag at 6, 7, 8 (read only as AdamwArgs says).
+// The statement order and the float operations are those of the CPU backend (PyTorch's AdamW, see
+// kargs.h); sqrt and the divides are the precise ones so that fast math does not drift from it.
 // Geometry: a grid-stride loop, any grid; e.g. 256 threads per threadgroup and
 // min(ceil(n / 256), 1024) threadgroups.
-static inline float adamw_step(uint i, device float* p, device const float* g, device float* m,
-                               device float* v, constant AdamwArgs& a)
+// The step's scalars: from args, or (args.device_scalars) from hyper, sq and flag on the device,
+// each thread forming the same values in the same f32 order (kargs.h). skip: a non-finite step,
+// on which nothing is written; the sq test is on its bits, which fast math cannot fold away.
+struct AdamwScalars {
+    bool  skip;
+    float step_size, bc2_sqrt, decay, grad_scale;
+};
+
+static inline AdamwScalars adamw_scalars(constant AdamwArgs& a, device const float* hyper,
+                                         device const float* sq, device const int* flag)
 {
-    const float gi = g[i] * a.grad_scale;
+    if (a.device_scalars == 0) return {false, a.step_size, a.bc2_sqrt, a.decay, a.grad_scale};
+    const float s = sq[0];
+    if ((a.use_flag != 0 && flag[0] != 0) || (as_type<uint>(s) & 0x7f800000u) == 0x7f800000u)
+        return {true, 0.0f, 1.0f, 0.0f, 0.0f};
+    const float inv_denom = hyper[3], max_norm = hyper[4];
+    const float norm = precise::sqrt(s) * inv_denom;
+    const float clip = max_norm > 0.0f ? min(1.0f, precise::divide(max_norm, norm + 1e-6f)) : 1.0f;
+    return {false, hyper[0], hyper[1], hyper[2], clip * inv_denom};
+}
+
+static inline float adamw_step(uint i, device float* p, device const float* g, device float* m,
+                               device float* v, constant AdamwArgs& a, thread const AdamwScalars& s)
+{
+    const float gi = g[i] * s.grad_scale;
     float pi = p[i];
-    pi -= a.decay * pi;
+    pi -= s.decay * pi;
     const float mi = a.beta1 * m[i] + (1.0f - a.beta1) * gi;
     const float vi = a.beta2 * v[i] + (1.0f - a.beta2) * gi * gi;
-    pi -= a.step_size * precise::divide(mi, precise::divide(precise::sqrt(vi), a.bc2_sqrt) + a.eps);
+    pi -= s.step_size * precise::divide(mi, precise::divide(precise::sqrt(vi), s.bc2_sqrt) + a.eps);
     m[i] = mi;
     v[i] = vi;
     p[i] = pi;
@@ -33,10 +54,15 @@ kernel void adamw_update(device float*       params [[buffer(0)]],
                          device float*       m      [[buffer(2)]],
                          device float*       v      [[buffer(3)]],
                          constant AdamwArgs& args   [[buffer(5)]],
+                         device const float* hyper  [[buffer(6)]],
+                         device const float* sq     [[buffer(7)]],
+                         device const int*   flag   [[buffer(8)]],
                          uint gid [[thread_position_in_grid]],
                          uint gsz [[threads_per_grid]])
 {
-    for (uint i = gid; i < args.n; i += gsz) adamw_step(i, params, grads, m, v, args);
+    const AdamwScalars s = adamw_scalars(args, hyper, sq, flag);
+    if (s.skip) return;
+    for (uint i = gid; i < args.n; i += gsz) adamw_step(i, params, grads, m, v, args, s);
 }
 
 template <typename W>
@@ -46,10 +72,15 @@ kernel void adamw_update_working(device float*       params  [[buffer(0)]],
                                  device float*       v       [[buffer(3)]],
                                  device W*           working [[buffer(4)]],
                                  constant AdamwArgs& args    [[buffer(5)]],
+                                 device const float* hyper   [[buffer(6)]],
+                                 device const float* sq      [[buffer(7)]],
+                                 device const int*   flag    [[buffer(8)]],
                                  uint gid [[thread_position_in_grid]],
                                  uint gsz [[threads_per_grid]])
 {
-    for (uint i = gid; i < args.n; i += gsz) working[i] = W(adamw_step(i, params, grads, m, v, args));
+    const AdamwScalars s = adamw_scalars(args, hyper, sq, flag);
+    if (s.skip) return;
+    for (uint i = gid; i < args.n; i += gsz) working[i] = W(adamw_step(i, params, grads, m, v, args, s));
 }
 
 template [[host_name("adamw_update_working_f32")]] [[kernel]]

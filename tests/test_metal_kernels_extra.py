@@ -23,7 +23,7 @@ INCLUDE_DIRS = [ROOT / "csrc" / "core"]  # rng.h, as the host compiles metal/*.m
 
 
 def test_kargs_layout_extra():
-    assert [f for f, _ in DropoutArgs._fields_] == ["n", "seed_lo", "seed_hi", "p", "keep_scale"]
+    assert [f for f, _ in DropoutArgs._fields_] == ["n", "seed_lo", "seed_hi", "p", "keep_scale", "use_offset"]
     assert [f for f, _ in TransposeHeadsArgs._fields_] == ["A", "B", "D"]
 
 
@@ -72,12 +72,16 @@ def test_splitmix64_oracle_known_answers():
     assert [int(v) for v in out] == [0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4, 0x06C45D188009454F]
 
 
-def dropout_run(lib, dt, x, p, seed, keep_scale=None, **kw):
+def dropout_run(lib, dt, x, p, seed, keep_scale=None, offset=None, **kw):
+    """offset (a uint64) goes in as the (2,) i32 buffer(3); without it that buffer is empty, so a
+    read of it would hit the guard."""
     n = x.size
     out = np.full(n, np.nan, DT[dt])
     ks = 1.0 / (1.0 - p) if keep_scale is None else keep_scale
-    args = DropoutArgs(n, seed & 0xFFFFFFFF, seed >> 32, p, np.float32(ks))
-    ew_dispatch(lib, f"dropout_{dt}", n, [x, out, args], **kw)
+    args = DropoutArgs(n, seed & 0xFFFFFFFF, seed >> 32, p, np.float32(ks), int(offset is not None))
+    off = (np.zeros(0, np.int32) if offset is None
+           else np.array([offset & 0xFFFFFFFF, offset >> 32], np.uint32).view(np.int32))
+    ew_dispatch(lib, f"dropout_{dt}", n, [x, out, args, off], **kw)
     return out, np.float32(ks)
 
 
@@ -133,12 +137,26 @@ def test_dropout_metal_seed_halves_and_index(libs):
     np.testing.assert_array_equal(bits(one_group), bits(a))
 
 
+@pytest.mark.parametrize("seed,offset", [(5, 0x0000000100000007), ((1 << 64) - 3, 5), (0x7FFFFFFFFFFFFFFF, 2),
+                                         (11, 0xFFFFFFFF80000000)])
+def test_dropout_metal_seed_offset(libs, seed, offset):
+    """use_offset: the mask of (seed + offset) mod 2^64 with bit 63 cleared (krnl::dropout_seed),
+    bit for bit the host-seed dispatch with that seed and the numpy oracle's mask."""
+    n, p = 777, 0.4
+    x = dropout_inputs("f32", n)
+    eff = ((seed + offset) % (1 << 64)) & ((1 << 63) - 1)
+    got, _ = dropout_run(libs["elementwise"], "f32", x, p, seed, offset=offset)
+    want, _ = dropout_run(libs["elementwise"], "f32", x, p, eff)
+    np.testing.assert_array_equal(bits(got), bits(want))
+    np.testing.assert_array_equal(got != 0, keep_mask(eff, n, p))
+
+
 def test_dropout_metal_extra_threads_write_nothing(libs):
     n = 5
     x = np.ones(n, np.float16)
     out = np.full(n + 3, 9, np.float16)
     libs["elementwise"].dispatch("dropout_f16", grid=(3, 1, 1), threads=(64, 1, 1),
-                                 buffers=[x, out, DropoutArgs(n, 1, 2, 0.5, 2.0)])
+                                 buffers=[x, out, DropoutArgs(n, 1, 2, 0.5, 2.0, 0), np.zeros(0, np.int32)])
     np.testing.assert_array_equal(out[n:], 9)
     np.testing.assert_array_equal(out[:n], np.where(keep_mask(1 | 2 << 32, n, 0.5), 2.0, 0.0))
 

@@ -20,10 +20,11 @@ rng = np.random.default_rng(2468)
 U32 = 2.0 ** -24  # unit roundoff of float
 U16 = 2.0 ** -11  # unit roundoff of half
 def test_kargs_layout_loss_optim():
-    assert [f for f, _ in CrossEntropyArgs._fields_] == ["rows", "V", "ignore_index", "scale", "write_grad"]
+    assert [f for f, _ in CrossEntropyArgs._fields_] == ["rows", "V", "ignore_index", "scale", "write_grad",
+                                                       "scale_by"]
     assert [f for f, _ in EmbeddingArgs._fields_] == ["n", "C", "V"]
     assert [f for f, _ in AdamwArgs._fields_] == ["n", "step_size", "bc2_sqrt", "decay", "beta1", "beta2", "eps",
-                                                  "grad_scale"]
+                                                  "grad_scale", "device_scalars", "use_flag"]
     assert [f for f, _ in ReduceArgs._fields_] == ["n", "chunk", "groups"]
 
 
@@ -65,12 +66,16 @@ def ce_inputs(dt, rows, V, ignore_every=5, spread=3.0):
     return x, y
 
 
-def ce_run(lib, dt, x, y, scale=1.0, tg=256, write_grad=True, extra_groups=0, out=None, **kw):
+def ce_run(lib, dt, x, y, scale=1.0, tg=256, write_grad=True, extra_groups=0, out=None, scale_by=None, **kw):
+    """scale_by (a float) goes in as the (1,) f32 buffer(5); without it that buffer is empty, so a
+    read of it would hit the guard."""
     rows, V = x.shape
     loss = np.full(rows, np.nan, np.float32)
     d = np.full((rows, V), np.nan, x.dtype) if out is None else out
+    sb = np.zeros(0, np.float32) if scale_by is None else np.array([scale_by], np.float32)
     lib.dispatch(f"cross_entropy_{dt}", grid=(rows + extra_groups, 1, 1), threads=(tg, 1, 1),
-                 buffers=[x, y, loss, d, CrossEntropyArgs(rows, V, IGNORE, scale, int(write_grad))], **kw)
+                 buffers=[x, y, loss, d, CrossEntropyArgs(rows, V, IGNORE, scale, int(write_grad),
+                                                          int(scale_by is not None)), sb], **kw)
     return loss, d
 
 
@@ -118,6 +123,19 @@ def test_cross_entropy_metal_vocab_32000(libs, dt):
     for tg in (1024, 256):
         loss, d = ce_run(libs["cross_entropy"], dt, x, y, 1 / 2, tg=tg, random_order=True, seed=tg)
         ce_check(dt, x, y, 1 / 2, loss, d)
+
+
+@pytest.mark.parametrize("dt", ["f32", "f16"])
+def test_cross_entropy_metal_scale_by(libs, dt):
+    """scale_by: the factor scale * scale_by[0] in f32, the same bits as passing that product as
+    scale; the loss does not change."""
+    x, y = ce_inputs(dt, 7, 45)
+    ref_loss, ref = ce_run(libs["cross_entropy"], dt, x, y, float(np.float32(3.0) * np.float32(1 / 37)), tg=32)
+    loss, d = ce_run(libs["cross_entropy"], dt, x, y, 3.0, tg=32, scale_by=1 / 37, random_order=True)
+    np.testing.assert_array_equal(loss.view(np.uint32), ref_loss.view(np.uint32))
+    np.testing.assert_array_equal(d.view(np.uint16 if dt == "f16" else np.uint32),
+                                  ref.view(np.uint16 if dt == "f16" else np.uint32))
+    assert np.any(d != 0)
 
 
 @pytest.mark.parametrize("dt", ["f32", "f16"])
@@ -296,6 +314,10 @@ def adamw_args(n, lr=3e-3, b1=0.9, b2=0.999, eps=1e-8, wd=0.1, step=3, grad_scal
     return AdamwArgs(n, step_size, bc2_sqrt, decay, b1, b2, eps, grad_scale)
 
 
+# hyper, sq, flag (buffers 6..8) when device_scalars is 0: empty, so a read would hit the guard
+NO_SCALARS = (np.zeros(0, np.float32), np.zeros(0, np.float32), np.zeros(0, np.int32))
+
+
 def adamw_ref(p, g, m, v, a):
     """kargs.h's formula in float64 on the float32 argument values."""
     p, g, m, v = f64(p), f64(g) * a.grad_scale, f64(m), f64(v)
@@ -339,11 +361,44 @@ def test_adamw_update_metal(libs, working, n):
     w = None if working is None else np.full(n, np.nan, DT[working])
     name = "adamw_update" if working is None else f"adamw_update_working_{working}"
     grid = max(1, min(-(-n // 256), 64))  # 64 groups at most: the grid-stride loop
-    libs["optimizer"].dispatch(name, grid=(grid, 1, 1), threads=(256, 1, 1), buffers=[p, g, m, v, w, a])
+    libs["optimizer"].dispatch(name, grid=(grid, 1, 1), threads=(256, 1, 1), buffers=[p, g, m, v, w, a, *NO_SCALARS])
     np.testing.assert_array_equal(g, g0)
     adamw_check(p, m, v, p0, g0, m0, v0, a)
     if working is not None:
         np.testing.assert_array_equal(w, p.astype(DT[working]))  # one rounding of the new p
+
+
+@pytest.mark.parametrize("skip", [None, "flag", "sq_inf", "sq_nan"])
+def test_adamw_update_metal_device_scalars(libs, skip):
+    """device_scalars: step_size, bc2_sqrt and decay from hyper, grad_scale = clip * inv_denom with
+    the clip from sqrt(sq) (clipping active here); a set flag or a non-finite sq writes nothing."""
+    n = 45
+    p0, g0, m0, v0 = adamw_inputs(n)
+    p, m, v, w = p0.copy(), m0.copy(), v0.copy(), np.full(n, 5.0, np.float32)
+    ref = adamw_args(n)
+    sq0 = np.float32(np.sum(f64(g0) ** 2))
+    inv_denom, max_norm = np.float32(0.25), np.float32(0.1)
+    hyper = np.array([ref.step_size, ref.bc2_sqrt, ref.decay, inv_denom, max_norm], np.float32)
+    sq = np.array([{None: sq0, "flag": sq0, "sq_inf": np.inf, "sq_nan": np.nan}[skip]], np.float32)
+    flag = np.array([1 if skip == "flag" else 0], np.int32)
+    a = AdamwArgs(n, 99.0, 99.0, 99.0, ref.beta1, ref.beta2, ref.eps, 99.0, 1, 1)  # host scalars ignored
+    libs["optimizer"].dispatch("adamw_update_working_f32", grid=(1, 1, 1), threads=(32, 1, 1),
+                               buffers=[p, g0, m, v, w, a, hyper, sq, flag], random_order=True)
+    if skip:
+        for got, was in ((p, p0), (m, m0), (v, v0)):
+            np.testing.assert_array_equal(got.view(np.uint32), was.view(np.uint32))
+        assert np.all(w == 5.0)
+        return
+    norm = np.sqrt(np.float64(sq0)) * inv_denom
+    clip = min(1.0, float(max_norm) / (norm + 1e-6))
+    assert clip < 0.5
+    want = AdamwArgs(n, ref.step_size, ref.bc2_sqrt, ref.decay, ref.beta1, ref.beta2, ref.eps, clip * float(inv_denom))
+    # the f32 clip (sqrt, product, sum, divide, product) is a few ulps off the float64 one
+    rp, rm, rv, upd = adamw_ref(p0, g0, m0, v0, want)
+    for got, r, tol in ((m, rm, 16 * U32 * (np.abs(f64(m0)) + np.abs(rm))), (v, rv, 16 * U32 * (f64(v0) + np.abs(rv))),
+                        (p, rp, 4 * U32 * np.abs(f64(p0)) + 32 * U32 * np.abs(upd))):
+        assert np.all(np.abs(f64(got) - r) <= tol + 1e-30), float(np.max(np.abs(f64(got) - r) - tol))
+    np.testing.assert_array_equal(w, p)
 
 
 def test_adamw_update_metal_first_step_no_decay(libs):
@@ -352,7 +407,8 @@ def test_adamw_update_metal_first_step_no_decay(libs):
     p0, g0, _, _ = adamw_inputs(n)
     m, v, p = np.zeros(n, np.float32), np.zeros(n, np.float32), p0.copy()
     a = adamw_args(n, lr=1e-2, wd=0.0, step=1, grad_scale=1.0, eps=1e-12)
-    libs["optimizer"].dispatch("adamw_update", grid=(1, 1, 1), threads=(32, 1, 1), buffers=[p, g0, m, v, None, a])
+    libs["optimizer"].dispatch("adamw_update", grid=(1, 1, 1), threads=(32, 1, 1),
+                               buffers=[p, g0, m, v, None, a, *NO_SCALARS])
     adamw_check(p, m, v, p0, g0, np.zeros(n, np.float32), np.zeros(n, np.float32), a)
     np.testing.assert_allclose(f64(p), f64(p0) - 1e-2 * np.sign(g0), rtol=0, atol=1e-6)
 

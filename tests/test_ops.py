@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 
+import krnl
 from krnl import ops
 
 from conftest import (FLOAT_DTYPES, device_dtypes, OUT_RTOL, SUBNORMAL, U32, UNIT_ROUNDOFF, assert_close,
@@ -1256,6 +1257,41 @@ def test_cross_entropy(dev, T, V, dt):
 
 
 @pytest.mark.parametrize("dt", FLOAT_DTYPES)
+@pytest.mark.parametrize("T,V", [(1, 1), (31, 33), (33, 127)], ids=["1x1", "31x33", "33x127"])
+def test_cross_entropy_scale_by(dev, T, V, dt):
+    """scale_by (1,) f32 on the device: with scale 1, dlogits equal the scale=s call bit for bit
+    (and float64); with scale != 1 the factor is the f32 product scale * scale_by[0], formed once;
+    the loss never changes."""
+    rng = np.random.default_rng(36)
+    x, xf = upload(dev, 2 * rng.standard_normal((T, V)), dt)
+    targets = rng.integers(0, V, size=T).astype(np.int32)
+    if T > 1:
+        targets[::7] = -100
+    tg = to_dev(dev, targets, "i32")
+
+    def run(scale, scale_by=None):
+        loss, d = empty_filled(dev, (T,), "f32"), empty_filled(dev, (T, V), dt, 5.0)
+        ops.cross_entropy(x, tg, loss, d, scale=scale,
+                          scale_by=None if scale_by is None else to_dev(dev, np.array([scale_by], np.float32)))
+        return np.array(loss.numpy(), copy=True), np.array(d.numpy(), copy=True)
+
+    base_loss, _ = run(1.0)
+    for s in (1.0 / 37, 2.5, 3e-5):
+        s32 = np.float32(s)
+        want_loss, want_d = run(float(s32))
+        got_loss, got_d = run(1.0, s32)
+        check_bits(got_d, want_d, f"scale_by={s}")
+        check_bits(got_loss, base_loss, f"loss with scale_by={s}")
+        check_cross_entropy(got_loss.astype(np.float64), got_d.astype(np.float64), xf, targets, -100,
+                            np.float64(s32), dt, f"scale_by={s}")
+        # scale 3 times scale_by: one f32 product (3 * s32 rounds), the same as passing it as scale
+        prod = np.float32(np.float32(3.0) * s32)
+        _, got3 = run(3.0, s32)
+        _, want3 = run(float(prod))
+        check_bits(got3, want3, f"scale=3, scale_by={s}")
+
+
+@pytest.mark.parametrize("dt", FLOAT_DTYPES)
 def test_cross_entropy_ignore_index(dev, dt):
     """A custom ignore_index (a valid class id, 3) masks rows: loss 0 and dlogits rows 0 even
     over garbage; -100 is then an ordinary (out-of-range) target."""
@@ -1643,6 +1679,49 @@ def test_dropout_mask_depends_only_on_seed_and_index(dev):
     np.testing.assert_array_equal(read(out)[0] != 0, masks["f32"])
 
 
+U64 = (1 << 64) - 1
+MASK63 = (1 << 63) - 1
+
+
+def seed_offset_tensor(dev, offset):
+    """A uint64 offset as dropout's seed_offset: (2,) i32 (low 32 bits, high 32 bits)."""
+    words = np.array([offset & 0xFFFFFFFF, offset >> 32], np.uint32).view(np.int32)
+    return to_dev(dev, words, "i32")
+
+
+# (seed, offset): the high word set, sums that wrap mod 2^64, sums with bit 63 set (masked off),
+# an offset whose words are negative as i32, and Python's (call_seed * 1000003 + tag) split into
+# seed = tag, offset = call_seed * 1000003 & MASK63
+SEED_OFFSETS = [(5, 0x0000000100000007), (0x7FFFFFFFFFFFFFFF, 2), (U64 - 2, 5), (123, U64),
+                (9, 0x8000000000000000), (0xDEADBEEF, 0xFFFFFFFF00000001),
+                (7, ((1 << 62) + 12345) * 1000003 & MASK63)]
+
+
+@pytest.mark.parametrize("dt", FLOAT_DTYPES)
+def test_dropout_seed_offset(dev, dt):
+    """seed_offset on the device: the mask of seed (seed + offset) mod 2^64 & (2^63 - 1), bit for
+    bit the host-seed call with that effective seed, for the forward and the backward alike."""
+    rng = np.random.default_rng(53)
+    n, p = 1029, 0.4
+    x, _ = upload(dev, nonzero_values(rng, n), dt)
+    for seed, offset in SEED_OFFSETS:
+        eff = ((seed + offset) & U64) & MASK63
+        got, want = empty_filled(dev, (n,), dt), empty_filled(dev, (n,), dt)
+        ops.dropout(x, got, p, seed, seed_offset=seed_offset_tensor(dev, offset))
+        ops.dropout(x, want, p, eff)
+        g, w = np.array(got.numpy(), copy=True), np.array(want.numpy(), copy=True)
+        check_bits(g, w, f"seed {seed:#x} + offset {offset:#x}")
+        # not vacuous: a real mask, and another than the seed's alone where the seeds differ
+        assert 0.45 < np.mean(g != 0) < 0.75, f"kept fraction {np.mean(g != 0):.3f}"
+        if eff != seed:
+            alone = empty_filled(dev, (n,), dt)
+            ops.dropout(x, alone, p, seed)
+            assert np.any((read(alone) != 0) != (g != 0)), "the offset did not change the mask"
+    # Python's seed formula: (call_seed * 1000003 + tag) & MASK63 == tag + (call_seed * 1000003 & MASK63)
+    call_seed, tag = (1 << 62) + 12345, 7
+    assert (call_seed * 1000003 + tag) & MASK63 == ((tag + (call_seed * 1000003 & MASK63)) & U64) & MASK63
+
+
 @pytest.mark.parametrize("dt", FLOAT_DTYPES)
 @pytest.mark.parametrize("n", SIZES)
 def test_dropout_p0_identity(dev, n, dt):
@@ -1760,6 +1839,142 @@ def test_adamw_update_matches_torch(dev):
         # both f32; torch forms m with lerp_ (another rounding order) and its bias corrections in
         # double: states drift by a few ulp per step, far below a formula error (O(lr))
         assert_close_elementwise(read(params), want, rtol=16 * U32, atol=256 * U32 * lr, what=f"step {step}")
+
+
+# AdamW with its per-step scalars on the device: hyper (5,) f32, sq (1,) f32, flag (1,) i32
+
+def adamw_hyper(lr, b1, b2, wd, step, inv_denom, max_norm):
+    """hyper as the host forms it: [lr / (1 - b1^t), sqrt(1 - b2^t), lr * wd, inv_denom, max_norm]
+    in f32, the bias corrections in double from the f32 betas, as the scalar path does."""
+    lr32, b1_, b2_ = np.float32(lr), float(np.float32(b1)), float(np.float32(b2))
+    return np.array([float(lr32) / (1.0 - b1_**step), math.sqrt(1.0 - b2_**step), lr32 * np.float32(wd),
+                     inv_denom, max_norm], np.float32)
+
+
+def adamw_clip_ref(hyper, sq):
+    """float64 grad scale of the device-scalar path: clip by the global norm sqrt(sq) * inv_denom."""
+    inv_denom, max_norm = float(hyper[3]), float(hyper[4])
+    norm = math.sqrt(sq) * inv_denom
+    clip = min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0
+    return clip, clip * inv_denom
+
+
+@pytest.mark.parametrize("clipping", ["active", "inactive", "off"])
+@pytest.mark.parametrize("n", [1, 31, 33, 127, 4099])
+def test_adamw_update_device_scalars(dev, n, clipping):
+    """hyper/sq/flag replace lr, weight_decay, step and grad_scale (passed as garbage here): steps
+    1..3 against a float64 AdamW with global-norm clipping, sq from ops.sumsq of the accumulated
+    (loss-scaled, summed over micro-batches) grads."""
+    lr, b1, b2, eps, wd = 1e-2, 0.9, 0.99, 1e-8, 0.1
+    loss_scale, n_micro = 1024.0, 3
+    inv_denom = np.float32(1.0 / (loss_scale * n_micro))
+    rng = np.random.default_rng(56)
+    params = to_dev(dev, rng.standard_normal(n))
+    m, v = dev.zeros((n,)), dev.zeros((n,))
+    sq, flag = dev.zeros((1,)), dev.zeros((1,), "i32")
+    for step in range(1, 4):
+        g = rng.standard_normal(n) * (loss_scale * n_micro)
+        g[::3] *= 1e-6
+        grads = to_dev(dev, g)
+        ops.sumsq(grads, sq)
+        p0, m0, v0, g0, sq0 = read(params), read(m), read(v), read(grads), float(read(sq)[0])
+        norm = math.sqrt(sq0) * float(inv_denom)
+        max_norm = {"active": 0.3 * norm, "inactive": 10.0 * norm + 1.0, "off": 0.0}[clipping]
+        hyper = adamw_hyper(lr, b1, b2, wd, step, inv_denom, max_norm)
+        ops.adamw_update(params, grads, m, v, 123.0, beta1=b1, beta2=b2, eps=eps, weight_decay=7.0, step=1000,
+                         grad_scale=99.0, hyper=to_dev(dev, hyper), sq=sq, flag=flag if step % 2 else None)
+        clip, gs = adamw_clip_ref(hyper, sq0)
+        assert (clip < 0.5) if clipping == "active" else (clip == 1.0), f"clip {clip} for {clipping}"
+        f32 = lambda x: float(np.float32(x))
+        step_size, bc2_sqrt, decay = (float(h) for h in hyper[:3])
+        rp = p0 - decay * p0
+        gsc = g0 * gs
+        rm = f32(b1) * m0 + (1 - f32(b1)) * gsc
+        rv = f32(b2) * v0 + (1 - f32(b2)) * gsc * gsc
+        denom = np.sqrt(rv) / bc2_sqrt + f32(eps)
+        rp = rp - step_size * rm / denom
+        # the f32 grad scale (norm, clip, product: a few roundings) adds ~8 ulp to each term of m
+        # and twice that to v; the rest as test_adamw_update
+        m_mag = np.abs(f32(b1) * m0) + np.abs((1 - f32(b1)) * gsc)
+        assert_close_elementwise(read(m), rm, rtol=0.0, atol=24 * U32 * m_mag + SUBNORMAL["f32"], what=f"m step {step}")
+        assert_close_elementwise(read(v), rv, rtol=40 * U32, atol=SUBNORMAL["f32"], what=f"v step {step}")
+        upd_mag = step_size * (m_mag + np.abs(rm)) / denom
+        assert_close_elementwise(read(params), rp, rtol=0.0, atol=4 * U32 * np.abs(p0) + 48 * U32 * upd_mag
+                                 + SUBNORMAL["f32"], what=f"params step {step}")
+        np.testing.assert_array_equal(read(grads), g0, err_msg="grads modified")
+
+
+@pytest.mark.parametrize("max_norm", [0.0, 1e30], ids=["off", "inactive"])
+@pytest.mark.parametrize("n", [1, 33, 4099])
+def test_adamw_update_device_scalars_equal_scalar_path(dev, n, max_norm):
+    """Without clipping, the device-scalar path is the scalar path with grad_scale = inv_denom, bit
+    for bit: params, m, v and the f16 working copy over three steps."""
+    lr, b1, b2, eps, wd = 3e-3, 0.9, 0.999, 1e-8, 0.05
+    inv_denom = np.float32(1.0 / 96.0)
+    rng = np.random.default_rng(57)
+    p_init = rng.standard_normal(n)
+    pa, pb = to_dev(dev, p_init), to_dev(dev, p_init)
+    ma, mb, va, vb = dev.zeros((n,)), dev.zeros((n,)), dev.zeros((n,)), dev.zeros((n,))
+    wa, wb = empty_filled(dev, (n,), "f16"), empty_filled(dev, (n,), "f16")
+    sq, flag = dev.empty((1,)), dev.zeros((1,), "i32")
+    for step in range(1, 4):
+        grads = to_dev(dev, rng.standard_normal(n) * 96.0)
+        ops.sumsq(grads, sq)
+        ops.adamw_update(pa, grads, ma, va, lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd, step=step,
+                         grad_scale=float(inv_denom), working=wa)
+        hyper = to_dev(dev, adamw_hyper(lr, b1, b2, wd, step, inv_denom, max_norm))
+        ops.adamw_update(pb, grads, mb, vb, 0.0, beta1=b1, beta2=b2, eps=eps, step=1, working=wb, hyper=hyper,
+                         sq=sq, flag=flag)
+        for name, a, b in (("params", pa, pb), ("m", ma, mb), ("v", va, vb), ("working", wa, wb)):
+            check_bits(np.array(b.numpy(), copy=True), np.array(a.numpy(), copy=True), f"{name} step {step}")
+    assert not np.array_equal(read(pa), p_init), "no update happened"
+
+
+@pytest.mark.parametrize("why", ["flag", "sq_inf", "sq_nan", "sq_neg_inf"])
+def test_adamw_update_device_scalars_skip(dev, why):
+    """flag[0] != 0 or a non-finite sq[0]: nothing is written (params, m, v, working keep their
+    bits); the same call with a clean flag and finite sq then does update."""
+    n = 127
+    rng = np.random.default_rng(58)
+    params, grads = to_dev(dev, rng.standard_normal(n)), to_dev(dev, rng.standard_normal(n))
+    m, v = to_dev(dev, rng.standard_normal(n) * 0.1), to_dev(dev, rng.uniform(0.1, 1.0, n))
+    working = empty_filled(dev, (n,), "f32", 7.0)
+    sq_val = {"flag": 4.0, "sq_inf": np.inf, "sq_nan": np.nan, "sq_neg_inf": -np.inf}[why]
+    sq = to_dev(dev, np.array([sq_val], np.float32))
+    flag = to_dev(dev, np.array([1 if why == "flag" else 0], np.int32), "i32")
+    hyper = to_dev(dev, adamw_hyper(1e-2, 0.9, 0.999, 0.1, 2, np.float32(0.5), 1.0))
+    before = [np.array(t.numpy(), copy=True) for t in (params, m, v, working)]
+    ops.adamw_update(params, grads, m, v, 1e-2, working=working, hyper=hyper, sq=sq,
+                     flag=flag if why in ("flag", "sq_nan") else None)
+    for name, t, b in zip(("params", "m", "v", "working"), (params, m, v, working), before):
+        check_bits(np.array(t.numpy(), copy=True), b, f"{name} after a skipped step ({why})")
+    ops.adamw_update(params, grads, m, v, 1e-2, working=working, hyper=hyper,
+                     sq=to_dev(dev, np.array([4.0], np.float32)), flag=dev.zeros((1,), "i32"))
+    assert not np.array_equal(np.array(params.numpy(), copy=True), before[0]), "the clean step did not update"
+
+
+def test_device_scalar_arguments_bad_calls(dev):
+    """One-line errors naming the op and the argument: shape, dtype, device, and the pairing of
+    adamw_update's hyper, sq and flag."""
+    other = krnl.device("cpu:1" if dev.name == "cpu" else "cpu")
+    x, tg, loss = dev.zeros((3, 5)), dev.zeros((3,), "i32"), dev.empty((3,))
+    for bad, what in ((dev.zeros((2,)), "shape"), (dev.zeros((1,), "i32"), "f32"), (other.zeros((1,)), "is on")):
+        with pytest.raises(ValueError, match=rf"^\[cross_entropy\] scale_by .*{what}"):
+            ops.cross_entropy(x, tg, loss, x, scale_by=bad)
+    y = dev.empty((3, 5))
+    for bad, what in ((dev.zeros((1,), "i32"), "shape"), (dev.zeros((2,)), "i32"), (other.zeros((2,), "i32"), "is on")):
+        with pytest.raises(ValueError, match=rf"^\[dropout\] seed_offset .*{what}"):
+            ops.dropout(x, y, 0.5, 1, seed_offset=bad)
+    p, g, m, v = (dev.zeros((4,)) for _ in range(4))
+    h, sq, fl = dev.zeros((5,)), dev.zeros((1,)), dev.zeros((1,), "i32")
+    cases = [(dict(hyper=dev.zeros((4,)), sq=sq), r"hyper .*shape"),
+             (dict(hyper=dev.zeros((5,), "i32"), sq=sq), r"hyper .*f32"),
+             (dict(hyper=h), r"sq is required"), (dict(hyper=h, sq=dev.zeros((2,))), r"sq .*shape"),
+             (dict(hyper=h, sq=sq, flag=dev.zeros((1,))), r"flag .*i32"), (dict(sq=sq), r"sq is only read with hyper"),
+             (dict(flag=fl), r"flag is only read with hyper"), (dict(hyper=other.zeros((5,)), sq=sq), r"hyper is on")]
+    for kw, what in cases:
+        with pytest.raises(ValueError, match=rf"^\[adamw_update\] {what}"):
+            ops.adamw_update(p, g, m, v, 1e-3, **kw)
 
 
 # --------------------------------------------------------------------------- sumsq, nonfinite

@@ -63,9 +63,10 @@ void bind_ops(nb::module_& parent) {
   m.def("embedding_backward", &ops::embedding_backward, release, "ids"_a, "dout"_a, "dtable"_a,
         "dtable (f32) += scatter of dout rows by id.");
   m.def("cross_entropy", &ops::cross_entropy, release, "logits"_a, "targets"_a, "loss"_a, "dlogits"_a = nb::none(),
-        "ignore_index"_a = -100, "scale"_a = 1.0f,
+        "ignore_index"_a = -100, "scale"_a = 1.0f, "scale_by"_a = nb::none(),
         "Per-row loss (f32, 0 where ignored) and optionally dlogits = scale*(softmax - onehot), which may\n"
-        "be the logits tensor itself.");
+        "be the logits tensor itself. scale_by, a (1,) f32 device tensor, multiplies scale (formed once in\n"
+        "f32) for a per-step factor that a replayed graph reads afresh.");
   m.def("add", &ops::add, release, "a"_a, "b"_a, "out"_a);
   m.def("axpy", &ops::axpy, release, "alpha"_a, "x"_a, "y"_a, "y += alpha * x.");
   m.def("scale", &ops::scale, release, "x"_a, "alpha"_a, "out"_a, "out = alpha * x.");
@@ -82,21 +83,32 @@ void bind_ops(nb::module_& parent) {
   m.def("transpose_heads", &ops::transpose_heads, release, "x"_a, "out"_a,
         "out (B, A, D) = x (A, B, D) with the first two axes swapped, e.g. (T, H, D) <-> (H, T, D).");
   m.def("fill", &ops::fill, release, "x"_a, "value"_a);
-  m.def("dropout", &ops::dropout, release, "x"_a, "out"_a, "p"_a, "seed"_a,
-        "out = x * keep / (1 - p); keep is a hash of (seed, index), so the same call on dy is the backward.");
+  m.def("dropout", &ops::dropout, release, "x"_a, "out"_a, "p"_a, "seed"_a, "seed_offset"_a = nb::none(),
+        "out = x * keep / (1 - p); keep is a hash of (seed, index), so the same call on dy is the backward.\n"
+        "seed_offset, a (2,) i32 device tensor holding a uint64 (low word, high word), makes the seed\n"
+        "(seed + offset) mod 2^64 & 0x7FFFFFFFFFFFFFFF, a per-step seed that a replayed graph reads afresh.");
   m.def("adamw_update", [](const Tensor& params, const Tensor& grads, const Tensor& m_, const Tensor& v, float lr,
                            float beta1, float beta2, float eps, float weight_decay, int64_t step, float grad_scale,
-                           const Tensor* working) {
+                           const Tensor* working, const Tensor* hyper, const Tensor* sq, const Tensor* flag) {
           AdamWArgs a;
           a.params = params, a.grads = grads, a.m = m_, a.v = v;
           if (working) a.working = *working;
+          if (hyper) a.hyper = *hyper;
+          if (sq) a.sq = *sq;
+          if (flag) a.flag = *flag;
           a.lr = lr, a.beta1 = beta1, a.beta2 = beta2, a.eps = eps, a.weight_decay = weight_decay;
           a.step = step, a.grad_scale = grad_scale;
           ops::adamw_update(a);
         }, release, "params"_a, "grads"_a, "m"_a, "v"_a, "lr"_a, "beta1"_a = 0.9f, "beta2"_a = 0.999f, "eps"_a = 1e-8f,
         "weight_decay"_a = 0.0f, "step"_a = 1, "grad_scale"_a = 1.0f, "working"_a = nb::none(),
+        "hyper"_a = nb::none(), "sq"_a = nb::none(), "flag"_a = nb::none(),
         "PyTorch AdamW over flat f32 buffers (decoupled decay, eps outside sqrt, 1-based bias correction).\n"
-        "grads are multiplied by grad_scale as read; `working` receives the updated params in its dtype.");
+        "grads are multiplied by grad_scale as read; `working` receives the updated params in its dtype.\n"
+        "hyper (5,) f32 [step_size, bc2_sqrt, decay, inv_denom, max_norm] with sq (1,) f32 (sumsq of the\n"
+        "grads) and optionally flag (1,) i32 (nonfinite's) take the step's scalars from the device instead\n"
+        "of lr, weight_decay, step and grad_scale: grad_scale = clip * inv_denom with norm = sqrt(sq) *\n"
+        "inv_denom, clip = min(1, max_norm / (norm + 1e-6)) if max_norm > 0; nothing is written when\n"
+        "flag[0] != 0 or sq[0] is not finite.");
   m.def("sumsq", &ops::sumsq, release, "x"_a, "out"_a, "out[0] = sum(x^2) (f32).");
   m.def("nonfinite", &ops::nonfinite, release, "x"_a, "flag"_a, "flag[0] = 1 if x holds inf or NaN (never cleared).");
 }

@@ -46,6 +46,13 @@ struct AdamWArgs {
   float lr = 1e-3f, beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f, weight_decay = 0.f;
   int64_t step = 1;         // 1-based, for bias correction
   float grad_scale = 1.f;   // folded into the gradient read: clip scale / loss scale
+  // Device-resident per-step scalars (a replayed graph's scalars are frozen). With hyper, lr,
+  // weight_decay, step and grad_scale are ignored: hyper (5,) f32 = [step_size = lr / (1 - b1^t),
+  // bc2_sqrt = sqrt(1 - b2^t), decay = lr * weight_decay, inv_denom = 1 / (loss_scale * n_micro),
+  // max_norm (0: no clipping)]; sq (1,) f32 the sum of squares of the grads as accumulated;
+  // grad_scale = clip * inv_denom with clip from norm = sqrt(sq) * inv_denom. Nothing is written
+  // when sq[0] is not finite or flag (1,) i32, where given, is nonzero.
+  Tensor hyper, sq, flag;
 };
 
 // A step recorded once and replayed whole (CUDA graphs: csrc/cuda/cuda_graph.cpp). It owns every

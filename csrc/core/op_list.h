@@ -33,6 +33,14 @@
 // - quantized_embedding: out (n, C) = rows ids (n,) of a table (V, C) held as quantized_matmul's W
 //   (w (V, C * bits / 32), scales and biases (V, C / group_size) in out's dtype or f32),
 //   dequantized; an embedding that stays quantized (and doubles as a tied head). Ids are checked.
+// - Per-step scalars from device tensors, so that a step recorded once as a graph (whose scalar
+//   arguments are frozen) still sees each step's values: cross_entropy's scale_by (1,) f32 makes
+//   the gradient factor scale * scale_by[0] (formed once in f32); dropout's seed_offset (2,) i32
+//   holds a uint64 (low word, high word) and the mask's seed becomes (seed + offset) mod 2^64 &
+//   0x7FFFFFFFFFFFFFFF; adamw_update's hyper (5,) f32 [step_size, bc2_sqrt, decay, inv_denom,
+//   max_norm] with sq (1,) f32 (sumsq of the accumulated grads) and flag (1,) i32 (nonfinite's)
+//   replace lr, weight_decay, step and grad_scale, clip by the global norm on the device, and skip
+//   the whole update (nothing written) when flag[0] != 0 or sq[0] is not finite.
 // - transpose_heads: out (B, A, D) = x (A, B, D) with the first two axes swapped: token-major
 //   (T, H, D) projections to head-major (H, T, D) attention operands and back.
 #pragma once
@@ -66,7 +74,7 @@
   X(embedding_forward, (const Tensor& ids, const Tensor& table, const Tensor& out))                                 \
   X(embedding_backward, (const Tensor& ids, const Tensor& dout, const Tensor& dtable))                              \
   X(cross_entropy, (const Tensor& logits, const Tensor& targets, const Tensor& loss, const Tensor* dlogits,         \
-                    int32_t ignore_index, float scale))                                                             \
+                    int32_t ignore_index, float scale, const Tensor* scale_by))                                     \
   X(add, (const Tensor& a, const Tensor& b, const Tensor& out))                                                     \
   X(axpy, (float alpha, const Tensor& x, const Tensor& y))                                                          \
   X(scale, (const Tensor& x, float alpha, const Tensor& out))                                                       \
@@ -77,7 +85,7 @@
   X(quantized_embedding, (const Tensor& ids, const Tensor& w, const Tensor& scales, const Tensor& biases,            \
                           const Tensor& out, int64_t group_size, int64_t bits))                                     \
   X(fill, (const Tensor& x, double value))                                                                          \
-  X(dropout, (const Tensor& x, const Tensor& out, float p, uint64_t seed))                                          \
+  X(dropout, (const Tensor& x, const Tensor& out, float p, uint64_t seed, const Tensor* seed_offset))              \
   X(adamw_update, (const AdamWArgs& a))                                                                             \
   X(sumsq, (const Tensor& x, const Tensor& out))                                                                    \
   X(nonfinite, (const Tensor& x, const Tensor& flag))

@@ -424,7 +424,7 @@ void embedding_backward(const Tensor& ids, const Tensor& dout, const Tensor& dta
 }
 
 void cross_entropy(const Tensor& logits, const Tensor& targets, const Tensor& loss, const Tensor* dlogits,
-                   int32_t ignore_index, float scale) {
+                   int32_t ignore_index, float scale, const Tensor* scale_by) {
   Check c{"cross_entropy"};
   c.tensor("logits", logits), c.tensor("targets", targets), c.tensor("loss", loss);
   if (logits.dim() != 2) c.fail("logits must be 2-D (T, V), got " + logits.describe());
@@ -439,8 +439,13 @@ void cross_entropy(const Tensor& logits, const Tensor& targets, const Tensor& lo
     c.shape("dlogits", *dlogits, logits.shape());
     c.same_dtype("dlogits", *dlogits, "logits", logits);
   }
+  if (scale_by) {
+    c.tensor("scale_by", *scale_by);
+    c.shape("scale_by", *scale_by, {1});
+    c.dtype("scale_by", *scale_by, {DType::f32});
+  }
   run(c, shape_str(logits.shape()), 5.0 * double(logits.numel()), nbytes({&logits, dlogits}), logits.dtype(),
-      [&] { c.dev->cross_entropy(logits, targets, loss, dlogits, ignore_index, scale); });
+      [&] { c.dev->cross_entropy(logits, targets, loss, dlogits, ignore_index, scale, scale_by); });
 }
 
 void add(const Tensor& a, const Tensor& b, const Tensor& out) {
@@ -564,13 +569,19 @@ void fill(const Tensor& x, double value) {
   run(c, shape_str(x.shape()), 0, nbytes({&x}), x.dtype(), [&] { c.dev->fill(x, value); });
 }
 
-void dropout(const Tensor& x, const Tensor& out, float p, uint64_t seed) {
+void dropout(const Tensor& x, const Tensor& out, float p, uint64_t seed, const Tensor* seed_offset) {
   Check c{"dropout"};
   c.tensor("x", x), c.tensor("out", out);
   c.floating("x", x);
   c.shape("out", out, x.shape()), c.same_dtype("out", out, "x", x);
   if (!(p >= 0.f && p < 1.f)) c.fail("p must be in [0, 1), got " + std::to_string(p));
-  run(c, shape_str(x.shape()), double(x.numel()), nbytes({&x, &out}), x.dtype(), [&] { c.dev->dropout(x, out, p, seed); });
+  if (seed_offset) {
+    c.tensor("seed_offset", *seed_offset);
+    c.shape("seed_offset", *seed_offset, {2});
+    c.dtype("seed_offset", *seed_offset, {DType::i32});
+  }
+  run(c, shape_str(x.shape()), double(x.numel()), nbytes({&x, &out}), x.dtype(),
+      [&] { c.dev->dropout(x, out, p, seed, seed_offset); });
 }
 
 void adamw_update(const AdamWArgs& a) {
@@ -586,7 +597,25 @@ void adamw_update(const AdamWArgs& a) {
     c.floating("working", a.working);
     c.numel("working", a.working, n);
   }
-  if (a.step < 1) c.fail("step is 1-based, got " + std::to_string(a.step));
+  if (a.hyper.defined()) {
+    c.tensor("hyper", a.hyper);
+    c.shape("hyper", a.hyper, {5});
+    c.dtype("hyper", a.hyper, {DType::f32});
+    if (!a.sq.defined()) c.fail("sq is required with hyper (the global norm comes from it)");
+  } else if (a.sq.defined() || a.flag.defined()) {
+    c.fail(std::string(a.sq.defined() ? "sq" : "flag") + " is only read with hyper; pass hyper too");
+  }
+  if (a.sq.defined()) {
+    c.tensor("sq", a.sq);
+    c.shape("sq", a.sq, {1});
+    c.dtype("sq", a.sq, {DType::f32});
+  }
+  if (a.flag.defined()) {
+    c.tensor("flag", a.flag);
+    c.shape("flag", a.flag, {1});
+    c.dtype("flag", a.flag, {DType::i32});
+  }
+  if (!a.hyper.defined() && a.step < 1) c.fail("step is 1-based, got " + std::to_string(a.step));
   if (!(a.beta1 >= 0 && a.beta1 < 1) || !(a.beta2 >= 0 && a.beta2 < 1)) c.fail("betas must be in [0, 1)");
   if (!(a.eps > 0)) c.fail("eps must be > 0");
   run(c, "n=" + std::to_string(n), 16.0 * double(n), nbytes({&a.params, &a.grads, &a.m, &a.v}) * 1.75, DType::f32,

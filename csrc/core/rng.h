@@ -22,6 +22,13 @@ KRNL_HD inline uint64_t splitmix64(uint64_t x) {
   return x ^ (x >> 31);
 }
 
+// The mask seed of a call whose per-step part comes from a device tensor (dropout's seed_offset,
+// a uint64 as two i32 words): seed + offset wrapping mod 2^64, then the top bit cleared, as the
+// host forms its seeds, so both ways of passing one seed give the same mask.
+KRNL_HD inline uint64_t dropout_seed(uint64_t seed, uint32_t offset_lo, uint32_t offset_hi) {
+  return (seed + (uint64_t(offset_lo) | (uint64_t(offset_hi) << 32))) & 0x7FFFFFFFFFFFFFFFull;
+}
+
 // 32 uniform bits for element `index` of the stream `seed`.
 KRNL_HD inline uint32_t dropout_hash(uint64_t seed, uint64_t index) {
   return uint32_t(splitmix64(seed ^ (index * 0x9E3779B97F4A7C15ull)) >> 32);

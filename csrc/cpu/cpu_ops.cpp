@@ -414,8 +414,9 @@ void CpuBackend::embedding_backward(const Tensor& ids, const Tensor& dout, const
 // ---- loss
 
 void CpuBackend::cross_entropy(const Tensor& logits, const Tensor& targets, const Tensor& loss,
-                               const Tensor* dlogits, int32_t ignore_index, float scale) {
+                               const Tensor* dlogits, int32_t ignore_index, float scale, const Tensor* scale_by) {
   const int64_t T = logits.size(0), V = logits.size(1);
+  if (scale_by) scale = scale * scale_by->ptr<float>()[0];  // the factor formed once, in f32
   ops::check_ids("cross_entropy", "target", "row", targets.ptr<int32_t>(), T, V, &ignore_index);
   const int32_t* tg = targets.ptr<int32_t>();
   float* lo = loss.ptr<float>();
@@ -609,10 +610,14 @@ void CpuBackend::fill(const Tensor& x, double value) {
   }
 }
 
-void CpuBackend::dropout(const Tensor& x, const Tensor& out, float p, uint64_t seed) {
+void CpuBackend::dropout(const Tensor& x, const Tensor& out, float p, uint64_t seed, const Tensor* seed_offset) {
   if (p == 0.f) {
     cast(x, out);  // same dtype: a copy
     return;
+  }
+  if (seed_offset) {
+    const int32_t* off = seed_offset->ptr<int32_t>();
+    seed = dropout_seed(seed, uint32_t(off[0]), uint32_t(off[1]));
   }
   const DType dt = x.dtype();
   const float keep_scale = 1.f / (1.f - p);
@@ -628,6 +633,26 @@ void CpuBackend::dropout(const Tensor& x, const Tensor& out, float p, uint64_t s
 
 // ---- optimizer
 
+namespace {
+
+struct AdamwDeviceScalars {
+  bool skip;         // a non-finite step: nothing is written
+  float grad_scale;  // clip * inv_denom
+};
+
+// adamw_update's scalars from its device tensors (op_list.h), in f32 and in the contract's order.
+AdamwDeviceScalars adamw_device_scalars(const float* hyper, float sq, const int32_t* flag) {
+  uint32_t bits;
+  std::memcpy(&bits, &sq, 4);
+  if ((flag && flag[0] != 0) || (bits & 0x7f800000u) == 0x7f800000u) return {true, 0.f};  // inf/NaN by its bits
+  const float inv_denom = hyper[3], max_norm = hyper[4];
+  const float norm = std::sqrt(sq) * inv_denom;
+  const float clip = max_norm > 0.f ? std::min(1.f, max_norm / (norm + 1e-6f)) : 1.f;
+  return {false, clip * inv_denom};
+}
+
+}  // namespace
+
 void CpuBackend::adamw_update(const AdamWArgs& a) {
   float* p = a.params.ptr<float>();
   const float* g = a.grads.ptr<float>();
@@ -636,8 +661,16 @@ void CpuBackend::adamw_update(const AdamWArgs& a) {
   const bool working = a.working.defined();
   const double bc1 = 1.0 - std::pow(double(a.beta1), double(a.step));
   const double bc2 = 1.0 - std::pow(double(a.beta2), double(a.step));
-  const float step_size = float(double(a.lr) / bc1), bc2_sqrt = float(std::sqrt(bc2));
-  const float decay = a.lr * a.weight_decay, b1 = a.beta1, b2 = a.beta2, eps = a.eps, gs = a.grad_scale;
+  float step_size = float(double(a.lr) / bc1), bc2_sqrt = float(std::sqrt(bc2));
+  float decay = a.lr * a.weight_decay, gs = a.grad_scale;
+  const float b1 = a.beta1, b2 = a.beta2, eps = a.eps;
+  if (a.hyper.defined()) {
+    const float* h = a.hyper.ptr<float>();
+    const int32_t* flag = a.flag.defined() ? a.flag.ptr<int32_t>() : nullptr;
+    const AdamwDeviceScalars d = adamw_device_scalars(h, a.sq.ptr<float>()[0], flag);
+    if (d.skip) return;  // a non-finite step: params, m, v and working stay as they are
+    step_size = h[0], bc2_sqrt = h[1], decay = h[2], gs = d.grad_scale;
+  }
   for_blocks(a.params.numel(), [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const float gi = g[i] * gs;

@@ -36,7 +36,10 @@ __global__ void fill_kernel(T* p, T v, int64_t n) {
   KRNL_GRID_LOOP(i, n) p[i] = v;
 }
 
-__global__ void dropout_kernel(DType dt, const void* x, void* out, int64_t n, float p, uint64_t seed, float keep_scale) {
+// offset (2,) i32, where given, moves the seed by a per-step uint64 on the device (rng.h).
+__global__ void dropout_kernel(DType dt, const void* x, void* out, int64_t n, float p, uint64_t seed, float keep_scale,
+                               const int32_t* offset) {
+  if (offset) seed = dropout_seed(seed, uint32_t(offset[0]), uint32_t(offset[1]));
   KRNL_GRID_LOOP(i, n) st(dt, out, i, dropout_keep(seed, uint64_t(i), p) ? ld(dt, x, i) * keep_scale : 0.f);
 }
 
@@ -290,12 +293,13 @@ void CudaBackend::fill(const Tensor& x, double value) {
   check_launch("fill");
 }
 
-void CudaBackend::dropout(const Tensor& x, const Tensor& out, float p, uint64_t seed) {
+void CudaBackend::dropout(const Tensor& x, const Tensor& out, float p, uint64_t seed, const Tensor* seed_offset) {
   OpTimer timer(this);
   if (p == 0.f) return cast(x, out);  // same dtype: a copy
   const int64_t n = x.numel();
   if (!n) return;
-  dropout_kernel<<<grid_for(n), kThreads, 0, stream_>>>(x.dtype(), x.data(), out.data(), n, p, seed, 1.f / (1.f - p));
+  dropout_kernel<<<grid_for(n), kThreads, 0, stream_>>>(x.dtype(), x.data(), out.data(), n, p, seed, 1.f / (1.f - p),
+                                                        seed_offset ? seed_offset->ptr<int32_t>() : nullptr);
   check_launch("dropout");
 }
 

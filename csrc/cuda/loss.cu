@@ -41,9 +41,10 @@ __global__ void embedding_bwd_kernel(const int32_t* uniq, const int32_t* offs, c
 }
 
 // One block per row of logits: loss = logsumexp(x) - x[y]; dlogits (may alias logits) =
-// scale * (softmax(x) - onehot(y)). Ignored rows get loss 0 and a zero gradient.
+// scale * (softmax(x) - onehot(y)), scale times scale_by[0] where given (a per-step factor on the
+// device, which a replayed graph reads afresh). Ignored rows get loss 0 and a zero gradient.
 __global__ void cross_entropy_kernel(DType dt, const void* logits, const int32_t* targets, float* loss, void* dlogits,
-                                     int64_t V, int32_t ignore_index, float scale) {
+                                     int64_t V, int32_t ignore_index, float scale, const float* scale_by) {
   __shared__ float sh[32];
   const int64_t t = blockIdx.x, base = t * V;
   const int32_t y = targets[t];
@@ -64,6 +65,7 @@ __global__ void cross_entropy_kernel(DType dt, const void* logits, const int32_t
   if (threadIdx.x == 0) loss[t] = mx + logf(se) - xt;
   if (!dlogits) return;
   const float inv = 1.f / se;
+  if (scale_by) scale = scale * scale_by[0];  // the factor formed once, in f32
   for (int64_t j = threadIdx.x; j < V; j += blockDim.x) {
     const float e = expf(ld(dt, logits, base + j) - mx) * inv;
     st(dt, dlogits, base + j, scale * (j == y ? e - 1.f : e));
@@ -127,7 +129,7 @@ void CudaBackend::embedding_backward(const Tensor& ids, const Tensor& dout, cons
 }
 
 void CudaBackend::cross_entropy(const Tensor& logits, const Tensor& targets, const Tensor& loss, const Tensor* dlogits,
-                                int32_t ignore_index, float scale) {
+                                int32_t ignore_index, float scale, const Tensor* scale_by) {
   OpTimer timer(this);
   const int64_t T = logits.size(0), V = logits.size(1);
   if (!capturing())
@@ -136,7 +138,7 @@ void CudaBackend::cross_entropy(const Tensor& logits, const Tensor& targets, con
   if (T == 0) return;
   cross_entropy_kernel<<<unsigned(T), std::min(row_threads(V), 1024), 0, stream_>>>(
       logits.dtype(), logits.data(), targets.ptr<int32_t>(), loss.ptr<float>(), dlogits ? dlogits->data() : nullptr, V,
-      ignore_index, scale);
+      ignore_index, scale, scale_by ? scale_by->ptr<float>() : nullptr);
   check_launch("cross_entropy");
 }
 

@@ -10,8 +10,21 @@ namespace {
 
 constexpr int kSumBlocks = 1024;  // fixed partial count: the summation order depends only on n
 
+// hyper (5,) [step_size, bc2_sqrt, decay, inv_denom, max_norm], sq (1,) and flag (1,), where
+// hyper is given, replace the scalar arguments (a replayed graph reads them afresh): every thread
+// forms the same f32 values in the contract's order (op_list.h), and returns without writing on a
+// non-finite step. __fmul_rn keeps nvcc from fusing norm's product into the add after it.
 __global__ void adamw_kernel(float* p, const float* g, float* m, float* v, int64_t n, float gs, float decay, float b1,
-                             float b2, float step_size, float bc2_sqrt, float eps, DType wd, void* working) {
+                             float b2, float step_size, float bc2_sqrt, float eps, DType wd, void* working,
+                             const float* hyper, const float* sq, const int32_t* flag) {
+  if (hyper) {
+    const float s = *sq;
+    if ((flag && *flag != 0) || (__float_as_uint(s) & 0x7f800000u) == 0x7f800000u) return;
+    const float inv_denom = hyper[3], max_norm = hyper[4];
+    const float norm = __fmul_rn(sqrtf(s), inv_denom);
+    const float clip = max_norm > 0.f ? fminf(1.f, max_norm / (norm + 1e-6f)) : 1.f;
+    step_size = hyper[0], bc2_sqrt = hyper[1], decay = hyper[2], gs = clip * inv_denom;
+  }
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const float gi = g[i] * gs;
     float pi = p[i];
@@ -75,7 +88,8 @@ void CudaBackend::adamw_update(const AdamWArgs& a) {
   adamw_kernel<<<grid_for(n), kThreads, 0, stream_>>>(
       a.params.ptr<float>(), a.grads.ptr<float>(), a.m.ptr<float>(), a.v.ptr<float>(), n, a.grad_scale,
       a.lr * a.weight_decay, a.beta1, a.beta2, step_size, bc2_sqrt, a.eps, working ? a.working.dtype() : DType::f32,
-      working ? a.working.data() : nullptr);
+      working ? a.working.data() : nullptr, a.hyper.defined() ? a.hyper.ptr<float>() : nullptr,
+      a.sq.defined() ? a.sq.ptr<float>() : nullptr, a.flag.defined() ? a.flag.ptr<int32_t>() : nullptr);
   check_launch("adamw_update");
 }
 

@@ -106,7 +106,7 @@ class MetalOps : public Backend {
   void embedding_forward(const Tensor& ids, const Tensor& table, const Tensor& out) override;
   void embedding_backward(const Tensor& ids, const Tensor& dout, const Tensor& dtable) override;
   void cross_entropy(const Tensor& logits, const Tensor& targets, const Tensor& loss, const Tensor* dlogits,
-                     int32_t ignore_index, float scale) override;
+                     int32_t ignore_index, float scale, const Tensor* scale_by) override;
   void add(const Tensor& a, const Tensor& b, const Tensor& out) override;
   void axpy(float alpha, const Tensor& x, const Tensor& y) override;
   void scale(const Tensor& x, float alpha, const Tensor& out) override;
@@ -117,7 +117,7 @@ class MetalOps : public Backend {
   void quantized_embedding(const Tensor& ids, const Tensor& w, const Tensor& scales, const Tensor& biases,
                            const Tensor& out, int64_t group_size, int64_t bits) override;
   void fill(const Tensor& x, double value) override;
-  void dropout(const Tensor& x, const Tensor& out, float p, uint64_t seed) override;
+  void dropout(const Tensor& x, const Tensor& out, float p, uint64_t seed, const Tensor* seed_offset) override;
   void adamw_update(const AdamWArgs& a) override;
   void sumsq(const Tensor& x, const Tensor& out) override;
   void nonfinite(const Tensor& x, const Tensor& flag) override;

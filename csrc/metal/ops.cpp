@@ -677,14 +677,19 @@ void MetalOps::embedding_backward(const Tensor& ids, const Tensor& dout, const T
 }
 
 void MetalOps::cross_entropy(const Tensor& logits, const Tensor& targets, const Tensor& loss, const Tensor* dlogits,
-                             int32_t ignore_index, float scale) {
+                             int32_t ignore_index, float scale, const Tensor* scale_by) {
   Emit e{this, "cross_entropy"};
   Dispatch d = e.make("cross_entropy", "cross_entropy_" + e.sfx(logits.dtype()));
   const int64_t T = logits.size(0), V = logits.size(1);
   ops::check_ids(e.op, "target", "row", targets.ptr<int32_t>(), T, V, &ignore_index);
   if (T == 0) return;
   bind(d, 0, logits), bind(d, 1, targets), bind(d, 2, loss), bind(d, 3, dlogits ? *dlogits : logits);
-  d.set_args(4, CrossEntropyArgs{uint32_t(T), u32(e.op, V, "V"), ignore_index, scale, dlogits ? 1u : 0u});
+  if (scale_by)
+    bind(d, 5, *scale_by);
+  else
+    bind(d, 5, loss, 0);  // must be bound; not read
+  d.set_args(4, CrossEntropyArgs{uint32_t(T), u32(e.op, V, "V"), ignore_index, scale, dlogits ? 1u : 0u,
+                                 scale_by ? 1u : 0u});
   d.grid = {uint32_t(T), 1, 1};
   d.threads = {row_threads(V), 1, 1};
   encode(std::move(d));
@@ -736,7 +741,7 @@ void MetalOps::fill(const Tensor& x, double value) {
   elementwise("fill", "fill_" + s, {&x}, x.numel(), float(value));
 }
 
-void MetalOps::dropout(const Tensor& x, const Tensor& out, float p, uint64_t seed) {
+void MetalOps::dropout(const Tensor& x, const Tensor& out, float p, uint64_t seed, const Tensor* seed_offset) {
   Emit e{this, "dropout"};
   const std::string s = e.sfx(x.dtype());
   if (p == 0.f) {
@@ -746,7 +751,12 @@ void MetalOps::dropout(const Tensor& x, const Tensor& out, float p, uint64_t see
   Dispatch d = e.make("elementwise", "dropout_" + s);
   if (x.numel() == 0) return;
   bind(d, 0, x), bind(d, 1, out);
-  d.set_args(2, DropoutArgs{u32(e.op, x.numel(), "n"), uint32_t(seed), uint32_t(seed >> 32), p, 1.f / (1.f - p)});
+  if (seed_offset)
+    bind(d, 3, *seed_offset);
+  else
+    bind(d, 3, x, 0);  // must be bound; not read
+  d.set_args(2, DropoutArgs{u32(e.op, x.numel(), "n"), uint32_t(seed), uint32_t(seed >> 32), p, 1.f / (1.f - p),
+                            seed_offset ? 1u : 0u});
   ew_geometry(d, x.numel());
   encode(std::move(d));
 }
@@ -819,11 +829,16 @@ void MetalOps::adamw_update(const AdamWArgs& a) {
   Dispatch d = e.make("optimizer", working ? "adamw_update_working_" + e.sfx(a.working.dtype()) : std::string("adamw_update"));
   bind(d, 0, a.params), bind(d, 1, a.grads), bind(d, 2, a.m), bind(d, 3, a.v);
   if (working) bind(d, 4, a.working);
+  // The device scalars (or dummy bindings, never read: the kernels read them only as the flags say).
+  const bool dev = a.hyper.defined(), flag = a.flag.defined();
+  bind(d, 6, dev ? a.hyper : a.params, dev ? a.hyper.nbytes() : 0);
+  bind(d, 7, dev ? a.sq : a.params, dev ? a.sq.nbytes() : 0);
+  bind(d, 8, flag ? a.flag : a.params, flag ? a.flag.nbytes() : 0);
   // Bias corrections in double on the host, as the CPU backend computes them.
   const double bc1 = 1.0 - std::pow(double(a.beta1), double(a.step));
   const double bc2 = 1.0 - std::pow(double(a.beta2), double(a.step));
   d.set_args(5, AdamwArgs{u32(e.op, n, "n"), float(double(a.lr) / bc1), float(std::sqrt(bc2)), a.lr * a.weight_decay,
-                          a.beta1, a.beta2, a.eps, a.grad_scale});
+                          a.beta1, a.beta2, a.eps, a.grad_scale, dev ? 1u : 0u, flag ? 1u : 0u});
   ew_geometry(d, n);
   encode(std::move(d));
 }

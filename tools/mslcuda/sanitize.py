@@ -88,6 +88,7 @@ def run_kernels(device="metal-cuda"):
             ops.softmax_backward(S, t((3, cols), dt), dev.empty((3, cols), dt), 0.5)
             tgt = dev.tensor(np.array([1, -100, cols - 1], np.int32), "i32")
             ops.cross_entropy(S, tgt, dev.empty((3,), "f32"), dev.empty((3, cols), dt))
+            ops.cross_entropy(S, tgt, dev.empty((3,), "f32"), dev.empty((3, cols), dt), scale_by=t((1,), "f32"))
         T = 37
         S = t((2, T, T), dt)
         ops.softmax_causal_forward(S, dev.empty((2, T, T), dt), 0.3)
@@ -107,6 +108,7 @@ def run_kernels(device="metal-cuda"):
             ops.cast(a, dev.empty((n,), odt))
         ops.fill(dev.empty((n,), dt), 1.5)
         ops.dropout(a, dev.empty((n,), dt), 0.3, 7)
+        ops.dropout(a, dev.empty((n,), dt), 0.3, 7, seed_offset=dev.tensor(np.array([5, -3], np.int32), "i32"))
         ops.swiglu_forward(a, b, dev.empty((n,), dt))
         ops.swiglu_backward(t((n,), dt), a, b, dev.empty((n,), dt), dev.empty((n,), dt))
         ops.geglu_forward(a, b, dev.empty((n,), dt))
@@ -123,6 +125,9 @@ def run_kernels(device="metal-cuda"):
         ops.sumsq(t((3000,), dt), dev.empty((1,), "f32"))
         ops.nonfinite(a, dev.zeros((1,), "i32"))
         ops.adamw_update(t((n,)), t((n,)), t((n,)), dev.zeros((n,), "f32"), 1e-3, working=dev.empty((n,), dt))
+        hyper = dev.tensor(np.array([1e-3, 0.1, 1e-5, 0.5, 1.0], np.float32), "f32")
+        ops.adamw_update(t((n,)), t((n,)), t((n,)), dev.zeros((n,), "f32"), 1e-3, working=dev.empty((n,), dt),
+                         hyper=hyper, sq=dev.tensor(np.array([4.0], np.float32), "f32"), flag=dev.zeros((1,), "i32"))
         # quantized_matmul: W (45, 96) at every bits, both directions, scales in dt and in f32;
         # x and out as column blocks of wider matrices once per bits
         for bits in (2, 3, 4, 5, 6, 8):

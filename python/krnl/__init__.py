@@ -8,9 +8,9 @@ modules relative to krnl; `bench.*` is every module of krnl/bench):
 
     ops       __init__ _core profiler
     storage   fileio safetensors_io checkpoint run_folder tokenizer quant gguf_quants
-    model     params phi3 gemma3 config qweight lora attention gemma layer generate model mlp_block
+    model     params phi3 gemma3 config qweight step_inputs lora attention gemma layer generate model mlp_block
     formats   adapter mlx_folder gguf_file gguf_tokenizer hf gguf_fuse
-    train     optim batches data default_task trainer
+    train     optim batches data default_task step trainer
     cli       cli cli_args cli_device tune __main__ bench bench.*
 
 - ops: the native core and what this file re-exports from it; importing any submodule runs this
@@ -22,8 +22,8 @@ modules relative to krnl; `bench.*` is every module of krnl/bench):
   mlx-lm adapters); they turn into a ModelConfig, a LoraConfig or a LlamaModel, so they stand on
   the model, and hf builds on adapter, mlx_folder and the GGUF reader, never the reverse
   (gguf_fuse builds on hf).
-- train: the optimizer, batches, datasets, the embedded default task and the training loop; data
-  and trainer both draw on batches and not on each other.
+- train: the optimizer, batches, datasets, the embedded default task, the device step (step: eager
+  or replayed) and the training loop; data and trainer both draw on batches and not on each other.
 - cli: the `krnl` commands, GEMM tuning (`krnl tune`) and the benchmark harness (krnl.bench), which
   may use everything.
 """

@@ -218,6 +218,12 @@ def parse_args(argv, commands):
     t.add_argument("--lora-targets", default=None, help="comma-separated modules: short names (q,k,v,o,gate,up,down), module "
                    "names (q_proj) or mlx-lm keys (self_attn.q_proj) (default: all seven)")
     t.add_argument("--grad-checkpoint", action="store_true", help="recompute layers in backward (less memory)")
+    t.add_argument("--length-bucket", type=int, default=0, metavar="N",
+                   help="pad each batch's length to a multiple of N tokens (default: 256 where the step replays as a "
+                   "graph, else no padding)")
+    t.add_argument("--no-graphs", action="store_true",
+                   help="run every step eagerly (default: record it once per padded length and replay it where the "
+                   "device has graphs, see `krnl devices`)")
     t.add_argument("--train-samples", type=int, default=4000)
     t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --adapter-path that "
                    "verifies (the run's options must match the checkpoint's; --iters may grow)")

@@ -140,7 +140,7 @@ class Batch:
     T: int
     positions: list                  # B of (T,) i32: rotary positions of each row
     segments: Optional[list] = None  # B of (T,) i32: packed samples' ids (attention stays inside)
-    call_seed: Optional[int] = None  # seeds the dropout masks; None (eval) turns dropout off
+    call_seed: Optional[object] = None  # dropout seed: an int or a (2,) i32 seed_offset tensor; None (eval): off
     fused: bool = False              # fused attention (ops.attention_forward/backward)
     fused_segments: bool = False     # ... also for packed rows (else those stay materialised)
     attn_block: int = 0              # query rows per materialised block (0: one block)

@@ -16,10 +16,10 @@ from .config import ALL_MODULES, lora_key
 from .phi3 import FUSED, MEMBER_OF
 from .params import FlatParams
 from .qweight import linear, linear_grad
+from .step_inputs import SEED_MASK, SEED_STRIDE
 
 ops = _core.ops
 
-SEED_MASK = 0x7FFFFFFFFFFFFFFF
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class LoraSaved:
     """What the LoRA backward reads from its forward."""
     xd: _core.Tensor    # (rows, in) drop(x); x itself without dropout
     t: _core.Tensor     # (rows, r)  drop(x) A^T
-    seed: Optional[int]  # the dropout mask's seed, None without dropout
+    seed: Optional[object]  # the call's dropout seed (an int, or a (2,) i32 seed_offset tensor), None without dropout
 
 
 class LoraLinear:
@@ -55,7 +55,15 @@ class LoraLinear:
 
     def seed(self, call_seed):
         """The dropout seed of this linear in the call numbered call_seed."""
-        return (call_seed * 1000003 + self.tag) & SEED_MASK
+        return (call_seed * SEED_STRIDE + self.tag) & SEED_MASK
+
+    def _dropout(self, x, out, call_seed):
+        """out = drop(x) with this linear's mask in the call `call_seed`: an int, or the (2,) i32
+        device tensor of step_inputs.seed_offset_words (a recorded step replays with new seeds)."""
+        if isinstance(call_seed, _core.Tensor):
+            ops.dropout(x, out, self.dropout, self.tag, seed_offset=call_seed)
+        else:
+            ops.dropout(x, out, self.dropout, self.seed(call_seed))
 
     def forward(self, x, y, call_seed=None):
         """y = x W^T + LoRA, x (rows, in), y (rows, out); returns what backward needs. call_seed
@@ -71,9 +79,9 @@ class LoraLinear:
         d, dt, rows = self.W.device, f.A.dtype, x.shape[0]
         xd, seed = x, None
         if self.dropout > 0 and call_seed is not None:
-            seed = self.seed(call_seed)
+            seed = call_seed
             xd = d.empty((rows, self.inp), dt)
-            ops.dropout(x, xd, self.dropout, seed)
+            self._dropout(x, xd, seed)
         t = d.empty((rows, f.A.shape[0]), dt)
         ops.gemm(xd, f.A, t, trans_b=True)                                # t = drop(x) A^T   (rows, r)
         ops.gemm(t, f.B, y, trans_b=True, alpha=self.scale, beta=1.0)     # y += s t B^T
@@ -98,7 +106,7 @@ class LoraLinear:
         if saved.seed is not None:
             tmp, tmp2 = d.empty((rows, self.inp), cdt), d.empty((rows, self.inp), cdt)
             ops.gemm(dt, f.A, tmp)
-            ops.dropout(tmp, tmp2, self.dropout, saved.seed)              # same mask as forward
+            self._dropout(tmp, tmp2, saved.seed)                         # same mask as forward
             ops.axpy(1.0, tmp2, dx)
         else:
             ops.gemm(dt, f.A, dx, beta=1.0)                               # dx += dt A

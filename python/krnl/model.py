@@ -25,6 +25,7 @@ from .config import (ALL_MODULES, ATTN_MODULES, IGNORE_INDEX, MLP_MODULES, QKV_M
 from .generate import generate
 from .layer import Batch, Heads, Ones, build_layer, layer_backward, layer_forward
 from .lora import init_lora
+from .step_inputs import DeviceInputs, HostInputs
 from . import phi3
 from .qweight import embed, frozen_weight, linear, linear_grad
 from . import gemma, quant
@@ -85,6 +86,7 @@ class LlamaModel:
         self.fused_segments, self.fused_window = fa["segments"], fa["window"]
         self.d_embed_out = None
         self._loss = None
+        self._ones = {}  # N -> (1, N) f32 ones: the loss sum's gemm row
 
     # -- inputs ----------------------------------------------------------------------------
 
@@ -111,10 +113,9 @@ class LlamaModel:
                              f"got shape {a.shape} dtype {a.dtype}")
         return a.astype(np.int32)
 
-    def _batch(self, shape, segments=None, positions=None, call_seed=None):
-        """The Batch of one call. positions (B, T) replace arange(T) in the rotary embedding of
-        each row; segments (B, T) restrict attention to keys of the query's own segment (packed
-        samples); call_seed None is eval (no dropout)."""
+    def _plan(self, shape, segments=None, positions=None):
+        """The host's half of a call's rows: (segments, positions) as checked (B, T) int32 arrays
+        or None, and the sliding window it attends with (0: none)."""
         B, T = shape
         seg = self._row_arrays(segments, "segments", shape)
         pos = self._row_arrays(positions, "positions", shape)
@@ -134,15 +135,30 @@ class LlamaModel:
                 span = int(np.diff(run_starts).max())
             if span > sw:  # the fused op where the device lists windows, else the materialised softmax's
                 window = sw
+        return seg, pos, window
+
+    def _long_rope(self, T, pos):
+        return self.call_inv_freq(T - 1 if pos is None else int(pos.max())) is not None
+
+    def _batch_of(self, B, T, positions, segments, seed, window, long_rope):
+        """The Batch of a call whose rows' tensors exist (seed: an int or a (2,) i32 seed_offset
+        tensor; None is eval)."""
+        return Batch(B, T, positions, segments, seed, self.fused_attention, self.fused_segments, self.attn_block,
+                     window, inv_freq=self._long_inv_freq if long_rope else None, fused_window=self.fused_window)
+
+    def _batch(self, shape, segments=None, positions=None, call_seed=None):
+        """The Batch of one call. positions (B, T) replace arange(T) in the rotary embedding of
+        each row; segments (B, T) restrict attention to keys of the query's own segment (packed
+        samples); call_seed None is eval (no dropout)."""
+        B, T = shape
+        seg, pos, window = self._plan(shape, segments, positions)
         d = self.dev
         if pos is None:
-            positions = [d.tensor(np.arange(T, dtype=np.int32), "i32")] * B  # one tensor, every row
+            rows = [d.tensor(np.arange(T, dtype=np.int32), "i32")] * B  # one tensor, every row
         else:
-            positions = [d.tensor(pos[b], "i32") for b in range(B)]
-        segments = None if seg is None else [d.tensor(seg[b], "i32") for b in range(B)]
-        return Batch(B, T, positions, segments, call_seed, self.fused_attention, self.fused_segments,
-                     self.attn_block, window, inv_freq=self.call_inv_freq(T - 1 if pos is None else int(pos.max())),
-                     fused_window=self.fused_window)
+            rows = [d.tensor(pos[b], "i32") for b in range(B)]
+        segs = None if seg is None else [d.tensor(seg[b], "i32") for b in range(B)]
+        return self._batch_of(B, T, rows, segs, call_seed, window, self._long_rope(T, pos))
 
     def call_inv_freq(self, max_position):
         """The rotary frequencies of a call whose largest position is max_position where they
@@ -199,7 +215,7 @@ class LlamaModel:
             ta = np.asarray(tt.numpy())
         self._check_ids(ta, "targets", True)
         n_valid = int((ta != IGNORE_INDEX).sum())
-        return tt, n_valid
+        return tt, n_valid, ta
 
     def _run(self, fn):
         if self.dev.in_step:
@@ -207,14 +223,32 @@ class LlamaModel:
         with self.dev.step():
             return fn()
 
-    def _mean_loss(self, rows_loss, n_valid):
-        """(1,) f32 = sum(rows_loss) / n_valid, as one gemm with a ones row."""
+    def _loss_sum(self, rows_loss, alpha=1.0):
+        """(1,) f32 = alpha sum(rows_loss), as one gemm with a ones row (ignored rows hold 0)."""
         N = rows_loss.shape[0]
-        out = self.dev.zeros((1, 1), "f32")
-        if n_valid > 0:
-            ones = self.dev.tensor(np.ones((1, N), np.float32), "f32")
-            ops.gemm(ones, rows_loss.reshape(N, 1), out, alpha=1.0 / n_valid)
+        if N not in self._ones:
+            self._ones[N] = self.dev.tensor(np.ones((1, N), np.float32), "f32")
+        out = self.dev.empty((1, 1), "f32")
+        ops.gemm(self._ones[N], rows_loss.reshape(N, 1), out, alpha=alpha)
         return out.reshape(1)
+
+    def _mean_loss(self, rows_loss, n_valid):
+        """(1,) f32 = sum(rows_loss) / n_valid (0 without valid targets)."""
+        return self._loss_sum(rows_loss, 1.0 / max(n_valid, 1))
+
+    def prepare(self, ids, targets, loss_scale=1.0, segments=None, positions=None):
+        """The host's half of a training call (checks, the valid-target count, the next dropout
+        seed): a HostInputs for DeviceInputs and forward_backward_step. ids may be a (B, T) device
+        tensor (then unchecked, HostInputs.ids None)."""
+        ids_t, shape, ia = self._ids(ids, "ids")
+        self._check_ids(ia, "ids", False)
+        tt, n_valid, ta = self._targets(targets, shape)
+        seg, pos, window = self._plan(shape, segments, positions)
+        self._call_seed += 1
+        return HostInputs(shape[0], shape[1], None if ia is None else ia.reshape(-1).astype(np.int32),
+                          ta.reshape(-1).astype(np.int32), pos, seg, n_valid, float(loss_scale) / max(n_valid, 1),
+                          self._call_seed if self.lora_config.dropout > 0 else None, window,
+                          self._long_rope(shape[1], pos))
 
     def forward_backward(self, ids, targets, loss_scale=1.0, segments=None, positions=None):
         """Forward and backward of the mean cross entropy; LoRA gradients accumulate into
@@ -222,42 +256,54 @@ class LlamaModel:
         Returns a (1,) f32 device tensor holding the unscaled loss (read it after the step,
         e.g. with read_loss()). Packed rows pass segments and positions (B, T) (krnl.data.pack):
         attention stays within a segment and rotary positions are per token."""
-        ids_t, shape, ia = self._ids(ids, "ids")
-        self._check_ids(ia, "ids", False)
-        tt, n_valid = self._targets(targets, shape)
-        batch = self._batch(shape, segments, positions, self._call_seed + 1)
-        self._call_seed = batch.call_seed
+        host = self.prepare(ids, targets, loss_scale, segments, positions)
+        inputs = DeviceInputs.of(self.dev, host, ids.reshape(-1) if isinstance(ids, _core.Tensor) else None)
 
         def body():
-            d, dt, c = self.dev, self.dtype, self.config
-            N, C, V = batch.B * batch.T, c.hidden_size, c.vocab_size
-            x, xn, rstd, saved = self._trunk_forward(ids_t, batch, keep=True)
-            rows_loss = d.empty((N,), "f32")
-            dxn = d.empty((N, C), dt)
-            scale = float(loss_scale) / max(n_valid, 1)
-            for r0 in range(0, N, self.ce_chunk):
-                r1 = min(N, r0 + self.ce_chunk)
-                logits = d.empty((r1 - r0, V), dt)
-                linear(xn[r0:r1], self.head, logits)                          # logits = xn W^T
-                # soft-capped logits are kept for their backward: dlogits get their own buffer
-                dl = d.empty((r1 - r0, V), dt) if self.final_softcap else logits
-                gemma.cap_logits(self.final_softcap, logits)
-                ops.cross_entropy(logits, tt[r0:r1], rows_loss[r0:r1], dl, IGNORE_INDEX, scale)
-                gemma.cap_logits_backward(self.final_softcap, logits, dl)
-                linear_grad(dl, self.head, dxn[r0:r1])                        # dxn = dlogits W
-            dx = d.empty((N, C), dt)
-            ops.rmsnorm_backward(dxn, x, self.norm_w, rstd, dx)
-            for i in reversed(range(c.num_hidden_layers)):
-                L, (xin, cache) = self.layers[i], saved[i]
-                if cache is None:                                             # checkpointed: recompute
-                    _, cache = layer_forward(L, xin, batch)
-                dx = layer_backward(L, xin, cache, dx, batch)
-                saved[i] = None
-            self.d_embed_out = dx
-            self._loss = self._mean_loss(rows_loss, n_valid)
+            total = self.forward_backward_step(host.key(), inputs)
+            self._loss = self.dev.empty((1,), "f32")
+            ops.scale(total, 1.0 / max(host.n_valid, 1), self._loss)
             return self._loss
 
         return self._run(body)
+
+    def forward_backward_step(self, key, inputs):
+        """The device's half of forward_backward for the inputs of a HostInputs with this key():
+        reads nothing on the host and takes every per-call number from `inputs`, so a recording
+        of it replays for any batch of the same key. Returns the (1,) f32 sum of the token losses
+        (the mean is that over HostInputs.n_valid)."""
+        B, T, _, _, window, long_rope, _ = key
+        batch = self._batch_of(B, T, inputs.positions, inputs.segments, inputs.seed_offset, window, long_rope)
+        d, dt, c = self.dev, self.dtype, self.config
+        N, C, V = B * T, c.hidden_size, c.vocab_size
+        x, xn, rstd, saved = self._trunk_forward(inputs.ids, batch, keep=True)
+        rows_loss = d.empty((N,), "f32")
+        dxn = d.empty((N, C), dt)
+        # One (chunk, V) logits buffer serves every chunk (their ops run in queue order): where a
+        # released buffer waits for the step's end (Metal), chunks would each hold their own.
+        chunk = min(N, self.ce_chunk)
+        logits_buf = d.empty((chunk, V), dt)
+        dl_buf = d.empty((chunk, V), dt) if self.final_softcap else logits_buf  # soft-capped logits are kept
+        for r0 in range(0, N, chunk):
+            r1 = min(N, r0 + chunk)
+            logits, dl = logits_buf[0:r1 - r0], dl_buf[0:r1 - r0]
+            linear(xn[r0:r1], self.head, logits)                          # logits = xn W^T
+            gemma.cap_logits(self.final_softcap, logits)
+            ops.cross_entropy(logits, inputs.targets[r0:r1], rows_loss[r0:r1], dl, IGNORE_INDEX, 1.0,
+                              scale_by=inputs.ce_scale)
+            gemma.cap_logits_backward(self.final_softcap, logits, dl)
+            linear_grad(dl, self.head, dxn[r0:r1])                        # dxn = dlogits W
+        del logits_buf, dl_buf, logits, dl
+        dx = d.empty((N, C), dt)
+        ops.rmsnorm_backward(dxn, x, self.norm_w, rstd, dx)
+        for i in reversed(range(c.num_hidden_layers)):
+            L, (xin, cache) = self.layers[i], saved[i]
+            if cache is None:                                             # checkpointed: recompute
+                _, cache = layer_forward(L, xin, batch)
+            dx = layer_backward(L, xin, cache, dx, batch)
+            saved[i] = None
+        self.d_embed_out = dx
+        return self._loss_sum(rows_loss)
 
     def read_loss(self):
         """The loss of the last forward_backward, as a float (after its step is committed)."""
@@ -281,7 +327,7 @@ class LlamaModel:
         """Forward only (eval, no dropout): the mean cross entropy as a float."""
         ids_t, shape, ia = self._ids(ids, "ids")
         self._check_ids(ia, "ids", False)
-        tt, n_valid = self._targets(targets, shape)
+        tt, n_valid, _ = self._targets(targets, shape)
         batch = self._batch(shape, segments, positions)
         N = shape[0] * shape[1]
         rows_loss = self.dev.empty((N,), "f32")

@@ -1,14 +1,18 @@
 """Optimizer and learning-rate schedule (docs/architecture.md, 'Training numerics').
 
 AdamW runs as ONE `adamw_update` over the flat f32 buffers of a `FlatParams` (masters, grads,
-m, v laid out identically). Per optimizer step the device does: a nonfinite check of the grads
-(only with loss scaling), `sumsq` of the grads for the global norm, one commit and one read of
-those two scalars (the single host sync of a step), then one `adamw_update` whose grad read is
-multiplied by
+m, v laid out identically). Per optimizer step the device does, without waiting for the host: a
+nonfinite check of the grads (only with loss scaling), `sumsq` of the grads for the global norm,
+then one `adamw_update` that reads that norm and the step's numbers (learning rate, bias
+corrections, 1 / (loss_scale * n_micro), max_norm: one (5,) tensor the host uploads first) from
+device memory, multiplies its grad read by
 
     grad_scale = clip / (loss_scale * n_micro),   clip = min(1, max_norm / (norm + 1e-6))
 
-with `norm` measured after unscaling (divided by loss_scale * n_micro), and the grads zeroed.
+with `norm` measured after unscaling (divided by loss_scale * n_micro), skips the update where
+the flag is set or the norm is not finite, and the grads are zeroed. The host reads the norm and
+the flag once the step is done (finish_step) and updates its counters and loss scale for the
+next one: nothing in between waits for it, so the step's device work can be a replayed graph.
 
 Skipped steps (dynamic loss scaling found inf/NaN) follow PyTorch's GradScaler: the parameter
 update is skipped, so the Adam step count (bias correction) does NOT advance and m, v and the
@@ -196,48 +200,66 @@ class AdamW:
         """One optimizer step over the grads accumulated since the last one; zeroes them.
         Returns {lr, grad_norm (unscaled, before clipping), skipped, loss_scale (the one these
         grads were computed with), step (iteration), skipped_steps}."""
+        self.queue_step(accumulated_micro_batches)
+        return self.finish_step()
+
+    def hyper(self, accumulated_micro_batches=1):
+        """(5,) f32 numpy: adamw_update's `hyper` for the next step (see queue_step)."""
         n = accumulated_micro_batches
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
             raise ValueError(f"[AdamW.step] accumulated_micro_batches must be an integer >= 1, got {n!r}")
-        flat, dev = self.flat, self.flat.device
+        t, lr = self.adam_step + 1, self.schedule.lr_at(self.iteration + 1)
+        self._pending = (int(n), self.scaler.scale, lr)
+        # As the scalar adamw_update forms them: f32 lr and betas, bias corrections in double.
+        f32 = np.float32
+        lr32, b1, b2 = f32(lr), float(f32(self.betas[0])), float(f32(self.betas[1]))
+        return np.array([float(lr32) / (1.0 - b1**t), math.sqrt(1.0 - b2**t), lr32 * f32(self.weight_decay),
+                         1.0 / (self.scaler.scale * n), self.max_grad_norm or 0.0], np.float32)
+
+    def queue_ops(self, hyper):
+        """The device's half of a step, reading its numbers from the (5,) f32 tensor `hyper`
+        (hyper()): the inf/NaN flag (with loss scaling), the squared gradient norm, the update
+        (skipped on the device when the flag is set or the norm is not finite; clipped by the
+        norm there) and zeroed grads. Reads nothing on the host: a recording replays it."""
+        flat = self.flat
+        if self.scaler.enabled:
+            ops.fill(self._flag, 0.0)
+            ops.nonfinite(flat.grads, self._flag)
+        ops.sumsq(flat.grads, self._sq)
+        b1, b2 = self.betas
+        ops.adamw_update(flat.params, flat.grads, flat.m, flat.v, 0.0, b1, b2, self.eps, 0.0, 1, 1.0, flat.working,
+                         hyper=hyper, sq=self._sq, flag=self._flag if self.scaler.enabled else None)
+        ops.fill(flat.grads, 0.0)
+
+    def queue_step(self, accumulated_micro_batches=1):
+        """Queues one step (its own submission) without waiting; finish_step() reads its outcome."""
+        dev = self.flat.device
         if dev.in_step:
             raise RuntimeError("[AdamW.step] called inside an open step: commit the backward first")
+        hyper = dev.tensor(self.hyper(accumulated_micro_batches), "f32")
+        with dev.step():
+            self.queue_ops(hyper)
+
+    def finish_step(self):
+        """Waits for the queued step, reads its two numbers (the step's one host read) and
+        advances the host's counters and loss scale; returns queue_step's info (step())."""
+        n, loss_scale, lr = self._pending
         iteration = self.iteration + 1
         scaling = self.scaler.enabled
-        loss_scale = self.scaler.scale
-
-        with dev.step():
-            if scaling:
-                ops.fill(self._flag, 0.0)
-                ops.nonfinite(flat.grads, self._flag)
-            ops.sumsq(flat.grads, self._sq)
-        sq = float(self._sq.numpy()[0])  # the one sync of the step
+        sq = float(self._sq.numpy()[0])
         found = bool(self._flag.numpy()[0]) if scaling else not math.isfinite(sq)
-
         denom = loss_scale * n
         norm = math.sqrt(sq) / denom if math.isfinite(sq) else float("inf")
-        if found and not scaling:
-            with dev.step():
-                ops.fill(self._flag, 0.0)
-                ops.nonfinite(flat.grads, self._flag)
-            what = ("gradients hold inf or NaN" if self._flag.numpy()[0]
-                    else "the squared gradient norm overflowed float32")
-            raise FloatingPointError(f"[AdamW.step] step {iteration}: {what} (f32 training has no loss scaling; "
-                                     "lower the learning rate or enable clipping)")
+        if found and not scaling:  # the device skipped the update: the masters are intact
+            raise FloatingPointError(f"[AdamW.step] step {iteration}: gradients hold inf or NaN, or their squared "
+                                     f"norm overflowed float32 (f32 training has no loss scaling; lower the "
+                                     f"learning rate or enable clipping)")
         # Overflow of the f32 sum of squares with finite grads also counts as overflow under scaling.
         found = found or not math.isfinite(sq)
         skipped = self.scaler.update(found)
-        lr = self.schedule.lr_at(iteration)
         self.iteration = iteration
-        with dev.step():
-            if not skipped:
-                clip = 1.0
-                if self.max_grad_norm is not None:
-                    clip = min(1.0, self.max_grad_norm / (norm + 1e-6))
-                self.adam_step += 1
-                ops.adamw_update(flat.params, flat.grads, flat.m, flat.v, lr, self.betas[0], self.betas[1], self.eps,
-                                 self.weight_decay, self.adam_step, clip / denom, flat.working)
-            ops.fill(flat.grads, 0.0)
+        if not skipped:
+            self.adam_step += 1
         return {"lr": lr, "grad_norm": norm, "skipped": skipped, "loss_scale": loss_scale,
                 "step": iteration, "skipped_steps": self.scaler.skipped_steps}
 

@@ -26,10 +26,12 @@ FLAGS = {"batch_size": "--batch-size", "grad_accum": "--grad-accumulation", "lea
          "weight_decay": "--weight-decay", "max_grad_norm": "--max-grad-norm", "seed": "--seed",
          "val_batches": "val_batches", "data": "--data", "data_sha256": "--data (train.jsonl contents)",
          "max_seq_length": "--max-seq-length", "mask_prompt": "--mask-prompt", "pack": "--pack",
-         "train_samples": "--train-samples", "iters": "--iters"}
+         "train_samples": "--train-samples", "iters": "--iters", "length_bucket": "--length-bucket",
+         "graphs": "--no-graphs"}
 # Options that may differ on resume without --resume-override: how long to train (the schedule is
-# stretched) and how often to validate and save, which do not change the training itself.
-FREE = ("iters", "val_every", "save_every", "keep_checkpoints")
+# stretched), how often to validate and save, and how the step runs (padding, graphs), which do
+# not change the training itself.
+FREE = ("iters", "val_every", "save_every", "keep_checkpoints", "length_bucket", "graphs")
 
 try:
     import fcntl

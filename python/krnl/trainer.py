@@ -21,6 +21,11 @@ from .checkpoint import fingerprint_diff, list_checkpoints, load_checkpoint, res
 from .fileio import atomic_write_bytes
 from .optim import AdamW, Schedule
 from .run_folder import describe, option_changes, repair_metrics
+from .step import StepRunner
+
+# Where the step replays as a graph, each padded length is one recording: lengths go up in steps
+# of this many tokens unless --length-bucket says otherwise.
+REPLAY_BUCKET = 256
 
 
 @dataclass
@@ -39,16 +44,44 @@ class TrainConfig:
     save_every: int = 200         # 0: only at the end
     keep_checkpoints: int = 2
     seed: int = 0
+    length_bucket: int = 0        # pad each batch's length to a multiple (0: 256 where graphs replay, else none)
+    graphs: bool = True           # record the step once per padded length and replay it, where the device can
 
     def validate(self):
         for name in ("iters", "batch_size", "grad_accum", "val_batches", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise ValueError(f"[train] {name} must be >= 1, got {getattr(self, name)}")
-        for name in ("warmup", "val_every", "save_every"):
+        for name in ("warmup", "val_every", "save_every", "length_bucket"):
             if getattr(self, name) < 0:
                 raise ValueError(f"[train] {name} must be >= 0, got {getattr(self, name)}")
         if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):
             raise ValueError(f"[train] learning_rate must be > 0, got {self.learning_rate}")
+
+
+class Rate:
+    """Tokens per second over the last `window` steps (what the progress bar and metrics call
+    tokens_per_s: the first steps' start-up, graph recording included, drops out of it), and
+    since the run (or the resume) began (tokens_per_s_cumulative)."""
+
+    def __init__(self, window=10):
+        self.window = int(window)
+        self.t0 = time.perf_counter()
+        self.ends = [(self.t0, 0)]  # (time a step ended, its tokens); the first entry is the start
+        self.total = 0
+
+    def add(self, tokens):
+        self.ends.append((time.perf_counter(), int(tokens)))
+        self.total += int(tokens)
+        if len(self.ends) > self.window + 1:
+            del self.ends[0]
+
+    def recent(self):
+        dt = self.ends[-1][0] - self.ends[0][0]
+        return sum(n for _, n in self.ends[1:]) / dt if dt > 0 else 0.0
+
+    def cumulative(self):
+        dt = self.ends[-1][0] - self.t0
+        return self.total / dt if dt > 0 else 0.0
 
 
 def _batch_args(batch):
@@ -226,57 +259,68 @@ class Trainer:
             from tqdm import tqdm
 
             bar = tqdm(total=cfg.iters, initial=self.step, unit="step", dynamic_ncols=True)
-        tokens, t0 = 0, time.perf_counter()
+        replay = cfg.graphs and bool(dev.capabilities()["graphs"])
+        bucket = cfg.length_bucket or (REPLAY_BUCKET if replay else 1)
+        runner = StepRunner(model, self.opt, bucket=bucket, replay=replay, micro_batches=cfg.grad_accum)
+        rate = Rate()
         dev.reset_peak()
-        with open(metrics_path, "a") as log:
-            while self.step < cfg.iters:
-                self.step += 1
-                handles = []
-                for _ in range(cfg.grad_accum):
-                    ids, tg, kw = _batch_args(self.data.next())
-                    with dev.step():  # one submission per micro-batch
-                        handles.append(model.forward_backward(ids, tg, loss_scale=self.opt.loss_scale, **kw))
-                    tokens += int(np.count_nonzero(tg != -100))
-                info = self.opt.step(cfg.grad_accum)
-                loss = float(np.mean([h.numpy()[0] for h in handles]))  # read once the step is done
-                if not math.isfinite(loss) and not self.opt.scaler.enabled:
-                    raise FloatingPointError(f"[train] loss is {loss} at step {self.step}; stopping (no adapter "
-                                             f"written for this step; the last checkpoint is intact)")
-                elapsed = time.perf_counter() - t0
-                peak = dev.pool_stats()["peak_reserved"] / 2**20
-                rec = {"step": self.step, "loss": loss, "lr": info["lr"], "grad_norm": info["grad_norm"],
-                       "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0, "peak_mem_mib": peak,
-                       "skipped_steps": info["skipped_steps"], "loss_scale": info["loss_scale"]}
-                if self.resumed is not None:  # the first step after a resume that changed the run
-                    rec["resumed"], self.resumed = self.resumed, None
-                self.history.append((self.step, loss))
-                last = self.step == cfg.iters
-                if (cfg.val_every and self.step % cfg.val_every == 0) or last:
-                    v = self.evaluate()
-                    if v is not None:
-                        rec["val_loss"] = v
-                        self.val_history.append((self.step, v))
-                log.write(json.dumps(rec) + "\n")
-                log.flush()
-                if bar is not None:
-                    post = {"loss": f"{loss:.4f}", "tok/s": f"{rec['tokens_per_s']:.0f}", "lr": f"{info['lr']:.2e}",
-                            "peak": f"{peak:.0f}MiB"}
-                    if "val_loss" in rec:
-                        post["val"] = f"{rec['val_loss']:.4f}"
-                    if info["skipped_steps"]:
-                        post["skipped"] = info["skipped_steps"]
-                    bar.set_postfix(post, refresh=False)
-                    bar.update(1)
-                if (cfg.save_every and self.step % cfg.save_every == 0) or last:
-                    self.save()
-                if self.on_step is not None:
-                    self.on_step(self.step, rec)
+        try:
+            with open(metrics_path, "a") as log:
+                while self.step < cfg.iters:
+                    self._one_step(runner, rate, log, bar)
+        finally:
+            runner.release()
         if bar is not None:
             bar.close()
         self.save_adapter()
         return {"steps": self.step, "loss": self.history[-1][1] if self.history else None,
                 "val_loss": self.val_history[-1][1] if self.val_history else None,
                 "skipped_steps": self.opt.skipped_steps, "metrics": str(metrics_path)}
+
+    def _one_step(self, runner, rate, log, bar):
+        """Queues the step's micro-batches and update, waits once, then metrics, progress,
+        validation and checkpoints."""
+        cfg, dev = self.cfg, self.model.dev
+        self.step += 1
+        tokens = 0
+        for i in range(cfg.grad_accum):
+            batch = self.data.next()
+            tokens += int(np.count_nonzero(np.asarray(batch[1]) != -100))
+            runner.micro_batch(batch, self.opt.loss_scale, i)
+        runner.optimizer(cfg.grad_accum)
+        loss, info = runner.finish()
+        if not math.isfinite(loss) and not self.opt.scaler.enabled:
+            raise FloatingPointError(f"[train] loss is {loss} at step {self.step}; stopping (no adapter "
+                                     f"written for this step; the last checkpoint is intact)")
+        rate.add(tokens)
+        peak = dev.pool_stats()["peak_reserved"] / 2**20
+        rec = {"step": self.step, "loss": loss, "lr": info["lr"], "grad_norm": info["grad_norm"],
+               "tokens_per_s": rate.recent(), "tokens_per_s_cumulative": rate.cumulative(), "peak_mem_mib": peak,
+               "skipped_steps": info["skipped_steps"], "loss_scale": info["loss_scale"]}
+        if self.resumed is not None:  # the first step after a resume that changed the run
+            rec["resumed"], self.resumed = self.resumed, None
+        self.history.append((self.step, loss))
+        last = self.step == cfg.iters
+        if (cfg.val_every and self.step % cfg.val_every == 0) or last:
+            v = self.evaluate()
+            if v is not None:
+                rec["val_loss"] = v
+                self.val_history.append((self.step, v))
+        log.write(json.dumps(rec) + "\n")
+        log.flush()
+        if bar is not None:
+            post = {"loss": f"{loss:.4f}", "tok/s": f"{rec['tokens_per_s']:.0f}", "lr": f"{info['lr']:.2e}",
+                    "peak": f"{peak:.0f}MiB"}
+            if "val_loss" in rec:
+                post["val"] = f"{rec['val_loss']:.4f}"
+            if info["skipped_steps"]:
+                post["skipped"] = info["skipped_steps"]
+            bar.set_postfix(post, refresh=False)
+            bar.update(1)
+        if (cfg.save_every and self.step % cfg.save_every == 0) or last:
+            self.save()
+        if self.on_step is not None:
+            self.on_step(self.step, rec)
 
     def save_adapter(self):
         lc = self.model.lora_config

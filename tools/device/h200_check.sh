@@ -9,10 +9,11 @@
 #   bash tools/device/h200_check.sh qlora   tests/test_quantized.py on cuda, then `krnl bench --workloads qlora`:
 #                                           the 8B-shaped QLoRA step, krnl next to PEFT on a
 #                                           bitsandbytes NF4 base (JSON in $OUT/qlora_bench.json)
-#   bash tools/device/h200_check.sh train   `krnl bench --workloads train`: `krnl train` end to end on the
-#                                           1b shape (TRAIN_SHAPE=8b for the other), krnl's Trainer next
-#                                           to transformers + PEFT eager and compiled, and mlx-lm where
-#                                           installed (JSON in $OUT/train_bench.json)
+#   bash tools/device/h200_check.sh train   tests/test_step.py and the graph tests on cuda, then `krnl bench
+#                                           --workloads train`: `krnl train` end to end on the 1b shape
+#                                           (TRAIN_SHAPES="1b 8b" for both), krnl's Trainer (replayed and
+#                                           eager) next to transformers + PEFT eager and compiled, and
+#                                           mlx-lm where installed (JSON in $OUT/train_bench_SHAPE.json)
 #   bash tools/device/h200_check.sh metal-cuda
 #                                           the unmodified metal/*.metal kernels on the H200
 #                                           (tools/mslcuda): every test module's `dev` tests on the
@@ -155,6 +156,11 @@ elif [ "$phase" = qlora ]; then
   timeout ${BENCH_S:-400} python3 -m krnl.bench --workloads qlora --peers torch --rounds 1 ${QLORA_PROFILE:+--profile} --json "$OUT/qlora_bench.json" \
     2>&1 | tee "$OUT/qlora_bench.log" | tail -30
 elif [ "$phase" = train ]; then
-  timeout ${BENCH_S:-540} python3 -m krnl.bench --workloads train --peers torch,torch.compile,mlx --rounds 1 \
-    --train-shape ${TRAIN_SHAPE:-1b} --json "$OUT/train_bench.json" 2>&1 | tee "$OUT/train_bench.log" | tail -30
+  # the step's own tests first (the replayed step against the eager one, the graph arena)
+  timeout ${TTESTS_S:-150} python3 -m pytest -q -p no:cacheprovider tests/test_step.py tests/test_cuda.py \
+    -k "step or graph or arena or trainer" 2>&1 | tail -6
+  for shape in ${TRAIN_SHAPES:-1b}; do
+    timeout ${BENCH_S:-540} python3 -m krnl.bench --workloads train --peers torch,torch.compile,mlx --rounds 1 \
+      --train-shape "$shape" --json "$OUT/train_bench_$shape.json" 2>&1 | tee "$OUT/train_bench_$shape.log" | tail -30
+  done
 fi

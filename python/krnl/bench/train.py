@@ -147,8 +147,9 @@ class _Done(Exception):
     checkpoint and adapter files, which are no part of a training step's time."""
 
 
-def run_krnl(dev, dtype, folder, s, bs, seed=0):
-    """krnl: the folder loaded as `krnl train --model` loads it, trained by Trainer on `bs`."""
+def run_krnl(dev, dtype, folder, s, bs, seed=0, graphs=True):
+    """krnl: the folder loaded as `krnl train --model` loads it, trained by Trainer on `bs`
+    (graphs False: every step eager, `krnl train --no-graphs`)."""
     from ..config import LoraConfig
     from ..hf import load_model
     from ..trainer import TrainConfig, Trainer
@@ -159,7 +160,7 @@ def run_krnl(dev, dtype, folder, s, bs, seed=0):
     n = len(bs)
     # iters past the last step: that step is not the run's last, so no checkpoint is written in it
     cfg = TrainConfig(iters=n + 1, batch_size=s["B"], learning_rate=LR, warmup=0, schedule="constant",
-                      max_grad_norm=CLIP, val_every=0, save_every=10**9, seed=seed)
+                      max_grad_norm=CLIP, val_every=0, save_every=10**9, seed=seed, graphs=graphs)
     stamps, losses = [], []
 
     def on_step(step, rec):
@@ -196,6 +197,8 @@ def run(dev, dtype, s, peers=(), log=print, on_gpu=False, folder=None, bs=None):
         title = f"Training end to end ({describe(s)}; {dtype})"
         rows = [dict(impl="krnl", **run_krnl(dev, dtype, folder, s, bs))]
         log(f"krnl bench: train krnl: {rows[0]['tokens_per_s']:,.0f} tokens/s, loss {rows[0]['loss']:.4f}")
+        if dev.capabilities()["graphs"]:  # the step replayed (krnl) next to the same step run eagerly
+            rows.append(dict(impl="krnl eager", **run_krnl(dev, dtype, folder, s, bs, graphs=False)))
         rows += run_all(dev.name, dtype, folder, s, bs, peers, log)
     k = rows[0]["tokens_per_s"]
     for r in rows:

@@ -1,0 +1,129 @@
+"""One optimizer step on the device: its micro-batches padded to a length bucket, each run as
+the model's device-side step (eager, or a recorded graph replayed), the optimizer's update, and
+one host read at the end (the losses, the gradient norm, the inf/NaN flag).
+
+Where the device replays graphs (Device.capabilities()["graphs"]), a micro-batch's step is
+recorded once per key (batch shape, padded length, packing, dropout: HostInputs.key) and
+replayed with new contents in its input tensors, and the optimizer's update once; the first
+call of each key runs for real while it records (Device.capture's warm-up). The graphs share one
+arena of temporaries (the device's graph arena), so memory stays that of the largest step, not
+the sum of all keys'. A replayed step does exactly the eager step's work at the same padded
+length; padding adds ignored tokens after each row's last one, which no real token attends to."""
+
+import numpy as np
+
+from . import _core
+from .batches import IGNORE_INDEX
+from .step_inputs import DeviceInputs
+
+ops = _core.ops
+
+
+def padded_length(T, bucket, max_positions, switch=None):
+    """T rounded up to a multiple of `bucket`, never past max_positions (unless T is) nor across
+    `switch` (LongRoPE's position where the rotary frequencies change for the whole call)."""
+    if bucket <= 1:
+        return T
+    Tp = min(-(-T // bucket) * bucket, max(T, max_positions))
+    if switch is not None and T <= switch < Tp:
+        Tp = switch
+    return Tp
+
+
+def pad_batch_to(batch, T):
+    """A batch tuple (ids, targets[, segments, positions]) of (B, t) arrays padded to (B, T):
+    ids 0, targets ignored, padding in a segment of its own at position 0."""
+    ids, tg = np.asarray(batch[0]), np.asarray(batch[1])
+    if ids.ndim == 1:
+        ids, tg = ids[None, :], tg[None, :]
+        batch = (ids, tg) + tuple(np.asarray(a)[None, :] for a in batch[2:])
+    extra = T - ids.shape[1]
+    if extra <= 0:
+        return batch
+    pad = lambda a, v: np.concatenate([a, np.full((a.shape[0], extra), v, a.dtype)], axis=1)
+    out = [pad(ids, 0), pad(tg, IGNORE_INDEX)]
+    if len(batch) > 2:
+        seg, pos = np.asarray(batch[2]), np.asarray(batch[3])
+        last = seg.max(axis=1, keepdims=True) + 1
+        out += [np.concatenate([seg, np.repeat(last, extra, axis=1).astype(seg.dtype)], axis=1), pad(pos, 0)]
+    return tuple(out)
+
+
+class StepRunner:
+    """micro_batch() for each micro-batch, optimizer(), then finish(): the step's loss and the
+    optimizer's info, after the one wait of the step."""
+
+    def __init__(self, model, opt, bucket=1, replay=False, micro_batches=1):
+        self.model, self.opt, self.dev = model, opt, model.dev
+        self.bucket, self.replay = int(bucket), bool(replay)
+        c = model.config
+        self.max_positions, self.switch = c.max_position_embeddings, c.rope_switch_position
+        self.graphs = {}       # HostInputs.key() -> (Graph, DeviceInputs it reads)
+        self.opt_graph = None
+        self.hyper = self.dev.zeros((5,), "f32") if self.replay else None
+        self.slot = self.dev.zeros((1,), "f32")  # a replayed micro-batch's loss sum
+        self.losses = self.dev.zeros((micro_batches,), "f32")  # each micro-batch's loss sum
+        self.n_valid = []
+
+    def pad(self, batch):
+        T = np.asarray(batch[0]).shape[-1]
+        return pad_batch_to(batch, padded_length(T, self.bucket, self.max_positions, self.switch))
+
+    def micro_batch(self, batch, loss_scale, index):
+        """Queues micro-batch `index` of this step (0 first); returns its non-padding target count."""
+        m, dev = self.model, self.dev
+        if index == 0:
+            self.n_valid = []
+        if index >= self.losses.shape[0]:
+            raise ValueError(f"[StepRunner] micro-batch {index} of a runner made for {self.losses.shape[0]}")
+        batch = self.pad(batch)
+        host = m.prepare(batch[0], batch[1], loss_scale, *batch[2:4])
+        self.n_valid.append(host.n_valid)
+        out = self.losses[index:index + 1]
+        key = host.key()
+        if not self.replay:
+            inputs = DeviceInputs.of(dev, host)
+            with dev.step():  # one submission per micro-batch
+                ops.cast(m.forward_backward_step(key, inputs), out)
+            return host.n_valid
+        if key in self.graphs:
+            graph, inputs = self.graphs[key]
+            inputs.write(dev, host)
+            graph.replay()
+        else:
+            inputs = DeviceInputs.of(dev, host)  # the graph's inputs from now on
+
+            def body():
+                ops.cast(m.forward_backward_step(key, inputs), self.slot)
+
+            self.graphs[key] = (dev.capture(body), inputs)  # its warm-up call is this micro-batch's run
+        with dev.step():
+            ops.cast(self.slot, out)
+        return host.n_valid
+
+    def optimizer(self, n_micro):
+        """Queues the optimizer's update over the grads of the n_micro micro-batches."""
+        if not self.replay:
+            self.opt.queue_step(n_micro)
+            return
+        self.dev.upload(self.hyper, self.opt.hyper(n_micro))
+        if self.opt_graph is None:
+            self.opt_graph = self.dev.capture(lambda: self.opt.queue_ops(self.hyper))
+        else:
+            self.opt_graph.replay()
+
+    def finish(self):
+        """(loss, info): the mean over micro-batches of each one's mean token loss, and
+        AdamW.finish_step's info. The one wait of the step."""
+        info = self.opt.finish_step()
+        sums = np.asarray(self.losses.numpy(), np.float64)[:len(self.n_valid)]
+        loss = float(np.mean([s / max(n, 1) for s, n in zip(sums, self.n_valid)]))
+        return loss, info
+
+    def release(self):
+        """Gives the recorded graphs' memory back."""
+        for graph, _ in self.graphs.values():
+            graph.release()
+        if self.opt_graph is not None:
+            self.opt_graph.release()
+        self.graphs, self.opt_graph = {}, None

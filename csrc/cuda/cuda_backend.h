@@ -126,7 +126,6 @@ class CudaBackend : public Backend {
   void gemm_untimed(const GemmArgs& g);  // gemm's body, for ops that end in a GEMM (quantized_matmul)
   void gemm_scale_output(const GemmArgs& g);
   void gemm_split(const GemmArgs& g);
-  bool gemm_skinny(const GemmArgs& g);  // gemm_skinny.cu: false where it does not apply
   void run_deferred();
 
   int device_ = 0;

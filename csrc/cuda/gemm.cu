@@ -105,7 +105,6 @@ void CudaBackend::gemm_untimed(const GemmArgs& g) {
       throw std::invalid_argument("[gemm] a dimension or row stride of " + std::to_string(d) +
                                   " exceeds the 32-bit sizes of cublasGemmStridedBatchedEx");
   if (g.split_k > 1) return gemm_split(g);
-  if (gemm_skinny(g)) return;
   // Batches are one strided call; a stride-0 operand is broadcast (cuBLAS allows it for A/B).
   blas_call(cublas_, g, int(g.N), int(g.M), int(g.K), g.B.data(), g.stride_b, g.A.data(), g.stride_a,
             g.C.data(), cuda_type(g.C.dtype()), int(g.ldc), g.stride_c, int(g.batch), g.alpha, g.beta);

@@ -280,6 +280,32 @@ def test_gemm_lora_shapes(dev, dt):
     check(y, xf @ wf.T, IN, dt, 1.0, xf, wf.T, what="y = x W^T")
 
 
+# (M, N, K): one side at most 64 wide (a LoRA rank, or q|k|v's 3 ranks grouped), the other or K
+# long, as lora_group.py issues them; sizes that are and are not multiples of 16.
+SKINNY = [(16, 16, 16), (33, 16, 272), (130, 48, 48), (96, 64, 1040), (48, 144, 272), (16, 257, 32), (31, 1, 48)]
+
+
+@pytest.mark.parametrize("trans", list(TRANS), ids=list(TRANS))
+@pytest.mark.parametrize("dt,cdt", DTYPE_PAIRS[1:], ids=PAIR_IDS[1:])
+def test_gemm_skinny_shapes(dev, trans, dt, cdt):
+    """The LoRA-shaped products with alpha and beta, into a prefilled C and into a column block."""
+    if dt not in device_dtypes(dev):
+        pytest.skip(f"{dt} not on {dev.name}")
+    ta, tb = TRANS[trans]
+    rng = np.random.default_rng(11)
+    for M, N, K in SKINNY:
+        A, B, opa, opb = operands(dev, rng, M, N, K, ta, tb, dt)
+        C, c0 = upload(dev, rng.standard_normal((M, N)), cdt)
+        ops.gemm(A, B, C, trans_a=ta, trans_b=tb, alpha=0.5, beta=-1.25)
+        check(C, 0.5 * opa @ opb - 1.25 * c0, K, cdt, 0.5, opa, opb, -1.25, c0, what=f"{trans} {M}x{N}x{K}")
+        # C as columns 16:16+N of a wider buffer (q|k|v's t blocks), beta 0 over NaNs
+        wide = empty_filled(dev, (M, N + 32), cdt)
+        ops.gemm(A, B, wide[:, 16:16 + N], trans_a=ta, trans_b=tb)
+        got = read(wide)
+        assert np.all(np.isnan(got[:, :16])) and np.all(np.isnan(got[:, 16 + N:])), f"{trans} {M}x{N}x{K}: wrote outside"
+        check(wide[:, 16:16 + N], opa @ opb, K, cdt, 1.0, opa, opb, what=f"{trans} {M}x{N}x{K} block")
+
+
 @pytest.mark.parametrize("dt,cdt", DTYPE_PAIRS, ids=PAIR_IDS)
 def test_gemm_offset_views(dev, dt, cdt):
     """Operands that are views by offset into larger buffers (a row range, one matrix of a

@@ -21,6 +21,7 @@ from . import gemma, gemma3
 from .gemma import GemmaAttn
 from .config import ALL_MODULES, ATTN_MODULES, QKV_MODULES
 from .lora import LoraLinear, LoraSaved, dropout_tag, module_factors
+from .lora_group import GroupSaved, group_backward, group_forward, writes_all
 from .qweight import frozen_weight, linear, linear_grad
 
 ops = _core.ops
@@ -86,6 +87,7 @@ class MlpCache:
     down: Optional[LoraSaved]
     m: Optional[Tensor] = None        # (N, C) gemma2: down(a) before the post norm
     m_rstd: Optional[Tensor] = None   # (N,) f32 its rstd
+    group: Optional[GroupSaved] = None  # gate and up's LoRA, grouped (lora_group.py)
 
 
 @dataclass
@@ -168,6 +170,7 @@ class LayerCache:
     mlp: MlpCache
     a: Optional[Tensor] = None       # (N, C) gemma2: o_proj's output before the post norm
     a_rstd: Optional[Tensor] = None  # (N,) f32 its rstd
+    qkv_group: Optional[GroupSaved] = None  # q, k and v's LoRA, grouped (lora_group.py)
 
 
 def build_layer(i, config, weights, device, dtype, heads, ones, lora_config, lora_params, adapted, quantize=None):
@@ -230,8 +233,14 @@ def mlp_forward(mlp, h, call_seed=None):
     hn, rstd = d.empty((N, C), dt), d.empty((N,), "f32")                 # (N, C), (N,)
     ops.rmsnorm_forward(h, mlp.norm, hn, rstd, mlp.eps)
     g, u, a = d.empty((N, F), dt), d.empty((N, F), dt), d.empty((N, F), dt)  # (N, F) each
-    gs = mlp.gate.forward(hn, g, call_seed)
-    us = mlp.up.forward(hn, u, call_seed)
+    first = writes_all([mlp.gate, mlp.up])                                # LoRA first, W adds (lora_group.py)
+    if not first:
+        linear(hn, mlp.gate.W, g)
+        linear(hn, mlp.up.W, u)
+    (gs, us), group = group_forward([mlp.gate, mlp.up], hn, [g, u], call_seed, 0.0 if first else 1.0)
+    if first:
+        linear(hn, mlp.gate.W, g, 1.0)
+        linear(hn, mlp.up.W, u, 1.0)
     (ops.swiglu_forward if mlp.post is None else ops.geglu_forward)(g, u, a)
     y = d.empty((N, C), dt)
     ds = mlp.down.forward(a, y, call_seed)
@@ -240,7 +249,7 @@ def mlp_forward(mlp, h, call_seed=None):
         m = y
         y, mr = gemma.post_norm_forward(mlp.post, m, mlp.eps)
     ops.add(y, h, y)                                                      # y = h + mlp
-    return y, MlpCache(hn, rstd, g, u, a, gs, us, ds, m, mr)
+    return y, MlpCache(hn, rstd, g, u, a, gs, us, ds, m, mr, group)
 
 
 def mlp_backward(mlp, h, cache, dy):
@@ -253,8 +262,13 @@ def mlp_backward(mlp, h, cache, dy):
     dg, du = d.empty((N, F), dt), d.empty((N, F), dt)
     (ops.swiglu_backward if mlp.post is None else ops.geglu_backward)(da, cache.g, cache.u, dg, du)
     dhn = d.empty((N, C), dt)
-    mlp.gate.backward(dg, cache.gate, dhn)
-    mlp.up.backward(du, cache.up, dhn, accumulate=True)
+    first = cache.group is not None and writes_all([mlp.gate, mlp.up])
+    if first:
+        group_backward([mlp.gate, mlp.up], [dg, du], [cache.gate, cache.up], cache.group, dhn, 0.0)
+    linear_grad(dg, mlp.gate.W, dhn, 1.0 if first else 0.0)
+    linear_grad(du, mlp.up.W, dhn, 1.0)
+    if not first:
+        group_backward([mlp.gate, mlp.up], [dg, du], [cache.gate, cache.up], cache.group, dhn)
     dh = d.empty((N, C), dt)
     ops.rmsnorm_backward(dhn, h, mlp.norm, cache.rstd, dh)
     ops.axpy(1.0, dy, dh)                                                 # residual
@@ -262,13 +276,18 @@ def mlp_backward(mlp, h, cache, dy):
 
 
 def qkv_forward(L, xn, call_seed=None):
-    """q|k|v (N, QKV) = xn Wqkv^T (+ 1 b) (+ LoRA into each column block); also the LoRA saves."""
-    N = xn.shape[0]
+    """q|k|v (N, QKV) = xn Wqkv^T (+ 1 b) (+ LoRA into each column block); also (the LoRA saves, their group)."""
+    N, blocks = xn.shape[0], L.qkv_blocks()
     qkv = xn.device.empty((N, L.qkv.shape[0]), xn.dtype)
-    linear(xn, L.qkv, qkv)
+    lins, first = [b[0] for b in blocks], writes_all([b[0] for b in blocks])  # LoRA first (lora_group.py)
+    if first:
+        out = group_forward(lins, xn, [qkv[:, c0:c1] for _, c0, c1 in blocks], call_seed, 0.0)
+    linear(xn, L.qkv, qkv, 1.0 if first else 0.0)
     if L.qkv_bias is not None:
         ops.gemm(L.ones(N), L.qkv_bias, qkv, beta=1.0)
-    return qkv, [lin.lora_forward(xn, qkv[:, c0:c1], call_seed) for lin, c0, c1 in L.qkv_blocks()]
+    if not first:
+        out = group_forward(lins, xn, [qkv[:, c0:c1] for _, c0, c1 in blocks], call_seed)
+    return qkv, out
 
 
 def layer_forward(L, x, batch, attend: Optional[Callable] = None):
@@ -283,7 +302,7 @@ def layer_forward(L, x, batch, attend: Optional[Callable] = None):
         attend = lambda b, q, k, v, out: batch.attend(b, q, k, v, out, hd.scale)
     xn, r1 = d.empty((N, C), dt), d.empty((N,), "f32")                   # (N, C), (N,)
     ops.rmsnorm_forward(x, L.n1, xn, r1, L.eps)
-    qkv, qkv_saved = qkv_forward(L, xn, batch.call_seed)                 # (N, NH D)
+    qkv, (qkv_saved, qkv_group) = qkv_forward(L, xn, batch.call_seed)    # (N, NH D)
     att = d.empty((N, H * D), dt)                                         # (N, H D)
     saved, qk_saved = [], ([] if L.q_norm is not None else None)
     for b in range(B):
@@ -308,7 +327,7 @@ def layer_forward(L, x, batch, attend: Optional[Callable] = None):
         h, ar = gemma.post_norm_forward(L.gemma.post_attn, a, L.eps)
     ops.add(h, x, h)                                                      # h = x + attn
     y, mlp_cache = mlp_forward(L.mlp, h, batch.call_seed)
-    return y, LayerCache(xn, r1, qkv_saved, saved, qk_saved, o_saved, h, mlp_cache, a, ar)
+    return y, LayerCache(xn, r1, qkv_saved, saved, qk_saved, o_saved, h, mlp_cache, a, ar, qkv_group)
 
 
 def qk_norm_forward(L, heads, H, Hk):
@@ -361,9 +380,13 @@ def layer_backward(L, x, cache, dy, batch):
             qk_norm_backward(L, *cache.qk[b], dqk, dheads, H, Hk)
         ops.transpose_heads(dheads, dqkv[r].reshape(T, NH, D))
     dxn = d.empty((N, C), dt)                                             # (N, C)
-    linear_grad(dqkv, L.qkv, dxn)                                         # dxn = dq|dk|dv Wqkv
-    for (lin, c0, c1), s in zip(L.qkv_blocks(), cache.qkv):
-        lin.lora_backward(dqkv[:, c0:c1], s, dxn)
+    lins, dys = [b[0] for b in L.qkv_blocks()], [dqkv[:, c0:c1] for _, c0, c1 in L.qkv_blocks()]
+    first = cache.qkv_group is not None and writes_all(lins)              # LoRA first (lora_group.py)
+    if first:
+        group_backward(lins, dys, cache.qkv, cache.qkv_group, dxn, 0.0)
+    linear_grad(dqkv, L.qkv, dxn, 1.0 if first else 0.0)                  # dxn (+)= dq|dk|dv Wqkv
+    if not first:
+        group_backward(lins, dys, cache.qkv, cache.qkv_group, dxn)
     dx = d.empty((N, C), dt)
     ops.rmsnorm_backward(dxn, x, L.n1, cache.r1, dx)
     ops.axpy(1.0, dh, dx)                                                 # residual

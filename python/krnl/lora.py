@@ -6,6 +6,7 @@ A and B are views of one FlatParams (f32 masters and gradients, the compute dtyp
 created here with PEFT's key names and initialisation."""
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -20,6 +21,12 @@ from .step_inputs import SEED_MASK, SEED_STRIDE
 
 ops = _core.ops
 
+
+
+def lora_first():
+    """Whether an adapted linear writes its LoRA product first and adds the frozen product to it
+    (LoraLinear.forward); KRNL_LORA_FIRST=0 restores the other order, to time both."""
+    return os.environ.get("KRNL_LORA_FIRST", "1") != "0"
 
 
 @dataclass(frozen=True)
@@ -68,11 +75,17 @@ class LoraLinear:
     def forward(self, x, y, call_seed=None):
         """y = x W^T + LoRA, x (rows, in), y (rows, out); returns what backward needs. call_seed
         None (eval) turns dropout off."""
+        if self.factors is not None and lora_first():
+            # The rank-r product writes y and the frozen one adds to it (beta 1, read under its
+            # arithmetic): one pass over y fewer than the other order's read-modify-write.
+            saved = self.lora_forward(x, y, call_seed, beta=0.0)
+            linear(x, self.W, y, beta=1.0)
+            return saved
         linear(x, self.W, y)                                              # y = x W^T
         return self.lora_forward(x, y, call_seed)
 
-    def lora_forward(self, x, y, call_seed=None):
-        """y += s drop(x) A^T B^T (y may be a column block of a fused output)."""
+    def lora_forward(self, x, y, call_seed=None, beta=1.0):
+        """y = beta y + s drop(x) A^T B^T (y may be a column block of a fused output)."""
         f = self.factors
         if f is None:
             return None
@@ -84,32 +97,37 @@ class LoraLinear:
             self._dropout(x, xd, seed)
         t = d.empty((rows, f.A.shape[0]), dt)
         ops.gemm(xd, f.A, t, trans_b=True)                                # t = drop(x) A^T   (rows, r)
-        ops.gemm(t, f.B, y, trans_b=True, alpha=self.scale, beta=1.0)     # y += s t B^T
+        ops.gemm(t, f.B, y, trans_b=True, alpha=self.scale, beta=beta)    # y (+)= s t B^T
         return LoraSaved(xd, t, seed)
 
     def backward(self, dy, saved, dx, accumulate=False):
         """dx (+)= dy W + drop(dt A); the LoRA gradients from dy (rows, out)."""
+        if self.factors is not None and saved.seed is None and lora_first():  # as forward, for dx
+            self.lora_backward(dy, saved, dx, beta=1.0 if accumulate else 0.0)
+            linear_grad(dy, self.W, dx, 1.0)
+            return
         linear_grad(dy, self.W, dx, 1.0 if accumulate else 0.0)           # dx (+)= dy W
         self.lora_backward(dy, saved, dx)
 
-    def lora_backward(self, dy, saved, dx):
-        """LoRA gradients from dy (possibly a column block) and dx += drop(dt A)."""
+    def lora_backward(self, dy, saved, dx, beta=1.0):
+        """LoRA gradients from dy (possibly a column block) and dx += drop(dt A); without dropout
+        dx = beta dx + dt A."""
         f = self.factors
         if f is None:
             return
         d, cdt, rows = self.W.device, f.A.dtype, dy.shape[0]
-        s, beta = self.scale, self.grad_beta
-        ops.gemm(dy, saved.t, f.gB, trans_a=True, alpha=s, beta=beta)     # dB (+)= s dy^T t    (out, r)
+        s, gbeta = self.scale, self.grad_beta
+        ops.gemm(dy, saved.t, f.gB, trans_a=True, alpha=s, beta=gbeta)    # dB (+)= s dy^T t    (out, r)
         dt = d.empty((rows, f.A.shape[0]), cdt)
         ops.gemm(dy, f.B, dt, alpha=s)                                    # dt = s dy B         (rows, r)
-        ops.gemm(dt, saved.xd, f.gA, trans_a=True, beta=beta)             # dA (+)= dt^T drop(x) (r, in)
+        ops.gemm(dt, saved.xd, f.gA, trans_a=True, beta=gbeta)            # dA (+)= dt^T drop(x) (r, in)
         if saved.seed is not None:
             tmp, tmp2 = d.empty((rows, self.inp), cdt), d.empty((rows, self.inp), cdt)
             ops.gemm(dt, f.A, tmp)
             self._dropout(tmp, tmp2, saved.seed)                         # same mask as forward
             ops.axpy(1.0, tmp2, dx)
         else:
-            ops.gemm(dt, f.A, dx, beta=1.0)                               # dx += dt A
+            ops.gemm(dt, f.A, dx, beta=beta)                              # dx (+)= dt A
 
 
 def init_lora(device, config, lora_config, dtype, seed):

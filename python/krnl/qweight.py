@@ -160,15 +160,15 @@ def embed(ids, table, out):
         ops.embedding_forward(ids, table, out)
 
 
-def linear(x, W, y):
-    """y (rows, out) = x (rows, in) W^T."""
+def linear(x, W, y, beta=0.0):
+    """y (rows, out) = x (rows, in) W^T + beta y."""
     if isinstance(W, RowStack):
         for p, r0, r1 in zip(W.parts, W.starts, W.starts[1:]):
-            linear(x, p, y[:, r0:r1])
+            linear(x, p, y[:, r0:r1], beta)
     elif isinstance(W, QuantizedWeight):
-        ops.quantized_matmul(x, W.w, W.scales, W.biases, y, True, W.group_size, W.bits)
+        ops.quantized_matmul(x, W.w, W.scales, W.biases, y, True, W.group_size, W.bits, beta)
     else:
-        ops.gemm(x, W, y, trans_b=True)
+        ops.gemm(x, W, y, trans_b=True, beta=beta)
 
 
 def linear_grad(dy, W, dx, beta=0.0):

@@ -1,0 +1,106 @@
+"""lora_group: the LoRA products of linears sharing an input (q/k/v, gate/up), issued together,
+against a float64 numpy oracle at awkward sizes, and against the same linears run one by one."""
+
+import numpy as np
+import pytest
+
+from krnl import lora_group
+from krnl.lora import LoraFactors, LoraLinear
+
+from conftest import read, upload
+
+
+def _group(dev, rng, inp, outs, r, dt, scale=2.0, beta=1.0):
+    """Linears of widths outs on a shared input of width inp: (lins, float64 A, B per member,
+    the f32 gA/gB starting values as float64)."""
+    lins, ref = [], []
+    for out in outs:
+        W, _ = upload(dev, rng.standard_normal((out, inp)) / np.sqrt(inp), dt)
+        A, a = upload(dev, rng.standard_normal((r, inp)) / np.sqrt(inp), dt)
+        B, b = upload(dev, rng.standard_normal((out, r)) / np.sqrt(r), dt)
+        gA, ga = upload(dev, rng.standard_normal((r, inp)), "f32")
+        gB, gb = upload(dev, rng.standard_normal((out, r)), "f32")
+        lins.append(LoraLinear(W, LoraFactors(A, B, gA, gB), scale, accumulate_grads=beta != 0))
+        ref.append((a, b, ga, gb))
+    return lins, ref
+
+
+def _tol(dt):
+    return {"f32": 2e-5, "f16": 2e-2, "bf16": 6e-2}[dt]
+
+
+@pytest.mark.parametrize("out_beta", [1.0, 0.0], ids=["add", "write"])
+@pytest.mark.parametrize("accumulate", [True, False], ids=["accumulate", "overwrite"])
+@pytest.mark.parametrize("rows,inp,outs,r", [(33, 31, (31, 17, 17), 3), (1, 127, (64, 48), 16), (31, 64, (33,), 2)])
+def test_lora_group_forward_backward(dev, rows, inp, outs, r, accumulate, out_beta):
+    """ys = b ys + s x A_i^T B_i^T, gB_i (+)= s dy_i^T t_i, gA_i (+)= dt_i^T x,
+    dx = b dx + sum_i dt_i A_i (b: out_beta, the LoRA-first order's 0)."""
+    dt = "f32"
+    rng = np.random.default_rng(rows * 7 + len(outs))
+    s, beta = 2.0, 1.0 if accumulate else 0.0
+    lins, ref = _group(dev, rng, inp, outs, r, dt, s, beta)
+    x, xf = upload(dev, rng.standard_normal((rows, inp)), dt)
+    # the outputs as column blocks of one buffer, like q|k|v
+    total = sum(outs)
+    Y, yf = upload(dev, rng.standard_normal((rows, total)), dt)
+    cols = np.cumsum((0,) + outs)
+    ys = [Y[:, c0:c1] for c0, c1 in zip(cols[:-1], cols[1:])]
+    saved, group = lora_group.group_forward(lins, x, ys, beta=out_beta)
+    assert (group is not None) == (len(outs) > 1)
+    DY, dyf = upload(dev, rng.standard_normal((rows, total)), dt)
+    dys = [DY[:, c0:c1] for c0, c1 in zip(cols[:-1], cols[1:])]
+    DX, dxf = upload(dev, rng.standard_normal((rows, inp)), dt)
+    # one member runs as its own LoraLinear, whose lora_backward adds into dx
+    dx_beta = out_beta if group is not None else 1.0
+    lora_group.group_backward(lins, dys, saved, group, DX, beta=dx_beta)
+
+    y_ref, dx_ref = out_beta * yf, dx_beta * dxf
+    for i, ((a, b, ga, gb), lin) in enumerate(zip(ref, lins)):
+        c0, c1 = cols[i], cols[i + 1]
+        t = xf @ a.T
+        y_ref[:, c0:c1] += s * t @ b.T
+        dy = dyf[:, c0:c1]
+        dtt = s * dy @ b
+        dx_ref += dtt @ a
+        gB_ref = beta * gb + s * dy.T @ t
+        gA_ref = beta * ga + dtt.T @ xf
+        for got, want, what in ((lin.factors.gB, gB_ref, "gB"), (lin.factors.gA, gA_ref, "gA")):
+            err = np.max(np.abs(read(got) - want)) / max(np.max(np.abs(want)), 1.0)
+            assert err < _tol(dt), f"member {i} {what}: relative error {err:.2e}"
+    for got, want, what in ((Y, y_ref, "y"), (DX, dx_ref, "dx")):
+        err = np.max(np.abs(read(got) - want)) / max(np.max(np.abs(want)), 1.0)
+        assert err < _tol(dt), f"{what}: relative error {err:.2e}"
+
+
+def test_lora_group_matches_one_by_one(dev, monkeypatch):
+    """The grouped products give what each linear's own lora_forward/lora_backward gives (same
+    dtype, rounding aside), in the device's compute dtypes."""
+    for dt in ("f32", "bf16") if "bf16" in dev.capabilities()["dtypes"] else ("f32",):
+        results = []
+        for groups in ("1", "0"):
+            monkeypatch.setenv("KRNL_LORA_GROUPS", groups)
+            rng = np.random.default_rng(5)
+            lins, _ = _group(dev, rng, 48, (32, 16), 16, dt)
+            x, _ = upload(dev, rng.standard_normal((33, 48)), dt)
+            ys = [upload(dev, rng.standard_normal((33, o)), dt)[0] for o in (32, 16)]
+            saved, group = lora_group.group_forward(lins, x, ys)
+            assert (group is not None) == (groups == "1")
+            dys = [upload(dev, rng.standard_normal((33, o)), dt)[0] for o in (32, 16)]
+            dx, _ = upload(dev, rng.standard_normal((33, 48)), dt)
+            lora_group.group_backward(lins, dys, saved, group, dx)
+            results.append([read(t) for t in ys + [dx]] + [read(t) for l in lins for t in (l.factors.gA, l.factors.gB)])
+        for got, want in zip(*results):
+            err = np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1.0)
+            assert err < _tol(dt), f"{dt}: grouped and one-by-one differ by {err:.2e}"
+
+
+def test_lora_group_falls_back_with_dropout(dev):
+    """Members with dropout in training mask their inputs each with its own mask: no group."""
+    rng = np.random.default_rng(2)
+    lins, _ = _group(dev, rng, 32, (16, 16), 4, "f32")
+    for lin in lins:
+        lin.dropout = 0.25
+    x, _ = upload(dev, rng.standard_normal((8, 32)), "f32")
+    ys = [upload(dev, rng.standard_normal((8, 16)), "f32")[0] for _ in lins]
+    saved, group = lora_group.group_forward(lins, x, ys, call_seed=7)
+    assert group is None and all(s.seed is not None for s in saved)

@@ -159,8 +159,10 @@ elif [ "$phase" = train ]; then
   # the step's own tests first (the replayed step against the eager one, the graph arena)
   timeout ${TTESTS_S:-150} python3 -m pytest -q -p no:cacheprovider tests/test_step.py tests/test_cuda.py \
     -k "step or graph or arena or trainer" 2>&1 | tail -6
-  for shape in ${TRAIN_SHAPES:-1b}; do
-    timeout ${BENCH_S:-540} python3 -m krnl.bench --workloads train --peers torch,torch.compile,mlx --rounds 1 \
-      --train-shape "$shape" --json "$OUT/train_bench_$shape.json" 2>&1 | tee "$OUT/train_bench_$shape.log" | tail -30
+  for shape in ${TRAIN_SHAPES:-1b}; do  # TRAIN_PEERS_<shape>: other peers; TRAIN_PROFILE=1: an eager step's profile
+    peers=TRAIN_PEERS_$shape
+    timeout ${BENCH_S:-540} python3 -m krnl.bench --workloads train --peers "${!peers:-torch,torch.compile,mlx}" \
+      --rounds 1 --train-shape "$shape" ${TRAIN_PROFILE:+--profile} --json "$OUT/train_bench_$shape.json" 2>&1 |
+      tee "$OUT/train_bench_$shape.log" | tail -${TRAIN_TAIL:-30}
   done
 fi

@@ -42,7 +42,7 @@ def add_arguments(p):
         g.add_argument(f"--train-{opt}", type=int, default=None, metavar="N", help=what)
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--png", metavar="PATH", help="write a bar chart (tokens/s per workload and implementation)")
-    p.add_argument("--profile", action="store_true", help="also print the per-op profile of one step (W2; W3 on a GPU)")
+    p.add_argument("--profile", action="store_true", help="also print the per-op profile of one step (W2; W3 on a GPU; with --workloads train alone, one eager krnl training step)")
     p.add_argument("--calibrate", action="store_true",
                    help="measure the control sgemm on a quiet machine and store it as this machine's reference; "
                         "nothing else runs")

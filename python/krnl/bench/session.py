@@ -347,7 +347,9 @@ class Session:
             if self.rows:
                 between.append(("before train", gate.measure_control(dev, n_ctl)))
             from . import train
-            for r in train.session_rows(self, self.train_opts):
+            for r in train.session_rows(self, self.train_opts, profile=profile and prof is None):
+                p = r.pop("profile", None)
+                prof = p or prof  # the train step's profile when no W step was profiled
                 self._row("train", r.pop("impl"), **r)
         if profile and prof is None:
             wl = STEPS[prof_wl]

@@ -147,9 +147,11 @@ class _Done(Exception):
     checkpoint and adapter files, which are no part of a training step's time."""
 
 
-def run_krnl(dev, dtype, folder, s, bs, seed=0, graphs=True):
+def run_krnl(dev, dtype, folder, s, bs, seed=0, graphs=True, profile=False):
     """krnl: the folder loaded as `krnl train --model` loads it, trained by Trainer on `bs`
-    (graphs False: every step eager, `krnl train --no-graphs`)."""
+    (graphs False: every step eager, `krnl train --no-graphs`). profile: one more step after the
+    timed ones runs under krnl.profile (its per-op table in the result's "profile")."""
+    from .. import profile as op_profile
     from ..config import LoraConfig
     from ..hf import load_model
     from ..trainer import TrainConfig, Trainer
@@ -159,15 +161,24 @@ def run_krnl(dev, dtype, folder, s, bs, seed=0, graphs=True):
     dev.reset_peak()
     n = len(bs)
     # iters past the last step: that step is not the run's last, so no checkpoint is written in it
-    cfg = TrainConfig(iters=n + 1, batch_size=s["B"], learning_rate=LR, warmup=0, schedule="constant",
+    cfg = TrainConfig(iters=n + 2, batch_size=s["B"], learning_rate=LR, warmup=0, schedule="constant",
                       max_grad_norm=CLIP, val_every=0, save_every=10**9, seed=seed, graphs=graphs)
-    stamps, losses = [], []
+    stamps, losses, prof = [], [], {}
 
     def on_step(step, rec):
         dev.synchronize()  # the step is done when it is stamped, whether or not the Trainer read its loss
-        stamps.append(time.perf_counter())
-        losses.append(rec["loss"])
-        if step == n:
+        if step <= n:
+            stamps.append(time.perf_counter())
+            losses.append(rec["loss"])
+        if step == n and profile:
+            prof["p"] = op_profile(dev).__enter__()  # the next step, profiled, is not timed
+        elif step == n + 1 and profile:
+            p = prof["p"]
+            p.__exit__(None, None, None)
+            prof["table"] = {"workload": "train", "wall_ms": p.wall_ms, "op_ms": p.op_ms, "step_gflops": None,
+                             "rows": sorted(({k: g[k] for k in ("op", "shape", "dtype", "calls", "ms", "share", "gflops")}
+                                             for g in p.rows()), key=lambda g: -g["ms"])}
+        if step >= n + (1 if profile else 0):
             raise _Done
 
     with tempfile.TemporaryDirectory(prefix="krnl-bench-train-") as out:
@@ -179,13 +190,15 @@ def run_krnl(dev, dtype, folder, s, bs, seed=0, graphs=True):
             pass
     res = figures(stamps, losses, bs, s["warmup"])
     res["peak_bytes"], res["peak_kind"] = int(dev.pool_stats()["peak_reserved"]), "reserved (krnl pool)"
+    if "table" in prof:
+        res["profile"] = prof["table"]
     del trainer, model
     gc.collect()
     dev.trim()
     return res
 
 
-def run(dev, dtype, s, peers=(), log=print, on_gpu=False, folder=None, bs=None):
+def run(dev, dtype, s, peers=(), log=print, on_gpu=False, folder=None, bs=None, profile=False):
     """Rows (dicts for Session._row) of krnl and its peers on shape `s`; `folder`: an existing one
     to train (else a temporary folder, removed at the end); `bs`: the batches (else batches(s))."""
     with tempfile.TemporaryDirectory(prefix="krnl-bench-model-") as tmp:
@@ -195,12 +208,23 @@ def run(dev, dtype, s, peers=(), log=print, on_gpu=False, folder=None, bs=None):
             log(f"krnl bench: train: wrote {folder} in {time.perf_counter() - t0:.1f} s")
         bs = batches(s) if bs is None else bs
         title = f"Training end to end ({describe(s)}; {dtype})"
-        rows = [dict(impl="krnl", **run_krnl(dev, dtype, folder, s, bs))]
-        log(f"krnl bench: train krnl: {rows[0]['tokens_per_s']:,.0f} tokens/s, loss {rows[0]['loss']:.4f}")
-        if dev.capabilities()["graphs"]:  # the step replayed (krnl) next to the same step run eagerly
-            rows.append(dict(impl="krnl eager", **run_krnl(dev, dtype, folder, s, bs, graphs=False)))
+        rows = []
+        # where the device has graphs, krnl replays its step; "krnl eager" is the same run with none
+        impls = (("krnl", True), ("krnl eager", False))[:1 + bool(dev.capabilities()["graphs"])]
+        for impl, graphs in impls:
+            try:  # the profile (of an eager step: per op) where asked, from the last krnl row
+                rows.append(dict(impl=impl, **run_krnl(dev, dtype, folder, s, bs, graphs=graphs,
+                                                       profile=profile and impl == impls[-1][0])))
+                log(f"krnl bench: train {impl}: {rows[-1]['tokens_per_s']:,.0f} tokens/s, loss {rows[-1]['loss']:.4f}")
+            except Exception as e:  # listed with what broke; the other rows still run
+                rows.append(dict(impl=impl, status="absent", reason=f"failed: {type(e).__name__}: {e}"[:200]))
+                gc.collect()
+                dev.trim()
         rows += run_all(dev.name, dtype, folder, s, bs, peers, log)
-    k = rows[0]["tokens_per_s"]
+    base = [r for r in rows if r.get("status", "ok") == "ok" and r["impl"].startswith("krnl")]
+    if not base:
+        raise RuntimeError(f"[krnl bench] train: krnl failed: {rows[0]['reason']}")
+    k = base[0]["tokens_per_s"]
     for r in rows:
         r.update(title=title, dtype=dtype)
         if r.get("status", "ok") != "ok":
@@ -218,8 +242,9 @@ def note(r):
                                  f"warm-up {r['warmup_s']:.1f} s", r.get("note", "")) if x)
 
 
-def session_rows(session, opts):
-    """The rows a Session adds for the train workload (opts: the --train-* options)."""
+def session_rows(session, opts, profile=False):
+    """The rows a Session adds for the train workload (opts: the --train-* options); with
+    profile, a row may carry the per-op "profile" of one krnl step."""
     from .targets import is_gpu
     opts = dict(opts or {})
     name = opts.pop("shape", None) or ("quick" if session.quick else "1b")
@@ -229,4 +254,4 @@ def session_rows(session, opts):
         return [dict(impl="krnl", status="skipped", reason=f"the {name} shape is sized for a GPU; --quick (or "
                                                             f"--train-shape quick) runs a small one here")]
     session.log(f"krnl bench: train ({describe(s)})")
-    return run(session.dev, session.dtype, s, session.peers, session.log, gpu)
+    return run(session.dev, session.dtype, s, session.peers, session.log, gpu, profile=profile)

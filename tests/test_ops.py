@@ -1235,16 +1235,21 @@ def check_cross_entropy(loss_got, d_got, x, targets, ignore_index, scale, dt, wh
 CE_SHAPES = [(1, 1), (31, 127), (33, 31), (127, 33), (1, 31), (33, 1), (64, 32000)]
 
 
+def _ce_inputs(dev, T, V, dt, seed, every):
+    """(logits on dev, their float64 values, targets with every `every`-th row ignored, targets on dev)."""
+    rng = np.random.default_rng(seed)
+    x, xf = upload(dev, 2 * rng.standard_normal((T, V)), dt)
+    targets = rng.integers(0, V, size=T).astype(np.int32)
+    if T > 1:
+        targets[::every] = -100
+    return x, xf, targets, to_dev(dev, targets, "i32")
+
+
 @pytest.mark.parametrize("dt", FLOAT_DTYPES)
 @pytest.mark.parametrize("T,V", CE_SHAPES, ids=[f"{t}x{v}" for t, v in CE_SHAPES])
 def test_cross_entropy(dev, T, V, dt):
     """loss[t] = logsumexp - logit[target]; dlogits = scale*(softmax - onehot); some rows ignored."""
-    rng = np.random.default_rng(31)
-    x, xf = upload(dev, 2 * rng.standard_normal((T, V)), dt)
-    targets = rng.integers(0, V, size=T).astype(np.int32)
-    if T > 1:
-        targets[::5] = -100
-    tg = to_dev(dev, targets, "i32")
+    x, xf, targets, tg = _ce_inputs(dev, T, V, dt, 31, 5)
     for scale in (1.0, 1.0 / 37, 2.5):
         loss = empty_filled(dev, (T,), "f32")
         d = empty_filled(dev, (T, V), dt, 5.0)
@@ -1262,12 +1267,7 @@ def test_cross_entropy_scale_by(dev, T, V, dt):
     """scale_by (1,) f32 on the device: with scale 1, dlogits equal the scale=s call bit for bit
     (and float64); with scale != 1 the factor is the f32 product scale * scale_by[0], formed once;
     the loss never changes."""
-    rng = np.random.default_rng(36)
-    x, xf = upload(dev, 2 * rng.standard_normal((T, V)), dt)
-    targets = rng.integers(0, V, size=T).astype(np.int32)
-    if T > 1:
-        targets[::7] = -100
-    tg = to_dev(dev, targets, "i32")
+    x, xf, targets, tg = _ce_inputs(dev, T, V, dt, 36, 7)
 
     def run(scale, scale_by=None):
         loss, d = empty_filled(dev, (T,), "f32"), empty_filled(dev, (T, V), dt, 5.0)

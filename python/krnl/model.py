@@ -90,17 +90,24 @@ class LlamaModel:
 
     # -- inputs ----------------------------------------------------------------------------
 
-    def _ids(self, ids, what):
+    def _id_array(self, ids, what):
+        """(shape, (B, T) integer array, or None for a device tensor) of ids or targets."""
         if isinstance(ids, _core.Tensor):
             if ids.ndim != 2:
                 raise ValueError(f"[LlamaModel] {what} must be (B, T), got {ids.shape}")
-            return ids.reshape(-1), tuple(ids.shape), None
+            return tuple(ids.shape), None
         a = np.asarray(ids)
         if a.ndim == 1:
             a = a[None, :]
         if a.ndim != 2 or not np.issubdtype(a.dtype, np.integer):
             raise ValueError(f"[LlamaModel] {what} must be a (B, T) integer array, got shape {a.shape} dtype {a.dtype}")
-        return self.dev.tensor(a.reshape(-1).astype(np.int32), "i32"), a.shape, a
+        return a.shape, a
+
+    def _ids(self, ids, what):
+        """(flat (N,) i32 device tensor, shape, array or None) of ids or targets."""
+        shape, a = self._id_array(ids, what)
+        t = ids.reshape(-1) if a is None else self.dev.tensor(a.reshape(-1).astype(np.int32), "i32")
+        return t, shape, a
 
     def _row_arrays(self, a, what, shape):
         if a is None:
@@ -204,18 +211,24 @@ class LlamaModel:
             raise ValueError(f"[LlamaModel] {what} holds values outside [0, {V})"
                              + (f" other than {IGNORE_INDEX}" if allow_ignore else "") + f": {np.unique(a[bad])[:8]}")
 
-    def _targets(self, targets, shape):
-        tt, tshape, ta = self._ids(targets, "targets")
+    def _target_array(self, targets, shape):
+        """(targets as a checked (B, T) array, the count that is not ignore_index)."""
+        tshape, ta = self._id_array(targets, "targets")
         if tshape != shape:
             raise ValueError(f"[LlamaModel] targets shape {tshape} differs from ids shape {shape}")
         if ta is None:
             if self.dev.in_step:
                 raise ValueError("[LlamaModel] targets given as a device tensor cannot be counted inside a step; "
                                  "pass a numpy array")
-            ta = np.asarray(tt.numpy())
+            ta = np.asarray(targets.numpy())
         self._check_ids(ta, "targets", True)
-        n_valid = int((ta != IGNORE_INDEX).sum())
-        return tt, n_valid, ta
+        return ta, int((ta != IGNORE_INDEX).sum())
+
+    def _targets(self, targets, shape):
+        ta, n_valid = self._target_array(targets, shape)
+        tt = targets.reshape(-1) if isinstance(targets, _core.Tensor) else self.dev.tensor(
+            ta.reshape(-1).astype(np.int32), "i32")
+        return tt, n_valid
 
     def _run(self, fn):
         if self.dev.in_step:
@@ -240,9 +253,9 @@ class LlamaModel:
         """The host's half of a training call (checks, the valid-target count, the next dropout
         seed): a HostInputs for DeviceInputs and forward_backward_step. ids may be a (B, T) device
         tensor (then unchecked, HostInputs.ids None)."""
-        ids_t, shape, ia = self._ids(ids, "ids")
+        shape, ia = self._id_array(ids, "ids")
         self._check_ids(ia, "ids", False)
-        tt, n_valid, ta = self._targets(targets, shape)
+        ta, n_valid = self._target_array(targets, shape)
         seg, pos, window = self._plan(shape, segments, positions)
         self._call_seed += 1
         return HostInputs(shape[0], shape[1], None if ia is None else ia.reshape(-1).astype(np.int32),
@@ -327,7 +340,7 @@ class LlamaModel:
         """Forward only (eval, no dropout): the mean cross entropy as a float."""
         ids_t, shape, ia = self._ids(ids, "ids")
         self._check_ids(ia, "ids", False)
-        tt, n_valid, _ = self._targets(targets, shape)
+        tt, n_valid = self._targets(targets, shape)
         batch = self._batch(shape, segments, positions)
         N = shape[0] * shape[1]
         rows_loss = self.dev.empty((N,), "f32")

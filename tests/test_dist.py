@@ -2,8 +2,8 @@
 mpi4py, and, with mpi4py and MPICH's mpiexec installed (pip install 'krnl[mpi]'; the `mpi`
 marker), two ranks on this machine: the summed gradient of one step equals one process's on the
 global batch, 10 steps of `krnl train` give one process's adapter and metrics, a 2-rank
-checkpoint resumes with 1 rank, a rank killed with -9 or hanging ends the run, and ranks whose
-parameters differ stop it."""
+checkpoint resumes with 1 rank, a rank killed with -9 or hanging ends the run, ranks whose
+parameters differ stop it, and ranks sharing a machine split its cores."""
 
 import json
 import os
@@ -255,3 +255,18 @@ def test_dist_hung_rank_ends_the_run(tmp_path):
     assert re.search(r"krnl train: error: \[dist\] rank 0: waited 3 s in the (gradient allreduce|validation|"
                      r"parameters hash check) of step \d+", out), out[-2000:]
     assert "no other rank on this machine died" in out
+
+
+@pytest.mark.mpi
+def test_dist_ranks_sharing_a_machine_split_its_cores():
+    """Without KRNL_NUM_THREADS, each of 2 ranks on this machine sizes its thread pool to half
+    the cores (set by dist.world() before the pool starts)."""
+    code = ("import os, krnl\nfrom krnl import dist\nw = dist.world()\nkrnl.device('cpu')\n"
+            "print('threads', w.rank, krnl.num_threads(), os.cpu_count())")
+    env = {k: v for k, v in os.environ.items() if k != "KRNL_NUM_THREADS"}
+    r = subprocess.run([_mpiexec(), "-n", "2", sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = sorted(line.split()[1:] for line in r.stdout.splitlines() if line.startswith("threads"))
+    assert [g[0] for g in got] == ["0", "1"]
+    assert all(int(g[1]) == max(1, int(g[2]) // 2) for g in got)

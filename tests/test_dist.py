@@ -1,7 +1,8 @@
 """Data-parallel training over MPI (krnl.dist): the world of one process, the error without
 mpi4py, and, with mpi4py and MPICH's mpiexec installed (pip install 'krnl[mpi]'; the `mpi`
 marker), two ranks on this machine: the summed gradient of one step equals one process's on the
-global batch, 10 steps of `krnl train` give one process's adapter and metrics, a 2-rank
+global batch, 10 steps of `krnl train` give one process's adapter and metrics (with dropout
+too: the same masks), a 2-rank
 checkpoint resumes with 1 rank, a rank killed with -9 or hanging ends the run, ranks whose
 parameters differ stop it, and ranks sharing a machine split its cores."""
 
@@ -183,12 +184,27 @@ def test_dist_resume_two_ranks_with_one(runs, tmp_path):
 
 
 @pytest.mark.mpi
-def test_dist_refuses_an_uneven_batch_and_dropout(tmp_path):
+def test_dist_refuses_an_uneven_batch(tmp_path):
     r = _krnl(2, TRAIN + ["--adapter-path", str(tmp_path / "a"), "--batch-size", "7"], timeout=120)
     assert r.returncode != 0
     assert "[train] --batch-size 7 (the global batch) does not divide among 2 ranks" in r.stderr
-    r = _krnl(2, TRAIN + ["--adapter-path", str(tmp_path / "b"), "--lora-dropout", "0.1"], timeout=120)
-    assert r.returncode != 0 and "masks are not yet keyed by the global sample" in r.stderr
+
+
+@pytest.mark.mpi
+def test_dist_dropout_masks_are_the_global_batchs(tmp_path):
+    """LoRA dropout 0.2 with 2 micro-batches a step: each rank's slice draws the masks one
+    process draws for those rows (seed_offset's first row), so 10 steps give one process's
+    losses (1e-5) and adapter (each tensor within 1e-5 of its norm); other masks would move the
+    first step's loss by far more."""
+    extra = ["--lora-dropout", "0.2", "--grad-accumulation", "2"]
+    for n in (1, 2):
+        r = _krnl(n, TRAIN + extra + ["--adapter-path", str(tmp_path / f"n{n}")])
+        assert r.returncode == 0, r.stderr[-3000:]
+    for x, y in zip(_rows(tmp_path / "n1"), _rows(tmp_path / "n2")):
+        assert abs(x["loss"] - y["loss"]) <= 1e-5 * abs(x["loss"])
+    a, b = _adapter(tmp_path / "n1"), _adapter(tmp_path / "n2")
+    for k in a:
+        assert np.linalg.norm(a[k] - b[k]) <= 1e-5 * np.linalg.norm(a[k]), k
 
 
 @pytest.mark.mpi

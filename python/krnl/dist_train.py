@@ -21,16 +21,12 @@ class Discard:
         pass
 
 
-def check_world(world, cfg, model):
+def check_world(world, cfg):
     if world.size == 1:
         return
     if cfg.batch_size % world.size:
         raise ValueError(f"[train] --batch-size {cfg.batch_size} (the global batch) does not divide among "
                          f"{world.size} ranks")
-    if model.lora_config.dropout > 0:
-        raise ValueError(f"[train] --lora-dropout {model.lora_config.dropout} with {world.size} ranks: dropout "
-                         f"masks are not yet keyed by the global sample, so ranks would differ from one process; "
-                         f"train with --lora-dropout 0")
 
 
 def evaluate_ranks(model, valid, cfg, world, step):

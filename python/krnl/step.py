@@ -71,11 +71,12 @@ class StepRunner:
         T = np.asarray(batch[0]).shape[-1]
         return pad_batch_to(batch, padded_length(T, self.bucket, self.max_positions, self.switch))
 
-    def micro_batch(self, batch, loss_scale, index, n_valid_total=None):
+    def micro_batch(self, batch, loss_scale, index, n_valid_total=None, first_row=None):
         """Queues micro-batch `index` of this step (0 first); returns its non-padding target count.
         n_valid_total: the target count of the whole micro-batch when `batch` is this rank's
         slice of it, so that the loss gradient's factor is loss_scale / n_valid_total and the sum
-        of the ranks' gradients is the gradient of the whole micro-batch's mean loss."""
+        of the ranks' gradients is the gradient of the whole micro-batch's mean loss; first_row:
+        the slice's first row in it, so that its dropout masks are the whole batch's."""
         m, dev = self.model, self.dev
         if index == 0:
             self.n_valid, self.reduced = [], None
@@ -85,6 +86,8 @@ class StepRunner:
         host = m.prepare(batch[0], batch[1], loss_scale, *batch[2:4])
         if n_valid_total is not None:
             host.ce_scale = float(loss_scale) / max(int(n_valid_total), 1)
+        if first_row is not None:
+            host.first_row = int(first_row) * host.T  # in token rows of (B T, C) activations
         self.n_valid.append(host.n_valid if n_valid_total is None else int(n_valid_total))
         out = self.losses[index:index + 1]
         key = host.key()

@@ -100,7 +100,7 @@ class Trainer:
         self.model, self.cfg, self.valid = model, cfg, valid
         # krnl.dist: each rank trains on its slice of the global batches; rank 0 alone writes files.
         self.world = world or World()
-        check_world(self.world, cfg, model)
+        check_world(self.world, cfg)
         # train: (ids, targets[, segments, positions]) arrays, a krnl.data.Split (its batches()),
         # or a batch source with next(), state() and load_state().
         if hasattr(train, "batches"):
@@ -312,7 +312,8 @@ class Trainer:
             n = int(np.count_nonzero(np.asarray(batch[1]) != -100))
             tokens += n  # of the global batch: every rank reads all of it
             if ranks:
-                runner.micro_batch(self.world.slice(batch), self.opt.loss_scale, i, n)
+                mine = self.world.slice(batch)
+                runner.micro_batch(mine, self.opt.loss_scale, i, n, first_row=self.world.rank * len(mine[0]))
             else:
                 runner.micro_batch(batch, self.opt.loss_scale, i)
         runner.optimizer(cfg.grad_accum, self.step)

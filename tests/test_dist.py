@@ -277,8 +277,10 @@ def test_dist_hung_rank_ends_the_run(tmp_path):
 def test_dist_ranks_sharing_a_machine_split_its_cores():
     """Without KRNL_NUM_THREADS, each of 2 ranks on this machine sizes its thread pool to half
     the cores (set by dist.world() before the pool starts)."""
+    # rank 0 prints every rank's line (two ranks' prints to one pipe may interleave)
     code = ("import os, krnl\nfrom krnl import dist\nw = dist.world()\nkrnl.device('cpu')\n"
-            "print('threads', w.rank, krnl.num_threads(), os.cpu_count())")
+            "got = w.comm.gather(f'threads {w.rank} {krnl.num_threads()} {os.cpu_count()}')\n"
+            "print('\\n'.join(got) if w.root else '')")
     env = {k: v for k, v in os.environ.items() if k != "KRNL_NUM_THREADS"}
     r = subprocess.run([_mpiexec(), "-n", "2", sys.executable, "-c", code], capture_output=True, text=True, env=env,
                        timeout=120)

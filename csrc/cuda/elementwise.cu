@@ -300,7 +300,8 @@ void CudaBackend::dropout(const Tensor& x, const Tensor& out, float p, uint64_t 
   if (p == 0.f) return cast(x, out);  // same dtype: a copy
   const int64_t n = x.numel();
   if (!n) return;
-  const uint64_t width = seed_offset && seed_offset->numel() == 3 ? uint64_t(x.shape().empty() ? 1 : x.shape().back()) : 0;
+  const bool rows = seed_offset && seed_offset->numel() == 3;  // a first row: index from it
+  const uint64_t width = rows ? uint64_t(x.shape().empty() ? 1 : x.shape().back()) : 0;
   dropout_kernel<<<grid_for(n), kThreads, 0, stream_>>>(x.dtype(), x.data(), out.data(), n, p, seed, 1.f / (1.f - p),
                                                         seed_offset ? seed_offset->ptr<int32_t>() : nullptr, width);
   check_launch("dropout");

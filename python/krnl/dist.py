@@ -147,13 +147,18 @@ class World:
         finally:
             self._watchdog.disarm()
 
-    def allreduce(self, array, what="a sum across ranks"):
-        """The element-wise sum of a numpy array over the ranks (a new array; the input itself
-        when there is one rank)."""
+    def allreduce(self, array, what="a sum across ranks", in_place=False):
+        """The element-wise sum of a numpy array over the ranks: a new array, or with in_place
+        `array` itself (contiguous) holding it; the input itself when there is one rank."""
         if self.size == 1:
             return array
         from mpi4py import MPI
 
+        if in_place:
+            if not array.flags.c_contiguous:
+                raise ValueError("[dist] allreduce in place needs a contiguous array")
+            self._collect(what, lambda: self.comm.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM))
+            return array
         buf = np.ascontiguousarray(array)
         out = np.empty_like(buf)
         self._collect(what, lambda: self.comm.Allreduce(buf, out, op=MPI.SUM))

@@ -57,6 +57,7 @@ class StepRunner:
         self.model, self.opt, self.dev = model, opt, model.dev
         self.world = world  # a krnl.dist.World of size > 1: the grads and losses are summed over its ranks
         self.reduced = None  # the micro-batches' loss sums over every rank, once optimizer() summed them
+        self.host = None     # (numel + micro_batches,) f32: the host copy reduce() sums
         self.bucket, self.replay = int(bucket), bool(replay)
         c = model.config
         self.max_positions, self.switch = c.max_position_embeddings, c.rope_switch_position
@@ -130,11 +131,15 @@ class StepRunner:
         if self.world is None or self.world.size == 1:
             return
         flat, k = self.model.lora_params, len(self.n_valid)
-        grads = flat.grads[:flat.numel]
-        host = np.concatenate([np.asarray(grads.numpy(), np.float32), np.asarray(self.losses.numpy()[:k], np.float32)])
-        total = self.world.allreduce(host, f"the gradient allreduce of step {step}")
-        self.dev.upload(grads, total[:flat.numel])
-        self.reduced = total[flat.numel:]
+        n = flat.numel
+        if self.host is None:  # kept: a fresh array of this size would be page-faulted in every step
+            self.host = np.empty(n + self.losses.shape[0], np.float32)
+        grads, host = flat.grads[:n], self.host[:n + k]
+        host[:n] = grads.numpy()
+        host[n:] = self.losses.numpy()[:k]
+        self.world.allreduce(host, f"the gradient allreduce of step {step}", in_place=True)
+        self.dev.upload(grads, host[:n])
+        self.reduced = host[n:].copy()
 
     def finish(self):
         """(loss, info): the mean over micro-batches of each one's mean token loss, and

@@ -103,7 +103,8 @@ kernel void fill_i32(device int*                   x    [[buffer(0)]],
 
 // out[i] = keep ? x[i] * keep_scale : 0, keep = krnl::dropout_keep(seed, i, p): the mask is a pure
 // function of (seed, flat index), identical to every other backend's and to the backward's.
-// With args.use_offset, the seed adds offset (2,) i32 (low, high word) from the device.
+// With args.use_offset, the seed adds offset (2,) i32 (low, high word) from the device; with a
+// row_width too, offset[2] is x's first row in its batch and the index starts at it.
 template <typename T>
 kernel void ew_dropout(device const T*             x      [[buffer(0)]],
                        device T*                   out    [[buffer(1)]],
@@ -115,10 +116,12 @@ kernel void ew_dropout(device const T*             x      [[buffer(0)]],
     const uint64_t host_seed = uint64_t(args.seed_lo) | (uint64_t(args.seed_hi) << 32);
     const uint64_t seed = args.use_offset != 0 ? krnl::dropout_seed(host_seed, uint(offset[0]), uint(offset[1]))
                                                : host_seed;
+    const uint64_t base  = args.use_offset != 0 && args.row_width != 0
+                               ? krnl::dropout_base(uint(offset[2]), uint64_t(args.row_width)) : 0;
     const float    p     = args.p;
     const float    scale = args.keep_scale;
     for (uint i = gid; i < args.n; i += gsz)
-        out[i] = krnl::dropout_keep(seed, uint64_t(i), p) ? T(float(x[i]) * scale) : T(0.0f);
+        out[i] = krnl::dropout_keep(seed, base + uint64_t(i), p) ? T(float(x[i]) * scale) : T(0.0f);
 }
 
 // out (B, A, D) = x (A, B, D): thread (tx, b, a) copies row x[a, b, :] to out[b, a, :], striding

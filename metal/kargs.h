@@ -202,6 +202,7 @@ struct DropoutArgs {
     float    p;
     float    keep_scale;
     uint32_t use_offset;
+    uint32_t row_width;   // use_offset and row_width > 0: offset[2] is x's first row in its batch
 };
 
 // transpose_heads: out (B, A, D) = x (A, B, D) with the first two axes swapped.

@@ -23,7 +23,8 @@ INCLUDE_DIRS = [ROOT / "csrc" / "core"]  # rng.h, as the host compiles metal/*.m
 
 
 def test_kargs_layout_extra():
-    assert [f for f, _ in DropoutArgs._fields_] == ["n", "seed_lo", "seed_hi", "p", "keep_scale", "use_offset"]
+    assert [f for f, _ in DropoutArgs._fields_] == ["n", "seed_lo", "seed_hi", "p", "keep_scale", "use_offset",
+                                                   "row_width"]
     assert [f for f, _ in TransposeHeadsArgs._fields_] == ["A", "B", "D"]
 
 
@@ -149,6 +150,22 @@ def test_dropout_metal_seed_offset(libs, seed, offset):
     want, _ = dropout_run(libs["elementwise"], "f32", x, p, eff)
     np.testing.assert_array_equal(bits(got), bits(want))
     np.testing.assert_array_equal(got != 0, keep_mask(eff, n, p))
+
+
+@pytest.mark.parametrize("rows,width,first", [(1, 1, 0), (3, 33, 5), (2, 127, 1), (4, 31, 0xFFFFFFF0)])
+def test_dropout_metal_first_row(libs, rows, width, first):
+    """row_width with a (3,) offset: element i draws krnl::dropout_keep of index
+    first * row_width + i (the whole batch's bit), the numpy oracle's mask."""
+    n, p, seed, offset = rows * width, 0.4, 9, 0x0000000100000007
+    x = dropout_inputs("f32", n)
+    out = np.full(n, np.nan, np.float32)
+    args = DropoutArgs(n, seed, 0, p, np.float32(1 / (1 - p)), 1, width)
+    off = np.array([offset & 0xFFFFFFFF, offset >> 32, first], np.uint32).view(np.int32)
+    ew_dispatch(libs["elementwise"], "dropout_f32", n, [x, out, args, off])
+    eff = (seed + offset) & ((1 << 63) - 1)
+    idx = np.uint64(first) * np.uint64(width) + np.arange(n, dtype=np.uint64)
+    h = splitmix64(np.uint64(eff) ^ (idx * GOLDEN)) >> np.uint64(32)
+    np.testing.assert_array_equal(out != 0, h >= np.uint64(int(np.float32(p) * np.float32(2.0 ** 32))))
 
 
 def test_dropout_metal_extra_threads_write_nothing(libs):

@@ -1723,6 +1723,28 @@ def test_dropout_seed_offset(dev, dt):
 
 
 @pytest.mark.parametrize("dt", FLOAT_DTYPES)
+def test_dropout_seed_offset_first_row(dev, dt):
+    """A (3,) seed_offset whose third word is r0: dropout of rows r0.. of a (R, C) batch draws,
+    bit for bit, the rows the whole batch's (2,) call draws (a data-parallel rank's slice)."""
+    rng = np.random.default_rng(54)
+    R, C, p, seed, offset = 7, 33, 0.35, 11, 0x0000000300000005
+    vals = nonzero_values(rng, R * C).reshape(R, C)
+    full = empty_filled(dev, (R, C), dt)
+    ops.dropout(upload(dev, vals, dt)[0], full, p, seed, seed_offset=seed_offset_tensor(dev, offset))
+    full = np.array(full.numpy(), copy=True)
+    assert 0.5 < np.mean(full != 0) < 0.8
+    for r0, r1 in ((0, 7), (3, 7), (6, 7), (2, 5)):
+        words = np.array([offset & 0xFFFFFFFF, offset >> 32, r0], np.uint32).view(np.int32)
+        part = empty_filled(dev, (r1 - r0, C), dt)
+        ops.dropout(upload(dev, vals[r0:r1], dt)[0], part, p, seed, seed_offset=to_dev(dev, words, "i32"))
+        check_bits(np.array(part.numpy(), copy=True), full[r0:r1], f"rows {r0}:{r1}")
+        if r0:  # not vacuous: the (2,) call on the slice alone draws another mask
+            alone = empty_filled(dev, (r1 - r0, C), dt)
+            ops.dropout(upload(dev, vals[r0:r1], dt)[0], alone, p, seed, seed_offset=seed_offset_tensor(dev, offset))
+            assert np.any((read(alone) != 0) != (full[r0:r1] != 0))
+
+
+@pytest.mark.parametrize("dt", FLOAT_DTYPES)
 @pytest.mark.parametrize("n", SIZES)
 def test_dropout_p0_identity(dev, n, dt):
     rng = np.random.default_rng(52)

@@ -29,6 +29,8 @@ def test_seed_offset_words():
     for c in (0, 1, 41, 2**40 + 3, 2**62):
         lo, hi = seed_offset_words(c).view(np.uint32)
         assert (int(hi) << 32 | int(lo)) == (c * 1000003) & SEED_MASK
+    np.testing.assert_array_equal(seed_offset_words(41, first_row=6).view(np.uint32),
+                                  list(seed_offset_words(41).view(np.uint32)) + [6])
 
 
 def _batch(rng, B, T, V=61, packed=False):

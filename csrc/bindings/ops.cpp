@@ -86,7 +86,9 @@ void bind_ops(nb::module_& parent) {
   m.def("dropout", &ops::dropout, release, "x"_a, "out"_a, "p"_a, "seed"_a, "seed_offset"_a = nb::none(),
         "out = x * keep / (1 - p); keep is a hash of (seed, index), so the same call on dy is the backward.\n"
         "seed_offset, a (2,) i32 device tensor holding a uint64 (low word, high word), makes the seed\n"
-        "(seed + offset) mod 2^64 & 0x7FFFFFFFFFFFFFFF, a per-step seed that a replayed graph reads afresh.");
+        "(seed + offset) mod 2^64 & 0x7FFFFFFFFFFFFFFF, a per-step seed that a replayed graph reads afresh;\n"
+        "a (3,) seed_offset's third word r0 is x's first row in a larger batch: element i draws the bit of\n"
+        "index i + r0 * x.shape[-1], so a data-parallel rank's slice gets the whole batch's mask.");
   m.def("adamw_update", [](const Tensor& params, const Tensor& grads, const Tensor& m_, const Tensor& v, float lr,
                            float beta1, float beta2, float eps, float weight_decay, int64_t step, float grad_scale,
                            const Tensor* working, const Tensor* hyper, const Tensor* sq, const Tensor* flag) {

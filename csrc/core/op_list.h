@@ -37,7 +37,8 @@
 //   arguments are frozen) still sees each step's values: cross_entropy's scale_by (1,) f32 makes
 //   the gradient factor scale * scale_by[0] (formed once in f32); dropout's seed_offset (2,) i32
 //   holds a uint64 (low word, high word) and the mask's seed becomes (seed + offset) mod 2^64 &
-//   0x7FFFFFFFFFFFFFFF; adamw_update's hyper (5,) f32 [step_size, bc2_sqrt, decay, inv_denom,
+//   0x7FFFFFFFFFFFFFFF (a (3,) seed_offset adds x's first row r0 in its batch: element i draws
+//   the mask bit of index i + r0 * x.shape[-1], the whole batch's bit for it); adamw_update's hyper (5,) f32 [step_size, bc2_sqrt, decay, inv_denom,
 //   max_norm] with sq (1,) f32 (sumsq of the accumulated grads) and flag (1,) i32 (nonfinite's)
 //   replace lr, weight_decay, step and grad_scale, clip by the global norm on the device, and skip
 //   the whole update (nothing written) when flag[0] != 0 or sq[0] is not finite.

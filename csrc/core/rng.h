@@ -29,6 +29,11 @@ KRNL_HD inline uint64_t dropout_seed(uint64_t seed, uint32_t offset_lo, uint32_t
   return (seed + (uint64_t(offset_lo) | (uint64_t(offset_hi) << 32))) & 0x7FFFFFFFFFFFFFFFull;
 }
 
+// The index of element 0 of a call whose x is rows first_row.. of a larger batch with rows of
+// `width` elements (dropout's seed_offset (3,)): a data-parallel rank's slice then draws the
+// mask that the whole batch's call draws for those rows.
+KRNL_HD inline uint64_t dropout_base(uint32_t first_row, uint64_t width) { return uint64_t(first_row) * width; }
+
 // 32 uniform bits for element `index` of the stream `seed`.
 KRNL_HD inline uint32_t dropout_hash(uint64_t seed, uint64_t index) {
   return uint32_t(splitmix64(seed ^ (index * 0x9E3779B97F4A7C15ull)) >> 32);

@@ -615,9 +615,11 @@ void CpuBackend::dropout(const Tensor& x, const Tensor& out, float p, uint64_t s
     cast(x, out);  // same dtype: a copy
     return;
   }
+  uint64_t base = 0;  // the flat index of x's first element in the rows it is a slice of
   if (seed_offset) {
     const int32_t* off = seed_offset->ptr<int32_t>();
     seed = dropout_seed(seed, uint32_t(off[0]), uint32_t(off[1]));
+    if (seed_offset->numel() == 3) base = dropout_base(uint32_t(off[2]), x.shape().empty() ? 1 : x.shape().back());
   }
   const DType dt = x.dtype();
   const float keep_scale = 1.f / (1.f - p);
@@ -626,7 +628,7 @@ void CpuBackend::dropout(const Tensor& x, const Tensor& out, float p, uint64_t s
     const int64_t n = i1 - i0;
     const float* xv = view(dt, x.data(), i0, n, xs);
     float* o = out_window(dt, out.data(), i0, os);
-    for (int64_t i = 0; i < n; ++i) o[i] = dropout_keep(seed, uint64_t(i0 + i), p) ? xv[i] * keep_scale : 0.f;
+    for (int64_t i = 0; i < n; ++i) o[i] = dropout_keep(seed, base + uint64_t(i0 + i), p) ? xv[i] * keep_scale : 0.f;
     flush(dt, o, n, out.data(), i0);
   });
 }

@@ -37,10 +37,12 @@ __global__ void fill_kernel(T* p, T v, int64_t n) {
 }
 
 // offset (2,) i32, where given, moves the seed by a per-step uint64 on the device (rng.h).
+// width > 0: offset holds a third word, the first row of x in its batch (rows of width elements).
 __global__ void dropout_kernel(DType dt, const void* x, void* out, int64_t n, float p, uint64_t seed, float keep_scale,
-                               const int32_t* offset) {
+                               const int32_t* offset, uint64_t width) {
   if (offset) seed = dropout_seed(seed, uint32_t(offset[0]), uint32_t(offset[1]));
-  KRNL_GRID_LOOP(i, n) st(dt, out, i, dropout_keep(seed, uint64_t(i), p) ? ld(dt, x, i) * keep_scale : 0.f);
+  const uint64_t base = offset && width ? dropout_base(uint32_t(offset[2]), width) : 0;
+  KRNL_GRID_LOOP(i, n) st(dt, out, i, dropout_keep(seed, base + uint64_t(i), p) ? ld(dt, x, i) * keep_scale : 0.f);
 }
 
 // s = silu(g) * u, sigmoid as 1 / (1 + exp(-g)) like the CPU backend.
@@ -298,8 +300,10 @@ void CudaBackend::dropout(const Tensor& x, const Tensor& out, float p, uint64_t 
   if (p == 0.f) return cast(x, out);  // same dtype: a copy
   const int64_t n = x.numel();
   if (!n) return;
+  const bool rows = seed_offset && seed_offset->numel() == 3;  // a first row: index from it
+  const uint64_t width = rows ? uint64_t(x.shape().empty() ? 1 : x.shape().back()) : 0;
   dropout_kernel<<<grid_for(n), kThreads, 0, stream_>>>(x.dtype(), x.data(), out.data(), n, p, seed, 1.f / (1.f - p),
-                                                        seed_offset ? seed_offset->ptr<int32_t>() : nullptr);
+                                                        seed_offset ? seed_offset->ptr<int32_t>() : nullptr, width);
   check_launch("dropout");
 }
 

@@ -755,8 +755,9 @@ void MetalOps::dropout(const Tensor& x, const Tensor& out, float p, uint64_t see
     bind(d, 3, *seed_offset);
   else
     bind(d, 3, x, 0);  // must be bound; not read
+  const int64_t width = seed_offset && seed_offset->numel() == 3 ? (x.shape().empty() ? 1 : x.shape().back()) : 0;
   d.set_args(2, DropoutArgs{u32(e.op, x.numel(), "n"), uint32_t(seed), uint32_t(seed >> 32), p, 1.f / (1.f - p),
-                            seed_offset ? 1u : 0u});
+                            seed_offset ? 1u : 0u, u32(e.op, width, "row width")});
   ew_geometry(d, x.numel());
   encode(std::move(d));
 }

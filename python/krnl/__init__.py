@@ -10,7 +10,7 @@ modules relative to krnl; `bench.*` is every module of krnl/bench):
     storage   fileio safetensors_io checkpoint run_folder tokenizer quant gguf_quants
     model     params phi3 gemma3 config qweight step_inputs lora lora_group attention gemma layer generate model mlp_block
     formats   adapter mlx_folder gguf_file gguf_tokenizer hf gguf_fuse
-    train     optim batches data default_task step trainer
+    train     optim batches data default_task step dist dist_train trainer
     cli       cli cli_args cli_device tune __main__ bench bench.*
 
 - ops: the native core and what this file re-exports from it; importing any submodule runs this

@@ -14,6 +14,7 @@ import numpy as np
 
 import krnl
 
+from . import dist
 from .cli_args import lora_from_args, lora_targets, parse_args  # noqa: F401 (krnl.cli.lora_targets)
 from .cli_device import cmd_devices, cmd_w1, device_from_args
 from .run_folder import claim
@@ -171,6 +172,7 @@ def cmd_quantize(args):
 def cmd_train(args):
     from .trainer import Trainer, TrainConfig, plot_metrics
 
+    world = dist.world(mute_others=True)  # before the device: it may set KRNL_NUM_THREADS per rank
     dev = device_from_args(args)
     lora = lora_from_args(args)
     if args.model:
@@ -214,16 +216,18 @@ def cmd_train(args):
         fingerprint["quantize"] = list(model.quantize)
     trainer = Trainer(model, cfg, train, valid, out_dir=args.adapter_path, fingerprint=fingerprint,
                       base_model=base_id, progress=not args.quiet, options=_run_options(args),
-                      adapter_format=args.adapter_format)
+                      adapter_format=args.adapter_format, world=world)
     if args.adapter_format == "mlx":  # refused before training, not after it
         from .adapter import mlx_adapter
 
         mlx_adapter(lora, model.lora_state(), model.config)
     print(f"krnl {krnl.__version__} on {dev.name}: {what}, LoRA r={lora.r} on {len(model.adapted)} modules "
           f"({model.lora_params.numel} trainable parameters), {args.dtype}"
-          + (f", base quantized to {model.quantize[0]} bits (groups of {model.quantize[1]})" if model.quantize else ""))
+          + (f", base quantized to {model.quantize[0]} bits (groups of {model.quantize[1]})" if model.quantize else "")
+          + world.describe())
     resuming = args.resume or args.resume_from is not None
-    lock = claim(args.adapter_path, resume=resuming, overwrite=args.overwrite)  # the OS drops it at exit
+    # The OS drops the lock at exit; rank 0 alone writes the folder.
+    lock = claim(args.adapter_path, resume=resuming, overwrite=args.overwrite) if world.root else dist.NO_LOCK
     if resuming and not _resume(args, trainer):
         lock.release()
         return 0
@@ -233,7 +237,8 @@ def cmd_train(args):
     except KeyboardInterrupt:
         raise Interrupted(_interrupted_message(trainer, args.adapter_path)) from None
     png = Path(args.adapter_path) / "loss.png"
-    plot_metrics(summary["metrics"], png)
+    if world.root:
+        plot_metrics(summary["metrics"], png)
     val = f", validation loss {summary['val_loss']:.4f}" if summary["val_loss"] is not None else ""
     print(f"step {summary['steps']}: train loss {summary['loss']:.4f}{val}"
           + (f", {summary['skipped_steps']} skipped steps" if summary["skipped_steps"] else ""))
@@ -269,7 +274,7 @@ def _resume(args, trainer):
     if step >= iters:
         print(f"already at step {step} of {iters}; nothing to do" if step == iters else
               f"already at step {step}, past --iters {iters}; nothing to do")
-        if not (Path(args.adapter_path) / "adapter_model.safetensors").exists():
+        if trainer.world.root and not (Path(args.adapter_path) / "adapter_model.safetensors").exists():
             trainer.save_adapter()  # a run stopped between its last checkpoint and the adapter
         return False
     print(f"resumed from step {step}")
@@ -367,6 +372,10 @@ def main(argv=None):
     commands = {"devices": cmd_devices, "train": cmd_train, "eval": cmd_eval, "generate": cmd_generate,
                 "fuse": cmd_fuse, "quantize": cmd_quantize, "w1": cmd_w1, "tune": cmd_tune, "bench": cmd_bench}
     args = parse_args(argv, commands)
+    return dist.guarded(_run, args)
+
+
+def _run(args):
     try:
         return args.fn(args)
     except (ValueError, FloatingPointError) as err:

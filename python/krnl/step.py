@@ -53,8 +53,11 @@ class StepRunner:
     """micro_batch() for each micro-batch, optimizer(), then finish(): the step's loss and the
     optimizer's info, after the one wait of the step."""
 
-    def __init__(self, model, opt, bucket=1, replay=False, micro_batches=1):
+    def __init__(self, model, opt, bucket=1, replay=False, micro_batches=1, world=None):
         self.model, self.opt, self.dev = model, opt, model.dev
+        self.world = world  # a krnl.dist.World of size > 1: the grads and losses are summed over its ranks
+        self.reduced = None  # the micro-batches' loss sums over every rank, once optimizer() summed them
+        self.host = None     # (numel + micro_batches,) f32: the host copy reduce() sums
         self.bucket, self.replay = int(bucket), bool(replay)
         c = model.config
         self.max_positions, self.switch = c.max_position_embeddings, c.rope_switch_position
@@ -69,16 +72,24 @@ class StepRunner:
         T = np.asarray(batch[0]).shape[-1]
         return pad_batch_to(batch, padded_length(T, self.bucket, self.max_positions, self.switch))
 
-    def micro_batch(self, batch, loss_scale, index):
-        """Queues micro-batch `index` of this step (0 first); returns its non-padding target count."""
+    def micro_batch(self, batch, loss_scale, index, n_valid_total=None, first_row=None):
+        """Queues micro-batch `index` of this step (0 first); returns its non-padding target count.
+        n_valid_total: the target count of the whole micro-batch when `batch` is this rank's
+        slice of it, so that the loss gradient's factor is loss_scale / n_valid_total and the sum
+        of the ranks' gradients is the gradient of the whole micro-batch's mean loss; first_row:
+        the slice's first row in it, so that its dropout masks are the whole batch's."""
         m, dev = self.model, self.dev
         if index == 0:
-            self.n_valid = []
+            self.n_valid, self.reduced = [], None
         if index >= self.losses.shape[0]:
             raise ValueError(f"[StepRunner] micro-batch {index} of a runner made for {self.losses.shape[0]}")
         batch = self.pad(batch)
         host = m.prepare(batch[0], batch[1], loss_scale, *batch[2:4])
-        self.n_valid.append(host.n_valid)
+        if n_valid_total is not None:
+            host.ce_scale = float(loss_scale) / max(int(n_valid_total), 1)
+        if first_row is not None:
+            host.first_row = int(first_row) * host.T  # in token rows of (B T, C) activations
+        self.n_valid.append(host.n_valid if n_valid_total is None else int(n_valid_total))
         out = self.losses[index:index + 1]
         key = host.key()
         if not self.replay:
@@ -101,8 +112,10 @@ class StepRunner:
             ops.cast(self.slot, out)
         return host.n_valid
 
-    def optimizer(self, n_micro):
-        """Queues the optimizer's update over the grads of the n_micro micro-batches."""
+    def optimizer(self, n_micro, step=None):
+        """Queues the optimizer's update over the grads of the n_micro micro-batches (summed over
+        the world's ranks first: a wait for the device, then the host copy's allreduce)."""
+        self.reduce(step)
         if not self.replay:
             self.opt.queue_step(n_micro)
             return
@@ -112,11 +125,28 @@ class StepRunner:
         else:
             self.opt_graph.replay()
 
+    def reduce(self, step=None):
+        """Sums the grads and this step's loss sums over the world's ranks (optimizer() does it
+        first): one allreduce of their host copy, after a wait for the micro-batches."""
+        if self.world is None or self.world.size == 1:
+            return
+        flat, k = self.model.lora_params, len(self.n_valid)
+        n = flat.numel
+        if self.host is None:  # kept: a fresh array of this size would be page-faulted in every step
+            self.host = np.empty(n + self.losses.shape[0], np.float32)
+        grads, host = flat.grads[:n], self.host[:n + k]
+        host[:n] = grads.numpy()
+        host[n:] = self.losses.numpy()[:k]
+        self.world.allreduce(host, f"the gradient allreduce of step {step}", in_place=True)
+        self.dev.upload(grads, host[:n])
+        self.reduced = host[n:].copy()
+
     def finish(self):
         """(loss, info): the mean over micro-batches of each one's mean token loss, and
-        AdamW.finish_step's info. The one wait of the step."""
+        AdamW.finish_step's info. The one wait of the step (besides the allreduce's)."""
         info = self.opt.finish_step()
-        sums = np.asarray(self.losses.numpy(), np.float64)[:len(self.n_valid)]
+        sums = self.reduced if self.reduced is not None else self.losses.numpy()
+        sums = np.asarray(sums, np.float64)[:len(self.n_valid)]
         loss = float(np.mean([s / max(n, 1) for s, n in zip(sums, self.n_valid)]))
         return loss, info
 

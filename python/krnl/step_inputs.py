@@ -15,11 +15,13 @@ SEED_MASK = 0x7FFFFFFFFFFFFFFF
 SEED_STRIDE = 1000003  # call c's mask for the linear tagged t is seeded (c * SEED_STRIDE + t) & SEED_MASK
 
 
-def seed_offset_words(call_seed):
+def seed_offset_words(call_seed, first_row=None):
     """(2,) int32: (call_seed * SEED_STRIDE) & SEED_MASK as (low, high) 32-bit words, the
-    seed_offset of ops.dropout (which adds the linear's tag)."""
+    seed_offset of ops.dropout (which adds the linear's tag); (3,) with first_row, the global
+    index of the call's first row (a data-parallel rank's slice draws the whole batch's masks)."""
     off = (int(call_seed) * SEED_STRIDE) & SEED_MASK
-    return np.array([off & 0xFFFFFFFF, off >> 32], np.uint32).view(np.int32)
+    words = [off & 0xFFFFFFFF, off >> 32] + ([] if first_row is None else [int(first_row)])
+    return np.array(words, np.uint32).view(np.int32)
 
 
 @dataclass
@@ -37,6 +39,7 @@ class HostInputs:
     call_seed: Optional[int]        # seeds the dropout masks; None (eval) turns dropout off
     window: int                     # sliding window this call attends with (0: none)
     long_rope: bool                 # the rotary frequencies of long positions (LongRoPE)
+    first_row: Optional[int] = None  # token row of ids[0] in the global batch (krnl.dist), else None
 
     def key(self):
         """What a recorded step depends on besides the contents of its inputs."""
@@ -63,7 +66,8 @@ class DeviceInputs:
         seg = None if host.segments is None else [dev.tensor(host.segments[b], "i32") for b in range(B)]
         return cls(ids if ids is not None else dev.tensor(host.ids, "i32"), dev.tensor(host.targets, "i32"),
                    dev.tensor(np.array([host.ce_scale], np.float32), "f32"),
-                   None if host.call_seed is None else dev.tensor(seed_offset_words(host.call_seed), "i32"),
+                   None if host.call_seed is None else
+                   dev.tensor(seed_offset_words(host.call_seed, host.first_row), "i32"),
                    positions, seg)
 
     def write(self, dev, host):
@@ -72,7 +76,7 @@ class DeviceInputs:
         dev.upload(self.targets, host.targets)
         dev.upload(self.ce_scale, np.array([host.ce_scale], np.float32))
         if self.seed_offset is not None:
-            dev.upload(self.seed_offset, seed_offset_words(host.call_seed))
+            dev.upload(self.seed_offset, seed_offset_words(host.call_seed, host.first_row))
         if host.positions is not None:
             for b in range(host.B):
                 dev.upload(self.positions[b], host.positions[b])

@@ -18,6 +18,8 @@ import numpy as np
 from . import adapter as adapter_io
 from .batches import Batches
 from .checkpoint import fingerprint_diff, list_checkpoints, load_checkpoint, resolve_checkpoint, save_checkpoint
+from .dist import World
+from .dist_train import Discard, check_world, evaluate_ranks
 from .fileio import atomic_write_bytes
 from .optim import AdamW, Schedule
 from .run_folder import describe, option_changes, repair_metrics
@@ -93,9 +95,12 @@ def _batch_args(batch):
 
 class Trainer:
     def __init__(self, model, cfg, train, valid=None, out_dir="krnl_out", fingerprint=None, base_model="",
-                 progress=True, on_step=None, options=None, adapter_format="peft"):
+                 progress=True, on_step=None, options=None, adapter_format="peft", world=None):
         cfg.validate()
         self.model, self.cfg, self.valid = model, cfg, valid
+        # krnl.dist: each rank trains on its slice of the global batches; rank 0 alone writes files.
+        self.world = world or World()
+        check_world(self.world, cfg)
         # train: (ids, targets[, segments, positions]) arrays, a krnl.data.Split (its batches()),
         # or a batch source with next(), state() and load_state().
         if hasattr(train, "batches"):
@@ -127,9 +132,11 @@ class Trainer:
 
     def _trainer_state(self):
         return {"step": self.step, "data": self.data.state(), "dropout_seed": self.model._call_seed,
-                "config": asdict(self.cfg), "options": self.options}
+                "config": asdict(self.cfg), "options": self.options, "world_size": self.world.size}
 
     def save(self):
+        if not self.world.root:
+            return
         save_checkpoint(self.out / "checkpoints", adapter=self.model.lora_state(),
                         optimizer_state=self.opt.state_dict(), trainer_state=self._trainer_state(),
                         model_fingerprint=self.fingerprint, step=self.step, keep_last=self.cfg.keep_checkpoints)
@@ -167,6 +174,12 @@ class Trainer:
         or a step number); returns its step. TrainConfig fields and options that differ from the
         checkpoint's are refused (ValueError listing them) unless override; cfg.iters may differ:
         the learning-rate schedule is then stretched (or shrunk) to end at cfg.iters."""
+        ck = self.world.on_root(lambda: self._load(path), "reading the checkpoint to resume from")
+        self._restore(ck, override)
+        return self.step
+
+    def _load(self, path):
+        """The checkpoint resume() restores (see there), with notes on the ones skipped."""
         cands = self._candidates(path)
         skipped = []
         for cand in cands:
@@ -180,6 +193,9 @@ class Trainer:
         else:
             raise ValueError(f"[train] no checkpoint under {cands[0].parent} verifies: " + "; ".join(skipped))
         self.notes.extend(f"skipped checkpoint {s} (falling back to {Path(ck.path).name})" for s in skipped)
+        return ck
+
+    def _restore(self, ck, override):
         diff = fingerprint_diff(ck.fingerprint, json.loads(json.dumps(self.fingerprint)))
         if diff:
             raise ValueError(f"[train] {ck.path} belongs to a different model or LoRA layout (--resume-override "
@@ -196,14 +212,17 @@ class Trainer:
         self.data.load_state(st["data"])
         self.model._call_seed = int(st["dropout_seed"])
         self.step = int(st["step"])
+        # The data position counts global batches, the same for any number of ranks.
+        if int(st.get("world_size", 1)) != self.world.size:
+            self.notes.append(f"checkpoint written by {st.get('world_size', 1)} ranks, continuing with "
+                              f"{self.world.size} (same global batch and data position)")
         # Metrics written after this checkpoint by the interrupted run are replayed: drop them, and
         # a torn last line (a write cut short).
-        note = repair_metrics(self.out / "metrics.jsonl", self.step)
+        note = repair_metrics(self.out / "metrics.jsonl", self.step) if self.world.root else None
         if note:
             self.notes.append(note)
         if self.step < self.cfg.iters:
             self._apply_changes(changes, saved.get("iters"))
-        return self.step
 
     def _apply_changes(self, changes, saved_iters):
         """After a restore: the overridden options take effect and the schedule ends at cfg.iters."""
@@ -236,6 +255,8 @@ class Trainer:
     def evaluate(self):
         if self.valid is None:
             return None
+        if self.world.size > 1:
+            return evaluate_ranks(self.model, self.valid, self.cfg, self.world, self.step)
         bs, total = self.cfg.batch_size, []
         if hasattr(self.valid, "eval_batches"):  # a krnl.data.Split
             for batch in self.valid.eval_batches(bs)[:self.cfg.val_batches]:
@@ -255,24 +276,27 @@ class Trainer:
         metrics_path = Path(metrics_path) if metrics_path else self.out / "metrics.jsonl"
         metrics_path.parent.mkdir(parents=True, exist_ok=True)
         bar = None
-        if self.progress:
+        if self.progress and self.world.root:
             from tqdm import tqdm
 
             bar = tqdm(total=cfg.iters, initial=self.step, unit="step", dynamic_ncols=True)
         replay = cfg.graphs and bool(dev.capabilities()["graphs"])
         bucket = cfg.length_bucket or (REPLAY_BUCKET if replay else 1)
-        runner = StepRunner(model, self.opt, bucket=bucket, replay=replay, micro_batches=cfg.grad_accum)
+        runner = StepRunner(model, self.opt, bucket=bucket, replay=replay, micro_batches=cfg.grad_accum,
+                            world=self.world)
         rate = Rate()
         dev.reset_peak()
+        self.world.check_params(self.model.lora_params, self.step)
         try:
-            with open(metrics_path, "a") as log:
+            with open(metrics_path, "a") if self.world.root else Discard() as log:
                 while self.step < cfg.iters:
                     self._one_step(runner, rate, log, bar)
         finally:
             runner.release()
         if bar is not None:
             bar.close()
-        self.save_adapter()
+        if self.world.root:
+            self.save_adapter()
         return {"steps": self.step, "loss": self.history[-1][1] if self.history else None,
                 "val_loss": self.val_history[-1][1] if self.val_history else None,
                 "skipped_steps": self.opt.skipped_steps, "metrics": str(metrics_path)}
@@ -282,12 +306,17 @@ class Trainer:
         validation and checkpoints."""
         cfg, dev = self.cfg, self.model.dev
         self.step += 1
-        tokens = 0
+        tokens, ranks = 0, self.world.size > 1
         for i in range(cfg.grad_accum):
             batch = self.data.next()
-            tokens += int(np.count_nonzero(np.asarray(batch[1]) != -100))
-            runner.micro_batch(batch, self.opt.loss_scale, i)
-        runner.optimizer(cfg.grad_accum)
+            n = int(np.count_nonzero(np.asarray(batch[1]) != -100))
+            tokens += n  # of the global batch: every rank reads all of it
+            if ranks:
+                mine = self.world.slice(batch)
+                runner.micro_batch(mine, self.opt.loss_scale, i, n, first_row=self.world.rank * len(mine[0]))
+            else:
+                runner.micro_batch(batch, self.opt.loss_scale, i)
+        runner.optimizer(cfg.grad_accum, self.step)
         loss, info = runner.finish()
         if not math.isfinite(loss) and not self.opt.scaler.enabled:
             raise FloatingPointError(f"[train] loss is {loss} at step {self.step}; stopping (no adapter "
@@ -317,6 +346,8 @@ class Trainer:
                 post["skipped"] = info["skipped_steps"]
             bar.set_postfix(post, refresh=False)
             bar.update(1)
+        if ranks and (self.step % self.world.check_every == 0 or last):
+            self.world.check_params(self.model.lora_params, self.step)
         if (cfg.save_every and self.step % cfg.save_every == 0) or last:
             self.save()
         if self.on_step is not None:

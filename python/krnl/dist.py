@@ -1,0 +1,286 @@
+"""Data-parallel training over MPI (mpi4py): which rank of how many this process is, the sums
+across ranks the trainer needs (the flat LoRA gradient once per optimizer step, a few numbers),
+a broadcast, a comparison of parameter hashes, and a clean stop when another rank dies or fails.
+
+`world()` looks at the environment an MPI launcher sets (MPICH's and Open MPI's, Slurm's PMI):
+without one, or with one rank, it is a World of size 1 whose operations do nothing, and mpi4py is
+never imported. With N > 1 ranks it needs mpi4py (`pip install 'krnl[mpi]'`).
+
+Every collective runs under a watchdog: a rank that waits longer than KRNL_DIST_TIMEOUT seconds
+(default 600) for the others says which collective of which step it waited in, names the ranks
+on its own machine that are gone (their pids are exchanged at start), and exits with status 1;
+the launcher then ends the others. Host memory carries the gradient on every device (a CUDA
+device copies it down and up; Metal's unified memory makes that a plain copy)."""
+
+import hashlib
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+
+import numpy as np
+
+# Variables that MPI launchers set in each rank's environment: (size, rank).
+_LAUNCHER_VARS = (("PMI_SIZE", "PMI_RANK"), ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"),
+                  ("PMIX_SIZE", "PMIX_RANK"), ("MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_RANK"))
+DEFAULT_TIMEOUT = 600.0
+DEFAULT_CHECK_EVERY = 50  # optimizer steps between two parameter hash checks (KRNL_DIST_CHECK_EVERY)
+
+
+def launcher_size():
+    """(size, rank) an MPI launcher put in the environment, or (1, 0) without one."""
+    for size_var, rank_var in _LAUNCHER_VARS:
+        if os.environ.get(size_var, "").isdigit():
+            return int(os.environ[size_var]), int(os.environ.get(rank_var, "0") or 0)
+    return 1, 0
+
+
+def _alive(pid):
+    """Whether process `pid` runs (a zombie, killed but not yet reaped by its launcher, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:  # no /proc (macOS): kill's answer stands
+        return True
+
+
+class _Watchdog:
+    """A thread that ends the process when a collective outlives its deadline."""
+
+    def __init__(self, world, timeout):
+        self.world, self.timeout = world, float(timeout)
+        self.cv = threading.Condition()
+        self.what, self.deadline = None, None
+        threading.Thread(target=self._watch, name="krnl-dist-watchdog", daemon=True).start()
+
+    def arm(self, what):
+        with self.cv:
+            self.what, self.deadline = what, time.monotonic() + self.timeout
+            self.cv.notify()
+
+    def disarm(self):
+        with self.cv:
+            self.what, self.deadline = None, None
+
+    def _watch(self):
+        with self.cv:
+            while True:
+                if self.deadline is None:
+                    self.cv.wait()
+                    continue
+                left = self.deadline - time.monotonic()
+                if left > 0:
+                    self.cv.wait(left)
+                    continue
+                # The main thread may hold MPI's locks inside the collective: leave without MPI
+                # calls; the launcher sees a rank exit with status 1 and ends the job.
+                sys.stderr.write(f"krnl train: error: [dist] rank {self.world.rank}: waited {self.timeout:g} s in "
+                                 f"{self.what}; {self.world.missing_ranks()}\n")
+                sys.stderr.flush()
+                os._exit(1)
+
+
+class World:
+    """This process's place among the ranks of a run: rank, size, root (rank 0 writes files)."""
+
+    def __init__(self, comm=None, timeout=None):
+        self.comm = comm
+        self.rank = comm.Get_rank() if comm is not None else 0
+        self.size = comm.Get_size() if comm is not None else 1
+        self.peers = [(socket.gethostname(), os.getpid())]
+        self._watchdog = None
+        self.check_every = max(1, int(os.environ.get("KRNL_DIST_CHECK_EVERY", DEFAULT_CHECK_EVERY)))
+        if self.size > 1:
+            if timeout is None:
+                timeout = float(os.environ.get("KRNL_DIST_TIMEOUT", DEFAULT_TIMEOUT))
+            self._watchdog = _Watchdog(self, timeout)
+            self.peers = self._collect("the start (exchanging host names)", lambda: comm.allgather(self.peers[0]))
+
+    @property
+    def root(self):
+        return self.rank == 0
+
+    def describe(self):
+        """', N ranks (data parallel): rank 0 pid P on HOST, ...', or '' for one process: the
+        table that maps a launcher's message about a pid to its rank."""
+        if self.size == 1:
+            return ""
+        return f", {self.size} ranks (data parallel): " + ", ".join(
+            f"rank {r} pid {p} on {h}" for r, (h, p) in enumerate(self.peers))
+
+    def local_size(self):
+        """Ranks on this rank's machine (this one included)."""
+        return sum(1 for h, _ in self.peers if h == self.peers[self.rank][0])
+
+    def missing_ranks(self):
+        """A phrase naming the ranks on this machine whose process is gone (from the pids
+        exchanged at start); ranks on other machines cannot be checked from here."""
+        host = self.peers[self.rank][0]
+        gone, remote = [], []
+        for r, (h, pid) in enumerate(self.peers):
+            if r == self.rank:
+                continue
+            if h != host:
+                remote.append(r)
+                continue
+            if not _alive(pid):
+                gone.append(f"rank {r} (pid {pid})")
+        said = (f"{', '.join(gone)} died" if gone else "no other rank on this machine died")
+        if remote:
+            said += f"; ranks {', '.join(map(str, remote))} run elsewhere (the launcher's message names a dead one)"
+        return said + "; stopping"
+
+    def _collect(self, what, fn):
+        if self._watchdog is None:
+            return fn()
+        self._watchdog.arm(what)
+        try:
+            return fn()
+        finally:
+            self._watchdog.disarm()
+
+    def allreduce(self, array, what="a sum across ranks", in_place=False):
+        """The element-wise sum of a numpy array over the ranks: a new array, or with in_place
+        `array` itself (contiguous) holding it; the input itself when there is one rank."""
+        if self.size == 1:
+            return array
+        from mpi4py import MPI
+
+        if in_place:
+            if not array.flags.c_contiguous:
+                raise ValueError("[dist] allreduce in place needs a contiguous array")
+            self._collect(what, lambda: self.comm.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM))
+            return array
+        buf = np.ascontiguousarray(array)
+        out = np.empty_like(buf)
+        self._collect(what, lambda: self.comm.Allreduce(buf, out, op=MPI.SUM))
+        return out
+
+    def slice(self, batch):
+        """This rank's rows of a global batch tuple (ids, targets[, segments, positions]): the
+        ranks take equal consecutive slices, rank 0 first."""
+        rows = len(batch[0])
+        if rows % self.size:
+            raise ValueError(f"[dist] a batch of {rows} rows does not divide among {self.size} ranks")
+        per = rows // self.size
+        return tuple(np.asarray(a)[self.rank * per:(self.rank + 1) * per] for a in batch)
+
+    def bcast(self, obj, what="a broadcast from rank 0"):
+        """Rank 0's `obj` on every rank (any picklable value)."""
+        if self.size == 1:
+            return obj
+        return self._collect(what, lambda: self.comm.bcast(obj, root=0))
+
+    def on_root(self, fn, what):
+        """fn()'s value computed on rank 0 and broadcast; an exception it raised is raised on
+        every rank (so that all stop alike, none waits for the others)."""
+        if self.size == 1:
+            return fn()
+        ok, value = True, None
+        if self.root:
+            try:
+                value = fn()
+            except Exception as e:  # noqa: BLE001 (re-raised on every rank below)
+                ok, value = False, e
+        ok, value = self.bcast((ok, value), what)
+        if not ok:
+            raise value
+        return value
+
+    def check_same(self, name, data, step):
+        """Raises ValueError on every rank unless `data` (bytes, e.g. the parameters) hashes the
+        same on all of them: the ranks of a data-parallel run must hold identical parameters."""
+        if self.size == 1:
+            return
+        digest = hashlib.sha256(data).hexdigest()[:16]
+        every = self._collect(f"the {name} hash check of step {step}", lambda: self.comm.allgather(digest))
+        if len(set(every)) > 1:
+            groups = {}
+            for r, d in enumerate(every):
+                groups.setdefault(d, []).append(r)
+            seen = "; ".join(f"ranks {','.join(map(str, rs))}: {d}" for d, rs in groups.items())
+            raise ValueError(f"[dist] step {step}: the ranks' {name} differ ({seen}); every rank must run the same "
+                             f"krnl build, device kind and options")
+
+    def check_params(self, flat, step):
+        """check_same of a FlatParams' f32 masters."""
+        if self.size > 1:
+            self.check_same("parameters", np.ascontiguousarray(flat.params.numpy()[:flat.numel]).tobytes(), step)
+
+    def abort(self, code=1):
+        """Ends every rank of the run (after this rank printed why)."""
+        sys.stderr.flush()
+        sys.stdout.flush()
+        if self.size > 1:
+            self.comm.Abort(code)
+        raise SystemExit(code)
+
+
+class _NoLock:
+    """What ranks other than 0 hold instead of the output folder's lock."""
+
+    def release(self):
+        pass
+
+
+NO_LOCK = _NoLock()
+_WORLD = None
+
+
+def running():
+    """Whether this process is one of several ranks (world() ran and found N > 1)."""
+    return _WORLD is not None and _WORLD.size > 1
+
+
+def guarded(fn, *args):
+    """fn(*args), an exit code. Among several ranks, a failure here (a non-zero code, an
+    exception) ends every rank: the others would wait for this one in their next collective."""
+    try:
+        code = fn(*args)
+    except BaseException:
+        if not running():
+            raise
+        traceback.print_exc()
+        code = 1
+    if code and running():
+        world().abort(code)
+    return code
+
+
+def world(mute_others=False):
+    """The World of this process (detected once): size 1 unless an MPI launcher started N > 1.
+    mute_others: ranks other than 0 print nothing to stdout (rank 0 speaks for the run)."""
+    global _WORLD
+    if _WORLD is None:
+        _WORLD = _detect()
+    if mute_others and not _WORLD.root:
+        sys.stdout = open(os.devnull, "w")
+    return _WORLD
+
+
+def _detect():
+    size, rank = launcher_size()
+    if size <= 1:
+        return World()
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        raise ValueError(f"[dist] an MPI launcher started {size} ranks (this is rank {rank}) but mpi4py is not "
+                         f"installed: pip install 'krnl[mpi]'") from None
+    w = World(MPI.COMM_WORLD)
+    if w.size != size:
+        raise ValueError(f"[dist] the launcher says {size} ranks but MPI sees {w.size}: mpi4py is built on "
+                         f"another MPI than the launcher's (use the launcher of the MPI mpi4py uses)")
+    local = w.local_size()
+    if local > 1 and "KRNL_NUM_THREADS" not in os.environ:
+        # Ranks sharing a machine share its cores (read when the core's thread pool starts).
+        os.environ["KRNL_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // local))
+    return w

@@ -1,0 +1,290 @@
+"""Data-parallel training over MPI (krnl.dist): the world of one process, the error without
+mpi4py, and, with mpi4py and MPICH's mpiexec installed (pip install 'krnl[mpi]'; the `mpi`
+marker), two ranks on this machine: the summed gradient of one step equals one process's on the
+global batch, 10 steps of `krnl train` give one process's adapter and metrics (with dropout
+too: the same masks), a 2-rank
+checkpoint resumes with 1 rank, a rank killed with -9 or hanging ends the run, ranks whose
+parameters differ stop it, and ranks sharing a machine split its cores."""
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from krnl import dist
+
+HERE = Path(__file__).parent
+TRAIN = ["train", "--iters", "10", "--warmup", "2", "--steps-per-eval", "5", "--save-every", "5", "--quiet",
+         "--train-samples", "128", "--lora-rank", "4", "--batch-size", "8", "--dtype", "f32", "--device", "cpu",
+         "--no-tune"]
+
+
+# ---- one process, no MPI needed
+
+
+def test_dist_world_of_one_process(monkeypatch):
+    for size_var, rank_var in dist._LAUNCHER_VARS:
+        monkeypatch.delenv(size_var, raising=False)
+    assert dist.launcher_size() == (1, 0)
+    monkeypatch.setenv("PMI_SIZE", "3")
+    monkeypatch.setenv("PMI_RANK", "2")
+    assert dist.launcher_size() == (3, 2)
+    w = dist.World()
+    assert (w.rank, w.size, w.root, w.describe()) == (0, 1, True, "")
+    a = np.arange(5.0)
+    assert w.allreduce(a) is a and w.bcast("x") == "x" and w.on_root(lambda: 7, "seven") == 7
+    w.check_same("parameters", b"anything", 0)  # nothing to compare with
+
+
+def test_dist_slice_takes_each_ranks_rows():
+    w = dist.World()
+    w.rank, w.size = 1, 3
+    ids, tg = np.arange(12).reshape(6, 2), -np.arange(12).reshape(6, 2)
+    got = w.slice((ids, tg))
+    np.testing.assert_array_equal(got[0], ids[2:4])
+    np.testing.assert_array_equal(got[1], tg[2:4])
+    with pytest.raises(ValueError, match=r"\[dist\] a batch of 7 rows does not divide among 3 ranks"):
+        w.slice((np.zeros((7, 2)), np.zeros((7, 2))))
+
+
+def test_dist_names_a_dead_rank_on_this_machine():
+    """The watchdog's message: a peer whose process is gone is named with its pid."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    w = dist.World()
+    host = socket.gethostname()
+    w.rank, w.size, w.peers = 0, 3, [(host, os.getpid()), (host, gone.pid), ("elsewhere", 1)]
+    said = w.missing_ranks()
+    assert f"rank 1 (pid {gone.pid}) died" in said and "ranks 2 run elsewhere" in said
+
+
+def test_dist_without_mpi4py_says_how_to_install_it(tmp_path):
+    """N > 1 ranks from a launcher and no mpi4py: one line naming the package to install."""
+    code = "import sys; sys.modules['mpi4py'] = None\nfrom krnl.cli import main\nsys.exit(main(sys.argv[1:]))"
+    env = dict(os.environ, PMI_SIZE="2", PMI_RANK="0")
+    r = subprocess.run([sys.executable, "-c", code] + TRAIN + ["--adapter-path", str(tmp_path / "a")],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 1
+    assert ("krnl train: error: [dist] an MPI launcher started 2 ranks (this is rank 0) but mpi4py is not "
+            "installed: pip install 'krnl[mpi]'") in r.stderr
+
+
+# ---- two ranks under mpiexec
+
+
+def _mpiexec():
+    pytest.importorskip("mpi4py")
+    beside = Path(sys.executable).parent / "mpiexec"
+    found = str(beside) if beside.exists() else shutil.which("mpiexec")
+    if found is None:
+        pytest.skip("no mpiexec (pip install 'krnl[mpi]' brings MPICH's)")
+    return found
+
+
+def _env(**extra):
+    # One thread per rank: two ranks share this machine's cores.
+    return dict(os.environ, KRNL_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", **extra)
+
+
+def _krnl(n, args, timeout=600, launcher=(), **env):
+    cmd = [sys.executable, "-m", "krnl"] + list(args)
+    if n > 1:
+        cmd = [_mpiexec(), *launcher, "-n", str(n)] + cmd
+    return subprocess.run(cmd, capture_output=True, text=True, env=_env(**env), timeout=timeout)
+
+
+def _rows(out):
+    return [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+def _adapter(out):
+    from safetensors.numpy import load_file
+
+    return load_file(str(Path(out) / "adapter_model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The same 10-step run (global batch 8) by one process and by two ranks."""
+    _mpiexec()
+    root = tmp_path_factory.mktemp("dist")
+    for n in (1, 2):
+        r = _krnl(n, TRAIN + ["--adapter-path", str(root / f"n{n}")])
+        assert r.returncode == 0, r.stderr[-3000:]
+    return root / "n1", root / "n2"
+
+
+@pytest.mark.mpi
+def test_dist_gradient_sum_equals_one_process(tmp_path):
+    """StepRunner.reduce: the ranks' gradients of two micro-batches (6 rows each, unequal target
+    counts per row and per rank), summed, equal one process's on the global batch: each
+    parameter within 1e-5 of its norm, the loss within 1e-6."""
+    worker = str(HERE / "dist_worker.py")
+    one = subprocess.run([sys.executable, worker, str(tmp_path / "one.npz")], env=_env(), timeout=300)
+    two = subprocess.run([_mpiexec(), "-n", "2", sys.executable, worker, str(tmp_path / "two.npz")], env=_env(),
+                         timeout=300)
+    assert one.returncode == 0 and two.returncode == 0
+    a, b = np.load(tmp_path / "one.npz"), np.load(tmp_path / "two.npz")
+    assert abs(float(a["loss"]) - float(b["loss"])) <= 1e-6 * abs(float(a["loss"]))
+    for off, size in a["offsets"]:
+        x, y = a["grads"][off:off + size], b["grads"][off:off + size]
+        assert np.linalg.norm(x) > 0
+        assert np.linalg.norm(x - y) <= 1e-5 * np.linalg.norm(x)
+
+
+@pytest.mark.mpi
+def test_dist_two_ranks_train_like_one_process(runs):
+    """10 steps: the same learning rates, losses, validation losses and gradient norms, and the
+    same adapter. Adam's first steps divide each gradient element by its own magnitude, so an
+    element whose gradient is near zero turns f32 rounding (the ranks sum their halves in
+    another order) into a visible difference: the adapter is held to 1e-3 of each tensor's norm,
+    the gradient itself to 1e-5 (test_dist_gradient_sum_equals_one_process)."""
+    one, two = runs
+    r1, r2 = _rows(one), _rows(two)
+    assert [r["step"] for r in r2] == list(range(1, 11))
+    for x, y in zip(r1, r2):
+        assert x["lr"] == y["lr"]
+        assert abs(x["loss"] - y["loss"]) <= 1e-5 * abs(x["loss"])
+        assert abs(x["grad_norm"] - y["grad_norm"]) <= 1e-4 * x["grad_norm"]
+        assert ("val_loss" in x) == ("val_loss" in y)
+        if "val_loss" in x:
+            assert abs(x["val_loss"] - y["val_loss"]) <= 1e-5 * x["val_loss"]
+    a, b = _adapter(one), _adapter(two)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert np.linalg.norm(a[k] - b[k]) <= 1e-3 * np.linalg.norm(a[k]), k
+    state = json.loads((two / "checkpoints" / "step-00000010" / "trainer.json").read_text())
+    assert state["world_size"] == 2
+
+
+@pytest.mark.mpi
+def test_dist_resume_two_ranks_with_one(runs, tmp_path):
+    """The 2-rank run's step-5 checkpoint resumed by one process: the same samples and learning
+    rates from step 6 on, losses within 1e-6 of the uninterrupted 2-rank run's (relative)."""
+    _, two = runs
+    out = tmp_path / "resumed"
+    shutil.copytree(two, out)
+    r = _krnl(1, TRAIN + ["--adapter-path", str(out), "--resume-from", "5"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "checkpoint written by 2 ranks, continuing with 1" in r.stdout
+    before, after = _rows(two), _rows(out)
+    assert [x["step"] for x in after] == list(range(1, 11))
+    for x, y in zip(before[5:], after[5:]):
+        assert x["lr"] == y["lr"]
+        assert abs(x["loss"] - y["loss"]) <= 1e-6 * abs(x["loss"])
+
+
+@pytest.mark.mpi
+def test_dist_refuses_an_uneven_batch(tmp_path):
+    r = _krnl(2, TRAIN + ["--adapter-path", str(tmp_path / "a"), "--batch-size", "7"], timeout=120)
+    assert r.returncode != 0
+    assert "[train] --batch-size 7 (the global batch) does not divide among 2 ranks" in r.stderr
+
+
+@pytest.mark.mpi
+def test_dist_dropout_masks_are_the_global_batchs(tmp_path):
+    """LoRA dropout 0.2 with 2 micro-batches a step: each rank's slice draws the masks one
+    process draws for those rows (seed_offset's first row), so 10 steps give one process's
+    losses (1e-5) and adapter (each tensor within 1e-5 of its norm); other masks would move the
+    first step's loss by far more."""
+    extra = ["--lora-dropout", "0.2", "--grad-accumulation", "2"]
+    for n in (1, 2):
+        r = _krnl(n, TRAIN + extra + ["--adapter-path", str(tmp_path / f"n{n}")])
+        assert r.returncode == 0, r.stderr[-3000:]
+    for x, y in zip(_rows(tmp_path / "n1"), _rows(tmp_path / "n2")):
+        assert abs(x["loss"] - y["loss"]) <= 1e-5 * abs(x["loss"])
+    a, b = _adapter(tmp_path / "n1"), _adapter(tmp_path / "n2")
+    for k in a:
+        assert np.linalg.norm(a[k] - b[k]) <= 1e-5 * np.linalg.norm(a[k]), k
+
+
+@pytest.mark.mpi
+def test_dist_ranks_with_different_parameters_stop(tmp_path):
+    """Rank 1 starts from another seed (another LoRA initialisation): the hash check before the
+    first step stops both."""
+    common = ["--adapter-path", str(tmp_path / "a")]
+    r = subprocess.run(
+        [_mpiexec(), "-n", "1", sys.executable, "-m", "krnl"] + TRAIN + common + ["--seed", "0"]
+        + [":", "-n", "1", sys.executable, "-m", "krnl"] + TRAIN + common + ["--seed", "1"],
+        capture_output=True, text=True, env=_env(), timeout=120)
+    assert r.returncode != 0
+    assert "[dist] step 0: the ranks' parameters differ (ranks 0:" in r.stderr
+
+
+def _start(tmp_path, **env):
+    """A long 2-rank run; returns (process, {rank: pid}) once it is in its step loop."""
+    out = tmp_path / "a"
+    args = [a if a != "10" else "100000" for a in TRAIN]  # --iters
+    p = subprocess.Popen([_mpiexec(), "-n", "2", sys.executable, "-m", "krnl"] + args + ["--adapter-path", str(out)],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(**env))
+    line = ""
+    while "ranks (data parallel)" not in line:
+        line = p.stdout.readline()
+        assert line or p.poll() is None, "the run ended before it started"
+    pids = {int(r): int(pid) for r, pid in re.findall(r"rank (\d+) pid (\d+)", line)}
+    deadline = time.monotonic() + 120
+    while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().strip()):
+        assert time.monotonic() < deadline and p.poll() is None
+        time.sleep(0.1)
+    return p, pids
+
+
+@pytest.mark.mpi
+def test_dist_killed_rank_ends_the_run(tmp_path):
+    """kill -9 of rank 1: the run ends non-zero within 60 s; the launcher's message names the
+    pid, which the run's first line maps to rank 1."""
+    p, pids = _start(tmp_path)
+    try:
+        os.kill(pids[1], signal.SIGKILL)
+        out, _ = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode != 0
+    assert f"PID {pids[1]} " in out
+
+
+@pytest.mark.mpi
+def test_dist_hung_rank_ends_the_run(tmp_path):
+    """Rank 1 stopped (SIGSTOP): rank 0 waits KRNL_DIST_TIMEOUT seconds in its next collective,
+    says so and exits; the launcher ends the stopped rank."""
+    p, pids = _start(tmp_path, KRNL_DIST_TIMEOUT="3")
+    try:
+        os.kill(pids[1], signal.SIGSTOP)
+        out, _ = p.communicate(timeout=60)
+    finally:
+        p.kill()
+        try:
+            os.kill(pids[1], signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert p.returncode != 0
+    # the collective rank 0 waits in depends on where rank 1 stopped
+    assert re.search(r"krnl train: error: \[dist\] rank 0: waited 3 s in the (gradient allreduce|validation|"
+                     r"parameters hash check) of step \d+", out), out[-2000:]
+    assert "no other rank on this machine died" in out
+
+
+@pytest.mark.mpi
+def test_dist_ranks_sharing_a_machine_split_its_cores():
+    """Without KRNL_NUM_THREADS, each of 2 ranks on this machine sizes its thread pool to half
+    the cores (set by dist.world() before the pool starts)."""
+    # rank 0 prints every rank's line (two ranks' prints to one pipe may interleave)
+    code = ("import os, krnl\nfrom krnl import dist\nw = dist.world()\nkrnl.device('cpu')\n"
+            "got = w.comm.gather(f'threads {w.rank} {krnl.num_threads()} {os.cpu_count()}')\n"
+            "print('\\n'.join(got) if w.root else '')")
+    env = {k: v for k, v in os.environ.items() if k != "KRNL_NUM_THREADS"}
+    r = subprocess.run([_mpiexec(), "-n", "2", sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = sorted(line.split()[1:] for line in r.stdout.splitlines() if line.startswith("threads"))
+    assert [g[0] for g in got] == ["0", "1"]
+    assert all(int(g[1]) == max(1, int(g[2]) // 2) for g in got)

@@ -62,6 +62,27 @@ def random_b(model, seed):
     return st
 
 
+def check_lora_gradients(folder, targets, n_layers, batch, loss_rtol, grad_rtol, grad_checkpoint=False,
+                         **model_attrs):
+    """The family tests' PEFT gradient check: krnl's model of `folder` on the CPU with LoRA r=3,
+    alpha 5 on `targets` (B factors off zero), `model_attrs` set on it first (fused_attention,
+    attn_block), one step on batch = (ids, labels, targets), against assert_peft_gradients."""
+    import krnl
+    from krnl import hf
+    from krnl.model import LoraConfig
+    from conftest import lora_step
+
+    lora = LoraConfig(r=3, alpha=5.0, target_modules=targets)
+    m = hf.load_model(folder, krnl.device("cpu"), lora=lora, grad_checkpoint=grad_checkpoint)
+    for k, v in model_attrs.items():
+        setattr(m, k, v)
+    st = random_b(m, 1)
+    ids, labels, tg = batch
+    loss, grads = lora_step(m, ids, tg)
+    assert_peft_gradients(folder, lora, st, ids, labels, loss, grads, 2 * len(targets) * n_layers, loss_rtol,
+                          grad_rtol)
+
+
 def assert_peft_gradients(folder, lora, state, ids, labels, loss, grads, n_factors, loss_rtol, grad_rtol,
                           **peft_kw):
     """krnl's loss and LoRA gradients (`grads`, PEFT names) against PyTorch autograd through

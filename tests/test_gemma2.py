@@ -21,7 +21,7 @@ from krnl import hf
 from krnl.model import ALL_MODULES, LoraConfig, ModelConfig, lora_key
 
 from conftest import METAL_SIM, lora_step, tiny_lora_model
-from hf_families import (assert_peft_gradients, hf_model, random_b, save_random, token_batch, torch_loss,
+from hf_families import (check_lora_gradients, hf_model, random_b, save_random, token_batch, torch_loss,
                          torch_modules)
 from mlx_folders import make_base, write_data, write_tokenizer
 
@@ -201,15 +201,8 @@ def test_loss_without_attention_softcap_takes_the_fused_window(folders, tmp_path
 def test_lora_gradients_match_peft(folders, name, ckpt, block):
     """All seven targets; PyTorch autograd through PEFT's LoRA on transformers' model; block > 0:
     the soft-capped attention in query row blocks."""
-    folder = folders[name]
-    lora = LoraConfig(r=3, alpha=5.0, target_modules=ALL_MODULES)
-    m = hf.load_model(folder, krnl.device("cpu"), lora=lora, grad_checkpoint=ckpt)
-    m.attn_block = block
-    st = random_b(m, 1)
-    ids, labels, targets = _batch(2)
-    loss, grads = lora_step(m, ids, targets)
-    n_factors = 2 * 7 * CONFIGS[name]["num_hidden_layers"]
-    assert_peft_gradients(folder, lora, st, ids, labels, loss, grads, n_factors, LOSS_RTOL, GRAD_RTOL)
+    check_lora_gradients(folders[name], ALL_MODULES, CONFIGS[name]["num_hidden_layers"], _batch(2), LOSS_RTOL, GRAD_RTOL,
+                         grad_checkpoint=ckpt, attn_block=block)
 
 
 @pytest.mark.torch

@@ -20,7 +20,7 @@ from krnl import hf
 from krnl.model import LoraConfig, ModelConfig, lora_key
 
 from conftest import METAL_SIM, lora_step, tiny_lora_model
-from hf_families import (assert_peft_gradients, hf_model, random_b, save_random, token_batch, torch_loss,
+from hf_families import (check_lora_gradients, hf_model, random_b, save_random, token_batch, torch_loss,
                          torch_modules)
 from mlx_folders import write_data, write_tokenizer
 
@@ -180,15 +180,8 @@ def test_loss_matches_transformers(folders, name, T):
 @pytest.mark.parametrize("name, fused, ckpt", [("gqa", False, False), ("longrope", True, True)])
 def test_lora_gradients_match_peft(folders, name, fused, ckpt):
     """The four fused targets; PyTorch autograd through PEFT's LoRA on transformers' model."""
-    folder = folders[name]
-    lora = LoraConfig(r=3, alpha=5.0, target_modules=PHI3_MODULES)
-    m = hf.load_model(folder, krnl.device("cpu"), lora=lora, grad_checkpoint=ckpt)
-    m.fused_attention = fused
-    st = random_b(m, 1)
-    ids, labels, targets = _batch(2)
-    loss, grads = lora_step(m, ids, targets)
-    n_factors = 2 * 4 * CONFIGS[name]["num_hidden_layers"]
-    assert_peft_gradients(folder, lora, st, ids, labels, loss, grads, n_factors, LOSS_RTOL, GRAD_RTOL)
+    check_lora_gradients(folders[name], PHI3_MODULES, CONFIGS[name]["num_hidden_layers"], _batch(2), LOSS_RTOL, GRAD_RTOL,
+                         grad_checkpoint=ckpt, fused_attention=fused)
 
 
 @pytest.mark.torch

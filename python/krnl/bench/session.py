@@ -378,12 +378,11 @@ class Session:
         self.log("krnl bench: qlora")
         for r in qlora.run(self.dev, self.dtype, quick=self.quick, peers="torch" in self.peers, log=self.log,
                             profile=profile):
-            peak, loss = r.pop("peak_bytes", None), r.pop("loss", None)
+            peak, loss, vs = r.pop("peak_bytes", None), r.pop("loss", None), r.pop("peak_vs_krnl", None)
             peak = peak if is_gpu(self.dev) else None  # the CPU's pool holds only part of a CPU run's memory
             note = ", ".join(x for x in (f"peak {peak / 2**30:.2f} GiB" if peak else "",
-                                         f"x{r.pop('peak_vs_krnl'):.2f} krnl's peak" if r.get("peak_vs_krnl") else "",
+                                         f"x{vs:.2f} krnl's peak" if vs else "",
                                          f"loss {loss:.3f}" if loss is not None else "") if x)
-            r.pop("peak_vs_krnl", None)
             self._row("qlora", r.pop("impl"), note=note, peak_bytes=peak, loss=loss, **r)
 
     def _profile(self, case, name):

@@ -126,11 +126,15 @@ kernel void ew_dropout(device const T*             x      [[buffer(0)]],
 
 // out (B, A, D) = x (A, B, D): thread (tx, b, a) copies row x[a, b, :] to out[b, a, :], striding
 // over D by the grid's x extent. Whole rows move, so a row of 4-element vectors when D % 4 == 0
-// (rows then start 4-element aligned).
+// (rows then start 4-element aligned). A row of a head h < rotate instead moves as rope's pairs
+// (i, i + R), turned on the way by theta = sign * positions[t] * inv_freq[i], computed as
+// rope.metal computes it, then dims >= 2R copy.
 template <typename T>
-kernel void transpose_heads(device const T*              x    [[buffer(0)]],
-                            device T*                    out  [[buffer(1)]],
-                            constant TransposeHeadsArgs& args [[buffer(2)]],
+kernel void transpose_heads(device const T*              x         [[buffer(0)]],
+                            device T*                    out       [[buffer(1)]],
+                            constant TransposeHeadsArgs& args      [[buffer(2)]],
+                            device const int*            positions [[buffer(3)]],
+                            device const float*          inv_freq  [[buffer(4)]],
                             uint3 gid [[thread_position_in_grid]],
                             uint3 gsz [[threads_per_grid]])
 {
@@ -140,7 +144,18 @@ kernel void transpose_heads(device const T*              x    [[buffer(0)]],
     if (a >= A || b >= B) return;
     device const T* src = x + ((ulong)a * B + b) * D;
     device T*       dst = out + ((ulong)b * A + a) * D;
-    if ((D & 3) == 0) {
+    const uint h = args.heads_axis == 1 ? b : a;
+    if (h < args.rotate) {
+        const uint R = args.R, t = args.heads_axis == 1 ? a : b;
+        for (uint i = gid.x; i < R; i += gsz.x) {
+            const float theta = args.sign * float(positions[t]) * inv_freq[i];
+            const float c = precise::cos(theta), s = precise::sin(theta);
+            const float lo = float(src[i]), hi = float(src[i + R]);
+            dst[i]     = T(lo * c - hi * s);
+            dst[i + R] = T(hi * c + lo * s);
+        }
+        for (uint i = 2 * R + gid.x; i < D; i += gsz.x) dst[i] = src[i];
+    } else if ((D & 3) == 0) {
         device const T4* s4 = (device const T4*)src;
         device T4*       d4 = (device T4*)dst;
         for (uint i = gid.x; i < D / 4; i += gsz.x) d4[i] = s4[i];

@@ -205,11 +205,17 @@ struct DropoutArgs {
     uint32_t row_width;   // use_offset and row_width > 0: offset[2] is x's first row in its batch
 };
 
-// transpose_heads: out (B, A, D) = x (A, B, D) with the first two axes swapped.
+// transpose_heads: out (B, A, D) = x (A, B, D) with the first two axes swapped. Rows of heads
+// h < rotate turn as rope turns them (positions (T,) i32 and inv_freq (R,) f32 bound at 3 and
+// 4): h is b with heads_axis 1 (x (T, H, D)), else a; t is the other index.
 struct TransposeHeadsArgs {
     uint32_t A;
     uint32_t B;
     uint32_t D;
+    uint32_t rotate;      // 0: a plain copy (positions and inv_freq not read)
+    uint32_t R;
+    uint32_t heads_axis;
+    float    sign;
 };
 
 // quantized_matmul: out (N, M) = x (N, K) op(W) + beta * out, W (O, I) from packed codes

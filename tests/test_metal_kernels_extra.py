@@ -185,11 +185,16 @@ TH_SHAPES = [(1, 1, 1), (3, 5, 1), (2, 31, 31), (33, 2, 33), (4, 3, 128), (1, 12
              (3, 7, 2), (8, 256, 64)]
 
 
-def transpose_run(lib, dt, x, tx, ty=4):
+UNBOUND = np.zeros(1, np.int32)  # positions and inv_freq's slots when nothing turns (never read)
+
+
+def transpose_run(lib, dt, x, tx, ty=4, rope=None):
+    """rope: (positions, inv_freq, rotate, sign, heads_axis) or None for a plain move."""
     A, B, D = x.shape
     out = np.full((B, A, D), np.nan, DT[dt])
+    pos, inv, rot, sign, axis = rope or (UNBOUND, UNBOUND.view(np.float32), 0, 1.0, 1)
     lib.dispatch_threads(f"transpose_heads_{dt}", (tx, B, A), (tx, min(ty, B), 1),
-                         [x, out, TransposeHeadsArgs(A, B, D)])
+                         [x, out, TransposeHeadsArgs(A, B, D, rot, len(inv) if rope else 0, axis, sign), pos, inv])
     return out
 
 
@@ -212,13 +217,40 @@ def test_transpose_heads_metal_any_x_extent(libs, dt):
             np.testing.assert_array_equal(bits(transpose_run(libs["elementwise"], dt, x, tx, ty=2)), ref)
 
 
+@pytest.mark.parametrize("dt", ["f32", "f16"])
+@pytest.mark.parametrize("axis", [1, 0])
+def test_transpose_heads_metal_rope_any_x_extent(libs, dt, axis):
+    """RoPE on the way (heads h < rotate): the x extent only sets the stride over the pairs and
+    the copied tail, so every extent gives the same bits; the turned rows match a float64
+    rotate_half within f32 arithmetic plus the output's rounding, the other rows are moved."""
+    T, H, D, R, rot = 7, 5, 20, 6, 3
+    shape = (T, H, D) if axis == 1 else (H, T, D)
+    x = random_bits(dt, shape)
+    x[~np.isfinite(x)] = 1.0
+    pos = (np.arange(T, dtype=np.int32) * 37 + 5)
+    inv = (1.0 / 10000.0 ** (np.arange(R) / R)).astype(np.float32)
+    sign = 1.0 if axis == 1 else -1.0
+    runs = [transpose_run(libs["elementwise"], dt, x, tx, ty=2, rope=(pos, inv, rot, sign, axis)) for tx in (1, 4, 64)]
+    for r in runs[1:]:
+        np.testing.assert_array_equal(bits(r), bits(runs[0]))
+    heads = (x.transpose(1, 0, 2) if axis == 1 else x).astype(np.float64)   # (H, T, D)
+    got = runs[0] if axis == 1 else runs[0].transpose(1, 0, 2)
+    th = sign * pos[:, None].astype(np.float64) * inv[None, :]
+    c, s_ = np.cos(th), np.sin(th)
+    a, b = heads[:rot, :, :R], heads[:rot, :, R:2 * R]
+    ref = np.concatenate([a * c - b * s_, b * c + a * s_, heads[:rot, :, 2 * R:]], axis=-1)
+    tol = (1e-3 if dt == "f16" else 1e-6) * np.max(np.abs(heads))
+    np.testing.assert_allclose(got[:rot].astype(np.float64), ref, rtol=0, atol=tol)
+    np.testing.assert_array_equal(bits(np.ascontiguousarray(got[rot:])), bits(np.ascontiguousarray(heads[rot:].astype(DT[dt]))))
+
+
 def test_transpose_heads_metal_extra_threads_write_nothing(libs):
     """dispatchThreadgroups past A and B (and D): the bounds checks keep off the guarded ends."""
     A, B, D = 3, 5, 7
     x = random_bits("f16", (A, B, D))
     out = np.zeros(B * A * D + 8, np.float16)
     libs["elementwise"].dispatch("transpose_heads_f16", grid=(1, 2, 2), threads=(16, 4, 2),
-                                 buffers=[x, out, TransposeHeadsArgs(A, B, D)])
+                                 buffers=[x, out, TransposeHeadsArgs(A, B, D), UNBOUND, UNBOUND])
     np.testing.assert_array_equal(bits(out[:B * A * D]), bits(np.ascontiguousarray(x.transpose(1, 0, 2))).ravel())
     np.testing.assert_array_equal(out[B * A * D:], 0)
 

@@ -2103,6 +2103,68 @@ def test_transpose_heads(dev, dt, shape):
     np.testing.assert_array_equal(back.numpy(), t.numpy())
 
 
+TH_ROPE_CASES = [  # (T, heads, D, rotary dims, heads turned)
+    (1, 1, 2, 2, 1),
+    (31, 5, 64, 64, 4),       # q and k heads turned, v's copied
+    (33, 3, 128, 128, 3),
+    (127, 6, 32, 32, 2),
+    (33, 4, 33, 16, 3),       # partial rotary, odd D: the scalar path and a copied tail
+]
+
+
+@pytest.mark.parametrize("dt", FLOAT_DTYPES)
+@pytest.mark.parametrize("heads_axis", [1, 0])
+@pytest.mark.parametrize("T,NH,D,rot,turn", TH_ROPE_CASES)
+def test_transpose_heads_rope(dev, T, NH, D, rot, turn, heads_axis, dt):
+    """transpose_heads with RoPE on the way: the transposed rows of heads h < rotate match the
+    float64 oracle of rope (sign +1 token-major in, -1 head-major in, as the layer calls it), the
+    other heads move bit for bit, and the result equals a plain transpose and ops.rope."""
+    rng = np.random.default_rng(19)
+    sign = 1.0 if heads_axis == 1 else -1.0
+    pos = positions_of("offset", T)
+    inv_freq = hf_inv_freq(rot)
+    pos_t, inv_t = to_dev(dev, pos, "i32"), to_dev(dev, inv_freq, "f32")
+    shape = (T, NH, D) if heads_axis == 1 else (NH, T, D)
+    x, xf = upload(dev, rng.standard_normal(shape), dt)
+    out = dev.empty((shape[1], shape[0], D), dt)
+    ops.transpose_heads(x, out, pos_t, inv_t, turn, sign, heads_axis)
+    got = read(out)
+    heads = xf.transpose(1, 0, 2) if heads_axis == 1 else xf                    # (NH, T, D)
+    ref = rope_ref(heads[:turn], pos, inv_freq, sign)
+    got_heads = got if heads_axis == 1 else got.transpose(1, 0, 2)              # (NH, T, D)
+    assert_close(got_heads[:turn], ref, rtol=0.0, atol=rope_bound(dt, heads[:turn], ref, pos, inv_freq),
+                 what="turned heads")
+    np.testing.assert_array_equal(got_heads[turn:], heads[turn:])
+    # The unfused pair the layer used before: rope after (forward) or before (backward) the move.
+    plain = dev.empty(out.shape, dt)
+    if heads_axis == 1:
+        ops.transpose_heads(x, plain)
+        ops.rope(plain[:turn], pos_t, inv_t, sign)
+    else:
+        y, _ = upload(dev, xf, dt)
+        ops.rope(y[:turn], pos_t, inv_t, sign)
+        ops.transpose_heads(y, plain)
+    one_ulp = UNIT_ROUNDOFF[dt] * 2 * float(np.max(np.abs(got)))
+    assert_close(got, read(plain), rtol=0.0, atol=one_ulp, what="fused vs transpose + rope")
+
+
+def test_transpose_heads_rope_rejects_bad_calls(dev):
+    x, out = dev.empty((4, 3, 8)), dev.empty((3, 4, 8))
+    pos, inv = to_dev(dev, np.arange(4, dtype=np.int32), "i32"), to_dev(dev, hf_inv_freq(8), "f32")
+    with pytest.raises(ValueError, match=r"^\[transpose_heads\] positions and inv_freq come together"):
+        ops.transpose_heads(x, out, pos, None, 2)
+    with pytest.raises(ValueError, match=r"^\[transpose_heads\] rotate=2 needs positions and inv_freq"):
+        ops.transpose_heads(x, out, rotate=2)
+    with pytest.raises(ValueError, match=r"^\[transpose_heads\] rotate must be in \[0, 3\]"):
+        ops.transpose_heads(x, out, pos, inv, 4)
+    with pytest.raises(ValueError, match=r"^\[transpose_heads\] positions must have shape \(3,\)"):
+        ops.transpose_heads(x, out, pos, inv, 2, -1.0, 0)  # x (H, T, D): positions index its axis 1
+    with pytest.raises(ValueError, match=r"^\[transpose_heads\] heads_axis must be 0 or 1"):
+        ops.transpose_heads(x, out, pos, inv, 2, 1.0, 2)
+    with pytest.raises(ValueError, match=r"^\[transpose_heads\] sign must be"):
+        ops.transpose_heads(x, out, pos, inv, 2, 0.5)
+
+
 def test_transpose_heads_rejects_bad_calls(dev):
     x = dev.empty((4, 3, 8))
     with pytest.raises(ValueError, match=r"^\[transpose_heads\] out must have shape \(3, 4, 8\)"):

@@ -80,8 +80,11 @@ void bind_ops(nb::module_& parent) {
   m.def("quantized_embedding", &ops::quantized_embedding, release, "ids"_a, "w"_a, "scales"_a, "biases"_a, "out"_a,
         "group_size"_a = 64, "bits"_a = 4,
         "out (n, C) = rows ids (n,) of a table (V, C) quantized as quantized_matmul's W, dequantized.");
-  m.def("transpose_heads", &ops::transpose_heads, release, "x"_a, "out"_a,
-        "out (B, A, D) = x (A, B, D) with the first two axes swapped, e.g. (T, H, D) <-> (H, T, D).");
+  m.def("transpose_heads", &ops::transpose_heads, release, "x"_a, "out"_a, "positions"_a = nb::none(),
+        "inv_freq"_a = nb::none(), "rotate"_a = 0, "sign"_a = 1.0f, "heads_axis"_a = 1,
+        "out (B, A, D) = x (A, B, D) with the first two axes swapped, e.g. (T, H, D) <-> (H, T, D). With\n"
+        "positions (T,) and inv_freq (R,), the rows of heads h < rotate also get rope's rotation (sign) on\n"
+        "the way; heads_axis is x's head axis (1: x (T, H, D), 0: x (H, T, D)).");
   m.def("fill", &ops::fill, release, "x"_a, "value"_a);
   m.def("dropout", &ops::dropout, release, "x"_a, "out"_a, "p"_a, "seed"_a, "seed_offset"_a = nb::none(),
         "out = x * keep / (1 - p); keep is a hash of (seed, index), so the same call on dy is the backward.\n"

@@ -43,7 +43,10 @@
 //   replace lr, weight_decay, step and grad_scale, clip by the global norm on the device, and skip
 //   the whole update (nothing written) when flag[0] != 0 or sq[0] is not finite.
 // - transpose_heads: out (B, A, D) = x (A, B, D) with the first two axes swapped: token-major
-//   (T, H, D) projections to head-major (H, T, D) attention operands and back.
+//   (T, H, D) projections to head-major (H, T, D) attention operands and back. With positions
+//   (T,) i32 and inv_freq (R,) f32 the rows of heads h < rotate also turn as `rope` turns them
+//   (sign +1 forward, -1 backward) on the way: one pass instead of a transpose and two ropes.
+//   heads_axis names x's head axis (1: x (T, H, D), 0: x (H, T, D)); positions index the other.
 #pragma once
 
 // Every op. gemm comes apart from the rest: the backend gets the router's GemmArgs, while the
@@ -80,7 +83,8 @@
   X(axpy, (float alpha, const Tensor& x, const Tensor& y))                                                          \
   X(scale, (const Tensor& x, float alpha, const Tensor& out))                                                       \
   X(cast, (const Tensor& x, const Tensor& out))                                                                     \
-  X(transpose_heads, (const Tensor& x, const Tensor& out))                                                          \
+  X(transpose_heads, (const Tensor& x, const Tensor& out, const Tensor* positions, const Tensor* inv_freq,          \
+                      int64_t rotate, float sign, int64_t heads_axis))                                              \
   X(quantized_matmul, (const Tensor& x, const Tensor& w, const Tensor& scales, const Tensor& biases,                 \
                        const Tensor& out, bool transpose, int64_t group_size, int64_t bits, float beta))            \
   X(quantized_embedding, (const Tensor& ids, const Tensor& w, const Tensor& scales, const Tensor& biases,            \

@@ -553,14 +553,34 @@ void quantized_embedding(const Tensor& ids, const Tensor& w, const Tensor& scale
       2.0 * nbytes({&out}), out.dtype(), [&] { c.dev->quantized_embedding(ids, w, scales, biases, out, group_size, bits); });
 }
 
-void transpose_heads(const Tensor& x, const Tensor& out) {
+void transpose_heads(const Tensor& x, const Tensor& out, const Tensor* positions, const Tensor* inv_freq,
+                     int64_t rotate, float sign, int64_t heads_axis) {
   Check c{"transpose_heads"};
   c.tensor("x", x), c.tensor("out", out);
   if (x.dim() != 3) c.fail("x must be 3-D (A, B, D), got " + x.describe());
   c.shape("out", out, {x.size(1), x.size(0), x.size(2)});
   c.same_dtype("out", out, "x", x);
   if (x.storage() == out.storage() && x.numel() > 0) c.fail("out must not share memory with x");
-  run(c, shape_str(x.shape()), 0, nbytes({&x, &out}), x.dtype(), [&] { c.dev->transpose_heads(x, out); });
+  if (bool(positions) != bool(inv_freq)) c.fail("positions and inv_freq come together (RoPE on the way) or not at all");
+  if (!positions) {
+    if (rotate != 0) c.fail("rotate=" + std::to_string(rotate) + " needs positions and inv_freq");
+  } else {
+    c.tensor("positions", *positions), c.tensor("inv_freq", *inv_freq);
+    c.floating("x", x);
+    if (heads_axis != 0 && heads_axis != 1) c.fail("heads_axis must be 0 or 1, got " + std::to_string(heads_axis));
+    const int64_t H = x.size(heads_axis), T = x.size(1 - heads_axis), D = x.size(2);
+    c.shape("positions", *positions, {T});
+    c.dtype("positions", *positions, {DType::i32});
+    c.dtype("inv_freq", *inv_freq, {DType::f32});
+    if (inv_freq->dim() != 1 || inv_freq->size(0) == 0 || 2 * inv_freq->size(0) > D)
+      c.fail("inv_freq must be 1-D with 1 to D/2 = " + std::to_string(D / 2) + " entries, got " + inv_freq->describe());
+    if (rotate < 0 || rotate > H)
+      c.fail("rotate must be in [0, " + std::to_string(H) + "] (the heads), got " + std::to_string(rotate));
+    if (sign != 1.f && sign != -1.f) c.fail("sign must be +1 (forward) or -1 (backward), got " + std::to_string(sign));
+  }
+  const double flops = positions ? 6.0 * double(rotate) * double(x.numel() / x.size(heads_axis)) : 0.0;
+  run(c, shape_str(x.shape()) + (rotate ? " rope " + std::to_string(rotate) : ""), flops, nbytes({&x, &out}),
+      x.dtype(), [&] { c.dev->transpose_heads(x, out, positions, inv_freq, rotate, sign, heads_axis); });
 }
 
 void fill(const Tensor& x, double value) {

@@ -55,7 +55,8 @@ class CpuBackend : public Backend {
                         const Tensor& out, bool transpose, int64_t group_size, int64_t bits, float beta) override;
   void quantized_embedding(const Tensor& ids, const Tensor& w, const Tensor& scales, const Tensor& biases,
                            const Tensor& out, int64_t group_size, int64_t bits) override;
-  void transpose_heads(const Tensor& x, const Tensor& out) override;
+  void transpose_heads(const Tensor& x, const Tensor& out, const Tensor* positions, const Tensor* inv_freq,
+                       int64_t rotate, float sign, int64_t heads_axis) override;
   void fill(const Tensor& x, double value) override;
   void dropout(const Tensor& x, const Tensor& out, float p, uint64_t seed, const Tensor* seed_offset) override;
   void adamw_update(const AdamWArgs& a) override;

@@ -205,13 +205,16 @@ void CpuBackend::softcap_backward(const Tensor& dy, const Tensor& y, float cap, 
 
 // ---- RoPE
 
-void CpuBackend::rope(const Tensor& x, const Tensor& positions, const Tensor& inv_freq, float sign) {
-  const int64_t T = x.size(-2), D = x.size(-1), R = inv_freq.numel(), rows = rows_of(x, D);
-  if (rows == 0 || T == 0) return;
-  // cos/sin table (T, R), angles in double: positions reach 1e5+ where float angles lose digits.
+namespace {
+
+// cos/sin tables (T, R) of sign * pos[t] * inv_freq[i], angles in double: positions reach 1e5+
+// where float angles lose digits.
+void rope_table(const Tensor& positions, const Tensor& inv_freq, float sign, int64_t T, std::vector<float>& cs,
+                std::vector<float>& sn) {
+  const int64_t R = inv_freq.numel();
   const int32_t* pos = positions.ptr<int32_t>();
   const float* invf = inv_freq.ptr<float>();
-  std::vector<float> cs(size_t(T * R)), sn(size_t(T * R));
+  cs.resize(size_t(T * R)), sn.resize(size_t(T * R));
   for_rows(T, 8 * R, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t i = 0; i < R; ++i) {
@@ -220,18 +223,30 @@ void CpuBackend::rope(const Tensor& x, const Tensor& positions, const Tensor& in
         sn[size_t(t * R + i)] = float(std::sin(th));
       }
   });
+}
+
+// rotate_half of one row's first 2R values by the table row (c, s).
+inline void rope_row(float* xr, const float* c, const float* s, int64_t R) {
+  for (int64_t i = 0; i < R; ++i) {
+    const float a = xr[i], b = xr[i + R];
+    xr[i] = a * c[i] - b * s[i];
+    xr[i + R] = b * c[i] + a * s[i];
+  }
+}
+
+}  // namespace
+
+void CpuBackend::rope(const Tensor& x, const Tensor& positions, const Tensor& inv_freq, float sign) {
+  const int64_t T = x.size(-2), D = x.size(-1), R = inv_freq.numel(), rows = rows_of(x, D);
+  if (rows == 0 || T == 0) return;
+  std::vector<float> cs, sn;
+  rope_table(positions, inv_freq, sign, T, cs, sn);
   const DType dt = x.dtype();
   for_rows(rows, 2 * R, [&](int64_t r0, int64_t r1) {
     float* xs = scratch(0, 2 * R);
     for (int64_t r = r0; r < r1; ++r) {
-      const float* c = cs.data() + (r % T) * R;
-      const float* s = sn.data() + (r % T) * R;
       float* xr = inout(dt, x.data(), r * D, 2 * R, xs);  // dims >= 2R are never touched
-      for (int64_t i = 0; i < R; ++i) {
-        const float a = xr[i], b = xr[i + R];
-        xr[i] = a * c[i] - b * s[i];
-        xr[i + R] = b * c[i] + a * s[i];
-      }
+      rope_row(xr, cs.data() + (r % T) * R, sn.data() + (r % T) * R, R);
       flush(dt, xr, 2 * R, x.data(), r * D);
     }
   });
@@ -581,16 +596,27 @@ void CpuBackend::quantized_embedding(const Tensor& ids, const Tensor& w, const T
   });
 }
 
-void CpuBackend::transpose_heads(const Tensor& x, const Tensor& out) {
-  // Rows of D elements move as whole; the dtype only sets the row's byte size.
-  const int64_t A = x.size(0), B = x.size(1);
-  const size_t row = size_t(x.size(2)) * dtype_size(x.dtype());
+void CpuBackend::transpose_heads(const Tensor& x, const Tensor& out, const Tensor* positions, const Tensor* inv_freq,
+                                 int64_t rotate, float sign, int64_t heads_axis) {
+  // Rows of D elements move as whole; the dtype only sets the row's byte size. Rotated rows then
+  // turn in place at their destination, as `rope` turns them.
+  const int64_t A = x.size(0), B = x.size(1), D = x.size(2), R = inv_freq ? inv_freq->numel() : 0;
+  const size_t row = size_t(D) * dtype_size(x.dtype());
   const char* src = static_cast<const char*>(x.data());
   char* dst = static_cast<char*>(out.data());
-  for_rows(A * B, x.size(2), [&](int64_t r0, int64_t r1) {
+  std::vector<float> cs, sn;
+  if (rotate > 0) rope_table(*positions, *inv_freq, sign, heads_axis == 1 ? A : B, cs, sn);
+  const DType dt = x.dtype();
+  for_rows(A * B, D, [&](int64_t r0, int64_t r1) {
+    float* xs = rotate > 0 ? scratch(0, 2 * R) : nullptr;
     for (int64_t r = r0; r < r1; ++r) {
-      const int64_t a = r / B, b = r % B;
+      const int64_t a = r / B, b = r % B, o = (b * A + a) * int64_t(D);
       std::memcpy(dst + size_t(b * A + a) * row, src + size_t(r) * row, row);
+      const int64_t h = heads_axis == 1 ? b : a, t = heads_axis == 1 ? a : b;
+      if (h >= rotate) continue;
+      float* xr = inout(dt, out.data(), o, 2 * R, xs);
+      rope_row(xr, cs.data() + t * R, sn.data() + t * R, R);
+      flush(dt, xr, 2 * R, out.data(), o);
     }
   });
 }

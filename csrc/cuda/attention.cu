@@ -172,6 +172,55 @@ __global__ void softmax_bwd_reg_kernel(DType dt, const void* P, const void* dP, 
   }
 }
 
+// out (B, A, D) = x (A, B, D), the rows of heads h < rotate turned as rope turns them (h is b when
+// heads_axis == 1, else a; t the other index). Item j < P = R / V of a row moves the vector pair
+// (j, j + P), rotated or not; items past P copy dims >= 2R. V = 1 (scalar) or a 16-byte vector.
+template <bool VEC, bool W16>
+__global__ void transpose_heads_rope_kernel(DType dt, const void* x, void* out, int64_t A, int64_t B, int64_t D,
+                                            int64_t R, int64_t rotate, int heads_axis, const float* cs,
+                                            const float* sn) {
+  constexpr int V = VEC ? (W16 ? 8 : 4) : 1;
+  const int64_t P = R / V, items = P + (D - 2 * R) / V, n = A * B * items;
+  for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < n; k += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = k / items, j = k % items, a = r / B, b = r % B;
+    const int64_t src = r * D, dst = (b * A + a) * D;
+    float lo[V], hi[V];
+    if (j >= P) {  // dims >= 2R: a plain copy
+      const int64_t o = 2 * R + (j - P) * V;
+      if constexpr (VEC) {
+        load_vec<W16>(dt, x, src + o, lo);
+        store_vec<W16>(dt, out, dst + o, lo);
+      } else {
+        st(dt, out, dst + o, ld(dt, x, src + o));
+      }
+      continue;
+    }
+    const int64_t i0 = j * V;
+    if constexpr (VEC) {
+      load_vec<W16>(dt, x, src + i0, lo);
+      load_vec<W16>(dt, x, src + R + i0, hi);
+    } else {
+      lo[0] = ld(dt, x, src + i0), hi[0] = ld(dt, x, src + R + i0);
+    }
+    const int64_t h = heads_axis == 1 ? b : a, t = heads_axis == 1 ? a : b;
+    if (h < rotate) {
+#pragma unroll
+      for (int e = 0; e < V; ++e) {
+        const float c = cs[t * R + i0 + e], s = sn[t * R + i0 + e];
+        const float ae = lo[e];
+        lo[e] = ae * c - hi[e] * s;
+        hi[e] = hi[e] * c + ae * s;
+      }
+    }
+    if constexpr (VEC) {
+      store_vec<W16>(dt, out, dst + i0, lo);
+      store_vec<W16>(dt, out, dst + R + i0, hi);
+    } else {
+      st(dt, out, dst + i0, lo[0]), st(dt, out, dst + R + i0, hi[0]);
+    }
+  }
+}
+
 }  // namespace
 
 void CudaBackend::rope(const Tensor& x, const Tensor& positions, const Tensor& inv_freq, float sign) {
@@ -194,6 +243,31 @@ void CudaBackend::rope(const Tensor& x, const Tensor& positions, const Tensor& i
     rope_apply_kernel<<<grid_for(rows * R), kThreads, 0, stream_>>>(x.dtype(), x.data(), rows, T, D, R, cs, sn);
   }
   check_launch("rope");
+}
+
+void CudaBackend::transpose_heads_rope(const Tensor& x, const Tensor& out, const Tensor& positions,
+                                       const Tensor& inv_freq, int64_t rotate, float sign, int64_t heads_axis) {
+  const int64_t A = x.size(0), B = x.size(1), D = x.size(2), R = inv_freq.numel();
+  const int64_t T = heads_axis == 1 ? A : B;
+  Tensor tab = scratch(2 * T * R);  // cos (T, R) then sin (T, R), as rope's
+  float* cs = tab.ptr<float>();
+  float* sn = cs + T * R;
+  rope_table_kernel<<<grid_for(T * R), kThreads, 0, stream_>>>(positions.ptr<int32_t>(), inv_freq.ptr<float>(), sign,
+                                                                T, R, cs, sn);
+  const int64_t vec = vec_width(x.dtype());
+  const int ax = int(heads_axis);
+  if (R % vec == 0 && vectorizable(x.dtype(), D, {x.data(), out.data()})) {
+    const int64_t n = A * B * (R / vec + (D - 2 * R) / vec);
+#define KRNL_TH_ROPE(W)                                                                                            \
+  transpose_heads_rope_kernel<true, W><<<grid_for(n), kThreads, 0, stream_>>>(x.dtype(), x.data(), out.data(), A, B, \
+                                                                              D, R, rotate, ax, cs, sn)
+    KRNL_DISPATCH_VEC(x.dtype() != DType::f32, KRNL_TH_ROPE)
+#undef KRNL_TH_ROPE
+  } else {
+    transpose_heads_rope_kernel<false, false><<<grid_for(A * B * (D - R)), kThreads, 0, stream_>>>(
+        x.dtype(), x.data(), out.data(), A, B, D, R, rotate, ax, cs, sn);
+  }
+  check_launch("transpose_heads");
 }
 
 void CudaBackend::softmax_causal_forward(const Tensor& S, const Tensor& P, float scale, const Tensor* segments,

@@ -103,7 +103,8 @@ class CudaBackend : public Backend {
   void axpy(float alpha, const Tensor& x, const Tensor& y) override;
   void scale(const Tensor& x, float alpha, const Tensor& out) override;
   void cast(const Tensor& x, const Tensor& out) override;
-  void transpose_heads(const Tensor& x, const Tensor& out) override;
+  void transpose_heads(const Tensor& x, const Tensor& out, const Tensor* positions, const Tensor* inv_freq,
+                       int64_t rotate, float sign, int64_t heads_axis) override;
   void quantized_matmul(const Tensor& x, const Tensor& w, const Tensor& scales, const Tensor& biases,
                         const Tensor& out, bool transpose, int64_t group_size, int64_t bits, float beta) override;
   void quantized_embedding(const Tensor& ids, const Tensor& w, const Tensor& scales, const Tensor& biases,
@@ -126,6 +127,9 @@ class CudaBackend : public Backend {
   void gemm_untimed(const GemmArgs& g);  // gemm's body, for ops that end in a GEMM (quantized_matmul)
   void gemm_scale_output(const GemmArgs& g);
   void gemm_split(const GemmArgs& g);
+  // transpose_heads with RoPE on the way (attention.cu, next to rope's table).
+  void transpose_heads_rope(const Tensor& x, const Tensor& out, const Tensor& positions, const Tensor& inv_freq,
+                            int64_t rotate, float sign, int64_t heads_axis);
   void run_deferred();
 
   int device_ = 0;

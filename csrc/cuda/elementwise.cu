@@ -397,10 +397,12 @@ void CudaBackend::softcap_backward(const Tensor& dy, const Tensor& y, float cap,
   check_launch("softcap_backward");
 }
 
-void CudaBackend::transpose_heads(const Tensor& x, const Tensor& out) {
+void CudaBackend::transpose_heads(const Tensor& x, const Tensor& out, const Tensor* positions, const Tensor* inv_freq,
+                                  int64_t rotate, float sign, int64_t heads_axis) {
   OpTimer timer(this);
   const int64_t A = x.size(0), B = x.size(1), D = x.size(2), n = A * B * D;
   if (!n) return;
+  if (rotate > 0) return transpose_heads_rope(x, out, *positions, *inv_freq, rotate, sign, heads_axis);
   const size_t row = size_t(D) * dtype_size(x.dtype());
   if (row % 16 == 0 && vectorizable(DType::f32, 4, {x.data(), out.data()})) {
     const int64_t dv = int64_t(row / 16);

@@ -762,14 +762,22 @@ void MetalOps::dropout(const Tensor& x, const Tensor& out, float p, uint64_t see
   encode(std::move(d));
 }
 
-void MetalOps::transpose_heads(const Tensor& x, const Tensor& out) {
+void MetalOps::transpose_heads(const Tensor& x, const Tensor& out, const Tensor* positions, const Tensor* inv_freq,
+                               int64_t rotate, float sign, int64_t heads_axis) {
   Emit e{this, "transpose_heads"};
   // i32 moves as f32 bits (positions, ids): the kernel only copies.
   Dispatch d = e.make("elementwise", "transpose_heads_" + (x.dtype() == DType::i32 ? "f32" : e.sfx(x.dtype())));
   const int64_t A = x.size(0), B = x.size(1), D = x.size(2);
   if (x.numel() == 0) return;
   bind(d, 0, x), bind(d, 1, out);
-  d.set_args(2, TransposeHeadsArgs{u32(e.op, A, "A"), u32(e.op, B, "B"), u32(e.op, D, "D")});
+  const bool turn = rotate > 0;
+  if (turn)
+    bind(d, 3, *positions), bind(d, 4, *inv_freq);
+  else
+    bind(d, 3, x, 0), bind(d, 4, x, 0);  // must be bound; not read
+  const uint32_t R = turn ? uint32_t(inv_freq->numel()) : 0u;
+  d.set_args(2, TransposeHeadsArgs{u32(e.op, A, "A"), u32(e.op, B, "B"), u32(e.op, D, "D"), uint32_t(rotate), R,
+                                   uint32_t(heads_axis), sign});
   // One row of D per (x-lanes, b, a): the lanes stride over D (by 4 when D % 4 == 0).
   const uint32_t lanes = uint32_t(std::min<int64_t>(32, std::max<int64_t>(1, D % 4 == 0 ? D / 4 : D)));
   const uint32_t ty = std::max<uint32_t>(1, 64 / lanes);

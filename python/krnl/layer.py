@@ -307,15 +307,17 @@ def layer_forward(L, x, batch, attend: Optional[Callable] = None):
     saved, qk_saved = [], ([] if L.q_norm is not None else None)
     for b in range(B):
         r = slice(b * T, (b + 1) * T)
-        # One transpose makes every head of q, k and v head-major.
+        # One transpose makes every head of q, k and v head-major, turning q and k by RoPE on
+        # the way unless a per-head norm (Qwen3) comes between.
         heads = d.empty((NH, T, D), dt)                                   # (NH, T, D)
-        ops.transpose_heads(qkv[r].reshape(T, NH, D), heads)
+        turn = H + Hk if qk_saved is None else 0
+        ops.transpose_heads(qkv[r].reshape(T, NH, D), heads, batch.positions[b], hd.freqs(batch), turn)
         q, k, v = heads[:H], heads[H:H + Hk], heads[H + Hk:]             # (H, T, D), (Hk, T, D) x2
         if qk_saved is not None:
             q, k, rstd = qk_norm_forward(L, heads, H, Hk)
             qk_saved.append((heads, rstd))
-        ops.rope(q, batch.positions[b], hd.freqs(batch))
-        ops.rope(k, batch.positions[b], hd.freqs(batch))
+            ops.rope(q, batch.positions[b], hd.freqs(batch))
+            ops.rope(k, batch.positions[b], hd.freqs(batch))
         oh = d.empty((H, T, D), dt)                                       # (H, T, D)
         saved.append(attend(b, q, k, v, oh))
         ops.transpose_heads(oh, att[r].reshape(T, H, D))
@@ -374,11 +376,13 @@ def layer_backward(L, x, cache, dy, batch):
             dqk = d.empty((H + Hk, T, D), dt)                             # (H + Hk, T, D)
             dq, dk = dqk[:H], dqk[H:]
         saved.backward(doh, dq, dk, dv)
-        ops.rope(dq, batch.positions[b], hd.freqs(batch), -1.0)
-        ops.rope(dk, batch.positions[b], hd.freqs(batch), -1.0)
+        turn = H + Hk                                                     # the inverse RoPE on the way back
         if cache.qk is not None:
+            ops.rope(dq, batch.positions[b], hd.freqs(batch), -1.0)
+            ops.rope(dk, batch.positions[b], hd.freqs(batch), -1.0)
             qk_norm_backward(L, *cache.qk[b], dqk, dheads, H, Hk)
-        ops.transpose_heads(dheads, dqkv[r].reshape(T, NH, D))
+            turn = 0
+        ops.transpose_heads(dheads, dqkv[r].reshape(T, NH, D), batch.positions[b], hd.freqs(batch), turn, -1.0, 0)
     dxn = d.empty((N, C), dt)                                             # (N, C)
     lins, dys = [b[0] for b in L.qkv_blocks()], [dqkv[:, c0:c1] for _, c0, c1 in L.qkv_blocks()]
     first = cache.qkv_group is not None and writes_all(lins)              # LoRA first (lora_group.py)

@@ -29,8 +29,8 @@ def test_every_device_answers_every_field(name):
     assert c["dtypes"] and set(c["dtypes"]) <= set(FLOAT_DTYPES) and len(set(c["dtypes"])) == len(c["dtypes"])
     assert c["compute_dtype"] in c["dtypes"]
     fa = c["fused_attention"]
-    assert set(fa) == {"dtypes", "segments", "window", "head_dims"}
-    assert type(fa["segments"]) is bool and type(fa["window"]) is bool
+    assert set(fa) == {"dtypes", "segments", "window", "head_dims", "token_major"}
+    assert type(fa["segments"]) is bool and type(fa["window"]) is bool and type(fa["token_major"]) is bool
     assert all(type(D) is int and D > 0 for D in fa["head_dims"])
     assert set(fa["dtypes"]) <= set(c["dtypes"])
     assert c["attention_block"] >= 0
@@ -44,7 +44,7 @@ def test_cpu_values():
         c = krnl.device(name).capabilities()
         assert {k: v for k, v in c.items() if k != "details"} == {
             "kind": "cpu", "dtypes": ["f32", "f16", "bf16"], "compute_dtype": "f32",
-            "fused_attention": {"dtypes": [], "segments": True, "window": True, "head_dims": []},
+            "fused_attention": {"dtypes": [], "segments": True, "window": True, "head_dims": [], "token_major": True},
             "graphs": False, "host_visible": True,
             "synchronous": True, "queue_ordered": True, "attention_block": 128, "gemm_tuning": False}, name
         assert c["details"]["blas"] and int(c["details"]["threads"]) == krnl.num_threads()
@@ -154,7 +154,7 @@ def _with_capabilities(monkeypatch, **fields):
     monkeypatch.setattr(krnl.Device, "capabilities", fake)
 
 
-FUSED_F32 = {"dtypes": ["f32"], "segments": False, "window": False, "head_dims": []}
+FUSED_F32 = {"dtypes": ["f32"], "segments": False, "window": False, "head_dims": [], "token_major": True}
 
 
 def test_model_takes_attention_policy_from_capabilities(monkeypatch):
@@ -182,6 +182,7 @@ def test_model_takes_attention_policy_from_capabilities(monkeypatch):
     assert not tiny_lora_model(dev, "bf16").fused_attention  # fused in the listed dtypes only
     loss_fused, fused_ops = step_ops(fused)
     assert {"attention_forward", "attention_backward"} <= set(fused_ops) and "softmax_causal_forward" not in fused_ops
+    assert "transpose_heads" not in fused_ops  # token-major: q, k and v stay columns of the projection
     fused.fused_attention = False  # the materialised path, now in blocks of 4 rows: 0:4, 4:8, 8:11
     assert row_blocks(11, fused.attn_block) == [(0, 4), (4, 8), (8, 11)]
     loss_blocks, block_ops = step_ops(fused)

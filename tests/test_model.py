@@ -219,20 +219,24 @@ def test_fused_attention_path(dev, kv_heads):
     as the materialised path. The problems of test_causal_row_blocks (seed 21): at seed 22 the MHA
     case's directional dX sum cancels to 1.6e-3, where f32 rounding reaches the check's 1e-4
     bound (the fused loops land 1.5e-4 off, the materialised path just inside, the two agreeing
-    to 1e-6 of dX's largest entry)."""
+    to 1e-6 of dX's largest entry). Where the device takes token-major views (the CPU does), the
+    fused path runs on them, and the head-major fused path gives the same numbers."""
     cfg, w, lcfg, m, lora, ids, tg = make(dev, {"num_key_value_heads": kv_heads}, T=11, seed=21)
     assert not m.fused_attention  # the CPU's capabilities list no fused dtype: it keeps the materialised path
+    assert m.token_major == dev.capabilities()["fused_attention"]["token_major"]
     m.fused_attention = True
     g_fused = check_grads(m, cfg, w, lcfg, lora, ids, tg)
     dx_fused = np.array(m.d_embed_out.numpy(), np.float64)
-    m.fused_attention = False
-    m.zero_grads()
-    m.forward_backward(ids, tg)
-    g_mat = m.lora_grads()
-    for k in g_mat:
-        np.testing.assert_allclose(g_fused[k], g_mat[k], rtol=1e-5, atol=1e-6 * np.abs(g_mat[k]).max(), err_msg=k)
-    np.testing.assert_allclose(dx_fused, np.asarray(m.d_embed_out.numpy(), np.float64), rtol=1e-5,
-                               atol=1e-6 * np.abs(dx_fused).max())
+    others = [("materialised", False, m.token_major)] + ([("head-major fused", True, False)] if m.token_major else [])
+    for name, fused, token_major in others:
+        m.fused_attention, m.token_major = fused, token_major
+        m.zero_grads()
+        m.forward_backward(ids, tg)
+        g = m.lora_grads()
+        for k in g:
+            np.testing.assert_allclose(g_fused[k], g[k], rtol=1e-5, atol=1e-6 * np.abs(g[k]).max(), err_msg=name + k)
+        np.testing.assert_allclose(dx_fused, np.asarray(m.d_embed_out.numpy(), np.float64), rtol=1e-5,
+                                   atol=1e-6 * np.abs(dx_fused).max(), err_msg=name)
 
 
 def test_dropout_masks(dev):

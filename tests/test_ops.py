@@ -1005,6 +1005,61 @@ def test_attention_backward(dev, Hq, Hk, T, D, dt):
     check_attention_backward(dev, Hq, Hk, T, D, dt, 41)
 
 
+# (B, Hq, Hk, T, D): token-major views of B sequences; one token (the backward's special case).
+TM_CASES = [(2, 4, 2, 33, 64), (3, 2, 1, 31, 16), (2, 1, 1, 1, 8), (1, 8, 2, 65, 128)]
+
+
+def token_major_views(dev, B, T, heads, D, dt, extra=0, fill=None, seed=0):
+    """(views, the whole buffer, its float64 copy): columns of one (B T, (sum(heads) + extra) D)
+    projection as token-major (B, T, h, D) views, as the layer cuts q, k and v from qkv."""
+    width = sum(heads) + extra
+    if fill is None:
+        buf, bf = upload(dev, np.random.default_rng(seed).standard_normal((B * T, width * D)), dt)
+    else:
+        buf, bf = empty_filled(dev, (B * T, width * D), dt, fill), None
+    four, views, h0 = buf.reshape(B, T, width, D), [], 0
+    for h in heads:
+        views.append(four[:, :, h0:h0 + h])
+        h0 += h
+    return views, buf, bf
+
+
+@pytest.mark.parametrize("dt", FLOAT_DTYPES)
+@pytest.mark.parametrize("B,Hq,Hk,T,D", TM_CASES)
+def test_attention_token_major(dev, B, Hq, Hk, T, D, dt):
+    """q, k, v as columns of one projection and o as columns of a wider one, B sequences in one
+    call: o, lse, dq, dk, dv against float64 attention of each sequence, and every column outside
+    the views untouched. A device that lists no token-major operands refuses them by name."""
+    (q, k, v), _, xf = token_major_views(dev, B, T, (Hq, Hk, Hk), D, dt, seed=B + T)
+    (o,), obuf, _ = token_major_views(dev, B, T, (Hq,), D, dt, extra=1, fill=7.0)
+    lse = dev.empty((B, Hq, T), "f32")
+    scale = 1.0 / math.sqrt(D)
+    if not dev.capabilities()["fused_attention"]["token_major"]:
+        with pytest.raises(NotImplementedError, match=r"^\[attention_forward\] .* takes no token-major"):
+            ops.attention_forward(q, k, v, o, lse, scale)
+        return
+    require_attention(dev, dt, D)
+    ops.attention_forward(q, k, v, o, lse, scale)
+    (dq, dk, dv), dbuf, _ = token_major_views(dev, B, T, (Hq, Hk, Hk), D, dt, extra=1, fill=7.0)
+    do, dof = upload(dev, np.random.default_rng(T).standard_normal((B, T, Hq, D)), dt)
+    ops.attention_backward(q, k, v, o, do, lse, dq, dk, dv, scale)
+    x4 = xf.reshape(B, T, Hq + 2 * Hk, D).transpose(0, 2, 1, 3)              # (B, heads, T, D)
+    o4 = read(obuf).reshape(B, T, Hq + 1, D).transpose(0, 2, 1, 3)
+    d4 = read(dbuf).reshape(B, T, Hq + 2 * Hk + 1, D).transpose(0, 2, 1, 3)
+    np.testing.assert_array_equal(o4[:, Hq], 7.0)                            # outside the views
+    np.testing.assert_array_equal(d4[:, -1], 7.0)
+    tol = ATTN_TOL[dt]
+    for b in range(B):
+        qf, kf, vf = x4[b, :Hq], x4[b, Hq:Hq + Hk], x4[b, Hq + Hk:]
+        o_ref, lse_ref, _ = attention_ref(qf, kf, vf, scale)
+        assert_close(o4[b, :Hq], o_ref, rtol=tol, atol=tol * np.max(np.abs(vf)), what=f"o of row {b}")
+        assert_close(read(lse)[b], lse_ref, rtol=0, atol=1e-5 if dt == "f32" else 2e-3, what=f"lse of row {b}")
+        refs = attention_backward_ref(qf, kf, vf, dof[b].transpose(1, 0, 2), scale)
+        got = (d4[b, :Hq], d4[b, Hq:Hq + Hk], d4[b, Hq + Hk:Hq + 2 * Hk])
+        for name, g, ref in zip(("dq", "dk", "dv"), got, refs):
+            assert_close(g, ref, rtol=2 * tol, atol=2 * tol * 1e-2, what=f"{name} of row {b}")
+
+
 def check_attention_backward(dev, Hq, Hk, T, D, dt, seed, seg=None, window=0):
     """dq, dk, dv of the fused op (from its own o and lse; seg a (T,) numpy array or None)
     against float64 gradients under the same mask."""
@@ -2101,6 +2156,32 @@ def test_transpose_heads(dev, dt, shape):
     back = dev.empty(shape, dt)
     ops.transpose_heads(out, back)
     np.testing.assert_array_equal(back.numpy(), t.numpy())
+
+
+@pytest.mark.parametrize("dt", FLOAT_DTYPES)
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "per-row"])
+def test_rope_token_major(dev, dt, shared):
+    """rope over token-major views (q and k's columns of one projection, B = 2 sequences of 33):
+    every row (b, t, h) against the float64 oracle at its own position, positions (T,) shared by
+    the rows or (B, T); v's columns and the rows' tails past 2R untouched bit for bit."""
+    B, T, H, Hk, D, rot = 2, 33, 3, 1, 40, 32
+    (qk, v), buf, xf = token_major_views(dev, B, T, (H + Hk, Hk), D, dt, seed=21)
+    pos = positions_of("offset", T) if shared else np.stack([positions_of("packed", T), positions_of("offset", T)])
+    inv_freq = hf_inv_freq(rot)
+    if not dev.capabilities()["fused_attention"]["token_major"]:
+        with pytest.raises(NotImplementedError, match=r"^\[rope\] .* takes no token-major"):
+            ops.rope(qk, to_dev(dev, pos, "i32"), to_dev(dev, inv_freq, "f32"), token_major=True)
+        return
+    ops.rope(qk, to_dev(dev, pos, "i32"), to_dev(dev, inv_freq, "f32"), token_major=True)
+    got, x4 = read(buf).reshape(B, T, H + 2 * Hk, D), xf.reshape(B, T, H + 2 * Hk, D)
+    for b in range(B):
+        p = pos if shared else pos[b]
+        heads = x4[b, :, :H + Hk].transpose(1, 0, 2)                           # (H + Hk, T, D)
+        ref = rope_ref(heads, p, inv_freq)
+        assert_close(got[b, :, :H + Hk].transpose(1, 0, 2), ref, rtol=0.0,
+                     atol=rope_bound(dt, heads, ref, p, inv_freq), what=f"row {b}")
+    np.testing.assert_array_equal(got[:, :, H + Hk:], x4[:, :, H + Hk:])
+    np.testing.assert_array_equal(got[..., 2 * (rot // 2):], x4[..., 2 * (rot // 2):])
 
 
 TH_ROPE_CASES = [  # (T, heads, D, rotary dims, heads turned)

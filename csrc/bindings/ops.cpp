@@ -40,9 +40,10 @@ void bind_ops(nb::module_& parent) {
         "out = cap * tanh(x / cap) (Gemma 2's soft-capping of scores and logits); out may be x.");
   m.def("softcap_backward", &ops::softcap_backward, release, "dy"_a, "y"_a, "cap"_a, "dx"_a,
         "dx = dy * (1 - (y / cap)^2) from softcap's OUTPUT y; dx may be dy or y.");
-  m.def("rope", &ops::rope, release, "x"_a, "positions"_a, "inv_freq"_a, "sign"_a = 1.0f,
+  m.def("rope", &ops::rope, release, "x"_a, "positions"_a, "inv_freq"_a, "sign"_a = 1.0f, "token_major"_a = false,
         "In-place rotary embedding of x (..., T, D), rotate_half convention on the first 2*len(inv_freq)\n"
-        "dims; sign=-1 applies the inverse rotation (the backward).");
+        "dims; sign=-1 applies the inverse rotation (the backward). token_major: x is a (B, T, H, D) view\n"
+        "(rows of D contiguous) and positions (B, T) or (T,), where the device takes token-major operands.");
   m.def("softmax_causal_forward", &ops::softmax_causal_forward, release, "S"_a, "P"_a, "scale"_a, "segments"_a = nb::none(),
         "window"_a = 0,
         "P = causal softmax of scale*S over the last dim (S is (..., Tq, Tk); query i sits at position\n"

@@ -22,6 +22,7 @@ Capabilities Backend::capabilities() const {
   c.host_visible = host_visible();
   c.synchronous = synchronous();
   c.queue_ordered = queue_ordered();
+  c.fused_attention_token_major = token_major_attention();
   return c;
 }
 

@@ -80,6 +80,7 @@ struct Capabilities {
   bool fused_attention_segments = false;      // ... also with packed segments
   bool fused_attention_window = false;        // ... also with a sliding window
   std::vector<int64_t> fused_attention_head_dims;  // ... for these head sizes D (empty: any)
+  bool fused_attention_token_major = false;   // ... on token-major (B, T, H, D) views, and rope over them
   bool graphs = false;         // capture() records a step that replays whole
   bool host_visible = true;    // tensors' memory is readable by the CPU (zero-copy numpy views)
   bool synchronous = true;     // ops complete when they return
@@ -102,6 +103,9 @@ class Backend {
   // Every access to this device's memory (ops, uploads, downloads) runs in call order on one
   // queue, or at once: a buffer released inside a step may then serve later ops of the same step.
   virtual bool queue_ordered() const { return synchronous(); }
+  // attention_forward/backward take token-major (B, T, H, D) views (columns of the projections,
+  // no head transposes) and rope turns them in place (op_list.h).
+  virtual bool token_major_attention() const { return false; }
 
   // Fields a backend leaves alone come from the virtuals above (host_visible, synchronous,
   // queue_ordered); backends override this to add the rest.

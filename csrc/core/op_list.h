@@ -42,6 +42,11 @@
 //   max_norm] with sq (1,) f32 (sumsq of the accumulated grads) and flag (1,) i32 (nonfinite's)
 //   replace lr, weight_decay, step and grad_scale, clip by the global norm on the device, and skip
 //   the whole update (nothing written) when flag[0] != 0 or sq[0] is not finite.
+// - Token-major attention (where Backend::token_major_attention()): attention_forward/backward's
+//   q, o, dout, dq (B, T, Hq, D) and k, v, dk, dv (B, T, Hk, D) may be views whose rows of D are
+//   contiguous, e.g. the q, k and v columns of one (B T, heads D) projection; lse (B, Hq, T); B
+//   sequences in one call, no segments. rope with token_major turns such an x (B, T, H, D) in
+//   place, positions (B, T) (or (T,) shared by every sequence).
 // - transpose_heads: out (B, A, D) = x (A, B, D) with the first two axes swapped: token-major
 //   (T, H, D) projections to head-major (H, T, D) attention operands and back. With positions
 //   (T,) i32 and inv_freq (R,) f32 the rows of heads h < rotate also turn as `rope` turns them
@@ -66,7 +71,7 @@
   X(geglu_backward, (const Tensor& ds, const Tensor& g, const Tensor& u, const Tensor& dg, const Tensor& du))       \
   X(softcap, (const Tensor& x, float cap, const Tensor& out))                                                       \
   X(softcap_backward, (const Tensor& dy, const Tensor& y, float cap, const Tensor& dx))                             \
-  X(rope, (const Tensor& x, const Tensor& positions, const Tensor& inv_freq, float sign))                           \
+  X(rope, (const Tensor& x, const Tensor& positions, const Tensor& inv_freq, float sign, bool token_major))        \
   X(softmax_causal_forward, (const Tensor& S, const Tensor& P, float scale, const Tensor* segments,                 \
                              int64_t window))                                                                       \
   X(softmax_backward, (const Tensor& P, const Tensor& dP, const Tensor& dS, float scale))                           \

@@ -49,6 +49,18 @@ struct Check {
   void numel(const char* name, const Tensor& x, int64_t want) {
     if (x.numel() != want) fail(std::string(name) + " must have " + std::to_string(want) + " elements, got " + x.describe());
   }
+  // A token-major (B, T, H, D) view on a device that takes one: rows of D contiguous, the other
+  // strides positive and disjoint (no two elements share an address).
+  const Tensor& token_major(const char* name, const Tensor& x) {
+    tensor_any(name, x);
+    if (!dev->token_major_attention())
+      throw NotImplementedError(std::string("[") + op + "] " + dev->name() +
+                                " takes no token-major (B, T, H, D) operands (capabilities: fused_attention.token_major)");
+    const Shape& s = x.strides();
+    if (x.dim() != 4 || s[3] != 1 || s[2] < x.size(3) || s[1] < x.size(2) * s[2] || s[0] < x.size(1) * s[1])
+      fail(std::string(name) + " must be a token-major (B, T, H, D) view with contiguous rows of D, got " + x.describe());
+    return x;
+  }
   void rank_at_least(const char* name, const Tensor& x, int64_t r) {
     if (x.dim() < r) fail(std::string(name) + " must have at least " + std::to_string(r) + " dimensions, got " + x.describe());
   }
@@ -294,20 +306,31 @@ void softcap_backward(const Tensor& dy, const Tensor& y, float cap, const Tensor
       [&] { c.dev->softcap_backward(dy, y, cap, dx); });
 }
 
-void rope(const Tensor& x, const Tensor& positions, const Tensor& inv_freq, float sign) {
+void rope(const Tensor& x, const Tensor& positions, const Tensor& inv_freq, float sign, bool token_major) {
   Check c{"rope"};
-  c.tensor("x", x), c.tensor("positions", positions), c.tensor("inv_freq", inv_freq);
-  c.rank_at_least("x", x, 2);
+  c.tensor("positions", positions), c.tensor("inv_freq", inv_freq);
+  int64_t T = 0;
+  if (token_major) {
+    c.token_major("x", x);
+    T = x.size(1);
+    if (!(positions.shape() == Shape{x.size(0), T} || positions.shape() == Shape{T}))
+      c.fail("positions must have shape " + shape_str({x.size(0), T}) + " or (" + std::to_string(T) + ",), got " +
+             positions.describe());
+  } else {
+    c.tensor("x", x);
+    c.rank_at_least("x", x, 2);
+    T = x.size(-2);
+    c.shape("positions", positions, {T});
+  }
   c.floating("x", x);
-  const int64_t T = x.size(-2), D = x.size(-1);
-  c.shape("positions", positions, {T});
+  const int64_t D = x.size(-1);
   c.dtype("positions", positions, {DType::i32});
   c.dtype("inv_freq", inv_freq, {DType::f32});
   if (inv_freq.dim() != 1 || inv_freq.size(0) == 0 || 2 * inv_freq.size(0) > D)
     c.fail("inv_freq must be 1-D with 1 to D/2 = " + std::to_string(D / 2) + " entries, got " + inv_freq.describe());
   if (sign != 1.f && sign != -1.f) c.fail("sign must be +1 (forward) or -1 (backward), got " + std::to_string(sign));
-  run(c, shape_str(x.shape()), 6.0 * double(x.numel()), 2.0 * nbytes({&x}), x.dtype(),
-      [&] { c.dev->rope(x, positions, inv_freq, sign); });
+  run(c, shape_str(x.shape()) + (token_major ? " token-major" : ""), 6.0 * double(x.numel()), 2.0 * nbytes({&x}),
+      x.dtype(), [&] { c.dev->rope(x, positions, inv_freq, sign, token_major); });
 }
 
 void softmax_causal_forward(const Tensor& S, const Tensor& P, float scale, const Tensor* segments, int64_t window) {
@@ -346,19 +369,30 @@ namespace {
 // Hq, o like q, lse (Hq, T) f32. Returns the causal FLOPs of the forward's two products.
 double check_attention(Check& c, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o,
                        const Tensor& lse, float scale, const Tensor* segments, int64_t window) {
-  c.tensor("q", q), c.tensor("k", k), c.tensor("v", v), c.tensor("o", o), c.tensor("lse", lse);
+  // 4-D: token-major views of B sequences (op_list.h); 3-D: one sequence, head-major.
+  const bool tm = q.dim() == 4;
+  if (tm) {
+    c.token_major("q", q), c.token_major("k", k), c.token_major("v", v), c.token_major("o", o);
+    c.tensor("lse", lse);
+  } else {
+    c.tensor("q", q), c.tensor("k", k), c.tensor("v", v), c.tensor("o", o), c.tensor("lse", lse);
+    if (q.dim() != 3) c.fail("q must be (Hq, T, D) or a token-major (B, T, Hq, D) view, got " + q.describe());
+  }
   c.floating("q", q);
-  if (q.dim() != 3) c.fail("q must be (Hq, T, D), got " + q.describe());
-  const int64_t Hq = q.size(0), T = q.size(1), D = q.size(2);
-  if (k.dim() != 3 || k.size(1) != T || k.size(2) != D || k.size(0) < 1 || Hq % k.size(0) != 0)
-    c.fail("k must be (Hk, " + std::to_string(T) + ", " + std::to_string(D) + ") with Hk dividing Hq = " +
+  const int64_t B = tm ? q.size(0) : 1, T = q.size(1), Hq = q.size(tm ? 2 : 0), D = q.size(-1);  // T: axis 1 both ways
+  const int64_t Hk = k.size(tm ? 2 : 0);
+  const Shape kshape = tm ? Shape{B, T, Hk, D} : Shape{Hk, T, D};
+  if (k.shape() != kshape || Hk < 1 || Hq % Hk != 0)
+    c.fail("k must be " + std::string(tm ? "(B, T, Hk, D) = (" + std::to_string(B) + ", " : "(Hk, ") +
+           std::to_string(T) + (tm ? ", Hk, " : ", ") + std::to_string(D) + ") with Hk dividing Hq = " +
            std::to_string(Hq) + ", got " + k.describe());
   c.same_dtype("k", k, "q", q);
   c.shape("v", v, k.shape()), c.same_dtype("v", v, "q", q);
   c.shape("o", o, q.shape()), c.same_dtype("o", o, "q", q);
-  c.shape("lse", lse, {Hq, T}), c.dtype("lse", lse, {DType::f32});
+  c.shape("lse", lse, tm ? Shape{B, Hq, T} : Shape{Hq, T}), c.dtype("lse", lse, {DType::f32});
   if (!(scale > 0)) c.fail("scale must be > 0");
   if (segments) {
+    if (tm) c.fail("segments are not taken with token-major operands (packed rows stay head-major)");
     c.tensor("segments", *segments);
     c.dtype("segments", *segments, {DType::i32});
     c.shape("segments", *segments, {T});
@@ -367,7 +401,7 @@ double check_attention(Check& c, const Tensor& q, const Tensor& k, const Tensor&
   // QK^T and PV over the keys each query sees (an upper bound with segments)
   const double keys = window > 0 && window < T ? double(window) * double(2 * T - window + 1) / 2.0
                                                : double(T) * double(T + 1) / 2.0;
-  return 4.0 * double(Hq) * double(D) * keys;
+  return 4.0 * double(B) * double(Hq) * double(D) * keys;
 }
 }  // namespace
 
@@ -384,7 +418,10 @@ void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const
                         const Tensor* segments, int64_t window) {
   Check c{"attention_backward"};
   const double flops = check_attention(c, q, k, v, o, lse, scale, segments, window);
-  c.tensor("dout", dout), c.tensor("dq", dq), c.tensor("dk", dk), c.tensor("dv", dv);
+  if (q.dim() == 4)
+    c.token_major("dout", dout), c.token_major("dq", dq), c.token_major("dk", dk), c.token_major("dv", dv);
+  else
+    c.tensor("dout", dout), c.tensor("dq", dq), c.tensor("dk", dk), c.tensor("dv", dv);
   c.shape("dout", dout, q.shape()), c.same_dtype("dout", dout, "q", q);
   c.shape("dq", dq, q.shape()), c.same_dtype("dq", dq, "q", q);
   c.shape("dk", dk, k.shape()), c.same_dtype("dk", dk, "q", q);

@@ -15,6 +15,7 @@ class CpuBackend : public Backend {
   explicit CpuBackend(const char* name = "cpu");
   bool host_visible() const override { return true; }
   bool synchronous() const override { return true; }
+  bool token_major_attention() const override { return true; }  // the reference loops take any strides
   // Every float dtype (16-bit operands widen to f32 in the kernels), training in f32, attention in
   // blocks of 128 query rows, never fused (the reference attention ops lose to BLAS).
   Capabilities capabilities() const override;
@@ -30,7 +31,7 @@ class CpuBackend : public Backend {
   void geglu_backward(const Tensor& ds, const Tensor& g, const Tensor& u, const Tensor& dg, const Tensor& du) override;
   void softcap(const Tensor& x, float cap, const Tensor& out) override;
   void softcap_backward(const Tensor& dy, const Tensor& y, float cap, const Tensor& dx) override;
-  void rope(const Tensor& x, const Tensor& positions, const Tensor& inv_freq, float sign) override;
+  void rope(const Tensor& x, const Tensor& positions, const Tensor& inv_freq, float sign, bool token_major) override;
   void softmax_causal_forward(const Tensor& S, const Tensor& P, float scale, const Tensor* segments,
                               int64_t window) override;
   void softmax_backward(const Tensor& P, const Tensor& dP, const Tensor& dS, float scale) override;

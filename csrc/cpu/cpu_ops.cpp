@@ -209,10 +209,9 @@ namespace {
 
 // cos/sin tables (T, R) of sign * pos[t] * inv_freq[i], angles in double: positions reach 1e5+
 // where float angles lose digits.
-void rope_table(const Tensor& positions, const Tensor& inv_freq, float sign, int64_t T, std::vector<float>& cs,
+void rope_table(const int32_t* pos, const Tensor& inv_freq, float sign, int64_t T, std::vector<float>& cs,
                 std::vector<float>& sn) {
   const int64_t R = inv_freq.numel();
-  const int32_t* pos = positions.ptr<int32_t>();
   const float* invf = inv_freq.ptr<float>();
   cs.resize(size_t(T * R)), sn.resize(size_t(T * R));
   for_rows(T, 8 * R, [&](int64_t t0, int64_t t1) {
@@ -236,12 +235,29 @@ inline void rope_row(float* xr, const float* c, const float* s, int64_t R) {
 
 }  // namespace
 
-void CpuBackend::rope(const Tensor& x, const Tensor& positions, const Tensor& inv_freq, float sign) {
+void CpuBackend::rope(const Tensor& x, const Tensor& positions, const Tensor& inv_freq, float sign, bool token_major) {
+  const DType dt = x.dtype();
+  std::vector<float> cs, sn;
+  if (token_major) {  // x (B, T, H, D) view: row (b, t, h) at its strides, positions (B, T) or shared (T,)
+    const int64_t B = x.size(0), T = x.size(1), H = x.size(2), R = inv_freq.numel();
+    const Shape& st = x.strides();
+    const bool shared = positions.dim() == 1;
+    rope_table(positions.ptr<int32_t>(), inv_freq, sign, shared ? T : B * T, cs, sn);
+    for_rows(B * T * H, 2 * R, [&](int64_t r0, int64_t r1) {
+      float* xs = scratch(0, 2 * R);
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t bt = r / H, h = r % H, b = bt / T, t = bt % T, o = b * st[0] + t * st[1] + h * st[2];
+        const int64_t row = (shared ? t : bt) * R;
+        float* xr = inout(dt, x.data(), o, 2 * R, xs);
+        rope_row(xr, cs.data() + row, sn.data() + row, R);
+        flush(dt, xr, 2 * R, x.data(), o);
+      }
+    });
+    return;
+  }
   const int64_t T = x.size(-2), D = x.size(-1), R = inv_freq.numel(), rows = rows_of(x, D);
   if (rows == 0 || T == 0) return;
-  std::vector<float> cs, sn;
-  rope_table(positions, inv_freq, sign, T, cs, sn);
-  const DType dt = x.dtype();
+  rope_table(positions.ptr<int32_t>(), inv_freq, sign, T, cs, sn);
   for_rows(rows, 2 * R, [&](int64_t r0, int64_t r1) {
     float* xs = scratch(0, 2 * R);
     for (int64_t r = r0; r < r1; ++r) {
@@ -325,41 +341,37 @@ struct AttentionMask {
 };
 }  // namespace
 
-void CpuBackend::attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o,
-                                   const Tensor& lse, float scale, const Tensor* segments, int64_t window) {
-  const int64_t Hq = q.size(0), T = q.size(1), D = q.size(2), g = Hq / k.size(0);
-  const std::vector<float> qf = to_f32(q), kf = to_f32(k), vf = to_f32(v);
-  std::vector<float> of(qf.size());
-  float* ls = lse.ptr<float>();
-  const AttentionMask mask{segments ? segments->ptr<int32_t>() : nullptr, window};
+namespace {
+
+// One sequence's attention over head-major f32 arrays: q, o (Hq, T, D), k, v (Hk, T, D), lse
+// (Hq, T); o starts at zero.
+void attention_forward_f32(const float* qf, const float* kf, const float* vf, float* of, float* ls, int64_t Hq,
+                           int64_t Hk, int64_t T, int64_t D, float scale, const AttentionMask& mask) {
+  const int64_t g = Hq / Hk;
   for_rows(Hq * T, T * D, [&](int64_t r0, int64_t r1) {
     float* p = scratch(0, T);
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t h = r / T, i = r % T, kv = (h / g) * T * D, j0 = mask.first(i);
-      const float* qi = &qf[size_t(r * D)];
+      const float* qi = &qf[r * D];
       float m = -std::numeric_limits<float>::infinity();
       for (int64_t j = j0; j <= i; ++j)
-        if (mask.sees(i, j)) m = std::max(m, p[j] = scale * dot(qi, &kf[size_t(kv + j * D)], D));
+        if (mask.sees(i, j)) m = std::max(m, p[j] = scale * dot(qi, &kf[kv + j * D], D));
       float l = 0.f;
       for (int64_t j = j0; j <= i; ++j) l += (p[j] = mask.sees(i, j) ? std::exp(p[j] - m) : 0.f);
-      float* oi = &of[size_t(r * D)];
+      float* oi = &of[r * D];
       for (int64_t j = j0; j <= i; ++j)
-        for (int64_t d = 0; d < D; ++d) oi[d] += p[j] * vf[size_t(kv + j * D + d)];
+        for (int64_t d = 0; d < D; ++d) oi[d] += p[j] * vf[kv + j * D + d];
       for (int64_t d = 0; d < D; ++d) oi[d] /= l;
       ls[r] = m + std::log(l);
     }
   });
-  store_all(o.dtype(), of.data(), o.numel(), o.data(), 0);
 }
 
-void CpuBackend::attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o,
-                                    const Tensor& dout, const Tensor& lse, const Tensor& dq, const Tensor& dk,
-                                    const Tensor& dv, float scale, const Tensor* segments, int64_t window) {
-  const int64_t Hq = q.size(0), Hk = k.size(0), T = q.size(1), D = q.size(2), g = Hq / Hk;
-  const std::vector<float> qf = to_f32(q), kf = to_f32(k), vf = to_f32(v), of = to_f32(o), df = to_f32(dout);
-  std::vector<float> dqf(qf.size()), dkf(kf.size()), dvf(vf.size());
-  const float* ls = lse.ptr<float>();
-  const AttentionMask mask{segments ? segments->ptr<int32_t>() : nullptr, window};
+// Its backward: dq, dk, dv (zeroed) from dout (Hq, T, D) and the forward's o and lse.
+void attention_backward_f32(const float* qf, const float* kf, const float* vf, const float* of, const float* df,
+                            const float* ls, float* dqf, float* dkf, float* dvf, int64_t Hq, int64_t Hk, int64_t T,
+                            int64_t D, float scale, const AttentionMask& mask) {
+  const int64_t g = Hq / Hk;
   // One task per KV head: it owns that head's dk/dv rows and its g query heads' dq rows.
   ThreadPool::global().parallel_for(Hk, 1, [&](int64_t k0, int64_t k1) {
     float* ds = scratch(0, T);
@@ -367,29 +379,81 @@ void CpuBackend::attention_backward(const Tensor& q, const Tensor& k, const Tens
       for (int64_t h = kh * g; h < (kh + 1) * g; ++h)
         for (int64_t i = 0; i < T; ++i) {
           const int64_t r = h * T + i, kv = kh * T * D, j0 = mask.first(i);
-          const float* qi = &qf[size_t(r * D)];
-          const float* doi = &df[size_t(r * D)];
-          const float Di = dot(doi, &of[size_t(r * D)], D);  // rowsum(dP * P) = dO . O
+          const float* qi = &qf[r * D];
+          const float* doi = &df[r * D];
+          const float Di = dot(doi, &of[r * D], D);  // rowsum(dP * P) = dO . O
           for (int64_t j = j0; j <= i; ++j) {
             if (!mask.sees(i, j)) {
               ds[j] = 0.f;
               continue;
             }
-            const float p = std::exp(scale * dot(qi, &kf[size_t(kv + j * D)], D) - ls[r]);
-            ds[j] = p * (dot(doi, &vf[size_t(kv + j * D)], D) - Di) * scale;
-            for (int64_t d = 0; d < D; ++d) dvf[size_t(kv + j * D + d)] += p * doi[d];
+            const float p = std::exp(scale * dot(qi, &kf[kv + j * D], D) - ls[r]);
+            ds[j] = p * (dot(doi, &vf[kv + j * D], D) - Di) * scale;
+            for (int64_t d = 0; d < D; ++d) dvf[kv + j * D + d] += p * doi[d];
           }
-          float* dqi = &dqf[size_t(r * D)];
+          float* dqi = &dqf[r * D];
           for (int64_t j = j0; j <= i; ++j)
             for (int64_t d = 0; d < D; ++d) {
-              dqi[d] += ds[j] * kf[size_t(kv + j * D + d)];
-              dkf[size_t(kv + j * D + d)] += ds[j] * qi[d];
+              dqi[d] += ds[j] * kf[kv + j * D + d];
+              dkf[kv + j * D + d] += ds[j] * qi[d];
             }
         }
   });
-  store_all(dq.dtype(), dqf.data(), dq.numel(), dq.data(), 0);
-  store_all(dk.dtype(), dkf.data(), dk.numel(), dk.data(), 0);
-  store_all(dv.dtype(), dvf.data(), dv.numel(), dv.data(), 0);
+}
+
+// Sequence b of an attention operand as head-major (H, T, D) f32: a 3-D tensor is one sequence
+// already; a token-major (B, T, H, D) view is gathered row by row at its strides.
+std::vector<float> heads_f32(const Tensor& x, int64_t b) {
+  if (x.dim() == 3) return to_f32(x);
+  const int64_t T = x.size(1), H = x.size(2), D = x.size(3);
+  const Shape& st = x.strides();
+  std::vector<float> f(size_t(H * T * D));
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t t = 0; t < T; ++t) load(x.dtype(), x.data(), b * st[0] + t * st[1] + h * st[2], D, &f[(h * T + t) * D]);
+  return f;
+}
+
+// The inverse: head-major f32 rows into sequence b of x.
+void store_heads(const std::vector<float>& f, const Tensor& x, int64_t b) {
+  if (x.dim() == 3) return store_all(x.dtype(), f.data(), x.numel(), x.data(), 0);
+  const int64_t T = x.size(1), H = x.size(2), D = x.size(3);
+  const Shape& st = x.strides();
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t t = 0; t < T; ++t) store(x.dtype(), &f[(h * T + t) * D], D, x.data(), b * st[0] + t * st[1] + h * st[2]);
+}
+
+}  // namespace
+
+// 3-D operands are one head-major sequence; 4-D ones token-major views of B sequences, each
+// gathered head-major, attended and scattered back.
+void CpuBackend::attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o,
+                                   const Tensor& lse, float scale, const Tensor* segments, int64_t window) {
+  const bool tm = q.dim() == 4;
+  const int64_t B = tm ? q.size(0) : 1, Hq = q.size(tm ? 2 : 0), Hk = k.size(tm ? 2 : 0), T = q.size(1), D = q.size(-1);
+  const AttentionMask mask{segments ? segments->ptr<int32_t>() : nullptr, window};
+  for (int64_t b = 0; b < B; ++b) {
+    const std::vector<float> qf = heads_f32(q, b), kf = heads_f32(k, b), vf = heads_f32(v, b);
+    std::vector<float> of(qf.size());
+    attention_forward_f32(qf.data(), kf.data(), vf.data(), of.data(), lse.ptr<float>() + b * Hq * T, Hq, Hk, T, D,
+                          scale, mask);
+    store_heads(of, o, b);
+  }
+}
+
+void CpuBackend::attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o,
+                                    const Tensor& dout, const Tensor& lse, const Tensor& dq, const Tensor& dk,
+                                    const Tensor& dv, float scale, const Tensor* segments, int64_t window) {
+  const bool tm = q.dim() == 4;
+  const int64_t B = tm ? q.size(0) : 1, Hq = q.size(tm ? 2 : 0), Hk = k.size(tm ? 2 : 0), T = q.size(1), D = q.size(-1);
+  const AttentionMask mask{segments ? segments->ptr<int32_t>() : nullptr, window};
+  for (int64_t b = 0; b < B; ++b) {
+    const std::vector<float> qf = heads_f32(q, b), kf = heads_f32(k, b), vf = heads_f32(v, b), of = heads_f32(o, b),
+                             df = heads_f32(dout, b);
+    std::vector<float> dqf(qf.size()), dkf(kf.size()), dvf(vf.size());
+    attention_backward_f32(qf.data(), kf.data(), vf.data(), of.data(), df.data(), lse.ptr<float>() + b * Hq * T,
+                           dqf.data(), dkf.data(), dvf.data(), Hq, Hk, T, D, scale, mask);
+    store_heads(dqf, dq, b), store_heads(dkf, dk, b), store_heads(dvf, dv, b);
+  }
 }
 
 // ---- embedding
@@ -605,7 +669,7 @@ void CpuBackend::transpose_heads(const Tensor& x, const Tensor& out, const Tenso
   const char* src = static_cast<const char*>(x.data());
   char* dst = static_cast<char*>(out.data());
   std::vector<float> cs, sn;
-  if (rotate > 0) rope_table(*positions, *inv_freq, sign, heads_axis == 1 ? A : B, cs, sn);
+  if (rotate > 0) rope_table(positions->ptr<int32_t>(), *inv_freq, sign, heads_axis == 1 ? A : B, cs, sn);
   const DType dt = x.dtype();
   for_rows(A * B, D, [&](int64_t r0, int64_t r1) {
     float* xs = rotate > 0 ? scratch(0, 2 * R) : nullptr;

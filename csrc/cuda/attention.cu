@@ -1,4 +1,6 @@
 // RoPE and the materialised attention softmax (docs/architecture.md, 'Attention'), one block per score row.
+#include <type_traits>
+
 #include "common.cuh"
 
 namespace krnl::cuda {
@@ -20,13 +22,13 @@ __global__ void rope_table_kernel(const int32_t* pos, const float* invf, float s
 }
 
 // Rotate-half on the first 2R dims of each row of D (row r is position r % T); dims >= 2R stay.
-__global__ void rope_apply_kernel(DType dt, void* x, int64_t rows, int64_t T, int64_t D, int64_t R, const float* cs,
-                                  const float* sn) {
-  const int64_t n = rows * R;
-  for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < n; k += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t r = k / R, i = k % R, t = r % T;
+template <class I>
+__global__ void rope_apply_kernel(DType dt, void* x, I rows, I T, I D, I R, const float* cs, const float* sn) {
+  const I n = rows * R;
+  for (I k = blockIdx.x * I(blockDim.x) + threadIdx.x; k < n; k += I(gridDim.x) * blockDim.x) {
+    const I r = k / R, i = k % R, t = r % T;
     const float c = cs[t * R + i], s = sn[t * R + i];
-    const int64_t o = r * D + i;
+    const I o = r * D + i;
     const float a = ld(dt, x, o), b = ld(dt, x, o + R);
     st(dt, x, o, a * c - b * s);
     st(dt, x, o + R, b * c + a * s);
@@ -35,14 +37,13 @@ __global__ void rope_apply_kernel(DType dt, void* x, int64_t rows, int64_t T, in
 
 // The same with VEC consecutive rotation indices per work item, as 16-byte vectors of both
 // halves (R a multiple of the vector, rows 16-byte aligned).
-template <bool W16>
-__global__ void rope_apply_vec_kernel(DType dt, void* x, int64_t rows, int64_t T, int64_t D, int64_t R, const float* cs,
-                                      const float* sn) {
+template <class I, bool W16>
+__global__ void rope_apply_vec_kernel(DType dt, void* x, I rows, I T, I D, I R, const float* cs, const float* sn) {
   constexpr int VEC = W16 ? 8 : 4;
-  const int64_t per_row = R / VEC, n = rows * per_row;
-  for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < n; k += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t r = k / per_row, i0 = (k % per_row) * VEC, t = r % T;
-    const int64_t o = r * D + i0;
+  const I per_row = R / VEC, n = rows * per_row;
+  for (I k = blockIdx.x * I(blockDim.x) + threadIdx.x; k < n; k += I(gridDim.x) * blockDim.x) {
+    const I r = k / per_row, i0 = (k % per_row) * VEC, t = r % T;
+    const I o = r * D + i0;
     float a[VEC], b[VEC];
     load_vec<W16>(dt, x, o, a);
     load_vec<W16>(dt, x, o + R, b);
@@ -175,18 +176,17 @@ __global__ void softmax_bwd_reg_kernel(DType dt, const void* P, const void* dP, 
 // out (B, A, D) = x (A, B, D), the rows of heads h < rotate turned as rope turns them (h is b when
 // heads_axis == 1, else a; t the other index). Item j < P = R / V of a row moves the vector pair
 // (j, j + P), rotated or not; items past P copy dims >= 2R. V = 1 (scalar) or a 16-byte vector.
-template <bool VEC, bool W16>
-__global__ void transpose_heads_rope_kernel(DType dt, const void* x, void* out, int64_t A, int64_t B, int64_t D,
-                                            int64_t R, int64_t rotate, int heads_axis, const float* cs,
-                                            const float* sn) {
+template <class I, bool VEC, bool W16>
+__global__ void transpose_heads_rope_kernel(DType dt, const void* x, void* out, I A, I B, I D, I R, I rotate,
+                                            int heads_axis, const float* cs, const float* sn) {
   constexpr int V = VEC ? (W16 ? 8 : 4) : 1;
-  const int64_t P = R / V, items = P + (D - 2 * R) / V, n = A * B * items;
-  for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < n; k += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t r = k / items, j = k % items, a = r / B, b = r % B;
-    const int64_t src = r * D, dst = (b * A + a) * D;
+  const I P = R / V, items = P + (D - 2 * R) / V, n = A * B * items;
+  for (I k = blockIdx.x * I(blockDim.x) + threadIdx.x; k < n; k += I(gridDim.x) * blockDim.x) {
+    const I r = k / items, j = k % items, a = r / B, b = r % B;
+    const I src = r * D, dst = (b * A + a) * D;
     float lo[V], hi[V];
     if (j >= P) {  // dims >= 2R: a plain copy
-      const int64_t o = 2 * R + (j - P) * V;
+      const I o = 2 * R + (j - P) * V;
       if constexpr (VEC) {
         load_vec<W16>(dt, x, src + o, lo);
         store_vec<W16>(dt, out, dst + o, lo);
@@ -195,14 +195,14 @@ __global__ void transpose_heads_rope_kernel(DType dt, const void* x, void* out, 
       }
       continue;
     }
-    const int64_t i0 = j * V;
+    const I i0 = j * V;
     if constexpr (VEC) {
       load_vec<W16>(dt, x, src + i0, lo);
       load_vec<W16>(dt, x, src + R + i0, hi);
     } else {
       lo[0] = ld(dt, x, src + i0), hi[0] = ld(dt, x, src + R + i0);
     }
-    const int64_t h = heads_axis == 1 ? b : a, t = heads_axis == 1 ? a : b;
+    const I h = heads_axis == 1 ? b : a, t = heads_axis == 1 ? a : b;
     if (h < rotate) {
 #pragma unroll
       for (int e = 0; e < V; ++e) {
@@ -221,10 +221,65 @@ __global__ void transpose_heads_rope_kernel(DType dt, const void* x, void* out, 
   }
 }
 
+// Token-major rope: x (B, T, H, D) at strides (s0, s1, s2, 1); row (b, t, h) turns by table row
+// t (positions shared by the sequences) or b T + t. Item j of a row moves the vector pair (j, j + P).
+template <class I, bool VEC, bool W16>
+__global__ void rope_token_major_kernel(DType dt, void* x, I B, I T, I H, I R, I s0, I s1, I s2, bool shared,
+                                        const float* cs, const float* sn) {
+  constexpr int V = VEC ? (W16 ? 8 : 4) : 1;
+  const I P = R / V, n = B * T * H * P;
+  for (I k = blockIdx.x * I(blockDim.x) + threadIdx.x; k < n; k += I(gridDim.x) * blockDim.x) {
+    const I row = k / P, j = k % P, h = row % H, bt = row / H, b = bt / T, t = bt % T;
+    const I o = b * s0 + t * s1 + h * s2 + j * V, tab = (shared ? t : bt) * R + j * V;
+    float lo[V], hi[V];
+    if constexpr (VEC) {
+      load_vec<W16>(dt, x, o, lo);
+      load_vec<W16>(dt, x, o + R, hi);
+    } else {
+      lo[0] = ld(dt, x, o), hi[0] = ld(dt, x, o + R);
+    }
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      const float c = cs[tab + e], s = sn[tab + e], a = lo[e];
+      lo[e] = a * c - hi[e] * s;
+      hi[e] = hi[e] * c + a * s;
+    }
+    if constexpr (VEC) {
+      store_vec<W16>(dt, x, o, lo);
+      store_vec<W16>(dt, x, o + R, hi);
+    } else {
+      st(dt, x, o, lo[0]), st(dt, x, o + R, hi[0]);
+    }
+  }
+}
+
+// attention_backward at T = 1 (cuDNN's backward refuses it): the one key is the query's own, so
+// o = v, dq = dk = 0 and dv of KV head kh sums dout over its g query heads. Operands (B, 1, H, D)
+// at strides (s*0, -, s*2, 1); item (b, head, d) over the Hq + Hk heads.
+__global__ void attention_backward_one_token_kernel(DType dt, const void* dout, void* dq, void* dk, void* dv,
+                                                    int64_t B, int64_t Hq, int64_t Hk, int64_t D, int64_t so0,
+                                                    int64_t so2, int64_t sq0, int64_t sq2, int64_t sk0, int64_t sk2,
+                                                    int64_t sv0, int64_t sv2) {
+  const int64_t heads = Hq + Hk, n = B * heads * D, g = Hq / Hk;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t d = i % D, h = (i / D) % heads, b = i / (D * heads);
+    if (h < Hq) {
+      st(dt, dq, b * sq0 + h * sq2 + d, 0.f);
+      continue;
+    }
+    const int64_t kh = h - Hq;
+    float acc = 0.f;
+    for (int64_t e = kh * g; e < (kh + 1) * g; ++e) acc += ld(dt, dout, b * so0 + e * so2 + d);
+    st(dt, dk, b * sk0 + kh * sk2 + d, 0.f);
+    st(dt, dv, b * sv0 + kh * sv2 + d, acc);
+  }
+}
+
 }  // namespace
 
-void CudaBackend::rope(const Tensor& x, const Tensor& positions, const Tensor& inv_freq, float sign) {
+void CudaBackend::rope(const Tensor& x, const Tensor& positions, const Tensor& inv_freq, float sign, bool token_major) {
   OpTimer timer(this);
+  if (token_major) return rope_token_major(x, positions, inv_freq, sign);
   const int64_t T = x.size(-2), D = x.size(-1), R = inv_freq.numel(), rows = D ? x.numel() / D : 0;
   if (rows == 0 || T == 0) return;
   Tensor tab = scratch(2 * T * R);  // cos (T, R) then sin (T, R)
@@ -233,16 +288,73 @@ void CudaBackend::rope(const Tensor& x, const Tensor& positions, const Tensor& i
   rope_table_kernel<<<grid_for(T * R), kThreads, 0, stream_>>>(positions.ptr<int32_t>(), inv_freq.ptr<float>(), sign,
                                                                 T, R, cs, sn);
   const int64_t vec = vec_width(x.dtype());
+  // 32-bit index arithmetic where every offset fits: 64-bit divisions dominate these kernels.
+  const bool i32 = x.numel() < (int64_t(1) << 31);
   if (R % vec == 0 && vectorizable(x.dtype(), D, {x.data()})) {
     const int64_t n = rows * (R / vec);
-#define KRNL_ROPE(W) \
-  rope_apply_vec_kernel<W><<<grid_for(n), kThreads, 0, stream_>>>(x.dtype(), x.data(), rows, T, D, R, cs, sn)
+#define KRNL_ROPE(W)                                                                                              \
+  if (i32)                                                                                                         \
+    rope_apply_vec_kernel<uint32_t, W><<<grid_for(n), kThreads, 0, stream_>>>(x.dtype(), x.data(), uint32_t(rows),  \
+                                                                               uint32_t(T), uint32_t(D), uint32_t(R), \
+                                                                               cs, sn);                              \
+  else                                                                                                             \
+    rope_apply_vec_kernel<int64_t, W><<<grid_for(n), kThreads, 0, stream_>>>(x.dtype(), x.data(), rows, T, D, R, cs, sn)
     KRNL_DISPATCH_VEC(x.dtype() != DType::f32, KRNL_ROPE)
 #undef KRNL_ROPE
+  } else if (i32) {
+    rope_apply_kernel<uint32_t><<<grid_for(rows * R), kThreads, 0, stream_>>>(
+        x.dtype(), x.data(), uint32_t(rows), uint32_t(T), uint32_t(D), uint32_t(R), cs, sn);
   } else {
-    rope_apply_kernel<<<grid_for(rows * R), kThreads, 0, stream_>>>(x.dtype(), x.data(), rows, T, D, R, cs, sn);
+    rope_apply_kernel<int64_t><<<grid_for(rows * R), kThreads, 0, stream_>>>(x.dtype(), x.data(), rows, T, D, R, cs, sn);
   }
   check_launch("rope");
+}
+
+void CudaBackend::rope_token_major(const Tensor& x, const Tensor& positions, const Tensor& inv_freq, float sign) {
+  const int64_t B = x.size(0), T = x.size(1), H = x.size(2), D = x.size(3), R = inv_freq.numel();
+  if (x.numel() == 0) return;
+  const bool shared = positions.dim() == 1;
+  const int64_t rows = shared ? T : B * T;
+  Tensor tab = scratch(2 * rows * R);  // cos (rows, R) then sin (rows, R)
+  float* cs = tab.ptr<float>();
+  float* sn = cs + rows * R;
+  rope_table_kernel<<<grid_for(rows * R), kThreads, 0, stream_>>>(positions.ptr<int32_t>(), inv_freq.ptr<float>(), sign,
+                                                                   rows, R, cs, sn);
+  const Shape& st = x.strides();
+  const int64_t vec = vec_width(x.dtype());
+  const bool vector = R % vec == 0 && st[0] % vec == 0 && st[1] % vec == 0 && st[2] % vec == 0 &&
+                      vectorizable(x.dtype(), vec, {x.data()});
+  const bool i32 = (B - 1) * st[0] + (T - 1) * st[1] + (H - 1) * st[2] + D < (int64_t(1) << 31);
+  const auto launch = [&](auto idx, auto vec_tag, auto w16_tag) {
+    using I = decltype(idx);
+    constexpr bool VEC = decltype(vec_tag)::value;
+    const int64_t n = B * T * H * (VEC ? R / vec : R);
+    rope_token_major_kernel<I, VEC, decltype(w16_tag)::value><<<grid_for(n), kThreads, 0, stream_>>>(
+        x.dtype(), x.data(), I(B), I(T), I(H), I(R), I(st[0]), I(st[1]), I(st[2]), shared, cs, sn);
+  };
+  using Y = std::true_type;
+  using N = std::false_type;
+  const bool w16 = x.dtype() != DType::f32;
+  if (vector && i32)
+    w16 ? launch(uint32_t(), Y(), Y()) : launch(uint32_t(), Y(), N());
+  else if (vector)
+    w16 ? launch(int64_t(), Y(), Y()) : launch(int64_t(), Y(), N());
+  else
+    i32 ? launch(uint32_t(), N(), N()) : launch(int64_t(), N(), N());
+  check_launch("rope");
+}
+
+void CudaBackend::attention_backward_one_token(const Tensor& dout, const Tensor& dq, const Tensor& dk,
+                                               const Tensor& dv) {
+  // 3-D operands are (H, 1, D): B = 1, head stride D; 4-D ones (B, 1, H, D) at their strides.
+  const auto s0 = [](const Tensor& t) { return t.dim() == 4 ? t.strides()[0] : 0; };
+  const auto s2 = [](const Tensor& t) { return t.dim() == 4 ? t.strides()[2] : t.size(2); };
+  const bool tm = dout.dim() == 4;
+  const int64_t B = tm ? dout.size(0) : 1, Hq = dout.size(tm ? 2 : 0), Hk = dk.size(tm ? 2 : 0), D = dout.size(-1);
+  attention_backward_one_token_kernel<<<grid_for(B * (Hq + Hk) * D), kThreads, 0, stream_>>>(
+      dout.dtype(), dout.data(), dq.data(), dk.data(), dv.data(), B, Hq, Hk, D, s0(dout), s2(dout), s0(dq), s2(dq),
+      s0(dk), s2(dk), s0(dv), s2(dv));
+  check_launch("attention_backward");
 }
 
 void CudaBackend::transpose_heads_rope(const Tensor& x, const Tensor& out, const Tensor& positions,
@@ -256,16 +368,24 @@ void CudaBackend::transpose_heads_rope(const Tensor& x, const Tensor& out, const
                                                                 T, R, cs, sn);
   const int64_t vec = vec_width(x.dtype());
   const int ax = int(heads_axis);
+  const bool i32 = x.numel() < (int64_t(1) << 31);  // 32-bit offsets where they fit, as in rope
+  const auto launch = [&](auto idx, auto vec_tag, auto w16_tag, int64_t n) {
+    using I = decltype(idx);
+    transpose_heads_rope_kernel<I, decltype(vec_tag)::value, decltype(w16_tag)::value>
+        <<<grid_for(n), kThreads, 0, stream_>>>(x.dtype(), x.data(), out.data(), I(A), I(B), I(D), I(R), I(rotate), ax,
+                                                cs, sn);
+  };
+  using Y = std::true_type;
+  using N = std::false_type;
   if (R % vec == 0 && vectorizable(x.dtype(), D, {x.data(), out.data()})) {
     const int64_t n = A * B * (R / vec + (D - 2 * R) / vec);
-#define KRNL_TH_ROPE(W)                                                                                            \
-  transpose_heads_rope_kernel<true, W><<<grid_for(n), kThreads, 0, stream_>>>(x.dtype(), x.data(), out.data(), A, B, \
-                                                                              D, R, rotate, ax, cs, sn)
-    KRNL_DISPATCH_VEC(x.dtype() != DType::f32, KRNL_TH_ROPE)
-#undef KRNL_TH_ROPE
+    const bool w16 = x.dtype() != DType::f32;
+    if (i32)
+      w16 ? launch(uint32_t(), Y(), Y(), n) : launch(uint32_t(), Y(), N(), n);
+    else
+      w16 ? launch(int64_t(), Y(), Y(), n) : launch(int64_t(), Y(), N(), n);
   } else {
-    transpose_heads_rope_kernel<false, false><<<grid_for(A * B * (D - R)), kThreads, 0, stream_>>>(
-        x.dtype(), x.data(), out.data(), A, B, D, R, rotate, ax, cs, sn);
+    i32 ? launch(uint32_t(), N(), N(), A * B * (D - R)) : launch(int64_t(), N(), N(), A * B * (D - R));
   }
   check_launch("transpose_heads");
 }

@@ -89,14 +89,31 @@ bool fused_dtype(DType dt) { return dt == DType::bf16 || dt == DType::f16; }
 
 fe::DataType_t fe_dtype(DType dt) { return dt == DType::bf16 ? fe::DataType_t::BFLOAT16 : fe::DataType_t::HALF; }
 
-// (1, H, T, D) over a contiguous (H, T, D) tensor; D = 1 for the (H, T) log-sum-exp.
-fe::graph::Tensor_attributes& place(fe::graph::Tensor_attributes& t, int64_t uid, int64_t H, int64_t T, int64_t D) {
-  return t.set_uid(uid).set_dim({1, H, T, D}).set_stride({H * T * D, T * D, D, 1});
+// An attention operand as cuDNN's (B, H, T, D) with strides: a head-major (H, T, D) tensor is one
+// sequence; a token-major (B, T, H, D) view keeps its own strides (no transposes).
+struct Dims {
+  int64_t B, H, T, D, sb, sh, st;
+};
+
+Dims dims_of(const Tensor& x) {
+  if (x.dim() == 3) return {1, x.size(0), x.size(1), x.size(2), x.numel(), x.size(1) * x.size(2), x.size(2)};
+  const Shape& s = x.strides();
+  return {x.size(0), x.size(2), x.size(1), x.size(3), s[0], s[2], s[1]};
 }
 
-fe::graph::Tensor_attributes input(const char* name, int64_t uid, int64_t H, int64_t T, int64_t D) {
+fe::graph::Tensor_attributes& place(fe::graph::Tensor_attributes& t, int64_t uid, const Dims& d) {
+  return t.set_uid(uid).set_dim({d.B, d.H, d.T, d.D}).set_stride({d.sb, d.sh, d.st, 1});
+}
+
+// The (B, H, T) log-sum-exp, contiguous, as a (B, H, T, 1) tensor.
+fe::graph::Tensor_attributes& place_stats(fe::graph::Tensor_attributes& t, const Dims& q) {
+  return t.set_uid(kStats).set_dim({q.B, q.H, q.T, 1}).set_stride({q.H * q.T, q.T, 1, 1}).set_data_type(
+      fe::DataType_t::FLOAT);
+}
+
+fe::graph::Tensor_attributes input(const char* name, int64_t uid, const Dims& d) {
   fe::graph::Tensor_attributes t;
-  place(t.set_name(name), uid, H, T, D);
+  place(t.set_name(name), uid, d);
   return t;
 }
 
@@ -110,56 +127,64 @@ struct CudaBackend::CudnnState {
     std::shared_ptr<fe::graph::Graph> graph;
     int64_t workspace = 0;
   };
-  using Key = std::tuple<bool, int, int64_t, int64_t, int64_t, int64_t, float, int64_t>;
+  // direction, dtype, scale, window, then each operand's dims and strides
+  using Key = std::tuple<bool, int, float, int64_t, std::vector<int64_t>>;
   std::map<Key, Plan> plans;
 
   ~CudnnState() {
     if (handle) fe::detail::destroy_handle(handle);
   }
 
+  // ops: q, k, v, o (forward) and dout, dq, dk, dv (backward) as cuDNN sees them.
   // window > 0: key j visible to query i only where i - j < window (cuDNN's left bound: j + window > i).
-  const Plan& plan(bool backward, DType dt, int64_t Hq, int64_t Hk, int64_t T, int64_t D, float scale,
-                   int64_t window, const char* op) {
-    const Key key{backward, int(dt), Hq, Hk, T, D, scale, window};
+  const Plan& plan(bool backward, DType dt, const std::vector<Dims>& ops, float scale, int64_t window,
+                   const char* op) {
+    std::vector<int64_t> shape;
+    for (const Dims& d : ops) shape.insert(shape.end(), {d.B, d.H, d.T, d.D, d.sb, d.sh, d.st});
+    const Key key{backward, int(dt), scale, window, shape};
     if (auto it = plans.find(key); it != plans.end()) return it->second;
     auto g = std::make_shared<fe::graph::Graph>();
     g->set_io_data_type(fe_dtype(dt))
         .set_intermediate_data_type(fe::DataType_t::FLOAT)
         .set_compute_data_type(fe::DataType_t::FLOAT);
-    auto q = g->tensor(input("q", kQ, Hq, T, D));
-    auto k = g->tensor(input("k", kK, Hk, T, D));
-    auto v = g->tensor(input("v", kV, Hk, T, D));
+    auto q = g->tensor(input("q", kQ, ops[0]));
+    auto k = g->tensor(input("k", kK, ops[1]));
+    auto v = g->tensor(input("v", kV, ops[2]));
     if (!backward) {
       auto opts = fe::graph::SDPA_attributes().set_name("attention_forward").set_generate_stats(true).set_attn_scale(
           scale);
       opts.set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT).set_diagonal_band_right_bound(0);
       if (window > 0) opts.set_diagonal_band_left_bound(int(window));
       auto [o, lse] = g->sdpa(q, k, v, opts);
-      place(o->set_output(true), kO, Hq, T, D);
-      place(lse->set_output(true).set_data_type(fe::DataType_t::FLOAT), kStats, Hq, T, 1);
+      place(o->set_output(true), kO, ops[3]);
+      place_stats(lse->set_output(true), ops[0]);
     } else {
-      auto o = g->tensor(input("o", kO, Hq, T, D));
-      auto dO = g->tensor(input("dout", kDO, Hq, T, D));
-      auto lse = g->tensor(input("lse", kStats, Hq, T, 1).set_data_type(fe::DataType_t::FLOAT));
+      auto o = g->tensor(input("o", kO, ops[3]));
+      auto dO = g->tensor(input("dout", kDO, ops[4]));
+      fe::graph::Tensor_attributes stats;
+      auto lse = g->tensor(place_stats(stats.set_name("lse"), ops[0]));
       auto opts = fe::graph::SDPA_backward_attributes().set_name("attention_backward").set_attn_scale(scale);
       opts.set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT).set_diagonal_band_right_bound(0);
       if (window > 0) opts.set_diagonal_band_left_bound(int(window));
       auto [dq, dk, dv] = g->sdpa_backward(q, k, v, o, dO, lse, opts);
-      place(dq->set_output(true), kDQ, Hq, T, D);
-      place(dk->set_output(true), kDK, Hk, T, D);
-      place(dv->set_output(true), kDV, Hk, T, D);
+      place(dq->set_output(true), kDQ, ops[5]);
+      place(dk->set_output(true), kDK, ops[6]);
+      place(dv->set_output(true), kDV, ops[7]);
     }
     auto err = g->build(handle, {fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK});
     if (!err.is_good())
-      throw std::runtime_error(std::string("[") + op + "] cuDNN has no attention engine for q (" + std::to_string(Hq) +
-                               ", " + std::to_string(T) + ", " + std::to_string(D) + "), k/v (" + std::to_string(Hk) +
-                               ", ...) " + dtype_name(dt) + ": " + err.get_message());
+      throw std::runtime_error(std::string("[") + op + "] cuDNN has no attention engine for q (B, H, T, D) = (" +
+                               std::to_string(ops[0].B) + ", " + std::to_string(ops[0].H) + ", " +
+                               std::to_string(ops[0].T) + ", " + std::to_string(ops[0].D) + "), " +
+                               std::to_string(ops[1].H) + " KV heads, " + dtype_name(dt) + ": " + err.get_message());
     Plan p{g, 0};
     if (!g->get_workspace_size(p.workspace).is_good())
       throw std::runtime_error(std::string("[") + op + "] cuDNN: cannot size the workspace");
     return plans.emplace(key, std::move(p)).first->second;
   }
 };
+
+bool CudaBackend::token_major_attention() const { return cudnn_loaded(); }
 
 std::vector<DType> CudaBackend::fused_attention_dtypes() const {
   std::vector<DType> v;
@@ -207,10 +232,10 @@ void CudaBackend::attention_forward(const Tensor& q, const Tensor& k, const Tens
                                     const Tensor& lse, float scale, const Tensor* segments, int64_t window) {
   check_fused(q.dtype(), segments, window, "attention_forward");
   if (q.numel() == 0) return;
-  if (window >= q.size(1)) window = 0;  // a window as long as the row masks nothing: one plan
+  if (window >= q.size(1)) window = 0;  // a window as long as the row masks nothing: one plan (T: axis 1 both ways)
   CudnnState& s = cudnn("attention_forward");
   const auto& p =
-      s.plan(false, q.dtype(), q.size(0), k.size(0), q.size(1), q.size(2), scale, window, "attention_forward");
+      s.plan(false, q.dtype(), {dims_of(q), dims_of(k), dims_of(v), dims_of(o)}, scale, window, "attention_forward");
   OpTimer timer(this);
   Tensor ws = p.workspace ? scratch((p.workspace + 3) / 4) : Tensor();
   std::unordered_map<int64_t, void*> pack{
@@ -224,25 +249,15 @@ void CudaBackend::attention_backward(const Tensor& q, const Tensor& k, const Ten
   check_fused(q.dtype(), segments, window, "attention_backward");
   if (q.numel() == 0) return;
   if (window >= q.size(1)) window = 0;
-  if (q.size(1) == 1) {
-    // One token (cuDNN's backward refuses T = 1): o = v, so dq = dk = 0 and dv[h] sums the dO
-    // of its g query heads, a (1, g) x (g, D) product of ones per KV head.
+  if (q.size(1) == 1) {  // one token: cuDNN's backward refuses T = 1 (attention.cu)
     OpTimer timer(this);
-    const int64_t Hk = k.size(0), g = q.size(0) / Hk, D = q.size(2);
-    fill(dq, 0.0), fill(dk, 0.0);
-    Tensor ones = empty({1, g}, q.dtype());
-    fill(ones, 1.0);
-    GemmArgs a;
-    a.A = ones, a.B = dout.reshape({Hk * g, D}), a.C = dv.reshape({Hk, D});
-    a.M = 1, a.N = D, a.K = g, a.batch = Hk;
-    a.stride_a = 0, a.stride_b = g * D, a.stride_c = D;
-    a.lda = g, a.ldb = D, a.ldc = D;
-    gemm(a);
-    return;
+    return attention_backward_one_token(dout, dq, dk, dv);
   }
   CudnnState& s = cudnn("attention_backward");
-  const auto& p =
-      s.plan(true, q.dtype(), q.size(0), k.size(0), q.size(1), q.size(2), scale, window, "attention_backward");
+  const auto& p = s.plan(true, q.dtype(),
+                         {dims_of(q), dims_of(k), dims_of(v), dims_of(o), dims_of(dout), dims_of(dq), dims_of(dk),
+                          dims_of(dv)},
+                         scale, window, "attention_backward");
   OpTimer timer(this);
   Tensor ws = p.workspace ? scratch((p.workspace + 3) / 4) : Tensor();
   std::unordered_map<int64_t, void*> pack{{kQ, q.data()},   {kK, k.data()},      {kV, v.data()},

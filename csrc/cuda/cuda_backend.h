@@ -80,7 +80,7 @@ class CudaBackend : public Backend {
   void geglu_backward(const Tensor& ds, const Tensor& g, const Tensor& u, const Tensor& dg, const Tensor& du) override;
   void softcap(const Tensor& x, float cap, const Tensor& out) override;
   void softcap_backward(const Tensor& dy, const Tensor& y, float cap, const Tensor& dx) override;
-  void rope(const Tensor& x, const Tensor& positions, const Tensor& inv_freq, float sign) override;
+  void rope(const Tensor& x, const Tensor& positions, const Tensor& inv_freq, float sign, bool token_major) override;
   void softmax_causal_forward(const Tensor& S, const Tensor& P, float scale, const Tensor* segments,
                               int64_t window) override;
   void softmax_backward(const Tensor& P, const Tensor& dP, const Tensor& dS, float scale) override;
@@ -94,6 +94,7 @@ class CudaBackend : public Backend {
   // The dtypes in which the ops above run here, so that the model takes them: cuDNN's (bf16, f16)
   // where libcudnn loaded, else none.
   std::vector<DType> fused_attention_dtypes() const;
+  bool token_major_attention() const override;  // cuDNN's graphs take the views' strides
 #endif
   void embedding_forward(const Tensor& ids, const Tensor& table, const Tensor& out) override;
   void embedding_backward(const Tensor& ids, const Tensor& dout, const Tensor& dtable) override;
@@ -127,6 +128,9 @@ class CudaBackend : public Backend {
   void gemm_untimed(const GemmArgs& g);  // gemm's body, for ops that end in a GEMM (quantized_matmul)
   void gemm_scale_output(const GemmArgs& g);
   void gemm_split(const GemmArgs& g);
+  // rope over a token-major (B, T, H, D) view, and attention_backward's T = 1 case (attention.cu).
+  void rope_token_major(const Tensor& x, const Tensor& positions, const Tensor& inv_freq, float sign);
+  void attention_backward_one_token(const Tensor& dout, const Tensor& dq, const Tensor& dk, const Tensor& dv);
   // transpose_heads with RoPE on the way (attention.cu, next to rope's table).
   void transpose_heads_rope(const Tensor& x, const Tensor& out, const Tensor& positions, const Tensor& inv_freq,
                             int64_t rotate, float sign, int64_t heads_axis);

@@ -205,11 +205,11 @@ __global__ void geglu_bwd_vec_kernel(DType dt, const void* ds, const void* g, co
 
 // out (B, A, D) from x (A, B, D): W is the element type's width (2 or 4 bytes), or uint4 when
 // whole rows go as 16-byte vectors (D is then counted in vectors).
-template <class W>
-__global__ void transpose_heads_kernel(const W* __restrict__ x, W* __restrict__ out, int64_t A, int64_t B, int64_t D) {
-  const int64_t n = A * B * D;
-  KRNL_GRID_LOOP(i, n) {
-    const int64_t d = i % D, r = i / D, a = r / B, b = r % B;
+template <class W, class I>
+__global__ void transpose_heads_kernel(const W* __restrict__ x, W* __restrict__ out, I A, I B, I D) {
+  const I n = A * B * D;
+  for (I i = blockIdx.x * I(blockDim.x) + threadIdx.x; i < n; i += I(gridDim.x) * blockDim.x) {
+    const I d = i % D, r = i / D, a = r / B, b = r % B;
     out[(b * A + a) * D + d] = x[i];
   }
 }
@@ -404,16 +404,23 @@ void CudaBackend::transpose_heads(const Tensor& x, const Tensor& out, const Tens
   if (!n) return;
   if (rotate > 0) return transpose_heads_rope(x, out, *positions, *inv_freq, rotate, sign, heads_axis);
   const size_t row = size_t(D) * dtype_size(x.dtype());
+  // 32-bit index arithmetic where it fits: the 64-bit divisions cost more than the copy.
+  const bool i32 = n < (int64_t(1) << 31);
+#define KRNL_TH(W, xp, op, a, b, d, cnt)                                                                              \
+  if (i32)                                                                                                          \
+    transpose_heads_kernel<W, uint32_t><<<grid_for(cnt), kThreads, 0, stream_>>>(xp, op, uint32_t(a), uint32_t(b),   \
+                                                                                uint32_t(d));                        \
+  else                                                                                                              \
+    transpose_heads_kernel<W, int64_t><<<grid_for(cnt), kThreads, 0, stream_>>>(xp, op, a, b, d)
   if (row % 16 == 0 && vectorizable(DType::f32, 4, {x.data(), out.data()})) {
     const int64_t dv = int64_t(row / 16);
-    transpose_heads_kernel<uint4><<<grid_for(A * B * dv), kThreads, 0, stream_>>>(x.ptr<uint4>(), out.ptr<uint4>(), A, B, dv);
-    check_launch("transpose_heads");
-    return;
+    KRNL_TH(uint4, x.ptr<uint4>(), out.ptr<uint4>(), A, B, dv, A * B * dv);
+  } else if (dtype_size(x.dtype()) == 4) {
+    KRNL_TH(uint32_t, x.ptr<uint32_t>(), out.ptr<uint32_t>(), A, B, D, n);
+  } else {
+    KRNL_TH(uint16_t, x.ptr<uint16_t>(), out.ptr<uint16_t>(), A, B, D, n);
   }
-  if (dtype_size(x.dtype()) == 4)
-    transpose_heads_kernel<uint32_t><<<grid_for(n), kThreads, 0, stream_>>>(x.ptr<uint32_t>(), out.ptr<uint32_t>(), A, B, D);
-  else
-    transpose_heads_kernel<uint16_t><<<grid_for(n), kThreads, 0, stream_>>>(x.ptr<uint16_t>(), out.ptr<uint16_t>(), A, B, D);
+#undef KRNL_TH
   check_launch("transpose_heads");
 }
 

@@ -94,7 +94,7 @@ class MetalOps : public Backend {
   void geglu_backward(const Tensor& ds, const Tensor& g, const Tensor& u, const Tensor& dg, const Tensor& du) override;
   void softcap(const Tensor& x, float cap, const Tensor& out) override;
   void softcap_backward(const Tensor& dy, const Tensor& y, float cap, const Tensor& dx) override;
-  void rope(const Tensor& x, const Tensor& positions, const Tensor& inv_freq, float sign) override;
+  void rope(const Tensor& x, const Tensor& positions, const Tensor& inv_freq, float sign, bool token_major) override;
   void softmax_causal_forward(const Tensor& S, const Tensor& P, float scale, const Tensor* segments,
                               int64_t window) override;
   void softmax_backward(const Tensor& P, const Tensor& dP, const Tensor& dS, float scale) override;

@@ -496,7 +496,8 @@ void MetalOps::softcap_backward(const Tensor& dy, const Tensor& y, float cap, co
   encode(std::move(d));
 }
 
-void MetalOps::rope(const Tensor& x, const Tensor& positions, const Tensor& inv_freq, float sign) {
+void MetalOps::rope(const Tensor& x, const Tensor& positions, const Tensor& inv_freq, float sign, bool) {
+  // token_major never arrives: Metal lists no token-major operands (the core refuses them).
   Emit e{this, "rope"};
   Dispatch d = e.make("rope", "rope_" + e.sfx(x.dtype()));
   const int64_t T = x.size(-2), D = x.size(-1), R = inv_freq.numel(), rows = D ? x.numel() / D : 0;

@@ -46,8 +46,10 @@ class MaterialisedSaved:
 
 def fused_forward(q, k, v, out, scale, segments=None, window=0):
     """out (H, T, D) = causal attention of q, k, v with the fused op; segments (T,) i32 keep
-    each query in its sample, window > 0 limits it to the last `window` keys."""
-    lse = q.device.empty((q.shape[0], q.shape[1]), "f32")                 # (H, T)
+    each query in its sample, window > 0 limits it to the last `window` keys. Token-major
+    (B, T, H, D) views attend B sequences at once (no segments)."""
+    lse_shape = (q.shape[0], q.shape[2], q.shape[1]) if q.ndim == 4 else (q.shape[0], q.shape[1])
+    lse = q.device.empty(lse_shape, "f32")                                # (H, T) or (B, H, T)
     ops.attention_forward(q, k, v, out, lse, scale, segments, window)
     return FusedSaved(q, k, v, out, lse, scale, segments, window)
 

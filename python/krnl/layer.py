@@ -18,6 +18,7 @@ import numpy as np
 from . import _core
 from .attention import fused_forward, materialised_forward
 from . import gemma, gemma3
+from .layer_heads import heads_backward, heads_forward
 from .gemma import GemmaAttn
 from .config import ALL_MODULES, ATTN_MODULES, QKV_MODULES
 from .lora import LoraLinear, LoraSaved, dropout_tag, module_factors
@@ -149,6 +150,8 @@ class Batch:
     window: int = 0                  # sliding window (0: none): the fused op's where it lists one, else materialised
     inv_freq: Optional[Tensor] = None  # (D/2,) f32: this call's rotary frequencies (None: Heads')
     fused_window: bool = False       # the fused op takes a window (gemma2's per-layer windows)
+    token_major: bool = False        # the fused op takes token-major views (no head transposes)
+    rope_positions: Optional[Tensor] = None  # positions as one tensor: (T,) every row's, or (B, T)
 
     def attend(self, b, q, k, v, out, scale):
         """out (H, T, D) = attention of row b; returns its saved state."""
@@ -171,6 +174,7 @@ class LayerCache:
     a: Optional[Tensor] = None       # (N, C) gemma2: o_proj's output before the post norm
     a_rstd: Optional[Tensor] = None  # (N,) f32 its rstd
     qkv_group: Optional[GroupSaved] = None  # q, k and v's LoRA, grouped (lora_group.py)
+    token_major: bool = False        # attn holds one state of every row (views of qkv and att)
 
 
 def build_layer(i, config, weights, device, dtype, heads, ones, lora_config, lora_params, adapted, quantize=None):
@@ -292,35 +296,15 @@ def qkv_forward(L, xn, call_seed=None):
 
 def layer_forward(L, x, batch, attend: Optional[Callable] = None):
     """Returns (y, cache) for x (N, C). attend(b, q, k, v, out) runs the attention of row b
-    (default: batch.attend) and returns its saved state."""
+    (default: Gemma's or batch.attend, layer_heads.py) and returns its saved state."""
     d, dt, hd = x.device, x.dtype, L.heads
     B, T, H, Hk, D = batch.B, batch.T, hd.H, hd.Hk, hd.D
     N, C, NH = B * T, x.shape[1], H + 2 * Hk
-    if attend is None and L.gemma is not None:
-        attend = lambda b, q, k, v, out: gemma.attend(L.gemma, batch, b, q, k, v, out)
-    elif attend is None:
-        attend = lambda b, q, k, v, out: batch.attend(b, q, k, v, out, hd.scale)
     xn, r1 = d.empty((N, C), dt), d.empty((N,), "f32")                   # (N, C), (N,)
     ops.rmsnorm_forward(x, L.n1, xn, r1, L.eps)
     qkv, (qkv_saved, qkv_group) = qkv_forward(L, xn, batch.call_seed)    # (N, NH D)
     att = d.empty((N, H * D), dt)                                         # (N, H D)
-    saved, qk_saved = [], ([] if L.q_norm is not None else None)
-    for b in range(B):
-        r = slice(b * T, (b + 1) * T)
-        # One transpose makes every head of q, k and v head-major, turning q and k by RoPE on
-        # the way unless a per-head norm (Qwen3) comes between.
-        heads = d.empty((NH, T, D), dt)                                   # (NH, T, D)
-        turn = H + Hk if qk_saved is None else 0
-        ops.transpose_heads(qkv[r].reshape(T, NH, D), heads, batch.positions[b], hd.freqs(batch), turn)
-        q, k, v = heads[:H], heads[H:H + Hk], heads[H + Hk:]             # (H, T, D), (Hk, T, D) x2
-        if qk_saved is not None:
-            q, k, rstd = qk_norm_forward(L, heads, H, Hk)
-            qk_saved.append((heads, rstd))
-            ops.rope(q, batch.positions[b], hd.freqs(batch))
-            ops.rope(k, batch.positions[b], hd.freqs(batch))
-        oh = d.empty((H, T, D), dt)                                       # (H, T, D)
-        saved.append(attend(b, q, k, v, oh))
-        ops.transpose_heads(oh, att[r].reshape(T, H, D))
+    saved, qk_saved, tm = heads_forward(L, batch, qkv, att, attend)
     h = d.empty((N, C), dt)                                               # (N, C)
     o_saved = L.o_proj.forward(att, h, batch.call_seed)
     a = ar = None
@@ -329,31 +313,7 @@ def layer_forward(L, x, batch, attend: Optional[Callable] = None):
         h, ar = gemma.post_norm_forward(L.gemma.post_attn, a, L.eps)
     ops.add(h, x, h)                                                      # h = x + attn
     y, mlp_cache = mlp_forward(L.mlp, h, batch.call_seed)
-    return y, LayerCache(xn, r1, qkv_saved, saved, qk_saved, o_saved, h, mlp_cache, a, ar, qkv_group)
-
-
-def qk_norm_forward(L, heads, H, Hk):
-    """Qwen3's per-head RMSNorm of q and k: head-major rows are contiguous, so each is one
-    rmsnorm over (heads T, D) rows. Returns q (H, T, D), k (Hk, T, D) normed into a new buffer
-    (heads keeps the inputs for backward) and their rstd (H T + Hk T,) f32."""
-    d, dt, T, D = heads.device, heads.dtype, heads.shape[1], heads.shape[2]
-    nq, nk = H * T, Hk * T
-    qk = d.empty((H + Hk, T, D), dt)                                      # (H + Hk, T, D)
-    rstd = d.empty((nq + nk,), "f32")                                     # (H T + Hk T,)
-    ops.rmsnorm_forward(heads[:H].reshape(nq, D), L.q_norm, qk[:H].reshape(nq, D), rstd[:nq], L.eps)
-    ops.rmsnorm_forward(heads[H:H + Hk].reshape(nk, D), L.k_norm, qk[H:].reshape(nk, D), rstd[nq:], L.eps)
-    return qk[:H], qk[H:], rstd
-
-
-def qk_norm_backward(L, heads, rstd, dqk, dheads, H, Hk):
-    """dheads[:H + Hk] (pre-norm q and k gradients) from dqk (H + Hk, T, D), the gradients at the
-    norms' outputs; the norm weights are frozen (no dw)."""
-    T, D = heads.shape[1], heads.shape[2]
-    nq, nk = H * T, Hk * T
-    ops.rmsnorm_backward(dqk[:H].reshape(nq, D), heads[:H].reshape(nq, D), L.q_norm, rstd[:nq],
-                         dheads[:H].reshape(nq, D))
-    ops.rmsnorm_backward(dqk[H:].reshape(nk, D), heads[H:H + Hk].reshape(nk, D), L.k_norm, rstd[nq:],
-                         dheads[H:H + Hk].reshape(nk, D))
+    return y, LayerCache(xn, r1, qkv_saved, saved, qk_saved, o_saved, h, mlp_cache, a, ar, qkv_group, tm)
 
 
 def layer_backward(L, x, cache, dy, batch):
@@ -366,23 +326,7 @@ def layer_backward(L, x, cache, dy, batch):
     da = dh if L.gemma is None else gemma.post_norm_backward(L.gemma.post_attn, cache.a, cache.a_rstd, dh)
     L.o_proj.backward(da, cache.o, datt)
     dqkv = d.empty((N, NH * D), dt)                                       # (N, NH D)
-    for b, saved in enumerate(cache.attn):
-        r = slice(b * T, (b + 1) * T)
-        doh = d.empty((H, T, D), dt)                                      # (H, T, D)
-        ops.transpose_heads(datt[r].reshape(T, H, D), doh)
-        dheads = d.empty((NH, T, D), dt)                                  # (NH, T, D)
-        dq, dk, dv = dheads[:H], dheads[H:H + Hk], dheads[H + Hk:]
-        if cache.qk is not None:  # q/k gradients land after the norms, then flow through them
-            dqk = d.empty((H + Hk, T, D), dt)                             # (H + Hk, T, D)
-            dq, dk = dqk[:H], dqk[H:]
-        saved.backward(doh, dq, dk, dv)
-        turn = H + Hk                                                     # the inverse RoPE on the way back
-        if cache.qk is not None:
-            ops.rope(dq, batch.positions[b], hd.freqs(batch), -1.0)
-            ops.rope(dk, batch.positions[b], hd.freqs(batch), -1.0)
-            qk_norm_backward(L, *cache.qk[b], dqk, dheads, H, Hk)
-            turn = 0
-        ops.transpose_heads(dheads, dqkv[r].reshape(T, NH, D), batch.positions[b], hd.freqs(batch), turn, -1.0, 0)
+    heads_backward(L, batch, cache, datt, dqkv)
     dxn = d.empty((N, C), dt)                                             # (N, C)
     lins, dys = [b[0] for b in L.qkv_blocks()], [dqkv[:, c0:c1] for _, c0, c1 in L.qkv_blocks()]
     first = cache.qkv_group is not None and writes_all(lins)              # LoRA first (lora_group.py)

@@ -84,6 +84,9 @@ class LlamaModel:
         fa = caps["fused_attention"]
         self.fused_attention = dtype in fa["dtypes"] and (not fa["head_dims"] or c.head_dim in fa["head_dims"])
         self.fused_segments, self.fused_window = fa["segments"], fa["window"]
+        # q, k and v attended in place as columns of the projection (no head transposes), all
+        # rows in one call, where the device takes token-major views; settable like the above.
+        self.token_major = fa["token_major"]
         self.d_embed_out = None
         self._loss = None
         self._ones = {}  # N -> (1, N) f32 ones: the loss sum's gemm row
@@ -147,11 +150,12 @@ class LlamaModel:
     def _long_rope(self, T, pos):
         return self.call_inv_freq(T - 1 if pos is None else int(pos.max())) is not None
 
-    def _batch_of(self, B, T, positions, segments, seed, window, long_rope):
+    def _batch_of(self, B, T, positions, segments, seed, window, long_rope, rope_positions=None):
         """The Batch of a call whose rows' tensors exist (seed: an int or a (2,) i32 seed_offset
-        tensor; None is eval)."""
+        tensor; None is eval; rope_positions: the rows' positions as one (T,) or (B, T) tensor)."""
         return Batch(B, T, positions, segments, seed, self.fused_attention, self.fused_segments, self.attn_block,
-                     window, inv_freq=self._long_inv_freq if long_rope else None, fused_window=self.fused_window)
+                     window, inv_freq=self._long_inv_freq if long_rope else None, fused_window=self.fused_window,
+                     token_major=self.token_major, rope_positions=rope_positions)
 
     def _batch(self, shape, segments=None, positions=None, call_seed=None):
         """The Batch of one call. positions (B, T) replace arange(T) in the rotary embedding of
@@ -160,12 +164,10 @@ class LlamaModel:
         B, T = shape
         seg, pos, window = self._plan(shape, segments, positions)
         d = self.dev
-        if pos is None:
-            rows = [d.tensor(np.arange(T, dtype=np.int32), "i32")] * B  # one tensor, every row
-        else:
-            rows = [d.tensor(pos[b], "i32") for b in range(B)]
+        every = d.tensor(np.arange(T, dtype=np.int32) if pos is None else pos, "i32")  # (T,) shared or (B, T)
+        rows = [every] * B if pos is None else [every[b] for b in range(B)]
         segs = None if seg is None else [d.tensor(seg[b], "i32") for b in range(B)]
-        return self._batch_of(B, T, rows, segs, call_seed, window, self._long_rope(T, pos))
+        return self._batch_of(B, T, rows, segs, call_seed, window, self._long_rope(T, pos), every)
 
     def call_inv_freq(self, max_position):
         """The rotary frequencies of a call whose largest position is max_position where they
@@ -286,7 +288,8 @@ class LlamaModel:
         of it replays for any batch of the same key. Returns the (1,) f32 sum of the token losses
         (the mean is that over HostInputs.n_valid)."""
         B, T, _, _, window, long_rope, _ = key
-        batch = self._batch_of(B, T, inputs.positions, inputs.segments, inputs.seed_offset, window, long_rope)
+        batch = self._batch_of(B, T, inputs.positions, inputs.segments, inputs.seed_offset, window, long_rope,
+                               inputs.rope_positions)
         d, dt, c = self.dev, self.dtype, self.config
         N, C, V = B * T, c.hidden_size, c.vocab_size
         x, xn, rstd, saved = self._trunk_forward(inputs.ids, batch, keep=True)

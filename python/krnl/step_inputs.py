@@ -55,20 +55,21 @@ class DeviceInputs:
     seed_offset: Optional[_core.Tensor]   # (2,) i32, None without dropout
     positions: list                       # B of (T,) i32 (one tensor B times when rows share them)
     segments: Optional[list]              # B of (T,) i32
+    rope_positions: Optional[_core.Tensor] = None  # the positions as one tensor: (T,) shared, or (B, T)
 
     @classmethod
     def of(cls, dev, host, ids=None):
         """Fresh tensors holding `host` (ids: a device tensor to use instead of host.ids)."""
         B, T = host.B, host.T
         pos = host.positions
-        positions = ([dev.tensor(np.arange(T, dtype=np.int32), "i32")] * B if pos is None
-                     else [dev.tensor(pos[b], "i32") for b in range(B)])
+        every = dev.tensor(np.arange(T, dtype=np.int32) if pos is None else np.asarray(pos, np.int32), "i32")
+        positions = [every] * B if pos is None else [every[b] for b in range(B)]  # rows: views of (B, T)
         seg = None if host.segments is None else [dev.tensor(host.segments[b], "i32") for b in range(B)]
         return cls(ids if ids is not None else dev.tensor(host.ids, "i32"), dev.tensor(host.targets, "i32"),
                    dev.tensor(np.array([host.ce_scale], np.float32), "f32"),
                    None if host.call_seed is None else
                    dev.tensor(seed_offset_words(host.call_seed, host.first_row), "i32"),
-                   positions, seg)
+                   positions, seg, every)
 
     def write(self, dev, host):
         """New contents from `host`, whose key() must equal the one these tensors were made for."""
@@ -78,8 +79,7 @@ class DeviceInputs:
         if self.seed_offset is not None:
             dev.upload(self.seed_offset, seed_offset_words(host.call_seed, host.first_row))
         if host.positions is not None:
-            for b in range(host.B):
-                dev.upload(self.positions[b], host.positions[b])
+            dev.upload(self.rope_positions, np.asarray(host.positions, np.int32))
         if host.segments is not None:
             for b in range(host.B):
                 dev.upload(self.segments[b], host.segments[b])

@@ -10,7 +10,6 @@
 #include "bindings.h"
 #include "core/split_k.h"
 #include "cpu/cpu_backend.h"
-#include "cuda/skinny_gemm.h"  // plain C++: the planner exists in every build
 
 namespace krnl::bindings {
 
@@ -56,16 +55,6 @@ void bind_testing(nb::module_& m) {
           return nb::make_tuple(p.splits, p.k_per_split);
         }, "M"_a, "N"_a, "K"_a, "batch"_a = 1, "tile_m"_a = 32, "tile_n"_a = 32, "min_tiles"_a = 0, "k_unit"_a = 32,
         "max_splits"_a = 16, "min_k_per_split"_a = 256, "Split-K routing: returns (splits, k_per_split).");
-  m.def("plan_skinny_gemm", [](int64_t M, int64_t N, int64_t K, bool ta, bool tb, int64_t lda, int64_t ldb,
-                               int64_t batch, int elem_bytes, bool aligned32, int sm_count) {
-          if (lda < 0) lda = ta ? M : K;
-          if (ldb < 0) ldb = tb ? K : N;
-          cuda::SkinnyPlan p = cuda::plan_skinny_gemm(M, N, K, ta, tb, lda, ldb, batch, elem_bytes, aligned32, sm_count);
-          return nb::make_tuple(int(p.mode), p.frags, p.narrow_n, p.splits, p.tiles);
-        }, "M"_a, "N"_a, "K"_a, "trans_a"_a = false, "trans_b"_a = false, "lda"_a = -1, "ldb"_a = -1, "batch"_a = 1,
-        "elem_bytes"_a = 2, "aligned32"_a = true, "sm_count"_a = 132,
-        "The CUDA backend's skinny-GEMM routing (csrc/cuda/skinny_gemm.h): (mode, frags, narrow_n, splits, "
-        "tiles); mode 0: cuBLAS, 1: rows, 2: columns. lda/ldb -1: the contiguous row strides.");
   m.def("plan_row_split", [](int64_t M, double t_cpu, double t_gpu, double overhead, int64_t tile_m) {
           RowSplitPlan p = plan_row_split(M, t_cpu, t_gpu, overhead, tile_m);
           nb::dict r;

@@ -13,7 +13,6 @@
 #include <vector>
 
 #include "core/backend.h"
-#include "skinny_gemm.h"
 
 namespace krnl::cuda {
 
@@ -49,8 +48,6 @@ class CudaBackend : public Backend {
   void defer(uint64_t seq, std::function<void()> f);
 
   cudaStream_t stream() const { return stream_; }
-  // Whether (and how) gemm runs g with the skinny kernel instead of cuBLAS (skinny_gemm.h).
-  SkinnyPlan skinny_plan(const GemmArgs& g) const;
   int sm_count() const { return sm_count_; }
   // Copies n i32 entries at device address p to the host (waits for the stream: the ids may be
   // written by work already queued).
@@ -129,8 +126,6 @@ class CudaBackend : public Backend {
   void gemm_untimed(const GemmArgs& g);  // gemm's body, for ops that end in a GEMM (quantized_matmul)
   void gemm_scale_output(const GemmArgs& g);
   void gemm_split(const GemmArgs& g);
-  // The skinny kernel where skinny_plan takes g (skinny_gemm.h); false: cuBLAS runs it.
-  bool gemm_skinny(const GemmArgs& g);
   void run_deferred();
 
   int device_ = 0;

@@ -1,6 +1,5 @@
-// GEMM through cuBLAS (fp32 accumulation: CUBLAS_COMPUTE_32F, never TF32), plus the small kernels
-// around it: beta * C for K = 0, the fp32 reduce of split-K partials, and the skinny kernel of the
-// LoRA products (skinny_gemm.h says which; KRNL_CUDA_SKINNY_GEMM=0 sends them to cuBLAS again).
+// GEMM through cuBLAS (fp32 accumulation: CUBLAS_COMPUTE_32F, never TF32), plus the two small
+// kernels around it: beta * C for K = 0, and the fp32 reduce of split-K partials.
 //
 // Row-major to cuBLAS's column-major: a row-major (M, N) C with row stride ldc is a column-major
 // (N, M) matrix with leading dimension ldc, and C^T = op(B)^T * op(A)^T, so cuBLAS computes
@@ -8,13 +7,11 @@
 #include <library_types.h>
 
 #include <cstdint>
-#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
 #include "common.cuh"
 #include "cublas_api.h"
-#include "skinny_gemm.cuh"
 
 namespace krnl::cuda {
 namespace {
@@ -65,48 +62,7 @@ void blas_call(void* handle, const GemmArgs& g, int m, int n, int k, const void*
                              " (M=" + std::to_string(g.M) + " N=" + std::to_string(g.N) + " K=" + std::to_string(g.K) + ")");
 }
 
-// Read on every call (cheap next to a launch), so a test can compare both paths in one process.
-bool skinny_enabled() {
-  const char* e = std::getenv("KRNL_CUDA_SKINNY_GEMM");
-  return !(e && e[0] == '0');
-}
-
 }  // namespace
-
-SkinnyPlan CudaBackend::skinny_plan(const GemmArgs& g) const {
-  const DType dt = g.A.dtype();
-  if (dt != DType::f16 && dt != DType::bf16) return {};
-  const bool aligned = reinterpret_cast<uintptr_t>(g.A.data()) % 32 == 0 && reinterpret_cast<uintptr_t>(g.B.data()) % 32 == 0;
-  return plan_skinny_gemm(g.M, g.N, g.K, g.trans_a, g.trans_b, g.lda, g.ldb, g.batch, 2, aligned, sm_count_);
-}
-
-bool CudaBackend::gemm_skinny(const GemmArgs& g) {
-  if (g.split_k > 1 || !skinny_enabled()) return false;
-  const SkinnyPlan p = skinny_plan(g);
-  if (p.frags == 0) return false;
-  const DType ct = g.C.dtype();
-  const int kind = ct == DType::f32 ? skinny::kOutF32 : ct == DType::f16 ? skinny::kOutF16 : skinny::kOutBF16;
-  Tensor part;  // (splits, M, N) f32, only when K is sliced over blocks
-  if (p.splits > 1) part = scratch(p.splits * g.M * g.N);
-  float* pp = p.splits > 1 ? part.ptr<float>() : nullptr;
-  cudaError_t e;
-  if (g.A.dtype() == DType::bf16)
-    e = skinny::launch(p, g.trans_a, g.trans_b, static_cast<const __nv_bfloat16*>(g.A.data()),
-                       static_cast<const __nv_bfloat16*>(g.B.data()), g.M, g.N, g.K, g.lda, g.ldb, g.alpha, g.beta,
-                       g.C.data(), g.ldc, kind, pp, stream_);
-  else
-    e = skinny::launch(p, g.trans_a, g.trans_b, static_cast<const __half*>(g.A.data()),
-                       static_cast<const __half*>(g.B.data()), g.M, g.N, g.K, g.lda, g.ldb, g.alpha, g.beta,
-                       g.C.data(), g.ldc, kind, pp, stream_);
-  check(e, "gemm");
-  if (p.splits > 1) {
-    const int64_t MN = g.M * g.N;
-    split_k_reduce_kernel<<<grid_for(MN), kThreads, 0, stream_>>>(pp, p.splits, g.M, g.N, ct, g.C.data(), g.ldc,
-                                                                  g.alpha, g.beta);
-    check_launch("gemm");
-  }
-  return true;
-}
 
 void CudaBackend::gemm_scale_output(const GemmArgs& g) {
   const int64_t total = g.batch * g.M * g.N;
@@ -149,7 +105,6 @@ void CudaBackend::gemm_untimed(const GemmArgs& g) {
       throw std::invalid_argument("[gemm] a dimension or row stride of " + std::to_string(d) +
                                   " exceeds the 32-bit sizes of cublasGemmStridedBatchedEx");
   if (g.split_k > 1) return gemm_split(g);
-  if (gemm_skinny(g)) return;
   // Batches are one strided call; a stride-0 operand is broadcast (cuBLAS allows it for A/B).
   blas_call(cublas_, g, int(g.N), int(g.M), int(g.K), g.B.data(), g.stride_b, g.A.data(), g.stride_a,
             g.C.data(), cuda_type(g.C.dtype()), int(g.ldc), g.stride_c, int(g.batch), g.alpha, g.beta);

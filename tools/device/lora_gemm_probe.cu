@@ -12,8 +12,6 @@
 // the model passes (column blocks of fused outputs); a line per (shape, beta). Each timing is the
 // median of 15 calls, each bracketed by its own events after an L2 flush (the model's operands
 // come from DRAM). The chosen Lt candidate is also run 3 times and compared bit for bit (det=).
-// Where csrc/cuda/skinny_gemm.h routes a shape to krnl's own kernel, that kernel (the same
-// source, skinny_gemm.cuh) is timed too ("skinny", with its reduce when K is sliced).
 // Then the frozen products with the LoRA folded in as K + r extra columns ("fused K"), against
 // the frozen product with beta 1 plus the separate rank-r product: what concatenating
 // [x | t] and [W | s B] would save.
@@ -33,8 +31,6 @@
 #include <string>
 #include <tuple>
 #include <vector>
-
-#include "../../csrc/cuda/skinny_gemm.cuh"
 
 #define CK(x)                                                                         \
   do {                                                                                \
@@ -233,8 +229,8 @@ int main(int argc, char** argv) {
   fill_kernel<<<1024, 256, 0, stream>>>(B, big, 2);
   CK(cudaStreamSynchronize(stream));
 
-  printf("%-3s %-15s %-3s %5s %5s %5s %5s %5s %5s %3s %4s | %7s %7s %7s %7s %7s | %-40s %s\n", "mdl", "what", "op", "M",
-         "N", "K", "lda", "ldb", "ldc", "C", "beta", "default", "lt[0]", "skinny", "best", "splitK", "best is", "notes");
+  printf("%-3s %-15s %-3s %5s %5s %5s %5s %5s %5s %3s %4s | %7s %7s %7s %7s | %-40s %s\n", "mdl", "what", "op", "M",
+         "N", "K", "lda", "ldb", "ldc", "C", "beta", "default", "lt[0]", "best", "splitK", "best is", "notes");
   double tot_lt0 = 0;
   std::map<std::string, std::pair<double, double>> per_model;
   for (const Shape& s : shapes) {
@@ -343,47 +339,6 @@ int main(int argc, char** argv) {
     } else {
       notes = "n=" + std::to_string(n) + (hs ? " heuristic status " + std::to_string(hs) : "");
     }
-    // krnl's skinny kernel where its plan takes the shape
-    float t_sk2 = -1;
-    std::string sk2 = "-";
-    {
-      const krnl::cuda::SkinnyPlan p = krnl::cuda::plan_skinny_gemm(s.M, s.N, s.K, s.ta, s.tb, s.lda, s.ldb, 1, 2, true,
-                                                                     prop.multiProcessorCount);
-      if (p.frags) {
-        auto run_sk2 = [&]() {
-          using namespace krnl::cuda;
-          if (skinny::launch(p, s.ta, s.tb, A, B, s.M, s.N, s.K, s.lda, s.ldb, alpha, beta, C, s.ldc,
-                             s.c_f32 ? skinny::kOutF32 : skinny::kOutBF16, p.splits > 1 ? part : nullptr, stream))
-            return false;
-          if (p.splits > 1)
-            reduce_kernel<<<std::min<int64_t>((int64_t(s.M) * s.N + 255) / 256, 2112), 256, 0, stream>>>(
-                part, p.splits, s.M, s.N, s.c_f32, C, s.ldc, alpha, beta);
-          return true;
-        };
-        reset_c();
-        t_sk2 = time_us(run_sk2);
-        bool same = true;
-        std::vector<char> first(csz), now(csz);
-        for (int rep = 0; rep < 2; ++rep) {
-          reset_c();
-          run_sk2();
-          CK(cudaStreamSynchronize(stream));
-          CK(cudaMemcpy(rep ? now.data() : first.data(), C, csz, cudaMemcpyDeviceToHost));
-          if (rep && memcmp(first.data(), now.data(), csz)) same = false;
-        }
-        // against cuBLAS default (ref holds its output for the reset C)
-        reset_c();
-        run_default();
-        CK(cudaMemcpyAsync(ref, C, csz, cudaMemcpyDeviceToDevice, stream));
-        reset_c();
-        run_sk2();
-        char b[120];
-        snprintf(b, sizeof b, "skinny %.1f us F=%d %s S=%d det=%d diff=%.2e", t_sk2, p.frags, p.narrow_n ? "n" : "m",
-                 p.splits, int(same), max_diff());
-        sk2 = b;
-        if (t_sk2 > 0 && t_sk2 < t_best) t_best = t_sk2, best = "skinny";
-      }
-    }
     // split-K as krnl's router would force it: S slices of K into f32 partials, one reduce
     float t_sk = -1;
     int best_s = 0;
@@ -411,9 +366,9 @@ int main(int argc, char** argv) {
 
     char lab[8];
     snprintf(lab, sizeof lab, "%s%s", s.ta ? "t" : "n", s.tb ? "t" : "n");
-    printf("%-3s %-15s %-3s %5d %5d %5d %5d %5d %5d %3s %4.0f | %7.1f %7.1f %7.1f %7.1f %7.1f | %-40s %s sk=%d | %s\n",
+    printf("%-3s %-15s %-3s %5d %5d %5d %5d %5d %5d %3s %4.0f | %7.1f %7.1f %7.1f %7.1f | %-40s %s sk=%d\n",
            s.model.c_str(), s.what.c_str(), lab, s.M, s.N, s.K, s.lda, s.ldb, s.ldc, s.c_f32 ? "f32" : "b16", s.beta,
-           t_def, t_lt0, t_sk2, t_best, t_sk, best.c_str(), notes.c_str(), best_s, sk2.c_str());
+           t_def, t_lt0, t_best, t_sk, best.c_str(), notes.c_str(), best_s);
     fflush(stdout);
     per_model[s.model].first += t_def * s.calls / 1000.0;
     per_model[s.model].second += t_best * s.calls / 1000.0;

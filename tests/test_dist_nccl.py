@@ -28,11 +28,10 @@ HERE = Path(__file__).parent
 # A stand-in libnccl: every symbol the loader resolves, ncclGetVersion answering VERSION,
 # ncclGetUniqueId writing bytes 0..127; OMIT leaves one symbol out.
 FAKE = textwrap.dedent("""
-    #include <string.h>
-    typedef struct { char internal[128]; } id_t;
+    typedef struct { char internal[128]; } fake_id;
     int ncclGetVersion(int* v) { *v = VERSION; return 0; }
-    int ncclGetUniqueId(id_t* id) { for (int i = 0; i < 128; ++i) id->internal[i] = (char)i; return 0; }
-    int ncclCommInitRank(void** c, int n, id_t id, int r) { (void)id; *c = 0; return n > r ? 5 : 4; }
+    int ncclGetUniqueId(fake_id* id) { for (int i = 0; i < 128; ++i) id->internal[i] = (char)i; return 0; }
+    int ncclCommInitRank(void** c, int n, fake_id id, int r) { (void)id; *c = 0; return n > r ? 5 : 4; }
     int ncclAllReduce(const void* s, void* r, unsigned long n, int t, int o, void* c, void* st) { return 5; }
     int ncclCommDestroy(void* c) { return 0; }
     int ncclCommAbort(void* c) { return 0; }

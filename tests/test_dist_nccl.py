@@ -226,6 +226,20 @@ def test_dist_nccl_cpu_ranks_take_the_host_path(tmp_path):
 
 
 @pytest.mark.mpi
+def test_dist_ranks_learn_their_place_on_the_machine():
+    """dist.world() sets KRNL_LOCAL_RANK (0 and 1 for two ranks here) before any device exists:
+    the CUDA device takes that GPU, modulo the GPUs it sees."""
+    code = ("import os\nfrom krnl import dist\nw = dist.world()\n"
+            "got = w.comm.gather(f'local {w.rank} {os.environ.get(\"KRNL_LOCAL_RANK\")}')\n"
+            "print('\\n'.join(got) if w.root else '')")
+    env = {k: v for k, v in os.environ.items() if k != "KRNL_LOCAL_RANK"}
+    r = subprocess.run([_mpiexec(), "-n", "2", sys.executable, "-c", code], capture_output=True, text=True,
+                       env=dict(env, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1"), timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert sorted(x for x in r.stdout.splitlines() if x.startswith("local")) == ["local 0 0", "local 1 1"]
+
+
+@pytest.mark.mpi
 def test_dist_nccl_forced_on_cpu_ranks_stops_in_one_line(tmp_path):
     r = _two_ranks(tmp_path, KRNL_DIST_BACKEND="nccl")
     assert r.returncode != 0

@@ -16,6 +16,8 @@ void bind_profiler(nb::module_& m);
 void bind_metal(nb::module_& m, nb::module_& testing);
 // krnl._core.testing: test devices and hooks, built in but not part of the user API.
 void bind_testing(nb::module_& testing);
+// NCCL's loader (every build) and, with CUDA, the communicator; its test hook joins testing.
+void bind_nccl(nb::module_& m, nb::module_& testing);
 
 Shape to_shape(nb::handle obj);       // int or sequence of ints
 DType to_dtype(nb::handle obj);       // "f16", "float16", numpy dtypes, ...

@@ -134,6 +134,9 @@ nb::dict capabilities_dict(const Capabilities& c) {
   d["queue_ordered"] = c.queue_ordered;
   d["attention_block"] = c.attention_block;
   d["gemm_tuning"] = c.gemm_tuning;
+  nb::list coll;
+  for (const auto& name : c.collectives) coll.append(name);
+  d["collectives"] = coll;
   d["details"] = details;
   return d;
 }
@@ -203,7 +206,8 @@ void bind_devices(nb::module_& m) {
            "which head sizes ([] = any), on token-major (B, T, H, D) views), graphs (capture/replay), host_visible (zero-copy numpy views), "
            "synchronous (ops complete when they return), queue_ordered (buffers released inside a step are "
            "reused within it), attention_block (query rows per materialised attention block, 0: all), "
-           "gemm_tuning (timing the GEMM variants measures a real GPU: krnl tune), details (hardware facts).")
+           "gemm_tuning (timing the GEMM variants measures a real GPU: krnl tune), collectives (libraries summing tensors "
+           "across processes on the device itself: 'nccl' on CUDA), details (hardware facts).")
       .def("gemm_variants", [](Backend& d) {
              auto* m = dynamic_cast<metal::MetalOps*>(&d);
              return m ? m->gemm_variants() : std::vector<std::string>{};

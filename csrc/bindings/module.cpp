@@ -64,4 +64,5 @@ NB_MODULE(_core, m) {
       "testing", "Test devices and hooks for krnl's own tests (tests/conftest.py, tools/mslsim): not the user API.");
   bind_testing(testing);
   bind_metal(m, testing);
+  bind_nccl(m, testing);
 }

@@ -89,6 +89,10 @@ struct Capabilities {
   // Timing the device's GEMM variants (krnl tune) measures something real: only a physical GPU
   // with more than one variant (Metal); never a simulator.
   bool gemm_tuning = false;
+  // Libraries that sum tensors across processes on this device's own queue, without a host copy
+  // ("nccl" on CUDA): data-parallel training takes them where every rank has one (krnl.dist_nccl).
+  // Whether the library itself loads on this machine is the loader's answer, not this one's.
+  std::vector<std::string> collectives;
   // Facts about the hardware behind the device (GPU name, GPU family, ...), for people.
   std::vector<std::pair<std::string, std::string>> details;
 };

@@ -66,6 +66,26 @@ const char* cublas_error() { return g_cublas_error.c_str(); }
 
 // ---- registration
 
+// Which GPU this process takes: KRNL_CUDA_DEVICE (an ordinal) when set; else, among the ranks of a
+// data-parallel run that share this machine, the rank's place on it (KRNL_LOCAL_RANK, which
+// krnl.dist sets before the device is made) modulo the GPUs, so that ranks take distinct GPUs
+// where there are enough; else GPU 0. CUDA_VISIBLE_DEVICES, read by the driver, comes first.
+static int chosen_device(int count) {
+  if (const char* e = std::getenv("KRNL_CUDA_DEVICE"); e && *e) {
+    char* end = nullptr;
+    const long d = std::strtol(e, &end, 10);
+    if (*end || d < 0 || d >= count)
+      throw std::invalid_argument(std::string("[cuda] KRNL_CUDA_DEVICE=") + e + ": this machine has " +
+                                  std::to_string(count) + " CUDA device(s), 0 to " + std::to_string(count - 1));
+    return int(d);
+  }
+  if (const char* e = std::getenv("KRNL_LOCAL_RANK"); e && *e) {
+    const long r = std::strtol(e, nullptr, 10);
+    return r > 0 ? int(r % count) : 0;
+  }
+  return 0;
+}
+
 void register_backend() {
   if (const char* e = std::getenv("KRNL_DISABLE_CUDA"); e && *e == '1') {
     register_unavailable("cuda", "KRNL_DISABLE_CUDA=1");
@@ -85,7 +105,11 @@ void register_backend() {
     register_unavailable("cuda", cublas_error());
     return;
   }
-  register_device("cuda", 100, []() -> Backend* { return new CudaBackend(0); });
+  register_device("cuda", 100, []() -> Backend* {
+    int count = 0;
+    check(cudaGetDeviceCount(&count), "cuda");
+    return new CudaBackend(chosen_device(count));
+  });
 }
 
 // ---- the backend
@@ -97,6 +121,9 @@ CudaBackend::CudaBackend(int device) : Backend("cuda"), device_(device) {
   check(cudaGetDeviceProperties(&prop, device_), "cuda");
   gpu_name_ = prop.name;
   compute_capability_ = std::to_string(prop.major) + "." + std::to_string(prop.minor);
+  char bus[32] = {};
+  check(cudaDeviceGetPCIBusId(bus, sizeof bus, device_), "cuda");
+  pci_bus_id_ = bus;  // with the host name, which GPU this is: data-parallel ranks must not share one
   // Non-blocking: the legacy default stream (used by other libraries in the process) must not
   // serialise against our steps.
   check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cuda");
@@ -125,8 +152,10 @@ Capabilities CudaBackend::capabilities() const {
   // GEMMs. H200, W3 (T=4096) replayed: 10.04 ms with one block, 9.50 / 9.36 / 9.49 / 10.04 with
   // blocks of 2048 / 1024 / 512 / 256.
   c.attention_block = 1024;
+  c.collectives = {"nccl"};  // NcclComm (nccl_comm.h) on this stream, where libnccl loads
   c.details = {{"gpu", gpu_name_}, {"compute_capability", compute_capability_},
-               {"sm_count", std::to_string(sm_count_)}};
+               {"sm_count", std::to_string(sm_count_)}, {"device", std::to_string(device_)},
+               {"pci_bus_id", pci_bus_id_}};
   return c;
 }
 

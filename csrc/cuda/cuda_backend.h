@@ -48,6 +48,7 @@ class CudaBackend : public Backend {
   void defer(uint64_t seq, std::function<void()> f);
 
   cudaStream_t stream() const { return stream_; }
+  int device_ordinal() const { return device_; }  // the CUDA device (as this process numbers them)
   int sm_count() const { return sm_count_; }
   // Copies n i32 entries at device address p to the host (waits for the stream: the ids may be
   // written by work already queued).
@@ -138,7 +139,7 @@ class CudaBackend : public Backend {
 
   int device_ = 0;
   int sm_count_ = 132;
-  std::string gpu_name_, compute_capability_;  // for capabilities(): read once, outside any capture
+  std::string gpu_name_, compute_capability_, pci_bus_id_;  // for capabilities(): read once, outside any capture
   cudaStream_t stream_ = nullptr;
   void* cublas_ = nullptr;  // cublasHandle_t, opaque here (cuBLAS is loaded at run time)
   std::deque<std::pair<uint64_t, cudaEvent_t>> inflight_;  // committed steps not yet seen complete

@@ -10,7 +10,7 @@ modules relative to krnl; `bench.*` is every module of krnl/bench):
     storage   fileio safetensors_io checkpoint run_folder tokenizer quant gguf_quants
     model     params phi3 gemma3 config qweight step_inputs lora lora_group attention gemma layer_heads layer generate model mlp_block
     formats   adapter mlx_folder gguf_file gguf_tokenizer hf gguf_fuse
-    train     optim batches data default_task step dist dist_train trainer
+    train     optim batches data default_task step dist dist_nccl dist_train trainer
     cli       cli cli_args cli_device tune __main__ bench bench.*
 
 - ops: the native core and what this file re-exports from it; importing any submodule runs this
@@ -50,12 +50,15 @@ if _sys.platform != "darwin":
         if _saved is None:
             del _os.environ["OPENBLAS_THREAD_TIMEOUT"]
 
-    # The CUDA backend opens cuDNN (fused attention) and NVRTC (which cuDNN's attention engines
-    # compile with) at run time: point it at the libraries of installed nvidia wheels
-    # (nvidia-cudnn-cu13, nvidia-cuda-nvrtc), which are not on the loader's path.
+    # The CUDA backend opens cuDNN (fused attention), NVRTC (which cuDNN's attention engines
+    # compile with) and NCCL (data-parallel gradient sums, krnl.dist_nccl) at run time: point it
+    # at the libraries of installed nvidia wheels (nvidia-cudnn-cu13, nvidia-cuda-nvrtc,
+    # nvidia-nccl-cu13), which are not on the loader's path.
     for _env, _rel in (("KRNL_CUDNN", ("nvidia", "cudnn", "lib", "libcudnn.so.9")),
                        ("KRNL_NVRTC", ("nvidia", "cu13", "lib", "libnvrtc.so.13")),
-                       ("KRNL_NVRTC", ("nvidia", "cuda_nvrtc", "lib", "libnvrtc.so.12"))):
+                       ("KRNL_NVRTC", ("nvidia", "cuda_nvrtc", "lib", "libnvrtc.so.12")),
+                       ("KRNL_NCCL", ("nvidia", "nccl", "lib", "libnccl.so.2")),
+                       ("KRNL_NCCL", ("nvidia", "cu13", "lib", "libnccl.so.2"))):
         if _env not in _os.environ:
             for _p in _sys.path:
                 if _os.path.isfile(_os.path.join(_p or ".", *_rel)):

@@ -28,7 +28,7 @@ def _describe(caps):
              f"fused_attention={fused}", f"attention_block={caps['attention_block'] or 'all'}",
              f"graphs={yn(caps['graphs'])}", f"host_visible={yn(caps['host_visible'])}",
              f"synchronous={yn(caps['synchronous'])}", f"queue_ordered={yn(caps['queue_ordered'])}",
-             f"gemm_tuning={yn(caps['gemm_tuning'])}"]
+             f"gemm_tuning={yn(caps['gemm_tuning'])}", f"collectives={','.join(caps['collectives']) or '-'}"]
     if caps["details"]:
         parts.append("(" + "; ".join(f"{k}: {v}" for k, v in caps["details"].items()) + ")")
     return " ".join(parts)

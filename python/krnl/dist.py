@@ -9,8 +9,9 @@ never imported. With N > 1 ranks it needs mpi4py (`pip install 'krnl[mpi]'`).
 Every collective runs under a watchdog: a rank that waits longer than KRNL_DIST_TIMEOUT seconds
 (default 600) for the others says which collective of which step it waited in, names the ranks
 on its own machine that are gone (their pids are exchanged at start), and exits with status 1;
-the launcher then ends the others. Host memory carries the gradient on every device (a CUDA
-device copies it down and up; Metal's unified memory makes that a plain copy)."""
+the launcher then ends the others. Host memory carries the gradient (a CUDA device copies it
+down and up; Metal's unified memory makes that a plain copy), except between CUDA ranks with
+NCCL, which sum it on the GPUs (krnl.dist_nccl)."""
 
 import hashlib
 import os
@@ -173,6 +174,17 @@ class World:
         per = rows // self.size
         return tuple(np.asarray(a)[self.rank * per:(self.rank + 1) * per] for a in batch)
 
+    def allgather(self, obj, what="a gather from every rank"):
+        """Every rank's `obj` (any picklable value), in rank order, on every rank."""
+        if self.size == 1:
+            return [obj]
+        return self._collect(what, lambda: self.comm.allgather(obj))
+
+    def watched(self, what, fn):
+        """fn() under the watchdog: a wait of more than the timeout in it ends this rank, saying
+        `what` it waited in (for waits outside MPI, such as a device's collective)."""
+        return self._collect(what, fn)
+
     def bcast(self, obj, what="a broadcast from rank 0"):
         """Rank 0's `obj` on every rank (any picklable value)."""
         if self.size == 1:
@@ -283,4 +295,8 @@ def _detect():
     if local > 1 and "KRNL_NUM_THREADS" not in os.environ:
         # Ranks sharing a machine share its cores (read when the core's thread pool starts).
         os.environ["KRNL_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // local))
+    # This rank's place among those on its machine: the CUDA device takes that GPU (modulo the
+    # GPUs), so ranks sharing a machine take distinct ones (read when the device is made).
+    host = w.peers[w.rank][0]
+    os.environ.setdefault("KRNL_LOCAL_RANK", str(sum(1 for h, _ in w.peers[:w.rank] if h == host)))
     return w

@@ -53,9 +53,13 @@ class StepRunner:
     """micro_batch() for each micro-batch, optimizer(), then finish(): the step's loss and the
     optimizer's info, after the one wait of the step."""
 
-    def __init__(self, model, opt, bucket=1, replay=False, micro_batches=1, world=None):
+    def __init__(self, model, opt, bucket=1, replay=False, micro_batches=1, world=None, reducer=None):
         self.model, self.opt, self.dev = model, opt, model.dev
         self.world = world  # a krnl.dist.World of size > 1: the grads and losses are summed over its ranks
+        # a krnl.dist_nccl.NcclReducer: that sum runs on the device (NCCL), before the update and in
+        # its recorded graph, instead of through host memory
+        self.reducer = reducer
+        self.waiting_in = None  # what finish() waits for on the NCCL path, named for the watchdog
         self.reduced = None  # the micro-batches' loss sums over every rank, once optimizer() summed them
         self.host = None     # (numel + micro_batches,) f32: the host copy reduce() sums
         self.bucket, self.replay = int(bucket), bool(replay)
@@ -115,23 +119,32 @@ class StepRunner:
     def optimizer(self, n_micro, step=None):
         """Queues the optimizer's update over the grads of the n_micro micro-batches (summed over
         the world's ranks first: a wait for the device, then the host copy's allreduce)."""
-        self.reduce(step)
+        on_device = self.reducer is not None
+        if not (on_device and self.replay):
+            self.reduce(step)
         if not self.replay:
             self.opt.queue_step(n_micro)
             return
         self.dev.upload(self.hyper, self.opt.hyper(n_micro))
-        if self.opt_graph is None:
-            self.opt_graph = self.dev.capture(lambda: self.opt.queue_ops(self.hyper))
+        if self.opt_graph is None:  # the device's sum, where there is one, recorded with the update
+            self.opt_graph = self.dev.capture(lambda: (self.reduce(step) if on_device else None,
+                                                       self.opt.queue_ops(self.hyper)))
         else:
+            self.waiting_in = f"the NCCL gradient allreduce of step {step}"
             self.opt_graph.replay()
 
     def reduce(self, step=None):
         """Sums the grads and this step's loss sums over the world's ranks (optimizer() does it
-        first): one allreduce of their host copy, after a wait for the micro-batches."""
-        if self.world is None or self.world.size == 1:
-            return
+        first): one allreduce of their host copy, after a wait for the micro-batches; with a
+        reducer, one NCCL allreduce in place on the device's stream, without waiting."""
         flat, k = self.model.lora_params, len(self.n_valid)
         n = flat.numel
+        if self.reducer is not None:  # every micro-batch slot: a constant shape for the recording
+            self.reducer.allreduce([flat.grads[:n], self.losses])
+            self.waiting_in, self.reduced = f"the NCCL gradient allreduce of step {step}", None
+            return
+        if self.world is None or self.world.size == 1:
+            return
         if self.host is None:  # kept: a fresh array of this size would be page-faulted in every step
             self.host = np.empty(n + self.losses.shape[0], np.float32)
         grads, host = flat.grads[:n], self.host[:n + k]
@@ -144,7 +157,10 @@ class StepRunner:
     def finish(self):
         """(loss, info): the mean over micro-batches of each one's mean token loss, and
         AdamW.finish_step's info. The one wait of the step (besides the allreduce's)."""
-        info = self.opt.finish_step()
+        if self.reducer is not None:  # the wait covers the NCCL collective: a peer that stops hangs it
+            info = self.reducer.wait(self.opt.finish_step, self.waiting_in or "the NCCL gradient allreduce")
+        else:
+            info = self.opt.finish_step()
         sums = self.reduced if self.reduced is not None else self.losses.numpy()
         sums = np.asarray(sums, np.float64)[:len(self.n_valid)]
         loss = float(np.mean([s / max(n, 1) for s, n in zip(sums, self.n_valid)]))

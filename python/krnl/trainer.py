@@ -19,6 +19,7 @@ from . import adapter as adapter_io
 from .batches import Batches
 from .checkpoint import fingerprint_diff, list_checkpoints, load_checkpoint, resolve_checkpoint, save_checkpoint
 from .dist import World
+from .dist_nccl import reducer_for
 from .dist_train import Discard, check_world, evaluate_ranks
 from .fileio import atomic_write_bytes
 from .optim import AdamW, Schedule
@@ -283,7 +284,7 @@ class Trainer:
         replay = cfg.graphs and bool(dev.capabilities()["graphs"])
         bucket = cfg.length_bucket or (REPLAY_BUCKET if replay else 1)
         runner = StepRunner(model, self.opt, bucket=bucket, replay=replay, micro_batches=cfg.grad_accum,
-                            world=self.world)
+                            world=self.world, reducer=reducer_for(self.world, dev))
         rate = Rate()
         dev.reset_peak()
         self.world.check_params(self.model.lora_params, self.step)

@@ -14,6 +14,12 @@
 #                                           (TRAIN_SHAPES="1b 8b" for both), krnl's Trainer (replayed and
 #                                           eager) next to transformers + PEFT eager and compiled, and
 #                                           mlx-lm where installed (JSON in $OUT/train_bench_SHAPE.json)
+#   bash tools/device/h200_check.sh nccl    on a machine with 2 or more GPUs (nvidia-h200-x2): tests/test_dist_nccl.py
+#                                           and tests/test_dist.py (two CUDA ranks through NCCL against one GPU,
+#                                           the loader, the fallback), then `krnl bench --workloads train --gpus 2`
+#                                           on the 8b shape (TRAIN_SHAPES, GPUS to change): krnl and PyTorch DDP +
+#                                           PEFT at 1 and 2 GPUs, JSON in $OUT/train_bench_gpus_SHAPE.json. The
+#                                           machine's mpi4py and Open MPI launch the ranks (as root: allowed below)
 #   bash tools/device/h200_check.sh metal-cuda
 #                                           the unmodified metal/*.metal kernels on the H200
 #                                           (tools/mslcuda): every test module's `dev` tests on the
@@ -155,6 +161,16 @@ elif [ "$phase" = qlora ]; then
   [ -d .bnb ] && export PYTHONPATH=$PYTHONPATH:$PWD/.bnb
   timeout ${BENCH_S:-400} python3 -m krnl.bench --workloads qlora --peers torch --rounds 1 ${QLORA_PROFILE:+--profile} --json "$OUT/qlora_bench.json" \
     2>&1 | tee "$OUT/qlora_bench.log" | tail -30
+elif [ "$phase" = nccl ]; then
+  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1  # Open MPI's mpiexec refuses root otherwise
+  nvidia-smi -L
+  timeout ${NTESTS_S:-300} python3 -m pytest -q -rs -p no:cacheprovider tests/test_dist_nccl.py tests/test_dist.py 2>&1 |
+    tee "$OUT/nccl_tests.log" | tail -15
+  for shape in ${TRAIN_SHAPES:-8b}; do
+    timeout ${BENCH_S:-500} python3 -m krnl.bench --workloads train --train-shape "$shape" --gpus ${GPUS:-2} \
+      --peers torch --rounds 1 --json "$OUT/train_bench_gpus_$shape.json" 2>&1 |
+      tee "$OUT/train_bench_gpus_$shape.log" | tail -${TRAIN_TAIL:-20}
+  done
 elif [ "$phase" = train ]; then
   # the step's own tests first (the replayed step against the eager one, the graph arena)
   timeout ${TTESTS_S:-150} python3 -m pytest -q -p no:cacheprovider tests/test_step.py tests/test_cuda.py \

@@ -40,6 +40,10 @@ def add_arguments(p):
                       "shape's)"), ("batch", "rows per step (default: the shape's)"), ("steps", "timed steps "
                       "(default 10; quick: 3)"), ("warmup", "untimed steps before them (default 3; quick: 1)")):
         g.add_argument(f"--train-{opt}", type=int, default=None, metavar="N", help=what)
+    g.add_argument("--gpus", type=int, default=1, metavar="N",
+                   help="N > 1: data-parallel training, krnl under `mpiexec -n N` and PyTorch DDP + PEFT under "
+                        "torchrun, at 1 and N ranks of --train-shape's batch each, side by side with the scaling "
+                        "efficiency (on the CPU: N CPU ranks sharing its cores)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--png", metavar="PATH", help="write a bar chart (tokens/s per workload and implementation)")
     p.add_argument("--profile", action="store_true", help="also print the per-op profile of one step (W2; W3 on a GPU; with --workloads train alone, one eager krnl training step)")
@@ -58,7 +62,10 @@ def add_arguments(p):
 def train_options(args):
     """The --train-* options as bench/train.py takes them (None: the shape's own)."""
     opts = {k: getattr(args, f"train_{k}", None) for k in ("layers", "seq", "batch", "steps", "warmup")}
-    return dict(opts, shape=getattr(args, "train_shape", None))
+    gpus = getattr(args, "gpus", 1)
+    if gpus < 1:
+        raise ValueError(f"[krnl bench] --gpus must be >= 1, got {gpus}")
+    return dict(opts, shape=getattr(args, "train_shape", None), gpus=gpus)
 
 
 def cmd_bench(args):

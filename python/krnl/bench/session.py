@@ -346,8 +346,8 @@ class Session:
         if "train" in workloads:
             if self.rows:
                 between.append(("before train", gate.measure_control(dev, n_ctl)))
-            from . import train
-            for r in train.session_rows(self, self.train_opts, profile=profile and prof is None):
+            from . import train_dist  # one process, or with --gpus N, 1 and N ranks (train_dist.py)
+            for r in train_dist.session_rows(self, self.train_opts, profile=profile and prof is None):
                 p = r.pop("profile", None)
                 prof = p or prof  # the train step's profile when no W step was profiled
                 self._row("train", r.pop("impl"), **r)

@@ -147,10 +147,11 @@ class _Done(Exception):
     checkpoint and adapter files, which are no part of a training step's time."""
 
 
-def run_krnl(dev, dtype, folder, s, bs, seed=0, graphs=True, profile=False):
+def run_krnl(dev, dtype, folder, s, bs, seed=0, graphs=True, profile=False, world=None):
     """krnl: the folder loaded as `krnl train --model` loads it, trained by Trainer on `bs`
     (graphs False: every step eager, `krnl train --no-graphs`). profile: one more step after the
-    timed ones runs under krnl.profile (its per-op table in the result's "profile")."""
+    timed ones runs under krnl.profile (its per-op table in the result's "profile"). world: a
+    krnl.dist.World whose ranks each train on their slice of `bs` (train_dist.py)."""
     from .. import profile as op_profile
     from ..config import LoraConfig
     from ..hf import load_model
@@ -182,7 +183,7 @@ def run_krnl(dev, dtype, folder, s, bs, seed=0, graphs=True, profile=False):
             raise _Done
 
     with tempfile.TemporaryDirectory(prefix="krnl-bench-train-") as out:
-        trainer = Trainer(model, cfg, _Source(bs), out_dir=out, progress=False, on_step=on_step)
+        trainer = Trainer(model, cfg, _Source(bs), out_dir=out, progress=False, on_step=on_step, world=world)
         stamps.append(time.perf_counter())
         try:
             trainer.run()
@@ -248,6 +249,7 @@ def session_rows(session, opts, profile=False):
     from .targets import is_gpu
     opts = dict(opts or {})
     name = opts.pop("shape", None) or ("quick" if session.quick else "1b")
+    opts.pop("gpus", None)  # train_dist.session_rows runs the N-rank session
     s = shape(name, **opts)
     gpu = is_gpu(session.dev)
     if name != "quick" and not gpu:

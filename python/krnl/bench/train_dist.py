@@ -1,0 +1,137 @@
+"""`krnl bench --workloads train --gpus N`: data-parallel training, 1 and N ranks side by side.
+
+krnl's Trainer runs as one process and under `mpiexec -n N` (krnl.dist: NCCL between CUDA ranks
+where it loads, MPI through host memory otherwise); transformers + PEFT under PyTorch DDP runs
+under torchrun with 1 and N processes (NCCL on CUDA, gloo on the CPU). Each rank trains on the
+shape's batch (B rows), so N ranks train on global batches of N B rows: tokens/s of the global
+batch, and the scaling efficiency = tokens/s of N ranks / (N x tokens/s of one). Every run is its
+own launch of train_worker.py on the same model folder and batches; rank 0 writes its figures.
+On a CPU device the ranks are CPU processes sharing the machine's cores (--quick: the plumbing)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from . import train
+from .targets import is_gpu
+from .train import describe, note, write_folder
+
+LAUNCH_TIMEOUT_S = 3600
+# Open MPI's mpiexec refuses to start as root unless told twice (a GPU container runs as root);
+# MPICH ignores these.
+ROOT_MPI = ({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+            if hasattr(os, "geteuid") and os.geteuid() == 0 else {})
+
+
+def mpiexec():
+    """MPICH's launcher beside this Python (pip install 'krnl[mpi]'), else one on PATH, else None."""
+    beside = Path(sys.executable).parent / "mpiexec"
+    return str(beside) if beside.exists() else shutil.which("mpiexec")
+
+
+def launch(cmd, spec, log, env=None):
+    """Runs one launch of train_worker.py; its rank 0's figures, or raises with the output's tail."""
+    with tempfile.TemporaryDirectory(prefix="krnl-bench-dist-") as tmp:
+        spec = dict(spec, out=str(Path(tmp) / "result.json"))
+        path = Path(tmp) / "spec.json"
+        path.write_text(json.dumps(spec))
+        t0 = time.perf_counter()
+        r = subprocess.run(cmd + [str(path)], capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S,
+                           env=dict(os.environ, **ROOT_MPI, **(env or {})))
+        said = [x for x in r.stdout.splitlines() if x.startswith("dist:")]  # krnl's choice of allreduce
+        if r.returncode != 0 or not Path(spec["out"]).exists():
+            tail = (r.stderr.strip() or r.stdout.strip()).splitlines()[-3:]
+            raise RuntimeError(f"exit status {r.returncode}: {' | '.join(tail)[:300]}")
+        res = json.loads(Path(spec["out"]).read_text())
+        log(f"krnl bench: train {' '.join(cmd[:4])}...: {time.perf_counter() - t0:.0f} s")
+        if said:
+            res["allreduce"] = said[0][len("dist: "):]
+        return res
+
+
+def commands(ranks, on_gpu):
+    """{impl: (command before SPEC.json, or None, why not)} for `ranks` processes."""
+    worker = [sys.executable, "-m", "krnl.bench.train_worker"]
+    unit = "GPU" if on_gpu else "rank"
+    name = f"{ranks} {unit}{'s' if ranks > 1 else ''}"
+    out = {}
+    if ranks == 1:
+        out[f"krnl {name}"] = (worker + ["krnl"], None)
+    else:
+        mpi = mpiexec()
+        out[f"krnl {name}"] = (([mpi, "-n", str(ranks)] + worker + ["krnl"]) if mpi else None,
+                               "no mpiexec: pip install 'krnl[mpi]'")
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "-m",
+           "krnl.bench.train_worker", "ddp"]
+    out[f"DDP+PEFT {name}"] = (run, None)
+    return out
+
+
+def session_rows(session, opts, profile=False):
+    """The train workload's rows: train.session_rows', or with opts["gpus"] = N > 1, the rows of
+    1 and N ranks (the shape as train.shape makes it from the other --train-* options)."""
+    opts = dict(opts or {})
+    ranks = opts.pop("gpus", None) or 1
+    if ranks == 1:
+        return train.session_rows(session, opts, profile=profile)
+    name = opts.pop("shape", None) or ("quick" if session.quick else "1b")
+    s, gpu = train.shape(name, **opts), is_gpu(session.dev)
+    if name != "quick" and not gpu:
+        return [dict(impl="krnl", status="skipped", reason=f"the {name} shape is sized for a GPU; --quick (or "
+                                                            f"--train-shape quick) runs a small one here")]
+    session.log(f"krnl bench: train over 1 and {ranks} ranks ({describe(s)} per rank)")
+    return rows(session, s, ranks, gpu)
+
+
+def rows(session, s, ranks, on_gpu):
+    """The rows of krnl and PyTorch DDP + PEFT at 1 and `ranks` ranks; the N-rank rows carry
+    "speedup" and "scaling" (efficiency) against their own 1-rank row."""
+    kind = session.dev.capabilities()["kind"]
+    want_torch = "torch" in session.peers
+    title = f"Data-parallel training, 1 and {ranks} ranks ({describe(s)} per rank; {session.dtype})"
+    out = []
+    with tempfile.TemporaryDirectory(prefix="krnl-bench-model-") as tmp:
+        folder = write_folder(s, Path(tmp) / "model")
+        spec = {"folder": str(folder), "shape": s, "device": session.dev.name, "kind": kind, "dtype": session.dtype}
+        single = {}
+        for n in (1, ranks):
+            for impl, (cmd, why) in commands(n, on_gpu).items():
+                peft = impl.startswith("DDP")
+                if peft and not want_torch:
+                    out.append(dict(impl=impl, status="absent", reason="not selected (--peers torch)"))
+                    continue
+                if cmd is None:
+                    out.append(dict(impl=impl, status="absent", reason=why))
+                    continue
+                try:
+                    r = launch(cmd, spec, session.log)
+                except Exception as e:  # listed with what broke; the other rows still run
+                    out.append(dict(impl=impl, status="absent", reason=f"failed: {e}"[:240]))
+                    continue
+                r["impl"] = impl
+                key = "ddp" if peft else "krnl"
+                if n == 1:
+                    single[key] = r["tokens_per_s"]
+                elif key in single:
+                    r["speedup"] = r["tokens_per_s"] / single[key]
+                    r["scaling"] = r["speedup"] / n
+                session.log(f"krnl bench: train {impl}: {r['tokens_per_s']:,.0f} tokens/s")
+                out.append(r)
+    base = {r["ranks"]: r["tokens_per_s"] for r in out if r.get("status", "ok") == "ok" and r["impl"].startswith("krnl")}
+    for r in out:
+        r.update(title=title, dtype=session.dtype)
+        if r.get("status", "ok") != "ok":
+            continue
+        r["vs_krnl"] = r["tokens_per_s"] / base[r["ranks"]] if r["ranks"] in base else None
+        if not on_gpu:
+            r["peak_bytes"] = r["peak_kind"] = None
+        extra = [f"x{r['speedup']:.2f} over 1 rank, scaling {100 * r['scaling']:.0f}%"] if "speedup" in r else []
+        if r.get("allreduce"):
+            extra.append(r["allreduce"])
+        r["note"] = ", ".join(extra + [note(r)])
+    return out

@@ -104,3 +104,57 @@ def test_lora_group_falls_back_with_dropout(dev):
     ys = [upload(dev, rng.standard_normal((8, 16)), "f32")[0] for _ in lins]
     saved, group = lora_group.group_forward(lins, x, ys, call_seed=7)
     assert group is None and all(s.seed is not None for s in saved)
+
+
+@pytest.mark.parametrize("groups", ["1", "0"], ids=["grouped", "one-by-one"])
+@pytest.mark.parametrize("rows", [34, 33])
+def test_lora_grad_halves(dev, monkeypatch, groups, rows):
+    """With the FlatParams' split_rows (one process under StepRunner), gA/gB hold the gradient of
+    the first half of the rows and grads_hi's views that of the second: each bit for bit what a
+    backward over that half alone gives (a data-parallel rank's rows), against float64 too;
+    fold_grads adds them. An odd row count is not split."""
+    from krnl.params import FlatParams
+
+    monkeypatch.setenv("KRNL_LORA_GROUPS", groups)
+    inp, outs, r, s = 31, (17, 9), 3, 2.0
+    names = [(f"a{i}", f"b{i}") for i in range(len(outs))]
+    shapes = {k: shp for (ka, kb), o in zip(names, outs) for k, shp in ((ka, (r, inp)), (kb, (o, r)))}
+    rng = np.random.default_rng(rows)
+    W = [upload(dev, rng.standard_normal((o, inp)) / np.sqrt(inp))[0] for o in outs]
+    host = {k: rng.standard_normal(shp).astype(np.float32) for k, shp in shapes.items()}
+    x, xf = upload(dev, rng.standard_normal((rows, inp)))
+    dys = [upload(dev, rng.standard_normal((rows, o))) for o in outs]
+    h = rows // 2
+
+    def backward(split, r0, r1):
+        flat = FlatParams(dev, shapes)
+        flat.load(host)
+        flat.set_split_rows(split)
+        lins = [LoraLinear(w, LoraFactors(flat.compute(ka), flat.compute(kb), flat.grad(ka), flat.grad(kb),
+                                          (flat, ka, kb, None)), s) for w, (ka, kb) in zip(W, names)]
+        ys = [dev.zeros((r1 - r0, o), "f32") for o in outs]
+        saved, group = lora_group.group_forward(lins, x[r0:r1], ys)
+        dx = dev.zeros((r1 - r0, inp), "f32")
+        lora_group.group_backward(lins, [dy[r0:r1] for dy, _ in dys], saved, group, dx)
+        lo = np.concatenate([read(flat.grad(k), np.float32).ravel() for k in shapes])
+        hi = flat.grads_hi
+        hi = np.concatenate([read(flat.grad_hi(k), np.float32).ravel() for k in shapes]) if hi is not None else None
+        flat.fold_grads()
+        return lo, hi, read(flat.grads, np.float32)[:flat.numel]
+
+    lo, hi, total = backward(True, 0, rows)
+    if rows % 2:
+        assert not hi.any()
+        np.testing.assert_array_equal(lo, backward(False, 0, rows)[0])
+        return
+    np.testing.assert_array_equal(lo, backward(False, 0, h)[0])
+    np.testing.assert_array_equal(hi, backward(False, h, rows)[0])
+    np.testing.assert_array_equal(total, lo + hi)
+    for r0, r1, got in ((0, h, lo), (h, rows, hi)):
+        want = []
+        for (ka, kb), (_, dyf) in zip(names, dys):
+            a, b = host[ka].astype(np.float64), host[kb].astype(np.float64)
+            t, dy = xf[r0:r1] @ a.T, dyf[r0:r1]
+            want += [((s * dy @ b).T @ xf[r0:r1]).ravel(), (s * dy.T @ t).ravel()]
+        want = np.concatenate(want)
+        assert np.max(np.abs(got - want)) <= 2e-5 * np.max(np.abs(want))

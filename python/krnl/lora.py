@@ -36,6 +36,30 @@ class LoraFactors:
     B: _core.Tensor   # (out, r)  compute dtype
     gA: _core.Tensor  # (r, in)   f32
     gB: _core.Tensor  # (out, r)  f32
+    # (FlatParams, A's name, B's name, B's first row or None): where the gradients of the second
+    # half of the rows go while the FlatParams' split_rows is on (grad_halves); None: never split
+    split: Optional[tuple] = None
+
+
+def grad_halves(f, rows):
+    """((r0, r1, gA, gB), ...): the row ranges of a backward whose LoRA weight gradients are summed
+    apart, and where each range's go. One range into gA, gB; with the FlatParams' split_rows and
+    an even row count, the first half there and the second into its grads_hi: what each of two
+    data-parallel ranks sums over its half of the batch (FlatParams.fold_grads adds them)."""
+    flat = f.split[0] if f.split is not None else None
+    if flat is None or not flat.split_rows or rows % 2:
+        return ((0, rows, f.gA, f.gB),)
+    _, kA, kB, b0 = f.split
+    gB = flat.grad_hi(kB)
+    if b0 is not None:
+        gB = gB[b0:b0 + f.gB.shape[0]]
+    h = rows // 2
+    return ((0, h, f.gA, f.gB), (h, rows, flat.grad_hi(kA), gB))
+
+
+def row_range(x, r0, r1):
+    """Rows r0:r1 of x (x itself when that is all of it)."""
+    return x if (r0, r1) == (0, x.shape[0]) else x[r0:r1]
 
 
 @dataclass
@@ -116,11 +140,13 @@ class LoraLinear:
         if f is None:
             return
         d, cdt, rows = self.W.device, f.A.dtype, dy.shape[0]
-        s, gbeta = self.scale, self.grad_beta
-        ops.gemm(dy, saved.t, f.gB, trans_a=True, alpha=s, beta=gbeta)    # dB (+)= s dy^T t    (out, r)
+        s, gbeta, halves = self.scale, self.grad_beta, grad_halves(f, rows)
+        for r0, r1, _, gB in halves:  # dB (+)= s dy^T t    (out, r)
+            ops.gemm(row_range(dy, r0, r1), row_range(saved.t, r0, r1), gB, trans_a=True, alpha=s, beta=gbeta)
         dt = d.empty((rows, f.A.shape[0]), cdt)
         ops.gemm(dy, f.B, dt, alpha=s)                                    # dt = s dy B         (rows, r)
-        ops.gemm(dt, saved.xd, f.gA, trans_a=True, beta=gbeta)            # dA (+)= dt^T drop(x) (r, in)
+        for r0, r1, gA, _ in halves:  # dA (+)= dt^T drop(x) (r, in)
+            ops.gemm(row_range(dt, r0, r1), row_range(saved.xd, r0, r1), gA, trans_a=True, beta=gbeta)
         if saved.seed is not None:
             tmp, tmp2 = d.empty((rows, self.inp), cdt), d.empty((rows, self.inp), cdt)
             ops.gemm(dt, f.A, tmp)
@@ -159,7 +185,7 @@ def init_lora(device, config, lora_config, dtype, seed):
 def factors(params, layer, module):
     """The LoraFactors of (layer, module) in params."""
     kA, kB = lora_key(layer, module, "A"), lora_key(layer, module, "B")
-    return LoraFactors(params.compute(kA), params.compute(kB), params.grad(kA), params.grad(kB))
+    return LoraFactors(params.compute(kA), params.compute(kB), params.grad(kA), params.grad(kB), (params, kA, kB, None))
 
 
 def module_factors(config, params, adapted, layer, module):
@@ -176,7 +202,7 @@ def module_factors(config, params, adapted, layer, module):
     for m in FUSED[fused]:
         n = config.module_shape(m)[0]
         if m == module:
-            return LoraFactors(f.A, f.B[r0:r0 + n], f.gA, f.gB[r0:r0 + n])
+            return LoraFactors(f.A, f.B[r0:r0 + n], f.gA, f.gB[r0:r0 + n], f.split[:3] + (r0,))
         r0 += n
     raise AssertionError(module)
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from . import _core
-from .lora import LoraSaved, lora_first
+from .lora import LoraSaved, grad_halves, lora_first, row_range
 
 ops = _core.ops
 
@@ -88,16 +88,22 @@ def group_backward(lins, dys, saved, group, dx, beta=1.0):
     d, r, G = dx.device, group.r, len(lins)
     rows, x = dys[0].shape[0], saved[0].xd
     dt = d.empty((rows, G * r), group.A.dtype)                            # (rows, G r)
+    halves = [grad_halves(lin.factors, rows) for lin in lins]             # per member, per row range
+    if len({len(h) for h in halves}) > 1:  # members of different FlatParams: all rows in one sum
+        halves = [((0, rows, lin.factors.gA, lin.factors.gB),) for lin in lins]
     for i, (lin, dy, s) in enumerate(zip(lins, dys, saved)):
         f = lin.factors
-        ops.gemm(dy, s.t, f.gB, trans_a=True, alpha=lin.scale, beta=lin.grad_beta)  # dB_i (+)= s dy_i^T t_i
+        for r0, r1, _, gB in halves[i]:  # dB_i (+)= s dy_i^T t_i
+            ops.gemm(row_range(dy, r0, r1), row_range(s.t, r0, r1), gB, trans_a=True, alpha=lin.scale,
+                     beta=lin.grad_beta)
         ops.gemm(dy, f.B, dt[:, i * r:(i + 1) * r], alpha=lin.scale)      # dt_i = s dy_i B_i
-    dA = d.empty((G * r, x.shape[1]), "f32")                              # (G r, in)
-    ops.gemm(dt, x, dA, trans_a=True)                                     # dA_g = dt_g^T x
-    for i, lin in enumerate(lins):
-        gA, blk = lin.factors.gA, dA[i * r:(i + 1) * r]
-        if lin.grad_beta == 0.0:
-            ops.scale(blk, 1.0, gA)
-        else:
-            ops.axpy(1.0, blk, gA)
+    for h, (r0, r1, _, _) in enumerate(halves[0]):
+        dA = d.empty((G * r, x.shape[1]), "f32")                          # (G r, in)
+        ops.gemm(row_range(dt, r0, r1), row_range(x, r0, r1), dA, trans_a=True)  # dA_g = dt_g^T x
+        for i, lin in enumerate(lins):
+            gA, blk = halves[i][h][2], dA[i * r:(i + 1) * r]
+            if lin.grad_beta == 0.0:
+                ops.scale(blk, 1.0, gA)
+            else:
+                ops.axpy(1.0, blk, gA)
     ops.gemm(dt, group.A, dx, beta=beta)                                  # dx (+)= dt_g A_g

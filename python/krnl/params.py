@@ -1,7 +1,13 @@
 """Trainable parameters as one flat f32 buffer (docs/architecture.md, 'LoRA'): the masters, their
 gradients and the Adam moments are four flat tensors laid out identically, so one adamw_update,
 one sumsq and one nonfinite cover every parameter. Each named parameter is a view by offset.
-A compute-dtype working copy (f16/bf16) is refreshed by the optimizer step."""
+A compute-dtype working copy (f16/bf16) is refreshed by the optimizer step.
+
+With `split_rows` on (StepRunner of one process) the LoRA backward sums each weight gradient
+over the first and the second half of a micro-batch's rows separately, into `grads` and
+`grads_hi`, and fold_grads() adds the two once a step: the sums and the one addition that two
+data-parallel ranks compute (docs/distributed.md), so one process's f32 gradient does not
+depend on how many ranks would share its batch and 2 ranks reproduce it bit for bit."""
 
 import numpy as np
 
@@ -22,6 +28,8 @@ class FlatParams:
             n += size
         self.numel = n
         self.params, self.grads, self.m, self.v = (device.zeros((max(n, 1),), "f32") for _ in range(4))
+        self.grads_hi = None  # (n,) f32: the second halves' gradients while split_rows is on
+        self.split_rows = False
         self.working = device.zeros((max(n, 1),), compute_dtype) if compute_dtype != "f32" else None
 
     def _view(self, flat, name):
@@ -67,3 +75,22 @@ class FlatParams:
 
     def zero_grads(self):
         ops.fill(self.grads, 0.0)
+        if self.grads_hi is not None:
+            ops.fill(self.grads_hi, 0.0)
+
+    def grad_hi(self, name):
+        """The f32 gradient of `name` over the second half of the rows (split_rows), or None."""
+        return self._view(self.grads_hi, name) if self.grads_hi is not None else None
+
+    def set_split_rows(self, on):
+        """Turns the half-batch gradient sums on or off (allocating grads_hi once); LoraFactors
+        made before read the flag and buffer through this object."""
+        if on and self.grads_hi is None:
+            self.grads_hi = self.device.zeros((max(self.numel, 1),), "f32")
+        self.split_rows = bool(on)
+
+    def fold_grads(self):
+        """grads += grads_hi, then grads_hi = 0: the step's gradient over all rows (split_rows)."""
+        if self.split_rows:
+            ops.axpy(1.0, self.grads_hi, self.grads)
+            ops.fill(self.grads_hi, 0.0)

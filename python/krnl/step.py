@@ -67,6 +67,9 @@ class StepRunner:
         self.slot = self.dev.zeros((1,), "f32")  # a replayed micro-batch's loss sum
         self.losses = self.dev.zeros((micro_batches,), "f32")  # each micro-batch's loss sum
         self.n_valid = []
+        # One process sums each LoRA weight gradient over the two halves of a micro-batch's rows
+        # apart and adds them in reduce(): what 2 ranks sum and add (FlatParams.split_rows).
+        model.lora_params.set_split_rows(world is None or world.size == 1)
 
     def pad(self, batch):
         T = np.asarray(batch[0]).shape[-1]
@@ -127,10 +130,13 @@ class StepRunner:
 
     def reduce(self, step=None):
         """Sums the grads and this step's loss sums over the world's ranks (optimizer() does it
-        first): one allreduce of their host copy, after a wait for the micro-batches."""
-        if self.world is None or self.world.size == 1:
-            return
+        first): one allreduce of their host copy, after a wait for the micro-batches. One process
+        adds its micro-batches' second-half gradients to the first halves' instead."""
         flat, k = self.model.lora_params, len(self.n_valid)
+        if self.world is None or self.world.size == 1:
+            with self.dev.step():
+                flat.fold_grads()
+            return
         n = flat.numel
         if self.host is None:  # kept: a fresh array of this size would be page-faulted in every step
             self.host = np.empty(n + self.losses.shape[0], np.float32)
@@ -157,3 +163,4 @@ class StepRunner:
         if self.opt_graph is not None:
             self.opt_graph.release()
         self.graphs, self.opt_graph = {}, None
+        self.model.lora_params.set_split_rows(False)

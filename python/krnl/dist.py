@@ -27,6 +27,7 @@ import numpy as np
 _LAUNCHER_VARS = (("PMI_SIZE", "PMI_RANK"), ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"),
                   ("PMIX_SIZE", "PMIX_RANK"), ("MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_RANK"))
 DEFAULT_TIMEOUT = 600.0
+POLL_SECONDS = 1.0  # how often a rank waiting in a collective looks for dead peers on its machine
 DEFAULT_CHECK_EVERY = 50  # optimizer steps between two parameter hash checks (KRNL_DIST_CHECK_EVERY)
 
 
@@ -78,13 +79,19 @@ class _Watchdog:
                     self.cv.wait()
                     continue
                 left = self.deadline - time.monotonic()
-                if left > 0:
-                    self.cv.wait(left)
+                # A peer on this machine whose process is gone stops the wait at once (polled:
+                # a launcher that does not end the job when a rank dies leaves this rank waiting).
+                gone = self.world.gone_ranks() if left > 0 else []
+                if left > 0 and not gone:
+                    self.cv.wait(min(left, POLL_SECONDS))
                     continue
                 # The main thread may hold MPI's locks inside the collective: leave without MPI
                 # calls; the launcher sees a rank exit with status 1 and ends the job.
-                sys.stderr.write(f"krnl train: error: [dist] rank {self.world.rank}: waited {self.timeout:g} s in "
-                                 f"{self.what}; {self.world.missing_ranks()}\n")
+                if gone:
+                    said = f"{', '.join(gone)} died while this rank waited in {self.what}; stopping"
+                else:
+                    said = f"waited {self.timeout:g} s in {self.what}; {self.world.missing_ranks()}"
+                sys.stderr.write(f"krnl train: error: [dist] rank {self.world.rank}: {said}\n")
                 sys.stderr.flush()
                 os._exit(1)
 
@@ -121,19 +128,19 @@ class World:
         """Ranks on this rank's machine (this one included)."""
         return sum(1 for h, _ in self.peers if h == self.peers[self.rank][0])
 
-    def missing_ranks(self):
-        """A phrase naming the ranks on this machine whose process is gone (from the pids
-        exchanged at start); ranks on other machines cannot be checked from here."""
+    def gone_ranks(self):
+        """['rank R (pid P)', ...]: the other ranks on this machine whose process is gone (from
+        the pids exchanged at start)."""
         host = self.peers[self.rank][0]
-        gone, remote = [], []
-        for r, (h, pid) in enumerate(self.peers):
-            if r == self.rank:
-                continue
-            if h != host:
-                remote.append(r)
-                continue
-            if not _alive(pid):
-                gone.append(f"rank {r} (pid {pid})")
+        return [f"rank {r} (pid {pid})" for r, (h, pid) in enumerate(self.peers)
+                if r != self.rank and h == host and not _alive(pid)]
+
+    def missing_ranks(self):
+        """A phrase naming the ranks on this machine whose process is gone; ranks on other
+        machines cannot be checked from here."""
+        host = self.peers[self.rank][0]
+        gone = self.gone_ranks()
+        remote = [r for r, (h, _) in enumerate(self.peers) if h != host]
         said = (f"{', '.join(gone)} died" if gone else "no other rank on this machine died")
         if remote:
             said += f"; ranks {', '.join(map(str, remote))} run elsewhere (the launcher's message names a dead one)"

@@ -22,6 +22,7 @@ import pytest
 
 import krnl
 from krnl import _core, dist, dist_nccl
+from test_dist import _mpiexec
 
 HERE = Path(__file__).parent
 
@@ -199,13 +200,6 @@ TRAIN = ["train", "--iters", "2", "--warmup", "1", "--steps-per-eval", "0", "--q
          "--lora-rank", "4", "--batch-size", "4", "--dtype", "f32", "--device", "cpu", "--no-tune"]
 
 
-def _mpiexec():
-    pytest.importorskip("mpi4py")
-    beside = Path(sys.executable).parent / "mpiexec"
-    found = str(beside) if beside.exists() else shutil.which("mpiexec")
-    if found is None:
-        pytest.skip("no mpiexec (pip install 'krnl[mpi]' brings MPICH's)")
-    return found
 
 
 def _two_ranks(tmp_path, **env):

@@ -21,6 +21,35 @@ __global__ void rope_table_kernel(const int32_t* pos, const float* invf, float s
   }
 }
 
+// rotate_half of V pairs (lo[e], hi[e]) by the table entries c[e], s[e] (every rope kernel's
+// arithmetic, so that they agree bit for bit).
+template <int V>
+__device__ __forceinline__ void rotate_pairs(float* lo, float* hi, const float* c, const float* s) {
+#pragma unroll
+  for (int e = 0; e < V; ++e) {
+    const float a = lo[e];
+    lo[e] = a * c[e] - hi[e] * s[e];
+    hi[e] = hi[e] * c[e] + a * s[e];
+  }
+}
+
+// V consecutive elements of p from i: a 16-byte vector when VEC, else one element.
+template <bool VEC, bool W16>
+__device__ __forceinline__ void load_n(DType dt, const void* p, int64_t i, float* v) {
+  if constexpr (VEC)
+    load_vec<W16>(dt, p, i, v);
+  else
+    v[0] = ld(dt, p, i);
+}
+
+template <bool VEC, bool W16>
+__device__ __forceinline__ void store_n(DType dt, void* p, int64_t i, const float* v) {
+  if constexpr (VEC)
+    store_vec<W16>(dt, p, i, v);
+  else
+    st(dt, p, i, v[0]);
+}
+
 // Rotate-half on the first 2R dims of each row of D (row r is position r % T); dims >= 2R stay.
 template <class I>
 __global__ void rope_apply_kernel(DType dt, void* x, I rows, I T, I D, I R, const float* cs, const float* sn) {
@@ -47,13 +76,7 @@ __global__ void rope_apply_vec_kernel(DType dt, void* x, I rows, I T, I D, I R, 
     float a[VEC], b[VEC];
     load_vec<W16>(dt, x, o, a);
     load_vec<W16>(dt, x, o + R, b);
-#pragma unroll
-    for (int e = 0; e < VEC; ++e) {
-      const float c = cs[t * R + i0 + e], s = sn[t * R + i0 + e];
-      const float ae = a[e];
-      a[e] = ae * c - b[e] * s;
-      b[e] = b[e] * c + ae * s;
-    }
+    rotate_pairs<VEC>(a, b, cs + t * R + i0, sn + t * R + i0);
     store_vec<W16>(dt, x, o, a);
     store_vec<W16>(dt, x, o + R, b);
   }
@@ -187,37 +210,17 @@ __global__ void transpose_heads_rope_kernel(DType dt, const void* x, void* out, 
     float lo[V], hi[V];
     if (j >= P) {  // dims >= 2R: a plain copy
       const I o = 2 * R + (j - P) * V;
-      if constexpr (VEC) {
-        load_vec<W16>(dt, x, src + o, lo);
-        store_vec<W16>(dt, out, dst + o, lo);
-      } else {
-        st(dt, out, dst + o, ld(dt, x, src + o));
-      }
+      load_n<VEC, W16>(dt, x, src + o, lo);
+      store_n<VEC, W16>(dt, out, dst + o, lo);
       continue;
     }
     const I i0 = j * V;
-    if constexpr (VEC) {
-      load_vec<W16>(dt, x, src + i0, lo);
-      load_vec<W16>(dt, x, src + R + i0, hi);
-    } else {
-      lo[0] = ld(dt, x, src + i0), hi[0] = ld(dt, x, src + R + i0);
-    }
+    load_n<VEC, W16>(dt, x, src + i0, lo);
+    load_n<VEC, W16>(dt, x, src + R + i0, hi);
     const I h = heads_axis == 1 ? b : a, t = heads_axis == 1 ? a : b;
-    if (h < rotate) {
-#pragma unroll
-      for (int e = 0; e < V; ++e) {
-        const float c = cs[t * R + i0 + e], s = sn[t * R + i0 + e];
-        const float ae = lo[e];
-        lo[e] = ae * c - hi[e] * s;
-        hi[e] = hi[e] * c + ae * s;
-      }
-    }
-    if constexpr (VEC) {
-      store_vec<W16>(dt, out, dst + i0, lo);
-      store_vec<W16>(dt, out, dst + R + i0, hi);
-    } else {
-      st(dt, out, dst + i0, lo[0]), st(dt, out, dst + R + i0, hi[0]);
-    }
+    if (h < rotate) rotate_pairs<V>(lo, hi, cs + t * R + i0, sn + t * R + i0);
+    store_n<VEC, W16>(dt, out, dst + i0, lo);
+    store_n<VEC, W16>(dt, out, dst + R + i0, hi);
   }
 }
 
@@ -232,24 +235,11 @@ __global__ void rope_token_major_kernel(DType dt, void* x, I B, I T, I H, I R, I
     const I row = k / P, j = k % P, h = row % H, bt = row / H, b = bt / T, t = bt % T;
     const I o = b * s0 + t * s1 + h * s2 + j * V, tab = (shared ? t : bt) * R + j * V;
     float lo[V], hi[V];
-    if constexpr (VEC) {
-      load_vec<W16>(dt, x, o, lo);
-      load_vec<W16>(dt, x, o + R, hi);
-    } else {
-      lo[0] = ld(dt, x, o), hi[0] = ld(dt, x, o + R);
-    }
-#pragma unroll
-    for (int e = 0; e < V; ++e) {
-      const float c = cs[tab + e], s = sn[tab + e], a = lo[e];
-      lo[e] = a * c - hi[e] * s;
-      hi[e] = hi[e] * c + a * s;
-    }
-    if constexpr (VEC) {
-      store_vec<W16>(dt, x, o, lo);
-      store_vec<W16>(dt, x, o + R, hi);
-    } else {
-      st(dt, x, o, lo[0]), st(dt, x, o + R, hi[0]);
-    }
+    load_n<VEC, W16>(dt, x, o, lo);
+    load_n<VEC, W16>(dt, x, o + R, hi);
+    rotate_pairs<V>(lo, hi, cs + tab, sn + tab);
+    store_n<VEC, W16>(dt, x, o, lo);
+    store_n<VEC, W16>(dt, x, o + R, hi);
   }
 }
 

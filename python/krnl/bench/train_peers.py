@@ -36,7 +36,7 @@ def figures(stamps, losses, bs, warmup):
             "losses": [float(x) for x in losses]}
 
 
-def _timed_steps(step, bs, sync):
+def timed_steps(step, bs, sync):
     """(stamps, losses): each batch's step run and synchronized; stamps[0] before the first."""
     sync()
     stamps, losses = [time.perf_counter()], []
@@ -47,9 +47,9 @@ def _timed_steps(step, bs, sync):
     return stamps, losses
 
 
-def run_peft(device_name, dtype, folder, s, bs, compiled=False):
-    """transformers' Llama from `folder` in `dtype`, LoRA through PEFT, torch.optim.AdamW."""
-    torch, dev, tdtype, sync = torch_target(device_name, dtype)
+def peft_model(torch, folder, tdtype, dev):
+    """transformers' Llama from `folder` in tdtype on dev, frozen, with PEFT's LoRA of the recipe:
+    (model, its trainable parameters, torch.optim.AdamW over them)."""
     import transformers
     from peft import LoraConfig, get_peft_model
     model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=tdtype, attn_implementation="sdpa")
@@ -60,7 +60,13 @@ def run_peft(device_name, dtype, folder, s, bs, compiled=False):
     model = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=list(MODULES)))
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
+    return model, params, torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
+
+
+def run_peft(device_name, dtype, folder, s, bs, compiled=False):
+    """transformers' Llama from `folder` in `dtype`, LoRA through PEFT, torch.optim.AdamW."""
+    torch, dev, tdtype, sync = torch_target(device_name, dtype)
+    model, params, opt = peft_model(torch, folder, tdtype, dev)
     fwd = torch.compile(model) if compiled else model
     on_cuda = dev == "cuda"
     gc.collect()
@@ -81,7 +87,7 @@ def run_peft(device_name, dtype, folder, s, bs, compiled=False):
         opt.zero_grad(set_to_none=True)
         return float(loss.detach())
 
-    res = figures(*_timed_steps(step, bs, sync), bs, s["warmup"])
+    res = figures(*timed_steps(step, bs, sync), bs, s["warmup"])
     if on_cuda:
         res.update(peak_bytes=int(torch.cuda.max_memory_reserved()), peak_kind="reserved (torch.cuda)",
                    note=f"allocated {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB at most")
@@ -149,7 +155,7 @@ def run_mlx(device_name, dtype, folder, s, bs):
         mx.eval(state, loss)
         return float(loss)
 
-    res = figures(*_timed_steps(step, bs, lambda: None), bs, s["warmup"])
+    res = figures(*timed_steps(step, bs, lambda: None), bs, s["warmup"])
     res.update(peak_bytes=int(mx.get_peak_memory()) if on_gpu else None,
                peak_kind="mx.get_peak_memory" if on_gpu else None, note="mlx-lm's compiled step")
     return res

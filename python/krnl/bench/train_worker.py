@@ -13,7 +13,7 @@ import sys
 
 from ..fileio import atomic_write_bytes
 from .train import batches
-from .train_peers import ALPHA, CLIP, LR, MODULES, RANK, figures
+from .train_peers import CLIP, figures, peft_model, timed_steps
 
 
 def global_shape(s, ranks):
@@ -43,12 +43,8 @@ def run_ddp(spec):
     """transformers + PEFT under PyTorch DDP (NCCL on CUDA, gloo on the CPU): torchrun's ranks,
     each its slice of the global batch, the loss of the global batch's mean (each rank's token
     sum over the global target count, times the ranks: DDP averages the gradients)."""
-    import time
-
     import torch
     import torch.distributed as tdist
-    import transformers
-    from peft import LoraConfig, get_peft_model
     rank, size, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
     on_cuda = spec["kind"] == "cuda"  # krnl's device kind (capabilities()): the torch device that matches it
     if on_cuda:
@@ -62,16 +58,8 @@ def run_ddp(spec):
     tdtype = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[spec["dtype"]]
     s = global_shape(spec["shape"], size)
     bs = batches(s)
-    model = transformers.AutoModelForCausalLM.from_pretrained(spec["folder"], dtype=tdtype, attn_implementation="sdpa")
-    model.config.use_cache = False
-    model.to(dev)
-    for p in model.parameters():
-        p.requires_grad_(False)
-    model = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=list(MODULES)))
-    model.train()
+    model, params, opt = peft_model(torch, spec["folder"], tdtype, dev)
     ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local] if on_cuda else None)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
     per = spec["shape"]["B"]
     if on_cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -92,13 +80,7 @@ def run_ddp(spec):
         tdist.all_reduce(total)  # the global batch's mean loss, times the ranks
         return float(total) / size
 
-    sync()
-    stamps, losses = [time.perf_counter()], []
-    for b in bs:
-        losses.append(step(b))
-        sync()
-        stamps.append(time.perf_counter())
-    res = figures(stamps, losses, bs, s["warmup"])
+    res = figures(*timed_steps(step, bs, sync), bs, s["warmup"])
     res.update(ranks=size, peak_bytes=int(torch.cuda.max_memory_reserved()) if on_cuda else None,
                peak_kind="reserved (torch.cuda)" if on_cuda else None)
     if rank == 0:

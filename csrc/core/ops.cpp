@@ -306,6 +306,17 @@ void softcap_backward(const Tensor& dy, const Tensor& y, float cap, const Tensor
       [&] { c.dev->softcap_backward(dy, y, cap, dx); });
 }
 
+namespace {
+// RoPE's arguments beside x (rope, transpose_heads): i32 positions, 1 to D/2 f32 frequencies, sign +-1.
+void check_rope(Check& c, const Tensor& positions, const Tensor& inv_freq, int64_t D, float sign) {
+  c.dtype("positions", positions, {DType::i32});
+  c.dtype("inv_freq", inv_freq, {DType::f32});
+  if (inv_freq.dim() != 1 || inv_freq.size(0) == 0 || 2 * inv_freq.size(0) > D)
+    c.fail("inv_freq must be 1-D with 1 to D/2 = " + std::to_string(D / 2) + " entries, got " + inv_freq.describe());
+  if (sign != 1.f && sign != -1.f) c.fail("sign must be +1 (forward) or -1 (backward), got " + std::to_string(sign));
+}
+}  // namespace
+
 void rope(const Tensor& x, const Tensor& positions, const Tensor& inv_freq, float sign, bool token_major) {
   Check c{"rope"};
   c.tensor("positions", positions), c.tensor("inv_freq", inv_freq);
@@ -323,12 +334,7 @@ void rope(const Tensor& x, const Tensor& positions, const Tensor& inv_freq, floa
     c.shape("positions", positions, {T});
   }
   c.floating("x", x);
-  const int64_t D = x.size(-1);
-  c.dtype("positions", positions, {DType::i32});
-  c.dtype("inv_freq", inv_freq, {DType::f32});
-  if (inv_freq.dim() != 1 || inv_freq.size(0) == 0 || 2 * inv_freq.size(0) > D)
-    c.fail("inv_freq must be 1-D with 1 to D/2 = " + std::to_string(D / 2) + " entries, got " + inv_freq.describe());
-  if (sign != 1.f && sign != -1.f) c.fail("sign must be +1 (forward) or -1 (backward), got " + std::to_string(sign));
+  check_rope(c, positions, inv_freq, x.size(-1), sign);
   run(c, shape_str(x.shape()) + (token_major ? " token-major" : ""), 6.0 * double(x.numel()), 2.0 * nbytes({&x}),
       x.dtype(), [&] { c.dev->rope(x, positions, inv_freq, sign, token_major); });
 }
@@ -605,15 +611,11 @@ void transpose_heads(const Tensor& x, const Tensor& out, const Tensor* positions
     c.tensor("positions", *positions), c.tensor("inv_freq", *inv_freq);
     c.floating("x", x);
     if (heads_axis != 0 && heads_axis != 1) c.fail("heads_axis must be 0 or 1, got " + std::to_string(heads_axis));
-    const int64_t H = x.size(heads_axis), T = x.size(1 - heads_axis), D = x.size(2);
+    const int64_t H = x.size(heads_axis), T = x.size(1 - heads_axis);
     c.shape("positions", *positions, {T});
-    c.dtype("positions", *positions, {DType::i32});
-    c.dtype("inv_freq", *inv_freq, {DType::f32});
-    if (inv_freq->dim() != 1 || inv_freq->size(0) == 0 || 2 * inv_freq->size(0) > D)
-      c.fail("inv_freq must be 1-D with 1 to D/2 = " + std::to_string(D / 2) + " entries, got " + inv_freq->describe());
+    check_rope(c, *positions, *inv_freq, x.size(2), sign);
     if (rotate < 0 || rotate > H)
       c.fail("rotate must be in [0, " + std::to_string(H) + "] (the heads), got " + std::to_string(rotate));
-    if (sign != 1.f && sign != -1.f) c.fail("sign must be +1 (forward) or -1 (backward), got " + std::to_string(sign));
   }
   const double flops = positions ? 6.0 * double(rotate) * double(x.numel() / x.size(heads_axis)) : 0.0;
   run(c, shape_str(x.shape()) + (rotate ? " rope " + std::to_string(rotate) : ""), flops, nbytes({&x, &out}),

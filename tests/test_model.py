@@ -550,3 +550,19 @@ def test_grad_checkpoint_saves_memory(dev):
         dev.synchronize()
         peaks.append(dev.pool_stats()["peak_in_use"] - base)
     assert peaks[1] < 0.7 * peaks[0], peaks
+
+
+def test_token_major_one_token_rows(dev):
+    """Rows of one token on the token-major path (the fused backward's T = 1 case): the loss and
+    LoRA gradients of the materialised path."""
+    cfg, w, lcfg, m, lora, ids, tg = make(dev, {}, T=1, seed=23)
+    m.fused_attention, m.token_major = True, dev.capabilities()["fused_attention"]["token_major"]
+    m.zero_grads()
+    m.forward_backward(ids, tg)
+    loss, g = m.read_loss(), m.lora_grads()
+    m.fused_attention = False
+    m.zero_grads()
+    m.forward_backward(ids, tg)
+    assert m.read_loss() == pytest.approx(loss, rel=1e-6)
+    for k, ref in m.lora_grads().items():
+        np.testing.assert_allclose(g[k], ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max(), err_msg=k)

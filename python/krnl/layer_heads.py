@@ -21,11 +21,10 @@ ops = _core.ops
 def token_major(L, batch, attend: Optional[Callable]):
     """Whether a call attends token-major: the fused op on a device that takes the views, rows
     without packed segments (a window only where the op takes one), no per-head norm between the
-    projection and RoPE (Qwen3), no Gemma scores (soft-capping) and no caller's own attend;
-    one-token rows stay head-major (cuDNN's backward special-cases them there)."""
+    projection and RoPE (Qwen3), no Gemma scores (soft-capping) and no caller's own attend."""
     return (batch.token_major and batch.fused and batch.rope_positions is not None and batch.segments is None
-            and (not batch.window or batch.fused_window) and batch.T > 1 and attend is None
-            and L.q_norm is None and L.gemma is None)
+            and (not batch.window or batch.fused_window) and attend is None and L.q_norm is None
+            and L.gemma is None)
 
 
 def heads_forward(L, batch, qkv, att, attend: Optional[Callable] = None):

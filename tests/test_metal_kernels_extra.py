@@ -25,7 +25,7 @@ INCLUDE_DIRS = [ROOT / "csrc" / "core"]  # rng.h, as the host compiles metal/*.m
 def test_kargs_layout_extra():
     assert [f for f, _ in DropoutArgs._fields_] == ["n", "seed_lo", "seed_hi", "p", "keep_scale", "use_offset",
                                                    "row_width"]
-    assert [f for f, _ in TransposeHeadsArgs._fields_] == ["A", "B", "D"]
+    assert [f for f, _ in TransposeHeadsArgs._fields_] == ["A", "B", "D", "rotate", "R", "heads_axis", "sign"]
 
 
 @pytest.fixture(scope="module")

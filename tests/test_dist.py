@@ -260,12 +260,12 @@ def _start(tmp_path, **env):
 
 @pytest.mark.mpi
 def test_dist_killed_rank_ends_the_run(tmp_path):
-    """kill -9 of rank 1: the run ends non-zero within 60 s. MPICH's launcher names the dead
-    process by pid, which the run's first line maps to rank 1: its proxy SIGKILLs the other
-    ranks within a millisecond of reaping the dead one (strace, MPICH 5.0.2; with
-    -disable-auto-cleanup too, a SIGUSR1 1-15 ms before), too soon for any of krnl's code to
-    print. Where a launcher leaves them running, the watchdog names the rank
-    (test_dist_watchdog_names_a_rank_that_died)."""
+    """kill -9 of rank 1: the run ends non-zero within 60 s, named one of two ways. Mostly MPICH's
+    launcher names the dead process by pid, which the run's first line maps to rank 1: its proxy
+    SIGKILLs the other ranks within a millisecond of reaping the dead one (strace, MPICH 5.0.2;
+    with -disable-auto-cleanup too, a SIGUSR1 1-15 ms before). When rank 0's watchdog (polling
+    once a second while it waits in a collective) sees the death first, its own line names
+    rank 1 and the launcher then reports rank 0's exit instead (seen here about once in ten)."""
     p, pids = _start(tmp_path)
     try:
         os.kill(pids[1], signal.SIGKILL)
@@ -273,23 +273,34 @@ def test_dist_killed_rank_ends_the_run(tmp_path):
     finally:
         p.kill()
     assert p.returncode != 0
-    assert re.search(rf"PID {pids[1]} RUNNING AT \S+\n=\s+EXIT CODE: 9", out), out[-2000:]  # pids: the first line
+    by_launcher = re.search(rf"PID {pids[1]} RUNNING AT \S+\n=\s+EXIT CODE: 9", out)  # pids: the first line
+    assert by_launcher or f"[dist] rank 0: rank 1 (pid {pids[1]}) died while this rank waited in" in out, out[-2000:]
 
 
 @pytest.mark.mpi
 def test_dist_hung_rank_ends_the_run(tmp_path):
     """Rank 1 stopped (SIGSTOP): rank 0 waits KRNL_DIST_TIMEOUT seconds in its next collective,
-    says so and exits; the launcher ends the stopped rank."""
+    says so and exits within the timeout. Whether the launcher then ends a stopped process is
+    the launcher's affair: MPICH's usually does at once, but twice here (CI, a loaded VM) the job
+    stayed up with rank 0 gone, so the test ends rank 1 itself once rank 0 has."""
     p, pids = _start(tmp_path, KRNL_DIST_TIMEOUT="3")
     try:
         os.kill(pids[1], signal.SIGSTOP)
-        out, _ = p.communicate(timeout=60)
+        deadline = time.monotonic() + 60
+        while dist._alive(pids[0]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        rank0_ended = not dist._alive(pids[0])
     finally:
-        p.kill()
         try:
             os.kill(pids[1], signal.SIGKILL)
         except ProcessLookupError:
             pass
+        try:
+            out, _ = p.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, _ = p.communicate()
+    assert rank0_ended, out[-2000:]
     assert p.returncode != 0
     # the collective rank 0 waits in depends on where rank 1 stopped
     assert re.search(r"krnl train: error: \[dist\] rank 0: waited 3 s in the (gradient allreduce|validation|"

@@ -267,16 +267,22 @@ __global__ void attention_backward_one_token_kernel(DType dt, const void* dout, 
 
 }  // namespace
 
+Tensor CudaBackend::rope_table(const Tensor& positions, const Tensor& inv_freq, float sign, int64_t rows) {
+  const int64_t R = inv_freq.numel();
+  Tensor tab = scratch(2 * rows * R);  // cos (rows, R) then sin (rows, R)
+  float* cs = tab.ptr<float>();
+  rope_table_kernel<<<grid_for(rows * R), kThreads, 0, stream_>>>(positions.ptr<int32_t>(), inv_freq.ptr<float>(), sign,
+                                                                   rows, R, cs, cs + rows * R);
+  return tab;
+}
+
 void CudaBackend::rope(const Tensor& x, const Tensor& positions, const Tensor& inv_freq, float sign, bool token_major) {
   OpTimer timer(this);
   if (token_major) return rope_token_major(x, positions, inv_freq, sign);
   const int64_t T = x.size(-2), D = x.size(-1), R = inv_freq.numel(), rows = D ? x.numel() / D : 0;
   if (rows == 0 || T == 0) return;
-  Tensor tab = scratch(2 * T * R);  // cos (T, R) then sin (T, R)
-  float* cs = tab.ptr<float>();
-  float* sn = cs + T * R;
-  rope_table_kernel<<<grid_for(T * R), kThreads, 0, stream_>>>(positions.ptr<int32_t>(), inv_freq.ptr<float>(), sign,
-                                                                T, R, cs, sn);
+  const Tensor tab = rope_table(positions, inv_freq, sign, T);
+  const float *cs = tab.ptr<float>(), *sn = cs + T * R;
   const int64_t vec = vec_width(x.dtype());
   // 32-bit index arithmetic where every offset fits: 64-bit divisions dominate these kernels.
   const bool i32 = x.numel() < (int64_t(1) << 31);
@@ -305,11 +311,8 @@ void CudaBackend::rope_token_major(const Tensor& x, const Tensor& positions, con
   if (x.numel() == 0) return;
   const bool shared = positions.dim() == 1;
   const int64_t rows = shared ? T : B * T;
-  Tensor tab = scratch(2 * rows * R);  // cos (rows, R) then sin (rows, R)
-  float* cs = tab.ptr<float>();
-  float* sn = cs + rows * R;
-  rope_table_kernel<<<grid_for(rows * R), kThreads, 0, stream_>>>(positions.ptr<int32_t>(), inv_freq.ptr<float>(), sign,
-                                                                   rows, R, cs, sn);
+  const Tensor tab = rope_table(positions, inv_freq, sign, rows);
+  const float *cs = tab.ptr<float>(), *sn = cs + rows * R;
   const Shape& st = x.strides();
   const int64_t vec = vec_width(x.dtype());
   const bool vector = R % vec == 0 && st[0] % vec == 0 && st[1] % vec == 0 && st[2] % vec == 0 &&
@@ -351,11 +354,8 @@ void CudaBackend::transpose_heads_rope(const Tensor& x, const Tensor& out, const
                                        const Tensor& inv_freq, int64_t rotate, float sign, int64_t heads_axis) {
   const int64_t A = x.size(0), B = x.size(1), D = x.size(2), R = inv_freq.numel();
   const int64_t T = heads_axis == 1 ? A : B;
-  Tensor tab = scratch(2 * T * R);  // cos (T, R) then sin (T, R), as rope's
-  float* cs = tab.ptr<float>();
-  float* sn = cs + T * R;
-  rope_table_kernel<<<grid_for(T * R), kThreads, 0, stream_>>>(positions.ptr<int32_t>(), inv_freq.ptr<float>(), sign,
-                                                                T, R, cs, sn);
+  const Tensor tab = rope_table(positions, inv_freq, sign, T);
+  const float *cs = tab.ptr<float>(), *sn = cs + T * R;
   const int64_t vec = vec_width(x.dtype());
   const int ax = int(heads_axis);
   const bool i32 = x.numel() < (int64_t(1) << 31);  // 32-bit offsets where they fit, as in rope

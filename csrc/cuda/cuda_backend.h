@@ -129,6 +129,9 @@ class CudaBackend : public Backend {
   void gemm_untimed(const GemmArgs& g);  // gemm's body, for ops that end in a GEMM (quantized_matmul)
   void gemm_scale_output(const GemmArgs& g);
   void gemm_split(const GemmArgs& g);
+  // RoPE's cos/sin table (rows, R) each of sign * positions[r] * inv_freq[i] for the first `rows`
+  // positions, launched on the stream into a scratch tensor: cos then sin (attention.cu).
+  Tensor rope_table(const Tensor& positions, const Tensor& inv_freq, float sign, int64_t rows);
   // rope over a token-major (B, T, H, D) view, and attention_backward's T = 1 case (attention.cu).
   void rope_token_major(const Tensor& x, const Tensor& positions, const Tensor& inv_freq, float sign);
   void attention_backward_one_token(const Tensor& dout, const Tensor& dq, const Tensor& dk, const Tensor& dv);

@@ -72,6 +72,50 @@ __global__ void cross_entropy_kernel(DType dt, const void* logits, const int32_t
   }
 }
 
+// The same in 16-byte vectors where the row allows them: one pass keeps each thread's running max
+// and its sum of exponentials rescaled to it, a second writes. On the H200, (1024, 32000) bf16
+// took 80 us against the scalar kernel's 176 (which reads each row three times with a dtype
+// switch per element); holding the row in registers instead (512 threads) took 90 us.
+template <bool W16>
+__global__ void cross_entropy_vec_kernel(DType dt, const void* logits, const int32_t* targets, float* loss,
+                                         void* dlogits, int64_t V, int32_t ignore_index, float scale,
+                                         const float* scale_by) {
+  constexpr int VEC = W16 ? 8 : 4;
+  __shared__ float sh[32];
+  const int64_t t = blockIdx.x, base = t * V;
+  const int32_t y = targets[t];
+  const bool skip = y == ignore_index || y < 0 || y >= V;
+  float v[VEC], mx = -3.402823466e38f, se = 0.f;
+  for (int64_t c0 = int64_t(threadIdx.x) * VEC; c0 < V; c0 += int64_t(blockDim.x) * VEC) {
+    load_vec<W16>(dt, logits, base + c0, v);
+    float m = v[0];
+#pragma unroll
+    for (int e = 1; e < VEC; ++e) m = fmaxf(m, v[e]);
+    if (m > mx) {
+      se *= expf(mx - m);
+      mx = m;
+    }
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) se += expf(v[e] - mx);
+  }
+  const float xt = skip ? 0.f : ld(dt, logits, base + y);  // before the barriers that precede any write
+  const float m = block_max(mx, sh);
+  se = block_sum(se * expf(mx - m), sh);  // a thread with no element: 0 * exp(-huge) = 0
+  const float bad = y == ignore_index ? 0.f : __int_as_float(0x7fc00000);
+  if (threadIdx.x == 0) loss[t] = skip ? bad : m + logf(se) - xt;
+  if (!dlogits) return;
+  const float inv = 1.f / se, s = scale_by ? scale * scale_by[0] : scale;
+  for (int64_t c0 = int64_t(threadIdx.x) * VEC; c0 < V; c0 += int64_t(blockDim.x) * VEC) {
+    load_vec<W16>(dt, logits, base + c0, v);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      const float p = expf(v[e] - m) * inv;
+      v[e] = skip ? bad : s * (c0 + e == y ? p - 1.f : p);
+    }
+    store_vec<W16>(dt, dlogits, base + c0, v);
+  }
+}
+
 }  // namespace
 
 void CudaBackend::embedding_forward(const Tensor& ids, const Tensor& table, const Tensor& out) {
@@ -136,6 +180,18 @@ void CudaBackend::cross_entropy(const Tensor& logits, const Tensor& targets, con
     ops::check_ids("cross_entropy", "target", "row", read_i32(targets.data(), T, "cross_entropy").data(), T, V,
                     &ignore_index);
   if (T == 0) return;
+  if (vectorizable(logits.dtype(), V, {logits.data(), dlogits ? dlogits->data() : logits.data()})) {
+    const bool w16 = logits.dtype() != DType::f32;
+    const int threads = std::min(row_threads(V / vec_width(logits.dtype())), 1024);
+#define KRNL_CE(W)                                                                                                 \
+  cross_entropy_vec_kernel<W><<<unsigned(T), threads, 0, stream_>>>(                                               \
+      logits.dtype(), logits.data(), targets.ptr<int32_t>(), loss.ptr<float>(), dlogits ? dlogits->data() : nullptr, \
+      V, ignore_index, scale, scale_by ? scale_by->ptr<float>() : nullptr)
+    KRNL_DISPATCH_VEC(w16, KRNL_CE)
+#undef KRNL_CE
+    check_launch("cross_entropy");
+    return;
+  }
   cross_entropy_kernel<<<unsigned(T), std::min(row_threads(V), 1024), 0, stream_>>>(
       logits.dtype(), logits.data(), targets.ptr<int32_t>(), loss.ptr<float>(), dlogits ? dlogits->data() : nullptr, V,
       ignore_index, scale, scale_by ? scale_by->ptr<float>() : nullptr);

@@ -28,6 +28,7 @@ def make(dev, cfg_over=None, lora_over=None, B=2, T=7, seed=0, dtype="f32", grad
     w = random_weights(cfg, seed, std=0.2)
     lcfg = LoraConfig(**{"r": 2, "alpha": 4.0, **(lora_over or {})})
     m = LlamaModel(dev, cfg, w, lcfg, dtype=dtype, seed=seed, grad_checkpoint=grad_checkpoint)
+    m.input_grad = True  # the tests check dX at the embeddings too
     rng = np.random.default_rng(seed + 100)
     lora = m.lora_state()
     for k in lora:  # B non-zero so every path (dA, dx through A) is exercised
@@ -259,6 +260,27 @@ def test_dropout_masks(dev):
     check_grads(m, cfg, w, lcfg, lora, ids, tg, masks=masks)
     # eval ignores dropout
     assert m.loss(ids, tg) == pytest.approx(ref_loss(cfg, w, lcfg, lora, ids, tg), rel=2e-6)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.25])
+@pytest.mark.parametrize("groups", ["1", "0"])
+def test_no_input_grad_same_lora_grads(dev, dropout, groups, monkeypatch):
+    """Without the gradient at the embeddings (training's default: layer 0 skips its input's
+    gradient), the loss and every LoRA gradient are the same bits, grouped or linear by linear."""
+    monkeypatch.setenv("KRNL_LORA_GROUPS", groups)
+    cfg, w, lcfg, m, lora, ids, tg = make(dev, None, {"dropout": dropout}, seed=8)
+    res = []
+    for want in (True, False):
+        m.input_grad = want
+        m.zero_grads()
+        m._call_seed = 3
+        m.forward_backward(ids, tg)
+        res.append((m.read_loss(), m.lora_grads()))
+    assert m.d_embed_out is None
+    assert res[0][0] == res[1][0]
+    for k in res[0][1]:
+        assert np.abs(res[0][1][k]).max() > 0, k
+        np.testing.assert_array_equal(res[1][1][k], res[0][1][k], err_msg=k)
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.25])

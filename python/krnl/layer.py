@@ -316,8 +316,9 @@ def layer_forward(L, x, batch, attend: Optional[Callable] = None):
     return y, LayerCache(xn, r1, qkv_saved, saved, qk_saved, o_saved, h, mlp_cache, a, ar, qkv_group, tm)
 
 
-def layer_backward(L, x, cache, dy, batch):
-    """Returns dx (N, C) given dy (N, C), the gradient at the layer output."""
+def layer_backward(L, x, cache, dy, batch, need_dx=True):
+    """Returns dx (N, C) given dy (N, C), the gradient at the layer output; with need_dx False
+    (the first layer, whose input is the frozen embeddings') only the LoRA gradients, and None."""
     d, dt, hd = x.device, x.dtype, L.heads
     B, T, H, Hk, D = batch.B, batch.T, hd.H, hd.Hk, hd.D
     N, C, NH = B * T, x.shape[1], H + 2 * Hk
@@ -327,11 +328,15 @@ def layer_backward(L, x, cache, dy, batch):
     L.o_proj.backward(da, cache.o, datt)
     dqkv = d.empty((N, NH * D), dt)                                       # (N, NH D)
     heads_backward(L, batch, cache, datt, dqkv)
-    dxn = d.empty((N, C), dt)                                             # (N, C)
+    dxn = d.empty((N, C), dt) if need_dx else None                        # (N, C)
     lins, dys = [b[0] for b in L.qkv_blocks()], [dqkv[:, c0:c1] for _, c0, c1 in L.qkv_blocks()]
     first = cache.qkv_group is not None and writes_all(lins)              # LoRA first (lora_group.py)
     if first:
         group_backward(lins, dys, cache.qkv, cache.qkv_group, dxn, 0.0)
+    if not need_dx:
+        if not first:
+            group_backward(lins, dys, cache.qkv, cache.qkv_group, None)
+        return None
     linear_grad(dqkv, L.qkv, dxn, 1.0 if first else 0.0)                  # dxn (+)= dq|dk|dv Wqkv
     if not first:
         group_backward(lins, dys, cache.qkv, cache.qkv_group, dxn)

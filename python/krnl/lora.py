@@ -111,7 +111,7 @@ class LoraLinear:
 
     def lora_backward(self, dy, saved, dx, beta=1.0):
         """LoRA gradients from dy (possibly a column block) and dx += drop(dt A); without dropout
-        dx = beta dx + dt A."""
+        dx = beta dx + dt A; dx None: the gradients alone."""
         f = self.factors
         if f is None:
             return
@@ -121,6 +121,8 @@ class LoraLinear:
         dt = d.empty((rows, f.A.shape[0]), cdt)
         ops.gemm(dy, f.B, dt, alpha=s)                                    # dt = s dy B         (rows, r)
         ops.gemm(dt, saved.xd, f.gA, trans_a=True, beta=gbeta)            # dA (+)= dt^T drop(x) (r, in)
+        if dx is None:
+            return
         if saved.seed is not None:
             tmp, tmp2 = d.empty((rows, self.inp), cdt), d.empty((rows, self.inp), cdt)
             ops.gemm(dt, f.A, tmp)

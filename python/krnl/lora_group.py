@@ -80,12 +80,13 @@ def group_forward(lins, x, ys, call_seed=None, beta=1.0):
 
 def group_backward(lins, dys, saved, group, dx, beta=1.0):
     """The LoRA gradients of each member from dys[i] (rows, out_i) and dx += sum_i drop(dt_i A_i),
-    for the (saved, group) that group_forward returned; grouped, dx = beta dx + sum_i dt_i A_i."""
+    for the (saved, group) that group_forward returned; grouped, dx = beta dx + sum_i dt_i A_i.
+    dx None: the gradients alone."""
     if group is None:
         for lin, dy, s in zip(lins, dys, saved):
             lin.lora_backward(dy, s, dx)
         return
-    d, r, G = dx.device, group.r, len(lins)
+    d, r, G = dys[0].device, group.r, len(lins)
     rows, x = dys[0].shape[0], saved[0].xd
     dt = d.empty((rows, G * r), group.A.dtype)                            # (rows, G r)
     for i, (lin, dy, s) in enumerate(zip(lins, dys, saved)):
@@ -100,4 +101,5 @@ def group_backward(lins, dys, saved, group, dx, beta=1.0):
             ops.scale(blk, 1.0, gA)
         else:
             ops.axpy(1.0, blk, gA)
-    ops.gemm(dt, group.A, dx, beta=beta)                                  # dx (+)= dt_g A_g
+    if dx is not None:
+        ops.gemm(dt, group.A, dx, beta=beta)                              # dx (+)= dt_g A_g

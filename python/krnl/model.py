@@ -87,6 +87,9 @@ class LlamaModel:
         # q, k and v attended in place as columns of the projection (no head transposes), all
         # rows in one call, where the device takes token-major views; settable like the above.
         self.token_major = fa["token_major"]
+        # The gradient at the embeddings' output (d_embed_out): the embeddings are frozen, so a
+        # training step stops at layer 0's LoRA gradients; W2 and W3 time it, tests check it.
+        self.input_grad = False
         self.d_embed_out = None
         self._loss = None
         self._ones = {}  # N -> (1, N) f32 ones: the loss sum's gemm row
@@ -316,7 +319,7 @@ class LlamaModel:
             L, (xin, cache) = self.layers[i], saved[i]
             if cache is None:                                             # checkpointed: recompute
                 _, cache = layer_forward(L, xin, batch)
-            dx = layer_backward(L, xin, cache, dx, batch)
+            dx = layer_backward(L, xin, cache, dx, batch, need_dx=i > 0 or self.input_grad)
             saved[i] = None
         self.d_embed_out = dx
         return self._loss_sum(rows_loss)

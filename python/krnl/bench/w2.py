@@ -123,6 +123,7 @@ class Case:
         self.targets = rng.integers(0, V, (1, T)).astype(np.int32)
         self.dev = krnl.device(device)
         self.model = LlamaModel(self.dev, self.cfg, self.weights, lora=LoraConfig(r=r, alpha=2.0 * r), dtype=dtype)
+        self.model.input_grad = True  # the workload's dX
         self.model.lora_params.load(self.lora)
 
     @classmethod

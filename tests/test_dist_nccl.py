@@ -244,9 +244,13 @@ def test_dist_nccl_forced_on_cpu_ranks_stops_in_one_line(tmp_path):
 # ---- a CUDA device with NCCL (the H200 check): one rank
 
 
-def _cuda_nccl():
+def _cuda():
     if "cuda" not in krnl.devices():
         pytest.skip("no cuda device")
+
+
+def _cuda_nccl():
+    _cuda()
     try:
         return _core.nccl_info()
     except RuntimeError as e:
@@ -425,26 +429,30 @@ def test_step_runner_device_reduce_matches_the_host_path():
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("backend", ["nccl", "mpi"])
 @pytest.mark.parametrize("dtype, tol", [("f32", 1e-3), ("bf16", 3e-2)])
-def test_nccl_two_gpus_train_like_one(tmp_path, dtype, tol):
-    """Two CUDA ranks, one GPU each, summing through NCCL: 6 steps of `krnl train` give one GPU's
-    losses and adapter on the same global batch. Adam's first steps divide each gradient element
-    by its own magnitude, so the ranks' other order of f32 sums shows in elements whose gradient
-    is near zero: each adapter tensor is held to `tol` of its norm (test_dist's 1e-3 in f32; bf16
-    activations round differently when a GEMM sees half the rows). Skips where the two ranks
-    could not take NCCL (one GPU: they share it), saying why."""
-    _cuda_nccl()
+def test_nccl_two_gpus_train_like_one(tmp_path, dtype, tol, backend):
+    """Two CUDA ranks, one GPU each, summing through NCCL, or through host memory and MPI
+    (KRNL_DIST_BACKEND=mpi, where two ranks may share one GPU): 6 steps of `krnl train` give one
+    GPU's losses and adapter on the same global batch. Adam's first steps divide each gradient
+    element by its own magnitude, so the ranks' other order of f32 sums shows in elements whose
+    gradient is near zero: each adapter tensor is held to `tol` of its norm (test_dist's 1e-3 in
+    f32; bf16 activations round differently when a GEMM sees half the rows). NCCL skips where the
+    two ranks could not take it (one GPU: they share it), saying why."""
+    _cuda_nccl() if backend == "nccl" else _cuda()
     args = ["train", "--iters", "6", "--warmup", "1", "--steps-per-eval", "0", "--quiet", "--train-samples", "64",
             "--lora-rank", "4", "--batch-size", "8", "--dtype", dtype, "--device", "cuda", "--no-tune"]
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               KRNL_DIST_BACKEND="auto" if backend == "nccl" else "mpi")
     env.pop("KRNL_LOCAL_RANK", None)
     two = subprocess.run([_mpiexec(), "-n", "2", sys.executable, "-m", "krnl"] + args
                          + ["--adapter-path", str(tmp_path / "two")], capture_output=True, text=True, env=env,
                          timeout=600)
     assert two.returncode == 0, two.stderr[-3000:]
     said = [x for x in two.stdout.splitlines() if x.startswith("dist:")]
-    if not said or "by NCCL on the GPUs" not in said[0]:
+    if backend == "nccl" and (not said or "by NCCL on the GPUs" not in said[0]):
         pytest.skip(f"the two ranks did not take NCCL: {said}")
+    assert said and ("by NCCL on the GPUs" in said[0]) == (backend == "nccl"), said
     one = subprocess.run([sys.executable, "-m", "krnl"] + args + ["--adapter-path", str(tmp_path / "one")],
                          capture_output=True, text=True, env=env, timeout=600)
     assert one.returncode == 0, one.stderr[-3000:]

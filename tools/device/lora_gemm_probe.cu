@@ -6,7 +6,8 @@
 // libcublas / libcublasLt at run time (no cuBLAS headers where it is compiled).
 //
 //   nvcc -O2 -std=c++17 -arch=sm_90 -o lora_gemm_probe tools/device/lora_gemm_probe.cu -ldl
-//   ./lora_gemm_probe /path/libcublas.so.13 /path/libcublasLt.so.13 > table.txt
+//   ./lora_gemm_probe /path/libcublas.so.13 /path/libcublasLt.so.13 [frozen] > table.txt
+// (with "frozen": the frozen weights' products and the LM head's instead of the LoRA products)
 //
 // Shapes are krnl's row-major GEMMs (C (M, N) = alpha op(A) op(B) + beta C) with the row strides
 // the model passes (column blocks of fused outputs); a line per (shape, beta). Each timing is the
@@ -125,6 +126,26 @@ void lora_shapes(std::vector<Shape>& v, const std::string& m, int layers, int ro
   add("qkv dx=dtA b1", false, false, rows, C, g3, g3, C, C, false, 1.f, 0);
 }
 
+// The frozen products of one layer and the LM head's, as krnl issues them (LoRA first: every
+// activation product adds with beta 1; the LM head's chunks of 1024 rows write fresh).
+void frozen_shapes(std::vector<Shape>& v, const std::string& m, int layers, int rows, int C, int F, int q, int kv,
+                   int V) {
+  const int qkv = q + 2 * kv;
+  auto add = [&](std::string w, bool ta, bool tb, int M, int N, int K, float beta, int calls) {
+    v.push_back({m, w, ta, tb, M, N, K, K, tb ? K : N, N, false, beta, calls});
+  };
+  add("qkv fwd", false, true, rows, qkv, C, 1.f, layers);
+  add("o fwd", false, true, rows, C, q, 1.f, layers);
+  add("gate/up fwd", false, true, rows, F, C, 1.f, 2 * layers);
+  add("down fwd", false, true, rows, C, F, 1.f, layers);
+  add("qkv dx", false, false, rows, C, qkv, 1.f, layers);
+  add("o dx", false, false, rows, q, C, 1.f, layers);
+  add("gate/up dx", false, false, rows, C, F, 1.f, 2 * layers);
+  add("down dx", false, false, rows, F, C, 1.f, layers);
+  add("head fwd", false, true, 1024, V, C, 0.f, rows / 1024);
+  add("head dx", false, false, 1024, C, V, 0.f, rows / 1024);
+}
+
 // ---- device helpers
 __global__ void fill_kernel(__nv_bfloat16* p, size_t n, uint32_t seed) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
@@ -208,8 +229,14 @@ int main(int argc, char** argv) {
   printf("# %s, %d SMs\n", prop.name, prop.multiProcessorCount);
 
   std::vector<Shape> shapes;
-  lora_shapes(shapes, "1b", 16, 8192, 2048, 8192, 2048, 512, 16);
-  lora_shapes(shapes, "8b", 8, 8192, 4096, 14336, 4096, 1024, 16);
+  const bool frozen = argc > 3 && !strcmp(argv[3], "frozen");  // the frozen products instead
+  if (frozen) {
+    frozen_shapes(shapes, "1b", 16, 8192, 2048, 8192, 2048, 512, 32000);
+    frozen_shapes(shapes, "8b", 8, 8192, 4096, 14336, 4096, 1024, 32000);
+  } else {
+    lora_shapes(shapes, "1b", 16, 8192, 2048, 8192, 2048, 512, 16);
+    lora_shapes(shapes, "8b", 8, 8192, 4096, 14336, 4096, 1024, 16);
+  }
 
   const size_t big = size_t(8192) * 16384;  // elements: the largest stored operand (8192 x F 14336) fits
   __nv_bfloat16 *A, *B, *Cb;
@@ -343,6 +370,7 @@ int main(int argc, char** argv) {
     float t_sk = -1;
     int best_s = 0;
     for (int S : {2, 4, 8, 16}) {
+      if (frozen) break;  // thousands of output tiles: nothing to gain
       if (s.K % S || (s.K / S) % 128 || s.K / S < 256 || size_t(S) * s.M * s.N * 4 > (size_t(64) << 20)) continue;
       const int kp = s.K / S;
       const long long sa = s.ta ? (long long)kp * s.lda : kp, sb = s.tb ? kp : (long long)kp * s.ldb;
@@ -375,8 +403,10 @@ int main(int argc, char** argv) {
     tot_lt0 += (t_lt0 > 0 ? t_lt0 : t_def) * s.calls / 1000.0;
   }
   for (auto& [m, v] : per_model)
-    printf("# %s: LoRA GEMMs per step: default %.2f ms, best of each %.2f ms\n", m.c_str(), v.first, v.second);
+    printf("# %s: %s GEMMs per step: default %.2f ms, best of each %.2f ms\n", m.c_str(), frozen ? "frozen" : "LoRA",
+           v.first, v.second);
   printf("# both: lt[0] everywhere %.2f ms\n", tot_lt0);
+  if (frozen) return 0;
 
   // Fused K: y = [x | t] [W | s B]^T (nt, K = in + g) against y = t B^T then y += x W^T, and
   // dx = [dy | dt] [W ; A] (nn, K = out + g) against dx = dt A then dx += dy W; 1b's shapes.

@@ -262,6 +262,50 @@ def test_dropout_masks(dev):
     assert m.loss(ids, tg) == pytest.approx(ref_loss(cfg, w, lcfg, lora, ids, tg), rel=2e-6)
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["llama", "qkv-bias"])
+def test_lora_fold(dev, monkeypatch, bias):
+    """The LoRA products folded into the frozen GEMMs' K (lora_fold.py, forced here on a device
+    whose capabilities leave it off): q|k|v and gate/up stored widened, loss and gradients
+    against finite differences of the float64 reference, the same as the unfolded model to
+    f32 rounding, and new LoRA values (an optimizer step, a loaded adapter) seen by the next call."""
+    if dev.capabilities()["kind"].startswith("metal"):
+        pytest.skip("Metal's RMSNorm writes only contiguous rows, and its capabilities keep lora_fold off")
+    over = {"attention_bias": bias}
+    res = {}
+    for fold in ("0", "1"):
+        monkeypatch.setenv("KRNL_LORA_FOLD", fold)
+        cfg, w, lcfg, m, lora, ids, tg = make(dev, over, T=9, seed=12)
+        assert all((L.qkv_fold is not None) == (fold == "1") and (L.mlp.fold is not None) == (fold == "1")
+                   for L in m.layers)
+        res[fold] = (check_grads(m, cfg, w, lcfg, lora, ids, tg), np.array(m.d_embed_out.numpy(), np.float64))
+        rng = np.random.default_rng(3)
+        moved = {k: v + 0.05 * rng.standard_normal(v.shape).astype(np.float32) for k, v in lora.items()}
+        m.lora_params.load(moved)
+        assert m.loss(ids, tg) == pytest.approx(ref_loss(cfg, w, lcfg, moved, ids, tg), rel=2e-6)
+    (g0, dx0), (g1, dx1) = res["0"], res["1"]
+    for k in g0:
+        np.testing.assert_allclose(g1[k], g0[k], rtol=1e-5, atol=1e-6 * np.abs(g0[k]).max(), err_msg=k)
+    np.testing.assert_allclose(dx1, dx0, rtol=1e-5, atol=1e-6 * np.abs(dx0).max())
+
+
+def test_lora_fold_keeps_out_of_dropout(dev, monkeypatch):
+    """With dropout drawn (training) each member masks its own input, so the call does not fold:
+    the gradients are the masked function's, as without the fold; in eval the fold runs."""
+    if dev.capabilities()["kind"].startswith("metal"):
+        pytest.skip("Metal's RMSNorm writes only contiguous rows, and its capabilities keep lora_fold off")
+    out = {}
+    for fold in ("0", "1"):
+        monkeypatch.setenv("KRNL_LORA_FOLD", fold)
+        cfg, w, lcfg, m, lora, ids, tg = make(dev, None, {"dropout": 0.3}, seed=5)
+        m._call_seed = 41
+        m.forward_backward(ids, tg)
+        out[fold] = (m.read_loss(), m.lora_grads(), m.loss(ids, tg))
+    assert out["1"][0] == out["0"][0]
+    for k in out["0"][1]:
+        np.testing.assert_array_equal(out["1"][1][k], out["0"][1][k], err_msg=k)
+    assert out["1"][2] == pytest.approx(out["0"][2], rel=1e-6)
+
+
 @pytest.mark.parametrize("dropout", [0.0, 0.25])
 @pytest.mark.parametrize("groups", ["1", "0"])
 def test_no_input_grad_same_lora_grads(dev, dropout, groups, monkeypatch):

@@ -137,6 +137,7 @@ nb::dict capabilities_dict(const Capabilities& c) {
   nb::list coll;
   for (const auto& name : c.collectives) coll.append(name);
   d["collectives"] = coll;
+  d["lora_fold"] = c.lora_fold;
   d["details"] = details;
   return d;
 }
@@ -207,7 +208,8 @@ void bind_devices(nb::module_& m) {
            "synchronous (ops complete when they return), queue_ordered (buffers released inside a step are "
            "reused within it), attention_block (query rows per materialised attention block, 0: all), "
            "gemm_tuning (timing the GEMM variants measures a real GPU: krnl tune), collectives (libraries summing tensors "
-           "across processes on the device itself: 'nccl' on CUDA), details (hardware facts).")
+           "across processes on the device itself: 'nccl' on CUDA), lora_fold (the model folds each LoRA's second product "
+           "into its frozen GEMM's K), details (hardware facts).")
       .def("gemm_variants", [](Backend& d) {
              auto* m = dynamic_cast<metal::MetalOps*>(&d);
              return m ? m->gemm_variants() : std::vector<std::string>{};

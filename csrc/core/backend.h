@@ -93,6 +93,9 @@ struct Capabilities {
   // ("nccl" on CUDA): data-parallel training takes them where every rank has one (krnl.dist_nccl).
   // Whether the library itself loads on this machine is the loader's answer, not this one's.
   std::vector<std::string> collectives;
+  // Fold each LoRA's second product into its frozen GEMM's K (python/krnl/lora_fold.py): one pass
+  // over the output instead of two, where passes over memory are what a GEMM this size costs.
+  bool lora_fold = false;
   // Facts about the hardware behind the device (GPU name, GPU family, ...), for people.
   std::vector<std::pair<std::string, std::string>> details;
 };

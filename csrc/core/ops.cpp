@@ -61,6 +61,12 @@ struct Check {
       fail(std::string(name) + " must be a token-major (B, T, H, D) view with contiguous rows of D, got " + x.describe());
     return x;
   }
+  // Contiguous, or a row-strided 2-D view (a column block of a wider buffer).
+  const Tensor& rows(const char* name, const Tensor& x) {
+    if (x.defined() && x.dim() == 2 && !x.is_contiguous() && x.strides()[1] == 1 && x.strides()[0] >= x.size(1))
+      return tensor_any(name, x);
+    return tensor(name, x);
+  }
   void rank_at_least(const char* name, const Tensor& x, int64_t r) {
     if (x.dim() < r) fail(std::string(name) + " must have at least " + std::to_string(r) + " dimensions, got " + x.describe());
   }
@@ -202,7 +208,8 @@ void gemm(const Tensor& A, const Tensor& B, const Tensor& C, bool ta, bool tb, f
 
 void rmsnorm_forward(const Tensor& x, const Tensor& w, const Tensor& y, const Tensor& rstd, float eps) {
   Check c{"rmsnorm_forward"};
-  c.tensor("x", x), c.tensor("w", w), c.tensor("y", y), c.tensor("rstd", rstd);
+  // y may be a row-strided view: the first columns of a (rows, C + g) buffer (lora_fold.py)
+  c.tensor("x", x), c.tensor("w", w), c.rows("y", y), c.tensor("rstd", rstd);
   c.rank_at_least("x", x, 1);
   c.floating("x", x);
   const int64_t C = x.size(-1), rows = x.numel() / std::max<int64_t>(C, 1);
@@ -562,13 +569,7 @@ void quantized_matmul(const Tensor& x, const Tensor& w, const Tensor& scales, co
                       bool transpose, int64_t group_size, int64_t bits, float beta) {
   Check c{"quantized_matmul"};
   // x and out may be row-strided 2-D views (column blocks of a fused q|k|v projection).
-  auto rows_view = [&](const char* name, const Tensor& t) {
-    if (t.defined() && t.dim() == 2 && !t.is_contiguous() && t.strides()[1] == 1 && t.strides()[0] >= t.size(1))
-      c.tensor_any(name, t);
-    else
-      c.tensor(name, t);
-  };
-  rows_view("x", x), rows_view("out", out);
+  c.rows("x", x), c.rows("out", out);
   const int64_t I = check_quantized(c, w, scales, biases, "x", x, group_size, bits), O = w.size(0);
   if (x.dim() != 2) c.fail("x must be 2-D (N, I) or (N, O), got " + x.describe());
   const int64_t N = x.size(0), K = transpose ? I : O, M = transpose ? O : I;

@@ -28,6 +28,7 @@ void CpuBackend::rmsnorm_forward(const Tensor& x, const Tensor& w, const Tensor&
   const int64_t C = x.size(-1), rows = rows_of(x, C);
   if (rows == 0) return;
   const DType xd = x.dtype(), yd = y.dtype();
+  const int64_t ldy = y.is_contiguous() ? C : y.strides()[0];  // a row-strided 2-D y (ops.cpp)
   std::vector<float> wf(static_cast<size_t>(C));
   load(w.dtype(), w.data(), 0, C, wf.data());
   float* rs = rstd.ptr<float>();
@@ -38,9 +39,9 @@ void CpuBackend::rmsnorm_forward(const Tensor& x, const Tensor& w, const Tensor&
       const float* xr = view(xd, x.data(), r * C, C, xs);
       const float inv = 1.f / std::sqrt(dot(xr, xr, C) / float(C) + eps);
       rs[r] = inv;
-      float* yr = out_window(yd, y.data(), r * C, ys);
+      float* yr = out_window(yd, y.data(), r * ldy, ys);
       for (int64_t c = 0; c < C; ++c) yr[c] = xr[c] * inv * wf[size_t(c)];
-      flush(yd, yr, C, y.data(), r * C);
+      flush(yd, yr, C, y.data(), r * ldy);
     }
   });
 }

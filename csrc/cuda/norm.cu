@@ -6,11 +6,12 @@
 namespace krnl::cuda {
 namespace {
 
-// y = x * rstd * w per row of C; rstd = 1 / sqrt(mean(x^2) + eps). w is f32 or x's dtype.
+// y = x * rstd * w per row of C; rstd = 1 / sqrt(mean(x^2) + eps). w is f32 or x's dtype. y's
+// rows lie ldy apart (C, or a wider buffer's row stride).
 __global__ void rmsnorm_fwd_kernel(DType xd, const void* x, DType wd, const void* w, DType yd, void* y,
-                                   float* rstd, int64_t C, float eps) {
+                                   float* rstd, int64_t C, int64_t ldy, float eps) {
   __shared__ float sh[32];
-  const int64_t base = int64_t(blockIdx.x) * C;
+  const int64_t base = int64_t(blockIdx.x) * C, ybase = int64_t(blockIdx.x) * ldy;
   float ss = 0.f;
   for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
     const float v = ld(xd, x, base + c);
@@ -19,7 +20,7 @@ __global__ void rmsnorm_fwd_kernel(DType xd, const void* x, DType wd, const void
   ss = block_sum(ss, sh);
   const float inv = 1.f / sqrtf(ss / float(C) + eps);
   if (threadIdx.x == 0) rstd[blockIdx.x] = inv;
-  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) st(yd, y, base + c, ld(xd, x, base + c) * inv * ld(wd, w, c));
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) st(yd, y, ybase + c, ld(xd, x, base + c) * inv * ld(wd, w, c));
 }
 
 // dx = rstd * (g - xhat * mean(g * xhat)), g = dy * w. dx may alias dy: each element is read
@@ -44,7 +45,7 @@ __global__ void rmsnorm_bwd_kernel(DType dyd, const void* dy, DType xd, const vo
 // row read once with 16-byte loads. w is read per element (L1/L2-resident across rows).
 template <bool W16, int NV>
 __global__ void rmsnorm_fwd_reg_kernel(DType dt, const void* x, DType wd, const void* w, void* y, float* rstd, int64_t C,
-                                       float eps) {
+                                       int64_t ldy, float eps) {
   constexpr int VEC = W16 ? 8 : 4;
   __shared__ float sh[32];
   const int64_t base = int64_t(blockIdx.x) * C;
@@ -67,7 +68,7 @@ __global__ void rmsnorm_fwd_reg_kernel(DType dt, const void* x, DType wd, const 
     if (c0 < C) {
 #pragma unroll
       for (int e = 0; e < VEC; ++e) v[k][e] = v[k][e] * inv * ld(wd, w, c0 + e);
-      store_vec<W16>(dt, y, base + c0, v[k]);
+      store_vec<W16>(dt, y, int64_t(blockIdx.x) * ldy + c0, v[k]);
     }
   }
 }
@@ -131,19 +132,22 @@ void CudaBackend::rmsnorm_forward(const Tensor& x, const Tensor& w, const Tensor
   OpTimer timer(this);
   const int64_t C = x.size(-1), rows = C ? x.numel() / C : 0;
   if (rows == 0) return;
-  const RegPlan rp = y.dtype() == x.dtype() ? reg_plan(x.dtype(), C, {x.data(), y.data()}) : RegPlan{};
+  const int64_t ldy = y.is_contiguous() ? C : y.strides()[0];  // a row-strided 2-D y (ops.cpp)
+  const RegPlan rp = y.dtype() == x.dtype() && ldy % vec_width(y.dtype()) == 0
+                         ? reg_plan(x.dtype(), C, {x.data(), y.data()})
+                         : RegPlan{};
   if (rp.threads) {
     const bool w16 = x.dtype() != DType::f32;
 #define KRNL_RMS_FWD(W, NV)                                                                                   \
   rmsnorm_fwd_reg_kernel<W, NV><<<unsigned(rows), rp.threads, 0, stream_>>>(x.dtype(), x.data(), w.dtype(), w.data(), \
-                                                                          y.data(), rstd.ptr<float>(), C, eps)
+                                                                          y.data(), rstd.ptr<float>(), C, ldy, eps)
     KRNL_DISPATCH_REG(w16, rp.nv, KRNL_RMS_FWD)
 #undef KRNL_RMS_FWD
     check_launch("rmsnorm_forward");
     return;
   }
   rmsnorm_fwd_kernel<<<unsigned(rows), std::min(row_threads(C), 512), 0, stream_>>>(
-      x.dtype(), x.data(), w.dtype(), w.data(), y.dtype(), y.data(), rstd.ptr<float>(), C, eps);
+      x.dtype(), x.data(), w.dtype(), w.data(), y.dtype(), y.data(), rstd.ptr<float>(), C, ldy, eps);
   check_launch("rmsnorm_forward");
 }
 

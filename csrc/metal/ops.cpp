@@ -395,6 +395,8 @@ void MetalOps::rmsnorm_forward(const Tensor& x, const Tensor& w, const Tensor& y
   const bool wide = y.dtype() != x.dtype();
   if (wide && !(x.dtype() == DType::bf16 && w.dtype() == DType::f32 && y.dtype() == DType::f32))
     throw NotImplementedError("[rmsnorm_forward] y must have x's dtype (or be f32, from bf16 x and f32 w) on " + name());
+  if (!y.is_contiguous())  // capabilities' lora_fold is off here, so the model never asks
+    throw NotImplementedError("[rmsnorm_forward] y must be contiguous on " + name() + ", got " + y.describe());
   const int64_t C = x.size(-1), rows = C ? x.numel() / C : 0;
   if (rows == 0) return;
   const std::string wsfx = w.dtype() != x.dtype() ? "_wf32" : "";  // f32 weights scaling f16/bf16 activations

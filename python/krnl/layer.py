@@ -22,6 +22,7 @@ from .layer_heads import heads_backward, heads_forward
 from .gemma import GemmaAttn
 from .config import ALL_MODULES, ATTN_MODULES, QKV_MODULES
 from .lora import LoraLinear, LoraSaved, dropout_tag, module_factors
+from .lora_fold import Fold, wanted as fold_wanted
 from .lora_group import GroupSaved, group_backward, group_forward, writes_all
 from .qweight import frozen_weight, linear, linear_grad
 
@@ -74,6 +75,7 @@ class Mlp:
     down: LoraLinear    # (C, F)
     eps: float
     post: Optional[Tensor] = None  # (C,) gemma2: post_feedforward_layernorm (also selects GeGLU)
+    fold: Optional[Fold] = None    # gate and up's LoRA folded into their GEMMs' K (lora_fold.py)
 
 
 @dataclass
@@ -111,6 +113,7 @@ class Layer:
     q_norm: Optional[Tensor] = None  # (D,) qwen3: RMSNorm of every query head (None: no q/k norm)
     k_norm: Optional[Tensor] = None  # (D,) ... and of every key head
     gemma: Optional[GemmaAttn] = None  # gemma2's attention settings and post-attention norm
+    qkv_fold: Optional[Fold] = None    # q, k and v's LoRA folded into the projection's K (lora_fold.py)
 
     def linears(self):
         """{HF module name: LoraLinear}."""
@@ -190,7 +193,22 @@ def build_layer(i, config, weights, device, dtype, heads, ones, lora_config, lor
     def up_linear(names):  # a projection's weight: dense, quantized as stored, or quantized on load
         return frozen_weight(device, [weights[k] for k in names], dtype, quantize, what=names[0])
 
-    qkv = up_linear([f"{p}self_attn.{m}.weight" for m in QKV_MODULES])
+    key = {m: f"{p}{'self_attn' if m in ATTN_MODULES else 'mlp'}.{m}.weight" for m in ALL_MODULES}
+    fs = {m: module_factors(c, lora_params, adapted, i, m) for m in ALL_MODULES}
+    folds, Ws = {}, {}
+
+    def fold(mods, outputs, blocks):  # a group's weights widened for the fold (lora_fold.py), or nothing
+        arrays = [weights[key[m]] for m in mods]
+        if not c.gemma and not c.fused_projections and fold_wanted(device, quantize, arrays, [fs[m] for m in mods]):
+            r = fs[mods[0]].A.shape[0]
+            folds[mods[0]], ws = Fold.upload(device, dtype, [[weights[key[m]] for m in o] for o in outputs], blocks, r)
+            Ws.update(zip([o[0] for o in outputs], ws))
+
+    rows = [c.module_shape(m)[0] for m in QKV_MODULES]
+    fold(QKV_MODULES, [QKV_MODULES], [(0, sum(rows[:k]), sum(rows[:k + 1])) for k in range(3)])
+    F = c.module_shape("gate_proj")[0]
+    fold(("gate_proj", "up_proj"), [("gate_proj",), ("up_proj",)], [(0, 0, F), (1, 0, F)])
+    qkv = Ws["q_proj"] if "q_proj" in Ws else up_linear([key[m] for m in QKV_MODULES])
     qkv_bias = up([f"{p}self_attn.{m}.bias" for m in QKV_MODULES], (1, -1)) if c.attention_bias else None
     lin, r0 = {}, 0
     for m in ALL_MODULES:
@@ -198,18 +216,18 @@ def build_layer(i, config, weights, device, dtype, heads, ones, lora_config, lor
             n = c.module_shape(m)[0]
             W, r0 = qkv[r0:r0 + n], r0 + n
         else:
-            W = up_linear([f"{p}{'self_attn' if m in ATTN_MODULES else 'mlp'}.{m}.weight"])
-        f = module_factors(c, lora_params, adapted, i, m)
-        lin[m] = LoraLinear(W, f, lora_config.scale, lora_config.dropout, tag=dropout_tag(c, i, m))
+            W = Ws[m] if m in Ws else up_linear([key[m]])
+        lin[m] = LoraLinear(W, fs[m], lora_config.scale, lora_config.dropout, tag=dropout_tag(c, i, m))
     eps = c.rms_norm_eps
     if c.gemma:
         return build_gemma_layer(i, c, weights, device, dtype, heads, ones, qkv, qkv_bias, lin)
-    mlp = Mlp(up([p + "post_attention_layernorm.weight"]), lin["gate_proj"], lin["up_proj"], lin["down_proj"], eps)
+    mlp = Mlp(up([p + "post_attention_layernorm.weight"]), lin["gate_proj"], lin["up_proj"], lin["down_proj"], eps,
+              fold=folds.get("gate_proj"))
     qn = kn = None
     if c.qk_norm:
         qn, kn = up([p + "self_attn.q_norm.weight"]), up([p + "self_attn.k_norm.weight"])
     return Layer(heads, eps, up([p + "input_layernorm.weight"]), qkv, qkv_bias, ones,
-                 lin["q_proj"], lin["k_proj"], lin["v_proj"], lin["o_proj"], mlp, qn, kn)
+                 lin["q_proj"], lin["k_proj"], lin["v_proj"], lin["o_proj"], mlp, qn, kn, qkv_fold=folds.get("q_proj"))
 
 
 def build_gemma_layer(i, c, weights, device, dtype, heads, ones, qkv, qkv_bias, lin):
@@ -234,17 +252,23 @@ def mlp_forward(mlp, h, call_seed=None):
     """Returns y (N, C) = h + down(silu(gate(hn)) * up(hn)) and what mlp_backward needs."""
     d, dt = h.device, h.dtype
     N, C, F = h.shape[0], h.shape[1], mlp.gate.out
-    hn, rstd = d.empty((N, C), dt), d.empty((N,), "f32")                 # (N, C), (N,)
+    lins, fold = [mlp.gate, mlp.up], mlp.fold
+    fold = fold if fold is not None and fold.usable(lins, call_seed) else None
+    hw = d.empty((N, C + fold.g), dt) if fold else None                  # (N, C + 2 r): hn | t (lora_fold.py)
+    hn, rstd = hw[:, :C] if fold else d.empty((N, C), dt), d.empty((N,), "f32")  # (N, C), (N,)
     ops.rmsnorm_forward(h, mlp.norm, hn, rstd, mlp.eps)
     g, u, a = d.empty((N, F), dt), d.empty((N, F), dt), d.empty((N, F), dt)  # (N, F) each
-    first = writes_all([mlp.gate, mlp.up])                                # LoRA first, W adds (lora_group.py)
-    if not first:
-        linear(hn, mlp.gate.W, g)
-        linear(hn, mlp.up.W, u)
-    (gs, us), group = group_forward([mlp.gate, mlp.up], hn, [g, u], call_seed, 0.0 if first else 1.0)
-    if first:
-        linear(hn, mlp.gate.W, g, 1.0)
-        linear(hn, mlp.up.W, u, 1.0)
+    if fold:
+        (gs, us), group = fold.forward(lins, hw, [g, u])
+    else:
+        first = writes_all(lins)                                          # LoRA first, W adds (lora_group.py)
+        if not first:
+            linear(hn, mlp.gate.W, g)
+            linear(hn, mlp.up.W, u)
+        (gs, us), group = group_forward(lins, hn, [g, u], call_seed, 0.0 if first else 1.0)
+        if first:
+            linear(hn, mlp.gate.W, g, 1.0)
+            linear(hn, mlp.up.W, u, 1.0)
     (ops.swiglu_forward if mlp.post is None else ops.geglu_forward)(g, u, a)
     y = d.empty((N, C), dt)
     ds = mlp.down.forward(a, y, call_seed)
@@ -279,18 +303,23 @@ def mlp_backward(mlp, h, cache, dy):
     return dh
 
 
-def qkv_forward(L, xn, call_seed=None):
-    """q|k|v (N, QKV) = xn Wqkv^T (+ 1 b) (+ LoRA into each column block); also (the LoRA saves, their group)."""
+def qkv_forward(L, xn, call_seed=None, xw=None):
+    """q|k|v (N, QKV) = xn Wqkv^T (+ 1 b) (+ LoRA into each column block); also (the LoRA saves, their
+    group). xw (N, C + 3 r): xn's buffer where the call folds (qkv_fold; lora_fold.py)."""
     N, blocks = xn.shape[0], L.qkv_blocks()
     qkv = xn.device.empty((N, L.qkv.shape[0]), xn.dtype)
-    lins, first = [b[0] for b in blocks], writes_all([b[0] for b in blocks])  # LoRA first (lora_group.py)
-    if first:
-        out = group_forward(lins, xn, [qkv[:, c0:c1] for _, c0, c1 in blocks], call_seed, 0.0)
-    linear(xn, L.qkv, qkv, 1.0 if first else 0.0)
+    lins, ys = [b[0] for b in blocks], [qkv[:, c0:c1] for _, c0, c1 in blocks]
+    first = xw is None and writes_all(lins)                               # LoRA first (lora_group.py)
+    if xw is not None:
+        out = L.qkv_fold.forward(lins, xw, [qkv])
+    else:
+        if first:
+            out = group_forward(lins, xn, ys, call_seed, 0.0)
+        linear(xn, L.qkv, qkv, 1.0 if first else 0.0)
     if L.qkv_bias is not None:
         ops.gemm(L.ones(N), L.qkv_bias, qkv, beta=1.0)
-    if not first:
-        out = group_forward(lins, xn, [qkv[:, c0:c1] for _, c0, c1 in blocks], call_seed)
+    if xw is None and not first:
+        out = group_forward(lins, xn, ys, call_seed)
     return qkv, out
 
 
@@ -300,9 +329,11 @@ def layer_forward(L, x, batch, attend: Optional[Callable] = None):
     d, dt, hd = x.device, x.dtype, L.heads
     B, T, H, Hk, D = batch.B, batch.T, hd.H, hd.Hk, hd.D
     N, C, NH = B * T, x.shape[1], H + 2 * Hk
-    xn, r1 = d.empty((N, C), dt), d.empty((N,), "f32")                   # (N, C), (N,)
+    f = L.qkv_fold
+    xw = d.empty((N, C + f.g), dt) if f is not None and f.usable([b[0] for b in L.qkv_blocks()], batch.call_seed) else None
+    xn, r1 = d.empty((N, C), dt) if xw is None else xw[:, :C], d.empty((N,), "f32")  # (N, C), (N,)
     ops.rmsnorm_forward(x, L.n1, xn, r1, L.eps)
-    qkv, (qkv_saved, qkv_group) = qkv_forward(L, xn, batch.call_seed)    # (N, NH D)
+    qkv, (qkv_saved, qkv_group) = qkv_forward(L, xn, batch.call_seed, xw)  # (N, NH D)
     att = d.empty((N, H * D), dt)                                         # (N, H D)
     saved, qk_saved, tm = heads_forward(L, batch, qkv, att, attend)
     h = d.empty((N, C), dt)                                               # (N, C)

@@ -45,7 +45,7 @@ def writes_all(lins):
     return lora_first() and all(lin.factors is not None for lin in lins)
 
 
-def _groupable(lins, call_seed):
+def groupable(lins, call_seed):
     if len(lins) < 2 or not enabled():
         return False
     fs = [lin.factors for lin in lins]
@@ -57,18 +57,24 @@ def _groupable(lins, call_seed):
     return all(f.A.shape[0] == r and f.A.dtype == dt and lin.inp == inp for f, lin in zip(fs, lins))
 
 
+def stacked_A(lins):
+    """(A_g (G r, in), r): the members' A copied together, as this call's group uses them."""
+    A0 = lins[0].factors.A
+    r = A0.shape[0]
+    A = A0.device.empty((len(lins) * r, A0.shape[1]), A0.dtype)           # (G r, in)
+    for i, lin in enumerate(lins):
+        ops.scale(lin.factors.A, 1.0, A[i * r:(i + 1) * r])
+    return A, r
+
+
 def group_forward(lins, x, ys, call_seed=None, beta=1.0):
     """ys[i] = beta ys[i] + s_i drop(x) A_i^T B_i^T for each LoraLinear of lins (x (rows, in)
     their shared input; ys[i] may be column blocks of one output). Returns (one LoraSaved or None
     per member, the GroupSaved or None) for group_backward."""
-    if not _groupable(lins, call_seed):
+    if not groupable(lins, call_seed):
         return [lin.lora_forward(x, y, call_seed, beta) for lin, y in zip(lins, ys)], None
-    f0 = lins[0].factors
-    d, dt, r, rows, G = x.device, f0.A.dtype, f0.A.shape[0], x.shape[0], len(lins)
-    A = d.empty((G * r, lins[0].inp), dt)                                 # (G r, in)
-    for i, lin in enumerate(lins):
-        ops.scale(lin.factors.A, 1.0, A[i * r:(i + 1) * r])
-    t = d.empty((rows, G * r), dt)                                        # (rows, G r)
+    A, r = stacked_A(lins)
+    t = x.device.empty((x.shape[0], A.shape[0]), A.dtype)                 # (rows, G r)
     ops.gemm(x, A, t, trans_b=True)                                       # t_g = x A_g^T
     saved = []
     for i, (lin, y) in enumerate(zip(lins, ys)):

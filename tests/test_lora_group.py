@@ -104,3 +104,41 @@ def test_lora_group_falls_back_with_dropout(dev):
     ys = [upload(dev, rng.standard_normal((8, 16)), "f32")[0] for _ in lins]
     saved, group = lora_group.group_forward(lins, x, ys, call_seed=7)
     assert group is None and all(s.seed is not None for s in saved)
+
+
+@pytest.mark.parametrize("outs", [(17, 9, 9), (33,)], ids=["group", "one"])
+def test_lora_group_sample_order(dev, outs):
+    """With the model's SampleSums on (krnl.sample_sums), each member's gA, gB are summed per
+    sample (column-block dy_i, t_i of the q|k|v layout) and still match float64 (4 samples of 3
+    rows); and the whole batch's gradients are its two halves' added in f32, bit for bit (what
+    2 ranks and MPI's sum compute). A single member runs LoraLinear's own backward."""
+    from krnl.sample_sums import SampleSums
+
+    S, T, inp, r = 4, 3, 19, 2
+    rows, cols = S * T, np.cumsum((0,) + outs)
+    rng = np.random.default_rng(11)
+    x0 = rng.standard_normal((rows, inp))
+    dy0 = rng.standard_normal((rows, cols[-1]))
+    run = []
+    for lo, hi in ((0, rows), (0, rows // 2), (rows // 2, rows)):
+        sums = SampleSums(on=True)
+        sums.begin((hi - lo) // T)
+        lins, ref = _group(dev, np.random.default_rng(3), inp, outs, r, "f32", beta=0.0)  # gradients overwritten
+        for lin in lins:
+            lin.sums = sums
+        x, xf = upload(dev, x0[lo:hi])
+        Y = dev.empty((hi - lo, cols[-1]), "f32")
+        ys = [Y[:, c0:c1] for c0, c1 in zip(cols[:-1], cols[1:])]
+        saved, group = lora_group.group_forward(lins, x, ys, beta=0.0)
+        DY, dyf = upload(dev, dy0[lo:hi])
+        dx = dev.empty((hi - lo, inp), "f32")
+        lora_group.group_backward(lins, [DY[:, c0:c1] for c0, c1 in zip(cols[:-1], cols[1:])], saved, group, dx,
+                                  beta=0.0 if group is not None else 1.0)
+        run.append([read(t, np.float32) for lin in lins for t in (lin.factors.gA, lin.factors.gB)])
+        if hi - lo == rows:
+            for i, (a, b, ga, gb) in enumerate(ref):
+                dy, t = dyf[:, cols[i]:cols[i + 1]], xf @ a.T
+                for got, want in ((run[0][2 * i], (2.0 * dy @ b).T @ xf), (run[0][2 * i + 1], 2.0 * dy.T @ t)):
+                    assert np.max(np.abs(got - want)) <= 2e-5 * max(np.max(np.abs(want)), 1.0)
+    for whole, first, second in zip(*run):
+        np.testing.assert_array_equal(whole, first + second)

@@ -1,5 +1,6 @@
 #include "tensor.h"
 
+#include <algorithm>
 #include <stdexcept>
 
 #include "backend.h"
@@ -66,7 +67,20 @@ bool Tensor::is_contiguous() const {
 }
 
 Tensor Tensor::reshape(const Shape& shape) const {
-  if (!is_contiguous()) throw std::invalid_argument("[reshape] tensor is not contiguous: " + describe());
+  if (!is_contiguous()) {
+    // Splitting the leading dimension of a strided view is still a view (row blocks of a column
+    // block: (B T, n) -> (B, T, n), e.g. for a GEMM batched over samples).
+    const bool split = dim() >= 1 && shape.size() == shape_.size() + 1 && shape[0] > 0 && shape[1] > 0 &&
+                       shape[0] * shape[1] == shape_[0] &&
+                       std::equal(shape.begin() + 2, shape.end(), shape_.begin() + 1);
+    if (!split)
+      throw std::invalid_argument("[reshape] tensor is not contiguous (a view can only split its leading dimension): " +
+                                  describe());
+    Tensor t = *this;
+    t.shape_ = shape;
+    t.strides_.insert(t.strides_.begin(), shape[1] * strides_[0]);
+    return t;
+  }
   Shape out = shape;
   int64_t known = 1, infer = -1;
   for (size_t i = 0; i < out.size(); ++i) {

@@ -177,10 +177,11 @@ class LayerCache:
     token_major: bool = False        # attn holds one state of every row (views of qkv and att)
 
 
-def build_layer(i, config, weights, device, dtype, heads, ones, lora_config, lora_params, adapted, quantize=None):
+def build_layer(i, config, weights, device, dtype, heads, ones, lora_config, lora_params, adapted, quantize=None,
+                sums=None):
     """Layer i from HF-named float32 weights, uploaded in the compute dtype (the seven projections
     quantized where quantize = (bits, group_size)); the LoRA factors of the (layer, module) pairs
-    in adapted are views of lora_params."""
+    in adapted are views of lora_params; sums: the model's SampleSums, shared by its linears."""
     c, p = config, f"model.layers.{i}."
 
     def up(names, shape=None):
@@ -200,7 +201,7 @@ def build_layer(i, config, weights, device, dtype, heads, ones, lora_config, lor
         else:
             W = up_linear([f"{p}{'self_attn' if m in ATTN_MODULES else 'mlp'}.{m}.weight"])
         f = module_factors(c, lora_params, adapted, i, m)
-        lin[m] = LoraLinear(W, f, lora_config.scale, lora_config.dropout, tag=dropout_tag(c, i, m))
+        lin[m] = LoraLinear(W, f, lora_config.scale, lora_config.dropout, tag=dropout_tag(c, i, m), sums=sums)
     eps = c.rms_norm_eps
     if c.gemma:
         return build_gemma_layer(i, c, weights, device, dtype, heads, ones, qkv, qkv_bias, lin)

@@ -88,12 +88,16 @@ def group_backward(lins, dys, saved, group, dx, beta=1.0):
     d, r, G = dx.device, group.r, len(lins)
     rows, x = dys[0].shape[0], saved[0].xd
     dt = d.empty((rows, G * r), group.A.dtype)                            # (rows, G r)
+    sums = lins[0].sums  # the members share their model's SampleSums
     for i, (lin, dy, s) in enumerate(zip(lins, dys, saved)):
         f = lin.factors
-        ops.gemm(dy, s.t, f.gB, trans_a=True, alpha=lin.scale, beta=lin.grad_beta)  # dB_i (+)= s dy_i^T t_i
+        sums.weight_grad(dy, s.t, f.gB, lin.scale, lin.grad_beta)         # dB_i (+)= s dy_i^T t_i
         ops.gemm(dy, f.B, dt[:, i * r:(i + 1) * r], alpha=lin.scale)      # dt_i = s dy_i B_i
-    dA = d.empty((G * r, x.shape[1]), "f32")                              # (G r, in)
-    ops.gemm(dt, x, dA, trans_a=True)                                     # dA_g = dt_g^T x
+    if sums.samples:
+        dA = sums.sample_sum(dt, x)                                       # (G r, in) dA_g, per sample
+    else:
+        dA = d.empty((G * r, x.shape[1]), "f32")                          # (G r, in)
+        ops.gemm(dt, x, dA, trans_a=True)                                 # dA_g = dt_g^T x
     for i, lin in enumerate(lins):
         gA, blk = lin.factors.gA, dA[i * r:(i + 1) * r]
         if lin.grad_beta == 0.0:

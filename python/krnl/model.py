@@ -25,6 +25,7 @@ from .config import (ALL_MODULES, ATTN_MODULES, IGNORE_INDEX, MLP_MODULES, QKV_M
 from .generate import generate
 from .layer import Batch, Heads, Ones, build_layer, layer_backward, layer_forward
 from .lora import init_lora
+from .sample_sums import SampleSums
 from .step_inputs import DeviceInputs, HostInputs
 from . import phi3
 from .qweight import embed, frozen_weight, linear, linear_grad
@@ -71,8 +72,9 @@ class LlamaModel:
         self.quantize = None if quantize is None else (int(quantize[0]), int(quantize[1]))
         if self.quantize is not None:
             quant.check((1, self.quantize[1]), *self.quantize)
-        self.layers = [build_layer(i, c, weights, device, dtype, self.heads, ones, self.lora_config,
-                                   self.lora_params, self.adapted, self.quantize) for i in range(c.num_hidden_layers)]
+        self.sums = SampleSums()  # .on: LoRA gradients and loss summed per sample (krnl.sample_sums)
+        self.layers = [build_layer(i, c, weights, device, dtype, self.heads, ones, self.lora_config, self.lora_params,
+                                   self.adapted, self.quantize, self.sums) for i in range(c.num_hidden_layers)]
         caps = device.capabilities()
         # Causal query row blocks skip the score blocks above the diagonal at the cost of more,
         # smaller GEMMs: the device says how many rows a block takes (0: all, one block; its
@@ -238,11 +240,13 @@ class LlamaModel:
         with self.dev.step():
             return fn()
 
-    def _loss_sum(self, rows_loss, alpha=1.0):
-        """(1,) f32 = alpha sum(rows_loss), as one gemm with a ones row (ignored rows hold 0)."""
+    def _loss_sum(self, rows_loss, alpha=1.0, samples=0):
+        """(1,) f32 = alpha sum(rows_loss) (ignored rows hold 0): one gemm, or per sample (sample_sums)."""
         N = rows_loss.shape[0]
         if N not in self._ones:
             self._ones[N] = self.dev.tensor(np.ones((1, N), np.float32), "f32")
+        if samples:
+            return self.sums.sample_sum(rows_loss.reshape(N, 1), self._ones[N].reshape(N, 1), alpha, samples).reshape(1)
         out = self.dev.empty((1, 1), "f32")
         ops.gemm(self._ones[N], rows_loss.reshape(N, 1), out, alpha=alpha)
         return out.reshape(1)
@@ -288,6 +292,7 @@ class LlamaModel:
         of it replays for any batch of the same key. Returns the (1,) f32 sum of the token losses
         (the mean is that over HostInputs.n_valid)."""
         B, T, _, _, window, long_rope, _ = key
+        S = self.sums.begin(B)  # the LoRA backward's sample count (0: sums over all rows at once)
         batch = self._batch_of(B, T, inputs.positions, inputs.segments, inputs.seed_offset, window, long_rope,
                                inputs.rope_positions)
         d, dt, c = self.dev, self.dtype, self.config
@@ -319,7 +324,7 @@ class LlamaModel:
             dx = layer_backward(L, xin, cache, dx, batch)
             saved[i] = None
         self.d_embed_out = dx
-        return self._loss_sum(rows_loss)
+        return self._loss_sum(rows_loss, samples=S)
 
     def read_loss(self):
         """The loss of the last forward_backward, as a float (after its step is committed)."""

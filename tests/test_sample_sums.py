@@ -67,16 +67,18 @@ def test_sample_sum_of_a_batch_is_its_halves_summed(dev, B, T):
     np.testing.assert_array_equal(whole, first + second)
 
 
-def test_reshape_splits_a_views_leading_dimension(dev):
-    """A column block (B T, n) reshaped to (B, T, n) is a view of the same elements (what the
-    per-sample GEMM reads); other reshapes of a view are refused in one line."""
+def test_reshape_splits_one_dimension_of_a_view(dev):
+    """A column block (B T, n) reshaped to (B, T, n), or a block of columns (S, m n) to (S, m, n),
+    is a view of the same elements (what the per-sample GEMMs read and write); other reshapes of
+    a view are refused in one line."""
     x = np.arange(6 * 5, dtype=np.float32).reshape(6, 5)
-    v = dev.tensor(x, "f32")[:, 1:4]
-    w = v.reshape(2, 3, 3)
-    assert tuple(w.shape) == (2, 3, 3) and tuple(w.strides) == (15, 5, 1)
-    np.testing.assert_array_equal(w.numpy(), x[:, 1:4].reshape(2, 3, 3))
-    for bad in ((3, 6), (4, 2, 3), (2, 3, 1, 3)):
-        with pytest.raises(ValueError, match=r"\[reshape\] tensor is not contiguous \(a view can only split its "):
+    v = dev.tensor(x, "f32")[:, 1:5]                                   # (6, 4) at row stride 5
+    for shape, strides in (((2, 3, 4), (15, 5, 1)), ((6, 2, 2), (5, 2, 1))):
+        w = v.reshape(*shape)
+        assert tuple(w.shape) == shape and tuple(w.strides) == strides
+        np.testing.assert_array_equal(w.numpy(), x[:, 1:5].reshape(shape))
+    for bad in ((4, 6), (4, 2, 3), (2, 3, 2, 2)):
+        with pytest.raises(ValueError, match=r"\[reshape\] tensor is not contiguous \(a view can only split one "):
             v.reshape(*bad)
 
 
@@ -91,29 +93,48 @@ def test_tree_sum_adds_in_the_documented_order(dev, S):
         assert not np.array_equal(_tree64(P), np.add.reduce(P, axis=0, dtype=np.float32))
 
 
-def test_weight_grad_beta_and_rows(dev):
-    """samples 0 is one GEMM over all rows; beta 1 adds into the gradient; bad splits are refused."""
+def test_weight_grad_into_the_slots(dev):
+    """Off, weight_grad is one GEMM over all rows (beta 0 or 1). On, each gradient adds per
+    sample into its place in the slots (two gradients of one flat buffer, one of them twice, as a
+    fused projection's shared A is), and finish() adds the slots' tree into the flat gradient and
+    zeroes them; bad splits and gradients that are no view of the flat buffer are refused."""
+    from krnl.params import FlatParams
+
     a, b = _operands(12, 3, 4, seed=9)
+    a2, b2 = _operands(12, 2, 5, seed=10)
     g0 = (0.25 * np.ones((3, 4))).astype(np.float32)
-    sums = SampleSums(on=True)
-    for samples in (0, 4):
-        sums.samples = samples
-        for beta in (0.0, 1.0):
-            g = dev.tensor(g0, "f32")
-            sums.weight_grad(dev.tensor(a, "f32"), dev.tensor(b, "f32"), g, 2.0, beta)
-            want = beta * g0 + 2.0 * a.astype(np.float64).T @ b
-            np.testing.assert_allclose(g.numpy(), want, rtol=1e-5, atol=1e-5)
+    for beta in (0.0, 1.0):
+        g = dev.tensor(g0, "f32")
+        SampleSums().weight_grad(dev.tensor(a, "f32"), dev.tensor(b, "f32"), g, 2.0, beta)
+        np.testing.assert_allclose(g.numpy(), beta * g0 + 2.0 * a.astype(np.float64).T @ b, rtol=1e-5, atol=1e-5)
+    flat = FlatParams(dev, {"x": (3, 4), "y": (2, 5)})  # zero gradients
+    sums = SampleSums(flat, on=True)
+    assert sums.reserve(4, dev) == 4 and sums.begin(4) == 4
+    A, B, A2, B2 = (dev.tensor(v, "f32") for v in (a, b, a2, b2))
+    sums.weight_grad(A, B, flat.grad("x"), 2.0)
+    sums.weight_grad(A2, B2, flat.grad("y"))
+    sums.weight_grad(A2, B2, flat.grad("y"), -0.5)
+    sums.finish()
+    got = flat.grads.numpy()
+    want_x = 2.0 * a.astype(np.float64).T @ b
+    want_y = 0.5 * a2.astype(np.float64).T @ b2
+    np.testing.assert_allclose(got[:12].reshape(3, 4), want_x, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got[12:].reshape(2, 5), want_y, rtol=1e-5, atol=1e-5)
+    assert not np.any(sums.slots.numpy())
     with pytest.raises(ValueError, match=r"\[sample_sum\] 12 and 12 rows do not split into 5 samples"):
-        sums.sample_sum(dev.tensor(a, "f32"), dev.tensor(b, "f32"), 1.0, 5)
-    with pytest.raises(ValueError, match=r"\[weight_grad\] beta must be 0 or 1"):
-        sums.weight_grad(dev.tensor(a, "f32"), dev.tensor(b, "f32"), dev.tensor(g0, "f32"), 1.0, 0.5)
+        sums.sample_sum(A, B, 1.0, 5)
+    with pytest.raises(ValueError, match=r"\[weight_grad\] the sample order needs accumulated gradients"):
+        sums.weight_grad(A, B, flat.grad("x"), 1.0, 0.0)
+    with pytest.raises(ValueError, match=r"\[weight_grad\] g \(3, 2\) is not a view of the flat gradient"):
+        sums.weight_grad(A, B[:, :2], flat.grad("x")[:, :2], 1.0)  # a column block: no contiguous place
+    with pytest.raises(ValueError, match=r"\[SampleSums\] a call of 6 samples without reserve\(6\)"):
+        sums.begin(6)
 
 
-def test_sample_sums_begin():
+def test_sample_sums_off():
     s = SampleSums()
-    assert s.begin(8) == 0 and s.samples == 0
-    s.on = True
-    assert s.begin(8) == 8 and s.samples == 8
+    assert s.reserve(8, None) == 0 and s.begin(8) == 0 and s.samples == 0
+    s.finish()  # nothing to do
 
 
 # ---- a whole LoRA step of the tiny model
@@ -129,43 +150,49 @@ def _batch(vocab, B, T, seed=4):
     return ids, tg
 
 
-def step_grads(m, batch, n_total=None, first_row=None):
-    """(flat f32 gradient, loss sum) of one micro-batch from zeroed gradients."""
+def step_grads(m, batches, n_totals=None, first_row=None):
+    """(flat f32 gradient, loss sums) of one step's micro-batches from zeroed gradients (the
+    optimizer's update left out), a rank's slices where n_totals gives each global micro-batch's
+    target count."""
     from krnl.optim import AdamW, Schedule
     from krnl.step import StepRunner
 
-    runner = StepRunner(m, AdamW(m.lora_params, Schedule(1e-3, total_steps=1)))
+    runner = StepRunner(m, AdamW(m.lora_params, Schedule(1e-3, total_steps=1)), micro_batches=len(batches))
     m.lora_params.zero_grads()
-    runner.micro_batch(batch, 1.0, 0, n_total, first_row)
+    for i, batch in enumerate(batches):
+        runner.micro_batch(batch, 1.0, i, None if n_totals is None else n_totals[i], first_row)
+    with m.dev.step():
+        m.sums.finish()  # what StepRunner.optimizer does first
     m.dev.synchronize()
     flat = m.lora_params
-    return np.array(flat.grads.numpy()[:flat.numel], np.float32), np.float32(runner.losses.numpy()[0])
+    return np.array(flat.grads.numpy()[:flat.numel], np.float32), np.array(runner.losses.numpy(), np.float32)
 
 
-@pytest.mark.parametrize("B,T", [(8, 12), (6, 8)])
-def test_lora_step_sample_order_is_its_halves_summed(B, T):
-    """With the sample order on, one process's gradient and loss sum of a batch equal the sums of
-    what the two halves (each weighted by the whole batch's target count, as a rank's slice is)
-    give, bit for bit; every LoRA path (grouped q|k|v and gate|up, o, down) carries gradient.
-    Sizes where half the batch's rows are a multiple of 12: OpenBLAS's Haswell sgemm computes a
-    frozen linear's row by a kernel that depends on where the row falls in its row tiles, so
-    with other splits (B T = 88 into 44 + 44, 128 into 64 + 64) the halves' activations already
-    differ from the whole batch's in the last bits (docs/distributed.md)."""
+@pytest.mark.parametrize("B,T,accum", [(8, 12, 1), (6, 8, 1), (4, 6, 3)])
+def test_lora_step_sample_order_is_its_halves_summed(B, T, accum):
+    """With the sample order on, one process's gradient and loss sums of a step (accum
+    micro-batches) equal the sums of what the two halves of each micro-batch (weighted by the
+    whole micro-batch's target count, as a rank's slice is) give, bit for bit; every LoRA path
+    (grouped q|k|v and gate|up, o, down) carries gradient. Sizes where half a micro-batch's rows
+    are a multiple of 12: OpenBLAS's Haswell sgemm computes a frozen linear's row by a kernel
+    that depends on where the row falls in its row tiles, so with other splits (B T = 88 into
+    44 + 44, 128 into 64 + 64) the halves' activations already differ from the whole batch's in
+    the last bits (docs/distributed.md)."""
     from conftest import tiny_lora_model
 
     m = tiny_lora_model(krnl.device("cpu"), "f32")
     m.sums.on = True
-    batch = _batch(m.config.vocab_size, B, T)
-    n = int(np.count_nonzero(batch[1] != -100))
-    whole, loss = step_grads(m, batch)
+    batches = [_batch(m.config.vocab_size, B, T, seed=4 + i) for i in range(accum)]
+    n = [int(np.count_nonzero(b[1] != -100)) for b in batches]
+    whole, loss = step_grads(m, batches)
     h = B // 2
-    g0, l0 = step_grads(m, tuple(a[:h] for a in batch), n, 0)
-    g1, l1 = step_grads(m, tuple(a[h:] for a in batch), n, h)
+    g0, l0 = step_grads(m, [tuple(a[:h] for a in b) for b in batches], n, 0)
+    g1, l1 = step_grads(m, [tuple(a[h:] for a in b) for b in batches], n, h)
     assert np.count_nonzero(whole) > 0.9 * whole.size
     np.testing.assert_array_equal(whole, g0 + g1)
-    assert loss == l0 + l1
+    np.testing.assert_array_equal(loss, l0 + l1)
     m.sums.on = False  # the rows order: the same gradient up to f32 rounding
-    rows, _ = step_grads(m, batch)
+    rows, _ = step_grads(m, batches)
     assert np.linalg.norm(rows - whole) <= 1e-5 * np.linalg.norm(whole)
 
 
@@ -180,7 +207,7 @@ a, b = _operands(8 * 33, 64, 300, seed=8)
 out = {{"gemm": SampleSums().sample_sum(d.tensor(a, "f32"), d.tensor(b, "f32"), 1.0, 8).numpy()}}
 m = tiny_lora_model(d, "f32")
 m.sums.on = True
-out["step"] = step_grads(m, _batch(m.config.vocab_size, 8, 11))[0]
+out["step"] = step_grads(m, [_batch(m.config.vocab_size, 8, 11)])[0]
 np.savez(sys.argv[1], threads=krnl.num_threads(), **out)
 """
 

@@ -68,17 +68,19 @@ bool Tensor::is_contiguous() const {
 
 Tensor Tensor::reshape(const Shape& shape) const {
   if (!is_contiguous()) {
-    // Splitting the leading dimension of a strided view is still a view (row blocks of a column
-    // block: (B T, n) -> (B, T, n), e.g. for a GEMM batched over samples).
-    const bool split = dim() >= 1 && shape.size() == shape_.size() + 1 && shape[0] > 0 && shape[1] > 0 &&
-                       shape[0] * shape[1] == shape_[0] &&
-                       std::equal(shape.begin() + 2, shape.end(), shape_.begin() + 1);
+    // Splitting one dimension of a strided view in two is still a view: rows of a column block,
+    // (B T, n) -> (B, T, n), or a column block's columns, (S, m n) -> (S, m, n).
+    size_t d = 0;
+    while (d < shape_.size() && d < shape.size() && shape[d] == shape_[d]) ++d;
+    const bool split = d < shape_.size() && shape.size() == shape_.size() + 1 && shape[d] > 0 && shape[d + 1] > 0 &&
+                       shape[d] * shape[d + 1] == shape_[d] &&
+                       std::equal(shape.begin() + long(d) + 2, shape.end(), shape_.begin() + long(d) + 1);
     if (!split)
-      throw std::invalid_argument("[reshape] tensor is not contiguous (a view can only split its leading dimension): " +
+      throw std::invalid_argument("[reshape] tensor is not contiguous (a view can only split one dimension in two): " +
                                   describe());
     Tensor t = *this;
     t.shape_ = shape;
-    t.strides_.insert(t.strides_.begin(), shape[1] * strides_[0]);
+    t.strides_.insert(t.strides_.begin() + long(d), shape[d + 1] * strides_[d]);
     return t;
   }
   Shape out = shape;

@@ -72,7 +72,7 @@ class LlamaModel:
         self.quantize = None if quantize is None else (int(quantize[0]), int(quantize[1]))
         if self.quantize is not None:
             quant.check((1, self.quantize[1]), *self.quantize)
-        self.sums = SampleSums()  # .on: LoRA gradients and loss summed per sample (krnl.sample_sums)
+        self.sums = SampleSums(self.lora_params)  # .on: LoRA gradients and loss summed per sample (sample_sums)
         self.layers = [build_layer(i, c, weights, device, dtype, self.heads, ones, self.lora_config, self.lora_params,
                                    self.adapted, self.quantize, self.sums) for i in range(c.num_hidden_layers)]
         caps = device.capabilities()
@@ -240,13 +240,11 @@ class LlamaModel:
         with self.dev.step():
             return fn()
 
-    def _loss_sum(self, rows_loss, alpha=1.0, samples=0):
-        """(1,) f32 = alpha sum(rows_loss) (ignored rows hold 0): one gemm, or per sample (sample_sums)."""
+    def _loss_sum(self, rows_loss, alpha=1.0):
+        """(1,) f32 = alpha sum(rows_loss), as one gemm with a ones row (ignored rows hold 0)."""
         N = rows_loss.shape[0]
         if N not in self._ones:
             self._ones[N] = self.dev.tensor(np.ones((1, N), np.float32), "f32")
-        if samples:
-            return self.sums.sample_sum(rows_loss.reshape(N, 1), self._ones[N].reshape(N, 1), alpha, samples).reshape(1)
         out = self.dev.empty((1, 1), "f32")
         ops.gemm(self._ones[N], rows_loss.reshape(N, 1), out, alpha=alpha)
         return out.reshape(1)
@@ -261,6 +259,7 @@ class LlamaModel:
         tensor (then unchecked, HostInputs.ids None)."""
         shape, ia = self._id_array(ids, "ids")
         self._check_ids(ia, "ids", False)
+        self.sums.reserve(shape[0], self.dev)  # the sample order's slots, before any recording
         ta, n_valid = self._target_array(targets, shape)
         seg, pos, window = self._plan(shape, segments, positions)
         self._call_seed += 1
@@ -280,6 +279,7 @@ class LlamaModel:
 
         def body():
             total = self.forward_backward_step(host.key(), inputs)
+            self.sums.finish()  # the sample order's slots into the gradient (StepRunner: once a step)
             self._loss = self.dev.empty((1,), "f32")
             ops.scale(total, 1.0 / max(host.n_valid, 1), self._loss)
             return self._loss
@@ -324,7 +324,7 @@ class LlamaModel:
             dx = layer_backward(L, xin, cache, dx, batch)
             saved[i] = None
         self.d_embed_out = dx
-        return self._loss_sum(rows_loss, samples=S)
+        return self.sums.loss_sum(rows_loss) if S else self._loss_sum(rows_loss)
 
     def read_loss(self):
         """The loss of the last forward_backward, as a float (after its step is committed)."""

@@ -56,6 +56,31 @@ def test_dist_slice_takes_each_ranks_rows():
         w.slice((np.zeros((7, 2)), np.zeros((7, 2))))
 
 
+def test_dist_reduce_order_auto_is_sample_with_ranks(tmp_path):
+    """TrainConfig.reduce_order: auto is the sample order with more than one rank, rows with one;
+    the Trainer sets the model's sums from it; another value is refused in one line; a resume
+    may change it without --resume-override (it changes f32 rounding only)."""
+    import krnl
+    from conftest import tiny_lora_model
+    from krnl.dist_train import reduce_order
+    from krnl.run_folder import option_changes
+    from krnl.trainer import TrainConfig, Trainer
+
+    one, two = dist.World(), dist.World()
+    two.size = 2
+    for order, want in (("auto", ("rows", "sample")), ("rows", ("rows", "rows")), ("sample", ("sample", "sample"))):
+        assert (reduce_order(TrainConfig(reduce_order=order), one),
+                reduce_order(TrainConfig(reduce_order=order), two)) == want
+    with pytest.raises(ValueError, match=r"\[train\] --reduce-order must be one of auto, rows, sample, got 'tree'"):
+        reduce_order(TrainConfig(reduce_order="tree"), one)
+    m = tiny_lora_model(krnl.device("cpu"), "f32")
+    data = (np.zeros((4, 5), np.int32), np.ones((4, 5), np.int32))
+    for order, on in (("auto", False), ("sample", True)):
+        Trainer(m, TrainConfig(batch_size=2, reduce_order=order), data, out_dir=tmp_path, progress=False)
+        assert m.sums.on is on
+    assert option_changes({"reduce_order": "sample", "seed": 0}, {"reduce_order": "rows", "seed": 1}) == {"seed": (0, 1)}
+
+
 def test_dist_names_a_dead_rank_on_this_machine():
     """The watchdog's message: a peer whose process is gone is named with its pid."""
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -213,11 +238,13 @@ def test_dist_refuses_an_uneven_batch(tmp_path):
 def test_dist_dropout_masks_are_the_global_batchs(tmp_path):
     """LoRA dropout 0.2 with 2 micro-batches a step: each rank's slice draws the masks one
     process draws for those rows (seed_offset's first row), so 10 steps give one process's
-    losses (1e-5) and adapter (each tensor within 1e-5 of its norm); other masks would move the
-    first step's loss by far more."""
+    losses (1e-5) and adapter (each tensor within 1e-5 of its norm; here bit for bit, the one
+    process summing per sample as the ranks do, across the micro-batches too); other masks would
+    move the first step's loss by far more."""
     extra = ["--lora-dropout", "0.2", "--grad-accumulation", "2"]
     for n in (1, 2):
-        r = _krnl(n, TRAIN + extra + ["--adapter-path", str(tmp_path / f"n{n}")])
+        order = ["--reduce-order", "sample"] if n == 1 else []
+        r = _krnl(n, TRAIN + extra + order + ["--adapter-path", str(tmp_path / f"n{n}")])
         assert r.returncode == 0, r.stderr[-3000:]
     for x, y in zip(_rows(tmp_path / "n1"), _rows(tmp_path / "n2")):
         assert abs(x["loss"] - y["loss"]) <= 1e-5 * abs(x["loss"])

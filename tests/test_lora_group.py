@@ -134,7 +134,7 @@ def test_lora_group_sample_order(dev, outs):
             f = LoraFactors(A, B, flat.grad(f"A{i}"), flat.grad(f"B{i}"))
             lins.append(LoraLinear(W, f, s, sums=sums))
             ref.append((af, bf))
-        sums.reserve((hi - lo) // T, dev)
+        sums.reserve((hi - lo) // T, T, dev)
         gA_ref, gB_ref = [0.0] * len(outs), [0.0] * len(outs)
         for x0, dy0 in zip(xs, dys):
             sums.begin((hi - lo) // T)

@@ -109,7 +109,7 @@ def test_weight_grad_into_the_slots(dev):
         np.testing.assert_allclose(g.numpy(), beta * g0 + 2.0 * a.astype(np.float64).T @ b, rtol=1e-5, atol=1e-5)
     flat = FlatParams(dev, {"x": (3, 4), "y": (2, 5)})  # zero gradients
     sums = SampleSums(flat, on=True)
-    assert sums.reserve(4, dev) == 4 and sums.begin(4) == 4
+    assert sums.reserve(4, 3, dev) == 4 and sums.begin(4) == 4
     A, B, A2, B2 = (dev.tensor(v, "f32") for v in (a, b, a2, b2))
     sums.weight_grad(A, B, flat.grad("x"), 2.0)
     sums.weight_grad(A2, B2, flat.grad("y"))
@@ -129,11 +129,17 @@ def test_weight_grad_into_the_slots(dev):
         sums.weight_grad(A, B[:, :2], flat.grad("x")[:, :2], 1.0)  # a column block: no contiguous place
     with pytest.raises(ValueError, match=r"\[SampleSums\] a call of 6 samples without reserve\(6\)"):
         sums.begin(6)
+    sums.reserve(4, 3, dev)  # a step under way: its micro-batches must keep the sample count
+    with pytest.raises(ValueError, match=r"\[SampleSums\] a micro-batch of 6 samples in a step whose micro-batches "
+                                         r"have 4: the sample order needs one batch size a step"):
+        sums.reserve(6, 3, dev)
+    sums.finish()
+    assert sums.reserve(6, 3, dev) == 6 and sums.slots.shape[0] == 6
 
 
 def test_sample_sums_off():
     s = SampleSums()
-    assert s.reserve(8, None) == 0 and s.begin(8) == 0 and s.samples == 0
+    assert s.reserve(8, 5, None) == 0 and s.begin(8) == 0 and s.samples == 0
     s.finish()  # nothing to do
 
 

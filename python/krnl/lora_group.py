@@ -11,7 +11,8 @@ the three is one product of G r columns instead:
     dx  += dt_g A_g                       dt_g (rows, G r) gathers each s dy_i B_i
 
 so x is read once instead of G times and dx read and written once, in fewer, larger GEMMs. The
-z += s t_i B_i^T and dB_i = s dy_i^T t_i products stay per linear (each has its own output). A
+z += s t_i B_i^T and dB_i = s dy_i^T t_i products stay per linear (each has its own output), and
+so does dA_i in the sample reduce order (krnl.sample_sums: each into its own slots). A
 group whose members drop their inputs (dropout in training) or differ in rank or dtype runs
 linear by linear, as LoraLinear does. KRNL_LORA_GROUPS=0 turns grouping off everywhere (to time
 both on one machine). As LoraLinear.forward does, the rank-r products write the outputs first

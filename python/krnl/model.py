@@ -259,7 +259,7 @@ class LlamaModel:
         tensor (then unchecked, HostInputs.ids None)."""
         shape, ia = self._id_array(ids, "ids")
         self._check_ids(ia, "ids", False)
-        self.sums.reserve(shape[0], self.dev)  # the sample order's slots, before any recording
+        self.sums.reserve(shape[0], shape[1], self.dev)  # the sample order's slots, before any recording
         ta, n_valid = self._target_array(targets, shape)
         seg, pos, window = self._plan(shape, segments, positions)
         self._call_seed += 1

@@ -38,21 +38,27 @@ class SampleSums:
         self.flat, self.on = flat, bool(on)
         self.samples = 0
         self.slots = None  # (S, numel) f32, zero between steps
+        self.filling = False  # the slots hold a step's sums that finish() has not taken yet
         self._places = {}  # (byte offset, shape) of a gradient view -> its (S, m, n) view of the slots
         self._pair = {}    # (device, g) -> (g, 2 g) f32: a tree level's GEMM operand (_levels)
         self._ones = {}    # (device, T) -> (T, 1) f32 ones: a sample's row sum
 
-    def reserve(self, samples, device):
-        """Before a call of `samples` samples (outside any recording: what it allocates persists):
-        the slots of that many samples, and the level GEMMs' ones. Returns the count that the
-        call's sums use (0 when off)."""
+    def reserve(self, samples, T, device):
+        """Before a training call of `samples` samples of T rows (outside any recording: what it
+        allocates persists): the slots of that many samples, the tree's pair matrices and the
+        loss's ones. Returns the count that the call's sums use (0 when off)."""
         if not self.on:
             return 0
         S = int(samples)
         for g in (1, 2, 4, PAIRS):
             self._pairs(device, g)
+        self._row_ones(device, int(T))
         if self.flat is not None and (self.slots is None or self.slots.shape[0] != S):
+            if self.filling:
+                raise ValueError(f"[SampleSums] a micro-batch of {S} samples in a step whose micro-batches have "
+                                 f"{self.slots.shape[0]}: the sample order needs one batch size a step")
             self.slots, self._places = device.zeros((S, max(self.flat.numel, 1)), "f32"), {}  # (S, numel)
+        self.filling = self.flat is not None
         return S
 
     def begin(self, samples):
@@ -126,14 +132,17 @@ class SampleSums:
         self._per_sample(a, b, P, alpha, 0.0, S)
         return self.tree_sum(P)
 
+    def _row_ones(self, d, T):
+        if (d, T) not in self._ones:
+            self._ones[(d, T)] = d.tensor(np.ones((T, 1), np.float32), "f32")
+        return self._ones[(d, T)]
+
     def loss_sum(self, rows_loss):
         """(1,) f32: the call's rows_loss (rows,) summed per sample (row sums), then in the tree."""
         d, S = rows_loss.device, self.samples
         T = rows_loss.shape[0] // S
-        if (d, T) not in self._ones:
-            self._ones[(d, T)] = d.tensor(np.ones((T, 1), np.float32), "f32")
         P = d.empty((S, 1, 1), "f32")                                     # (S, 1, 1) each sample's sum
-        ops.gemm(rows_loss.reshape(S, T, 1), self._ones[(d, T)], P, trans_a=True, batch=S, stride_b=0, split_k=1)
+        ops.gemm(rows_loss.reshape(S, T, 1), self._row_ones(d, T), P, trans_a=True, batch=S, stride_b=0, split_k=1)
         return self.tree_sum(P).reshape(1)
 
     def weight_grad(self, a, b, g, alpha=1.0, beta=1.0):
@@ -170,6 +179,7 @@ class SampleSums:
         root = self.tree_sum(self.slots)                                  # (numel,)
         ops.axpy(1.0, root, self.flat.grads[:n])
         ops.fill(self.slots, 0.0)
+        self.filling = False
 
 
 ROWS = SampleSums()  # never on: what a linear without its model's SampleSums uses

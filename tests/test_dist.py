@@ -78,7 +78,8 @@ def test_dist_reduce_order_auto_is_sample_with_ranks(tmp_path):
     for order, on in (("auto", False), ("sample", True)):
         Trainer(m, TrainConfig(batch_size=2, reduce_order=order), data, out_dir=tmp_path, progress=False)
         assert m.sums.on is on
-    assert option_changes({"reduce_order": "sample", "seed": 0}, {"reduce_order": "rows", "seed": 1}) == {"seed": (0, 1)}
+    saved, now = {"reduce_order": "sample", "seed": 0}, {"reduce_order": "rows", "seed": 1}
+    assert option_changes(saved, now) == {"seed": (0, 1)}
 
 
 def test_dist_names_a_dead_rank_on_this_machine():

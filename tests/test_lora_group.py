@@ -125,7 +125,8 @@ def test_lora_group_sample_order(dev, outs):
     dys = [rng.standard_normal((rows, cols[-1])) for _ in range(2)]
     run = []
     for lo, hi in ((0, rows), (0, rows // 2), (rows // 2, rows)):
-        flat = FlatParams(dev, {f"{k}{i}": sh for i, o in enumerate(outs) for k, sh in (("A", (r, inp)), ("B", (o, r)))})
+        shapes = {f"{k}{i}": sh for i, o in enumerate(outs) for k, sh in (("A", (r, inp)), ("B", (o, r)))}
+        flat = FlatParams(dev, shapes)
         sums = SampleSums(flat, on=True)
         lins, ref = [], []
         for i, o in enumerate(outs):

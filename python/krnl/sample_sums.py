@@ -39,7 +39,7 @@ class SampleSums:
         self.samples = 0
         self.slots = None  # (S, numel) f32, zero between steps
         self.filling = False  # the slots hold a step's sums that finish() has not taken yet
-        self._places = {}  # (byte offset, shape) of a gradient view -> its (S, m, n) view of the slots
+        self._places = {}  # (buffer, byte offset, shape) of a gradient view -> its (S, m, n) view of the slots
         self._pair = {}    # (device, g) -> (g, 2 g) f32: a tree level's GEMM operand (_levels)
         self._ones = {}    # (device, T) -> (T, 1) f32 ones: a sample's row sum
 
@@ -160,10 +160,11 @@ class SampleSums:
 
     def _place(self, g):
         """The (S, m, n) view of the slots where g (m, n), a view of the flat gradient, sits."""
-        key = (g.offset, tuple(g.shape))
+        key = (g.buffer_id, g.offset, tuple(g.shape))
         if key not in self._places:
             off, (m, n) = (g.offset - self.flat.grads.offset) // 4, g.shape
-            if not (g.is_contiguous() and 0 <= off and off + m * n <= self.flat.numel):
+            if not (g.buffer_id == self.flat.grads.buffer_id and g.is_contiguous() and 0 <= off
+                    and off + m * n <= self.flat.numel):
                 raise ValueError(f"[weight_grad] g {tuple(g.shape)} is not a view of the flat gradient")
             self._places[key] = self.slots[:, off:off + m * n].reshape(self.slots.shape[0], m, n)
         return self._places[key]

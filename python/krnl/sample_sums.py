@@ -16,9 +16,9 @@ choosing, which a rank holding B / N of the samples cannot reproduce. In the sam
 
 The tree's shape depends only on the sample count, so a rank holding samples [r B/N, (r+1) B/N)
 of each global micro-batch (N a power of two) holds exactly a subtree's slots; for 2 ranks the
-two subtrees are the root's children, and MPI's sum of the two (a + b, exact and commutative in
-f32) is one process's root. A node of 2^k samples runs as k levels of one batched GEMM each
-(_levels: a pair's 1 a + 1 b rounds once, to a + b), fewer and larger ops than 2^k - 1 adds."""
+two subtrees are the root's children, and MPI's sum of the two (a + b, one correctly rounded f32
+add whichever comes first) is one process's root. A node of 2^k samples runs as k levels of one
+GEMM each (_levels: a pair's 1 a + 1 b rounds once, to a + b), fewer ops than 2^k - 1 adds."""
 
 import numpy as np
 

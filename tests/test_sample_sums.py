@@ -1,7 +1,8 @@
 """The sample reduce order (krnl.sample_sums): a weight gradient summed per sample in the fixed
 pairwise tree equals float64 at awkward sizes, a batch's tree is the sum of its two halves' trees
-bit for bit (what 2 ranks and MPI's a + b compute), for one GEMM and for a whole LoRA step of the
-tiny model, and the bits do not depend on the thread count."""
+bit for bit (what 2 ranks and MPI's a + b compute), for one GEMM and for whole LoRA steps of the
+tiny model (micro-batches, phi3's fused projections), slots into the flat gradient, and the bits
+of f32 per-sample products and of a step do not depend on the thread count."""
 
 import os
 import subprocess
@@ -27,7 +28,7 @@ def _operands(rows, m, n, seed, wide=0):
     return a, b
 
 
-def _tree64(P):
+def _tree_f32(P):
     """The documented tree in numpy f32 (node [lo, hi) = [lo, mid) + [mid, hi))."""
     def node(lo, hi):
         if hi - lo == 1:
@@ -51,7 +52,7 @@ def test_sample_sum_matches_float64(dev, B, T):
     assert np.all(np.abs(got - want) <= 4e-7 * scale * np.log2(2 * B * T) + 1e-30)
     # the order is the documented one: each sample's f32 product, then the tree
     per = np.stack([(0.5 * a[s * T:(s + 1) * T, wide:].astype(np.float64).T @ b[s * T:(s + 1) * T]) for s in range(B)])
-    assert np.allclose(got, _tree64(per.astype(np.float32)), rtol=1e-5, atol=1e-6 * scale.max())
+    assert np.allclose(got, _tree_f32(per.astype(np.float32)), rtol=1e-5, atol=1e-6 * scale.max())
 
 
 @pytest.mark.parametrize("B,T", [(8, 31), (6, 33), (2, 1)])
@@ -73,9 +74,9 @@ def test_tree_sum_adds_in_the_documented_order(dev, S):
     spread over 8 decades so that every other order rounds differently."""
     rng = np.random.default_rng(S)
     P = (rng.standard_normal((S, 2, 3)) * 10.0 ** rng.integers(-4, 5, (S, 2, 3))).astype(np.float32)
-    np.testing.assert_array_equal(SampleSums().tree_sum(dev.tensor(P, "f32")).numpy(), _tree64(P))
+    np.testing.assert_array_equal(SampleSums().tree_sum(dev.tensor(P, "f32")).numpy(), _tree_f32(P))
     if S >= 4:  # the order matters at these magnitudes: a plain left-to-right sum differs
-        assert not np.array_equal(_tree64(P), np.add.reduce(P, axis=0, dtype=np.float32))
+        assert not np.array_equal(_tree_f32(P), np.add.reduce(P, axis=0, dtype=np.float32))
 
 
 def test_weight_grad_into_the_slots(dev):

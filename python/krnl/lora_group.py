@@ -97,14 +97,13 @@ def group_backward(lins, dys, saved, group, dx, beta=1.0):
     if sums.samples:  # per sample into each member's own slots (sample_sums): one product per member
         for i, lin in enumerate(lins):
             sums.weight_grad(dt[:, i * r:(i + 1) * r], x, lin.factors.gA, 1.0, lin.grad_beta)  # dA_i += dt_i^T x
-        ops.gemm(dt, group.A, dx, beta=beta)                              # dx (+)= dt_g A_g
-        return
-    dA = d.empty((G * r, x.shape[1]), "f32")                              # (G r, in)
-    ops.gemm(dt, x, dA, trans_a=True)                                     # dA_g = dt_g^T x
-    for i, lin in enumerate(lins):
-        gA, blk = lin.factors.gA, dA[i * r:(i + 1) * r]
-        if lin.grad_beta == 0.0:
-            ops.scale(blk, 1.0, gA)
-        else:
-            ops.axpy(1.0, blk, gA)
+    else:
+        dA = d.empty((G * r, x.shape[1]), "f32")                          # (G r, in)
+        ops.gemm(dt, x, dA, trans_a=True)                                 # dA_g = dt_g^T x
+        for i, lin in enumerate(lins):
+            gA, blk = lin.factors.gA, dA[i * r:(i + 1) * r]
+            if lin.grad_beta == 0.0:
+                ops.scale(blk, 1.0, gA)
+            else:
+                ops.axpy(1.0, blk, gA)
     ops.gemm(dt, group.A, dx, beta=beta)                                  # dx (+)= dt_g A_g

@@ -572,6 +572,16 @@ def test_tensor_reshape(dev):
         t.T.reshape(-1)
     with pytest.raises(ValueError):
         t[:, 1:3].reshape(-1)
+    # a view may split one dimension in two: rows of a column block (B T, n) -> (B, T, n), or a
+    # column block's columns (S, m n) -> (S, m, n) (krnl.sample_sums' per-sample GEMMs)
+    v = t[:, 1:5]                                                       # (4, 4) at row stride 6
+    for shape, strides in (((2, 2, 4), (12, 6, 1)), ((4, 2, 2), (6, 2, 1))):
+        w = v.reshape(*shape)
+        assert tuple(w.shape) == shape and tuple(w.strides) == strides and w.buffer_id == t.buffer_id
+        assert np.array_equal(w.numpy(), a[:, 1:5].reshape(shape))
+    for bad in ((2, 8), (8, 2, 1), (2, 2, 2, 2)):
+        with pytest.raises(ValueError, match=r"\[reshape\] tensor is not contiguous \(a view can only split one "):
+            v.reshape(*bad)
 
 
 def test_storage_lifetimes(dev):

@@ -104,3 +104,57 @@ def test_lora_group_falls_back_with_dropout(dev):
     ys = [upload(dev, rng.standard_normal((8, 16)), "f32")[0] for _ in lins]
     saved, group = lora_group.group_forward(lins, x, ys, call_seed=7)
     assert group is None and all(s.seed is not None for s in saved)
+
+
+@pytest.mark.parametrize("outs", [(17, 9, 9), (33,)], ids=["group", "one"])
+def test_lora_group_sample_order(dev, outs):
+    """With SampleSums on (krnl.sample_sums), each member's gA, gB (views of one FlatParams' f32
+    gradient) gather per sample in the slots, over 2 micro-batches, and finish() adds their tree
+    in: float64's gradients (2 micro-batches of 4 samples of 3 rows; column-block dy_i, t_i of the
+    q|k|v layout), and the whole micro-batches' gradients are their halves' added in f32, bit for
+    bit (what 2 ranks and MPI's sum compute). A single member runs LoraLinear's own backward."""
+    from krnl.params import FlatParams
+    from krnl.sample_sums import SampleSums
+
+    S, T, inp, r, s = 4, 3, 19, 2, 2.0
+    rows, cols = S * T, np.cumsum((0,) + outs)
+    rng = np.random.default_rng(11)
+    a = [rng.standard_normal((r, inp)) / np.sqrt(inp) for _ in outs]
+    b = [rng.standard_normal((o, r)) / np.sqrt(r) for o in outs]
+    xs = [rng.standard_normal((rows, inp)) for _ in range(2)]
+    dys = [rng.standard_normal((rows, cols[-1])) for _ in range(2)]
+    run = []
+    for lo, hi in ((0, rows), (0, rows // 2), (rows // 2, rows)):
+        shapes = {f"{k}{i}": sh for i, o in enumerate(outs) for k, sh in (("A", (r, inp)), ("B", (o, r)))}
+        flat = FlatParams(dev, shapes)
+        sums = SampleSums(flat, on=True)
+        lins, ref = [], []
+        for i, o in enumerate(outs):
+            W, _ = upload(dev, rng.standard_normal((o, inp)))
+            (A, af), (B, bf) = upload(dev, a[i]), upload(dev, b[i])
+            f = LoraFactors(A, B, flat.grad(f"A{i}"), flat.grad(f"B{i}"))
+            lins.append(LoraLinear(W, f, s, sums=sums))
+            ref.append((af, bf))
+        sums.reserve((hi - lo) // T, T, dev)
+        gA_ref, gB_ref = [0.0] * len(outs), [0.0] * len(outs)
+        for x0, dy0 in zip(xs, dys):
+            sums.begin((hi - lo) // T)
+            x, xf = upload(dev, x0[lo:hi])
+            Y = dev.empty((hi - lo, cols[-1]), "f32")
+            saved, group = lora_group.group_forward(lins, x, [Y[:, c0:c1] for c0, c1 in zip(cols[:-1], cols[1:])],
+                                                    beta=0.0)
+            DY, dyf = upload(dev, dy0[lo:hi])
+            dx = dev.empty((hi - lo, inp), "f32")
+            lora_group.group_backward(lins, [DY[:, c0:c1] for c0, c1 in zip(cols[:-1], cols[1:])], saved, group,
+                                      dx, beta=0.0 if group is not None else 1.0)
+            for i, (af, bf) in enumerate(ref):
+                dy = dyf[:, cols[i]:cols[i + 1]]
+                gA_ref[i] = gA_ref[i] + (s * dy @ bf).T @ xf
+                gB_ref[i] = gB_ref[i] + s * dy.T @ (xf @ af.T)
+        sums.finish()
+        run.append(read(flat.grads, np.float32))
+        if hi - lo == rows:
+            for i in range(len(outs)):
+                for got, want in ((read(flat.grad(f"A{i}")), gA_ref[i]), (read(flat.grad(f"B{i}")), gB_ref[i])):
+                    assert np.max(np.abs(got - want)) <= 2e-5 * max(np.max(np.abs(want)), 1.0)
+    np.testing.assert_array_equal(run[0], run[1] + run[2])

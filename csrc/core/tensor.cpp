@@ -1,5 +1,6 @@
 #include "tensor.h"
 
+#include <algorithm>
 #include <stdexcept>
 
 #include "backend.h"
@@ -66,7 +67,22 @@ bool Tensor::is_contiguous() const {
 }
 
 Tensor Tensor::reshape(const Shape& shape) const {
-  if (!is_contiguous()) throw std::invalid_argument("[reshape] tensor is not contiguous: " + describe());
+  if (!is_contiguous()) {
+    // Splitting one dimension of a strided view in two is still a view: rows of a column block,
+    // (B T, n) -> (B, T, n), or a column block's columns, (S, m n) -> (S, m, n).
+    size_t d = 0;
+    while (d < shape_.size() && d < shape.size() && shape[d] == shape_[d]) ++d;
+    const bool split = d < shape_.size() && shape.size() == shape_.size() + 1 && shape[d] > 0 && shape[d + 1] > 0 &&
+                       shape[d] * shape[d + 1] == shape_[d] &&
+                       std::equal(shape.begin() + long(d) + 2, shape.end(), shape_.begin() + long(d) + 1);
+    if (!split)
+      throw std::invalid_argument("[reshape] tensor is not contiguous (a view can only split one dimension in two): " +
+                                  describe());
+    Tensor t = *this;
+    t.shape_ = shape;
+    t.strides_.insert(t.strides_.begin() + long(d), shape[d + 1] * strides_[d]);
+    return t;
+  }
   Shape out = shape;
   int64_t known = 1, infer = -1;
   for (size_t i = 0; i < out.size(); ++i) {

@@ -62,7 +62,8 @@ class Tensor {
   void* data() const { return static_cast<char*>(storage_->ptr()) + offset_; }
   template <class T> T* ptr() const { return static_cast<T*>(data()); }
 
-  // Views share storage. reshape: contiguous only, -1 infers one dimension.
+  // Views share storage. reshape: contiguous tensors (-1 infers one dimension), or one dimension
+  // of a view split in two (explicit sizes).
   Tensor reshape(const Shape& shape) const;
   Tensor slice(int64_t dim, int64_t start, int64_t stop) const;  // stop exclusive
   Tensor select(int64_t dim, int64_t index) const;                // drops dimension `dim`

@@ -8,7 +8,7 @@ modules relative to krnl; `bench.*` is every module of krnl/bench):
 
     ops       __init__ _core profiler
     storage   fileio safetensors_io checkpoint run_folder tokenizer quant gguf_quants
-    model     params phi3 gemma3 config qweight step_inputs lora lora_group lora_fold attention gemma layer_heads layer generate model mlp_block
+    model     params phi3 gemma3 config qweight step_inputs sample_sums lora lora_group lora_fold attention gemma layer_heads layer generate model mlp_block
     formats   adapter mlx_folder gguf_file gguf_tokenizer hf gguf_fuse
     train     optim batches data default_task step dist dist_nccl dist_train trainer
     cli       cli cli_args cli_device tune __main__ bench bench.*

@@ -210,7 +210,7 @@ def cmd_train(args):
                       learning_rate=args.learning_rate, warmup=args.warmup, schedule=args.lr_schedule,
                       weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
                       val_every=args.steps_per_eval, save_every=args.save_every, seed=args.seed,
-                      length_bucket=args.length_bucket, graphs=not args.no_graphs)
+                      length_bucket=args.length_bucket, graphs=not args.no_graphs, reduce_order=args.reduce_order)
     fingerprint = {"base": base_id, "model": vars(model.config), "lora": vars(lora), "dtype": args.dtype}
     if model.quantize is not None:  # only then: older checkpoints have no such key
         fingerprint["quantize"] = list(model.quantize)

@@ -224,6 +224,10 @@ def parse_args(argv, commands):
     t.add_argument("--no-graphs", action="store_true",
                    help="run every step eagerly (default: record it once per padded length and replay it where the "
                    "device has graphs, see `krnl devices`)")
+    t.add_argument("--reduce-order", default="auto", choices=["auto", "rows", "sample"],
+                   help="how LoRA gradients sum over a batch's rows: sample (per sample in a fixed tree, as a "
+                   "data-parallel run's ranks do: one process then gives their adapter), rows (one GEMM over all "
+                   "rows), auto (default: sample under an MPI launcher with more than one rank, else rows)")
     t.add_argument("--train-samples", type=int, default=4000)
     t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --adapter-path that "
                    "verifies (the run's options must match the checkpoint's; --iters may grow)")

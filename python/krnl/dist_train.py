@@ -1,6 +1,6 @@
 """The trainer's side of data-parallel training (krnl.dist): what a run over several ranks
-refuses, the validation loss over the ranks' slices, and the metrics log of ranks other than 0
-(which write no file)."""
+refuses, the order its gradients sum over rows in, the validation loss over the ranks' slices,
+and the metrics log of ranks other than 0 (which write no file)."""
 
 import numpy as np
 
@@ -27,6 +27,25 @@ def check_world(world, cfg):
     if cfg.batch_size % world.size:
         raise ValueError(f"[train] --batch-size {cfg.batch_size} (the global batch) does not divide among "
                          f"{world.size} ranks")
+
+
+REDUCE_ORDERS = ("auto", "rows", "sample")
+
+
+def reduce_order(cfg, world):
+    """TrainConfig.reduce_order resolved: "sample" (krnl.sample_sums: each LoRA weight gradient and
+    the loss summed per sample in a fixed tree, so that ranks reproduce one process's sums) or
+    "rows" (one GEMM over all rows); "auto" is "sample" where the world has more than one rank."""
+    if cfg.reduce_order not in REDUCE_ORDERS:
+        raise ValueError(f"[train] --reduce-order must be one of {', '.join(REDUCE_ORDERS)}, got {cfg.reduce_order!r}")
+    if cfg.reduce_order == "auto":
+        return "sample" if world.size > 1 else "rows"
+    return cfg.reduce_order
+
+
+def apply_reduce_order(model, cfg, world):
+    """Sets the model's sums over rows to reduce_order(cfg, world)."""
+    model.sums.on = reduce_order(cfg, world) == "sample"
 
 
 def evaluate_ranks(model, valid, cfg, world, step):

@@ -180,10 +180,11 @@ class LayerCache:
     token_major: bool = False        # attn holds one state of every row (views of qkv and att)
 
 
-def build_layer(i, config, weights, device, dtype, heads, ones, lora_config, lora_params, adapted, quantize=None):
+def build_layer(i, config, weights, device, dtype, heads, ones, lora_config, lora_params, adapted, quantize=None,
+                sums=None):
     """Layer i from HF-named float32 weights, uploaded in the compute dtype (the seven projections
     quantized where quantize = (bits, group_size)); the LoRA factors of the (layer, module) pairs
-    in adapted are views of lora_params."""
+    in adapted are views of lora_params; sums: the model's SampleSums, shared by its linears."""
     c, p = config, f"model.layers.{i}."
 
     def up(names, shape=None):
@@ -217,7 +218,8 @@ def build_layer(i, config, weights, device, dtype, heads, ones, lora_config, lor
             W, r0 = qkv[r0:r0 + n], r0 + n
         else:
             W = Ws[m] if m in Ws else up_linear([key[m]])
-        lin[m] = LoraLinear(W, fs[m], lora_config.scale, lora_config.dropout, tag=dropout_tag(c, i, m))
+        lin[m] = LoraLinear(W, fs[m], lora_config.scale, lora_config.dropout, tag=dropout_tag(c, i, m),
+                            sums=sums)
     eps = c.rms_norm_eps
     if c.gemma:
         return build_gemma_layer(i, c, weights, device, dtype, heads, ones, qkv, qkv_bias, lin)

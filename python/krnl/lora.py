@@ -17,6 +17,7 @@ from .config import ALL_MODULES, lora_key
 from .phi3 import FUSED, MEMBER_OF
 from .params import FlatParams
 from .qweight import linear, linear_grad
+from .sample_sums import ROWS
 from .step_inputs import SEED_MASK, SEED_STRIDE
 
 ops = _core.ops
@@ -49,9 +50,10 @@ class LoraSaved:
 class LoraLinear:
     """y = x W^T (+ s drop(x) A^T B^T). Without factors it is the frozen linear alone. Gradients
     accumulate into gA, gB (beta 1: the caller zeros them, micro-batches add up) unless
-    accumulate_grads is False, where each backward overwrites them."""
+    accumulate_grads is False, where each backward overwrites them. sums: the model's
+    sample_sums.SampleSums (the gradients' sums over rows in the sample order when on), or None."""
 
-    def __init__(self, W, factors=None, scale=1.0, dropout=0.0, tag=0, accumulate_grads=True):
+    def __init__(self, W, factors=None, scale=1.0, dropout=0.0, tag=0, accumulate_grads=True, sums=None):
         self.W = W                        # (out, in) frozen: a compute-dtype tensor or a QuantizedWeight
         self.out, self.inp = W.shape
         self.factors = factors            # LoraFactors or None
@@ -59,6 +61,7 @@ class LoraLinear:
         self.dropout = float(dropout)
         self.tag = tag                    # tells this linear's dropout masks from the others'
         self.grad_beta = 1.0 if accumulate_grads else 0.0
+        self.sums = sums if sums is not None else ROWS
 
     def seed(self, call_seed):
         """The dropout seed of this linear in the call numbered call_seed."""
@@ -117,10 +120,10 @@ class LoraLinear:
             return
         d, cdt, rows = self.W.device, f.A.dtype, dy.shape[0]
         s, gbeta = self.scale, self.grad_beta
-        ops.gemm(dy, saved.t, f.gB, trans_a=True, alpha=s, beta=gbeta)    # dB (+)= s dy^T t    (out, r)
+        self.sums.weight_grad(dy, saved.t, f.gB, s, gbeta)                # dB (+)= s dy^T t    (out, r)
         dt = d.empty((rows, f.A.shape[0]), cdt)
         ops.gemm(dy, f.B, dt, alpha=s)                                    # dt = s dy B         (rows, r)
-        ops.gemm(dt, saved.xd, f.gA, trans_a=True, beta=gbeta)            # dA (+)= dt^T drop(x) (r, in)
+        self.sums.weight_grad(dt, saved.xd, f.gA, 1.0, gbeta)             # dA (+)= dt^T drop(x) (r, in)
         if dx is None:
             return
         if saved.seed is not None:

@@ -11,7 +11,8 @@ the three is one product of G r columns instead:
     dx  += dt_g A_g                       dt_g (rows, G r) gathers each s dy_i B_i
 
 so x is read once instead of G times and dx read and written once, in fewer, larger GEMMs. The
-z += s t_i B_i^T and dB_i = s dy_i^T t_i products stay per linear (each has its own output). A
+z += s t_i B_i^T and dB_i = s dy_i^T t_i products stay per linear (each has its own output), and
+so does dA_i in the sample reduce order (krnl.sample_sums: each into its own slots). A
 group whose members drop their inputs (dropout in training) or differ in rank or dtype runs
 linear by linear, as LoraLinear does. KRNL_LORA_GROUPS=0 turns grouping off everywhere (to time
 both on one machine). As LoraLinear.forward does, the rank-r products write the outputs first
@@ -95,17 +96,22 @@ def group_backward(lins, dys, saved, group, dx, beta=1.0):
     d, r, G = dys[0].device, group.r, len(lins)
     rows, x = dys[0].shape[0], saved[0].xd
     dt = d.empty((rows, G * r), group.A.dtype)                            # (rows, G r)
+    sums = lins[0].sums  # the members share their model's SampleSums
     for i, (lin, dy, s) in enumerate(zip(lins, dys, saved)):
         f = lin.factors
-        ops.gemm(dy, s.t, f.gB, trans_a=True, alpha=lin.scale, beta=lin.grad_beta)  # dB_i (+)= s dy_i^T t_i
+        sums.weight_grad(dy, s.t, f.gB, lin.scale, lin.grad_beta)         # dB_i (+)= s dy_i^T t_i
         ops.gemm(dy, f.B, dt[:, i * r:(i + 1) * r], alpha=lin.scale)      # dt_i = s dy_i B_i
-    dA = d.empty((G * r, x.shape[1]), "f32")                              # (G r, in)
-    ops.gemm(dt, x, dA, trans_a=True)                                     # dA_g = dt_g^T x
-    for i, lin in enumerate(lins):
-        gA, blk = lin.factors.gA, dA[i * r:(i + 1) * r]
-        if lin.grad_beta == 0.0:
-            ops.scale(blk, 1.0, gA)
-        else:
-            ops.axpy(1.0, blk, gA)
+    if sums.samples:  # per sample into each member's own slots (sample_sums): one product per member
+        for i, lin in enumerate(lins):
+            sums.weight_grad(dt[:, i * r:(i + 1) * r], x, lin.factors.gA, 1.0, lin.grad_beta)  # dA_i += dt_i^T x
+    else:
+        dA = d.empty((G * r, x.shape[1]), "f32")                          # (G r, in)
+        ops.gemm(dt, x, dA, trans_a=True)                                 # dA_g = dt_g^T x
+        for i, lin in enumerate(lins):
+            gA, blk = lin.factors.gA, dA[i * r:(i + 1) * r]
+            if lin.grad_beta == 0.0:
+                ops.scale(blk, 1.0, gA)
+            else:
+                ops.axpy(1.0, blk, gA)
     if dx is not None:
         ops.gemm(dt, group.A, dx, beta=beta)                              # dx (+)= dt_g A_g

@@ -25,6 +25,7 @@ from .config import (ALL_MODULES, ATTN_MODULES, IGNORE_INDEX, MLP_MODULES, QKV_M
 from .generate import generate
 from .layer import Batch, Heads, Ones, build_layer, layer_backward, layer_forward
 from .lora import init_lora
+from .sample_sums import SampleSums
 from .step_inputs import DeviceInputs, HostInputs
 from . import phi3
 from .qweight import embed, frozen_weight, linear, linear_grad
@@ -71,8 +72,9 @@ class LlamaModel:
         self.quantize = None if quantize is None else (int(quantize[0]), int(quantize[1]))
         if self.quantize is not None:
             quant.check((1, self.quantize[1]), *self.quantize)
-        self.layers = [build_layer(i, c, weights, device, dtype, self.heads, ones, self.lora_config,
-                                   self.lora_params, self.adapted, self.quantize) for i in range(c.num_hidden_layers)]
+        self.sums = SampleSums(self.lora_params)  # .on: LoRA gradients and loss summed per sample (sample_sums)
+        self.layers = [build_layer(i, c, weights, device, dtype, self.heads, ones, self.lora_config, self.lora_params,
+                                   self.adapted, self.quantize, self.sums) for i in range(c.num_hidden_layers)]
         caps = device.capabilities()
         # Causal query row blocks skip the score blocks above the diagonal at the cost of more,
         # smaller GEMMs: the device says how many rows a block takes (0: all, one block; its
@@ -87,11 +89,8 @@ class LlamaModel:
         # q, k and v attended in place as columns of the projection (no head transposes), all
         # rows in one call, where the device takes token-major views; settable like the above.
         self.token_major = fa["token_major"]
-        # The gradient at the embeddings' output (d_embed_out): the embeddings are frozen, so a
-        # training step stops at layer 0's LoRA gradients; W2 and W3 time it, tests check it.
-        self.input_grad = False
-        self.d_embed_out = None
-        self._loss = None
+        self.input_grad = False  # d_embed_out: frozen embeddings need none to train (W2, W3 time it)
+        self.d_embed_out = self._loss = None
         self._ones = {}  # N -> (1, N) f32 ones: the loss sum's gemm row
 
     # -- inputs ----------------------------------------------------------------------------
@@ -260,6 +259,7 @@ class LlamaModel:
         tensor (then unchecked, HostInputs.ids None)."""
         shape, ia = self._id_array(ids, "ids")
         self._check_ids(ia, "ids", False)
+        self.sums.reserve(shape[0], shape[1], self.dev)  # the sample order's slots, before any recording
         ta, n_valid = self._target_array(targets, shape)
         seg, pos, window = self._plan(shape, segments, positions)
         self._call_seed += 1
@@ -279,6 +279,7 @@ class LlamaModel:
 
         def body():
             total = self.forward_backward_step(host.key(), inputs)
+            self.sums.finish()  # the sample order's slots into the gradient (StepRunner: once a step)
             self._loss = self.dev.empty((1,), "f32")
             ops.scale(total, 1.0 / max(host.n_valid, 1), self._loss)
             return self._loss
@@ -291,6 +292,7 @@ class LlamaModel:
         of it replays for any batch of the same key. Returns the (1,) f32 sum of the token losses
         (the mean is that over HostInputs.n_valid)."""
         B, T, _, _, window, long_rope, _ = key
+        S = self.sums.begin(B)  # the LoRA backward's sample count (0: sums over all rows at once)
         batch = self._batch_of(B, T, inputs.positions, inputs.segments, inputs.seed_offset, window, long_rope,
                                inputs.rope_positions)
         d, dt, c = self.dev, self.dtype, self.config
@@ -322,7 +324,7 @@ class LlamaModel:
             dx = layer_backward(L, xin, cache, dx, batch, need_dx=i > 0 or self.input_grad)
             saved[i] = None
         self.d_embed_out = dx
-        return self._loss_sum(rows_loss)
+        return self.sums.loss_sum(rows_loss) if S else self._loss_sum(rows_loss)
 
     def read_loss(self):
         """The loss of the last forward_backward, as a float (after its step is committed)."""

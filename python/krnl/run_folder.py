@@ -27,11 +27,11 @@ FLAGS = {"batch_size": "--batch-size", "grad_accum": "--grad-accumulation", "lea
          "val_batches": "val_batches", "data": "--data", "data_sha256": "--data (train.jsonl contents)",
          "max_seq_length": "--max-seq-length", "mask_prompt": "--mask-prompt", "pack": "--pack",
          "train_samples": "--train-samples", "iters": "--iters", "length_bucket": "--length-bucket",
-         "graphs": "--no-graphs"}
+         "graphs": "--no-graphs", "reduce_order": "--reduce-order"}
 # Options that may differ on resume without --resume-override: how long to train (the schedule is
-# stretched), how often to validate and save, and how the step runs (padding, graphs), which do
-# not change the training itself.
-FREE = ("iters", "val_every", "save_every", "keep_checkpoints", "length_bucket", "graphs")
+# stretched), how often to validate and save, and how the step runs (padding, graphs, the order of
+# the gradients' sums over rows), which do not change the training itself (f32 rounding aside).
+FREE = ("iters", "val_every", "save_every", "keep_checkpoints", "length_bucket", "graphs", "reduce_order")
 
 try:
     import fcntl

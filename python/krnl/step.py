@@ -118,7 +118,11 @@ class StepRunner:
 
     def optimizer(self, n_micro, step=None):
         """Queues the optimizer's update over the grads of the n_micro micro-batches (summed over
-        the world's ranks first: a wait for the device, then the host copy's allreduce)."""
+        the world's ranks first: a wait for the device, then the host copy's allreduce). The
+        model's sample-order slots (krnl.sample_sums) go into the grads first, eagerly."""
+        if self.model.sums.on:
+            with self.dev.step():
+                self.model.sums.finish()
         on_device = self.reducer is not None
         if not (on_device and self.replay):
             self.reduce(step)

@@ -20,7 +20,7 @@ from .batches import Batches
 from .checkpoint import fingerprint_diff, list_checkpoints, load_checkpoint, resolve_checkpoint, save_checkpoint
 from .dist import World
 from .dist_nccl import reducer_for
-from .dist_train import Discard, check_world, evaluate_ranks
+from .dist_train import Discard, apply_reduce_order, check_world, evaluate_ranks
 from .fileio import atomic_write_bytes
 from .optim import AdamW, Schedule
 from .run_folder import describe, option_changes, repair_metrics
@@ -49,6 +49,7 @@ class TrainConfig:
     seed: int = 0
     length_bucket: int = 0        # pad each batch's length to a multiple (0: 256 where graphs replay, else none)
     graphs: bool = True           # record the step once per padded length and replay it, where the device can
+    reduce_order: str = "auto"    # sample: LoRA grads summed per sample (dist_train); auto: sample with > 1 rank
 
     def validate(self):
         for name in ("iters", "batch_size", "grad_accum", "val_batches", "keep_checkpoints"):
@@ -102,6 +103,7 @@ class Trainer:
         # krnl.dist: each rank trains on its slice of the global batches; rank 0 alone writes files.
         self.world = world or World()
         check_world(self.world, cfg)
+        apply_reduce_order(model, cfg, self.world)
         # train: (ids, targets[, segments, positions]) arrays, a krnl.data.Split (its batches()),
         # or a batch source with next(), state() and load_state().
         if hasattr(train, "batches"):

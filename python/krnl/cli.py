@@ -367,6 +367,9 @@ def cmd_generate(args):
 
 
 def main(argv=None):
+    code = dist.supervise(sys.argv[1:] if argv is None else argv)  # a rank of several: its child runs it
+    if code is not None:
+        return code
     from .bench.cli import cmd_bench  # krnl.bench pulls in its workloads: only once the CLI runs
 
     commands = {"devices": cmd_devices, "train": cmd_train, "eval": cmd_eval, "generate": cmd_generate,

@@ -14,8 +14,11 @@ down and up; Metal's unified memory makes that a plain copy), except between CUD
 NCCL, which sum it on the GPUs (krnl.dist_nccl)."""
 
 import hashlib
+import importlib.util
 import os
+import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -130,7 +133,9 @@ class World:
 
     def gone_ranks(self):
         """['rank R (pid P)', ...]: the other ranks on this machine whose process is gone (from
-        the pids exchanged at start)."""
+        the pids exchanged at start; none while that exchange itself runs)."""
+        if len(self.peers) < self.size:
+            return []
         host = self.peers[self.rank][0]
         return [f"rank {r} (pid {pid})" for r, (h, pid) in enumerate(self.peers)
                 if r != self.rank and h == host and not _alive(pid)]
@@ -252,6 +257,47 @@ class _NoLock:
 
 NO_LOCK = _NoLock()
 _WORLD = None
+
+
+def supervise(argv):
+    """Under an MPI launcher with several ranks (POSIX): run this rank's krnl as a child process
+    and return its exit status, naming this rank where a signal killed the child; None in that
+    child, or where there is nothing to supervise. MPICH's launcher SIGKILLs every other rank
+    within a millisecond of reaping a dead one, before a survivor can say which rank died (its
+    own message names a pid, at times a survivor's); this parent outlives its child to say it.
+    The child dies with its parent (_die_with_parent) when the launcher kills the parent."""
+    size, rank = launcher_size()
+    if size <= 1 or os.name != "posix" or importlib.util.find_spec("mpi4py") is None:
+        return None  # without mpi4py the rank's own run says how to install it
+    if os.environ.get("KRNL_DIST_PARENT"):
+        _die_with_parent(int(os.environ["KRNL_DIST_PARENT"]))
+        return None
+    env = dict(os.environ, KRNL_DIST_PARENT=str(os.getpid()))
+    child = subprocess.Popen([sys.executable, "-m", "krnl", *argv], env=env, close_fds=False)  # the PMI fd
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(s, lambda sig, _frame: child.send_signal(sig))
+    code = child.wait()
+    if code < 0:
+        print(f"krnl: error: [dist] rank {rank} (pid {child.pid}) was killed by {signal.Signals(-code).name}",
+              file=sys.stderr, flush=True)
+        return 128 - code
+    return code
+
+
+def _die_with_parent(parent):
+    """supervise()'s child ends when its parent does: Linux's parent-death signal, else a thread
+    that looks every half second (nothing else would end it before its next collective's timeout)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    else:
+        def watch():
+            while os.getppid() == parent:
+                time.sleep(0.5)
+            os._exit(1)
+        threading.Thread(target=watch, daemon=True, name="krnl-parent").start()
+    if os.getppid() != parent:  # gone before the signal was armed
+        os._exit(1)
 
 
 def running():

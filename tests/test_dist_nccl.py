@@ -364,6 +364,28 @@ def test_bench_train_gpus_two_cpu_ranks():
         assert by["DDP+PEFT 1 rank"]["status"] == "absent"
 
 
+def test_bench_train_gpus_retries_only_the_peer(monkeypatch):
+    """A failed launch of the PyTorch peer runs once more and its row says so (a torchrun/gloo
+    start-up failure is not krnl's); a failed krnl launch is reported as it is, never retried."""
+    from krnl.bench import train, train_dist
+    calls = []
+
+    def fake_launch(cmd, spec, log, env=None, timeout=None):
+        impl = "ddp" if "ddp" in cmd else "krnl"
+        calls.append(impl)
+        if calls.count(impl) == 1:
+            raise RuntimeError(f"exit status 1: {impl} start-up")
+        return dict(tokens_per_s=100.0, ranks=1, loss=1.0, first_loss=2.0, warmup_s=0.1)
+
+    monkeypatch.setattr(train_dist, "launch", fake_launch)
+    rows = train_dist.rows(_Session(["torch"]), train.shape("quick", steps=2, warmup=1), 2, on_gpu=False)
+    by = {r["impl"]: r for r in rows}
+    assert by["krnl 1 rank"]["status"] == "absent" and "krnl start-up" in by["krnl 1 rank"]["reason"]
+    assert by["DDP+PEFT 1 rank"].get("status", "ok") == "ok"
+    assert "ran on a second launch, the first failed: exit status 1: ddp start-up" in by["DDP+PEFT 1 rank"]["note"]
+    assert calls[:3] == ["krnl", "ddp", "ddp"]
+
+
 def test_bench_gpus_must_be_positive():
     import argparse
 

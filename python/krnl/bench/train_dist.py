@@ -46,8 +46,10 @@ def launch(cmd, spec, log, env=None, timeout=LAUNCH_TIMEOUT_S):
                            env=dict(os.environ, **ROOT_MPI, **(env or {})))
         said = [x for x in r.stdout.splitlines() if x.startswith("dist:")]  # krnl's choice of allreduce
         if r.returncode != 0 or not Path(spec["out"]).exists():
-            tail = (r.stderr.strip() or r.stdout.strip()).splitlines()[-3:]
-            raise RuntimeError(f"exit status {r.returncode}: {' | '.join(tail)[:300]}")
+            lines = (r.stderr.strip() or r.stdout.strip()).splitlines()
+            # the failing rank's exception, not the launcher's summary after it (torchrun's)
+            errors = [x.strip() for x in lines if x.strip() and x.split(":")[0].endswith(("Error", "Exception"))]
+            raise RuntimeError(f"exit status {r.returncode}: {' | '.join(errors[-1:] + lines[-2:])[:300]}")
         res = json.loads(Path(spec["out"]).read_text())
         log(f"krnl bench: train {' '.join(cmd[:4])}...: {time.perf_counter() - t0:.0f} s")
         if said:
@@ -109,13 +111,22 @@ def rows(session, s, ranks, on_gpu):
                 if cmd is None:
                     out.append(dict(impl=impl, status="absent", reason=why))
                     continue
-                try:
-                    # gloo (DDP on the CPU) on the loopback: one machine, whatever the hostname resolves to
-                    r = launch(cmd, spec, session.log, None if on_gpu else {"GLOO_SOCKET_IFNAME": "lo"},
-                               QUICK_TIMEOUT_S if s.get("name") == "quick" else LAUNCH_TIMEOUT_S)
-                except Exception as e:  # listed with what broke; the other rows still run
-                    out.append(dict(impl=impl, status="absent", reason=f"failed: {e}"[:240]))
+                # gloo (DDP on the CPU) on the loopback: one machine, whatever the hostname resolves to
+                env = None if on_gpu else {"GLOO_SOCKET_IFNAME": "lo"}
+                wait = QUICK_TIMEOUT_S if s.get("name") == "quick" else LAUNCH_TIMEOUT_S
+                retried = None
+                for attempt in range(2 if peft else 1):  # the peer's launch once more: its failures are not krnl's
+                    try:
+                        r = launch(cmd, spec, session.log, env, wait)
+                        break
+                    except Exception as e:  # listed with what broke; the other rows still run
+                        retried, r = f"failed: {e}"[:240], None
+                        session.log(f"krnl bench: train {impl}: {retried}")
+                if r is None:
+                    out.append(dict(impl=impl, status="absent", reason=retried))
                     continue
+                if retried:
+                    r["retried"] = retried
                 r["impl"] = impl
                 key = "ddp" if peft else "krnl"
                 if n == 1:
@@ -136,5 +147,7 @@ def rows(session, s, ranks, on_gpu):
         extra = [f"x{r['speedup']:.2f} over 1 rank, scaling {100 * r['scaling']:.0f}%"] if "speedup" in r else []
         if r.get("allreduce"):
             extra.append(r["allreduce"])
+        if r.get("retried"):
+            extra.append(f"ran on a second launch, the first {r['retried']}")
         r["note"] = ", ".join(extra + [note(r)])
     return out

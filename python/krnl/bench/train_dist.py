@@ -10,6 +10,7 @@ On a CPU device the ranks are CPU processes sharing the machine's cores (--quick
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -48,7 +49,7 @@ def launch(cmd, spec, log, env=None, timeout=LAUNCH_TIMEOUT_S):
         if r.returncode != 0 or not Path(spec["out"]).exists():
             lines = (r.stderr.strip() or r.stdout.strip()).splitlines()
             # the failing rank's exception, not the launcher's summary after it (torchrun's)
-            errors = [x.strip() for x in lines if x.strip() and x.split(":")[0].endswith(("Error", "Exception"))]
+            errors = [x.strip() for x in lines if re.match(r"\s*[\w.]*(Error|Exception):", x)]
             raise RuntimeError(f"exit status {r.returncode}: {' | '.join(errors[-1:] + lines[-2:])[:300]}")
         res = json.loads(Path(spec["out"]).read_text())
         log(f"krnl bench: train {' '.join(cmd[:4])}...: {time.perf_counter() - t0:.0f} s")

@@ -162,9 +162,10 @@ def step_grads(m, batches, n_totals=None, first_row=None):
     return np.array(flat.grads.numpy()[:flat.numel], np.float32), np.array(runner.losses.numpy(), np.float32)
 
 
+@pytest.mark.parametrize("fold", ["0", "1"], ids=["plain", "lora-fold"])
 @pytest.mark.parametrize("B,T,accum,config", [(8, 12, 1, {}), (6, 8, 1, {}), (4, 6, 3, {}),
                                               (4, 6, 2, {"model_type": "phi3"})], ids=["8x12", "6x8", "accum3", "phi3"])
-def test_lora_step_sample_order_is_its_halves_summed(B, T, accum, config):
+def test_lora_step_sample_order_is_its_halves_summed(B, T, accum, config, fold, monkeypatch):
     """With the sample order on, one process's gradient and loss sums of a step (accum
     micro-batches) equal the sums of what the two halves of each micro-batch (weighted by the
     whole micro-batch's target count, as a rank's slice is) give, bit for bit; every LoRA path
@@ -173,11 +174,15 @@ def test_lora_step_sample_order_is_its_halves_summed(B, T, accum, config):
     that depends on where the row falls in its row tiles, so with other splits (B T = 88 into
     44 + 44, 128 into 64 + 64) the halves' activations already differ from the whole batch's in
     the last bits (docs/distributed.md). phi3's fused projections: q, k and v's dA add into one
-    shared gradient, per sample too."""
+    shared gradient, per sample too. With the LoRA folded into the frozen GEMMs' K (lora_fold.py,
+    forced on; phi3's fused projections keep the plain path) the saved inputs are column blocks
+    of the widened norm outputs."""
     from conftest import tiny_lora_model
 
+    monkeypatch.setenv("KRNL_LORA_FOLD", fold)
     m = tiny_lora_model(krnl.device("cpu"), "f32", **config)
     assert m.config.fused_projections == bool(config)
+    assert (m.layers[0].qkv_fold is not None) == (fold == "1" and not config)
     m.sums.on = True
     batches = [_batch(m.config.vocab_size, B, T, seed=4 + i) for i in range(accum)]
     n = [int(np.count_nonzero(b[1] != -100)) for b in batches]

@@ -22,7 +22,7 @@ from .layer_heads import heads_backward, heads_forward
 from .gemma import GemmaAttn
 from .config import ALL_MODULES, ATTN_MODULES, QKV_MODULES
 from .lora import LoraLinear, LoraSaved, dropout_tag, module_factors
-from .lora_fold import Fold, wanted as fold_wanted
+from .lora_fold import Fold, norm_output, wanted as fold_wanted
 from .lora_group import GroupSaved, group_backward, group_forward, writes_all
 from .qweight import frozen_weight, linear, linear_grad
 
@@ -254,14 +254,13 @@ def mlp_forward(mlp, h, call_seed=None):
     """Returns y (N, C) = h + down(silu(gate(hn)) * up(hn)) and what mlp_backward needs."""
     d, dt = h.device, h.dtype
     N, C, F = h.shape[0], h.shape[1], mlp.gate.out
-    lins, fold = [mlp.gate, mlp.up], mlp.fold
-    fold = fold if fold is not None and fold.usable(lins, call_seed) else None
-    hw = d.empty((N, C + fold.g), dt) if fold else None                  # (N, C + 2 r): hn | t (lora_fold.py)
-    hn, rstd = hw[:, :C] if fold else d.empty((N, C), dt), d.empty((N,), "f32")  # (N, C), (N,)
+    lins = [mlp.gate, mlp.up]
+    hw, hn = norm_output(mlp.fold, lins, call_seed, d, N, C, dt)          # (N, C) hn, in hw where the call folds
+    rstd = d.empty((N,), "f32")                                           # (N,)
     ops.rmsnorm_forward(h, mlp.norm, hn, rstd, mlp.eps)
     g, u, a = d.empty((N, F), dt), d.empty((N, F), dt), d.empty((N, F), dt)  # (N, F) each
-    if fold:
-        (gs, us), group = fold.forward(lins, hw, [g, u])
+    if hw is not None:
+        (gs, us), group = mlp.fold.forward(lins, hw, [g, u])
     else:
         first = writes_all(lins)                                          # LoRA first, W adds (lora_group.py)
         if not first:
@@ -331,9 +330,8 @@ def layer_forward(L, x, batch, attend: Optional[Callable] = None):
     d, dt, hd = x.device, x.dtype, L.heads
     B, T, H, Hk, D = batch.B, batch.T, hd.H, hd.Hk, hd.D
     N, C, NH = B * T, x.shape[1], H + 2 * Hk
-    f = L.qkv_fold
-    xw = d.empty((N, C + f.g), dt) if f is not None and f.usable([b[0] for b in L.qkv_blocks()], batch.call_seed) else None
-    xn, r1 = d.empty((N, C), dt) if xw is None else xw[:, :C], d.empty((N,), "f32")  # (N, C), (N,)
+    xw, xn = norm_output(L.qkv_fold, [b[0] for b in L.qkv_blocks()], batch.call_seed, d, N, C, dt)  # (N, C) xn
+    r1 = d.empty((N,), "f32")                                             # (N,)
     ops.rmsnorm_forward(x, L.n1, xn, r1, L.eps)
     qkv, (qkv_saved, qkv_group) = qkv_forward(L, xn, batch.call_seed, xw)  # (N, NH D)
     att = d.empty((N, H * D), dt)                                         # (N, H D)

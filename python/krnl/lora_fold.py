@@ -37,6 +37,16 @@ def wanted(device, quantize, arrays, factors):
             and all(f is not None for f in factors) and len({f.A.shape for f in factors}) == 1)
 
 
+def norm_output(fold, lins, call_seed, device, rows, cols, dtype):
+    """(xw, xn): the buffer a group's input norm writes. Where this call folds (a Fold whose
+    members group: no dropout drawn), xw (rows, cols + G r) and xn its first cols columns; else
+    (None, a (rows, cols) tensor)."""
+    if fold is None or not groupable(lins, call_seed):
+        return None, device.empty((rows, cols), dtype)
+    xw = device.empty((rows, cols + fold.g), dtype)                       # (rows, cols + G r): x | t
+    return xw, xw[:, :cols]
+
+
 @dataclass
 class Fold:
     """The widened weights of one group and where each member's S block goes."""
@@ -63,10 +73,6 @@ class Fold:
     @property
     def g(self):
         return self.Wk[0].shape[1] - self.inp
-
-    def usable(self, lins, call_seed):
-        """Whether this call folds: the members group (no dropout drawn in this call)."""
-        return groupable(lins, call_seed)
 
     def forward(self, lins, xw, ys):
         """ys[j] = [x | t] Wk_j^T for xw (rows, in + G r) holding x in its first in columns (t is

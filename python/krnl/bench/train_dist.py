@@ -116,7 +116,7 @@ def rows(session, s, ranks, on_gpu):
                 env = None if on_gpu else {"GLOO_SOCKET_IFNAME": "lo"}
                 wait = QUICK_TIMEOUT_S if s.get("name") == "quick" else LAUNCH_TIMEOUT_S
                 retried = None
-                for attempt in range(2 if peft else 1):  # the peer's launch once more: its failures are not krnl's
+                for _ in range(2 if peft else 1):  # the peer's launch once more: its failures are not krnl's
                     try:
                         r = launch(cmd, spec, session.log, env, wait)
                         break

@@ -124,7 +124,8 @@ int main(int argc, char** argv) {
     fprintf(stderr, "cannot open %s: %s\n", lib, dlerror());
     return 1;
   }
-  for (const char* n : {"libnvrtc.so.13", "libnvrtc.so.12"})
+  // NVRTC before cuDNN compiles an engine (as attention_cudnn.cpp preloads it)
+  for (const char* n : {"libnvrtc.so.13", "libnvrtc.so.12", "/usr/local/cuda/lib64/libnvrtc.so.13"})
     if (dlopen(n, RTLD_NOW | RTLD_LOCAL)) break;
   cudnnHandle_t handle;
   if (fe::detail::create_handle(&handle) != CUDNN_STATUS_SUCCESS) {

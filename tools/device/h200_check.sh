@@ -14,6 +14,11 @@
 #                                           (TRAIN_SHAPES="1b 8b" for both), krnl's Trainer (replayed and
 #                                           eager) next to transformers + PEFT eager and compiled, and
 #                                           mlx-lm where installed (JSON in $OUT/train_bench_SHAPE.json)
+#   bash tools/device/h200_check.sh attention
+#                                           every cuDNN attention engine at the train shapes
+#                                           (tools/device/attention_probe.cpp, table in
+#                                           $OUT/attention_probe.txt), then krnl's own calls alone
+#                                           (tools/device/attention_alone.py)
 #   bash tools/device/h200_check.sh nccl    on a machine with 2 or more GPUs (nvidia-h200-x2): tests/test_dist_nccl.py
 #                                           and tests/test_dist.py (two CUDA ranks through NCCL against one GPU,
 #                                           the loader, the fallback), then `krnl bench --workloads train --gpus 2`
@@ -171,6 +176,16 @@ elif [ "$phase" = nccl ]; then
       --peers torch --rounds 1 --json "$OUT/train_bench_gpus_$shape.json" 2>&1 |
       tee "$OUT/train_bench_gpus_$shape.log" | tail -${TRAIN_TAIL:-20}
   done
+elif [ "$phase" = attention ]; then
+  # cudnn.h and libcudnn from the machine's nvidia-cudnn wheel, the frontend from .whl, nvrtc.h from the toolkit
+  sp=$(python3 -c "import nvidia.cudnn as m, os; print(os.path.dirname(m.__path__[0]))") || exit 1
+  nvrtc_h=$(find /usr/local/cuda* "$sp" -name nvrtc.h 2>/dev/null | head -1)
+  g++ -O2 -std=c++17 -DNV_CUDNN_FRONTEND_USE_DYNAMIC_LOADING -I/tmp/site/include -I"$sp/cudnn/include" \
+    -I"$(dirname "$nvrtc_h")" -I/usr/local/cuda/include -o /tmp/attention_probe tools/device/attention_probe.cpp \
+    -L/usr/local/cuda/lib64 -lcudart -ldl || exit 1
+  timeout ${PROBE_S:-240} /tmp/attention_probe "$(ls "$sp"/cudnn/lib/libcudnn.so.9* | head -1)" > "$OUT/attention_probe.txt" 2>&1
+  echo "attention_probe: exit $?, $(grep -c ' plan ' "$OUT/attention_probe.txt") plans timed"
+  timeout ${ALONE_S:-120} python3 tools/device/attention_alone.py 2>&1 | tee "$OUT/attention_alone.log"
 elif [ "$phase" = train ]; then
   # the step's own tests first (the replayed step against the eager one, the graph arena)
   timeout ${TTESTS_S:-150} python3 -m pytest -q -p no:cacheprovider tests/test_step.py tests/test_cuda.py \

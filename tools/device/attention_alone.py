@@ -1,7 +1,7 @@
 """krnl's own fused attention calls, alone, at the train benchmark's 1b and 8b shapes (token-major
-views of one qkv buffer, as the model passes them), with three kinds of values: the attention
-probe's tiny ones (tools/device/attention_probe.cpp), model-like N(0, 1.3) (q = x Wq with unit x and
-0.02 weights) and a tenth of that. Compared with a training step's profile (krnl bench --profile),
+views of one qkv buffer, as the model passes them), with three kinds of values: small ones
+(0.008-0.03 in magnitude), model-like N(0, 1.3) (q = x Wq with unit x and 0.02 weights) and a
+tenth of that. Compared with a training step's profile (krnl bench --profile),
 it tells whether the step's attention is slower for krnl's call, for the data, or for the GPU's
 state inside the step.
 
@@ -18,7 +18,7 @@ d = krnl.device("cuda")
 for name, (B, T, H, Hk, D) in (("1b", (4, 2048, 32, 8, 64)), ("8b", (2, 4096, 32, 8, 128))):
     NH, C = H + 2 * Hk, H * D
     rng = np.random.default_rng(0)
-    for data, sd in (("tiny", None), ("model", 1.3), ("model x0.1", 0.13)):
+    for data, sd in (("small", None), ("model", 1.3), ("model x0.1", 0.13)):
         def values(shape):
             if sd is None:
                 return d.tensor((rng.uniform(0.0078, 0.03, shape) * rng.choice([-1, 1], shape)).astype(np.float32), "bf16")

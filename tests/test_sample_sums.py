@@ -163,20 +163,23 @@ def step_grads(m, batches, n_totals=None, first_row=None):
 
 
 @pytest.mark.parametrize("fold", ["0", "1"], ids=["plain", "lora-fold"])
-@pytest.mark.parametrize("B,T,accum,config", [(8, 12, 1, {}), (6, 8, 1, {}), (4, 6, 3, {}),
-                                              (4, 6, 2, {"model_type": "phi3"})], ids=["8x12", "6x8", "accum3", "phi3"])
+@pytest.mark.parametrize("B,T,accum,config", [(8, 156, 1, {}), (6, 208, 1, {}), (4, 312, 3, {}),
+                                              (4, 312, 2, {"model_type": "phi3"})],
+                         ids=["8x156", "6x208", "accum3", "phi3"])
 def test_lora_step_sample_order_is_its_halves_summed(B, T, accum, config, fold, monkeypatch):
     """With the sample order on, one process's gradient and loss sums of a step (accum
     micro-batches) equal the sums of what the two halves of each micro-batch (weighted by the
     whole micro-batch's target count, as a rank's slice is) give, bit for bit; every LoRA path
-    (grouped q|k|v and gate|up, o, down) carries gradient. Sizes where half a micro-batch's rows
-    are a multiple of 12: OpenBLAS's Haswell sgemm computes a frozen linear's row by a kernel
-    that depends on where the row falls in its row tiles, so with other splits (B T = 88 into
-    44 + 44, 128 into 64 + 64) the halves' activations already differ from the whole batch's in
-    the last bits (docs/distributed.md). phi3's fused projections: q, k and v's dA add into one
-    shared gradient, per sample too. With the LoRA folded into the frozen GEMMs' K (lora_fold.py,
-    forced on; phi3's fused projections keep the plain path) the saved inputs are column blocks
-    of the widened norm outputs."""
+    (grouped q|k|v and gate|up, o, down) carries gradient. Halves of 624 rows, for two BLAS
+    kernels (docs/distributed.md): OpenBLAS's Haswell sgemm computes a frozen linear's row by a
+    kernel that depends on where the row falls in its row tiles of 12, so with other splits (B T
+    = 88 into 44 + 44, 128 into 64 + 64) the halves' activations already differ from the whole
+    batch's in the last bits; its SkylakeX one (AVX-512) takes products of up to about 1,200
+    output elements through a small-matrix kernel of other bits, so each half must be large
+    enough for the rank-2 products (> 600 rows) as the whole is. phi3's fused projections: q, k
+    and v's dA add into one shared gradient, per sample too. With the LoRA folded into the frozen
+    GEMMs' K (lora_fold.py, forced on; phi3's fused projections keep the plain path) the saved
+    inputs are column blocks of the widened norm outputs."""
     from conftest import tiny_lora_model
 
     monkeypatch.setenv("KRNL_LORA_FOLD", fold)

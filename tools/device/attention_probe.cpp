@@ -29,19 +29,12 @@
 
 #include <cudnn_frontend.h>
 
+#include "cuda_check.h"
+
 namespace cudnn_frontend {
 void* cudnn_dlhandle = nullptr;
 }
 namespace fe = cudnn_frontend;
-
-#define CK(x)                                                                                 \
-  do {                                                                                        \
-    cudaError_t e_ = (x);                                                                     \
-    if (e_ != cudaSuccess) {                                                                  \
-      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));     \
-      exit(1);                                                                                \
-    }                                                                                         \
-  } while (0)
 
 struct Dims {
   int64_t B, H, T, D, sb, sh, st;

@@ -33,14 +33,7 @@
 #include <tuple>
 #include <vector>
 
-#define CK(x)                                                                         \
-  do {                                                                                \
-    cudaError_t e_ = (x);                                                             \
-    if (e_ != cudaSuccess) {                                                          \
-      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      exit(1);                                                                        \
-    }                                                                                 \
-  } while (0)
+#include "cuda_check.h"
 
 // ---- cuBLAS / cuBLASLt C ABI (CUDA 12/13), declared here
 struct LtAlgo { uint64_t data[8]; };

@@ -122,6 +122,57 @@ def test_rmsnorm_forward_strided_out(dev, dt, rows, C, extra):
     assert np.all(got[:, C:] == 7.0)
 
 
+@pytest.mark.parametrize("dt", FLOAT_DTYPES)
+@pytest.mark.parametrize("rows,C", [(1, 8), (31, 64), (33, 127), (127, 256)])
+def test_rmsnorm_forward_residual(dev, dt, rows, C):
+    """With residual, x += residual in place and the norm reads the sum: x, y and rstd equal an
+    add followed by the plain norm bit for bit, and x the float64 sum to the dtype's rounding."""
+    rng = np.random.default_rng(13)
+    w, _ = upload(dev, 1.0 + 0.5 * rng.standard_normal(C), dt)
+    x0, xf = upload(dev, rng.standard_normal((rows, C)), dt)
+    res, rf = upload(dev, rng.standard_normal((rows, C)), dt)
+    x1, x2 = dev.tensor(read(x0), dt), dev.tensor(read(x0), dt)
+    y1, y2 = empty_filled(dev, (rows, C), dt), empty_filled(dev, (rows, C), dt)
+    r1, r2 = empty_filled(dev, (rows,), "f32"), empty_filled(dev, (rows,), "f32")
+    ops.add(x1, res, x1)
+    ops.rmsnorm_forward(x1, w, y1, r1, eps=1e-5)
+    ops.rmsnorm_forward(x2, w, y2, r2, eps=1e-5, residual=res)
+    for got, want, what in ((x2, x1, "x"), (y2, y1, "y"), (r2, r1, "rstd")):
+        check_bits(np.array(got.numpy(), copy=True), np.array(want.numpy(), copy=True), what)
+    assert_close_elementwise(read(x2), xf + rf, rtol=UNIT_ROUNDOFF[dt], atol=SUBNORMAL[dt], what="x + residual")
+    with pytest.raises(ValueError, match=r"^\[rmsnorm_forward\] residual must have shape"):
+        ops.rmsnorm_forward(x2, w, y2, r2, eps=1e-5, residual=dev.empty((rows, C + 1), dt))
+
+
+@pytest.mark.parametrize("dt", FLOAT_DTYPES)
+@pytest.mark.parametrize("rows,C,extra", [(1, 8, 0), (31, 64, 16), (33, 127, 1), (127, 256, 32)])
+def test_rmsnorm_backward_residual(dev, dt, rows, C, extra):
+    """With residual, dx = the norm's gradient + residual: equal to rmsnorm_backward followed by
+    axpy bit for bit. With extra > 0, dx and residual are the first C columns of (rows, C + extra)
+    buffers (a LoRA fold's widened gradients) whose other columns keep their contents; Metal takes
+    only contiguous ones and says so."""
+    rng = np.random.default_rng(14)
+    x, _ = upload(dev, rng.standard_normal((rows, C)), dt)
+    w, _ = upload(dev, 1.0 + 0.5 * rng.standard_normal(C), dt)
+    dy, _ = upload(dev, rng.standard_normal((rows, C)), dt)
+    rstd = empty_filled(dev, (rows,), "f32")
+    ops.rmsnorm_forward(x, w, empty_filled(dev, (rows, C), dt), rstd, eps=1e-5)
+    res_wide = dev.tensor(rng.standard_normal((rows, C + extra)).astype(np.float32), dt)
+    dx_wide = dev.tensor(np.full((rows, C + extra), 7.0, np.float32), dt)
+    res, dx = res_wide[:, :C], dx_wide[:, :C]
+    want = empty_filled(dev, (rows, C), dt)
+    ops.rmsnorm_backward(dy, x, w, rstd, want)
+    ops.axpy(1.0, dev.tensor(read(res), dt), want)
+    if dev.capabilities()["kind"].startswith("metal") and extra and rows > 1:
+        with pytest.raises(NotImplementedError, match=r"^\[rmsnorm_backward\] dx and residual must be contiguous on"):
+            ops.rmsnorm_backward(dy, x, w, rstd, dx, residual=res)
+        return
+    ops.rmsnorm_backward(dy, x, w, rstd, dx, residual=res)
+    got = np.array(dx_wide.numpy(), copy=True)
+    check_bits(got[:, :C], np.array(want.numpy(), copy=True), "dx + residual")
+    assert np.all(got[:, C:] == 7.0)
+
+
 RMS_BWD_DTYPES = [("f32", "f32", "f32", "f32"), ("f16", "f16", "f16", "f16"), ("bf16", "bf16", "bf16", "bf16"),
                   ("f16", "f32", "f16", "f16"), ("bf16", "f32", "bf16", "bf16"), ("bf16", "f32", "f32", "f32")]
 

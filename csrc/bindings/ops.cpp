@@ -27,9 +27,13 @@ void bind_ops(nb::module_& parent) {
         "stride_b"_a = -1, "stride_c"_a = -1, "split_k"_a = -1,
         "The (splits, k_per_split) that gemm would use for these operands.");
   m.def("rmsnorm_forward", &ops::rmsnorm_forward, release, "x"_a, "w"_a, "y"_a, "rstd"_a, "eps"_a = 1e-5f,
-        "y = x * rstd * w with rstd = 1/sqrt(mean(x^2) + eps) per row (rstd is f32, saved for backward).");
+        "residual"_a = nb::none(),
+        "y = x * rstd * w with rstd = 1/sqrt(mean(x^2) + eps) per row (rstd is f32, saved for backward).\n"
+        "With residual, x += residual first (in place, rounded to x's dtype): a residual add fused in.");
   m.def("rmsnorm_backward", &ops::rmsnorm_backward, release, "dy"_a, "x"_a, "w"_a, "rstd"_a, "dx"_a, "dw"_a = nb::none(),
-        "dx (overwritten) and optionally dw (f32, accumulated) of rmsnorm_forward.");
+        "residual"_a = nb::none(),
+        "dx (overwritten) and optionally dw (f32, accumulated) of rmsnorm_forward. With residual, dx is the\n"
+        "norm's gradient (rounded to dx's dtype) + residual: a residual stream's gradient fused in.");
   m.def("swiglu_forward", &ops::swiglu_forward, release, "g"_a, "u"_a, "s"_a, "s = silu(g) * u.");
   m.def("swiglu_backward", &ops::swiglu_backward, release, "ds"_a, "g"_a, "u"_a, "dg"_a, "du"_a);
   m.def("geglu_forward", &ops::geglu_forward, release, "g"_a, "u"_a, "s"_a,

@@ -62,9 +62,10 @@
 
 // The ops whose core entry point takes the backend's parameters unchanged.
 #define KRNL_DIRECT_OPS(X)                                                                                          \
-  X(rmsnorm_forward, (const Tensor& x, const Tensor& w, const Tensor& y, const Tensor& rstd, float eps))            \
+  X(rmsnorm_forward, (const Tensor& x, const Tensor& w, const Tensor& y, const Tensor& rstd, float eps,           \
+                      const Tensor* residual))                                                                      \
   X(rmsnorm_backward, (const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& dx,    \
-                       const Tensor* dw))                                                                           \
+                       const Tensor* dw, const Tensor* residual))                                                   \
   X(swiglu_forward, (const Tensor& g, const Tensor& u, const Tensor& s))                                            \
   X(swiglu_backward, (const Tensor& ds, const Tensor& g, const Tensor& u, const Tensor& dg, const Tensor& du))      \
   X(geglu_forward, (const Tensor& g, const Tensor& u, const Tensor& s))                                             \

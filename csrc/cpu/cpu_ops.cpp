@@ -24,7 +24,8 @@ inline int64_t rows_of(const Tensor& t, int64_t cols) { return cols ? t.numel() 
 
 // ---- normalisation
 
-void CpuBackend::rmsnorm_forward(const Tensor& x, const Tensor& w, const Tensor& y, const Tensor& rstd, float eps) {
+void CpuBackend::rmsnorm_forward(const Tensor& x, const Tensor& w, const Tensor& y, const Tensor& rstd, float eps,
+                                 const Tensor* residual) {
   const int64_t C = x.size(-1), rows = rows_of(x, C);
   if (rows == 0) return;
   const DType xd = x.dtype(), yd = y.dtype();
@@ -35,7 +36,14 @@ void CpuBackend::rmsnorm_forward(const Tensor& x, const Tensor& w, const Tensor&
   for_rows(rows, C, [&](int64_t r0, int64_t r1) {
     float* xs = scratch(0, C);
     float* ys = scratch(1, C);
+    float* rsd = scratch(2, C);
     for (int64_t r = r0; r < r1; ++r) {
+      if (residual) {  // x += residual, stored (rounded) and read back: the norm sees what add would leave
+        float* xw = inout(xd, x.data(), r * C, C, xs);
+        const float* rr = view(xd, residual->data(), r * C, C, rsd);
+        for (int64_t c = 0; c < C; ++c) xw[c] += rr[c];
+        flush(xd, xw, C, x.data(), r * C);
+      }
       const float* xr = view(xd, x.data(), r * C, C, xs);
       const float inv = 1.f / std::sqrt(dot(xr, xr, C) / float(C) + eps);
       rs[r] = inv;
@@ -47,12 +55,15 @@ void CpuBackend::rmsnorm_forward(const Tensor& x, const Tensor& w, const Tensor&
 }
 
 void CpuBackend::rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
-                                  const Tensor& dx, const Tensor* dw) {
+                                  const Tensor& dx, const Tensor* dw, const Tensor* residual) {
   const int64_t C = x.size(-1), rows = rows_of(x, C);
   if (rows == 0) return;
   std::vector<float> wf(static_cast<size_t>(C));
   load(w.dtype(), w.data(), 0, C, wf.data());
   const float* rs = rstd.ptr<float>();
+  const DType dxd = dx.dtype();
+  const int64_t ldx = dx.is_contiguous() ? C : dx.strides()[0];  // row-strided 2-D views (ops.cpp)
+  const int64_t ldr = !residual || residual->is_contiguous() ? C : residual->strides()[0];
   // dw: one partial per fixed row range, summed in range order (deterministic).
   const int64_t parts = num_parts(rows, C);
   std::vector<float> dwp(dw ? size_t(parts * C) : 0, 0.f);
@@ -61,6 +72,7 @@ void CpuBackend::rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tenso
     float* dys = scratch(1, C);
     float* g = scratch(2, C);
     float* dxs = scratch(3, C);
+    float* rsd = scratch(4, C);
     float* acc = dw ? dwp.data() + p * C : nullptr;
     for (int64_t r = r0; r < r1; ++r) {
       const float* xr = view(x.dtype(), x.data(), r * C, C, xs);
@@ -70,9 +82,15 @@ void CpuBackend::rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tenso
       const float m = dot(g, xr, C) * inv / float(C);  // mean(g * xhat)
       if (acc)
         for (int64_t c = 0; c < C; ++c) acc[c] += dyr[c] * (xr[c] * inv);
-      float* dxr = out_window(dx.dtype(), dx.data(), r * C, dxs);  // written after dy is read
+      float* dxr = out_window(dxd, dx.data(), r * ldx, dxs);  // written after dy is read
       for (int64_t c = 0; c < C; ++c) dxr[c] = inv * (g[c] - xr[c] * inv * m);
-      flush(dx.dtype(), dxr, C, dx.data(), r * C);
+      if (residual) {  // rounded to dx's dtype first, then the residual added: what axpy would leave
+        flush(dxd, dxr, C, dx.data(), r * ldx);
+        dxr = inout(dxd, dx.data(), r * ldx, C, dxs);
+        const float* rr = view(dxd, residual->data(), r * ldr, C, rsd);
+        for (int64_t c = 0; c < C; ++c) dxr[c] += rr[c];
+      }
+      flush(dxd, dxr, C, dx.data(), r * ldx);
     }
   });
   if (!dw) return;

@@ -72,9 +72,10 @@ class CudaBackend : public Backend {
   };
 
   void gemm(const GemmArgs& a) override;
-  void rmsnorm_forward(const Tensor& x, const Tensor& w, const Tensor& y, const Tensor& rstd, float eps) override;
+  void rmsnorm_forward(const Tensor& x, const Tensor& w, const Tensor& y, const Tensor& rstd, float eps,
+                       const Tensor* residual) override;
   void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& dx,
-                        const Tensor* dw) override;
+                        const Tensor* dw, const Tensor* residual) override;
   void swiglu_forward(const Tensor& g, const Tensor& u, const Tensor& s) override;
   void swiglu_backward(const Tensor& ds, const Tensor& g, const Tensor& u, const Tensor& dg, const Tensor& du) override;
   void geglu_forward(const Tensor& g, const Tensor& u, const Tensor& s) override;

@@ -6,15 +6,28 @@
 namespace krnl::cuda {
 namespace {
 
+// v as dtype dt stores it: a fused residual add rounds where a separate add's output would.
+__device__ __forceinline__ float rounded(DType dt, float v) {
+  switch (dt) {
+    case DType::f16: return __half2float(__ushort_as_half(to_f16_bits(v)));
+    case DType::bf16: return __uint_as_float(uint32_t(to_bf16_bits(v)) << 16);
+    default: return v;
+  }
+}
+
 // y = x * rstd * w per row of C; rstd = 1 / sqrt(mean(x^2) + eps). w is f32 or x's dtype. y's
-// rows lie ldy apart (C, or a wider buffer's row stride).
-__global__ void rmsnorm_fwd_kernel(DType xd, const void* x, DType wd, const void* w, DType yd, void* y,
+// rows lie ldy apart (C, or a wider buffer's row stride). res (or null): x += res first, in place.
+__global__ void rmsnorm_fwd_kernel(DType xd, void* x, const void* res, DType wd, const void* w, DType yd, void* y,
                                    float* rstd, int64_t C, int64_t ldy, float eps) {
   __shared__ float sh[32];
   const int64_t base = int64_t(blockIdx.x) * C, ybase = int64_t(blockIdx.x) * ldy;
   float ss = 0.f;
   for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
-    const float v = ld(xd, x, base + c);
+    float v = ld(xd, x, base + c);
+    if (res) {  // each element read and rewritten by one thread, before the barrier below
+      v = rounded(xd, v + ld(xd, res, base + c));
+      st(xd, x, base + c, v);
+    }
     ss += v * v;
   }
   ss = block_sum(ss, sh);
@@ -23,10 +36,12 @@ __global__ void rmsnorm_fwd_kernel(DType xd, const void* x, DType wd, const void
   for (int64_t c = threadIdx.x; c < C; c += blockDim.x) st(yd, y, ybase + c, ld(xd, x, base + c) * inv * ld(wd, w, c));
 }
 
-// dx = rstd * (g - xhat * mean(g * xhat)), g = dy * w. dx may alias dy: each element is read
-// (after the row's reduction) and written by the same thread.
+// dx = rstd * (g - xhat * mean(g * xhat)), g = dy * w (+ res, after rounding to dx's dtype). dx may
+// alias dy: each element is read (after the row's reduction) and written by the same thread. dx's
+// and res's rows lie ldx and ldr apart.
 __global__ void rmsnorm_bwd_kernel(DType dyd, const void* dy, DType xd, const void* x, DType wd, const void* w,
-                                   const float* rstd, DType dxd, void* dx, int64_t C) {
+                                   const float* rstd, DType dxd, void* dx, const void* res, int64_t C, int64_t ldx,
+                                   int64_t ldr) {
   __shared__ float sh[32];
   const int64_t base = int64_t(blockIdx.x) * C;
   const float inv = rstd[blockIdx.x];
@@ -37,15 +52,17 @@ __global__ void rmsnorm_bwd_kernel(DType dyd, const void* dy, DType xd, const vo
   for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
     const float xv = ld(xd, x, base + c);
     const float g = ld(dyd, dy, base + c) * ld(wd, w, c);
-    st(dxd, dx, base + c, inv * (g - xv * inv * m));
+    float v = inv * (g - xv * inv * m);
+    if (res) v = rounded(dxd, v) + ld(dxd, res, int64_t(blockIdx.x) * ldr + c);
+    st(dxd, dx, int64_t(blockIdx.x) * ldx + c, v);
   }
 }
 
 // Register-resident rows (x, y, dy, dx of one dtype, C a multiple of the vector, aligned): each
 // row read once with 16-byte loads. w is read per element (L1/L2-resident across rows).
 template <bool W16, int NV>
-__global__ void rmsnorm_fwd_reg_kernel(DType dt, const void* x, DType wd, const void* w, void* y, float* rstd, int64_t C,
-                                       int64_t ldy, float eps) {
+__global__ void rmsnorm_fwd_reg_kernel(DType dt, void* x, const void* res, DType wd, const void* w, void* y,
+                                       float* rstd, int64_t C, int64_t ldy, float eps) {
   constexpr int VEC = W16 ? 8 : 4;
   __shared__ float sh[32];
   const int64_t base = int64_t(blockIdx.x) * C;
@@ -56,6 +73,13 @@ __global__ void rmsnorm_fwd_reg_kernel(DType dt, const void* x, DType wd, const 
     const int64_t c0 = (int64_t(k) * blockDim.x + threadIdx.x) * VEC;
     if (c0 < C) {
       load_vec<W16>(dt, x, base + c0, v[k]);
+      if (res) {
+        float r[VEC];
+        load_vec<W16>(dt, res, base + c0, r);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) v[k][e] = rounded(dt, v[k][e] + r[e]);
+        store_vec<W16>(dt, x, base + c0, v[k]);
+      }
 #pragma unroll
       for (int e = 0; e < VEC; ++e) ss += v[k][e] * v[k][e];
     }
@@ -75,7 +99,8 @@ __global__ void rmsnorm_fwd_reg_kernel(DType dt, const void* x, DType wd, const 
 
 template <bool W16, int NV>
 __global__ void rmsnorm_bwd_reg_kernel(DType dt, const void* dy, const void* x, DType wd, const void* w,
-                                       const float* rstd, void* dx, int64_t C) {
+                                       const float* rstd, void* dx, const void* res, int64_t C, int64_t ldx,
+                                       int64_t ldr) {
   constexpr int VEC = W16 ? 8 : 4;
   __shared__ float sh[32];
   const int64_t base = int64_t(blockIdx.x) * C;
@@ -102,7 +127,12 @@ __global__ void rmsnorm_bwd_reg_kernel(DType dt, const void* dy, const void* x, 
     if (c0 < C) {
 #pragma unroll
       for (int e = 0; e < VEC; ++e) g[k][e] = inv * (g[k][e] - xv[k][e] * inv * m);
-      store_vec<W16>(dt, dx, base + c0, g[k]);
+      if (res) {
+        load_vec<W16>(dt, res, int64_t(blockIdx.x) * ldr + c0, xv[k]);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) g[k][e] = rounded(dt, g[k][e]) + xv[k][e];
+      }
+      store_vec<W16>(dt, dx, int64_t(blockIdx.x) * ldx + c0, g[k]);
     }
   }
 }
@@ -128,31 +158,33 @@ __global__ void rmsnorm_dw_reduce_kernel(const float* part, int64_t parts, int64
 
 }  // namespace
 
-void CudaBackend::rmsnorm_forward(const Tensor& x, const Tensor& w, const Tensor& y, const Tensor& rstd, float eps) {
+void CudaBackend::rmsnorm_forward(const Tensor& x, const Tensor& w, const Tensor& y, const Tensor& rstd, float eps,
+                                  const Tensor* residual) {
   OpTimer timer(this);
   const int64_t C = x.size(-1), rows = C ? x.numel() / C : 0;
   if (rows == 0) return;
   const int64_t ldy = y.is_contiguous() ? C : y.strides()[0];  // a row-strided 2-D y (ops.cpp)
+  const void* res = residual ? residual->data() : nullptr;
   const RegPlan rp = y.dtype() == x.dtype() && ldy % vec_width(y.dtype()) == 0
-                         ? reg_plan(x.dtype(), C, {x.data(), y.data()})
+                         ? reg_plan(x.dtype(), C, {x.data(), y.data(), res ? res : x.data()})
                          : RegPlan{};
   if (rp.threads) {
     const bool w16 = x.dtype() != DType::f32;
 #define KRNL_RMS_FWD(W, NV)                                                                                   \
-  rmsnorm_fwd_reg_kernel<W, NV><<<unsigned(rows), rp.threads, 0, stream_>>>(x.dtype(), x.data(), w.dtype(), w.data(), \
-                                                                          y.data(), rstd.ptr<float>(), C, ldy, eps)
+  rmsnorm_fwd_reg_kernel<W, NV><<<unsigned(rows), rp.threads, 0, stream_>>>(                                  \
+      x.dtype(), x.data(), res, w.dtype(), w.data(), y.data(), rstd.ptr<float>(), C, ldy, eps)
     KRNL_DISPATCH_REG(w16, rp.nv, KRNL_RMS_FWD)
 #undef KRNL_RMS_FWD
     check_launch("rmsnorm_forward");
     return;
   }
   rmsnorm_fwd_kernel<<<unsigned(rows), std::min(row_threads(C), 512), 0, stream_>>>(
-      x.dtype(), x.data(), w.dtype(), w.data(), y.dtype(), y.data(), rstd.ptr<float>(), C, ldy, eps);
+      x.dtype(), x.data(), res, w.dtype(), w.data(), y.dtype(), y.data(), rstd.ptr<float>(), C, ldy, eps);
   check_launch("rmsnorm_forward");
 }
 
 void CudaBackend::rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
-                                   const Tensor& dx, const Tensor* dw) {
+                                   const Tensor& dx, const Tensor* dw, const Tensor* residual) {
   OpTimer timer(this);
   const int64_t C = x.size(-1), rows = C ? x.numel() / C : 0;
   if (rows == 0) return;
@@ -166,21 +198,27 @@ void CudaBackend::rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tens
         part.ptr<float>(), parts, C, dw->ptr<float>());
     check_launch("rmsnorm_backward");
   }
-  const RegPlan rp = dy.dtype() == x.dtype() && dx.dtype() == x.dtype()
-                         ? reg_plan(x.dtype(), C, {dy.data(), x.data(), dx.data()})
+  // row-strided 2-D dx and residual (ops.cpp): the register path wants their rows 16-byte aligned
+  const int64_t ldx = dx.is_contiguous() ? C : dx.strides()[0];
+  const int64_t ldr = !residual || residual->is_contiguous() ? C : residual->strides()[0];
+  const void* res = residual ? residual->data() : nullptr;
+  const RegPlan rp = dy.dtype() == x.dtype() && dx.dtype() == x.dtype() && ldx % vec_width(x.dtype()) == 0 &&
+                             ldr % vec_width(x.dtype()) == 0
+                         ? reg_plan(x.dtype(), C, {dy.data(), x.data(), dx.data(), res ? res : x.data()})
                          : RegPlan{};
   if (rp.threads) {
     const bool w16 = x.dtype() != DType::f32;
 #define KRNL_RMS_BWD(W, NV)                                                                                      \
-  rmsnorm_bwd_reg_kernel<W, NV><<<unsigned(rows), rp.threads, 0, stream_>>>(x.dtype(), dy.data(), x.data(), w.dtype(), \
-                                                                          w.data(), rstd.ptr<float>(), dx.data(), C)
+  rmsnorm_bwd_reg_kernel<W, NV><<<unsigned(rows), rp.threads, 0, stream_>>>(                                  \
+      x.dtype(), dy.data(), x.data(), w.dtype(), w.data(), rstd.ptr<float>(), dx.data(), res, C, ldx, ldr)
     KRNL_DISPATCH_REG(w16, rp.nv, KRNL_RMS_BWD)
 #undef KRNL_RMS_BWD
     check_launch("rmsnorm_backward");
     return;
   }
   rmsnorm_bwd_kernel<<<unsigned(rows), std::min(row_threads(C), 512), 0, stream_>>>(
-      dy.dtype(), dy.data(), x.dtype(), x.data(), w.dtype(), w.data(), rstd.ptr<float>(), dx.dtype(), dx.data(), C);
+      dy.dtype(), dy.data(), x.dtype(), x.data(), w.dtype(), w.data(), rstd.ptr<float>(), dx.dtype(), dx.data(), res, C,
+      ldx, ldr);
   check_launch("rmsnorm_backward");
 }
 

@@ -85,9 +85,10 @@ class MetalOps : public Backend {
   void upload(const Tensor& dst, const void* src) override;
 
   void gemm(const krnl::GemmArgs& a) override;
-  void rmsnorm_forward(const Tensor& x, const Tensor& w, const Tensor& y, const Tensor& rstd, float eps) override;
+  void rmsnorm_forward(const Tensor& x, const Tensor& w, const Tensor& y, const Tensor& rstd, float eps,
+                       const Tensor* residual) override;
   void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& dx,
-                        const Tensor* dw) override;
+                        const Tensor* dw, const Tensor* residual) override;
   void swiglu_forward(const Tensor& g, const Tensor& u, const Tensor& s) override;
   void swiglu_backward(const Tensor& ds, const Tensor& g, const Tensor& u, const Tensor& dg, const Tensor& du) override;
   void geglu_forward(const Tensor& g, const Tensor& u, const Tensor& s) override;

@@ -388,7 +388,10 @@ void MetalOps::gemm_row_split(const CoreGemmArgs& a, int64_t cpu_rows) {
 
 // ---- normalisation, activations, attention
 
-void MetalOps::rmsnorm_forward(const Tensor& x, const Tensor& w, const Tensor& y, const Tensor& rstd, float eps) {
+void MetalOps::rmsnorm_forward(const Tensor& x, const Tensor& w, const Tensor& y, const Tensor& rstd, float eps,
+                               const Tensor* residual) {
+  // A residual add is its own dispatch here (rmsnorm.metal has no fused kernel): the same values.
+  if (residual) add(x, *residual, x);
   Emit e{this, "rmsnorm_forward"};
   const std::string s = e.sfx(x.dtype());
   // y in x's dtype, or f32 from bf16 x scaled by f32 w (the kernels rmsnorm.metal has)
@@ -409,8 +412,11 @@ void MetalOps::rmsnorm_forward(const Tensor& x, const Tensor& w, const Tensor& y
 }
 
 void MetalOps::rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
-                                const Tensor& dx, const Tensor* dw) {
+                                const Tensor& dx, const Tensor* dw, const Tensor* residual) {
   Emit e{this, "rmsnorm_backward"};
+  if (!dx.is_contiguous() || (residual && !residual->is_contiguous()))  // capabilities' lora_fold is off here
+    throw NotImplementedError("[rmsnorm_backward] dx and residual must be contiguous on " + name() + ", got " +
+                              dx.describe());
   const std::string s = e.sfx(x.dtype());
   // dy and dx in x's dtype, or both f32 with bf16 x and f32 w (the kernels rmsnorm.metal has)
   const bool wide = dy.dtype() != x.dtype();
@@ -436,6 +442,7 @@ void MetalOps::rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor&
   d.grid = {uint32_t(rows), 1, 1};
   d.threads = {row_threads(C), 1, 1};
   encode(std::move(d));
+  if (residual) axpy(1.f, *residual, dx);  // its own dispatch, as in forward
 }
 
 void MetalOps::swiglu_forward(const Tensor& g, const Tensor& u, const Tensor& s) {

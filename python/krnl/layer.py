@@ -22,7 +22,7 @@ from .layer_heads import heads_backward, heads_forward
 from .gemma import GemmaAttn
 from .config import ALL_MODULES, ATTN_MODULES, QKV_MODULES
 from .lora import LoraLinear, LoraSaved, dropout_tag, module_factors
-from .lora_fold import Fold, norm_output, wanted as fold_wanted
+from .lora_fold import Fold, norm_output, rows_for_A, wanted as fold_wanted
 from .lora_group import GroupSaved, group_backward, group_forward, writes_all
 from .qweight import frozen_weight, linear, linear_grad
 
@@ -196,7 +196,7 @@ def build_layer(i, config, weights, device, dtype, heads, ones, lora_config, lor
 
     key = {m: f"{p}{'self_attn' if m in ATTN_MODULES else 'mlp'}.{m}.weight" for m in ALL_MODULES}
     fs = {m: module_factors(c, lora_params, adapted, i, m) for m in ALL_MODULES}
-    folds, Ws = {}, {}
+    folds, Ws, Wks = {}, {}, {}
 
     def fold(mods, outputs, blocks):  # a group's weights widened for the fold (lora_fold.py), or nothing
         arrays = [weights[key[m]] for m in mods]
@@ -204,6 +204,10 @@ def build_layer(i, config, weights, device, dtype, heads, ones, lora_config, lor
             r = fs[mods[0]].A.shape[0]
             folds[mods[0]], ws = Fold.upload(device, dtype, [[weights[key[m]] for m in o] for o in outputs], blocks, r)
             Ws.update(zip([o[0] for o in outputs], ws))
+
+    for m in ("o_proj", "down_proj"):  # their backward folds (LoraLinear._fold_backward)
+        if not c.gemma and fold_wanted(device, quantize, [weights[key[m]]], [fs[m]]):
+            Wks[m], Ws[m] = rows_for_A(device, dtype, weights[key[m]], fs[m].A.shape[0])
 
     rows = [c.module_shape(m)[0] for m in QKV_MODULES]
     fold(QKV_MODULES, [QKV_MODULES], [(0, sum(rows[:k]), sum(rows[:k + 1])) for k in range(3)])
@@ -219,7 +223,7 @@ def build_layer(i, config, weights, device, dtype, heads, ones, lora_config, lor
         else:
             W = Ws[m] if m in Ws else up_linear([key[m]])
         lin[m] = LoraLinear(W, fs[m], lora_config.scale, lora_config.dropout, tag=dropout_tag(c, i, m),
-                            sums=sums)
+                            sums=sums, Wk=Wks.get(m))
     eps = c.rms_norm_eps
     if c.gemma:
         return build_gemma_layer(i, c, weights, device, dtype, heads, ones, qkv, qkv_bias, lin)
@@ -250,14 +254,15 @@ def build_gemma_layer(i, c, weights, device, dtype, heads, ones, qkv, qkv_bias, 
                  lin["q_proj"], lin["k_proj"], lin["v_proj"], lin["o_proj"], mlp, qn, kn, gemma=ga)
 
 
-def mlp_forward(mlp, h, call_seed=None):
-    """Returns y (N, C) = h + down(silu(gate(hn)) * up(hn)) and what mlp_backward needs."""
+def mlp_forward(mlp, h, call_seed=None, residual=None):
+    """Returns y (N, C) = h + down(silu(gate(hn)) * up(hn)) and what mlp_backward needs. With
+    residual, h += residual first (in place, inside the norm: one pass over h fewer)."""
     d, dt = h.device, h.dtype
     N, C, F = h.shape[0], h.shape[1], mlp.gate.out
     lins = [mlp.gate, mlp.up]
     hw, hn = norm_output(mlp.fold, lins, call_seed, d, N, C, dt)          # (N, C) hn, in hw where the call folds
     rstd = d.empty((N,), "f32")                                           # (N,)
-    ops.rmsnorm_forward(h, mlp.norm, hn, rstd, mlp.eps)
+    ops.rmsnorm_forward(h, mlp.norm, hn, rstd, mlp.eps, residual=residual)
     g, u, a = d.empty((N, F), dt), d.empty((N, F), dt), d.empty((N, F), dt)  # (N, F) each
     if hw is not None:
         (gs, us), group = mlp.fold.forward(lins, hw, [g, u])
@@ -281,12 +286,15 @@ def mlp_forward(mlp, h, call_seed=None):
     return y, MlpCache(hn, rstd, g, u, a, gs, us, ds, m, mr, group)
 
 
-def mlp_backward(mlp, h, cache, dy):
-    """Returns dh (N, C) given dy (N, C); LoRA gradients as the linears keep them."""
+def mlp_backward(mlp, h, cache, dy, dh_cols=0):
+    """Returns dh (N, C + dh_cols) given dy (N, C); LoRA gradients as the linears keep them. dh's
+    gradient is its first C columns, the rest left for the o projection's fold; likewise dy may
+    be (N, C + the down projection's grad_cols())."""
     d, dt = h.device, h.dtype
     N, C, F = h.shape[0], h.shape[1], mlp.gate.out
+    dyv = dy[:, :C]
     da = d.empty((N, F), dt)
-    dm = dy if mlp.post is None else gemma.post_norm_backward(mlp.post, cache.m, cache.m_rstd, dy)
+    dm = dy if mlp.post is None else gemma.post_norm_backward(mlp.post, cache.m, cache.m_rstd, dyv)
     mlp.down.backward(dm, cache.down, da)
     dg, du = d.empty((N, F), dt), d.empty((N, F), dt)
     (ops.swiglu_backward if mlp.post is None else ops.geglu_backward)(da, cache.g, cache.u, dg, du)
@@ -298,9 +306,8 @@ def mlp_backward(mlp, h, cache, dy):
     linear_grad(du, mlp.up.W, dhn, 1.0)
     if not first:
         group_backward([mlp.gate, mlp.up], [dg, du], [cache.gate, cache.up], cache.group, dhn)
-    dh = d.empty((N, C), dt)
-    ops.rmsnorm_backward(dhn, h, mlp.norm, cache.rstd, dh)
-    ops.axpy(1.0, dy, dh)                                                 # residual
+    dh = d.empty((N, C + dh_cols), dt)
+    ops.rmsnorm_backward(dhn, h, mlp.norm, cache.rstd, dh[:, :C], residual=dyv)  # dh = norm's gradient + dy
     return dh
 
 
@@ -342,20 +349,22 @@ def layer_forward(L, x, batch, attend: Optional[Callable] = None):
     if L.gemma is not None:                                               # gemma2: h = x + rmsnorm(attn)
         a = h
         h, ar = gemma.post_norm_forward(L.gemma.post_attn, a, L.eps)
-    ops.add(h, x, h)                                                      # h = x + attn
-    y, mlp_cache = mlp_forward(L.mlp, h, batch.call_seed)
+    y, mlp_cache = mlp_forward(L.mlp, h, batch.call_seed, residual=x)     # h = x + attn, then its norm
     return y, LayerCache(xn, r1, qkv_saved, saved, qk_saved, o_saved, h, mlp_cache, a, ar, qkv_group, tm)
 
 
-def layer_backward(L, x, cache, dy, batch, need_dx=True):
-    """Returns dx (N, C) given dy (N, C), the gradient at the layer output; with need_dx False
-    (the first layer, whose input is the frozen embeddings') only the LoRA gradients, and None."""
+def layer_backward(L, x, cache, dy, batch, need_dx=True, dx_cols=0):
+    """Returns dx (N, C + dx_cols) given dy (N, C), the gradient at the layer output; with need_dx
+    False (the first layer, whose input is the frozen embeddings') only the LoRA gradients, and
+    None. As in mlp_backward, dx's gradient is its first C columns (the rest left for the down
+    projection's fold of the layer below) and dy may be wider."""
     d, dt, hd = x.device, x.dtype, L.heads
     B, T, H, Hk, D = batch.B, batch.T, hd.H, hd.Hk, hd.D
     N, C, NH = B * T, x.shape[1], H + 2 * Hk
-    dh = mlp_backward(L.mlp, cache.h, cache.mlp, dy)                      # (N, C)
+    dhw = mlp_backward(L.mlp, cache.h, cache.mlp, dy, L.o_proj.grad_cols() if L.gemma is None else 0)
+    dh = dhw[:, :C]                                                       # (N, C)
     datt = d.empty((N, H * D), dt)                                        # (N, H D)
-    da = dh if L.gemma is None else gemma.post_norm_backward(L.gemma.post_attn, cache.a, cache.a_rstd, dh)
+    da = dhw if L.gemma is None else gemma.post_norm_backward(L.gemma.post_attn, cache.a, cache.a_rstd, dh)
     L.o_proj.backward(da, cache.o, datt)
     dqkv = d.empty((N, NH * D), dt)                                       # (N, NH D)
     heads_backward(L, batch, cache, datt, dqkv)
@@ -371,7 +380,6 @@ def layer_backward(L, x, cache, dy, batch, need_dx=True):
     linear_grad(dqkv, L.qkv, dxn, 1.0 if first else 0.0)                  # dxn (+)= dq|dk|dv Wqkv
     if not first:
         group_backward(lins, dys, cache.qkv, cache.qkv_group, dxn)
-    dx = d.empty((N, C), dt)
-    ops.rmsnorm_backward(dxn, x, L.n1, cache.r1, dx)
-    ops.axpy(1.0, dh, dx)                                                 # residual
+    dx = d.empty((N, C + dx_cols), dt)
+    ops.rmsnorm_backward(dxn, x, L.n1, cache.r1, dx[:, :C], residual=dh)   # dx = norm's gradient + dh
     return dx

@@ -51,10 +51,13 @@ class LoraLinear:
     """y = x W^T (+ s drop(x) A^T B^T). Without factors it is the frozen linear alone. Gradients
     accumulate into gA, gB (beta 1: the caller zeros them, micro-batches add up) unless
     accumulate_grads is False, where each backward overwrites them. sums: the model's
-    sample_sums.SampleSums (the gradients' sums over rows in the sample order when on), or None."""
+    sample_sums.SampleSums (the gradients' sums over rows in the sample order when on), or None.
+    Wk: W's own buffer (out + r, in) with rows for A after W's, where the backward folds
+    (lora_fold.py; W is then Wk[:out])."""
 
-    def __init__(self, W, factors=None, scale=1.0, dropout=0.0, tag=0, accumulate_grads=True, sums=None):
+    def __init__(self, W, factors=None, scale=1.0, dropout=0.0, tag=0, accumulate_grads=True, sums=None, Wk=None):
         self.W = W                        # (out, in) frozen: a compute-dtype tensor or a QuantizedWeight
+        self.Wk = Wk                      # (out + r, in) or None
         self.out, self.inp = W.shape
         self.factors = factors            # LoraFactors or None
         self.scale = float(scale)
@@ -103,14 +106,36 @@ class LoraLinear:
         ops.gemm(t, f.B, y, trans_b=True, alpha=self.scale, beta=beta)    # y (+)= s t B^T
         return LoraSaved(xd, t, seed)
 
+    def grad_cols(self):
+        """The columns a caller leaves after dy's for this linear's backward fold (0: it does not fold)."""
+        return 0 if self.Wk is None else self.Wk.shape[0] - self.out
+
     def backward(self, dy, saved, dx, accumulate=False):
-        """dx (+)= dy W + drop(dt A); the LoRA gradients from dy (rows, out)."""
+        """dx (+)= dy W + drop(dt A); the LoRA gradients from dy (rows, out), or from the first out
+        columns of dy (rows, out + grad_cols()), whose others the fold writes."""
+        if dy.shape[1] > self.out:
+            if self.Wk is not None and saved is not None and saved.seed is None:
+                return self._fold_backward(dy, saved, dx, accumulate)
+            dy = dy[:, :self.out]
         if self.factors is not None and saved.seed is None and lora_first():  # as forward, for dx
             self.lora_backward(dy, saved, dx, beta=1.0 if accumulate else 0.0)
             linear_grad(dy, self.W, dx, 1.0)
             return
         linear_grad(dy, self.W, dx, 1.0 if accumulate else 0.0)           # dx (+)= dy W
         self.lora_backward(dy, saved, dx)
+
+    def _fold_backward(self, dyw, saved, dx, accumulate):
+        """The LoRA gradients and dx (+)= [dy | dt] [W ; A] = dy W + dt A in one GEMM, dt = s dy B
+        written beside dy in dyw (rows, out + r): where the rank-r product would otherwise write
+        dx and the frozen one read it back (docs/architecture.md, 'LoRA folded into K')."""
+        f, o, s, gbeta = self.factors, self.out, self.scale, self.grad_beta
+        r = f.A.shape[0]
+        dy, dt = dyw[:, :o], dyw[:, o:o + r]
+        self.sums.weight_grad(dy, saved.t, f.gB, s, gbeta)                # dB (+)= s dy^T t    (out, r)
+        ops.gemm(dy, f.B, dt, alpha=s)                                    # dt = s dy B         (rows, r)
+        self.sums.weight_grad(dt, saved.xd, f.gA, 1.0, gbeta)             # dA (+)= dt^T x      (r, in)
+        ops.scale(f.A, 1.0, self.Wk[o:])                                  # A's rows, as this call's A
+        ops.gemm(dyw, self.Wk, dx, beta=1.0 if accumulate else 0.0)       # dx (+)= [dy | dt] [W ; A]
 
     def lora_backward(self, dy, saved, dx, beta=1.0):
         """LoRA gradients from dy (possibly a column block) and dx += drop(dt A); without dropout

@@ -13,7 +13,15 @@ x into the first `in` columns of one (rows, in + G r) buffer and the t GEMM the 
 the first columns of Wk_j = [W_j | S_j], and the layer's frozen weight is that view. S_j is
 rewritten from the B's at every call, so no optimizer step or loaded adapter needs a hook: one
 small GEMM a member against an r x r identity (a GEMM writes at a row stride, and a product with
-I is exact), rounding s_i B_i to the compute dtype once. The backward is lora_group's."""
+I is exact), rounding s_i B_i to the compute dtype once. The groups' backward is lora_group's.
+
+The o and down projections fold their backward instead (LoraLinear._fold_backward): with dt =
+s dy B written beside dy in one (rows, out + r) buffer and W stored with A's rows after its own,
+
+    dx = dy W + dt A = [dy | dt] [W ; A]                                  K = out + r
+
+the rank-r product no longer writes dx for the frozen one to read back. Their dy are the
+residual stream's gradients, which rmsnorm_backward writes at the wider buffer's row stride."""
 
 import os
 from dataclasses import dataclass
@@ -45,6 +53,15 @@ def norm_output(fold, lins, call_seed, device, rows, cols, dtype):
         return None, device.empty((rows, cols), dtype)
     xw = device.empty((rows, cols + fold.g), dtype)                       # (rows, cols + G r): x | t
     return xw, xw[:, :cols]
+
+
+def rows_for_A(device, dtype, array, r):
+    """(Wk, W) for a linear whose backward folds (LoraLinear): its frozen weight (out, in) in the
+    first rows of Wk (out + r, in), the r rows after it zero until a backward copies A there;
+    W = Wk[:out], so the forward reads W as before."""
+    W = np.asarray(array, np.float32)
+    Wk = device.tensor(np.concatenate([W, np.zeros((r, W.shape[1]), np.float32)]), dtype)
+    return Wk, Wk[:W.shape[0]]
 
 
 @dataclass

@@ -172,8 +172,7 @@ class LlamaModel:
         return self._batch_of(B, T, rows, segs, call_seed, window, self._long_rope(T, pos), every)
 
     def call_inv_freq(self, max_position):
-        """The rotary frequencies of a call whose largest position is max_position where they
-        differ from the model's (LongRoPE's long factors, uploaded once), else None."""
+        """LongRoPE's long rotary frequencies (uploaded once) where max_position reaches them, else None."""
         switch = self.config.rope_switch_position
         if switch is None or max_position < switch:
             return None
@@ -315,13 +314,14 @@ class LlamaModel:
             gemma.cap_logits_backward(self.final_softcap, logits, dl)
             linear_grad(dl, self.head, dxn[r0:r1])                        # dxn = dlogits W
         del logits_buf, dl_buf, logits, dl
-        dx = d.empty((N, C), dt)
-        ops.rmsnorm_backward(dxn, x, self.norm_w, rstd, dx)
+        cols = [0] + [L.mlp.down.grad_cols() for L in self.layers]  # [i]: what layer i-1's down fold writes beside dy
+        dx = d.empty((N, C + cols[-1]), dt)
+        ops.rmsnorm_backward(dxn, x, self.norm_w, rstd, dx[:, :C])
         for i in reversed(range(c.num_hidden_layers)):
             L, (xin, cache) = self.layers[i], saved[i]
             if cache is None:                                             # checkpointed: recompute
                 _, cache = layer_forward(L, xin, batch)
-            dx = layer_backward(L, xin, cache, dx, batch, need_dx=i > 0 or self.input_grad)
+            dx = layer_backward(L, xin, cache, dx, batch, need_dx=i > 0 or self.input_grad, dx_cols=cols[i])
             saved[i] = None
         self.d_embed_out = dx
         return self.sums.loss_sum(rows_loss) if S else self._loss_sum(rows_loss)

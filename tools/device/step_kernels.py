@@ -1,0 +1,82 @@
+"""Every kernel of krnl's replayed train step, timed by the GPU: torch.profiler's CUPTI trace of
+the process records the kernels of krnl's CUDA graph replays with their own durations, without
+the per-op waits of `krnl bench --profile` (whose figures add host time to every op).
+
+    python3 tools/device/train_before_after.py write /tmp/f8 --shape 8b
+    python3 tools/device/step_kernels.py /tmp/f8 kernels.tsv     # steps 7 and 8 of a Trainer run
+
+Prints each kernel name's time and count per step; kernels.tsv lists every kernel in order
+(start us, duration us, name), which maps them to the ops of the layer code."""
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import krnl
+from krnl.config import LoraConfig
+from krnl.hf import load_model
+from krnl.trainer import TrainConfig, Trainer
+
+FIRST, LAST = 6, 8  # the profile covers steps FIRST+1..LAST, long after the graph was recorded
+
+
+class _Done(Exception):
+    pass
+
+
+def main(folder, out):
+    z = np.load(Path(folder) / "batches.npz")
+    ids, tg = z["ids"], z["targets"]
+    dev = krnl.device("cuda")
+    model = load_model(str(Path(folder) / "model"), dev, lora=LoraConfig(r=16, alpha=32.0), dtype="bf16", seed=0)
+
+    class Source:
+        i = 0
+
+        def next(self):
+            self.i += 1
+            return ids[(self.i - 1) % len(ids)], tg[(self.i - 1) % len(ids)]
+
+        def state(self):
+            return {"i": self.i}
+
+        def load_state(self, st):
+            self.i = st["i"]
+
+    prof = profile(activities=[ProfilerActivity.CUDA])
+
+    def on_step(step, rec):
+        dev.synchronize()
+        if step == FIRST:
+            prof.start()
+        elif step == LAST:
+            prof.stop()
+            raise _Done
+
+    cfg = TrainConfig(iters=LAST + 1, batch_size=int(z["B"]), learning_rate=1e-4, warmup=0, schedule="constant",
+                      max_grad_norm=1.0, val_every=0, save_every=10**9, seed=0)
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            Trainer(model, cfg, Source(), out_dir=tmp, progress=False, on_step=on_step).run()
+        except _Done:
+            pass
+    rows = sorted((e.time_range.start, e.time_range.end - e.time_range.start, e.name)
+                  for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    with open(out, "w") as f:
+        f.writelines(f"{t0:.1f}\t{dur:.1f}\t{name[:160]}\n" for t0, dur, name in rows)
+    steps = LAST - FIRST
+    total = {}
+    for _, dur, name in rows:
+        n, s = total.get(name[:90], (0, 0.0))
+        total[name[:90]] = (n + 1, s + dur)
+    span = (rows[-1][0] + rows[-1][1] - rows[0][0]) / 1e3
+    print(f"{steps} steps: {len(rows)} kernels, span {span:.2f} ms, kernels {sum(r[1] for r in rows) / 1e3:.2f} ms")
+    for name, (n, s) in sorted(total.items(), key=lambda kv: -kv[1][1])[:45]:
+        print(f"{s / steps / 1e3:8.3f} ms/step {n // steps:5d}/step  {name}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

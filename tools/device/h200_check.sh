@@ -19,6 +19,17 @@
 #                                           (tools/device/attention_probe.cpp, table in
 #                                           $OUT/attention_probe.txt), then krnl's own calls alone
 #                                           (tools/device/attention_alone.py)
+#   bash tools/device/h200_check.sh kernels every kernel of krnl's replayed train step on the 8b shape
+#                                           (TRAIN_SHAPES to change), timed by the GPU
+#                                           (tools/device/step_kernels.py; the list in
+#                                           $OUT/kernels_SHAPE.tsv), with the SM clock and power
+#                                           sampled alongside ($OUT/smi.csv)
+#   OLD=DIR bash tools/device/h200_check.sh compare
+#                                           a change's before and after in one call: DIR is an earlier
+#                                           tree carried along (git archive REV | tar -x -C .hP/old),
+#                                           built beside this one; krnl's Trainer on the 8b shape
+#                                           (TRAIN_SHAPES) and W3, the two trees alternating
+#                                           (tools/device/train_before_after.py)
 #   bash tools/device/h200_check.sh nccl    on a machine with 2 or more GPUs (nvidia-h200-x2): tests/test_dist_nccl.py
 #                                           and tests/test_dist.py (two CUDA ranks through NCCL against one GPU,
 #                                           the loader, the fallback), then `krnl bench --workloads train --gpus 2`
@@ -73,6 +84,15 @@ export PYTHONPATH=/tmp/site
 # frontend (a std::stringstream formatting an integer). With /usr/bin/g++ the module takes the
 # system's libstdc++.so.6 like any other.
 export CC=/usr/bin/gcc CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++
+build_tree() {  # build_tree DIR: krnl's module built in DIR/build/cuda-h200 and copied into DIR/python/krnl
+  (cd "$1" && cmake -S . -B build/cuda-h200 -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$(which python3)" &&
+    cmake --build build/cuda-h200 -j16 && cp build/cuda-h200/_core*.so python/krnl/)
+}
+if [ "$phase" = compare ]; then
+  [ -d "$OLD/python/krnl" ] || { echo "compare: OLD must name an earlier tree carried along, got '$OLD'"; exit 1; }
+  build_tree "$OLD" > "$OUT/cmake_old.log" 2>&1 &
+  old_build=$!
+fi
 cmake -S . -B build/cuda-h200 -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$(which python3)" > "$OUT/cmake.log" 2>&1 &&
   cmake --build build/cuda-h200 -j16 >> "$OUT/cmake.log" 2>&1 || { grep -E "error|FAILED" "$OUT/cmake.log" | head -40; exit 1; }
 cp build/cuda-h200/_core*.so python/krnl/
@@ -195,5 +215,29 @@ elif [ "$phase" = train ]; then
     timeout ${BENCH_S:-540} python3 -m krnl.bench --workloads train --peers "${!peers:-torch,torch.compile,mlx}" \
       --rounds 1 --train-shape "$shape" ${TRAIN_PROFILE:+--profile} --json "$OUT/train_bench_$shape.json" 2>&1 |
       tee "$OUT/train_bench_$shape.log" | tail -${TRAIN_TAIL:-30}
+  done
+elif [ "$phase" = kernels ]; then
+  nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,power.limit,clocks_event_reasons.active --format=csv -lms 250 \
+    > "$OUT/smi.csv" &
+  smi=$!
+  for shape in ${TRAIN_SHAPES:-8b}; do
+    python3 tools/device/train_before_after.py write "/tmp/train_$shape" --shape "$shape" || exit 1
+    timeout ${KERNELS_S:-300} python3 tools/device/step_kernels.py "/tmp/train_$shape" "$OUT/kernels_$shape.tsv" 2>&1 |
+      grep -v Warning | tee "$OUT/kernels_$shape.log"
+  done
+  kill $smi
+elif [ "$phase" = compare ]; then
+  wait $old_build || { tail -20 "$OUT/cmake_old.log"; exit 1; }
+  tree() { [ "$1" = before ] && echo "$OLD/python:/tmp/site" || echo "python:/tmp/site"; }
+  for shape in ${TRAIN_SHAPES:-8b}; do
+    python3 tools/device/train_before_after.py write "/tmp/train_$shape" --shape "$shape" || exit 1
+    for t in before after after before; do
+      PYTHONPATH=$(tree $t) timeout 150 python3 tools/device/train_before_after.py time "/tmp/train_$shape" --label "$shape $t" |
+        tail -1 | tee -a "$OUT/compare_train.jsonl"
+    done
+  done
+  for t in before after after before; do
+    PYTHONPATH=$(tree $t) timeout 150 python3 -m krnl.bench --workloads w3 --peers numpy --device cuda --rounds 3 2>&1 |
+      grep -E "^w3|^ +krnl" | sed "s/^/$t  /" | tee -a "$OUT/compare_w3.txt"
   done
 fi

@@ -56,6 +56,9 @@ class Tensor {
   size_t nbytes() const { return size_t(numel()) * dtype_size(dtype_); }
   size_t offset() const { return offset_; }  // bytes
   bool is_contiguous() const;
+  // Elements from one row to the next, the tensor seen as (rows, last dimension): that dimension
+  // when contiguous, else the leading stride of a row-strided 2-D view (ops.cpp's Check::rows).
+  int64_t row_stride() const { return is_contiguous() ? size(-1) : strides_[0]; }
   const std::shared_ptr<Storage>& storage() const { return storage_; }
 
   // Host address of the first element: valid only on host-visible devices.

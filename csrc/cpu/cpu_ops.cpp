@@ -29,7 +29,7 @@ void CpuBackend::rmsnorm_forward(const Tensor& x, const Tensor& w, const Tensor&
   const int64_t C = x.size(-1), rows = rows_of(x, C);
   if (rows == 0) return;
   const DType xd = x.dtype(), yd = y.dtype();
-  const int64_t ldy = y.is_contiguous() ? C : y.strides()[0];  // a row-strided 2-D y (ops.cpp)
+  const int64_t ldy = y.row_stride();  // C, or a row-strided 2-D y's (ops.cpp)
   std::vector<float> wf(static_cast<size_t>(C));
   load(w.dtype(), w.data(), 0, C, wf.data());
   float* rs = rstd.ptr<float>();
@@ -62,8 +62,7 @@ void CpuBackend::rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tenso
   load(w.dtype(), w.data(), 0, C, wf.data());
   const float* rs = rstd.ptr<float>();
   const DType dxd = dx.dtype();
-  const int64_t ldx = dx.is_contiguous() ? C : dx.strides()[0];  // row-strided 2-D views (ops.cpp)
-  const int64_t ldr = !residual || residual->is_contiguous() ? C : residual->strides()[0];
+  const int64_t ldx = dx.row_stride(), ldr = residual ? residual->row_stride() : C;  // row-strided views (ops.cpp)
   // dw: one partial per fixed row range, summed in range order (deterministic).
   const int64_t parts = num_parts(rows, C);
   std::vector<float> dwp(dw ? size_t(parts * C) : 0, 0.f);

@@ -163,7 +163,7 @@ void CudaBackend::rmsnorm_forward(const Tensor& x, const Tensor& w, const Tensor
   OpTimer timer(this);
   const int64_t C = x.size(-1), rows = C ? x.numel() / C : 0;
   if (rows == 0) return;
-  const int64_t ldy = y.is_contiguous() ? C : y.strides()[0];  // a row-strided 2-D y (ops.cpp)
+  const int64_t ldy = y.row_stride();  // C, or a row-strided 2-D y's (ops.cpp)
   const void* res = residual ? residual->data() : nullptr;
   const RegPlan rp = y.dtype() == x.dtype() && ldy % vec_width(y.dtype()) == 0
                          ? reg_plan(x.dtype(), C, {x.data(), y.data(), res ? res : x.data()})
@@ -199,8 +199,7 @@ void CudaBackend::rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tens
     check_launch("rmsnorm_backward");
   }
   // row-strided 2-D dx and residual (ops.cpp): the register path wants their rows 16-byte aligned
-  const int64_t ldx = dx.is_contiguous() ? C : dx.strides()[0];
-  const int64_t ldr = !residual || residual->is_contiguous() ? C : residual->strides()[0];
+  const int64_t ldx = dx.row_stride(), ldr = residual ? residual->row_stride() : C;
   const void* res = residual ? residual->data() : nullptr;
   const RegPlan rp = dy.dtype() == x.dtype() && dx.dtype() == x.dtype() && ldx % vec_width(x.dtype()) == 0 &&
                              ldr % vec_width(x.dtype()) == 0

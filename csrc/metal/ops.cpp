@@ -414,9 +414,10 @@ void MetalOps::rmsnorm_forward(const Tensor& x, const Tensor& w, const Tensor& y
 void MetalOps::rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
                                 const Tensor& dx, const Tensor* dw, const Tensor* residual) {
   Emit e{this, "rmsnorm_backward"};
-  if (!dx.is_contiguous() || (residual && !residual->is_contiguous()))  // capabilities' lora_fold is off here
-    throw NotImplementedError("[rmsnorm_backward] dx and residual must be contiguous on " + name() + ", got " +
-                              dx.describe());
+  for (const Tensor* t : {&dx, residual})  // capabilities' lora_fold, which would pass strided ones, is off here
+    if (t && !t->is_contiguous())
+      throw NotImplementedError("[rmsnorm_backward] dx and residual must be contiguous on " + name() + ", got " +
+                                t->describe());
   const std::string s = e.sfx(x.dtype());
   // dy and dx in x's dtype, or both f32 with bf16 x and f32 w (the kernels rmsnorm.metal has)
   const bool wide = dy.dtype() != x.dtype();

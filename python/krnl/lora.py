@@ -128,25 +128,23 @@ class LoraLinear:
         """The LoRA gradients and dx (+)= [dy | dt] [W ; A] = dy W + dt A in one GEMM, dt = s dy B
         written beside dy in dyw (rows, out + r): where the rank-r product would otherwise write
         dx and the frozen one read it back (docs/architecture.md, 'LoRA folded into K')."""
-        f, o, s, gbeta = self.factors, self.out, self.scale, self.grad_beta
-        r = f.A.shape[0]
-        dy, dt = dyw[:, :o], dyw[:, o:o + r]
-        self.sums.weight_grad(dy, saved.t, f.gB, s, gbeta)                # dB (+)= s dy^T t    (out, r)
-        ops.gemm(dy, f.B, dt, alpha=s)                                    # dt = s dy B         (rows, r)
-        self.sums.weight_grad(dt, saved.xd, f.gA, 1.0, gbeta)             # dA (+)= dt^T x      (r, in)
+        f, o = self.factors, self.out
+        self.lora_backward(dyw[:, :o], saved, None, dt=dyw[:, o:o + f.A.shape[0]])  # the gradients; dt beside dy
         ops.scale(f.A, 1.0, self.Wk[o:])                                  # A's rows, as this call's A
         ops.gemm(dyw, self.Wk, dx, beta=1.0 if accumulate else 0.0)       # dx (+)= [dy | dt] [W ; A]
 
-    def lora_backward(self, dy, saved, dx, beta=1.0):
+    def lora_backward(self, dy, saved, dx, beta=1.0, dt=None):
         """LoRA gradients from dy (possibly a column block) and dx += drop(dt A); without dropout
-        dx = beta dx + dt A; dx None: the gradients alone."""
+        dx = beta dx + dt A; dx None: the gradients alone. dt: where s dy B goes (rows, r), e.g.
+        the columns beside dy that the backward fold reads; a new tensor if None."""
         f = self.factors
         if f is None:
             return
         d, cdt, rows = self.W.device, f.A.dtype, dy.shape[0]
         s, gbeta = self.scale, self.grad_beta
         self.sums.weight_grad(dy, saved.t, f.gB, s, gbeta)                # dB (+)= s dy^T t    (out, r)
-        dt = d.empty((rows, f.A.shape[0]), cdt)
+        if dt is None:
+            dt = d.empty((rows, f.A.shape[0]), cdt)
         ops.gemm(dy, f.B, dt, alpha=s)                                    # dt = s dy B         (rows, r)
         self.sums.weight_grad(dt, saved.xd, f.gA, 1.0, gbeta)             # dA (+)= dt^T drop(x) (r, in)
         if dx is None:

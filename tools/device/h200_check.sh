@@ -24,6 +24,11 @@
 #                                           (tools/device/step_kernels.py; the list in
 #                                           $OUT/kernels_SHAPE.tsv), with the SM clock and power
 #                                           sampled alongside ($OUT/smi.csv)
+#   bash tools/device/h200_check.sh gemms [lora|frozen|layout]
+#                                           tools/device/lora_gemm_probe.cu: the train shapes' GEMMs
+#                                           (the LoRA products, the frozen ones, or the frozen ones
+#                                           with each weight stored either way) through cuBLAS's
+#                                           default and every cuBLASLt candidate ($OUT/gemms_KIND.txt)
 #   OLD=DIR bash tools/device/h200_check.sh compare
 #                                           a change's before and after in one call: DIR is an earlier
 #                                           tree carried along (git archive REV | tar -x -C .hP/old),
@@ -224,6 +229,10 @@ elif [ "$phase" = kernels ]; then
       grep -v Warning | tee "$OUT/kernels_$shape.log"
   done
   kill $smi
+elif [ "$phase" = gemms ]; then
+  nvcc -O2 -std=c++17 -arch=sm_90 -o /tmp/lora_gemm_probe tools/device/lora_gemm_probe.cu -ldl || exit 1
+  lt=$(find /usr/local /opt /usr/lib -name 'libcublasLt.so.1[23]*' 2>/dev/null | head -1)
+  timeout ${GEMMS_S:-300} /tmp/lora_gemm_probe "$CUB" "$lt" ${2:-lora} 2>&1 | tee "$OUT/gemms_${2:-lora}.txt"
 elif [ "$phase" = compare ]; then
   wait $old_build || { tail -20 "$OUT/cmake_old.log"; exit 1; }
   tree() { [ "$1" = before ] && echo "$OLD/python:/tmp/site" || echo "python:/tmp/site"; }

@@ -6,8 +6,9 @@
 // libcublas / libcublasLt at run time (no cuBLAS headers where it is compiled).
 //
 //   nvcc -O2 -std=c++17 -arch=sm_90 -o lora_gemm_probe tools/device/lora_gemm_probe.cu -ldl
-//   ./lora_gemm_probe /path/libcublas.so.13 /path/libcublasLt.so.13 [frozen] > table.txt
-// (with "frozen": the frozen weights' products and the LM head's instead of the LoRA products)
+//   ./lora_gemm_probe /path/libcublas.so.13 /path/libcublasLt.so.13 [frozen|layout] > table.txt
+// (with "frozen": the frozen weights' products and the LM head's instead of the LoRA products;
+// "layout": the frozen weights' products with each weight stored as loaded and transposed)
 //
 // Shapes are krnl's row-major GEMMs (C (M, N) = alpha op(A) op(B) + beta C) with the row strides
 // the model passes (column blocks of fused outputs); a line per (shape, beta). Each timing is the
@@ -139,6 +140,39 @@ void frozen_shapes(std::vector<Shape>& v, const std::string& m, int layers, int 
   add("head dx", false, false, 1024, C, V, 0.f, rows / 1024);
 }
 
+// Each frozen weight's two products with the weight stored either way: W (out, in) as loaded
+// (forward nt, dx nn) or W^T (in, out) (forward nn, dx nt), unfolded (beta 1, LoRA first) and with
+// the fold's extra r (G r) columns in K; which layout is faster depends on the shape, not the op.
+void layout_shapes(std::vector<Shape>& v, const std::string& m, int layers, int rows, int C, int F, int q, int kv,
+                   int r) {
+  const int qkv = q + 2 * kv;
+  auto add = [&](std::string w, bool tb, int N, int K, int lda, int ldb, float beta, int calls) {
+    v.push_back({m, w, false, tb, rows, N, K, lda, ldb, N, false, beta, calls});
+  };
+  struct Wt { const char* name; int out, in, g, calls; bool fwd_fold; };
+  const Wt ws[] = {{"qkv", qkv, C, 3 * r, layers, true}, {"o", C, q, r, layers, false},
+                   {"gate/up", F, C, 2 * r, 2 * layers, true}, {"down", C, F, r, layers, false}};
+  for (const Wt& w : ws) {
+    const std::string n = w.name;
+    add(n + " fwd W", true, w.out, w.in, w.in, w.in, 1.f, w.calls);
+    add(n + " fwd Wt", false, w.out, w.in, w.in, w.out, 1.f, w.calls);
+    add(n + " dx W", false, w.in, w.out, w.out, w.in, 1.f, w.calls);
+    add(n + " dx Wt", true, w.in, w.out, w.out, w.out, 1.f, w.calls);
+    if (w.fwd_fold) {  // [x | t] [W | S]^T, and dx from W's columns of the wide weight
+      const int K = w.in + w.g;
+      add(n + " fwd W fold", true, w.out, K, K, K, 0.f, w.calls);
+      add(n + " dx W fold", false, w.in, w.out, w.out, K, 1.f, w.calls);
+      add(n + " fwd Wt fold", false, w.out, K, K, w.out, 0.f, w.calls);
+      add(n + " dx Wt fold", true, w.in, w.out, w.out, w.out, 1.f, w.calls);
+    } else {  // [dy | dt] [W ; A]; the forward reads W's rows of the tall weight
+      const int K = w.out + w.g;
+      add(n + " fwd Wt fold", false, w.out, w.in, w.in, K, 1.f, w.calls);
+      add(n + " dx Wt fold", true, w.in, K, K, K, 0.f, w.calls);
+      add(n + " dx W fold", false, w.in, K, K, w.in, 0.f, w.calls);
+    }
+  }
+}
+
 // ---- device helpers
 __global__ void fill_kernel(__nv_bfloat16* p, size_t n, uint32_t seed) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
@@ -191,6 +225,43 @@ float time_us(Fn&& fn, int reps = 15) {
   return t[t.size() / 2];
 }
 
+// The layout shapes through cuBLAS's default algorithm (what gemm.cu calls), round-robin: the
+// clock falls under the power cap as the GPU warms, and one pass shape by shape once put 10%
+// between two runs of the same shape, more than the layouts differ by. Each shape's figure is the
+// median over the rounds of each round's median.
+int layout_rounds(const std::vector<Shape>& shapes, void* h, int rounds = 7) {
+  const size_t big = size_t(8192) * 16384;
+  __nv_bfloat16 *A, *B, *C;
+  CK(cudaMalloc(&A, big * 2));
+  CK(cudaMalloc(&B, big * 2));
+  CK(cudaMalloc(&C, big * 2));
+  CK(cudaMalloc(&flush_buf, kFlush));
+  fill_kernel<<<1024, 256, 0, stream>>>(A, big, 1);
+  fill_kernel<<<1024, 256, 0, stream>>>(B, big, 2);
+  fill_kernel<<<1024, 256, 0, stream>>>(C, big, 3);
+  std::vector<std::vector<float>> t(shapes.size());
+  for (int r = 0; r < rounds; ++r)
+    for (size_t i = 0; i < shapes.size(); ++i) {
+      const Shape& s = shapes[i];
+      const float alpha = 1.f, beta = s.beta;
+      const int opa = s.tb ? 1 : 0, opb = s.ta ? 1 : 0;
+      t[i].push_back(time_us([&]() {
+        return api.gemm(h, opa, opb, s.N, s.M, s.K, &alpha, B, CUDA_R_16BF, s.ldb, 0, A, CUDA_R_16BF, s.lda, 0, &beta,
+                        C, CUDA_R_16BF, s.ldc, 0, 1, 68, -1) == 0;
+      }, 7));
+    }
+  printf("%-3s %-17s %-3s %5s %5s %5s %5s %5s %4s | %8s %8s %8s  (us, cuBLAS default, %d rounds)\n", "mdl", "what",
+         "op", "M", "N", "K", "lda", "ldb", "beta", "median", "min", "max", rounds);
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    const Shape& s = shapes[i];
+    std::vector<float> v = t[i];
+    std::sort(v.begin(), v.end());
+    printf("%-3s %-17s %-3s %5d %5d %5d %5d %5d %4.0f | %8.1f %8.1f %8.1f\n", s.model.c_str(), s.what.c_str(),
+           s.tb ? "nt" : "nn", s.M, s.N, s.K, s.lda, s.ldb, s.beta, v[v.size() / 2], v.front(), v.back());
+  }
+  return 0;
+}
+
 int main(int argc, char** argv) {
   if (argc < 3) { fprintf(stderr, "usage: %s libcublas.so libcublasLt.so\n", argv[0]); return 2; }
   void* lb = dlopen(argv[1], RTLD_NOW | RTLD_GLOBAL);
@@ -223,13 +294,20 @@ int main(int argc, char** argv) {
 
   std::vector<Shape> shapes;
   const bool frozen = argc > 3 && !strcmp(argv[3], "frozen");  // the frozen products instead
-  if (frozen) {
+  const bool layout = argc > 3 && !strcmp(argv[3], "layout");  // the frozen ones with W stored either way
+  if (layout) {
+    layout_shapes(shapes, "1b", 16, 8192, 2048, 8192, 2048, 512, 16);
+    layout_shapes(shapes, "8b", 8, 8192, 4096, 14336, 4096, 1024, 16);
+    layout_shapes(shapes, "w3", 1, 4096, 4096, 14336, 4096, 1024, 16);
+  } else if (frozen) {
     frozen_shapes(shapes, "1b", 16, 8192, 2048, 8192, 2048, 512, 32000);
     frozen_shapes(shapes, "8b", 8, 8192, 4096, 14336, 4096, 1024, 32000);
   } else {
     lora_shapes(shapes, "1b", 16, 8192, 2048, 8192, 2048, 512, 16);
     lora_shapes(shapes, "8b", 8, 8192, 4096, 14336, 4096, 1024, 16);
   }
+
+  if (layout) return layout_rounds(shapes, h);
 
   const size_t big = size_t(8192) * 16384;  // elements: the largest stored operand (8192 x F 14336) fits
   __nv_bfloat16 *A, *B, *Cb;
@@ -399,7 +477,7 @@ int main(int argc, char** argv) {
     printf("# %s: %s GEMMs per step: default %.2f ms, best of each %.2f ms\n", m.c_str(), frozen ? "frozen" : "LoRA",
            v.first, v.second);
   printf("# both: lt[0] everywhere %.2f ms\n", tot_lt0);
-  if (frozen) return 0;
+  if (frozen || layout) return 0;
 
   // Fused K: y = [x | t] [W | s B]^T (nt, K = in + g) against y = t B^T then y += x W^T, and
   // dx = [dy | dt] [W ; A] (nn, K = out + g) against dx = dt A then dx += dy W; 1b's shapes.

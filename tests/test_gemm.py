@@ -397,3 +397,53 @@ def test_gemm_strided_3d_views(dev, trans, dt, cdt):
     np.testing.assert_array_equal(got[outside], c[outside], err_msg="write outside the C windows")
     with pytest.raises(ValueError, match="leading dimension must equal batch"):
         ops.gemm(A, B, C, trans_a=ta, trans_b=tb, batch=batch - 1)
+
+
+# ------------------------------------------------------------------------------ lora_b_backward
+# (rows, out, dy's row stride (0: contiguous), r): awkward rows and widths, dy a column block of a
+# wider buffer, the ranks CUDA's kernel takes (16, 32, 48, 64) and one it leaves to two GEMMs (8),
+# and sizes past one kernel block's rows (512 at r = 16) and columns (128).
+LORA_B_SHAPES = [(1, 16, 0, 16), (31, 33, 40, 16), (33, 127, 128, 32), (127, 31, 0, 8), (300, 200, 264, 48),
+                 (1100, 300, 0, 16), (129, 64, 72, 64)]
+
+
+@pytest.mark.parametrize("beta", [0.0, 1.0])
+@pytest.mark.parametrize("rows,out,ld,r", LORA_B_SHAPES, ids=["x".join(map(str, s)) for s in LORA_B_SHAPES])
+@pytest.mark.parametrize("dt", FLOAT_DTYPES)
+def test_lora_b_backward(dev, dt, rows, out, ld, r, beta):
+    """gB = beta gB + s dy^T t (f32) and dt = s dy B against float64, with t and dt column blocks
+    of wider buffers whose other columns must stay as they were."""
+    if dt not in device_dtypes(dev):
+        pytest.skip(f"{dev.name} has no {dt} kernels")
+    rng = np.random.default_rng(rows * 7 + out)
+    wide, dy_wide = upload(dev, rng.standard_normal((rows, ld or out)), dt)
+    dy, dyh = wide[:, :out], dy_wide[:, :out]
+    tw, tw_h = upload(dev, rng.standard_normal((rows, 2 * r)), dt)
+    t, th = tw[:, r:], tw_h[:, r:]
+    B, bh = upload(dev, rng.standard_normal((out, r)), dt)
+    gB, g0 = upload(dev, rng.standard_normal((out, r)), "f32")
+    dtw = empty_filled(dev, (rows, r + 5), dt, 3.0)
+    s = 0.75
+    ops.lora_b_backward(dy, t, B, gB, dtw[:, :r], s, beta)
+    ref_g = beta * g0 + s * dyh.T @ th
+    ref_dt = s * dyh @ bh
+    check(gB, ref_g, rows, "f32", s, dyh.T, th, beta, g0, what="gB")
+    check(dtw[:, :r], ref_dt, out, dt, s, dyh, bh, what="dt")
+    assert np.all(read(dtw)[:, r:] == 3.0), "dt's buffer changed outside dt"
+
+
+def test_lora_b_backward_runs_fused_where_the_capabilities_say(dev):
+    """One lora_b_backward op in the profile where the device fuses it (16-bit, r = 16), the two
+    GEMMs elsewhere; and its errors name the argument."""
+    dt = "bf16" if "bf16" in device_dtypes(dev) else "f32"
+    dy, t, B = (dev.zeros(s, dt) for s in ((64, 48), (64, 16), (48, 16)))
+    gB, d = dev.zeros((48, 16), "f32"), dev.zeros((64, 16), dt)
+    with krnl.profile(dev) as prof:
+        ops.lora_b_backward(dy, t, B, gB, d)
+    names = [rec["op"] for rec in prof.records]
+    fused = dev.capabilities()["fused_lora_b_backward"] and dt != "f32"
+    assert names == (["lora_b_backward"] if fused else ["gemm", "gemm"])
+    with pytest.raises(ValueError, match=r"\[lora_b_backward\] B must be \(out, r\)"):
+        ops.lora_b_backward(dy, t, dev.zeros((47, 16), dt), gB, d)
+    with pytest.raises(ValueError, match=r"\[lora_b_backward\] gB must be f32"):
+        ops.lora_b_backward(dy, t, B, dev.zeros((48, 16), dt), d)

@@ -16,8 +16,7 @@ from conftest import FLOAT_DTYPES, ROOT, lora_step, tiny_lora_model
 
 FIELDS = {"kind": str, "dtypes": list, "compute_dtype": str, "fused_attention": dict, "graphs": bool,
           "host_visible": bool, "synchronous": bool, "queue_ordered": bool, "attention_block": int,
-          "gemm_tuning": bool, "collectives": list, "lora_fold": bool, "fused_lora_b_backward": bool,
-          "details": dict}
+          "gemm_tuning": bool, "collectives": list, "lora_fold": bool, "details": dict}
 
 
 @pytest.mark.parametrize("name", krnl.devices())  # cpu:1 and, where registered, metal-sim included
@@ -48,7 +47,7 @@ def test_cpu_values():
             "fused_attention": {"dtypes": [], "segments": True, "window": True, "head_dims": [], "token_major": True},
             "graphs": False, "host_visible": True,
             "synchronous": True, "queue_ordered": True, "attention_block": 128, "gemm_tuning": False,
-            "collectives": [], "lora_fold": False, "fused_lora_b_backward": False}, name
+            "collectives": [], "lora_fold": False}, name
         assert c["details"]["blas"] and int(c["details"]["threads"]) == krnl.num_threads()
 
 

@@ -138,7 +138,6 @@ nb::dict capabilities_dict(const Capabilities& c) {
   for (const auto& name : c.collectives) coll.append(name);
   d["collectives"] = coll;
   d["lora_fold"] = c.lora_fold;
-  d["fused_lora_b_backward"] = c.fused_lora_b_backward;
   d["details"] = details;
   return d;
 }
@@ -210,8 +209,7 @@ void bind_devices(nb::module_& m) {
            "reused within it), attention_block (query rows per materialised attention block, 0: all), "
            "gemm_tuning (timing the GEMM variants measures a real GPU: krnl tune), collectives (libraries summing tensors "
            "across processes on the device itself: 'nccl' on CUDA), lora_fold (the model folds each LoRA's second product "
-           "into its frozen GEMM's K), fused_lora_b_backward (lora_b_backward reads dy once: for 16-bit operands at "
-           "ranks that are multiples of 16 up to 64), details (hardware facts).")
+           "into its frozen GEMM's K), details (hardware facts).")
       .def("gemm_variants", [](Backend& d) {
              auto* m = dynamic_cast<metal::MetalOps*>(&d);
              return m ? m->gemm_variants() : std::vector<std::string>{};

@@ -74,10 +74,6 @@ void bind_ops(nb::module_& parent) {
         "f32) for a per-step factor that a replayed graph reads afresh.");
   m.def("add", &ops::add, release, "a"_a, "b"_a, "out"_a);
   m.def("axpy", &ops::axpy, release, "alpha"_a, "x"_a, "y"_a, "y += alpha * x.");
-  m.def("lora_b_backward", &ops::lora_b_backward, release, "dy"_a, "t"_a, "B"_a, "gB"_a, "dt"_a, "scale"_a = 1.f,
-        "beta"_a = 1.f,
-        "A LoRA's products that read dy (rows, out): gB (out, r) f32 = beta * gB + scale * dy^T t and dt (rows, r)\n"
-        "= scale * dy B; one pass over dy where capabilities()['fused_lora_b_backward'], else two GEMMs.");
   m.def("scale", &ops::scale, release, "x"_a, "alpha"_a, "out"_a, "out = alpha * x.");
   m.def("cast", &ops::cast, release, "x"_a, "out"_a, "out = x converted to out's dtype (round to nearest even).");
   m.def("quantized_matmul", &ops::quantized_matmul, release, "x"_a, "w"_a, "scales"_a, "biases"_a, "out"_a,

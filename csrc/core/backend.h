@@ -96,8 +96,6 @@ struct Capabilities {
   // Fold each LoRA's second product into its frozen GEMM's K (python/krnl/lora_fold.py): one pass
   // over the output instead of two, where passes over memory are what a GEMM this size costs.
   bool lora_fold = false;
-  // lora_b_backward reads dy once for dB and dt (for 16-bit operands at ranks it takes).
-  bool fused_lora_b_backward = false;
   // Facts about the hardware behind the device (GPU name, GPU family, ...), for people.
   std::vector<std::pair<std::string, std::string>> details;
 };
@@ -115,8 +113,6 @@ class Backend {
   // attention_forward/backward take token-major (B, T, H, D) views (columns of the projections,
   // no head transposes) and rope turns them in place (op_list.h).
   virtual bool token_major_attention() const { return false; }
-  // lora_b_backward runs as one kernel for these operands (op_list.h); else the core's two GEMMs.
-  virtual bool fuses_lora_b_backward(const Tensor& dy, const Tensor& t, const Tensor& dt) const { return false; }
 
   // Fields a backend leaves alone come from the virtuals above (host_visible, synchronous,
   // queue_ordered); backends override this to add the rest.

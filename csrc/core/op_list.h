@@ -52,10 +52,6 @@
 //   (T,) i32 and inv_freq (R,) f32 the rows of heads h < rotate also turn as `rope` turns them
 //   (sign +1 forward, -1 backward) on the way: one pass instead of a transpose and two ropes.
 //   heads_axis names x's head axis (1: x (T, H, D), 0: x (H, T, D)); positions index the other.
-// - lora_b_backward: a LoRA's two products that read dy (rows, out): gB (out, r) f32 = beta gB +
-//   scale dy^T t and dt (rows, r) = scale dy B, for t (rows, r) and B (out, r) in dy's dtype; dy, t
-//   and dt may be row-strided views. Where Backend::fuses_lora_b_backward says so, one kernel reads
-//   dy once for both; elsewhere the core issues the two GEMMs.
 #pragma once
 
 // Every op. gemm comes apart from the rest: the backend gets the router's GemmArgs, while the
@@ -91,8 +87,6 @@
                     int32_t ignore_index, float scale, const Tensor* scale_by))                                     \
   X(add, (const Tensor& a, const Tensor& b, const Tensor& out))                                                     \
   X(axpy, (float alpha, const Tensor& x, const Tensor& y))                                                          \
-  X(lora_b_backward, (const Tensor& dy, const Tensor& t, const Tensor& B, const Tensor& gB, const Tensor& dt,        \
-                      float scale, float beta))                                                                     \
   X(scale, (const Tensor& x, float alpha, const Tensor& out))                                                       \
   X(cast, (const Tensor& x, const Tensor& out))                                                                     \
   X(transpose_heads, (const Tensor& x, const Tensor& out, const Tensor* positions, const Tensor* inv_freq,          \

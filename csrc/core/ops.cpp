@@ -528,30 +528,6 @@ void axpy(float alpha, const Tensor& x, const Tensor& y) {
   run(c, shape_str(x.shape()), 2.0 * double(x.numel()), nbytes({&x, &y, &y}), y.dtype(), [&] { c.dev->axpy(alpha, x, y); });
 }
 
-void lora_b_backward(const Tensor& dy, const Tensor& t, const Tensor& B, const Tensor& gB, const Tensor& dt, float scale,
-                     float beta) {
-  Check c{"lora_b_backward"};
-  // dy, t and dt may be column blocks: of a fused projection's output, of a group's t (rows, G r),
-  // of the (rows, out + r) buffer a backward fold reads (lora_fold.py)
-  c.rows("dy", dy), c.rows("t", t), c.tensor("B", B), c.tensor("gB", gB), c.rows("dt", dt);
-  if (dy.dim() != 2) c.fail("dy must be 2-D (rows, out), got " + dy.describe());
-  c.floating("dy", dy);
-  const int64_t rows = dy.size(0), out = dy.size(1);
-  if (B.dim() != 2 || B.size(0) != out) c.fail("B must be (out, r) with out = " + std::to_string(out) + ", got " + B.describe());
-  const int64_t r = B.size(1);
-  c.shape("t", t, {rows, r}), c.shape("dt", dt, {rows, r}), c.shape("gB", gB, {out, r});
-  c.same_dtype("t", t, "dy", dy), c.same_dtype("B", B, "dy", dy), c.same_dtype("dt", dt, "dy", dy);
-  c.dtype("gB", gB, {DType::f32});
-  if (!c.dev->fuses_lora_b_backward(dy, t, dt)) {
-    gemm(dy, t, gB, true, false, scale, beta);  // gB = beta gB + scale dy^T t
-    gemm(dy, B, dt, false, false, scale, 0.f);  // dt = scale dy B
-    return;
-  }
-  const double flops = 4.0 * double(rows) * double(out) * double(r);
-  run(c, shape_str(dy.shape()) + " r=" + std::to_string(r), flops, nbytes({&dy, &t, &B, &gB, &gB, &dt}), dy.dtype(),
-      [&] { c.dev->lora_b_backward(dy, t, B, gB, dt, scale, beta); });
-}
-
 void scale(const Tensor& x, float alpha, const Tensor& out) {
   Check c{"scale"};
   c.tensor("x", x), c.tensor("out", out);

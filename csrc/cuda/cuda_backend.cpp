@@ -120,7 +120,6 @@ CudaBackend::CudaBackend(int device) : Backend("cuda"), device_(device) {
   cudaDeviceProp prop{};
   check(cudaGetDeviceProperties(&prop, device_), "cuda");
   gpu_name_ = prop.name;
-  compute_major_ = prop.major;
   compute_capability_ = std::to_string(prop.major) + "." + std::to_string(prop.minor);
   char bus[32] = {};
   check(cudaDeviceGetPCIBusId(bus, sizeof bus, device_), "cuda");
@@ -155,7 +154,6 @@ Capabilities CudaBackend::capabilities() const {
   c.attention_block = 1024;
   c.collectives = {"nccl"};  // NcclComm (nccl_comm.h) on this stream, where libnccl loads
   c.lora_fold = true;         // +1.9% on the H200's 1b step: docs/performance.md, 'The LoRA folded into K'
-  c.fused_lora_b_backward = compute_major_ >= 8;  // lora.cu's 16-bit WMMA
   c.details = {{"gpu", gpu_name_}, {"compute_capability", compute_capability_},
                {"sm_count", std::to_string(sm_count_)}, {"device", std::to_string(device_)},
                {"pci_bus_id", pci_bus_id_}};

@@ -104,9 +104,6 @@ class CudaBackend : public Backend {
                      int32_t ignore_index, float scale, const Tensor* scale_by) override;
   void add(const Tensor& a, const Tensor& b, const Tensor& out) override;
   void axpy(float alpha, const Tensor& x, const Tensor& y) override;
-  bool fuses_lora_b_backward(const Tensor& dy, const Tensor& t, const Tensor& dt) const override;
-  void lora_b_backward(const Tensor& dy, const Tensor& t, const Tensor& B, const Tensor& gB, const Tensor& dt,
-                       float scale, float beta) override;
   void scale(const Tensor& x, float alpha, const Tensor& out) override;
   void cast(const Tensor& x, const Tensor& out) override;
   void transpose_heads(const Tensor& x, const Tensor& out, const Tensor* positions, const Tensor* inv_freq,
@@ -146,7 +143,6 @@ class CudaBackend : public Backend {
 
   int device_ = 0;
   int sm_count_ = 132;
-  int compute_major_ = 0;
   std::string gpu_name_, compute_capability_, pci_bus_id_;  // for capabilities(): read once, outside any capture
   cudaStream_t stream_ = nullptr;
   void* cublas_ = nullptr;  // cublasHandle_t, opaque here (cuBLAS is loaded at run time)

@@ -142,9 +142,10 @@ class LoraLinear:
             return
         d, cdt, rows = self.W.device, f.A.dtype, dy.shape[0]
         s, gbeta = self.scale, self.grad_beta
+        self.sums.weight_grad(dy, saved.t, f.gB, s, gbeta)                # dB (+)= s dy^T t    (out, r)
         if dt is None:
-            dt = d.empty((rows, f.A.shape[0]), cdt)                       # (rows, r)
-        b_backward(self.sums, dy, saved.t, f, dt, s, gbeta)               # dB (+)= s dy^T t, dt = s dy B
+            dt = d.empty((rows, f.A.shape[0]), cdt)
+        ops.gemm(dy, f.B, dt, alpha=s)                                    # dt = s dy B         (rows, r)
         self.sums.weight_grad(dt, saved.xd, f.gA, 1.0, gbeta)             # dA (+)= dt^T drop(x) (r, in)
         if dx is None:
             return
@@ -155,17 +156,6 @@ class LoraLinear:
             ops.axpy(1.0, tmp2, dx)
         else:
             ops.gemm(dt, f.A, dx, beta=beta)                              # dx (+)= dt A
-
-
-def b_backward(sums, dy, t, f, dt, s, gbeta):
-    """f.gB = gbeta f.gB + s dy^T t and dt = s dy f.B: one lora_b_backward (a single pass over dy
-    where the device fuses it), or, where sums keeps per-sample gradients, its two products
-    (KRNL_LORA_B_FUSED=0 takes these everywhere, to time both)."""
-    if sums.samples or os.environ.get("KRNL_LORA_B_FUSED") == "0":
-        sums.weight_grad(dy, t, f.gB, s, gbeta)
-        ops.gemm(dy, f.B, dt, alpha=s)
-    else:
-        ops.lora_b_backward(dy, t, f.B, f.gB, dt, s, gbeta)
 
 
 def init_lora(device, config, lora_config, dtype, seed):

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from . import _core
-from .lora import LoraSaved, b_backward, lora_first
+from .lora import LoraSaved, lora_first
 
 ops = _core.ops
 
@@ -98,7 +98,9 @@ def group_backward(lins, dys, saved, group, dx, beta=1.0):
     dt = d.empty((rows, G * r), group.A.dtype)                            # (rows, G r)
     sums = lins[0].sums  # the members share their model's SampleSums
     for i, (lin, dy, s) in enumerate(zip(lins, dys, saved)):
-        b_backward(sums, dy, s.t, lin.factors, dt[:, i * r:(i + 1) * r], lin.scale, lin.grad_beta)  # dB_i, dt_i
+        f = lin.factors
+        sums.weight_grad(dy, s.t, f.gB, lin.scale, lin.grad_beta)         # dB_i (+)= s dy_i^T t_i
+        ops.gemm(dy, f.B, dt[:, i * r:(i + 1) * r], alpha=lin.scale)      # dt_i = s dy_i B_i
     if sums.samples:  # per sample into each member's own slots (sample_sums): one product per member
         for i, lin in enumerate(lins):
             sums.weight_grad(dt[:, i * r:(i + 1) * r], x, lin.factors.gA, 1.0, lin.grad_beta)  # dA_i += dt_i^T x

@@ -184,7 +184,10 @@ def test_dist_nccl_one_process_keeps_the_host_path(monkeypatch):
     in one line."""
     said = []
     monkeypatch.delenv("KRNL_DIST_BACKEND", raising=False)
-    assert dist_nccl.reducer_for(dist.World(), krnl.device("cpu"), said.append) is None and said == []
+    one = dist.World()
+    assert dist_nccl.reducer_for(one, krnl.device("cpu"), said.append) is None and said == []
+    # one process, one World, a second run on another device (CLI runs in one Python session)
+    assert dist_nccl.reducer_for(one, krnl.device("cpu:1"), said.append) is None and said == []
     monkeypatch.setenv("KRNL_DIST_BACKEND", "nccl")
     with pytest.raises(ValueError, match=r"^\[dist\] KRNL_DIST_BACKEND=nccl but NCCL cannot run here: every rank: "
                                          r"cpu has no NCCL collectives \(CUDA devices do\)$"):

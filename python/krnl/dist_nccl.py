@@ -96,12 +96,15 @@ def reducer_for(world, dev, log=print):
     rank with nothing to sum). Chosen once per World: every rank gathers every rank's rank_info
     and takes the same decision; rank 0 then makes NCCL's unique id, MPI broadcasts it, and each
     rank joins the communicator."""
+    mode = backend_mode()
+    if world.size == 1 and mode != "nccl":
+        # Nothing to sum and nothing set up: one process may train on one device, then another.
+        return None
     if world in _MADE:
         name, reducer = _MADE[world]
         if name != dev.name:
             raise ValueError(f"[dist] the gradient's allreduce was set up on {name}, not {dev.name}")
         return reducer
-    mode = backend_mode()
     reducer = None
     if world.size > 1 or mode == "nccl":
         # mpi: no rank opens NCCL (the same answer everywhere, since every rank reads the variable)

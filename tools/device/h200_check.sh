@@ -101,6 +101,9 @@ fi
 build_tree . > "$OUT/cmake.log" 2>&1 || { grep -E "error|FAILED" "$OUT/cmake.log" | head -40; exit 1; }
 readelf -d python/krnl/_core*.so | grep -q "libstdc++" || { echo "the module links no libstdc++.so (a static, mismatched one?)"; exit 1; }
 export PYTHONPATH=python:/tmp/site KRNL_TEST_METAL_SIM=0
+# The machine runs everything as root, which Open MPI's mpiexec refuses unless told (the nccl
+# phase, and the tests phase's tests/test_dist.py)
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 # What an H200 must offer: a missing capability fails here instead of turning its tests into skips.
 python3 - <<'PY' || exit 1
 import sys, krnl
@@ -190,7 +193,6 @@ elif [ "$phase" = qlora ]; then
   timeout ${BENCH_S:-400} python3 -m krnl.bench --workloads qlora --peers torch --rounds 1 ${QLORA_PROFILE:+--profile} --json "$OUT/qlora_bench.json" \
     2>&1 | tee "$OUT/qlora_bench.log" | tail -30
 elif [ "$phase" = nccl ]; then
-  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1  # Open MPI's mpiexec refuses root otherwise
   nvidia-smi -L
   timeout ${NTESTS_S:-300} python3 -m pytest -q -rs -p no:cacheprovider tests/test_dist_nccl.py tests/test_dist.py 2>&1 |
     tee "$OUT/nccl_tests.log" | tail -15

@@ -229,7 +229,11 @@ def test_mlx_adapter_layout_round_trips(folders, tmp_path):
 def test_greedy_generation_matches_transformers(folders, name):
     """longrope: the 5-token prompt takes the short factors, decoding past 8 positions the long
     ones, with the cached keys as they were rotated (transformers' dynamic choice per call)."""
-    torch, _ = torch_modules()
+    torch, transformers = torch_modules()
+    if name == "longrope" and tuple(int(p) for p in transformers.__version__.split(".")[:2]) < (5, 20):
+        # 5.17-5.19 pick the 6th token differently (its uncached forward, 5.20 on and krnl agree)
+        pytest.skip(f"transformers {transformers.__version__} decodes longrope past the switch with a cache "
+                    f"unlike its own uncached forward and 5.20 on")
     prompt = [5, 17, 3, 40, 9]
     ref = hf_model(folders[name])
     ref.generation_config.eos_token_id = None

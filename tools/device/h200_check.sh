@@ -28,7 +28,8 @@
 #                                           tools/device/lora_gemm_probe.cu: the train shapes' GEMMs
 #                                           (the LoRA products, the frozen ones, or the frozen ones
 #                                           with each weight stored either way) through cuBLAS's
-#                                           default and every cuBLASLt candidate ($OUT/gemms_KIND.txt)
+#                                           default and every cuBLASLt candidate (layout: the default
+#                                           alone, round-robin over the shapes; $OUT/gemms_KIND.txt)
 #   OLD=DIR bash tools/device/h200_check.sh compare
 #                                           a change's before and after in one call: DIR is an earlier
 #                                           tree carried along (git archive REV | tar -x -C .hP/old),

@@ -477,7 +477,7 @@ int main(int argc, char** argv) {
     printf("# %s: %s GEMMs per step: default %.2f ms, best of each %.2f ms\n", m.c_str(), frozen ? "frozen" : "LoRA",
            v.first, v.second);
   printf("# both: lt[0] everywhere %.2f ms\n", tot_lt0);
-  if (frozen || layout) return 0;
+  if (frozen) return 0;
 
   // Fused K: y = [x | t] [W | s B]^T (nt, K = in + g) against y = t B^T then y += x W^T, and
   // dx = [dy | dt] [W ; A] (nn, K = out + g) against dx = dt A then dx += dy W; 1b's shapes.

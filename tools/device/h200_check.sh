@@ -24,12 +24,14 @@
 #                                           (tools/device/step_kernels.py; the list in
 #                                           $OUT/kernels_SHAPE.tsv), with the SM clock and power
 #                                           sampled alongside ($OUT/smi.csv)
-#   bash tools/device/h200_check.sh gemms [lora|frozen|layout]
+#   bash tools/device/h200_check.sh gemms [lora|frozen|layout|fused]
 #                                           tools/device/lora_gemm_probe.cu: the train shapes' GEMMs
 #                                           (the LoRA products, the frozen ones, or the frozen ones
 #                                           with each weight stored either way) through cuBLAS's
 #                                           default and every cuBLASLt candidate (layout: the default
-#                                           alone, round-robin over the shapes; $OUT/gemms_KIND.txt)
+#                                           alone, round-robin over the shapes); fused: one-pass
+#                                           kernels for a LoRA's dB and dt against cuBLAS's two
+#                                           GEMMs ($OUT/gemms_KIND.txt)
 #   OLD=DIR bash tools/device/h200_check.sh compare
 #                                           a change's before and after in one call: DIR is an earlier
 #                                           tree carried along (git archive REV | tar -x -C .hP/old),

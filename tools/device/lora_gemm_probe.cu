@@ -6,9 +6,10 @@
 // libcublas / libcublasLt at run time (no cuBLAS headers where it is compiled).
 //
 //   nvcc -O2 -std=c++17 -arch=sm_90 -o lora_gemm_probe tools/device/lora_gemm_probe.cu -ldl
-//   ./lora_gemm_probe /path/libcublas.so.13 /path/libcublasLt.so.13 [frozen|layout] > table.txt
+//   ./lora_gemm_probe /path/libcublas.so.13 /path/libcublasLt.so.13 [frozen|layout|fused] > table.txt
 // (with "frozen": the frozen weights' products and the LM head's instead of the LoRA products;
-// "layout": the frozen weights' products with each weight stored as loaded and transposed)
+// "layout": the frozen weights' products with each weight stored as loaded and transposed;
+// "fused": lora_b_variants.cuh's one-pass dB and dt against cuBLAS's two GEMMs)
 //
 // Shapes are krnl's row-major GEMMs (C (M, N) = alpha op(A) op(B) + beta C) with the row strides
 // the model passes (column blocks of fused outputs); a line per (shape, beta). Each timing is the
@@ -35,6 +36,7 @@
 #include <vector>
 
 #include "cuda_check.h"
+#include "lora_b_variants.cuh"
 
 // ---- cuBLAS / cuBLASLt C ABI (CUDA 12/13), declared here
 struct LtAlgo { uint64_t data[8]; };
@@ -262,6 +264,110 @@ int layout_rounds(const std::vector<Shape>& shapes, void* h, int rounds = 7) {
   return 0;
 }
 
+// ---- "fused": lora_b_variants.cuh's one-pass dB and dt against the two GEMMs krnl issues
+template <int BN, int S, int NI, int MINB = 1>
+struct FusedVariant {
+  static int occupancy() {  // blocks per SM
+    using C = lora_b::Cfg<BN, S, NI>;
+    static int occ = -1;
+    if (occ < 0) {
+      CK(cudaFuncSetAttribute(lora_b::fused<BN, S, NI, MINB>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(C::smem)));
+      CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, lora_b::fused<BN, S, NI, MINB>, lora_b::kThreads, C::smem));
+    }
+    return occ;
+  }
+  // One call: as many column blocks as fill every SM's resident blocks once.
+  static bool run(const lora_b::T* dy, int64_t ld, const lora_b::T* t, const lora_b::T* B, int64_t rows, int64_t out,
+                  float beta, lora_b::T* dt, float* gB, float* ws, size_t ws_floats, int sms) {
+    using C = lora_b::Cfg<BN, S, NI>;
+    constexpr int R = lora_b::R;
+    const int64_t nr = (rows + C::Rr - 1) / C::Rr, col_tiles = (out + BN - 1) / BN;
+    const int64_t nc = std::max<int64_t>(1, std::min<int64_t>(col_tiles, int64_t(sms) * occupancy() / nr));
+    const int64_t Cc = (col_tiles + nc - 1) / nc * BN, ncb = (out + Cc - 1) / Cc;
+    const int64_t rows_pad = nr * C::Rr, out_pad = ncb * Cc;
+    if (size_t(ncb * rows_pad * R + nr * C::KS * out_pad * R) > ws_floats) return false;
+    float* dtp = ws;
+    float* dBp = ws + ncb * rows_pad * R;
+    lora_b::fused<BN, S, NI, MINB><<<dim3(unsigned(ncb), unsigned(nr)), lora_b::kThreads, C::smem, stream>>>(
+        dy, ld, t, B, rows, out, Cc, rows_pad, out_pad, dtp, dBp);
+    lora_b::reduce<<<1024, 256, 0, stream>>>(dtp, int(ncb), rows_pad, dBp, int(nr * C::KS), out_pad, rows, out, beta,
+                                             dt, gB);
+    return cudaGetLastError() == cudaSuccess;
+  }
+};
+
+int fused_rounds(void* h, int sms, int rounds = 5) {
+  using lora_b::R;
+  using Run = bool (*)(const lora_b::T*, int64_t, const lora_b::T*, const lora_b::T*, int64_t, int64_t, float,
+                       lora_b::T*, float*, float*, size_t, int);
+  struct V { const char* name; Run run; int occ; };
+  const V vs[] = {{"BN128 S3 NI4", FusedVariant<128, 3, 4>::run, FusedVariant<128, 3, 4>::occupancy()},
+                  {"BN64 S4 NI4 B2", FusedVariant<64, 4, 4, 2>::run, FusedVariant<64, 4, 4, 2>::occupancy()},
+                  {"BN64 S3 NI2 B3", FusedVariant<64, 3, 2, 3>::run, FusedVariant<64, 3, 2, 3>::occupancy()},
+                  {"BN32 S4 NI2 B4", FusedVariant<32, 4, 2, 4>::run, FusedVariant<32, 4, 2, 4>::occupancy()},
+                  {"BN32 S3 NI4 B3", FusedVariant<32, 3, 4, 3>::run, FusedVariant<32, 3, 4, 3>::occupancy()}};
+  struct Sh { const char* what; int64_t rows, out, ld; };
+  const Sh shapes[] = {{"8b gate|up", 8192, 14336, 14336}, {"8b q", 8192, 4096, 6144}, {"w3 gate|up", 4096, 14336, 14336},
+                       {"awkward", 1100, 333, 344}};
+  const size_t big = size_t(8192) * 14336, ws_floats = size_t(64) << 20;
+  __nv_bfloat16 *dy, *t, *B, *dt, *dt_ref;
+  float *gB, *gB_ref, *ws;
+  CK(cudaMalloc(&dy, big * 2));
+  CK(cudaMalloc(&t, 8192 * R * 2));
+  CK(cudaMalloc(&B, 14336 * R * 2));
+  CK(cudaMalloc(&dt, 8192 * R * 2));
+  CK(cudaMalloc(&dt_ref, 8192 * R * 2));
+  CK(cudaMalloc(&gB, 14336 * R * 4));
+  CK(cudaMalloc(&gB_ref, 14336 * R * 4));
+  CK(cudaMalloc(&ws, ws_floats * 4));
+  CK(cudaMalloc(&flush_buf, kFlush));
+  fill_kernel<<<1024, 256, 0, stream>>>(dy, big, 1);
+  fill_kernel<<<1024, 256, 0, stream>>>(t, 8192 * R, 2);
+  fill_kernel<<<1024, 256, 0, stream>>>(B, 14336 * R, 3);
+  const float one = 1.f, zero = 0.f;
+  for (const Sh& s : shapes) {
+    auto pair = [&](float beta) {  // dB (+)= dy^T t (f32), then dt = dy B: krnl's two GEMMs, its mapping
+      return api.gemm(h, 0, 1, R, int(s.out), int(s.rows), &one, t, CUDA_R_16BF, R, 0, dy, CUDA_R_16BF, int(s.ld), 0,
+                      &beta, gB_ref, CUDA_R_32F, R, 0, 1, 68, -1) == 0 &&
+             api.gemm(h, 0, 0, R, int(s.rows), int(s.out), &one, B, CUDA_R_16BF, R, 0, dy, CUDA_R_16BF, int(s.ld), 0,
+                      &zero, dt_ref, CUDA_R_16BF, R, 0, 1, 68, -1) == 0;
+    };
+    if (!pair(0.f)) { printf("cuBLAS failed\n"); return 1; }
+    std::vector<uint16_t> dr(s.rows * R), d(s.rows * R);
+    std::vector<float> gr(s.out * R), g(s.out * R);
+    CK(cudaStreamSynchronize(stream));
+    CK(cudaMemcpy(dr.data(), dt_ref, dr.size() * 2, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(gr.data(), gB_ref, gr.size() * 4, cudaMemcpyDeviceToHost));
+    auto bf = [](uint16_t u) { uint32_t w = uint32_t(u) << 16; float f; memcpy(&f, &w, 4); return f; };
+    std::vector<std::vector<float>> times(std::size(vs) + 1);
+    for (size_t v = 0; v < std::size(vs); ++v) {  // correctness, beta 0, against cuBLAS
+      if (!vs[v].run(dy, s.ld, t, B, s.rows, s.out, 0.f, dt, gB, ws, ws_floats, sms)) { printf("launch failed\n"); return 1; }
+      CK(cudaStreamSynchronize(stream));
+      CK(cudaMemcpy(d.data(), dt, d.size() * 2, cudaMemcpyDeviceToHost));
+      CK(cudaMemcpy(g.data(), gB, g.size() * 4, cudaMemcpyDeviceToHost));
+      double ed = 0, md = 0, eg = 0, mg = 0;
+      for (size_t i = 0; i < d.size(); ++i) ed = std::max(ed, double(std::fabs(bf(d[i]) - bf(dr[i])))), md = std::max(md, double(std::fabs(bf(dr[i]))));
+      for (size_t i = 0; i < g.size(); ++i) eg = std::max(eg, double(std::fabs(g[i] - gr[i]))), mg = std::max(mg, double(std::fabs(gr[i])));
+      printf("%-11s %-15s %d block(s)/SM: dt differs from cuBLAS by %.1e, dB by %.1e (of the largest)\n", s.what,
+             vs[v].name, vs[v].occ, ed / md, eg / mg);
+    }
+    for (int r = 0; r < rounds; ++r) {
+      for (size_t v = 0; v < std::size(vs); ++v)
+        times[v].push_back(time_us([&]() { return vs[v].run(dy, s.ld, t, B, s.rows, s.out, 1.f, dt, gB, ws, ws_floats, sms); }, 7));
+      times.back().push_back(time_us([&]() { return pair(1.f); }, 7));
+    }
+    auto med = [](std::vector<float> x) { std::sort(x.begin(), x.end()); return x[x.size() / 2]; };
+    const float tp = med(times.back());
+    for (size_t v = 0; v < std::size(vs); ++v) {
+      const float tv = med(times[v]);
+      printf("%-11s %-15s %8.1f us  dy read at %.2f TB/s  %.2fx cuBLAS's two GEMMs (%.1f us)\n", s.what, vs[v].name,
+             tv, s.rows * s.out * 2 / (tv * 1e6), tp / tv, tp);
+    }
+    fflush(stdout);
+  }
+  return 0;
+}
+
 int main(int argc, char** argv) {
   if (argc < 3) { fprintf(stderr, "usage: %s libcublas.so libcublasLt.so\n", argv[0]); return 2; }
   void* lb = dlopen(argv[1], RTLD_NOW | RTLD_GLOBAL);
@@ -295,6 +401,7 @@ int main(int argc, char** argv) {
   std::vector<Shape> shapes;
   const bool frozen = argc > 3 && !strcmp(argv[3], "frozen");  // the frozen products instead
   const bool layout = argc > 3 && !strcmp(argv[3], "layout");  // the frozen ones with W stored either way
+  if (argc > 3 && !strcmp(argv[3], "fused")) return fused_rounds(h, prop.multiProcessorCount);
   if (layout) {
     layout_shapes(shapes, "1b", 16, 8192, 2048, 8192, 2048, 512, 16);
     layout_shapes(shapes, "8b", 8, 8192, 4096, 14336, 4096, 1024, 16);

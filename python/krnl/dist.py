@@ -31,6 +31,9 @@ _LAUNCHER_VARS = (("PMI_SIZE", "PMI_RANK"), ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_
                   ("PMIX_SIZE", "PMIX_RANK"), ("MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_RANK"))
 DEFAULT_TIMEOUT = 600.0
 POLL_SECONDS = 1.0  # how often a rank waiting in a collective looks for dead peers on its machine
+# How long a failing rank waits between printing why and MPI_Abort: MPICH's launcher tears the
+# job down at the abort and can drop the message still in its pipe.
+ABORT_GRACE_SECONDS = 0.5
 DEFAULT_CHECK_EVERY = 50  # optimizer steps between two parameter hash checks (KRNL_DIST_CHECK_EVERY)
 
 
@@ -244,6 +247,7 @@ class World:
         sys.stderr.flush()
         sys.stdout.flush()
         if self.size > 1:
+            time.sleep(ABORT_GRACE_SECONDS)
             self.comm.Abort(code)
         raise SystemExit(code)
 

@@ -106,18 +106,17 @@ def reducer_for(world, dev, log=print):
             raise ValueError(f"[dist] the gradient's allreduce was set up on {name}, not {dev.name}")
         return reducer
     reducer = None
-    if world.size > 1 or mode == "nccl":
-        # mpi: no rank opens NCCL (the same answer everywhere, since every rank reads the variable)
-        infos = [] if mode == "mpi" else world.allgather(rank_info(dev), "the start (choosing the gradient's allreduce)")
-        use, why = decide(infos, mode)
-        if mode == "nccl" and not use:
-            raise ValueError(f"[dist] {BACKEND_VAR}=nccl but NCCL cannot run here: {why}")
-        if world.root:
-            log(describe(use, why, world.size))
-        if use:
-            uid = world.on_root(_core.nccl_unique_id, "the start (making NCCL's unique id)")
-            comm = world.watched("the start (joining the NCCL communicator)",
-                                 lambda: _core.nccl_comm(dev, uid, world.rank, world.size))
-            reducer = NcclReducer(world, dev, comm)
+    # mpi: no rank opens NCCL (the same answer everywhere, since every rank reads the variable)
+    infos = [] if mode == "mpi" else world.allgather(rank_info(dev), "the start (choosing the gradient's allreduce)")
+    use, why = decide(infos, mode)
+    if mode == "nccl" and not use:
+        raise ValueError(f"[dist] {BACKEND_VAR}=nccl but NCCL cannot run here: {why}")
+    if world.root:
+        log(describe(use, why, world.size))
+    if use:
+        uid = world.on_root(_core.nccl_unique_id, "the start (making NCCL's unique id)")
+        comm = world.watched("the start (joining the NCCL communicator)",
+                             lambda: _core.nccl_comm(dev, uid, world.rank, world.size))
+        reducer = NcclReducer(world, dev, comm)
     _MADE[world] = (dev.name, reducer)
     return reducer

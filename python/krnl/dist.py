@@ -31,8 +31,8 @@ _LAUNCHER_VARS = (("PMI_SIZE", "PMI_RANK"), ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_
                   ("PMIX_SIZE", "PMIX_RANK"), ("MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_RANK"))
 DEFAULT_TIMEOUT = 600.0
 POLL_SECONDS = 1.0  # how often a rank waiting in a collective looks for dead peers on its machine
-# How long a failing rank waits between printing why and MPI_Abort: MPICH's launcher tears the
-# job down at the abort and can drop the message still in its pipe.
+# How long a failing rank waits between printing why and MPI_Abort or its exit: MPICH's launcher
+# tears the job down at either and can drop the message still in the rank's pipe.
 ABORT_GRACE_SECONDS = 0.5
 DEFAULT_CHECK_EVERY = 50  # optimizer steps between two parameter hash checks (KRNL_DIST_CHECK_EVERY)
 
@@ -56,8 +56,8 @@ def _alive(pid):
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:  # no /proc (macOS): kill's answer stands
-        return True
+    except OSError:  # reaped since kill() where there is /proc; without (macOS) kill's answer stands
+        return not os.path.isdir("/proc/self")
 
 
 class _Watchdog:
@@ -94,12 +94,8 @@ class _Watchdog:
                 # The main thread may hold MPI's locks inside the collective: leave without MPI
                 # calls; the launcher sees a rank exit with status 1 and ends the job.
                 if gone:
-                    said = f"{', '.join(gone)} died while this rank waited in {self.what}; stopping"
-                else:
-                    said = f"waited {self.timeout:g} s in {self.what}; {self.world.missing_ranks()}"
-                sys.stderr.write(f"krnl train: error: [dist] rank {self.world.rank}: {said}\n")
-                sys.stderr.flush()
-                os._exit(1)
+                    self.world.stop(f"{', '.join(gone)} died while this rank waited in {self.what}")
+                self.world.stop(f"waited {self.timeout:g} s in {self.what}; {self.world.missing_ranks()}")
 
 
 class World:
@@ -152,7 +148,14 @@ class World:
         said = (f"{', '.join(gone)} died" if gone else "no other rank on this machine died")
         if remote:
             said += f"; ranks {', '.join(map(str, remote))} run elsewhere (the launcher's message names a dead one)"
-        return said + "; stopping"
+        return said
+
+    def stop(self, said):
+        """Ends this rank at once, without MPI calls, saying why: the launcher sees status 1
+        and ends the others."""
+        sys.stderr.write(f"krnl train: error: [dist] rank {self.rank}: {said}; stopping\n")
+        sys.stderr.flush()
+        os._exit(1)
 
     def _collect(self, what, fn):
         if self._watchdog is None:
@@ -160,6 +163,16 @@ class World:
         self._watchdog.arm(what)
         try:
             return fn()
+        except Exception:
+            # MPI fails a collective whose peer died mid-transfer (MPICH: process_vm_readv,
+            # ESRCH) before the watchdog's next poll: say which rank, not MPI's error stack. The
+            # peer may still be exiting (its memory gone, its pid not yet a zombie).
+            deadline = time.monotonic() + POLL_SECONDS
+            while not (gone := self.gone_ranks()) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if gone:
+                self.stop(f"{', '.join(gone)} died while this rank waited in {what}")
+            raise
         finally:
             self._watchdog.disarm()
 
@@ -284,7 +297,11 @@ def supervise(argv):
     if code < 0:
         print(f"krnl: error: [dist] rank {rank} (pid {child.pid}) was killed by {signal.Signals(-code).name}",
               file=sys.stderr, flush=True)
-        return 128 - code
+        code = 128 - code
+    if code:
+        # MPICH's launcher tears the job down when a rank exits non-zero and can drop what is
+        # still in that rank's pipe (this line, the child's last words).
+        time.sleep(ABORT_GRACE_SECONDS)
     return code
 
 

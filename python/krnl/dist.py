@@ -93,9 +93,8 @@ class _Watchdog:
                     continue
                 # The main thread may hold MPI's locks inside the collective: leave without MPI
                 # calls; the launcher sees a rank exit with status 1 and ends the job.
-                if gone:
-                    self.world.stop(f"{', '.join(gone)} died while this rank waited in {self.what}")
-                self.world.stop(f"waited {self.timeout:g} s in {self.what}; {self.world.missing_ranks()}")
+                self.world.stop(self.world.died(gone, self.what) if gone else
+                                f"waited {self.timeout:g} s in {self.what}; {self.world.missing_ranks()}")
 
 
 class World:
@@ -150,6 +149,11 @@ class World:
             said += f"; ranks {', '.join(map(str, remote))} run elsewhere (the launcher's message names a dead one)"
         return said
 
+    @staticmethod
+    def died(gone, what):
+        """What a rank says when gone_ranks() named `gone` while it waited in `what`."""
+        return f"{', '.join(gone)} died while this rank waited in {what}"
+
     def stop(self, said):
         """Ends this rank at once, without MPI calls, saying why: the launcher sees status 1
         and ends the others."""
@@ -171,7 +175,7 @@ class World:
             while not (gone := self.gone_ranks()) and time.monotonic() < deadline:
                 time.sleep(0.01)
             if gone:
-                self.stop(f"{', '.join(gone)} died while this rank waited in {what}")
+                self.stop(self.died(gone, what))
             raise
         finally:
             self._watchdog.disarm()

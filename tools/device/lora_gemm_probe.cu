@@ -210,6 +210,14 @@ void* flush_buf;
 const size_t kFlush = size_t(256) << 20;
 cudaEvent_t e0, e1;
 
+// n bf16 values from fill_kernel's hash of their index and `seed`, in new device memory.
+__nv_bfloat16* random_bf16(size_t n, uint32_t seed) {
+  __nv_bfloat16* p;
+  CK(cudaMalloc(&p, n * 2));
+  fill_kernel<<<1024, 256, 0, stream>>>(p, n, seed);
+  return p;
+}
+
 template <class Fn>
 float time_us(Fn&& fn, int reps = 15) {
   std::vector<float> t;
@@ -233,14 +241,8 @@ float time_us(Fn&& fn, int reps = 15) {
 // median over the rounds of each round's median.
 int layout_rounds(const std::vector<Shape>& shapes, void* h, int rounds = 7) {
   const size_t big = size_t(8192) * 16384;
-  __nv_bfloat16 *A, *B, *C;
-  CK(cudaMalloc(&A, big * 2));
-  CK(cudaMalloc(&B, big * 2));
-  CK(cudaMalloc(&C, big * 2));
+  __nv_bfloat16 *A = random_bf16(big, 1), *B = random_bf16(big, 2), *C = random_bf16(big, 3);
   CK(cudaMalloc(&flush_buf, kFlush));
-  fill_kernel<<<1024, 256, 0, stream>>>(A, big, 1);
-  fill_kernel<<<1024, 256, 0, stream>>>(B, big, 2);
-  fill_kernel<<<1024, 256, 0, stream>>>(C, big, 3);
   std::vector<std::vector<float>> t(shapes.size());
   for (int r = 0; r < rounds; ++r)
     for (size_t i = 0; i < shapes.size(); ++i) {
@@ -310,20 +312,15 @@ int fused_rounds(void* h, int sms, int rounds = 5) {
   const Sh shapes[] = {{"8b gate|up", 8192, 14336, 14336}, {"8b q", 8192, 4096, 6144}, {"w3 gate|up", 4096, 14336, 14336},
                        {"awkward", 1100, 333, 344}};
   const size_t big = size_t(8192) * 14336, ws_floats = size_t(64) << 20;
-  __nv_bfloat16 *dy, *t, *B, *dt, *dt_ref;
+  __nv_bfloat16 *dy = random_bf16(big, 1), *t = random_bf16(8192 * R, 2), *B = random_bf16(14336 * R, 3), *dt,
+                *dt_ref;
   float *gB, *gB_ref, *ws;
-  CK(cudaMalloc(&dy, big * 2));
-  CK(cudaMalloc(&t, 8192 * R * 2));
-  CK(cudaMalloc(&B, 14336 * R * 2));
   CK(cudaMalloc(&dt, 8192 * R * 2));
   CK(cudaMalloc(&dt_ref, 8192 * R * 2));
   CK(cudaMalloc(&gB, 14336 * R * 4));
   CK(cudaMalloc(&gB_ref, 14336 * R * 4));
   CK(cudaMalloc(&ws, ws_floats * 4));
   CK(cudaMalloc(&flush_buf, kFlush));
-  fill_kernel<<<1024, 256, 0, stream>>>(dy, big, 1);
-  fill_kernel<<<1024, 256, 0, stream>>>(t, 8192 * R, 2);
-  fill_kernel<<<1024, 256, 0, stream>>>(B, 14336 * R, 3);
   const float one = 1.f, zero = 0.f;
   for (const Sh& s : shapes) {
     auto pair = [&](float beta) {  // dB (+)= dy^T t (f32), then dt = dy B: krnl's two GEMMs, its mapping
@@ -417,12 +414,10 @@ int main(int argc, char** argv) {
   if (layout) return layout_rounds(shapes, h);
 
   const size_t big = size_t(8192) * 16384;  // elements: the largest stored operand (8192 x F 14336) fits
-  __nv_bfloat16 *A, *B, *Cb;
+  __nv_bfloat16 *A = random_bf16(big, 1), *B = random_bf16(big, 2), *Cb;
   float *Cf, *part, *ref;
   void *ws, *out2;
   const size_t kWs = size_t(32) << 20;
-  CK(cudaMalloc(&A, big * 2));
-  CK(cudaMalloc(&B, big * 2));
   CK(cudaMalloc(&Cb, big * 2));
   CK(cudaMalloc(&Cf, big * 4));
   CK(cudaMalloc(&ref, big * 4));
@@ -430,8 +425,6 @@ int main(int argc, char** argv) {
   CK(cudaMalloc(&part, size_t(64) << 20));  // split-K partials: S * M * N f32
   CK(cudaMalloc(&ws, kWs));
   CK(cudaMalloc(&flush_buf, kFlush));
-  fill_kernel<<<1024, 256, 0, stream>>>(A, big, 1);
-  fill_kernel<<<1024, 256, 0, stream>>>(B, big, 2);
   CK(cudaStreamSynchronize(stream));
 
   printf("%-3s %-15s %-3s %5s %5s %5s %5s %5s %5s %3s %4s | %7s %7s %7s %7s | %-40s %s\n", "mdl", "what", "op", "M",

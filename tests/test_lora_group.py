@@ -4,24 +4,42 @@ against a float64 numpy oracle at awkward sizes, and against the same linears ru
 import numpy as np
 import pytest
 
+import krnl
 from krnl import lora_group
 from krnl.lora import LoraFactors, LoraLinear
+from krnl.params import FlatParams
 
 from conftest import read, upload
 
 
-def _group(dev, rng, inp, outs, r, dt, scale=2.0, beta=1.0):
+def _group(dev, rng, inp, outs, r, dt, scale=2.0, beta=1.0, stacked=False):
     """Linears of widths outs on a shared input of width inp: (lins, float64 A, B per member,
-    the f32 gA/gB starting values as float64)."""
+    the f32 gA/gB starting values as float64). stacked: A, B and their gradients are views of one
+    FlatParams laid out as a model's (the A side by side), and the members share their Stack."""
     lins, ref = [], []
-    for out in outs:
+    G = len(outs)
+    flat = FlatParams(dev, {**{f"A{i}": (r, inp) for i in range(G)}, **{f"B{i}": (o, r) for i, o in enumerate(outs)}},
+                      dt) if stacked else None
+    for i, out in enumerate(outs):
         W, _ = upload(dev, rng.standard_normal((out, inp)) / np.sqrt(inp), dt)
         A, a = upload(dev, rng.standard_normal((r, inp)) / np.sqrt(inp), dt)
         B, b = upload(dev, rng.standard_normal((out, r)) / np.sqrt(r), dt)
         gA, ga = upload(dev, rng.standard_normal((r, inp)), "f32")
         gB, gb = upload(dev, rng.standard_normal((out, r)), "f32")
-        lins.append(LoraLinear(W, LoraFactors(A, B, gA, gB), scale, accumulate_grads=beta != 0))
+        if flat is not None:  # the same values, now in the flat buffers
+            for src, name in ((A, f"A{i}"), (B, f"B{i}")):
+                krnl.ops.cast(src, flat.master(name))
+                krnl.ops.cast(src, flat.compute(name))
+            krnl.ops.cast(gA, flat.grad(f"A{i}"))
+            krnl.ops.cast(gB, flat.grad(f"B{i}"))
+            A, B, gA, gB = flat.compute(f"A{i}"), flat.compute(f"B{i}"), flat.grad(f"A{i}"), flat.grad(f"B{i}")
+        lins.append(LoraLinear(W, LoraFactors(A, B, gA, gB), scale, accumulate_grads=beta != 0, tag=i))
         ref.append((a, b, ga, gb))
+    if flat is not None and G > 1:
+        st = lora_group.stack_of(flat, [f"A{i}" for i in range(G)], range(G))
+        assert st is not None and lora_group.stack_of(flat, ["A1", "A0"], (1, 0)) is None
+        for lin in lins:
+            lin.stack = st
     return lins, ref
 
 
@@ -29,16 +47,18 @@ def _tol(dt):
     return {"f32": 2e-5, "f16": 2e-2, "bf16": 6e-2}[dt]
 
 
+@pytest.mark.parametrize("stacked", [False, True], ids=["copied", "stacked"])
 @pytest.mark.parametrize("out_beta", [1.0, 0.0], ids=["add", "write"])
 @pytest.mark.parametrize("accumulate", [True, False], ids=["accumulate", "overwrite"])
 @pytest.mark.parametrize("rows,inp,outs,r", [(33, 31, (31, 17, 17), 3), (1, 127, (64, 48), 16), (31, 64, (33,), 2)])
-def test_lora_group_forward_backward(dev, rows, inp, outs, r, accumulate, out_beta):
+def test_lora_group_forward_backward(dev, rows, inp, outs, r, accumulate, out_beta, stacked):
     """ys = b ys + s x A_i^T B_i^T, gB_i (+)= s dy_i^T t_i, gA_i (+)= dt_i^T x,
-    dx = b dx + sum_i dt_i A_i (b: out_beta, the LoRA-first order's 0)."""
+    dx = b dx + sum_i dt_i A_i (b: out_beta, the LoRA-first order's 0); with the members' A
+    copied together at the call, or read (and their gA written) as one Stack."""
     dt = "f32"
     rng = np.random.default_rng(rows * 7 + len(outs))
     s, beta = 2.0, 1.0 if accumulate else 0.0
-    lins, ref = _group(dev, rng, inp, outs, r, dt, s, beta)
+    lins, ref = _group(dev, rng, inp, outs, r, dt, s, beta, stacked)
     x, xf = upload(dev, rng.standard_normal((rows, inp)), dt)
     # the outputs as column blocks of one buffer, like q|k|v
     total = sum(outs)
@@ -47,6 +67,7 @@ def test_lora_group_forward_backward(dev, rows, inp, outs, r, accumulate, out_be
     ys = [Y[:, c0:c1] for c0, c1 in zip(cols[:-1], cols[1:])]
     saved, group = lora_group.group_forward(lins, x, ys, beta=out_beta)
     assert (group is not None) == (len(outs) > 1)
+    assert group is None or (group.gA is not None) == stacked
     DY, dyf = upload(dev, rng.standard_normal((rows, total)), dt)
     dys = [DY[:, c0:c1] for c0, c1 in zip(cols[:-1], cols[1:])]
     DX, dxf = upload(dev, rng.standard_normal((rows, inp)), dt)
@@ -116,7 +137,6 @@ def test_lora_group_sample_order(dev, outs):
     backward. Halves of 624 rows: a multiple of OpenBLAS's row tiles, and large enough that no
     rank-r product takes its small-matrix kernel; on CUDA 6 rows, where cuBLAS picks the same
     kernels for both halves and the whole (docs/distributed.md)."""
-    from krnl.params import FlatParams
     from krnl.sample_sums import SampleSums
 
     S, T, inp, r, s = 4, 3 if dev.capabilities()["kind"] == "cuda" else 312, 19, 2, 2.0
@@ -161,3 +181,24 @@ def test_lora_group_sample_order(dev, outs):
                 for got, want in ((read(flat.grad(f"A{i}")), gA_ref[i]), (read(flat.grad(f"B{i}")), gB_ref[i])):
                     assert np.max(np.abs(got - want)) <= 2e-5 * max(np.max(np.abs(want)), 1.0)
     np.testing.assert_array_equal(run[0], run[1] + run[2])
+
+
+def test_lora_group_model_reads_its_stacks(dev):
+    """A Llama model lays each layer's A side by side: q, k, v and gate, up read theirs as one
+    view of the model's parameters (no copy at the call) and write their gradients there; with
+    only some of a group adapted, or the layout split, the group copies (stacked_A's other path)."""
+    from krnl.model import LlamaModel, LoraConfig, ModelConfig, random_weights
+
+    cfg = ModelConfig.from_dict(dict(model_type="llama", vocab_size=61, hidden_size=32, intermediate_size=48,
+                                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8))
+    m = LlamaModel(dev, cfg, random_weights(cfg, 0), LoraConfig(r=2), seed=3)
+    flat = m.lora_params.working if m.lora_params.working is not None else m.lora_params.params
+    for L in m.layers:
+        for lins in ([L.q_proj, L.k_proj, L.v_proj], [L.mlp.gate, L.mlp.up]):
+            A, r, gA = lora_group.stacked_A(lins)
+            assert gA is not None and A.buffer_id == flat.buffer_id and gA.buffer_id == m.lora_params.grads.buffer_id
+            assert A.shape == (len(lins) * 2, 32) and r == 2
+            assert np.array_equal(read(A), np.concatenate([read(lin.factors.A) for lin in lins]))
+        assert lora_group.stacked_A([L.k_proj, L.v_proj])[2] is None  # not the stack's members
+    part = LlamaModel(dev, cfg, random_weights(cfg, 0), LoraConfig(r=2, target_modules=["q_proj", "v_proj"]), seed=3)
+    assert part.layers[0].q_proj.stack is None and part.layers[0].mlp.gate.factors is None

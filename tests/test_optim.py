@@ -344,3 +344,25 @@ def test_load_state_dict_rejects_other_layout(dev):
     del state["layout"]
     with pytest.raises(ValueError, match=r"m has shape"):
         b.load_state_dict(state)
+
+
+def test_load_state_dict_moves_an_earlier_order_by_name(dev):
+    """A state saved with the same parameters in another order (an earlier krnl laid out each
+    module's A then its B; now a layer's A come first) continues bit for bit as if saved in this
+    order: each parameter's moments move to its own offsets."""
+    shapes = dict(reversed(list(SHAPES.items())))
+    rng = np.random.default_rng(6)
+    fa, fb = make_flat(dev), make_flat(dev, shapes=shapes)
+    a, b = (AdamW(f, Schedule(1e-2, kind="constant"), weight_decay=0.05) for f in (fa, fb))
+    g = rng.standard_normal(fa.numel).astype(np.float32)
+    set_grads(fa, g)
+    a.step(1)
+    fb.load(fa.state())
+    b.load_state_dict(a.state_dict())
+    assert not np.array_equal(fa.m.numpy()[:fa.numel], fb.m.numpy()[:fb.numel])  # the orders differ
+    for opt, fp in ((a, fa), (b, fb)):
+        by_name = {k: g[o:o + n] for k, (o, n) in fa.offsets.items()}
+        set_grads(fp, np.concatenate([by_name[k] for k in fp.offsets]))
+        opt.step(1)
+    sa, sb = fa.state(), fb.state()
+    assert all(np.array_equal(sa[k], sb[k]) for k in SHAPES)

@@ -20,10 +20,10 @@ from .attention import fused_forward, materialised_forward
 from . import gemma, gemma3
 from .layer_heads import heads_backward, heads_forward
 from .gemma import GemmaAttn
-from .config import ALL_MODULES, ATTN_MODULES, QKV_MODULES
+from .config import ALL_MODULES, ATTN_MODULES, QKV_MODULES, lora_key
 from .lora import LoraLinear, LoraSaved, dropout_tag, module_factors
 from .lora_fold import Fold, norm_output, rows_for_A, wanted as fold_wanted
-from .lora_group import GroupSaved, group_backward, group_forward, writes_all
+from .lora_group import GroupSaved, group_backward, group_forward, stack_of, writes_all
 from .qweight import frozen_weight, linear, linear_grad
 
 ops = _core.ops
@@ -215,6 +215,11 @@ def build_layer(i, config, weights, device, dtype, heads, ones, lora_config, lor
     fold(("gate_proj", "up_proj"), [("gate_proj",), ("up_proj",)], [(0, 0, F), (1, 0, F)])
     qkv = Ws["q_proj"] if "q_proj" in Ws else up_linear([key[m] for m in QKV_MODULES])
     qkv_bias = up([f"{p}self_attn.{m}.bias" for m in QKV_MODULES], (1, -1)) if c.attention_bias else None
+    stacks = {}
+    for mods in (QKV_MODULES, ("gate_proj", "up_proj")):  # the groups' A read as one tensor (lora_group.Stack)
+        if all((i, m) in adapted for m in mods) and not c.fused_projections:
+            st = stack_of(lora_params, [lora_key(i, m, "A") for m in mods], [dropout_tag(c, i, m) for m in mods])
+            stacks.update(dict.fromkeys(mods, st))
     lin, r0 = {}, 0
     for m in ALL_MODULES:
         if m in QKV_MODULES:
@@ -223,7 +228,7 @@ def build_layer(i, config, weights, device, dtype, heads, ones, lora_config, lor
         else:
             W = Ws[m] if m in Ws else up_linear([key[m]])
         lin[m] = LoraLinear(W, fs[m], lora_config.scale, lora_config.dropout, tag=dropout_tag(c, i, m),
-                            sums=sums, Wk=Wks.get(m))
+                            sums=sums, Wk=Wks.get(m), stack=stacks.get(m))
     eps = c.rms_norm_eps
     if c.gemma:
         return build_gemma_layer(i, c, weights, device, dtype, heads, ones, qkv, qkv_bias, lin)

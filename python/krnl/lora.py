@@ -53,11 +53,14 @@ class LoraLinear:
     accumulate_grads is False, where each backward overwrites them. sums: the model's
     sample_sums.SampleSums (the gradients' sums over rows in the sample order when on), or None.
     Wk: W's own buffer (out + r, in) with rows for A after W's, where the backward folds
-    (lora_fold.py; W is then Wk[:out])."""
+    (lora_fold.py; W is then Wk[:out]). stack: the A factors of this linear's group as one tensor
+    (lora_group.Stack), where they lie side by side."""
 
-    def __init__(self, W, factors=None, scale=1.0, dropout=0.0, tag=0, accumulate_grads=True, sums=None, Wk=None):
+    def __init__(self, W, factors=None, scale=1.0, dropout=0.0, tag=0, accumulate_grads=True, sums=None, Wk=None,
+                 stack=None):
         self.W = W                        # (out, in) frozen: a compute-dtype tensor or a QuantizedWeight
         self.Wk = Wk                      # (out + r, in) or None
+        self.stack = stack                # lora_group.Stack of this linear's group, or None
         self.out, self.inp = W.shape
         self.factors = factors            # LoraFactors or None
         self.scale = float(scale)
@@ -159,17 +162,19 @@ class LoraLinear:
 
 
 def init_lora(device, config, lora_config, dtype, seed):
-    """The LoRA factors of a model as one FlatParams, A then B per adapted module in layer order,
-    initialised as PEFT does (A uniform, B zero); also the set of adapted (layer, module) pairs."""
+    """The LoRA factors of a model as one FlatParams, initialised as PEFT does (A uniform, B zero);
+    also the set of adapted (layer, module) pairs. Layer by layer, a layer's A factors in module
+    order, then its B factors: the A of linears that share an input (q, k, v; gate, up) lie side
+    by side, so their group reads them, and writes their gradients, as one tensor (lora_group)."""
     r = lora_config.r
     adapted, shapes = set(), {}
     for i in lora_config.adapted_layers(config):
-        for m in config.lora_modules():
-            if m in lora_config.target_modules:
-                out, inp = config.module_shape(m)
-                shapes[lora_key(i, m, "A")] = (r, inp)
-                shapes[lora_key(i, m, "B")] = (out, r)
-                adapted.add((i, m))
+        mods = [m for m in config.lora_modules() if m in lora_config.target_modules]
+        for m in mods:
+            shapes[lora_key(i, m, "A")] = (r, config.module_shape(m)[1])
+            adapted.add((i, m))
+        for m in mods:
+            shapes[lora_key(i, m, "B")] = (config.module_shape(m)[0], r)
     params = FlatParams(device, shapes, dtype)
     rng = np.random.default_rng(seed)
     init = {}

@@ -94,7 +94,7 @@ class Fold:
     def forward(self, lins, xw, ys):
         """ys[j] = [x | t] Wk_j^T for xw (rows, in + G r) holding x in its first in columns (t is
         written here); returns (one LoraSaved per member, the GroupSaved) for group_backward."""
-        A, r = stacked_A(lins)
+        A, r, gA = stacked_A(lins)
         x, t = xw[:, :self.inp], xw[:, self.inp:]
         ops.gemm(x, A, t, trans_b=True)                                   # t_g = x A_g^T
         for i, (lin, (j, r0, r1)) in enumerate(zip(lins, self.blocks)):
@@ -102,4 +102,4 @@ class Fold:
             ops.gemm(lin.factors.B, self.eye, self.Wk[j][r0:r1, c0:c0 + r], alpha=lin.scale)  # S block = s_i B_i
         for Wk, y in zip(self.Wk, ys):
             ops.gemm(xw, Wk, y, trans_b=True)                             # y_j = [x | t] [W_j | S_j]^T
-        return [LoraSaved(x, t[:, i * r:(i + 1) * r], None) for i in range(len(lins))], GroupSaved(A, r)
+        return [LoraSaved(x, t[:, i * r:(i + 1) * r], None) for i in range(len(lins))], GroupSaved(A, r, gA)

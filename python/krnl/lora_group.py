@@ -10,7 +10,10 @@ the three is one product of G r columns instead:
     dA_g = dt_g^T x         (G r, in) f32 dA_i is its row block i, added into gA_i
     dx  += dt_g A_g                       dt_g (rows, G r) gathers each s dy_i B_i
 
-so x is read once instead of G times and dx read and written once, in fewer, larger GEMMs. The
+so x is read once instead of G times and dx read and written once, in fewer, larger GEMMs. Where
+the members' A lie side by side in the model's FlatParams (lora.init_lora's layout), A_g is a view
+of them and dA_g goes straight into their gradients (a Stack); elsewhere A_g is copied together
+at each call and dA_g added into each gA_i. The
 z += s t_i B_i^T and dB_i = s dy_i^T t_i products stay per linear (each has its own output), and
 so does dA_i in the sample reduce order (krnl.sample_sums: each into its own slots). A
 group whose members drop their inputs (dropout in training) or differ in rank or dtype runs
@@ -33,6 +36,23 @@ class GroupSaved:
     """What a grouped backward reads besides each member's LoraSaved."""
     A: _core.Tensor   # (G r, in) the members' A stacked, as the forward used them
     r: int
+    gA: Optional[_core.Tensor] = None  # (G r, in) f32 their gradients as one view (a Stack's), or None
+
+
+@dataclass(frozen=True)
+class Stack:
+    """The A factors of a group's members as one tensor, and their gradients as another: views of
+    the FlatParams that holds them side by side (FlatParams.rows)."""
+    A: _core.Tensor    # (G r, in) compute dtype
+    gA: _core.Tensor   # (G r, in) f32
+    tags: tuple        # the members' LoraLinear.tag, in order
+
+
+def stack_of(params, names, tags):
+    """The Stack of the parameters `names` (the members' A, in order), or None where they do not
+    lie side by side."""
+    views = params.rows(names)
+    return None if views is None else Stack(views[0], views[1], tuple(tags))
 
 
 def enabled():
@@ -59,13 +79,16 @@ def groupable(lins, call_seed):
 
 
 def stacked_A(lins):
-    """(A_g (G r, in), r): the members' A copied together, as this call's group uses them."""
+    """(A_g (G r, in), r, gA_g or None): the members' Stack where they have one, else their A
+    copied together (and no gA_g), as this call's group uses them."""
     A0 = lins[0].factors.A
-    r = A0.shape[0]
+    r, st = A0.shape[0], lins[0].stack
+    if st is not None and st.tags == tuple(lin.tag for lin in lins) and all(lin.stack is st for lin in lins):
+        return st.A, r, st.gA
     A = A0.device.empty((len(lins) * r, A0.shape[1]), A0.dtype)           # (G r, in)
     for i, lin in enumerate(lins):
         ops.scale(lin.factors.A, 1.0, A[i * r:(i + 1) * r])
-    return A, r
+    return A, r, None
 
 
 def group_forward(lins, x, ys, call_seed=None, beta=1.0):
@@ -74,7 +97,7 @@ def group_forward(lins, x, ys, call_seed=None, beta=1.0):
     per member, the GroupSaved or None) for group_backward."""
     if not groupable(lins, call_seed):
         return [lin.lora_forward(x, y, call_seed, beta) for lin, y in zip(lins, ys)], None
-    A, r = stacked_A(lins)
+    A, r, gA = stacked_A(lins)
     t = x.device.empty((x.shape[0], A.shape[0]), A.dtype)                 # (rows, G r)
     ops.gemm(x, A, t, trans_b=True)                                       # t_g = x A_g^T
     saved = []
@@ -82,7 +105,7 @@ def group_forward(lins, x, ys, call_seed=None, beta=1.0):
         ti = t[:, i * r:(i + 1) * r]                                      # (rows, r) column block
         ops.gemm(ti, lin.factors.B, y, trans_b=True, alpha=lin.scale, beta=beta)  # y (+)= s t_i B_i^T
         saved.append(LoraSaved(x, ti, None))
-    return saved, GroupSaved(A, r)
+    return saved, GroupSaved(A, r, gA)
 
 
 def group_backward(lins, dys, saved, group, dx, beta=1.0):
@@ -104,6 +127,8 @@ def group_backward(lins, dys, saved, group, dx, beta=1.0):
     if sums.samples:  # per sample into each member's own slots (sample_sums): one product per member
         for i, lin in enumerate(lins):
             sums.weight_grad(dt[:, i * r:(i + 1) * r], x, lin.factors.gA, 1.0, lin.grad_beta)  # dA_i += dt_i^T x
+    elif group.gA is not None and len({lin.grad_beta for lin in lins}) == 1:
+        ops.gemm(dt, x, group.gA, trans_a=True, beta=lins[0].grad_beta)   # gA_g (+)= dt_g^T x
     else:
         dA = d.empty((G * r, x.shape[1]), "f32")                          # (G r, in)
         ops.gemm(dt, x, dA, trans_a=True)                                 # dA_g = dt_g^T x

@@ -282,17 +282,28 @@ class AdamW:
             "layout": [[k, list(s)] for k, s in self.flat.shapes.items()],
         }
 
+    def _in_our_order(self, flat, theirs):
+        """A flat moment saved in another order of the same parameters (an earlier krnl's layout,
+        A and B interleaved), moved parameter by parameter into this one's."""
+        at, off = {}, 0
+        for k, shape in theirs.items():
+            size = int(np.prod(shape)) if shape else 1
+            at[k], off = flat[off:off + size], off + size
+        out = np.empty_like(flat)
+        for k, (o, size) in self.flat.offsets.items():
+            out[o:o + size] = at[k]
+        return out
+
     def load_state_dict(self, state):
         n = self.flat.numel
         layout = state.get("layout")
+        theirs = None
         if layout is not None:
             ours = {k: list(s) for k, s in self.flat.shapes.items()}
             theirs = {k: [int(d) for d in s] for k, s in layout}
-            if list(theirs) != list(ours) or theirs != ours:
+            if theirs != ours:
                 diff = [f"{k}: state {theirs.get(k)} vs params {ours.get(k)}"
                         for k in list(dict.fromkeys(list(theirs) + list(ours))) if theirs.get(k) != ours.get(k)]
-                if not diff:
-                    diff = ["parameter order differs"]
                 raise ValueError("[AdamW.load_state_dict] optimizer state is for a different parameter layout: "
                                  + "; ".join(diff[:5]) + (" ..." if len(diff) > 5 else ""))
         arrays = {}
@@ -300,7 +311,10 @@ class AdamW:
             a = np.asarray(state[key])
             if a.shape != (n,):
                 raise ValueError(f"[AdamW.load_state_dict] {key} has shape {a.shape}, these parameters need ({n},)")
-            arrays[key] = np.ascontiguousarray(a, dtype=np.float32)
+            a = np.ascontiguousarray(a, dtype=np.float32)
+            if theirs is not None and list(theirs) != list(ours):
+                a = self._in_our_order(a, theirs)
+            arrays[key] = a
         step, iteration = int(state["step"]), int(state["iteration"])
         if step < 0 or iteration < step:
             raise ValueError(f"[AdamW.load_state_dict] inconsistent counters: step {step}, iteration {iteration}")

@@ -40,6 +40,19 @@ class FlatParams:
         """`name` in the compute dtype: the working copy, or the master in f32 training."""
         return self._view(self.working if self.working is not None else self.params, name)
 
+    def rows(self, names):
+        """(compute, grad) views of the 2-D parameters `names` stacked by rows, (sum of their rows,
+        cols), where they lie side by side in this order with one column count; else None."""
+        spans, shapes = [self.offsets[k] for k in names], [self.shapes[k] for k in names]
+        if any(len(s) != 2 or s[1] != shapes[0][1] for s in shapes):
+            return None
+        if any(o + n != nxt for (o, n), (nxt, _) in zip(spans, spans[1:])):
+            return None
+        off, size = spans[0][0], sum(n for _, n in spans)
+        shape = (sum(s[0] for s in shapes), shapes[0][1])
+        flat = self.working if self.working is not None else self.params
+        return flat[off:off + size].reshape(shape), self.grads[off:off + size].reshape(shape)
+
     def load(self, values):
         """Sets masters from {name: array} (every name) and refreshes the working copy."""
         missing = set(self.shapes) - set(values)

@@ -482,3 +482,20 @@ def test_fused_attention_step_matches_materialised(cuda):
         for k, t in fused._lora_grads().items():  # cuDNN's dq accumulates atomically: not bitwise
             np.testing.assert_allclose(np.array(t.numpy(), np.float64), gf[k], rtol=0,
                                        atol=1e-2 * np.max(np.abs(gf[k])), err_msg=k)
+
+
+@pytest.mark.parametrize("dt,C", [("bf16", 64), ("f32", 4), ("bf16", 3)],
+                         ids=["bf16-rows-of-16B", "f32-one-16B", "bf16-odd"])
+def test_embedding_forward_replayed_bad_id_is_nan(cuda, dt, C):
+    """A recorded embedding_forward cannot check its ids on the host: replayed with an id out of
+    range, that token's row is NaN (the 16-byte and the per-element kernels alike), the others
+    the table's rows."""
+    rng = np.random.default_rng(3)
+    table = cuda.tensor(rng.standard_normal((9, C)).astype(np.float32), dt)
+    ids, out = cuda.tensor(np.array([0, 8, 4], np.int32), "i32"), cuda.empty((3, C), dt)
+    g = cuda.capture(lambda: ops.embedding_forward(ids, table, out))
+    cuda.upload(ids, np.array([2, 9, -1], np.int32))
+    g.replay()
+    got, want = read(out), read(table)
+    assert np.array_equal(got[0], want[2]) and np.isnan(got[1:]).all()
+    g.release()

@@ -27,6 +27,18 @@ __global__ void embedding_fwd_kernel(const int32_t* ids, const W* __restrict__ t
   }
 }
 
+// The same in 16-byte units, for rows of whole units on 16-byte aligned buffers: the per-element
+// form's 2-byte moves and 64-bit divisions copied a W3 embedding (4096 x 4096 bf16) at 1.4 TB/s.
+__global__ void embedding_fwd_vec_kernel(const int32_t* ids, const uint4* __restrict__ table, uint4* __restrict__ out,
+                                         int64_t n, int64_t units, int64_t V, uint4 nan) {
+  const int64_t total = n * units;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = i / units, c = i - t * units;
+    const int32_t id = __ldg(ids + t);
+    out[i] = id >= 0 && id < V ? table[int64_t(id) * units + c] : nan;
+  }
+}
+
 // One block row per distinct id (blockIdx.x), columns across threads: the id's tokens are added
 // in token order onto the existing row, exactly the CPU backend's summation order.
 __global__ void embedding_bwd_kernel(const int32_t* uniq, const int32_t* offs, const int32_t* pos, DType dt,
@@ -124,7 +136,15 @@ void CudaBackend::embedding_forward(const Tensor& ids, const Tensor& table, cons
   if (!capturing())
     ops::check_ids("embedding_forward", "id", "position", read_i32(ids.data(), n, "embedding_forward").data(), n, V);
   if (n == 0 || C == 0) return;
-  if (dtype_size(table.dtype()) == 4)
+  const int64_t row = C * int64_t(dtype_size(table.dtype()));
+  const uint32_t nan32 = dtype_size(table.dtype()) == 4 ? 0x7fc00000u
+                         : table.dtype() == DType::bf16 ? 0x7fc07fc0u : 0x7e007e00u;  // a NaN in every element
+  if (row % 16 == 0 && reinterpret_cast<uintptr_t>(table.data()) % 16 == 0 &&
+      reinterpret_cast<uintptr_t>(out.data()) % 16 == 0) {
+    embedding_fwd_vec_kernel<<<grid_for(n * (row / 16)), kThreads, 0, stream_>>>(
+        ids.ptr<int32_t>(), static_cast<const uint4*>(table.data()), static_cast<uint4*>(out.data()), n, row / 16, V,
+        make_uint4(nan32, nan32, nan32, nan32));
+  } else if (dtype_size(table.dtype()) == 4)
     embedding_fwd_kernel<uint32_t><<<grid_for(n * C), kThreads, 0, stream_>>>(
         ids.ptr<int32_t>(), table.ptr<uint32_t>(), out.ptr<uint32_t>(), n, C, V, 0x7fc00000u);
   else

@@ -1,7 +1,6 @@
 """The Llama family (llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3_text) with LoRA adapters,
-as explicit forward and backward over core ops (llm.c style, no autograd tape;
-docs/architecture.md): the stack of decoder layers (layer.py), the loss and evaluation;
-generation is in generate.py.
+as explicit forward and backward over core ops (llm.c style, no autograd tape; docs/architecture.md):
+the stack of decoder layers (layer.py), the loss and evaluation; generation is in generate.py.
 
     x0 = embed(ids)
     per layer:  h = x + o_proj(attn(rope(q_proj(n1)), rope(k_proj(n1)), v_proj(n1)))   n1 = rmsnorm(x)
@@ -36,7 +35,7 @@ ops = _core.ops
 
 class LlamaModel:
     def __init__(self, device, config, weights, lora=None, dtype="f32", seed=0, grad_checkpoint=False,
-                 ce_chunk=1024, quantize=None):
+                 ce_chunk=None, quantize=None):
         if isinstance(config, dict):
             config = ModelConfig.from_dict(config)
         if dtype not in ("f32", "f16", "bf16"):
@@ -45,7 +44,8 @@ class LlamaModel:
         self.lora_config = lora if lora is not None else LoraConfig()
         self.lora_config.validate(config)
         self.grad_checkpoint = bool(grad_checkpoint)
-        self.ce_chunk = int(ce_chunk)
+        # rows of logits a chunk: 1024 (at most 32768 V elements), more under a small vocabulary
+        self.ce_chunk = int(ce_chunk) if ce_chunk else 1024 * max(1, 32768 // config.vocab_size)
         self._call_seed = int(seed)  # counts forward_backward calls: seeds their dropout masks
         config.check_weights(weights)
         if config.fused_projections:  # phi3: q|k|v and gate|up rows of the fused weights

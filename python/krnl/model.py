@@ -275,15 +275,15 @@ class LlamaModel:
         attention stays within a segment and rotary positions are per token."""
         host = self.prepare(ids, targets, loss_scale, segments, positions)
         inputs = DeviceInputs.of(self.dev, host, ids.reshape(-1) if isinstance(ids, _core.Tensor) else None)
+        return self._run(lambda: self.forward_backward_mean(host, inputs))
 
-        def body():
-            total = self.forward_backward_step(host.key(), inputs)
-            self.sums.finish()  # the sample order's slots into the gradient (StepRunner: once a step)
-            self._loss = self.dev.empty((1,), "f32")
-            ops.scale(total, 1.0 / max(host.n_valid, 1), self._loss)
-            return self._loss
-
-        return self._run(body)
+    def forward_backward_mean(self, host, inputs):
+        """forward_backward for a HostInputs and its DeviceInputs, uploaded before any recording."""
+        total = self.forward_backward_step(host.key(), inputs)
+        self.sums.finish()  # the sample order's slots into the gradient (StepRunner: once a step)
+        self._loss = self.dev.empty((1,), "f32")
+        ops.scale(total, 1.0 / max(host.n_valid, 1), self._loss)
+        return self._loss
 
     def forward_backward_step(self, key, inputs):
         """The device's half of forward_backward for the inputs of a HostInputs with this key():

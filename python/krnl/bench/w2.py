@@ -23,6 +23,7 @@ import numpy as np
 
 import krnl
 from krnl.model import LlamaModel, LoraConfig, ModelConfig, lora_key, random_weights, ALL_MODULES
+from krnl.step_inputs import DeviceInputs
 from .targets import replayed
 
 T, C, F, H, D, R, V = 512, 2048, 5632, 16, 128, 32, 256
@@ -158,14 +159,17 @@ def build_krnl(case):
 
 
 def build_krnl_graph(case):
-    """The step recorded once as a CUDA graph and replayed (Device.capture): ids live on the
-    device, the body opens no step of its own."""
+    """The step recorded once as a CUDA graph and replayed (Device.capture), as the Trainer's
+    is: its inputs (ids, targets, positions, the loss's scale) uploaded before the recording,
+    so a replay copies nothing from the host; the body opens no step of its own."""
     m, dev = case.model, case.dev
     ids = dev.tensor(case.ids, "i32")
+    host = m.prepare(ids, case.targets)
+    inputs = DeviceInputs.of(dev, host, ids.reshape(-1))
 
     def body():
         m.zero_grads()
-        return m.forward_backward(ids, case.targets)
+        return m.forward_backward_mean(host, inputs)
 
     step, graph = replayed(dev, body)
 

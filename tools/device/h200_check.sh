@@ -20,7 +20,7 @@
 #                                           $OUT/attention_probe.txt), then krnl's own calls alone
 #                                           (tools/device/attention_alone.py)
 #   bash tools/device/h200_check.sh kernels every kernel of krnl's replayed train step on the 8b shape
-#                                           (TRAIN_SHAPES to change), timed by the GPU
+#                                           (TRAIN_SHAPES to change; w3: W3's step), timed by the GPU
 #                                           (tools/device/step_kernels.py; the list in
 #                                           $OUT/kernels_SHAPE.tsv), with the SM clock and power
 #                                           sampled alongside ($OUT/smi.csv)
@@ -37,7 +37,8 @@
 #                                           tree carried along (git archive REV | tar -x -C .hP/old),
 #                                           built beside this one; krnl's Trainer on the 8b shape
 #                                           (TRAIN_SHAPES) and W3, the two trees alternating
-#                                           (tools/device/train_before_after.py)
+#                                           (tools/device/train_before_after.py); W3_KERNELS=1: then
+#                                           each tree's W3 step kernel by kernel (step_kernels.py)
 #   bash tools/device/h200_check.sh nccl    on a machine with 2 or more GPUs (nvidia-h200-x2): tests/test_dist_nccl.py
 #                                           and tests/test_dist.py (two CUDA ranks through NCCL against one GPU,
 #                                           the loader, the fallback), then `krnl bench --workloads train --gpus 2`
@@ -228,9 +229,13 @@ elif [ "$phase" = kernels ]; then
   nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,power.limit,clocks_event_reasons.active --format=csv -lms 250 \
     > "$OUT/smi.csv" &
   smi=$!
-  for shape in ${TRAIN_SHAPES:-8b}; do
-    python3 tools/device/train_before_after.py write "/tmp/train_$shape" --shape "$shape" || exit 1
-    timeout ${KERNELS_S:-300} python3 tools/device/step_kernels.py "/tmp/train_$shape" "$OUT/kernels_$shape.tsv" 2>&1 |
+  for shape in ${TRAIN_SHAPES:-8b}; do  # w3: krnl bench's W3 step, replayed
+    src=w3
+    if [ "$shape" != w3 ]; then
+      src=/tmp/train_$shape
+      python3 tools/device/train_before_after.py write "$src" --shape "$shape" || exit 1
+    fi
+    timeout ${KERNELS_S:-300} python3 tools/device/step_kernels.py "$src" "$OUT/kernels_$shape.tsv" 2>&1 |
       grep -v Warning | tee "$OUT/kernels_$shape.log"
   done
   kill $smi
@@ -252,4 +257,10 @@ elif [ "$phase" = compare ]; then
     PYTHONPATH=$(tree $t) timeout 150 python3 -m krnl.bench --workloads w3 --peers numpy --device cuda --rounds 3 2>&1 |
       grep -E "^w3|^ +krnl" | sed "s/^/$t  /" | tee -a "$OUT/compare_w3.txt"
   done
+  if [ -n "$W3_KERNELS" ]; then  # each tree's replayed W3 step kernel by kernel
+    for t in before after; do
+      PYTHONPATH=$(tree $t) timeout 120 python3 tools/device/step_kernels.py w3 "$OUT/kernels_w3_$t.tsv" 2>&1 |
+        grep -v Warning | head -${W3_KERNELS_TOP:-30} | sed "s/^/$t  /" | tee "$OUT/kernels_w3_$t.log"
+    done
+  fi
 fi

@@ -146,11 +146,10 @@ void CudaBackend::embedding_forward(const Tensor& ids, const Tensor& table, cons
         make_uint4(nan32, nan32, nan32, nan32));
   } else if (dtype_size(table.dtype()) == 4)
     embedding_fwd_kernel<uint32_t><<<grid_for(n * C), kThreads, 0, stream_>>>(
-        ids.ptr<int32_t>(), table.ptr<uint32_t>(), out.ptr<uint32_t>(), n, C, V, 0x7fc00000u);
+        ids.ptr<int32_t>(), table.ptr<uint32_t>(), out.ptr<uint32_t>(), n, C, V, nan32);
   else
     embedding_fwd_kernel<uint16_t><<<grid_for(n * C), kThreads, 0, stream_>>>(
-        ids.ptr<int32_t>(), table.ptr<uint16_t>(), out.ptr<uint16_t>(), n, C, V,
-        uint16_t(table.dtype() == DType::bf16 ? 0x7fc0u : 0x7e00u));
+        ids.ptr<int32_t>(), table.ptr<uint16_t>(), out.ptr<uint16_t>(), n, C, V, uint16_t(nan32));
   check_launch("embedding_forward");
 }
 

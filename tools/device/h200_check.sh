@@ -32,6 +32,12 @@
 #                                           alone, round-robin over the shapes); fused: one-pass
 #                                           kernels for a LoRA's dB and dt against cuBLAS's two
 #                                           GEMMs ($OUT/gemms_KIND.txt)
+#   bash tools/device/h200_check.sh probes  the LM head and the loss alone at the train shapes, chunk
+#                                           sizes round-robin (tools/device/head_loss_probe.py); designs of
+#                                           the cross-entropy kernel alone (tools/device/ce_probe.cu); what
+#                                           the memsets in a recorded step are, and whether a recording can
+#                                           carry them as kernel nodes (tools/device/memset_probe.cu, with
+#                                           cuBLAS's own workspace and with one set by the caller); $OUT/*.txt
 #   OLD=DIR bash tools/device/h200_check.sh compare
 #                                           a change's before and after in one call: DIR is an earlier
 #                                           tree carried along (git archive REV | tar -x -C .hP/old),
@@ -243,6 +249,15 @@ elif [ "$phase" = gemms ]; then
   nvcc -O2 -std=c++17 -arch=sm_90 -o /tmp/lora_gemm_probe tools/device/lora_gemm_probe.cu -ldl || exit 1
   lt=$(find /usr/local /opt /usr/lib -name 'libcublasLt.so.1[23]*' 2>/dev/null | head -1)
   timeout ${GEMMS_S:-300} /tmp/lora_gemm_probe "$CUB" "$lt" ${2:-lora} 2>&1 | tee "$OUT/gemms_${2:-lora}.txt"
+elif [ "$phase" = probes ]; then
+  nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc -o /tmp/ce_probe tools/device/ce_probe.cu || exit 1
+  nvcc -O2 -arch=sm_90 -o /tmp/memset_probe tools/device/memset_probe.cu -ldl || exit 1
+  timeout 120 python3 tools/device/head_loss_probe.py 2>&1 | tee "$OUT/head_loss.txt"
+  timeout 120 /tmp/ce_probe 2>&1 | tee "$OUT/ce_probe.txt" | grep "TB/s"
+  for ws in default workspace; do
+    timeout 60 /tmp/memset_probe "$CUB" $ws > "$OUT/memset_$ws.txt" 2>&1
+    grep -E "^recording|Destroy|^memsets|^instantiate|replay|^outputs" "$OUT/memset_$ws.txt" | sort | uniq -c | sed "s/^/$ws: /"
+  done
 elif [ "$phase" = compare ]; then
   wait $old_build || { tail -20 "$OUT/cmake_old.log"; exit 1; }
   tree() { [ "$1" = before ] && echo "$OLD/python:/tmp/site" || echo "python:/tmp/site"; }

@@ -84,47 +84,67 @@ __global__ void cross_entropy_kernel(DType dt, const void* logits, const int32_t
   }
 }
 
-// The same in 16-byte vectors where the row allows them: one pass keeps each thread's running max
-// and its sum of exponentials rescaled to it, a second writes. On the H200, (1024, 32000) bf16
-// took 80 us against the scalar kernel's 176 (which reads each row three times with a dtype
-// switch per element); holding the row in registers instead (512 threads) took 90 us.
-template <bool W16>
-__global__ void cross_entropy_vec_kernel(DType dt, const void* logits, const int32_t* targets, float* loss,
-                                         void* dlogits, int64_t V, int32_t ignore_index, float scale,
-                                         const float* scale_by) {
-  constexpr int VEC = W16 ? 8 : 4;
+// The same in 16-byte vectors where the row allows them, the dtype a compile-time constant (DT:
+// the per-element dtype switches and both 16-bit conversions made the kernel ALU-bound). One read
+// keeps each thread's running max and its sum of exponentials rescaled to it, a second writes.
+// Each thread issues U loads before using any. exp(v - m) as exp2((v - m) log2 e): v - m is exact
+// where it matters (near the max), so only the product rounds. On the H200 a (1024, 32000) bf16
+// chunk, recorded and replayed, took 90-100 us with the per-element dtype tests and expf, 74-80
+// us like this (tools/device/head_loss_probe.py); tools/device/ce_probe.cu compares the designs
+// (256 threads and 8 loads a thread beat 1024 threads and one, and a row held in registers).
+template <DType DT>
+__global__ void cross_entropy_vec_kernel(const void* logits, const int32_t* targets, float* loss, void* dlogits,
+                                         int32_t V, int32_t ignore_index, float scale, const float* scale_by) {
+  constexpr bool W16 = DT != DType::f32;
+  constexpr int VEC = W16 ? 8 : 4, U = 8;
+  constexpr float kLog2e = 1.4426950408889634f;
   __shared__ float sh[32];
-  const int64_t t = blockIdx.x, base = t * V;
-  const int32_t y = targets[t];
+  const int64_t base = int64_t(blockIdx.x) * V;
+  const int32_t y = targets[blockIdx.x], step = int32_t(blockDim.x) * VEC;
   const bool skip = y == ignore_index || y < 0 || y >= V;
-  float v[VEC], mx = -3.402823466e38f, se = 0.f;
-  for (int64_t c0 = int64_t(threadIdx.x) * VEC; c0 < V; c0 += int64_t(blockDim.x) * VEC) {
-    load_vec<W16>(dt, logits, base + c0, v);
-    float m = v[0];
+  float mx = -3.402823466e38f, se = 0.f;
+  for (int32_t c0 = int32_t(threadIdx.x) * VEC; c0 < V; c0 += U * step) {
+    float v[U][VEC];
 #pragma unroll
-    for (int e = 1; e < VEC; ++e) m = fmaxf(m, v[e]);
-    if (m > mx) {
-      se *= expf(mx - m);
-      mx = m;
-    }
+    for (int k = 0; k < U; ++k)
+      if (c0 + k * step < V) load_vec<W16>(DT, logits, base + c0 + k * step, v[k]);
+    float m = mx;
 #pragma unroll
-    for (int e = 0; e < VEC; ++e) se += expf(v[e] - mx);
+    for (int k = 0; k < U; ++k)
+#pragma unroll
+      for (int e = 0; e < VEC; ++e)
+        if (c0 + k * step < V) m = fmaxf(m, v[k][e]);
+    se *= exp2f((mx - m) * kLog2e);
+    mx = m;
+#pragma unroll
+    for (int k = 0; k < U; ++k)
+#pragma unroll
+      for (int e = 0; e < VEC; ++e)
+        if (c0 + k * step < V) se += exp2f((v[k][e] - m) * kLog2e);
   }
-  const float xt = skip ? 0.f : ld(dt, logits, base + y);  // before the barriers that precede any write
+  const float xt = skip ? 0.f : ld(DT, logits, base + y);  // before the barriers that precede any write
   const float m = block_max(mx, sh);
-  se = block_sum(se * expf(mx - m), sh);  // a thread with no element: 0 * exp(-huge) = 0
+  se = block_sum(se * exp2f((mx - m) * kLog2e), sh);  // a thread with no element: 0 * exp(-huge) = 0
   const float bad = y == ignore_index ? 0.f : __int_as_float(0x7fc00000);
-  if (threadIdx.x == 0) loss[t] = skip ? bad : m + logf(se) - xt;
+  if (threadIdx.x == 0) loss[blockIdx.x] = skip ? bad : m + logf(se) - xt;
   if (!dlogits) return;
   const float inv = 1.f / se, s = scale_by ? scale * scale_by[0] : scale;
-  for (int64_t c0 = int64_t(threadIdx.x) * VEC; c0 < V; c0 += int64_t(blockDim.x) * VEC) {
-    load_vec<W16>(dt, logits, base + c0, v);
+  for (int32_t c0 = int32_t(threadIdx.x) * VEC; c0 < V; c0 += U * step) {
+    float v[U][VEC];
 #pragma unroll
-    for (int e = 0; e < VEC; ++e) {
-      const float p = expf(v[e] - m) * inv;
-      v[e] = skip ? bad : s * (c0 + e == y ? p - 1.f : p);
+    for (int k = 0; k < U; ++k)
+      if (c0 + k * step < V) load_vec<W16>(DT, logits, base + c0 + k * step, v[k]);
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+      const int32_t c = c0 + k * step;
+      if (c >= V) continue;
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        const float p = exp2f((v[k][e] - m) * kLog2e) * inv;
+        v[k][e] = skip ? bad : s * (c + e == y ? p - 1.f : p);
+      }
+      store_vec<W16>(DT, dlogits, base + c, v[k]);
     }
-    store_vec<W16>(dt, dlogits, base + c0, v);
   }
 }
 
@@ -199,14 +219,16 @@ void CudaBackend::cross_entropy(const Tensor& logits, const Tensor& targets, con
     ops::check_ids("cross_entropy", "target", "row", read_i32(targets.data(), T, "cross_entropy").data(), T, V,
                     &ignore_index);
   if (T == 0) return;
-  if (vectorizable(logits.dtype(), V, {logits.data(), dlogits ? dlogits->data() : logits.data()})) {
-    const bool w16 = logits.dtype() != DType::f32;
-    const int threads = std::min(row_threads(V / vec_width(logits.dtype())), 1024);
-#define KRNL_CE(W)                                                                                                 \
-  cross_entropy_vec_kernel<W><<<unsigned(T), threads, 0, stream_>>>(                                               \
-      logits.dtype(), logits.data(), targets.ptr<int32_t>(), loss.ptr<float>(), dlogits ? dlogits->data() : nullptr, \
-      V, ignore_index, scale, scale_by ? scale_by->ptr<float>() : nullptr)
-    KRNL_DISPATCH_VEC(w16, KRNL_CE)
+  if (vectorizable(logits.dtype(), V, {logits.data(), dlogits ? dlogits->data() : logits.data()}) && V < (1ll << 30)) {
+#define KRNL_CE(DT)                                                                                              \
+  cross_entropy_vec_kernel<DT><<<unsigned(T), std::min(row_threads(V / vec_width(DT)), 256), 0, stream_>>>(        \
+      logits.data(), targets.ptr<int32_t>(), loss.ptr<float>(), dlogits ? dlogits->data() : nullptr, int32_t(V), \
+      ignore_index, scale, scale_by ? scale_by->ptr<float>() : nullptr)
+    switch (logits.dtype()) {
+      case DType::bf16: KRNL_CE(DType::bf16); break;
+      case DType::f16: KRNL_CE(DType::f16); break;
+      default: KRNL_CE(DType::f32); break;
+    }
 #undef KRNL_CE
     check_launch("cross_entropy");
     return;

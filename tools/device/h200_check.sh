@@ -38,6 +38,12 @@
 #                                           the memsets in a recorded step are, and whether a recording can
 #                                           carry them as kernel nodes (tools/device/memset_probe.cu, with
 #                                           cuBLAS's own workspace and with one set by the caller); $OUT/*.txt
+#   bash tools/device/h200_check.sh w3timing
+#                                           krnl bench's W3 graph replayed under several timing patterns
+#                                           (tools/device/w3_timing.py: the bench's pauses and samples,
+#                                           with and without the eager step between, none, queued,
+#                                           sustained), then krnl bench's W3; the SM clock
+#                                           sampled every 50 ms alongside ($OUT/smi.csv)
 #   OLD=DIR bash tools/device/h200_check.sh compare
 #                                           a change's before and after in one call: DIR is an earlier
 #                                           tree carried along (git archive REV | tar -x -C .hP/old),
@@ -258,6 +264,15 @@ elif [ "$phase" = probes ]; then
     timeout 60 /tmp/memset_probe "$CUB" $ws > "$OUT/memset_$ws.txt" 2>&1
     grep -E "^recording|Destroy|^memsets|^instantiate|replay|^outputs" "$OUT/memset_$ws.txt" | sort | uniq -c | sed "s/^/$ws: /"
   done
+elif [ "$phase" = w3timing ]; then
+  nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,power.draw.instant,temperature.gpu,clocks_event_reasons.active \
+    --format=csv -lms 50 \
+    > "$OUT/smi.csv" &
+  smi=$!
+  timeout ${W3T_S:-120} python3 tools/device/w3_timing.py 2>&1 | tee "$OUT/w3_timing.txt"
+  timeout 150 python3 -m krnl.bench --workloads w3 --peers numpy --device cuda --rounds 5 2>&1 |
+    grep -E "^w3|^ +krnl" | tee -a "$OUT/w3_timing.txt"
+  kill $smi
 elif [ "$phase" = compare ]; then
   wait $old_build || { tail -20 "$OUT/cmake_old.log"; exit 1; }
   tree() { [ "$1" = before ] && echo "$OLD/python:/tmp/site" || echo "python:/tmp/site"; }

@@ -92,6 +92,15 @@ __global__ void cross_entropy_kernel(DType dt, const void* logits, const int32_t
 // chunk, recorded and replayed, took 90-100 us with the per-element dtype tests and expf, 74-80
 // us like this (tools/device/head_loss_probe.py); tools/device/ce_probe.cu compares the designs
 // (256 threads and 8 loads a thread beat 1024 threads and one, and a row held in registers).
+// A thread's U vectors of a row, at columns c0 + k step (none past V).
+template <DType DT, int U, int VEC>
+__device__ __forceinline__ void load_batch(const void* logits, int64_t base, int32_t c0, int32_t step, int32_t V,
+                                           float (&v)[U][VEC]) {
+#pragma unroll
+  for (int k = 0; k < U; ++k)
+    if (c0 + k * step < V) load_vec<DT != DType::f32>(DT, logits, base + c0 + k * step, v[k]);
+}
+
 template <DType DT>
 __global__ void cross_entropy_vec_kernel(const void* logits, const int32_t* targets, float* loss, void* dlogits,
                                          int32_t V, int32_t ignore_index, float scale, const float* scale_by) {
@@ -105,9 +114,7 @@ __global__ void cross_entropy_vec_kernel(const void* logits, const int32_t* targ
   float mx = -3.402823466e38f, se = 0.f;
   for (int32_t c0 = int32_t(threadIdx.x) * VEC; c0 < V; c0 += U * step) {
     float v[U][VEC];
-#pragma unroll
-    for (int k = 0; k < U; ++k)
-      if (c0 + k * step < V) load_vec<W16>(DT, logits, base + c0 + k * step, v[k]);
+    load_batch<DT>(logits, base, c0, step, V, v);
     float m = mx;
 #pragma unroll
     for (int k = 0; k < U; ++k)
@@ -131,9 +138,7 @@ __global__ void cross_entropy_vec_kernel(const void* logits, const int32_t* targ
   const float inv = 1.f / se, s = scale_by ? scale * scale_by[0] : scale;
   for (int32_t c0 = int32_t(threadIdx.x) * VEC; c0 < V; c0 += U * step) {
     float v[U][VEC];
-#pragma unroll
-    for (int k = 0; k < U; ++k)
-      if (c0 + k * step < V) load_vec<W16>(DT, logits, base + c0 + k * step, v[k]);
+    load_batch<DT>(logits, base, c0, step, V, v);
 #pragma unroll
     for (int k = 0; k < U; ++k) {
       const int32_t c = c0 + k * step;

@@ -96,20 +96,25 @@ def test_step_is_asynchronous_and_reuse_is_stream_ordered(cuda):
 
 def test_profile_records_device_time(cuda):
     """While profiling, each op's record holds its GPU time (events around its launches), not the
-    microseconds the host spends queueing it."""
+    microseconds the host spends queueing it. Three steps: the suite's other processes share the
+    GPU, and their kernels can fall between one op's events, so the scale is compared at its best."""
     n = 4096
     A = cuda.tensor(np.ones((n, n), np.float32))
     C = cuda.empty((n, n), "f32")
-    krnl._core.clear_profile(cuda)
-    with krnl.profile(cuda) as prof:
-        with cuda.step():
-            ops.gemm(A, A, C)  # 137 GFLOP of fp32: over 1 ms on any current GPU
-            ops.scale(C, 0.5, C)
-    (g, s) = prof.records
-    assert g["op"] == "gemm" and s["op"] == "scale"
-    assert g["ms"] > 1.0, g
-    assert 0 < s["ms"] < g["ms"], s
-    np.testing.assert_array_equal(C.numpy()[:2, :2], n / 2)
+    gemm_ms, scale_ms = [], []
+    for _ in range(3):
+        krnl._core.clear_profile(cuda)
+        with krnl.profile(cuda) as prof:
+            with cuda.step():
+                ops.gemm(A, A, C)  # 137 GFLOP of fp32: over 1 ms on any current GPU
+                ops.scale(C, 0.5, C)
+        (g, s) = prof.records
+        assert g["op"] == "gemm" and s["op"] == "scale"
+        assert g["ms"] > 1.0 and s["ms"] > 0, (g, s)
+        gemm_ms.append(g["ms"])
+        scale_ms.append(s["ms"])
+        np.testing.assert_array_equal(C.numpy()[:2, :2], n / 2)
+    assert min(scale_ms) < min(gemm_ms), (scale_ms, gemm_ms)  # a 64 MiB pass against 137 GFLOP
 
 
 def test_errors_raise_instead_of_aborting(cuda):

@@ -49,7 +49,8 @@
 #                                           tree carried along (git archive REV | tar -x -C .hP/old),
 #                                           built beside this one; krnl's Trainer on the 8b shape
 #                                           (TRAIN_SHAPES) and W3, the two trees alternating
-#                                           (tools/device/train_before_after.py); W3_KERNELS=1: then
+#                                           (tools/device/train_before_after.py; W3=0 leaves W3 out);
+#                                           W3_KERNELS=1: then
 #                                           each tree's W3 step kernel by kernel (step_kernels.py)
 #   bash tools/device/h200_check.sh nccl    on a machine with 2 or more GPUs (nvidia-h200-x2): tests/test_dist_nccl.py
 #                                           and tests/test_dist.py (two CUDA ranks through NCCL against one GPU,
@@ -283,7 +284,7 @@ elif [ "$phase" = compare ]; then
         tail -1 | tee -a "$OUT/compare_train.jsonl"
     done
   done
-  for t in before after after before; do
+  for t in $([ "${W3:-1}" = 0 ] || echo before after after before); do  # W3=0: the train shapes alone
     PYTHONPATH=$(tree $t) timeout 150 python3 -m krnl.bench --workloads w3 --peers numpy --device cuda --rounds 3 2>&1 |
       grep -E "^w3|^ +krnl" | sed "s/^/$t  /" | tee -a "$OUT/compare_w3.txt"
   done

@@ -62,6 +62,10 @@ static const char* type_name(cudaGraphNodeType t) {
     case cudaGraphNodeTypeMemset: return "memset";
     case cudaGraphNodeTypeMemcpy: return "memcpy";
     case cudaGraphNodeTypeEmpty: return "empty";
+    case cudaGraphNodeTypeMemAlloc: return "mem-alloc";  // stream-ordered allocation inside the recording
+    case cudaGraphNodeTypeMemFree: return "mem-free";
+    case cudaGraphNodeTypeEventRecord: return "event-record";
+    case cudaGraphNodeTypeWaitEvent: return "event-wait";
     default: return "other";
   }
 }

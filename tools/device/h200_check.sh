@@ -24,14 +24,15 @@
 #                                           (tools/device/step_kernels.py; the list in
 #                                           $OUT/kernels_SHAPE.tsv), with the SM clock and power
 #                                           sampled alongside ($OUT/smi.csv)
-#   bash tools/device/h200_check.sh gemms [lora|frozen|layout|fused]
+#   bash tools/device/h200_check.sh gemms [lora|frozen|layout|fused|capped]
 #                                           tools/device/lora_gemm_probe.cu: the train shapes' GEMMs
 #                                           (the LoRA products, the frozen ones, or the frozen ones
 #                                           with each weight stored either way) through cuBLAS's
 #                                           default and every cuBLASLt candidate (layout: the default
 #                                           alone, round-robin over the shapes); fused: one-pass
 #                                           kernels for a LoRA's dB and dt against cuBLAS's two
-#                                           GEMMs ($OUT/gemms_KIND.txt)
+#                                           GEMMs; capped: the frozen ones' candidates back to back
+#                                           at the power cap, with NVML's energy ($OUT/gemms_KIND.txt)
 #   bash tools/device/h200_check.sh probes  the LM head and the loss alone at the train shapes, chunk
 #                                           sizes round-robin (tools/device/head_loss_probe.py); designs of
 #                                           the cross-entropy kernel alone (tools/device/ce_probe.cu); what

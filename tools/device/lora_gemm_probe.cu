@@ -6,10 +6,11 @@
 // libcublas / libcublasLt at run time (no cuBLAS headers where it is compiled).
 //
 //   nvcc -O2 -std=c++17 -arch=sm_90 -o lora_gemm_probe tools/device/lora_gemm_probe.cu -ldl
-//   ./lora_gemm_probe /path/libcublas.so.13 /path/libcublasLt.so.13 [frozen|layout|fused] > table.txt
+//   ./lora_gemm_probe /path/libcublas.so.13 /path/libcublasLt.so.13 [frozen|layout|fused|capped] > table.txt
 // (with "frozen": the frozen weights' products and the LM head's instead of the LoRA products;
 // "layout": the frozen weights' products with each weight stored as loaded and transposed;
-// "fused": lora_b_variants.cuh's one-pass dB and dt against cuBLAS's two GEMMs)
+// "fused": lora_b_variants.cuh's one-pass dB and dt against cuBLAS's two GEMMs; "capped": the
+// frozen products' candidates timed back to back at the power cap, with their energy)
 //
 // Shapes are krnl's row-major GEMMs (C (M, N) = alpha op(A) op(B) + beta C) with the row strides
 // the model passes (column blocks of fused outputs); a line per (shape, beta). Each timing is the
@@ -24,6 +25,8 @@
 #include <library_types.h>
 
 #include <algorithm>
+#include <chrono>
+#include <functional>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -365,6 +368,166 @@ int fused_rounds(void* h, int sms, int rounds = 5) {
   return 0;
 }
 
+// ---- "capped": the frozen products at the power cap (8b's, and W3's 4096 rows)
+// Under a long run of large products the software power cap holds the GPU near 700 W, so a
+// product's time there follows its energy, and the candidate that is fastest on a rested GPU
+// need not be the fastest in a training step. Each candidate (cuBLAS's default algorithm and the
+// Lt heuristic's first six) runs back to back for 0.4 s: 0.15 s to reach the cap, then time per
+// call (events), energy per call (NVML's counter) and the SM clock over the rest. Candidates go
+// round-robin over the shapes, 3 rounds; each figure is the median of the rounds.
+struct Nvml {
+  void* dev = nullptr;
+  int (*energy)(void*, unsigned long long*) = nullptr;
+  int (*clock)(void*, int, unsigned*) = nullptr;
+  Nvml() {
+    void* lib = dlopen("libnvidia-ml.so.1", RTLD_NOW);
+    int (*init)() = nullptr;
+    int (*handle)(unsigned, void**) = nullptr;
+    if (!lib || !(init = reinterpret_cast<int (*)()>(dlsym(lib, "nvmlInit_v2"))) ||
+        !(handle = reinterpret_cast<int (*)(unsigned, void**)>(dlsym(lib, "nvmlDeviceGetHandleByIndex_v2"))) ||
+        init() || handle(0, &dev))
+      dev = nullptr;
+    if (dev) {
+      energy = reinterpret_cast<int (*)(void*, unsigned long long*)>(dlsym(lib, "nvmlDeviceGetTotalEnergyConsumption"));
+      clock = reinterpret_cast<int (*)(void*, int, unsigned*)>(dlsym(lib, "nvmlDeviceGetClockInfo"));
+    }
+  }
+  double mj() const {  // the GPU's energy since the driver loaded, in mJ; -1 where NVML is absent
+    unsigned long long v = 0;
+    return dev && energy && !energy(dev, &v) ? double(v) : -1.0;
+  }
+  double mhz() const {
+    unsigned v = 0;
+    return dev && clock && !clock(dev, 1, &v) ? double(v) : -1.0;  // NVML_CLOCK_SM
+  }
+};
+
+struct Burst { double us, mj, mhz; };
+
+template <class Fn>
+Burst burst(Fn&& fn, const Nvml& nv, double warm_s = 0.15, double measure_s = 0.25) {
+  static cudaEvent_t done[2];
+  static bool made = false;
+  if (!made) {
+    CK(cudaEventCreate(&done[0]));
+    CK(cudaEventCreate(&done[1]));
+    made = true;
+  }
+  auto now = [] { return std::chrono::steady_clock::now(); };
+  auto secs = [](auto a, auto b) { return std::chrono::duration<double>(b - a).count(); };
+  int b = 0;
+  // 8 calls a batch; the host waits for the batch before the one just queued, so the GPU never idles
+  auto batch = [&] {
+    for (int i = 0; i < 8; ++i) fn();
+    CK(cudaEventRecord(done[b], stream));
+    b ^= 1;
+    CK(cudaEventSynchronize(done[b]));
+  };
+  const auto t0 = now();
+  while (secs(t0, now()) < warm_s) batch();
+  CK(cudaStreamSynchronize(stream));
+  const double j0 = nv.mj();
+  CK(cudaEventRecord(e0, stream));
+  const auto t1 = now();
+  int calls = 0, samples = 0;
+  double mhz = 0;
+  while (secs(t1, now()) < measure_s) {
+    batch();
+    calls += 8;
+    const double c = nv.mhz();  // while the batch just queued runs
+    if (c > 0) mhz += c, ++samples;
+  }
+  CK(cudaEventRecord(e1, stream));
+  CK(cudaEventSynchronize(e1));
+  const double j1 = nv.mj();
+  float ms;
+  CK(cudaEventElapsedTime(&ms, e0, e1));
+  return {ms * 1000.0 / calls, j0 >= 0 ? (j1 - j0) / calls : -1.0, samples ? mhz / samples : -1.0};
+}
+
+int capped_rounds(void* h, void* lt, __nv_bfloat16* A, __nv_bfloat16* B, __nv_bfloat16* C, void* ws, size_t kWs,
+                  int rounds = 3, int top = 6) {
+  std::vector<Shape> shapes;
+  frozen_shapes(shapes, "8b", 8, 8192, 4096, 14336, 4096, 1024, 32000);
+  frozen_shapes(shapes, "w3", 1, 4096, 4096, 14336, 4096, 1024, 256);
+  shapes.erase(std::remove_if(shapes.begin(), shapes.end(),
+                              [](const Shape& s) { return s.model == "w3" && s.what.rfind("head", 0) == 0; }),
+               shapes.end());
+  const Nvml nv;
+  printf("# the frozen products at the power cap: us a call, mJ a call, SM MHz (medians of %d rounds)%s\n", rounds,
+         nv.dev ? "" : "; NVML absent: no energy or clock");
+  struct Cand { std::string name; std::function<bool()> run; std::vector<Burst> got; };
+  std::vector<std::vector<Cand>> cands(shapes.size());
+  for (size_t k = 0; k < shapes.size(); ++k) {
+    const Shape& s = shapes[k];
+    const int opa = s.tb ? 1 : 0, opb = s.ta ? 1 : 0;
+    static const float alpha = 1.f;
+    const float* beta = s.beta ? &alpha : nullptr;
+    static const float zero = 0.f;
+    if (!beta) beta = &zero;
+    cands[k].push_back({"default", [=] {
+                          return api.gemm(h, opa, opb, s.N, s.M, s.K, &alpha, B, CUDA_R_16BF, s.ldb, 0, A, CUDA_R_16BF,
+                                          s.lda, 0, beta, C, CUDA_R_16BF, s.ldc, 0, 1, 68, -1) == 0;
+                        }, {}});
+    void *desc, *la, *lb2, *lc, *pref;  // kept for the run: the candidates' closures use them
+    api.desc_create(&desc, 68, CUDA_R_32F);
+    api.desc_set(desc, 3, &opa, 4);
+    api.desc_set(desc, 4, &opb, 4);
+    api.layout_create(&la, CUDA_R_16BF, opa ? s.K : s.N, opa ? s.N : s.K, s.ldb);
+    api.layout_create(&lb2, CUDA_R_16BF, opb ? s.M : s.K, opb ? s.K : s.M, s.lda);
+    api.layout_create(&lc, CUDA_R_16BF, s.N, s.M, s.ldc);
+    api.pref_create(&pref);
+    uint64_t wsb = kWs;
+    api.pref_set(pref, 1, &wsb, 8);
+    auto* res = new LtHeur[16];
+    int n = 0;
+    if (api.heuristic(lt, desc, la, lb2, lc, lc, pref, 16, res, &n)) n = 0;
+    for (int i = 0, used = 0; i < n && used < top; ++i) {
+      if (res[i].state != 0) continue;
+      int cfg[3] = {0};
+      size_t w;
+      for (int a = 0; a < 3; ++a) api.algo_get(&res[i].algo, a, &cfg[a], 4, &w);
+      char name[64];
+      snprintf(name, sizeof name, "lt[%d] id=%d tile=%d sk=%d", i, cfg[0], cfg[1], cfg[2]);
+      const LtAlgo* algo = &res[i].algo;
+      cands[k].push_back({name, [=] {
+                            return api.matmul(lt, desc, &alpha, B, la, A, lb2, beta, C, lc, C, lc, algo, ws, kWs,
+                                              stream) == 0;
+                          }, {}});
+      ++used;
+    }
+  }
+  for (int r = 0; r < rounds; ++r)
+    for (auto& cs : cands)
+      for (auto& c : cs) c.got.push_back(c.run() ? burst(c.run, nv) : Burst{-1, -1, -1});
+  auto med = [](std::vector<double> v) { std::sort(v.begin(), v.end()); return v[v.size() / 2]; };
+  std::map<std::string, std::pair<double, double>> step_ms;  // model: (default, the least time at the cap)
+  for (size_t k = 0; k < shapes.size(); ++k) {
+    const Shape& s = shapes[k];
+    double best_us = 1e30, def_us = 0;
+    std::string best;
+    for (auto& c : cands[k]) {
+      std::vector<double> us, mj, mhz;
+      for (auto& b : c.got) us.push_back(b.us), mj.push_back(b.mj), mhz.push_back(b.mhz);
+      const double u = med(us);
+      printf("%-3s %-12s %-36s %8.1f us %8.1f mJ %6.0f MHz  (rounds %.1f %.1f %.1f us)\n", s.model.c_str(),
+             s.what.c_str(), c.name.c_str(), u, med(mj), med(mhz), us[0], us.size() > 1 ? us[1] : 0.0,
+             us.size() > 2 ? us[2] : 0.0);
+      if (c.name == "default") def_us = u;
+      if (u > 0 && u < best_us) best_us = u, best = c.name;
+    }
+    printf("%-3s %-12s least time at the cap: %s, %.1f%% under the default\n", s.model.c_str(), s.what.c_str(),
+           best.c_str(), 100.0 * (def_us - best_us) / def_us);
+    fflush(stdout);
+    step_ms[s.model].first += def_us * s.calls / 1000.0;
+    step_ms[s.model].second += best_us * s.calls / 1000.0;
+  }
+  for (auto& [m, v] : step_ms)
+    printf("# %s: frozen products per step at the cap: default %.2f ms, the least of each %.2f ms\n", m.c_str(),
+           v.first, v.second);
+  return 0;
+}
+
 int main(int argc, char** argv) {
   if (argc < 3) { fprintf(stderr, "usage: %s libcublas.so libcublasLt.so\n", argv[0]); return 2; }
   void* lb = dlopen(argv[1], RTLD_NOW | RTLD_GLOBAL);
@@ -426,6 +589,7 @@ int main(int argc, char** argv) {
   CK(cudaMalloc(&ws, kWs));
   CK(cudaMalloc(&flush_buf, kFlush));
   CK(cudaStreamSynchronize(stream));
+  if (argc > 3 && !strcmp(argv[3], "capped")) return capped_rounds(h, lt, A, B, Cb, ws, kWs);
 
   printf("%-3s %-15s %-3s %5s %5s %5s %5s %5s %5s %3s %4s | %7s %7s %7s %7s | %-40s %s\n", "mdl", "what", "op", "M",
          "N", "K", "lda", "ldb", "ldc", "C", "beta", "default", "lt[0]", "best", "splitK", "best is", "notes");

@@ -178,6 +178,24 @@ void layout_shapes(std::vector<Shape>& v, const std::string& m, int layers, int 
   }
 }
 
+// cuBLASLt's descriptors of a shape in krnl's mapping (C^T = op(B)^T op(A)^T, column-major), and
+// a preference allowing `ws` bytes of workspace.
+struct LtProblem { void *desc, *la, *lb, *lc, *pref; };
+LtProblem lt_problem(const Shape& s, cudaDataType ct, size_t ws) {
+  const int opa = s.tb ? 1 : 0, opb = s.ta ? 1 : 0;
+  LtProblem p;
+  api.desc_create(&p.desc, 68, CUDA_R_32F);
+  api.desc_set(p.desc, 3, &opa, 4);  // TRANSA
+  api.desc_set(p.desc, 4, &opb, 4);  // TRANSB
+  api.layout_create(&p.la, CUDA_R_16BF, opa ? s.K : s.N, opa ? s.N : s.K, s.ldb);
+  api.layout_create(&p.lb, CUDA_R_16BF, opb ? s.M : s.K, opb ? s.K : s.M, s.lda);
+  api.layout_create(&p.lc, ct, s.N, s.M, s.ldc);
+  api.pref_create(&p.pref);
+  uint64_t wsb = ws;
+  api.pref_set(p.pref, 1, &wsb, 8);
+  return p;
+}
+
 // ---- device helpers
 __global__ void fill_kernel(__nv_bfloat16* p, size_t n, uint32_t seed) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
@@ -469,16 +487,8 @@ int capped_rounds(void* h, void* lt, __nv_bfloat16* A, __nv_bfloat16* B, __nv_bf
                           return api.gemm(h, opa, opb, s.N, s.M, s.K, &alpha, B, CUDA_R_16BF, s.ldb, 0, A, CUDA_R_16BF,
                                           s.lda, 0, beta, C, CUDA_R_16BF, s.ldc, 0, 1, 68, -1) == 0;
                         }, {}});
-    void *desc, *la, *lb2, *lc, *pref;  // kept for the run: the candidates' closures use them
-    api.desc_create(&desc, 68, CUDA_R_32F);
-    api.desc_set(desc, 3, &opa, 4);
-    api.desc_set(desc, 4, &opb, 4);
-    api.layout_create(&la, CUDA_R_16BF, opa ? s.K : s.N, opa ? s.N : s.K, s.ldb);
-    api.layout_create(&lb2, CUDA_R_16BF, opb ? s.M : s.K, opb ? s.K : s.M, s.lda);
-    api.layout_create(&lc, CUDA_R_16BF, s.N, s.M, s.ldc);
-    api.pref_create(&pref);
-    uint64_t wsb = kWs;
-    api.pref_set(pref, 1, &wsb, 8);
+    const LtProblem p = lt_problem(s, CUDA_R_16BF, kWs);  // kept for the run: the candidates use it
+    void *desc = p.desc, *la = p.la, *lb2 = p.lb, *lc = p.lc, *pref = p.pref;
     auto* res = new LtHeur[16];
     int n = 0;
     if (api.heuristic(lt, desc, la, lb2, lc, lc, pref, 16, res, &n)) n = 0;
@@ -636,16 +646,8 @@ int main(int argc, char** argv) {
     const float t_def = time_us(run_default);
 
     // cuBLASLt, same layouts
-    void *desc, *la, *lb2, *lc, *pref;
-    api.desc_create(&desc, 68, CUDA_R_32F);
-    api.desc_set(desc, 3, &opa, 4);  // TRANSA
-    api.desc_set(desc, 4, &opb, 4);  // TRANSB
-    api.layout_create(&la, CUDA_R_16BF, opa ? s.K : s.N, opa ? s.N : s.K, s.ldb);
-    api.layout_create(&lb2, CUDA_R_16BF, opb ? s.M : s.K, opb ? s.K : s.M, s.lda);
-    api.layout_create(&lc, ct, s.N, s.M, s.ldc);
-    api.pref_create(&pref);
-    uint64_t wsb = kWs;
-    api.pref_set(pref, 1, &wsb, 8);
+    const LtProblem p = lt_problem(s, ct, kWs);
+    void *desc = p.desc, *la = p.la, *lb2 = p.lb, *lc = p.lc, *pref = p.pref;
     LtHeur res[16];
     int n = 0;
     const int hs = api.heuristic(lt, desc, la, lb2, lc, lc, pref, 16, res, &n);

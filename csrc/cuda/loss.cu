@@ -84,14 +84,6 @@ __global__ void cross_entropy_kernel(DType dt, const void* logits, const int32_t
   }
 }
 
-// The same in 16-byte vectors where the row allows them, the dtype a compile-time constant (DT:
-// the per-element dtype switches and both 16-bit conversions made the kernel ALU-bound). One read
-// keeps each thread's running max and its sum of exponentials rescaled to it, a second writes.
-// Each thread issues U loads before using any. exp(v - m) as exp2((v - m) log2 e): v - m is exact
-// where it matters (near the max), so only the product rounds. On the H200 a (1024, 32000) bf16
-// chunk, recorded and replayed, took 90-100 us with the per-element dtype tests and expf, 74-80
-// us like this (tools/device/head_loss_probe.py); tools/device/ce_probe.cu compares the designs
-// (256 threads and 8 loads a thread beat 1024 threads and one, and a row held in registers).
 // A thread's U vectors of a row, at columns c0 + k step (none past V).
 template <DType DT, int U, int VEC>
 __device__ __forceinline__ void load_batch(const void* logits, int64_t base, int32_t c0, int32_t step, int32_t V,
@@ -101,6 +93,15 @@ __device__ __forceinline__ void load_batch(const void* logits, int64_t base, int
     if (c0 + k * step < V) load_vec<DT != DType::f32>(DT, logits, base + c0 + k * step, v[k]);
 }
 
+// cross_entropy_kernel in 16-byte vectors where the row allows them, the dtype a compile-time
+// constant (DT: the per-element dtype switches and both 16-bit conversions made the kernel
+// ALU-bound). One read keeps each thread's running max and its sum of exponentials rescaled to
+// it, a second writes. Each thread issues U loads before using any. exp(v - m) as
+// exp2((v - m) log2 e): v - m is exact where it matters (near the max), so only the product
+// rounds. On the H200 a (1024, 32000) bf16 chunk, recorded and replayed, took 90-100 us with the
+// per-element dtype tests and expf, 74-80 us like this (tools/device/head_loss_probe.py);
+// tools/device/ce_probe.cu compares the designs (256 threads and 8 loads a thread beat 1024
+// threads and one, and a row held in registers).
 template <DType DT>
 __global__ void cross_entropy_vec_kernel(const void* logits, const int32_t* targets, float* loss, void* dlogits,
                                          int32_t V, int32_t ignore_index, float scale, const float* scale_by) {

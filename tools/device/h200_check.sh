@@ -41,10 +41,10 @@
 #                                           cuBLAS's own workspace and with one set by the caller); $OUT/*.txt
 #   bash tools/device/h200_check.sh w3timing
 #                                           krnl bench's W3 graph replayed under several timing patterns
-#                                           (tools/device/w3_timing.py: the bench's pauses and samples,
-#                                           with and without the eager step between, none, queued,
-#                                           sustained), then krnl bench's W3; the SM clock
-#                                           sampled every 50 ms alongside ($OUT/smi.csv)
+#                                           (tools/device/w3_timing.py: samples after a pause, alone and
+#                                           after the eager step's, back to back, queued, sustained),
+#                                           then krnl bench's W3; the SM clock and the power sampled
+#                                           every 50 ms alongside ($OUT/smi.csv)
 #   OLD=DIR bash tools/device/h200_check.sh compare
 #                                           a change's before and after in one call: DIR is an earlier
 #                                           tree carried along (git archive REV | tar -x -C .hP/old),
@@ -268,8 +268,7 @@ elif [ "$phase" = probes ]; then
   done
 elif [ "$phase" = w3timing ]; then
   nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,power.draw.instant,temperature.gpu,clocks_event_reasons.active \
-    --format=csv -lms 50 \
-    > "$OUT/smi.csv" &
+    --format=csv -lms 50 > "$OUT/smi.csv" &
   smi=$!
   timeout ${W3T_S:-120} python3 tools/device/w3_timing.py 2>&1 | tee "$OUT/w3_timing.txt"
   timeout 150 python3 -m krnl.bench --workloads w3 --peers numpy --device cuda --rounds 5 2>&1 |

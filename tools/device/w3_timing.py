@@ -3,10 +3,11 @@ replayed under several timing patterns, each replay timed on the host.
 
     python3 tools/device/w3_timing.py [rounds]
 
-- bench:    krnl bench's pattern: a 0.3 s pause, then a sample of 7 replays, each waited for;
-- with eager: the same, each sample after one of the eager step (6 steps), as krnl bench
+- paused:   a 0.3 s pause (krnl bench's on a CPU; on a GPU it pauses not at all), then a sample
+            of as many replays as krnl bench takes (7), each waited for;
+- eager, graph: the same, each sample after one of the eager step (6 steps), as krnl bench
             interleaves "krnl" and "krnl graph";
-- nopause:  the same samples back to back;
+- nopause:  the samples back to back, as krnl bench takes them on a GPU;
 - queued:   50 replays launched together, one wait;
 - sustained: 300 replays, each waited for (about 2 s of load), in blocks of 30.
 Each line gives the replays' times in ms (first, median of the rest) and the wall clock at its
@@ -57,11 +58,11 @@ def main(rounds=5):
         step()
     once = float(np.median(timed_reps(step, 5))) / 1e3
     n = sample_reps(once)
-    print(f"W3 replayed; a bench sample is {n} replays", flush=True)
+    print(f"W3 replayed; a sample is {n} replays", flush=True)
     for r in range(rounds):
         time.sleep(SETTLE_S)
         at = wall()
-        show(f"bench {r}", timed_reps(step, n), at)
+        show(f"paused {r}", timed_reps(step, n), at)
     ne = sample_reps(float(np.median(timed_reps(eager, 3))) / 1e3)
     for r in range(rounds):
         time.sleep(SETTLE_S)

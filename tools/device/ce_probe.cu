@@ -19,18 +19,10 @@
 #include <vector>
 
 #include "cuda/common.cuh"  // block_sum, block_max
+#include "cuda_check.h"
 
 using krnl::cuda::block_max;
 using krnl::cuda::block_sum;
-
-#define CK(x)                                                                  \
-  do {                                                                         \
-    cudaError_t e_ = (x);                                                      \
-    if (e_ != cudaSuccess) {                                                   \
-      std::printf("FAILED %s: %s\n", #x, cudaGetErrorString(e_));             \
-      std::exit(1);                                                            \
-    }                                                                          \
-  } while (0)
 
 constexpr float kLog2e = 1.4426950408889634f;
 

@@ -9,7 +9,8 @@
   do {                                                                                    \
     cudaError_t e_ = (x);                                                                 \
     if (e_ != cudaSuccess) {                                                              \
-      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));   \
+      fprintf(stderr, "%s:%d %s: %s (%s)\n", __FILE__, __LINE__, #x, cudaGetErrorName(e_), \
+              cudaGetErrorString(e_));                                                    \
       exit(1);                                                                            \
     }                                                                                     \
   } while (0)

@@ -20,14 +20,7 @@
 #include <cstring>
 #include <vector>
 
-#define CK(x)                                                                                  \
-  do {                                                                                         \
-    cudaError_t e_ = (x);                                                                      \
-    if (e_ != cudaSuccess) {                                                                   \
-      std::printf("FAILED %s: %s (%s)\n", #x, cudaGetErrorName(e_), cudaGetErrorString(e_)); \
-      std::exit(1);                                                                            \
-    }                                                                                          \
-  } while (0)
+#include "cuda_check.h"
 
 // What a memset node does, as a kernel: elements of 1, 2 or 4 bytes over a 2-D pitched region.
 __global__ void fill_kernel(char* dst, size_t pitch, unsigned value, unsigned elem, size_t width, size_t height) {

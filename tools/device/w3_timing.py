@@ -19,8 +19,6 @@ import numpy as np
 
 from krnl.bench import w2
 from krnl.bench.session import SETTLE_S, sample_reps
-from krnl.bench.targets import replayed
-from krnl.step_inputs import DeviceInputs
 
 
 def wall():
@@ -43,16 +41,9 @@ def show(label, ms, at):
 
 def main(rounds=5):
     case = w2.Case.of(w2.W3, device="cuda", dtype="bf16")
-    m, dev = case.model, case.dev
-    ids = dev.tensor(case.ids, "i32")
-    host = m.prepare(ids, case.targets)
-    inputs = DeviceInputs.of(dev, host, ids.reshape(-1))
-
-    def body():  # as w2.build_krnl_graph records it, keeping the graph at hand
-        m.zero_grads()
-        return m.forward_backward_mean(host, inputs)
-
-    step, graph = replayed(dev, body)
+    dev = case.dev
+    step = w2.build_krnl_graph(case)[0]
+    graph = step.graph
     eager = w2.build_krnl(case)[0]
     for _ in range(5):
         step()

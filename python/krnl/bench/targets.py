@@ -49,14 +49,14 @@ def has_graphs(device):
 
 def replayed(dev, body):
     """(step, graph): `body` recorded once on `dev` as a CUDA graph (Device.capture); step()
-    replays it and waits. step.release gives the graph's buffers back."""
+    replays it and waits. step.release gives the graph's buffers back; step.graph is the graph."""
     graph = dev.capture(body)
 
     def step():
         graph.replay()
         dev.synchronize()
 
-    step.release = graph.release
+    step.release, step.graph = graph.release, graph
     return step, graph
 
 

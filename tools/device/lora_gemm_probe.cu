@@ -479,12 +479,10 @@ int capped_rounds(void* h, void* lt, __nv_bfloat16* A, __nv_bfloat16* B, __nv_bf
   for (size_t k = 0; k < shapes.size(); ++k) {
     const Shape& s = shapes[k];
     const int opa = s.tb ? 1 : 0, opb = s.ta ? 1 : 0;
-    static const float alpha = 1.f;
-    const float* beta = s.beta ? &alpha : nullptr;
-    static const float zero = 0.f;
-    if (!beta) beta = &zero;
+    static const float one = 1.f, zero = 0.f;  // static: the candidates' closures keep their addresses
+    const float* beta = s.beta ? &one : &zero;  // the frozen products' beta is 1 or 0
     cands[k].push_back({"default", [=] {
-                          return api.gemm(h, opa, opb, s.N, s.M, s.K, &alpha, B, CUDA_R_16BF, s.ldb, 0, A, CUDA_R_16BF,
+                          return api.gemm(h, opa, opb, s.N, s.M, s.K, &one, B, CUDA_R_16BF, s.ldb, 0, A, CUDA_R_16BF,
                                           s.lda, 0, beta, C, CUDA_R_16BF, s.ldc, 0, 1, 68, -1) == 0;
                         }, {}});
     const LtProblem p = lt_problem(s, CUDA_R_16BF, kWs);  // kept for the run: the candidates use it
@@ -501,7 +499,7 @@ int capped_rounds(void* h, void* lt, __nv_bfloat16* A, __nv_bfloat16* B, __nv_bf
       snprintf(name, sizeof name, "lt[%d] id=%d tile=%d sk=%d", i, cfg[0], cfg[1], cfg[2]);
       const LtAlgo* algo = &res[i].algo;
       cands[k].push_back({name, [=] {
-                            return api.matmul(lt, desc, &alpha, B, la, A, lb2, beta, C, lc, C, lc, algo, ws, kWs,
+                            return api.matmul(lt, desc, &one, B, la, A, lb2, beta, C, lc, C, lc, algo, ws, kWs,
                                               stream) == 0;
                           }, {}});
       ++used;

@@ -439,6 +439,51 @@ def test_krnl_bench_train_rows_reach_json_table_and_docs(tmp_path, capsys):
     assert "| krnl |" in block and f"loss {k['loss']:.4f}" in block and "| PEFT eager |" in block
 
 
+def test_gpu_power_window_takes_whole_counter_periods():
+    """The window's power comes from the energy counter's moves inside it: a counter that steps
+    every 0.1 s under a constant 500 W gives 500 W whatever the window's edges, the clock is the
+    median of the samples inside and the cap share counts them."""
+    from krnl.bench.gpu_power import Reading, window
+    rs = []
+    for i in range(200):  # a sample every 10 ms; the counter moves by 50 J at each 0.1 s
+        t = 1.0 + 0.01 * i
+        rs.append(Reading(t, 1500 + (i % 3) * 100, 10**6 + 50_000 * (i // 10), i % 4 == 0))
+    w = window(rs, 1.034, 2.456)
+    assert w["watts"] == pytest.approx(500.0, rel=1e-9)
+    inside = [r for r in rs if 1.034 <= r.t <= 2.456]
+    assert w["samples"] == len(inside) and w["sm_mhz"] == 1600
+    assert w["capped"] == pytest.approx(sum(r.capped for r in inside) / len(inside))
+    assert window(rs, 1.031, 1.095)["watts"] is None  # fewer than two moves: no power figure
+    assert window(rs, 5.0, 6.0) is None
+
+
+def test_gpu_power_meter_and_train_rows():
+    """A Meter samples its reader in a thread until stopped; power_figures turns a window into
+    joules a step and tokens a joule; on the CPU no meter is made and the rows carry no "gpu"."""
+    import time
+    from krnl.bench import gpu_power, train
+    n = {"calls": 0}
+
+    def read():
+        n["calls"] += 1
+        return gpu_power.Reading(time.perf_counter(), 1000, 400 * n["calls"], False)
+
+    m = gpu_power.Meter(read, period=0.001).start()
+    time.sleep(0.05)
+    m.stop()
+    calls = n["calls"]
+    time.sleep(0.01)
+    assert calls >= 5 and n["calls"] == calls == len(m.readings)
+    g = train.power_figures({"sm_mhz": 1500, "capped": 0.5, "watts": 400.0, "samples": 9},
+                            {"ms": 250.0, "tokens_per_s": 8000.0})
+    assert g["joules_per_step"] == pytest.approx(100.0) and g["tokens_per_joule"] == pytest.approx(20.0)
+    assert train.gpu_note(g) == "SM 1500 MHz, 400 W, 100.0 J a step, power cap 50% of 9 samples"
+    assert gpu_power.meter_for(krnl.device("cpu")) == (None, "no NVML GPU behind a cpu device")
+    s = train.shape("quick", steps=1, warmup=1)
+    rows = train.run(krnl.device("cpu"), "f32", s, log=lambda m: None)
+    assert "gpu" not in rows[0] and "timed_window" not in rows[0]
+
+
 def test_train_workload_sizes_and_errors(capsys):
     from krnl.bench import train
     rows = train.session_rows(Session("cpu", rounds=1, quick=False, peers=["numpy"], log=lambda m: None), {})

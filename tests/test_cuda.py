@@ -504,3 +504,25 @@ def test_embedding_forward_replayed_bad_id_is_nan(cuda, dt, C):
     got, want = read(out), read(table)
     assert np.array_equal(got[0], want[2]) and np.isnan(got[1:]).all()
     g.release()
+
+
+def test_gpu_power_meter_reads_this_gpu(cuda):
+    """krnl bench's train rows read the GPU's clock and power through NVML (bench/gpu_power.py):
+    on cuda the meter exists, and over half a second of 4096^3 bf16 GEMMs it sees a running SM
+    clock and a power between idle and twice any GPU's limit."""
+    import time
+    from krnl.bench import gpu_power
+    meter, why = gpu_power.meter_for(cuda)
+    assert meter is not None, why
+    a = cuda.tensor(np.ones((4096, 4096), np.float32), "bf16")
+    c = cuda.empty((4096, 4096), "bf16")
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < 0.6:
+        for _ in range(20):
+            ops.gemm(a, a, c)
+        cuda.synchronize()
+    t1 = time.perf_counter()
+    meter.stop()
+    w = gpu_power.window(meter.readings, t0 + 0.05, t1)
+    assert w is not None and w["samples"] >= 10 and 200 <= w["sm_mhz"] <= 3000, w
+    assert w["watts"] is not None and 50 < w["watts"] < 2000, w

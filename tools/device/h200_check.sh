@@ -9,7 +9,7 @@
 #   bash tools/device/h200_check.sh qlora   tests/test_quantized.py on cuda, then `krnl bench --workloads qlora`:
 #                                           the 8B-shaped QLoRA step, krnl next to PEFT on a
 #                                           bitsandbytes NF4 base (JSON in $OUT/qlora_bench.json)
-#   bash tools/device/h200_check.sh train   tests/test_step.py and the graph tests on cuda, then `krnl bench
+#   bash tools/device/h200_check.sh train   tests/test_step.py, the graph tests and the power meter's on cuda, then `krnl bench
 #                                           --workloads train`: `krnl train` end to end on the 1b shape
 #                                           (TRAIN_SHAPES="1b 8b" for both), krnl's Trainer (replayed and
 #                                           eager) next to transformers + PEFT eager and compiled, and
@@ -232,7 +232,7 @@ elif [ "$phase" = attention ]; then
 elif [ "$phase" = train ]; then
   # the step's own tests first (the replayed step against the eager one, the graph arena)
   timeout ${TTESTS_S:-150} python3 -m pytest -q -p no:cacheprovider tests/test_step.py tests/test_cuda.py \
-    -k "step or graph or arena or trainer" 2>&1 | tail -6
+    -k "step or graph or arena or trainer or gpu_power" 2>&1 | tail -6
   for shape in ${TRAIN_SHAPES:-1b}; do  # TRAIN_PEERS_<shape>: other peers; TRAIN_PROFILE=1: an eager step's profile
     peers=TRAIN_PEERS_$shape
     timeout ${BENCH_S:-540} python3 -m krnl.bench --workloads train --peers "${!peers:-torch,torch.compile,mlx}" \

@@ -11,7 +11,8 @@ implementation: steady tokens/s over the timed steps (each step ends with its lo
 host, a device synchronize), the warm-up steps' seconds apart, the peak device memory of the
 steps (on a GPU only: on the CPU the pools hold only part of what a run uses), the loss after
 the last step and the first step's loss (B = 0 at the start: the base model's loss, equal across
-implementations)."""
+implementations); on an NVIDIA GPU also the SM clock, the power and the joules a step over the
+timed steps (gpu_power.py), since under a power cap the time follows the energy."""
 
 import gc
 import json
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import gpu_power
 from .train_peers import ALPHA, CLIP, LR, RANK, figures, run_all
 
 PAD_ID = 0  # ids of real tokens are drawn from 1 .. V-1
@@ -210,6 +212,7 @@ def run(dev, dtype, s, peers=(), log=print, on_gpu=False, folder=None, bs=None, 
         bs = batches(s) if bs is None else bs
         title = f"Training end to end ({describe(s)}; {dtype})"
         rows = []
+        meter, no_meter = gpu_power.meter_for(dev) if on_gpu else (None, None)
         # where the device has graphs, krnl replays its step; "krnl eager" is the same run with none
         impls = (("krnl", True), ("krnl eager", False))[:1 + bool(dev.capabilities()["graphs"])]
         for impl, graphs in impls:
@@ -222,6 +225,14 @@ def run(dev, dtype, s, peers=(), log=print, on_gpu=False, folder=None, bs=None, 
                 gc.collect()
                 dev.trim()
         rows += run_all(dev.name, dtype, folder, s, bs, peers, log)
+        if meter is not None:
+            meter.stop()
+    for r in rows:
+        a_b = r.pop("timed_window", None)
+        if a_b is not None and meter is not None:
+            r["gpu"] = power_figures(meter.window(*a_b), r)
+        elif a_b is not None and no_meter:
+            r["gpu"] = {"why_not": no_meter}
     base = [r for r in rows if r.get("status", "ok") == "ok" and r["impl"].startswith("krnl")]
     if not base:
         raise RuntimeError(f"[krnl bench] train: krnl failed: {rows[0]['reason']}")
@@ -237,10 +248,30 @@ def run(dev, dtype, s, peers=(), log=print, on_gpu=False, folder=None, bs=None, 
     return rows
 
 
+def power_figures(w, r):
+    """A row's GPU figures over its timed steps (gpu_power.window's `w`): the clock, the share of
+    samples the power cap held, and from the mean power the joules a step and tokens a joule."""
+    if w is None:
+        return {"why_not": "no sample inside the timed steps"}
+    out = dict(w)
+    if w["watts"] is not None:
+        out["joules_per_step"] = w["watts"] * r["ms"] / 1e3
+        out["tokens_per_joule"] = r["tokens_per_s"] / w["watts"]
+    return out
+
+
+def gpu_note(g):
+    if not g or "sm_mhz" not in g:
+        return ""
+    watts = (f", {g['watts']:.0f} W, {g['joules_per_step']:.1f} J a step" if g.get("watts") is not None
+             else ", power not resolved")
+    return f"SM {g['sm_mhz']} MHz{watts}, power cap {100 * g['capped']:.0f}% of {g['samples']} samples"
+
+
 def note(r):
     peak = (f"peak {r['peak_bytes'] / 2**30:.2f} GiB {r['peak_kind']}" if r.get("peak_bytes") else "")
     return ", ".join(x for x in (f"loss {r['loss']:.4f} (first {r['first_loss']:.4f})", peak,
-                                 f"warm-up {r['warmup_s']:.1f} s", r.get("note", "")) if x)
+                                 f"warm-up {r['warmup_s']:.1f} s", gpu_note(r.get("gpu")), r.get("note", "")) if x)
 
 
 def session_rows(session, opts, profile=False):

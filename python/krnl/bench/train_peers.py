@@ -33,7 +33,7 @@ def figures(stamps, losses, bs, warmup):
     return {"tokens_per_s": toks / float(timed.sum()), "ms": 1e3 * float(timed.mean()), "tokens": toks,
             "warmup_s": float(dts[:warmup].sum()), "samples": len(timed),
             "spread": float(timed.max() / timed.min()), "loss": float(losses[-1]), "first_loss": float(losses[0]),
-            "losses": [float(x) for x in losses]}
+            "losses": [float(x) for x in losses], "timed_window": (stamps[warmup], stamps[-1])}
 
 
 def timed_steps(step, bs, sync):

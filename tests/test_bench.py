@@ -448,13 +448,30 @@ def test_gpu_power_window_takes_whole_counter_periods():
     for i in range(200):  # a sample every 10 ms; the counter moves by 50 J at each 0.1 s
         t = 1.0 + 0.01 * i
         rs.append(Reading(t, 1500 + (i % 3) * 100, 10**6 + 50_000 * (i // 10), i % 4 == 0))
-    w = window(rs, 1.034, 2.456)
+    w = window(rs, [(1.034, 2.456)])
     assert w["watts"] == pytest.approx(500.0, rel=1e-9)
     inside = [r for r in rs if 1.034 <= r.t <= 2.456]
     assert w["samples"] == len(inside) and w["sm_mhz"] == 1600
     assert w["capped"] == pytest.approx(sum(r.capped for r in inside) / len(inside))
-    assert window(rs, 1.031, 1.095)["watts"] is None  # fewer than two moves: no power figure
-    assert window(rs, 5.0, 6.0) is None
+    assert window(rs, [(1.031, 1.095)])["watts"] is None  # fewer than two moves: no power figure
+    assert window(rs, [(5.0, 6.0)]) is None
+    # several spans: their samples together, the power over the periods inside each
+    spans = [(1.095, 1.305), (1.695, 1.905), (2.505, 2.595)]
+    several = window(rs, spans)
+    assert several["watts"] == pytest.approx(500.0, rel=1e-9) and several["samples"] == 21 + 21 + 9
+
+
+def test_interleave_records_each_runs_span():
+    """interleave's spans, which time the rounds and window the GPU meter, are each run's own: in
+    round order, alternating between the implementations, each at least as long as its run."""
+    import time
+    from krnl.bench.session import interleave
+    spans = interleave({"a": lambda: time.sleep(0.002), "b": lambda: time.sleep(0.004)}, 3, 0.0)
+    assert [len(spans[k]) for k in "ab"] == [3, 3]
+    for k in "ab":
+        assert min(b - a for a, b in spans[k]) >= (0.002 if k == "a" else 0.004)
+    order = sorted((a, k) for k in "ab" for a, _ in spans[k])
+    assert [k for _, k in order] == list("ababab")
 
 
 def test_gpu_power_meter_and_train_rows():
@@ -477,8 +494,11 @@ def test_gpu_power_meter_and_train_rows():
     g = train.power_figures({"sm_mhz": 1500, "capped": 0.5, "watts": 400.0, "samples": 9},
                             {"ms": 250.0, "tokens_per_s": 8000.0})
     assert g["joules_per_step"] == pytest.approx(100.0) and g["tokens_per_joule"] == pytest.approx(20.0)
-    assert train.gpu_note(g) == "SM 1500 MHz, 400 W, 100.0 J a step, power cap 50% of 9 samples"
+    assert gpu_power.describe(g) == "SM 1500 MHz, 400 W, 100.0 J a step, power cap 50% of 9 samples"
+    assert gpu_power.describe(dict(g, watts=None, joules_per_step=None)) == "SM 1500 MHz, power cap 50% of 9 samples"
     assert gpu_power.meter_for(krnl.device("cpu")) == (None, "no NVML GPU behind a cpu device")
+    with gpu_power.metered(krnl.device("cpu")) as none:
+        assert none is None
     s = train.shape("quick", steps=1, warmup=1)
     rows = train.run(krnl.device("cpu"), "f32", s, log=lambda m: None)
     assert "gpu" not in rows[0] and "timed_window" not in rows[0]

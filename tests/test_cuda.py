@@ -523,6 +523,6 @@ def test_gpu_power_meter_reads_this_gpu(cuda):
         cuda.synchronize()
     t1 = time.perf_counter()
     meter.stop()
-    w = gpu_power.window(meter.readings, t0 + 0.05, t1)
+    w = gpu_power.window(meter.readings, [(t0 + 0.05, t1)])
     assert w is not None and w["samples"] >= 10 and 200 <= w["sm_mhz"] <= 3000, w
     assert w["watts"] is not None and 50 < w["watts"] < 2000, w

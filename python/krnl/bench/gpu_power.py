@@ -3,11 +3,12 @@ libnvidia-ml, through ctypes: nothing to install). Under a power cap a step's ti
 energy it uses, so a row's milliseconds mean little without the clock it ran at
 (docs/performance.md, 'The power cap').
 
-A Meter samples in a thread every `period` seconds from start() to stop(); window(a, b) summarises
-the samples between two time.perf_counter() stamps. NVML's energy counter moves in steps (about
+A Meter samples in a thread every `period` seconds from start() to stop(); window(spans) summarises
+the samples between pairs of time.perf_counter() stamps. NVML's energy counter moves in steps (about
 every 100 ms on an H200), so the window's energy is taken between the counter's first and last
 moves inside it, over the time between those moves: the mean power of whole counter periods."""
 
+import contextlib
 import ctypes
 import threading
 import time
@@ -49,19 +50,33 @@ class Nvml:
         return Reading(time.perf_counter(), int(mhz.value), int(mj.value), bool(why.value & SW_POWER_CAP))
 
 
-def window(readings: List[Reading], a: float, b: float) -> Optional[dict]:
-    """The samples with a <= t <= b: median SM clock, the share held by the power cap, and the
-    mean power over the whole energy-counter periods inside [a, b] (None without two moves)."""
-    rs = sorted((r for r in readings if a <= r.t <= b), key=lambda r: r.t)
+def window(readings: List[Reading], spans) -> Optional[dict]:
+    """The samples inside the spans [(a, b), ...] of time.perf_counter() stamps: median SM clock,
+    the share held by the power cap, and the mean power over the whole energy-counter periods
+    inside the spans (None where no span holds two moves of the counter, e.g. spans of a few
+    milliseconds)."""
+    inside = [sorted((r for r in readings if a <= r.t <= b), key=lambda r: r.t) for a, b in spans]
+    rs = [r for part in inside for r in part]
     if not rs:
         return None
+    joules = seconds = 0.0
+    for part in inside:
+        moves = [r for p, r in zip(part, part[1:]) if r.energy_mj != p.energy_mj]  # a step's first reading
+        if len(moves) >= 2 and moves[-1].t > moves[0].t:
+            joules += (moves[-1].energy_mj - moves[0].energy_mj) / 1e3
+            seconds += moves[-1].t - moves[0].t
     mhz = sorted(r.sm_mhz for r in rs)
-    moves = [r for p, r in zip(rs, rs[1:]) if r.energy_mj != p.energy_mj]  # the counter's first reading of a step
-    watts = None
-    if len(moves) >= 2 and moves[-1].t > moves[0].t:
-        watts = (moves[-1].energy_mj - moves[0].energy_mj) / 1e3 / (moves[-1].t - moves[0].t)
-    return {"sm_mhz": mhz[len(mhz) // 2], "capped": sum(r.capped for r in rs) / len(rs), "watts": watts,
-            "samples": len(rs)}
+    return {"sm_mhz": mhz[len(mhz) // 2], "capped": sum(r.capped for r in rs) / len(rs),
+            "watts": joules / seconds if seconds else None, "samples": len(rs)}
+
+
+def describe(g):
+    """A row note's words for window()'s figures (with joules_per_step where the caller added it)."""
+    if not g or "sm_mhz" not in g:
+        return ""
+    watts = f", {g['watts']:.0f} W" if g.get("watts") is not None else ""
+    joules = f", {g['joules_per_step']:.1f} J a step" if g.get("joules_per_step") is not None else ""
+    return f"SM {g['sm_mhz']} MHz{watts}{joules}, power cap {100 * g['capped']:.0f}% of {g['samples']} samples"
 
 
 class Meter:
@@ -88,8 +103,8 @@ class Meter:
         if self._thread is not None:
             self._thread.join()
 
-    def window(self, a, b):
-        return window(list(self.readings), a, b)
+    def window(self, spans):
+        return window(list(self.readings), spans)
 
 
 def meter_for(dev):
@@ -104,3 +119,14 @@ def meter_for(dev):
     except (OSError, AttributeError) as e:  # no driver library, or one without these calls
         return None, f"NVML unavailable: {e}"
     return Meter(nv.read).start(), None
+
+
+@contextlib.contextmanager
+def metered(dev):
+    """A started Meter for the with block (None where meter_for makes none), stopped after it."""
+    meter = meter_for(dev)[0]
+    try:
+        yield meter
+    finally:
+        if meter is not None:
+            meter.stop()

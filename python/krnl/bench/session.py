@@ -11,7 +11,7 @@ import time
 import numpy as np
 
 import krnl
-from . import gate
+from . import gate, gpu_power
 from .targets import TOLERANCE, Unavailable, compute_dtype, has_graphs, is_gpu, kind
 from .workloads import (ALL, KNOWN, PEER_MODULES, PEER_NAMES, INSTALL_HINT, STEPS, copy_rate, gemm_bytes, gemm_fn, lora_gemms,
                         peer_note, square_gemms)
@@ -93,13 +93,15 @@ def repeated(step, once_s):
 
 
 def interleave(fns, rounds, settle_s=SETTLE_S):
-    """{name: [seconds per round]}: every round runs each fn once, in order, each after a pause
-    that lets the previous one's worker threads go idle."""
+    """{name: [(start, end) of each round's run]} in time.perf_counter() stamps: every round runs
+    each fn once, in order, each after a pause that lets the previous one's worker threads go idle."""
     out = {k: [] for k in fns}
     for _ in range(rounds):
         for k, fn in fns.items():
             time.sleep(settle_s)
-            out[k].append(_timed(fn))
+            t0 = time.perf_counter()
+            fn()
+            out[k].append((t0, time.perf_counter()))
     return out
 
 
@@ -179,7 +181,7 @@ class Session:
             fns[name] = functools.partial(run, reps[name])
             flops[name] = 2.0 * m * nn * k
             nbytes[name] = gemm_bytes(m, nn, k, beta, out_f32, self.dtype) if name.startswith("lora") else None
-        times = interleave(fns, self.rounds, self.settle_s)
+        times = {k: [b - a for a, b in v] for k, v in interleave(fns, self.rounds, self.settle_s).items()}
         for name in fns:
             row = self._row(name, "krnl", dtype=self.dtype)
             self._figures(row, [t / reps[name] for t in times[name]], flops[name], None)
@@ -271,8 +273,9 @@ class Session:
                 steps[name], per[name] = repeated(step, t)
         self.log(f"  {wl.name}: timing {', '.join(steps)} in {self.rounds} interleaved rounds"
                  + (f"; {', '.join(single)} once (a step over {self.slow_s:g} s)" if single else ""))
-        times = interleave(steps, self.rounds, self.settle_s)
-        times = {k: [t / per[k] for t in v] for k, v in times.items()}
+        with gpu_power.metered(self.dev) as meter:  # None off an NVIDIA GPU
+            spans = interleave(steps, self.rounds, self.settle_s)
+        times = {k: [(b - a) / per[k] for a, b in v] for k, v in spans.items()}
         times.update(single)
         k_ms = float(np.median(times["krnl"]))
         for name in ("krnl",) + impls:
@@ -281,10 +284,10 @@ class Session:
                 continue
             row = self._row(wl.name, name, title=title, note=peer_note(name, self.dev), dtype=self.dtype,
                             check_err=errs.get(name))
-            if name in single:
-                row["note"] = "; ".join(x for x in (row["note"], f"1 sample (step > {self.slow_s:g} s)") if x)
-            if per.get(name, 1) > 1:
-                row["note"] = "; ".join(x for x in (row["note"], f"{per[name]} steps a sample") if x)
+            gpu = meter.window(spans[name]) if meter is not None and name in spans else None  # its clock
+            notes = (row["note"], f"1 sample (step > {self.slow_s:g} s)" if name in single else "",
+                     f"{per[name]} steps a sample" if per.get(name, 1) > 1 else "", gpu_power.describe(gpu))
+            row.update(note="; ".join(x for x in notes if x), gpu=gpu)
             self._figures(row, times[name], flops, tokens)
             row["vs_krnl"] = k_ms / float(np.median(times[name]))
         self._free(made)

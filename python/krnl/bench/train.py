@@ -230,7 +230,7 @@ def run(dev, dtype, s, peers=(), log=print, on_gpu=False, folder=None, bs=None, 
     for r in rows:
         a_b = r.pop("timed_window", None)
         if a_b is not None and meter is not None:
-            r["gpu"] = power_figures(meter.window(*a_b), r)
+            r["gpu"] = power_figures(meter.window([a_b]), r)
         elif a_b is not None and no_meter:
             r["gpu"] = {"why_not": no_meter}
     base = [r for r in rows if r.get("status", "ok") == "ok" and r["impl"].startswith("krnl")]
@@ -260,18 +260,10 @@ def power_figures(w, r):
     return out
 
 
-def gpu_note(g):
-    if not g or "sm_mhz" not in g:
-        return ""
-    watts = (f", {g['watts']:.0f} W, {g['joules_per_step']:.1f} J a step" if g.get("watts") is not None
-             else ", power not resolved")
-    return f"SM {g['sm_mhz']} MHz{watts}, power cap {100 * g['capped']:.0f}% of {g['samples']} samples"
-
-
 def note(r):
     peak = (f"peak {r['peak_bytes'] / 2**30:.2f} GiB {r['peak_kind']}" if r.get("peak_bytes") else "")
     return ", ".join(x for x in (f"loss {r['loss']:.4f} (first {r['first_loss']:.4f})", peak,
-                                 f"warm-up {r['warmup_s']:.1f} s", gpu_note(r.get("gpu")), r.get("note", "")) if x)
+                                 f"warm-up {r['warmup_s']:.1f} s", gpu_power.describe(r.get("gpu")), r.get("note", "")) if x)
 
 
 def session_rows(session, opts, profile=False):

@@ -396,6 +396,7 @@ def test_train_tokens_exclude_padding():
     assert k["impl"] == "krnl" and k["tokens"] == sum(b.tokens for b in padded[s["warmup"]:])
     assert k["tokens_per_s"] == pytest.approx(k["tokens"] / (k["ms"] * k["samples"] / 1e3))
     assert k["peak_bytes"] is None  # the CPU: no figure rather than a wrong one
+    assert "gpu" not in k and "timed_window" not in k  # no GPU meter here, and the window stays internal
     assert [(r["impl"], r["status"]) for r in rows[1:]] == [
         ("PEFT eager", "absent"), ("PEFT torch.compile", "absent"), ("mlx-lm", "absent")]
     assert all(r["reason"] == "not selected (--peers)" for r in rows[1:])
@@ -476,7 +477,8 @@ def test_interleave_records_each_runs_span():
 
 def test_gpu_power_meter_and_train_rows():
     """A Meter samples its reader in a thread until stopped; power_figures turns a window into
-    joules a step and tokens a joule; on the CPU no meter is made and the rows carry no "gpu"."""
+    joules a step and tokens a joule; on the CPU no meter is made (its train rows carry no "gpu":
+    test_train_tokens_exclude_padding)."""
     import time
     from krnl.bench import gpu_power, train
     n = {"calls": 0}
@@ -499,9 +501,6 @@ def test_gpu_power_meter_and_train_rows():
     assert gpu_power.meter_for(krnl.device("cpu")) == (None, "no NVML GPU behind a cpu device")
     with gpu_power.metered(krnl.device("cpu")) as none:
         assert none is None
-    s = train.shape("quick", steps=1, warmup=1)
-    rows = train.run(krnl.device("cpu"), "f32", s, log=lambda m: None)
-    assert "gpu" not in rows[0] and "timed_window" not in rows[0]
 
 
 def test_train_workload_sizes_and_errors(capsys):

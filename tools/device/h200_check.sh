@@ -38,7 +38,9 @@
 #                                           the cross-entropy kernel alone (tools/device/ce_probe.cu); what
 #                                           the memsets in a recorded step are, and whether a recording can
 #                                           carry them as kernel nodes (tools/device/memset_probe.cu, with
-#                                           cuBLAS's own workspace and with one set by the caller); $OUT/*.txt
+#                                           cuBLAS's own workspace and with one set by the caller); SwiGLU
+#                                           with its LoRA products in one pass, launch shapes against the
+#                                           plain pass (tools/device/swiglu_lora_variants.cu); $OUT/*.txt
 #   bash tools/device/h200_check.sh w3timing
 #                                           krnl bench's W3 graph replayed under several timing patterns
 #                                           (tools/device/w3_timing.py: samples after a pause, alone and
@@ -52,7 +54,9 @@
 #                                           (TRAIN_SHAPES) and W3, the two trees alternating
 #                                           (tools/device/train_before_after.py; W3=0 leaves W3 out);
 #                                           W3_KERNELS=1: then
-#                                           each tree's W3 step kernel by kernel (step_kernels.py)
+#                                           each tree's W3 step kernel by kernel (step_kernels.py);
+#                                           KNOB=VAR instead of OLD: this tree with VAR=0 as before
+#                                           and VAR=1 as after (e.g. KRNL_LORA_FOLD)
 #   bash tools/device/h200_check.sh nccl    on a machine with 2 or more GPUs (nvidia-h200-x2): tests/test_dist_nccl.py
 #                                           and tests/test_dist.py (two CUDA ranks through NCCL against one GPU,
 #                                           the loader, the fallback), then `krnl bench --workloads train --gpus 2`
@@ -111,7 +115,7 @@ build_tree() {  # build_tree DIR: krnl's module built in DIR/build/cuda-h200 and
   (cd "$1" && cmake -S . -B build/cuda-h200 -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$(which python3)" &&
     cmake --build build/cuda-h200 -j16 && cp build/cuda-h200/_core*.so python/krnl/)
 }
-if [ "$phase" = compare ]; then
+if [ "$phase" = compare ] && [ -z "$KNOB" ]; then
   [ -d "$OLD/python/krnl" ] || { echo "compare: OLD must name an earlier tree carried along, got '$OLD'"; exit 1; }
   build_tree "$OLD" > "$OUT/cmake_old.log" 2>&1 &
   old_build=$!
@@ -260,6 +264,8 @@ elif [ "$phase" = gemms ]; then
 elif [ "$phase" = probes ]; then
   nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc -o /tmp/ce_probe tools/device/ce_probe.cu || exit 1
   nvcc -O2 -arch=sm_90 -o /tmp/memset_probe tools/device/memset_probe.cu -ldl || exit 1
+  nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc -o /tmp/swiglu_lora tools/device/swiglu_lora_variants.cu || exit 1
+  timeout 120 /tmp/swiglu_lora 2>&1 | tee "$OUT/swiglu_lora.txt"
   timeout 120 python3 tools/device/head_loss_probe.py 2>&1 | tee "$OUT/head_loss.txt"
   timeout 120 /tmp/ce_probe 2>&1 | tee "$OUT/ce_probe.txt" | grep "TB/s"
   for ws in default workspace; do
@@ -275,22 +281,28 @@ elif [ "$phase" = w3timing ]; then
     grep -E "^w3|^ +krnl" | tee -a "$OUT/w3_timing.txt"
   kill $smi
 elif [ "$phase" = compare ]; then
-  wait $old_build || { tail -20 "$OUT/cmake_old.log"; exit 1; }
-  tree() { [ "$1" = before ] && echo "$OLD/python:/tmp/site" || echo "python:/tmp/site"; }
+  [ -n "$KNOB" ] || wait $old_build || { tail -20 "$OUT/cmake_old.log"; exit 1; }
+  as() {  # as before|after CMD...: CMD on the earlier tree, or on this one with $KNOB=0 (before) or 1
+    if [ -n "$KNOB" ]; then
+      env "$KNOB=$([ "$1" = before ] && echo 0 || echo 1)" PYTHONPATH=python:/tmp/site "${@:2}"
+    else
+      env PYTHONPATH="$([ "$1" = before ] && echo "$OLD/python" || echo python):/tmp/site" "${@:2}"
+    fi
+  }
   for shape in ${TRAIN_SHAPES:-8b}; do
     python3 tools/device/train_before_after.py write "/tmp/train_$shape" --shape "$shape" || exit 1
     for t in before after after before; do
-      PYTHONPATH=$(tree $t) timeout 150 python3 tools/device/train_before_after.py time "/tmp/train_$shape" --label "$shape $t" |
+      as $t timeout 150 python3 tools/device/train_before_after.py time "/tmp/train_$shape" --label "$shape $t" |
         tail -1 | tee -a "$OUT/compare_train.jsonl"
     done
   done
   for t in $([ "${W3:-1}" = 0 ] || echo before after after before); do  # W3=0: the train shapes alone
-    PYTHONPATH=$(tree $t) timeout 150 python3 -m krnl.bench --workloads w3 --peers numpy --device cuda --rounds 3 2>&1 |
+    as $t timeout 150 python3 -m krnl.bench --workloads w3 --peers numpy --device cuda --rounds 3 2>&1 |
       grep -E "^w3|^ +krnl" | sed "s/^/$t  /" | tee -a "$OUT/compare_w3.txt"
   done
   if [ -n "$W3_KERNELS" ]; then  # each tree's replayed W3 step kernel by kernel
     for t in before after; do
-      PYTHONPATH=$(tree $t) timeout 120 python3 tools/device/step_kernels.py w3 "$OUT/kernels_w3_$t.tsv" 2>&1 |
+      as $t timeout 120 python3 tools/device/step_kernels.py w3 "$OUT/kernels_w3_$t.tsv" 2>&1 |
         grep -v Warning | head -${W3_KERNELS_TOP:-30} | sed "s/^/$t  /" | tee "$OUT/kernels_w3_$t.log"
     done
   fi

@@ -1,0 +1,184 @@
+// SwiGLU with the LoRA's rank-r products of its outputs in the same pass, tried and not kept
+// (docs/performance.md, 'SwiGLU and its rank-r products in one pass'): the forward's t = s A^T for
+// the down projection, the backward's dt = s dg B for gate and up, each product taking s, dg or du
+// from the registers that store it, where a skinny GEMM reads the (rows, F) array back. It ran
+// below the unfused pair (krnl's SwiGLU pass, then cuBLAS) at the train shapes; its launch shapes
+// are timed by swiglu_lora_variants.cu.
+#pragma once
+#include "cuda/common.cuh"
+
+namespace krnl::cuda::swiglu_lora {
+
+constexpr int kWarps = 8;   // a block's warps; each takes every kWarps-th patch of its rows
+constexpr int kPatch = 32;  // columns of a patch per 16 bytes a lane holds of a row
+
+// A 16-bit dtype's bits to float and back, rounding as common.cuh's st().
+template <bool BF>
+__device__ __forceinline__ float unpack(uint32_t h) {
+  return BF ? __uint_as_float(h << 16) : __half2float(__ushort_as_half(uint16_t(h)));
+}
+template <bool BF>
+__device__ __forceinline__ uint32_t pack(float v) {
+  return BF ? to_bf16_bits(v) : to_f16_bits(v);
+}
+
+// d (16 x 8, f32) += a (16 x 16) b (16 x 8), mma.sync's m16n8k16 fragments.
+template <bool BF>
+__device__ __forceinline__ void mma(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
+  if constexpr (BF) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+__device__ __forceinline__ uint32_t word(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
+
+struct Rows {
+  const uint16_t* in[3];  // (N, F) each: g, u (forward); ds, g, u (backward)
+  uint16_t* out[2];       // (N, F): s (forward); dg, du (backward)
+  const uint16_t* m[2];   // (R, F): the factors the rows multiply (down's A; B^T of gate and of up)
+  uint16_t* t[2];         // (N, R) at row strides ld[k]
+  int64_t ld[2];
+  float scale[2];
+  int64_t N, F;
+};
+
+// Rows [16 b, 16 b + 16) of the op for block b; warp w takes the column patches w, w + kWarps, ...
+// of kPatch CW columns. Lane (rq, q) = (lane / 4, lane % 4) holds rows rq and rq + 8 and the CW 8
+// columns from kPatch CW pt + 8 CW q: a warp's loads and stores cover 16 CW bytes of each row.
+// An m16n8k16 product's k step may take any 16 of the patch's columns where its A and B fragments
+// agree: k step j gives lane q its columns 8 CW q + 4j + (0, 1) as the pair (a0 a1) | (b0 b1) and
+// + (2, 3) as (a4 a5) | (b2 b3), so the A fragments are the packed words the lane stores, and the B
+// fragments the same words of a row of m. The warps' partial products are summed in a fixed order.
+template <bool BF, bool BWD, int R, int CW, int MINB, bool PF, bool SPREAD = false>
+__global__ void __launch_bounds__(kWarps * 32, MINB) swiglu_lora_kernel(Rows p) {
+  constexpr int NO = BWD ? 2 : 1, NI = BWD ? 3 : 2, NT = R / 8;  // outputs, input arrays, n tiles
+  constexpr int PW = 16 * NO * R, WIDTH = kPatch * CW;            // a warp's partials, a patch's columns
+  extern __shared__ float red[];                                   // (kWarps, 16, NO R)
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, rq = lane / 4, q = lane % 4;
+  const int64_t r0 = int64_t(blockIdx.x) * 16, P = (p.F + WIDTH - 1) / WIDTH;
+  float acc[NO][NT][4] = {};
+  uint4 x[NI][2][CW], nx[NI][2][CW];  // this patch's inputs [array][row rq, rq + 8][16 bytes], the next one's
+
+  auto load = [&](int64_t pt, uint4 (&v)[NI][2][CW]) {
+#pragma unroll
+    for (int i = 0; i < NI; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int cw = 0; cw < CW; ++cw) {
+          const int64_t row = r0 + rq + 8 * h, c = pt * WIDTH + 8 * (CW * q + cw);
+          v[i][h][cw] = row < p.N && c < p.F ? *reinterpret_cast<const uint4*>(p.in[i] + row * p.F + c)
+                                             : make_uint4(0, 0, 0, 0);
+        }
+  };
+
+  // SPREAD: blocks start at different patches (hashed), so that the rows in flight at once need not
+  // all sit at one column offset, 28 KB apart at F = 14336.
+  const int64_t first = SPREAD ? int64_t(((uint64_t(blockIdx.x) * 2654435761u) >> 7) % uint64_t(P)) : 0;
+  auto at = [&](int64_t i) { return (i + first) % P; };  // the patch of a warp's i-th step
+  if (PF && warp < P) load(at(warp), x);
+  for (int64_t i = warp; i < P; i += kWarps) {
+    const int64_t pt = at(i);
+    if (PF && i + kWarps < P) load(at(i + kWarps), nx);  // in flight while this patch computes
+    if (!PF) load(pt, x);
+#pragma unroll
+    for (int cw = 0; cw < CW; ++cw) {
+      const int64_t c = pt * WIDTH + 8 * (CW * q + cw);
+      uint4 mf[NO][NT];  // row nt 8 + rq of each factor, columns c..c+7
+#pragma unroll
+      for (int k = 0; k < NO; ++k)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+          mf[k][nt] = c < p.F ? *reinterpret_cast<const uint4*>(p.m[k] + (nt * 8 + rq) * p.F + c) : make_uint4(0, 0, 0, 0);
+      uint32_t w[NO][2][4];  // the outputs' packed words: [output][row rq, rq + 8][column pair]
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          uint32_t o[NO][2];
+#pragma unroll
+          for (int b = 0; b < 2; ++b) {
+            const int sh = 16 * b;
+            if constexpr (BWD) {  // swiglu_backward's arithmetic (elementwise.cu), term for term
+              const float d = unpack<BF>((word(x[0][h][cw], e) >> sh) & 0xffffu);
+              const float g = unpack<BF>((word(x[1][h][cw], e) >> sh) & 0xffffu);
+              const float u = unpack<BF>((word(x[2][h][cw], e) >> sh) & 0xffffu);
+              const float sig = 1.f / (1.f + expf(-g));
+              o[0][b] = pack<BF>(d * u * sig * (1.f + g * (1.f - sig)));
+              o[1][b] = pack<BF>(d * g * sig);
+            } else {  // swiglu_forward's
+              const float g = unpack<BF>((word(x[0][h][cw], e) >> sh) & 0xffffu);
+              const float u = unpack<BF>((word(x[1][h][cw], e) >> sh) & 0xffffu);
+              o[0][b] = pack<BF>(g / (1.f + expf(-g)) * u);
+            }
+          }
+#pragma unroll
+          for (int k = 0; k < NO; ++k) w[k][h][e] = o[k][0] | (o[k][1] << 16);
+        }
+        const int64_t row = r0 + rq + 8 * h;
+        if (row < p.N && c < p.F)
+#pragma unroll
+          for (int k = 0; k < NO; ++k)
+            *reinterpret_cast<uint4*>(p.out[k] + row * p.F + c) = make_uint4(w[k][h][0], w[k][h][1], w[k][h][2], w[k][h][3]);
+      }
+#pragma unroll
+      for (int k = 0; k < NO; ++k)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const uint32_t a[4] = {w[k][0][2 * j], w[k][1][2 * j], w[k][0][2 * j + 1], w[k][1][2 * j + 1]};
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) mma<BF>(acc[k][nt], a, word(mf[k][nt], 2 * j), word(mf[k][nt], 2 * j + 1));
+        }
+    }
+    if (PF)
+#pragma unroll
+      for (int i = 0; i < NI; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int cw = 0; cw < CW; ++cw) x[i][h][cw] = nx[i][h][cw];
+  }
+
+  // Accumulator (c0 c1) is row rq, columns 2q, 2q + 1 of its n tile; (c2 c3) row rq + 8.
+  float* mine = red + warp * PW;
+#pragma unroll
+  for (int k = 0; k < NO; ++k)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float* o = mine + (rq + 8 * h) * NO * R + k * R + nt * 8 + 2 * q;
+        o[0] = acc[k][nt][2 * h];
+        o[1] = acc[k][nt][2 * h + 1];
+      }
+  __syncthreads();
+  for (int e = threadIdx.x; e < PW; e += blockDim.x) {
+    const int rl = e / (NO * R), k = (e / R) % NO, n = e % R;
+    const int64_t row = r0 + rl;
+    if (row >= p.N) continue;
+    float s = 0.f;
+#pragma unroll
+    for (int wi = 0; wi < kWarps; ++wi) s += red[wi * PW + e];
+    p.t[k][row * p.ld[k] + n] = uint16_t(pack<BF>(p.scale[k] * s));
+  }
+}
+
+template <bool BF, bool BWD, int R, int CW, int MINB, bool PF, bool SPREAD = false>
+void launch(const Rows& p, cudaStream_t stream, const char* op) {
+  constexpr int NO = BWD ? 2 : 1;
+  const size_t smem = size_t(kWarps) * 16 * NO * R * sizeof(float);
+  auto kernel = swiglu_lora_kernel<BF, BWD, R, CW, MINB, PF, SPREAD>;
+  if (smem > 48 * 1024) check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)), op);
+  kernel<<<unsigned((p.N + 15) / 16), kWarps * 32, smem, stream>>>(p);
+  check_launch(op);
+}
+
+}  // namespace krnl::cuda::swiglu_lora

@@ -1,10 +1,13 @@
 // SwiGLU with the LoRA's rank-r products of its outputs in the same pass, tried and not kept
 // (docs/performance.md, 'SwiGLU and its rank-r products in one pass'): the forward's t = s A^T for
 // the down projection, the backward's dt = s dg B for gate and up, each product taking s, dg or du
-// from the registers that store it, where a skinny GEMM reads the (rows, F) array back. It ran
-// below the unfused pair (krnl's SwiGLU pass, then cuBLAS) at the train shapes; its launch shapes
-// are timed by swiglu_lora_variants.cu.
+// from the registers that store it, where a skinny GEMM reads the (rows, F) array back. Two ways
+// of moving the rows: in the products' fragment layout (swiglu_lora_kernel) and whole
+// (swiglu_lora_rows_kernel). Both ran below the unfused pair (krnl's SwiGLU pass, then cuBLAS) at
+// the train shapes, held to about 16 warps an SM; swiglu_lora_variants.cu times their launch shapes.
 #pragma once
+#include <algorithm>
+
 #include "cuda/common.cuh"
 
 namespace krnl::cuda::swiglu_lora {
@@ -39,6 +42,35 @@ __device__ __forceinline__ void mma(float* d, const uint32_t* a, uint32_t b0, ui
 }
 
 __device__ __forceinline__ uint32_t word(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
+
+// The packed output words of 8 elements (16 bytes of each input): SwiGLU's arithmetic, term for
+// term as swiglu_forward and swiglu_backward (elementwise.cu) have it. in: g, u, or ds, g, u.
+template <bool BF, bool BWD>
+__device__ __forceinline__ void swiglu8(const uint4* in, uint32_t (&w)[2][4]) {
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    uint32_t o[2][2];
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+      const int sh = 16 * b;
+      if constexpr (BWD) {
+        const float d = unpack<BF>((word(in[0], e) >> sh) & 0xffffu);
+        const float g = unpack<BF>((word(in[1], e) >> sh) & 0xffffu);
+        const float u = unpack<BF>((word(in[2], e) >> sh) & 0xffffu);
+        const float sig = 1.f / (1.f + expf(-g));
+        o[0][b] = pack<BF>(d * u * sig * (1.f + g * (1.f - sig)));
+        o[1][b] = pack<BF>(d * g * sig);
+      } else {
+        const float g = unpack<BF>((word(in[0], e) >> sh) & 0xffffu);
+        const float u = unpack<BF>((word(in[1], e) >> sh) & 0xffffu);
+        o[0][b] = pack<BF>(g / (1.f + expf(-g)) * u);
+        o[1][b] = 0;
+      }
+    }
+    w[0][e] = o[0][0] | (o[0][1] << 16);
+    w[1][e] = o[1][0] | (o[1][1] << 16);
+  }
+}
 
 struct Rows {
   const uint16_t* in[3];  // (N, F) each: g, u (forward); ds, g, u (backward)
@@ -98,31 +130,18 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) swiglu_lora_kernel(Rows p) 
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
           mf[k][nt] = c < p.F ? *reinterpret_cast<const uint4*>(p.m[k] + (nt * 8 + rq) * p.F + c) : make_uint4(0, 0, 0, 0);
-      uint32_t w[NO][2][4];  // the outputs' packed words: [output][row rq, rq + 8][column pair]
+      uint32_t w[2][2][4];  // the outputs' packed words: [output][row rq, rq + 8][column pair]
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
+        uint4 in[NI];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          uint32_t o[NO][2];
+        for (int i = 0; i < NI; ++i) in[i] = x[i][h][cw];
+        uint32_t o[2][4];
+        swiglu8<BF, BWD>(in, o);
 #pragma unroll
-          for (int b = 0; b < 2; ++b) {
-            const int sh = 16 * b;
-            if constexpr (BWD) {  // swiglu_backward's arithmetic (elementwise.cu), term for term
-              const float d = unpack<BF>((word(x[0][h][cw], e) >> sh) & 0xffffu);
-              const float g = unpack<BF>((word(x[1][h][cw], e) >> sh) & 0xffffu);
-              const float u = unpack<BF>((word(x[2][h][cw], e) >> sh) & 0xffffu);
-              const float sig = 1.f / (1.f + expf(-g));
-              o[0][b] = pack<BF>(d * u * sig * (1.f + g * (1.f - sig)));
-              o[1][b] = pack<BF>(d * g * sig);
-            } else {  // swiglu_forward's
-              const float g = unpack<BF>((word(x[0][h][cw], e) >> sh) & 0xffffu);
-              const float u = unpack<BF>((word(x[1][h][cw], e) >> sh) & 0xffffu);
-              o[0][b] = pack<BF>(g / (1.f + expf(-g)) * u);
-            }
-          }
+        for (int k = 0; k < 2; ++k)
 #pragma unroll
-          for (int k = 0; k < NO; ++k) w[k][h][e] = o[k][0] | (o[k][1] << 16);
-        }
+          for (int e = 0; e < 4; ++e) w[k][h][e] = o[k][e];
         const int64_t row = r0 + rq + 8 * h;
         if (row < p.N && c < p.F)
 #pragma unroll
@@ -169,6 +188,108 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) swiglu_lora_kernel(Rows p) 
     for (int wi = 0; wi < kWarps; ++wi) s += red[wi * PW + e];
     p.t[k][row * p.ld[k] + n] = uint16_t(pack<BF>(p.scale[k] * s));
   }
+}
+
+// The same op with rows read and written whole. Block b takes rows [16 b, 16 b + 16); warp w the
+// tiles of kTile columns w, w + kWarps, ... A tile's rows go as a plain elementwise pass moves
+// them (16 lanes a row, 16 bytes each: 256 contiguous bytes an instruction), G row pairs' loads at
+// once; the outputs are also written to the warp's tile in shared memory, from which each lane then
+// reads swiglu_lora_kernel's fragment layout (rows rq and rq + 8, 16 bytes at 8q of each 32-column
+// patch) for the products.
+constexpr int kTile = 128, kLd = kTile + 32;  // a tile's columns; its shared row stride: 64 bytes past
+                                              // a multiple of 128, so the fragment reads do not conflict
+template <bool BF, bool BWD, int R, int MINB, int G>
+__global__ void __launch_bounds__(kWarps * 32, MINB) swiglu_lora_rows_kernel(Rows p) {
+  constexpr int NO = BWD ? 2 : 1, NI = BWD ? 3 : 2, NT = R / 8, PW = 16 * NO * R;
+  extern __shared__ float red[];  // the warps' tiles (kWarps, NO, 16, kLd) 16-bit; then (kWarps, 16, NO R) f32
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, rq = lane / 4, q = lane % 4;
+  const int half = lane / 16, c8 = 8 * (lane % 16);  // as a row loader: row 2 g + half, columns c8..c8+7
+  uint16_t* tile = reinterpret_cast<uint16_t*>(red) + warp * NO * 16 * kLd;
+  const int64_t r0 = int64_t(blockIdx.x) * 16, P = (p.F + kTile - 1) / kTile;
+  float acc[NO][NT][4] = {};
+  for (int64_t pt = warp; pt < P; pt += kWarps) {
+    const int64_t c0 = pt * kTile;
+    const bool cok = c0 + c8 < p.F;
+#pragma unroll
+    for (int g0 = 0; g0 < 8; g0 += G) {
+      uint4 x[G][NI];
+#pragma unroll
+      for (int gi = 0; gi < G; ++gi) {
+        const int64_t row = r0 + 2 * (g0 + gi) + half;
+#pragma unroll
+        for (int i = 0; i < NI; ++i)
+          x[gi][i] = row < p.N && cok ? *reinterpret_cast<const uint4*>(p.in[i] + row * p.F + c0 + c8)
+                                      : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int gi = 0; gi < G; ++gi) {
+        uint32_t o[2][4];
+        swiglu8<BF, BWD>(x[gi], o);
+        const int rl = 2 * (g0 + gi) + half;
+        const int64_t row = r0 + rl;
+#pragma unroll
+        for (int k = 0; k < NO; ++k) {
+          const uint4 v = make_uint4(o[k][0], o[k][1], o[k][2], o[k][3]);
+          if (row < p.N && cok) *reinterpret_cast<uint4*>(p.out[k] + row * p.F + c0 + c8) = v;
+          *reinterpret_cast<uint4*>(tile + (k * 16 + rl) * kLd + c8) = v;
+        }
+      }
+    }
+    __syncwarp();
+#pragma unroll
+    for (int c32 = 0; c32 < kTile / 32; ++c32) {
+      const int64_t c = c0 + 32 * c32 + 8 * q;
+#pragma unroll
+      for (int k = 0; k < NO; ++k) {
+        const uint4 a0 = *reinterpret_cast<const uint4*>(tile + (k * 16 + rq) * kLd + 32 * c32 + 8 * q);
+        const uint4 a1 = *reinterpret_cast<const uint4*>(tile + (k * 16 + rq + 8) * kLd + 32 * c32 + 8 * q);
+        uint4 mf[NT];  // row nt 8 + rq of factor k, columns c..c+7
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+          mf[nt] = c < p.F ? *reinterpret_cast<const uint4*>(p.m[k] + (nt * 8 + rq) * p.F + c) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const uint32_t a[4] = {word(a0, 2 * j), word(a1, 2 * j), word(a0, 2 * j + 1), word(a1, 2 * j + 1)};
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) mma<BF>(acc[k][nt], a, word(mf[nt], 2 * j), word(mf[nt], 2 * j + 1));
+        }
+      }
+    }
+    __syncwarp();  // the tile is read before the next one overwrites it
+  }
+  __syncthreads();  // every warp is done with the tiles, whose memory the partials take
+
+  float* mine = red + warp * PW;
+#pragma unroll
+  for (int k = 0; k < NO; ++k)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float* o = mine + (rq + 8 * h) * NO * R + k * R + nt * 8 + 2 * q;
+        o[0] = acc[k][nt][2 * h];
+        o[1] = acc[k][nt][2 * h + 1];
+      }
+  __syncthreads();
+  for (int e = threadIdx.x; e < PW; e += blockDim.x) {
+    const int rl = e / (NO * R), k = (e / R) % NO, n = e % R;
+    const int64_t row = r0 + rl;
+    if (row >= p.N) continue;
+    float s = 0.f;
+#pragma unroll
+    for (int wi = 0; wi < kWarps; ++wi) s += red[wi * PW + e];
+    p.t[k][row * p.ld[k] + n] = uint16_t(pack<BF>(p.scale[k] * s));
+  }
+}
+
+template <bool BF, bool BWD, int R, int MINB, int G>
+void launch_rows(const Rows& p, cudaStream_t stream, const char* op) {
+  constexpr int NO = BWD ? 2 : 1;
+  const size_t smem = std::max(size_t(kWarps) * 16 * NO * R * sizeof(float), size_t(kWarps) * NO * 16 * kLd * 2);
+  auto kernel = swiglu_lora_rows_kernel<BF, BWD, R, MINB, G>;
+  if (smem > 48 * 1024) check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)), op);
+  kernel<<<unsigned((p.N + 15) / 16), kWarps * 32, smem, stream>>>(p);
+  check_launch(op);
 }
 
 template <bool BF, bool BWD, int R, int CW, int MINB, bool PF, bool SPREAD = false>

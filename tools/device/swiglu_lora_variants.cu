@@ -1,9 +1,10 @@
-// Launch shapes of swiglu_lora_kernel (swiglu_lora_kernel.cuh) side by side at the W3 and 8b
-// train shapes' MLP (rows 4096 and 8192, F 14336, r 16, bf16), each checked bit for bit against the
-// first (a different k order moves a few of t's last bits), next to a plain SwiGLU pass over the
-// same arrays: the bandwidth a fused pass could reach. A lane holds 16, 32 or 64 bytes of each of
-// its two rows per patch, so that a warp covers 64, 128 or 256 bytes of 16 rows per array; blocks
-// hold 8 warps, 1 to 3 of them resident per SM. Variants go round-robin, timed with events over 20
+// Launch shapes of swiglu_lora_kernel and swiglu_lora_rows_kernel (swiglu_lora_kernel.cuh) side by
+// side at the W3 and 8b train shapes' MLP (rows 4096 and 8192, F 14336, r 16, bf16), each checked
+// bit for bit against the first (a different k order moves a few of t's last bits), next to a
+// plain SwiGLU pass over the same arrays: the bandwidth a fused pass could reach. In the fragment
+// layout a lane holds 16, 32 or 64 bytes of each of its two rows per patch (a warp covers 64, 128
+// or 256 bytes of 16 rows per array); "whole rows" load 2, 4 or 8 row pairs at once. Blocks hold
+// 8 warps, 1 to 3 of them resident per SM. Variants go round-robin, timed with events over 20
 // launches each.
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc -o /tmp/slv tools/device/swiglu_lora_variants.cu && /tmp/slv
@@ -60,6 +61,8 @@ struct Variant {
 
 template <bool BWD, int CW, int MINB, bool PF, bool SPREAD = false>
 void fused(const Rows& p, cudaStream_t s) { launch<true, BWD, R, CW, MINB, PF, SPREAD>(p, s, "variant"); }
+template <bool BWD, int MINB, int G>
+void rows(const Rows& p, cudaStream_t s) { launch_rows<true, BWD, R, MINB, G>(p, s, "variant"); }
 template <bool BWD>
 void plain_run(const Rows& p, cudaStream_t s) {
   const int64_t n8 = p.N * p.F / 8;
@@ -68,9 +71,13 @@ void plain_run(const Rows& p, cudaStream_t s) {
 
 template <bool BWD>
 std::vector<Variant> variants() {
-  return {{"16 B a row, 1 block/SM, prefetch", fused<BWD, 1, 1, true>},
+  return {{"16 B a row, 2 blocks/SM", fused<BWD, 1, 2, false>},
+          {"whole rows, 2 blocks/SM, 4 row pairs", rows<BWD, 2, 4>},
+          {"whole rows, 2 blocks/SM, 2 row pairs", rows<BWD, 2, 2>},
+          {"whole rows, 1 block/SM, 8 row pairs", rows<BWD, 1, 8>},
+          {"whole rows, 2 blocks/SM, 8 row pairs", rows<BWD, 2, 8>},
+          {"16 B a row, 1 block/SM, prefetch", fused<BWD, 1, 1, true>},
           {"16 B a row, 2 blocks/SM, prefetch", fused<BWD, 1, 2, true>},
-          {"16 B a row, 2 blocks/SM", fused<BWD, 1, 2, false>},
           {"16 B a row, 3 blocks/SM", fused<BWD, 1, 3, false>},
           {"32 B a row, 2 blocks/SM", fused<BWD, 2, 2, false>},
           {"64 B a row, 2 blocks/SM", fused<BWD, 4, 2, false>},

@@ -82,6 +82,36 @@ struct Rows {
   int64_t N, F;
 };
 
+// t[k] (16 rows from r0, R) = scale[k] * the sum over the block's warps of their accumulators, in
+// warp order: each warp's partials go to red (kWarps, 16, NO R) first.
+template <bool BF, int NO, int R>
+__device__ __forceinline__ void sum_partials(const float (&acc)[NO][R / 8][4], float* red, const Rows& p, int64_t r0) {
+  constexpr int PW = 16 * NO * R;
+  const int lane = threadIdx.x % 32, rq = lane / 4, q = lane % 4;
+  float* mine = red + (threadIdx.x / 32) * PW;
+  // Accumulator (c0 c1) is row rq, columns 2q, 2q + 1 of its n tile; (c2 c3) row rq + 8.
+#pragma unroll
+  for (int k = 0; k < NO; ++k)
+#pragma unroll
+    for (int nt = 0; nt < R / 8; ++nt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float* o = mine + (rq + 8 * h) * NO * R + k * R + nt * 8 + 2 * q;
+        o[0] = acc[k][nt][2 * h];
+        o[1] = acc[k][nt][2 * h + 1];
+      }
+  __syncthreads();
+  for (int e = threadIdx.x; e < PW; e += blockDim.x) {
+    const int rl = e / (NO * R), k = (e / R) % NO, n = e % R;
+    const int64_t row = r0 + rl;
+    if (row >= p.N) continue;
+    float s = 0.f;
+#pragma unroll
+    for (int wi = 0; wi < kWarps; ++wi) s += red[wi * PW + e];
+    p.t[k][row * p.ld[k] + n] = uint16_t(pack<BF>(p.scale[k] * s));
+  }
+}
+
 // Rows [16 b, 16 b + 16) of the op for block b; warp w takes the column patches w, w + kWarps, ...
 // of kPatch CW columns. Lane (rq, q) = (lane / 4, lane % 4) holds rows rq and rq + 8 and the CW 8
 // columns from kPatch CW pt + 8 CW q: a warp's loads and stores cover 16 CW bytes of each row.
@@ -92,7 +122,7 @@ struct Rows {
 template <bool BF, bool BWD, int R, int CW, int MINB, bool PF, bool SPREAD = false>
 __global__ void __launch_bounds__(kWarps * 32, MINB) swiglu_lora_kernel(Rows p) {
   constexpr int NO = BWD ? 2 : 1, NI = BWD ? 3 : 2, NT = R / 8;  // outputs, input arrays, n tiles
-  constexpr int PW = 16 * NO * R, WIDTH = kPatch * CW;            // a warp's partials, a patch's columns
+  constexpr int WIDTH = kPatch * CW;                               // a patch's columns
   extern __shared__ float red[];                                   // (kWarps, 16, NO R)
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, rq = lane / 4, q = lane % 4;
   const int64_t r0 = int64_t(blockIdx.x) * 16, P = (p.F + WIDTH - 1) / WIDTH;
@@ -166,28 +196,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) swiglu_lora_kernel(Rows p) 
           for (int cw = 0; cw < CW; ++cw) x[i][h][cw] = nx[i][h][cw];
   }
 
-  // Accumulator (c0 c1) is row rq, columns 2q, 2q + 1 of its n tile; (c2 c3) row rq + 8.
-  float* mine = red + warp * PW;
-#pragma unroll
-  for (int k = 0; k < NO; ++k)
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float* o = mine + (rq + 8 * h) * NO * R + k * R + nt * 8 + 2 * q;
-        o[0] = acc[k][nt][2 * h];
-        o[1] = acc[k][nt][2 * h + 1];
-      }
-  __syncthreads();
-  for (int e = threadIdx.x; e < PW; e += blockDim.x) {
-    const int rl = e / (NO * R), k = (e / R) % NO, n = e % R;
-    const int64_t row = r0 + rl;
-    if (row >= p.N) continue;
-    float s = 0.f;
-#pragma unroll
-    for (int wi = 0; wi < kWarps; ++wi) s += red[wi * PW + e];
-    p.t[k][row * p.ld[k] + n] = uint16_t(pack<BF>(p.scale[k] * s));
-  }
+  sum_partials<BF, NO, R>(acc, red, p, r0);
 }
 
 // The same op with rows read and written whole. Block b takes rows [16 b, 16 b + 16); warp w the
@@ -200,7 +209,7 @@ constexpr int kTile = 128, kLd = kTile + 32;  // a tile's columns; its shared ro
                                               // a multiple of 128, so the fragment reads do not conflict
 template <bool BF, bool BWD, int R, int MINB, int G>
 __global__ void __launch_bounds__(kWarps * 32, MINB) swiglu_lora_rows_kernel(Rows p) {
-  constexpr int NO = BWD ? 2 : 1, NI = BWD ? 3 : 2, NT = R / 8, PW = 16 * NO * R;
+  constexpr int NO = BWD ? 2 : 1, NI = BWD ? 3 : 2, NT = R / 8;
   extern __shared__ float red[];  // the warps' tiles (kWarps, NO, 16, kLd) 16-bit; then (kWarps, 16, NO R) f32
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, rq = lane / 4, q = lane % 4;
   const int half = lane / 16, c8 = 8 * (lane % 16);  // as a row loader: row 2 g + half, columns c8..c8+7
@@ -259,27 +268,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) swiglu_lora_rows_kernel(Row
   }
   __syncthreads();  // every warp is done with the tiles, whose memory the partials take
 
-  float* mine = red + warp * PW;
-#pragma unroll
-  for (int k = 0; k < NO; ++k)
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float* o = mine + (rq + 8 * h) * NO * R + k * R + nt * 8 + 2 * q;
-        o[0] = acc[k][nt][2 * h];
-        o[1] = acc[k][nt][2 * h + 1];
-      }
-  __syncthreads();
-  for (int e = threadIdx.x; e < PW; e += blockDim.x) {
-    const int rl = e / (NO * R), k = (e / R) % NO, n = e % R;
-    const int64_t row = r0 + rl;
-    if (row >= p.N) continue;
-    float s = 0.f;
-#pragma unroll
-    for (int wi = 0; wi < kWarps; ++wi) s += red[wi * PW + e];
-    p.t[k][row * p.ld[k] + n] = uint16_t(pack<BF>(p.scale[k] * s));
-  }
+  sum_partials<BF, NO, R>(acc, red, p, r0);
 }
 
 template <bool BF, bool BWD, int R, int MINB, int G>

@@ -4,7 +4,7 @@
 // from the registers that store it, where a skinny GEMM reads the (rows, F) array back. Two ways
 // of moving the rows: in the products' fragment layout (swiglu_lora_kernel) and whole
 // (swiglu_lora_rows_kernel). Both ran below the unfused pair (krnl's SwiGLU pass, then cuBLAS) at
-// the train shapes, held to about 16 warps an SM; swiglu_lora_variants.cu times their launch shapes.
+// the train shapes; swiglu_lora_variants.cu times their launch shapes.
 #pragma once
 #include <algorithm>
 
@@ -80,6 +80,7 @@ struct Rows {
   int64_t ld[2];
   float scale[2];
   int64_t N, F;
+  float* part = nullptr;  // (column groups, N, NO R) f32: where a grid splits the columns too (gridDim.y > 1)
 };
 
 // t[k] (16 rows from r0, R) = scale[k] * the sum over the block's warps of their accumulators, in
@@ -108,6 +109,21 @@ __device__ __forceinline__ void sum_partials(const float (&acc)[NO][R / 8][4], f
     float s = 0.f;
 #pragma unroll
     for (int wi = 0; wi < kWarps; ++wi) s += red[wi * PW + e];
+    if (gridDim.y > 1)  // this block's column group: sum_groups finishes t
+      p.part[(blockIdx.y * p.N + row) * NO * R + k * R + n] = s;
+    else
+      p.t[k][row * p.ld[k] + n] = uint16_t(pack<BF>(p.scale[k] * s));
+  }
+}
+
+// t[k] = scale[k] * the column groups' partials summed in group order.
+template <bool BF, int NO, int R>
+__global__ void sum_groups(Rows p, int groups) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < p.N * NO * R; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t row = i / (NO * R);
+    const int k = int(i / R % NO), n = int(i % R);
+    float s = 0.f;
+    for (int g = 0; g < groups; ++g) s += p.part[g * p.N * NO * R + i];
     p.t[k][row * p.ld[k] + n] = uint16_t(pack<BF>(p.scale[k] * s));
   }
 }
@@ -201,30 +217,33 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) swiglu_lora_kernel(Rows p) 
 
 // The same op with rows read and written whole. Block b takes rows [16 b, 16 b + 16); warp w the
 // tiles of kTile columns w, w + kWarps, ... A tile's rows go as a plain elementwise pass moves
-// them (16 lanes a row, 16 bytes each: 256 contiguous bytes an instruction), G row pairs' loads at
-// once; the outputs are also written to the warp's tile in shared memory, from which each lane then
+// them (16 bytes a lane, kTile / 8 lanes a row: 256 or 128 contiguous bytes an instruction), G
+// instructions' loads at once; the outputs are also written to the warp's tile in shared memory, from which each lane then
 // reads swiglu_lora_kernel's fragment layout (rows rq and rq + 8, 16 bytes at 8q of each 32-column
 // patch) for the products.
-constexpr int kTile = 128, kLd = kTile + 32;  // a tile's columns; its shared row stride: 64 bytes past
-                                              // a multiple of 128, so the fragment reads do not conflict
-template <bool BF, bool BWD, int R, int MINB, int G>
+// KT: a tile's columns (64 or 128), kLd its shared row stride: 64 bytes past a multiple of 128, so
+// that the fragment reads do not conflict. Where the grid has column groups (gridDim.y), group y
+// takes the tiles y, y + groups, ... and leaves its partial products for sum_groups.
+template <bool BF, bool BWD, int R, int MINB, int G, int KT = 128>
 __global__ void __launch_bounds__(kWarps * 32, MINB) swiglu_lora_rows_kernel(Rows p) {
+  constexpr int kTile = KT, kLd = KT + 32;
   constexpr int NO = BWD ? 2 : 1, NI = BWD ? 3 : 2, NT = R / 8;
   extern __shared__ float red[];  // the warps' tiles (kWarps, NO, 16, kLd) 16-bit; then (kWarps, 16, NO R) f32
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, rq = lane / 4, q = lane % 4;
-  const int half = lane / 16, c8 = 8 * (lane % 16);  // as a row loader: row 2 g + half, columns c8..c8+7
+  constexpr int LPR = kTile / 8, RPI = 32 / LPR;       // as a row loader: lanes a row, rows an instruction
+  const int sub = lane / LPR, c8 = 8 * (lane % LPR);  // row RPI g + sub, columns c8..c8+7
   uint16_t* tile = reinterpret_cast<uint16_t*>(red) + warp * NO * 16 * kLd;
   const int64_t r0 = int64_t(blockIdx.x) * 16, P = (p.F + kTile - 1) / kTile;
   float acc[NO][NT][4] = {};
-  for (int64_t pt = warp; pt < P; pt += kWarps) {
+  for (int64_t pt = blockIdx.y + int64_t(gridDim.y) * warp; pt < P; pt += int64_t(gridDim.y) * kWarps) {
     const int64_t c0 = pt * kTile;
     const bool cok = c0 + c8 < p.F;
 #pragma unroll
-    for (int g0 = 0; g0 < 8; g0 += G) {
+    for (int g0 = 0; g0 < 16 / RPI; g0 += G) {
       uint4 x[G][NI];
 #pragma unroll
       for (int gi = 0; gi < G; ++gi) {
-        const int64_t row = r0 + 2 * (g0 + gi) + half;
+        const int64_t row = r0 + RPI * (g0 + gi) + sub;
 #pragma unroll
         for (int i = 0; i < NI; ++i)
           x[gi][i] = row < p.N && cok ? *reinterpret_cast<const uint4*>(p.in[i] + row * p.F + c0 + c8)
@@ -234,7 +253,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) swiglu_lora_rows_kernel(Row
       for (int gi = 0; gi < G; ++gi) {
         uint32_t o[2][4];
         swiglu8<BF, BWD>(x[gi], o);
-        const int rl = 2 * (g0 + gi) + half;
+        const int rl = RPI * (g0 + gi) + sub;
         const int64_t row = r0 + rl;
 #pragma unroll
         for (int k = 0; k < NO; ++k) {
@@ -271,13 +290,15 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) swiglu_lora_rows_kernel(Row
   sum_partials<BF, NO, R>(acc, red, p, r0);
 }
 
-template <bool BF, bool BWD, int R, int MINB, int G>
-void launch_rows(const Rows& p, cudaStream_t stream, const char* op) {
+// groups > 1: p.part holds (groups, N, NO R) f32.
+template <bool BF, bool BWD, int R, int MINB, int G, int KT = 128>
+void launch_rows(const Rows& p, cudaStream_t stream, const char* op, int groups = 1) {
   constexpr int NO = BWD ? 2 : 1;
-  const size_t smem = std::max(size_t(kWarps) * 16 * NO * R * sizeof(float), size_t(kWarps) * NO * 16 * kLd * 2);
-  auto kernel = swiglu_lora_rows_kernel<BF, BWD, R, MINB, G>;
+  const size_t smem = std::max(size_t(kWarps) * 16 * NO * R * sizeof(float), size_t(kWarps) * NO * 16 * (KT + 32) * 2);
+  auto kernel = swiglu_lora_rows_kernel<BF, BWD, R, MINB, G, KT>;
   if (smem > 48 * 1024) check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)), op);
-  kernel<<<unsigned((p.N + 15) / 16), kWarps * 32, smem, stream>>>(p);
+  kernel<<<dim3(unsigned((p.N + 15) / 16), unsigned(groups)), kWarps * 32, smem, stream>>>(p);
+  if (groups > 1) sum_groups<BF, NO, R><<<unsigned((p.N * NO * R + 255) / 256), 256, 0, stream>>>(p, groups);
   check_launch(op);
 }
 

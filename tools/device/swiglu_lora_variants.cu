@@ -3,8 +3,9 @@
 // bit for bit against the first (a different k order moves a few of t's last bits), next to a
 // plain SwiGLU pass over the same arrays: the bandwidth a fused pass could reach. In the fragment
 // layout a lane holds 16, 32 or 64 bytes of each of its two rows per patch (a warp covers 64, 128
-// or 256 bytes of 16 rows per array); "whole rows" load 2, 4 or 8 row pairs at once. Blocks hold
-// 8 warps, 1 to 3 of them resident per SM. Variants go round-robin, timed with events over 20
+// or 256 bytes of 16 rows per array); "whole rows" issue 1 to 8 row instructions' loads at once,
+// over tiles of 128 or 64 columns. Blocks hold 8 warps, 1 to 4 of them resident per SM; "split"
+// gives the grid column groups as well, enough for those blocks to fill every SM. Variants go round-robin, timed with events over 20
 // launches each.
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc -o /tmp/slv tools/device/swiglu_lora_variants.cu && /tmp/slv
@@ -61,8 +62,12 @@ struct Variant {
 
 template <bool BWD, int CW, int MINB, bool PF, bool SPREAD = false>
 void fused(const Rows& p, cudaStream_t s) { launch<true, BWD, R, CW, MINB, PF, SPREAD>(p, s, "variant"); }
-template <bool BWD, int MINB, int G>
-void rows(const Rows& p, cudaStream_t s) { launch_rows<true, BWD, R, MINB, G>(p, s, "variant"); }
+template <bool BWD, int MINB, int G, int KT = 128, bool SPLIT = false>
+void rows(const Rows& p, cudaStream_t s) {
+  // SPLIT: column groups enough for the grid to fill MINB blocks on each of the 132 SMs
+  const int blocks = int((p.N + 15) / 16), groups = SPLIT ? std::max(1, 132 * MINB / blocks) : 1;
+  launch_rows<true, BWD, R, MINB, G, KT>(p, s, "variant", groups);
+}
 template <bool BWD>
 void plain_run(const Rows& p, cudaStream_t s) {
   const int64_t n8 = p.N * p.F / 8;
@@ -76,6 +81,10 @@ std::vector<Variant> variants() {
           {"whole rows, 2 blocks/SM, 2 row pairs", rows<BWD, 2, 2>},
           {"whole rows, 1 block/SM, 8 row pairs", rows<BWD, 1, 8>},
           {"whole rows, 2 blocks/SM, 8 row pairs", rows<BWD, 2, 8>},
+          {"whole rows, 64-col tiles, 4 blocks/SM, split", rows<BWD, 4, 2, 64, true>},
+          {"whole rows, 64-col tiles, 3 blocks/SM, split", rows<BWD, 3, 2, 64, true>},
+          {"whole rows, 64-col tiles, 4 blocks/SM, 1 load, split", rows<BWD, 4, 1, 64, true>},
+          {"whole rows, 128-col tiles, 2 blocks/SM, split", rows<BWD, 2, 4, 128, true>},
           {"16 B a row, 1 block/SM, prefetch", fused<BWD, 1, 1, true>},
           {"16 B a row, 2 blocks/SM, prefetch", fused<BWD, 1, 2, true>},
           {"16 B a row, 3 blocks/SM", fused<BWD, 1, 3, false>},
@@ -112,6 +121,7 @@ void run_shape(int64_t N, int64_t F) {
     CK(cudaMalloc(&p.t[k], size_t(N * R) * 2));
     p.ld[k] = R, p.scale[k] = 2.f;
   }
+  CK(cudaMalloc(&p.part, size_t(8) * N * 2 * R * sizeof(float)));  // up to 8 column groups
   auto vs = variants<BWD>();
   std::vector<std::vector<float>> us(vs.size());
   std::vector<uint16_t> first_t, first_o, got(size_t(N * R)), go(size_t(N * F));
@@ -151,6 +161,7 @@ void run_shape(int64_t N, int64_t F) {
            vs[v].name, us[v][2], bytes / us[v][2] / 1e6);
   }
   for (int i = 0; i < 3; ++i) CK(cudaFree(const_cast<uint16_t*>(p.in[i])));
+  CK(cudaFree(p.part));
   for (int k = 0; k < 2; ++k) {
     CK(cudaFree(p.out[k]));
     CK(cudaFree(const_cast<uint16_t*>(p.m[k])));

@@ -132,9 +132,9 @@ __global__ void sum_groups(Rows p, int groups) {
 // of kPatch CW columns. Lane (rq, q) = (lane / 4, lane % 4) holds rows rq and rq + 8 and the CW 8
 // columns from kPatch CW pt + 8 CW q: a warp's loads and stores cover 16 CW bytes of each row.
 // An m16n8k16 product's k step may take any 16 of the patch's columns where its A and B fragments
-// agree: k step j gives lane q its columns 8 CW q + 4j + (0, 1) as the pair (a0 a1) | (b0 b1) and
-// + (2, 3) as (a4 a5) | (b2 b3), so the A fragments are the packed words the lane stores, and the B
-// fragments the same words of a row of m. The warps' partial products are summed in a fixed order.
+// agree: k step j of the lane's 16-byte piece cw gives lane q its columns 8 (CW q + cw) + 4j + (0, 1)
+// as the pair (a0 a1) | (b0 b1) and + (2, 3) as (a4 a5) | (b2 b3), so the A fragments are the
+// packed words the lane stores, and the B fragments the same words of a row of m. The warps' partial products are summed in a fixed order.
 template <bool BF, bool BWD, int R, int CW, int MINB, bool PF, bool SPREAD = false>
 __global__ void __launch_bounds__(kWarps * 32, MINB) swiglu_lora_kernel(Rows p) {
   constexpr int NO = BWD ? 2 : 1, NI = BWD ? 3 : 2, NT = R / 8;  // outputs, input arrays, n tiles

@@ -499,8 +499,10 @@ def test_gpu_power_meter_and_train_rows():
     assert gpu_power.describe(g) == "SM 1500 MHz, 400 W, 100.0 J a step, power cap 50% of 9 samples"
     assert gpu_power.describe(dict(g, watts=None, joules_per_step=None)) == "SM 1500 MHz, power cap 50% of 9 samples"
     assert gpu_power.meter_for(krnl.device("cpu")) == (None, "no NVML GPU behind a cpu device")
-    with gpu_power.metered(krnl.device("cpu")) as none:
-        assert none is None
+    with gpu_power.metered(krnl.device("cpu")) as (meter, why):
+        assert meter is None and why == "no NVML GPU behind a cpu device"
+    with gpu_power.metered(krnl.device("cpu"), on=False) as (meter, why):
+        assert meter is None and why is None
 
 
 def test_train_workload_sizes_and_errors(capsys):

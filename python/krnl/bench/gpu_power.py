@@ -122,11 +122,12 @@ def meter_for(dev):
 
 
 @contextlib.contextmanager
-def metered(dev):
-    """A started Meter for the with block (None where meter_for makes none), stopped after it."""
-    meter = meter_for(dev)[0]
+def metered(dev, on=True):
+    """meter_for(dev)'s (a started Meter, None) or (None, why not) for the with block, the meter
+    stopped after it, whatever the block raises; (None, None) where `on` is false."""
+    meter, why = meter_for(dev) if on else (None, None)
     try:
-        yield meter
+        yield meter, why
     finally:
         if meter is not None:
             meter.stop()

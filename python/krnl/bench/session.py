@@ -273,7 +273,7 @@ class Session:
                 steps[name], per[name] = repeated(step, t)
         self.log(f"  {wl.name}: timing {', '.join(steps)} in {self.rounds} interleaved rounds"
                  + (f"; {', '.join(single)} once (a step over {self.slow_s:g} s)" if single else ""))
-        with gpu_power.metered(self.dev) as meter:  # None off an NVIDIA GPU
+        with gpu_power.metered(self.dev) as (meter, _):  # None off an NVIDIA GPU
             spans = interleave(steps, self.rounds, self.settle_s)
         times = {k: [(b - a) / per[k] for a, b in v] for k, v in spans.items()}
         times.update(single)

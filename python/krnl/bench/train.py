@@ -212,21 +212,20 @@ def run(dev, dtype, s, peers=(), log=print, on_gpu=False, folder=None, bs=None, 
         bs = batches(s) if bs is None else bs
         title = f"Training end to end ({describe(s)}; {dtype})"
         rows = []
-        meter, no_meter = gpu_power.meter_for(dev) if on_gpu else (None, None)
         # where the device has graphs, krnl replays its step; "krnl eager" is the same run with none
         impls = (("krnl", True), ("krnl eager", False))[:1 + bool(dev.capabilities()["graphs"])]
-        for impl, graphs in impls:
-            try:  # the profile (of an eager step: per op) where asked, from the last krnl row
-                rows.append(dict(impl=impl, **run_krnl(dev, dtype, folder, s, bs, graphs=graphs,
-                                                       profile=profile and impl == impls[-1][0])))
-                log(f"krnl bench: train {impl}: {rows[-1]['tokens_per_s']:,.0f} tokens/s, loss {rows[-1]['loss']:.4f}")
-            except Exception as e:  # listed with what broke; the other rows still run
-                rows.append(dict(impl=impl, status="absent", reason=f"failed: {type(e).__name__}: {e}"[:200]))
-                gc.collect()
-                dev.trim()
-        rows += run_all(dev.name, dtype, folder, s, bs, peers, log)
-        if meter is not None:
-            meter.stop()
+        with gpu_power.metered(dev, on=on_gpu) as (meter, no_meter):
+            for impl, graphs in impls:
+                try:  # the profile (of an eager step: per op) where asked, from the last krnl row
+                    rows.append(dict(impl=impl, **run_krnl(dev, dtype, folder, s, bs, graphs=graphs,
+                                                           profile=profile and impl == impls[-1][0])))
+                    log(f"krnl bench: train {impl}: {rows[-1]['tokens_per_s']:,.0f} tokens/s, "
+                        f"loss {rows[-1]['loss']:.4f}")
+                except Exception as e:  # listed with what broke; the other rows still run
+                    rows.append(dict(impl=impl, status="absent", reason=f"failed: {type(e).__name__}: {e}"[:200]))
+                    gc.collect()
+                    dev.trim()
+            rows += run_all(dev.name, dtype, folder, s, bs, peers, log)
     for r in rows:
         a_b = r.pop("timed_window", None)
         if a_b is not None and meter is not None:

@@ -47,6 +47,11 @@
 #                                           after the eager step's, back to back, queued, sustained),
 #                                           then krnl bench's W3; the SM clock and the power sampled
 #                                           every 50 ms alongside ($OUT/smi.csv)
+#   bash tools/device/h200_check.sh energy  a step's energy by part at the power cap: the 8b shape's and W3's frozen
+#                                           products and attention, each recorded alone, and W3's whole step,
+#                                           replayed back to back with NVML's energy counter read alongside
+#                                           (tools/device/energy_budget.py; $OUT/energy_budget.txt); the 8b
+#                                           step's own joules: the train phase's row
 #   OLD=DIR bash tools/device/h200_check.sh compare
 #                                           a change's before and after in one call: DIR is an earlier
 #                                           tree carried along (git archive REV | tar -x -C .hP/old),
@@ -280,6 +285,8 @@ elif [ "$phase" = w3timing ]; then
   timeout 150 python3 -m krnl.bench --workloads w3 --peers numpy --device cuda --rounds 5 2>&1 |
     grep -E "^w3|^ +krnl" | tee -a "$OUT/w3_timing.txt"
   kill $smi
+elif [ "$phase" = energy ]; then
+  timeout ${ENERGY_S:-240} python3 tools/device/energy_budget.py 2>&1 | tee "$OUT/energy_budget.txt"
 elif [ "$phase" = compare ]; then
   [ -n "$KNOB" ] || wait $old_build || { tail -20 "$OUT/cmake_old.log"; exit 1; }
   as() {  # as before|after CMD...: CMD on the earlier tree, or on this one with $KNOB=0 (before) or 1

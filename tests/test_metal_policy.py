@@ -118,28 +118,124 @@ def test_command_buffers_cut_by_estimated_work():
     step = [_gemm(T, C, C), _gemm(T, F, C), _gemm(T, F, C), _gemm(T, C, F)] * 6
     for gpu in (M1, M3):
         pol = _core.testing.metal_gpu_policy(gpu)["command_buffer"]
-        est = [flops / (pol["gflops"] * 1e6) + nbytes / (pol["gbps"] * 1e6) for flops, nbytes in step]
+        est = [flops / (pol["gflops"]["gemm"] * 1e6) + nbytes / (pol["gbps"] * 1e6) for flops, nbytes in step]
+        assert est == pytest.approx([_core.testing.metal_estimate_ms(gpu, f, b, "gemm") for f, b in step])
         sizes = _core.testing.metal_plan_command_buffers(gpu, step)
         assert sum(sizes) == len(step) and len(sizes) > 1
         i = 0
         for s in sizes:
             assert sum(est[i:i + s - 1]) < pol["max_ms"] <= sum(est[i:i + s]) or i + s == len(step)
             i += s
-    # A faster family gets longer command buffers for the same work (W2-sized GEMMs, ~2 ms each).
+    # A faster family gets longer command buffers for the same work (W2-sized GEMMs).
     w2 = [_gemm(512, 2048, 2048)] * 100
     assert len(_core.testing.metal_plan_command_buffers(M3, w2)) < len(_core.testing.metal_plan_command_buffers(M1, w2))
 
 
 def test_command_buffer_estimate_is_conservative():
     """The rates assumed are at or below the slowest Mac GPU of the family (an M1 with 7 GPU cores:
-    7 x 128 ALUs x 2 flops x 1.278 GHz = 2.29 TFLOP/s f32; 68 GB/s), so real command buffers run
-    shorter than planned, never longer."""
+    7 x 128 ALUs x 2 flops x 1.278 GHz = 2.29 TFLOP/s f32; 68 GB/s), and each kind of kernel is
+    assumed to reach only a fraction of that peak, its own: a real dispatch runs shorter than
+    estimated, never longer. The naive quantized kernel (one thread per output, every code
+    dequantized where it is read) is assumed far slower than the tiled kernels."""
     pol = _core.testing.metal_gpu_policy(M1)["command_buffer"]
-    assert pol["gflops"] <= 2290 and pol["gbps"] <= 68
-    # At that rate a 4096^3 GEMM takes ~69 ms: two share a command buffer, three do not; a
-    # 4096 x 14336 x 4096 GEMM (a Llama-3-8B MLP projection) fills one alone.
-    assert _core.testing.metal_plan_command_buffers(M1, [_gemm(4096, 4096, 4096)] * 3) == [2, 1]
-    assert _core.testing.metal_plan_command_buffers(M1, [_gemm(4096, 14336, 4096)] * 3) == [1, 1, 1]
+    assert pol["peak_gflops"] <= 2290 and pol["gbps"] <= 68
+    rates = pol["gflops"]
+    assert rates["memory"] == 0  # its time is its bytes
+    assert all(0 < r <= 0.25 * pol["peak_gflops"] for k, r in rates.items() if k != "memory"), rates
+    assert rates["quantized_naive"] * 10 <= rates["quantized_tiled"] <= rates["gemm"]
+    # The per-dispatch budget sits well inside the command buffer's, which is far below the watchdog.
+    assert 0 < pol["max_dispatch_ms"] <= pol["max_ms"] / 2 and pol["max_ms"] <= 200
+    # At the GEMM kernels' rate a 4096^3 GEMM is ~300 ms on an M1: over the budget of one dispatch,
+    # so it is split (next tests); three such dispatches fill three command buffers.
+    assert _core.testing.metal_estimate_ms(M1, *_gemm(4096, 4096, 4096), "gemm") > pol["max_ms"]
+    assert _core.testing.metal_plan_command_buffers(M1, [_gemm(4096, 4096, 4096)] * 3) == [1, 1, 1]
+
+
+# ---- one dispatch under the budget: products split into blocks of rows, then columns
+
+# The largest model of each family (hidden C, MLP width F, vocabulary V, attention heads and head
+# size), trained at 16,384 tokens a step; the LM head and its loss run in chunks of 1,024 rows
+# (python/krnl/model.py's ce_chunk).
+FAMILIES = {
+    "llama-3.1-70b": dict(C=8192, F=28672, V=128256, H=64, Hk=8, D=128),
+    "qwen2.5-72b": dict(C=8192, F=29568, V=152064, H=64, Hk=8, D=128),
+    "mistral-large-123b": dict(C=12288, F=28672, V=32768, H=96, Hk=8, D=128),
+    "gemma-3-27b": dict(C=5376, F=21504, V=262208, H=32, Hk=16, D=128),
+    "qwen3-32b": dict(C=5120, F=25600, V=151936, H=64, Hk=8, D=128),
+    "phi-3-medium": dict(C=5120, F=17920, V=32064, H=40, Hk=10, D=128),
+}
+TOKENS, HEAD_CHUNK = 16384, 1024
+SLOWEST = M1  # the slowest GPU krnl runs on: Apple7, 7 cores
+
+
+def _products(f):
+    """(name, rows, cols, K) of every frozen product of a training step: each projection forward
+    (out = x W^T) and its input gradient (dx = dy W), and the LM head's chunk both ways."""
+    C, F, V, D = f["C"], f["F"], f["V"], f["D"]
+    q, kv = f["H"] * D, f["Hk"] * D
+    out = []
+    for name, o, i in (("q", q, C), ("k", kv, C), ("v", kv, C), ("o", C, q), ("gate", F, C), ("up", F, C),
+                       ("down", C, F)):
+        out += [(name, TOKENS, o, i), (name + ".dx", TOKENS, i, o)]
+    return out + [("head", HEAD_CHUNK, V, C), ("head.dx", HEAD_CHUNK, C, V)]
+
+
+def _check_plan(p, rows, cols, tr, tc, budget):
+    assert p["block_ms"] <= budget, p
+    assert p["rows"] % tr == 0 or p["rows"] == rows
+    assert p["cols"] % tc == 0 or p["cols"] == cols
+    # the blocks cover the output, none of them empty
+    assert p["row_blocks"] * p["rows"] >= rows > (p["row_blocks"] - 1) * p["rows"]
+    assert p["col_blocks"] * p["cols"] >= cols > (p["col_blocks"] - 1) * p["cols"]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("dtype_size", [2, 4], ids=["16bit", "f32"])
+def test_largest_gemms_fit_the_dispatch_budget(family, dtype_size):
+    """Every frozen product of the family's largest model, at 16k tokens, on the slowest GPU: one
+    dispatch each would run up to seconds (a 1,024-row chunk of Gemma 3's 262k-entry LM head alone
+    is ~2.9 TFLOP, over 6 s at the GEMM rate), so ops.cpp cuts it into blocks of whole 32x32 tiles,
+    each estimated within the per-dispatch budget; few blocks where one suffices."""
+    budget = _core.testing.metal_gpu_policy(SLOWEST)["command_buffer"]["max_dispatch_ms"]
+    worst = 0.0
+    for name, rows, cols, K in _products(FAMILIES[family]):
+        es = dtype_size
+        p = _core.testing.metal_plan_blocks(SLOWEST, rows, cols, 32, 32, "gemm", 2.0 * K, es * K, es * K, es)
+        _check_plan(p, rows, cols, 32, 32, budget)
+        worst = max(worst, p["whole_ms"])
+        if p["whole_ms"] <= budget:
+            assert p["row_blocks"] == p["col_blocks"] == 1, name
+        else:
+            # no more blocks than needed: merging two would go over the budget (up to the
+            # evening out of block sizes, which adds at most one block per dimension)
+            n = p["row_blocks"] * p["col_blocks"]
+            assert n <= 2 * (p["whole_ms"] / budget) + p["row_blocks"] + p["col_blocks"], (name, p)
+    assert worst > 20 * budget  # the shapes do exercise the split
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_largest_quantized_products_fit_the_dispatch_budget(family, bits):
+    """The same products with a quantized W (QLoRA, groups of 64 with f16 scale and bias): the
+    naive kernel's rate makes the LM head chunk a minute of one dispatch; split over rows and
+    columns (any block: that kernel has no tile), each block fits."""
+    pol = _core.testing.metal_gpu_policy(SLOWEST)["command_buffer"]
+    for name, rows, cols, K in _products(FAMILIES[family]):
+        transpose = not name.endswith(".dx")
+        # bytes: x rows (f16) and out (f16); W's packed codes and scales per output column (t) or,
+        # for dx, W is read whole by every block of rows (its columns are the outputs)
+        w_per_col = K * bits / 8 + 2 * 2 * K / 64
+        p = _core.testing.metal_plan_blocks(SLOWEST, rows, cols, 1, 1, "quantized_naive", 2.0 * K, 2 * K,
+                                            w_per_col if transpose else w_per_col, 2)
+        _check_plan(p, rows, cols, 1, 1, pol["max_dispatch_ms"])
+
+
+def test_one_tile_over_the_budget_stays_one_block():
+    # Nothing smaller than a tile can be dispatched: the planner returns one tile, not zero.
+    p = _core.testing.metal_plan_blocks(M1, 64, 64, 32, 32, "gemm", 2.0 * 4096, 0, 0, 0, max_dispatch_ms=1e-9)
+    assert (p["rows"], p["cols"], p["row_blocks"], p["col_blocks"]) == (32, 32, 2, 2)
+    with pytest.raises(ValueError, match="unknown rate class 'fast'"):
+        _core.testing.metal_plan_blocks(M1, 1, 1, 1, 1, "fast", 1.0, 0, 0, 0)
 
 
 def test_plan_overrides():

@@ -147,6 +147,56 @@ def test_split_k_records_and_result(sim):
     assert float(np.max(np.abs(read(C) - read(P)))) <= bound
 
 
+@contextlib.contextmanager
+def dispatch_budget(sim, ms):
+    old = krnl._core.testing.metal_command_buffer_policy(sim)
+    krnl._core.testing.metal_set_command_buffer_policy(sim, old["max_dispatches"], old["max_ms"], ms)
+    try:
+        yield
+    finally:
+        krnl._core.testing.metal_set_command_buffer_policy(sim, old["max_dispatches"], old["max_ms"],
+                                                          old["max_dispatch_ms"])
+
+
+@pytest.mark.parametrize("form", ["nn", "nt", "tn", "tt"])
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+def test_gemm_over_the_dispatch_budget_runs_in_blocks(sim, form, dtype):
+    """A GEMM estimated over the per-dispatch budget (the GPU watchdog: policy.h) runs as blocks of
+    whole 32x32 tiles, rows first, each its own dispatch within the budget, bound at its offsets.
+    The blocks tile C exactly once, and the result is the one-dispatch result bit for bit: every
+    block sums k in the same order. Batched, with beta, at sizes off the tile."""
+    rng = np.random.default_rng(5)
+    M, N, K, batch = 70, 97, 45, 2
+    ta, tb = form[0] == "t", form[1] == "t"
+    (A, _), (B, _) = (upload(sim, rng.standard_normal(s), dtype)
+                      for s in (((batch, K, M) if ta else (batch, M, K)), ((batch, N, K) if tb else (batch, K, N))))
+    C0, _ = upload(sim, rng.standard_normal((batch, M, N)), dtype)
+    whole, split = sim.empty((batch, M, N), dtype), sim.empty((batch, M, N), dtype)
+    for out in (whole, split):
+        ops.cast(C0, out)
+    sim.synchronize()
+    ops.gemm(A, B, whole, trans_a=ta, trans_b=tb, beta=0.5, batch=batch, split_k=1)
+    one = [r for r in krnl._core.testing.metal_sim_last_step() if r["kernel"].startswith("gemm_")]
+    budget = 0.4 * krnl._core.testing.metal_estimate_ms(dict(apple_family=9), one[-1]["flops"], one[-1]["bytes"], "gemm")
+    with dispatch_budget(sim, budget):
+        ops.gemm(A, B, split, trans_a=ta, trans_b=tb, beta=0.5, batch=batch, split_k=1)
+        recs = [r for r in krnl._core.testing.metal_sim_last_step() if r["kernel"] == one[-1]["kernel"]]
+    assert len(recs) > 1 and all(r["rate"] == "gemm" for r in recs)
+    covered = np.zeros((M, N), np.int32)
+    es = 4 if dtype == "f32" else 2
+    c_base = {i: off for i, _, _, _, off in one[-1]["buffers"]}[2]
+    for r in recs:
+        assert krnl._core.testing.metal_estimate_ms(dict(apple_family=9), r["flops"], r["bytes"], "gemm") <= budget
+        g = np.frombuffer(r["args"], np.uint32)  # GemmArgs: M, N, K first
+        rows, cols = int(g[0]), int(g[1])
+        off = ({i: o for i, _, _, _, o in r["buffers"]}[2] - c_base) // es
+        r0, c0 = divmod(off, N)
+        assert r0 % 32 == 0 and c0 % 32 == 0 and r["grid"][2] == batch
+        covered[r0:r0 + rows, c0:c0 + cols] += 1
+    assert (covered == 1).all()
+    np.testing.assert_array_equal(read(split), read(whole))
+
+
 def test_head_batching_by_offset(sim):
     """A batched GEMM over heads is one dispatch with grid.z = heads and the operands bound at
     their view offsets, never copied."""

@@ -34,6 +34,9 @@ nb::dict to_dict(const Dispatch& d) {
   r["buffers"] = bufs;
   r["args_index"] = d.args_index;
   r["args"] = nb::bytes(reinterpret_cast<const char*>(d.args.data()), d.args.size());
+  r["flops"] = d.flops;
+  r["bytes"] = d.bytes;
+  r["rate"] = metal::rate_class_name(d.rate);
   r["grid"] = nb::make_tuple(d.grid[0], d.grid[1], d.grid[2]);
   r["threads"] = nb::make_tuple(d.threads[0], d.threads[1], d.threads[2]);
   return r;
@@ -97,9 +100,23 @@ metal::GpuDescription gpu_from(const nb::dict& d) {
   return g;
 }
 
+constexpr metal::RateClass kRateClasses[] = {metal::RateClass::memory,          metal::RateClass::gemm,
+                                             metal::RateClass::attention,       metal::RateClass::quantized_tiled,
+                                             metal::RateClass::quantized_rows, metal::RateClass::quantized_naive};
+
+metal::RateClass rate_class(const std::string& name) {
+  for (metal::RateClass r : kRateClasses)
+    if (name == metal::rate_class_name(r)) return r;
+  throw std::invalid_argument("[metal_rate_class] unknown rate class '" + name + "'");
+}
+
 nb::dict policy_dict(const metal::CommandBufferPolicy& p) {
   nb::dict r;
-  r["max_dispatches"] = p.max_dispatches, r["max_ms"] = p.max_ms, r["gflops"] = p.gflops, r["gbps"] = p.gbps;
+  r["max_dispatches"] = p.max_dispatches, r["max_ms"] = p.max_ms, r["max_dispatch_ms"] = p.max_dispatch_ms;
+  r["peak_gflops"] = p.peak_gflops, r["gbps"] = p.gbps;
+  nb::dict rates;
+  for (metal::RateClass c : kRateClasses) rates[metal::rate_class_name(c)] = p.gflops(c);
+  r["gflops"] = rates;
   return r;
 }
 
@@ -161,15 +178,18 @@ void bind_metal(nb::module_& m, nb::module_& t) {
   t.def("metal_command_buffer_policy", [](Backend& d) {
           return policy_dict(metal_device(d, "metal_command_buffer_policy").command_buffer_policy());
         }, "device"_a);
-  t.def("metal_set_command_buffer_policy", [](Backend& d, uint32_t max_dispatches, double max_ms) {
-          if (max_dispatches < 1 || !(max_ms > 0))
-            throw std::invalid_argument("[metal_set_command_buffer_policy] max_dispatches must be >= 1 and max_ms > 0");
+  t.def("metal_set_command_buffer_policy", [](Backend& d, uint32_t max_dispatches, double max_ms, double max_dispatch_ms) {
+          if (max_dispatches < 1 || !(max_ms > 0) || max_dispatch_ms < 0)
+            throw std::invalid_argument(
+                "[metal_set_command_buffer_policy] max_dispatches must be >= 1, max_ms > 0 and max_dispatch_ms >= 0");
           metal::MetalOps& mo = metal_device(d, "metal_set_command_buffer_policy");
           metal::CommandBufferPolicy p = mo.command_buffer_policy();
           p.max_dispatches = max_dispatches, p.max_ms = max_ms;
+          if (max_dispatch_ms > 0) p.max_dispatch_ms = max_dispatch_ms;
           mo.set_command_buffer_policy(p);
-        }, "device"_a, "max_dispatches"_a, "max_ms"_a,
-        "When a step's work goes into another command buffer on a Metal device.");
+        }, "device"_a, "max_dispatches"_a, "max_ms"_a, "max_dispatch_ms"_a = 0.0,
+        "When a step's work goes into another command buffer on a Metal device, and (max_dispatch_ms, when > 0) "
+        "the estimated time above which one product is split into several dispatches.");
   // The portable policy functions device.mm calls, on made-up GPUs (tests/test_metal_policy.py).
   t.def("metal_gpu_policy", [](const nb::dict& desc) {
           metal::GpuDescription g = gpu_from(desc);
@@ -193,6 +213,34 @@ void bind_metal(nb::module_& m, nb::module_& t) {
         }, "candidates"_a, "os_msl"_a, "needed_msl"_a,
         "The GPU the 'metal' device takes: (index into candidates, '') or (-1, one-line reason). Candidates list "
         "the system default first; os_msl / needed_msl are MSL versions as major*100+minor.");
+  t.def("metal_estimate_ms", [](const nb::dict& gpu, double flops, double bytes, const std::string& rate) {
+          return metal::estimate_ms(flops, bytes, rate_class(rate), metal::command_buffer_policy(gpu_from(gpu)));
+        }, "gpu"_a, "flops"_a, "bytes"_a, "rate"_a,
+        "Estimated GPU milliseconds of one dispatch of that many flops and bytes by a kernel of that rate class "
+        "on the GPU described (what the command-buffer cut and the dispatch budget use).");
+  t.def("metal_plan_blocks", [](const nb::dict& gpu, int64_t rows, int64_t cols, int64_t tile_rows, int64_t tile_cols,
+                                const std::string& rate, double flops_per_elem, double bytes_per_row,
+                                double bytes_per_col, double bytes_per_elem, double max_dispatch_ms) {
+          const metal::CommandBufferPolicy p = metal::command_buffer_policy(gpu_from(gpu));
+          const metal::RateClass rc = rate_class(rate);
+          auto ms = [&](int64_t r, int64_t c) {
+            return metal::estimate_ms(flops_per_elem * double(r) * double(c),
+                                      bytes_per_row * double(r) + bytes_per_col * double(c) +
+                                          bytes_per_elem * double(r) * double(c),
+                                      rc, p);
+          };
+          const metal::BlockPlan b =
+              metal::plan_blocks(rows, cols, tile_rows, tile_cols, max_dispatch_ms > 0 ? max_dispatch_ms : p.max_dispatch_ms, ms);
+          nb::dict r;
+          r["rows"] = b.rows, r["cols"] = b.cols, r["row_blocks"] = b.row_blocks, r["col_blocks"] = b.col_blocks;
+          r["block_ms"] = ms(b.rows, b.cols);
+          r["whole_ms"] = ms(rows, cols);
+          return r;
+        }, "gpu"_a, "rows"_a, "cols"_a, "tile_rows"_a, "tile_cols"_a, "rate"_a, "flops_per_elem"_a, "bytes_per_row"_a,
+        "bytes_per_col"_a, "bytes_per_elem"_a, "max_dispatch_ms"_a = 0.0,
+        "How a product's (rows, cols) output is cut into dispatches under the GPU's per-dispatch budget (policy.h "
+        "plan_blocks), for a cost of flops_per_elem per output element and bytes linear in the block's rows, "
+        "columns and elements: block size, block counts, the largest block's and the whole product's estimate.");
   t.def("metal_plan_command_buffers", [](const nb::dict& gpu, const std::vector<std::pair<double, double>>& work,
                                          uint32_t max_dispatches, double max_ms) {
           metal::CommandBufferPolicy p = metal::command_buffer_policy(gpu_from(gpu));
@@ -202,12 +250,13 @@ void bind_metal(nb::module_& m, nb::module_& t) {
           for (auto [flops, bytes] : work) {
             Dispatch d;
             d.flops = flops;
+            d.rate = metal::RateClass::gemm;  // (flops, bytes) pairs describe GEMMs
             d.buffers.push_back({0, nullptr, 0, size_t(bytes)});
             ms.push_back(metal::estimate_ms(d, p));
           }
           return metal::plan_command_buffers(p, ms);
         }, "gpu"_a, "work"_a, "max_dispatches"_a = 0, "max_ms"_a = 0.0,
-        "Command-buffer sizes (dispatch counts) for a step of dispatches given as (flops, bytes), under the GPU's "
+        "Command-buffer sizes (dispatch counts) for a step of GEMM dispatches given as (flops, bytes), under the GPU's "
         "policy (max_dispatches / max_ms override it when set).");
   t.def("set_row_split", [](Backend& d, bool enabled, double cpu_gflops, double gpu_gflops, double overhead_ms,
                             int64_t min_flops) {

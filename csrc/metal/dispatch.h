@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "metal/policy.h"
+
 namespace krnl::metal {
 
 // A buffer bound at [[buffer(index)]]: `base` is the pool buffer's pointer (on Apple GPUs the
@@ -48,7 +50,9 @@ struct Dispatch {
   // both.
   std::function<void()> host;
   uint32_t host_overlap = 0;
-  double flops = 0;  // counted arithmetic, for the command-buffer split's time estimate (policy.h)
+  double flops = 0;  // counted arithmetic, for the time estimates (policy.h)
+  RateClass rate = RateClass::memory;  // the kind of kernel, whose rate the estimates take
+  double bytes = 0;  // device memory it moves, where known; 0: the estimates take the bound extents
 
   template <class Args>
   void set_args(uint32_t index, const Args& a) {

@@ -40,6 +40,8 @@ struct OrderingRules {
   bool split_steps = true;         // a step is cut into command buffers by the CommandBufferPolicy
 };
 
+struct GemmKernel;  // ops.cpp: one of gemm.metal's plain variants
+
 class MetalOps : public Backend {
  public:
   MetalOps(std::string name, GpuDescription gpu);
@@ -167,6 +169,8 @@ class MetalOps : public Backend {
   void elementwise(const char* op, const std::string& kernel, std::initializer_list<const Tensor*> tensors, int64_t n,
                    float alpha);
   void gemm_plain(const krnl::GemmArgs& a, int64_t row0, int64_t rows);
+  Dispatch gemm_block(const krnl::GemmArgs& a, const GemmKernel* kern, int64_t row0, int64_t rows, int64_t col0,
+                      int64_t cols);
   void gemm_split_k(const krnl::GemmArgs& a);
   void gemm_row_split(const krnl::GemmArgs& a, int64_t cpu_rows);
 

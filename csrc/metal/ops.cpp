@@ -74,7 +74,8 @@ Capabilities MetalOps::capabilities() const {
                {"bf16", native_bf16(gpu_) ? std::string("native")
                                           : std::string("emulated by Metal (~40x slower than f16): not offered")},
                {"command_buffer", "at most " + std::to_string(cb_policy_.max_dispatches) + " dispatches or ~" +
-                                      std::to_string(int(cb_policy_.max_ms)) + " ms of estimated GPU work"}};
+                                      std::to_string(int(cb_policy_.max_ms)) + " ms of estimated GPU work, ~" +
+                                      std::to_string(int(cb_policy_.max_dispatch_ms)) + " ms a dispatch"}};
   return c;
 }
 
@@ -138,6 +139,14 @@ void ew_geometry(Dispatch& d, int64_t n) {
 
 // ---- GEMM
 
+// The plain kernels of gemm.metal: the variant's name, its kernel-name infix, its output tile and
+// threads per threadgroup (one threadgroup per tile).
+struct GemmKernel {
+  const char* name;
+  const char* infix;
+  uint32_t tile_m, tile_n, threads;
+};
+
 namespace {
 
 int64_t extent_elems(int64_t rows, int64_t cols, int64_t ld, int64_t stride, int64_t batch) {
@@ -147,13 +156,6 @@ int64_t extent_elems(int64_t rows, int64_t cols, int64_t ld, int64_t stride, int
 
 std::string gemm_variant(bool ta, bool tb) { return std::string(ta ? "t" : "n") + (tb ? "t" : "n"); }
 
-// The plain kernels of gemm.metal: the variant's name, its kernel-name infix, its output tile and
-// threads per threadgroup (one threadgroup per tile).
-struct GemmKernel {
-  const char* name;
-  const char* infix;
-  uint32_t tile_m, tile_n, threads;
-};
 constexpr GemmKernel kGemmKernels[] = {
     {"tile32", "", 32, 32, 32},            // today's kernel: the default
     {"steel64", "steel64_", 64, 64, 128},  // 2x2 SIMD-groups of 32x32
@@ -277,11 +279,10 @@ void MetalOps::gemm(const CoreGemmArgs& a) {
   gemm_plain(a, 0, a.M);
 }
 
-// Rows [row0, row0 + rows) of C: op(A)'s rows start row0 rows (n) or row0 columns (t) in.
+// Rows [row0, row0 + rows) of C: op(A)'s rows start row0 rows (n) or row0 columns (t) in. One
+// dispatch, or blocks of rows and then columns where one would be estimated over the policy's
+// per-dispatch budget (the GPU watchdog cannot be met by cutting command buffers alone).
 void MetalOps::gemm_plain(const CoreGemmArgs& a, int64_t row0, int64_t rows) {
-  Emit e{this, "gemm"};
-  const std::string in = e.sfx(a.A.dtype());
-  const bool widen = a.C.dtype() != a.A.dtype();  // f16/bf16 operands, f32 C (LoRA gradients)
   // The variant chosen for this call's shape class (set_gemm_choice), else tile32.
   const GemmKernel* kern = &kGemmKernels[0];
   if (!gemm_choice_.empty()) {
@@ -290,33 +291,60 @@ void MetalOps::gemm_plain(const CoreGemmArgs& a, int64_t row0, int64_t rows) {
     if (it == gemm_choice_.end()) it = gemm_choice_.find("*");
     if (it != gemm_choice_.end()) kern = find_gemm_kernel(it->second);
   }
+  Dispatch whole = gemm_block(a, kern, row0, rows, 0, a.N);
+  const double budget = cb_policy_.max_dispatch_ms;
+  if (estimate_ms(whole, cb_policy_) <= budget) {
+    encode(std::move(whole));
+    return;
+  }
+  const BlockPlan p = plan_blocks(rows, a.N, kern->tile_m, kern->tile_n, budget, [&](int64_t r, int64_t c) {
+    return estimate_ms(gemm_block(a, kern, row0, r, 0, c), cb_policy_);
+  });
+  for (int64_t i = 0; i < rows; i += p.rows)
+    for (int64_t j = 0; j < a.N; j += p.cols)
+      encode(gemm_block(a, kern, row0 + i, std::min(p.rows, rows - i), j, std::min(p.cols, a.N - j)));
+}
+
+// The dispatch of C's block [row0, row0 + rows) x [col0, col0 + cols): op(B)'s columns start col0
+// columns (n) or col0 rows (t) in.
+Dispatch MetalOps::gemm_block(const CoreGemmArgs& a, const GemmKernel* kern, int64_t row0, int64_t rows,
+                              int64_t col0, int64_t cols) {
+  Emit e{this, "gemm"};
+  const std::string in = e.sfx(a.A.dtype());
+  const bool widen = a.C.dtype() != a.A.dtype();  // f16/bf16 operands, f32 C (LoRA gradients)
   Dispatch d = e.make("gemm", std::string("gemm_") + kern->infix + gemm_variant(a.trans_a, a.trans_b) + "_" + in +
                                   (widen ? "_f32" : ""));
   const size_t es = dtype_size(a.A.dtype()), cs = dtype_size(a.C.dtype());
-  const int64_t a_off = a.trans_a ? row0 : row0 * a.lda, c_off = row0 * a.ldc;
+  const int64_t a_off = a.trans_a ? row0 : row0 * a.lda, b_off = a.trans_b ? col0 * a.ldb : col0,
+                c_off = row0 * a.ldc + col0;
   const int64_t ar = a.trans_a ? a.K : rows, ac = a.trans_a ? rows : a.K;
-  const int64_t br = a.trans_b ? a.N : a.K, bc = a.trans_b ? a.K : a.N;
+  const int64_t br = a.trans_b ? cols : a.K, bc = a.trans_b ? a.K : cols;
   d.bind(0, a.A.storage()->ptr(), a.A.offset() + size_t(a_off) * es, size_t(extent_elems(ar, ac, a.lda, a.stride_a, a.batch)) * es);
-  d.bind(1, a.B.storage()->ptr(), a.B.offset(), size_t(extent_elems(br, bc, a.ldb, a.stride_b, a.batch)) * es);
+  d.bind(1, a.B.storage()->ptr(), a.B.offset() + size_t(b_off) * es, size_t(extent_elems(br, bc, a.ldb, a.stride_b, a.batch)) * es);
   d.bind(2, a.C.storage()->ptr(), a.C.offset() + size_t(c_off) * cs,
-         size_t(extent_elems(rows, a.N, a.ldc, a.stride_c, a.batch)) * cs);
+         size_t(extent_elems(rows, cols, a.ldc, a.stride_c, a.batch)) * cs);
   KernelGemmArgs g{};
-  g.M = uint32_t(rows), g.N = uint32_t(a.N), g.K = uint32_t(a.K);
+  g.M = uint32_t(rows), g.N = uint32_t(cols), g.K = uint32_t(a.K);
   g.lda = uint32_t(a.lda), g.ldb = uint32_t(a.ldb), g.ldc = uint32_t(a.ldc);
   g.stride_a = uint32_t(a.stride_a), g.stride_b = uint32_t(a.stride_b), g.stride_c = uint32_t(a.stride_c);
   g.k_split = uint32_t(a.K);
   g.alpha = a.alpha, g.beta = a.beta;
   d.set_args(3, g);
   // Aligned: whole tiles everywhere and 16-byte rows, so the kernel drops its edge checks.
-  const bool aligned = rows % kern->tile_m == 0 && a.N % kern->tile_n == 0 && a.K % kGemmTile == 0 && a.lda % 4 == 0 &&
+  const bool aligned = rows % kern->tile_m == 0 && cols % kern->tile_n == 0 && a.K % kGemmTile == 0 && a.lda % 4 == 0 &&
                        a.ldb % 4 == 0 && a.ldc % 4 == 0 && (a.A.offset() / es + size_t(a_off)) % 4 == 0 &&
-                       (a.B.offset() / es) % 4 == 0 && (a.C.offset() / cs + size_t(c_off)) % 4 == 0 &&
+                       (a.B.offset() / es + size_t(b_off)) % 4 == 0 && (a.C.offset() / cs + size_t(c_off)) % 4 == 0 &&
                        a.stride_a % 4 == 0 && a.stride_b % 4 == 0 && a.stride_c % 4 == 0;
   d.constant_bool(0, aligned);
-  d.flops = 2.0 * double(rows) * double(a.N) * double(a.K) * double(a.batch);
-  d.grid = {ceil_div(a.N, kern->tile_n), ceil_div(rows, kern->tile_m), uint32_t(a.batch)};
+  d.flops = 2.0 * double(rows) * double(cols) * double(a.K) * double(a.batch);
+  d.rate = RateClass::gemm;
+  // What the block reads and writes (a column block of a strided operand binds an extent that
+  // spans the whole matrix, but reads only its columns).
+  d.bytes = double(a.batch) * (double(es) * double(a.K) * double(rows + cols) +
+                               double(cs) * double(rows) * double(cols) * (a.beta != 0.f ? 2.0 : 1.0));
+  d.grid = {ceil_div(cols, kern->tile_n), ceil_div(rows, kern->tile_m), uint32_t(a.batch)};
   d.threads = {kern->threads, 1, 1};
-  encode(std::move(d));
+  return d;
 }
 
 // K in `split_k` slices: fp32 partials (splits, M, N) from one dispatch, then a reduce that
@@ -342,6 +370,7 @@ void MetalOps::gemm_split_k(const CoreGemmArgs& a) {
     d.set_args(3, g);
     d.constant_bool(0, false);
     d.flops = 2.0 * double(a.M) * double(a.N) * double(a.K);
+    d.rate = RateClass::gemm;
     d.grid = {ceil_div(a.N, kGemmTile), ceil_div(a.M, kGemmTile), uint32_t(splits)};
     d.threads = {32, 1, 1};
     encode(std::move(d));
@@ -610,6 +639,7 @@ void MetalOps::attention_forward(const Tensor& q, const Tensor& k, const Tensor&
   bind_segments(d, 5, q, segments);
   d.set_args(6, args);
   d.flops = 4.0 * double(Hq) * double(D) * attention_pairs(T, window);
+  d.rate = RateClass::attention;
   d.grid = {ceil_div(T, 8 * t.fwd_sg), uint32_t(Hq), 1};
   d.threads = {32 * t.fwd_sg, 1, 1};
   encode(std::move(d));
@@ -644,6 +674,7 @@ void MetalOps::attention_backward(const Tensor& q, const Tensor& k, const Tensor
   bind(dqd, 7, dq);
   dqd.set_args(8, args);
   dqd.flops = 3.0 * product;  // S, dP, dS K
+  dqd.rate = RateClass::attention;
   dqd.grid = {ceil_div(T, 8 * t.dq_sg), uint32_t(Hq), 1};
   dqd.threads = {32 * t.dq_sg, 1, 1};
   encode(std::move(dqd));
@@ -654,6 +685,7 @@ void MetalOps::attention_backward(const Tensor& q, const Tensor& k, const Tensor
   bind(dkv, 7, dk), bind(dkv, 8, dv);
   dkv.set_args(9, args);
   dkv.flops = 4.0 * product;  // S^T, dP^T, P^T dO, dS^T Q
+  dkv.rate = RateClass::attention;
   dkv.grid = {ceil_div(T, 8 * t.dkv_sg), uint32_t(Hk), 1};
   dkv.threads = {32 * t.dkv_sg, 1, 1};
   encode(std::move(dkv));
@@ -817,6 +849,7 @@ void MetalOps::quantized_matmul(const Tensor& x, const Tensor& w, const Tensor& 
                                     u32(e.op, ldo, "ldo")});
   u32(e.op, N * M, "N * M"), u32(e.op, (N - 1) * std::max(ldx, ldo) + std::max(K, M), "x and out extents");
   d.flops = 2.0 * double(N) * double(M) * double(K);
+  d.rate = RateClass::quantized_naive;
   ew_geometry(d, N * M);
   encode(std::move(d));
 }

@@ -55,20 +55,87 @@ DeviceChoice choose_device(const std::vector<GpuDescription>& candidates, uint32
   return c;
 }
 
+const char* rate_class_name(RateClass r) {
+  switch (r) {
+    case RateClass::memory: return "memory";
+    case RateClass::gemm: return "gemm";
+    case RateClass::attention: return "attention";
+    case RateClass::quantized_tiled: return "quantized_tiled";
+    case RateClass::quantized_rows: return "quantized_rows";
+    case RateClass::quantized_naive: return "quantized_naive";
+  }
+  return "?";
+}
+
+double CommandBufferPolicy::gflops(RateClass r) const {
+  switch (r) {
+    case RateClass::memory: return 0;
+    case RateClass::gemm: return peak_gflops * gemm_share;
+    case RateClass::attention: return peak_gflops * attention_share;
+    case RateClass::quantized_tiled: return peak_gflops * quantized_tiled_share;
+    case RateClass::quantized_rows: return peak_gflops * quantized_rows_share;
+    case RateClass::quantized_naive: return peak_gflops * quantized_naive_share;
+  }
+  return 0;
+}
+
 CommandBufferPolicy command_buffer_policy(const GpuDescription& g) {
-  // Rates of the smallest Mac GPU of each family (M1 7-core, M2/M3 8-core), rounded down.
+  // The smallest Mac GPU of each family: an M1 with 7 cores (7 x 128 ALUs x 2 flops x 1.278 GHz,
+  // 68 GB/s), an M2 or M3 with 8 (~2.8 TFLOP/s, 100 GB/s); bandwidth rounded down.
   CommandBufferPolicy p;
   if (g.apple_family >= 8) {
-    p.gflops = 2500;
+    p.peak_gflops = 2800;
     p.gbps = 90;
   }
   return p;
 }
 
+double estimate_ms(double flops, double bytes, RateClass r, const CommandBufferPolicy& p) {
+  const double rate = p.gflops(r);
+  return (rate > 0 ? flops / (rate * 1e6) : 0.0) + bytes / (p.gbps * 1e6);
+}
+
 double estimate_ms(const Dispatch& d, const CommandBufferPolicy& p) {
-  double bytes = 0;
-  for (const BufferBinding& b : d.buffers) bytes += double(b.extent);
-  return d.flops / (p.gflops * 1e6) + bytes / (p.gbps * 1e6);
+  double bytes = d.bytes;
+  if (bytes <= 0)
+    for (const BufferBinding& b : d.buffers) bytes += double(b.extent);
+  return estimate_ms(d.flops, bytes, d.rate, p);
+}
+
+namespace {
+// The largest multiple of `tile` in [tile, n] (n itself when n <= tile, or when all of n fits)
+// whose estimate fits: the estimates are monotone, so a binary search over tile counts.
+int64_t largest_fit(int64_t n, int64_t tile, double budget, const std::function<double(int64_t)>& ms) {
+  if (ms(n) <= budget || n <= tile) return n;
+  int64_t lo = 1, hi = (n - 1) / tile;  // n is known not to fit
+  if (ms(tile) > budget) return tile;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    if (ms(mid * tile) <= budget) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo * tile;
+}
+// Blocks of at most `size` over n, evened out: the same count, each a multiple of tile.
+int64_t even_blocks(int64_t n, int64_t size, int64_t tile, int64_t* count) {
+  *count = (n + size - 1) / size;
+  const int64_t per = (n + *count - 1) / *count;
+  const int64_t even = std::min(size, (per + tile - 1) / tile * tile);
+  *count = (n + even - 1) / even;
+  return even;
+}
+}  // namespace
+
+BlockPlan plan_blocks(int64_t rows, int64_t cols, int64_t tile_rows, int64_t tile_cols, double budget,
+                      const std::function<double(int64_t, int64_t)>& ms) {
+  BlockPlan b;
+  b.rows = rows, b.cols = cols;
+  if (rows <= 0 || cols <= 0) return b;
+  b.rows = largest_fit(rows, tile_rows, budget, [&](int64_t r) { return ms(r, cols); });
+  if (ms(b.rows, cols) > budget) b.cols = largest_fit(cols, tile_cols, budget, [&](int64_t c) { return ms(b.rows, c); });
+  b.rows = even_blocks(rows, b.rows, tile_rows, &b.row_blocks);
+  b.cols = even_blocks(cols, b.cols, tile_cols, &b.col_blocks);
+  return b;
 }
 
 bool CommandBufferCutter::add(double ms) {

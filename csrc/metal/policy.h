@@ -6,6 +6,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -49,21 +50,52 @@ struct DeviceChoice {
 };
 DeviceChoice choose_device(const std::vector<GpuDescription>& candidates, uint32_t os_msl, uint32_t needed_msl);
 
-// When a step's GPU work goes into another command buffer (submission.cpp): after
-// `max_dispatches` dispatches, or once the estimated GPU time of the open one reaches `max_ms`.
-// The estimate uses rates at the low end of the GPU's family, so a real command buffer runs
-// shorter than estimated: far below the macOS watchdog, which ends command buffers that run for
-// seconds on a display-attached Mac, and a GPU that starts before the step is fully encoded.
+// What bounds a dispatch's speed, for the time estimates: each kind of kernel of metal/ reaches
+// its own fraction of the GPU's f32 peak. ops.cpp sets it on every dispatch (Dispatch::rate).
+enum class RateClass {
+  memory,           // elementwise, norms, losses, optimizer: bytes at the memory bandwidth
+  gemm,             // gemm.metal's simdgroup-matrix tiles
+  attention,        // attention.metal's fused kernels
+  quantized_tiled,  // quantized.metal's tiled products (codes dequantized into threadgroup memory)
+  quantized_rows,   // quantized.metal's few-row products (generation): a pass over W per row block
+  quantized_naive,  // one thread per output element, dequantizing every code it reads
+};
+const char* rate_class_name(RateClass r);
+
+// When a step's GPU work goes into another command buffer (submission.cpp), and how large one
+// dispatch may be (ops.cpp splits a larger product into blocks). macOS ends a command buffer that
+// runs for seconds on a display-attached Mac (the GPU watchdog); a dispatch cannot be cut, so the
+// budget applies to each dispatch first. The estimate takes the slowest GPU of the family and,
+// per kernel kind, a rate at the low end of what that kernel can reach there: a real dispatch
+// should run shorter than estimated. No rate was measured on Apple hardware (none exists here).
 struct CommandBufferPolicy {
   uint32_t max_dispatches = 64;
-  double max_ms = 100;
-  double gflops = 2000;  // f32 FMA rate assumed
-  double gbps = 60;      // memory bandwidth assumed
+  double max_ms = 100;          // estimated GPU time of one command buffer
+  double max_dispatch_ms = 25;  // estimated GPU time of one dispatch
+  double peak_gflops = 2290;    // f32 FMA peak of the family's smallest GPU
+  double gbps = 60;             // memory bandwidth assumed
+  // The fraction of peak_gflops each kind of kernel reaches at least (by RateClass).
+  double gemm_share = 0.2, attention_share = 0.1, quantized_tiled_share = 0.1, quantized_rows_share = 0.05,
+         quantized_naive_share = 0.005;
+  double gflops(RateClass r) const;  // 0 for memory: its time is its bytes
 };
 CommandBufferPolicy command_buffer_policy(const GpuDescription& g);
 
-// Estimated GPU time of one dispatch: its counted flops and the bytes it may touch.
+// Estimated GPU time of one dispatch: its counted flops at its kernel's rate, plus the bytes it
+// may touch at the memory bandwidth.
 double estimate_ms(const Dispatch& d, const CommandBufferPolicy& p);
+double estimate_ms(double flops, double bytes, RateClass r, const CommandBufferPolicy& p);
+
+// A product's output (rows x cols) in blocks, each one dispatch: block sizes are multiples of the
+// kernel's tile (the last block of each dimension takes the rest). Rows are split first (whole
+// tile rows), then columns, until every block's estimate (`ms(rows, cols)`, monotone in both)
+// fits `budget`; blocks are then evened out. A single tile over the budget stays one block.
+struct BlockPlan {
+  int64_t rows = 0, cols = 0;  // block size
+  int64_t row_blocks = 1, col_blocks = 1;
+};
+BlockPlan plan_blocks(int64_t rows, int64_t cols, int64_t tile_rows, int64_t tile_cols, double budget,
+                      const std::function<double(int64_t, int64_t)>& ms);
 
 // Cuts a sequence of dispatches into command buffers the way the backend does as it encodes.
 class CommandBufferCutter {

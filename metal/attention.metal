@@ -9,6 +9,8 @@
 //
 // Kernels (D a template parameter, padded to DP = D rounded up to 8 in threadgroup memory, where
 // the pad columns are zeros; tiles from AttnTile below, sized for f32 operands, the worst case):
+//   (A dispatch over budget is issued as parts of its grid: threadgroup (x, y) then stands for row
+//   block x + args.block0 of head y + args.head0; csrc/metal/policy.h plan_row_blocks.)
 //   attention_forward_d<D>_<T>: grid (ceil(T / F_BQ), Hq), F_SG SIMD-groups of 8 query rows each.
 //     Loops over key blocks of F_BK from the window's first block to the diagonal: S = Q K^T,
 //     online softmax in float (4 lanes per row), O = diag(alpha) O + P V in registers; writes
@@ -176,10 +178,10 @@ kernel void attention_forward(device const T*         q    [[buffer(0)]],
     threadgroup T*     kv_s = q_s + BQ * DP;                     // (BK, DP) K, then V
     threadgroup T*     p_s  = kv_s + BK * DP;                    // (BQ, BK) probabilities
 
-    const uint n = args.T, window = args.window, h = tg.y, hk = h / (args.Hq / args.Hk);
+    const uint n = args.T, window = args.window, h = tg.y + args.head0, hk = h / (args.Hq / args.Hk);
     const bool use_seg = args.has_segments != 0;
     const float scale = args.scale;
-    const uint q0 = tg.x * BQ;
+    const uint q0 = (tg.x + args.block0) * BQ;
     device const T* kh = k + (ulong)hk * n * D;
     device const T* vh = v + (ulong)hk * n * D;
     // keys of the block: up to its last query (causal), from its first query's window
@@ -286,10 +288,10 @@ kernel void attention_backward_dq(device const T*         q     [[buffer(0)]],
     threadgroup T*     kv_s = do_s + BQ * DP;                    // (BK, DP) V, then K
     threadgroup T*     ds_s = kv_s + BK * DP;                    // (BQ, BK) P (dP - delta)
 
-    const uint n = args.T, window = args.window, h = tg.y, hk = h / (args.Hq / args.Hk);
+    const uint n = args.T, window = args.window, h = tg.y + args.head0, hk = h / (args.Hq / args.Hk);
     const bool use_seg = args.has_segments != 0;
     const float scale = args.scale;
-    const uint q0 = tg.x * BQ;
+    const uint q0 = (tg.x + args.block0) * BQ;
     device const T* kh = k + (ulong)hk * n * D;
     device const T* vh = v + (ulong)hk * n * D;
     const uint k_end = min(n, q0 + BQ);
@@ -361,10 +363,10 @@ kernel void attention_backward_dkv(device const T*         q     [[buffer(0)]],
     threadgroup T*     q_s  = ds_s + BK * BQ;                    // (BQ, DP)
     threadgroup T*     do_s = Tile::K_SHARE ? q_s : q_s + BQ * DP;  // (BQ, DP)
 
-    const uint n = args.T, window = args.window, hk = tg.y, g = args.Hq / args.Hk;
+    const uint n = args.T, window = args.window, hk = tg.y + args.head0, g = args.Hq / args.Hk;
     const bool use_seg = args.has_segments != 0;
     const float scale = args.scale;
-    const uint k0 = tg.x * BK;
+    const uint k0 = (tg.x + args.block0) * BK;
     attn_stage<T, D, BK>(k_s, k + (ulong)hk * n * D, k0, n, tid, NT);
     attn_stage<T, D, BK>(v_s, v + (ulong)hk * n * D, k0, n, tid, NT);
     // queries of the block: from its first key (causal) to its last key's window

@@ -46,6 +46,8 @@ struct SoftmaxArgs {
 // query head h reads KV head h / (Hq / Hk). Query i sees key j iff j <= i, and i - j < window where
 // window > 0, and seg[i] == seg[j] where has_segments != 0 (segments (T,) i32 bound; when 0 the
 // segment buffer must still be bound and is not read).
+// A dispatch may cover part of the grid (the per-dispatch budget, csrc/metal/policy.h): its
+// threadgroup (x, y) stands for row block x + block0 of head y + head0.
 struct AttentionArgs {
     uint32_t Hq;
     uint32_t Hk;
@@ -54,6 +56,8 @@ struct AttentionArgs {
     uint32_t window;
     uint32_t has_segments;
     float    scale;
+    uint32_t head0;
+    uint32_t block0;
 };
 
 // swiglu_forward (s = silu(g) * u) and swiglu_backward (dg, du from ds, g, u): flat buffers of n

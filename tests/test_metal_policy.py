@@ -315,3 +315,48 @@ def test_metal_sim_stands_only_for_known_families(family):
     with pytest.raises(ValueError, match="apple_family must be 7, 8 or 9"):
         _core.testing.metal_sim_set_gpu(family)
     assert krnl.device("metal-sim").capabilities()["details"]["gpu_family"] == "apple9"  # unchanged
+
+
+def _pairs(T, window):
+    return window * (2 * T - window + 1) / 2 if 0 < window < T else T * (T + 1) / 2
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("T,window", [(16384, 0), (32768, 4096)], ids=["causal16k", "window4k-32k"])
+def test_largest_attention_fits_the_dispatch_budget(family, T, window):
+    """Fused attention of the family's largest model over one 16k sequence (and 32k with a 4k
+    sliding window) on the slowest GPU: one head alone is over the budget (~0.3 s forward at 16k),
+    so each kernel runs as parts of its grid, one head at a time in ranges of row blocks. The parts
+    cover every (head, row) once and add up to the whole kernel's flops; causal ranges shorten
+    where rows see more keys."""
+    f = FAMILIES[family]
+    H, Hk, D = f["H"], f["Hk"], f["D"]
+    budget = _core.testing.metal_gpu_policy(SLOWEST)["command_buffer"]["max_dispatch_ms"]
+    per_pair = {"forward": 4 * H, "dq": 6 * H, "dkv": 8 * H}  # flops per pair per unit D, all heads
+    for kernel in ("forward", "dq", "dkv"):
+        heads = Hk if kernel == "dkv" else H
+        parts = _core.testing.metal_plan_attention(SLOWEST, kernel, H, Hk, T, D, window)
+        assert len(parts) > heads, (kernel, len(parts))
+        cover = np.zeros((heads, T), np.int32)
+        for p in parts:
+            assert p["ms"] <= budget, (kernel, p)
+            assert p["row0"] % p["tile"] == 0 and p["rows"] > 0
+            cover[p["head0"]:p["head0"] + p["heads"], p["row0"]:p["row0"] + p["rows"]] += 1
+        assert (cover == 1).all(), kernel
+        assert sum(p["flops"] for p in parts) == pytest.approx(per_pair[kernel] * D * _pairs(T, window), rel=1e-9)
+        if window == 0:  # later query rows see more keys: shorter ranges (dkv: the other way round)
+            head0 = [p for p in parts if p["head0"] == 0]
+            first, last = head0[0]["rows"], head0[-1]["rows"]
+            assert (first > last) if kernel != "dkv" else (first < last), (kernel, first, last)
+
+
+def test_small_attention_is_one_dispatch():
+    # A short sequence is one dispatch per kernel; at 4k tokens (Llama-3-8B's heads) whole heads
+    # are grouped into a few dispatches.
+    for kernel in ("forward", "dq", "dkv"):
+        (p,) = _core.testing.metal_plan_attention(M1, kernel, 32, 8, 512, 128)
+        assert (p["head0"], p["row0"], p["rows"]) == (0, 0, 512) and p["heads"] == (8 if kernel == "dkv" else 32)
+    parts = _core.testing.metal_plan_attention(M1, "forward", 32, 8, 4096, 128)
+    assert 1 < len(parts) <= 32 and all(p["rows"] == 4096 for p in parts)  # whole heads grouped
+    with pytest.raises(ValueError, match="kernel must be forward, dq or dkv"):
+        _core.testing.metal_plan_attention(M1, "dk", 32, 8, 512, 128)

@@ -197,6 +197,52 @@ def test_gemm_over_the_dispatch_budget_runs_in_blocks(sim, form, dtype):
     np.testing.assert_array_equal(read(split), read(whole))
 
 
+@pytest.mark.parametrize("window,segments", [(0, False), (24, True)], ids=["causal", "window-segments"])
+def test_attention_over_the_dispatch_budget_runs_in_parts(sim, window, segments):
+    """Fused attention whose kernels are estimated over the per-dispatch budget runs as parts of
+    each kernel's grid (one head at a time, consecutive ranges of row blocks; args.head0/block0
+    place them), every part within the budget, together covering the grid once; o, lse, dq, dk
+    and dv equal the one-dispatch results bit for bit (each threadgroup computes what it did)."""
+    rng = np.random.default_rng(9)
+    Hq, Hk, T, D = 4, 2, 70, 16
+    (q, _), (k, _), (v, _), (do, _) = (upload(sim, rng.standard_normal(s), "f16")
+                                       for s in ((Hq, T, D), (Hk, T, D), (Hk, T, D), (Hq, T, D)))
+    seg = krnl.device("cpu").tensor(np.repeat(np.arange(3), [20, 31, 19]).astype(np.int32), "i32") if segments else None
+    seg = sim.tensor(seg.numpy(), "i32") if segments else None
+
+    def run():
+        o, lse = sim.empty((Hq, T, D), "f16"), sim.empty((Hq, T), "f32")
+        ops.attention_forward(q, k, v, o, lse, 0.25, seg, window)
+        fwd = krnl._core.testing.metal_sim_last_step()
+        grads = [sim.empty(s, "f16") for s in ((Hq, T, D), (Hk, T, D), (Hk, T, D))]
+        ops.attention_backward(q, k, v, o, do, lse, *grads, 0.25, seg, window)
+        bwd = krnl._core.testing.metal_sim_last_step()
+        return [read(t) for t in (o, lse, *grads)], fwd + bwd
+
+    whole, recs = run()
+    assert len(recs) == 4  # forward; delta, dq, dkv
+    one_head = krnl._core.testing.metal_plan_attention(dict(apple_family=9), "forward", 1, 1, T, D, window)[0]["ms"]
+    with dispatch_budget(sim, 0.7 * one_head):
+        split, recs = run()
+    for kernel, heads in (("attention_forward", Hq), ("attention_backward_dq", Hq), ("attention_backward_dkv", Hk)):
+        parts = [r for r in recs if r["kernel"].startswith(kernel)]
+        assert len(parts) > heads, kernel
+        cover = {}
+        for r in parts:
+            assert r["rate"] == "attention"
+            # within the budget, or a single tile (nothing smaller can be dispatched)
+            ms = krnl._core.testing.metal_estimate_ms(dict(apple_family=9), r["flops"], r["bytes"], "attention")
+            assert ms <= 0.7 * one_head or r["grid"][:2] == (1, 1), (kernel, ms, r["grid"])
+            a = np.frombuffer(r["args"], np.uint32)  # AttentionArgs: ..., scale, head0, block0
+            head0, block0 = int(a[7]), int(a[8])
+            for h in range(head0, head0 + r["grid"][1]):
+                for b in range(block0, block0 + r["grid"][0]):
+                    cover[(h, b)] = cover.get((h, b), 0) + 1
+        assert set(cover.values()) == {1} and {h for h, _ in cover} == set(range(heads)), kernel
+    for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), split, whole):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+
+
 def test_head_batching_by_offset(sim):
     """A batched GEMM over heads is one dispatch with grid.z = heads and the operands bound at
     their view offsets, never copied."""

@@ -10,6 +10,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "bindings.h"
+#include "metal/metal_ops.h"
 #include "metal/metal_sim.h"
 #include "metal/policy.h"
 
@@ -241,6 +242,26 @@ void bind_metal(nb::module_& m, nb::module_& t) {
         "How a product's (rows, cols) output is cut into dispatches under the GPU's per-dispatch budget (policy.h "
         "plan_blocks), for a cost of flops_per_elem per output element and bytes linear in the block's rows, "
         "columns and elements: block size, block counts, the largest block's and the whole product's estimate.");
+  t.def("metal_plan_attention", [](const nb::dict& gpu, const std::string& kernel, int64_t Hq, int64_t Hk, int64_t T,
+                                   int64_t D, int64_t window, size_t dtype_bytes, double max_dispatch_ms) {
+          metal::CommandBufferPolicy p = metal::command_buffer_policy(gpu_from(gpu));
+          if (max_dispatch_ms > 0) p.max_dispatch_ms = max_dispatch_ms;
+          const metal::AttentionKernel k = kernel == "forward" ? metal::AttentionKernel::forward
+                                           : kernel == "dq"    ? metal::AttentionKernel::dq
+                                           : kernel == "dkv"   ? metal::AttentionKernel::dkv
+                                                               : throw std::invalid_argument(
+                                                                     "[metal_plan_attention] kernel must be forward, dq or dkv");
+          nb::list l;
+          for (const metal::AttentionPart& a : metal::attention_parts(p, k, Hq, Hk, T, D, window, dtype_bytes)) {
+            nb::dict r;
+            r["head0"] = a.part.head0, r["heads"] = a.part.heads, r["row0"] = a.part.row0, r["rows"] = a.part.rows;
+            r["tile"] = a.tile, r["flops"] = a.flops, r["bytes"] = a.bytes, r["ms"] = a.ms;
+            l.append(r);
+          }
+          return l;
+        }, "gpu"_a, "kernel"_a, "Hq"_a, "Hk"_a, "T"_a, "D"_a, "window"_a = 0, "dtype_bytes"_a = 2, "max_dispatch_ms"_a = 0.0,
+        "The dispatches one attention kernel ('forward', 'dq', 'dkv') is cut into on the GPU described: parts of "
+        "its grid (heads, rows) with their flops, bytes and estimate, as the Metal backend encodes them.");
   t.def("metal_plan_command_buffers", [](const nb::dict& gpu, const std::vector<std::pair<double, double>>& work,
                                          uint32_t max_dispatches, double max_ms) {
           metal::CommandBufferPolicy p = metal::command_buffer_policy(gpu_from(gpu));

@@ -8,6 +8,7 @@
 #pragma once
 #include <atomic>
 #include <deque>
+#include <functional>
 #include <initializer_list>
 #include <map>
 #include <mutex>
@@ -40,7 +41,19 @@ struct OrderingRules {
   bool split_steps = true;         // a step is cut into command buffers by the CommandBufferPolicy
 };
 
-struct GemmKernel;  // ops.cpp: one of gemm.metal's plain variants
+struct GemmKernel;     // ops.cpp: one of gemm.metal's plain variants
+struct AttentionArgs;  // metal/kargs.h
+
+// One dispatch of an attention kernel over part of its grid (policy.h plan_row_blocks): its
+// heads and rows (row blocks of `tile`), counted flops and bytes, and estimate.
+enum class AttentionKernel { forward, dq, dkv };
+struct AttentionPart {
+  GridPart part;
+  int64_t tile = 0;
+  double flops = 0, bytes = 0, ms = 0;
+};
+std::vector<AttentionPart> attention_parts(const CommandBufferPolicy& p, AttentionKernel which, int64_t Hq, int64_t Hk,
+                                           int64_t T, int64_t D, int64_t window, size_t dtype_bytes);
 
 class MetalOps : public Backend {
  public:
@@ -168,7 +181,8 @@ class MetalOps : public Backend {
 
   void elementwise(const char* op, const std::string& kernel, std::initializer_list<const Tensor*> tensors, int64_t n,
                    float alpha);
-  void gemm_plain(const krnl::GemmArgs& a, int64_t row0, int64_t rows);
+  void encode_parts(Dispatch&& d, uint32_t args_index, const AttentionArgs& args, const std::vector<AttentionPart>& parts);
+  size_t gemm_plain(const krnl::GemmArgs& a, int64_t row0, int64_t rows);
   Dispatch gemm_block(const krnl::GemmArgs& a, const GemmKernel* kern, int64_t row0, int64_t rows, int64_t col0,
                       int64_t cols);
   void gemm_split_k(const krnl::GemmArgs& a);

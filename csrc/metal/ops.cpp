@@ -282,7 +282,8 @@ void MetalOps::gemm(const CoreGemmArgs& a) {
 // Rows [row0, row0 + rows) of C: op(A)'s rows start row0 rows (n) or row0 columns (t) in. One
 // dispatch, or blocks of rows and then columns where one would be estimated over the policy's
 // per-dispatch budget (the GPU watchdog cannot be met by cutting command buffers alone).
-void MetalOps::gemm_plain(const CoreGemmArgs& a, int64_t row0, int64_t rows) {
+// Returns the number of dispatches encoded.
+size_t MetalOps::gemm_plain(const CoreGemmArgs& a, int64_t row0, int64_t rows) {
   // The variant chosen for this call's shape class (set_gemm_choice), else tile32.
   const GemmKernel* kern = &kGemmKernels[0];
   if (!gemm_choice_.empty()) {
@@ -295,7 +296,7 @@ void MetalOps::gemm_plain(const CoreGemmArgs& a, int64_t row0, int64_t rows) {
   const double budget = cb_policy_.max_dispatch_ms;
   if (estimate_ms(whole, cb_policy_) <= budget) {
     encode(std::move(whole));
-    return;
+    return 1;
   }
   const BlockPlan p = plan_blocks(rows, a.N, kern->tile_m, kern->tile_n, budget, [&](int64_t r, int64_t c) {
     return estimate_ms(gemm_block(a, kern, row0, r, 0, c), cb_policy_);
@@ -303,6 +304,7 @@ void MetalOps::gemm_plain(const CoreGemmArgs& a, int64_t row0, int64_t rows) {
   for (int64_t i = 0; i < rows; i += p.rows)
     for (int64_t j = 0; j < a.N; j += p.cols)
       encode(gemm_block(a, kern, row0 + i, std::min(p.rows, rows - i), j, std::min(p.cols, a.N - j)));
+  return size_t(p.row_blocks * p.col_blocks);
 }
 
 // The dispatch of C's block [row0, row0 + rows) x [col0, col0 + cols): op(B)'s columns start col0
@@ -393,7 +395,7 @@ void MetalOps::gemm_split_k(const CoreGemmArgs& a) {
 // two engines' summation orders.
 void MetalOps::gemm_row_split(const CoreGemmArgs& a, int64_t cpu_rows) {
   const bool gpu_half = cpu_rows < a.M;  // the planner may give the CPU every row
-  if (gpu_half) gemm_plain(a, cpu_rows, a.M - cpu_rows);
+  const size_t gpu_records = gpu_half ? gemm_plain(a, cpu_rows, a.M - cpu_rows) : 0;
   Dispatch h = Emit{this, "gemm"}.make("gemm", "host_sgemm");
   Backend* cpu = get_device("cpu");
   CoreGemmArgs part = a;
@@ -411,7 +413,7 @@ void MetalOps::gemm_row_split(const CoreGemmArgs& a, int64_t cpu_rows) {
     Tensor C = host_view(part.C, 0, part.M, part.N, part.ldc);
     ops::gemm(A, B, C, part.trans_a, part.trans_b, part.alpha, part.beta, 1, -1, -1, -1, 1);
   };
-  h.host_overlap = gpu_half ? 1 : 0;  // the GPU half just encoded runs alongside
+  h.host_overlap = uint32_t(gpu_records);  // the GPU half just encoded (its blocks) runs alongside
   encode(std::move(h));
 }
 
@@ -603,16 +605,23 @@ std::string attention_size(const char* op, const std::string& device, int64_t D)
                             device + " (Metal kernels for D in " + sizes + ")");
 }
 
-// The causal (and windowed) query-key pairs: the FLOPs of one product are 2 D times this.
-double attention_pairs(int64_t T, int64_t window) {
-  return window > 0 && window < T ? double(window) * double(2 * T - window + 1) / 2.0 : double(T) * double(T + 1) / 2.0;
+// The causal (and windowed) query-key pairs of query rows [r0, r1): the FLOPs of one product
+// are 2 D times this. Query i sees min(i + 1, window) keys.
+double query_pairs(int64_t r0, int64_t r1, int64_t window) {
+  auto upto = [window](int64_t n) {  // rows [0, n)
+    if (window <= 0 || n <= window) return double(n) * double(n + 1) / 2.0;
+    return double(window) * double(window + 1) / 2.0 + double(n - window) * double(window);
+  };
+  return upto(r1) - upto(r0);
 }
+// The same of key rows [r0, r1) of T: key j is seen by min(T - j, window) queries.
+double key_pairs(int64_t r0, int64_t r1, int64_t T, int64_t window) { return query_pairs(T - r1, T - r0, window); }
 
 // q, k, v, the masks' segments (or a dummy binding) and the argument struct, shared by the kernels.
 AttentionArgs attention_args(const char* op, const Tensor& q, const Tensor& k, float scale, const Tensor* segments,
                              int64_t window) {
   return AttentionArgs{u32(op, q.size(0), "Hq"), u32(op, k.size(0), "Hk"), u32(op, q.size(1), "T"),
-                       u32(op, q.size(2), "D"),  u32(op, window, "window"), segments ? 1u : 0u, scale};
+                       u32(op, q.size(2), "D"),  u32(op, window, "window"), segments ? 1u : 0u, scale, 0u, 0u};
 }
 void bind_segments(Dispatch& d, uint32_t index, const Tensor& q, const Tensor* segments) {
   if (segments)
@@ -637,12 +646,67 @@ void MetalOps::attention_forward(const Tensor& q, const Tensor& k, const Tensor&
   const AttentionTiles t = attention_tiles(D);
   bind(d, 0, q), bind(d, 1, k), bind(d, 2, v), bind(d, 3, o), bind(d, 4, lse);
   bind_segments(d, 5, q, segments);
-  d.set_args(6, args);
-  d.flops = 4.0 * double(Hq) * double(D) * attention_pairs(T, window);
-  d.rate = RateClass::attention;
-  d.grid = {ceil_div(T, 8 * t.fwd_sg), uint32_t(Hq), 1};
   d.threads = {32 * t.fwd_sg, 1, 1};
-  encode(std::move(d));
+  encode_parts(std::move(d), 6, args,
+               attention_parts(cb_policy_, AttentionKernel::forward, Hq, k.size(0), T, D, window, dtype_size(q.dtype())));
+}
+
+std::vector<AttentionPart> attention_parts(const CommandBufferPolicy& p, AttentionKernel which, int64_t Hq, int64_t Hk,
+                                           int64_t T, int64_t D, int64_t window, size_t dtype_bytes) {
+  const AttentionTiles t = attention_tiles(D);
+  const double es = double(dtype_bytes), group = double(Hq / Hk), d = double(D);
+  // Each part's flops and bytes: the rows it computes, the rows of the other side they see.
+  std::function<std::pair<double, double>(int64_t, int64_t, int64_t)> cost;
+  int64_t heads = Hq, tile = 0;
+  switch (which) {
+    case AttentionKernel::forward:  // S = Q K^T, P V; q and o rows, the k and v rows seen
+      tile = 8 * t.fwd_sg;
+      cost = [=](int64_t h, int64_t r0, int64_t r1) {
+        return std::make_pair(4.0 * double(h) * d * query_pairs(r0, r1, window),
+                              es * d * double(h) * (2.0 * double(r1 - r0) + 2.0 * double(r1) / group));
+      };
+      break;
+    case AttentionKernel::dq:  // S, dP, dS K; q, dout and dq rows, the k and v rows seen
+      tile = 8 * t.dq_sg;
+      cost = [=](int64_t h, int64_t r0, int64_t r1) {
+        return std::make_pair(6.0 * double(h) * d * query_pairs(r0, r1, window),
+                              es * d * double(h) * (3.0 * double(r1 - r0) + 2.0 * double(r1) / group));
+      };
+      break;
+    case AttentionKernel::dkv:  // per KV head, over its query heads: S^T, dP^T, P^T dO, dS^T Q
+      heads = Hk, tile = 8 * t.dkv_sg;
+      cost = [=](int64_t h, int64_t r0, int64_t r1) {
+        return std::make_pair(8.0 * double(h) * group * d * key_pairs(r0, r1, T, window),
+                              es * d * double(h) * (4.0 * double(r1 - r0) + 2.0 * group * double(T - r0)));
+      };
+      break;
+  }
+  auto ms = [&](int64_t h, int64_t r0, int64_t r1) {
+    const auto [flops, bytes] = cost(h, r0, r1);
+    return estimate_ms(flops, bytes, RateClass::attention, p);
+  };
+  std::vector<AttentionPart> parts;
+  for (const GridPart& g : plan_row_blocks(heads, T, tile, p.max_dispatch_ms, ms)) {
+    const auto [flops, bytes] = cost(g.heads, g.row0, g.row0 + g.rows);
+    parts.push_back({g, tile, flops, bytes, ms(g.heads, g.row0, g.row0 + g.rows)});
+  }
+  return parts;
+}
+
+// Encodes `d` (an attention kernel: heads on grid.y, row blocks on grid.x) as the parts of its
+// grid; args.head0 and block0 place each part.
+void MetalOps::encode_parts(Dispatch&& d, uint32_t args_index, const AttentionArgs& whole,
+                            const std::vector<AttentionPart>& parts) {
+  d.rate = RateClass::attention;
+  AttentionArgs args = whole;
+  for (const AttentionPart& p : parts) {
+    Dispatch part = d;
+    args.head0 = uint32_t(p.part.head0), args.block0 = uint32_t(p.part.row0 / p.tile);
+    part.set_args(args_index, args);
+    part.flops = p.flops, part.bytes = p.bytes;
+    part.grid = {ceil_div(p.part.rows, p.tile), uint32_t(p.part.heads), 1};
+    encode(std::move(part));
+  }
 }
 
 // Three dispatches: delta = rowsum(dout * o); dq per query block; dk and dv per key block, each
@@ -657,7 +721,7 @@ void MetalOps::attention_backward(const Tensor& q, const Tensor& k, const Tensor
   u32(e.op, Hq * T, "Hq * T");
   if (T == 0 || Hq == 0) return;
   const AttentionTiles t = attention_tiles(D);
-  const double product = 2.0 * double(Hq) * double(D) * attention_pairs(T, window);  // one of the products
+  const size_t es = dtype_size(q.dtype());
   Tensor delta = empty({Hq, T}, DType::f32);  // (Hq, T) released after encoding: reused only after the step
 
   Dispatch dd = e.make("attention", "attention_backward_delta_" + sfx);
@@ -672,23 +736,15 @@ void MetalOps::attention_backward(const Tensor& q, const Tensor& k, const Tensor
   bind(dqd, 0, q), bind(dqd, 1, k), bind(dqd, 2, v), bind(dqd, 3, dout), bind(dqd, 4, lse), bind(dqd, 5, delta);
   bind_segments(dqd, 6, q, segments);
   bind(dqd, 7, dq);
-  dqd.set_args(8, args);
-  dqd.flops = 3.0 * product;  // S, dP, dS K
-  dqd.rate = RateClass::attention;
-  dqd.grid = {ceil_div(T, 8 * t.dq_sg), uint32_t(Hq), 1};
   dqd.threads = {32 * t.dq_sg, 1, 1};
-  encode(std::move(dqd));
+  encode_parts(std::move(dqd), 8, args, attention_parts(cb_policy_, AttentionKernel::dq, Hq, Hk, T, D, window, es));
 
   Dispatch dkv = e.make("attention", "attention_backward_dkv" + size + sfx);
   bind(dkv, 0, q), bind(dkv, 1, k), bind(dkv, 2, v), bind(dkv, 3, dout), bind(dkv, 4, lse), bind(dkv, 5, delta);
   bind_segments(dkv, 6, q, segments);
   bind(dkv, 7, dk), bind(dkv, 8, dv);
-  dkv.set_args(9, args);
-  dkv.flops = 4.0 * product;  // S^T, dP^T, P^T dO, dS^T Q
-  dkv.rate = RateClass::attention;
-  dkv.grid = {ceil_div(T, 8 * t.dkv_sg), uint32_t(Hk), 1};
   dkv.threads = {32 * t.dkv_sg, 1, 1};
-  encode(std::move(dkv));
+  encode_parts(std::move(dkv), 9, args, attention_parts(cb_policy_, AttentionKernel::dkv, Hq, Hk, T, D, window, es));
 }
 
 // ---- embedding and loss

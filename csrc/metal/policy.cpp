@@ -138,6 +138,39 @@ BlockPlan plan_blocks(int64_t rows, int64_t cols, int64_t tile_rows, int64_t til
   return b;
 }
 
+std::vector<GridPart> plan_row_blocks(int64_t heads, int64_t rows, int64_t tile, double budget,
+                                      const std::function<double(int64_t, int64_t, int64_t)>& ms) {
+  std::vector<GridPart> parts;
+  if (heads <= 0 || rows <= 0) return parts;
+  if (ms(heads, 0, rows) <= budget) return {{0, heads, 0, rows}};
+  if (ms(1, 0, rows) <= budget) {
+    int64_t lo = 1, hi = heads - 1;  // the most heads whose full rows fit
+    while (lo < hi) {
+      const int64_t mid = (lo + hi + 1) / 2;
+      if (ms(mid, 0, rows) <= budget) lo = mid;
+      else hi = mid - 1;
+    }
+    const int64_t count = (heads + lo - 1) / lo, per = (heads + count - 1) / count;
+    for (int64_t h = 0; h < heads; h += per) parts.push_back({h, std::min(per, heads - h), 0, rows});
+    return parts;
+  }
+  const int64_t tiles = (rows + tile - 1) / tile;
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  for (int64_t t0 = 0; t0 < tiles;) {
+    int64_t lo = 1, hi = tiles - t0;  // the most tiles from t0 on that fit (at least one)
+    while (lo < hi) {
+      const int64_t mid = (lo + hi + 1) / 2;
+      if (ms(1, t0 * tile, std::min(rows, (t0 + mid) * tile)) <= budget) lo = mid;
+      else hi = mid - 1;
+    }
+    ranges.emplace_back(t0 * tile, std::min(rows, (t0 + lo) * tile));
+    t0 += lo;
+  }
+  for (int64_t h = 0; h < heads; ++h)
+    for (auto [r0, r1] : ranges) parts.push_back({h, 1, r0, r1 - r0});
+  return parts;
+}
+
 bool CommandBufferCutter::add(double ms) {
   ++n_;
   ms_ += ms;

@@ -111,6 +111,17 @@ class CommandBufferCutter {
   double ms_ = 0;
 };
 
+// A grid of `heads` x `rows` (rows in blocks of `tile`, the last one partial) whose cost is not
+// even over the rows (causal attention: later query rows see more keys), cut into dispatches:
+// whole heads grouped while a group's full rows fit `budget`; otherwise one head at a time in
+// consecutive row ranges, each as long as fits (at least one tile). `ms(heads, row0, row1)` is a
+// dispatch's estimate, monotone in each.
+struct GridPart {
+  int64_t head0 = 0, heads = 0, row0 = 0, rows = 0;
+};
+std::vector<GridPart> plan_row_blocks(int64_t heads, int64_t rows, int64_t tile, double budget,
+                                      const std::function<double(int64_t, int64_t, int64_t)>& ms);
+
 // The command-buffer sizes (dispatch counts) a step of dispatches with these estimated times gets.
 std::vector<size_t> plan_command_buffers(const CommandBufferPolicy& p, const std::vector<double>& ms);
 

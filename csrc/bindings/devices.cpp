@@ -299,6 +299,23 @@ void bind_devices(nb::module_& m) {
            },
            "Bytes in use, pending (released inside an unfinished submission), cached, reserved, peaks; "
            "graph_arena: the part of in_use that live graphs' recordings hold (shared by every graph).")
+      .def("set_memory_limit", [](Backend& d, nb::handle limit) {
+             size_t bytes = 0;
+             if (nb::isinstance<nb::str>(limit))
+               bytes = BufferPool::parse_size(nb::cast<std::string>(limit), "set_memory_limit");
+             else if (!limit.is_none())
+               bytes = nb::cast<size_t>(limit);
+             d.set_memory_limit(bytes);
+           }, "limit"_a.none(),
+           "The most bytes this device's pool may hold (bytes, or a size such as '24G'); None or 0: no limit. "
+           "Overrides KRNL_MAX_MEMORY and the device's default (Metal: the GPU's recommended working set). An "
+           "allocation past it raises RuntimeError naming the request and the limit.")
+      .def_prop_ro("memory_limit", [](Backend& d) {
+             nb::dict r;
+             r["bytes"] = d.pool().limit();
+             r["origin"] = d.pool().limit_origin();
+             return r;
+           }, "The pool's limit: {bytes (0: none), origin (where it came from)}.")
       .def("reset_peak", [](Backend& d) { d.pool().reset_peak(); })
       .def("trim", [](Backend& d) { d.pool().trim(); }, "Returns cached buffers to the system.")
       .def_prop_ro("split_k_config", [](const Backend& d) {

@@ -137,12 +137,13 @@ void bind_metal(nb::module_& m, nb::module_& t) {
         }, "mode"_a, "max_ms"_a = 0.0, "seed"_a = 0,
         "How metal-sim's completion lags behind commit: 'wait' (a command buffer runs only once waited for; the "
         "default), 'delay' (also after a seeded random delay of up to max_ms), 'none' (at once).");
-  t.def("metal_sim_set_gpu", [](int apple_family) {
+  t.def("metal_sim_set_gpu", [](int apple_family, uint64_t working_set) {
           nb::gil_scoped_release release;
-          metal::metal_sim_set_gpu(apple_family);
-        }, "apple_family"_a,
+          metal::metal_sim_set_gpu(apple_family, working_set);
+        }, "apple_family"_a, "working_set"_a = 0,
         "Makes metal-sim stand for an Apple GPU of that family (7: M1, 8: M2, 9: M3, the default): its capabilities "
-        "and its bf16 policy (offered from 9, where bf16 is native) follow. Waits for committed work first.");
+        "and its bf16 policy (offered from 9, where bf16 is native) follow. working_set: its recommended working "
+        "set in bytes, the pool's default limit (0: none, the default). Waits for committed work first.");
   t.def("metal_last_step", [](Backend& d) {
           metal::MetalOps& mo = metal_device(d, "metal_last_step");
           nb::dict r;

@@ -1,6 +1,7 @@
 #include "backend.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -10,7 +11,21 @@ namespace krnl {
 
 Backend::Backend(std::string name) : name_(std::move(name)) {
   pool_ = std::make_unique<BufferPool>([this](size_t n) { return raw_alloc(n); },
-                                       [this](void* p, size_t n) { raw_free(p, n); });
+                                       [this](void* p, size_t n) { raw_free(p, n); }, name_);
+  // Read per device when it is made, so a bad value fails the device with its name.
+  if (const char* env = std::getenv("KRNL_MAX_MEMORY"); env && *env) {
+    pool_->set_limit(BufferPool::parse_size(env, "KRNL_MAX_MEMORY"), "set by KRNL_MAX_MEMORY");
+    limit_chosen_ = true;
+  }
+}
+
+void Backend::set_memory_limit(size_t bytes) {
+  pool_->set_limit(bytes, "set by Device.set_memory_limit");
+  limit_chosen_ = true;
+}
+
+void Backend::set_default_memory_limit(size_t bytes, const std::string& origin) {
+  if (!limit_chosen_) pool_->set_limit(bytes, origin);
 }
 
 Backend::~Backend() = default;

@@ -145,6 +145,7 @@ class MetalOps : public Backend {
   void set_gpu(const GpuDescription& g) {
     gpu_ = g;
     set_command_buffer_policy(metal::command_buffer_policy(g));
+    apply_working_set();
   }
 
   // Queues one record of the open step (ops.cpp's output).
@@ -153,6 +154,8 @@ class MetalOps : public Backend {
   uint64_t submissions_done() const { return done_upto_.load(std::memory_order_acquire); }
 
  private:
+  void apply_working_set();  // the pool's default ceiling from gpu_ (ops.cpp)
+
   // ---- submission (submission.cpp)
   void on_begin_step() override;
   void on_commit(uint64_t seq) override;

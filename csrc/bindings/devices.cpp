@@ -241,6 +241,17 @@ void bind_devices(nb::module_& m) {
              if (auto* m = dynamic_cast<metal::MetalOps*>(&d)) m->clear_gemm_choices();
            },
            "Every GEMM back to the default variant.")
+      .def("compile_libraries", [](Backend& d) {
+             auto* m = dynamic_cast<metal::MetalOps*>(&d);
+             if (!m) throw NotImplementedError("[compile_libraries] " + d.name() + " is not a Metal device: it has no "
+                                               "Metal libraries to compile");
+             nb::gil_scoped_release release;
+             return m->compile_libraries();
+           },
+           "Metal only: waits until every kernel library of metal/ is compiled (the device compiles them in the "
+           "background from its creation; this compiles any not yet started) and returns {library: compile "
+           "milliseconds}. A library that does not compile raises RuntimeError naming it. NotImplementedError on "
+           "metal-sim and metal-cuda (their kernels compile in a Python executor) and on other devices.")
       .def("__repr__", [](const Backend& d) { return "krnl.device('" + d.name() + "')"; })
       .def("empty", [](Backend& d, nb::handle shape, nb::handle dtype) { return d.empty(to_shape(shape), to_dtype(dtype)); },
            "shape"_a, "dtype"_a = "f32", "A new uninitialised tensor from the device's pool.")

@@ -124,6 +124,12 @@ class MetalOps : public Backend {
   void sumsq(const Tensor& x, const Tensor& out) override;
   void nonfinite(const Tensor& x, const Tensor& flag) override;
 
+  // Waits until every library of metal/ is compiled (compiling those not yet started) and returns
+  // each one's compile time in ms; the first that failed is thrown. Only "metal" compiles
+  // libraries (device.mm, in the background from device creation): the simulators' kernels are
+  // compiled by their Python executors, so NotImplementedError here.
+  virtual std::map<std::string, double> compile_libraries();
+
   // Called by an executor, from any thread, once submission `id` has completed (error: its
   // failure, else null; gpu_ms: its GPU time where measured). Calls after the first are ignored.
   void submission_done(uint64_t id, const std::string* error, double gpu_ms);

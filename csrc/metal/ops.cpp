@@ -56,6 +56,12 @@ MetalOps::MetalOps(std::string name, GpuDescription gpu)
   apply_working_set();
 }
 
+std::map<std::string, double> MetalOps::compile_libraries() {
+  throw NotImplementedError("[compile_libraries] " + name() +
+                            " compiles no Metal libraries: its executor compiles the kernels in Python "
+                            "(tools/mslsim, tools/mslcuda); only the 'metal' device on a Mac does");
+}
+
 // Past the recommended working set macOS pages GPU memory or fails command buffers; MLX takes it
 // as its default memory limit too. 0 (unknown, metal-sim by default): no limit.
 void MetalOps::apply_working_set() {

@@ -50,6 +50,10 @@ void bind_testing(nb::module_& m) {
       .def("reset_peak", [](HostPool& h) { h.pool.reset_peak(); })
       .def("stats", [](HostPool& h) { return pool_stats_dict(h.pool.stats()); });
 
+  m.def("probe_blas_threads", &cpu::probe_blas_threads,
+        "The BLAS's thread count before, inside each chunk of a parallel region that holds the CPU GEMM's "
+        "single-thread scopes, and after (OpenBLAS: its count; Accelerate: 1 single-threaded, 0 its own choice).");
+  m.def("blas_fans_out", &cpu::blas_fans_out, "Whether the CPU backend runs BLAS calls side by side on its pool.");
   m.def("parse_size", [](const std::string& text) { return BufferPool::parse_size(text, "parse_size"); }, "text"_a,
         "A size as KRNL_MAX_MEMORY takes it, in bytes (0: no limit).");
   m.def("plan_split_k", [](int64_t M, int64_t N, int64_t K, int64_t batch, int64_t tile_m, int64_t tile_n,

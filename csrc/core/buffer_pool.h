@@ -60,7 +60,7 @@ class BufferPool {
   // The most bytes the pool may hold from the system (reserved), 0 for none. An acquire that
   // would pass it first gives cached buffers back, then throws a one-line std::runtime_error
   // naming the request, the limit and `origin` (where the number came from, e.g. "the GPU's
-  // recommended working set"); the pool is unchanged by the refusal. Takes effect for later
+  // recommended working set"); in-use and pending buffers are untouched. Takes effect for later
   // allocations: memory already held above a lowered limit stays until released.
   void set_limit(size_t bytes, std::string origin);
   size_t limit() const;

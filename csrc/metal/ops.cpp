@@ -62,8 +62,9 @@ std::map<std::string, double> MetalOps::compile_libraries() {
                             "(tools/mslsim, tools/mslcuda); only the 'metal' device on a Mac does");
 }
 
-// Past the recommended working set macOS pages GPU memory or fails command buffers; MLX takes it
-// as its default memory limit too. 0 (unknown, metal-sim by default): no limit.
+// Past the recommended working set macOS pages GPU memory or fails command buffers (MLX gives its
+// cache back from 0.95 of it and waits or swaps from 1.5x); a clean error at it is the safe
+// default, KRNL_MAX_MEMORY or Device.set_memory_limit move it. 0 (metal-sim by default): no limit.
 void MetalOps::apply_working_set() {
   set_default_memory_limit(size_t(gpu_.working_set),
                            "the GPU's recommended working set, MTLDevice.recommendedMaxWorkingSetSize");

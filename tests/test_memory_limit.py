@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import krnl
-from krnl import _core
+from krnl import _core, ops
 
 from conftest import METAL_SIM, METAL_SIM_FAMILY
 
@@ -139,6 +139,41 @@ def test_metal_working_set_is_the_default_limit():
     finally:
         _core.testing.metal_sim_set_gpu(METAL_SIM_FAMILY)  # the suite's GPU: no working set
     assert sim.memory_limit["bytes"] == 0
+
+
+@pytest.mark.skipif(METAL_SIM is None, reason="metal-sim is off (KRNL_TEST_METAL_SIM=0 or no g++)")
+def test_metal_limit_waits_for_committed_work_before_refusing():
+    # A buffer released after its step was committed is pending until the step completes (on
+    # metal-sim, by default, only once someone waits for it). An allocation past the limit
+    # waits for that work, gets the buffer back, and succeeds.
+    sim = krnl.device("metal-sim")
+    sim.synchronize()
+    sim.trim()
+    held = sim.pool_stats()["reserved"]
+    _core.testing.metal_sim_set_gpu(METAL_SIM_FAMILY, held + 10 * MiB)
+    try:
+        a = sim.empty((5 * MiB // 4,), "f32")  # 5 MiB
+        with sim.step() as s:
+            ops.fill(a, 1.0)
+        del a
+        assert sim.completed_seq < s.seq and sim.pool_stats()["pending"] == 5 * MiB
+        b = sim.zeros((6 * MiB // 4,), "f32")  # 6 MiB: fits once the step's buffer is back
+        assert sim.completed_seq >= s.seq
+        st = sim.pool_stats()
+        assert st["pending"] == 0 and st["reserved"] <= held + 10 * MiB, st
+        sim.synchronize()
+        assert float(b.numpy().max()) == 0.0
+        # The open step's own released buffers cannot come back yet: there, the refusal stands.
+        with pytest.raises(RuntimeError, match=r"a request of 2\.0 MiB .* 3\.0 MiB waiting for the device"):
+            with sim.step():
+                c = sim.empty((3 * MiB // 4,), "f32")
+                ops.fill(c, 2.0)
+                del c
+                sim.empty((MiB // 2,), "f32")
+        del b
+    finally:
+        sim.synchronize()
+        _core.testing.metal_sim_set_gpu(METAL_SIM_FAMILY)
 
 
 def test_krnl_max_memory_env_sets_every_device_limit():

@@ -52,12 +52,19 @@ void upload_into(Backend& dev, const Tensor& t, nb::handle arr) {
   }
 }
 
+// Backend::empty without the GIL: past the pool's limit it may wait for device work, which
+// metal-sim's executor runs in Python.
+Tensor empty_nogil(Backend& dev, const Shape& shape, DType dt) {
+  nb::gil_scoped_release release;
+  return dev.empty(shape, dt);
+}
+
 // Copies any array-like into a new tensor of `dt` on `dev`.
 Tensor tensor_from(Backend& dev, nb::handle data, nb::handle dtype) {
   nb::object np = nb::module_::import_("numpy");
   nb::object arr = np.attr("asarray")(data);
   DType dt = dtype.is_none() ? default_dtype(arr) : to_dtype(dtype);
-  Tensor t = dev.empty(to_shape(arr.attr("shape")), dt);
+  Tensor t = empty_nogil(dev, to_shape(arr.attr("shape")), dt);
   upload_into(dev, t, arr);
   return t;
 }
@@ -253,10 +260,10 @@ void bind_devices(nb::module_& m) {
            "milliseconds}. A library that does not compile raises RuntimeError naming it. NotImplementedError on "
            "metal-sim and metal-cuda (their kernels compile in a Python executor) and on other devices.")
       .def("__repr__", [](const Backend& d) { return "krnl.device('" + d.name() + "')"; })
-      .def("empty", [](Backend& d, nb::handle shape, nb::handle dtype) { return d.empty(to_shape(shape), to_dtype(dtype)); },
+      .def("empty", [](Backend& d, nb::handle shape, nb::handle dtype) { return empty_nogil(d, to_shape(shape), to_dtype(dtype)); },
            "shape"_a, "dtype"_a = "f32", "A new uninitialised tensor from the device's pool.")
       .def("zeros", [](Backend& d, nb::handle shape, nb::handle dtype) {
-             Tensor t = d.empty(to_shape(shape), to_dtype(dtype));
+             Tensor t = empty_nogil(d, to_shape(shape), to_dtype(dtype));
              ops::fill(t, 0.0);
              return t;
            }, "shape"_a, "dtype"_a = "f32")

@@ -50,7 +50,15 @@ Tensor Backend::empty(const Shape& shape, DType dt) {
   const size_t bytes = size_t(n) * dtype_size(dt);
   Buffer b;
   if (!capturing()) {
-    b = pool_->acquire(bytes, completed_seq());
+    try {
+      b = pool_->acquire(bytes, completed_seq());
+    } catch (const PoolLimitError&) {
+      // Buffers released under committed work come back once it completes: wait for it (as MLX
+      // waits on scheduled work) and try once more. The open step's own cannot come back yet.
+      if (completed_seq() >= last_committed_ || pool_->stats().pending == 0) throw;
+      on_wait(last_committed_);
+      b = pool_->acquire(bytes, completed_seq());
+    }
   } else {  // a buffer made while recording is baked into the graph: the arena's (backend.h)
     // Best fit: the smallest released buffer that holds it, so that graphs of shorter lengths
     // run in the temporaries of longer ones.

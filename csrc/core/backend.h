@@ -119,6 +119,8 @@ class Backend {
   virtual Capabilities capabilities() const;
 
   // ---- memory
+  // Past the pool's limit this may wait for committed work (whose released buffers then return):
+  // callers must not hold a lock the device's completion needs (bindings: the GIL).
   Tensor empty(const Shape& shape, DType dt);
   // Wraps memory owned elsewhere (e.g. a numpy array): zero-copy on host-visible devices.
   Tensor wrap(void* ptr, const Shape& shape, DType dt, std::function<void()> release);

@@ -60,7 +60,7 @@ Buffer BufferPool::acquire(size_t bytes, uint64_t completed_seq) {
       // device and in-use ones are live tensors: those count until released and completed.
       free_cached_locked();
       if (st_.reserved + cls > limit_)
-        throw std::runtime_error(
+        throw PoolLimitError(
             "[alloc] " + owner_ + ": a request of " + format_bytes(bytes) + " would take the pool to " +
             format_bytes(st_.reserved + cls) + ", past its limit of " + format_bytes(limit_) + " (" + limit_origin_ +
             "; " + format_bytes(st_.in_use) + " in use, " + format_bytes(st_.pending) +

@@ -8,6 +8,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -17,6 +18,11 @@ struct Buffer {
   void* ptr = nullptr;  // host pointer, or the backend's device handle
   size_t bytes = 0;     // class size actually allocated
   uint64_t id = 0;      // allocation identity (stable across reuse), for tests and profiling
+};
+
+// An allocation refused by the pool's limit (set_limit); Python sees RuntimeError.
+struct PoolLimitError : std::runtime_error {
+  using std::runtime_error::runtime_error;
 };
 
 struct PoolStats {
@@ -59,7 +65,7 @@ class BufferPool {
 
   // The most bytes the pool may hold from the system (reserved), 0 for none. An acquire that
   // would pass it first gives cached buffers back, then throws a one-line std::runtime_error
-  // naming the request, the limit and `origin` (where the number came from, e.g. "the GPU's
+  // (PoolLimitError) naming the request, the limit and `origin` (where the number came from, e.g. "the GPU's
   // recommended working set"); in-use and pending buffers are untouched. Takes effect for later
   // allocations: memory already held above a lowered limit stays until released.
   void set_limit(size_t bytes, std::string origin);

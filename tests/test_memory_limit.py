@@ -100,6 +100,10 @@ def test_device_set_memory_limit_on_cpu():
         dev.empty((MiB // 2,), "f32")  # the freed buffer is there again
         dev.set_memory_limit("1G")
         assert dev.memory_limit["bytes"] == 1 << 30
+        for bad in (-1, 2.5, [1]):
+            with pytest.raises(ValueError, match=r"^\[set_memory_limit\] takes bytes"):
+                dev.set_memory_limit(bad)
+        assert dev.memory_limit["bytes"] == 1 << 30
     finally:
         dev.set_memory_limit(None)
     assert dev.memory_limit == {"bytes": 0, "origin": ""}

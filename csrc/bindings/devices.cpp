@@ -319,10 +319,15 @@ void bind_devices(nb::module_& m) {
            "graph_arena: the part of in_use that live graphs' recordings hold (shared by every graph).")
       .def("set_memory_limit", [](Backend& d, nb::handle limit) {
              size_t bytes = 0;
-             if (nb::isinstance<nb::str>(limit))
+             if (nb::isinstance<nb::str>(limit)) {
                bytes = BufferPool::parse_size(nb::cast<std::string>(limit), "set_memory_limit");
-             else if (!limit.is_none())
+             } else if (nb::isinstance<nb::int_>(limit) && nb::cast<double>(limit) >= 0 &&
+                        nb::cast<double>(limit) < 1.8e19) {
                bytes = nb::cast<size_t>(limit);
+             } else if (!limit.is_none()) {
+               throw std::invalid_argument("[set_memory_limit] takes bytes (an int >= 0), a size such as '24G', or "
+                                           "None, got " + nb::cast<std::string>(nb::repr(limit)));
+             }
              d.set_memory_limit(bytes);
            }, "limit"_a.none(),
            "The most bytes this device's pool may hold (bytes, or a size such as '24G'); None or 0: no limit. "

@@ -52,12 +52,19 @@ void upload_into(Backend& dev, const Tensor& t, nb::handle arr) {
   }
 }
 
+// Backend::empty without the GIL: past the pool's limit it may wait for device work, which
+// metal-sim's executor runs in Python.
+Tensor empty_nogil(Backend& dev, const Shape& shape, DType dt) {
+  nb::gil_scoped_release release;
+  return dev.empty(shape, dt);
+}
+
 // Copies any array-like into a new tensor of `dt` on `dev`.
 Tensor tensor_from(Backend& dev, nb::handle data, nb::handle dtype) {
   nb::object np = nb::module_::import_("numpy");
   nb::object arr = np.attr("asarray")(data);
   DType dt = dtype.is_none() ? default_dtype(arr) : to_dtype(dtype);
-  Tensor t = dev.empty(to_shape(arr.attr("shape")), dt);
+  Tensor t = empty_nogil(dev, to_shape(arr.attr("shape")), dt);
   upload_into(dev, t, arr);
   return t;
 }
@@ -241,11 +248,22 @@ void bind_devices(nb::module_& m) {
              if (auto* m = dynamic_cast<metal::MetalOps*>(&d)) m->clear_gemm_choices();
            },
            "Every GEMM back to the default variant.")
+      .def("compile_libraries", [](Backend& d) {
+             auto* m = dynamic_cast<metal::MetalOps*>(&d);
+             if (!m) throw NotImplementedError("[compile_libraries] " + d.name() + " is not a Metal device: it has no "
+                                               "Metal libraries to compile");
+             nb::gil_scoped_release release;
+             return m->compile_libraries();
+           },
+           "Metal only: waits until every kernel library of metal/ is compiled (the device compiles them in the "
+           "background from its creation; this compiles any not yet started) and returns {library: compile "
+           "milliseconds}. A library that does not compile raises RuntimeError naming it. NotImplementedError on "
+           "metal-sim and metal-cuda (their kernels compile in a Python executor) and on other devices.")
       .def("__repr__", [](const Backend& d) { return "krnl.device('" + d.name() + "')"; })
-      .def("empty", [](Backend& d, nb::handle shape, nb::handle dtype) { return d.empty(to_shape(shape), to_dtype(dtype)); },
+      .def("empty", [](Backend& d, nb::handle shape, nb::handle dtype) { return empty_nogil(d, to_shape(shape), to_dtype(dtype)); },
            "shape"_a, "dtype"_a = "f32", "A new uninitialised tensor from the device's pool.")
       .def("zeros", [](Backend& d, nb::handle shape, nb::handle dtype) {
-             Tensor t = d.empty(to_shape(shape), to_dtype(dtype));
+             Tensor t = empty_nogil(d, to_shape(shape), to_dtype(dtype));
              ops::fill(t, 0.0);
              return t;
            }, "shape"_a, "dtype"_a = "f32")
@@ -299,6 +317,28 @@ void bind_devices(nb::module_& m) {
            },
            "Bytes in use, pending (released inside an unfinished submission), cached, reserved, peaks; "
            "graph_arena: the part of in_use that live graphs' recordings hold (shared by every graph).")
+      .def("set_memory_limit", [](Backend& d, nb::handle limit) {
+             size_t bytes = 0;
+             if (nb::isinstance<nb::str>(limit)) {
+               bytes = BufferPool::parse_size(nb::cast<std::string>(limit), "set_memory_limit");
+             } else if (nb::isinstance<nb::int_>(limit) && nb::cast<double>(limit) >= 0 &&
+                        nb::cast<double>(limit) < 1.8e19) {
+               bytes = nb::cast<size_t>(limit);
+             } else if (!limit.is_none()) {
+               throw std::invalid_argument("[set_memory_limit] takes bytes (an int >= 0), a size such as '24G', or "
+                                           "None, got " + nb::cast<std::string>(nb::repr(limit)));
+             }
+             d.set_memory_limit(bytes);
+           }, "limit"_a.none(),
+           "The most bytes this device's pool may hold (bytes, or a size such as '24G'); None or 0: no limit. "
+           "Overrides KRNL_MAX_MEMORY and the device's default (Metal: the GPU's recommended working set). An "
+           "allocation past it raises RuntimeError naming the request and the limit.")
+      .def_prop_ro("memory_limit", [](Backend& d) {
+             nb::dict r;
+             r["bytes"] = d.pool().limit();
+             r["origin"] = d.pool().limit_origin();
+             return r;
+           }, "The pool's limit: {bytes (0: none), origin (where it came from)}.")
       .def("reset_peak", [](Backend& d) { d.pool().reset_peak(); })
       .def("trim", [](Backend& d) { d.pool().trim(); }, "Returns cached buffers to the system.")
       .def_prop_ro("split_k_config", [](const Backend& d) {

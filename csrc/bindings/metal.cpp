@@ -5,11 +5,20 @@
 // ordering switches, the command-buffer policy and the row-split option of every Metal device
 // (no product path sets it: it takes measured rates, which only the tests supply).
 #include <nanobind/stl/function.h>
+#include <nanobind/stl/map.h>
 #include <nanobind/stl/pair.h>
+#include <nanobind/stl/set.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <set>
+#include <thread>
+
 #include "bindings.h"
+#include "metal/library_cache.h"
 #include "metal/metal_ops.h"
 #include "metal/metal_sim.h"
 #include "metal/policy.h"
@@ -121,6 +130,30 @@ nb::dict policy_dict(const metal::CommandBufferPolicy& p) {
   return r;
 }
 
+// device.mm's library cache with a fake compiler: compiling a library sleeps its delay (ms, from
+// the constructor) and then returns "lib:<name>", or throws a two-line log for a failing one.
+// Counts each library's compiles, which must be one.
+struct LibraryCacheProbe {
+  std::map<std::string, double> delay_ms;
+  std::set<std::string> failing;
+  std::map<std::string, std::atomic<int>> compiles;
+  std::unique_ptr<metal::LibraryCache<std::string>> cache;
+
+  LibraryCacheProbe(const std::vector<std::string>& names, std::map<std::string, double> delays,
+                    std::set<std::string> fail)
+      : delay_ms(std::move(delays)), failing(std::move(fail)) {
+    for (const auto& n : names) compiles[n];
+    cache = std::make_unique<metal::LibraryCache<std::string>>(names, [this](const std::string& n) {
+      compiles[n]++;
+      auto it = delay_ms.find(n);
+      if (it != delay_ms.end())
+        std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(it->second));
+      if (failing.count(n)) throw std::runtime_error("program_source:3:5: error: use of undeclared identifier 'x'\n  x = 1;");
+      return "lib:" + n;
+    });
+  }
+};
+
 }  // namespace
 
 void bind_metal(nb::module_& m, nb::module_& t) {
@@ -131,6 +164,23 @@ void bind_metal(nb::module_& m, nb::module_& t) {
   m.def("metal_library_msl_version", &metal::library_msl_version, "name"_a,
         "The MSL version metal/<name>.metal declares on its first line ('// msl: X.Y') as major * 100 + minor "
         "(3.1 -> 301): the language version the Metal device compiles it with.");
+  nb::class_<LibraryCacheProbe>(t, "LibraryCacheProbe",
+                                 "device.mm's library cache (csrc/metal/library_cache.h) over a fake compiler.")
+      .def(nb::init<const std::vector<std::string>&, std::map<std::string, double>, std::set<std::string>>(),
+           "names"_a, "delay_ms"_a = std::map<std::string, double>{}, "failing"_a = std::set<std::string>{})
+      .def("start_background", [](LibraryCacheProbe& p) { p.cache->start_background(); })
+      .def("get", [](LibraryCacheProbe& p, const std::string& name, const std::string& op) { return p.cache->get(name, op); },
+           "name"_a, "op"_a = "an_op", nb::call_guard<nb::gil_scoped_release>())
+      .def("compile_all", [](LibraryCacheProbe& p) { return p.cache->compile_all("compile_libraries"); },
+           nb::call_guard<nb::gil_scoped_release>())
+      .def("stop", [](LibraryCacheProbe& p) { p.cache->stop(); }, nb::call_guard<nb::gil_scoped_release>())
+      .def("progress", [](LibraryCacheProbe& p) { return p.cache->progress(); })
+      .def("compiled_in_background", [](LibraryCacheProbe& p, const std::string& n) { return p.cache->compiled_in_background(n); })
+      .def("compiles", [](LibraryCacheProbe& p) {
+        std::map<std::string, int> r;
+        for (auto& [n, c] : p.compiles) r[n] = c.load();
+        return r;
+      });
   t.def("register_metal_sim", [](nb::callable fn) {
     metal::register_metal_sim(python_executor(std::move(fn)));
     stop_workers_at_exit();
@@ -155,12 +205,13 @@ void bind_metal(nb::module_& m, nb::module_& t) {
         }, "mode"_a, "max_ms"_a = 0.0, "seed"_a = 0,
         "How metal-sim's completion lags behind commit: 'wait' (a command buffer runs only once waited for; the "
         "default), 'delay' (also after a seeded random delay of up to max_ms), 'none' (at once).");
-  t.def("metal_sim_set_gpu", [](int apple_family) {
+  t.def("metal_sim_set_gpu", [](int apple_family, uint64_t working_set) {
           nb::gil_scoped_release release;
-          metal::metal_sim_set_gpu(apple_family);
-        }, "apple_family"_a,
+          metal::metal_sim_set_gpu(apple_family, working_set);
+        }, "apple_family"_a, "working_set"_a = 0,
         "Makes metal-sim stand for an Apple GPU of that family (7: M1, 8: M2, 9: M3, the default): its capabilities "
-        "and its bf16 policy (offered from 9, where bf16 is native) follow. Waits for committed work first.");
+        "and its bf16 policy (offered from 9, where bf16 is native) follow. working_set: its recommended working "
+        "set in bytes, the pool's default limit (0: none, the default). Waits for committed work first.");
   t.def("metal_last_step", [](Backend& d) {
           metal::MetalOps& mo = metal_device(d, "metal_last_step");
           nb::dict r;

@@ -45,9 +45,17 @@ void bind_testing(nb::module_& m) {
              h.live.erase(it);
            }, "id"_a, "retire_seq"_a, "completed_seq"_a)
       .def("trim", [](HostPool& h) { h.pool.trim(); })
+      .def("set_limit", [](HostPool& h, size_t bytes, const std::string& origin) { h.pool.set_limit(bytes, origin); },
+           "bytes"_a, "origin"_a = "a test")
       .def("reset_peak", [](HostPool& h) { h.pool.reset_peak(); })
       .def("stats", [](HostPool& h) { return pool_stats_dict(h.pool.stats()); });
 
+  m.def("probe_blas_threads", &cpu::probe_blas_threads,
+        "The BLAS's thread count before, inside each chunk of a parallel region that holds the CPU GEMM's "
+        "single-thread scopes, and after (OpenBLAS: its count; Accelerate: 1 single-threaded, 0 its own choice).");
+  m.def("blas_fans_out", &cpu::blas_fans_out, "Whether the CPU backend runs BLAS calls side by side on its pool.");
+  m.def("parse_size", [](const std::string& text) { return BufferPool::parse_size(text, "parse_size"); }, "text"_a,
+        "A size as KRNL_MAX_MEMORY takes it, in bytes (0: no limit).");
   m.def("plan_split_k", [](int64_t M, int64_t N, int64_t K, int64_t batch, int64_t tile_m, int64_t tile_n,
                            int64_t min_tiles, int64_t k_unit, int64_t max_splits, int64_t min_k_per_split) {
           SplitKConfig c{tile_m, tile_n, min_tiles, k_unit, max_splits, min_k_per_split};

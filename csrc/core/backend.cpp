@@ -1,6 +1,7 @@
 #include "backend.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -10,7 +11,21 @@ namespace krnl {
 
 Backend::Backend(std::string name) : name_(std::move(name)) {
   pool_ = std::make_unique<BufferPool>([this](size_t n) { return raw_alloc(n); },
-                                       [this](void* p, size_t n) { raw_free(p, n); });
+                                       [this](void* p, size_t n) { raw_free(p, n); }, name_);
+  // Read per device when it is made, so a bad value fails the device with its name.
+  if (const char* env = std::getenv("KRNL_MAX_MEMORY"); env && *env) {
+    pool_->set_limit(BufferPool::parse_size(env, "KRNL_MAX_MEMORY"), "set by KRNL_MAX_MEMORY");
+    limit_chosen_ = true;
+  }
+}
+
+void Backend::set_memory_limit(size_t bytes) {
+  pool_->set_limit(bytes, "set by Device.set_memory_limit");
+  limit_chosen_ = true;
+}
+
+void Backend::set_default_memory_limit(size_t bytes, const std::string& origin) {
+  if (!limit_chosen_) pool_->set_limit(bytes, origin);
 }
 
 Backend::~Backend() = default;
@@ -35,7 +50,15 @@ Tensor Backend::empty(const Shape& shape, DType dt) {
   const size_t bytes = size_t(n) * dtype_size(dt);
   Buffer b;
   if (!capturing()) {
-    b = pool_->acquire(bytes, completed_seq());
+    try {
+      b = pool_->acquire(bytes, completed_seq());
+    } catch (const PoolLimitError&) {
+      // Buffers released under committed work come back once it completes: wait for it (as MLX
+      // waits on scheduled work) and try once more. The open step's own cannot come back yet.
+      if (completed_seq() >= last_committed_ || pool_->stats().pending == 0) throw;
+      on_wait(last_committed_);
+      b = pool_->acquire(bytes, completed_seq());
+    }
   } else {  // a buffer made while recording is baked into the graph: the arena's (backend.h)
     // Best fit: the smallest released buffer that holds it, so that graphs of shorter lengths
     // run in the temporaries of longer ones.

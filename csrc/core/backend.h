@@ -119,11 +119,17 @@ class Backend {
   virtual Capabilities capabilities() const;
 
   // ---- memory
+  // Past the pool's limit this may wait for committed work (whose released buffers then return):
+  // callers must not hold a lock the device's completion needs (bindings: the GIL).
   Tensor empty(const Shape& shape, DType dt);
   // Wraps memory owned elsewhere (e.g. a numpy array): zero-copy on host-visible devices.
   Tensor wrap(void* ptr, const Shape& shape, DType dt, std::function<void()> release);
   void release_buffer(const Buffer& b);  // called by Storage
   BufferPool& pool() { return *pool_; }
+  // The pool's ceiling, 0 for none: Device.set_memory_limit's value (0 lifts it), else
+  // KRNL_MAX_MEMORY's (read when the device is made), else the device's own default
+  // (set_default_memory_limit: Metal's recommended working set; none elsewhere).
+  void set_memory_limit(size_t bytes);
   virtual void upload(const Tensor& dst, const void* src);   // dst is contiguous
   virtual void download(const Tensor& src, void* dst);
 
@@ -186,6 +192,9 @@ class Backend {
 
  protected:
   [[noreturn]] void not_implemented(const char* op) const;
+  // The device's own ceiling and where it comes from; ignored once KRNL_MAX_MEMORY or
+  // set_memory_limit has set one.
+  void set_default_memory_limit(size_t bytes, const std::string& origin);
   virtual void* raw_alloc(size_t bytes) = 0;
   virtual void raw_free(void* p, size_t bytes) = 0;
   // Submission hooks: a synchronous backend needs none of them.
@@ -224,6 +233,7 @@ class Backend {
  private:
   std::string name_;
   std::unique_ptr<BufferPool> pool_;
+  bool limit_chosen_ = false;  // by KRNL_MAX_MEMORY or set_memory_limit: defaults leave it alone
   GraphArena arena_;
   std::unordered_set<std::shared_ptr<Storage>>* capture_keep_ = nullptr;
   bool in_step_ = false;

@@ -1,13 +1,17 @@
 #include "buffer_pool.h"
 
 #include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
 namespace krnl {
 
-BufferPool::BufferPool(AllocFn alloc, FreeFn free)
-    : alloc_fn_(std::move(alloc)), free_fn_(std::move(free)) {}
+BufferPool::BufferPool(AllocFn alloc, FreeFn free, std::string owner)
+    : alloc_fn_(std::move(alloc)), free_fn_(std::move(free)), owner_(std::move(owner)) {}
 
 BufferPool::~BufferPool() {
   // Tensors may outlive a pool only at interpreter exit; the pool frees what it still holds.
@@ -51,14 +55,21 @@ Buffer BufferPool::acquire(size_t bytes, uint64_t completed_seq) {
     st_.cached -= cls;
     st_.reuses++;
   } else {
+    if (limit_ && st_.reserved + cls > limit_) {
+      // Cached buffers are the pool's own to give back; pending ones may still be read by the
+      // device and in-use ones are live tensors: those count until released and completed.
+      free_cached_locked();
+      if (st_.reserved + cls > limit_)
+        throw PoolLimitError(
+            "[alloc] " + owner_ + ": a request of " + format_bytes(bytes) + " would take the pool to " +
+            format_bytes(st_.reserved + cls) + ", past its limit of " + format_bytes(limit_) + " (" + limit_origin_ +
+            "; " + format_bytes(st_.in_use) + " in use, " + format_bytes(st_.pending) +
+            " waiting for the device); change it with KRNL_MAX_MEMORY or Device.set_memory_limit()");
+    }
     void* p = alloc_fn_(cls);
     if (!p) {
       // Give cached memory back and retry once before reporting exhaustion.
-      for (auto& kv : cache_)
-        for (auto& c : kv.second) free_fn_(c.ptr, c.bytes);
-      st_.reserved -= st_.cached;
-      st_.cached = 0;
-      cache_.clear();
+      free_cached_locked();
       p = alloc_fn_(cls);
       if (!p) throw std::runtime_error("[alloc] out of memory allocating " + std::to_string(cls) + " bytes");
     }
@@ -91,13 +102,78 @@ void BufferPool::collect(uint64_t completed_seq) {
   collect_locked(completed_seq);
 }
 
-void BufferPool::trim() {
-  std::lock_guard<std::mutex> lk(mu_);
+void BufferPool::free_cached_locked() {
   for (auto& kv : cache_)
     for (auto& b : kv.second) free_fn_(b.ptr, b.bytes);
   st_.reserved -= st_.cached;
   st_.cached = 0;
   cache_.clear();
+}
+
+void BufferPool::trim() {
+  std::lock_guard<std::mutex> lk(mu_);
+  free_cached_locked();
+}
+
+void BufferPool::set_limit(size_t bytes, std::string origin) {
+  std::lock_guard<std::mutex> lk(mu_);
+  limit_ = bytes;
+  limit_origin_ = bytes ? std::move(origin) : std::string();
+}
+
+size_t BufferPool::limit() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return limit_;
+}
+
+std::string BufferPool::limit_origin() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return limit_origin_;
+}
+
+size_t BufferPool::parse_size(const std::string& text, const std::string& what) {
+  std::string t;
+  for (char c : text)
+    if (!std::isspace(static_cast<unsigned char>(c))) t += char(std::tolower(static_cast<unsigned char>(c)));
+  if (t == "off" || t == "none") return 0;
+  const auto bad = [&] {
+    return std::invalid_argument("[" + what + "] cannot read '" + text +
+                                 "' as a size: give bytes or a number with K, M, G or T (powers of 1024), "
+                                 "e.g. 24G, or 'off' for no limit");
+  };
+  size_t digits = 0;
+  while (digits < t.size() && (std::isdigit(static_cast<unsigned char>(t[digits])) || t[digits] == '.')) ++digits;
+  if (digits == 0) throw bad();
+  char* end = nullptr;
+  const std::string num = t.substr(0, digits);
+  const double v = std::strtod(num.c_str(), &end);
+  if (end != num.c_str() + num.size() || !std::isfinite(v)) throw bad();
+  std::string unit = t.substr(digits);
+  if (unit.size() > 1 && unit.back() == 'b') unit.pop_back();  // "gb", "gib" -> "g", "gi"
+  if (unit.size() > 1 && unit.back() == 'i') unit.pop_back();
+  double scale = 1;
+  if (unit.empty() || unit == "b") scale = 1;
+  else if (unit == "k") scale = 1024.0;
+  else if (unit == "m") scale = 1024.0 * 1024;
+  else if (unit == "g") scale = 1024.0 * 1024 * 1024;
+  else if (unit == "t") scale = 1024.0 * 1024 * 1024 * 1024;
+  else throw bad();
+  const double bytes = v * scale;
+  if (bytes >= 18446744073709551615.0) throw bad();
+  return size_t(bytes);
+}
+
+std::string BufferPool::format_bytes(size_t bytes) {
+  static const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = double(bytes);
+  int u = 0;
+  while (v >= 1024 && u < 4) v /= 1024, ++u;
+  char buf[32];
+  if (u == 0)
+    std::snprintf(buf, sizeof buf, "%zu B", bytes);
+  else
+    std::snprintf(buf, sizeof buf, "%.1f %s", v, units[u]);
+  return buf;
 }
 
 PoolStats BufferPool::stats() const {

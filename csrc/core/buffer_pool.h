@@ -8,6 +8,8 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 namespace krnl {
@@ -16,6 +18,11 @@ struct Buffer {
   void* ptr = nullptr;  // host pointer, or the backend's device handle
   size_t bytes = 0;     // class size actually allocated
   uint64_t id = 0;      // allocation identity (stable across reuse), for tests and profiling
+};
+
+// An allocation refused by the pool's limit (set_limit); Python sees RuntimeError.
+struct PoolLimitError : std::runtime_error {
+  using std::runtime_error::runtime_error;
 };
 
 struct PoolStats {
@@ -34,7 +41,8 @@ class BufferPool {
   using AllocFn = std::function<void*(size_t)>;
   using FreeFn = std::function<void(void*, size_t)>;
 
-  BufferPool(AllocFn alloc, FreeFn free);
+  // owner: the device's name, for error messages.
+  BufferPool(AllocFn alloc, FreeFn free, std::string owner = "pool");
   ~BufferPool();
   BufferPool(const BufferPool&) = delete;
   BufferPool& operator=(const BufferPool&) = delete;
@@ -55,14 +63,34 @@ class BufferPool {
   PoolStats stats() const;
   void reset_peak();
 
+  // The most bytes the pool may hold from the system (reserved), 0 for none. An acquire that
+  // would pass it first gives cached buffers back, then throws a one-line std::runtime_error
+  // (PoolLimitError) naming the request, the limit and `origin` (where the number came from, e.g. "the GPU's
+  // recommended working set"); in-use and pending buffers are untouched. Takes effect for later
+  // allocations: memory already held above a lowered limit stays until released.
+  void set_limit(size_t bytes, std::string origin);
+  size_t limit() const;
+  std::string limit_origin() const;
+
+  // "1.5 GiB": byte counts in messages.
+  static std::string format_bytes(size_t bytes);
+  // A size as people write it: bytes, or a number with a binary suffix K, M, G or T (KiB, GB, ...
+  // all mean powers of 1024), e.g. "24G", "1.5GiB", "800M"; "0", "off" and "none" mean no limit
+  // (0). std::invalid_argument naming `what` (the setting it came from) otherwise.
+  static size_t parse_size(const std::string& text, const std::string& what);
+
  private:
   void collect_locked(uint64_t completed_seq);
+  void free_cached_locked();
   struct Retired {
     Buffer buf;
     uint64_t seq;
   };
   AllocFn alloc_fn_;
   FreeFn free_fn_;
+  std::string owner_;
+  size_t limit_ = 0;
+  std::string limit_origin_;
   mutable std::mutex mu_;
   std::map<size_t, std::vector<Buffer>> cache_;  // class size -> reusable buffers (LIFO)
   std::vector<Retired> retired_;

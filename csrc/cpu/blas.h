@@ -2,10 +2,14 @@
 // (its symbols carry a scipy_ prefix so they never clash with numpy's own OpenBLAS).
 #pragma once
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <mutex>
 
 #if defined(KRNL_ACCELERATE)
 #include <Accelerate/Accelerate.h>
+
+#include "cpu/accelerate_threads.h"
 #elif defined(KRNL_SCIPY_OPENBLAS)
 #include "cblas.h"
 #else
@@ -27,12 +31,15 @@ inline void sgemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha
 #endif
 }
 
-// Keeps the BLAS on one thread while alive, for GEMMs issued from krnl's own pool workers (split-K
-// slices) so the two pools do not oversubscribe the cores. The wheel's pthreads OpenBLAS declares
-// openblas_set_num_threads_local but does not export it (and in OpenMP builds it only acts inside
-// OpenMP regions), so this lowers the process-wide count: a plain store in OpenBLAS, reference
-// counted so overlapping scopes from several caller threads restore the count only once.
-// Accelerate has no portable knob: a no-op there.
+// GEMMs issued from krnl's own pool threads (split-K slices, attention heads) must each run on
+// their thread alone, or the two pools oversubscribe the cores. Two scopes, one per BLAS's knob:
+// BlasSingleThread around the parallel region (OpenBLAS: a process-wide count) and
+// BlasSingleThreadHere inside each chunk a pool thread runs (Accelerate: a per-thread setting).
+//
+// OpenBLAS: the wheel's pthreads build declares openblas_set_num_threads_local but does not export
+// it (and in OpenMP builds it only acts inside OpenMP regions), so this lowers the process-wide
+// count: a plain store in OpenBLAS, reference counted so overlapping scopes from several caller
+// threads restore the count only once. A no-op with Accelerate.
 class BlasSingleThread {
  public:
   explicit BlasSingleThread(bool on = true) : on_(on) {
@@ -68,6 +75,49 @@ class BlasSingleThread {
   }
   bool on_;
 };
+
+// Accelerate (macOS 15+): this thread's BLAS calls single-threaded while alive (accelerate_threads.h).
+// A no-op with OpenBLAS, whose count BlasSingleThread has lowered for every thread.
+class BlasSingleThreadHere {
+ public:
+  BlasSingleThreadHere() {}  // user-provided: a scope object, never "unused"
+  ~BlasSingleThreadHere() {}
+  BlasSingleThreadHere(const BlasSingleThreadHere&) = delete;
+  BlasSingleThreadHere& operator=(const BlasSingleThreadHere&) = delete;
+
+ private:
+#if defined(KRNL_ACCELERATE)
+  AccelerateSingleThreadHere here_;
+#endif
+};
+
+// Whether BLAS calls may run side by side on the pool's threads, each on its own thread. OpenBLAS:
+// always (BlasSingleThread). Accelerate: where BLASSetThreading exists (macOS 15+), or where
+// the user started the process with VECLIB_MAXIMUM_THREADS=1 (Accelerate reads it once, when it
+// loads, and numpy may have loaded it before krnl: krnl cannot set it itself in time). Elsewhere
+// each Accelerate call threads itself, so the CPU backend issues them one at a time instead
+// (no split-K, no per-head fan-out): the same results, no oversubscription.
+inline bool blas_fan_out() {
+#if defined(KRNL_ACCELERATE)
+  static const bool ok = [] {
+    const char* v = std::getenv("VECLIB_MAXIMUM_THREADS");
+    return accelerate_thread_api() || (v && std::strcmp(v, "1") == 0);
+  }();
+  return ok;
+#else
+  return true;
+#endif
+}
+
+// The BLAS's own thread count as this thread sees it: OpenBLAS's process-wide count; Accelerate's
+// per-thread setting, 1 when single-threaded, 0 when Accelerate decides (tests only).
+inline int blas_threads_here() {
+#if defined(KRNL_ACCELERATE)
+  return AccelerateSingleThreadHere::threads();
+#else
+  return scipy_openblas_get_num_threads();
+#endif
+}
 
 // Which BLAS this build calls, for people (Device.capabilities()["details"]["blas"]).
 inline const char* blas_name() {

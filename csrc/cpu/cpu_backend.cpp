@@ -51,11 +51,12 @@ Capabilities CpuBackend::capabilities() const {
 
 SplitKConfig CpuBackend::split_k_config() const {
   // One BLAS call per 64x64 tile keeps a core busy; outputs with fewer than two tiles per pool
-  // thread split K, but only when each slice keeps >= 512 of K (else the reduce dominates).
+  // thread split K, but only when each slice keeps >= 512 of K (else the reduce dominates), and
+  // only where the slices' BLAS calls can each keep to one thread (blas_fan_out).
   SplitKConfig c;
   c.tile_m = 64;
   c.tile_n = 64;
-  c.min_tiles = 2 * int64_t(ThreadPool::global().size());
+  c.min_tiles = blas_fan_out() ? 2 * int64_t(ThreadPool::global().size()) : 0;
   c.k_unit = 64;
   c.max_splits = 8;
   c.min_k_per_split = 512;
@@ -69,6 +70,23 @@ void register_backend() {
 void register_second_backend() {
   register_device("cpu:1", -1, []() -> Backend* { return new CpuBackend("cpu:1"); });
 }
+
+std::vector<int> probe_blas_threads() {
+  ThreadPool& pool = ThreadPool::global();
+  std::vector<int> seen(size_t(pool.size()) * 4 + 2);
+  seen.front() = blas_threads_here();
+  {
+    BlasSingleThread one_thread(pool.size() > 1);  // as gemm_split_k holds them
+    pool.parallel_for(int64_t(seen.size()) - 2, 1, [&](int64_t b, int64_t e) {
+      BlasSingleThreadHere here;
+      for (int64_t i = b; i < e; ++i) seen[size_t(i) + 1] = blas_threads_here();
+    });
+  }
+  seen.back() = blas_threads_here();
+  return seen;
+}
+
+bool blas_fans_out() { return blas_fan_out(); }
 
 // ---- gemm
 
@@ -96,13 +114,14 @@ const float* as_f32(const Tensor& t, int64_t off, int64_t rows, int64_t cols, in
 void gemm_split_k(const GemmArgs& g, const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc) {
   ThreadPool& pool = ThreadPool::global();
   const int64_t M = g.M, N = g.N, S = g.split_k, kp = g.K / S, MN = M * N;
-  const int64_t W = std::min<int64_t>(S, pool.size());
+  const int64_t W = blas_fan_out() ? std::min<int64_t>(S, pool.size()) : 1;
   std::vector<float> part(size_t(W * MN)), acc(S > W ? size_t(MN) : 0);
   BlasSingleThread one_thread(pool.size() > 1);
   for (int64_t s0 = 0; s0 < S; s0 += W) {
     const int64_t ns = std::min(W, S - s0);
     pool.parallel_for(ns, 1, [&](int64_t b, int64_t e) {
       for (int64_t i = b; i < e; ++i) {
+        BlasSingleThreadHere here;
         const int64_t k0 = (s0 + i) * kp;
         const float* a = g.trans_a ? A + k0 * lda : A + k0;  // stored (K, M) or (M, K)
         const float* bm = g.trans_b ? B + k0 : B + k0 * ldb;  // stored (N, K) or (K, N)
@@ -155,13 +174,14 @@ void CpuBackend::gemm(const GemmArgs& g) {
   // call; whole entries per thread do not (16 heads of 128-512 rows, 2 cores: ~100-114 vs
   // ~76-106 GFLOP/s, measured).
   ThreadPool& pool = ThreadPool::global();
-  if (g.batch >= pool.size() && pool.size() > 1 && g.split_k == 1 && g.A.dtype() == DType::f32 &&
+  if (blas_fan_out() && g.batch >= pool.size() && pool.size() > 1 && g.split_k == 1 && g.A.dtype() == DType::f32 &&
       g.B.dtype() == DType::f32 && cdt == DType::f32) {
     const float* A0 = g.A.ptr<float>();
     const float* B0 = g.B.ptr<float>();
     float* C0 = g.C.ptr<float>();
     BlasSingleThread one_thread;
     pool.parallel_for(g.batch, 1, [&](int64_t b0, int64_t b1) {
+      BlasSingleThreadHere here;
       for (int64_t b = b0; b < b1; ++b)
         sgemm(g.trans_a, g.trans_b, M, N, K, g.alpha, A0 + b * g.stride_a, g.lda, B0 + b * g.stride_b, g.ldb, g.beta,
               C0 + b * g.stride_c, g.ldc);

@@ -1,6 +1,8 @@
 // The CPU backend: host memory, ops run synchronously as they are called, GEMMs through the
 // platform BLAS (blas.h), everything else as loops over the core's thread pool (cpu_ops.cpp).
 #pragma once
+#include <vector>
+
 #include "core/backend.h"
 
 namespace krnl::cpu {
@@ -9,6 +11,13 @@ namespace krnl::cpu {
 void register_backend();
 // A second, independent CPU device "cpu:1", for tests of cross-device errors.
 void register_second_backend();
+
+// Tests of blas.h's thread scopes: the BLAS's thread count (OpenBLAS's count; Accelerate's
+// per-thread setting, 1 single, 0 its own choice) before, inside each chunk of a parallel region
+// holding the scopes gemm_split_k holds, and after.
+std::vector<int> probe_blas_threads();
+// Whether BLAS calls run side by side on the pool (blas.h's blas_fan_out).
+bool blas_fans_out();
 
 class CpuBackend : public Backend {
  public:

@@ -16,6 +16,11 @@
 // MetalOps (completion and failure, on a Metal thread); wait_submission waits for the command
 // buffers themselves.
 //
+// Libraries and pipelines: every library of metal/ starts compiling on a background thread when
+// the device is made; an op waits only for the one it needs (library_cache.h, portable and tested
+// on Linux). Ops run without the GIL, so the library and pipeline caches lock themselves; no
+// Metal call is made under either lock, and completion handlers take neither.
+//
 // Memory: every pool buffer is a shared-storage MTLBuffer (unified memory): raw_alloc returns its
 // contents pointer and keeps pointer -> MTLBuffer, which binding uses. Memory wrapped from the
 // host (Device.from_numpy) is bound through a no-copy MTLBuffer over the pages that hold it.
@@ -30,8 +35,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <exception>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <new>
 #include <stdexcept>
@@ -40,6 +47,7 @@
 #include <utility>
 #include <vector>
 
+#include "metal/library_cache.h"
 #include "metal/metal_device.h"
 #include "metal/metal_ops.h"
 #include "metal/policy.h"
@@ -136,10 +144,20 @@ class MetalBackend final : public MetalOps {
     queue_ = [device_ newCommandQueue];
     if (!queue_) throw std::runtime_error("[metal] could not create a command queue on " + text([device_ name]));
     page_ = size_t(sysconf(_SC_PAGESIZE));
+    // Every library compiles in the background from now on (library_cache.h): the first step
+    // finds them ready or waits only for those it needs.
+    libraries_ = std::make_unique<LibraryCache<id<MTLLibrary>>>(
+        library_names(), [this](const std::string& name) {
+          id<MTLLibrary> lib = nil;
+          pooled([&] { lib = compile_library(name); });  // its own pool: it may run on the background thread
+          return lib;
+        });
+    libraries_->start_background();
   }
 
   // Devices live until exit (core/backend.cpp's registry); this is for completeness.
   ~MetalBackend() override {
+    libraries_->stop();
     @autoreleasepool {
       for (auto& [sub, cb] : inflight_) [cb waitUntilCompleted];
       inflight_.clear();
@@ -147,6 +165,11 @@ class MetalBackend final : public MetalOps {
   }
 
   bool profiles_device_time() const override { return true; }
+
+  std::map<std::string, double> compile_libraries() override { return libraries_->compile_all("compile_libraries"); }
+
+  // At exit: the background compile stops before the statics it reads are destroyed.
+  void stop_compiling() { libraries_->stop(); }
 
   Capabilities capabilities() const override {
     Capabilities c = MetalOps::capabilities();
@@ -299,9 +322,8 @@ class MetalBackend final : public MetalOps {
     return buf;
   }
 
-  id<MTLLibrary> library(const std::string& name) {
-    auto it = libraries_.find(name);
-    if (it != libraries_.end()) return it->second;
+  // Runs on the background thread or an op's (LibraryCache); throws the compiler's log.
+  id<MTLLibrary> compile_library(const std::string& name) {
     const std::string source = library_source(name);  // embedded at build time (sources.cpp)
     MTLCompileOptions* options = [[MTLCompileOptions alloc] init];
     // The version the file declares, or MSL 3.1 where the GPU runs bf16 natively: 3.1 defines
@@ -315,10 +337,7 @@ class MetalBackend final : public MetalOps {
     options.fastMathEnabled = NO;
     NSError* error = nil;
     id<MTLLibrary> lib = [device_ newLibraryWithSource:ns(source) options:options error:&error];
-    if (!lib)
-      throw std::runtime_error("[metal] compiling library " + name + " (metal/" + name + ".metal) failed:\n" +
-                               describe(error));
-    libraries_.emplace(name, lib);
+    if (!lib) throw std::runtime_error(describe(error));
     return lib;
   }
 
@@ -327,10 +346,15 @@ class MetalBackend final : public MetalOps {
     std::string key = d.kernel;
     for (const FunctionConstant& c : d.constants)
       key += "|" + std::to_string(c.index) + ":" + (c.value ? "1" : "0");
-    auto it = pipelines_.find(key);
-    if (it != pipelines_.end()) return it->second;
+    {
+      // Ops run without the GIL, so two threads may ask at once; the lock covers the map only
+      // (never a Metal call): a twin built meanwhile is dropped below.
+      std::lock_guard<std::mutex> lk(pipelines_mu_);
+      auto it = pipelines_.find(key);
+      if (it != pipelines_.end()) return it->second;
+    }
 
-    id<MTLLibrary> lib = library(d.library);
+    id<MTLLibrary> lib = libraries_->get(d.library, d.op);
     NSError* error = nil;
     id<MTLFunction> fn = nil;
     if (d.constants.empty()) {
@@ -347,8 +371,8 @@ class MetalBackend final : public MetalOps {
     id<MTLComputePipelineState> ps = [device_ newComputePipelineStateWithFunction:fn error:&error];
     if (!ps)
       throw std::runtime_error("[metal] " + d.op + ": pipeline of kernel " + d.kernel + " failed: " + describe(error));
-    pipelines_.emplace(std::move(key), ps);
-    return ps;
+    std::lock_guard<std::mutex> lk(pipelines_mu_);
+    return pipelines_.emplace(std::move(key), ps).first->second;
   }
 
   id<MTLDevice> device_;
@@ -356,7 +380,8 @@ class MetalBackend final : public MetalOps {
   size_t page_ = 16384;
   std::mutex inflight_mu_;
   std::map<uint64_t, id<MTLCommandBuffer>> inflight_;  // committed, not yet waited
-  std::unordered_map<std::string, id<MTLLibrary>> libraries_;
+  std::unique_ptr<LibraryCache<id<MTLLibrary>>> libraries_;  // locks itself
+  std::mutex pipelines_mu_;
   std::unordered_map<std::string, id<MTLComputePipelineState>> pipelines_;
   std::mutex buffers_mu_;  // raw_alloc/raw_free run under the pool's lock, encoding under none
   std::unordered_map<void*, id<MTLBuffer>> buffers_;
@@ -365,11 +390,12 @@ class MetalBackend final : public MetalOps {
 // The GPU register_metal_backend chose, and its description.
 id<MTLDevice> g_device = nil;
 GpuDescription g_gpu;
+MetalBackend* g_backend = nullptr;  // once made (devices live until exit)
 
 Backend* make_metal_backend() {
-  Backend* b = nullptr;
-  pooled([&] { b = new MetalBackend(g_device, g_gpu); });
-  return b;
+  pooled([&] { g_backend = new MetalBackend(g_device, g_gpu); });
+  std::atexit([] { g_backend->stop_compiling(); });
+  return g_backend;
 }
 
 }  // namespace

@@ -139,6 +139,12 @@ class MetalOps : public Backend {
   void sumsq(const Tensor& x, const Tensor& out) override;
   void nonfinite(const Tensor& x, const Tensor& flag) override;
 
+  // Waits until every library of metal/ is compiled (compiling those not yet started) and returns
+  // each one's compile time in ms; the first that failed is thrown. Only "metal" compiles
+  // libraries (device.mm, in the background from device creation): the simulators' kernels are
+  // compiled by their Python executors, so NotImplementedError here.
+  virtual std::map<std::string, double> compile_libraries();
+
   // Called by an executor, from any thread, once submission `id` has completed (error: its
   // failure, else null; gpu_ms: its GPU time where measured). Calls after the first are ignored.
   void submission_done(uint64_t id, const std::string* error, double gpu_ms);
@@ -160,6 +166,7 @@ class MetalOps : public Backend {
   void set_gpu(const GpuDescription& g) {
     gpu_ = g;
     set_command_buffer_policy(metal::command_buffer_policy(g));
+    apply_working_set();
   }
 
   // Queues one record of the open step (ops.cpp's output).
@@ -168,6 +175,8 @@ class MetalOps : public Backend {
   uint64_t submissions_done() const { return done_upto_.load(std::memory_order_acquire); }
 
  private:
+  void apply_working_set();  // the pool's default ceiling from gpu_ (ops.cpp)
+
   // ---- submission (submission.cpp)
   void on_begin_step() override;
   void on_commit(uint64_t seq) override;

@@ -230,11 +230,13 @@ void metal_sim_set_lag(const std::string& mode, double max_ms, uint64_t seed) {
   static_cast<SimBackend*>(get_device("metal-sim"))->set_lag(lag, max_ms, seed);
 }
 
-void metal_sim_set_gpu(int apple_family) {
+void metal_sim_set_gpu(int apple_family, uint64_t working_set) {
   if (apple_family < 7 || apple_family > 9)
     throw std::invalid_argument("[metal-sim] apple_family must be 7, 8 or 9 (the families the policy knows), got " +
                                 std::to_string(apple_family));
-  static_cast<SimBackend*>(get_device("metal-sim"))->stand_for(metal_sim_gpu(apple_family));
+  GpuDescription g = metal_sim_gpu(apple_family);
+  g.working_set = working_set;
+  static_cast<SimBackend*>(get_device("metal-sim"))->stand_for(g);
 }
 
 void metal_sim_shutdown() {

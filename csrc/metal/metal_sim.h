@@ -47,7 +47,8 @@ void metal_sim_shutdown();
 
 // Makes metal-sim stand for an Apple GPU of that family (7: M1, 8: M2, 9: M3), so that its
 // capabilities() and bf16 refusals follow that GPU's policy; waits for committed work first.
-void metal_sim_set_gpu(int apple_family);
+// working_set: its recommended working set in bytes, the pool's default ceiling (0: none).
+void metal_sim_set_gpu(int apple_family, uint64_t working_set = 0);
 
 // The GPU the simulator stands for: by default an Apple9 GPU (an M3), which has native bf16, so
 // that every kernel of metal/ runs; metal_sim_set_gpu picks another family.

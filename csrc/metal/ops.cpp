@@ -52,7 +52,23 @@ uint32_t ew_groups(int64_t n) { return std::max<uint32_t>(1, std::min<uint32_t>(
 }  // namespace
 
 MetalOps::MetalOps(std::string name, GpuDescription gpu)
-    : Backend(std::move(name)), gpu_(std::move(gpu)), cb_policy_(metal::command_buffer_policy(gpu_)) {}
+    : Backend(std::move(name)), gpu_(std::move(gpu)), cb_policy_(metal::command_buffer_policy(gpu_)) {
+  apply_working_set();
+}
+
+std::map<std::string, double> MetalOps::compile_libraries() {
+  throw NotImplementedError("[compile_libraries] " + name() +
+                            " compiles no Metal libraries: its executor compiles the kernels in Python "
+                            "(tools/mslsim, tools/mslcuda); only the 'metal' device on a Mac does");
+}
+
+// Past the recommended working set macOS pages GPU memory or fails command buffers (MLX gives its
+// cache back from 0.95 of it and waits or swaps from 1.5x); a clean error at it is the safe
+// default, KRNL_MAX_MEMORY or Device.set_memory_limit move it. 0 (metal-sim by default): no limit.
+void MetalOps::apply_working_set() {
+  set_default_memory_limit(size_t(gpu_.working_set),
+                           "the GPU's recommended working set, MTLDevice.recommendedMaxWorkingSetSize");
+}
 MetalOps::~MetalOps() = default;
 
 // metal/ has bf16 kernels (inside `#if defined(__HAVE_BFLOAT__)`); the policy offers them only

@@ -155,6 +155,30 @@ def test_metal_host_sdk_check_rejects_planted_error(tmp_path, plant):
     assert any(line <= int(n) <= line + 4 for n in lines), (line, errors)
 
 
+def test_deployment_target_agrees():
+    # pyproject (the wheels), CMakeLists.txt (any other macOS build), the policy's message floor
+    # and the README say the same oldest macOS
+    target = deployment_target()
+    cmake = (ROOT / "CMakeLists.txt").read_text()
+    assert re.findall(r'set\(CMAKE_OSX_DEPLOYMENT_TARGET "([\d.]+)"', cmake) == [target]
+    major = target.split(".")[0]
+    policy = (ROOT / "csrc" / "metal" / "policy.cpp").read_text()
+    assert re.search(rf"std::max<uint32_t>\({major},", policy), "policy.cpp's macOS floor is not the deployment target"
+    readme = (ROOT / "README.md").read_text()
+    assert f"macOS {major} or later" in readme and f"deployment target is macOS {target}" in readme
+    assert f"macOS {target} and later (the deployment target" in (ROOT / "docs" / "architecture.md").read_text()
+
+
+def test_apple_targets_fail_on_unguarded_availability():
+    # every target of ours gets the flag on Apple (the one _check_sdk compiles device.mm with)
+    cmake = (ROOT / "CMakeLists.txt").read_text()
+    assert re.search(r"if\(APPLE\)\s*set\(KRNL_APPLE_FLAGS -Werror=unguarded-availability-new\)", cmake)
+    targets = re.findall(r"^(?:add_library|nanobind_add_module)\((\w+)", cmake, re.M)
+    assert "krnl_metal" in targets and "_core" in targets
+    for t in targets:
+        assert f"target_compile_options({t} PRIVATE ${{KRNL_APPLE_FLAGS}})" in cmake, t
+
+
 def test_no_objective_c_in_headers():
     # Headers are shared with portable C++: Objective-C types stay inside .mm files.
     objc = re.compile(r"#\s*import|@(interface|protocol|class|autoreleasepool)\b|\bid\s*<|\bNS[A-Z]\w*|\bMTL[A-Z]\w*")

@@ -114,7 +114,7 @@ def read(text: str, name: str = "") -> dict:
         own = introduced(tail)
         add(f"type {m.group(1)}", m.start(), own)
         pos = m.end()
-        for item in code[m.end():close].split(","):
+        for item in _top_split(code[m.end():close]):
             words = re.match(r"\s*(\w+)", item)
             if words:
                 add(f"enum {words.group(1)}", pos + words.start(1), introduced(item.split("=")[0]), own or "")
@@ -163,6 +163,19 @@ def read(text: str, name: str = "") -> dict:
     return out
 
 
+def _top_split(body: str) -> list:
+    """body split at the commas outside parentheses (an annotation's own commas stay inside)."""
+    out, depth, cur = [], 0, ""
+    for ch in body:
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            out.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    return out + [cur]
+
+
 def _selector(stmt: str) -> str | None:
     s = _MACRO.sub(" ", stmt[1:])
     s = re.sub(r"^\s*\((?:[^()]|\([^()]*\))*\)", " ", s)  # the return type
@@ -209,6 +222,43 @@ def load_table(path: Path = TABLE) -> dict:
             sym, _, v = ln.rpartition(" ")
             out[sym] = v
     return out
+
+
+# Annotations the stubs must carry exactly: those from macOS 13 on (older API predates every
+# macOS that can run krnl; the stubs may leave it unannotated).
+RECENT = "13.0"
+
+
+def check_stubs(stubs: Path, table: dict) -> list:
+    """Where the stubs' availability disagrees with the table (one line each): a symbol the
+    oldest SDK lacks must sit under `#if __MAC_OS_X_VERSION_MAX_ALLOWED >= N` (N above it) and,
+    where annotated, be introduced after it; one it has must not be SDK-guarded, and must carry
+    the SDK's annotation where that is recent."""
+    oldest = version_key(OLDEST_SDK)
+    errors = []
+    for sym, d in sorted(stub_symbols(stubs).items()):
+        where = f"{d.file}:{d.line}: {sym}"
+        if sym not in table:
+            errors.append(f"{where}: not in {TABLE.name}; run python tools/metal_api/sdk.py on a MacOSX{OLDEST_SDK}.sdk")
+            continue
+        sdk = table[sym]
+        if sdk == "absent":
+            need = oldest[0] * 10000 + (oldest[1] if len(oldest) > 1 else 0) * 100
+            if d.sdk_guard <= need:
+                errors.append(f"{where}: the macOS {OLDEST_SDK} SDK lacks it, but the stub declares it "
+                              f"without `#if __MAC_OS_X_VERSION_MAX_ALLOWED >= N` (N > {need})")
+            if d.introduced and version_key(d.introduced) <= oldest:
+                errors.append(f"{where}: the macOS {OLDEST_SDK} SDK lacks it, yet the stub says it is "
+                              f"available from macOS {d.introduced}")
+            continue
+        if d.sdk_guard:
+            errors.append(f"{where}: the macOS {OLDEST_SDK} SDK declares it; the stub hides it under an SDK guard")
+        if sdk != "-" and version_key(sdk) >= version_key(RECENT) and d.introduced != sdk:
+            errors.append(f"{where}: Apple's SDK makes it available from macOS {sdk}; the stub says "
+                          f"{d.introduced or 'nothing'} (write API_AVAILABLE(macos({sdk})))")
+        elif d.introduced and sdk != "-" and d.introduced != sdk:
+            errors.append(f"{where}: the stub says macOS {d.introduced}; Apple's SDK says {sdk}")
+    return errors
 
 
 def write_table(sdk_root: Path, stubs: Path, path: Path = TABLE) -> None:

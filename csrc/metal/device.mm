@@ -310,8 +310,8 @@ class MetalBackend final : public MetalOps {
     if (it != libraries_.end()) return it->second;
     const std::string source = library_source(name);  // embedded at build time (sources.cpp)
     MTLCompileOptions* options = [[MTLCompileOptions alloc] init];
-    // The version the file declares, or MSL 3.1 where the GPU runs bf16 natively: 3.1 defines
-    // __HAVE_BFLOAT__, behind which the _bf16 kernels sit, so they exist exactly where
+    // The version the file declares, or MSL 3.1 where the GPU runs bf16 natively: 3.1 turns on
+    // KRNL_BF16 (metal/kargs.h), behind which the _bf16 kernels sit, so they exist exactly where
     // capabilities() offer bf16 (an M3 runs macOS 14 or later, which compiles 3.1).
     uint32_t msl = library_msl_version(name);
     if (native_bf16(gpu())) msl = std::max<uint32_t>(msl, 301);

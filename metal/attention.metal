@@ -3,7 +3,7 @@
 // 'Attention'). q, o, dout, dq (Hq, T, D); k, v, dk, dv (Hk, T, D); query head h reads KV head
 // h / (Hq / Hk); lse and delta (Hq, T) f32. Query i sees key j iff j <= i, and i - j < window where
 // window > 0, and seg[i] == seg[j] where has_segments (metal/kargs.h AttentionArgs). Operands f32 or
-// f16 (bf16 under __HAVE_BFLOAT__), products on 8x8 simdgroup matrices accumulating in float; P and
+// f16 (bf16 under KRNL_BF16), products on 8x8 simdgroup matrices accumulating in float; P and
 // dS are rounded to the operand type before their products, as in the forward of every flash
 // attention. The scores never leave threadgroup memory.
 //
@@ -447,6 +447,6 @@ ATTN_ALL_SIZES(half, f16)
 
 // bf16 where the language has bfloat (MSL 3.1: the host compiles this library with 3.1 on GPUs
 // with native bf16): the same kernels, bfloat operands and float accumulation.
-#if defined(__HAVE_BFLOAT__)
+#if KRNL_BF16
 ATTN_ALL_SIZES(bfloat, bf16)
 #endif

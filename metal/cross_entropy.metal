@@ -107,6 +107,6 @@ kernel void cross_entropy(device const T*            logits  [[buffer(0)]],
 
 template [[host_name("cross_entropy_f32")]] [[kernel]] decltype(cross_entropy<float>) cross_entropy<float>;
 template [[host_name("cross_entropy_f16")]] [[kernel]] decltype(cross_entropy<half>)  cross_entropy<half>;
-#if defined(__HAVE_BFLOAT__)
+#if KRNL_BF16
 template [[host_name("cross_entropy_bf16")]] [[kernel]] decltype(cross_entropy<bfloat>) cross_entropy<bfloat>;
 #endif

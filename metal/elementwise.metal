@@ -1,7 +1,7 @@
 // msl: 3.0 (krnl's floor; newest feature used: 64-bit integers in rng.h's hash, MSL 2.x)
 // Elementwise ops over flat contiguous buffers: fill (f32, f16, bf16, i32), add, axpy, scale, cast
 // (between any two of f32, f16, bf16, and same-dtype copies), dropout. The bf16 kernels sit
-// behind __HAVE_BFLOAT__ (MSL 3.1, compiled only for GPUs with native bf16).
+// behind KRNL_BF16 (MSL 3.1, compiled only for GPUs with native bf16).
 // Any n: a grid-stride loop with a bounds check, so the host may launch any 1-D grid (one thread
 // per element or fewer). Half operands are computed in float and rounded once on the store.
 // transpose_heads: a 3-D grid, x over D (grid-stride, vectorised by 4 when D % 4 == 0), y over B,
@@ -182,7 +182,7 @@ template [[host_name("dropout_f32")]] [[kernel]] decltype(ew_dropout<float>) ew_
 template [[host_name("dropout_f16")]] [[kernel]] decltype(ew_dropout<half>)  ew_dropout<half>;
 template [[host_name("transpose_heads_f32")]] [[kernel]] decltype(transpose_heads<float>) transpose_heads<float>;
 template [[host_name("transpose_heads_f16")]] [[kernel]] decltype(transpose_heads<half>)  transpose_heads<half>;
-#if defined(__HAVE_BFLOAT__)
+#if KRNL_BF16
 template [[host_name("fill_bf16")]]  [[kernel]] decltype(ew_fill<bfloat>)  ew_fill<bfloat>;
 template [[host_name("add_bf16")]]   [[kernel]] decltype(ew_add<bfloat>)   ew_add<bfloat>;
 template [[host_name("axpy_bf16")]]  [[kernel]] decltype(ew_axpy<bfloat, bfloat>) ew_axpy<bfloat, bfloat>;

@@ -10,7 +10,7 @@ using namespace metal;
 template <typename T> inline T quiet_nan();
 template <> inline float quiet_nan<float>() { return as_type<float>(0x7fc00000u); }
 template <> inline half  quiet_nan<half>()  { return as_type<half>(ushort(0x7e00)); }
-#if defined(__HAVE_BFLOAT__)
+#if KRNL_BF16
 template <> inline bfloat quiet_nan<bfloat>() { return as_type<bfloat>(ushort(0x7fc0)); }
 #endif
 
@@ -83,7 +83,7 @@ template [[host_name("embedding_backward_f32")]] [[kernel]]
 decltype(embedding_backward<float>) embedding_backward<float>;
 template [[host_name("embedding_backward_f16")]] [[kernel]]
 decltype(embedding_backward<half>) embedding_backward<half>;
-#if defined(__HAVE_BFLOAT__)
+#if KRNL_BF16
 template [[host_name("embedding_forward_bf16")]] [[kernel]]
 decltype(embedding_forward<bfloat>) embedding_forward<bfloat>;
 template [[host_name("embedding_backward_bf16")]] [[kernel]]

@@ -62,7 +62,7 @@ template [[host_name("geglu_forward_f32")]]  [[kernel]] decltype(geglu_forward<f
 template [[host_name("geglu_forward_f16")]]  [[kernel]] decltype(geglu_forward<half>)   geglu_forward<half>;
 template [[host_name("geglu_backward_f32")]] [[kernel]] decltype(geglu_backward<float>) geglu_backward<float>;
 template [[host_name("geglu_backward_f16")]] [[kernel]] decltype(geglu_backward<half>)  geglu_backward<half>;
-#if defined(__HAVE_BFLOAT__)
+#if KRNL_BF16
 template [[host_name("geglu_forward_bf16")]]  [[kernel]] decltype(geglu_forward<bfloat>)  geglu_forward<bfloat>;
 template [[host_name("geglu_backward_bf16")]] [[kernel]] decltype(geglu_backward<bfloat>) geglu_backward<bfloat>;
 #endif

@@ -51,7 +51,7 @@
 // transposed. Half operands go to simdgroup_half8x8 fragments that multiply into float
 // accumulators (products of halves are exact in float); the result tile goes through a float
 // staging tile (aliasing the operand tiles) so that edge tiles can be written element-wise, and
-// half outputs are rounded once there. bfloat operands (the _bf16 kernels, behind __HAVE_BFLOAT__:
+// half outputs are rounded once there. bfloat operands (the _bf16 kernels, behind KRNL_BF16:
 // MSL 3.1, compiled only for GPUs with native bf16) take the same path with simdgroup_bfloat8x8
 // fragments; their products are exact in float too.
 #include <metal_stdlib>
@@ -258,7 +258,7 @@ template [[host_name("gemm_tn_f16")]]     [[kernel]] decltype(gemm_plain<half, h
 template [[host_name("gemm_nn_f16_f32")]] [[kernel]] decltype(gemm_plain<half, float, false, false>)  gemm_plain<half, float, false, false>;
 template [[host_name("gemm_nt_f16_f32")]] [[kernel]] decltype(gemm_plain<half, float, false, true>)   gemm_plain<half, float, false, true>;
 template [[host_name("gemm_tn_f16_f32")]] [[kernel]] decltype(gemm_plain<half, float, true, false>)   gemm_plain<half, float, true, false>;
-#if defined(__HAVE_BFLOAT__)  // MSL 3.1 on a GPU with native bf16 (the host compiles 3.1 there)
+#if KRNL_BF16  // MSL 3.1 on a GPU with native bf16 (the host compiles 3.1 there)
 template [[host_name("gemm_nn_bf16")]]     [[kernel]] decltype(gemm_plain<bfloat, bfloat, false, false>) gemm_plain<bfloat, bfloat, false, false>;
 template [[host_name("gemm_nt_bf16")]]     [[kernel]] decltype(gemm_plain<bfloat, bfloat, false, true>)  gemm_plain<bfloat, bfloat, false, true>;
 template [[host_name("gemm_tn_bf16")]]     [[kernel]] decltype(gemm_plain<bfloat, bfloat, true, false>)  gemm_plain<bfloat, bfloat, true, false>;
@@ -273,7 +273,7 @@ template [[host_name("gemm_splitk_tn_f32")]] [[kernel]] decltype(gemm_splitk<flo
 template [[host_name("gemm_splitk_nn_f16")]] [[kernel]] decltype(gemm_splitk<half, false, false>)  gemm_splitk<half, false, false>;
 template [[host_name("gemm_splitk_nt_f16")]] [[kernel]] decltype(gemm_splitk<half, false, true>)   gemm_splitk<half, false, true>;
 template [[host_name("gemm_splitk_tn_f16")]] [[kernel]] decltype(gemm_splitk<half, true, false>)   gemm_splitk<half, true, false>;
-#if defined(__HAVE_BFLOAT__)
+#if KRNL_BF16
 template [[host_name("gemm_splitk_nn_bf16")]] [[kernel]] decltype(gemm_splitk<bfloat, false, false>) gemm_splitk<bfloat, false, false>;
 template [[host_name("gemm_splitk_nt_bf16")]] [[kernel]] decltype(gemm_splitk<bfloat, false, true>)  gemm_splitk<bfloat, false, true>;
 template [[host_name("gemm_splitk_tn_bf16")]] [[kernel]] decltype(gemm_splitk<bfloat, true, false>)  gemm_splitk<bfloat, true, false>;
@@ -281,7 +281,7 @@ template [[host_name("gemm_splitk_tn_bf16")]] [[kernel]] decltype(gemm_splitk<bf
 
 template [[host_name("gemm_reduce_f32")]] [[kernel]] decltype(gemm_reduce<float>) gemm_reduce<float>;
 template [[host_name("gemm_reduce_f16")]] [[kernel]] decltype(gemm_reduce<half>)  gemm_reduce<half>;
-#if defined(__HAVE_BFLOAT__)
+#if KRNL_BF16
 template [[host_name("gemm_reduce_bf16")]] [[kernel]] decltype(gemm_reduce<bfloat>) gemm_reduce<bfloat>;
 #endif
 
@@ -417,7 +417,7 @@ template [[host_name("gemm_steel32_nn_f16_f32")]] [[kernel]] decltype(gemm_steel
 template [[host_name("gemm_steel32_nt_f16_f32")]] [[kernel]] decltype(gemm_steel<half, float, false, true, 32, 32, 2, 2>) gemm_steel<half, float, false, true, 32, 32, 2, 2>;
 template [[host_name("gemm_steel32_tn_f16_f32")]] [[kernel]] decltype(gemm_steel<half, float, true, false, 32, 32, 2, 2>) gemm_steel<half, float, true, false, 32, 32, 2, 2>;
 
-#if defined(__HAVE_BFLOAT__)
+#if KRNL_BF16
 // bf16 operands (MSL 3.1, native on Apple9+), accumulated in float like the others.
 template [[host_name("gemm_steel64_nn_bf16")]]  [[kernel]] decltype(gemm_steel<bfloat, bfloat, false, false, 64, 64, 2, 2>) gemm_steel<bfloat, bfloat, false, false, 64, 64, 2, 2>;
 template [[host_name("gemm_steel64_nt_bf16")]]  [[kernel]] decltype(gemm_steel<bfloat, bfloat, false, true, 64, 64, 2, 2>) gemm_steel<bfloat, bfloat, false, true, 64, 64, 2, 2>;

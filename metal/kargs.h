@@ -5,6 +5,14 @@
 
 #ifdef __METAL_VERSION__
 #include <metal_stdlib>
+// bfloat is MSL 3.1's (__METAL_VERSION__ 310, the check MLX makes; Apple's compiler then also
+// defines __HAVE_BFLOAT__). Every bf16 block of metal/*.metal is `#if KRNL_BF16`, so that this is
+// the one place that says when they compile: the host compiles 3.1 where the GPU has native bf16.
+#if __METAL_VERSION__ >= 310
+#define KRNL_BF16 1
+#else
+#define KRNL_BF16 0
+#endif
 #else
 #include <cstdint>
 #endif

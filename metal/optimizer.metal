@@ -87,7 +87,7 @@ template [[host_name("adamw_update_working_f32")]] [[kernel]]
 decltype(adamw_update_working<float>) adamw_update_working<float>;
 template [[host_name("adamw_update_working_f16")]] [[kernel]]
 decltype(adamw_update_working<half>) adamw_update_working<half>;
-#if defined(__HAVE_BFLOAT__)
+#if KRNL_BF16
 template [[host_name("adamw_update_working_bf16")]] [[kernel]]
 decltype(adamw_update_working<bfloat>) adamw_update_working<bfloat>;
 #endif
@@ -163,7 +163,7 @@ kernel void sumsq_finish(device const float* partials [[buffer(0)]],
 
 template [[host_name("sumsq_partial_f32")]] [[kernel]] decltype(sumsq_partial<float>) sumsq_partial<float>;
 template [[host_name("sumsq_partial_f16")]] [[kernel]] decltype(sumsq_partial<half>)  sumsq_partial<half>;
-#if defined(__HAVE_BFLOAT__)
+#if KRNL_BF16
 template [[host_name("sumsq_partial_bf16")]] [[kernel]] decltype(sumsq_partial<bfloat>) sumsq_partial<bfloat>;
 #endif
 
@@ -191,6 +191,6 @@ template [[host_name("nonfinite_f32")]] [[kernel]] decltype(nonfinite<uint, 0x7f
 template [[host_name("nonfinite_f16")]] [[kernel]] decltype(nonfinite<ushort, 0x7c00u>)   nonfinite<ushort, 0x7c00u>;
 // bf16 has f32's 8-bit exponent: the same ushort test with its mask (no bfloat type needed, but
 // kept with the other bf16 kernels so that a library without bf16 has none of them)
-#if defined(__HAVE_BFLOAT__)
+#if KRNL_BF16
 template [[host_name("nonfinite_bf16")]] [[kernel]] decltype(nonfinite<ushort, 0x7f80u>) nonfinite<ushort, 0x7f80u>;
 #endif

@@ -105,7 +105,7 @@ QMM_KERNELS(float, float, "f32")
 QMM_KERNELS(half, half, "f16")
 QMM_KERNELS(half, float, "f16_sf32")
 
-#if defined(__HAVE_BFLOAT__)
+#if KRNL_BF16
 // bf16 activations (MSL 3.1, native on Apple9+), scales in bf16 or f32, accumulated in float.
 QMM_KERNELS(bfloat, bfloat, "bf16")
 QMM_KERNELS(bfloat, float, "bf16_sf32")

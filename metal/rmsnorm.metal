@@ -75,7 +75,7 @@ kernel void rmsnorm_forward(device const T*       x    [[buffer(0)]],
 template [[host_name("rmsnorm_forward_f32")]] [[kernel]] decltype(rmsnorm_forward<float, float>) rmsnorm_forward<float, float>;
 template [[host_name("rmsnorm_forward_f16")]] [[kernel]] decltype(rmsnorm_forward<half, half>)   rmsnorm_forward<half, half>;
 template [[host_name("rmsnorm_forward_f16_wf32")]] [[kernel]] decltype(rmsnorm_forward<half, float>) rmsnorm_forward<half, float>;
-#if defined(__HAVE_BFLOAT__)
+#if KRNL_BF16
 template [[host_name("rmsnorm_forward_bf16")]] [[kernel]] decltype(rmsnorm_forward<bfloat, bfloat>) rmsnorm_forward<bfloat, bfloat>;
 template [[host_name("rmsnorm_forward_bf16_wf32")]] [[kernel]] decltype(rmsnorm_forward<bfloat, float>) rmsnorm_forward<bfloat, float>;
 template [[host_name("rmsnorm_forward_bf16_wf32_yf32")]] [[kernel]] decltype(rmsnorm_forward<bfloat, float, float>) rmsnorm_forward<bfloat, float, float>;
@@ -130,7 +130,7 @@ kernel void rmsnorm_backward(device const G*               dy   [[buffer(0)]],
 template [[host_name("rmsnorm_backward_f32")]] [[kernel]] decltype(rmsnorm_backward<float, float>) rmsnorm_backward<float, float>;
 template [[host_name("rmsnorm_backward_f16")]] [[kernel]] decltype(rmsnorm_backward<half, half>)   rmsnorm_backward<half, half>;
 template [[host_name("rmsnorm_backward_f16_wf32")]] [[kernel]] decltype(rmsnorm_backward<half, float>) rmsnorm_backward<half, float>;
-#if defined(__HAVE_BFLOAT__)
+#if KRNL_BF16
 template [[host_name("rmsnorm_backward_bf16")]] [[kernel]] decltype(rmsnorm_backward<bfloat, bfloat>) rmsnorm_backward<bfloat, bfloat>;
 template [[host_name("rmsnorm_backward_bf16_wf32")]] [[kernel]] decltype(rmsnorm_backward<bfloat, float>) rmsnorm_backward<bfloat, float>;
 template [[host_name("rmsnorm_backward_bf16_wf32_dyf32")]] [[kernel]] decltype(rmsnorm_backward<bfloat, float, float>) rmsnorm_backward<bfloat, float, float>;
@@ -179,7 +179,7 @@ kernel void rmsnorm_backward_dw(device const G*               dy   [[buffer(0)]]
 
 template [[host_name("rmsnorm_backward_dw_f32")]] [[kernel]] decltype(rmsnorm_backward_dw<float>) rmsnorm_backward_dw<float>;
 template [[host_name("rmsnorm_backward_dw_f16")]] [[kernel]] decltype(rmsnorm_backward_dw<half>)  rmsnorm_backward_dw<half>;
-#if defined(__HAVE_BFLOAT__)
+#if KRNL_BF16
 template [[host_name("rmsnorm_backward_dw_bf16")]] [[kernel]] decltype(rmsnorm_backward_dw<bfloat>) rmsnorm_backward_dw<bfloat>;
 template [[host_name("rmsnorm_backward_dw_bf16_dyf32")]] [[kernel]] decltype(rmsnorm_backward_dw<bfloat, float>) rmsnorm_backward_dw<bfloat, float>;
 #endif

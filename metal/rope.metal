@@ -36,6 +36,6 @@ kernel void rope(device T*             x         [[buffer(0)]],
 
 template [[host_name("rope_f32")]] [[kernel]] decltype(rope<float>) rope<float>;
 template [[host_name("rope_f16")]] [[kernel]] decltype(rope<half>)  rope<half>;
-#if defined(__HAVE_BFLOAT__)
+#if KRNL_BF16
 template [[host_name("rope_bf16")]] [[kernel]] decltype(rope<bfloat>) rope<bfloat>;
 #endif

@@ -55,7 +55,7 @@ template [[host_name("softcap_f32")]]          [[kernel]] decltype(softcap<float
 template [[host_name("softcap_f16")]]          [[kernel]] decltype(softcap<half>)           softcap<half>;
 template [[host_name("softcap_backward_f32")]] [[kernel]] decltype(softcap_backward<float>) softcap_backward<float>;
 template [[host_name("softcap_backward_f16")]] [[kernel]] decltype(softcap_backward<half>)  softcap_backward<half>;
-#if defined(__HAVE_BFLOAT__)
+#if KRNL_BF16
 template [[host_name("softcap_bf16")]]          [[kernel]] decltype(softcap<bfloat>)          softcap<bfloat>;
 template [[host_name("softcap_backward_bf16")]] [[kernel]] decltype(softcap_backward<bfloat>) softcap_backward<bfloat>;
 #endif

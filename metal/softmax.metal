@@ -71,7 +71,7 @@ template [[host_name("softmax_causal_forward_f32")]] [[kernel]]
 decltype(softmax_causal_forward<float>) softmax_causal_forward<float>;
 template [[host_name("softmax_causal_forward_f16")]] [[kernel]]
 decltype(softmax_causal_forward<half>) softmax_causal_forward<half>;
-#if defined(__HAVE_BFLOAT__)
+#if KRNL_BF16
 template [[host_name("softmax_causal_forward_bf16")]] [[kernel]]
 decltype(softmax_causal_forward<bfloat>) softmax_causal_forward<bfloat>;
 #endif
@@ -118,7 +118,7 @@ template [[host_name("softmax_backward_f32")]] [[kernel]]
 decltype(softmax_backward<float>) softmax_backward<float>;
 template [[host_name("softmax_backward_f16")]] [[kernel]]
 decltype(softmax_backward<half>) softmax_backward<half>;
-#if defined(__HAVE_BFLOAT__)
+#if KRNL_BF16
 template [[host_name("softmax_backward_bf16")]] [[kernel]]
 decltype(softmax_backward<bfloat>) softmax_backward<bfloat>;
 #endif

@@ -45,7 +45,7 @@ template [[host_name("swiglu_forward_f32")]]  [[kernel]] decltype(swiglu_forward
 template [[host_name("swiglu_forward_f16")]]  [[kernel]] decltype(swiglu_forward<half>)   swiglu_forward<half>;
 template [[host_name("swiglu_backward_f32")]] [[kernel]] decltype(swiglu_backward<float>) swiglu_backward<float>;
 template [[host_name("swiglu_backward_f16")]] [[kernel]] decltype(swiglu_backward<half>)  swiglu_backward<half>;
-#if defined(__HAVE_BFLOAT__)
+#if KRNL_BF16
 template [[host_name("swiglu_forward_bf16")]]  [[kernel]] decltype(swiglu_forward<bfloat>)  swiglu_forward<bfloat>;
 template [[host_name("swiglu_backward_bf16")]] [[kernel]] decltype(swiglu_backward<bfloat>) swiglu_backward<bfloat>;
 #endif

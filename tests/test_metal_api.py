@@ -13,6 +13,15 @@ first use into the pytest cache (.pytest_cache/d/metal-cpp) or $KRNL_METAL_CPP (
 metal-cpp tree, or the folder to cache the download in); nothing of it is in this repository.
 Without it the tests skip with the reason, except with CI=true, where they fail: CI must run them.
 
+Availability, against the oldest SDK the build supports (the macOS 14.0 SDK of Xcode 15): the
+stubs' API_AVAILABLE annotations and SDK guards must be those of Apple's MacOSX14.0.sdk headers,
+as tools/metal_api/sdk14_availability.txt records them (derived by tools/metal_api/sdk.py from a
+public mirror of those headers, named in the file; committed, as CI reaches no GitHub). What that
+SDK lacks exists in the macOS 15 SDK's metal-cpp (pymetal-cpp's 367.x, the table above) and sits
+under `#if __MAC_OS_X_VERSION_MAX_ALLOWED >= 150000` in the stubs, so that tests/test_metal_host.py,
+compiling device.mm against the stubs as each SDK at the deployment target, fails on a use of it
+without a compile-time guard or an @available check.
+
 Whatever could not be checked is listed (test_unchecked_items_are_listed prints it and raises
 one warning per reason). The plants below show that the same checking code reports each kind of
 mistake it exists for. The reader and the checks live in tools/metal_api/.
@@ -30,7 +39,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
-from metal_api import apple, check  # noqa: E402
+from metal_api import apple, check, sdk  # noqa: E402
 from metal_api.objc import Source  # noqa: E402
 
 MM_FILES = sorted((ROOT / "csrc" / "metal").glob("*.mm"))
@@ -415,3 +424,64 @@ def test_bites_misspelt_selector_in_a_stub(tmp_path, table):
              if m.group(1)[:-1] + ":" not in table.selectors and m.group(1)[:-1] not in table.selectors)
     metal.write_text(text[:m.end(1) - 1] + text[m.end(1):])
     _stub_bites(stubs, m.group(1)[:-1], "the stub declares", table=table)
+
+
+# ---------------------------------------------------------------------------------------------
+# availability: the stubs against Apple's macOS 14.0 SDK (no download: the table is committed)
+# ---------------------------------------------------------------------------------------------
+def test_sdk_table_covers_the_stubs_and_names_its_source():
+    table = sdk.load_table()
+    text = sdk.TABLE.read_text()
+    assert "MacOSX14.0.sdk" in text and "13b69291228b5fd1553496c6db10c957a9f0c96a" in text
+    assert f"# oldest-sdk {sdk.OLDEST_SDK}" in text
+    # facts the issue rests on: 3.2 and mathMode are not in the 14.0 SDK; 3.1 is, from macOS 14
+    assert table["enum MTLLanguageVersion3_2"] == "absent" and table["property MTLCompileOptions.mathMode"] == "absent"
+    assert table["enum MTLLanguageVersion3_1"] == "14.0" and table["property MTLCompileOptions.fastMathEnabled"] == "10.11"
+    assert set(sdk.stub_symbols(STUBS)) == set(table), "run python tools/metal_api/sdk.py on the SDK headers"
+
+
+def test_stub_availability_is_the_sdks():
+    errors = sdk.check_stubs(STUBS, sdk.load_table())
+    assert not errors, "tools/mslsim/objc/stubs disagree with the macOS 14.0 SDK:\n" + "\n".join(errors)
+
+
+def test_sdk_reader_inherits_and_guards():
+    # the reader, on a header in Apple's style: a member's annotation, else its type's
+    h = """
+typedef NS_ENUM(NSUInteger, E) {
+    E1 = 1,
+    E2 API_AVAILABLE(macos(15.0), ios(18.0)) = 2,
+    E3 API_DEPRECATED("x", macos(10.11, 13.0)) = 3,
+} API_AVAILABLE(macos(10.12), ios(9.0));
+MTL_EXPORT API_AVAILABLE(macos(10.11), ios(8.0))
+@interface C : NSObject <NSCopying>
+@property (readwrite, nonatomic) BOOL p API_DEPRECATED("Use q instead", macos(10.11, 15.0), ios(8.0, 18.0));
+#if __MAC_OS_X_VERSION_MAX_ALLOWED >= 150000
+@property (readwrite, nonatomic) E q API_AVAILABLE(macos(15.0), ios(18.0));
+#endif
+- (nullable id <P>)newThingWithA:(NSString *)a b:(nullable C *)b error:(__autoreleasing NSError **)e;
+@end
+MTL_EXTERN NSArray <id<P>> *MTLMakeAll(void) API_AVAILABLE(macos(10.11)) API_UNAVAILABLE(ios) NS_RETURNS_RETAINED;
+"""
+    got = {k: (d.introduced, d.sdk_guard) for k, d in sdk.read(h).items()}
+    assert got == {"type E": ("10.12", 0), "enum E1": ("10.12", 0), "enum E2": ("15.0", 0), "enum E3": ("10.11", 0),
+                   "type C": ("10.11", 0), "property C.p": ("10.11", 0), "property C.q": ("15.0", 150000),
+                   "method C -newThingWithA:b:error:": ("10.11", 0), "function MTLMakeAll": ("10.11", 0)}, got
+
+
+@pytest.mark.parametrize("plant", ["unguarded", "annotation"])
+def test_bites_stub_availability(tmp_path, plant):
+    # a stub that declares macOS 15's language version without the SDK guard (so that the macOS 14
+    # SDK build check would pass a use of it), or drops an annotation Apple's SDK has
+    stubs = _stub_copy(tmp_path)
+    metal = stubs / "Metal" / "Metal.h"
+    text = metal.read_text()
+    if plant == "unguarded":
+        m = re.search(r"#if __MAC_OS_X_VERSION_MAX_ALLOWED >= 150000\n(\s*MTLLanguageVersion3_2[^\n]*\n)#endif\n", text)
+        metal.write_text(text[:m.start()] + m.group(1) + text[m.end():])
+        want = ("MTLLanguageVersion3_2", "without `#if __MAC_OS_X_VERSION_MAX_ALLOWED")
+    else:
+        metal.write_text(text.replace("MTLLanguageVersion3_1 API_AVAILABLE(macos(14.0))", "MTLLanguageVersion3_1", 1))
+        want = ("MTLLanguageVersion3_1", "from macOS 14.0")
+    errors = sdk.check_stubs(stubs, sdk.load_table())
+    assert any(all(w in e for w in want) for e in errors), errors

@@ -199,11 +199,11 @@ def test_msl_idioms_are_accepted(tmp_path, mode):
 # MSL versions
 # ------------------------------------------------------------------------------------------------
 # A block the host compiles only as MSL 3.1, on GPUs with native bf16 (csrc/metal/device.mm).
-BF16_BLOCK = re.compile(r"^#if defined\(__HAVE_BFLOAT__\).*?^#endif", re.S | re.M)
+BF16_BLOCK = re.compile(r"^#if KRNL_BF16\b.*?^#endif", re.S | re.M)
 
 
 def _uses_bfloat(path):
-    """Whether the file uses bfloat outside its `#if defined(__HAVE_BFLOAT__)` blocks."""
+    """Whether the file uses bfloat outside its `#if KRNL_BF16` blocks."""
     code = re.sub(r"//[^\n]*|/\*.*?\*/", "", path.read_text(), flags=re.S)
     return re.search(r"\bbfloat", BF16_BLOCK.sub("", code)) is not None
 
@@ -227,14 +227,14 @@ def test_bfloat_needs_msl_3_1(tmp_path):
 
 
 BF16_BODY = ("float f(float v) {{ return v; }}\n"
-             "#if defined(__HAVE_BFLOAT__)\n"
+             "#if KRNL_BF16\n"
              "float g(float v) {{\n  bfloat b = bfloat(v);\n  return float(b){extra};  {mark}\n}}\n"
              "#endif")
 
 
 @pytest.mark.parametrize("path", KERNELS, ids=[p.stem for p in KERNELS])
 def test_bf16_blocks_are_checked_as_msl_3_1(path):
-    """Every kernel family has bf16 kernels behind __HAVE_BFLOAT__, outside which it uses no
+    """Every kernel family has bf16 kernels behind KRNL_BF16, outside which it uses no
     bfloat: its declared version (3.0) is checked without them and 3.1 with them."""
     text = path.read_text()
     blocks = "".join(BF16_BLOCK.findall(text))  # host names end in _bf16 (or are built from a bf16 macro argument)
@@ -242,8 +242,27 @@ def test_bf16_blocks_are_checked_as_msl_3_1(path):
     assert md.checked_versions(path, md.declared_version(path)) == [md.declared_version(path), (3, 1)]
 
 
+def test_bf16_blocks_use_the_one_guard():
+    """metal/kargs.h says once when bfloat compiles (KRNL_BF16: __METAL_VERSION__ >= 310, MLX's
+    check); every other file's bf16 block is `#if KRNL_BF16`, and none repeats a version or
+    __HAVE_BFLOAT__ condition (or tests KRNL_BF16 with #ifdef/defined(), true even where it is 0)."""
+    kargs = re.sub(r"//[^\n]*|/\*.*?\*/", "", (METAL / "kargs.h").read_text(), flags=re.S)
+    assert re.search(r"^#if __METAL_VERSION__ >= 310\n#define KRNL_BF16 1\n#else\n#define KRNL_BF16 0\n#endif$",
+                     kargs, re.M), "metal/kargs.h no longer defines KRNL_BF16 from __METAL_VERSION__ >= 310"
+    for path in KERNELS:
+        code = re.sub(r"//[^\n]*|/\*.*?\*/", "", path.read_text(), flags=re.S)
+        for cond in re.findall(r"^[ \t]*#[ \t]*(?:if|ifdef|ifndef|elif)\b[^\n]*", code, re.M):
+            assert "__HAVE_BFLOAT__" not in cond and "__METAL_VERSION__" not in cond, \
+                f"{path.name}: `{cond.strip()}`: use `#if KRNL_BF16` (metal/kargs.h)"
+            if "KRNL_BF16" in cond:
+                assert re.fullmatch(r"#\s*if\s+KRNL_BF16\s*", cond.strip()), f"{path.name}: `{cond.strip()}`: write `#if KRNL_BF16`"
+        assert not re.search(r"^\s*#\s*(define|undef)\s+KRNL_BF16\b", code, re.M), f"{path.name} redefines KRNL_BF16"
+        assert BF16_BLOCK.search(code), f"{path.name} has no `#if KRNL_BF16` block"
+        assert not _uses_bfloat(path), f"{path.name} uses bfloat outside its `#if KRNL_BF16` blocks"
+
+
 def test_bf16_block_under_msl_3_0(tmp_path):
-    """bfloat behind __HAVE_BFLOAT__ passes in a 3.0 file, and what is wrong inside the block is
+    """bfloat behind KRNL_BF16 passes in a 3.0 file, and what is wrong inside the block is
     still found (by the 3.1 pass, which names itself)."""
     compiler = _require(ANY, NO_COMPILER)
     path, _ = _plant(tmp_path, BF16_BODY.format(extra="", mark=""), version="3.0")

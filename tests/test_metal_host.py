@@ -8,9 +8,11 @@
   same list as _core.metal_libraries(), every quoted include inlined, text identical to the files
   (re-derived here independently of the CMake script).
 The macOS workflow (.github/workflows/macos.yml) builds and runs the real thing."""
+import platform
 import re
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -78,6 +80,103 @@ def test_metal_host_objc_check_rejects_planted_error(tmp_path, plant):
     errors = re.findall(rf"device_bad\.mm:(\d+):\d+: error: ([^\n]*)", r.stderr)
     assert errors, r.stderr
     assert any(int(n) == line and message in msg for n, msg in errors), (line, errors)
+
+
+# ---------------------------------------------------------------------------------------------
+# every SDK the build supports, at the deployment target
+# ---------------------------------------------------------------------------------------------
+# The SDKs the stubs can stand for (__MAC_OS_X_VERSION_MAX_ALLOWED): the oldest the build supports
+# (Xcode 15's macOS 14 SDK: what it lacks is undeclared, per tools/metal_api/sdk14_availability.txt)
+# and the newest the stubs know (macOS 15: its API carries API_AVAILABLE(macos(15.0))).
+SDKS = {"macOS 14 SDK": 140000, "macOS 15 SDK": 150000}
+
+
+def deployment_target():
+    env = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["cibuildwheel"]["macos"]["environment"]
+    return env["MACOSX_DEPLOYMENT_TARGET"]
+
+
+def _check_sdk(mm, sdk, tmp_path):
+    """device.mm as the Apple build compiles it: against the stubs standing for `sdk`, for a
+    macOS target at the deployment target, an unguarded use of newer API an error (the flag
+    CMakeLists.txt gives). Two steps: the host's C++ library headers only parse for the host
+    target, so the file is preprocessed for it first (line markers keep the .mm's own lines)."""
+    flags = [f for f in (OBJC / "flags.txt").read_text().split() if f != "-fsyntax-only"]
+    pre = tmp_path / (mm.stem + f".{sdk}.mii")
+    r = subprocess.run([CLANG, *flags, "-E", f"-D__MAC_OS_X_VERSION_MAX_ALLOWED={sdk}", f"-I{OBJC / 'stubs'}",
+                        f"-I{ROOT / 'csrc'}", f"-I{METAL}", str(mm), "-o", str(pre)], capture_output=True, text=True)
+    if r.returncode:
+        return r
+    arch = "arm64" if platform.machine().lower() in ("arm64", "aarch64") else "x86_64"
+    return subprocess.run([CLANG, "-target", f"{arch}-apple-macos{deployment_target()}", "-x", "objective-c++-cpp-output",
+                           "-std=c++17", "-fsyntax-only", "-fobjc-arc", "-fblocks", "-Werror=unguarded-availability-new",
+                           str(pre)], capture_output=True, text=True)
+
+
+@needs_clang
+@pytest.mark.parametrize("sdk", SDKS.values(), ids=SDKS.keys())
+@pytest.mark.parametrize("mm", MM_FILES, ids=[p.name for p in MM_FILES])
+def test_metal_host_builds_on_every_sdk(mm, sdk, tmp_path):
+    r = _check_sdk(mm, sdk, tmp_path)
+    assert r.returncode == 0, r.stderr
+
+
+# Each plant: (text in device.mm, its replacement, the SDK, the error clang must report there).
+SDK_PLANTS = [
+    # the language version of macOS 15 outside the SDK guard: undeclared in the macOS 14 SDK
+    # (what device.mm did before: the build failed with Xcode 15)
+    ("#if KRNL_SDK_MACOS15\n  if (v >= 302)", "#if 1\n  if (v >= 302)", 140000,
+     "undeclared identifier 'MTLLanguageVersion3_2'"),
+    # mathMode under the SDK guard but without the run-time check: an error at deployment target 14
+    ("if (@available(macOS 15.0, *)) {\n      options.mathMode", "if (true) {\n      options.mathMode", 150000,
+     "'setMathMode:' is only available on macOS 15.0 or newer"),
+    # the language version without its run-time check: likewise
+    ("if (@available(macOS 15.0, *)) {\n      options.languageVersion = MTLLanguageVersion3_2",
+     "if (true) {\n      options.languageVersion = MTLLanguageVersion3_2", 150000,
+     "'MTLLanguageVersion3_2' is only available on macOS 15.0 or newer"),
+]
+
+
+@needs_clang
+@pytest.mark.parametrize("plant", SDK_PLANTS, ids=["sdk-guard", "available-property", "available-enum"])
+def test_metal_host_sdk_check_rejects_planted_error(tmp_path, plant):
+    old, new, sdk, message = plant
+    src = (ROOT / "csrc" / "metal" / "device.mm").read_text()
+    assert old in src, f"the plant's anchor {old!r} is gone from device.mm: update the test"
+    bad = tmp_path / "device_bad.mm"
+    bad.write_text(src.replace(old, new, 1))
+    r = _check_sdk(bad, sdk, tmp_path)
+    assert r.returncode != 0, "clang accepted a planted availability error"
+    errors = re.findall(r"device_bad\.mm:(\d+):\d+: error: ([^\n]*)", r.stderr)
+    lines = {n for n, msg in errors if message in msg}
+    assert lines, r.stderr
+    # reported in the planted block (within a few lines of the anchor)
+    line = src[: src.index(old)].count("\n") + 1
+    assert any(line <= int(n) <= line + 4 for n in lines), (line, errors)
+
+
+def test_deployment_target_agrees():
+    # pyproject (the wheels), CMakeLists.txt (any other macOS build), the policy's message floor
+    # and the README say the same oldest macOS
+    target = deployment_target()
+    cmake = (ROOT / "CMakeLists.txt").read_text()
+    assert re.findall(r'set\(CMAKE_OSX_DEPLOYMENT_TARGET "([\d.]+)"', cmake) == [target]
+    major = target.split(".")[0]
+    policy = (ROOT / "csrc" / "metal" / "policy.cpp").read_text()
+    assert re.search(rf"std::max<uint32_t>\({major},", policy), "policy.cpp's macOS floor is not the deployment target"
+    readme = (ROOT / "README.md").read_text()
+    assert f"macOS {major} or later" in readme and f"deployment target is macOS {target}" in readme
+    assert f"macOS {target} and later (the deployment target" in (ROOT / "docs" / "architecture.md").read_text()
+
+
+def test_apple_targets_fail_on_unguarded_availability():
+    # every target of ours gets the flag on Apple (the one _check_sdk compiles device.mm with)
+    cmake = (ROOT / "CMakeLists.txt").read_text()
+    assert re.search(r"if\(APPLE\)\s*set\(KRNL_APPLE_FLAGS -Werror=unguarded-availability-new\)", cmake)
+    targets = re.findall(r"^(?:add_library|nanobind_add_module)\((\w+)", cmake, re.M)
+    assert "krnl_metal" in targets and "_core" in targets
+    for t in targets:
+        assert f"target_compile_options({t} PRIVATE ${{KRNL_APPLE_FLAGS}})" in cmake, t
 
 
 def test_no_objective_c_in_headers():

@@ -80,7 +80,12 @@ def test_os_too_old_for_the_kernels_language():
     assert index == -1 and "3.1" in reason and "3.0" in reason and "macOS 14" in reason
     assert _core.testing.metal_choose_device([M3], 302, MSL_31) == (0, "")
     index, reason = _core.testing.metal_choose_device([M3], 0, 300)  # macOS 12: below MSL 3.0
-    assert index == -1 and "below 3.0" in reason and "macOS 13" in reason
+    # MSL 3.0 came with macOS 13, but the deployment target is 14: the message names 14
+    assert index == -1 and "below 3.0" in reason and "macOS 14 or later" in reason
+    index, reason = _core.testing.metal_choose_device([M3], 301, 302)
+    assert index == -1 and "macOS 15 or later" in reason
+    index, reason = _core.testing.metal_choose_device([M3], 302, 400)
+    assert index == -1 and "macOS 26 or later" in reason
 
 
 def test_kernels_language_version_is_what_the_os_check_uses():

@@ -26,7 +26,7 @@ VARIANTS = [(p.stem, {}) for p in sorted(METAL.glob("*.metal")) if p.stem != "ge
 
 def host_names(path):
     """The kernels a .metal file exports, from its preprocessed text (host names built by macros,
-    as attention.metal's, expanded; bfloat ones included: mslcuda defines __HAVE_BFLOAT__)."""
+    as attention.metal's, expanded; bfloat ones included: mslcuda compiles as MSL 3.1, so KRNL_BF16 is on)."""
     text = mslcuda.preprocess(path, include_dirs=INCLUDES)
     # adjacent string literals ("attention_forward_d" "64" "_" "f16") are one name
     return {"".join(re.findall(r'"(\w*)"', m)) for m in re.findall(r'host_name\(((?:\s*"\w*")+)\s*\)', text)}

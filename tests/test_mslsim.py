@@ -242,7 +242,7 @@ def _bf16_rne(x32):
 
 
 def test_bfloat(feat):
-    """The shim's bfloat (MSL 3.1; __HAVE_BFLOAT__ is defined): round to nearest even from float,
+    """The shim's bfloat (MSL 3.1: mslsim compiles as __METAL_VERSION__ 310): round to nearest even from float,
     ties both ways, overflow to inf, NaN kept; exact widening; arithmetic rounds once per operation."""
     special = np.array([0x3F808000, 0x3F818000, 0x3F80FFFF, 0x7F7FFFFF, 0x7F7F8000, 0xFF7F8000, 0x00008000,
                         0x00018000, 0x7FC00000, 0xFF800001, 0x7F800000, 0x80000000], np.uint32).view(np.float32)

@@ -56,6 +56,15 @@
 #error "csrc/metal/device.mm must be compiled with -fobjc-arc (CMakeLists.txt sets it)"
 #endif
 
+// Whether the SDK declares macOS 15's API (MTLLanguageVersion3_2, MTLCompileOptions.mathMode).
+// Xcode 15's macOS 14 SDK, the oldest the build supports, does not: there the build leaves them
+// out, and @available still guards them at run time where the SDK has them.
+#if defined(__MAC_OS_X_VERSION_MAX_ALLOWED) && __MAC_OS_X_VERSION_MAX_ALLOWED >= 150000
+#define KRNL_SDK_MACOS15 1
+#else
+#define KRNL_SDK_MACOS15 0
+#endif
+
 namespace krnl::metal {
 namespace {
 
@@ -104,13 +113,14 @@ GpuDescription describe_gpu(id<MTLDevice> d) {
   return g;
 }
 
-// The newest Metal Shading Language this macOS compiles (major * 100 + minor; 0: below 3.0, the
-// oldest version a kernel may declare).
+// The newest Metal Shading Language this build can ask this macOS to compile (major * 100 +
+// minor): 3.1 on macOS 14, the oldest it runs on (the deployment target); 3.2 on macOS 15 where
+// the SDK could name it.
 uint32_t os_msl_version() {
+#if KRNL_SDK_MACOS15
   if (@available(macOS 15.0, *)) return 302;
-  if (@available(macOS 14.0, *)) return 301;
-  if (@available(macOS 13.0, *)) return 300;
-  return 0;
+#endif
+  return 301;
 }
 
 // The newest MSL any kernel declares (each metal/*.metal says which it needs on its first line).
@@ -123,19 +133,15 @@ uint32_t needed_msl_version() {
 // The compiler's language version for a library that declares MSL v (choose_device has checked
 // that this macOS compiles the newest one declared).
 void set_language_version(MTLCompileOptions* options, uint32_t v) {
+#if KRNL_SDK_MACOS15
   if (v >= 302) {
     if (@available(macOS 15.0, *)) {
       options.languageVersion = MTLLanguageVersion3_2;
       return;
     }
   }
-  if (v >= 301) {
-    if (@available(macOS 14.0, *)) {
-      options.languageVersion = MTLLanguageVersion3_1;
-      return;
-    }
-  }
-  if (@available(macOS 13.0, *)) options.languageVersion = MTLLanguageVersion3_0;
+#endif
+  options.languageVersion = v >= 301 ? MTLLanguageVersion3_1 : MTLLanguageVersion3_0;
 }
 
 class MetalBackend final : public MetalOps {
@@ -326,15 +332,24 @@ class MetalBackend final : public MetalOps {
   id<MTLLibrary> compile_library(const std::string& name) {
     const std::string source = library_source(name);  // embedded at build time (sources.cpp)
     MTLCompileOptions* options = [[MTLCompileOptions alloc] init];
-    // The version the file declares, or MSL 3.1 where the GPU runs bf16 natively: 3.1 defines
-    // __HAVE_BFLOAT__, behind which the _bf16 kernels sit, so they exist exactly where
+    // The version the file declares, or MSL 3.1 where the GPU runs bf16 natively: 3.1 turns on
+    // KRNL_BF16 (metal/kargs.h), behind which the _bf16 kernels sit, so they exist exactly where
     // capabilities() offer bf16 (an M3 runs macOS 14 or later, which compiles 3.1).
     uint32_t msl = library_msl_version(name);
     if (native_bf16(gpu())) msl = std::max<uint32_t>(msl, 301);
     set_language_version(options, msl);
     // IEEE semantics: fast math lets the compiler assume no NaN/Inf, which would break the
-    // non-finite gradient check and the -inf masking of the softmax kernels.
+    // non-finite gradient check and the -inf masking of the softmax kernels. mathMode replaces
+    // fastMathEnabled (deprecated from macOS 15) where both the SDK and the OS have it.
+#if KRNL_SDK_MACOS15
+    if (@available(macOS 15.0, *)) {
+      options.mathMode = MTLMathModeSafe;
+    } else {
+      options.fastMathEnabled = NO;
+    }
+#else
     options.fastMathEnabled = NO;
+#endif
     NSError* error = nil;
     id<MTLLibrary> lib = [device_ newLibraryWithSource:ns(source) options:options error:&error];
     if (!lib) throw std::runtime_error(describe(error));

@@ -71,8 +71,8 @@ void MetalOps::apply_working_set() {
 }
 MetalOps::~MetalOps() = default;
 
-// metal/ has bf16 kernels (inside `#if defined(__HAVE_BFLOAT__)`); the policy offers them only
-// where the GPU runs bf16 natively, and device.mm compiles MSL 3.1 there.
+// metal/ has bf16 kernels (inside `#if KRNL_BF16`, on from MSL 3.1: metal/kargs.h); the policy
+// offers them only where the GPU runs bf16 natively, and device.mm compiles MSL 3.1 there.
 constexpr bool kBf16Kernels = true;
 
 Capabilities MetalOps::capabilities() const {
@@ -80,7 +80,7 @@ Capabilities MetalOps::capabilities() const {
   c.dtypes = compute_dtypes(gpu_, kBf16Kernels);
   c.compute_dtype = default_compute_dtype(gpu_, kBf16Kernels);
   // metal/attention.metal: every dtype the backend has kernels for (its bf16 kernels sit behind
-  // __HAVE_BFLOAT__, like every family's, so they come with the backend's bf16 policy), every
+  // KRNL_BF16, like every family's, so they come with the backend's bf16 policy), every
   // mask of the contract, at the head sizes it instantiates.
   c.fused_attention_dtypes = c.dtypes;
   c.fused_attention_segments = c.fused_attention_window = true;

@@ -28,6 +28,10 @@ DType default_compute_dtype(const GpuDescription& g, bool bf16_kernels) {
 
 namespace {
 std::string msl_name(uint32_t v) { return std::to_string(v / 100) + "." + std::to_string(v % 100); }
+
+// The oldest macOS that compiles MSL v (3.0 came with macOS 13, 3.1 with 14, 3.2 with 15, 4.0 with
+// 26), never below 14: the deployment target (pyproject.toml), so no older macOS runs krnl at all.
+uint32_t macos_for(uint32_t v) { return std::max<uint32_t>(14, v >= 400 ? 26 : 13 + (v > 300 ? v - 300 : 0)); }
 }  // namespace
 
 DeviceChoice choose_device(const std::vector<GpuDescription>& candidates, uint32_t os_msl, uint32_t needed_msl) {
@@ -35,7 +39,7 @@ DeviceChoice choose_device(const std::vector<GpuDescription>& candidates, uint32
   if (os_msl < needed_msl) {
     c.reason = "this macOS compiles Metal Shading Language " + (os_msl ? msl_name(os_msl) : std::string("below 3.0")) +
                ", the kernels need " + msl_name(needed_msl) + " (macOS " +
-               std::to_string(13 + (needed_msl > 300 ? needed_msl - 300 : 0)) + " or later)";
+               std::to_string(macos_for(needed_msl)) + " or later)";
     return c;
   }
   if (candidates.empty()) {

@@ -14,7 +14,7 @@ template <typename T, typename U = T> inline U twice(T x) { return U(x + x); }
 template <typename T> inline T two();
 template <> inline float two<float>() { return 2.0f; }
 template <> inline half two<half>() { return 2.0h; }
-#if defined(__HAVE_BFLOAT__)
+#if __METAL_VERSION__ >= 310  // bfloat: MSL 3.1
 template <> inline bfloat two<bfloat>() { return bfloat(2.0f); }
 #endif
 
@@ -69,7 +69,7 @@ kernel void forms(device const T*   x     [[buffer(0)]],
 
 template [[host_name("forms_f32")]] [[kernel]] decltype(forms<float>) forms<float>;
 template [[host_name("forms_f16")]] [[kernel]] decltype(forms<half>) forms<half>;
-#if defined(__HAVE_BFLOAT__)
+#if __METAL_VERSION__ >= 310  // bfloat: MSL 3.1
 template [[host_name("forms_bf16")]] [[kernel]] decltype(forms<bfloat>) forms<bfloat>;
 #endif
 

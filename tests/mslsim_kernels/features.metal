@@ -104,7 +104,7 @@ kernel void sgmat_elements(device const float* A [[buffer(0)]],
              + select(float4(0.0f), float4(4.0f), signbit(v));
 }
 
-#if defined(__HAVE_BFLOAT__)
+#if __METAL_VERSION__ >= 310  // bfloat: MSL 3.1
 // bfloat (MSL 3.1): float -> bfloat rounding, bfloat -> float, bfloat arithmetic (one rounding per
 // operation), bfloat4 and a simdgroup_bfloat8x8 product into float accumulators.
 kernel void bfloat_ops(device const float*  x    [[buffer(0)]],

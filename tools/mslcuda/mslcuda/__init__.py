@@ -5,8 +5,8 @@
                args=bytes(gemm_args), args_index=3)
 
 Pipeline: (1) the C preprocessor expands the .metal file (macros, kargs.h and rng.h; the
-<metal_*> headers resolve to mslsim's empty stubs; __HAVE_BFLOAT__ is defined, so bfloat kernels
-build too); (2) translate() rewrites it into CUDA for include/mslcuda.h with a __global__
+<metal_*> headers resolve to mslsim's empty stubs; it is compiled as MSL 3.1, __METAL_VERSION__
+310, so metal/kargs.h's KRNL_BF16 is on and the bfloat kernels build too); (2) translate() rewrites it into CUDA for include/mslcuda.h with a __global__
 wrapper per kernel and a launcher; (3) nvcc builds it into a shared object per (file, function
 constants), cached by content hash; (4) Library.launch() starts a kernel on the device's one
 stream (include/mslcuda_rt.cu, built once, owns it and the managed memory).
@@ -30,6 +30,8 @@ INCLUDE_DIR = PACKAGE_DIR / "include"
 MSLSIM_DIR = PACKAGE_DIR.parents[1] / "mslsim"  # tools/mslsim: the parsing helpers and stub headers
 if str(MSLSIM_DIR) not in sys.path:
     sys.path.insert(0, str(MSLSIM_DIR))
+
+from mslsim import msl_defines  # noqa: E402  (what Apple's compiler defines per MSL version)
 
 from .translate import MslcudaError, Translated, translate  # noqa: E402
 
@@ -67,14 +69,14 @@ def _flags(opt: str, extra=()) -> list[str]:
     return f
 
 
-def preprocess(path: Path, defines: dict | None = None, include_dirs=()) -> str:
+def preprocess(path: Path, defines: dict | None = None, include_dirs=(), msl_version: int = 310) -> str:
     """The .metal file expanded. Line markers name files relative to their folder's parent
     ("metal/gemm.metal", "core/rng.h"), so that the same sources give the same code, and the same
     cached library, wherever the checkout is."""
     path = Path(path).resolve()
     dirs = [Path(d).resolve() for d in include_dirs]
     cmd = [os.environ.get("MSLSIM_CXX") or "g++", "-E", "-x", "c++", "-std=c++17", f"-I{STUB_INCLUDE}",
-           "-D__METAL_VERSION__=310", "-D__METAL_MACOS__", "-D__HAVE_BFLOAT__=1", "-DMSLCUDA=1"]
+           *msl_defines(msl_version), "-DMSLCUDA=1"]
     cmd += [f"-I{d}" for d in dirs]
     cmd += [f"-D{k}={v}" for k, v in (defines or {}).items()]
     cmd.append(str(path))

@@ -11,9 +11,10 @@ anything MSL forbids, would first fail on a Mac. Per file:
    uses, but not below 3.0, krnl's floor: the first version spelled -std=metal3.0 and
    MTLLanguageVersion3_0 (macOS 13); 2.x is spelled -std=macos-metal2.x and would only add
    macOS 11-12. Today every kernel declares 3.0: their newest feature is simdgroup_matrix (2.3).
-   Code behind `#if defined(__HAVE_BFLOAT__)` (the bf16 kernels) is compiled by the host only
-   for GPUs with native bf16, as MSL 3.1, which defines that macro: a file that has such a block
-   is checked twice, at its declared version (the block left out) and at 3.1 (the block in).
+   Code behind `#if KRNL_BF16` (the bf16 kernels; metal/kargs.h turns it on from MSL 3.1,
+   `__METAL_VERSION__ >= 310`) is compiled by the host only for GPUs with native bf16, as MSL 3.1:
+   a file that has such a block (or one on __METAL_VERSION__ >= 310 or __HAVE_BFLOAT__, which 3.1
+   also defines) is checked twice, at its declared version (the block left out) and at 3.1 (in).
 2. Attributes are validated against the MSL ones the simulator knows, then blanked (clang takes
    no attributes on the explicit instantiations that name kernels); `1.5h` becomes half(1.5f).
 3. `-std=c++14 -fsyntax-only -nostdinc -pedantic-errors -Werror` against include/msl14.h: the
@@ -128,12 +129,13 @@ def parse_version_line(first_line: str, where: str = "<source>") -> tuple[int, i
     return v
 
 
-BFLOAT_GUARD = re.compile(r"^\s*#\s*if\s+defined\s*\(?\s*__HAVE_BFLOAT__", re.M)
+BFLOAT_GUARD = re.compile(r"^\s*#\s*if\s+(?:KRNL_BF16\b|__METAL_VERSION__\s*>=\s*310\b|defined\s*\(?\s*__HAVE_BFLOAT__)",
+                          re.M)
 
 
 def checked_versions(path, declared: tuple[int, int]) -> list[tuple[int, int]]:
     """The versions a file is compiled at: the one it declares, and 3.1 too where the file has
-    code behind __HAVE_BFLOAT__ (compiled as 3.1 on GPUs with native bf16: csrc/metal/device.mm)."""
+    code behind KRNL_BF16 (compiled as 3.1 on GPUs with native bf16: csrc/metal/device.mm)."""
     text = Path(path).read_text(encoding="utf-8")
     if declared < (3, 1) and BFLOAT_GUARD.search(text):
         return [declared, (3, 1)]
@@ -649,7 +651,7 @@ def check(path, *, compiler: Compiler | None = None, mode: str = "auto", include
     for major, minor in checked_versions(path, declared):
         for p in _check_at(path, shown, major, minor, compiler, mode, include_dirs):
             if (major, minor) != declared:  # say which pass found it: the bf16 blocks are in only here
-                p = Problem(p.file, p.line, p.rule, f"{p.message} (checked as MSL {major}.{minor}, __HAVE_BFLOAT__ set)")
+                p = Problem(p.file, p.line, p.rule, f"{p.message} (checked as MSL {major}.{minor}, KRNL_BF16 on)")
             probs.append(p)
     seen, out = set(), []
     for p in probs:

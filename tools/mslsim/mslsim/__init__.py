@@ -77,10 +77,15 @@ def _shim_hash() -> str:
     return h.hexdigest()
 
 
-def preprocess(path: Path, cxx: str, defines: dict | None = None, include_dirs=()) -> str:
-    cmd = [cxx, "-E", "-x", "c++", "-std=c++17", f"-I{STUB_INCLUDE}", "-D__METAL_VERSION__=310",
-           "-D__METAL_MACOS__", "-DMSLSIM=1",
-           "-D__HAVE_BFLOAT__=1"]  # the shim has bfloat, as MSL 3.1 on a GPU with native bf16
+def msl_defines(msl_version: int = 310) -> list:
+    """What Apple's compiler defines for MSL `msl_version` (3.1 -> 310): __METAL_VERSION__, and
+    __HAVE_BFLOAT__ from 3.1. 310 by default: the shim stands for a GPU with native bf16, for which
+    device.mm compiles every library as 3.1, so the bf16 kernels (metal/kargs.h's KRNL_BF16) build."""
+    return [f"-D__METAL_VERSION__={msl_version}", "-D__METAL_MACOS__"] + (["-D__HAVE_BFLOAT__=1"] if msl_version >= 310 else [])
+
+
+def preprocess(path: Path, cxx: str, defines: dict | None = None, include_dirs=(), msl_version: int = 310) -> str:
+    cmd = [cxx, "-E", "-x", "c++", "-std=c++17", f"-I{STUB_INCLUDE}", *msl_defines(msl_version), "-DMSLSIM=1"]
     cmd += [f"-I{d}" for d in include_dirs]
     cmd += [f"-D{k}={v}" for k, v in (defines or {}).items()]
     cmd.append(str(path))

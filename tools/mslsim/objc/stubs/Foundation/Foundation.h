@@ -14,6 +14,16 @@ typedef signed char BOOL;
 #define NS_OPTIONS(T, N) enum N : T N; enum N : T
 #define NS_ASSUME_NONNULL_BEGIN _Pragma("clang assume_nonnull begin")
 #define NS_ASSUME_NONNULL_END _Pragma("clang assume_nonnull end")
+// The SDK these stubs stand for, as Apple's Availability.h says it (150000: the macOS 15 SDK).
+// -D__MAC_OS_X_VERSION_MAX_ALLOWED=140000 makes them the macOS 14 SDK: what that SDK lacks (see
+// tools/metal_api/sdk14_availability.txt) is then undeclared, as with Xcode 15.
+#ifndef __MAC_OS_X_VERSION_MAX_ALLOWED
+#define __MAC_OS_X_VERSION_MAX_ALLOWED 150000
+#endif
+// API_AVAILABLE(macos(15.0)) as Apple writes it: clang's availability attribute, which
+// -Wunguarded-availability-new checks against the deployment target (-target ...-macos14).
+#define API_AVAILABLE(platform) KRNL_STUB_AVAILABLE_##platform
+#define KRNL_STUB_AVAILABLE_macos(v) __attribute__((availability(macos, introduced = v)))
 typedef struct _NSRange { NSUInteger location, length; } NSRange;
 @class NSString;
 @protocol NSObject

@@ -1,6 +1,8 @@
 // Hand-written stub of the Metal API subset a compute host uses (declarations only), so that
 // .mm files can be syntax- and type-checked with clang on Linux against ../Foundation.
-// Signatures follow Apple's Metal headers; availability macros are omitted.
+// Signatures follow Apple's Metal headers. Availability follows Apple's SDK headers where it is
+// recent (macOS 13 or later; tests/test_metal_api.py holds it to sdk14_availability.txt), and what
+// the macOS 14 SDK lacks sits under the SDK guard Apple's headers imply.
 #pragma once
 #import <Foundation/Foundation.h>
 
@@ -22,11 +24,19 @@ typedef NS_ENUM(NSUInteger, MTLCommandBufferStatus) {
   MTLCommandBufferStatusScheduled = 3, MTLCommandBufferStatusCompleted = 4, MTLCommandBufferStatusError = 5,
 };
 typedef NS_ENUM(NSUInteger, MTLLanguageVersion) {
-  MTLLanguageVersion3_0 = (3 << 16), MTLLanguageVersion3_1 = (3 << 16) + 1, MTLLanguageVersion3_2 = (3 << 16) + 2,
+  MTLLanguageVersion3_0 API_AVAILABLE(macos(13.0)) = (3 << 16),
+  MTLLanguageVersion3_1 API_AVAILABLE(macos(14.0)) = (3 << 16) + 1,
+#if __MAC_OS_X_VERSION_MAX_ALLOWED >= 150000
+  MTLLanguageVersion3_2 API_AVAILABLE(macos(15.0)) = (3 << 16) + 2,
+#endif
 };
+#if __MAC_OS_X_VERSION_MAX_ALLOWED >= 150000
+// Replaces fastMathEnabled from the macOS 15 SDK (which deprecates it from macOS 15).
+typedef NS_ENUM(NSInteger, MTLMathMode) { MTLMathModeSafe = 0, MTLMathModeRelaxed = 1, MTLMathModeFast = 2 };
+#endif
 typedef NS_ENUM(NSInteger, MTLGPUFamily) {
   MTLGPUFamilyApple7 = 1007, MTLGPUFamilyApple8 = 1008, MTLGPUFamilyApple9 = 1009, MTLGPUFamilyMac2 = 2002,
-  MTLGPUFamilyMetal3 = 5001,
+  MTLGPUFamilyMetal3 API_AVAILABLE(macos(13.0)) = 5001,
 };
 // Serial: each dispatch of an encoder sees the previous one's writes. Concurrent: dispatches may
 // overlap; memoryBarrierWithScope: orders them where needed.
@@ -56,6 +66,9 @@ static inline MTLSize MTLSizeMake(NSUInteger w, NSUInteger h, NSUInteger d) { MT
 @end
 @interface MTLCompileOptions : NSObject
 @property (readwrite, nonatomic) BOOL fastMathEnabled;
+#if __MAC_OS_X_VERSION_MAX_ALLOWED >= 150000
+@property (readwrite, nonatomic) MTLMathMode mathMode API_AVAILABLE(macos(15.0));
+#endif
 @property (readwrite, nonatomic) MTLLanguageVersion languageVersion;
 @property (nullable, readwrite, copy, nonatomic) NSDictionary<NSString*, NSObject*>* preprocessorMacros;
 @end

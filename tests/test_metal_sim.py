@@ -36,6 +36,44 @@ def test_training_step_matches_cpu(sim, dtype):
     check_step_against_cpu(sim, dtype, {"f32": 1e-5, "f16": 2e-2, "bf16": 3e-2}[dtype])
 
 
+# fold against no fold: the same sums in another order, and in f16/bf16 s B rounded once into S
+# where the unfolded path rounds the rank-r product's y before the frozen GEMM adds to it. Measured
+# worst (loss, gradient / its largest value): f32 0, 1.7e-6; f16 3.7e-5, 3.4e-3; bf16 4.6e-4, 4.3e-2
+# (bf16's own noise: the unfolded path is 5.5% off the CPU's f32, as above).
+FOLD_TOL = {"f32": (1e-6, 1e-5), "f16": (2e-4, 1e-2), "bf16": (2e-3, 1e-1)}
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
+def test_lora_fold_matches_unfolded(sim, dtype, monkeypatch):
+    """metal-sim's capabilities fold (the RMSNorm writing at a row stride, its backward taking the
+    wider gradients): q|k|v and gate/up folded, o and down folding their backward. One step's loss
+    and LoRA gradients with the fold equal those with KRNL_LORA_FOLD=0 (tolerance by dtype); the
+    folded step, the default, is checked against the CPU by test_training_step_matches_cpu."""
+    assert sim.capabilities()["lora_fold"]
+    rng = np.random.default_rng(7)
+    ids, targets = rng.integers(0, 61, (2, 9)), rng.integers(0, 61, (2, 9))
+    res = {}
+    for fold in ("0", None):
+        if fold is None:
+            monkeypatch.delenv("KRNL_LORA_FOLD", raising=False)
+        else:
+            monkeypatch.setenv("KRNL_LORA_FOLD", fold)
+        m = tiny_lora_model(sim, dtype)
+        on = fold is None
+        assert all((L.qkv_fold is not None) == on and (L.mlp.fold is not None) == on
+                   and (L.o_proj.grad_cols() > 0) == on and (L.mlp.down.grad_cols() > 0) == on for L in m.layers)
+        res[fold] = lora_step(m, ids, targets)
+    (l0, g0), (l1, g1) = res["0"], res[None]
+    loss_tol, grad_tol = FOLD_TOL[dtype]
+    assert abs(l1 - l0) <= loss_tol * abs(l0), (l1, l0)
+    assert g0.keys() == g1.keys()
+    for k in g0:
+        scale = float(np.max(np.abs(g0[k])))
+        assert scale > 0, k
+        err = float(np.max(np.abs(g1[k] - g0[k])))
+        assert err <= grad_tol * scale, f"{k}: {err:.3e} > {grad_tol * scale:.3e}"
+
+
 def test_training_reduces_loss_on_metal_sim(sim):
     check_training_reduces_loss(sim, "f32", grad_checkpoint=True)
 

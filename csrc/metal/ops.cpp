@@ -69,6 +69,16 @@ Capabilities MetalOps::capabilities() const {
   c.fused_attention_dtypes = c.dtypes;
   c.fused_attention_segments = c.fused_attention_window = true;
   c.fused_attention_head_dims = attention_head_dims();
+  // The LoRA fold (python/krnl/lora_fold.py) pays by a static count of bytes per LoRA'd
+  // projection, each operand moved once (Metal GPUs are bandwidth-bound; docs/architecture.md,
+  // 'The fold on Metal'): T rows, N outputs, G members of rank r. The forward's one GEMM saves
+  // the rank-r product's write of y and the frozen GEMM's read of it (2 T N elements) for
+  // N (G + 1) r + G r^2 more (S rewritten and read whole, less B's reads): it pays above
+  // (G + 1) r / 2 rows (32 for q|k|v at r 16; lora_fold.py keeps smaller calls unfolded). The
+  // o/down backward saves 2 T in for 2 r in: it pays above r rows. Training's B T rows are far
+  // above both (q|k|v -41%, gate/up -53% of bytes at T 4096, C 2048, F 8192, r 16). Not in the
+  // count: the FLOPs the wider K adds (G r / C of the frozen GEMM's). Unmeasured on Apple hardware.
+  c.lora_fold = true;
   c.details = {{"gpu", gpu_.name},
                {"gpu_family", gpu_.apple_family ? "apple" + std::to_string(gpu_.apple_family) : "below apple7"},
                {"bf16", native_bf16(gpu_) ? std::string("native")

@@ -30,11 +30,15 @@ struct ElementwiseArgs {
     float    beta;   // reserved (0)
 };
 
-// rmsnorm_forward: x, y (rows, cols); w (cols,); rstd (rows,) f32.
+// rmsnorm_forward: x (rows, cols); y (rows, cols) at row stride ldy (cols, or the wider buffer a
+// LoRA fold widens: python/krnl/lora_fold.py); w (cols,); rstd (rows,) f32. vec4 != 0: the host
+// promises cols, ldy and x's and y's buffer offsets multiples of 4 elements (vector accesses).
 struct RmsnormArgs {
     uint32_t rows;
     uint32_t cols;
     float    eps;
+    uint32_t ldy;
+    uint32_t vec4;
 };
 
 // softmax_causal_forward: S, P (rows, tk) with rows = batch * tq; query row r sits at position
@@ -97,10 +101,16 @@ struct RopeArgs {
     float    sign;
 };
 
-// rmsnorm_backward: dy, x, dx (rows, cols); w (cols,); rstd (rows,) f32 from the forward.
+// rmsnorm_backward: dy, x (rows, cols); w (cols,); rstd (rows,) f32 from the forward; dx (rows,
+// cols) at row stride ldx. has_residual != 0: dx += residual (buffer(6), dx's dtype, row stride
+// ldr), added after dx is rounded (what an axpy after the norm leaves); when 0, buffer(6) must
+// still be bound and is not read. rmsnorm_backward_dw reads only rows and cols (dy, x contiguous).
 struct RmsnormBackwardArgs {
     uint32_t rows;
     uint32_t cols;
+    uint32_t ldx;
+    uint32_t ldr;
+    uint32_t has_residual;
 };
 
 // softmax_backward: P, dP, dS (rows, cols); dS = P * (dP - rowsum(dP * P)) * scale.

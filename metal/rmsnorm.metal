@@ -4,8 +4,9 @@
 // best). Sum of squares in float: per-thread fma, simd_sum, then one partial per SIMD-group in
 // threadgroup memory. Half operands are read and combined in float, rounded once on the store.
 // y (and dy, dx in the backward) are x's dtype, or f32 from bf16 x with f32 w (the _yf32 and
-// _dyf32 kernels).
-// rmsnorm_backward: the same geometry (one threadgroup per row).
+// _dyf32 kernels). y and dx are written at a row stride (ldy, ldx): a LoRA fold has the norm
+// write the first columns of a wider buffer (python/krnl/lora_fold.py); the rest is not touched.
+// rmsnorm_backward: the same geometry (one threadgroup per row), the residual add fused.
 // rmsnorm_backward_dw: 2-D threadgroups (tx, ty) with tx * ty <= 1024, grid (ceil(cols / tx), 1)
 // or fewer (groups stride over column blocks): thread (i, j) owns column block + i and sums rows
 // j, j + ty, ... in order; the ty partials are combined in j order. Deterministic for a given ty.
@@ -36,8 +37,8 @@ kernel void rmsnorm_forward(device const T*       x    [[buffer(0)]],
     if (row >= args.rows) return;  // whole threadgroup: uniform, before any barrier
     const uint cols = args.cols;
     device const T* xr = x + (ulong)row * cols;
-    device Y*       yr = y + (ulong)row * cols;
-    const bool vec4 = (cols & 3) == 0;  // rows then start 4-element aligned
+    device Y*       yr = y + (ulong)row * args.ldy;
+    const bool vec4 = args.vec4 != 0;  // the host checked cols, ldy and both offsets
 
     float ss = 0.0f;
     if (vec4) {
@@ -81,13 +82,16 @@ template [[host_name("rmsnorm_forward_bf16_wf32")]] [[kernel]] decltype(rmsnorm_
 template [[host_name("rmsnorm_forward_bf16_wf32_yf32")]] [[kernel]] decltype(rmsnorm_forward<bfloat, float, float>) rmsnorm_forward<bfloat, float, float>;
 #endif
 
-// rmsnorm_backward: dx[r, :] = rstd[r] * (g - xhat * mean(g * xhat)), g = dy[r, :] * w,
-// xhat = x[r, :] * rstd[r], with rstd the forward's (rows,) f32 output. dw (the sum over rows of
-// dy * xhat) is NOT computed here: it is a cross-row reduction, left to a separate kernel.
+// rmsnorm_backward: dx[r, :] = rstd[r] * (g - xhat * mean(g * xhat)) (+ residual[r, :]),
+// g = dy[r, :] * w, xhat = x[r, :] * rstd[r], with rstd the forward's (rows,) f32 output. The
+// residual is added to dx rounded to its dtype, as a separate axpy would (and the CPU backend
+// does), saving that pass over dx. dw (the sum over rows of dy * xhat) is NOT computed here: it
+// is a cross-row reduction, left to a separate kernel.
 // One threadgroup per row (grid = rows), any threadgroup size up to 1024. dot(g, x) in float:
 // per-thread fma, simd_sum, one partial per SIMD-group in threadgroup memory, summed in the same
-// order by every thread. dx may alias dy: every thread finishes reading the row for the
-// reduction before the barrier, and afterwards reads and writes only its own elements.
+// order by every thread. dx may alias dy (contiguous dx) or the residual (the same row stride):
+// every thread finishes reading the row for the reduction before the barrier, and afterwards
+// reads and writes only its own elements.
 template <typename T, typename W, typename G = T>  // G: dy's and dx's dtype (x's, or f32)
 kernel void rmsnorm_backward(device const G*               dy   [[buffer(0)]],
                              device const T*               x    [[buffer(1)]],
@@ -95,6 +99,7 @@ kernel void rmsnorm_backward(device const G*               dy   [[buffer(0)]],
                              device const float*           rstd [[buffer(3)]],
                              device G*                     dx   [[buffer(4)]],
                              constant RmsnormBackwardArgs& args [[buffer(5)]],
+                             device const G*               res  [[buffer(6)]],
                              uint row  [[threadgroup_position_in_grid]],
                              uint tid  [[thread_position_in_threadgroup]],
                              uint ntg  [[threads_per_threadgroup]],
@@ -108,7 +113,7 @@ kernel void rmsnorm_backward(device const G*               dy   [[buffer(0)]],
     const uint cols = args.cols;
     device const G* dyr = dy + (ulong)row * cols;
     device const T* xr  = x + (ulong)row * cols;
-    device G*       dxr = dx + (ulong)row * cols;
+    device G*       dxr = dx + (ulong)row * args.ldx;
     const float inv = rstd[row];
 
     float gx = 0.0f;  // sum of g * x over the row
@@ -121,9 +126,13 @@ kernel void rmsnorm_backward(device const G*               dy   [[buffer(0)]],
     for (uint s = 0; s < nsg; ++s) total += partial[s];  // same order in every thread
     const float m = total * inv / float(cols);            // mean(g * xhat)
 
+    device const G* rr = res + (ulong)row * args.ldr;  // dy's row when there is no residual
     for (uint i = tid; i < cols; i += ntg) {
         const float g = float(dyr[i]) * float(w[i]);
-        dxr[i] = G(inv * (g - float(xr[i]) * inv * m));
+        // inv * (g - xhat * m) ending in an fma: no compiler may contract the residual add below
+        // into it, so f32 dx + residual rounds twice, as an axpy after the norm does
+        const float d = fma(-(float(xr[i]) * inv * m), inv, g * inv);
+        dxr[i] = args.has_residual ? G(float(G(d)) + float(rr[i])) : G(d);
     }
 }
 

@@ -49,7 +49,7 @@ ElementwiseArgs, RmsnormArgs, SoftmaxArgs = (KARGS[n] for n in ("ElementwiseArgs
 
 def test_kargs_layout():
     assert [f for f, _ in ElementwiseArgs._fields_][:3] == ["n", "alpha", "beta"]
-    assert [f for f, _ in RmsnormArgs._fields_] == ["rows", "cols", "eps"]
+    assert [f for f, _ in RmsnormArgs._fields_] == ["rows", "cols", "eps", "ldy", "vec4"]
     assert [f for f, _ in SoftmaxArgs._fields_] == ["rows", "tq", "tk", "scale", "has_segments", "window"]
     for s in KARGS.values():  # 4-byte fields only: no padding, identical in MSL and C++
         assert ctypes.sizeof(s) == 4 * len(s._fields_)
@@ -194,7 +194,7 @@ def rmsnorm_run(lib, dt, x, w, tg, eps=1e-5, extra_groups=0, **kw):
     y = np.full((rows, cols), np.nan, DT[dt])
     rstd = np.full(rows, np.nan, np.float32)
     lib.dispatch(f"rmsnorm_forward_{dt}", grid=(rows + extra_groups, 1, 1), threads=(tg, 1, 1),
-                 buffers=[x, w, y, rstd, RmsnormArgs(rows, cols, eps)], **kw)
+                 buffers=[x, w, y, rstd, RmsnormArgs(rows, cols, eps, cols, int(cols % 4 == 0))], **kw)
     return y, rstd
 
 

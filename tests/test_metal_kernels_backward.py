@@ -22,7 +22,7 @@ U32 = 2.0 ** -24
 def test_kargs_layout_backward():
     assert [f for f, _ in SwigluArgs._fields_] == ["n"]
     assert [f for f, _ in RopeArgs._fields_] == ["rows", "T", "D", "R", "sign"]
-    assert [f for f, _ in RmsnormBackwardArgs._fields_] == ["rows", "cols"]
+    assert [f for f, _ in RmsnormBackwardArgs._fields_] == ["rows", "cols", "ldx", "ldr", "has_residual"]
     assert [f for f, _ in SoftmaxBackwardArgs._fields_] == ["rows", "cols", "scale"]
 
 
@@ -192,7 +192,7 @@ def rmsnorm_bwd_run(lib, dt, dy, x, w, rstd, tg, extra_groups=0, out=None, **kw)
     rows, cols = x.shape
     dx = np.full((rows, cols), np.nan, DT[dt]) if out is None else out
     lib.dispatch(f"rmsnorm_backward_{dt}", grid=(rows + extra_groups, 1, 1), threads=(tg, 1, 1),
-                 buffers=[dy, x, w, rstd, dx, RmsnormBackwardArgs(rows, cols)], **kw)
+                 buffers=[dy, x, w, rstd, dx, RmsnormBackwardArgs(rows, cols, cols, cols, 0), dy], **kw)
     return dx
 
 

@@ -36,6 +36,75 @@ def test_training_step_matches_cpu(sim, dtype):
     check_step_against_cpu(sim, dtype, {"f32": 1e-5, "f16": 2e-2, "bf16": 3e-2}[dtype])
 
 
+def test_rmsnorm_strided_records(sim, monkeypatch):
+    """The row-strided forms' dispatch records (ops.cpp): y's and dx's bindings span exactly their
+    rows at the wider stride; float4 accesses only where cols, the row stride and both offsets are
+    multiples of 4; the backward's residual bound at buffer(6) and added in its one dispatch."""
+    import struct
+
+    records = []
+    run = METAL_SIM.run
+    monkeypatch.setattr(METAL_SIM, "run", lambda r: records.append(r) or run(r))
+    rows, C = 3, 128
+    x, w, dy = (sim.tensor(np.ones(s, np.float32), "f16") for s in ((rows, C), (C,), (rows, C)))
+    rstd = sim.empty((rows,), "f32")
+    wide = sim.empty((rows, 136), "f16")
+    for y, ld, vec4 in ((wide[:, :C], 136, 1), (wide[:, 4:4 + C], 136, 1), (wide[:, 1:1 + C], 136, 0),
+                        (sim.empty((rows, C + 2), "f16")[:, :C], C + 2, 0), (sim.empty((rows, C), "f16"), C, 1)):
+        records.clear()
+        ops.rmsnorm_forward(x, w, y, rstd, eps=1e-5)
+        sim.synchronize()
+        (r,) = records
+        assert struct.unpack("<IIfII", bytes(r["args"]))[3:] == (ld, vec4), (ld, vec4)
+        assert {b[0]: b[2] for b in r["buffers"]}[2] == ((rows - 1) * ld + C) * 2
+    res_wide = sim.empty((rows, C + 5), "f16")
+    records.clear()
+    ops.rmsnorm_backward(dy, x, w, rstd, wide[:, :C], residual=res_wide[:, :C])
+    sim.synchronize()
+    (r,) = records  # no axpy after it
+    assert struct.unpack("<IIIII", bytes(r["args"]))[2:] == (136, C + 5, 1)
+    extents = {b[0]: b[2] for b in r["buffers"]}
+    assert (extents[4], extents[6]) == (((rows - 1) * 136 + C) * 2, ((rows - 1) * (C + 5) + C) * 2)
+
+
+# fold against no fold: the same sums in another order, and in f16/bf16 s B rounded once into S
+# where the unfolded path rounds the rank-r product's y before the frozen GEMM adds to it. Measured
+# worst (loss, gradient / its largest value): f32 0, 1.7e-6; f16 3.7e-5, 3.4e-3; bf16 4.6e-4, 4.3e-2
+# (bf16's own noise: the unfolded path is 5.5% off the CPU's f32, as above).
+FOLD_TOL = {"f32": (1e-6, 1e-5), "f16": (2e-4, 1e-2), "bf16": (2e-3, 1e-1)}
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
+def test_lora_fold_matches_unfolded(sim, dtype, monkeypatch):
+    """metal-sim's capabilities fold (the RMSNorm writing at a row stride, its backward taking the
+    wider gradients): q|k|v and gate/up folded, o and down folding their backward. One step's loss
+    and LoRA gradients with the fold equal those with KRNL_LORA_FOLD=0 (tolerance by dtype); the
+    folded step, the default, is checked against the CPU by test_training_step_matches_cpu."""
+    assert sim.capabilities()["lora_fold"]
+    rng = np.random.default_rng(7)
+    ids, targets = rng.integers(0, 61, (2, 9)), rng.integers(0, 61, (2, 9))
+    res = {}
+    for fold in ("0", None):
+        if fold is None:
+            monkeypatch.delenv("KRNL_LORA_FOLD", raising=False)
+        else:
+            monkeypatch.setenv("KRNL_LORA_FOLD", fold)
+        m = tiny_lora_model(sim, dtype)
+        on = fold is None
+        assert all((L.qkv_fold is not None) == on and (L.mlp.fold is not None) == on
+                   and (L.o_proj.grad_cols() > 0) == on and (L.mlp.down.grad_cols() > 0) == on for L in m.layers)
+        res[fold] = lora_step(m, ids, targets)
+    (l0, g0), (l1, g1) = res["0"], res[None]
+    loss_tol, grad_tol = FOLD_TOL[dtype]
+    assert abs(l1 - l0) <= loss_tol * abs(l0), (l1, l0)
+    assert g0.keys() == g1.keys()
+    for k in g0:
+        scale = float(np.max(np.abs(g0[k])))
+        assert scale > 0, k
+        err = float(np.max(np.abs(g1[k] - g0[k])))
+        assert err <= grad_tol * scale, f"{k}: {err:.3e} > {grad_tol * scale:.3e}"
+
+
 def test_training_reduces_loss_on_metal_sim(sim):
     check_training_reduces_loss(sim, "f32", grad_checkpoint=True)
 

@@ -264,13 +264,11 @@ def test_dropout_masks(dev):
 
 @pytest.mark.parametrize("bias", [False, True], ids=["llama", "qkv-bias"])
 def test_lora_fold(dev, monkeypatch, bias):
-    """The LoRA products folded into the frozen GEMMs' K (lora_fold.py, forced here on a device
-    whose capabilities leave it off): q|k|v and gate/up stored widened, o and down with rows for
+    """The LoRA products folded into the frozen GEMMs' K (lora_fold.py, forced on or off here
+    whatever the device's capabilities say): q|k|v and gate/up stored widened, o and down with rows for
     A (their backward folds); loss and gradients against finite differences of the float64
     reference, the same as the unfolded model to f32 rounding, and new LoRA values (an optimizer
     step, a loaded adapter) seen by the next call, forward and backward."""
-    if dev.capabilities()["kind"].startswith("metal"):
-        pytest.skip("Metal's RMSNorm writes only contiguous rows, and its capabilities keep lora_fold off")
     over = {"attention_bias": bias}
     res = {}
     for fold in ("0", "1"):
@@ -295,11 +293,34 @@ def test_lora_fold(dev, monkeypatch, bias):
         np.testing.assert_allclose(dx1, dx0, rtol=1e-5, atol=1e-5 * np.abs(dx0).max())
 
 
+def test_lora_fold_only_where_it_pays(dev, monkeypatch):
+    """A call of too few rows for the fold to move fewer bytes (Fold.pays: S's rewrite and zero
+    blocks outweigh the pass over y saved, as in a decode step) takes the plain path on the widened
+    weights, with the loss of the unfolded model; one row more folds. r 2: q|k|v (G 3, N 64)
+    pays from 5 rows, gate/up (G 2, N 96) from 4."""
+    from krnl import lora_fold
+
+    calls = []
+    forward = lora_fold.Fold.forward
+    monkeypatch.setattr(lora_fold.Fold, "forward", lambda self, *a: calls.append(self.g) or forward(self, *a))
+    L = None
+    for T, folds in ((3, []), (4, [4]), (5, [6, 4])):
+        loss = {}
+        for fold in ("0", "1"):
+            monkeypatch.setenv("KRNL_LORA_FOLD", fold)
+            cfg, w, lcfg, m, lora, ids, tg = make(dev, None, B=1, T=T, seed=6)
+            calls.clear()
+            loss[fold] = m.loss(ids, tg)
+        L = m.layers[0]
+        assert calls == folds * cfg.num_hidden_layers, (T, calls)  # per layer: q|k|v (g 6), then gate/up (g 4)
+        assert loss["1"] == pytest.approx(loss["0"], rel=1e-6)
+    assert [L.qkv_fold.pays(n) for n in (4, 5)] == [False, True]
+    assert [L.mlp.fold.pays(n) for n in (3, 4)] == [False, True]
+
+
 def test_lora_fold_keeps_out_of_dropout(dev, monkeypatch):
     """With dropout drawn (training) each member masks its own input, so the call does not fold:
     the gradients are the masked function's, as without the fold; in eval the fold runs."""
-    if dev.capabilities()["kind"].startswith("metal"):
-        pytest.skip("Metal's RMSNorm writes only contiguous rows, and its capabilities keep lora_fold off")
     out = {}
     for fold in ("0", "1"):
         monkeypatch.setenv("KRNL_LORA_FOLD", fold)

@@ -102,17 +102,12 @@ def test_rmsnorm_forward(dev, shape, xdt, wdt, ydt):
 @pytest.mark.parametrize("rows,C,extra", [(1, 8, 8), (31, 64, 48), (33, 127, 1), (127, 256, 32)])
 def test_rmsnorm_forward_strided_out(dev, dt, rows, C, extra):
     """y as the first C columns of a (rows, C + extra) buffer (lora_fold.py writes the norm there):
-    those columns equal a contiguous call's bit for bit, the other columns keep their contents.
-    Metal's kernels take only a contiguous y (its capabilities keep lora_fold off): it says so."""
+    those columns equal a contiguous call's bit for bit, the other columns keep their contents."""
     rng = np.random.default_rng(11)
     w, _ = upload(dev, 1.0 + 0.5 * rng.standard_normal(C), dt)
     x, _ = upload(dev, rng.standard_normal((rows, C)), dt)
     wide = dev.tensor(np.full((rows, C + extra), 7.0, np.float32), dt)
     r1, r2 = empty_filled(dev, (rows,), "f32"), empty_filled(dev, (rows,), "f32")
-    if dev.capabilities()["kind"].startswith("metal") and rows > 1:  # one row is contiguous anyway
-        with pytest.raises(NotImplementedError, match=r"^\[rmsnorm_forward\] y must be contiguous on"):
-            ops.rmsnorm_forward(x, w, wide[:, :C], r1, eps=1e-5)
-        return
     y = empty_filled(dev, (rows, C), dt)
     ops.rmsnorm_forward(x, w, y, r1, eps=1e-5)
     ops.rmsnorm_forward(x, w, wide[:, :C], r2, eps=1e-5)
@@ -149,8 +144,7 @@ def test_rmsnorm_forward_residual(dev, dt, rows, C):
 def test_rmsnorm_backward_residual(dev, dt, rows, C, extra):
     """With residual, dx = the norm's gradient + residual: equal to rmsnorm_backward followed by
     axpy bit for bit. With extra > 0, dx and residual are the first C columns of (rows, C + extra)
-    buffers (a LoRA fold's widened gradients) whose other columns keep their contents; Metal takes
-    only contiguous ones and says so."""
+    buffers (a LoRA fold's widened gradients) whose other columns keep their contents."""
     rng = np.random.default_rng(14)
     x, _ = upload(dev, rng.standard_normal((rows, C)), dt)
     w, _ = upload(dev, 1.0 + 0.5 * rng.standard_normal(C), dt)
@@ -163,10 +157,6 @@ def test_rmsnorm_backward_residual(dev, dt, rows, C, extra):
     want = empty_filled(dev, (rows, C), dt)
     ops.rmsnorm_backward(dy, x, w, rstd, want)
     ops.axpy(1.0, dev.tensor(read(res), dt), want)
-    if dev.capabilities()["kind"].startswith("metal") and extra and rows > 1:
-        with pytest.raises(NotImplementedError, match=r"^\[rmsnorm_backward\] dx and residual must be contiguous on"):
-            ops.rmsnorm_backward(dy, x, w, rstd, dx, residual=res)
-        return
     ops.rmsnorm_backward(dy, x, w, rstd, dx, residual=res)
     got = np.array(dx_wide.numpy(), copy=True)
     check_bits(got[:, :C], np.array(want.numpy(), copy=True), "dx + residual")

@@ -85,6 +85,16 @@ Capabilities MetalOps::capabilities() const {
   c.fused_attention_dtypes = c.dtypes;
   c.fused_attention_segments = c.fused_attention_window = true;
   c.fused_attention_head_dims = attention_head_dims();
+  // The LoRA fold (python/krnl/lora_fold.py) pays by a static count of bytes per LoRA'd
+  // projection, each operand moved once (Metal GPUs are bandwidth-bound; docs/architecture.md,
+  // 'The fold on Metal'): T rows, N outputs, G members of rank r. The forward's one GEMM saves
+  // the rank-r product's write of y and the frozen GEMM's read of it (2 T N elements) for
+  // N (G + 1) r + G r^2 more (S rewritten and read whole, less B's reads): it pays above
+  // (G + 1) r / 2 rows (32 for q|k|v at r 16; lora_fold.py keeps smaller calls unfolded). The
+  // o/down backward saves 2 T in for 2 r in: it pays above r rows. Training's B T rows are far
+  // above both (q|k|v -41%, gate/up -53% of bytes at T 4096, C 2048, F 8192, r 16). Not in the
+  // count: the FLOPs the wider K adds (G r / C of the frozen GEMM's). Unmeasured on Apple hardware.
+  c.lora_fold = true;
   c.details = {{"gpu", gpu_.name},
                {"gpu_family", gpu_.apple_family ? "apple" + std::to_string(gpu_.apple_family) : "below apple7"},
                {"bf16", native_bf16(gpu_) ? std::string("native")
@@ -445,14 +455,16 @@ void MetalOps::rmsnorm_forward(const Tensor& x, const Tensor& w, const Tensor& y
   const bool wide = y.dtype() != x.dtype();
   if (wide && !(x.dtype() == DType::bf16 && w.dtype() == DType::f32 && y.dtype() == DType::f32))
     throw NotImplementedError("[rmsnorm_forward] y must have x's dtype (or be f32, from bf16 x and f32 w) on " + name());
-  if (!y.is_contiguous())  // capabilities' lora_fold is off here, so the model never asks
-    throw NotImplementedError("[rmsnorm_forward] y must be contiguous on " + name() + ", got " + y.describe());
   const int64_t C = x.size(-1), rows = C ? x.numel() / C : 0;
   if (rows == 0) return;
+  const int64_t ldy = y.row_stride();  // C, or a LoRA fold's wider buffer (core ops.cpp checked the view)
   const std::string wsfx = w.dtype() != x.dtype() ? "_wf32" : "";  // f32 weights scaling f16/bf16 activations
   Dispatch d = e.make("rmsnorm", "rmsnorm_forward_" + s + wsfx + (wide ? "_yf32" : ""));
-  bind(d, 0, x), bind(d, 1, w), bind(d, 2, y), bind(d, 3, rstd);
-  d.set_args(4, RmsnormArgs{u32(e.op, rows, "rows"), u32(e.op, C, "cols"), eps});
+  const size_t ys = dtype_size(y.dtype());
+  bind(d, 0, x), bind(d, 1, w), bind(d, 3, rstd);
+  bind(d, 2, y, size_t(extent_elems(rows, C, ldy, 0, 1)) * ys);
+  const bool vec4 = C % 4 == 0 && ldy % 4 == 0 && (x.offset() / dtype_size(x.dtype())) % 4 == 0 && (y.offset() / ys) % 4 == 0;
+  d.set_args(4, RmsnormArgs{u32(e.op, rows, "rows"), u32(e.op, C, "cols"), eps, u32(e.op, ldy, "ldy"), vec4 ? 1u : 0u});
   d.grid = {uint32_t(rows), 1, 1};
   d.threads = {row_threads(C), 1, 1};
   encode(std::move(d));
@@ -461,10 +473,6 @@ void MetalOps::rmsnorm_forward(const Tensor& x, const Tensor& w, const Tensor& y
 void MetalOps::rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
                                 const Tensor& dx, const Tensor* dw, const Tensor* residual) {
   Emit e{this, "rmsnorm_backward"};
-  for (const Tensor* t : {&dx, residual})  // capabilities' lora_fold, which would pass strided ones, is off here
-    if (t && !t->is_contiguous())
-      throw NotImplementedError("[rmsnorm_backward] dx and residual must be contiguous on " + name() + ", got " +
-                                t->describe());
   const std::string s = e.sfx(x.dtype());
   // dy and dx in x's dtype, or both f32 with bf16 x and f32 w (the kernels rmsnorm.metal has)
   const bool wide = dy.dtype() != x.dtype();
@@ -475,7 +483,10 @@ void MetalOps::rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor&
   const std::string gsfx = wide ? "_dyf32" : "";
   const int64_t C = x.size(-1), rows = C ? x.numel() / C : 0;
   if (rows == 0) return;
-  const RmsnormBackwardArgs args{u32(e.op, rows, "rows"), u32(e.op, C, "cols")};
+  // dx and residual: C, or a LoRA fold's wider buffers (core ops.cpp checked the views)
+  const int64_t ldx = dx.row_stride(), ldr = residual ? residual->row_stride() : C;
+  const RmsnormBackwardArgs args{u32(e.op, rows, "rows"), u32(e.op, C, "cols"), u32(e.op, ldx, "ldx"),
+                                 u32(e.op, ldr, "ldr"), residual ? 1u : 0u};
   if (dw) {  // first: dx may overwrite dy
     Dispatch d = e.make("rmsnorm", "rmsnorm_backward_dw_" + s + gsfx);
     bind(d, 0, dy), bind(d, 1, x), bind(d, 2, rstd), bind(d, 3, *dw);
@@ -485,12 +496,16 @@ void MetalOps::rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor&
     encode(std::move(d));
   }
   Dispatch d = e.make("rmsnorm", "rmsnorm_backward_" + s + (w.dtype() != x.dtype() ? "_wf32" : "") + gsfx);
-  bind(d, 0, dy), bind(d, 1, x), bind(d, 2, w), bind(d, 3, rstd), bind(d, 4, dx);
+  const size_t gs = dtype_size(dx.dtype());
+  bind(d, 0, dy), bind(d, 1, x), bind(d, 2, w), bind(d, 3, rstd);
+  bind(d, 4, dx, size_t(extent_elems(rows, C, ldx, 0, 1)) * gs);
+  // The residual add is fused (one pass over dx fewer); without one, buffer(6) is dy, never read.
+  if (residual) bind(d, 6, *residual, size_t(extent_elems(rows, C, ldr, 0, 1)) * gs);
+  else bind(d, 6, dy);
   d.set_args(5, args);
   d.grid = {uint32_t(rows), 1, 1};
   d.threads = {row_threads(C), 1, 1};
   encode(std::move(d));
-  if (residual) axpy(1.f, *residual, dx);  // its own dispatch, as in forward
 }
 
 void MetalOps::swiglu_forward(const Tensor& g, const Tensor& u, const Tensor& s) {

@@ -47,9 +47,9 @@ def wanted(device, quantize, arrays, factors):
 
 def norm_output(fold, lins, call_seed, device, rows, cols, dtype):
     """(xw, xn): the buffer a group's input norm writes. Where this call folds (a Fold whose
-    members group: no dropout drawn), xw (rows, cols + G r) and xn its first cols columns; else
-    (None, a (rows, cols) tensor)."""
-    if fold is None or not groupable(lins, call_seed):
+    members group: no dropout drawn; rows enough for the fold to pay), xw (rows, cols + G r) and
+    xn its first cols columns; else (None, a (rows, cols) tensor)."""
+    if fold is None or not fold.pays(rows) or not groupable(lins, call_seed):
         return None, device.empty((rows, cols), dtype)
     xw = device.empty((rows, cols + fold.g), dtype)                       # (rows, cols + G r): x | t
     return xw, xw[:, :cols]
@@ -90,6 +90,15 @@ class Fold:
     @property
     def g(self):
         return self.Wk[0].shape[1] - self.inp
+
+    def pays(self, rows):
+        """Whether folding a call of `rows` rows moves fewer bytes, each operand counted once:
+        it saves the rank-r products' write of y and the frozen GEMM's read of it (2 rows N) and
+        costs S's rewrite and the reading of its zero blocks (N (G + 1) r + G r^2;
+        docs/architecture.md, 'The fold on Metal'). A decode step's few rows do not pay."""
+        r = self.eye.shape[0]
+        G, N = self.g // r, sum(w.shape[0] for w in self.Wk)
+        return 2 * rows * N > (G + 1) * r * N + G * r * r
 
     def forward(self, lins, xw, ys):
         """ys[j] = [x | t] Wk_j^T for xw (rows, in + G r) holding x in its first in columns (t is

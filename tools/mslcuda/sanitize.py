@@ -80,6 +80,10 @@ def run_kernels(device="metal-cuda"):
                 ops.rmsnorm_forward(x, w, y, rstd)
                 dw = dev.zeros((cols,), "f32")
                 ops.rmsnorm_backward(dy, x, w, rstd, dev.empty((3, cols), dt), dw)
+                # a LoRA fold's row-strided forms (lora_fold.py): y, dx and the residual in wider rows
+                wide = dev.empty((3, cols + 8), dt)
+                ops.rmsnorm_forward(x, w, wide[:, :cols], rstd)
+                ops.rmsnorm_backward(dy, x, w, rstd, wide[:, :cols], residual=t((3, cols + 3), dt)[:, :cols])
             if dt == "bf16":  # f32 y and dy from bf16 x with f32 w (the model's final norm)
                 w, dy32 = t((cols,), "f32"), t((3, cols), "f32")
                 ops.rmsnorm_forward(x, w, dev.empty((3, cols), "f32"), rstd)

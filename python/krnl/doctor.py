@@ -158,6 +158,10 @@ def cmd_doctor(args):
     bad = [s for s in sections if s not in SECTIONS]
     if bad:
         raise ValueError(f"--only: unknown section {', '.join(map(repr, bad))}; choose from {', '.join(SECTIONS)}")
+    folder = doctor_report.paths(args.report)[0].parent  # refused before minutes of checks, not after
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"--report {args.report}: {folder} is a file, not a folder")
+    folder.mkdir(parents=True, exist_ok=True)
     report = run(dev, quick=args.quick, sections=sections, dtype=args.dtype)
     paths = doctor_report.write(report, args.report)
     print(doctor_report.summary(report))

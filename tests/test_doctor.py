@@ -1,0 +1,159 @@
+"""`krnl doctor`: a complete report on the CPU and on metal-sim (every section, every op of the
+contract, valid JSON, Markdown with every heading, written with the user's umask), a planted wrong
+op or a tolerance forced to fail gives exit status 1 naming it, a failing section still leaves a
+report, and bad flags are refused in one line."""
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+import krnl
+from krnl import doctor_cases, doctor_report, doctor_runs
+from krnl.cli import main
+
+from conftest import METAL_SIM
+
+ROOT = Path(__file__).resolve().parents[1]
+SECTIONS = ("device", "system", "build", "compile", "ops", "training", "timing")
+
+
+def _doctor(tmp_path, *flags):
+    """(exit status, JSON report, Markdown text) of `krnl doctor --quick` with `flags`."""
+    base = tmp_path / "report"
+    rc = main(["doctor", "--quick", "--report", str(base), *flags])
+    return rc, json.loads((tmp_path / "report.json").read_text()), (tmp_path / "report.md").read_text()
+
+
+def _check_complete(report, md, dev):
+    """Every section there and passing, every op of the contract checked, every heading in the Markdown."""
+    assert report["ok"] and report["failures"] == [], report["failures"]
+    assert set(SECTIONS) <= set(report)
+    assert report["device"]["capabilities"] == dev.capabilities()
+    assert report["build"] == {**krnl._core.build_info(), **{k: v for k, v in report["build"].items()
+                                                           if k.endswith("_version")}}
+    checked = {r["op"] for r in report["ops"]["checks"] if r["status"] == "ok"}
+    assert checked == set(krnl._core.testing.op_names())
+    assert report["ops"]["uncovered"] == []
+    for run in report["training"]["runs"]:
+        assert run["status"] == "ok" and len(run["device_losses"]) == len(run["cpu_losses"]) == 5
+    for work in ("w1", "qlora"):
+        krnl_row, peer = report["timing"][work]["rows"]
+        assert krnl_row["impl"] == "krnl" and krnl_row["ms"] > 0
+        if importlib.util.find_spec("mlx_lm") is None:
+            assert peer["status"] == "skipped" and "mlx-lm is not installed" in peer["note"]
+    for heading in doctor_report.HEADINGS.values():
+        assert f"\n## {heading}\n" in md
+    assert md.startswith(f"# krnl doctor: {dev.name}, all checks passed\n")
+
+
+def test_doctor_cpu_quick(tmp_path, capsys):
+    old = os.umask(0o027)
+    try:
+        rc, report, md = _doctor(tmp_path, "--device", "cpu")
+    finally:
+        os.umask(old)
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    _check_complete(report, md, krnl.device("cpu"))
+    assert report["compile"] == {"status": "skipped", "reason": "cpu runs no Metal libraries",
+                                 "seconds": report["compile"]["seconds"]}
+    assert [r["dtype"] for r in report["training"]["runs"]] == ["f32"]
+    for name in ("report.json", "report.md"):  # the user's umask, as any new file of theirs
+        assert (tmp_path / name).stat().st_mode & 0o777 == 0o640
+    assert "krnl doctor on cpu: all checks passed" in out and "report.json" in out
+
+
+@pytest.mark.skipif(METAL_SIM is None, reason="metal-sim is off (KRNL_TEST_METAL_SIM=0 or no g++)")
+def test_doctor_metal_sim_quick(tmp_path, capsys):
+    rc, report, md = _doctor(tmp_path, "--device", "metal-sim")
+    assert rc == 0, capsys.readouterr().out
+    sim = krnl.device("metal-sim")
+    _check_complete(report, md, sim)
+    libs = {p.stem for p in (ROOT / "metal").glob("*.metal")} - {"gemm"} | {"gemm[0=True]", "gemm[0=False]"}
+    assert report["compile"]["status"] == "ok" and set(report["compile"]["libraries"]) == libs
+    assert all(ms > 0 for ms in report["compile"]["libraries"].values())
+    # f32 and the simulated Apple9's compute dtype, each against the CPU
+    assert [r["dtype"] for r in report["training"]["runs"]] == ["f32", sim.capabilities()["compute_dtype"]] \
+        == ["f32", "bf16"]
+    assert report["ops"]["counts"] == {"ok": len(report["ops"]["checks"])}
+    assert {r["dtype"] for r in report["ops"]["checks"]} == {"f32", "f16", "bf16"}
+
+
+def test_doctor_names_a_wrong_op(tmp_path, capsys, monkeypatch):
+    """swiglu_forward made 1% wrong in f16 only: exit status 1, and the failures are exactly its
+    f16 checks, each naming the op."""
+    real = krnl.ops.swiglu_forward
+
+    def wrong(g, u, s):
+        real(g, u, s)
+        if s.dtype == "f16":
+            krnl.ops.scale(s, 1.01, s)
+
+    monkeypatch.setattr(krnl.ops, "swiglu_forward", wrong)
+    rc, report, md = _doctor(tmp_path, "--device", "cpu", "--only", "ops")
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert len(report["failures"]) == 2  # the quick sizes, n = 1 and 33
+    assert all(f.startswith("op swiglu_forward [33 wide] f16 n=") and ": mismatch: s: max error" in f
+               for f in report["failures"]), report["failures"]
+    assert "FAILED: op swiglu_forward" in out and "2 FAILURE(S)" in out
+    assert "## Failures\n\n- op swiglu_forward" in md and "1 failure" not in md
+    assert "compile" not in report and "not run (--only)" in md
+
+
+@pytest.mark.skipif(METAL_SIM is None, reason="metal-sim is off (KRNL_TEST_METAL_SIM=0 or no g++)")
+def test_doctor_training_tolerance_forced_to_fail(tmp_path, capsys, monkeypatch):
+    """metal-sim's f32 losses differ from the CPU's by summation order only (~1e-7); a tolerance
+    of 1e-12 must fail and say at which steps."""
+    monkeypatch.setitem(doctor_runs.LOSS_RTOL, "f32", 1e-12)
+    rc, report, _ = _doctor(tmp_path, "--device", "metal-sim", "--only", "training")
+    assert rc == 1
+    f32 = report["training"]["runs"][0]
+    assert f32["status"] == "mismatch" and report["training"]["runs"][1]["status"] == "ok"
+    assert len(report["failures"]) == 1
+    assert report["failures"][0].startswith("training f32: the loss differs from the CPU's by more than 1e-12 at step")
+
+
+def test_doctor_section_error_still_writes_the_report(tmp_path, capsys, monkeypatch):
+    def boom(*a, **k):
+        raise RuntimeError("planted")
+
+    monkeypatch.setattr(doctor_runs, "time_qlora", boom)
+    rc, report, md = _doctor(tmp_path, "--device", "cpu", "--only", "timing")
+    assert rc == 1
+    assert report["failures"] == ["timing: RuntimeError: planted"]
+    assert report["timing"]["status"] == "error" and "planted" in report["timing"]["traceback"]
+    assert "**error**: RuntimeError: planted" in md
+
+
+def test_doctor_refuses_bad_flags(tmp_path, capsys):
+    assert main(["doctor", "--device", "cpu", "--only", "ops,bogus", "--report", str(tmp_path / "r")]) == 1
+    assert capsys.readouterr().err == ("krnl doctor: error: --only: unknown section 'bogus'; choose from compile, "
+                                       "ops, training, timing\n")
+    assert not list(tmp_path.iterdir())
+    assert main(["doctor", "--device", "cpu", "--only", "compile", "--report", ""]) == 1
+    assert "--report '.': give a file name" in capsys.readouterr().err
+    (tmp_path / "file").write_text("")
+    assert main(["doctor", "--device", "cpu", "--only", "compile", "--report", str(tmp_path / "file" / "r")]) == 1
+    assert capsys.readouterr().err == (f"krnl doctor: error: --report {tmp_path / 'file' / 'r'}: {tmp_path / 'file'} "
+                                       "is a file, not a folder\n")
+
+
+def test_doctor_report_paths():
+    assert doctor_report.paths("out/krnl-doctor.json") == (Path("out/krnl-doctor.json"), Path("out/krnl-doctor.md"))
+    assert doctor_report.paths("r.md") == doctor_report.paths("r") == (Path("r.json"), Path("r.md"))
+
+
+def test_doctor_cases_cover_the_contract():
+    """Each op of csrc/core/op_list.h has a case (the doctor also reports any that has none)."""
+    assert {c.op for c in doctor_cases.cases()} == set(krnl._core.testing.op_names())
+
+
+def test_help_lists_doctor(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    assert "doctor" in capsys.readouterr().out

@@ -78,6 +78,9 @@ def test_doctor_metal_sim_quick(tmp_path, capsys):
     # f32 and the simulated Apple9's compute dtype, each against the CPU
     assert [r["dtype"] for r in report["training"]["runs"]] == ["f32", sim.capabilities()["compute_dtype"]] \
         == ["f32", "bf16"]
+    assert report["device"]["gpu"]["apple_family"] == 9 and report["device"]["gpu"]["command_buffer_policy"]
+    assert set(report["device"]["msl_versions"]) == {p.stem for p in (ROOT / "metal").glob("*.metal")}
+    assert "| apple_family | 9 |" in md
     assert report["ops"]["counts"] == {"ok": len(report["ops"]["checks"])}
     assert {r["dtype"] for r in report["ops"]["checks"]} == {"f32", "f16", "bf16"}
 

@@ -48,9 +48,16 @@ def build_info():
 
 
 def device_info(dev):
+    """The device's capabilities; for a Metal device also its GPU's description and limits (family,
+    working set, the command-buffer budget) and the MSL version each library is compiled with."""
     caps = dev.capabilities()
-    return {"name": dev.name, "summary": _describe(caps), "capabilities": caps,
+    info = {"name": dev.name, "summary": _describe(caps), "capabilities": caps,
             "unavailable": krnl.unavailable_devices()}
+    if caps["kind"].startswith("metal"):
+        info["gpu"] = dict(krnl._core.metal_gpu(dev))
+        info["msl_versions"] = {n: f"{v // 100}.{v % 100}" for n in krnl._core.metal_libraries()
+                                for v in (krnl._core.metal_library_msl_version(n),)}
+    return info
 
 
 def compile_libraries(dev):

@@ -60,6 +60,9 @@ def markdown(report):
     L += [f"## {HEADINGS['device']}", "", f"`{dev['summary']}`", ""]
     L += _table(["capability", "value"], [(k, v) for k, v in dev["capabilities"].items() if k != "details"])
     L += [""] + _table(["detail", "value"], list(dev["capabilities"]["details"].items()))
+    if "gpu" in dev:
+        L += [""] + _table(["GPU", "value"], list(dev["gpu"].items()))
+        L += [""] + _table(["library", "MSL version"], list(dev["msl_versions"].items()))
     if dev["unavailable"]:
         L += [""] + [f"- {k} unavailable: {v}" for k, v in dev["unavailable"].items()]
     for key in ("system", "build"):

@@ -86,25 +86,39 @@ def test_doctor_metal_sim_quick(tmp_path, capsys):
 
 
 def test_doctor_names_a_wrong_op(tmp_path, capsys, monkeypatch):
-    """swiglu_forward made 1% wrong in f16 only: exit status 1, and the failures are exactly its
-    f16 checks, each naming the op."""
-    real = krnl.ops.swiglu_forward
+    """swiglu_forward made 1% wrong in f16 only and sumsq NaN in bf16 only: exit status 1, the
+    failures are exactly their checks, each naming the op, and the report is still strict JSON."""
+    real_swiglu, real_sumsq = krnl.ops.swiglu_forward, krnl.ops.sumsq
 
-    def wrong(g, u, s):
-        real(g, u, s)
+    def wrong_swiglu(g, u, s):
+        real_swiglu(g, u, s)
         if s.dtype == "f16":
             krnl.ops.scale(s, 1.01, s)
 
-    monkeypatch.setattr(krnl.ops, "swiglu_forward", wrong)
+    def nan_sumsq(x, out):
+        real_sumsq(x, out)
+        if x.dtype == "bf16":
+            krnl.ops.fill(out, float("nan"))
+
+    monkeypatch.setattr(krnl.ops, "swiglu_forward", wrong_swiglu)
+    monkeypatch.setattr(krnl.ops, "sumsq", nan_sumsq)
     rc, report, md = _doctor(tmp_path, "--device", "cpu", "--only", "ops")
     out = capsys.readouterr().out
     assert rc == 1
-    assert len(report["failures"]) == 2  # the quick sizes, n = 1 and 33
+    swiglu, sumsq = report["failures"][:2], report["failures"][2:]
+    assert len(swiglu) == len(sumsq) == 2  # the quick sizes, n = 1 and 33
     assert all(f.startswith("op swiglu_forward [33 wide] f16 n=") and ": mismatch: s: max error" in f
-               for f in report["failures"]), report["failures"]
-    assert "FAILED: op swiglu_forward" in out and "2 FAILURE(S)" in out
-    assert "## Failures\n\n- op swiglu_forward" in md and "1 failure" not in md
+               for f in swiglu), swiglu
+    assert all(f.startswith("op sumsq [33 wide] bf16 n=") and ": mismatch: out: non-finite output" in f
+               for f in sumsq), sumsq
+    assert "FAILED: op swiglu_forward" in out and "FAILED: op sumsq" in out and "4 FAILURE(S)" in out
+    assert "## Failures\n\n- op swiglu_forward" in md and "| sumsq | 4/6 |" in md
     assert "compile" not in report and "not run (--only)" in md
+
+    def refuse(name):
+        raise AssertionError(f"{name} in the JSON report")
+
+    json.loads((tmp_path / "report.json").read_text(), parse_constant=refuse)
 
 
 @pytest.mark.skipif(METAL_SIM is None, reason="metal-sim is off (KRNL_TEST_METAL_SIM=0 or no g++)")

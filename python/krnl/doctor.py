@@ -115,7 +115,7 @@ def _section(report, name, fn, log):
 def run(dev, quick=False, sections=SECTIONS, dtype=None, log=print):
     """The doctor's report (a dict) for `dev`; report["failures"] names every failure."""
     report = {"krnl": krnl.__version__, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "quick": quick, "argv": sys.argv[1:], "system": system_info(), "build": build_info(),
+              "quick": quick, "sections": list(sections), "system": system_info(), "build": build_info(),
               "device": device_info(dev), "failures": []}
     dtype = dtype or report["device"]["capabilities"]["compute_dtype"]
     log(f"krnl doctor {krnl.__version__} on {dev.name}: {report['device']['summary']}")

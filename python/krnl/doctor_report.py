@@ -3,6 +3,7 @@ same, for a person reading an issue), written atomically with the user's umask, 
 printed at the end."""
 
 import json
+import math
 from pathlib import Path
 
 from .fileio import atomic_write_bytes
@@ -25,9 +26,21 @@ def paths(base):
 def write(report, base):
     """Writes both files; returns their paths."""
     js, md = paths(base)
-    atomic_write_bytes(js, (json.dumps(report, indent=1, default=str, allow_nan=True) + "\n").encode())
+    atomic_write_bytes(js, (json.dumps(_finite(report), indent=1, default=str, allow_nan=False) + "\n").encode())
     atomic_write_bytes(md, markdown(report).encode())
     return js, md
+
+
+def _finite(v):
+    """`v` with each non-finite float as a string ("nan", "inf"): strict JSON has no NaN, and a
+    failing run is the one whose report must parse everywhere."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_finite(x) for x in v]
+    return v
 
 
 def _fmt(v):

@@ -103,7 +103,7 @@ def time_qlora(dev, dtype, quick):
     r = qlora.run_krnl(dev, s, batches, dtype, log=lambda *_: None)
     rows = [{"impl": "krnl", "ms": r["ms"], "tokens_per_s": r["tokens_per_s"], "loss": r["loss"],
              "peak_bytes": r["peak_bytes"]}]
-    rows.append(_peer(lambda: _mlx_lm_qlora(s, batches), "mlx-lm"))
+    rows.append(_peer(lambda: _mlx_lm_qlora(s, batches, dtype), "mlx-lm"))
     return {"size": s, "dtype": dtype, "bits": qlora.BITS, "group_size": qlora.GROUP, "rows": rows}
 
 
@@ -121,10 +121,10 @@ def _peer(run, impl, gflop=None):
     return {"impl": impl, "ms": out, **({"gflops": gflop / out * 1e3} if gflop else {})}
 
 
-def _mlx_lm_qlora(s, batches):
-    """mlx-lm's Llama of the same shape, its projections quantized as the QLoRA rows' (4 bits,
-    groups of 64), LoRA r=16 on them (mlx-lm's linear_to_lora_layers), AdamW steps timed as
-    krnl's (warm-up steps first): {"ms", "tokens_per_s", "loss"}."""
+def _mlx_lm_qlora(s, batches, dtype):
+    """mlx-lm's Llama of the same shape in `dtype`, its projections quantized as the QLoRA rows'
+    (4 bits, groups of 64), LoRA r=16 on them (mlx-lm's linear_to_lora_layers), AdamW steps timed
+    as krnl's (warm-up steps first), on MLX's default device: {"ms", "tokens_per_s", "loss", "note"}."""
     import mlx.core as mx
     import mlx.nn as nn
     import mlx.optimizers as optim
@@ -137,7 +137,7 @@ def _mlx_lm_qlora(s, batches):
                            intermediate_size=s["F"], num_attention_heads=s["H"], num_key_value_heads=s["KV"],
                            rms_norm_eps=1e-5, vocab_size=s["V"], rope_theta=500000.0, tie_word_embeddings=False)
     model = llama.Model(args)
-    model.set_dtype(mx.bfloat16)
+    model.set_dtype({"f32": mx.float32, "f16": mx.float16, "bf16": mx.bfloat16}[dtype])
     nn.quantize(model, group_size=qlora.GROUP, bits=qlora.BITS,
                 class_predicate=lambda path, m: isinstance(m, nn.Linear) and path.split(".")[-1] in qlora.MODULES)
     model.freeze()
@@ -162,4 +162,5 @@ def _mlx_lm_qlora(s, batches):
     for ids in batches[s["warmup"]:]:
         loss = step(ids)
     dt = time.perf_counter() - t0
-    return {"ms": 1e3 * dt / s["steps"], "tokens_per_s": s["steps"] * s["B"] * s["T"] / dt, "loss": float(loss)}
+    return {"ms": 1e3 * dt / s["steps"], "tokens_per_s": s["steps"] * s["B"] * s["T"] / dt, "loss": float(loss),
+            "note": f"on {mx.default_device()}; random weights of its own (losses not comparable)"}

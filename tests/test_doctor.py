@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import krnl
-from krnl import doctor_cases, doctor_report, doctor_runs
+from krnl import doctor, doctor_cases, doctor_report, doctor_runs
 from krnl.cli import main
 
 from conftest import METAL_SIM
@@ -174,3 +174,34 @@ def test_help_lists_doctor(capsys):
         main(["--help"])
     assert e.value.code == 0
     assert "doctor" in capsys.readouterr().out
+
+
+class _Metal:
+    """A stand-in Metal device for the compile section: `compiled` is what compile_libraries()
+    returns, or an exception it raises."""
+
+    def __init__(self, kind, compiled):
+        self.name, self.kind, self.compiled = kind, kind, compiled
+
+    def capabilities(self):
+        return {"kind": self.kind}
+
+    def compile_libraries(self):
+        if isinstance(self.compiled, Exception):
+            raise self.compiled
+        return self.compiled
+
+
+def test_doctor_compile_section_follows_the_contract():
+    """On "metal" the times are Device.compile_libraries()'s; a compiler error propagates (the
+    section then fails, named); NotImplementedError (metal-sim) falls back to the mslsim builds."""
+    c = doctor.compile_libraries(_Metal("metal", {"gemm": 12.5, "rope": 1.5}))
+    assert c["status"] == "ok" and c["libraries"] == {"gemm": 12.5, "rope": 1.5} and c["total_ms"] == 14.0
+    assert c["method"].startswith("Device.compile_libraries()")
+    with pytest.raises(RuntimeError, match="rope.metal: error"):
+        doctor.compile_libraries(_Metal("metal", RuntimeError("rope.metal: error: no such type")))
+    c = doctor.compile_libraries(_Metal("metal-cuda", NotImplementedError("[compile_libraries] not on metal-cuda")))
+    assert c["status"] == "skipped"
+    if METAL_SIM is not None:
+        c = doctor.compile_libraries(_Metal("metal-sim", NotImplementedError("[compile_libraries] not on metal-sim")))
+        assert c["status"] == "ok" and c["method"].startswith("tools/mslsim") and "rope" in c["libraries"]

@@ -66,11 +66,19 @@ def test_doctor_cpu_quick(tmp_path, capsys):
     assert "krnl doctor on cpu: all checks passed" in out and "report.json" in out
 
 
-@pytest.mark.skipif(METAL_SIM is None, reason="metal-sim is off (KRNL_TEST_METAL_SIM=0 or no g++)")
-def test_doctor_metal_sim_quick(tmp_path, capsys):
+@pytest.fixture
+def sim():
+    """metal-sim (the fixture's name also counts the test's time in the suite's metal-sim budget)."""
+    if METAL_SIM is None:
+        pytest.skip("metal-sim is off (KRNL_TEST_METAL_SIM=0 or no g++)")
+    return krnl.device("metal-sim")
+
+
+def test_doctor_metal_sim_quick(tmp_path, capsys, sim):
     rc, report, md = _doctor(tmp_path, "--device", "metal-sim")
-    assert rc == 0, capsys.readouterr().out
-    sim = krnl.device("metal-sim")
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "gpu: metal-sim (tools/mslsim on the CPU, standing for an Apple9 GPU), apple family 9" in out
     _check_complete(report, md, sim)
     libs = {p.stem for p in (ROOT / "metal").glob("*.metal")} - {"gemm"} | {"gemm[0=True]", "gemm[0=False]"}
     assert report["compile"]["status"] == "ok" and set(report["compile"]["libraries"]) == libs
@@ -121,8 +129,7 @@ def test_doctor_names_a_wrong_op(tmp_path, capsys, monkeypatch):
     json.loads((tmp_path / "report.json").read_text(), parse_constant=refuse)
 
 
-@pytest.mark.skipif(METAL_SIM is None, reason="metal-sim is off (KRNL_TEST_METAL_SIM=0 or no g++)")
-def test_doctor_training_tolerance_forced_to_fail(tmp_path, capsys, monkeypatch):
+def test_doctor_training_tolerance_forced_to_fail(tmp_path, capsys, monkeypatch, sim):
     """metal-sim's f32 losses differ from the CPU's by summation order only (~1e-7); a tolerance
     of 1e-12 must fail and say at which steps."""
     monkeypatch.setitem(doctor_runs.LOSS_RTOL, "f32", 1e-12)

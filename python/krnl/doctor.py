@@ -119,6 +119,10 @@ def run(dev, quick=False, sections=SECTIONS, dtype=None, log=print):
               "device": device_info(dev), "failures": []}
     dtype = dtype or report["device"]["capabilities"]["compute_dtype"]
     log(f"krnl doctor {krnl.__version__} on {dev.name}: {report['device']['summary']}")
+    gpu = report["device"].get("gpu")
+    if gpu:
+        log(f"gpu: {gpu['name']}, apple family {gpu['apple_family'] or 'below 7'}, working set "
+            f"{gpu['working_set'] / 2**30:.1f} GiB, unified memory {'yes' if gpu['unified_memory'] else 'no'}")
     b = report["build"]
     log(f"system: {report['system']['platform']}; built with {b['compiler']}"
         + (f", macOS SDK {b['macos_sdk_version']}, target {b['macos_deployment_target_version']}"

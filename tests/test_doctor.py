@@ -8,6 +8,7 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import krnl
@@ -212,3 +213,16 @@ def test_doctor_compile_section_follows_the_contract():
     if METAL_SIM is not None:
         c = doctor.compile_libraries(_Metal("metal-sim", NotImplementedError("[compile_libraries] not on metal-sim")))
         assert c["status"] == "ok" and c["method"].startswith("tools/mslsim") and "rope" in c["libraries"]
+
+
+def test_doctor_compare_refuses_what_is_not_agreement():
+    """NaN against NaN, an unwritten (NaN-prefilled) element, a shape change and an error past the
+    tolerance all fail; exact agreement passes a zero tolerance."""
+    from krnl.doctor_ops import _compare
+
+    assert _compare(np.array([np.nan]), np.array([np.nan]), 1.0)[1].startswith("the CPU's output is not finite")
+    assert _compare(np.array([1.0, np.nan]), np.array([1.0, 2.0]), 1.0)[1] == "non-finite output at [[1]]"
+    assert _compare(np.ones((2, 3)), np.ones((3, 2)), 1.0)[1] == "shape (2, 3) != (3, 2)"
+    rel, problem = _compare(np.array([1.0, 2.0]), np.array([1.0, 2.1]), 1e-3)
+    assert rel == pytest.approx(0.1 / 2.1) and problem.startswith("max error 4.76e-02 of the largest value > 1.0e-03")
+    assert _compare(np.array([1.0, 2.0]), np.array([1.0, 2.0]), 0.0) == (0.0, None)

@@ -226,3 +226,14 @@ def test_doctor_compare_refuses_what_is_not_agreement():
     rel, problem = _compare(np.array([1.0, 2.0]), np.array([1.0, 2.1]), 1e-3)
     assert rel == pytest.approx(0.1 / 2.1) and problem.startswith("max error 4.76e-02 of the largest value > 1.0e-03")
     assert _compare(np.array([1.0, 2.0]), np.array([1.0, 2.0]), 0.0) == (0.0, None)
+
+
+def test_doctor_build_versions(monkeypatch):
+    """The SDK and deployment target of an Apple build (MMmmpp numbers) also as X.Y[.Z]."""
+    monkeypatch.setattr(krnl._core, "build_info", lambda: {"compiler": "clang 15.0.0", "macos_sdk": 150000,
+                                                           "macos_deployment_target": 130302, "blas": "Accelerate"})
+    b = doctor.build_info()
+    assert (b["macos_sdk_version"], b["macos_deployment_target_version"]) == ("15.0", "13.3.2")
+    monkeypatch.setattr(krnl._core, "build_info", lambda: {"compiler": "gcc", "macos_sdk": None,
+                                                           "macos_deployment_target": None, "blas": "x"})
+    assert "macos_sdk_version" not in doctor.build_info()

@@ -23,7 +23,8 @@ def system_info():
     import numpy as np
 
     info = {"platform": platform.platform(), "machine": platform.machine(), "python": platform.python_version(),
-            "numpy": np.__version__, "krnl": krnl.__version__, "threads": krnl.num_threads()}
+            "numpy": np.__version__, "krnl": krnl.__version__, "threads": krnl.num_threads(),
+            "cpu_backend": dict(krnl.device("cpu").capabilities()["details"])}  # the BLAS's own version
     mac = platform.mac_ver()[0]
     if mac:
         info["macos"] = mac
@@ -123,6 +124,8 @@ def run(dev, quick=False, sections=SECTIONS, dtype=None, log=print):
     if gpu:
         log(f"gpu: {gpu['name']}, apple family {gpu['apple_family'] or 'below 7'}, working set "
             f"{gpu['working_set'] / 2**30:.1f} GiB, unified memory {'yes' if gpu['unified_memory'] else 'no'}")
+    for name, why in report["device"]["unavailable"].items():
+        log(f"{name}: unavailable here: {why}")
     b = report["build"]
     log(f"system: {report['system']['platform']}; built with {b['compiler']}"
         + (f", macOS SDK {b['macos_sdk_version']}, target {b['macos_deployment_target_version']}"

@@ -48,6 +48,8 @@ def _check_complete(report, md, dev):
     for heading in doctor_report.HEADINGS.values():
         assert f"\n## {heading}\n" in md
     assert md.startswith(f"# krnl doctor: {dev.name}, all checks passed\n")
+    losses = report["training"]["runs"][0]
+    assert f"| 5 | {losses['device_losses'][4]:.6f} | {losses['cpu_losses'][4]:.6f} | " in md
 
 
 def test_doctor_cpu_quick(tmp_path, capsys):

@@ -122,8 +122,9 @@ def run(dev, quick=False, sections=SECTIONS, dtype=None, log=print):
     log(f"krnl doctor {krnl.__version__} on {dev.name}: {report['device']['summary']}")
     gpu = report["device"].get("gpu")
     if gpu:
-        log(f"gpu: {gpu['name']}, apple family {gpu['apple_family'] or 'below 7'}, working set "
-            f"{gpu['working_set'] / 2**30:.1f} GiB, unified memory {'yes' if gpu['unified_memory'] else 'no'}")
+        ws = f"{gpu['working_set'] / 2**30:.1f} GiB" if gpu["working_set"] else "unknown"
+        log(f"gpu: {gpu['name']}, apple family {gpu['apple_family'] or 'below 7'}, working set {ws}, "
+            f"unified memory {'yes' if gpu['unified_memory'] else 'no'}")
     for name, why in report["device"]["unavailable"].items():
         log(f"{name}: unavailable here: {why}")
     b = report["build"]

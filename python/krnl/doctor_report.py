@@ -123,19 +123,20 @@ def _training_md(t):
         L += [f"{r['dtype']}: {r['steps']} steps of batch {r['batch_size']}, **{r['status']}** (largest step "
               f"difference {r['max_rel_diff']:.2e}, tolerance {r['tolerance']:.0e}; {r['device_s']:.1f} s on the "
               "device)", ""]
-        L += _table(["step", "device loss", "CPU loss"],
-                    [(i + 1, a, b) for i, (a, b) in enumerate(zip(r["device_losses"], r["cpu_losses"]))]) + [""]
+        L += _table(["step", "device loss", "CPU loss", "relative difference"],
+                    [(i + 1, f"{a:.6f}", f"{b:.6f}", f"{abs(a - b) / abs(b):.2e}" if b else "-")
+                     for i, (a, b) in enumerate(zip(r["device_losses"], r["cpu_losses"]))]) + [""]
     return L
 
 
 def _timing_md(t):
     L = []
-    for key, title in (("w1", "W1 (the MLP block's LoRA step)"), ("qlora", "QLoRA step (4-bit base)")):
+    for key, title, rate in (("w1", "W1 (the MLP block's LoRA step)", "gflops"),
+                             ("qlora", "QLoRA step (4-bit base)", "tokens_per_s")):
         s = t[key]
         L += [f"{title}, {s['dtype']}: {_fmt(s['size'])}", ""]
-        L += _table(["impl", "ms per step", "GFLOP/s or tokens/s", "note"],
-                    [(r["impl"], r.get("ms"), r.get("gflops", r.get("tokens_per_s")), r.get("note", ""))
-                     for r in s["rows"]]) + [""]
+        L += _table(["impl", "ms per step", {"gflops": "GFLOP/s", "tokens_per_s": "tokens/s"}[rate], "note"],
+                    [(r["impl"], r.get("ms"), r.get(rate), r.get("note", "")) for r in s["rows"]]) + [""]
     return L
 
 

@@ -157,6 +157,19 @@ struct LibraryCacheProbe {
 }  // namespace
 
 void bind_metal(nb::module_& m, nb::module_& t) {
+  m.def("metal_gpu", [](Backend& d) {
+          metal::MetalOps& mo = metal_device(d, "metal_gpu");
+          const metal::GpuDescription& g = mo.gpu();
+          nb::dict r;  // gpu_from's keys, and the command-buffer budget derived from them
+          r["name"] = g.name, r["apple_family"] = g.apple_family, r["mac2"] = g.mac2;
+          r["unified_memory"] = g.unified_memory, r["low_power"] = g.low_power, r["removable"] = g.removable;
+          r["working_set"] = g.working_set;
+          r["command_buffer_policy"] = policy_dict(mo.command_buffer_policy());
+          return r;
+        }, "device"_a,
+        "What a Metal device knows of its GPU (krnl doctor's report): name, apple_family (0: below Apple7), mac2, "
+        "unified_memory, low_power, removable, working_set (recommendedMaxWorkingSetSize, bytes) and the "
+        "command-buffer policy its limits give.");
   m.def("metal_libraries", &metal::library_names, "The op families of metal/ (one .metal file each).");
   m.def("metal_library_source", &metal::library_source, "name"_a,
         "The MSL source of metal/<name>.metal embedded in the binary, includes inlined (what the Metal device "

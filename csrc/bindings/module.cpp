@@ -10,6 +10,9 @@
 #include "cuda/cuda_backend.h"
 #endif
 #include "metal/metal_device.h"
+#ifdef __APPLE__
+#include <Availability.h>  // __MAC_OS_X_VERSION_MAX_ALLOWED: the SDK this binary was built against
+#endif
 
 namespace krnl::bindings {
 
@@ -31,6 +34,52 @@ DType to_dtype(nb::handle obj) {
   nb::object np = nb::module_::import_("numpy");
   return dtype_from_name(nb::cast<std::string>(np.attr("dtype")(obj).attr("name")));
 }
+
+namespace {
+
+// How this binary was built, for `krnl doctor`'s report: what a user's Mac ran is otherwise unknown
+// to us (which SDK, which deployment target, which compiler).
+nb::dict build_info() {
+  nb::dict d;
+#if defined(__clang__)
+  d["compiler"] = "clang " __clang_version__;
+#elif defined(__GNUC__)
+  d["compiler"] = "gcc " __VERSION__;
+#elif defined(_MSC_VER)
+  d["compiler"] = "msvc " + std::to_string(_MSC_VER);
+#else
+  d["compiler"] = "unknown";
+#endif
+  d["cplusplus"] = long(__cplusplus);
+#ifdef NDEBUG
+  d["assertions"] = false;
+#else
+  d["assertions"] = true;
+#endif
+#ifdef __APPLE__
+  // Both are MMmmpp numbers (140000 = 14.0.0) from macOS 10.10 on.
+  d["macos_sdk"] = long(__MAC_OS_X_VERSION_MAX_ALLOWED);
+  d["macos_deployment_target"] = long(__MAC_OS_X_VERSION_MIN_REQUIRED);
+  d["blas"] = "Accelerate";
+#else
+  d["macos_sdk"] = nb::none();
+  d["macos_deployment_target"] = nb::none();
+  d["blas"] = "scipy-openblas32";
+#endif
+#ifdef KRNL_HAS_METAL
+  d["metal"] = true;
+#else
+  d["metal"] = false;
+#endif
+#ifdef KRNL_HAS_CUDA
+  d["cuda"] = true;
+#else
+  d["cuda"] = false;
+#endif
+  return d;
+}
+
+}  // namespace
 
 }  // namespace krnl::bindings
 
@@ -55,6 +104,9 @@ NB_MODULE(_core, m) {
 
   m.def("num_threads", [] { return krnl::ThreadPool::global().size(); },
         "Threads of the core's pool (KRNL_NUM_THREADS, else the hardware's count).");
+  m.def("build_info", &build_info,
+        "How this extension was built: compiler, C++ standard, assertions, macOS SDK and deployment target "
+        "(MMmmpp numbers on Apple, else None), the BLAS it links, and whether it has the Metal and CUDA backends.");
 
   bind_devices(m);
   bind_tensors(m);

@@ -11,7 +11,7 @@ modules relative to krnl; `bench.*` is every module of krnl/bench):
     model     params phi3 gemma3 config qweight step_inputs sample_sums lora lora_group lora_fold attention gemma layer_heads layer generate model mlp_block
     formats   adapter mlx_folder gguf_file gguf_tokenizer hf gguf_fuse
     train     optim batches data default_task step dist dist_nccl dist_train trainer
-    cli       cli cli_args cli_device tune __main__ bench bench.*
+    cli       cli cli_args cli_device tune doctor doctor_cases doctor_ops doctor_runs doctor_report __main__ bench bench.*
 
 - ops: the native core and what this file re-exports from it; importing any submodule runs this
   file first, so it may import nothing above.
@@ -24,8 +24,8 @@ modules relative to krnl; `bench.*` is every module of krnl/bench):
   (gguf_fuse builds on hf).
 - train: the optimizer, batches, datasets, the embedded default task, the device step (step: eager
   or replayed) and the training loop; data and trainer both draw on batches and not on each other.
-- cli: the `krnl` commands, GEMM tuning (`krnl tune`) and the benchmark harness (krnl.bench), which
-  may use everything.
+- cli: the `krnl` commands, GEMM tuning (`krnl tune`), the self-test (`krnl doctor`) and the
+  benchmark harness (krnl.bench), which may use everything.
 """
 
 import sys as _sys

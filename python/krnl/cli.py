@@ -1,11 +1,10 @@
 """The `krnl` command line: `train`, `eval` and `generate` (the embedded default: a tiny Llama and a
 generated task; or, for eval and generate, an HF or MLX model folder or GGUF file from --model or the
 adapter's base_model_name_or_path), `fuse` (an adapter merged into its base, written as an HF folder or an MLX
-quantized one), `quantize` (an HF folder written as an MLX quantized folder),
-`w1` (LoRA on the W1 MLP block of docs/performance.md, matching a teacher), `bench` (krnl/bench),
-`tune` (tune.py: the GEMM variants timed on this GPU) and `devices`. The argument parser is in
-cli_args.py; `devices`, `w1` and the device choice are in cli_device.py; `krnl.cli:main` stays
-the entry point."""
+quantized one), `quantize` (an HF folder written as an MLX quantized folder), `w1` (LoRA on the W1 MLP
+block of docs/performance.md, matching a teacher), `bench` (krnl/bench), `tune` (tune.py), `devices` and
+`doctor` (doctor.py: a self-test). Parser: cli_args.py; `devices`, `w1` and the device choice:
+cli_device.py; `krnl.cli:main` stays the entry point."""
 
 import sys
 from pathlib import Path
@@ -371,9 +370,11 @@ def main(argv=None):
     if code is not None:
         return code
     from .bench.cli import cmd_bench  # krnl.bench pulls in its workloads: only once the CLI runs
+    from .doctor import cmd_doctor
 
     commands = {"devices": cmd_devices, "train": cmd_train, "eval": cmd_eval, "generate": cmd_generate,
-                "fuse": cmd_fuse, "quantize": cmd_quantize, "w1": cmd_w1, "tune": cmd_tune, "bench": cmd_bench}
+                "fuse": cmd_fuse, "quantize": cmd_quantize, "w1": cmd_w1, "tune": cmd_tune, "bench": cmd_bench,
+                "doctor": cmd_doctor}
     args = parse_args(argv, commands)
     return dist.guarded(_run, args)
 

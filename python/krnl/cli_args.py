@@ -325,11 +325,23 @@ def parse_args(argv, commands):
     u.add_argument("--repeats", type=int, default=5, help="timed runs per variant and shape class (median)")
     u.set_defaults(fn=commands["tune"])
 
+    k = sub.add_parser("doctor", help="self-test: the device, every op against the CPU, a training run and timings, "
+                       "written to a report to attach to an issue (Mac users: please run it)")
+    k.add_argument("--device", default=None, help="the device to test (default: best available)")
+    k.add_argument("--dtype", default=None, choices=["f32", "f16", "bf16"],
+                   help="dtype of the timed W1 and QLoRA steps (default: the device's compute dtype)")
+    k.add_argument("--quick", action="store_true", help="small sizes and fewer steps (seconds; CI, the simulator)")
+    k.add_argument("--only", default=None, metavar="SECTIONS",
+                   help="comma-separated sections to run, of compile,ops,training,timing (default: all)")
+    k.add_argument("--report", default="krnl-doctor", metavar="PATH",
+                   help="the report's path without suffix: PATH.json and PATH.md are written")
+    k.set_defaults(fn=commands["doctor"])
+
     from .bench.cli import add_arguments as bench_arguments
     b = sub.add_parser("bench", help="krnl next to numpy, PyTorch and MLX on W1/W2/W3 and GEMMs, behind a control gate")
     bench_arguments(b)
     b.set_defaults(fn=commands["bench"])
-    for q in (d, t, e, g, f, z, w, u, b):
+    for q in (d, t, e, g, f, z, w, u, k, b):
         _help_with_defaults(q)
     args = p.parse_args(argv)
     if getattr(args, "config", None):

@@ -1,6 +1,7 @@
 """Smoke test of an installed krnl wheel (CI stage 3 and cibuildwheel's test-command): the package
-imports from site-packages (not a source checkout), the CPU device works, and one LoRA training
-step of a tiny random Llama runs and lowers the loss. Needs only the wheel and its dependencies."""
+imports from site-packages (not a source checkout), the CPU device works, one LoRA training step
+of a tiny random Llama runs and lowers the loss, and `krnl doctor --quick` passes on the CPU. Needs
+only the wheel and its dependencies."""
 
 import sys
 from pathlib import Path
@@ -39,4 +40,16 @@ for _ in range(4):
 print("tiny LoRA training on cpu, loss per step: " + " ".join(f"{v:.4f}" for v in losses))
 if not (np.isfinite(losses).all() and losses[-1] < losses[0]):
     sys.exit(f"smoke: the loss did not fall: {losses}")
+# krnl doctor as a user runs it, from the wheel alone (its op checks ship in the package, not in tests/)
+import json
+import subprocess
+import tempfile
+
+with tempfile.TemporaryDirectory() as tmp:
+    r = subprocess.run([sys.executable, "-m", "krnl", "doctor", "--device", "cpu", "--quick", "--report",
+                        str(Path(tmp) / "doctor")], capture_output=True, text=True)
+    print(next((line for line in r.stdout.splitlines() if line.startswith("krnl doctor on")), "(no summary)"))
+    report = json.loads((Path(tmp) / "doctor.json").read_text()) if (Path(tmp) / "doctor.json").exists() else {}
+    if r.returncode or not report.get("ok"):
+        sys.exit(f"smoke: krnl doctor failed (exit {r.returncode}):\n{r.stdout[-3000:]}{r.stderr[-3000:]}")
 print("smoke: ok")

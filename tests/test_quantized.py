@@ -106,9 +106,11 @@ def quantized_inputs(dev, O, I, bits, group_size, sdt, seed):
     return to_dev(dev, quant.pack(codes, bits), "i32"), s, b, W
 
 
-# (N, O, I, group_size): 1 and 33 rows, I not a multiple of 128, O across the CPU's 256-row tiles
+# (N, O, I, group_size): 1, 31 and 33 rows (Metal's 32-row tiles), 8 and 9 (the last of Metal's
+# few-row form, the first tiled), I not a multiple of 128 nor, at group size 16, of Metal's 32-deep
+# K step, O across the CPU's 256-row tiles and off Metal's 32 and 8 out columns
 QMM_CASES = [(1, 1, 32, 32), (33, 31, 96, 32), (2, 300, 192, 64), (33, 65, 320, 64), (5, 17, 384, 128),
-             (17, 9, 64, 16)]
+             (17, 9, 64, 16), (31, 33, 48, 16), (8, 45, 96, 32), (9, 13, 160, 32)]
 
 
 @pytest.mark.parametrize("dt", FLOAT_DTYPES)
@@ -123,6 +125,8 @@ def test_quantized_matmul(dev, N, O, I, group_size, transpose, bits, dt):
     why = quantized_missing(dev)
     if why:
         pytest.skip(why)
+    if I * bits % 32:
+        pytest.skip(f"a row of {I} {bits}-bit codes does not fill whole 32-bit words")
     w, s, b, W = quantized_inputs(dev, O, I, bits, group_size, dt, seed=N * O + bits)
     K, M = (I, O) if transpose else (O, I)
     x, xf = upload(dev, np.random.default_rng(O).standard_normal((N, K)), dt)
@@ -179,14 +183,16 @@ def test_quantized_embedding_errors(dev):
         ops.quantized_embedding(ids, w, dev.zeros((5, 4)), dev.zeros((5, 4)), dev.empty((3, 64)), 32, 4)
 
 
+@pytest.mark.parametrize("N", [20, 3])
 @pytest.mark.parametrize("bits", [3, 4])
-def test_quantized_matmul_column_blocks(dev, bits):
+def test_quantized_matmul_column_blocks(dev, bits, N):
     """x and out may be row-strided column blocks of wider matrices (a fused q|k|v projection
-    whose parts are quantized differently): only the block is read and written."""
+    whose parts are quantized differently): only the block is read and written (3 rows: Metal's
+    few-row form)."""
     why = quantized_missing(dev)
     if why:
         pytest.skip(why)
-    O, I, N = 24, 64, 20
+    O, I = 24, 64
     w, s, b, W = quantized_inputs(dev, O, I, bits, 32, "f32", seed=bits)
     rng = np.random.default_rng(5)
     wide_x = rng.standard_normal((N, 100)).astype(np.float32)
@@ -200,6 +206,33 @@ def test_quantized_matmul_column_blocks(dev, bits):
     want_x = wide_x.copy()
     want_x[:, 7:7 + I] += want[:, 30:30 + O].astype(np.float64) @ W
     np.testing.assert_allclose(xd.numpy(), want_x, rtol=1e-5, atol=1e-4)
+
+
+def test_quantized_matmul_metal_forms():
+    """On Metal, x W^T of at most 8 rows takes the few-row form (quantized_matmul_tv_*, 8 out columns
+    and 8 rows per threadgroup of 64 threads), anything else the tiled form (32x32 tiles, 128
+    threads); one dispatch for the whole product (block at column 0, the groups of W's rows), its
+    flops counted for the command-buffer split's estimate."""
+    import conftest
+    if conftest.METAL_SIM is None:
+        pytest.skip("metal-sim is not registered")
+    sim = krnl.device("metal-sim")
+    w, s, b, _ = quantized_inputs(sim, 70, 96, 4, 32, "f16", seed=3)
+    fields = ["N", "M", "K", "words", "group_size", "beta", "ldx", "ldo", "m0", "groups"]
+    for N, transpose, kernel, grid, threads in ((8, True, "tv", (9, 1, 1), 64), (9, True, "t", (3, 1, 1), 128),
+                                                (1, False, "n", (3, 1, 1), 128), (33, False, "n", (3, 2, 1), 128)):
+        K, M = (96, 70) if transpose else (70, 96)
+        x = to_dev(sim, np.ones((N, K)), "f16")
+        with sim.step():
+            ops.quantized_matmul(x, w, s, b, sim.empty((N, M), "f16"), transpose, 32, 4, beta=0.25)
+        (rec,) = krnl._core.testing.metal_sim_last_step()
+        assert rec["kernel"] == f"quantized_matmul_{kernel}_f16_b4", rec["kernel"]
+        assert rec["grid"] == grid and rec["threads"] == (threads, 1, 1)
+        assert rec["flops"] == 2 * N * M * K
+        vals = np.frombuffer(rec["args"], np.uint32).copy()
+        args = dict(zip(fields, vals.tolist()))
+        args["beta"] = float(vals[5:6].view(np.float32)[0])
+        assert args == dict(N=N, M=M, K=K, words=12, group_size=32, beta=0.25, ldx=K, ldo=M, m0=0, groups=3)
 
 
 def test_quantized_matmul_errors(dev):

@@ -36,6 +36,7 @@ nb::dict to_dict(const Dispatch& d) {
   r["args"] = nb::bytes(reinterpret_cast<const char*>(d.args.data()), d.args.size());
   r["grid"] = nb::make_tuple(d.grid[0], d.grid[1], d.grid[2]);
   r["threads"] = nb::make_tuple(d.threads[0], d.threads[1], d.threads[2]);
+  r["flops"] = d.flops;
   return r;
 }
 

@@ -140,8 +140,8 @@ def main(argv=None):
         for tr in (True, False):
             cases.append((f"{name} {'x W^T' if tr else 'x W'}", 512, tr, O, I))
     cases.append(("LM head x W^T", 1024, True, 128256, 4096))
-    for n in (1, 8):
-        for name, (I, O) in proj.items():
+    for name, (I, O) in proj.items():
+        for n in (1, 8):
             cases.append((f"{name} x W^T", n, True, O, I))
     if a.quick:
         cases = [c for c in cases if c[0].startswith("q ")]

@@ -6,7 +6,7 @@ tile32 and steel64, f16, aligned), at an 8B Llama's projections (q 4096 -> 4096,
 down 14336 -> 4096) at N = 512 in both directions, an LM-head chunk (N = 1024, V = 128256, C = 4096,
 x W^T), and generation (N = 1 and 8, x W^T). 4-bit codes, group size 64, f16 x, scales and out.
 
-    python tools/mslcuda/qmm_timing.py [--json FILE] [--quick]
+    python tools/mslcuda/qmm_timing.py [--json FILE] [--quick | --crossover]
 
 Run by tools/device/h200_check.sh qmm. Speeds here are an NVIDIA H200's running MSL through a
 CUDA shim (the SIMD-group matrix emulated with shuffles, nothing tuned for it): they compare the
@@ -127,6 +127,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None)
     ap.add_argument("--quick", action="store_true", help="the q projection alone (a smoke test)")
+    ap.add_argument("--crossover", action="store_true",
+                    help="instead: the few-row and the tiled form at 1 to 32 rows (where the host's switch at 8 "
+                         "stands), and the time of a launch that does almost nothing")
     a = ap.parse_args(argv)
     rt = mslcuda.runtime()
     t0 = time.perf_counter()
@@ -134,6 +137,8 @@ def main(argv=None):
         qlib, (glib_a, glib_u), nlib = trimmed_libs(Path(d))
     print(f"device: {rt.device_name()}; kernels compiled in {time.perf_counter() - t0:.0f} s", flush=True)
     rng = np.random.default_rng(0)
+    if a.crossover:
+        return crossover(rt, qlib, rng, a.json)
     proj = {"q": (4096, 4096), "gate": (4096, 14336), "down": (14336, 4096)}   # (in, out) features
     cases = []   # (label, N, transpose, O, I)
     for name, (I, O) in proj.items():
@@ -218,6 +223,39 @@ def main(argv=None):
     bad = [r for r in rows if not r["ok"]]
     print(f"{len(rows)} timings, {len(bad)} with a wrong spot check")
     return 1 if bad else 0
+
+
+def crossover(rt, qlib, rng, json_path):
+    """x W^T through quantized_matmul_tv (row blocks of 8, W read once per block) and through the
+    tiled form, at the q and gate projections' W, N = 1 .. 32; then the floor: a tv launch over
+    one 8-column block of a 64-wide W (what every timing here includes of the host's launch path)."""
+    rows = []
+    for name, (I, O) in {"q": (4096, 4096), "gate": (4096, 14336), "floor": (64, 8)}.items():
+        codes = rng.integers(-2**31, 2**31, (O, I * BITS // 32), dtype=np.int64).astype(np.int32)
+        sc = (0.02 * rng.uniform(0.5, 1.0, (O, I // GS))).astype(np.float16)
+        bi = (-8 * sc).astype(np.float16)
+        wb, sb, bb = Buf(rt, codes), Buf(rt, sc), Buf(rt, bi)
+        for N in ((1,) if name == "floor" else (1, 2, 4, 8, 9, 16, 32)):
+            x = big(rng, (N, I), np.float16)
+            xb, ob = Buf(rt, x), Buf(rt, np.zeros((N, O), np.float16))
+            qargs = kargs("QuantizedMatmulArgs", N=N, M=O, K=I, words=I * BITS // 32, group_size=GS, beta=0.0, ldx=I,
+                          ldo=O, m0=0, groups=I // GS)
+            bufs = {0: xb.ptr, 1: wb.ptr, 2: sb.ptr, 3: bb.ptr, 4: ob.ptr}
+            forms = (("few-row", "quantized_matmul_tv_f16_b4", (-(-O // 8), -(-N // 8), 1), (64, 1, 1)),
+                     ("tiled", "quantized_matmul_t_f16_b4", (-(-O // 32), -(-N // 32), 1), (128, 1, 1)))
+            for form, kname, grid, threads in forms[:1] if name == "floor" else forms:
+                sec = timed(rt, lambda: qlib.launch(kname, grid, threads, bufs, qargs, 5))
+                nbytes = x.nbytes + codes.nbytes + sc.nbytes + bi.nbytes + N * O * 2
+                rows.append(dict(shape=name, N=N, M=O, K=I, kernel=form, ms=sec * 1e3, gbps=nbytes / sec / 1e9,
+                                 gflops=2.0 * N * O * I / sec / 1e9))
+                r = rows[-1]
+                print(f"{name:6s} N={N:3d} M={O:6d} K={I:5d} {form:8s} {r['ms']:8.4f} ms {r['gbps']:8.1f} GB/s "
+                      f"{r['gflops']:9.1f} GFLOP/s", flush=True)
+            rt.free(xb.ptr), rt.free(ob.ptr)
+    if json_path:
+        Path(json_path).write_text(json.dumps(dict(device=rt.device_name(), bits=BITS, group_size=GS, rows=rows),
+                                              indent=1))
+    return 0
 
 
 def dequant_cols(codes, sc, bi, cols, tr):

@@ -36,12 +36,13 @@
 // Bytes read per FLOP (device loads the kernel issues, 2 FLOPs per multiply-add; sx the size of an
 // x element, ss of a scale, gs the group size; out's store not counted):
 //   tiled:    sx / (2 * 32) + bits / (8 * 2 * 32) + 2 * ss / (2 * 32 * gs) per FLOP; f16 x, 4 bits,
-//             gs 64: 0.03125 + 0.0078 + 0.0005 = 0.040 (f32 x: 0.071)
+//             gs 64: 0.031 + 0.008 + 0.001 = 0.040 (f32 x and scales: 0.072)
 //   few-row:  W once per row block of R <= 8 rows: (bits / 8 + 2 ss / gs) / (2 R) + sx / (2 * 4);
-//             at R = 1, f16, 4 bits: 0.26 (W) + 0.25 (x, from cache: every SIMD-group reads it)
+//             at R = 1, f16, 4 bits, gs 64: 0.28 (W) + 0.25 (x, from cache: every SIMD-group reads it)
 //   the naive kernel it replaces (one thread per output element): (sx + bits / 8 + 2 ss / gs) / 2
 //             = 1.28 at f16, 4 bits, gs 64 (every output element read its whole row of x and of W)
 //   dense GEMM (gemm.metal tile32, A and B both sx): 2 sx / (2 * 32) = 0.0625 at f16 (steel64: 0.031)
+// Measured on metal-cuda (an H200 running this MSL, not a Mac): docs/performance.md, tools/mslcuda/qmm_timing.py.
 #include <metal_stdlib>
 #include <metal_simdgroup_matrix>
 #include "kargs.h"

@@ -42,7 +42,8 @@
 //   the naive kernel it replaces (one thread per output element): (sx + bits / 8 + 2 ss / gs) / 2
 //             = 1.28 at f16, 4 bits, gs 64 (every output element read its whole row of x and of W)
 //   dense GEMM (gemm.metal tile32, A and B both sx): 2 sx / (2 * 32) = 0.0625 at f16 (steel64: 0.031)
-// Measured on metal-cuda (an H200 running this MSL, not a Mac): docs/performance.md, tools/mslcuda/qmm_timing.py.
+// Measured on metal-cuda (an H200 running this MSL, not a Mac): docs/performance.md,
+// tools/mslcuda/qmm_timing.py.
 #include <metal_stdlib>
 #include <metal_simdgroup_matrix>
 #include "kargs.h"

@@ -802,7 +802,8 @@ void MetalOps::transpose_heads(const Tensor& x, const Tensor& out, const Tensor*
 namespace {
 
 constexpr int64_t kQmmTile = 32;     // quantized.metal's tiled form: 32x32 out tiles, 128 threads
-constexpr int64_t kQmvRows = 8;      // its few-row form: x rows per row block (8 out columns, 64 threads)
+constexpr int64_t kQmvRows = 8;      // its few-row form: x rows per row block,
+constexpr int64_t kQmvCols = 8;      // and out columns per threadgroup (2 SIMD-groups of 4, 64 threads)
 constexpr int64_t kQmvMaxN = 8;      // the host takes the few-row form up to this many rows (`t` only)
 
 // One quantized_matmul dispatch computing the block out[n0 : n0 + rows, m0 : m0 + cols] of the
@@ -837,7 +838,7 @@ Dispatch quantized_matmul_block(const Emit& e, const Tensor& x, const Tensor& w,
   u32(e.op, scales.numel(), "scales' size");
   d.flops = 2.0 * double(rows) * double(cols) * double(K);
   if (few) {
-    d.grid = {ceil_div(cols, kQmvRows), ceil_div(rows, kQmvRows), 1};
+    d.grid = {ceil_div(cols, kQmvCols), ceil_div(rows, kQmvRows), 1};
     d.threads = {64, 1, 1};
   } else {
     d.grid = {ceil_div(cols, kQmmTile), ceil_div(rows, kQmmTile), 1};

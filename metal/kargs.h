@@ -241,7 +241,10 @@ struct TransposeHeadsArgs {
 };
 
 // quantized_matmul: out (N, M) = x (N, K) op(W) + beta * out, W (O, I) from packed codes
-// (O, words) and scales/biases (O, I / group_size); transpose: K = I, M = O; else K = O, M = I.
+// (O, words) and scales/biases (O, groups); transpose: K = I, M = O; else K = O, M = I.
+// A dispatch may compute a block of a larger product: out's columns [m0, m0 + M) of the whole
+// (rows of W in transpose, columns of W otherwise, m0 then a multiple of 8), with out bound at
+// column m0 and x, out at the block's first row; M and N are the block's.
 struct QuantizedMatmulArgs {
     uint32_t N;
     uint32_t M;
@@ -251,6 +254,8 @@ struct QuantizedMatmulArgs {
     float    beta;
     uint32_t ldx;         // row strides of x and out (column blocks of a wider matrix allowed)
     uint32_t ldo;
+    uint32_t m0;          // the block's first column of the whole product (0: the whole)
+    uint32_t groups;      // groups per W row (I / group_size of the whole W): scales' row stride
 };
 
 // quantized_embedding: out (n, C) = rows ids of a table (V, C) quantized like quantized_matmul's W.

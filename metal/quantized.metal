@@ -1,21 +1,87 @@
-// msl: 3.0 (krnl's floor; newest feature used: nothing past MSL 2.0)
+// msl: 3.0 (krnl's floor; newest feature used: simdgroup_matrix, MSL 2.3)
 // quantized_matmul: out (N, M) = x (N, K) op(W) + beta * out with W (O, I) quantized as MLX does
 // (metal/kargs.h QuantizedMatmulArgs; csrc/core/op_list.h has the layout): each row's codes one
 // little-endian bit stream of 32-bit words (3, 5 and 6 bits straddle words),
 // W[o, j] = scales[o, j / gs] * q + biases[o, j / gs]. x and out rows are args.ldx / args.ldo apart.
 //   quantized_matmul_t_*:  transpose, out (N, O) = x (N, I) W^T  (a linear's forward)
 //   quantized_matmul_n_*:  out (N, I) = x (N, O) W               (its input gradient)
+//   quantized_matmul_tv_*: the `t` product for a few rows of x (generation; N <= 8 per row block)
 //   quantized_embedding_*: out (n, C) = rows ids of the table W, dequantized
-// Names: quantized_matmul_{t,n}_<x dtype>[_sf32]_b<bits> (quantized_embedding_<out dtype>...); _sf32 when scales and biases are f32
-// while x is 16-bit. x and out share a dtype; products accumulate in float, out rounds once.
+// Names: quantized_matmul_{t,n,tv}_<x dtype>[_sf32]_b<bits> (quantized_embedding_<out dtype>...);
+// _sf32 when scales and biases are f32 while x is 16-bit. x and out share a dtype; products
+// accumulate in float, out rounds once.
 //
-// A first, untuned kernel: one thread per output element, a grid-stride loop over N * M, each
-// dequantizing the codes it needs on the fly (W is never dequantized whole, and nothing is staged
-// in threadgroup memory). Any threadgroup shape; the host uses 256 threads. Correct at any N, M,
-// K; a tiled SIMD-group version is for later, on a Mac that can time it.
+// Blocks: a dispatch computes out's columns [m0, m0 + M) of the whole product (args.m0: rows of W
+// in `t`, columns of W in `n`, where m0 must be a multiple of 8) with out bound at column m0;
+// args.groups is the number of groups per W row of the whole W (scales' row stride). Rows of x
+// and out are split by binding them at an offset. The host splits a product into such blocks to
+// keep each dispatch under the GPU watchdog.
+//
+// Tiled form (quantized_matmul_{t,n}_*), after MLX's qmm_t / qmm_n: a threadgroup of 4 SIMD-groups
+// (128 threads) computes a 32x32 tile of out, K in steps of 32. Per step every thread stages 8
+// elements of the x tile (32 x 32, [n][k]) and dequantizes 8 consecutive codes of W (one or two
+// 32-bit words, one scale and bias: 8 codes never cross a group) into the op(W) tile (32 x 32,
+// [k][n], in x's dtype: 16-bit x rounds each dequantized weight once, as MLX does). Each
+// SIMD-group multiplies a 16x16 quarter with 2x2 8x8 simdgroup_matrix products into float
+// accumulators and stores them straight from its lanes. Threadgroup memory: 2 x 32 x 36 elements
+// (9,216 bytes f32, 4,608 half). Grid (ceil(M / 32), ceil(N / 32), 1), threads (128, 1, 1).
+// Any N, M, K: x tiles are zero filled past N and K, op(W) tiles past M and K, stores checked.
+//
+// Few-row form (quantized_matmul_tv_*), after MLX's qmv: 2 SIMD-groups (64 threads) per
+// threadgroup, each owning 4 rows of W (4 output columns) and up to 8 rows of x (the row block).
+// Lane l takes codes [8l, 8l + 8) of every 256 along K: each packed word is read once per row
+// block (the row block's 8 x rows reuse it from registers), each x element once per SIMD-group;
+// every lane's partial sums end in simd_sum. Grid (ceil(M / 8), ceil(N / 8), 1), threads (64, 1, 1).
+//
+// Bytes read per FLOP (device loads the kernel issues, 2 FLOPs per multiply-add; sx the size of an
+// x element, ss of a scale, gs the group size; out's store not counted):
+//   tiled:    sx / (2 * 32) + bits / (8 * 2 * 32) + 2 * ss / (2 * 32 * gs) per FLOP; f16 x, 4 bits,
+//             gs 64: 0.031 + 0.008 + 0.001 = 0.040 (f32 x and scales: 0.072)
+//   few-row:  W once per row block of R <= 8 rows: (bits / 8 + 2 ss / gs) / (2 R) + sx / (2 * 4);
+//             at R = 1, f16, 4 bits, gs 64: 0.28 (W) + 0.25 (x, from cache: every SIMD-group reads it)
+//   the naive kernel it replaces (one thread per output element): (sx + bits / 8 + 2 ss / gs) / 2
+//             = 1.28 at f16, 4 bits, gs 64 (every output element read its whole row of x and of W)
+//   dense GEMM (gemm.metal tile32, A and B both sx): 2 sx / (2 * 32) = 0.0625 at f16 (steel64: 0.031)
+// Measured on metal-cuda (an H200 running this MSL, not a Mac): docs/performance.md,
+// tools/mslcuda/qmm_timing.py.
 #include <metal_stdlib>
+#include <metal_simdgroup_matrix>
 #include "kargs.h"
 using namespace metal;
+
+// Geometry as enum constants, as gemm.metal does (program-scope `constant`s become memory).
+enum {
+    QMM_BM      = 32,               // out rows (rows of x) per threadgroup
+    QMM_BN      = 32,               // out columns per threadgroup
+    QMM_BK      = 32,               // K step staged per iteration
+    QMM_THREADS = 128,              // 4 SIMD-groups, 2 x 2 over the tile
+    QMM_CHUNK   = 8,                // elements a thread stages per step (x and W alike)
+    QMM_PAD     = 4,                // staged-row padding (fewer bank conflicts on transposed writes)
+    QMM_LDX     = QMM_BK + QMM_PAD, // Xs [BM][LDX]: the x tile as [n][k]
+    QMM_LDW     = QMM_BN + QMM_PAD, // Ws [BK][LDW]: the op(W) tile as [k][n]
+    QMV_SG      = 2,                // few-row form: SIMD-groups per threadgroup
+    QMV_R       = 4,                // W rows (out columns) per SIMD-group
+    QMV_N       = 8,                // x rows per row block
+};
+
+// Codes j .. j + 7 of a packed row (j a multiple of 8) as the low 8 * BITS bits of the result:
+// they start at bit 8 * (j * BITS / 8 % 4) of word j * BITS / 32 and, for every width, end
+// within the next word; that word is read only when they reach into it (never past the row).
+template <int BITS>
+inline ulong codes8(device const uint* row, uint j)
+{
+    const uint bit = j * BITS, wi = bit >> 5, sh = bit & 31u;
+    ulong v = row[wi];
+    if (sh + 8 * BITS > 32)
+        v |= ulong(row[wi + 1]) << 32;
+    return v >> sh;
+}
+
+template <int BITS>
+inline float code_at(ulong v, uint e)
+{
+    return float(uint(v >> (e * BITS)) & ((1u << BITS) - 1u));
+}
 
 template <int BITS>
 inline float dequant(device const uint* w, uint words, uint o, uint j, float s, float b)
@@ -36,31 +102,176 @@ kernel void quantized_matmul(device const T*    x      [[buffer(0)]],
                              device const S*    biases [[buffer(3)]],
                              device T*          out    [[buffer(4)]],
                              constant QuantizedMatmulArgs& args [[buffer(5)]],
-                             uint gid [[thread_position_in_grid]],
-                             uint gsz [[threads_per_grid]])
+                             uint3 tg   [[threadgroup_position_in_grid]],
+                             uint  tid  [[thread_index_in_threadgroup]],
+                             uint  sg   [[simdgroup_index_in_threadgroup]],
+                             uint  lane [[thread_index_in_simdgroup]])
 {
-    const uint total = args.N * args.M, gs = args.group_size, words = args.words;
-    const uint I = TRANSPOSE ? args.K : args.M, G = I / gs;
-    for (uint e = gid; e < total; e += gsz) {
-        const uint n = e / args.M, m = e % args.M;
-        device const T* xr = x + n * args.ldx;
-        float acc = 0.0f;
-        if (TRANSPOSE) {  // o = m: one row of W, group by group
-            for (uint g = 0; g < G; ++g) {
-                const float s = float(scales[m * G + g]), b = float(biases[m * G + g]);
-                for (uint j = g * gs; j < (g + 1) * gs; ++j)
-                    acc = fma(float(xr[j]), dequant<BITS>(w, words, m, j, s, b), acc);
+    threadgroup T Xs[QMM_BM * QMM_LDX];
+    threadgroup T Ws[QMM_BK * QMM_LDW];
+    const uint N = args.N, M = args.M, K = args.K, gs = args.group_size, G = args.groups;
+    const uint n0 = tg.y * QMM_BM, c0 = tg.x * QMM_BN;   // the tile's first out row and column
+    const uint sm = sg / 2, sn = sg % 2;                  // this SIMD-group's 16x16 quarter
+    // What this thread stages: row r, elements [c, c + 8) of a 32-wide row of each tile
+    const uint r = tid / (QMM_BK / QMM_CHUNK), c = (tid % (QMM_BK / QMM_CHUNK)) * QMM_CHUNK;
+
+    simdgroup_float8x8 acc[2][2];
+#pragma clang loop unroll(full)
+    for (uint i = 0; i < 2; ++i)
+#pragma clang loop unroll(full)
+        for (uint j = 0; j < 2; ++j)
+            acc[i][j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+
+    const bool n_full = n0 + QMM_BM <= N;
+    for (uint k0 = 0; k0 < K; k0 += QMM_BK) {
+        // x tile [n][k]: row n0 + r, k0 + c ..; zeros past N and K
+        {
+            device const T* p = x + (ulong)(n0 + r) * args.ldx + (k0 + c);
+            threadgroup T* d = Xs + r * QMM_LDX + c;
+            if (n_full && k0 + QMM_BK <= K) {
+#pragma clang loop unroll(full)
+                for (uint e = 0; e < QMM_CHUNK; ++e)
+                    d[e] = p[e];
+            } else {
+                const bool row_ok = n0 + r < N;
+#pragma clang loop unroll(full)
+                for (uint e = 0; e < QMM_CHUNK; ++e)
+                    d[e] = (row_ok && k0 + c + e < K) ? p[e] : T(0);
             }
-        } else {          // j = m: one column of W, down its rows
-            const uint g = m / gs;
-            for (uint o = 0; o < args.K; ++o)
-                acc = fma(float(xr[o]), dequant<BITS>(w, words, o, m, float(scales[o * G + g]), float(biases[o * G + g])),
-                          acc);
         }
-        // beta == 0 never reads out (it may hold NaN)
-        device T* o = out + n * args.ldo + m;
-        *o = T(args.beta != 0.0f ? fma(args.beta, float(*o), acc) : acc);
+        // op(W) tile [k][n]: 8 codes of one W row, dequantized in float, stored in T
+        {
+            // t: W row (out column) c0 + r, its elements k0 + c ..; n: W row k0 + r, columns c0 + c ..
+            const uint o = TRANSPOSE ? args.m0 + c0 + r : k0 + r;
+            const uint j = TRANSPOSE ? k0 + c : args.m0 + c0 + c;
+            // t: K is I, a multiple of the group size, so a chunk is all in or all out; n: a chunk
+            // starting inside the block lies inside W's row (I a multiple of 16, m0 of 8), and
+            // columns past M only reach out columns that are never stored
+            const bool ok = TRANSPOSE ? (c0 + r < M && k0 + c < K) : (k0 + r < K && c0 + c < M);
+            float s = 0.0f, b = 0.0f;
+            ulong v = 0;
+            if (ok) {
+                v = codes8<BITS>(w + (ulong)o * args.words, j);
+                const uint g = o * G + j / gs;
+                s = float(scales[g]), b = float(biases[g]);
+            }
+#pragma clang loop unroll(full)
+            for (uint e = 0; e < QMM_CHUNK; ++e) {
+                const T wv = T(ok ? fma(s, code_at<BITS>(v, e), b) : 0.0f);
+                if (TRANSPOSE)
+                    Ws[(c + e) * QMM_LDW + r] = wv;
+                else
+                    Ws[r * QMM_LDW + c + e] = wv;
+            }
+        }
+        threadgroup_barrier(mem_flags::mem_threadgroup);   // tiles complete before any SIMD-group reads them
+
+#pragma clang loop unroll(full)
+        for (uint kk = 0; kk < QMM_BK; kk += 8) {
+            simdgroup_matrix<T, 8, 8> a[2];
+            simdgroup_matrix<T, 8, 8> bm[2];
+#pragma clang loop unroll(full)
+            for (uint i = 0; i < 2; ++i)
+                simdgroup_load(a[i], Xs + (sm * 16 + i * 8) * QMM_LDX + kk, QMM_LDX);
+#pragma clang loop unroll(full)
+            for (uint j = 0; j < 2; ++j)
+                simdgroup_load(bm[j], Ws + kk * QMM_LDW + sn * 16 + j * 8, QMM_LDW);
+#pragma clang loop unroll(full)
+            for (uint i = 0; i < 2; ++i)
+#pragma clang loop unroll(full)
+                for (uint j = 0; j < 2; ++j)
+                    simdgroup_multiply_accumulate(acc[i][j], a[i], bm[j], acc[i][j]);
+        }
+        // every SIMD-group is done reading before the next step overwrites the tiles
+        threadgroup_barrier(mem_flags::mem_threadgroup);
     }
+
+    // Apple's distribution of an 8x8 simdgroup_matrix: lane holds row fr, columns fc and fc + 1
+    // (as gemm.metal's steel kernels store). beta == 0 never reads out (it may hold NaN).
+    const uint q = lane / 4;
+    const uint fr = (q & 4) + (lane / 2) % 4, fc = (q & 2) * 2 + (lane % 2) * 2;
+    const bool use_out = args.beta != 0.0f;
+#pragma clang loop unroll(full)
+    for (uint i = 0; i < 2; ++i) {
+        const uint n = n0 + sm * 16 + i * 8 + fr;
+#pragma clang loop unroll(full)
+        for (uint j = 0; j < 2; ++j) {
+            const uint m = c0 + sn * 16 + j * 8 + fc;
+            const float2 s = acc[i][j].thread_elements();
+            device T* p = out + (ulong)n * args.ldo + m;
+            for (uint e = 0; e < 2; ++e)
+                if (n < N && m + e < M)
+                    p[e] = T(use_out ? fma(args.beta, float(p[e]), s[e]) : s[e]);
+        }
+    }
+}
+
+// The few-row form of quantized_matmul_t (the file comment). Rows of W past M and x rows past the
+// row block contribute zeros; every lane reaches every simd_sum (uniform control flow).
+template <typename T, typename S, int BITS>
+kernel void quantized_matmul_rows(device const T*    x      [[buffer(0)]],
+                                  device const uint* w      [[buffer(1)]],
+                                  device const S*    scales [[buffer(2)]],
+                                  device const S*    biases [[buffer(3)]],
+                                  device T*          out    [[buffer(4)]],
+                                  constant QuantizedMatmulArgs& args [[buffer(5)]],
+                                  uint3 tg   [[threadgroup_position_in_grid]],
+                                  uint  sg   [[simdgroup_index_in_threadgroup]],
+                                  uint  lane [[thread_index_in_simdgroup]])
+{
+    const uint M = args.M, K = args.K, gs = args.group_size, G = args.groups;
+    const uint c0 = (tg.x * QMV_SG + sg) * QMV_R;          // this SIMD-group's first out column
+    const uint n0 = tg.y * QMV_N, rows = min(uint(QMV_N), args.N - n0);
+    float acc[QMV_N][QMV_R];
+#pragma clang loop unroll(full)
+    for (uint n = 0; n < QMV_N; ++n)
+#pragma clang loop unroll(full)
+        for (uint i = 0; i < QMV_R; ++i)
+            acc[n][i] = 0.0f;
+
+    // K (= I) is a multiple of the group size: a lane's 8 codes are all inside the row and in one
+    // group. Loops over n and i are unrolled so that acc stays in registers.
+    for (uint k = lane * QMM_CHUNK; k < K; k += 32 * QMM_CHUNK) {
+        float wf[QMV_R][QMM_CHUNK];   // the 8 weights of each of this SIMD-group's W rows
+#pragma clang loop unroll(full)
+        for (uint i = 0; i < QMV_R; ++i) {
+            ulong v = 0;
+            float s = 0.0f, b = 0.0f;
+            if (c0 + i < M) {
+                const uint o = args.m0 + c0 + i;
+                v = codes8<BITS>(w + (ulong)o * args.words, k);
+                s = float(scales[o * G + k / gs]), b = float(biases[o * G + k / gs]);
+            }
+#pragma clang loop unroll(full)
+            for (uint e = 0; e < QMM_CHUNK; ++e)
+                wf[i][e] = fma(s, code_at<BITS>(v, e), b);
+        }
+#pragma clang loop unroll(full)
+        for (uint n = 0; n < QMV_N; ++n) {
+            if (n < rows) {
+                device const T* xr = x + (ulong)(n0 + n) * args.ldx + k;
+#pragma clang loop unroll(full)
+                for (uint e = 0; e < QMM_CHUNK; ++e) {
+                    const float xe = float(xr[e]);
+#pragma clang loop unroll(full)
+                    for (uint i = 0; i < QMV_R; ++i)
+                        acc[n][i] = fma(xe, wf[i][e], acc[n][i]);
+                }
+            }
+        }
+    }
+
+    const bool use_out = args.beta != 0.0f;
+#pragma clang loop unroll(full)
+    for (uint n = 0; n < QMV_N; ++n)
+#pragma clang loop unroll(full)
+        for (uint i = 0; i < QMV_R; ++i) {
+            const float total = simd_sum(acc[n][i]);
+            if (lane == 0 && n < rows && c0 + i < M) {
+                device T* p = out + (ulong)(n0 + n) * args.ldo + c0 + i;
+                *p = T(use_out ? fma(args.beta, float(*p), total) : total);
+            }
+        }
 }
 
 // quantized_embedding: out[t, c] = the dequantized table[ids[t], c]; one thread per output element
@@ -94,6 +305,8 @@ kernel void quantized_embedding(device const int*   ids    [[buffer(0)]],
     decltype(quantized_matmul<T, S, BITS, true>) quantized_matmul<T, S, BITS, true>;                      \
     template [[host_name("quantized_matmul_n_" NAME "_b" #BITS)]] [[kernel]]                            \
     decltype(quantized_matmul<T, S, BITS, false>) quantized_matmul<T, S, BITS, false>;                    \
+    template [[host_name("quantized_matmul_tv_" NAME "_b" #BITS)]] [[kernel]]                           \
+    decltype(quantized_matmul_rows<T, S, BITS>) quantized_matmul_rows<T, S, BITS>;                        \
     template [[host_name("quantized_embedding_" NAME "_b" #BITS)]] [[kernel]]                           \
     decltype(quantized_embedding<T, S, BITS>) quantized_embedding<T, S, BITS>;
 

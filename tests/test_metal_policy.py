@@ -221,18 +221,22 @@ def test_largest_gemms_fit_the_dispatch_budget(family, dtype_size):
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_largest_quantized_products_fit_the_dispatch_budget(family, bits):
-    """The same products with a quantized W (QLoRA, groups of 64 with f16 scale and bias): the
-    naive kernel's rate makes the LM head chunk a minute of one dispatch; split over rows and
-    columns (any block: that kernel has no tile), each block fits."""
+    """The same products with a quantized W (QLoRA, groups of 64 with f16 scale and bias) through
+    quantized.metal's tiled form (32x32 tiles), and generation's one-row products through its
+    few-row form (8 columns a threadgroup, rows never split): every block within the budget. The
+    naive kernel they replace would have run a Gemma 3 LM-head chunk for ~4 minutes in one
+    dispatch at its assumed rate."""
     pol = _core.testing.metal_gpu_policy(SLOWEST)["command_buffer"]
+    w_col = lambda K: K * (bits / 8 + 2 * 2 / 64)  # noqa: E731  (codes, scale and bias of W per output)
     for name, rows, cols, K in _products(FAMILIES[family]):
-        transpose = not name.endswith(".dx")
-        # bytes: x rows (f16) and out (f16); W's packed codes and scales per output column (t) or,
-        # for dx, W is read whole by every block of rows (its columns are the outputs)
-        w_per_col = K * bits / 8 + 2 * 2 * K / 64
-        p = _core.testing.metal_plan_blocks(SLOWEST, rows, cols, 1, 1, "quantized_naive", 2.0 * K, 2 * K,
-                                            w_per_col if transpose else w_per_col, 2)
-        _check_plan(p, rows, cols, 1, 1, pol["max_dispatch_ms"])
+        p = _core.testing.metal_plan_blocks(SLOWEST, rows, cols, 32, 32, "quantized_tiled", 2.0 * K, 2 * K, w_col(K), 2)
+        _check_plan(p, rows, cols, 32, 32, pol["max_dispatch_ms"])
+        if not name.endswith(".dx"):  # a decode step: one row, the few-row form
+            p = _core.testing.metal_plan_blocks(SLOWEST, 1, cols, 1, 8, "quantized_rows", 2.0 * K, 2 * K, w_col(K), 2)
+            _check_plan(p, 1, cols, 1, 8, pol["max_dispatch_ms"])
+    gemma = FAMILIES["gemma-3-27b"]
+    naive = _core.testing.metal_estimate_ms(SLOWEST, 2.0 * HEAD_CHUNK * gemma["V"] * gemma["C"], 0, "quantized_naive")
+    assert naive > 60_000
 
 
 def test_one_tile_over_the_budget_stays_one_block():

@@ -106,9 +106,11 @@ def quantized_inputs(dev, O, I, bits, group_size, sdt, seed):
     return to_dev(dev, quant.pack(codes, bits), "i32"), s, b, W
 
 
-# (N, O, I, group_size): 1 and 33 rows, I not a multiple of 128, O across the CPU's 256-row tiles
+# (N, O, I, group_size): 1, 31 and 33 rows (Metal's 32-row tiles), 8 and 9 (the last of Metal's
+# few-row form, the first tiled), I not a multiple of 128 nor, at group size 16, of Metal's 32-deep
+# K step, O across the CPU's 256-row tiles and off Metal's 32 and 8 out columns
 QMM_CASES = [(1, 1, 32, 32), (33, 31, 96, 32), (2, 300, 192, 64), (33, 65, 320, 64), (5, 17, 384, 128),
-             (17, 9, 64, 16)]
+             (17, 9, 64, 16), (31, 33, 48, 16), (8, 45, 96, 32), (9, 13, 160, 32)]
 
 
 @pytest.mark.parametrize("dt", FLOAT_DTYPES)
@@ -123,6 +125,8 @@ def test_quantized_matmul(dev, N, O, I, group_size, transpose, bits, dt):
     why = quantized_missing(dev)
     if why:
         pytest.skip(why)
+    if I * bits % 32:
+        pytest.skip(f"a row of {I} {bits}-bit codes does not fill whole 32-bit words")
     w, s, b, W = quantized_inputs(dev, O, I, bits, group_size, dt, seed=N * O + bits)
     K, M = (I, O) if transpose else (O, I)
     x, xf = upload(dev, np.random.default_rng(O).standard_normal((N, K)), dt)
@@ -179,14 +183,16 @@ def test_quantized_embedding_errors(dev):
         ops.quantized_embedding(ids, w, dev.zeros((5, 4)), dev.zeros((5, 4)), dev.empty((3, 64)), 32, 4)
 
 
+@pytest.mark.parametrize("N", [20, 3])
 @pytest.mark.parametrize("bits", [3, 4])
-def test_quantized_matmul_column_blocks(dev, bits):
+def test_quantized_matmul_column_blocks(dev, bits, N):
     """x and out may be row-strided column blocks of wider matrices (a fused q|k|v projection
-    whose parts are quantized differently): only the block is read and written."""
+    whose parts are quantized differently): only the block is read and written (3 rows: Metal's
+    few-row form)."""
     why = quantized_missing(dev)
     if why:
         pytest.skip(why)
-    O, I, N = 24, 64, 20
+    O, I = 24, 64
     w, s, b, W = quantized_inputs(dev, O, I, bits, 32, "f32", seed=bits)
     rng = np.random.default_rng(5)
     wide_x = rng.standard_normal((N, 100)).astype(np.float32)
@@ -200,6 +206,77 @@ def test_quantized_matmul_column_blocks(dev, bits):
     want_x = wide_x.copy()
     want_x[:, 7:7 + I] += want[:, 30:30 + O].astype(np.float64) @ W
     np.testing.assert_allclose(xd.numpy(), want_x, rtol=1e-5, atol=1e-4)
+
+
+def test_quantized_matmul_metal_forms():
+    """On Metal, x W^T of at most 8 rows takes the few-row form (quantized_matmul_tv_*, 8 out columns
+    and 8 rows per threadgroup of 64 threads), anything else the tiled form (32x32 tiles, 128
+    threads); one dispatch for the whole product (block at column 0, the groups of W's rows), its
+    flops counted for the command-buffer split's estimate."""
+    import conftest
+    if conftest.METAL_SIM is None:
+        pytest.skip("metal-sim is not registered")
+    sim = krnl.device("metal-sim")
+    w, s, b, _ = quantized_inputs(sim, 70, 96, 4, 32, "f16", seed=3)
+    fields = ["N", "M", "K", "words", "group_size", "beta", "ldx", "ldo", "m0", "groups"]
+    for N, transpose, kernel, grid, threads in ((8, True, "tv", (9, 1, 1), 64), (9, True, "t", (3, 1, 1), 128),
+                                                (1, False, "n", (3, 1, 1), 128), (33, False, "n", (3, 2, 1), 128)):
+        K, M = (96, 70) if transpose else (70, 96)
+        x = to_dev(sim, np.ones((N, K)), "f16")
+        with sim.step():
+            ops.quantized_matmul(x, w, s, b, sim.empty((N, M), "f16"), transpose, 32, 4, beta=0.25)
+        (rec,) = krnl._core.testing.metal_sim_last_step()
+        assert rec["kernel"] == f"quantized_matmul_{kernel}_f16_b4", rec["kernel"]
+        assert rec["grid"] == grid and rec["threads"] == (threads, 1, 1)
+        assert rec["flops"] == 2 * N * M * K
+        vals = np.frombuffer(rec["args"], np.uint32).copy()
+        args = dict(zip(fields, vals.tolist()))
+        args["beta"] = float(vals[5:6].view(np.float32)[0])
+        assert args == dict(N=N, M=M, K=K, words=12, group_size=32, beta=0.25, ldx=K, ldo=M, m0=0, groups=3)
+
+
+@pytest.mark.parametrize("N,transpose", [(3, True), (40, True), (40, False)], ids=["xWt-few", "xWt", "xW"])
+def test_quantized_matmul_over_the_dispatch_budget_runs_in_blocks(N, transpose):
+    """On Metal, a quantized product estimated over the per-dispatch budget (the watchdog:
+    csrc/metal/policy.h) runs as blocks of its form's tiles (32x32 tiled; 8 columns of the few-row
+    form, whose rows are never split), each its own dispatch within the budget or a single tile,
+    together covering out once; the result equals the one-dispatch product bit for bit."""
+    import conftest
+    if conftest.METAL_SIM is None:
+        pytest.skip("metal-sim is not registered")
+    sim = krnl.device("metal-sim")
+    O, I = 70, 96
+    K, M = (I, O) if transpose else (O, I)
+    w, s, b, _ = quantized_inputs(sim, O, I, 4, 32, "f16", seed=4)
+    x = to_dev(sim, np.random.default_rng(5).standard_normal((N, K)), "f16")
+    out0 = np.random.default_rng(6).standard_normal((N, M))
+    whole, split = to_dev(sim, out0, "f16"), to_dev(sim, out0, "f16")
+    ops.quantized_matmul(x, w, s, b, whole, transpose, 32, 4, beta=0.5)
+    (one,) = krnl._core.testing.metal_sim_last_step()
+    gpu = dict(apple_family=9)
+    budget = 0.3 * krnl._core.testing.metal_estimate_ms(gpu, one["flops"], one["bytes"], one["rate"])
+    pol = krnl._core.testing.metal_command_buffer_policy(sim)
+    krnl._core.testing.metal_set_command_buffer_policy(sim, pol["max_dispatches"], pol["max_ms"], budget)
+    try:
+        ops.quantized_matmul(x, w, s, b, split, transpose, 32, 4, beta=0.5)
+        recs = krnl._core.testing.metal_sim_last_step()
+    finally:
+        krnl._core.testing.metal_set_command_buffer_policy(sim, pol["max_dispatches"], pol["max_ms"],
+                                                          pol["max_dispatch_ms"])
+    assert len(recs) > 1 and {r["kernel"] for r in recs} == {one["kernel"]}
+    assert one["rate"] == ("quantized_rows" if N <= 8 else "quantized_tiled")
+    cover = np.zeros((N, M), np.int32)
+    base = {i: off for i, _, _, _, off in one["buffers"]}[4]
+    for r in recs:
+        rows, cols = (int(v) for v in np.frombuffer(r["args"], np.uint32)[:2])
+        r0, c0 = divmod(({i: off for i, _, _, _, off in r["buffers"]}[4] - base) // 2, M)
+        assert int(np.frombuffer(r["args"], np.uint32)[8]) == c0  # m0: the block's first column
+        ms = krnl._core.testing.metal_estimate_ms(gpu, r["flops"], r["bytes"], r["rate"])
+        single_tile = r["grid"][:2] == (1, 1)
+        assert ms <= budget or single_tile, (ms, budget, r["grid"])
+        cover[r0:r0 + rows, c0:c0 + cols] += 1
+    assert (cover == 1).all()
+    np.testing.assert_array_equal(read(split), read(whole))
 
 
 def test_quantized_matmul_errors(dev):

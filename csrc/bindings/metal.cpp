@@ -49,6 +49,7 @@ nb::dict to_dict(const Dispatch& d) {
   r["rate"] = metal::rate_class_name(d.rate);
   r["grid"] = nb::make_tuple(d.grid[0], d.grid[1], d.grid[2]);
   r["threads"] = nb::make_tuple(d.threads[0], d.threads[1], d.threads[2]);
+  r["flops"] = d.flops;
   return r;
 }
 

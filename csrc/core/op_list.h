@@ -29,7 +29,8 @@
 //   linear's forward); else out (N, I) = x (N, O) W (its input gradient). out = that + beta * out,
 //   accumulated in f32; x and out may be row-strided 2-D views. Never a full dequantized W per
 //   call beyond one transient (O, I) matrix in x's dtype (CUDA's cuBLAS path, which rounds W to a
-//   16-bit x's dtype first, as MLX and bitsandbytes do).
+//   16-bit x's dtype first, as MLX and bitsandbytes do; Metal's tiled kernel rounds each
+//   dequantized weight to a 16-bit x's dtype too, tile by tile).
 // - quantized_embedding: out (n, C) = rows ids (n,) of a table (V, C) held as quantized_matmul's W
 //   (w (V, C * bits / 32), scales and biases (V, C / group_size) in out's dtype or f32),
 //   dequantized; an embedding that stays quantized (and doubles as a tied head). Ids are checked.

@@ -81,6 +81,13 @@
 #                                           per dimension with ragged edges (tools/mslcuda/sanitize.py);
 #                                           racecheck also runs gemm.metal copies with one barrier
 #                                           deleted and fails unless it reports each; logs in $OUT
+#   bash tools/device/h200_check.sh qmm     metal/quantized.metal alone on metal-cuda: tests/test_quantized.py's
+#                                           metal-cuda tests and its kernels under compute-sanitizer
+#                                           (SANITIZE tools, default "racecheck memcheck"; sanitize.py kernels
+#                                           metal-cuda quantized), after, first and alone on the GPU,
+#                                           tools/mslcuda/qmm_timing.py: the tiled, few-row and naive
+#                                           quantized_matmul next to the dense GEMM at an 8B's shapes
+#                                           ($OUT/qmm_timing.json)
 #   MSLCUDA_CACHE (optional): a folder of mslcuda libraries built here with the same nvcc (13.0),
 #          carried to skip the kernels' compile there (a stale one is simply rebuilt).
 # The remote machine has Python, PyTorch, nvcc, cmake and ninja but no network, so wheels travel
@@ -125,6 +132,12 @@ if [ "$phase" = compare ] && [ -z "$KNOB" ]; then
   build_tree "$OLD" > "$OUT/cmake_old.log" 2>&1 &
   old_build=$!
 fi
+if [ "$phase" = qmm ]; then  # the timing first: alone on the GPU, and it needs only nvcc (no build)
+  export MSLCUDA_CACHE=${MSLCUDA_CACHE:-/tmp/mslcuda-cache}
+  timeout ${QMM_S:-240} python3 tools/mslcuda/qmm_timing.py --json "$OUT/qmm_timing.json" 2>&1 |
+    tee "$OUT/qmm_timing.log"
+  timing_rc=$?
+fi
 build_tree . > "$OUT/cmake.log" 2>&1 || { grep -E "error|FAILED" "$OUT/cmake.log" | head -40; exit 1; }
 readelf -d python/krnl/_core*.so | grep -q "libstdc++" || { echo "the module links no libstdc++.so (a static, mismatched one?)"; exit 1; }
 export PYTHONPATH=python:/tmp/site KRNL_TEST_METAL_SIM=0
@@ -151,18 +164,20 @@ if [ "$phase" = tests ]; then
     skip="$skip --ignore=tests/$f.py"
   done
   timeout 330 python3 -m pytest -q -n 12 -p no:cacheprovider tests $skip 2>&1 | tee "$OUT/tests.log" | tail -15
-elif [ "$phase" = metal-cuda ] || [ "$phase" = sanitize ]; then
+elif [ "$phase" = metal-cuda ] || [ "$phase" = sanitize ] || [ "$phase" = qmm ]; then
   export MSLCUDA_CACHE=${MSLCUDA_CACHE:-/tmp/mslcuda-cache}
   # every library once, in parallel, before any test process needs one
   python3 -c "import sys; sys.path.insert(0, 'tools/mslcuda'); import mslcuda.metal_cuda as m; ex = m.Executor('.'); ex.warm(); print('mslcuda:', len(ex.variants()), 'libraries on', ex.rt.device_name())" || exit 1
   sanitize() {  # sanitize TOOL: every kernel under compute-sanitizer; 0 when it reports nothing
     local tool=$1 log="$OUT/sanitize_$1.log" rc=0
     timeout ${SAN_S:-200} compute-sanitizer --tool "$tool" --print-limit 20 python3 tools/mslcuda/sanitize.py kernels \
-      > "$log" 2>&1
+      metal-cuda $SAN_ONLY > "$log" 2>&1
     grep -E "SUMMARY|kernels not run|mslcuda sanitize|Device not supported|Error|rror:" "$log" | head -8 | sed "s/^/$tool: /"
     if [ "$tool" = racecheck ]; then
       # racecheck files hazards as warnings: count both (the numbers alone did not catch a race)
       grep -qE "RACECHECK SUMMARY: 0 hazards displayed \(0 errors, 0 warnings\)" "$log" || rc=1
+      # SAN_ONLY (one library): without the deleted-barrier checks of gemm.metal
+      [ -n "$SAN_ONLY" ] && { echo "sanitize $tool: $([ $rc = 0 ] && echo clean || echo FINDINGS)"; return $rc; }
       for n in 0 1 2 3; do python3 tools/mslcuda/sanitize.py barrier $n --build-only & done; wait  # nvcc outside
       for n in 0 1 2 3; do  # 0: gemm.metal as it is; n: its n-th threadgroup_barrier deleted
         timeout 100 compute-sanitizer --tool racecheck --print-limit 5 python3 tools/mslcuda/sanitize.py barrier $n \
@@ -192,6 +207,15 @@ elif [ "$phase" = metal-cuda ] || [ "$phase" = sanitize ]; then
     shift
     sanitize_all "${@:-racecheck}"
     exit $?
+  fi
+  if [ "$phase" = qmm ]; then
+    SAN_ONLY=quantized sanitize_all ${SANITIZE:-racecheck memcheck} > "$OUT/sanitize.out" 2>&1 &
+    san=$!
+    KRNL_TEST_METAL_CUDA=1 timeout ${MC_TESTS_S:-240} python3 -m pytest -q -rs -n 8 -p no:cacheprovider \
+      tests/test_quantized.py -k "metal-cuda" 2>&1 | tee "$OUT/metal_cuda_tests.log" | tail -8
+    wait $san; rc=$?
+    cat "$OUT/sanitize.out"
+    exit $(( rc || timing_rc ))
   fi
   if [ -n "$SANITIZE" ]; then
     sanitize_all $SANITIZE > "$OUT/sanitize.out" 2>&1 &

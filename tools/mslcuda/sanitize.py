@@ -1,6 +1,7 @@
 """What compute-sanitizer runs over the MSL kernels (tools/device/h200_check.sh sanitize TOOL).
 
-    python tools/mslcuda/sanitize.py kernels [metal-sim]   every kernel of metal/ at least once, through
+    python tools/mslcuda/sanitize.py kernels [metal-cuda|metal-sim [quantized]]   every kernel of metal/
+        (or of metal/quantized.metal alone) at least once, through
         krnl's ops on metal-cuda (the Metal backend's own grids and arguments), at sizes that give
         2-3 threadgroups per grid dimension with ragged edges, f32 and f16; prints the kernels
         that ran and those that did not
@@ -27,7 +28,7 @@ sys.path.insert(0, str(ROOT / "tools" / "mslcuda"))
 BARRIER = "threadgroup_barrier(mem_flags::mem_threadgroup);"
 
 
-def run_kernels(device="metal-cuda"):
+def run_kernels(device="metal-cuda", only=None):
     import krnl
     from krnl import ops
 
@@ -49,6 +50,10 @@ def run_kernels(device="metal-cuda"):
     fused = caps["fused_attention"]
     variants = dev.gemm_variants() or [None]
     for dt, variant in [(d, v) for d in ("f32", "f16", "bf16") if d in caps["dtypes"] for v in variants]:
+        if only == "quantized":  # metal/quantized.metal's kernels alone
+            if variant in (None, variants[0]):
+                quantized_calls(dev, t, dt, rng)
+            continue
         # GEMM: unaligned 70x45x37 (grid 2 x 3, ragged), aligned 64x96x64, batched, split-K, f16 -> f32;
         # each variant of the Metal backend (metal/gemm.metal: tile32, steel32, steel64) in turn
         if variant is not None:
@@ -132,35 +137,45 @@ def run_kernels(device="metal-cuda"):
         hyper = dev.tensor(np.array([1e-3, 0.1, 1e-5, 0.5, 1.0], np.float32), "f32")
         ops.adamw_update(t((n,)), t((n,)), t((n,)), dev.zeros((n,), "f32"), 1e-3, working=dev.empty((n,), dt),
                          hyper=hyper, sq=dev.tensor(np.array([4.0], np.float32), "f32"), flag=dev.zeros((1,), "i32"))
-        # quantized_matmul: W (45, 96) at every bits, both directions, scales in dt and in f32;
-        # x and out as column blocks of wider matrices once per bits
-        for bits in (2, 3, 4, 5, 6, 8):
-            w = dev.tensor(rng.integers(0, 2**31, (45, 96 * bits // 32)).astype(np.int32), "i32")
-            for sdt in ((dt, "f32") if dt != "f32" else (dt,)):
-                sc, bi = t((45, 3), sdt, 0.1), t((45, 3), sdt)
-                ops.quantized_matmul(t((7, 96), dt), w, sc, bi, dev.empty((7, 45), dt), True, 32, bits)
-                ops.quantized_matmul(t((7, 45), dt), w, sc, bi, t((7, 96), dt), False, 32, bits, 0.5)
-            sc, bi = t((45, 3), dt, 0.1), t((45, 3), dt)
-            ops.quantized_matmul(t((7, 100), dt)[:, 3:99], w, sc, bi, t((7, 50), dt)[:, 2:47], True, 32, bits)
-            qids = dev.tensor(rng.integers(0, 45, 33).astype(np.int32), "i32")
-            for sdt in ((dt, "f32") if dt != "f32" else (dt,)):  # rows of the same W as an embedding table
-                ops.quantized_embedding(qids, w, t((45, 3), sdt, 0.1), t((45, 3), sdt), dev.empty((33, 96), dt), 32, bits)
+        quantized_calls(dev, t, dt, rng)
         if dt in fused["dtypes"]:  # the fused attention, where the backend has it: GQA, ragged T
             attention(dev, t, dt, fused["segments"], fused["head_dims"] or (16, 64))
-    ops.fill(dev.empty((100,), "i32"), 3)
-    ops.adamw_update(t((n,)), t((n,)), t((n,)), dev.zeros((n,), "f32"), 1e-3)
+    if only is None:
+        ops.fill(dev.empty((100,), "i32"), 3)
+        ops.adamw_update(t((1000,)), t((1000,)), t((1000,)), dev.zeros((1000,), "f32"), 1e-3)
     dev.synchronize()
     if ex is None:
         print("dry run on metal-sim: every call accepted")
         return 0
     names = set()
     for lib, consts in ex.variants():
-        names |= set(ex.library(lib, tuple(consts)).kernel_names)
+        if only is None or lib == only:
+            names |= set(ex.library(lib, tuple(consts)).kernel_names)
     ran = set(ex.launched)
     print(f"mslcuda sanitize: {sum(ex.launched.values())} dispatches of {len(ran)} of {len(names)} kernels")
     missing = sorted(names - ran)
     print("kernels not run: " + (", ".join(missing) if missing else "none"))
     return 0
+
+
+def quantized_calls(dev, t, dt, rng):
+    """quantized_matmul (both forms) and quantized_embedding in dtype dt."""
+    from krnl import ops
+    # quantized_matmul: W (45, 96) at every bits, both directions, scales in dt and in f32;
+    # the few-row form (7 rows, x W^T) and the tiled form (40 rows: 2 x 2 or 2 x 3 ragged
+    # 32x32 tiles, K = 45 ragged in x W); x and out as column blocks of wider matrices once per bits
+    for bits in (2, 3, 4, 5, 6, 8):
+        w = dev.tensor(rng.integers(0, 2**31, (45, 96 * bits // 32)).astype(np.int32), "i32")
+        for sdt in ((dt, "f32") if dt != "f32" else (dt,)):
+            sc, bi = t((45, 3), sdt, 0.1), t((45, 3), sdt)
+            for n in (7, 40):
+                ops.quantized_matmul(t((n, 96), dt), w, sc, bi, dev.empty((n, 45), dt), True, 32, bits)
+                ops.quantized_matmul(t((n, 45), dt), w, sc, bi, t((n, 96), dt), False, 32, bits, 0.5)
+        sc, bi = t((45, 3), dt, 0.1), t((45, 3), dt)
+        ops.quantized_matmul(t((7, 100), dt)[:, 3:99], w, sc, bi, t((7, 50), dt)[:, 2:47], True, 32, bits)
+        qids = dev.tensor(rng.integers(0, 45, 33).astype(np.int32), "i32")
+        for sdt in ((dt, "f32") if dt != "f32" else (dt,)):  # rows of the same W as an embedding table
+            ops.quantized_embedding(qids, w, t((45, 3), sdt, 0.1), t((45, 3), sdt), dev.empty((33, 96), dt), 32, bits)
 
 
 def attention(dev, t, dt, segments, head_dims):
@@ -223,7 +238,7 @@ def run_barrier(n: int, build_only: bool = False):
 
 if __name__ == "__main__":
     if len(sys.argv) >= 2 and sys.argv[1] == "kernels":
-        sys.exit(run_kernels(*sys.argv[2:3]))
+        sys.exit(run_kernels(*sys.argv[2:4]))
     if len(sys.argv) in (3, 4) and sys.argv[1] == "barrier":
         sys.exit(run_barrier(int(sys.argv[2]), sys.argv[3:] == ["--build-only"]))
     raise SystemExit(__doc__)

@@ -129,7 +129,8 @@ def test_metal_working_set_is_the_default_limit():
         assert "\n" not in msg and msg.startswith("[alloc] metal-sim: a request of 4.0 MiB"), msg
         assert "recommended working set" in msg and f"limit of {ws / MiB:.1f} MiB" in msg, msg
         after = sim.pool_stats()
-        assert after["reserved"] == before["reserved"] and after["in_use"] == before["in_use"]
+        # nothing in use was lost; cached buffers may have been given back before the refusal
+        assert after["in_use"] == before["in_use"] and after["reserved"] <= before["reserved"]
         # The device still works: a smaller tensor runs an op, and the freed memory is usable.
         y = sim.zeros((1 << 18,), "f32")
         sim.synchronize()

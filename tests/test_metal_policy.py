@@ -140,14 +140,14 @@ def test_command_buffer_estimate_is_conservative():
     """The rates assumed are at or below the slowest Mac GPU of the family (an M1 with 7 GPU cores:
     7 x 128 ALUs x 2 flops x 1.278 GHz = 2.29 TFLOP/s f32; 68 GB/s), and each kind of kernel is
     assumed to reach only a fraction of that peak, its own: a real dispatch runs shorter than
-    estimated, never longer. The naive quantized kernel (one thread per output, every code
-    dequantized where it is read) is assumed far slower than the tiled kernels."""
+    estimated, never longer."""
     pol = _core.testing.metal_gpu_policy(M1)["command_buffer"]
     assert pol["peak_gflops"] <= 2290 and pol["gbps"] <= 68
     rates = pol["gflops"]
     assert rates["memory"] == 0  # its time is its bytes
     assert all(0 < r <= 0.25 * pol["peak_gflops"] for k, r in rates.items() if k != "memory"), rates
-    assert rates["quantized_naive"] * 10 <= rates["quantized_tiled"] <= rates["gemm"]
+    # the tiled quantized form at half the dense GEMM's rate (it ran at 0.62-0.82x on metal-cuda)
+    assert rates["quantized_rows"] <= rates["quantized_tiled"] <= rates["gemm"] / 2
     # The per-dispatch budget sits well inside the command buffer's, which is far below the watchdog.
     assert 0 < pol["max_dispatch_ms"] <= pol["max_ms"] / 2 and pol["max_ms"] <= 200
     # At the GEMM kernels' rate a 4096^3 GEMM is ~300 ms on an M1: over the budget of one dispatch,
@@ -223,9 +223,7 @@ def test_largest_gemms_fit_the_dispatch_budget(family, dtype_size):
 def test_largest_quantized_products_fit_the_dispatch_budget(family, bits):
     """The same products with a quantized W (QLoRA, groups of 64 with f16 scale and bias) through
     quantized.metal's tiled form (32x32 tiles), and generation's one-row products through its
-    few-row form (8 columns a threadgroup, rows never split): every block within the budget. The
-    naive kernel they replace would have run a Gemma 3 LM-head chunk for ~4 minutes in one
-    dispatch at its assumed rate."""
+    few-row form (8 columns a threadgroup, rows never split): every block within the budget."""
     pol = _core.testing.metal_gpu_policy(SLOWEST)["command_buffer"]
     w_col = lambda K: K * (bits / 8 + 2 * 2 / 64)  # noqa: E731  (codes, scale and bias of W per output)
     for name, rows, cols, K in _products(FAMILIES[family]):
@@ -234,9 +232,6 @@ def test_largest_quantized_products_fit_the_dispatch_budget(family, bits):
         if not name.endswith(".dx"):  # a decode step: one row, the few-row form
             p = _core.testing.metal_plan_blocks(SLOWEST, 1, cols, 1, 8, "quantized_rows", 2.0 * K, 2 * K, w_col(K), 2)
             _check_plan(p, 1, cols, 1, 8, pol["max_dispatch_ms"])
-    gemma = FAMILIES["gemma-3-27b"]
-    naive = _core.testing.metal_estimate_ms(SLOWEST, 2.0 * HEAD_CHUNK * gemma["V"] * gemma["C"], 0, "quantized_naive")
-    assert naive > 60_000
 
 
 def test_one_tile_over_the_budget_stays_one_block():

@@ -113,7 +113,7 @@ metal::GpuDescription gpu_from(const nb::dict& d) {
 
 constexpr metal::RateClass kRateClasses[] = {metal::RateClass::memory,          metal::RateClass::gemm,
                                              metal::RateClass::attention,       metal::RateClass::quantized_tiled,
-                                             metal::RateClass::quantized_rows, metal::RateClass::quantized_naive};
+                                             metal::RateClass::quantized_rows};
 
 metal::RateClass rate_class(const std::string& name) {
   for (metal::RateClass r : kRateClasses)

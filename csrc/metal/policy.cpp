@@ -66,7 +66,6 @@ const char* rate_class_name(RateClass r) {
     case RateClass::attention: return "attention";
     case RateClass::quantized_tiled: return "quantized_tiled";
     case RateClass::quantized_rows: return "quantized_rows";
-    case RateClass::quantized_naive: return "quantized_naive";
   }
   return "?";
 }
@@ -78,7 +77,6 @@ double CommandBufferPolicy::gflops(RateClass r) const {
     case RateClass::attention: return peak_gflops * attention_share;
     case RateClass::quantized_tiled: return peak_gflops * quantized_tiled_share;
     case RateClass::quantized_rows: return peak_gflops * quantized_rows_share;
-    case RateClass::quantized_naive: return peak_gflops * quantized_naive_share;
   }
   return 0;
 }

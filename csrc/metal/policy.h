@@ -58,7 +58,6 @@ enum class RateClass {
   attention,        // attention.metal's fused kernels
   quantized_tiled,  // quantized.metal's tiled products (codes dequantized into threadgroup memory)
   quantized_rows,   // quantized.metal's few-row products (generation): a pass over W per row block
-  quantized_naive,  // one thread per output element, dequantizing every code it reads
 };
 const char* rate_class_name(RateClass r);
 
@@ -75,8 +74,7 @@ struct CommandBufferPolicy {
   double peak_gflops = 2290;    // f32 FMA peak of the family's smallest GPU
   double gbps = 60;             // memory bandwidth assumed
   // The fraction of peak_gflops each kind of kernel reaches at least (by RateClass).
-  double gemm_share = 0.2, attention_share = 0.1, quantized_tiled_share = 0.1, quantized_rows_share = 0.05,
-         quantized_naive_share = 0.005;
+  double gemm_share = 0.2, attention_share = 0.1, quantized_tiled_share = 0.1, quantized_rows_share = 0.05;
   double gflops(RateClass r) const;  // 0 for memory: its time is its bytes
 };
 CommandBufferPolicy command_buffer_policy(const GpuDescription& g);

@@ -74,7 +74,9 @@
 #                                           "metal-cuda" device, then W1, W2, W3 at full size against
 #                                           the CUDA backend (tools/mslcuda/workloads.py); with
 #                                           SANITIZE="racecheck ..." the sanitize phase of those
-#                                           tools runs alongside (one call where device time is short)
+#                                           tools runs alongside (one call where device time is short),
+#                                           with CUDA_TESTS="tests/test_x.py ..." those modules' cuda
+#                                           tests too
 #   bash tools/device/h200_check.sh sanitize TOOL...
 #                                           compute-sanitizer --tool TOOL (racecheck, synccheck,
 #                                           initcheck, memcheck) over every kernel at 2-3 threadgroups
@@ -220,6 +222,10 @@ elif [ "$phase" = metal-cuda ] || [ "$phase" = sanitize ] || [ "$phase" = qmm ];
   if [ -n "$SANITIZE" ]; then
     sanitize_all $SANITIZE > "$OUT/sanitize.out" 2>&1 &
   fi
+  if [ -n "$CUDA_TESTS" ]; then  # test modules whose cuda tests run alongside (a change touching both)
+    timeout ${MC_TESTS_S:-300} python3 -m pytest -q -n 4 -p no:cacheprovider $CUDA_TESTS -k "cuda and not metal-cuda" \
+      > "$OUT/cuda_tests.log" 2>&1 &
+  fi
   # the whole suite's `dev` tests on metal-cuda (cpu and cuda ran in the tests phase)
   KRNL_TEST_METAL_CUDA=1 timeout ${MC_TESTS_S:-300} python3 -m pytest -q -rs -n 12 -p no:cacheprovider tests \
     --ignore=tests/test_metal_host.py --ignore=tests/test_metal_api.py -k "metal-cuda" --maxfail=50 \
@@ -227,6 +233,7 @@ elif [ "$phase" = metal-cuda ] || [ "$phase" = sanitize ] || [ "$phase" = qmm ];
   KRNL_TEST_METAL_CUDA=1 timeout ${MC_WORKLOADS_S:-200} python3 tools/mslcuda/workloads.py --json "$OUT/workloads.json" \
     2>&1 | tee "$OUT/workloads.log"
   wait
+  [ -f "$OUT/cuda_tests.log" ] && tail -12 "$OUT/cuda_tests.log"
   [ -f "$OUT/sanitize.out" ] && cat "$OUT/sanitize.out"
 elif [ "$phase" = bench ]; then
   if [ -f /tmp/mlx/part_aa ] && [ -f .mlx2/part_ab ]; then

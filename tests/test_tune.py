@@ -4,6 +4,7 @@ its key, a corrupt cache ignored with one line, tuning never on metal-sim or the
 tuning before its first step. No timing is real: the fake timer says how long each variant takes.
 metal-sim stands in for a GPU where a test says the device is tunable (its capabilities patched)."""
 
+import collections
 import json
 import os
 
@@ -293,7 +294,6 @@ def test_no_tuning_for_a_dtype_without_kernels(tunable_sim, cache, capsys, monke
 def test_tune_arguments():
     from krnl.cli_args import parse_args
 
-    args = parse_args(["tune", "--dtype", "f16", "--repeats", "3"], {k: None for k in (
-        "devices", "train", "eval", "generate", "fuse", "quantize", "w1", "tune", "bench")})
+    args = parse_args(["tune", "--dtype", "f16", "--repeats", "3"], collections.defaultdict(lambda: None))
     assert (args.cmd, args.dtype, args.repeats, args.device) == ("tune", "f16", 3, None)
     assert os.environ.get("KRNL_CACHE") is None or tune.cache_path().name == tune.CACHE_NAME

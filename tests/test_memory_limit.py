@@ -18,7 +18,6 @@ from conftest import METAL_SIM, METAL_SIM_FAMILY
 HostBufferPool = _core.testing.HostBufferPool
 cs = HostBufferPool.class_size
 MiB = 1 << 20
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("text, expect", [
@@ -182,7 +181,8 @@ def test_metal_limit_waits_for_committed_work_before_refusing():
 
 
 def test_krnl_max_memory_env_sets_every_device_limit():
-    env = dict(os.environ, KRNL_MAX_MEMORY="3M", PYTHONPATH=str(ROOT / "python"))
+    # the krnl this suite imports (installed, or python/ of a developer build), not the source tree's
+    env = dict(os.environ, KRNL_MAX_MEMORY="3M", PYTHONPATH=str(Path(krnl.__file__).resolve().parents[1]))
     code = ("import krnl\n"
             "d = krnl.device('cpu')\n"
             "print(d.memory_limit)\n"

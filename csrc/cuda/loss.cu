@@ -99,8 +99,8 @@ __device__ __forceinline__ void load_batch(const void* logits, int64_t base, int
 // it, a second writes. Each thread issues U loads before using any. exp(v - m) as
 // exp2((v - m) log2 e): v - m is exact where it matters (near the max), so only the product
 // rounds. On the H200 a (1024, 32000) bf16 chunk, recorded and replayed, took 90-100 us with the
-// per-element dtype tests and expf, 74-80 us like this (tools/device/head_loss_probe.py);
-// tools/device/ce_probe.cu compares the designs (256 threads and 8 loads a thread beat 1024
+// per-element dtype tests and expf, 74-80 us like this (dev/cuda/head_loss_probe.py);
+// dev/cuda/ce_probe.cu compares the designs (256 threads and 8 loads a thread beat 1024
 // threads and one, and a row held in registers).
 template <DType DT>
 __global__ void cross_entropy_vec_kernel(const void* logits, const int32_t* targets, float* loss, void* dlogits,

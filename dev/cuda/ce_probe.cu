@@ -7,7 +7,7 @@
 // exp2 of (v - max) log2 e instead of expf. Each launch follows a fresh copy of the logits and a
 // 256 MiB memset that moves them out of L2.
 //
-//   nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc -o /tmp/ce_probe tools/device/ce_probe.cu && /tmp/ce_probe
+//   nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc -o /tmp/ce_probe dev/cuda/ce_probe.cu && /tmp/ce_probe
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 

@@ -9,7 +9,7 @@ a replay = mean power x time a replay. The step's own joules come from krnl benc
 in the same call; what it has beyond the two parts is everything else (the LoRA products, the
 norms, SwiGLU, rope, the loss, the idle gaps).
 
-    PYTHONPATH=python python3 tools/device/energy_budget.py [seconds] [rounds]   (on a CUDA machine)
+    PYTHONPATH=python python3 dev/cuda/energy_budget.py [seconds] [rounds]   (on a CUDA machine)
 """
 import sys
 import time

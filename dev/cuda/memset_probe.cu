@@ -8,7 +8,7 @@
 //
 // cuBLAS is opened at run time, as krnl opens it (the machine has its library, not its headers).
 //
-//   nvcc -O2 -arch=sm_90 -o /tmp/memset_probe tools/device/memset_probe.cu -ldl
+//   nvcc -O2 -arch=sm_90 -o /tmp/memset_probe dev/cuda/memset_probe.cu -ldl
 //   /tmp/memset_probe LIBCUBLAS [workspace]
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>

@@ -5,7 +5,7 @@
 // gemm.cu's gemm_split). Standalone: it needs no krnl build, only the CUDA runtime, and opens
 // libcublas / libcublasLt at run time (no cuBLAS headers where it is compiled).
 //
-//   nvcc -O2 -std=c++17 -arch=sm_90 -o lora_gemm_probe tools/device/lora_gemm_probe.cu -ldl
+//   nvcc -O2 -std=c++17 -arch=sm_90 -o lora_gemm_probe dev/cuda/lora_gemm_probe.cu -ldl
 //   ./lora_gemm_probe /path/libcublas.so.13 /path/libcublasLt.so.13 [frozen|layout|fused|capped] > table.txt
 // (with "frozen": the frozen weights' products and the LM head's instead of the LoRA products;
 // "layout": the frozen weights' products with each weight stored as loaded and transposed;

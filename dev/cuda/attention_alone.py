@@ -5,7 +5,7 @@ tenth of that. Compared with a training step's profile (krnl bench --profile),
 it tells whether the step's attention is slower for krnl's call, for the data, or for the GPU's
 state inside the step.
 
-    PYTHONPATH=python python3 tools/device/attention_alone.py      (on a CUDA machine with cuDNN)
+    PYTHONPATH=python python3 dev/cuda/attention_alone.py      (on a CUDA machine with cuDNN)
 """
 import time
 

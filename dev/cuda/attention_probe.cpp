@@ -6,7 +6,7 @@
 // opens libcudnn at run time (as csrc/cuda/attention_cudnn.cpp does).
 //
 //   g++ -O2 -std=c++17 -DNV_CUDNN_FRONTEND_USE_DYNAMIC_LOADING -I<frontend>/include -I<cudnn>/include
-//       -I<nvrtc>/include -I$CUDA/include -o attention_probe tools/device/attention_probe.cpp
+//       -I<nvrtc>/include -I$CUDA/include -o attention_probe dev/cuda/attention_probe.cpp
 //       -L$CUDA/lib64 -lcudart -ldl
 //   ./attention_probe /path/libcudnn.so.9 > table.txt
 //

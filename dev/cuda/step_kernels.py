@@ -2,9 +2,9 @@
 the process records the kernels of krnl's CUDA graph replays with their own durations, without
 the per-op waits of `krnl bench --profile` (whose figures add host time to every op).
 
-    python3 tools/device/train_before_after.py write /tmp/f8 --shape 8b
-    python3 tools/device/step_kernels.py /tmp/f8 kernels.tsv     # steps 7 and 8 of a Trainer run
-    python3 tools/device/step_kernels.py w3 kernels.tsv          # 3 replays of krnl bench's W3 step
+    python3 dev/cuda/train_before_after.py write /tmp/f8 --shape 8b
+    python3 dev/cuda/step_kernels.py /tmp/f8 kernels.tsv     # steps 7 and 8 of a Trainer run
+    python3 dev/cuda/step_kernels.py w3 kernels.tsv          # 3 replays of krnl bench's W3 step
 
 Prints each kernel name's time and count per step, and the idle time between kernels; kernels.tsv
 lists every kernel in order (start us, duration us, name), which maps them to the layer's ops."""

@@ -8,8 +8,8 @@
 // gives the grid column groups as well, enough for those blocks to fill every SM. Variants go round-robin, timed with events over 20
 // launches each.
 //
-//   nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc -o /tmp/slv tools/device/swiglu_lora_variants.cu && /tmp/slv
-//   (bash tools/device/h200_check.sh probes runs it)
+//   nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc -o /tmp/slv dev/cuda/swiglu_lora_variants.cu && /tmp/slv
+//   (bash dev/cuda/h200_probes.sh probes runs it)
 #include <algorithm>
 #include <cstdio>
 #include <cstring>

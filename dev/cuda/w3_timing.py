@@ -1,7 +1,7 @@
 """Where krnl bench's W3 figure parts from the traced one: the same recorded W3 step (krnl.bench.w2)
 replayed under several timing patterns, each replay timed on the host.
 
-    python3 tools/device/w3_timing.py [rounds]
+    python3 dev/cuda/w3_timing.py [rounds]
 
 - paused:   a 0.3 s pause (krnl bench's on a CPU; on a GPU it pauses not at all), then a sample
             of as many replays as krnl bench takes (7), each waited for;

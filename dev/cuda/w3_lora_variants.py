@@ -2,7 +2,7 @@
 one process on one GPU: the step recorded once with each setting of KRNL_LORA_GROUPS (lora_group.py)
 and KRNL_LORA_FIRST (lora.py), then replayed in interleaved rounds; also
 each variant's loss and gradients against the first's. Usage (on a CUDA machine, krnl built):
-    python3 tools/device/w3_lora_variants.py [--rounds 7] [--steps 20] [--json PATH]"""
+    python3 dev/cuda/w3_lora_variants.py [--rounds 7] [--steps 20] [--json PATH]"""
 
 import argparse
 import json

@@ -4,7 +4,7 @@ cross_entropy (dlogits in place), dxn = dlogits W. Chunk sizes are timed round-r
 cap lowers the clock under a sustained load, so shapes timed one after another do not compare),
 whole and op by op, each recorded as a graph and replayed.
 
-    PYTHONPATH=python python3 tools/device/head_loss_probe.py        (on a CUDA machine)
+    PYTHONPATH=python python3 dev/cuda/head_loss_probe.py        (on a CUDA machine)
 """
 import time
 

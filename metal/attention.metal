@@ -427,7 +427,7 @@ kernel void attention_backward_dkv(device const T*         q     [[buffer(0)]],
 }
 
 // Head sizes: the common ones (64, 80, 96, 128, 256) and the small ones of the tests and the tiny
-// models (4, 8, 16, 32). Keep csrc/metal/ops.cpp's kAttentionHeadDims in step.
+// models (4, 8, 16, 32). Keep csrc/metal/attention.cpp's kAttentionHeadDims in step.
 #define ATTN_KERNELS(T, S, D)                                                                          \
     template [[host_name("attention_forward_d" #D "_" #S)]] [[kernel]]                                 \
     decltype(attention_forward<T, D>) attention_forward<T, D>;                                         \

@@ -451,7 +451,7 @@ def test_sumsq_metal(libs, dt, n):
 
 @pytest.mark.parametrize("dt", ["f32", "f16"])
 def test_sumsq_metal_host_geometry(libs, dt):
-    """csrc/metal/ops.cpp's geometry: chunk 16384, 256 threads in both passes, groups =
+    """csrc/metal/optim.cpp's geometry: chunk 16384, 256 threads in both passes, groups =
     max(1, ceil(n / chunk)); n = 0 still writes 0 (one empty group)."""
     x = rng.standard_normal(3 * 16384 + 5).astype(DT[dt])
     got, _ = sumsq_run(libs["optimizer"], dt, x, tg=256, chunk=16384, finish_tg=256, random_order=True)

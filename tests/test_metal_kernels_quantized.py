@@ -1,7 +1,7 @@
 """krnl's quantized_matmul kernels (metal/quantized.metal) on the MSL simulator against float64 numpy.
 
 The tiled forms (quantized_matmul_t_*, _n_*) and the few-row form (quantized_matmul_tv_*) are
-dispatched directly, with the geometry csrc/metal/ops.cpp gives them, at every bits and group
+dispatched directly, with the geometry csrc/metal/quantized.cpp gives them, at every bits and group
 size, at sizes that put every edge in play with few elements: rows 1, 31, 33 (the 32-row tile;
 the few-row form's 8-row blocks), out columns and K off the tile multiples where the layout allows
 (K and I are multiples of the group size). x and out sit in NaN-filled buffers with row padding

@@ -199,7 +199,7 @@ def _check_plan(p, rows, cols, tr, tc, budget):
 def test_largest_gemms_fit_the_dispatch_budget(family, dtype_size):
     """Every frozen product of the family's largest model, at 16k tokens, on the slowest GPU: one
     dispatch each would run up to seconds (a 1,024-row chunk of Gemma 3's 262k-entry LM head alone
-    is ~2.9 TFLOP, over 6 s at the GEMM rate), so ops.cpp cuts it into blocks of whole 32x32 tiles,
+    is ~2.9 TFLOP, over 6 s at the GEMM rate), so gemm.cpp cuts it into blocks of whole 32x32 tiles,
     each estimated within the per-dispatch budget; few blocks where one suffices."""
     budget = _core.testing.metal_gpu_policy(SLOWEST)["command_buffer"]["max_dispatch_ms"]
     worst = 0.0

@@ -1,5 +1,5 @@
 """The Metal backend end to end on the metal-sim device: the dispatch
-records of csrc/metal/ops.cpp, submitted as command buffers by csrc/metal/submission.cpp (the code
+records of csrc/metal's op files, submitted as command buffers by csrc/metal/submission.cpp (the code
 device.mm runs) and executed by tools/mslsim on a worker thread. The op suite (test_ops.py,
 test_gemm.py) also runs here; this file checks what only a whole device shows: the tiny-model LoRA
 training step against the CPU backend, step semantics, the pool's completion gating, split-K
@@ -37,7 +37,7 @@ def test_training_step_matches_cpu(sim, dtype):
 
 
 def test_rmsnorm_strided_records(sim, monkeypatch):
-    """The row-strided forms' dispatch records (ops.cpp): y's and dx's bindings span exactly their
+    """The row-strided forms' dispatch records (norm.cpp): y's and dx's bindings span exactly their
     rows at the wider stride; float4 accesses only where cols, the row stride and both offsets are
     multiples of 4; the backward's residual bound at buffer(6) and added in its one dispatch."""
     import struct

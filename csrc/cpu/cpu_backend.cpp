@@ -1,5 +1,6 @@
-// CPU backend: memory, registration, split-K parameters and the GEMM (the other ops are in
-// cpu_ops.cpp).
+// CPU backend: memory, registration and split-K parameters; the ops are in the files by op family
+// beside this one (gemm.cpp, norm.cpp, attention.cpp, elementwise.cpp, loss.cpp, quantized.cpp,
+// optim.cpp).
 #include "cpu_backend.h"
 
 #include <algorithm>
@@ -11,7 +12,6 @@
 #include <vector>
 
 #include "blas.h"
-#include "convert.h"
 #include "core/thread_pool.h"
 
 namespace krnl::cpu {
@@ -87,138 +87,5 @@ std::vector<int> probe_blas_threads() {
 }
 
 bool blas_fans_out() { return blas_fan_out(); }
-
-// ---- gemm
-
-namespace {
-
-// A (rows, cols) matrix with row stride ld at element offset off of t, as f32: f32 tensors in
-// place (ld unchanged), others converted into buf packed (ld becomes cols).
-const float* as_f32(const Tensor& t, int64_t off, int64_t rows, int64_t cols, int64_t& ld, std::vector<float>& buf) {
-  if (t.dtype() == DType::f32) return t.ptr<float>() + off;
-  buf.resize(size_t(rows * cols));
-  if (ld == cols) {
-    load_all(t.dtype(), t.data(), off, rows * cols, buf.data());
-  } else {
-    for (int64_t r = 0; r < rows; ++r) load(t.dtype(), t.data(), off + r * ld, cols, buf.data() + r * cols);
-  }
-  ld = cols;
-  return buf.data();
-}
-
-// C = sum_s alpha * op(A)[:, slice s] * op(B)[slice s, :] + beta * C, all f32, C (M, N) with
-// row stride ldc.
-// Slices run as single-threaded BLAS calls on the pool, at most one wave of pool-size slices
-// at a time (bounded partial memory); partials are summed in slice order, so the result does
-// not depend on the thread count.
-void gemm_split_k(const GemmArgs& g, const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc) {
-  ThreadPool& pool = ThreadPool::global();
-  const int64_t M = g.M, N = g.N, S = g.split_k, kp = g.K / S, MN = M * N;
-  const int64_t W = blas_fan_out() ? std::min<int64_t>(S, pool.size()) : 1;
-  std::vector<float> part(size_t(W * MN)), acc(S > W ? size_t(MN) : 0);
-  BlasSingleThread one_thread(pool.size() > 1);
-  for (int64_t s0 = 0; s0 < S; s0 += W) {
-    const int64_t ns = std::min(W, S - s0);
-    pool.parallel_for(ns, 1, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) {
-        BlasSingleThreadHere here;
-        const int64_t k0 = (s0 + i) * kp;
-        const float* a = g.trans_a ? A + k0 * lda : A + k0;  // stored (K, M) or (M, K)
-        const float* bm = g.trans_b ? B + k0 : B + k0 * ldb;  // stored (N, K) or (K, N)
-        sgemm(g.trans_a, g.trans_b, M, N, kp, g.alpha, a, lda, bm, ldb, 0.f, part.data() + i * MN, N);
-      }
-    });
-    const bool first = s0 == 0, last = s0 + ns == S;
-    for_blocks(MN, [&](int64_t b, int64_t e) {
-      for (int64_t j = b; j < e; ++j) {
-        float v = first ? part[size_t(j)] : acc[size_t(j)] + part[size_t(j)];
-        for (int64_t i = 1; i < ns; ++i) v += part[size_t(i * MN + j)];
-        if (!last) {
-          acc[size_t(j)] = v;
-        } else {
-          float& c = C[(j / N) * ldc + j % N];
-          c = g.beta == 0.f ? v : v + g.beta * c;  // beta == 0 never reads C (BLAS rule)
-        }
-      }
-    });
-  }
-}
-
-// C = beta * C for K == 0 (an empty sum); beta == 0 writes zeros without reading C.
-void scale_output(const Tensor& C, int64_t off, int64_t n, float beta) {
-  const DType dt = C.dtype();
-  for_blocks(n, [&](int64_t b, int64_t e) {
-    float buf[kBlock];
-    float* c = inout(dt, C.data(), off + b, beta == 0.f ? 0 : e - b, buf);
-    for (int64_t i = 0; i < e - b; ++i) c[i] = beta == 0.f ? 0.f : beta * c[i];
-    flush(dt, c, e - b, C.data(), off + b);
-  });
-}
-
-}  // namespace
-
-void CpuBackend::gemm(const GemmArgs& g) {
-  const int64_t M = g.M, N = g.N, K = g.K;
-  if (M == 0 || N == 0) return;
-  const DType cdt = g.C.dtype();
-  if (K == 0) {
-    for (int64_t b = 0; b < g.batch; ++b)
-      for (int64_t r = 0; r < M; ++r) scale_output(g.C, b * g.stride_c + r * g.ldc, N, g.beta);
-    return;
-  }
-  // Stored shapes: A is (M, K) or (K, M), B is (K, N) or (N, K), each with its row stride.
-  const int64_t a_rows = g.trans_a ? K : M, a_cols = g.trans_a ? M : K;
-  const int64_t b_rows = g.trans_b ? N : K, b_cols = g.trans_b ? K : N;
-  // Batched all-f32 products (the attention heads): one single-threaded BLAS call per entry on
-  // the pool. OpenBLAS's own threading of each small attention product pays a fork/join per
-  // call; whole entries per thread do not (16 heads of 128-512 rows, 2 cores: ~100-114 vs
-  // ~76-106 GFLOP/s, measured).
-  ThreadPool& pool = ThreadPool::global();
-  if (blas_fan_out() && g.batch >= pool.size() && pool.size() > 1 && g.split_k == 1 && g.A.dtype() == DType::f32 &&
-      g.B.dtype() == DType::f32 && cdt == DType::f32) {
-    const float* A0 = g.A.ptr<float>();
-    const float* B0 = g.B.ptr<float>();
-    float* C0 = g.C.ptr<float>();
-    BlasSingleThread one_thread;
-    pool.parallel_for(g.batch, 1, [&](int64_t b0, int64_t b1) {
-      BlasSingleThreadHere here;
-      for (int64_t b = b0; b < b1; ++b)
-        sgemm(g.trans_a, g.trans_b, M, N, K, g.alpha, A0 + b * g.stride_a, g.lda, B0 + b * g.stride_b, g.ldb, g.beta,
-              C0 + b * g.stride_c, g.ldc);
-    });
-    return;
-  }
-  std::vector<float> abuf, bbuf, cbuf;
-  const float* Af = nullptr;
-  const float* Bf = nullptr;
-  int64_t lda = g.lda, ldb = g.ldb;
-  for (int64_t b = 0; b < g.batch; ++b) {
-    // A broadcast operand (stride 0) is converted once.
-    if (b == 0 || g.stride_a != 0) lda = g.lda, Af = as_f32(g.A, b * g.stride_a, a_rows, a_cols, lda, abuf);
-    if (b == 0 || g.stride_b != 0) ldb = g.ldb, Bf = as_f32(g.B, b * g.stride_b, b_rows, b_cols, ldb, bbuf);
-    float* Cf;
-    int64_t ldc = g.ldc;
-    const int64_t c_off = b * g.stride_c;
-    if (cdt == DType::f32) {
-      Cf = g.C.ptr<float>() + c_off;
-    } else {
-      cbuf.resize(size_t(M * N));
-      Cf = cbuf.data();
-      ldc = N;
-      if (g.beta != 0.f)
-        for (int64_t r = 0; r < M; ++r) load(cdt, g.C.data(), c_off + r * g.ldc, N, Cf + r * N);
-    }
-    if (g.split_k > 1)
-      gemm_split_k(g, Af, lda, Bf, ldb, Cf, ldc);
-    else
-      sgemm(g.trans_a, g.trans_b, M, N, K, g.alpha, Af, lda, Bf, ldb, g.beta, Cf, ldc);
-    if (cdt != DType::f32) {
-      if (g.ldc == N)
-        store_all(cdt, Cf, M * N, g.C.data(), c_off);
-      else
-        for (int64_t r = 0; r < M; ++r) store(cdt, Cf + r * N, N, g.C.data(), c_off + r * g.ldc);
-    }
-  }
-}
 
 }  // namespace krnl::cpu

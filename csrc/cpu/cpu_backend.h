@@ -1,5 +1,9 @@
 // The CPU backend: host memory, ops run synchronously as they are called, GEMMs through the
-// platform BLAS (blas.h), everything else as loops over the core's thread pool (cpu_ops.cpp).
+// platform BLAS (blas.h; gemm.cpp), everything else as loops over the core's thread pool, one file
+// per op family as in csrc/cuda (norm.cpp, attention.cpp, elementwise.cpp, loss.cpp, quantized.cpp,
+// optim.cpp): computing in float on rows or blocks loaded and stored through convert.h, so each op
+// is written once for every float dtype. Calls arrive validated (core/ops.cpp); only data-dependent
+// errors (ids, targets) are raised in the backend.
 #pragma once
 #include <vector>
 

@@ -1,9 +1,10 @@
 // The "metal" device: executes the command buffers of MetalOps on an
 // Apple GPU. Objective-C++ with ARC, macOS only, deliberately thin: the kernels, grids, offsets
-// and arguments of every op (ops.cpp), the cut of a step into command buffers, the ordering of
-// host records and host writes, completion and failures (submission.cpp), and the choice of GPU
-// and its dtypes (policy.cpp) are portable code that metal-sim runs in CI. This file turns those
-// decisions into Metal calls. No Objective-C type leaves it (metal_device.h declares a function).
+// and arguments of every op (ops.cpp and the op files beside it), the cut of a step into command
+// buffers, the ordering of host records and host writes, completion and failures
+// (submission.cpp), and the choice of GPU and its dtypes (policy.cpp) are portable code that
+// metal-sim runs in CI. This file turns those decisions into Metal calls. No Objective-C type
+// leaves it (metal_device.h declares a function).
 //
 // Device choice: MTLCreateSystemDefaultDevice() can return nil in a command-line process that
 // does not link CoreGraphics (CMakeLists.txt links it), so MTLCopyAllDevices() is asked too; the
@@ -11,7 +12,7 @@
 // otherwise krnl.devices() omits it and `krnl devices` prints the reason.
 //
 // A command buffer (MetalOps::submit): one serial compute encoder, so each dispatch sees every
-// earlier one's writes (ops.cpp marks no dispatch as independent: a concurrent encoder with a
+// earlier one's writes (the op files mark no dispatch as independent: a concurrent encoder with a
 // barrier before each would be the same thing said longer). Its completed handler reports to
 // MetalOps (completion and failure, on a Metal thread); wait_submission waits for the command
 // buffers themselves.

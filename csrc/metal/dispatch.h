@@ -1,6 +1,7 @@
-// The Metal backend's work as plain data (docs/architecture.md, 'The Metal backend'). csrc/metal/ops.cpp turns each op
-// into Dispatch records; an encoder executes them: the Objective-C++ layer on macOS (compute
-// encoder calls) and the metal-sim test device everywhere else (tools/mslsim). Portable C++:
+// The Metal backend's work as plain data (docs/architecture.md, 'The Metal backend'). The op files
+// of csrc/metal (gemm.cpp, norm.cpp, attention.cpp, ...) turn each op into Dispatch records; an
+// encoder executes them: the Objective-C++ layer on macOS (compute encoder calls) and the metal-sim
+// test device everywhere else (tools/mslsim). Portable C++:
 // nothing here knows about Objective-C, so all of the op logic runs in CI.
 #pragma once
 #include <array>

@@ -41,7 +41,7 @@ struct OrderingRules {
   bool split_steps = true;         // a step is cut into command buffers by the CommandBufferPolicy
 };
 
-struct GemmKernel;     // ops.cpp: one of gemm.metal's plain variants
+struct GemmKernel;     // gemm.cpp: one of gemm.metal's plain variants
 struct AttentionArgs;  // metal/kargs.h
 
 // One dispatch of an attention kernel over part of its grid (policy.h plan_row_blocks): its
@@ -169,7 +169,7 @@ class MetalOps : public Backend {
     apply_working_set();
   }
 
-  // Queues one record of the open step (ops.cpp's output).
+  // Queues one record of the open step (the output of the op files: gemm.cpp, norm.cpp, ...).
   void encode(Dispatch&& d);
   // Every submission up to this id has completed and been reported.
   uint64_t submissions_done() const { return done_upto_.load(std::memory_order_acquire); }

@@ -51,7 +51,8 @@ struct DeviceChoice {
 DeviceChoice choose_device(const std::vector<GpuDescription>& candidates, uint32_t os_msl, uint32_t needed_msl);
 
 // What bounds a dispatch's speed, for the time estimates: each kind of kernel of metal/ reaches
-// its own fraction of the GPU's f32 peak. ops.cpp sets it on every dispatch (Dispatch::rate).
+// its own fraction of the GPU's f32 peak. The op files (gemm.cpp, norm.cpp, ...) set it on every
+// dispatch (Dispatch::rate).
 enum class RateClass {
   memory,           // elementwise, norms, losses, optimizer: bytes at the memory bandwidth
   gemm,             // gemm.metal's simdgroup-matrix tiles
@@ -62,11 +63,12 @@ enum class RateClass {
 const char* rate_class_name(RateClass r);
 
 // When a step's GPU work goes into another command buffer (submission.cpp), and how large one
-// dispatch may be (ops.cpp splits a larger product into blocks). macOS ends a command buffer that
-// runs for seconds on a display-attached Mac (the GPU watchdog); a dispatch cannot be cut, so the
-// budget applies to each dispatch first. The estimate takes the slowest GPU of the family and,
-// per kernel kind, a rate at the low end of what that kernel can reach there: a real dispatch
-// should run shorter than estimated. No rate was measured on Apple hardware (none exists here).
+// dispatch may be (gemm.cpp and quantized.cpp split a larger product into blocks). macOS ends a
+// command buffer that runs for seconds on a display-attached Mac (the GPU watchdog); a dispatch
+// cannot be cut, so the budget applies to each dispatch first. The estimate takes the slowest GPU
+// of the family and, per kernel kind, a rate at the low end of what that kernel can reach there: a
+// real dispatch should run shorter than estimated. No rate was measured on Apple hardware (none
+// exists here).
 struct CommandBufferPolicy {
   uint32_t max_dispatches = 64;
   double max_ms = 100;          // estimated GPU time of one command buffer

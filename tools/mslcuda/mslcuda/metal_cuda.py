@@ -1,5 +1,5 @@
 """The executor of krnl's `metal-cuda` test device: runs the dispatch records of the Metal
-backend (csrc/metal/ops.cpp), the same records metal-sim executes, with the unmodified kernels of
+backend (csrc/metal's op files), the same records metal-sim executes, with the unmodified kernels of
 metal/ compiled for an NVIDIA GPU by mslcuda.
 
     import mslcuda.metal_cuda

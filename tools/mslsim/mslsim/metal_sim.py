@@ -1,5 +1,5 @@
 """The executor of krnl's `metal-sim` device: runs the dispatch records of the Metal backend
-(csrc/metal/ops.cpp) with the kernels of metal/ on this simulator.
+(csrc/metal's op files) with the kernels of metal/ on this simulator.
 
     import mslsim.metal_sim
     mslsim.metal_sim.register(krnl._core, repo_root)   # then krnl.device("metal-sim")

@@ -1,0 +1,73 @@
+// Optimizer ops on the Metal kernels (metal/optimizer.metal): AdamW (with the working-copy
+// refresh), sumsq (partials per chunk, then one threadgroup sums them) and the non-finite flag.
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "metal/metal_ops.h"
+#include "metal/ops_common.h"
+
+namespace krnl::metal {
+
+// ---- optimizer
+
+namespace {
+
+constexpr uint32_t kReduceChunk = 16384;  // elements per threadgroup in sumsq's first pass
+
+}  // namespace
+
+void MetalOps::adamw_update(const AdamWArgs& a) {
+  Emit e{this, "adamw_update"};
+  const int64_t n = a.params.numel();
+  if (n == 0) return;
+  const bool working = a.working.defined();
+  Dispatch d = e.make("optimizer", working ? "adamw_update_working_" + e.sfx(a.working.dtype()) : std::string("adamw_update"));
+  bind(d, 0, a.params), bind(d, 1, a.grads), bind(d, 2, a.m), bind(d, 3, a.v);
+  if (working) bind(d, 4, a.working);
+  // The device scalars (or dummy bindings, never read: the kernels read them only as the flags say).
+  const bool dev = a.hyper.defined(), flag = a.flag.defined();
+  bind(d, 6, dev ? a.hyper : a.params, dev ? a.hyper.nbytes() : 0);
+  bind(d, 7, dev ? a.sq : a.params, dev ? a.sq.nbytes() : 0);
+  bind(d, 8, flag ? a.flag : a.params, flag ? a.flag.nbytes() : 0);
+  // Bias corrections in double on the host, as the CPU backend computes them.
+  const double bc1 = 1.0 - std::pow(double(a.beta1), double(a.step));
+  const double bc2 = 1.0 - std::pow(double(a.beta2), double(a.step));
+  d.set_args(5, AdamwArgs{u32(e.op, n, "n"), float(double(a.lr) / bc1), float(std::sqrt(bc2)), a.lr * a.weight_decay,
+                          a.beta1, a.beta2, a.eps, a.grad_scale, dev ? 1u : 0u, flag ? 1u : 0u});
+  ew_geometry(d, n);
+  encode(std::move(d));
+}
+
+void MetalOps::sumsq(const Tensor& x, const Tensor& out) {
+  Emit e{this, "sumsq"};
+  const int64_t n = x.numel();
+  const uint32_t groups = std::max<uint32_t>(1, ceil_div(n, kReduceChunk));
+  const ReduceArgs args{u32(e.op, n, "n"), kReduceChunk, groups};
+  Tensor partials = empty({int64_t(groups)}, DType::f32);
+  Dispatch d = e.make("optimizer", "sumsq_partial_" + e.sfx(x.dtype()));
+  bind(d, 0, x), bind(d, 1, partials);
+  d.set_args(2, args);
+  d.grid = {groups, 1, 1};
+  d.threads = {256, 1, 1};
+  encode(std::move(d));
+  Dispatch f = e.make("optimizer", "sumsq_finish");
+  bind(f, 0, partials), bind(f, 1, out);
+  f.set_args(2, args);
+  f.grid = {1, 1, 1};
+  f.threads = {256, 1, 1};
+  encode(std::move(f));
+}
+
+void MetalOps::nonfinite(const Tensor& x, const Tensor& flag) {
+  Emit e{this, "nonfinite"};
+  Dispatch d = e.make("optimizer", "nonfinite_" + e.sfx(x.dtype()));
+  const int64_t n = x.numel();
+  if (n == 0) return;
+  bind(d, 0, x), bind(d, 1, flag);
+  d.set_args(2, ReduceArgs{u32(e.op, n, "n"), 0, 0});
+  ew_geometry(d, n);
+  encode(std::move(d));
+}
+
+}  // namespace krnl::metal

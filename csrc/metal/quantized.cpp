@@ -1,0 +1,116 @@
+// quantized_matmul and quantized_embedding on the Metal kernels (metal/quantized.metal): the tiled
+// and few-row forms, and blocks under the per-dispatch budget.
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "core/dtype.h"
+#include "core/ops.h"
+#include "metal/metal_ops.h"
+#include "metal/ops_common.h"
+
+namespace krnl::metal {
+
+// ---- quantized weights
+
+namespace {
+
+constexpr int64_t kQmmTile = 32;     // quantized.metal's tiled form: 32x32 out tiles, 128 threads
+constexpr int64_t kQmvRows = 8;      // its few-row form: x rows per row block,
+constexpr int64_t kQmvCols = 8;      // and out columns per threadgroup (2 SIMD-groups of 4, 64 threads)
+constexpr int64_t kQmvMaxN = 8;      // the host takes the few-row form up to this many rows (`t` only)
+
+// One quantized_matmul dispatch computing the block out[n0 : n0 + rows, m0 : m0 + cols] of the
+// whole product out = x op(W) (+ beta out), the interface of QuantizedMatmulArgs (kargs.h): x and
+// out bound at row n0, out at column m0; m0 a row of W (transpose) or a column of W, then a
+// multiple of 8. `few`: the few-row form (transpose products of at most kQmvMaxN rows), else the
+// tiled one. The caller encodes it; quantized_matmul calls it once per block.
+Dispatch quantized_matmul_block(const Emit& e, const Tensor& x, const Tensor& w, const Tensor& scales,
+                                const Tensor& biases, const Tensor& out, bool transpose, int64_t group_size,
+                                int64_t bits, float beta, int64_t n0, int64_t rows, int64_t m0, int64_t cols, bool few) {
+  const int64_t N = x.size(0), K = x.size(1), M = out.size(1);
+  if (n0 < 0 || rows < 1 || n0 + rows > N || m0 < 0 || cols < 1 || m0 + cols > M || (!transpose && m0 % 8 != 0))
+    throw std::invalid_argument(std::string("[") + e.op + "] block rows [" + std::to_string(n0) + ", " +
+                                std::to_string(n0 + rows) + "), columns [" + std::to_string(m0) + ", " +
+                                std::to_string(m0 + cols) + ") is not inside (" + std::to_string(N) + ", " +
+                                std::to_string(M) + ")" + (transpose ? "" : " with its first column a multiple of 8"));
+  const bool sf32 = scales.dtype() != x.dtype();  // f32 scales and biases with 16-bit x
+  Dispatch d = e.make("quantized", std::string("quantized_matmul_") + (few ? "tv_" : transpose ? "t_" : "n_") +
+                                       e.sfx(x.dtype()) + (sf32 ? "_sf32" : "") + "_b" + std::to_string(bits));
+  const int64_t ldx = x.strides()[0], ldo = out.strides()[0];  // column-block views allowed
+  const size_t xsz = dtype_size(x.dtype()), osz = dtype_size(out.dtype());
+  d.bind(0, x.storage()->ptr(), x.offset() + size_t(n0 * ldx) * xsz, size_t(extent_elems(rows, K, ldx, 0, 1)) * xsz);
+  bind(d, 1, w), bind(d, 2, scales), bind(d, 3, biases);
+  d.bind(4, out.storage()->ptr(), out.offset() + size_t(n0 * ldo + m0) * osz,
+         size_t(extent_elems(rows, cols, ldo, 0, 1)) * osz);
+  d.set_args(5, QuantizedMatmulArgs{u32(e.op, rows, "N"), u32(e.op, cols, "M"), u32(e.op, K, "K"),
+                                    u32(e.op, w.size(1), "words"), uint32_t(group_size), beta, u32(e.op, ldx, "ldx"),
+                                    u32(e.op, ldo, "ldo"), u32(e.op, m0, "m0"), u32(e.op, scales.size(1), "groups")});
+  // the kernels index scales, codes and x, out rows in 32 bits (their pointers in 64)
+  u32(e.op, (N - 1) * std::max(ldx, ldo) + std::max(K, M), "x and out extents");
+  u32(e.op, scales.numel(), "scales' size");
+  d.flops = 2.0 * double(rows) * double(cols) * double(K);
+  d.rate = few ? RateClass::quantized_rows : RateClass::quantized_tiled;
+  // Each operand once: x's rows, the codes, scales and biases of the block's W rows (t) or
+  // columns (n), out's block (read too when beta != 0).
+  const double w_elems = double(cols) * double(K);  // of W, for this block's outputs
+  d.bytes = double(xsz) * double(rows) * double(K) +
+            w_elems * (double(bits) / 8 + 2.0 * double(dtype_size(scales.dtype())) / double(group_size)) +
+            double(osz) * double(rows) * double(cols) * (beta != 0.f ? 2.0 : 1.0);
+  if (few) {
+    d.grid = {ceil_div(cols, kQmvCols), ceil_div(rows, kQmvRows), 1};
+    d.threads = {64, 1, 1};
+  } else {
+    d.grid = {ceil_div(cols, kQmmTile), ceil_div(rows, kQmmTile), 1};
+    d.threads = {128, 1, 1};
+  }
+  return d;
+}
+
+}  // namespace
+
+void MetalOps::quantized_matmul(const Tensor& x, const Tensor& w, const Tensor& scales, const Tensor& biases,
+                                const Tensor& out, bool transpose, int64_t group_size, int64_t bits, float beta) {
+  Emit e{this, "quantized_matmul"};
+  const int64_t N = x.size(0), M = out.size(1);
+  if (N == 0 || M == 0) return;
+  // The form is the whole product's (a block of a tiled product computes what it would have).
+  const bool few = transpose && N <= kQmvMaxN;
+  const int64_t tile_rows = few ? N : kQmmTile, tile_cols = few ? kQmvCols : kQmmTile;
+  auto block = [&](int64_t n0, int64_t rows, int64_t m0, int64_t cols) {
+    return quantized_matmul_block(e, x, w, scales, biases, out, transpose, group_size, bits, beta, n0, rows, m0, cols,
+                                  few);
+  };
+  Dispatch whole = block(0, N, 0, M);
+  const double budget = cb_policy_.max_dispatch_ms;
+  if (estimate_ms(whole, cb_policy_) <= budget) {
+    encode(std::move(whole));
+    return;
+  }
+  // Over the per-dispatch budget (the watchdog; policy.h): blocks of rows, then columns.
+  const BlockPlan p = plan_blocks(N, M, tile_rows, tile_cols, budget, [&](int64_t r, int64_t c) {
+    return estimate_ms(block(0, r, 0, c), cb_policy_);
+  });
+  for (int64_t i = 0; i < N; i += p.rows)
+    for (int64_t j = 0; j < M; j += p.cols) encode(block(i, std::min(p.rows, N - i), j, std::min(p.cols, M - j)));
+}
+
+void MetalOps::quantized_embedding(const Tensor& ids, const Tensor& w, const Tensor& scales, const Tensor& biases,
+                                   const Tensor& out, int64_t group_size, int64_t bits) {
+  Emit e{this, "quantized_embedding"};
+  const int64_t V = w.size(0), C = out.size(-1), n = ids.numel();
+  // ids come from uploads, never from an earlier kernel of the step: host-visible and final
+  ops::check_ids(e.op, "id", "position", ids.ptr<int32_t>(), n, V);
+  if (n == 0 || C == 0) return;
+  const bool sf32 = scales.dtype() != out.dtype();
+  Dispatch d = e.make("quantized", "quantized_embedding_" + e.sfx(out.dtype()) + (sf32 ? "_sf32" : "") + "_b" +
+                                       std::to_string(bits));
+  bind(d, 0, ids), bind(d, 1, w), bind(d, 2, scales), bind(d, 3, biases), bind(d, 4, out);
+  d.set_args(5, QuantizedEmbeddingArgs{u32(e.op, n, "n"), u32(e.op, C, "C"), u32(e.op, V, "V"),
+                                       u32(e.op, w.size(1), "words"), uint32_t(group_size)});
+  u32(e.op, n * C, "n * C");
+  ew_geometry(d, n * C);
+  encode(std::move(d));
+}
+
+}  // namespace krnl::metal

@@ -1,11 +1,98 @@
-"""What the model-family tests (test_qwen3.py, test_phi3.py, test_gemma2.py) share: tiny random
-transformers models saved as HF folders, token batches, transformers' loss, and the LoRA
-gradients PyTorch autograd computes through PEFT, compared with krnl's."""
+"""What the model-family tests (test_families.py and the family-specific test_qwen3.py,
+test_gemma2.py, test_gemma3.py, test_phi3.py) share: the tiny random transformers folders of each
+family (FOLDERS, built once per session by family_folders), token batches, transformers' loss, and
+the LoRA gradients PyTorch autograd computes through PEFT, compared with krnl's."""
 
 import numpy as np
 import pytest
 
 from mlx_folders import write_tokenizer
+
+
+V = 61  # vocabulary of every family folder
+T = 13  # their batches' length: longer than every sliding window below
+PHI3_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+_rng = np.random.default_rng(5)
+LONGROPE = {"rope_type": "longrope", "short_factor": [float(x) for x in 1 + _rng.random(10)],
+            "long_factor": [float(x) for x in 1 + 3 * _rng.random(10)]}
+
+# Each family's folders: transformers' config and model classes, the keywords every folder of the
+# family takes, the save_random seed of the first folder (the i-th takes seed + i, after
+# torch.manual_seed(i)), the norms' centre, and the folders by name.
+FOLDERS = {
+    # Qwen3: GQA (4 query heads on 2 KV heads), head_dim 10 with hidden 48 (not 48 / 4); untied and tied.
+    "qwen3": dict(config="Qwen3Config", model="Qwen3ForCausalLM", seed=10, norm_center=1.0,
+                  common=dict(vocab_size=V, max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=10000.0),
+                  configs={
+        "gqa": dict(hidden_size=48, intermediate_size=80, num_hidden_layers=3, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=10, tie_word_embeddings=False),
+        "tied": dict(hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=2,
+                     num_key_value_heads=1, head_dim=24, tie_word_embeddings=True),
+    }),
+    # Gemma 2: GQA (4 query heads on 2 KV heads), head_dim 10 with hidden 48; windows 5 and 4 (< T);
+    # layer types given, or (in "old") left to the default: even layers slide.
+    "gemma2": dict(config="Gemma2Config", model="Gemma2ForCausalLM", seed=10, norm_center=0.0,
+                   common=dict(vocab_size=V, max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=True),
+                   configs={
+        "gqa": dict(hidden_size=48, intermediate_size=80, num_hidden_layers=3, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=10, sliding_window=5, query_pre_attn_scalar=7,
+                    attn_logit_softcapping=2.5, final_logit_softcapping=3.0,
+                    layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+        "old": dict(hidden_size=32, intermediate_size=40, num_hidden_layers=4, num_attention_heads=2,
+                    num_key_value_heads=1, head_dim=24, sliding_window=4, query_pre_attn_scalar=24,
+                    attn_logit_softcapping=1.5, final_logit_softcapping=2.0),
+    }),
+    # Gemma 3 text: GQA (4 query heads on 2 KV heads), head_dim 10; window 5 < T; layer 2 of 3 full
+    # ("pattern", as sliding_window_pattern 3 gives) or layer types given; global layers' rope scaled
+    # by a linear factor 8 with rope_theta 1e6 against a local base of 1e4 (as the 4B-27B checkpoints).
+    "gemma3": dict(config="Gemma3TextConfig", model="Gemma3ForCausalLM", seed=20, norm_center=0.0,
+                   common=dict(vocab_size=V, max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=True),
+                   configs={
+        "pattern": dict(hidden_size=48, intermediate_size=80, num_hidden_layers=3, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=10, sliding_window=5, query_pre_attn_scalar=7,
+                        sliding_window_pattern=3, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+                        rope_scaling={"rope_type": "linear", "factor": 8.0}),
+        "types": dict(hidden_size=32, intermediate_size=40, num_hidden_layers=4, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=24, sliding_window=4, query_pre_attn_scalar=24,
+                      layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"],
+                      rope_theta=50_000.0, rope_local_base_freq=300.0),
+    }),
+    # Phi-3: GQA (4 query heads on 2 KV heads, D 12), untied; and LongRoPE (D 20, original 8 positions
+    # of 64: a 13-token batch takes the long factors, a 7-token one the short; attention factor sqrt(2)).
+    "phi3": dict(config="Phi3Config", model="Phi3ForCausalLM", seed=10, norm_center=1.0,
+                 common=dict(vocab_size=V, max_position_embeddings=64, rms_norm_eps=1e-5, pad_token_id=0,
+                             bos_token_id=1, eos_token_id=2),
+                 configs={
+        "gqa": dict(hidden_size=48, intermediate_size=80, num_hidden_layers=3, num_attention_heads=4,
+                    num_key_value_heads=2, tie_word_embeddings=False),
+        "longrope": dict(hidden_size=40, intermediate_size=56, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, tie_word_embeddings=False, original_max_position_embeddings=8,
+                         rope_parameters=dict(LONGROPE, rope_theta=10000.0)),
+    }),
+}
+_built = {}
+
+
+def family_folders(tmp_path_factory, family):
+    """{name: folder} of `family`'s FOLDERS, written by transformers once per test session."""
+    key = (id(tmp_path_factory), family)
+    if key not in _built:
+        torch, transformers = torch_modules()
+        f = FOLDERS[family]
+        root = tmp_path_factory.mktemp(family)
+        out = {}
+        for i, (name, kw) in enumerate(f["configs"].items()):
+            cfg = getattr(transformers, f["config"])(**f["common"], **kw)
+            torch.manual_seed(i)
+            m = getattr(transformers, f["model"])(cfg)
+            out[name] = save_random(m, root / name, f["seed"] + i, norm_center=f["norm_center"])
+        _built[key] = out
+    return _built[key]
+
+
+def family_batch(seed=0, B=2, T=T):
+    """token_batch over the family folders' vocabulary."""
+    return token_batch(V, seed, B, T)
 
 
 def torch_modules():

@@ -1,14 +1,13 @@
-"""Gemma 2 (model_type "gemma2") end to end: RMSNorm with (1 + w), four norms per layer, GeGLU,
-embeddings scaled by sqrt(C), attention scale query_pre_attn_scalar ** -0.5, attention and final
-logit soft-capping, sliding windows on alternating layers, tied head. Tiny random folders written by
-transformers' Gemma2ForCausalLM (windows shorter than the sequence, GQA): krnl's loss equals
-transformers'; LoRA gradients on all seven projections equal PyTorch autograd through PEFT; krnl
-adapters load in PEFT and `fuse` output loads in transformers; KV-cached greedy decoding gives
-transformers' tokens; the CLI trains; one step on metal-sim equals the CPU backend; a Gemma chat
-template refuses a system turn with its own error, as one line.
+"""Gemma 2 (model_type "gemma2"): RMSNorm with (1 + w), four norms per layer, GeGLU, embeddings
+scaled by sqrt(C), attention scale query_pre_attn_scalar ** -0.5, attention and final logit
+soft-capping, sliding windows on alternating layers, tied head. What Gemma 2 adds to the checks
+every family passes (tests/test_families.py: loss and logits, PEFT gradients and adapters, fuse,
+generation and cached decoding, CLI, metal-sim, mlx-lm): its config; each piece (caps, windows)
+moves the loss; the attention path a soft-capped layer takes; the norms fold 1 + w in f32; the
+embedding scale rounds as transformers'; packed rows; the fused window without the attention cap;
+a Gemma chat template refuses a system turn with its own error, as one line.
 
-Tolerances as tests/test_qwen3.py: losses in f32 within 1e-5 relative, gradients within 1e-4 of
-the largest gradient of their tensor."""
+Tolerances as tests/test_families.py: losses in f32 within 1e-5 relative."""
 
 import json
 import shutil
@@ -18,29 +17,15 @@ import pytest
 
 import krnl
 from krnl import hf
-from krnl.model import ALL_MODULES, LoraConfig, ModelConfig, lora_key
+from krnl.model import ModelConfig
 
-from conftest import METAL_SIM, lora_step, tiny_lora_model
-from hf_families import (check_lora_gradients, hf_model, random_b, save_random, token_batch, torch_loss,
-                         torch_modules)
-from mlx_folders import make_base, write_data, write_tokenizer
+from hf_families import FOLDERS, V, family_batch, family_folders, hf_model, torch_loss, torch_modules
+from mlx_folders import write_tokenizer
 
-V = 61
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 LOSS_RTOL = 1e-5
-GRAD_RTOL = 1e-4
-T = 13  # longer than every window below
-# GQA (4 query heads on 2 KV heads), head_dim 10 with hidden 48; windows 5 and 4 (< T); layer types
-# given, or (in "old") left to the default: even layers slide.
-CONFIGS = {
-    "gqa": dict(hidden_size=48, intermediate_size=80, num_hidden_layers=3, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=10, sliding_window=5, query_pre_attn_scalar=7,
-                attn_logit_softcapping=2.5, final_logit_softcapping=3.0,
-                layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
-    "old": dict(hidden_size=32, intermediate_size=40, num_hidden_layers=4, num_attention_heads=2,
-                num_key_value_heads=1, head_dim=24, sliding_window=4, query_pre_attn_scalar=24,
-                attn_logit_softcapping=1.5, final_logit_softcapping=2.0),
-}
+CONFIGS = FOLDERS["gemma2"]["configs"]
+_batch = family_batch
 
 
 def test_config_reads_gemma2():
@@ -65,46 +50,23 @@ def test_config_reads_gemma2():
         c.check_weights(w)
 
 
-# ---------------------------------------------------------------------------------------------
-# Against transformers and PEFT (torch)
-
-
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    torch, transformers = torch_modules()
-    root = tmp_path_factory.mktemp("gemma2")
-    out = {}
-    for i, (name, kw) in enumerate(CONFIGS.items()):
-        cfg = transformers.Gemma2Config(vocab_size=V, max_position_embeddings=64, rms_norm_eps=1e-6,
-                                        tie_word_embeddings=True, **kw)
-        torch.manual_seed(i)
-        m = transformers.Gemma2ForCausalLM(cfg)
-        out[name] = save_random(m, root / name, 10 + i, norm_center=0.0)
-    return out
-
-
-def _batch(seed=0, B=2):
-    return token_batch(V, seed, B, T)
+    return family_folders(tmp_path_factory, "gemma2")
 
 
 @pytest.mark.torch
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_loss_matches_transformers(folders, name):
+def test_each_gemma_piece_moves_the_loss(folders, name):
+    """The final cap holds on transformers' logits; without the attention cap or the windows the
+    loss moves (test_families' loss check sees them)."""
     torch, _ = torch_modules()
     folder = folders[name]
-    assert "lm_head.weight" not in hf.read_tensors(folder)
     ids, labels, targets = _batch()
     ref_model = hf_model(folder)
     ref = torch_loss(ref_model, ids, labels)
-    # soft-capping keeps every layer materialised, fused or not; query row blocks of 4 (13 = 4 4 4 1)
-    for fused, block in ((False, 0), (True, 0), (False, 4)):
-        m = hf.load_model(folder, krnl.device("cpu"))
-        m.fused_attention, m.attn_block = fused, block
-        assert m.loss(ids, targets) == pytest.approx(ref, rel=LOSS_RTOL), (fused, block)
     with torch.no_grad():
         want = ref_model(torch.tensor(ids)).logits.numpy()
-    got = m.logits(ids)
-    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
     assert np.abs(want).max() < CONFIGS[name]["final_logit_softcapping"]  # the final cap holds
     # Each Gemma piece matters: without the attention cap or the windows the loss moves.
     for change in ({"attn_logit_softcapping": None}, {"sliding_window": 64}):
@@ -196,84 +158,6 @@ def test_loss_without_attention_softcap_takes_the_fused_window(folders, tmp_path
         assert m.loss(ids, targets) == pytest.approx(ref, rel=LOSS_RTOL), (fused, fused_window)
 
 
-@pytest.mark.torch
-@pytest.mark.parametrize("name, ckpt, block", [("gqa", False, 0), ("gqa", False, 4), ("old", True, 0)])
-def test_lora_gradients_match_peft(folders, name, ckpt, block):
-    """All seven targets; PyTorch autograd through PEFT's LoRA on transformers' model; block > 0:
-    the soft-capped attention in query row blocks."""
-    check_lora_gradients(folders[name], ALL_MODULES, CONFIGS[name]["num_hidden_layers"], _batch(2), LOSS_RTOL, GRAD_RTOL,
-                         grad_checkpoint=ckpt, attn_block=block)
-
-
-@pytest.mark.torch
-def test_krnl_adapter_in_peft_and_fuse_in_transformers(folders, tmp_path):
-    torch, _ = torch_modules()
-    peft = pytest.importorskip("peft")
-    folder = folders["gqa"]
-    lora = LoraConfig(r=2, alpha=6.0, target_modules=ALL_MODULES, layers=[0, 2])
-    m = hf.load_model(folder, krnl.device("cpu"), lora=lora)
-    st = random_b(m, 3)
-    krnl.adapter.save_adapter(tmp_path / "ad", st, krnl.adapter.peft_config(lora, str(folder), lora.layers))
-    ids, labels, targets = _batch(4)
-    mine = m.loss(ids, targets)
-    assert abs(mine - torch_loss(hf_model(folder), ids, labels)) > 1e-3  # the adapter matters
-    pm = peft.PeftModel.from_pretrained(hf_model(folder), str(tmp_path / "ad")).eval()
-    assert torch_loss(pm, ids, labels) == pytest.approx(mine, rel=LOSS_RTOL)
-
-    hf.fuse(folder, tmp_path / "ad", tmp_path / "fused")
-    t, orig = hf.read_tensors(tmp_path / "fused"), hf.read_tensors(folder)
-    for n in ("model.norm.weight", "model.layers.1.pre_feedforward_layernorm.weight",
-              "model.layers.2.post_attention_layernorm.weight"):  # the original w, not 1 + w
-        assert np.array_equal(np.asarray(t[n], np.float32), np.asarray(orig[n], np.float32)), n
-    assert torch_loss(hf_model(tmp_path / "fused"), ids, labels) == pytest.approx(mine, rel=LOSS_RTOL)
-
-
-@pytest.mark.torch
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_greedy_generation_matches_transformers(folders, name):
-    """9 new tokens after 5: the cache grows past every sliding window."""
-    torch, _ = torch_modules()
-    prompt = [7, 7, 30, 2, 44]  # tokens that vary (tied heads favour repeating a token)
-    ref = hf_model(folders[name])
-    ref.generation_config.eos_token_id = None
-    with torch.no_grad():
-        want = ref.generate(torch.tensor([prompt]), max_new_tokens=9, do_sample=False, pad_token_id=0)[0, 5:].tolist()
-    got = hf.load_model(folders[name], krnl.device("cpu")).generate(prompt, max_new_tokens=9)
-    assert got == want and len(set(want)) > 1
-
-
-@pytest.mark.torch
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_cached_decode_logits_match_transformers(folders, name):
-    """The KV cache's logits, a prompt of 4 then one token at a time past the windows, equal
-    transformers' logits of the whole sequence (each layer's scale, cap and window in the cache)."""
-    torch, _ = torch_modules()
-    from krnl.generate import KVCache, decode
-
-    ids = np.random.default_rng(6).integers(0, V, T)
-    with torch.no_grad():
-        want = hf_model(folders[name])(torch.tensor(ids[None])).logits[0].numpy()
-    m = hf.load_model(folders[name], krnl.device("cpu"))
-    cache = KVCache(m.dev, m.dtype, len(m.layers), m.heads, T, [L.gemma for L in m.layers])
-    got = [decode(m, list(ids[:4]), 0, cache)] + [decode(m, [int(ids[t])], t, cache) for t in range(4, T)]
-    assert np.abs(np.stack(got) - want[3:]).max() <= 1e-5 * np.abs(want).max()
-
-
-@pytest.mark.torch
-def test_cli_trains_a_gemma2_folder(folders, tmp_path):
-    from krnl.cli import main
-
-    write_data(tmp_path / "data")
-    out = tmp_path / "ad"
-    assert main(["train", "--model", str(folders["gqa"]), "--data", str(tmp_path / "data"), "--device", "cpu",
-                 "--dtype", "f32", "--iters", "3", "--batch-size", "2", "--lora-rank", "2", "--steps-per-eval", "0",
-                 "--quiet", "--no-tune", "--adapter-path", str(out)]) == 0
-    losses = [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert len(losses) == 3 and all(np.isfinite(losses))
-    lora, tensors, _ = krnl.adapter.read_adapter(out, hf.read_config(folders["gqa"]))
-    assert lora_key(2, "down_proj", "B") in tensors
-
-
 # A Gemma-style chat template (user/model turns, no system role), written for this test.
 GEMMA_TEMPLATE = (
     "{{ bos_token }}{% if messages[0]['role'] == 'system' %}"
@@ -300,65 +184,3 @@ def test_gemma_chat_template_refuses_a_system_turn(tmp_path):
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith(f"[data] {tmp_path / 'train.jsonl'}:2: ")
     assert msg.endswith("System role not supported")
-
-
-# ---------------------------------------------------------------------------------------------
-# metal-sim
-
-GEMMA2_TINY = dict(model_type="gemma2", num_attention_heads=2, num_key_value_heads=1, head_dim=8,  # hidden 32
-                   sliding_window=4, query_pre_attn_scalar=8, attn_logit_softcapping=2.0,
-                   final_logit_softcapping=3.0, tie_word_embeddings=True)
-
-
-@pytest.mark.skipif(METAL_SIM is None, reason="metal-sim is off (KRNL_TEST_METAL_SIM=0 or no g++)")
-@pytest.mark.parametrize("dtype, tol", [("f32", 1e-5), ("bf16", 3e-2)])
-def test_training_step_on_metal_sim_matches_cpu(dtype, tol):
-    """One forward/backward of a tiny Gemma 2 (window 4 < T = 9 on layer 0, both caps, GQA) on
-    metal-sim against the CPU backend in f32: summation order only in f32; bf16 rounding (its
-    tolerance as test_metal_sim's) with the f32 norm weights scaling bf16 activations."""
-    rng = np.random.default_rng(7)
-    ids, targets = rng.integers(0, 61, (2, 9)), rng.integers(0, 61, (2, 9))
-    loss_c, g_c = lora_step(tiny_lora_model(krnl.device("cpu"), "f32", **GEMMA2_TINY), ids, targets)
-    loss_d, g_d = lora_step(tiny_lora_model(krnl.device("metal-sim"), dtype, **GEMMA2_TINY), ids, targets)
-    assert abs(loss_d - loss_c) <= tol * abs(loss_c), (loss_d, loss_c)
-    assert g_c.keys() == g_d.keys()
-    # 5 tol: the worst gradient's bf16 error depends on the order of the roundings. On this seed it
-    # was 0.79 x 4 tol with the frozen product first and 1.02 x with the LoRA product first
-    # (lora.py, LoraLinear.forward); over seeds 0-7 the worst reached 1.8 x and 2.1 x, so the
-    # bound holds for this seed, not as a law of either order.
-    for k in g_c:
-        scale = float(np.max(np.abs(g_c[k])))
-        assert scale > 0, k
-        assert float(np.max(np.abs(g_d[k] - g_c[k]))) <= 5 * tol * scale, k
-
-
-@pytest.mark.mlx
-def test_mlx_quantized_gemma2_matches_mlx_lm(tmp_path):
-    """mlx_lm.convert -q of a Gemma 2 folder (the four norms stay float, the tied embedding is
-    quantized): krnl's loss equals mlx-lm's. mlx-lm's Gemma 2 has no sliding window, so the
-    sequences stay shorter than it."""
-    pytest.importorskip("mlx.core")
-    mlx_lm = pytest.importorskip("mlx_lm")
-    import mlx.core as mx
-    import mlx.nn as nn
-
-    def mlx_loss(path, ids):  # mlx-lm's mean next-token cross entropy, the model in f32
-        model, _ = mlx_lm.load(str(path))
-        model.set_dtype(mx.float32)
-        logits = model(mx.array(ids[:, :-1])).astype(mx.float32)
-        return nn.losses.cross_entropy(logits, mx.array(ids[:, 1:])).mean().item()
-
-    base = make_base(tmp_path / "base", model_type="gemma2", head_dim=32, num_hidden_layers=2, rope_theta=10000.0,
-                     tie_word_embeddings=True, sliding_window=32, query_pre_attn_scalar=32,
-                     attn_logit_softcapping=3.0, final_logit_softcapping=4.0)
-    # transformers would pick Gemma's own tokenizer class for a gemma2 folder; ours is a plain one
-    (base / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>",
-                                                             "tokenizer_class": "PreTrainedTokenizerFast"}))
-    mlx_lm.convert(str(base), str(tmp_path / "q"), quantize=True, q_bits=4, q_group_size=32)
-    w = hf.load_hf_weights(tmp_path / "q")
-    assert isinstance(w["model.embed_tokens.weight"], krnl.qweight.QuantizedArray)
-    assert not isinstance(w["model.layers.0.post_feedforward_layernorm.weight"], krnl.qweight.QuantizedArray)
-    m = hf.load_model(tmp_path / "q", krnl.device("cpu"), dtype="f32")
-    for seed in range(2):
-        ids = np.random.default_rng(seed).integers(0, V, (2, 14)).astype(np.int32)
-        assert m.loss(ids[:, :-1], ids[:, 1:]) == pytest.approx(mlx_loss(tmp_path / "q", ids), rel=1e-4)

@@ -3,7 +3,7 @@ the text tower of a tiny one (the smallest SigLIP vision tower transformers buil
 gradients equal transformers' and PyTorch autograd through PEFT (the vision tower excluded); krnl
 adapters carry PEFT's names for the multimodal model and load in PEFT; `fuse` writes the stored
 layout with the vision weights copied and loads in transformers; greedy decoding and the CLI.
-Tolerances as tests/test_gemma3.py."""
+Tolerances as tests/test_families.py."""
 
 import json
 

@@ -1,14 +1,12 @@
-"""Phi-3 / Phi-3.5 (model_type "phi3") end to end: fused qkv_proj and gate_up_proj weights split at
-load, LoRA on the fused modules as PEFT runs it (one A per fused module shared by its members,
-row blocks of one B), LongRoPE (short and long factors chosen by the call's largest position,
-the attention factor on cos/sin). Tiny random folders written by transformers' Phi3ForCausalLM:
-krnl's loss equals transformers'; LoRA gradients equal PyTorch autograd through PEFT; krnl
-adapters load in PEFT and `fuse` output loads in transformers; KV-cached greedy decoding gives
-transformers' tokens (across the short/long switch); the CLI trains; one step on metal-sim
-equals the CPU backend.
-
-Tolerances: losses in f32 within 1e-5 relative (different summation orders over 2-3 layers);
-gradients within 1e-4 of the largest gradient of their tensor."""
+"""Phi-3 / Phi-3.5 (model_type "phi3"): fused qkv_proj and gate_up_proj weights split at load, LoRA
+on the fused modules as PEFT runs it (one A per fused module shared by its members, row blocks of
+one B), LongRoPE (short and long factors chosen by the call's largest position, the attention
+factor on cos/sin). What Phi-3 adds to the checks every family passes (tests/test_families.py:
+loss, PEFT gradients and adapters, fuse, generation across the short/long switch, CLI, metal-sim):
+its config and its errors; LoRA targets mapped to the fused modules, their shared A and dropout
+mask; the loss matches transformers' only with the LongRoPE scaling; the mlx adapter layout; the
+CLI's error for part of a fused module; mlx-lm's loss of a quantized folder with and without a
+krnl adapter."""
 
 import json
 
@@ -19,28 +17,12 @@ import krnl
 from krnl import hf
 from krnl.model import LoraConfig, ModelConfig, lora_key
 
-from conftest import METAL_SIM, lora_step, tiny_lora_model
-from hf_families import (check_lora_gradients, hf_model, random_b, save_random, token_batch, torch_loss,
+from hf_families import (LONGROPE, PHI3_MODULES, V, family_batch, family_folders, hf_model, random_b, torch_loss,
                          torch_modules)
 from mlx_folders import write_data, write_tokenizer
 
-V = 61
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
-LOSS_RTOL = 1e-5
-GRAD_RTOL = 1e-4
-PHI3_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-_rng = np.random.default_rng(5)
-LONGROPE = {"rope_type": "longrope", "short_factor": [float(x) for x in 1 + _rng.random(10)],
-            "long_factor": [float(x) for x in 1 + 3 * _rng.random(10)]}
-# GQA (4 query heads on 2 KV heads, D 12), untied; and LongRoPE (D 20, original 8 positions of 64:
-# a 13-token batch takes the long factors, a 7-token one the short; attention factor sqrt(2)).
-CONFIGS = {
-    "gqa": dict(hidden_size=48, intermediate_size=80, num_hidden_layers=3, num_attention_heads=4,
-                num_key_value_heads=2, tie_word_embeddings=False),
-    "longrope": dict(hidden_size=40, intermediate_size=56, num_hidden_layers=2, num_attention_heads=2,
-                     num_key_value_heads=1, tie_word_embeddings=False, original_max_position_embeddings=8,
-                     rope_parameters=dict(LONGROPE, rope_theta=10000.0)),
-}
+_batch = family_batch
 
 
 def _dict(**kw):
@@ -136,77 +118,23 @@ def test_fused_members_drop_the_same_inputs():
     assert not np.array_equal(np.array(cache.o.xd.numpy()) == 0, dropped)  # o's input (N, H D), its own mask
 
 
-# ---------------------------------------------------------------------------------------------
-# Against transformers and PEFT (torch)
-
-
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    torch, transformers = torch_modules()
-    root = tmp_path_factory.mktemp("phi3")
-    out = {}
-    for i, (name, kw) in enumerate(CONFIGS.items()):
-        cfg = transformers.Phi3Config(vocab_size=V, max_position_embeddings=64, rms_norm_eps=1e-5, pad_token_id=0,
-                                      bos_token_id=1, eos_token_id=2, **kw)
-        torch.manual_seed(i)
-        m = transformers.Phi3ForCausalLM(cfg)
-        out[name] = save_random(m, root / name, 10 + i, norm_center=1.0)
-    return out
-
-
-def _batch(seed=0, B=2, T=13):
-    return token_batch(V, seed, B, T)
+    return family_folders(tmp_path_factory, "phi3")
 
 
 @pytest.mark.torch
-@pytest.mark.parametrize("name, T", [("gqa", 13), ("longrope", 13), ("longrope", 7), ("longrope", 8)])
-def test_loss_matches_transformers(folders, name, T):
-    folder = folders[name]
-    assert "model.layers.0.self_attn.qkv_proj.weight" in hf.read_tensors(folder)
+@pytest.mark.parametrize("T", [13, 7, 8])
+def test_loss_needs_the_longrope_scaling(folders, T):
+    """Without the scaling (frequencies and attention factor) the loss differs: test_families'
+    loss check sees it."""
+    folder = folders["longrope"]
     ids, labels, targets = _batch(T=T)
     ref = torch_loss(hf_model(folder), ids, labels)
-    for fused in (False, True):
-        m = hf.load_model(folder, krnl.device("cpu"))
-        m.fused_attention = fused
-        assert m.loss(ids, targets) == pytest.approx(ref, rel=LOSS_RTOL), fused
-    if name == "longrope":  # without the scaling (frequencies and attention factor) the loss differs
-        c = hf.read_config(folder)
-        c.rope_scaling = None
-        m = krnl.model.LlamaModel(krnl.device("cpu"), c, hf.load_hf_weights(folder))
-        assert abs(m.loss(ids, targets) - ref) > 1e-3
-
-
-@pytest.mark.torch
-@pytest.mark.parametrize("name, fused, ckpt", [("gqa", False, False), ("longrope", True, True)])
-def test_lora_gradients_match_peft(folders, name, fused, ckpt):
-    """The four fused targets; PyTorch autograd through PEFT's LoRA on transformers' model."""
-    check_lora_gradients(folders[name], PHI3_MODULES, CONFIGS[name]["num_hidden_layers"], _batch(2), LOSS_RTOL, GRAD_RTOL,
-                         grad_checkpoint=ckpt, fused_attention=fused)
-
-
-@pytest.mark.torch
-def test_krnl_adapter_in_peft_and_fuse_in_transformers(folders, tmp_path):
-    torch, _ = torch_modules()
-    peft = pytest.importorskip("peft")
-    folder = folders["gqa"]
-    lora = LoraConfig(r=2, alpha=6.0, target_modules=("q_proj", "k_proj", "v_proj", "gate_up_proj"), layers=[0, 2])
-    m = hf.load_model(folder, krnl.device("cpu"), lora=lora)
-    st = random_b(m, 3)
-    assert lora_key(2, "qkv_proj", "B") in st and lora_key(0, "gate_up_proj", "A") in st and len(st) == 8
-    krnl.adapter.save_adapter(tmp_path / "ad", st, krnl.adapter.peft_config(lora, str(folder), lora.layers))
-    ids, labels, targets = _batch(4)
-    mine = m.loss(ids, targets)
-    assert abs(mine - torch_loss(hf_model(folder), ids, labels)) > 1e-2  # the adapter matters
-    pm = peft.PeftModel.from_pretrained(hf_model(folder), str(tmp_path / "ad")).eval()
-    assert torch_loss(pm, ids, labels) == pytest.approx(mine, rel=LOSS_RTOL)
-    again = hf.load_model(folder, krnl.device("cpu"), adapter=tmp_path / "ad")
-    assert again.lora_config.target_modules == ("qkv_proj", "gate_up_proj")
-    assert again.loss(ids, targets) == pytest.approx(mine, rel=1e-6)
-
-    hf.fuse(folder, tmp_path / "ad", tmp_path / "fused")
-    t = hf.read_tensors(tmp_path / "fused")
-    assert "model.layers.2.self_attn.qkv_proj.weight" in t and "model.layers.0.self_attn.q_proj.weight" not in t
-    assert torch_loss(hf_model(tmp_path / "fused"), ids, labels) == pytest.approx(mine, rel=LOSS_RTOL)
+    c = hf.read_config(folder)
+    c.rope_scaling = None
+    m = krnl.model.LlamaModel(krnl.device("cpu"), c, hf.load_hf_weights(folder))
+    assert abs(m.loss(ids, targets) - ref) > 1e-3
 
 
 @pytest.mark.torch
@@ -225,71 +153,20 @@ def test_mlx_adapter_layout_round_trips(folders, tmp_path):
 
 
 @pytest.mark.torch
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_greedy_generation_matches_transformers(folders, name):
-    """longrope: the 5-token prompt takes the short factors, decoding past 8 positions the long
-    ones, with the cached keys as they were rotated (transformers' dynamic choice per call)."""
-    torch, transformers = torch_modules()
-    if name == "longrope" and tuple(int(p) for p in transformers.__version__.split(".")[:2]) < (5, 20):
-        # 5.17-5.19 pick the 6th token differently (its uncached forward, 5.20 on and krnl agree)
-        pytest.skip(f"transformers {transformers.__version__} decodes longrope past the switch with a cache "
-                    f"unlike its own uncached forward and 5.20 on")
-    prompt = [5, 17, 3, 40, 9]
-    ref = hf_model(folders[name])
-    ref.generation_config.eos_token_id = None
-    with torch.no_grad():
-        want = ref.generate(torch.tensor([prompt]), max_new_tokens=9, do_sample=False, pad_token_id=0)[0, 5:].tolist()
-    got = hf.load_model(folders[name], krnl.device("cpu")).generate(prompt, max_new_tokens=9)
-    assert got == want and len(set(want)) > 1
-
-
-@pytest.mark.torch
-def test_cli_trains_a_phi3_folder(folders, tmp_path, capsys):
+def test_cli_refuses_part_of_a_fused_module(folders, tmp_path, capsys):
+    """LoRA targets q and o: the CLI stops with the LoraConfig error as its last line (the fused
+    targets it trains: tests/test_families.py)."""
     from krnl.cli import main
 
     write_data(tmp_path / "data")
-    out = tmp_path / "ad"
     args = ["train", "--model", str(folders["longrope"]), "--data", str(tmp_path / "data"), "--device", "cpu",
             "--dtype", "f32", "--iters", "3", "--batch-size", "2", "--lora-rank", "2", "--steps-per-eval", "0",
             "--quiet", "--no-tune"]
-    assert main(args + ["--adapter-path", str(out), "--lora-targets", "q,k,v,down"]) == 0
-    losses = [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert len(losses) == 3 and all(np.isfinite(losses))
-    ac = json.loads((out / "adapter_config.json").read_text())
-    assert ac["r"] == 2 and sorted(ac["target_modules"]) == ["down_proj", "qkv_proj"]
-    lora, tensors, _ = krnl.adapter.read_adapter(out, hf.read_config(folders["longrope"]))
-    assert lora_key(1, "qkv_proj", "B") in tensors and lora_key(1, "down_proj", "A") in tensors
     capsys.readouterr()
     assert main(args + ["--adapter-path", str(tmp_path / "bad"), "--lora-targets", "q,o"]) != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].endswith("[LoraConfig] phi3 fuses q_proj, k_proj, v_proj into qkv_proj: LoRA adapts all of "
                             "qkv_proj or none of it, got only q_proj")
-
-
-# ---------------------------------------------------------------------------------------------
-# metal-sim
-
-PHI3_TINY = dict(model_type="phi3", num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-                 original_max_position_embeddings=4, rope_scaling=dict(LONGROPE, short_factor=LONGROPE["short_factor"][:4],
-                                                                       long_factor=LONGROPE["long_factor"][:4]),
-                 hidden_size=16)
-
-
-@pytest.mark.skipif(METAL_SIM is None, reason="metal-sim is off (KRNL_TEST_METAL_SIM=0 or no g++)")
-def test_training_step_on_metal_sim_matches_cpu():
-    """One forward/backward of a tiny Phi-3 (fused LoRA targets, GQA, LongRoPE's long factors
-    and attention factor: 9 positions past an original 4) on metal-sim against the CPU backend,
-    f32: summation order only."""
-    rng = np.random.default_rng(7)
-    ids, targets = rng.integers(0, 61, (2, 9)), rng.integers(0, 61, (2, 9))
-    loss_c, g_c = lora_step(tiny_lora_model(krnl.device("cpu"), "f32", **PHI3_TINY), ids, targets)
-    loss_d, g_d = lora_step(tiny_lora_model(krnl.device("metal-sim"), "f32", **PHI3_TINY), ids, targets)
-    assert abs(loss_d - loss_c) <= 1e-5 * abs(loss_c), (loss_d, loss_c)
-    assert g_c.keys() == g_d.keys() and lora_key(1, "gate_up_proj", "A") in g_c
-    for k in g_c:
-        scale = float(np.max(np.abs(g_c[k])))
-        assert scale > 0, k
-        assert float(np.max(np.abs(g_d[k] - g_c[k]))) <= 4e-5 * scale, k
 
 
 # ---------------------------------------------------------------------------------------------

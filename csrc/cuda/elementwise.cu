@@ -45,23 +45,20 @@ __global__ void dropout_kernel(DType dt, const void* x, void* out, int64_t n, fl
   KRNL_GRID_LOOP(i, n) st(dt, out, i, dropout_keep(seed, base + uint64_t(i), p) ? ld(dt, x, i) * keep_scale : 0.f);
 }
 
-// s = silu(g) * u, sigmoid as 1 / (1 + exp(-g)) like the CPU backend.
-__global__ void swiglu_fwd_kernel(DType dt, const void* g, const void* u, void* s, int64_t n) {
-  KRNL_GRID_LOOP(i, n) {
-    const float gi = ld(dt, g, i), ui = ld(dt, u, i);
-    st(dt, s, i, gi / (1.f + expf(-gi)) * ui);
+// The gated activations s = act(g) * u as functors, each with its forward and its backward
+// (dg, du from ds, g, u; in that expression order, which fixes the rounding), for one set of
+// kernels and launchers below.
+// SwiGLU: act = silu, sigmoid as 1 / (1 + exp(-g)) like the CPU backend.
+struct Swiglu {
+  static constexpr const char* fwd_name = "swiglu_forward";
+  static constexpr const char* bwd_name = "swiglu_backward";
+  __device__ static float forward(float g, float u) { return g / (1.f + expf(-g)) * u; }
+  __device__ static void backward(float d, float g, float u, float& dg, float& du) {
+    const float sig = 1.f / (1.f + expf(-g));
+    dg = d * u * sig * (1.f + g * (1.f - sig));
+    du = d * g * sig;
   }
-}
-
-// dg/du may alias ds: all three inputs are read before either output is written.
-__global__ void swiglu_bwd_kernel(DType dt, const void* ds, const void* g, const void* u, void* dg, void* du, int64_t n) {
-  KRNL_GRID_LOOP(i, n) {
-    const float d = ld(dt, ds, i), gi = ld(dt, g, i), ui = ld(dt, u, i);
-    const float sig = 1.f / (1.f + expf(-gi));
-    st(dt, dg, i, d * ui * sig * (1.f + gi * (1.f - sig)));
-    st(dt, du, i, d * gi * sig);
-  }
-}
+};
 
 // GeGLU: gelu_tanh(x) = x sg with sg = sigmoid(2 k (x + a x^3)) = (1 + tanh(k (x + a x^3))) / 2
 // (transformers' "gelu_pytorch_tanh"); 1 + tanh from the sigmoid keeps its relative accuracy for
@@ -77,22 +74,30 @@ __device__ __forceinline__ float gelu_grad(float x, float& sg) {  // also return
   const float om = sg < 0.5f ? 1.f - sg : e * sg;
   return sg + 2.f * x * sg * om * 0.7978845608028654f * (1.f + 3.f * 0.044715f * x * x);
 }
-
-__global__ void geglu_fwd_kernel(DType dt, const void* g, const void* u, void* s, int64_t n) {
-  KRNL_GRID_LOOP(i, n) {
-    const float gi = ld(dt, g, i), ui = ld(dt, u, i);
-    st(dt, s, i, gi * gelu_sigmoid(gi) * ui);
+struct Geglu {
+  static constexpr const char* fwd_name = "geglu_forward";
+  static constexpr const char* bwd_name = "geglu_backward";
+  __device__ static float forward(float g, float u) { return g * gelu_sigmoid(g) * u; }
+  __device__ static void backward(float d, float g, float u, float& dg, float& du) {
+    float sg;
+    dg = d * u * gelu_grad(g, sg);
+    du = d * g * sg;
   }
+};
+
+template <class Act>
+__global__ void gated_fwd_kernel(DType dt, const void* g, const void* u, void* s, int64_t n) {
+  KRNL_GRID_LOOP(i, n) st(dt, s, i, Act::forward(ld(dt, g, i), ld(dt, u, i)));
 }
 
 // dg/du may alias ds: all three inputs are read before either output is written.
-__global__ void geglu_bwd_kernel(DType dt, const void* ds, const void* g, const void* u, void* dg, void* du, int64_t n) {
+template <class Act>
+__global__ void gated_bwd_kernel(DType dt, const void* ds, const void* g, const void* u, void* dg, void* du, int64_t n) {
   KRNL_GRID_LOOP(i, n) {
-    const float d = ld(dt, ds, i), gi = ld(dt, g, i), ui = ld(dt, u, i);
-    float sg;
-    const float dgelu = gelu_grad(gi, sg);
-    st(dt, dg, i, d * ui * dgelu);
-    st(dt, du, i, d * gi * sg);
+    float dgi, dui;
+    Act::backward(ld(dt, ds, i), ld(dt, g, i), ld(dt, u, i), dgi, dui);
+    st(dt, dg, i, dgi);
+    st(dt, du, i, dui);
   }
 }
 
@@ -135,55 +140,21 @@ __global__ void axpy_vec_kernel(float alpha, DType dt, const void* x, void* y, i
   }
 }
 
-template <bool W16>
-__global__ void swiglu_fwd_vec_kernel(DType dt, const void* g, const void* u, void* s, int64_t nvec) {
+template <class Act, bool W16>
+__global__ void gated_fwd_vec_kernel(DType dt, const void* g, const void* u, void* s, int64_t nvec) {
   constexpr int VEC = W16 ? 8 : 4;
   KRNL_GRID_LOOP(v, nvec) {
     float gv[VEC], uv[VEC];
     load_vec<W16>(dt, g, v * VEC, gv);
     load_vec<W16>(dt, u, v * VEC, uv);
 #pragma unroll
-    for (int e = 0; e < VEC; ++e) gv[e] = gv[e] / (1.f + expf(-gv[e])) * uv[e];
+    for (int e = 0; e < VEC; ++e) gv[e] = Act::forward(gv[e], uv[e]);
     store_vec<W16>(dt, s, v * VEC, gv);
   }
 }
 
-template <bool W16>
-__global__ void swiglu_bwd_vec_kernel(DType dt, const void* ds, const void* g, const void* u, void* dg, void* du,
-                                      int64_t nvec) {
-  constexpr int VEC = W16 ? 8 : 4;
-  KRNL_GRID_LOOP(v, nvec) {
-    float d[VEC], gv[VEC], uv[VEC];
-    load_vec<W16>(dt, ds, v * VEC, d);
-    load_vec<W16>(dt, g, v * VEC, gv);
-    load_vec<W16>(dt, u, v * VEC, uv);
-#pragma unroll
-    for (int e = 0; e < VEC; ++e) {  // d becomes dg, uv becomes du: inputs are all read above
-      const float sig = 1.f / (1.f + expf(-gv[e]));
-      const float dge = d[e] * uv[e] * sig * (1.f + gv[e] * (1.f - sig));
-      uv[e] = d[e] * gv[e] * sig;
-      d[e] = dge;
-    }
-    store_vec<W16>(dt, dg, v * VEC, d);
-    store_vec<W16>(dt, du, v * VEC, uv);
-  }
-}
-
-template <bool W16>
-__global__ void geglu_fwd_vec_kernel(DType dt, const void* g, const void* u, void* s, int64_t nvec) {
-  constexpr int VEC = W16 ? 8 : 4;
-  KRNL_GRID_LOOP(v, nvec) {
-    float gv[VEC], uv[VEC];
-    load_vec<W16>(dt, g, v * VEC, gv);
-    load_vec<W16>(dt, u, v * VEC, uv);
-#pragma unroll
-    for (int e = 0; e < VEC; ++e) gv[e] = gv[e] * gelu_sigmoid(gv[e]) * uv[e];
-    store_vec<W16>(dt, s, v * VEC, gv);
-  }
-}
-
-template <bool W16>
-__global__ void geglu_bwd_vec_kernel(DType dt, const void* ds, const void* g, const void* u, void* dg, void* du,
+template <class Act, bool W16>
+__global__ void gated_bwd_vec_kernel(DType dt, const void* ds, const void* g, const void* u, void* dg, void* du,
                                      int64_t nvec) {
   constexpr int VEC = W16 ? 8 : 4;
   KRNL_GRID_LOOP(v, nvec) {
@@ -192,12 +163,7 @@ __global__ void geglu_bwd_vec_kernel(DType dt, const void* ds, const void* g, co
     load_vec<W16>(dt, g, v * VEC, gv);
     load_vec<W16>(dt, u, v * VEC, uv);
 #pragma unroll
-    for (int e = 0; e < VEC; ++e) {  // d becomes dg, uv becomes du: inputs are all read above
-      float sg;
-      const float dge = d[e] * uv[e] * gelu_grad(gv[e], sg);
-      uv[e] = d[e] * gv[e] * sg;
-      d[e] = dge;
-    }
+    for (int e = 0; e < VEC; ++e) Act::backward(d[e], gv[e], uv[e], d[e], uv[e]);  // d becomes dg, uv du
     store_vec<W16>(dt, dg, v * VEC, d);
     store_vec<W16>(dt, du, v * VEC, uv);
   }
@@ -307,78 +273,52 @@ void CudaBackend::dropout(const Tensor& x, const Tensor& out, float p, uint64_t 
   check_launch("dropout");
 }
 
-void CudaBackend::swiglu_forward(const Tensor& g, const Tensor& u, const Tensor& s) {
+// The launchers of a gated activation's forward and backward (16-byte vectors where aligned).
+template <class Act>
+void CudaBackend::gated_forward(const Tensor& g, const Tensor& u, const Tensor& s) {
   OpTimer timer(this);
   const int64_t n = g.numel();
   if (!n) return;
   if (vectorizable(g.dtype(), n, {g.data(), u.data(), s.data()})) {
     const int64_t nv = n / vec_width(g.dtype());
-#define KRNL_SWIGLU_FWD(W) \
-  swiglu_fwd_vec_kernel<W><<<grid_for(nv), kThreads, 0, stream_>>>(g.dtype(), g.data(), u.data(), s.data(), nv)
-    KRNL_DISPATCH_VEC(g.dtype() != DType::f32, KRNL_SWIGLU_FWD)
-#undef KRNL_SWIGLU_FWD
-    check_launch("swiglu_forward");
-    return;
+#define KRNL_GATED_FWD(W) \
+  gated_fwd_vec_kernel<Act, W><<<grid_for(nv), kThreads, 0, stream_>>>(g.dtype(), g.data(), u.data(), s.data(), nv)
+    KRNL_DISPATCH_VEC(g.dtype() != DType::f32, KRNL_GATED_FWD)
+#undef KRNL_GATED_FWD
+  } else {
+    gated_fwd_kernel<Act><<<grid_for(n), kThreads, 0, stream_>>>(g.dtype(), g.data(), u.data(), s.data(), n);
   }
-  swiglu_fwd_kernel<<<grid_for(n), kThreads, 0, stream_>>>(g.dtype(), g.data(), u.data(), s.data(), n);
-  check_launch("swiglu_forward");
+  check_launch(Act::fwd_name);
 }
 
+template <class Act>
+void CudaBackend::gated_backward(const Tensor& ds, const Tensor& g, const Tensor& u, const Tensor& dg, const Tensor& du) {
+  OpTimer timer(this);
+  const int64_t n = g.numel();
+  if (!n) return;
+  if (vectorizable(g.dtype(), n, {ds.data(), g.data(), u.data(), dg.data(), du.data()})) {
+    const int64_t nv = n / vec_width(g.dtype());
+#define KRNL_GATED_BWD(W)                                                                                       \
+  gated_bwd_vec_kernel<Act, W><<<grid_for(nv), kThreads, 0, stream_>>>(g.dtype(), ds.data(), g.data(), u.data(), \
+                                                                       dg.data(), du.data(), nv)
+    KRNL_DISPATCH_VEC(g.dtype() != DType::f32, KRNL_GATED_BWD)
+#undef KRNL_GATED_BWD
+  } else {
+    gated_bwd_kernel<Act><<<grid_for(n), kThreads, 0, stream_>>>(g.dtype(), ds.data(), g.data(), u.data(), dg.data(),
+                                                                 du.data(), n);
+  }
+  check_launch(Act::bwd_name);
+}
+
+void CudaBackend::swiglu_forward(const Tensor& g, const Tensor& u, const Tensor& s) { gated_forward<Swiglu>(g, u, s); }
 void CudaBackend::swiglu_backward(const Tensor& ds, const Tensor& g, const Tensor& u, const Tensor& dg,
                                   const Tensor& du) {
-  OpTimer timer(this);
-  const int64_t n = g.numel();
-  if (!n) return;
-  if (vectorizable(g.dtype(), n, {ds.data(), g.data(), u.data(), dg.data(), du.data()})) {
-    const int64_t nv = n / vec_width(g.dtype());
-#define KRNL_SWIGLU_BWD(W)                                                                                  \
-  swiglu_bwd_vec_kernel<W><<<grid_for(nv), kThreads, 0, stream_>>>(g.dtype(), ds.data(), g.data(), u.data(), \
-                                                                   dg.data(), du.data(), nv)
-    KRNL_DISPATCH_VEC(g.dtype() != DType::f32, KRNL_SWIGLU_BWD)
-#undef KRNL_SWIGLU_BWD
-    check_launch("swiglu_backward");
-    return;
-  }
-  swiglu_bwd_kernel<<<grid_for(n), kThreads, 0, stream_>>>(g.dtype(), ds.data(), g.data(), u.data(), dg.data(),
-                                                           du.data(), n);
-  check_launch("swiglu_backward");
+  gated_backward<Swiglu>(ds, g, u, dg, du);
 }
-
-void CudaBackend::geglu_forward(const Tensor& g, const Tensor& u, const Tensor& s) {
-  OpTimer timer(this);
-  const int64_t n = g.numel();
-  if (!n) return;
-  if (vectorizable(g.dtype(), n, {g.data(), u.data(), s.data()})) {
-    const int64_t nv = n / vec_width(g.dtype());
-#define KRNL_GEGLU_FWD(W) \
-  geglu_fwd_vec_kernel<W><<<grid_for(nv), kThreads, 0, stream_>>>(g.dtype(), g.data(), u.data(), s.data(), nv)
-    KRNL_DISPATCH_VEC(g.dtype() != DType::f32, KRNL_GEGLU_FWD)
-#undef KRNL_GEGLU_FWD
-    check_launch("geglu_forward");
-    return;
-  }
-  geglu_fwd_kernel<<<grid_for(n), kThreads, 0, stream_>>>(g.dtype(), g.data(), u.data(), s.data(), n);
-  check_launch("geglu_forward");
-}
-
+void CudaBackend::geglu_forward(const Tensor& g, const Tensor& u, const Tensor& s) { gated_forward<Geglu>(g, u, s); }
 void CudaBackend::geglu_backward(const Tensor& ds, const Tensor& g, const Tensor& u, const Tensor& dg,
                                  const Tensor& du) {
-  OpTimer timer(this);
-  const int64_t n = g.numel();
-  if (!n) return;
-  if (vectorizable(g.dtype(), n, {ds.data(), g.data(), u.data(), dg.data(), du.data()})) {
-    const int64_t nv = n / vec_width(g.dtype());
-#define KRNL_GEGLU_BWD(W)                                                                                  \
-  geglu_bwd_vec_kernel<W><<<grid_for(nv), kThreads, 0, stream_>>>(g.dtype(), ds.data(), g.data(), u.data(), \
-                                                                  dg.data(), du.data(), nv)
-    KRNL_DISPATCH_VEC(g.dtype() != DType::f32, KRNL_GEGLU_BWD)
-#undef KRNL_GEGLU_BWD
-    check_launch("geglu_backward");
-    return;
-  }
-  geglu_bwd_kernel<<<grid_for(n), kThreads, 0, stream_>>>(g.dtype(), ds.data(), g.data(), u.data(), dg.data(),
-                                                          du.data(), n);
-  check_launch("geglu_backward");
+  gated_backward<Geglu>(ds, g, u, dg, du);
 }
 
 void CudaBackend::softcap(const Tensor& x, float cap, const Tensor& out) {

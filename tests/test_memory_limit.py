@@ -182,7 +182,8 @@ def test_metal_limit_waits_for_committed_work_before_refusing():
 
 def test_krnl_max_memory_env_sets_every_device_limit():
     # the krnl this suite imports (installed, or python/ of a developer build), not the source tree's
-    env = dict(os.environ, KRNL_MAX_MEMORY="3M", PYTHONPATH=str(Path(krnl.__file__).resolve().parents[1]))
+    path = [str(Path(krnl.__file__).resolve().parents[1])] + [p for p in [os.environ.get("PYTHONPATH")] if p]
+    env = dict(os.environ, KRNL_MAX_MEMORY="3M", PYTHONPATH=os.pathsep.join(path))
     code = ("import krnl\n"
             "d = krnl.device('cpu')\n"
             "print(d.memory_limit)\n"

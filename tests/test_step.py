@@ -84,11 +84,11 @@ class _NoReads:
 
 
 def _family(name):
-    """The tiny config overrides of each family's own tests (their modules hold them)."""
+    """The tiny config overrides of each family's metal-sim check (tests/test_families.py)."""
     if name == "llama":
         return {}
-    import importlib
-    return getattr(importlib.import_module(f"test_{name}"), f"{name.upper()}_TINY")
+    from test_families import FAMILIES
+    return FAMILIES[name]["sim"]["tiny"]
 
 
 @pytest.mark.parametrize("family,dtype,dropout", [("llama", "f32", 0.0), ("llama", "f32", 0.2), ("llama", "f16", 0.0),

@@ -168,19 +168,9 @@ size_t MetalOps::gemm_plain(const CoreGemmArgs& a, int64_t row0, int64_t rows) {
     if (it == gemm_choice_.end()) it = gemm_choice_.find("*");
     if (it != gemm_choice_.end()) kern = find_gemm_kernel(it->second);
   }
-  Dispatch whole = gemm_block(a, kern, row0, rows, 0, a.N);
-  const double budget = cb_policy_.max_dispatch_ms;
-  if (estimate_ms(whole, cb_policy_) <= budget) {
-    encode(std::move(whole));
-    return 1;
-  }
-  const BlockPlan p = plan_blocks(rows, a.N, kern->tile_m, kern->tile_n, budget, [&](int64_t r, int64_t c) {
-    return estimate_ms(gemm_block(a, kern, row0, r, 0, c), cb_policy_);
+  return encode_blocks(rows, a.N, kern->tile_m, kern->tile_n, [&](int64_t r0, int64_t r, int64_t c0, int64_t c) {
+    return gemm_block(a, kern, row0 + r0, r, c0, c);
   });
-  for (int64_t i = 0; i < rows; i += p.rows)
-    for (int64_t j = 0; j < a.N; j += p.cols)
-      encode(gemm_block(a, kern, row0 + i, std::min(p.rows, rows - i), j, std::min(p.cols, a.N - j)));
-  return size_t(p.row_blocks * p.col_blocks);
 }
 
 // The dispatch of C's block [row0, row0 + rows) x [col0, col0 + cols): op(B)'s columns start col0

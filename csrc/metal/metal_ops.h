@@ -191,6 +191,11 @@ class MetalOps : public Backend {
   void elementwise(const char* op, const std::string& kernel, std::initializer_list<const Tensor*> tensors, int64_t n,
                    float alpha);
   void encode_parts(Dispatch&& d, uint32_t args_index, const AttentionArgs& args, const std::vector<AttentionPart>& parts);
+  // Encodes a product over (rows, cols) as one dispatch, or as blocks of whole tiles where one is
+  // estimated over the per-dispatch budget (policy.h plan_blocks); block(r0, rows, c0, cols) makes
+  // the dispatch of one block. Returns the number of dispatches encoded.
+  size_t encode_blocks(int64_t rows, int64_t cols, int64_t tile_rows, int64_t tile_cols,
+                       const std::function<Dispatch(int64_t, int64_t, int64_t, int64_t)>& block);
   size_t gemm_plain(const krnl::GemmArgs& a, int64_t row0, int64_t rows);
   Dispatch gemm_block(const krnl::GemmArgs& a, const GemmKernel* kern, int64_t row0, int64_t rows, int64_t col0,
                       int64_t cols);

@@ -105,18 +105,22 @@ double estimate_ms(const Dispatch& d, const CommandBufferPolicy& p) {
 }
 
 namespace {
-// The largest multiple of `tile` in [tile, n] (n itself when n <= tile, or when all of n fits)
-// whose estimate fits: the estimates are monotone, so a binary search over tile counts.
-int64_t largest_fit(int64_t n, int64_t tile, double budget, const std::function<double(int64_t)>& ms) {
-  if (ms(n) <= budget || n <= tile) return n;
-  int64_t lo = 1, hi = (n - 1) / tile;  // n is known not to fit
-  if (ms(tile) > budget) return tile;
+// The largest k in [lo, hi] with fits(k), for a fits that holds at lo and, once false, stays
+// false (the estimates are monotone): a binary search.
+int64_t most_that_fit(int64_t lo, int64_t hi, const std::function<bool(int64_t)>& fits) {
   while (lo < hi) {
     const int64_t mid = (lo + hi + 1) / 2;
-    if (ms(mid * tile) <= budget) lo = mid;
+    if (fits(mid)) lo = mid;
     else hi = mid - 1;
   }
-  return lo * tile;
+  return lo;
+}
+// The largest multiple of `tile` in [tile, n] (n itself when n <= tile, or when all of n fits)
+// whose estimate fits; one tile when none does.
+int64_t largest_fit(int64_t n, int64_t tile, double budget, const std::function<double(int64_t)>& ms) {
+  if (ms(n) <= budget || n <= tile) return n;
+  if (ms(tile) > budget) return tile;
+  return tile * most_that_fit(1, (n - 1) / tile, [&](int64_t k) { return ms(k * tile) <= budget; });
 }
 // Blocks of at most `size` over n, evened out: the same count, each a multiple of tile.
 int64_t even_blocks(int64_t n, int64_t size, int64_t tile, int64_t* count) {
@@ -145,28 +149,21 @@ std::vector<GridPart> plan_row_blocks(int64_t heads, int64_t rows, int64_t tile,
   std::vector<GridPart> parts;
   if (heads <= 0 || rows <= 0) return parts;
   if (ms(heads, 0, rows) <= budget) return {{0, heads, 0, rows}};
-  if (ms(1, 0, rows) <= budget) {
-    int64_t lo = 1, hi = heads - 1;  // the most heads whose full rows fit
-    while (lo < hi) {
-      const int64_t mid = (lo + hi + 1) / 2;
-      if (ms(mid, 0, rows) <= budget) lo = mid;
-      else hi = mid - 1;
-    }
-    const int64_t count = (heads + lo - 1) / lo, per = (heads + count - 1) / count;
+  if (ms(1, 0, rows) <= budget) {  // groups of whole heads, evened out
+    int64_t count = 0;
+    const int64_t most = most_that_fit(1, heads - 1, [&](int64_t h) { return ms(h, 0, rows) <= budget; });
+    const int64_t per = even_blocks(heads, most, 1, &count);
     for (int64_t h = 0; h < heads; h += per) parts.push_back({h, std::min(per, heads - h), 0, rows});
     return parts;
   }
   const int64_t tiles = (rows + tile - 1) / tile;
   std::vector<std::pair<int64_t, int64_t>> ranges;
-  for (int64_t t0 = 0; t0 < tiles;) {
-    int64_t lo = 1, hi = tiles - t0;  // the most tiles from t0 on that fit (at least one)
-    while (lo < hi) {
-      const int64_t mid = (lo + hi + 1) / 2;
-      if (ms(1, t0 * tile, std::min(rows, (t0 + mid) * tile)) <= budget) lo = mid;
-      else hi = mid - 1;
-    }
-    ranges.emplace_back(t0 * tile, std::min(rows, (t0 + lo) * tile));
-    t0 += lo;
+  for (int64_t t0 = 0; t0 < tiles;) {  // the most tiles from t0 on that fit (at least one)
+    const int64_t n = most_that_fit(1, tiles - t0, [&](int64_t k) {
+      return ms(1, t0 * tile, std::min(rows, (t0 + k) * tile)) <= budget;
+    });
+    ranges.emplace_back(t0 * tile, std::min(rows, (t0 + n) * tile));
+    t0 += n;
   }
   for (int64_t h = 0; h < heads; ++h)
     for (auto [r0, r1] : ranges) parts.push_back({h, 1, r0, r1 - r0});

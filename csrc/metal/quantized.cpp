@@ -77,22 +77,10 @@ void MetalOps::quantized_matmul(const Tensor& x, const Tensor& w, const Tensor& 
   // The form is the whole product's (a block of a tiled product computes what it would have).
   const bool few = transpose && N <= kQmvMaxN;
   const int64_t tile_rows = few ? N : kQmmTile, tile_cols = few ? kQmvCols : kQmmTile;
-  auto block = [&](int64_t n0, int64_t rows, int64_t m0, int64_t cols) {
+  encode_blocks(N, M, tile_rows, tile_cols, [&](int64_t n0, int64_t rows, int64_t m0, int64_t cols) {
     return quantized_matmul_block(e, x, w, scales, biases, out, transpose, group_size, bits, beta, n0, rows, m0, cols,
                                   few);
-  };
-  Dispatch whole = block(0, N, 0, M);
-  const double budget = cb_policy_.max_dispatch_ms;
-  if (estimate_ms(whole, cb_policy_) <= budget) {
-    encode(std::move(whole));
-    return;
-  }
-  // Over the per-dispatch budget (the watchdog; policy.h): blocks of rows, then columns.
-  const BlockPlan p = plan_blocks(N, M, tile_rows, tile_cols, budget, [&](int64_t r, int64_t c) {
-    return estimate_ms(block(0, r, 0, c), cb_policy_);
   });
-  for (int64_t i = 0; i < N; i += p.rows)
-    for (int64_t j = 0; j < M; j += p.cols) encode(block(i, std::min(p.rows, N - i), j, std::min(p.cols, M - j)));
 }
 
 void MetalOps::quantized_embedding(const Tensor& ids, const Tensor& w, const Tensor& scales, const Tensor& biases,

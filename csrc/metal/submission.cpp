@@ -45,6 +45,22 @@ void MetalOps::encode(Dispatch&& d) {
   }
 }
 
+size_t MetalOps::encode_blocks(int64_t rows, int64_t cols, int64_t tile_rows, int64_t tile_cols,
+                               const std::function<Dispatch(int64_t, int64_t, int64_t, int64_t)>& block) {
+  Dispatch whole = block(0, rows, 0, cols);
+  const double budget = cb_policy_.max_dispatch_ms;
+  if (estimate_ms(whole, cb_policy_) <= budget) {
+    encode(std::move(whole));
+    return 1;
+  }
+  const BlockPlan p = plan_blocks(rows, cols, tile_rows, tile_cols, budget, [&](int64_t r, int64_t c) {
+    return estimate_ms(block(0, r, 0, c), cb_policy_);
+  });
+  for (int64_t i = 0; i < rows; i += p.rows)
+    for (int64_t j = 0; j < cols; j += p.cols) encode(block(i, std::min(p.rows, rows - i), j, std::min(p.cols, cols - j)));
+  return size_t(p.row_blocks * p.col_blocks);
+}
+
 uint64_t MetalOps::flush(bool timed) {
   cutter_.reset();
   if (open_.empty()) return 0;

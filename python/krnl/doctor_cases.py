@@ -9,8 +9,8 @@ import numpy as np
 
 import krnl
 
+from .mlx_folder import round_to  # values rounded to a dtype and back, as float32
 from .quant import pack
-from .safetensors_io import bf16_to_f32, f32_to_bf16
 
 ops = krnl.ops
 
@@ -20,16 +20,6 @@ UNIT = {"f32": 2.0**-24, "f16": 2.0**-11, "bf16": 2.0**-8}
 # Error floor of any f32 result judged against the largest reference value: a different summation
 # order over these sizes (K <= 127) moves a result by far less; a wrong kernel moves it by O(1).
 F32_FLOOR = 2e-5
-
-
-def round_to(a, dtype):
-    """float32 array `a` rounded to `dtype` (to nearest even), as float32."""
-    a = np.asarray(a, np.float32)
-    if dtype == "f16":
-        return a.astype(np.float16).astype(np.float32)
-    if dtype == "bf16":
-        return bf16_to_f32(f32_to_bf16(a))
-    return a
 
 
 class Operands:

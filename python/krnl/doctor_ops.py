@@ -9,7 +9,8 @@ import numpy as np
 
 import krnl
 
-from .doctor_cases import FLOAT_DTYPES, Operands, cases, round_to
+from .doctor_cases import FLOAT_DTYPES, Operands, cases
+from .mlx_folder import round_to
 
 SIZES = {"quick": (1, 33), "full": (1, 31, 33, 127)}
 

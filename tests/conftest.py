@@ -102,6 +102,19 @@ def pytest_collection_modifyitems(config, items):
 
 
 @contextlib.contextmanager
+def dispatch_budget(dev, ms):
+    """A Metal device's per-dispatch budget (estimated ms, csrc/metal/policy.h) set to `ms` for the
+    block, then restored."""
+    old = krnl._core.testing.metal_command_buffer_policy(dev)
+    krnl._core.testing.metal_set_command_buffer_policy(dev, old["max_dispatches"], old["max_ms"], ms)
+    try:
+        yield
+    finally:
+        krnl._core.testing.metal_set_command_buffer_policy(dev, old["max_dispatches"], old["max_ms"],
+                                                          old["max_dispatch_ms"])
+
+
+@contextlib.contextmanager
 def metal_sim_as(apple_family):
     """metal-sim standing for an Apple GPU of that family for the block (its capabilities and bf16
     policy follow), then for the suite's Apple9 again (native bf16: every kernel runs)."""

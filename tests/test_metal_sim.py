@@ -16,7 +16,8 @@ import krnl
 from krnl import ops
 
 from conftest import (METAL_SIM, U32, UNIT_ROUNDOFF, assert_step_close, check_step_against_cpu,
-                      check_training_reduces_loss, lora_step, metal_sim_as, read, tiny_lora_model, upload)
+                      check_training_reduces_loss, dispatch_budget, lora_step, metal_sim_as, read, tiny_lora_model,
+                      upload)
 
 pytestmark = pytest.mark.skipif(METAL_SIM is None, reason="metal-sim is off (KRNL_TEST_METAL_SIM=0 or no g++)")
 
@@ -206,17 +207,6 @@ def test_split_k_records_and_result(sim):
     bound = 2 * F * U32 * float(np.max(np.abs(a)) * np.max(np.abs(b))) * 4
     assert float(np.max(np.abs(read(C) - ref))) <= bound
     assert float(np.max(np.abs(read(C) - read(P)))) <= bound
-
-
-@contextlib.contextmanager
-def dispatch_budget(sim, ms):
-    old = krnl._core.testing.metal_command_buffer_policy(sim)
-    krnl._core.testing.metal_set_command_buffer_policy(sim, old["max_dispatches"], old["max_ms"], ms)
-    try:
-        yield
-    finally:
-        krnl._core.testing.metal_set_command_buffer_policy(sim, old["max_dispatches"], old["max_ms"],
-                                                          old["max_dispatch_ms"])
 
 
 @pytest.mark.parametrize("form", ["nn", "nt", "tn", "tt"])

@@ -8,7 +8,8 @@ import pytest
 import krnl
 from krnl import ops, quant
 
-from conftest import FLOAT_DTYPES, U32, UNIT_ROUNDOFF, assert_close_elementwise, read, round_to, to_dev, upload
+from conftest import (FLOAT_DTYPES, U32, UNIT_ROUNDOFF, assert_close_elementwise, dispatch_budget, read, round_to,
+                      to_dev, upload)
 
 
 def test_pack_layout():
@@ -255,14 +256,9 @@ def test_quantized_matmul_over_the_dispatch_budget_runs_in_blocks(N, transpose):
     (one,) = krnl._core.testing.metal_sim_last_step()
     gpu = dict(apple_family=9)
     budget = 0.3 * krnl._core.testing.metal_estimate_ms(gpu, one["flops"], one["bytes"], one["rate"])
-    pol = krnl._core.testing.metal_command_buffer_policy(sim)
-    krnl._core.testing.metal_set_command_buffer_policy(sim, pol["max_dispatches"], pol["max_ms"], budget)
-    try:
+    with dispatch_budget(sim, budget):
         ops.quantized_matmul(x, w, s, b, split, transpose, 32, 4, beta=0.5)
         recs = krnl._core.testing.metal_sim_last_step()
-    finally:
-        krnl._core.testing.metal_set_command_buffer_policy(sim, pol["max_dispatches"], pol["max_ms"],
-                                                          pol["max_dispatch_ms"])
     assert len(recs) > 1 and {r["kernel"] for r in recs} == {one["kernel"]}
     assert one["rate"] == ("quantized_rows" if N <= 8 else "quantized_tiled")
     cover = np.zeros((N, M), np.int32)

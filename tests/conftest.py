@@ -250,7 +250,7 @@ def hf_folder(tmp_path):
 
     from safetensors.numpy import save_file
 
-    from krnl.model import ModelConfig, random_weights
+    from krnl.models.config import ModelConfig, random_weights
 
     folder = tmp_path / "base"
     folder.mkdir()
@@ -280,7 +280,8 @@ def tiny_lora_model(dev, dtype, seed=0, grad_checkpoint=False, weights=None, qua
     """The tiny Llama (GQA, RoPE, SwiGLU, tied head; `config` overrides TINY_LLAMA's fields) with
     LoRA r=2 on every projection, B non-zero so that every LoRA path carries gradient; `weights`
     replace its random ones, `quantize` = (bits, group_size) holds its projections quantized."""
-    from krnl.model import LlamaModel, LoraConfig, ModelConfig, random_weights
+    from krnl.models.model import LlamaModel
+    from krnl.models.config import LoraConfig, ModelConfig, random_weights
 
     cfg = ModelConfig.from_dict({**TINY_LLAMA, **config})
     weights = weights if weights is not None else random_weights(cfg, seed, std=0.2)
@@ -327,7 +328,7 @@ def assert_step_close(ref, got, loss_tol, grad_tol):
 
 def check_training_reduces_loss(dev, dtype, grad_checkpoint=False):
     """Four AdamW steps on a fixed batch lower the loss; the base weights stay bit-identical."""
-    from krnl.optim import AdamW, Schedule
+    from krnl.train.optim import AdamW, Schedule
 
     m = tiny_lora_model(dev, dtype, grad_checkpoint=grad_checkpoint)
     rng = np.random.default_rng(3)

@@ -12,9 +12,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import krnl  # noqa: E402
 from conftest import tiny_lora_model  # noqa: E402
-from krnl import dist  # noqa: E402
-from krnl.optim import AdamW, Schedule  # noqa: E402
-from krnl.step import StepRunner  # noqa: E402
+from krnl.train.dist import world as dist  # noqa: E402
+from krnl.train.optim import AdamW, Schedule  # noqa: E402
+from krnl.train.step import StepRunner  # noqa: E402
 
 B, T, ACCUM = 6, 11, 2
 

@@ -2,7 +2,7 @@
 quantized blocks (random bytes, finite f16 d and dmin of a size that keeps values near 0.5), a
 llama-SentencePiece or gpt2-BPE tokenizer, and the HF-ordered float32 weights the file holds
 (what transformers and llama.cpp dequantize it to; q/k rows un-permuted for the llama arch by
-index arithmetic written here, independently of krnl.gguf_file)."""
+index arithmetic written here, independently of krnl.formats.gguf.file)."""
 
 import numpy as np
 
@@ -58,7 +58,7 @@ def spm_vocab():
 
 
 def bpe_vocab():
-    from krnl.gguf_tokenizer import _byte_alphabet
+    from krnl.formats.gguf.tokenizer import _byte_alphabet
 
     base = sorted(set(_byte_alphabet().values()))
     merged = ["".join(m.split(" ")) for m in BPE_MERGES]
@@ -130,7 +130,7 @@ def write_gguf(path, arch="llama", types=None, tied=False, tokenizer="spm", seed
     hf_weights = {}
     from gguf.quants import dequantize
 
-    from krnl.safetensors_io import bf16_to_f32, f32_to_bf16
+    from krnl.io.safetensors_io import bf16_to_f32, f32_to_bf16
 
     for name, (hf, shape) in shapes.items():
         if name in drop:

@@ -155,8 +155,8 @@ def check_lora_gradients(folder, targets, n_layers, batch, loss_rtol, grad_rtol,
     alpha 5 on `targets` (B factors off zero), `model_attrs` set on it first (fused_attention,
     attn_block), one step on batch = (ids, labels, targets), against assert_peft_gradients."""
     import krnl
-    from krnl import hf
-    from krnl.model import LoraConfig
+    from krnl.formats import hf
+    from krnl.models.config import LoraConfig
     from conftest import lora_step
 
     lora = LoraConfig(r=3, alpha=5.0, target_modules=targets)

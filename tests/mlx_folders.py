@@ -1,6 +1,6 @@
 """Tiny model folders for the MLX folder tests (test_mlx_folder.py, test_mlx_models.py): a float HF
 llama folder, an MLX quantized folder written with numpy (codes packed through a Python integer,
-independent of krnl.quant.pack), LoRA factors and a dataset."""
+independent of krnl.quant.affine.pack), LoRA factors and a dataset."""
 
 import json
 from pathlib import Path
@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from krnl.hf import write_sharded
-from krnl.model import ModelConfig, lora_key, random_weights
-from krnl.safetensors_io import bf16_to_f32, encode, f32_to_bf16
+from krnl.formats.hf import write_sharded
+from krnl.models.config import ModelConfig, lora_key, random_weights
+from krnl.io.safetensors_io import bf16_to_f32, encode, f32_to_bf16
 
 V = 61  # awkward vocabulary: rows of the embedding and the head
 
@@ -46,7 +46,7 @@ def make_base(folder, seed=3, **kw):
 
 def pack_ref(codes, bits):
     """Each row's codes as one little-endian bit stream (code j at bit j * bits) cut into 32-bit
-    words, through a Python integer: independent of krnl.quant.pack."""
+    words, through a Python integer: independent of krnl.quant.affine.pack."""
     O, I = codes.shape
     out = np.zeros((O, I * bits // 32), np.uint32)
     for o in range(O):

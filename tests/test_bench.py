@@ -15,7 +15,7 @@ from krnl.bench import gate, report, w1
 from krnl.bench.cli import main as bench_main
 from krnl.bench.session import Session, compare
 from krnl.bench.workloads import W1, STEPS
-from krnl.cli import main as krnl_main
+from krnl.cli.main import main as krnl_main
 
 
 @pytest.fixture(autouse=True)
@@ -358,9 +358,9 @@ def test_train_workload_loss_is_the_trainers(train_folder, tmp_path):
     plain Trainer run (ids/targets arrays, run to the end) on the same folder and batch, and the
     timing stops before the run's end-of-run files without changing a value."""
     from krnl.bench import train
-    from krnl.config import LoraConfig
-    from krnl.hf import load_model
-    from krnl.trainer import TrainConfig, Trainer
+    from krnl.models.config import LoraConfig
+    from krnl.formats.hf import load_model
+    from krnl.train.trainer import TrainConfig, Trainer
     dev = krnl.device("cpu")
     s = train.shape("quick", steps=2, warmup=1)
     b = train.batches(s)[0]

@@ -10,7 +10,7 @@ import pytest
 
 import krnl
 from krnl import ops
-from krnl.attention import row_blocks
+from krnl.models.attention import row_blocks
 
 from conftest import FLOAT_DTYPES, ROOT, lora_step, tiny_lora_model
 

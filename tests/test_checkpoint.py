@@ -1,4 +1,4 @@
-"""krnl.checkpoint: round trip (with a real AdamW state, resumed bit-identically), atomicity
+"""krnl.io.checkpoint: round trip (with a real AdamW state, resumed bit-identically), atomicity
 under a crash mid-write, fingerprint mismatch, corrupt and missing files named, keep-last-K."""
 
 import json
@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 import krnl
-import krnl.checkpoint as ckpt_mod
-from krnl.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
-from krnl.optim import AdamW, Schedule
-from krnl.params import FlatParams
+import krnl.io.checkpoint as ckpt_mod
+from krnl.io.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+from krnl.train.optim import AdamW, Schedule
+from krnl.models.params import FlatParams
 
 SHAPES = {"layers.0.q.A": (4, 32), "layers.0.q.B": (32, 4)}
 FINGERPRINT = {"model": {"hidden_size": 32, "num_layers": 1, "vocab_size": 100},

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 import krnl
-from krnl.cli import main
+from krnl.cli.main import main
 
 
 def test_cli_w1_learns(capsys):

@@ -573,7 +573,7 @@ def test_tensor_reshape(dev):
     with pytest.raises(ValueError):
         t[:, 1:3].reshape(-1)
     # a view may split one dimension in two: rows of a column block (B T, n) -> (B, T, n), or a
-    # column block's columns (S, m n) -> (S, m, n) (krnl.sample_sums' per-sample GEMMs)
+    # column block's columns (S, m n) -> (S, m, n) (krnl.models.sample_sums' per-sample GEMMs)
     v = t[:, 1:5]                                                       # (4, 4) at row stride 6
     for shape, strides in (((2, 2, 4), (12, 6, 1)), ((4, 2, 2), (6, 2, 1))):
         w = v.reshape(*shape)

@@ -320,7 +320,7 @@ def test_trainer_replay_matches_eager_bit_for_bit(cuda, tmp_path):
     """krnl train's step recorded once per padded length and replayed (two lengths, dropout, two
     micro-batches) gives the eager step's losses and adapter bit for bit at the same padded
     length, in no more memory than the eager run plus a tenth."""
-    from krnl.trainer import TrainConfig, Trainer
+    from krnl.train.trainer import TrainConfig, Trainer
     rng = np.random.default_rng(11)
     ids = rng.integers(0, 61, (16, 40)).astype(np.int32)
     tg = rng.integers(0, 61, (16, 40)).astype(np.int32)

@@ -1,4 +1,4 @@
-"""Tokenizers, chat templates and datasets (krnl.tokenizer, krnl.data): a tiny byte-level BPE
+"""Tokenizers, chat templates and datasets (krnl.io.tokenizer, krnl.train.data): a tiny byte-level BPE
 tokenizer trained here, chat templates in the Llama-3 and ChatML styles and the plain fallback;
 masking of every non-assistant token of chats checked against the rendered template, prompt
 masking, format detection per file, truncation counts, packing with attention segments (the
@@ -11,9 +11,9 @@ import json
 import numpy as np
 import pytest
 
-from krnl.data import (IGNORE_INDEX, DataError, LengthSortedBatches, Sample, chat_sample, completion_sample,
+from krnl.train.data import (IGNORE_INDEX, DataError, LengthSortedBatches, Sample, chat_sample, completion_sample,
                        load_dataset, load_split, pack, text_sample)
-from krnl.tokenizer import Tokenizer
+from krnl.io.tokenizer import Tokenizer
 
 from conftest import tiny_lora_model
 
@@ -438,7 +438,7 @@ def test_length_sorted_batches():
 
 @pytest.mark.parametrize("packing", [True, False])
 def test_trainer_runs_on_a_split(dev, toks, tmp_path, packing):
-    from krnl.trainer import TrainConfig, Trainer
+    from krnl.train.trainer import TrainConfig, Trainer
 
     tok = toks["chatml"]
     rows = [{"messages": [{"role": "user", "content": f"what is {a} plus {b}?"},

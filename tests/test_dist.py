@@ -1,4 +1,4 @@
-"""Data-parallel training over MPI (krnl.dist): the world of one process, the error without
+"""Data-parallel training over MPI (krnl.train.dist.world): the world of one process, the error without
 mpi4py, and, with mpi4py and MPICH's mpiexec installed (pip install 'krnl[mpi]'; the `mpi`
 marker), two ranks on this machine: the summed gradient of one step equals one process's on the
 global batch, 10 steps of `krnl train` give one process's adapter and metrics (with dropout
@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from krnl import dist
+from krnl.train.dist import world as dist
 
 HERE = Path(__file__).parent
 TRAIN = ["train", "--iters", "10", "--warmup", "2", "--steps-per-eval", "5", "--save-every", "5", "--quiet",
@@ -62,9 +62,9 @@ def test_dist_reduce_order_auto_is_sample_with_ranks(tmp_path):
     may change it without --resume-override (it changes f32 rounding only)."""
     import krnl
     from conftest import tiny_lora_model
-    from krnl.dist_train import reduce_order
-    from krnl.run_folder import option_changes
-    from krnl.trainer import TrainConfig, Trainer
+    from krnl.train.dist.ranks import reduce_order
+    from krnl.io.run_folder import option_changes
+    from krnl.train.trainer import TrainConfig, Trainer
 
     one, two = dist.World(), dist.World()
     two.size = 2
@@ -113,7 +113,7 @@ def test_dist_watchdog_names_a_rank_that_died():
     interval, not after KRNL_DIST_TIMEOUT, naming that rank and the collective, status 1."""
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    code = ("import socket, time\nfrom krnl import dist\nw = dist.World()\nh = socket.gethostname()\n"
+    code = ("import socket, time\nfrom krnl.train.dist import world as dist\nw = dist.World()\nh = socket.gethostname()\n"
             f"w.rank, w.size, w.peers = 0, 2, [(h, 1), (h, {gone.pid})]\n"
             "dist._Watchdog(w, 300).arm('the gradient allreduce of step 3')\ntime.sleep(60)")
     t0 = time.monotonic()
@@ -160,7 +160,7 @@ def test_dist_collective_that_fails_names_a_dead_rank():
 
 def test_dist_without_mpi4py_says_how_to_install_it(tmp_path):
     """N > 1 ranks from a launcher and no mpi4py: one line naming the package to install."""
-    code = "import sys; sys.modules['mpi4py'] = None\nfrom krnl.cli import main\nsys.exit(main(sys.argv[1:]))"
+    code = "import sys; sys.modules['mpi4py'] = None\nfrom krnl.cli.main import main\nsys.exit(main(sys.argv[1:]))"
     env = dict(os.environ, PMI_SIZE="2", PMI_RANK="0")
     r = subprocess.run([sys.executable, "-c", code] + TRAIN + ["--adapter-path", str(tmp_path / "a")],
                        capture_output=True, text=True, env=env, timeout=120)
@@ -238,7 +238,7 @@ def test_dist_two_ranks_train_like_one_process(runs):
     """10 steps: the same learning rates, losses, validation losses and gradient norms, and the
     same adapter, each tensor within 1e-5 of its norm (here, on one thread per process, bit for
     bit): the LoRA gradients and the loss are summed per sample in a fixed tree
-    (krnl.sample_sums), of which each rank computes one half and MPI adds the two. Summed over
+    (krnl.models.sample_sums), of which each rank computes one half and MPI adds the two. Summed over
     all rows in one GEMM instead (--reduce-order rows), a gradient element whose terms nearly
     cancel keeps f32 rounding in percents, which clipping and Adam's eps carry into the adapter
     (1.6e-5 of a tensor's norm after these 10 steps, measured)."""
@@ -396,7 +396,7 @@ def test_dist_ranks_sharing_a_machine_split_its_cores():
     """Without KRNL_NUM_THREADS, each of 2 ranks on this machine sizes its thread pool to half
     the cores (set by dist.world() before the pool starts)."""
     # rank 0 prints every rank's line (two ranks' prints to one pipe may interleave)
-    code = ("import os, krnl\nfrom krnl import dist\nw = dist.world()\nkrnl.device('cpu')\n"
+    code = ("import os, krnl\nfrom krnl.train.dist import world as dist\nw = dist.world()\nkrnl.device('cpu')\n"
             "got = w.comm.gather(f'threads {w.rank} {krnl.num_threads()} {os.cpu_count()}')\n"
             "print('\\n'.join(got) if w.root else '')")
     env = {k: v for k, v in os.environ.items() if k != "KRNL_NUM_THREADS"}

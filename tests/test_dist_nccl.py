@@ -1,4 +1,4 @@
-"""The NCCL path of data-parallel training (krnl.dist_nccl, csrc/cuda/nccl_api.cpp, nccl_comm.cpp).
+"""The NCCL path of data-parallel training (krnl.train.dist.nccl, csrc/cuda/nccl_api.cpp, nccl_comm.cpp).
 
 Everywhere (no GPU, no NCCL needed): the loader's one-line errors (no library, a bad KRNL_NCCL
 path, a library lacking a symbol, an NCCL older than 2.9) and its answers on a stand-in library
@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 
 import krnl
-from krnl import _core, dist, dist_nccl
+from krnl import _core
+from krnl.train.dist import world as dist, nccl as dist_nccl
 from test_dist import _mpiexec
 
 HERE = Path(__file__).parent
@@ -91,7 +92,8 @@ def test_nccl_loader_refuses_an_nccl_older_than_2_9(tmp_path):
 # id, and the rank's answer for a device that says it has NCCL collectives.
 PROBE = textwrap.dedent("""
     import json, sys
-    from krnl import _core, dist_nccl
+    from krnl import _core
+    from krnl.train.dist import nccl as dist_nccl
     class Dev:
         name = "stand-in"
         def capabilities(self):
@@ -226,7 +228,7 @@ def test_dist_nccl_cpu_ranks_take_the_host_path(tmp_path):
 def test_dist_ranks_learn_their_place_on_the_machine():
     """dist.world() sets KRNL_LOCAL_RANK (0 and 1 for two ranks here) before any device exists:
     the CUDA device takes that GPU, modulo the GPUs it sees."""
-    code = ("import os\nfrom krnl import dist\nw = dist.world()\n"
+    code = ("import os\nfrom krnl.train.dist import world as dist\nw = dist.world()\n"
             "got = w.comm.gather(f'local {w.rank} {os.environ.get(\"KRNL_LOCAL_RANK\")}')\n"
             "print('\\n'.join(got) if w.root else '')")
     env = {k: v for k, v in os.environ.items() if k != "KRNL_LOCAL_RANK"}
@@ -430,8 +432,8 @@ def test_step_runner_device_reduce_matches_the_host_path():
     on the device (a reducer): the same losses and parameters, one device sum per step, and
     finish() waiting under the reducer's name of that step."""
     from conftest import tiny_lora_model
-    from krnl.optim import AdamW, Schedule
-    from krnl.step import StepRunner
+    from krnl.train.optim import AdamW, Schedule
+    from krnl.train.step import StepRunner
     out = {}
     for path in ("host", "device"):
         m = tiny_lora_model(krnl.device("cpu"), "f32", seed=1)

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import krnl
-from krnl import doctor, doctor_cases, doctor_report, doctor_runs
-from krnl.cli import main
+from krnl.cli.doctor import command as doctor, cases as doctor_cases, report as doctor_report, runs as doctor_runs
+from krnl.cli.main import main
 
 from conftest import METAL_SIM
 
@@ -220,7 +220,7 @@ def test_doctor_compile_section_follows_the_contract():
 def test_doctor_compare_refuses_what_is_not_agreement():
     """NaN against NaN, an unwritten (NaN-prefilled) element, a shape change and an error past the
     tolerance all fail; exact agreement passes a zero tolerance."""
-    from krnl.doctor_ops import _compare
+    from krnl.cli.doctor.ops import _compare
 
     assert _compare(np.array([np.nan]), np.array([np.nan]), 1.0)[1].startswith("the CPU's output is not finite")
     assert _compare(np.array([1.0, np.nan]), np.array([1.0, 2.0]), 1.0)[1] == "non-finite output at [[1]]"

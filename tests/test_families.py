@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 import krnl
-from krnl import hf
-from krnl.model import ALL_MODULES, LoraConfig, lora_key
+from krnl.formats import hf
+from krnl.models.config import ALL_MODULES, LoraConfig, lora_key
 
 from conftest import METAL_SIM, lora_step, tiny_lora_model
 from hf_families import (FOLDERS, LONGROPE, PHI3_MODULES, T, V, check_lora_gradients, family_batch, family_folders,
@@ -230,7 +230,7 @@ def test_krnl_adapter_in_peft_and_fuse_in_transformers(folders, family, tmp_path
     if a["state"] is not None:
         keys, n = a["state"]
         assert all(k in st for k in keys) and len(st) == n
-    krnl.adapter.save_adapter(tmp_path / "ad", st, krnl.adapter.peft_config(lora, str(folder), lora.layers))
+    krnl.formats.adapter.save_adapter(tmp_path / "ad", st, krnl.formats.adapter.peft_config(lora, str(folder), lora.layers))
     ids, labels, targets = family_batch(4)
     mine = m.loss(ids, targets)
     assert abs(mine - torch_loss(hf_model(folder), ids, labels)) > a["matters"]  # the adapter matters
@@ -275,7 +275,7 @@ def test_cached_decode_logits_match_transformers(folders, family, name):
     """The KV cache's logits, a prompt of 4 then one token at a time past the windows, equal
     transformers' logits of the whole sequence (each layer's scale, cap and window in the cache)."""
     torch, _ = torch_modules()
-    from krnl.generate import KVCache, decode
+    from krnl.models.generate import KVCache, decode
 
     ids = np.random.default_rng(6).integers(0, V, T)
     with torch.no_grad():
@@ -289,7 +289,7 @@ def test_cached_decode_logits_match_transformers(folders, family, name):
 @pytest.mark.torch
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_cli_trains_a_folder(folders, family, tmp_path):
-    from krnl.cli import main
+    from krnl.cli.main import main
 
     c = FAMILIES[family]["cli"]
     folder = folders(family)[c["folder"]]
@@ -304,7 +304,7 @@ def test_cli_trains_a_folder(folders, family, tmp_path):
     assert ac["r"] == 2 and (out / "adapter_model.safetensors").exists()
     if c["targets"] is not None:
         assert sorted(ac["target_modules"]) == c["targets"]
-    lora, tensors, _ = krnl.adapter.read_adapter(out, hf.read_config(folder))
+    lora, tensors, _ = krnl.formats.adapter.read_adapter(out, hf.read_config(folder))
     assert all(k in tensors for k in c["keys"])
 
 
@@ -353,9 +353,9 @@ def test_mlx_quantized_matches_mlx_lm(family, tmp_path):
     mlx_lm.convert(str(base), str(tmp_path / "q"), quantize=True, q_bits=4, q_group_size=32)
     w = hf.load_hf_weights(tmp_path / "q")
     for n in x["quantized"]:
-        assert isinstance(w[n], krnl.qweight.QuantizedArray), n
+        assert isinstance(w[n], krnl.quant.qweight.QuantizedArray), n
     for n in x["float"]:
-        assert not isinstance(w[n], krnl.qweight.QuantizedArray), n
+        assert not isinstance(w[n], krnl.quant.qweight.QuantizedArray), n
     m = hf.load_model(tmp_path / "q", krnl.device("cpu"), dtype="f32")
     for seed, n in x["seqs"]:
         ids = np.random.default_rng(seed).integers(0, V, (2, n)).astype(np.int32)

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 import krnl
-from krnl import hf
-from krnl.model import ModelConfig
+from krnl.formats import hf
+from krnl.models.config import ModelConfig
 
 from hf_families import FOLDERS, V, family_batch, family_folders, hf_model, torch_loss, torch_modules
 from mlx_folders import write_tokenizer
@@ -73,16 +73,16 @@ def test_each_gemma_piece_moves_the_loss(folders, name):
         cfg = json.loads((folder / "config.json").read_text())
         cfg.update(change)
         c = ModelConfig.from_dict(hf.normalize_config(cfg))
-        other = krnl.model.LlamaModel(krnl.device("cpu"), c, hf.load_hf_weights(folder))
+        other = krnl.models.model.LlamaModel(krnl.device("cpu"), c, hf.load_hf_weights(folder))
         assert abs(other.loss(ids, targets) - ref) > 1e-4, change
 
 
 def test_attention_path_follows_cap_and_capabilities():
     """A soft-capped layer is materialised even where the batch takes the fused op; without a cap
     a windowed layer takes the fused op only where the device lists the window."""
-    from krnl.attention import FusedSaved, MaterialisedSaved
-    from krnl.gemma import GemmaAttn, SoftcapSaved, attend
-    from krnl.layer import Batch
+    from krnl.models.attention import FusedSaved, MaterialisedSaved
+    from krnl.models.gemma2 import GemmaAttn, SoftcapSaved, attend
+    from krnl.models.layer import Batch
 
     d = krnl.device("cpu")
     rng = np.random.default_rng(0)
@@ -116,7 +116,7 @@ def test_norms_fold_one_in_f32_in_every_dtype(folders):
 @pytest.mark.parametrize("C", [48, 2304, 3584])
 def test_embed_scale_rounds_as_transformers(dtype, torch_dtype, C):
     torch, _ = torch_modules()
-    from krnl.gemma import embed_scale
+    from krnl.models.gemma2 import embed_scale
 
     c = ModelConfig.from_dict({**CONFIGS["gqa"], "model_type": "gemma2", "vocab_size": V, "hidden_size": C})
     assert embed_scale(c, dtype) == float(torch.tensor(C ** 0.5, dtype=getattr(torch, torch_dtype)))
@@ -168,8 +168,8 @@ GEMMA_TEMPLATE = (
 
 
 def test_gemma_chat_template_refuses_a_system_turn(tmp_path):
-    from krnl.data import DataError, load_split
-    from krnl.tokenizer import Tokenizer
+    from krnl.train.data import DataError, load_split
+    from krnl.io.tokenizer import Tokenizer
 
     write_tokenizer(tmp_path)
     cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())

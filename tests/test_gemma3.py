@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import krnl
-from krnl import hf
-from krnl.model import ModelConfig
+from krnl.formats import hf
+from krnl.models.config import ModelConfig
 
 from hf_families import FOLDERS, V, family_batch, family_folders, hf_model, torch_loss
 
@@ -76,7 +76,7 @@ def test_each_gemma3_piece_moves_the_loss(folders, name):
             cfg.update({"rope_theta": CONFIGS[name]["rope_theta"], "rope_local_base_freq":
                         CONFIGS[name]["rope_local_base_freq"], "rope_scaling": CONFIGS[name].get("rope_scaling")})
             cfg.update(change)
-        other = krnl.model.LlamaModel(krnl.device("cpu"), ModelConfig.from_dict(hf.normalize_config(cfg)), ww)
+        other = krnl.models.model.LlamaModel(krnl.device("cpu"), ModelConfig.from_dict(hf.normalize_config(cfg)), ww)
         assert abs(other.loss(ids, targets) - ref) > 1e-4, change
 
 

@@ -12,8 +12,8 @@ import pytest
 from safetensors import safe_open
 
 import krnl
-from krnl import hf
-from krnl.model import ALL_MODULES, LoraConfig, ModelConfig, lora_key
+from krnl.formats import hf
+from krnl.models.config import ALL_MODULES, LoraConfig, ModelConfig, lora_key
 
 from conftest import lora_step
 from hf_families import assert_peft_gradients, random_b, save_random, token_batch, torch_loss, torch_modules
@@ -51,7 +51,7 @@ def test_config_fills_transformers_defaults():
 
 
 def test_text_tower_names_both_layouts():
-    from krnl.gemma3 import peft_keys_in, peft_keys_out, text_tower
+    from krnl.models.gemma3 import peft_keys_in, peft_keys_out, text_tower
 
     stored = ["language_model.model.layers.0.mlp.up_proj.weight", "model.language_model.norm.weight",
               "language_model.lm_head.weight", "vision_tower.encoder.layers.0.self_attn.q_proj.weight",
@@ -102,7 +102,7 @@ def test_multimodal_loss_matches_transformers(mm_folder):
 
 @pytest.mark.torch
 def test_multimodal_lora_gradients_match_peft(mm_folder):
-    from krnl.gemma3 import EXCLUDE, peft_keys_out
+    from krnl.models.gemma3 import EXCLUDE, peft_keys_out
 
     lora = LoraConfig(r=3, alpha=5.0, target_modules=ALL_MODULES)
     m = hf.load_model(mm_folder, krnl.device("cpu"), lora=lora)
@@ -125,8 +125,8 @@ def test_multimodal_adapter_in_peft_and_fuse_in_transformers(mm_folder, tmp_path
     lora = LoraConfig(r=2, alpha=6.0, target_modules=ALL_MODULES, layers=[0, 2])
     m = hf.load_model(mm_folder, krnl.device("cpu"), lora=lora)
     st = random_b(m, 3)
-    cfg = krnl.adapter.peft_config(lora, str(mm_folder), lora.layers, m.config)
-    krnl.adapter.save_adapter(tmp_path / "ad", st, cfg, m.config)
+    cfg = krnl.formats.adapter.peft_config(lora, str(mm_folder), lora.layers, m.config)
+    krnl.formats.adapter.save_adapter(tmp_path / "ad", st, cfg, m.config)
     with safe_open(str(tmp_path / "ad" / "adapter_model.safetensors"), "np") as f:
         keys = set(f.keys())  # PEFT's names on Gemma3ForConditionalGeneration
     assert "base_model.model.model.language_model.layers.2.mlp.down_proj.lora_B.weight" in keys and len(keys) == 28
@@ -137,7 +137,7 @@ def test_multimodal_adapter_in_peft_and_fuse_in_transformers(mm_folder, tmp_path
     adapted = {n for n, _ in pm.named_modules() if n.endswith(".lora_A")}
     assert len(adapted) == 14 and all("language_model" in n for n in adapted)  # not the vision tower
     assert torch_loss(pm, ids, labels) == pytest.approx(mine, rel=LOSS_RTOL)
-    _, tensors, _ = krnl.adapter.read_adapter(tmp_path / "ad", m.config)  # krnl reads it back
+    _, tensors, _ = krnl.formats.adapter.read_adapter(tmp_path / "ad", m.config)  # krnl reads it back
     assert set(tensors) == set(st) and all(np.array_equal(tensors[k], st[k]) for k in st)
 
     hf.fuse(mm_folder, tmp_path / "ad", tmp_path / "fused")
@@ -157,8 +157,8 @@ def test_multimodal_refusals(mm_folder, tmp_path):
     lora = LoraConfig(r=2, alpha=4.0)
     m = hf.load_model(mm_folder, krnl.device("cpu"), lora=lora)
     with pytest.raises(ValueError, match=r"^\[adapter\] mlx-lm's layout of a multimodal gemma3 adapter"):
-        krnl.adapter.mlx_adapter(lora, m.lora_state(), m.config)
-    krnl.adapter.save_adapter(tmp_path / "ad", m.lora_state(), krnl.adapter.peft_config(lora, "", None, m.config),
+        krnl.formats.adapter.mlx_adapter(lora, m.lora_state(), m.config)
+    krnl.formats.adapter.save_adapter(tmp_path / "ad", m.lora_state(), krnl.formats.adapter.peft_config(lora, "", None, m.config),
                               m.config)
     with pytest.raises(ValueError, match=r"^\[fuse\] .* is a multimodal gemma3 model; fuse it without --quantize$"):
         hf.fuse(mm_folder, tmp_path / "ad", tmp_path / "q", quantize=(4, 32))
@@ -178,7 +178,7 @@ def test_multimodal_greedy_generation_matches_transformers(mm_folder):
 
 @pytest.mark.torch
 def test_cli_trains_a_multimodal_gemma3_folder(mm_folder, tmp_path):
-    from krnl.cli import main
+    from krnl.cli.main import main
 
     write_data(tmp_path / "data")
     out = tmp_path / "ad"
@@ -186,6 +186,6 @@ def test_cli_trains_a_multimodal_gemma3_folder(mm_folder, tmp_path):
                  "--dtype", "f32", "--iters", "3", "--batch-size", "2", "--lora-rank", "2", "--steps-per-eval", "0",
                  "--quiet", "--no-tune", "--adapter-path", str(out)]) == 0
     cfg = json.loads((out / "adapter_config.json").read_text())
-    assert cfg["exclude_modules"] == krnl.gemma3.EXCLUDE
-    lora, tensors, _ = krnl.adapter.read_adapter(out, hf.read_config(mm_folder))
+    assert cfg["exclude_modules"] == krnl.models.gemma3.EXCLUDE
+    lora, tensors, _ = krnl.formats.adapter.read_adapter(out, hf.read_config(mm_folder))
     assert lora_key(2, "down_proj", "B") in tensors

@@ -1,4 +1,4 @@
-"""GGUF files as base models (krnl.gguf_file, gguf_quants, gguf_tokenizer): quantized blocks
+"""GGUF files as base models (krnl.formats.gguf.file, gguf_quants, gguf_tokenizer): quantized blocks
 converted exactly, the llama q/k row permutation, config, loss against dense weights and
 transformers, the tokenizers against transformers' GGUF tokenizers, the CLI (train, generate,
 fuse) and one-line errors. The files are tiny ones written by tests/gguf_files.py."""
@@ -37,8 +37,8 @@ def _loss(model, vocab, seed=1, rows=2, T=13):
 def test_gguf_quantized_types_convert_exactly(kind, rows):
     from gguf.quants import dequantize
 
-    from krnl import gguf_quants
-    from krnl.qweight import QuantizedArray
+    from krnl.quant import gguf as gguf_quants
+    from krnl.quant.qweight import QuantizedArray
 
     qk = BLOCKS[kind][0]
     cols = qk * 3
@@ -64,7 +64,7 @@ def test_gguf_row_permutation_is_ggml_rope_and_undone():
     """The file's q/k rows (tests/gguf_files.hf_rows) rotated as GGML does (adjacent pairs) give
     the same attention scores as HF's rows rotated as HF does (halves); read_gguf's unpermute
     restores HF's rows (quantized q/k rows: the model loss tests below)."""
-    from krnl.gguf_file import permute, unpermute
+    from krnl.formats.gguf.file import permute, unpermute
 
     rng = np.random.default_rng(0)
     H, D, C, T = 3, 8, 5, 4
@@ -102,10 +102,10 @@ def test_gguf_row_permutation_is_ggml_rope_and_undone():
 @pytest.mark.parametrize("arch,tied", [("llama", False), ("llama", True), ("qwen2", True), ("qwen2", False),
                                        ("qwen3", False)])
 def test_gguf_model_loads_with_the_loss_of_its_dense_weights(tmp_path, arch, tied, capsys):
-    from krnl.gguf_file import read_gguf
-    from krnl.hf import load_model
-    from krnl.model import LlamaModel
-    from krnl.qweight import QuantizedArray
+    from krnl.formats.gguf.file import read_gguf
+    from krnl.formats.hf import load_model
+    from krnl.models.model import LlamaModel
+    from krnl.quant.qweight import QuantizedArray
 
     path = tmp_path / "m.gguf"
     types = mixed_types()
@@ -131,7 +131,7 @@ def test_gguf_model_loads_with_the_loss_of_its_dense_weights(tmp_path, arch, tie
 
 
 def test_gguf_llama3_rope_factors_become_rope_scaling(tmp_path):
-    from krnl.gguf_file import read_gguf
+    from krnl.formats.gguf.file import read_gguf
 
     D, base = TINY["head_dim"], 500000.0
     freqs = 1.0 / base ** (np.arange(0, D, 2) / D)
@@ -179,7 +179,7 @@ def test_gguf_tokenizer_matches_transformers(tmp_path, arch, kind, pre):
         pytest.skip(f"transformers {transformers.__version__} builds GGUF tokenizers unlike llama.cpp; the "
                     "reference is 5.24 or newer")
 
-    from krnl.hf import load_tokenizer
+    from krnl.formats.hf import load_tokenizer
 
     write_gguf(tmp_path / "m.gguf", arch=arch, tokenizer=kind, pre=pre)
     ref = AutoTokenizer.from_pretrained(tmp_path, gguf_file="m.gguf")
@@ -195,7 +195,7 @@ def test_gguf_tokenizer_matches_transformers(tmp_path, arch, kind, pre):
 
 
 def test_gguf_tokenizer_special_tokens_and_bos(tmp_path):
-    from krnl.hf import load_tokenizer
+    from krnl.formats.hf import load_tokenizer
 
     write_gguf(tmp_path / "spm.gguf")
     write_gguf(tmp_path / "bpe.gguf", arch="qwen2", tokenizer="bpe", pre="qwen2")
@@ -226,10 +226,10 @@ def _data(tmp_path):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_gguf_cli_trains_generates_and_fuses(tmp_path, capsys, arch):
-    from krnl.cli import main
-    from krnl.hf import load_model, load_tokenizer
-    from krnl.safetensors_io import read_safetensors_header
-    from krnl.tokenizer import Tokenizer
+    from krnl.cli.main import main
+    from krnl.formats.hf import load_model, load_tokenizer
+    from krnl.io.safetensors_io import read_safetensors_header
+    from krnl.io.tokenizer import Tokenizer
 
     path = tmp_path / "m.gguf"
     write_gguf(path, arch=arch, types={k: v for k, v in mixed_types().items() if v in KEPT + ("F16",)},
@@ -291,8 +291,8 @@ def test_gguf_cli_trains_generates_and_fuses(tmp_path, capsys, arch):
 
 
 def test_gguf_bad_files_give_one_line_errors(tmp_path):
-    from krnl.gguf_file import read_gguf
-    from krnl.hf import load_model
+    from krnl.formats.gguf.file import read_gguf
+    from krnl.formats.hf import load_model
 
     good = tmp_path / "good.gguf"
     write_gguf(good, types={"blk.0.attn_q.weight": "Q4_K"})
@@ -333,7 +333,7 @@ def test_gguf_loss_matches_transformers(tmp_path, arch, tied):
     pytest.importorskip("accelerate")  # transformers loads GGUF files only with it
     from transformers import AutoModelForCausalLM
 
-    from krnl.hf import load_model
+    from krnl.formats.hf import load_model
 
     # Only the types krnl keeps quantized (and floats): transformers keeps the others in f32.
     types = {k: v for k, v in mixed_types().items() if v in KEPT + ("F16", "F32")}
@@ -354,8 +354,8 @@ def test_gguf_fused_folder_loads_in_transformers(tmp_path):
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from krnl.cli import main
-    from krnl.hf import load_model, load_tokenizer
+    from krnl.cli.main import main
+    from krnl.formats.hf import load_model, load_tokenizer
 
     path = tmp_path / "m.gguf"
     write_gguf(path, arch="qwen2", tokenizer="bpe", pre="qwen2", types={"blk.0.attn_v.weight": "Q6_K",
@@ -381,16 +381,16 @@ def test_gguf_fused_folder_loads_in_transformers(tmp_path):
 @pytest.mark.parametrize("bits", [4, 5, 6, 8])
 @pytest.mark.parametrize("rows", [1, 33])
 def test_gguf_pack_is_quant_pack(bits, rows):
-    from krnl import gguf_quants, quant
+    from krnl.quant import gguf as gguf_quants, affine as quant
 
     codes = np.random.default_rng(bits).integers(0, 2 ** bits, (rows, 96))
     assert np.array_equal(gguf_quants._pack(codes, bits), quant.pack(codes, bits))
 
 
 def test_gguf_quantize_on_load_only_for_float_files(tmp_path):
-    from krnl.gguf_file import read_gguf
-    from krnl.hf import load_model
-    from krnl.model import LlamaModel
+    from krnl.formats.gguf.file import read_gguf
+    from krnl.formats.hf import load_model
+    from krnl.models.model import LlamaModel
 
     dev = krnl.device("cpu")
     q, f = tmp_path / "q.gguf", tmp_path / "f.gguf"

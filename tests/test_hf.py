@@ -21,8 +21,8 @@ transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
 import krnl  # noqa: E402
-from krnl import adapter as adapter_io  # noqa: E402
-from krnl import hf  # noqa: E402
+from krnl.formats import adapter as adapter_io  # noqa: E402
+from krnl.formats import hf  # noqa: E402
 
 # torch: the whole module needs torch (stage 2 of .ci/run selects it with -m torch).
 pytestmark = [pytest.mark.torch, pytest.mark.filterwarnings("ignore::FutureWarning")]
@@ -169,8 +169,8 @@ def _peft_logits(base_folder, adapter_folder, ids):
 
 
 def test_krnl_trained_adapter_loads_in_peft(folders, tmp_path):
-    from krnl.model import LoraConfig
-    from krnl.trainer import TrainConfig, Trainer
+    from krnl.models.config import LoraConfig
+    from krnl.train.trainer import TrainConfig, Trainer
 
     folder = folders["qwen2"]
     lora = LoraConfig(r=4, alpha=8.0, target_modules=("q_proj", "v_proj", "o_proj", "down_proj"), use_rslora=True)
@@ -249,7 +249,7 @@ def test_mlx_adapter_and_fuse(folders, tmp_path):
     assert d <= F32_RTOL * scale
 
     # krnl fuse through the CLI, sharded, then transformers loads the folder.
-    from krnl.cli import main
+    from krnl.cli.main import main
     out = tmp_path / "fused"
     assert main(["fuse", "--model", str(folder), "--adapter-path", str(mdir), "--save-path", str(out),
                  "--max-shard-size", "60KB"]) == 0
@@ -271,7 +271,7 @@ def test_mlx_adapter_and_fuse(folders, tmp_path):
 
 
 def test_cli_generate_and_eval_with_model_folder(folders, tmp_path, capsys):
-    from krnl.cli import main
+    from krnl.cli.main import main
 
     ad = _peft_adapter(folders["llama"], tmp_path / "peft", 9, r=2, lora_alpha=4, target_modules=["q_proj"])
     # base_model_name_or_path is the folder: --model may be left out; eval needs --data.
@@ -394,7 +394,7 @@ def test_peft_key_variants_and_load_into(folders, tmp_path):
     prefix read the same; load_adapter_into checks the model's LoRA layout."""
     from safetensors.numpy import save_file
 
-    from krnl.model import LoraConfig, lora_key
+    from krnl.models.config import LoraConfig, lora_key
     config = hf.read_config(folders["llama"])
     rng = np.random.default_rng(0)
     A, B = rng.standard_normal((2, 64)).astype(np.float32), rng.standard_normal((64, 2)).astype(np.float32)
@@ -419,7 +419,7 @@ def test_peft_key_variants_and_load_into(folders, tmp_path):
 
 
 def test_cli_trains_an_hf_model_from_a_yaml_config(folders, tmp_path, capsys):
-    from krnl.cli import main
+    from krnl.cli.main import main
 
     data = tmp_path / "data"
     data.mkdir()
@@ -447,7 +447,7 @@ def test_cli_trains_an_hf_model_from_a_yaml_config(folders, tmp_path, capsys):
 
 
 def test_cli_generate_wraps_the_prompt_in_the_chat_template(folders, tmp_path, capsys):
-    from krnl.cli import main
+    from krnl.cli.main import main
 
     base = tmp_path / "chat"
     shutil.copytree(folders["llama"], base)

@@ -194,9 +194,45 @@ def test_no_import_circle():
 def test_every_module_has_exactly_one_layer():
     graph, _ = import_graph()
     layers = read_layers()
-    assert [name for name, _ in layers] == ["ops", "storage", "model", "formats", "train", "cli"]
+    assert [name for name, _ in layers] == ["ops", "io", "quant", "models", "formats", "train", "bench", "cli"]
     wrong = {m: [layers[i][0] for i in layers_of(layers, m)] for m in graph if len(layers_of(layers, m)) != 1}
     assert wrong == {}, f"modules in no layer or in several (add them to krnl/__init__.py's table): {wrong}"
+
+
+def folder_violations(modules, layers):
+    """["module (layer)"] for every module outside its layer's folder: a module in krnl/x/ belongs to
+    layer x, and the lowest layer holds the files at the top (plus __main__, which the table may
+    put in any layer: `python -m krnl` is the CLI)."""
+    out = []
+    for m in sorted(modules):
+        found = layers_of(layers, m)
+        if len(found) != 1:
+            continue  # test_every_module_has_exactly_one_layer reports it
+        name = layers[found[0]][0]
+        top = m.split(".")[0] if "." in m or m in {n for n, _ in layers} else None
+        if (top or layers[0][0]) != name and m != "__main__":
+            out.append(f"{m} ({name})")
+    return out
+
+
+def test_folder_check_finds_a_module_in_the_wrong_folder():
+    layers = [("ops", ["__init__", "profiler"]), ("models", ["models", "models.*", "tune"]),
+              ("cli", ["cli", "cli.*", "__main__"])]
+    modules = ["__init__", "profiler", "models", "models.model", "cli", "cli.main", "__main__"]
+    assert folder_violations(modules, layers) == []
+    assert folder_violations(modules + ["tune"], layers) == ["tune (models)"]
+    layers[1][1].append("cli.args")
+    layers[2][1].remove("cli.*")
+    layers[2][1].append("cli.main")
+    assert folder_violations(modules + ["cli.args"], layers) == ["cli.args (models)"]
+
+
+def test_every_layer_is_a_folder():
+    graph, _ = import_graph()
+    layers = read_layers()
+    assert folder_violations(graph, layers) == []
+    folders = {p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file()}
+    assert folders == {name for name, _ in layers[1:]}
 
 
 def test_no_import_goes_up_a_layer():
@@ -209,7 +245,7 @@ def test_packages_sit_no_higher_than_their_modules():
     # of its modules even though no import statement says so.
     graph, _ = import_graph()
     layers = read_layers()
-    for pkg in ("__init__", "bench"):
+    for pkg in ["__init__"] + [m for m in graph if (ROOT / m.replace(".", "/") / "__init__.py").is_file()]:
         inside = [m for m in graph if pkg == "__init__" or m.startswith(pkg + ".")]
         lp = layers_of(layers, pkg)[0]
         assert all(layers_of(layers, m)[0] >= lp for m in inside), pkg

@@ -1,7 +1,7 @@
 """metal/rmsnorm.metal's row-strided forms on the MSL simulator (tools/mslsim) against float64
 numpy: the forward writing y into the first cols columns of a wider (rows, ldy) buffer and the
 backward writing dx at row stride ldx with the residual (row stride ldr) added, what a LoRA fold
-asks for (python/krnl/lora_fold.py). Every dtype combination the kernels have (bf16 buffers as
+asks for (python/krnl/models/lora_fold.py). Every dtype combination the kernels have (bf16 buffers as
 uint16 bits), awkward sizes, random thread order; the columns past cols must keep their contents."""
 
 import numpy as np

@@ -14,7 +14,7 @@ test_metal_kernels.py's."""
 import numpy as np
 import pytest
 
-from krnl import quant
+from krnl.quant import affine as quant
 from test_metal_kernels import KARGS, METAL, _caught, _without_barriers, build_all
 
 QuantizedMatmulArgs = KARGS["QuantizedMatmulArgs"]

@@ -160,7 +160,7 @@ def test_command_buffer_estimate_is_conservative():
 
 # The largest model of each family (hidden C, MLP width F, vocabulary V, attention heads and head
 # size), trained at 16,384 tokens a step; the LM head and its loss run in chunks of 1,024 rows
-# (python/krnl/model.py's ce_chunk).
+# (python/krnl/models/model.py's ce_chunk).
 FAMILIES = {
     "llama-3.1-70b": dict(C=8192, F=28672, V=128256, H=64, Hk=8, D=128),
     "qwen2.5-72b": dict(C=8192, F=29568, V=152064, H=64, Hk=8, D=128),

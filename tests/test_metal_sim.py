@@ -599,9 +599,9 @@ def test_capabilities_follow_the_gpu_policy(sim, family):
 def _packed_split(n, seed):
     """The default task's samples of varied lengths packed into rows of 24 tokens (segments and
     positions restart per sample): (ids, targets, segments, positions)."""
-    from krnl.batches import pack
-    from krnl.data import Sample
-    from krnl.default_task import CharTokenizer, make_split
+    from krnl.train.batches import pack
+    from krnl.train.data import Sample
+    from krnl.train.default_task import CharTokenizer, make_split
 
     tok = CharTokenizer()
     ids, targets = make_split(tok, n, seed=seed)
@@ -623,9 +623,10 @@ def test_trainer_matches_cpu(sim, tmp_path):
     gate/up A factors, whose B starts at zero) two summation orders move it differently: the
     updates are compared as a whole (5%) and per tensor (25%). (In f32 both backends agree to
     3e-6 per tensor: the kernels are not what differs.)"""
-    from krnl.default_task import base_weights, tiny_config
-    from krnl.model import LlamaModel, LoraConfig, ModelConfig
-    from krnl.trainer import Trainer, TrainConfig
+    from krnl.train.default_task import base_weights, tiny_config
+    from krnl.models.model import LlamaModel
+    from krnl.models.config import LoraConfig, ModelConfig
+    from krnl.train.trainer import Trainer, TrainConfig
 
     runs = {}
     for name in ("cpu", "metal-sim"):

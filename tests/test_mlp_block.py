@@ -1,4 +1,4 @@
-"""The W1 block (krnl.mlp_block.MLPBlock) against a float64 numpy forward and backward written
+"""The W1 block (krnl.models.mlp_block.MLPBlock) against a float64 numpy forward and backward written
 here, at a small awkward size; LoRA gradients also against central finite differences of
 L = sum(y * dy) through the block's own forward; AdamW steps keep frozen weights bit-identical.
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from krnl import ops
-from krnl.mlp_block import LORA_NAMES, MLPBlock, make_w1_params
+from krnl.models.mlp_block import LORA_NAMES, MLPBlock, make_w1_params
 
 T, C, F, R = 33, 64, 96, 4
 SCALE = 1.5

@@ -1,4 +1,4 @@
-"""MLX quantized folders without MLX (krnl.mlx_folder, hf.load_hf_weights, krnl quantize, fuse
+"""MLX quantized folders without MLX (krnl.formats.mlx_folder, hf.load_hf_weights, krnl quantize, fuse
 --quantize, --adapter-format mlx): folders written here with numpy in MLX's layout (packed U32
 codes, scales and biases, the quantization entry of config.json), read back exactly; the errors;
 the layout `krnl quantize` writes; training, fusing and the mlx-lm adapter layout through the CLI.
@@ -11,12 +11,13 @@ import numpy as np
 import pytest
 
 import krnl
-from krnl import quant
-from krnl.cli import main
-from krnl.hf import fuse, load_hf_weights, load_model, read_tensors, write_sharded
-from krnl.model import LlamaModel, LoraConfig, ModelConfig, lora_key
-from krnl.qweight import QuantizedArray
-from krnl.safetensors_io import LazyTensor, read_safetensors_header
+from krnl.quant import affine as quant
+from krnl.cli.main import main
+from krnl.formats.hf import fuse, load_hf_weights, load_model, read_tensors, write_sharded
+from krnl.models.model import LlamaModel
+from krnl.models.config import LoraConfig, ModelConfig, lora_key
+from krnl.quant.qweight import QuantizedArray
+from krnl.io.safetensors_io import LazyTensor, read_safetensors_header
 
 from mlx_folders import (V, base_config, make_base, mixed_layouts, random_adapter, round_bf16, write_data,
                          write_mlx_folder)
@@ -156,7 +157,7 @@ def test_quantize_command_writes_mlx_layout(tmp_path, capsys):
         assert h[p + "mlp.down_proj.scales"] == h[p + "mlp.down_proj.biases"] == ("BF16", (64, 1))
         assert h[p + "self_attn.q_proj.weight"] == ("BF16", (64, 64)) and p + "self_attn.q_proj.scales" not in h
     assert h["model.embed_tokens.weight"] == ("BF16", (V, 64)) and h["model.norm.weight"] == ("BF16", (64,))
-    # The codes, scales and biases are krnl.quant's of the weight cast to bf16.
+    # The codes, scales and biases are krnl.quant.affine's of the weight cast to bf16.
     W = np.asarray(load_hf_weights(base)["model.layers.1.mlp.down_proj.weight"], np.float32)
     w, s, b = quant.quantize(round_bf16(W), 5, 128)
     qa = load_hf_weights(out)["model.layers.1.mlp.down_proj.weight"]
@@ -195,7 +196,7 @@ def test_mlx_adapter_round_trip(tmp_path):
     config = ModelConfig.from_dict(base_config(num_hidden_layers=3))
     lora = LoraConfig(r=3, alpha=5.0, dropout=0.1, target_modules=("v_proj", "q_proj", "down_proj"), layers=[1, 2])
     t = random_adapter(config, lora)
-    krnl.adapter.save_mlx_adapter(tmp_path / "a", lora, t, config, base_model="/some/base")
+    krnl.formats.adapter.save_mlx_adapter(tmp_path / "a", lora, t, config, base_model="/some/base")
     cfg = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
     assert cfg["num_layers"] == 2 and cfg["fine_tune_type"] == "lora" and cfg["model"] == "/some/base"
     assert cfg["lora_parameters"] == {"rank": 3, "scale": 5.0 / 3, "dropout": 0.1,
@@ -203,7 +204,7 @@ def test_mlx_adapter_round_trip(tmp_path):
     h, _ = read_safetensors_header(tmp_path / "a" / "adapters.safetensors")
     assert h["model.layers.2.self_attn.v_proj.lora_a"][:2] == ("F32", (64, 3))  # (in, r)
     assert h["model.layers.2.mlp.down_proj.lora_b"][:2] == ("F32", (3, 64))     # (r, out)
-    lora2, t2, info = krnl.adapter.read_adapter(tmp_path / "a", config)
+    lora2, t2, info = krnl.formats.adapter.read_adapter(tmp_path / "a", config)
     assert info["format"] == "mlx" and lora2.layers == [1, 2] and lora2.r == 3
     assert lora2.scale == pytest.approx(lora.scale) and set(lora2.target_modules) == set(lora.target_modules)
     assert set(t2) == set(t) and all(np.array_equal(t2[k], t[k]) for k in t)
@@ -215,7 +216,7 @@ def test_fuse_from_and_to_mlx_folder(tmp_path, capsys):
     config = ModelConfig.from_dict(base_config())
     lora = LoraConfig(r=2, alpha=3.0, target_modules=("q_proj", "down_proj"))
     t = random_adapter(config, lora)
-    krnl.adapter.save_mlx_adapter(tmp_path / "a", lora, t, config, base_model=str(tmp_path / "m"))
+    krnl.formats.adapter.save_mlx_adapter(tmp_path / "a", lora, t, config, base_model=str(tmp_path / "m"))
     src = load_hf_weights(tmp_path / "m")
     merged = "model.layers.1.self_attn.q_proj.weight"
     W = np.asarray(src[merged], np.float64) + 1.5 * (t[lora_key(1, "q_proj", "B")].astype(np.float64)
@@ -241,7 +242,7 @@ def test_fuse_from_and_to_mlx_folder(tmp_path, capsys):
     assert (q[merged].bits, q[merged].group_size) == (4, 32) and "model.layers.1.self_attn.q_proj" not in cfg
     assert cfg["model.layers.0.mlp.gate_proj"] == {"group_size": 32, "bits": 2, "mode": "affine"}
     assert np.array_equal(np.asarray(q[un].w), np.asarray(src[un].w))
-    W32 = krnl.hf.merged_weight(np.asarray(src[merged], np.float32), t[lora_key(1, "q_proj", "A")],
+    W32 = krnl.formats.hf.merged_weight(np.asarray(src[merged], np.float32), t[lora_key(1, "q_proj", "A")],
                                 t[lora_key(1, "q_proj", "B")], 1.5)
     w, s, b = quant.quantize(round_bf16(W32), 4, 32)
     assert np.array_equal(np.asarray(q[merged].w).view(np.int32), w)
@@ -258,7 +259,7 @@ def test_fused_mlx_folder_loads_in_transformers(tmp_path):
     write_mlx_folder(tmp_path / "m", mixed_layouts())
     config = ModelConfig.from_dict(base_config())
     lora = LoraConfig(r=2, alpha=3.0, target_modules=("q_proj", "down_proj"))
-    krnl.adapter.save_mlx_adapter(tmp_path / "a", lora, random_adapter(config, lora), config)
+    krnl.formats.adapter.save_mlx_adapter(tmp_path / "a", lora, random_adapter(config, lora), config)
     fuse(tmp_path / "m", tmp_path / "a", tmp_path / "hf", dtype="f32")
     ids = np.random.default_rng(2).integers(0, V, (2, 12))
     want = load_model(tmp_path / "m", krnl.device("cpu"), adapter=tmp_path / "a").loss(ids[:, :-1], ids[:, 1:])
@@ -272,18 +273,18 @@ def test_fused_mlx_folder_loads_in_transformers(tmp_path):
 
 def test_recipe_overrides_follow_mlx_lm_rule():
     # 9 layers: the first eighth is layer 0, the last 7 and 8, every third between 3 and 6.
-    low, over = krnl.mlx_folder.recipe_overrides(ModelConfig.from_dict(base_config(num_hidden_layers=9)), "mixed_2_6")
+    low, over = krnl.formats.mlx_folder.recipe_overrides(ModelConfig.from_dict(base_config(num_hidden_layers=9)), "mixed_2_6")
     assert low == 2 and over.pop("lm_head") == (6, 64)
     assert over == {f"model.layers.{i}.{m}": (6, 64) for i in (0, 3, 6, 7, 8) for m in ("self_attn.v_proj",
                                                                                        "mlp.down_proj")}
     with pytest.raises(ValueError, match=r"\[quantize\] unknown recipe 'mixed_9'"):
-        krnl.mlx_folder.recipe_overrides(ModelConfig.from_dict(base_config()), "mixed_9")
+        krnl.formats.mlx_folder.recipe_overrides(ModelConfig.from_dict(base_config()), "mixed_9")
 
 
 def test_quantize_folder_overrides(tmp_path):
     base = make_base(tmp_path / "base")
     over = {"model.layers.0.self_attn.v_proj": (8, 32), "lm_head": None, "model.layers.1.mlp.down_proj": (2, 128)}
-    assert len(krnl.hf.quantize_folder(base, tmp_path / "q", 4, 64, overrides=over, shard_size="40KB")["files"]) > 1
+    assert len(krnl.formats.hf.quantize_folder(base, tmp_path / "q", 4, 64, overrides=over, shard_size="40KB")["files"]) > 1
     q = json.loads((tmp_path / "q" / "config.json").read_text())["quantization"]
     assert q == {"group_size": 64, "bits": 4, "mode": "affine",
                  "model.layers.0.self_attn.v_proj": {"group_size": 32, "bits": 8, "mode": "affine"},
@@ -293,4 +294,4 @@ def test_quantize_folder_overrides(tmp_path):
     assert w["model.layers.0.self_attn.v_proj.weight"].bits == 8 and w["model.layers.0.self_attn.k_proj.weight"].bits == 4
     assert w["model.layers.1.mlp.down_proj.weight"].group_size == 128
     with pytest.raises(ValueError, match=r"\[quantize\] bits must be one of"):
-        krnl.hf.quantize_folder(base, tmp_path / "q2", 7, 64)
+        krnl.formats.hf.quantize_folder(base, tmp_path / "q2", 7, 64)

@@ -13,10 +13,10 @@ import pytest
 from mlx_folders import V, make_base, random_adapter, write_data
 
 import krnl
-from krnl.cli import main
-from krnl.hf import load_hf_weights, load_model, quantize_folder, read_config
-from krnl.model import LoraConfig
-from krnl.qweight import QuantizedArray
+from krnl.cli.main import main
+from krnl.formats.hf import load_hf_weights, load_model, quantize_folder, read_config
+from krnl.models.config import LoraConfig
+from krnl.quant.qweight import QuantizedArray
 
 pytestmark = pytest.mark.mlx
 
@@ -123,7 +123,7 @@ def test_mlx_adapter_loads_in_mlx_lm(mlx_lm, tmp_path, monkeypatch, capsys):
                  "--no-tune", "--adapter-path", "ad", "--adapter-format", "mlx"]) == 0
     capsys.readouterr()
     # Training moved B off zero; make the update large enough to matter in the comparison.
-    lora, tensors, _ = krnl.adapter.read_adapter("ad", read_config("q"))
+    lora, tensors, _ = krnl.formats.adapter.read_adapter("ad", read_config("q"))
     assert any(np.abs(v).max() > 0 for k, v in tensors.items() if ".lora_B." in k)
     ids = tokens(3)
     mine = krnl_loss("q", ids, adapter="ad/mlx")
@@ -133,7 +133,7 @@ def test_mlx_adapter_loads_in_mlx_lm(mlx_lm, tmp_path, monkeypatch, capsys):
     config = read_config("q")
     lora = LoraConfig(r=4, alpha=6.0, layers=[1, 2])
     t = random_adapter(config, lora)
-    krnl.adapter.save_mlx_adapter(tmp_path / "big", lora, t, config, base_model=str(tmp_path / "q"))
+    krnl.formats.adapter.save_mlx_adapter(tmp_path / "big", lora, t, config, base_model=str(tmp_path / "q"))
     with_adapter = krnl_loss("q", ids, adapter=tmp_path / "big")
     assert abs(with_adapter - krnl_loss("q", ids)) > 1e-2
     assert with_adapter == pytest.approx(mlx_loss("q", ids, adapter=tmp_path / "big"), rel=1e-4)
@@ -150,7 +150,7 @@ def test_fuse_quantize_loads_in_mlx_lm(mlx_lm, tmp_path, capsys):
     ids = tokens(4)
     for src in (base, tmp_path / "q"):
         ad, out = tmp_path / f"a-{src.name}", tmp_path / f"fused-{src.name}"
-        krnl.adapter.save_mlx_adapter(ad, lora, t, config, base_model=str(src))
+        krnl.formats.adapter.save_mlx_adapter(ad, lora, t, config, base_model=str(src))
         assert main(["fuse", "--adapter-path", str(ad), "--save-path", str(out), "--quantize", "8",
                      "--q-group-size", "32"]) == 0
         capsys.readouterr()

@@ -1,4 +1,4 @@
-"""The Llama-family model (krnl.model): loss and LoRA/embedding-output gradients against a float64
+"""The Llama-family model (krnl.models.model): loss and LoRA/embedding-output gradients against a float64
 numpy reference of the same model (central finite differences), PyTorch autograd when installed,
 gradient checkpointing, ignore_index, low-precision compute dtypes and input validation."""
 
@@ -10,9 +10,9 @@ import pytest
 
 import krnl
 from krnl import ops
-from krnl.attention import row_blocks
-from krnl.model import (ATTN_MODULES, LlamaModel, LoraConfig, ModelConfig, lora_key,
-                        random_weights)
+from krnl.models.attention import row_blocks
+from krnl.models.model import LlamaModel
+from krnl.models.config import ATTN_MODULES, LoraConfig, ModelConfig, lora_key, random_weights
 
 TINY = dict(model_type="llama", vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0)
@@ -298,7 +298,7 @@ def test_lora_fold_only_where_it_pays(dev, monkeypatch):
     blocks outweigh the pass over y saved, as in a decode step) takes the plain path on the widened
     weights, with the loss of the unfolded model; one row more folds. r 2: q|k|v (G 3, N 64)
     pays from 5 rows, gate/up (G 2, N 96) from 4."""
-    from krnl import lora_fold
+    from krnl.models import lora_fold
 
     calls = []
     forward = lora_fold.Fold.forward

@@ -11,13 +11,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import krnl.adapter
-import krnl.fileio
-import krnl.trainer
-from krnl.checkpoint import list_checkpoints, load_checkpoint
-from krnl.cli import lora_targets, main
-from krnl.data import DataError, read_jsonl
-from krnl.model import ModelConfig
+import krnl.formats.adapter
+import krnl.io.fileio
+import krnl.train.trainer
+from krnl.io.checkpoint import list_checkpoints, load_checkpoint
+from krnl.cli.args import lora_targets
+from krnl.cli.main import main
+from krnl.train.data import DataError, read_jsonl
+from krnl.models.config import ModelConfig
 
 from conftest import HF_VOCAB as V
 TINY = ["--iters", "2", "--train-samples", "64", "--batch-size", "4", "--quiet", "--steps-per-eval", "0"]
@@ -63,7 +64,7 @@ def test_base_eval_and_generate_without_an_adapter(tmp_path, monkeypatch, capsys
 
 def test_base_hf_model_without_an_adapter(hf_folder, tmp_path, monkeypatch, capsys):
     from krnl import device
-    from krnl.hf import load_model
+    from krnl.formats.hf import load_model
 
     monkeypatch.chdir(tmp_path)
     assert main(["generate", "--model", str(hf_folder), "--prompt", "w5 w7", "--max-tokens", "3",
@@ -97,20 +98,20 @@ def test_output_files_get_the_users_umask(hf_folder, tmp_path, monkeypatch, caps
     monkeypatch.chdir(tmp_path)
     old = os.umask(umask)
     try:
-        assert krnl.fileio.current_umask() == umask
+        assert krnl.io.fileio.current_umask() == umask
         assert main(["train", *TINY, "--save-every", "1", "--adapter-path", "ad"]) == 0
         # fuse: a zero adapter on q_proj of the HF folder
         cfg = json.loads(Path("ad/adapter_config.json").read_text())
-        lora = krnl.model.LoraConfig(r=2, alpha=4.0, target_modules=("q_proj",))
+        lora = krnl.models.config.LoraConfig(r=2, alpha=4.0, target_modules=("q_proj",))
         mc = ModelConfig.from_file(hf_folder / "config.json")
         tensors = {}
         for i in range(mc.num_hidden_layers):
-            tensors[krnl.model.lora_key(i, "q_proj", "A")] = np.zeros((2, 32), np.float32)
-            tensors[krnl.model.lora_key(i, "q_proj", "B")] = np.zeros((mc.module_shape("q_proj")[0], 2), np.float32)
+            tensors[krnl.models.config.lora_key(i, "q_proj", "A")] = np.zeros((2, 32), np.float32)
+            tensors[krnl.models.config.lora_key(i, "q_proj", "B")] = np.zeros((mc.module_shape("q_proj")[0], 2), np.float32)
         fa = tmp_path / "fa"
         fa.mkdir()
         save_file(tensors, str(fa / "adapter_model.safetensors"))
-        cfg = krnl.adapter.peft_config(lora, base_model=str(hf_folder))
+        cfg = krnl.formats.adapter.peft_config(lora, base_model=str(hf_folder))
         (fa / "adapter_config.json").write_text(json.dumps(cfg))
         assert main(["fuse", "--adapter-path", str(fa), "--save-path", "fused"]) == 0
     finally:
@@ -131,17 +132,17 @@ def test_output_files_get_the_users_umask(hf_folder, tmp_path, monkeypatch, caps
 
 def test_disk_full_is_one_line_and_keeps_checkpoints(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    real = krnl.adapter.atomic_write_bytes
+    real = krnl.formats.adapter.atomic_write_bytes
 
     def disk_full(path, data):
         if Path(path).name == "adapter_model.safetensors":
             def chunks():
                 yield data[:10]
                 raise OSError(errno.ENOSPC, "No space left on device")
-            return krnl.fileio.atomic_write_chunks(path, chunks())
+            return krnl.io.fileio.atomic_write_chunks(path, chunks())
         return real(path, data)
 
-    monkeypatch.setattr(krnl.adapter, "atomic_write_bytes", disk_full)
+    monkeypatch.setattr(krnl.formats.adapter, "atomic_write_bytes", disk_full)
     assert main(["train", *TINY, "--save-every", "1", "--adapter-path", "ad"]) == 1
     line = _one_line_error(capsys.readouterr().err)
     assert "ad/adapter_model.safetensors" in line and "disk is full" in line
@@ -164,11 +165,11 @@ def test_permission_error_names_the_path(tmp_path, monkeypatch, capsys):
     def denied(*a, **k):
         raise PermissionError(errno.EACCES, "Permission denied", str(tmp_path / "ad" / "loss.png"))
 
-    monkeypatch.setattr(krnl.trainer, "plot_metrics", denied)
+    monkeypatch.setattr(krnl.train.trainer, "plot_metrics", denied)
     assert main(["train", *TINY, "--adapter-path", "ad"]) == 1
     line = _one_line_error(capsys.readouterr().err)
     assert "loss.png: permission denied" in line and "writable" in line
-    monkeypatch.setattr(krnl.trainer, "plot_metrics", lambda *a: (_ for _ in ()).throw(
+    monkeypatch.setattr(krnl.train.trainer, "plot_metrics", lambda *a: (_ for _ in ()).throw(
         OSError(errno.EROFS, "Read-only file system", "ad/loss.png")))
     assert main(["train", *TINY, "--adapter-path", "ad2"]) == 1
     assert "ad/loss.png: read-only file system" in _one_line_error(capsys.readouterr().err)
@@ -176,14 +177,14 @@ def test_permission_error_names_the_path(tmp_path, monkeypatch, capsys):
 
 def test_ctrl_c_during_training(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    real = krnl.trainer.Trainer.evaluate
+    real = krnl.train.trainer.Trainer.evaluate
 
     def evaluate(self):
         if self.step == 5:
             raise KeyboardInterrupt
         return real(self)
 
-    monkeypatch.setattr(krnl.trainer.Trainer, "evaluate", evaluate)
+    monkeypatch.setattr(krnl.train.trainer.Trainer, "evaluate", evaluate)
     args = ["train", "--iters", "8", "--train-samples", "64", "--batch-size", "4", "--quiet",
             "--steps-per-eval", "1", "--save-every", "2", "--adapter-path", "ad"]
     assert main(args) == 130
@@ -192,7 +193,7 @@ def test_ctrl_c_during_training(tmp_path, monkeypatch, capsys):
     assert err.strip() == "krnl train: interrupted at step 5; newest checkpoint: step 4; continue with --resume"
     assert [s for s, _ in list_checkpoints("ad/checkpoints")] == [2, 4]
     assert load_checkpoint("ad/checkpoints").trainer_state["step"] == 4
-    monkeypatch.setattr(krnl.trainer.Trainer, "evaluate", real)
+    monkeypatch.setattr(krnl.train.trainer.Trainer, "evaluate", real)
     assert main(args + ["--resume"]) == 0
     assert "step 8:" in capsys.readouterr().out
 

@@ -810,10 +810,10 @@ def test_softmax_backward_finite_differences_window(dev):
 
 @pytest.mark.parametrize("block", [0, 8, 13])
 def test_materialised_attention_window(dev, block):
-    """krnl.attention's materialised path with a sliding window, in query row blocks (each scored
+    """krnl.models.attention's materialised path with a sliding window, in query row blocks (each scored
     against keys :r1, so the op must place row i of a block at query r0 + i), GQA (4 query heads
     on 2 KV heads): output and dq, dk, dv against float64 attention under the window's mask."""
-    from krnl import attention as attn
+    from krnl.models import attention as attn
 
     rng = np.random.default_rng(31)
     H, Hk, T, D, window = 4, 2, 33, 8, 5

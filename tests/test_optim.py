@@ -1,4 +1,4 @@
-"""krnl.optim: the schedule against its formulas at awkward steps; AdamW over a FlatParams
+"""krnl.train.optim: the schedule against its formulas at awkward steps; AdamW over a FlatParams
 against a float64 numpy AdamW (clipping, gradient accumulation, weight decay); the clipping
 threshold; dynamic loss scaling (skip, halve, grow, counters); f32 NaN; state round trips."""
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import krnl
-from krnl.optim import AdamW, LossScaler, Schedule
-from krnl.params import FlatParams
+from krnl.train.optim import AdamW, LossScaler, Schedule
+from krnl.models.params import FlatParams
 
 SHAPES = {"layer0.A": (3, 17), "layer0.B": (33, 3), "bias": (5,)}
 

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import krnl
-from krnl import hf
-from krnl.model import LoraConfig, ModelConfig, lora_key
+from krnl.formats import hf
+from krnl.models.config import LoraConfig, ModelConfig, lora_key
 
 from hf_families import (LONGROPE, PHI3_MODULES, V, family_batch, family_folders, hf_model, random_b, torch_loss,
                          torch_modules)
@@ -82,7 +82,7 @@ def test_fused_members_share_a_and_the_dropout_mask():
     """q/k/v (gate/up) LoraLinears are views of one A and of row blocks of one B, and drop the
     same inputs (one mask, as PEFT's single dropout of the fused module)."""
     c = ModelConfig.from_dict(_dict())
-    m = krnl.model.LlamaModel(krnl.device("cpu"), c, krnl.model.random_weights(c), LoraConfig(r=2, dropout=0.1))
+    m = krnl.models.model.LlamaModel(krnl.device("cpu"), c, krnl.models.config.random_weights(c), LoraConfig(r=2, dropout=0.1))
     st = {k: np.arange(np.prod(v.shape), dtype=np.float32).reshape(v.shape) for k, v in m.lora_state().items()}
     m.lora_params.load(st)
     L = m.layers[0]
@@ -99,10 +99,10 @@ def test_fused_members_share_a_and_the_dropout_mask():
 def test_fused_members_drop_the_same_inputs():
     """In a training call q, k and v (gate and up) see one dropout mask of their shared input,
     as PEFT's qkv_proj (gate_up_proj) does with its single dropout; o and down draw their own."""
-    from krnl.layer import layer_forward
+    from krnl.models.layer import layer_forward
 
     c = ModelConfig.from_dict(_dict(num_hidden_layers=1))
-    m = krnl.model.LlamaModel(krnl.device("cpu"), c, krnl.model.random_weights(c), LoraConfig(r=2, dropout=0.4))
+    m = krnl.models.model.LlamaModel(krnl.device("cpu"), c, krnl.models.config.random_weights(c), LoraConfig(r=2, dropout=0.4))
     x = m.dev.tensor(np.random.default_rng(0).standard_normal((2 * 7, 40)).astype(np.float32), "f32")  # (N, C)
     batch = m._batch((2, 7), call_seed=11)
     with m.dev.step():
@@ -133,7 +133,7 @@ def test_loss_needs_the_longrope_scaling(folders, T):
     ref = torch_loss(hf_model(folder), ids, labels)
     c = hf.read_config(folder)
     c.rope_scaling = None
-    m = krnl.model.LlamaModel(krnl.device("cpu"), c, hf.load_hf_weights(folder))
+    m = krnl.models.model.LlamaModel(krnl.device("cpu"), c, hf.load_hf_weights(folder))
     assert abs(m.loss(ids, targets) - ref) > 1e-3
 
 
@@ -143,11 +143,11 @@ def test_mlx_adapter_layout_round_trips(folders, tmp_path):
     lora = LoraConfig(r=2, alpha=4.0, target_modules=PHI3_MODULES, layers=[1, 2])
     m = hf.load_model(folder, krnl.device("cpu"), lora=lora)
     st = random_b(m, 6)
-    krnl.adapter.save_mlx_adapter(tmp_path / "mx", lora, st, m.config)
+    krnl.formats.adapter.save_mlx_adapter(tmp_path / "mx", lora, st, m.config)
     cfg = json.loads((tmp_path / "mx" / "adapter_config.json").read_text())
     assert cfg["lora_parameters"]["keys"] == ["self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj",
                                               "mlp.down_proj"]
-    back, tensors, info = krnl.adapter.read_adapter(tmp_path / "mx", m.config)
+    back, tensors, info = krnl.formats.adapter.read_adapter(tmp_path / "mx", m.config)
     assert info["format"] == "mlx" and back.target_modules == PHI3_MODULES
     assert set(tensors) == set(st) and all(np.array_equal(tensors[k], st[k]) for k in st)
 
@@ -156,7 +156,7 @@ def test_mlx_adapter_layout_round_trips(folders, tmp_path):
 def test_cli_refuses_part_of_a_fused_module(folders, tmp_path, capsys):
     """LoRA targets q and o: the CLI stops with the LoraConfig error as its last line (the fused
     targets it trains: tests/test_families.py)."""
-    from krnl.cli import main
+    from krnl.cli.main import main
 
     write_data(tmp_path / "data")
     args = ["train", "--model", str(folders["longrope"]), "--data", str(tmp_path / "data"), "--device", "cpu",
@@ -197,8 +197,8 @@ def test_mlx_quantized_phi3_and_adapter_match_mlx_lm(tmp_path):
     write_tokenizer(tmp_path / "base")
     mlx_lm.convert(str(tmp_path / "base"), str(tmp_path / "q"), quantize=True, q_bits=4, q_group_size=32)
     w = hf.load_hf_weights(tmp_path / "q")
-    assert isinstance(w["model.layers.0.self_attn.qkv_proj.weight"], krnl.qweight.QuantizedArray)
-    assert isinstance(w["model.layers.1.mlp.gate_up_proj.weight"], krnl.qweight.QuantizedArray)
+    assert isinstance(w["model.layers.0.self_attn.qkv_proj.weight"], krnl.quant.qweight.QuantizedArray)
+    assert isinstance(w["model.layers.1.mlp.gate_up_proj.weight"], krnl.quant.qweight.QuantizedArray)
 
     def mlx_loss(ids, adapter=None):  # mlx-lm's mean next-token cross entropy, the model in f32
         m, _ = mlx_lm.load(str(tmp_path / "q"), adapter_path=None if adapter is None else str(adapter))
@@ -212,7 +212,7 @@ def test_mlx_quantized_phi3_and_adapter_match_mlx_lm(tmp_path):
     st = m.lora_state()
     assert m.loss(ids[:, :-1], ids[:, 1:]) == pytest.approx(mlx_loss(ids), rel=1e-4)  # B = 0: the base
     st = random_b(m, 2)
-    krnl.adapter.save_mlx_adapter(tmp_path / "ad", lora, st, m.config)
+    krnl.formats.adapter.save_mlx_adapter(tmp_path / "ad", lora, st, m.config)
     mine = m.loss(ids[:, :-1], ids[:, 1:])
     assert abs(mine - mlx_loss(ids)) > 1e-2
     assert mine == pytest.approx(mlx_loss(ids, tmp_path / "ad"), rel=1e-4)

@@ -72,7 +72,7 @@ PINNED_RUN = {"adapter": "82023a2d732819dd", "losses": "37f7c7d7a9db1062", "gene
 def test_pinned_cli_training_run(tmp_path):
     """`krnl train` on the embedded default for a few steps, then generation: the adapter file's
     bytes, the logged losses and the generated text."""
-    from krnl.cli import main
+    from krnl.cli.main import main
 
     out = tmp_path / "adapters"
     assert main(["train", "--iters", "20", "--adapter-path", str(out), "--steps-per-eval", "10", "--quiet"]) == 0
@@ -92,7 +92,7 @@ W1_DIGEST = "ce64d639d8c3b261"
 def test_pinned_w1_block():
     """The W1 MLP block (RMSNorm, SwiGLU, LoRA on gate and up) at a small size: output, input
     gradient and LoRA gradients of one step."""
-    from krnl.mlp_block import MLPBlock, make_w1_params
+    from krnl.models.mlp_block import MLPBlock, make_w1_params
 
     T, C, F, R = 33, 64, 96, 4
     P = make_w1_params(T, C, F, R, seed=3)

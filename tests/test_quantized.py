@@ -1,4 +1,4 @@
-"""Quantized weights in MLX's layout: krnl.quant's packing and quantization (against mx.quantize
+"""Quantized weights in MLX's layout: krnl.quant.affine's packing and quantization (against mx.quantize
 where mlx installs) and ops.quantized_matmul against float64 products with the dequantized
 weights, at awkward shapes, every bits and group size, forward (x W^T) and input gradient (x W)."""
 
@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import krnl
-from krnl import ops, quant
+from krnl import ops
+from krnl.quant import affine as quant
 
 from conftest import (FLOAT_DTYPES, U32, UNIT_ROUNDOFF, assert_close_elementwise, dispatch_budget, read, round_to,
                       to_dev, upload)
@@ -305,7 +306,7 @@ def test_quantized_matmul_errors(dev):
 def _tiny(dev, quantize=None, weights=None):
     """The suite's tiny LoRA model with in-features of 32 and 64 (so it quantizes at group size
     32) and the same random weights unless `weights` replace them."""
-    from krnl.model import ModelConfig, random_weights
+    from krnl.models.config import ModelConfig, random_weights
 
     from conftest import TINY_LLAMA, tiny_lora_model
     if weights is None:
@@ -339,7 +340,8 @@ def test_lora_on_a_quantized_base_equals_the_dequantized_base(dev, bits):
 
 
 def test_quantized_base_refuses_a_group_size_that_does_not_divide(dev):
-    from krnl.model import LlamaModel, LoraConfig, ModelConfig, random_weights
+    from krnl.models.model import LlamaModel
+    from krnl.models.config import LoraConfig, ModelConfig, random_weights
 
     from conftest import TINY_LLAMA
     cfg = ModelConfig.from_dict({**TINY_LLAMA, "intermediate_size": 48})
@@ -356,8 +358,8 @@ def test_model_takes_quantized_arrays(dev, dtype):
     q, k and v at different bits (a RowStack), the MLP at 3, 5 and 6 bits and groups of 16, an
     untied quantized head, a quantized embedding; the loss and LoRA gradients equal those of a
     dense model holding the dequantized weights (f32), and stay close in bf16 with f32 scales."""
-    from krnl.model import ModelConfig, random_weights
-    from krnl.qweight import QuantizedArray, RowStack, QuantizedWeight
+    from krnl.models.config import ModelConfig, random_weights
+    from krnl.quant.qweight import QuantizedArray, RowStack, QuantizedWeight
 
     from conftest import TINY_LLAMA, lora_step, tiny_lora_model
     why = quantized_missing(dev)
@@ -409,7 +411,7 @@ def test_cli_train_eval_generate_on_a_quantized_base(hf_folder, tmp_path, monkey
     quantization (resume without it is refused), and eval and generate run with the same flags."""
     import json
 
-    from krnl.cli import main
+    from krnl.cli.main import main
     monkeypatch.chdir(tmp_path)
     data = tmp_path / "data"
     data.mkdir()

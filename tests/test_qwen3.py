@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import krnl
-from krnl import hf
-from krnl.model import ModelConfig
+from krnl.formats import hf
+from krnl.models.config import ModelConfig
 
 from hf_families import V, family_batch, family_folders, hf_model, torch_loss
 
@@ -43,5 +43,5 @@ def test_loss_needs_the_qk_norms(folders, name):
     ref = torch_loss(hf_model(folder), ids, labels)
     w = hf.load_hf_weights(folder)
     plain = {k: (np.ones(np.shape(v), np.float32) if "_norm." in k and "self_attn" in k else v) for k, v in w.items()}
-    m = krnl.model.LlamaModel(krnl.device("cpu"), hf.read_config(folder), plain)
+    m = krnl.models.model.LlamaModel(krnl.device("cpu"), hf.read_config(folder), plain)
     assert abs(m.loss(ids, targets) - ref) > 1e-3

@@ -13,8 +13,8 @@ import sys
 
 import pytest
 
-from krnl.cli import main
-from krnl.run_folder import LOCK_NAME, FolderLock
+from krnl.cli.main import main
+from krnl.io.run_folder import LOCK_NAME, FolderLock
 
 BASE = ["train", "--iters", "6", "--warmup", "2", "--steps-per-eval", "3", "--save-every", "2", "--quiet",
         "--train-samples", "128", "--lora-rank", "4"]
@@ -189,7 +189,7 @@ def test_changed_rank_stays_refused(run, capsys):
 
 
 def test_lock_refuses_a_second_writer_with_its_pid(run, capsys):
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from krnl.run_folder import FolderLock; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from krnl.io.run_folder import FolderLock; "
                                "lock = FolderLock(sys.argv[1]).acquire(); print('locked', flush=True); time.sleep(60)",
                                str(run)], stdout=subprocess.PIPE, text=True)
     try:
@@ -237,8 +237,8 @@ def test_hf_run_options_record_the_data(tmp_path):
     """For an HF model the data (folder and train.jsonl contents) and its options must match too."""
     from argparse import Namespace
 
-    from krnl.cli import _run_options
-    from krnl.run_folder import describe, option_changes
+    from krnl.cli.main import _run_options
+    from krnl.io.run_folder import describe, option_changes
 
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "train.jsonl").write_text('{"text": "a"}\n')

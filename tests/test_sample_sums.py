@@ -1,4 +1,4 @@
-"""The sample reduce order (krnl.sample_sums): a weight gradient summed per sample in the fixed
+"""The sample reduce order (krnl.models.sample_sums): a weight gradient summed per sample in the fixed
 pairwise tree equals float64 at awkward sizes, a batch's tree is the sum of its two halves' trees
 bit for bit (what 2 ranks and MPI's a + b compute), for one GEMM and for whole LoRA steps of the
 tiny model (micro-batches, phi3's fused projections), slots into the flat gradient, and the bits
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import krnl
-from krnl.sample_sums import SampleSums
+from krnl.models.sample_sums import SampleSums
 
 HERE = Path(__file__).parent
 
@@ -84,7 +84,7 @@ def test_weight_grad_into_the_slots(dev):
     sample into its place in the slots (two gradients of one flat buffer, one of them twice, as a
     fused projection's shared A is), and finish() adds the slots' tree into the flat gradient and
     zeroes them; bad splits and gradients that are no view of the flat buffer are refused."""
-    from krnl.params import FlatParams
+    from krnl.models.params import FlatParams
 
     a, b = _operands(12, 3, 4, seed=9)
     a2, b2 = _operands(12, 2, 5, seed=10)
@@ -148,8 +148,8 @@ def step_grads(m, batches, n_totals=None, first_row=None):
     """(flat f32 gradient, loss sums) of one step's micro-batches from zeroed gradients (the
     optimizer's update left out), a rank's slices where n_totals gives each global micro-batch's
     target count."""
-    from krnl.optim import AdamW, Schedule
-    from krnl.step import StepRunner
+    from krnl.train.optim import AdamW, Schedule
+    from krnl.train.step import StepRunner
 
     runner = StepRunner(m, AdamW(m.lora_params, Schedule(1e-3, total_steps=1)), micro_batches=len(batches))
     m.lora_params.zero_grads()
@@ -206,7 +206,7 @@ import sys, numpy as np, krnl
 sys.path.insert(0, {here!r})
 from conftest import tiny_lora_model
 from test_sample_sums import _batch, _operands, step_grads
-from krnl.sample_sums import SampleSums
+from krnl.models.sample_sums import SampleSums
 d = krnl.device("cpu")
 a, b = _operands(8 * 33, 64, 300, seed=8)
 out = {{"gemm": SampleSums().sample_sum(d.tensor(a, "f32"), d.tensor(b, "f32"), 1.0, 8).numpy()}}

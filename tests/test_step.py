@@ -1,4 +1,4 @@
-"""The training step (krnl/step.py, krnl/step_inputs.py): lengths padded to a bucket, a step that
+"""The training step (krnl/train/step.py, krnl/models/step_inputs.py): lengths padded to a bucket, a step that
 reads nothing on the host before its end, the windowed tokens/s, and, on devices with graphs,
 the replayed step against the eager one."""
 import json
@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 import krnl
-from krnl.step import StepRunner, pad_batch_to, padded_length
-from krnl.step_inputs import SEED_MASK, seed_offset_words
-from krnl.optim import AdamW, Schedule
-from krnl.trainer import Rate, TrainConfig, Trainer
+from krnl.train.step import StepRunner, pad_batch_to, padded_length
+from krnl.models.step_inputs import SEED_MASK, seed_offset_words
+from krnl.train.optim import AdamW, Schedule
+from krnl.train.trainer import Rate, TrainConfig, Trainer
 
 from conftest import tiny_lora_model
 
@@ -133,7 +133,7 @@ def test_step_reads_nothing_on_the_host_before_its_end(family, dtype, dropout):
 
 def test_rate_is_windowed(monkeypatch):
     now = [0.0]
-    monkeypatch.setattr("krnl.trainer.time.perf_counter", lambda: now[0])
+    monkeypatch.setattr("krnl.train.trainer.time.perf_counter", lambda: now[0])
     r = Rate(window=2)
     for dt, n in [(10.0, 100), (1.0, 100), (1.0, 100), (1.0, 100)]:  # a slow first step (start-up)
         now[0] += dt

@@ -7,11 +7,12 @@ import numpy as np
 import pytest
 
 import krnl
-from krnl.checkpoint import load_checkpoint
-from krnl.cli import main
-from krnl.default_task import CharTokenizer, base_weights, make_split, tiny_config
-from krnl.model import LlamaModel, LoraConfig, ModelConfig
-from krnl.trainer import Trainer, TrainConfig
+from krnl.io.checkpoint import load_checkpoint
+from krnl.cli.main import main
+from krnl.train.default_task import CharTokenizer, base_weights, make_split, tiny_config
+from krnl.models.model import LlamaModel
+from krnl.models.config import LoraConfig, ModelConfig
+from krnl.train.trainer import Trainer, TrainConfig
 
 FROZEN_PREFIXES = ("embed", "head", "norm_w")
 

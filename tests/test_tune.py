@@ -1,4 +1,4 @@
-"""GEMM tuning (krnl/tune.py, `krnl tune`, `krnl train --no-tune`) with a fake timer: the shape
+"""GEMM tuning (krnl/bench/tune.py, `krnl tune`, `krnl train --no-tune`) with a fake timer: the shape
 classes the timing covers, warm-up and median, the winner stored in and loaded from the cache,
 its key, a corrupt cache ignored with one line, tuning never on metal-sim or the CPU, and train's
 tuning before its first step. No timing is real: the fake timer says how long each variant takes.
@@ -11,9 +11,9 @@ import os
 import pytest
 
 import krnl
-from krnl import tune
-from krnl.cli import main
-from krnl.fileio import current_umask
+from krnl.bench import tune
+from krnl.cli.main import main
+from krnl.io.fileio import current_umask
 
 from conftest import METAL_SIM
 
@@ -269,13 +269,13 @@ TINY = ["--iters", "1", "--train-samples", "16", "--batch-size", "2", "--quiet",
 @pytest.mark.parametrize("flag", [[], ["--no-tune"]])
 def test_train_tunes_before_its_first_step(tmp_path, monkeypatch, flag):
     """train calls ensure_tuned once, with --no-tune's value, before the trainer's first step."""
-    import krnl.cli
-    import krnl.trainer
+    import krnl.cli.main
+    import krnl.train.trainer
 
     events = []
-    monkeypatch.setattr(krnl.cli, "ensure_tuned", lambda dev, dtype, no_tune: events.append(("tune", dtype, no_tune)))
-    real_run = krnl.trainer.Trainer.run
-    monkeypatch.setattr(krnl.trainer.Trainer, "run", lambda self: events.append("run") or real_run(self))
+    monkeypatch.setattr(krnl.cli.main, "ensure_tuned", lambda dev, dtype, no_tune: events.append(("tune", dtype, no_tune)))
+    real_run = krnl.train.trainer.Trainer.run
+    monkeypatch.setattr(krnl.train.trainer.Trainer, "run", lambda self: events.append("run") or real_run(self))
     monkeypatch.chdir(tmp_path)
     assert main(["train", "--device", "cpu", *TINY, *flag]) == 0
     assert events == [("tune", "f32", bool(flag)), "run"]
@@ -292,7 +292,7 @@ def test_no_tuning_for_a_dtype_without_kernels(tunable_sim, cache, capsys, monke
 
 
 def test_tune_arguments():
-    from krnl.cli_args import parse_args
+    from krnl.cli.args import parse_args
 
     args = parse_args(["tune", "--dtype", "f16", "--repeats", "3"], collections.defaultdict(lambda: None))
     assert (args.cmd, args.dtype, args.repeats, args.device) == ("tune", "f16", 3, None)

@@ -12,7 +12,7 @@ import time
 import numpy as np
 
 import krnl
-from krnl import attention
+from krnl.models import attention
 
 d = krnl.device("cuda")
 for name, (B, T, H, Hk, D) in (("1b", (4, 2048, 32, 8, 64)), ("8b", (2, 4096, 32, 8, 128))):

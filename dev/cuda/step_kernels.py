@@ -17,9 +17,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import krnl
-from krnl.config import LoraConfig
-from krnl.hf import load_model
-from krnl.trainer import TrainConfig, Trainer
+from krnl.models.config import LoraConfig
+from krnl.formats.hf import load_model
+from krnl.train.trainer import TrainConfig, Trainer
 
 FIRST, LAST = 6, 8  # the profile covers steps FIRST+1..LAST, long after the graph was recorded
 

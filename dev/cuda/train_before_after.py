@@ -32,9 +32,9 @@ def write(folder, shape_name):
 
 def time_run(folder, label, device, dtype):
     import krnl
-    from krnl.config import LoraConfig
-    from krnl.hf import load_model
-    from krnl.trainer import TrainConfig, Trainer
+    from krnl.models.config import LoraConfig
+    from krnl.formats.hf import load_model
+    from krnl.train.trainer import TrainConfig, Trainer
     z = np.load(Path(folder) / "batches.npz")
     ids, tg, toks, warm = z["ids"], z["targets"], z["tokens"], int(z["warmup"])
     dev = krnl.device(device)

@@ -1,31 +1,43 @@
 """krnl: LoRA fine-tuning with hand-written kernels. This package is the thin Python side; the
 native core (`krnl._core`) owns devices, memory and every op.
 
-Its modules form layers, lowest first. A module imports modules of its own layer or lower ones,
+Its folders are its layers, lowest first. A module imports modules of its own layer or lower ones,
 never higher, and no import circle exists; tests/test_layering.py reads this table and checks
-both, counting imports inside functions too, so keep the table's form (a layer's name, then its
-modules relative to krnl; `bench.*` is every module of krnl/bench):
+both, counting imports inside functions too, and checks that each layer is the folder of its
+name (the lowest, ops, is the files at the top). Keep the table's form: a layer's name, then its
+modules relative to krnl, `x.*` meaning every module under krnl/x:
 
     ops       __init__ _core profiler
-    storage   fileio safetensors_io checkpoint run_folder tokenizer quant gguf_quants
-    model     params phi3 gemma3 config qweight step_inputs sample_sums lora lora_group lora_fold attention gemma layer_heads layer generate model mlp_block
-    formats   adapter mlx_folder gguf_file gguf_tokenizer hf gguf_fuse
-    train     optim batches data default_task step dist dist_nccl dist_train trainer
-    cli       cli cli_args cli_device tune doctor doctor_cases doctor_ops doctor_runs doctor_report __main__ bench bench.*
+    io        io io.*
+    quant     quant quant.*
+    models    models models.*
+    formats   formats formats.*
+    train     train train.*
+    bench     bench bench.*
+    cli       cli cli.* __main__
 
 - ops: the native core and what this file re-exports from it; importing any submodule runs this
   file first, so it may import nothing above.
-- storage: bytes on disk (atomic writes, safetensors, checkpoints, tokenizers), knowing nothing
-  of the model, so that the model may read files through it.
-- model: parameters, the model's configuration and LoRA layout, the layers, the model stack.
-- formats: the files that describe a model (HF and MLX quantized folders, GGUF files, PEFT and
-  mlx-lm adapters); they turn into a ModelConfig, a LoraConfig or a LlamaModel, so they stand on
-  the model, and hf builds on adapter, mlx_folder and the GGUF reader, never the reverse
-  (gguf_fuse builds on hf).
+- io: bytes on disk (atomic writes, safetensors, checkpoints, run folders, tokenizers), knowing
+  nothing of the model, so that the model may read files through it.
+- quant: quantized weights: MLX's affine codec (affine), GGUF's block codecs (gguf) and the
+  quantized arrays the model holds and multiplies by (qweight).
+- models: parameters, the model's configuration and LoRA layout, the layers, the model stack, and
+  one file per family for what it adds to the Llama layer (gemma2, gemma3, phi3, qwen3).
+- formats: the files that describe a model (HF and MLX quantized folders, GGUF files in gguf/,
+  PEFT and mlx-lm adapters); they turn into a ModelConfig, a LoraConfig or a LlamaModel, so they
+  stand on the model, and hf builds on adapter, mlx_folder and the GGUF reader, never the reverse
+  (gguf.fuse builds on hf).
 - train: the optimizer, batches, datasets, the embedded default task, the device step (step: eager
-  or replayed) and the training loop; data and trainer both draw on batches and not on each other.
-- cli: the `krnl` commands, GEMM tuning (`krnl tune`), the self-test (`krnl doctor`) and the
-  benchmark harness (krnl.bench), which may use everything.
+  or replayed), the training loop, and data parallel (dist/: the world of ranks, NCCL sums, what
+  the trainer does with ranks); data and trainer both draw on batches and not on each other.
+- bench: `krnl bench` and `krnl tune` (the measured GEMM choices the CLI applies).
+- cli: the `krnl` commands (cli.main) and the self-test (`krnl doctor`, cli/doctor/), which may
+  use everything.
+
+Where things are: LlamaModel in krnl.models.model; ModelConfig and LoraConfig in
+krnl.models.config; load_model, load_tokenizer and fuse in krnl.formats.hf; Trainer and
+TrainConfig in krnl.train.trainer.
 """
 
 import sys as _sys
@@ -51,7 +63,7 @@ if _sys.platform != "darwin":
             del _os.environ["OPENBLAS_THREAD_TIMEOUT"]
 
     # The CUDA backend opens cuDNN (fused attention), NVRTC (which cuDNN's attention engines
-    # compile with) and NCCL (data-parallel gradient sums, krnl.dist_nccl) at run time: point it
+    # compile with) and NCCL (data-parallel gradient sums, krnl.train.dist.nccl) at run time: point it
     # at the libraries of installed nvidia wheels (nvidia-cudnn-cu13, nvidia-cuda-nvrtc,
     # nvidia-nccl-cu13), which are not on the loader's path.
     for _env, _rel in (("KRNL_CUDNN", ("nvidia", "cudnn", "lib", "libcudnn.so.9")),

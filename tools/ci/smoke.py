@@ -9,8 +9,9 @@ from pathlib import Path
 import numpy as np
 
 import krnl
-from krnl.model import LlamaModel, LoraConfig, ModelConfig, random_weights
-from krnl.optim import AdamW, Schedule
+from krnl.models.model import LlamaModel
+from krnl.models.config import LoraConfig, ModelConfig, random_weights
+from krnl.train.optim import AdamW, Schedule
 
 here = Path(krnl.__file__).resolve()
 print(f"krnl {getattr(krnl, '__version__', '?')} from {here.parent}")

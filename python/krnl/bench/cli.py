@@ -83,7 +83,7 @@ def cmd_bench(args):
         res = report.read_json(args.from_json)
     else:
         import krnl
-        from ..tune import load as load_tuning
+        from .tune import load as load_tuning
 
         load_tuning(krnl.device(args.device))  # the GEMM variants `krnl tune` chose for this GPU, if any
         log = lambda msg: print(msg, file=sys.stderr, flush=True)

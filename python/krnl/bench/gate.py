@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 import krnl
-from krnl.fileio import atomic_write_bytes, read_json_object
+from krnl.io.fileio import atomic_write_bytes, read_json_object
 from .targets import is_gpu
 from .workloads import gemm_fn
 

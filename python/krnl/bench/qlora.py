@@ -42,8 +42,8 @@ def tokens(s, seed=0):
 def random_quantized(rng, out_f, in_f):
     """A random 4-bit weight as a quantized file holds one: uniform codes, bf16-representable
     scales (std of the weights about 0.02) and biases centring each group."""
-    from ..qweight import QuantizedArray
-    from ..safetensors_io import bf16_to_f32, f32_to_bf16
+    from ..quant.qweight import QuantizedArray
+    from ..io.safetensors_io import bf16_to_f32, f32_to_bf16
     words = rng.integers(0, 2**32, (out_f, in_f * BITS // 32), dtype=np.uint32).view(np.int32)
     scales = bf16_to_f32(f32_to_bf16(rng.uniform(0.004, 0.006, (out_f, in_f // GROUP)).astype(np.float32)))
     biases = bf16_to_f32(f32_to_bf16(-7.5 * scales))
@@ -51,7 +51,7 @@ def random_quantized(rng, out_f, in_f):
 
 
 def krnl_weights(s, seed=0):
-    from ..config import ModelConfig
+    from ..models.config import ModelConfig
     cfg = ModelConfig.from_dict(hf_config(s))
     rng = np.random.default_rng(seed)
     w = {}
@@ -66,9 +66,9 @@ def krnl_weights(s, seed=0):
 
 
 def run_krnl(dev, s, batches, dtype, log=print, profile=False, grad_checkpoint=False):
-    from ..config import LoraConfig
-    from ..model import LlamaModel
-    from ..optim import AdamW, Schedule
+    from ..models.config import LoraConfig
+    from ..models.model import LlamaModel
+    from ..train.optim import AdamW, Schedule
     cfg, weights = krnl_weights(s)
     model = LlamaModel(dev, cfg, weights, LoraConfig(r=16, alpha=32.0), dtype=dtype, grad_checkpoint=grad_checkpoint)
     del weights

@@ -4,7 +4,7 @@ import json
 import textwrap
 from pathlib import Path
 
-from krnl.fileio import atomic_write_bytes, read_json_object
+from krnl.io.fileio import atomic_write_bytes, read_json_object
 
 MARK = "UNTRUSTED"
 

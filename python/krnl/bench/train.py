@@ -72,7 +72,7 @@ def write_folder(s, folder, seed=0):
     """An HF Llama folder with random weights stored in bf16: norms 1, every matrix N(0, 0.02^2)
     (a first loss near ln V). Returns the folder."""
     from safetensors import TensorSpec, serialize_file
-    from ..config import ModelConfig
+    from ..models.config import ModelConfig
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     cfg = hf_config(s)
@@ -153,11 +153,11 @@ def run_krnl(dev, dtype, folder, s, bs, seed=0, graphs=True, profile=False, worl
     """krnl: the folder loaded as `krnl train --model` loads it, trained by Trainer on `bs`
     (graphs False: every step eager, `krnl train --no-graphs`). profile: one more step after the
     timed ones runs under krnl.profile (its per-op table in the result's "profile"). world: a
-    krnl.dist.World whose ranks each train on their slice of `bs` (train_dist.py)."""
+    krnl.train.dist.world.World whose ranks each train on their slice of `bs` (train_dist.py)."""
     from .. import profile as op_profile
-    from ..config import LoraConfig
-    from ..hf import load_model
-    from ..trainer import TrainConfig, Trainer
+    from ..models.config import LoraConfig
+    from ..formats.hf import load_model
+    from ..train.trainer import TrainConfig, Trainer
     model = load_model(str(folder), dev, lora=LoraConfig(r=RANK, alpha=ALPHA), dtype=dtype, seed=seed)
     gc.collect()
     dev.synchronize()

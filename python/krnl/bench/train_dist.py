@@ -1,6 +1,6 @@
 """`krnl bench --workloads train --gpus N`: data-parallel training, 1 and N ranks side by side.
 
-krnl's Trainer runs as one process and under `mpiexec -n N` (krnl.dist: NCCL between CUDA ranks
+krnl's Trainer runs as one process and under `mpiexec -n N` (krnl.train.dist.world: NCCL between CUDA ranks
 where it loads, MPI through host memory otherwise); transformers + PEFT under PyTorch DDP runs
 under torchrun with 1 and N processes (NCCL on CUDA, gloo on the CPU). Each rank trains on the
 shape's batch (B rows), so N ranks train on global batches of N B rows: tokens/s of the global

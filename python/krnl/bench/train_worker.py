@@ -11,7 +11,7 @@ import json
 import os
 import sys
 
-from ..fileio import atomic_write_bytes
+from ..io.fileio import atomic_write_bytes
 from .train import batches
 from .train_peers import CLIP, figures, peft_model, timed_steps
 
@@ -28,7 +28,7 @@ def _write(path, res):
 def run_krnl(spec):
     """krnl's Trainer over the MPI world (dist.world(): one rank without a launcher)."""
     import krnl
-    from .. import dist
+    from ..train.dist import world as dist
     from .train import run_krnl as train_krnl
     world = dist.world(mute_others=True)  # before the device: it picks this rank's GPU
     s = global_shape(spec["shape"], world.size)
@@ -97,7 +97,7 @@ def main(argv):
     if argv[0] == "ddp":
         run_ddp(spec)
         return 0
-    from .. import dist
+    from ..train.dist import world as dist
     return dist.guarded(lambda: run_krnl(spec) or 0)  # a failing rank ends every rank
 
 

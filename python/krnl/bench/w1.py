@@ -8,7 +8,7 @@ dtype): `step()` runs one step to completion, `result()` runs one and returns {"
 import numpy as np
 
 import krnl
-from krnl.mlp_block import MLPBlock, make_w1_params, w1_flops
+from krnl.models.mlp_block import MLPBlock, make_w1_params, w1_flops
 from .targets import mlx_target, numpy_only_f32_cpu, peer_builders, replayed, torch_target
 
 T, C, F, R = 512, 2048, 5632, 32

@@ -22,8 +22,9 @@ import math
 import numpy as np
 
 import krnl
-from krnl.model import LlamaModel, LoraConfig, ModelConfig, lora_key, random_weights, ALL_MODULES
-from krnl.step_inputs import DeviceInputs
+from krnl.models.model import LlamaModel
+from krnl.models.config import LoraConfig, ModelConfig, lora_key, random_weights, ALL_MODULES
+from krnl.models.step_inputs import DeviceInputs
 from .targets import replayed
 
 T, C, F, H, D, R, V = 512, 2048, 5632, 16, 128, 32, 256

@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from krnl.model import ALL_MODULES, lora_key
+from krnl.models.config import ALL_MODULES, lora_key
 from .targets import mlx_target, numpy_only_f32_cpu, peer_builders, torch_target
 from .w2 import _as_dict, _rope_tables, _weights_by_module
 

@@ -1,0 +1,250 @@
+"""LoRA adapters in PEFT's on-disk format (docs/architecture.md, 'Models, adapters and data'): `adapter_config.json` and
+`adapter_model.safetensors` with keys `base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight`,
+A (r, in) and B (out, r), so PEFT, transformers and vLLM load them unchanged; and mlx-lm's layout
+(`adapters.safetensors`, keys `model.layers.N.self_attn.q_proj.lora_a`, the factors transposed),
+which `mlx_lm.load(path, adapter_path=...)` loads. Files are written atomically (temporary file
+in the same folder, fsync, rename)."""
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+
+from ..models import gemma3
+from ..io.fileio import atomic_write_bytes, read_json_object
+from ..models.config import module_part
+from ..models.config import LoraConfig, lora_key
+from ..io.safetensors_io import LazyTensor, read_safetensors_header
+
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+MLX_WEIGHTS_NAME = "adapters.safetensors"
+# krnl train --adapter-format mlx writes mlx-lm's files into this subfolder of the PEFT folder:
+# both layouts call their config adapter_config.json, with different keys, and PEFT versions
+# before 0.14 (and other PEFT readers) refuse a config with keys they do not know.
+MLX_SUBFOLDER = "mlx"
+
+
+def peft_config(lora, base_model="", layers=None, model_config=None):
+    """adapter_config.json contents for a LoraConfig-like object (a multimodal gemma3 model's
+    excludes its vision tower, whose q/k/v_proj PEFT would adapt too)."""
+    extra = {"exclude_modules": gemma3.EXCLUDE} if model_config is not None and model_config.multimodal else {}
+    return {**extra,
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": int(lora.r),
+        "lora_alpha": float(lora.alpha),
+        "lora_dropout": float(lora.dropout),
+        "target_modules": sorted(lora.target_modules),
+        "use_rslora": bool(lora.use_rslora),
+        "layers_to_transform": None if layers is None else [int(i) for i in layers],
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+    }
+
+
+def save_adapter(path, tensors, config, model_config=None):
+    """Writes {PEFT key: float32 array} and the config dict into folder `path` (for a multimodal
+    gemma3 model under PEFT's names on Gemma3ForConditionalGeneration)."""
+    from safetensors.numpy import save
+
+    path = Path(path)
+    if model_config is not None and model_config.multimodal:
+        tensors = gemma3.peft_keys_out(tensors)
+    blob = save({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()},
+                metadata={"format": "pt"})
+    atomic_write_bytes(path / WEIGHTS_NAME, blob)  # weights first: the config names a complete set
+    atomic_write_bytes(path / CONFIG_NAME, (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
+
+
+def mlx_adapter(lora, tensors, config, base_model=""):
+    """({mlx-lm key: float32 array}, adapter_config.json dict) of a LoRA adapter in mlx-lm's layout:
+    lora_a = A^T (in, r), lora_b = B^T (r, out), the scale itself in lora_parameters. mlx-lm
+    adapts the last num_layers layers: other layer sets have no such layout (a ValueError)."""
+    if config.multimodal:
+        raise ValueError("[adapter] mlx-lm's layout of a multimodal gemma3 adapter is not written; use the PEFT one")
+    n, layers = config.num_hidden_layers, lora.adapted_layers(config)
+    if layers != list(range(n - len(layers), n)):
+        raise ValueError(f"[adapter] mlx-lm adapts the last num_layers layers of a model; LoRA on layers {layers} of "
+                         f"{n} has no mlx-lm layout (adapt layers {n - len(layers)}..{n - 1} instead)")
+    out, keys = {}, []
+    for m in (m for m in config.lora_modules() if m in lora.target_modules):  # one order, whatever the flag's
+        keys.append(f"{module_part(m)}.{m}")
+        for i in layers:
+            for f in ("A", "B"):
+                out[f"model.layers.{i}.{keys[-1]}.lora_{f.lower()}"] = np.asarray(tensors[lora_key(i, m, f)],
+                                                                                  np.float32).T
+    cfg = {"fine_tune_type": "lora", "model": base_model, "num_layers": len(layers),
+           "lora_parameters": {"rank": int(lora.r), "scale": float(lora.scale), "dropout": float(lora.dropout),
+                               "keys": keys}}
+    return out, cfg
+
+
+def save_mlx_adapter(path, lora, tensors, config, base_model=""):
+    """Writes the adapter (PEFT keys, as save_adapter takes them) in mlx-lm's layout into folder
+    `path`: adapters.safetensors and adapter_config.json, what mlx-lm's --adapter-path names."""
+    from safetensors.numpy import save
+
+    out, cfg = mlx_adapter(lora, tensors, config, base_model)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    blob = save({k: np.ascontiguousarray(v) for k, v in out.items()}, metadata={"format": "mlx"})
+    atomic_write_bytes(path / MLX_WEIGHTS_NAME, blob)
+    atomic_write_bytes(path / CONFIG_NAME, (json.dumps(cfg, indent=2, sort_keys=True) + "\n").encode())
+
+
+# ---------------------------------------------------------------------------------------------
+# Adapters made by others: PEFT (safetensors) and mlx-lm layouts, checked against a model config.
+
+_PEFT_KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)\."
+                       r"lora_([AB])(?:\.([\w-]+))?\.weight$")
+_MLX_KEY = re.compile(r"^(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([ab])$")
+
+
+def _read_f32_tensors(path, who):
+    """{name: float32 array} of a safetensors file (F32, F16 and BF16 tensors)."""
+    try:
+        header, _ = read_safetensors_header(path)
+    except ValueError as e:
+        raise ValueError(f"[{who}] {e}") from None
+    return {k: LazyTensor(str(path), k, dt, shape, b, e).float32().copy() for k, (dt, shape, b, e) in header.items()}
+
+
+def adapter_format(path):
+    """"peft" or "mlx" by the files in folder `path`; refuses pickle-based weights."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"[adapter] {path / CONFIG_NAME} not found ({path} is not a folder)")
+    if (path / WEIGHTS_NAME).exists():
+        fmt = "peft"
+    elif (path / MLX_WEIGHTS_NAME).exists():
+        fmt = "mlx"
+    elif (path / "adapter_model.bin").exists():
+        raise ValueError(f"[adapter] {path / 'adapter_model.bin'} is a pickle file; krnl reads only safetensors "
+                         f"(convert it with PEFT: model.save_pretrained(..., safe_serialization=True))")
+    else:
+        raise ValueError(f"[adapter] {path} holds neither {WEIGHTS_NAME} (PEFT) nor {MLX_WEIGHTS_NAME} (mlx-lm)")
+    if not (path / CONFIG_NAME).exists():
+        raise ValueError(f"[adapter] {path / CONFIG_NAME} not found")
+    return fmt
+
+
+def read_adapter(path, config):
+    """Reads the adapter in folder `path` (PEFT or mlx-lm layout) for a model of ModelConfig
+    `config`. Returns (LoraConfig, {krnl/PEFT key: float32 A (r, in) or B (out, r)}, info) where
+    info has "format", "base_model" and the raw "config". Adapted modules and layers come from the
+    tensors present; names, shapes and the rank are checked and any mismatch is a ValueError that
+    lists the offending tensors."""
+    path = Path(path)
+    fmt = adapter_format(path)
+    cfg = read_json_object(path / CONFIG_NAME, "adapter")
+    who = f"adapter {path}"
+    if fmt == "peft":
+        if str(cfg.get("peft_type", "LORA")).upper() != "LORA":
+            raise ValueError(f"[{who}] peft_type {cfg.get('peft_type')!r} is not supported; krnl loads LORA adapters")
+        for key, what in (("use_dora", "DoRA"), ("fan_in_fan_out", "fan_in_fan_out weights")):
+            if cfg.get(key):
+                raise ValueError(f"[{who}] {what} ({key}: true) is not supported")
+        if cfg.get("bias", "none") not in (None, "none"):
+            raise ValueError(f"[{who}] bias {cfg['bias']!r} is not supported (krnl adapters train no biases)")
+        if cfg.get("modules_to_save"):
+            raise ValueError(f"[{who}] modules_to_save {cfg['modules_to_save']} is not supported")
+        for key in ("rank_pattern", "alpha_pattern"):
+            if cfg.get(key):
+                raise ValueError(f"[{who}] per-module ranks or alphas ({key}) are not supported")
+        try:
+            r, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"[{who}] adapter_config.json needs integer 'r' and numeric 'lora_alpha'") from None
+        rslora = bool(cfg.get("use_rslora", False))
+        dropout = float(cfg.get("lora_dropout") or 0.0)
+        base = cfg.get("base_model_name_or_path")
+        raw = _read_f32_tensors(path / WEIGHTS_NAME, who)
+        if config.multimodal:
+            raw = gemma3.peft_keys_in(raw)
+        pattern, fname = _PEFT_KEY, WEIGHTS_NAME
+    else:
+        ft = cfg.get("fine_tune_type", "lora")
+        if ft != "lora":
+            raise ValueError(f"[{who}] mlx-lm fine_tune_type {ft!r} is not supported; krnl loads LoRA adapters")
+        lp = cfg.get("lora_parameters")
+        if not isinstance(lp, dict) or "rank" not in lp or "scale" not in lp:
+            raise ValueError(f"[{who}] adapter_config.json needs lora_parameters with rank and scale (mlx-lm layout)")
+        r, scale = int(lp["rank"]), float(lp["scale"])
+        if not scale > 0:
+            raise ValueError(f"[{who}] lora_parameters.scale must be > 0 for krnl, got {scale}")
+        alpha, rslora = scale * r, False  # mlx-lm stores the scale itself: alpha / r = scale
+        dropout = float(lp.get("dropout") or 0.0)
+        base = cfg.get("model")
+        raw = _read_f32_tensors(path / MLX_WEIGHTS_NAME, who)
+        pattern, fname = _MLX_KEY, MLX_WEIGHTS_NAME
+
+    found, unexpected = {}, []
+    for k, v in raw.items():
+        m = pattern.match(k)
+        if not m or m.group(3) not in config.lora_modules() or m.group(2) != module_part(m.group(3)):
+            unexpected.append(k)
+            continue
+        i, mod, fac = int(m.group(1)), m.group(3), m.group(4).upper()
+        if fmt == "mlx":
+            v = v.T  # mlx-lm: lora_a (in, r), lora_b (r, out)
+        found.setdefault((i, mod), {})[fac] = (k, np.ascontiguousarray(v, np.float32))
+    if unexpected:
+        raise ValueError(f"[{who}] {fname} has tensors krnl cannot map to LoRA factors of the "
+                         f"{', '.join(config.lora_modules())} projections: {sorted(unexpected)}")
+    if not found:
+        raise ValueError(f"[{who}] {fname} holds no LoRA tensors")
+    n = config.num_hidden_layers
+    bad, half = [], []
+    for (i, mod), fac in sorted(found.items()):
+        if i >= n:
+            bad.append(f"layer {i} ({mod}) does not exist in a model of {n} layers")
+            continue
+        if set(fac) != {"A", "B"}:
+            half.append(f"layer {i} {mod}: only lora_{''.join(fac)}")
+            continue
+        out, inp = config.module_shape(mod)
+        want = {"A": (r, inp), "B": (out, r)}
+        for f, (k, v) in fac.items():
+            if v.shape != want[f]:
+                shown = v.shape[::-1] if fmt == "mlx" else v.shape
+                exp = want[f][::-1] if fmt == "mlx" else want[f]
+                bad.append(f"{k}: {shown} (expected {exp} for r={r})")
+    if half:
+        bad.append("unpaired factors: " + ", ".join(half))
+    if bad:
+        raise ValueError(f"[{who}] does not fit the model ({config.source}): " + "; ".join(bad))
+    layers = sorted({i for i, _ in found})
+    modules = tuple(m for m in config.lora_modules() if any(mm == m for _, mm in found))
+    lora = LoraConfig(r=r, alpha=alpha, dropout=dropout, target_modules=modules, use_rslora=rslora,
+                      layers=None if layers == list(range(n)) else layers)
+    lora.validate(config)
+    tensors = {}
+    for i in lora.adapted_layers(config):
+        for mod in modules:
+            out, inp = config.module_shape(mod)
+            fac = found.get((i, mod))
+            # A module this adapter leaves alone in a layer it adapts elsewhere: a zero update.
+            tensors[lora_key(i, mod, "A")] = fac["A"][1] if fac else np.zeros((r, inp), np.float32)
+            tensors[lora_key(i, mod, "B")] = fac["B"][1] if fac else np.zeros((out, r), np.float32)
+    return lora, tensors, {"format": fmt, "base_model": base, "config": cfg}
+
+
+def load_adapter_into(model, path):
+    """Loads the adapter in folder `path` into `model` (a LlamaModel built with the same LoRA
+    layout: rank, scale, modules and layers); returns the info dict of read_adapter."""
+    lora, tensors, info = read_adapter(path, model.config)
+    mine = model.lora_config
+    if (lora.r != mine.r or not np.isclose(lora.scale, mine.scale) or set(lora.target_modules) != set(mine.target_modules)
+            or lora.adapted_layers(model.config) != mine.adapted_layers(model.config)):
+        raise ValueError(f"[adapter {path}] r={lora.r}, scale={lora.scale:g}, modules {sorted(lora.target_modules)}, "
+                         f"layers {lora.layers} differ from the model's LoRA (r={mine.r}, scale={mine.scale:g}, "
+                         f"modules {sorted(mine.target_modules)}, layers {mine.layers}); build the model with "
+                         f"read_adapter's LoraConfig")
+    model.lora_params.load(tensors)
+    return info

@@ -1,0 +1,250 @@
+"""GGUF files (llama.cpp, Ollama, LM Studio) as base models: one `.gguf` file turned into what an
+HF folder gives krnl (docs/architecture.md, 'GGUF files'): an HF config dict, the weights under
+HF names and the tokenizer (gguf_tokenizer.py).
+
+- config: from the `{arch}.*` metadata of the llama (also Mistral's files), qwen2 and qwen3
+  architectures; no `output.weight` tensor means tied embeddings.
+- weights: GGUF names to HF names; shapes come reversed (ne0, the input size, first), which the
+  reader's row-major arrays already undo, so a row is an output. llama.cpp's converter permutes
+  the rows of q and k of the llama architecture for GGML's interleaved rotary embedding; that is
+  undone here (qwen2 and qwen3 files are not permuted).
+- Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K load as QuantizedArrays converted exactly
+  (gguf_quants.py); every other quantized type is dequantized by gguf-py and rounded to bf16,
+  with one note per load; F32, F16 and BF16 load as they are.
+"""
+
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ...quant import gguf as gguf_quants
+from ...models.config import ModelConfig
+from ...quant.qweight import QuantizedArray
+from ...io.safetensors_io import bf16_to_f32, f32_to_bf16
+
+MAGIC = b"GGUF"
+ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+                 "qwen3": ("qwen3", "Qwen3ForCausalLM")}
+_LAYER = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+          "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+          "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+          "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}  # the last two: qwen3
+_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+           "output.weight": "lm_head.weight"}
+_IGNORED = ("rope_freqs.weight",)  # llama3 rope scaling as factors: read into the config instead
+
+
+def is_gguf(path):
+    """True for a file that starts with GGUF's magic."""
+    p = Path(path)
+    if not p.is_file():
+        return False
+    with open(p, "rb") as f:
+        return f.read(4) == MAGIC
+
+
+@dataclass
+class GGUFModel:
+    path: str
+    metadata: dict            # key -> value of every metadata key (the tokenizer's arrays as lists)
+    hf_config: dict           # what config.json would say (model_type, sizes, architectures, ...)
+    config: ModelConfig
+    weights: dict             # HF name -> QuantizedArray or float array
+    types: dict = field(default_factory=dict)   # HF name -> ggml type name as stored
+
+
+def open_reader(path):
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(str(path), "r")
+    except (ValueError, IndexError, KeyError, OSError) as e:
+        size = Path(path).stat().st_size if Path(path).exists() else 0
+        raise ValueError(f"[gguf] {path}: not a readable GGUF file ({size} bytes; truncated or corrupt: {e})") \
+            from None
+
+
+def read_metadata(reader):
+    """{key: value} of the file's metadata (strings, numbers, lists)."""
+    out = {}
+    for k, f in reader.fields.items():
+        if not k.startswith("GGUF."):
+            out[k] = f.contents()
+    return out
+
+
+def _f32(v):
+    """A float32 from the file as the decimal it was written from (1e-05, not 9.99999974e-06)."""
+    return float(str(np.float32(v)))
+
+
+def hf_config(path, md, tensors):
+    """The HF config dict of a llama, qwen2 or qwen3 GGUF from its metadata; `tensors`: {name: (type,
+    shape)}."""
+    arch = md.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"[gguf] {path}: architecture {arch!r} is not supported; krnl reads "
+                         f"{', '.join(ARCHITECTURES)} (Mistral files are 'llama')")
+    model_type, hf_arch = ARCHITECTURES[arch]
+
+    def get(key, default=None):
+        v = md.get(f"{arch}.{key}", default)
+        if v is None:
+            raise ValueError(f"[gguf] {path}: metadata {arch}.{key} is missing")
+        return v
+
+    if "token_embd.weight" not in tensors:
+        raise ValueError(f"[gguf] {path}: tensor token_embd.weight is missing")
+    C, H = int(get("embedding_length")), int(get("attention.head_count"))
+    if isinstance(md.get(f"{arch}.attention.head_count_kv"), list):
+        raise ValueError(f"[gguf] {path}: per-layer kv head counts are not supported")
+    D = int(md.get(f"{arch}.attention.key_length") or C // H)
+    if int(md.get(f"{arch}.attention.value_length") or D) != D:
+        raise ValueError(f"[gguf] {path}: value_length {md[f'{arch}.attention.value_length']} differs from "
+                         f"key_length {D}")
+    if int(md.get(f"{arch}.rope.dimension_count") or D) != D:
+        raise ValueError(f"[gguf] {path}: partial rotary embeddings (rope.dimension_count "
+                         f"{md[f'{arch}.rope.dimension_count']} < head_dim {D}) are not supported")
+    cfg = {
+        "architectures": [hf_arch], "model_type": model_type,
+        "vocab_size": int(tensors["token_embd.weight"][1][0]),
+        "hidden_size": C, "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": int(get("block_count")), "num_attention_heads": H,
+        "num_key_value_heads": int(md.get(f"{arch}.attention.head_count_kv") or H), "head_dim": D,
+        "rms_norm_eps": _f32(get("attention.layer_norm_rms_epsilon")),
+        "rope_theta": _f32(md.get(f"{arch}.rope.freq_base") or 10000.0),
+        "max_position_embeddings": int(md.get(f"{arch}.context_length") or 2048),
+        "tie_word_embeddings": "output.weight" not in tensors, "torch_dtype": "bfloat16",
+    }
+    if model_type == "qwen2" or "blk.0.attn_q.bias" in tensors:
+        cfg["attention_bias"] = True
+    for key, tk in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
+        if md.get(f"tokenizer.ggml.{tk}") is not None:
+            cfg[key] = int(md[f"tokenizer.ggml.{tk}"])
+    kind = md.get(f"{arch}.rope.scaling.type")
+    if kind == "linear":
+        cfg["rope_scaling"] = {"rope_type": "linear", "factor": _f32(get("rope.scaling.factor"))}
+    elif kind not in (None, "none", ""):
+        raise ValueError(f"[gguf] {path}: rope scaling {kind!r} is not supported (krnl takes linear and llama3)")
+    return cfg
+
+
+def _llama3_scaling(path, cfg, factors, md, arch):
+    """The llama3 rope_scaling whose per-frequency factors are the file's rope_freqs tensor (what
+    convert_hf_to_gguf writes in its place), among the parameters Llama 3.x uses."""
+    factors = np.asarray(factors, np.float64).reshape(-1)
+    base = ModelConfig.from_dict(cfg).inv_freq().astype(np.float64)
+    if factors.shape != base.shape:
+        raise ValueError(f"[gguf] {path}: rope_freqs has {factors.size} values, expected {base.size}")
+    origs = {8192, int(md.get(f"{arch}.rope.scaling.original_context_length") or 8192)}
+    for orig in sorted(origs):
+        rs = {"rope_type": "llama3", "factor": float(factors.max()), "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": orig}
+        got = base / ModelConfig.from_dict({**cfg, "rope_scaling": rs}).inv_freq().astype(np.float64)
+        if np.allclose(got, factors, rtol=1e-4, atol=0):
+            return rs
+    raise ValueError(f"[gguf] {path}: its rope_freqs factors match no llama3 rope scaling krnl knows")
+
+
+def _hf_name(name):
+    if name in _GLOBAL:
+        return _GLOBAL[name]
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
+    if m and m.group(2) in _LAYER:
+        return f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}.{m.group(3)}"
+    return None
+
+
+def _gguf_name(hf):
+    """The GGUF name of an HF weight name (for messages)."""
+    back = {v: k for k, v in _GLOBAL.items()}
+    if hf in back:
+        return back[hf]
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", hf)
+    g = {v: k for k, v in _LAYER.items()}.get(m.group(2)) if m else None
+    return f"blk.{m.group(1)}.{g}.{m.group(3)}" if g else hf
+
+
+def unpermute(w, n_head):
+    """Undoes convert_hf_to_gguf's q/k row permutation (heads of [first halves, second halves]
+    interleaved pairwise): rows (n_head * D, ...) back to HF's order. Works on any per-row array."""
+    w = np.asarray(w)
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def permute(w, n_head):
+    """convert_hf_to_gguf's permutation (for tests and round trips)."""
+    w = np.asarray(w)
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _rows(a, n_head):
+    if isinstance(a, QuantizedArray):
+        return QuantizedArray(unpermute(a.w, n_head), unpermute(a.scales, n_head), unpermute(a.biases, n_head),
+                              a.bits, a.group_size, a.scale_dtype)
+    return unpermute(a, n_head)
+
+
+def tensor_array(t, path):
+    """(QuantizedArray or float array, dequantized) of one ReaderTensor: dequantized is True for
+    the quantized types krnl does not hold quantized (their values rounded to bf16)."""
+    kind = t.tensor_type.name
+    shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # (rows..., ne0)
+    if kind in gguf_quants.LAYOUTS and len(shape) == 2:
+        w, s, b, bits, gs, sdt = gguf_quants.convert(kind, t.data, shape[0], shape[1])
+        return QuantizedArray(w, s, b, bits, gs, sdt), False
+    if kind in ("F32", "F16"):
+        return np.asarray(t.data).reshape(shape), False
+    if kind == "BF16":
+        return bf16_to_f32(np.asarray(t.data).view("<u2").reshape(shape)), False
+    from gguf.quants import dequantize
+
+    try:
+        a = dequantize(np.asarray(t.data), t.tensor_type)
+    except NotImplementedError:
+        raise ValueError(f"[gguf] {path}: tensor {t.name} has type {kind}, which gguf-py cannot dequantize") from None
+    return bf16_to_f32(f32_to_bf16(np.asarray(a, np.float32).reshape(shape))), True
+
+
+def read_gguf(path, quiet=False):
+    """A GGUFModel from the GGUF file at `path`."""
+    path = str(path)
+    if not Path(path).is_file():
+        raise ValueError(f"[gguf] {path}: no such file")
+    reader = open_reader(path)
+    md = read_metadata(reader)
+    tensors = {t.name: (t.tensor_type.name, tuple(int(x) for x in reversed(t.shape.tolist()))) for t in reader.tensors}
+    cfg = hf_config(path, md, tensors)
+    arch = md["general.architecture"]
+    if "rope_freqs.weight" in tensors:
+        t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+        cfg["rope_scaling"] = _llama3_scaling(path, cfg, t.data, md, arch)
+    config = ModelConfig.from_dict(cfg, source=path)
+    names = {t.name: _hf_name(t.name) for t in reader.tensors if t.name not in _IGNORED}
+    unknown = sorted(k for k, v in names.items() if v is None)
+    if unknown:
+        raise ValueError(f"[gguf] {path}: unexpected tensors {unknown[:8]}{' ...' if len(unknown) > 8 else ''}")
+    missing = sorted(set(config.weight_shapes()) - set(names.values()))
+    if missing:
+        raise ValueError(f"[gguf] {path}: missing tensors {sorted(_gguf_name(m) for m in missing)[:8]} "
+                         f"({len(missing)} in all)")
+    weights, types, dequantized = {}, {}, {}
+    for t in reader.tensors:
+        hf = names.get(t.name)
+        if hf is None:
+            continue
+        a, deq = tensor_array(t, path)
+        if arch == "llama" and (".q_proj." in hf or ".k_proj." in hf):
+            a = _rows(a, config.num_attention_heads if ".q_proj." in hf else config.num_key_value_heads)
+        weights[hf], types[hf] = a, t.tensor_type.name
+        if deq:
+            dequantized[t.tensor_type.name] = dequantized.get(t.tensor_type.name, 0) + 1
+    config.check_weights(weights, who=f"[gguf] {path}:")
+    if dequantized and not quiet:
+        what = ", ".join(f"{n} x {k}" for k, n in sorted(dequantized.items()))
+        print(f"note: {Path(path).name}: krnl holds {what} dequantized to bf16 (it keeps Q8_0, Q4_0, Q4_1, Q4_K, "
+              "Q5_K and Q6_K quantized)", file=sys.stderr)
+    return GGUFModel(path, md, cfg, config, weights, types)

@@ -1,0 +1,51 @@
+"""`krnl fuse` on a GGUF base (docs/architecture.md, 'GGUF files'): every weight dequantized
+(exactly, to float32), the adapter merged as hf.fuse merges it, W' = W + s B A, and an HF folder
+written that transformers and krnl load: safetensors in bf16 unless dtype says otherwise,
+config.json from the file's metadata, and the file's tokenizer as tokenizer.json and
+tokenizer_config.json (chat template included)."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from ..adapter import read_adapter
+from ...io.fileio import atomic_write_bytes
+from .file import read_gguf
+from .tokenizer import build_tokenizer, tokenizer_files
+from ..hf import _FLOAT_NAMES, CONFIG_NAME, _weight_order, merged_weight, write_sharded
+from ...models.config import ATTN_MODULES, lora_key
+from ...io.safetensors_io import encode
+
+
+def fuse_gguf(path, adapter_folder, out_folder, shard_size="2GB", dtype=None):
+    """Merges the adapter at `adapter_folder` into the GGUF model at `path` and writes an HF folder
+    to `out_folder` (dtype "f32", "f16" or "bf16"; bf16 when None). Returns hf.fuse's summary."""
+    out_folder = Path(out_folder)
+    if out_folder.exists() and not out_folder.is_dir():
+        raise ValueError(f"[fuse] {out_folder} is a file; the output must be a folder")
+    g = read_gguf(path)
+    st = {None: "BF16", "f32": "F32", "f16": "F16", "bf16": "BF16"}[dtype]
+    lora, tensors, _ = read_adapter(adapter_folder, g.config)
+    s, delta = lora.scale, {}
+    for i in lora.adapted_layers(g.config):
+        for m in lora.target_modules:
+            part = "self_attn" if m in ATTN_MODULES else "mlp"
+            delta[f"model.layers.{i}.{part}.{m}.weight"] = (tensors[lora_key(i, m, "A")], tensors[lora_key(i, m, "B")])
+
+    def producer(name, w):
+        def make():  # called once, in order, by write_sharded: one weight in memory at a time
+            if name in delta:
+                return encode(merged_weight(np.asarray(w, np.float32), *delta[name], s), st)
+            return encode(np.asarray(w, np.float32), st)
+        return make
+
+    shapes = g.config.weight_shapes()
+    items = [(n, st, tuple(shapes[n]), producer(n, g.weights[n])) for n in sorted(g.weights, key=_weight_order)]
+    files = write_sharded(out_folder, items, shard_size=shard_size)
+    cfg = {**g.hf_config, "torch_dtype": _FLOAT_NAMES[st]}
+    atomic_write_bytes(out_folder / CONFIG_NAME, (json.dumps(cfg, indent=2) + "\n").encode())
+    tk_files = tokenizer_files(*build_tokenizer(g.metadata, source=str(path)))
+    for fn, data in tk_files.items():
+        atomic_write_bytes(out_folder / fn, data)
+    return {"files": files, "merged": sorted(delta), "copied": sorted(tk_files), "scale": s}

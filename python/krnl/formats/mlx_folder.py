@@ -1,0 +1,271 @@
+"""MLX quantized model folders (docs/architecture.md, 'Models, adapters and data'): what
+`mlx_lm.convert -q` writes, an HF folder whose config.json has
+
+    "quantization": {"group_size": 64, "bits": 4, "mode": "affine",
+                     "model.layers.0.self_attn.v_proj": {"group_size": 64, "bits": 6, "mode": "affine"}, ...}
+
+(duplicated as "quantization_config"; keys that are module paths override the default for that
+module, false leaves it unquantized) and, for each module stored quantized, `<m>.weight` (U32,
+codes packed as krnl.quant.affine lays them out), `<m>.scales` and `<m>.biases` (O, I / group_size) in
+the model's dtype. Which modules are quantized is what the file holds: like mlx-lm's loader, a
+module with `<m>.scales` is quantized and its bits and group size follow from the shapes.
+
+Read side: `quantization(cfg)` parses the config, `read_quantized` turns the stored triples into
+QuantizedArray values of the weights dict. Write side: `quantized_items` gives the three tensors
+of a module quantized as mx.quantize does, for krnl.formats.hf.write_sharded."""
+
+import numpy as np
+
+from ..quant import affine as quant
+from ..models.config import module_part
+from ..quant.qweight import QuantizedArray
+from ..io.safetensors_io import encode, f32_to_bf16
+
+SCALE_DTYPES = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
+ST_DTYPES = {"f32": "F32", "f16": "F16", "bf16": "BF16"}
+FLOAT_NAMES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+
+
+def module_paths(config):
+    """The modules MLX may store quantized in a model of ModelConfig `config` (its Linear and
+    Embedding layers), in checkpoint order."""
+    out = ["model.embed_tokens"]
+    for i in range(config.num_hidden_layers):
+        out += [f"model.layers.{i}.{module_part(m)}.{m}" for m in config.lora_modules()]
+    if not config.tie_word_embeddings:
+        out.append("lm_head")
+    return out
+
+
+def _layout(d, where):
+    """(bits, group_size) of a quantization dict, refusing modes other than affine."""
+    mode = d.get("mode", "affine")
+    if mode != "affine":
+        raise ValueError(f"[hf] {where}: quantization mode {mode!r} is not supported; krnl reads MLX's affine "
+                         f"quantization (integer codes with scales and biases)")
+    try:
+        return int(d["bits"]), int(d["group_size"])
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"[hf] {where}: quantization needs integer bits and group_size, got {d}") from None
+
+
+def quantization(cfg, source="config.json"):
+    """None for a float model, else {"bits", "group_size", "overrides": {module path: (bits,
+    group_size) or False}} from the config dict of an MLX quantized folder. One-line errors for
+    what krnl cannot read: other modes (mxfp4, nvfp4, mxfp8) and other quantizers' configs."""
+    q = cfg.get("quantization")
+    if q is None:
+        q = cfg.get("quantization_config")
+        if q is None:
+            return None
+        if not isinstance(q, dict) or "bits" not in q or "group_size" not in q:
+            method = q.get("quant_method", "?") if isinstance(q, dict) else q
+            raise ValueError(f"[hf] {source}: quantization_config (quant_method {method!r}) is not MLX's "
+                             f"quantization; krnl reads MLX quantized folders and float checkpoints")
+    if not isinstance(q, dict):
+        raise ValueError(f"[hf] {source}: quantization must be an object, got {q!r}")
+    bits, gs = _layout(q, source)
+    overrides = {}
+    for k, v in q.items():
+        if k in ("bits", "group_size", "mode", "quant_method"):
+            continue
+        if v is False:
+            overrides[k] = False
+        elif isinstance(v, dict):
+            overrides[k] = _layout(v, f"{source} ({k})")
+        elif v is not True:
+            raise ValueError(f"[hf] {source}: quantization entry {k!r} must be an object or false, got {v!r}")
+    return {"bits": bits, "group_size": gs, "overrides": overrides}
+
+
+def read_quantized(tensors, config, q, folder):
+    """Replaces, in {name: LazyTensor} `tensors`, each module stored quantized (`<m>.weight`,
+    `.scales`, `.biases`) by one QuantizedArray under `<m>.weight` with the logical shape (O, I);
+    raises one ValueError listing every inconsistency, naming files and tensors."""
+    want = config.weight_shapes()
+    bad = []
+    for m in module_paths(config):
+        wk, sk, bk = m + ".weight", m + ".scales", m + ".biases"
+        ov = q["overrides"].get(m)
+        if sk not in tensors or wk not in tensors:
+            if isinstance(ov, tuple) and wk in tensors:
+                bad.append(f"{m}: the config quantizes it ({ov[0]} bits) but {wk} has no {sk}")
+            continue
+        w, s = tensors[wk], tensors.pop(sk)
+        b = tensors.pop(bk, None)
+        at = f"{wk} ({w.path})"
+        if ov is False:
+            bad.append(f"{m}: the config says not quantized but {sk} is stored")
+            continue
+        O, I = want[wk]
+        if w.st_dtype not in ("U32", "I32") or w.ndim != 2:
+            bad.append(f"{at}: {w.st_dtype} {w.shape}, expected packed U32 codes next to {sk}")
+            continue
+        if s.st_dtype not in SCALE_DTYPES:
+            bad.append(f"{sk}: {s.st_dtype} scales (a microscaling mode?); krnl reads affine scales in "
+                       f"F32, F16 or BF16")
+            continue
+        if b is None or b.shape != s.shape or b.st_dtype != s.st_dtype:
+            what = "missing" if b is None else f"{b.st_dtype} {b.shape}"
+            bad.append(f"{bk}: {what} (expected {s.st_dtype} {s.shape} like {sk})")
+            continue
+        words, groups = w.shape[1], s.shape[1] if s.ndim == 2 else 0
+        bits = words * 32 // I if I else 0
+        gs = I // groups if groups else 0
+        if (w.shape[0] != O or s.shape[0] != O or words * 32 != bits * I or bits not in quant.BITS
+                or gs * groups != I or gs not in quant.GROUP_SIZES):
+            bad.append(f"{at}: codes {w.shape} and scales {s.shape} do not quantize a ({O}, {I}) weight at "
+                       f"bits {quant.BITS} and group sizes {quant.GROUP_SIZES}")
+            continue
+        if isinstance(ov, tuple) and ov != (bits, gs):
+            bad.append(f"{m}: stored at {bits} bits in groups of {gs}, the config says {ov[0]} bits, groups of "
+                       f"{ov[1]}")
+            continue
+        tensors[wk] = QuantizedArray(w, s, b, bits, gs, SCALE_DTYPES[s.st_dtype])
+    if bad:
+        raise ValueError(f"[hf] {folder}: quantized tensors do not match the config: " + "; ".join(bad))
+    return tensors
+
+
+# ---------------------------------------------------------------------------------------------
+# Write side
+
+
+def plan(config, bits, group_size, overrides=None):
+    """{module path: (bits, group_size) or None} as mlx_lm.convert -q chooses: every Linear and
+    Embedding whose input size is a multiple of its group size is quantized. `overrides` {module
+    path: (bits, group_size) or None} changes single modules (mixed recipes)."""
+    quant.check((1, group_size), bits, group_size)
+    out = {}
+    for m in module_paths(config):
+        layout = (overrides or {}).get(m, (bits, group_size))
+        if layout is not None:
+            quant.check((1, layout[1]), *layout)
+            inp = config.hidden_size if m in ("model.embed_tokens", "lm_head") else config.module_shape(
+                m.rsplit(".", 1)[1])[1]
+            layout = layout if inp % layout[1] == 0 else None
+        out[m] = layout
+    return out
+
+
+RECIPES = {"mixed_2_6": (2, 6), "mixed_3_4": (3, 4), "mixed_3_6": (3, 6), "mixed_4_6": (4, 6)}
+
+
+def recipe_overrides(config, recipe, group_size=64):
+    """(low bits, {module path: (bits, group_size)}) of one of mlx-lm's mixed recipes (its
+    --quant-predicate, after llama.cpp's Q4_K_M choice): v_proj and down_proj get the high bits in
+    the first and last eighth of the layers and in every third layer between, the head always;
+    every other module gets the low bits."""
+    if recipe not in RECIPES:
+        raise ValueError(f"[quantize] unknown recipe {recipe!r}; one of {', '.join(RECIPES)}")
+    low, high = RECIPES[recipe]
+    L = config.num_hidden_layers
+    out = {"lm_head": (high, group_size)} if not config.tie_word_embeddings else {}
+    for i in range(L):
+        if i < L // 8 or i >= 7 * L // 8 or (i - L // 8) % 3 == 2:
+            out[f"model.layers.{i}.self_attn.v_proj"] = out[f"model.layers.{i}.mlp.down_proj"] = (high, group_size)
+    return low, out
+
+
+def config_entry(layouts, bits, group_size):
+    """The "quantization" object of config.json: the default plus one entry per module quantized
+    otherwise (mlx-lm writes its mixed recipes this way)."""
+    q = {"group_size": int(group_size), "bits": int(bits), "mode": "affine"}
+    for m, lay in layouts.items():
+        if lay is not None and tuple(lay) != (bits, group_size):
+            q[m] = {"group_size": int(lay[1]), "bits": int(lay[0]), "mode": "affine"}
+    return q
+
+
+def round_to(W32, dtype):
+    """float32 values rounded to dtype ("f32", "f16", "bf16") and back: what a weight cast to the
+    model dtype holds before MLX quantizes it."""
+    W32 = np.asarray(W32, np.float32)
+    if dtype == "bf16":
+        return (f32_to_bf16(W32).astype(np.uint32) << 16).view(np.float32)
+    if dtype == "f16":
+        return W32.astype(np.float16).astype(np.float32)
+    return W32
+
+
+def quantized_items(module, get_w32, shape, bits, group_size, dtype):
+    """[(name, st_dtype, shape, producer)] of `module` quantized (weight, scales, biases), for
+    write_sharded. get_w32() -> the (O, I) float32 weight; it is rounded to dtype first (mlx-lm
+    casts, then quantizes) and quantized once, when the codes are written; scales and biases are
+    stored in dtype."""
+    O, I = shape
+    st = ST_DTYPES[dtype]
+    done = {}
+
+    def part(i):
+        def make():
+            if "q" not in done:
+                done["q"] = quant.quantize(round_to(get_w32(), dtype), bits, group_size)
+            a = done["q"][i]
+            if i == 2:
+                done.clear()  # biases come last: free the module's arrays
+            return a.view(np.uint32).tobytes() if i == 0 else encode(a, st)
+        return make
+
+    G = I // group_size
+    return [(module + ".weight", "U32", (O, I * bits // 32), part(0)), (module + ".scales", st, (O, G), part(1)),
+            (module + ".biases", st, (O, G), part(2))]
+
+
+def stored_items(module, qa):
+    """The three tensors of a QuantizedArray as they are stored (a module passed through
+    unchanged: its codes are not quantized twice)."""
+    st = ST_DTYPES[qa.scale_dtype]
+
+    def raw(a, dt):
+        if getattr(a, "st_dtype", None) == dt:  # a LazyTensor of that dtype: its bytes as they are
+            return a.raw_bytes
+        if dt == "U32":
+            return lambda: np.ascontiguousarray(np.asarray(a)).view(np.uint32).tobytes()
+        return lambda: encode(np.asarray(a, np.float32), dt)
+
+    O, words = np.shape(qa.w)
+    G = np.shape(qa.scales)[1]
+    return [(module + ".weight", "U32", (O, words), raw(qa.w, "U32")),
+            (module + ".scales", st, (O, G), raw(qa.scales, st)),
+            (module + ".biases", st, (O, G), raw(qa.biases, st))]
+
+
+def model_dtype(cfg, weights):
+    """The dtype mlx_lm.convert stores a model in without --dtype: the config's torch_dtype (or
+    dtype), else the stored dtype of the embedding (mlx-lm then keeps each tensor's own)."""
+    for k in ("torch_dtype", "dtype"):
+        if cfg.get(k) in FLOAT_NAMES:
+            return FLOAT_NAMES[cfg[k]]
+    e = weights["model.embed_tokens.weight"]
+    if isinstance(e, QuantizedArray):
+        return e.scale_dtype
+    return SCALE_DTYPES.get(getattr(e, "st_dtype", "F32"), "f32")
+
+
+def mlx_items(config, weights, names, bits, group_size, dtype, merged=None, overrides=None):
+    """(items for write_sharded, the config's "quantization" object) of an MLX folder holding
+    `weights` ({HF name: LazyTensor, QuantizedArray or array}, written in the order of `names`):
+    modules quantized as plan() says, everything else cast to dtype. merged {name: () -> float32
+    (O, I)} replaces a weight (a fused W + s B A). A module the source stores quantized and that
+    is not merged keeps its codes, scales and biases when they are in dtype already: quantizing
+    a dequantized weight again would round it twice."""
+    merged = merged or {}
+    layouts = plan(config, bits, group_size, overrides)
+    module_of = {m + ".weight": m for m in layouts}
+    st = ST_DTYPES[dtype]
+    items, used = [], {}
+    for name in names:
+        t, m = weights[name], module_of.get(name)
+        get = merged.get(name) or (lambda t=t: np.asarray(t, np.float32))
+        if m is not None and isinstance(t, QuantizedArray) and name not in merged and t.scale_dtype == dtype:
+            items += stored_items(m, t)
+            used[m] = (t.bits, t.group_size)
+        elif m is not None and layouts[m] is not None:
+            items += quantized_items(m, get, tuple(t.shape), *layouts[m], dtype)
+            used[m] = layouts[m]
+        elif name not in merged and getattr(t, "st_dtype", None) == st:
+            items.append((name, st, tuple(t.shape), t.raw_bytes))
+        else:
+            items.append((name, st, tuple(np.shape(t)), lambda get=get: encode(get(), st)))
+    return items, config_entry(used, bits, group_size)

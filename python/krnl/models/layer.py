@@ -1,0 +1,390 @@
+"""One decoder layer of the Llama family, forward and backward over core ops (llm.c style):
+
+    xn = rmsnorm(x) n1
+    q|k|v = xn Wqkv^T (+ b) (+ LoRA per block)    heads, (qwen3: rmsnorm of each q and k head), rotary
+    h = x + o_proj(attention(q, k, v))
+    y = h + down(silu(gate(hn)) * up(hn))           hn = rmsnorm(h) n2
+    (gemma2, gemma2.py: both sums' second terms RMS-normed first, GeGLU, its own attention)
+
+N = B T rows of C features; H query heads and Hk key/value heads of D features. A Layer holds the
+frozen weights and the LoRA linears, a Batch the rows of one call, a LayerCache what backward reads."""
+
+import math
+from dataclasses import dataclass, replace
+from typing import Callable, Optional
+
+import numpy as np
+
+from .. import _core
+from .attention import fused_forward, materialised_forward
+from . import gemma2, gemma3
+from .layer_heads import heads_backward, heads_forward
+from .gemma2 import GemmaAttn
+from .config import ALL_MODULES, ATTN_MODULES, QKV_MODULES, lora_key
+from .lora import LoraLinear, LoraSaved, dropout_tag, module_factors
+from .lora_fold import Fold, norm_output, rows_for_A, wanted as fold_wanted
+from .lora_group import GroupSaved, group_backward, group_forward, stack_of, writes_all
+from ..quant.qweight import frozen_weight, linear, linear_grad
+
+ops = _core.ops
+Tensor = _core.Tensor
+
+
+@dataclass(frozen=True)
+class Heads:
+    """The attention head layout, shared by every layer."""
+    H: int              # query heads
+    Hk: int             # key/value heads
+    D: int              # features per head
+    inv_freq: Tensor    # (D/2,) f32 rotary inverse frequencies
+    # LongRoPE scales cos and sin by this factor; rotated q and k meet only in q.k, so the
+    # attention scale carries its square instead (exact up to rounding).
+    rope_factor: float = 1.0
+
+    @property
+    def g(self):
+        return self.H // self.Hk  # query heads per KV head, adjacent
+
+    @property
+    def scale(self):
+        return self.rope_factor ** 2 / math.sqrt(self.D)
+
+    def freqs(self, batch):
+        """The rotary inverse frequencies of a call: the batch's own (LongRoPE) or the layer's."""
+        return self.inv_freq if batch.inv_freq is None else batch.inv_freq
+
+
+class Ones:
+    """A (rows, 1) column of ones in the compute dtype, grown on demand: adds a bias as a GEMM."""
+
+    def __init__(self, device, dtype):
+        self.dev, self.dtype, self.col = device, dtype, None
+
+    def __call__(self, rows):
+        if self.col is None or self.col.shape[0] < rows:
+            self.col = self.dev.tensor(np.ones((rows, 1), np.float32), self.dtype)
+        return self.col[:rows]
+
+
+@dataclass
+class Mlp:
+    """y = h + down(silu(gate(hn)) * up(hn)), hn = rmsnorm(h) norm."""
+    norm: Tensor        # (C,)
+    gate: LoraLinear    # (F, C)
+    up: LoraLinear      # (F, C)
+    down: LoraLinear    # (C, F)
+    eps: float
+    post: Optional[Tensor] = None  # (C,) gemma2: post_feedforward_layernorm (also selects GeGLU)
+    fold: Optional[Fold] = None    # gate and up's LoRA folded into their GEMMs' K (lora_fold.py)
+
+
+@dataclass
+class MlpCache:
+    hn: Tensor          # (N, C) rmsnorm(h) norm
+    rstd: Tensor        # (N,) f32
+    g: Tensor           # (N, F) gate(hn)
+    u: Tensor           # (N, F) up(hn)
+    a: Tensor           # (N, F) silu(g) * u
+    gate: Optional[LoraSaved]
+    up: Optional[LoraSaved]
+    down: Optional[LoraSaved]
+    m: Optional[Tensor] = None        # (N, C) gemma2: down(a) before the post norm
+    m_rstd: Optional[Tensor] = None   # (N,) f32 its rstd
+    group: Optional[GroupSaved] = None  # gate and up's LoRA, grouped (lora_group.py)
+
+
+@dataclass
+class Layer:
+    heads: Heads
+    eps: float
+    n1: Tensor                  # (C,) input_layernorm
+    # q, k and v share their input: their weights live in one (QKV, C) buffer, QKV = (H + 2 Hk) D,
+    # so the projection is one GEMM and one head transpose instead of three of each (fewer
+    # dispatches for GPU backends; on the 2-core CPU with OpenBLAS the time is the same,
+    # measured). q/k/v_proj's W are row ranges of it, their outputs column blocks.
+    qkv: Tensor                 # (QKV, C); a QuantizedWeight (or RowStack) on a quantized base
+    qkv_bias: Optional[Tensor]  # (1, QKV)
+    ones: Ones
+    q_proj: LoraLinear
+    k_proj: LoraLinear
+    v_proj: LoraLinear
+    o_proj: LoraLinear          # (C, H D)
+    mlp: Mlp
+    q_norm: Optional[Tensor] = None  # (D,) qwen3: RMSNorm of every query head (None: no q/k norm)
+    k_norm: Optional[Tensor] = None  # (D,) ... and of every key head
+    gemma: Optional[GemmaAttn] = None  # gemma2's attention settings and post-attention norm
+    qkv_fold: Optional[Fold] = None    # q, k and v's LoRA folded into the projection's K (lora_fold.py)
+
+    def linears(self):
+        """{HF module name: LoraLinear}."""
+        m = self.mlp
+        return {"q_proj": self.q_proj, "k_proj": self.k_proj, "v_proj": self.v_proj, "o_proj": self.o_proj,
+                "gate_proj": m.gate, "up_proj": m.up, "down_proj": m.down}
+
+    def qkv_blocks(self):
+        """(linear, c0, c1): q, k and v with their column block of the fused projection."""
+        q, k = self.q_proj.out, self.k_proj.out
+        return [(self.q_proj, 0, q), (self.k_proj, q, q + k), (self.v_proj, q + k, q + 2 * k)]
+
+    def frozen(self):
+        """{name: tensor} of the frozen weights (the q/k/v weights inside qkv)."""
+        out = {"n1": self.n1, "n2": self.mlp.norm, "qkv": self.qkv}
+        if self.qkv_bias is not None:
+            out["qkv_bias"] = self.qkv_bias
+        if self.q_norm is not None:
+            out.update(q_norm=self.q_norm, k_norm=self.k_norm)
+        if self.gemma is not None:
+            out.update(post_attn=self.gemma.post_attn, post_mlp=self.mlp.post)
+        out.update({m: lin.W for m, lin in self.linears().items() if m not in QKV_MODULES})
+        return out
+
+
+@dataclass
+class Batch:
+    """The rows of one call: B sequences of T tokens, N = B T rows, and how to attend them."""
+    B: int
+    T: int
+    positions: list                  # B of (T,) i32: rotary positions of each row
+    segments: Optional[list] = None  # B of (T,) i32: packed samples' ids (attention stays inside)
+    call_seed: Optional[object] = None  # dropout seed: an int or a (2,) i32 seed_offset tensor; None (eval): off
+    fused: bool = False              # fused attention (ops.attention_forward/backward)
+    fused_segments: bool = False     # ... also for packed rows (else those stay materialised)
+    attn_block: int = 0              # query rows per materialised block (0: one block)
+    window: int = 0                  # sliding window (0: none): the fused op's where it lists one, else materialised
+    inv_freq: Optional[Tensor] = None  # (D/2,) f32: this call's rotary frequencies (None: Heads')
+    fused_window: bool = False       # the fused op takes a window (gemma2's per-layer windows)
+    token_major: bool = False        # the fused op takes token-major views (no head transposes)
+    rope_positions: Optional[Tensor] = None  # positions as one tensor: (T,) every row's, or (B, T)
+
+    def attend(self, b, q, k, v, out, scale):
+        """out (H, T, D) = attention of row b; returns its saved state."""
+        seg = None if self.segments is None else self.segments[b]
+        if self.fused and (seg is None or self.fused_segments) and (not self.window or self.fused_window):
+            return fused_forward(q, k, v, out, scale, seg, self.window)
+        return materialised_forward(q, k, v, out, scale, seg, self.attn_block, self.window)
+
+
+@dataclass
+class LayerCache:
+    xn: Tensor          # (N, C) rmsnorm(x) n1
+    r1: Tensor          # (N,) f32
+    qkv: list           # LoraSaved (or None) of q, k, v
+    attn: list          # B saved attention states (attention.FusedSaved / MaterialisedSaved)
+    qk: Optional[list]  # qwen3: B of (heads (NH, T, D) before the q/k norms, rstd (H T + Hk T,) f32)
+    o: Optional[LoraSaved]
+    h: Tensor           # (N, C) x + attention
+    mlp: MlpCache
+    a: Optional[Tensor] = None       # (N, C) gemma2: o_proj's output before the post norm
+    a_rstd: Optional[Tensor] = None  # (N,) f32 its rstd
+    qkv_group: Optional[GroupSaved] = None  # q, k and v's LoRA, grouped (lora_group.py)
+    token_major: bool = False        # attn holds one state of every row (views of qkv and att)
+
+
+def build_layer(i, config, weights, device, dtype, heads, ones, lora_config, lora_params, adapted, quantize=None,
+                sums=None):
+    """Layer i from HF-named float32 weights, uploaded in the compute dtype (the seven projections
+    quantized where quantize = (bits, group_size)); the LoRA factors of the (layer, module) pairs
+    in adapted are views of lora_params; sums: the model's SampleSums, shared by its linears."""
+    c, p = config, f"model.layers.{i}."
+
+    def up(names, shape=None):
+        a = np.concatenate([np.asarray(weights[k], np.float32) for k in names])
+        return device.tensor(a if shape is None else a.reshape(shape), dtype)
+
+    def up_linear(names):  # a projection's weight: dense, quantized as stored, or quantized on load
+        return frozen_weight(device, [weights[k] for k in names], dtype, quantize, what=names[0])
+
+    key = {m: f"{p}{'self_attn' if m in ATTN_MODULES else 'mlp'}.{m}.weight" for m in ALL_MODULES}
+    fs = {m: module_factors(c, lora_params, adapted, i, m) for m in ALL_MODULES}
+    folds, Ws, Wks = {}, {}, {}
+
+    def fold(mods, outputs, blocks):  # a group's weights widened for the fold (lora_fold.py), or nothing
+        arrays = [weights[key[m]] for m in mods]
+        if not c.gemma and not c.fused_projections and fold_wanted(device, quantize, arrays, [fs[m] for m in mods]):
+            r = fs[mods[0]].A.shape[0]
+            folds[mods[0]], ws = Fold.upload(device, dtype, [[weights[key[m]] for m in o] for o in outputs], blocks, r)
+            Ws.update(zip([o[0] for o in outputs], ws))
+
+    for m in ("o_proj", "down_proj"):  # their backward folds (LoraLinear._fold_backward)
+        if not c.gemma and fold_wanted(device, quantize, [weights[key[m]]], [fs[m]]):
+            Wks[m], Ws[m] = rows_for_A(device, dtype, weights[key[m]], fs[m].A.shape[0])
+
+    rows = [c.module_shape(m)[0] for m in QKV_MODULES]
+    fold(QKV_MODULES, [QKV_MODULES], [(0, sum(rows[:k]), sum(rows[:k + 1])) for k in range(3)])
+    F = c.module_shape("gate_proj")[0]
+    fold(("gate_proj", "up_proj"), [("gate_proj",), ("up_proj",)], [(0, 0, F), (1, 0, F)])
+    qkv = Ws["q_proj"] if "q_proj" in Ws else up_linear([key[m] for m in QKV_MODULES])
+    qkv_bias = up([f"{p}self_attn.{m}.bias" for m in QKV_MODULES], (1, -1)) if c.attention_bias else None
+    stacks = {}
+    for mods in (QKV_MODULES, ("gate_proj", "up_proj")):  # the groups' A read as one tensor (lora_group.Stack)
+        if all((i, m) in adapted for m in mods) and not c.fused_projections:
+            st = stack_of(lora_params, [lora_key(i, m, "A") for m in mods], [dropout_tag(c, i, m) for m in mods])
+            stacks.update(dict.fromkeys(mods, st))
+    lin, r0 = {}, 0
+    for m in ALL_MODULES:
+        if m in QKV_MODULES:
+            n = c.module_shape(m)[0]
+            W, r0 = qkv[r0:r0 + n], r0 + n
+        else:
+            W = Ws[m] if m in Ws else up_linear([key[m]])
+        lin[m] = LoraLinear(W, fs[m], lora_config.scale, lora_config.dropout, tag=dropout_tag(c, i, m),
+                            sums=sums, Wk=Wks.get(m), stack=stacks.get(m))
+    eps = c.rms_norm_eps
+    if c.gemma:
+        return build_gemma_layer(i, c, weights, device, dtype, heads, ones, qkv, qkv_bias, lin)
+    mlp = Mlp(up([p + "post_attention_layernorm.weight"]), lin["gate_proj"], lin["up_proj"], lin["down_proj"], eps,
+              fold=folds.get("gate_proj"))
+    qn = kn = None
+    if c.qk_norm:
+        qn, kn = up([p + "self_attn.q_norm.weight"]), up([p + "self_attn.k_norm.weight"])
+    return Layer(heads, eps, up([p + "input_layernorm.weight"]), qkv, qkv_bias, ones,
+                 lin["q_proj"], lin["k_proj"], lin["v_proj"], lin["o_proj"], mlp, qn, kn, qkv_fold=folds.get("q_proj"))
+
+
+def build_gemma_layer(i, c, weights, device, dtype, heads, ones, qkv, qkv_bias, lin):
+    """Gemma 2's layer: four norms with (1 + w) folded into the frozen copies, GeGLU, and its
+    attention settings (gemma2.GemmaAttn); Gemma 3's also q/k norms and, on sliding layers, its
+    own Heads with the local rotary frequencies."""
+    p, g, eps = f"model.layers.{i}.", c.gemma, c.rms_norm_eps
+    norm = lambda name: device.tensor(gemma2.norm_weight(weights[p + name]), "f32")  # (C,) f32 (1 + w)
+    qn = kn = None
+    if c.qk_norm:
+        qn, kn = norm("self_attn.q_norm.weight"), norm("self_attn.k_norm.weight")  # (D,) f32 (1 + w)
+    if g.get("local_theta") is not None and g["windows"][i]:
+        heads = replace(heads, inv_freq=device.tensor(gemma3.local_inv_freq(g["local_theta"], c.head_dim), "f32"))
+    mlp = Mlp(norm("pre_feedforward_layernorm.weight"), lin["gate_proj"], lin["up_proj"], lin["down_proj"], eps,
+              norm("post_feedforward_layernorm.weight"))
+    ga = gemma2.GemmaAttn(norm("post_attention_layernorm.weight"), g["attn_scale"], g["attn_softcap"], g["windows"][i])
+    return Layer(heads, eps, norm("input_layernorm.weight"), qkv, qkv_bias, ones,
+                 lin["q_proj"], lin["k_proj"], lin["v_proj"], lin["o_proj"], mlp, qn, kn, gemma=ga)
+
+
+def mlp_forward(mlp, h, call_seed=None, residual=None):
+    """Returns y (N, C) = h + down(silu(gate(hn)) * up(hn)) and what mlp_backward needs. With
+    residual, h += residual first (in place, inside the norm: one pass over h fewer)."""
+    d, dt = h.device, h.dtype
+    N, C, F = h.shape[0], h.shape[1], mlp.gate.out
+    lins = [mlp.gate, mlp.up]
+    hw, hn = norm_output(mlp.fold, lins, call_seed, d, N, C, dt)          # (N, C) hn, in hw where the call folds
+    rstd = d.empty((N,), "f32")                                           # (N,)
+    ops.rmsnorm_forward(h, mlp.norm, hn, rstd, mlp.eps, residual=residual)
+    g, u, a = d.empty((N, F), dt), d.empty((N, F), dt), d.empty((N, F), dt)  # (N, F) each
+    if hw is not None:
+        (gs, us), group = mlp.fold.forward(lins, hw, [g, u])
+    else:
+        first = writes_all(lins)                                          # LoRA first, W adds (lora_group.py)
+        if not first:
+            linear(hn, mlp.gate.W, g)
+            linear(hn, mlp.up.W, u)
+        (gs, us), group = group_forward(lins, hn, [g, u], call_seed, 0.0 if first else 1.0)
+        if first:
+            linear(hn, mlp.gate.W, g, 1.0)
+            linear(hn, mlp.up.W, u, 1.0)
+    (ops.swiglu_forward if mlp.post is None else ops.geglu_forward)(g, u, a)
+    y = d.empty((N, C), dt)
+    ds = mlp.down.forward(a, y, call_seed)
+    m = mr = None
+    if mlp.post is not None:                                              # gemma2: y = h + rmsnorm(m)
+        m = y
+        y, mr = gemma2.post_norm_forward(mlp.post, m, mlp.eps)
+    ops.add(y, h, y)                                                      # y = h + mlp
+    return y, MlpCache(hn, rstd, g, u, a, gs, us, ds, m, mr, group)
+
+
+def mlp_backward(mlp, h, cache, dy, dh_cols=0):
+    """Returns dh (N, C + dh_cols) given dy (N, C); LoRA gradients as the linears keep them. dh's
+    gradient is its first C columns, the rest left for the o projection's fold; likewise dy may
+    be (N, C + the down projection's grad_cols())."""
+    d, dt = h.device, h.dtype
+    N, C, F = h.shape[0], h.shape[1], mlp.gate.out
+    dyv = dy[:, :C]
+    da = d.empty((N, F), dt)
+    dm = dy if mlp.post is None else gemma2.post_norm_backward(mlp.post, cache.m, cache.m_rstd, dyv)
+    mlp.down.backward(dm, cache.down, da)
+    dg, du = d.empty((N, F), dt), d.empty((N, F), dt)
+    (ops.swiglu_backward if mlp.post is None else ops.geglu_backward)(da, cache.g, cache.u, dg, du)
+    dhn = d.empty((N, C), dt)
+    first = cache.group is not None and writes_all([mlp.gate, mlp.up])
+    if first:
+        group_backward([mlp.gate, mlp.up], [dg, du], [cache.gate, cache.up], cache.group, dhn, 0.0)
+    linear_grad(dg, mlp.gate.W, dhn, 1.0 if first else 0.0)
+    linear_grad(du, mlp.up.W, dhn, 1.0)
+    if not first:
+        group_backward([mlp.gate, mlp.up], [dg, du], [cache.gate, cache.up], cache.group, dhn)
+    dh = d.empty((N, C + dh_cols), dt)
+    ops.rmsnorm_backward(dhn, h, mlp.norm, cache.rstd, dh[:, :C], residual=dyv)  # dh = norm's gradient + dy
+    return dh
+
+
+def qkv_forward(L, xn, call_seed=None, xw=None):
+    """q|k|v (N, QKV) = xn Wqkv^T (+ 1 b) (+ LoRA into each column block); also (the LoRA saves, their
+    group). xw (N, C + 3 r): xn's buffer where the call folds (qkv_fold; lora_fold.py)."""
+    N, blocks = xn.shape[0], L.qkv_blocks()
+    qkv = xn.device.empty((N, L.qkv.shape[0]), xn.dtype)
+    lins, ys = [b[0] for b in blocks], [qkv[:, c0:c1] for _, c0, c1 in blocks]
+    first = xw is None and writes_all(lins)                               # LoRA first (lora_group.py)
+    if xw is not None:
+        out = L.qkv_fold.forward(lins, xw, [qkv])
+    else:
+        if first:
+            out = group_forward(lins, xn, ys, call_seed, 0.0)
+        linear(xn, L.qkv, qkv, 1.0 if first else 0.0)
+    if L.qkv_bias is not None:
+        ops.gemm(L.ones(N), L.qkv_bias, qkv, beta=1.0)
+    if xw is None and not first:
+        out = group_forward(lins, xn, ys, call_seed)
+    return qkv, out
+
+
+def layer_forward(L, x, batch, attend: Optional[Callable] = None):
+    """Returns (y, cache) for x (N, C). attend(b, q, k, v, out) runs the attention of row b
+    (default: Gemma's or batch.attend, layer_heads.py) and returns its saved state."""
+    d, dt, hd = x.device, x.dtype, L.heads
+    B, T, H, Hk, D = batch.B, batch.T, hd.H, hd.Hk, hd.D
+    N, C, NH = B * T, x.shape[1], H + 2 * Hk
+    xw, xn = norm_output(L.qkv_fold, [b[0] for b in L.qkv_blocks()], batch.call_seed, d, N, C, dt)  # (N, C) xn
+    r1 = d.empty((N,), "f32")                                             # (N,)
+    ops.rmsnorm_forward(x, L.n1, xn, r1, L.eps)
+    qkv, (qkv_saved, qkv_group) = qkv_forward(L, xn, batch.call_seed, xw)  # (N, NH D)
+    att = d.empty((N, H * D), dt)                                         # (N, H D)
+    saved, qk_saved, tm = heads_forward(L, batch, qkv, att, attend)
+    h = d.empty((N, C), dt)                                               # (N, C)
+    o_saved = L.o_proj.forward(att, h, batch.call_seed)
+    a = ar = None
+    if L.gemma is not None:                                               # gemma2: h = x + rmsnorm(attn)
+        a = h
+        h, ar = gemma2.post_norm_forward(L.gemma.post_attn, a, L.eps)
+    y, mlp_cache = mlp_forward(L.mlp, h, batch.call_seed, residual=x)     # h = x + attn, then its norm
+    return y, LayerCache(xn, r1, qkv_saved, saved, qk_saved, o_saved, h, mlp_cache, a, ar, qkv_group, tm)
+
+
+def layer_backward(L, x, cache, dy, batch, need_dx=True, dx_cols=0):
+    """Returns dx (N, C + dx_cols) given dy (N, C), the gradient at the layer output; with need_dx
+    False (the first layer, whose input is the frozen embeddings') only the LoRA gradients, and
+    None. As in mlp_backward, dx's gradient is its first C columns (the rest left for the down
+    projection's fold of the layer below) and dy may be wider."""
+    d, dt, hd = x.device, x.dtype, L.heads
+    B, T, H, Hk, D = batch.B, batch.T, hd.H, hd.Hk, hd.D
+    N, C, NH = B * T, x.shape[1], H + 2 * Hk
+    dhw = mlp_backward(L.mlp, cache.h, cache.mlp, dy, L.o_proj.grad_cols() if L.gemma is None else 0)
+    dh = dhw[:, :C]                                                       # (N, C)
+    datt = d.empty((N, H * D), dt)                                        # (N, H D)
+    da = dhw if L.gemma is None else gemma2.post_norm_backward(L.gemma.post_attn, cache.a, cache.a_rstd, dh)
+    L.o_proj.backward(da, cache.o, datt)
+    dqkv = d.empty((N, NH * D), dt)                                       # (N, NH D)
+    heads_backward(L, batch, cache, datt, dqkv)
+    dxn = d.empty((N, C), dt) if need_dx else None                        # (N, C)
+    lins, dys = [b[0] for b in L.qkv_blocks()], [dqkv[:, c0:c1] for _, c0, c1 in L.qkv_blocks()]
+    first = cache.qkv_group is not None and writes_all(lins)              # LoRA first (lora_group.py)
+    if first:
+        group_backward(lins, dys, cache.qkv, cache.qkv_group, dxn, 0.0)
+    if not need_dx:
+        if not first:
+            group_backward(lins, dys, cache.qkv, cache.qkv_group, None)
+        return None
+    linear_grad(dqkv, L.qkv, dxn, 1.0 if first else 0.0)                  # dxn (+)= dq|dk|dv Wqkv
+    if not first:
+        group_backward(lins, dys, cache.qkv, cache.qkv_group, dxn)
+    dx = d.empty((N, C + dx_cols), dt)
+    ops.rmsnorm_backward(dxn, x, L.n1, cache.r1, dx[:, :C], residual=dh)   # dx = norm's gradient + dh
+    return dx

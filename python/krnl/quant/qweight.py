@@ -1,0 +1,183 @@
+"""Frozen linear weights held quantized (MLX's affine layout, krnl.quant.affine) and the two products a
+linear needs from any frozen weight, dense or quantized:
+
+    linear(x, W, y)              y = x W^T            (forward)
+    linear_grad(dy, W, dx, beta) dx = dy W + beta dx  (input gradient)
+
+and the rows an embedding table gives (embed), dense or quantized.
+
+A dense W is a (out, in) tensor and goes through ops.gemm; a QuantizedWeight through
+ops.quantized_matmul, which never dequantizes it whole; a RowStack part by part."""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import _core
+from . import affine as quant
+
+ops = _core.ops
+
+
+@dataclass(frozen=True)
+class QuantizedArray:
+    """A weight (O, I) as a quantized file stores it, on the host: what readers of MLX folders and
+    GGUF files hand the model in its weights dict, in place of a float array. w, scales and biases
+    are anything np.asarray reads (numpy arrays, memory-mapped LazyTensors): codes (O, I * bits /
+    32) int32 or uint32 in krnl.quant.affine's layout, scales and biases (O, I / group_size) float.
+    scale_dtype names the dtype the file stores scales and biases in ("f32", "f16" or "bf16"):
+    the model keeps them in its compute dtype only where that is the same dtype (or f32 compute),
+    otherwise in f32, so that no scale is rounded. np.asarray(a, np.float32) dequantizes it whole
+    (for what the model holds dense: embeddings, fuse)."""
+    w: object
+    scales: object
+    biases: object
+    bits: int
+    group_size: int
+    scale_dtype: str = "f32"
+
+    def __post_init__(self):
+        s = tuple(np.shape(self.scales))
+        quant.check((s[0] if s else 0, np.shape(self.w)[1] * 32 // self.bits), self.bits, self.group_size)
+        if self.scale_dtype not in ("f32", "f16", "bf16"):
+            raise ValueError(f"[quantize] scale_dtype must be f32, f16 or bf16, got {self.scale_dtype!r}")
+
+    @property
+    def shape(self):
+        return (int(np.shape(self.w)[0]), int(np.shape(self.w)[1]) * 32 // self.bits)
+
+    @property
+    def ndim(self):
+        return 2
+
+    def dequantize(self):
+        return quant.dequantize(np.asarray(self.w), np.asarray(self.scales, np.float32),
+                                np.asarray(self.biases, np.float32), self.bits, self.group_size)
+
+    def __array__(self, dtype=None, copy=None):
+        a = self.dequantize()
+        return a if dtype is None else a.astype(dtype, copy=False)
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    w: _core.Tensor       # (out, in * bits / 32) i32 packed codes
+    scales: _core.Tensor  # (out, in / group_size) compute dtype
+    biases: _core.Tensor  # (out, in / group_size)
+    bits: int
+    group_size: int
+
+    @staticmethod
+    def upload(device, arrays, dtype):
+        """One QuantizedWeight from QuantizedArrays of the same layout stacked along rows (q, k and
+        v into one projection). Scales and biases stay in the compute dtype where the file stores
+        them in it (or the compute dtype is f32), otherwise in f32: no scale is rounded."""
+        a0 = arrays[0]
+        sdt = dtype if a0.scale_dtype == dtype or dtype == "f32" else "f32"
+        cat = lambda get, dt: np.concatenate([np.asarray(get(a), dt) for a in arrays])
+        w = cat(lambda a: np.ascontiguousarray(np.asarray(a.w)).view(np.int32), np.int32)
+        return QuantizedWeight(device.tensor(w, "i32"), device.tensor(cat(lambda a: a.scales, np.float32), sdt),
+                               device.tensor(cat(lambda a: a.biases, np.float32), sdt), a0.bits, a0.group_size)
+
+    @staticmethod
+    def quantize(device, W, dtype, bits, group_size, what="W"):
+        """W (out, in) float quantized as mx.quantize does; scales and biases stored in dtype."""
+        W = np.asarray(W, np.float32)
+        if W.ndim != 2 or W.shape[1] % group_size:
+            raise ValueError(f"[quantize] {what} {tuple(W.shape)}: its input size must be a multiple of "
+                             f"--q-group-size {group_size}")
+        w, s, b = quant.quantize(W, bits, group_size)
+        return QuantizedWeight(device.tensor(w, "i32"), device.tensor(s, dtype), device.tensor(b, dtype), bits,
+                               group_size)
+
+    @property
+    def shape(self):
+        return (self.w.shape[0], self.w.shape[1] * 32 // self.bits)
+
+    @property
+    def device(self):
+        return self.w.device
+
+    def __getitem__(self, rows):
+        """Rows r0:r1 (whole quantization groups: a row's groups never span rows)."""
+        return QuantizedWeight(self.w[rows], self.scales[rows], self.biases[rows], self.bits, self.group_size)
+
+    def numpy(self):
+        """The dequantized weight (out, in) float32, as the products see it."""
+        return quant.dequantize(self.w.numpy(), np.asarray(self.scales.numpy(), np.float32),
+                                np.asarray(self.biases.numpy(), np.float32), self.bits, self.group_size)
+
+
+class RowStack:
+    """Frozen weights stacked along rows that cannot be one tensor: the q, k and v projections of
+    a checkpoint that quantizes them differently (MLX's mixed-precision recipes). The products
+    run per part on column blocks of the fused activations."""
+
+    def __init__(self, parts):
+        self.parts = list(parts)
+        self.rows = [p.shape[0] for p in self.parts]
+        self.starts = np.concatenate([[0], np.cumsum(self.rows)]).tolist()
+
+    @property
+    def shape(self):
+        return (self.starts[-1], self.parts[0].shape[1])
+
+    @property
+    def device(self):
+        return self.parts[0].device
+
+    def __getitem__(self, rows):
+        """The part whose rows are exactly r0:r1 (the layer slices q, k and v)."""
+        i = self.starts.index(rows.start)
+        if self.starts[i + 1] != rows.stop:
+            raise IndexError(f"[RowStack] rows {rows.start}:{rows.stop} are not one part {self.starts}")
+        return self.parts[i]
+
+    def numpy(self):
+        return np.concatenate([np.asarray(p.numpy(), np.float32) for p in self.parts])
+
+
+def frozen_weight(device, arrays, dtype, quantize=None, what="W"):
+    """The frozen weight of one projection made of `arrays` stacked along rows (float arrays or
+    QuantizedArrays as a file holds them): dense in the compute dtype, quantized as the file
+    has it, quantized on load where quantize = (bits, group_size) is given and the file holds
+    floats, or a RowStack where the parts cannot share one layout."""
+    q = [isinstance(a, QuantizedArray) for a in arrays]
+    if all(q) and len({(a.bits, a.group_size, a.scale_dtype) for a in arrays}) == 1:
+        return QuantizedWeight.upload(device, arrays, dtype)
+    if any(q):
+        return RowStack([frozen_weight(device, [a], dtype, quantize, what) for a in arrays])
+    W = np.concatenate([np.asarray(a, np.float32) for a in arrays])
+    if quantize is None:
+        return device.tensor(W, dtype)
+    return QuantizedWeight.quantize(device, W, dtype, *quantize, what=what)
+
+
+def embed(ids, table, out):
+    """out (n, C) = rows ids (n,) of an embedding table, dense or quantized."""
+    if isinstance(table, QuantizedWeight):
+        ops.quantized_embedding(ids, table.w, table.scales, table.biases, out, table.group_size, table.bits)
+    else:
+        ops.embedding_forward(ids, table, out)
+
+
+def linear(x, W, y, beta=0.0):
+    """y (rows, out) = x (rows, in) W^T + beta y."""
+    if isinstance(W, RowStack):
+        for p, r0, r1 in zip(W.parts, W.starts, W.starts[1:]):
+            linear(x, p, y[:, r0:r1], beta)
+    elif isinstance(W, QuantizedWeight):
+        ops.quantized_matmul(x, W.w, W.scales, W.biases, y, True, W.group_size, W.bits, beta)
+    else:
+        ops.gemm(x, W, y, trans_b=True, beta=beta)
+
+
+def linear_grad(dy, W, dx, beta=0.0):
+    """dx (rows, in) = dy (rows, out) W + beta dx."""
+    if isinstance(W, RowStack):
+        for i, (p, r0, r1) in enumerate(zip(W.parts, W.starts, W.starts[1:])):
+            linear_grad(dy[:, r0:r1], p, dx, beta if i == 0 else 1.0)
+    elif isinstance(W, QuantizedWeight):
+        ops.quantized_matmul(dy, W.w, W.scales, W.biases, dx, False, W.group_size, W.bits, beta)
+    else:
+        ops.gemm(dy, W, dx, beta=beta)

@@ -1,0 +1,69 @@
+"""The trainer's side of data-parallel training (krnl.train.dist.world): what a run over several ranks
+refuses, the order its gradients sum over rows in, the validation loss over the ranks' slices,
+and the metrics log of ranks other than 0 (which write no file)."""
+
+import numpy as np
+
+
+class Discard:
+    """A metrics log that drops what it is given (ranks other than 0)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def write(self, text):
+        pass
+
+    def flush(self):
+        pass
+
+
+def check_world(world, cfg):
+    if world.size == 1:
+        return
+    if cfg.batch_size % world.size:
+        raise ValueError(f"[train] --batch-size {cfg.batch_size} (the global batch) does not divide among "
+                         f"{world.size} ranks")
+
+
+REDUCE_ORDERS = ("auto", "rows", "sample")
+
+
+def reduce_order(cfg, world):
+    """TrainConfig.reduce_order resolved: "sample" (krnl.models.sample_sums: each LoRA weight gradient and
+    the loss summed per sample in a fixed tree, so that ranks reproduce one process's sums) or
+    "rows" (one GEMM over all rows); "auto" is "sample" where the world has more than one rank."""
+    if cfg.reduce_order not in REDUCE_ORDERS:
+        raise ValueError(f"[train] --reduce-order must be one of {', '.join(REDUCE_ORDERS)}, got {cfg.reduce_order!r}")
+    if cfg.reduce_order == "auto":
+        return "sample" if world.size > 1 else "rows"
+    return cfg.reduce_order
+
+
+def apply_reduce_order(model, cfg, world):
+    """Sets the model's sums over rows to reduce_order(cfg, world)."""
+    model.sums.on = reduce_order(cfg, world) == "sample"
+
+
+def evaluate_ranks(model, valid, cfg, world, step):
+    """Trainer.evaluate over the ranks: each takes its slice of every validation batch; the
+    token-loss sums and target counts are summed over the ranks."""
+    bs = cfg.batch_size
+    if hasattr(valid, "eval_batches"):  # a krnl.train.data.Split
+        batches = valid.eval_batches(bs)[:cfg.val_batches]
+    else:
+        n = min(cfg.val_batches, max(1, len(valid[0]) // bs))
+        batches = [tuple(np.asarray(a)[b * bs:(b + 1) * bs] for a in valid[:4]) for b in range(n)]
+    sums = np.zeros((2, len(batches)), np.float64)  # token-loss sums, target counts
+    for j, batch in enumerate(batches):
+        per = -(-len(batch[0]) // world.size)  # a short last batch: the last ranks may get no row
+        mine = tuple(np.asarray(a)[world.rank * per:(world.rank + 1) * per] for a in batch)
+        n = int(np.count_nonzero(np.asarray(mine[1]) != -100))
+        if len(mine[0]):
+            kw = {"segments": mine[2], "positions": mine[3]} if len(mine) > 2 else {}
+            sums[0, j], sums[1, j] = model.loss(mine[0], mine[1], **kw) * n, n
+    sums = world.allreduce(sums, f"the validation of step {step}")
+    return float(np.mean(sums[0] / np.maximum(sums[1], 1)))

@@ -1,0 +1,398 @@
+"""The training loop: micro-batches (one device submission each), gradient accumulation, the
+optimizer step, validation, atomic checkpoints and exact resume, progress and metrics.
+
+Resume is exact: a checkpoint holds the adapter masters, the optimizer state (m, v, step
+counters, schedule, loss scale), the data position and every seed the loop draws from, so a run
+restored from step k reproduces the losses of an uninterrupted run from step k+1 on.
+"""
+
+import io
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..formats import adapter as adapter_io
+from .batches import Batches
+from ..io.checkpoint import fingerprint_diff, list_checkpoints, load_checkpoint, resolve_checkpoint, save_checkpoint
+from .dist.world import World
+from .dist.nccl import reducer_for
+from .dist.ranks import Discard, apply_reduce_order, check_world, evaluate_ranks
+from ..io.fileio import atomic_write_bytes
+from .optim import AdamW, Schedule
+from ..io.run_folder import describe, option_changes, repair_metrics
+from .step import StepRunner
+
+# Where the step replays as a graph, each padded length is one recording: lengths go up in steps
+# of this many tokens unless --length-bucket says otherwise.
+REPLAY_BUCKET = 256
+
+
+@dataclass
+class TrainConfig:
+    iters: int = 600
+    batch_size: int = 16
+    grad_accum: int = 1
+    learning_rate: float = 3e-3
+    warmup: int = 30
+    schedule: str = "cosine"      # cosine | linear | constant (after warmup)
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0    # 0 disables clipping
+    val_every: int = 100          # 0: only at the end
+    val_batches: int = 8
+    save_every: int = 200         # 0: only at the end
+    keep_checkpoints: int = 2
+    seed: int = 0
+    length_bucket: int = 0        # pad each batch's length to a multiple (0: 256 where graphs replay, else none)
+    graphs: bool = True           # record the step once per padded length and replay it, where the device can
+    reduce_order: str = "auto"    # sample: LoRA grads summed per sample (dist_train); auto: sample with > 1 rank
+
+    def validate(self):
+        for name in ("iters", "batch_size", "grad_accum", "val_batches", "keep_checkpoints"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"[train] {name} must be >= 1, got {getattr(self, name)}")
+        for name in ("warmup", "val_every", "save_every", "length_bucket"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"[train] {name} must be >= 0, got {getattr(self, name)}")
+        if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):
+            raise ValueError(f"[train] learning_rate must be > 0, got {self.learning_rate}")
+
+
+class Rate:
+    """Tokens per second over the last `window` steps (what the progress bar and metrics call
+    tokens_per_s: the first steps' start-up, graph recording included, drops out of it), and
+    since the run (or the resume) began (tokens_per_s_cumulative)."""
+
+    def __init__(self, window=10):
+        self.window = int(window)
+        self.t0 = time.perf_counter()
+        self.ends = [(self.t0, 0)]  # (time a step ended, its tokens); the first entry is the start
+        self.total = 0
+
+    def add(self, tokens):
+        self.ends.append((time.perf_counter(), int(tokens)))
+        self.total += int(tokens)
+        if len(self.ends) > self.window + 1:
+            del self.ends[0]
+
+    def recent(self):
+        dt = self.ends[-1][0] - self.ends[0][0]
+        return sum(n for _, n in self.ends[1:]) / dt if dt > 0 else 0.0
+
+    def cumulative(self):
+        dt = self.ends[-1][0] - self.t0
+        return self.total / dt if dt > 0 else 0.0
+
+
+def _batch_args(batch):
+    """(ids, targets, {segments, positions} or {}) of a batch tuple of 2 or 4 arrays."""
+    if len(batch) > 2:
+        return batch[0], batch[1], {"segments": batch[2], "positions": batch[3]}
+    return batch[0], batch[1], {}
+
+
+class Trainer:
+    def __init__(self, model, cfg, train, valid=None, out_dir="krnl_out", fingerprint=None, base_model="",
+                 progress=True, on_step=None, options=None, adapter_format="peft", world=None):
+        cfg.validate()
+        self.model, self.cfg, self.valid = model, cfg, valid
+        # krnl.train.dist.world: each rank trains on its slice of the global batches; rank 0 alone writes files.
+        self.world = world or World()
+        check_world(self.world, cfg)
+        apply_reduce_order(model, cfg, self.world)
+        # train: (ids, targets[, segments, positions]) arrays, a krnl.train.data.Split (its batches()),
+        # or a batch source with next(), state() and load_state().
+        if hasattr(train, "batches"):
+            self.data = train.batches(cfg.batch_size, cfg.seed)
+        elif hasattr(train, "next"):
+            self.data = train
+        else:
+            self.data = Batches(train[0], train[1], cfg.batch_size, cfg.seed,
+                                *(train[2:4] if len(train) > 2 else ()))
+        self.out = Path(out_dir)
+        self.fingerprint = fingerprint or {}
+        self.base_model = base_model
+        self.progress, self.on_step = progress, on_step
+        # "mlx": the adapter also in mlx-lm's layout, in out_dir/mlx (adapter.MLX_SUBFOLDER).
+        self.adapter_format = adapter_format
+        # Run options outside TrainConfig that a resume must match (data, ...): {name: JSON value}.
+        self.options = dict(options or {})
+        self.notes = []      # what resume() did besides restoring (skipped checkpoints, changes): lines
+        self.resumed = None  # what resume() changed, recorded in the first metrics row after it
+        sched = Schedule(cfg.learning_rate, warmup_steps=min(cfg.warmup, cfg.iters), total_steps=cfg.iters,
+                         kind=cfg.schedule, min_lr_ratio=cfg.min_lr_ratio)
+        self.opt = AdamW(model.lora_params, sched, weight_decay=cfg.weight_decay,
+                         max_grad_norm=cfg.max_grad_norm or None)
+        self.step = 0
+        self.history = []  # (step, train loss)
+        self.val_history = []
+
+    # -- state -----------------------------------------------------------------------------
+
+    def _trainer_state(self):
+        return {"step": self.step, "data": self.data.state(), "dropout_seed": self.model._call_seed,
+                "config": asdict(self.cfg), "options": self.options, "world_size": self.world.size}
+
+    def save(self):
+        if not self.world.root:
+            return
+        save_checkpoint(self.out / "checkpoints", adapter=self.model.lora_state(),
+                        optimizer_state=self.opt.state_dict(), trainer_state=self._trainer_state(),
+                        model_fingerprint=self.fingerprint, step=self.step, keep_last=self.cfg.keep_checkpoints)
+
+    def _candidates(self, path):
+        """The checkpoints resume tries, in order: `path` (a checkpoint directory, or a checkpoint
+        root) or the step it names (an int); for a root, the one its `latest` names, then the
+        older ones, newest first."""
+        root = self.out / "checkpoints"
+        if isinstance(path, int):
+            found = dict(list_checkpoints(root))
+            if path not in found:
+                have = ", ".join(str(s) for s in found) or "none"
+                raise ValueError(f"[train] --resume-from {path}: {root} has no checkpoint of step {path} "
+                                 f"(steps there: {have})")
+            return [Path(found[path])]
+        if path is None and not list_checkpoints(root):
+            raise ValueError(f"[train] --resume: {root} holds no checkpoint; start a new run (with --overwrite "
+                             f"if {self.out} holds an earlier run's files)")
+        root = Path(path) if path is not None else root
+        found = list_checkpoints(root)
+        if (root / "manifest.json").exists() or not found:
+            return [root]  # one checkpoint, or none: load_checkpoint says what is wrong
+        try:
+            first = Path(resolve_checkpoint(root))
+        except ValueError as e:  # a corrupt `latest`
+            self.notes.append(f"{e}; trying the step-* checkpoints, newest first")
+            first = Path(found[-1][1])
+        first_step = dict((Path(p), s) for s, p in found).get(first, found[-1][0])
+        return [first] + [Path(p) for s, p in reversed(found) if s < first_step]
+
+    def resume(self, path=None, override=False):
+        """Restores the newest checkpoint under out_dir that verifies (a corrupt one is skipped,
+        with a line in self.notes), or the checkpoint `path` names (a directory, a checkpoint root,
+        or a step number); returns its step. TrainConfig fields and options that differ from the
+        checkpoint's are refused (ValueError listing them) unless override; cfg.iters may differ:
+        the learning-rate schedule is then stretched (or shrunk) to end at cfg.iters."""
+        ck = self.world.on_root(lambda: self._load(path), "reading the checkpoint to resume from")
+        self._restore(ck, override)
+        return self.step
+
+    def _load(self, path):
+        """The checkpoint resume() restores (see there), with notes on the ones skipped."""
+        cands = self._candidates(path)
+        skipped = []
+        for cand in cands:
+            try:
+                ck = load_checkpoint(cand)
+                break
+            except ValueError as e:
+                if len(cands) == 1:
+                    raise
+                skipped.append(f"{cand.name}: {e}")
+        else:
+            raise ValueError(f"[train] no checkpoint under {cands[0].parent} verifies: " + "; ".join(skipped))
+        self.notes.extend(f"skipped checkpoint {s} (falling back to {Path(ck.path).name})" for s in skipped)
+        return ck
+
+    def _restore(self, ck, override):
+        diff = fingerprint_diff(ck.fingerprint, json.loads(json.dumps(self.fingerprint)))
+        if diff:
+            raise ValueError(f"[train] {ck.path} belongs to a different model or LoRA layout (--resume-override "
+                             f"cannot change these): " + "; ".join(diff[:5])
+                             + (f" (and {len(diff) - 5} more)" if len(diff) > 5 else ""))
+        st = ck.trainer_state
+        saved = dict(st.get("config", {}), **st.get("options", {}))
+        changes = option_changes(saved, dict(asdict(self.cfg), **self.options))
+        if changes and not override:
+            raise ValueError(f"[train] {ck.path} was trained with other options: {describe(changes)}; rerun with "
+                             f"the checkpoint's values, or pass --resume-override to continue with these")
+        self.model.lora_params.load(ck.adapter)
+        self.opt.load_state_dict(ck.optimizer_state)
+        self.data.load_state(st["data"])
+        self.model._call_seed = int(st["dropout_seed"])
+        self.step = int(st["step"])
+        # The data position counts global batches, the same for any number of ranks.
+        if int(st.get("world_size", 1)) != self.world.size:
+            self.notes.append(f"checkpoint written by {st.get('world_size', 1)} ranks, continuing with "
+                              f"{self.world.size} (same global batch and data position)")
+        # Metrics written after this checkpoint by the interrupted run are replayed: drop them, and
+        # a torn last line (a write cut short).
+        note = repair_metrics(self.out / "metrics.jsonl", self.step) if self.world.root else None
+        if note:
+            self.notes.append(note)
+        if self.step < self.cfg.iters:
+            self._apply_changes(changes, saved.get("iters"))
+
+    def _apply_changes(self, changes, saved_iters):
+        """After a restore: the overridden options take effect and the schedule ends at cfg.iters."""
+        cfg, sched = self.cfg, self.opt.schedule
+        if changes:
+            self.notes.append(f"continuing with changed options (--resume-override): {describe(changes)}")
+            if "weight_decay" in changes:
+                self.opt.weight_decay = float(cfg.weight_decay)
+            if "max_grad_norm" in changes:
+                self.opt.max_grad_norm = float(cfg.max_grad_norm) if cfg.max_grad_norm else None
+        warm = cfg.warmup if "warmup" in changes else sched.warmup_steps
+        new = Schedule(cfg.learning_rate if "learning_rate" in changes else sched.lr,
+                       warmup_steps=min(warm, cfg.iters), total_steps=cfg.iters,
+                       kind=cfg.schedule if "schedule" in changes else sched.kind,
+                       min_lr_ratio=cfg.min_lr_ratio if "min_lr_ratio" in changes else sched.min_lr_ratio)
+        changed = {k: list(v) for k, v in changes.items()}
+        if saved_iters is not None and saved_iters != cfg.iters:
+            changed["iters"] = [saved_iters, cfg.iters]
+        if new.state_dict() != sched.state_dict():
+            old_total = sched.total_steps
+            self.opt.schedule = new
+            why = f"--iters {saved_iters} -> {cfg.iters}: " if "iters" in changed else ""
+            self.notes.append(f"{why}learning-rate schedule from step {self.step + 1}: {new.kind}, warmup "
+                              f"{new.warmup_steps}, ending at step {new.total_steps} (was {old_total})")
+        if changed or new is self.opt.schedule:
+            self.resumed = {"from_step": self.step, "changed": changed, "schedule": self.opt.schedule.state_dict()}
+
+    # -- loop --------------------------------------------------------------------------------
+
+    def evaluate(self):
+        if self.valid is None:
+            return None
+        if self.world.size > 1:
+            return evaluate_ranks(self.model, self.valid, self.cfg, self.world, self.step)
+        bs, total = self.cfg.batch_size, []
+        if hasattr(self.valid, "eval_batches"):  # a krnl.train.data.Split
+            for batch in self.valid.eval_batches(bs)[:self.cfg.val_batches]:
+                ids, tg, kw = _batch_args(batch)
+                total.append(self.model.loss(ids, tg, **kw))
+            return float(np.mean(total))
+        ids, tg = self.valid[0], self.valid[1]
+        extra = self.valid[2:4] if len(self.valid) > 2 else None
+        for b in range(min(self.cfg.val_batches, max(1, len(ids) // bs))):
+            rows = slice(b * bs, (b + 1) * bs)
+            kw = {"segments": extra[0][rows], "positions": extra[1][rows]} if extra else {}
+            total.append(self.model.loss(ids[rows], tg[rows], **kw))
+        return float(np.mean(total))
+
+    def run(self, metrics_path=None):
+        cfg, model, dev = self.cfg, self.model, self.model.dev
+        metrics_path = Path(metrics_path) if metrics_path else self.out / "metrics.jsonl"
+        metrics_path.parent.mkdir(parents=True, exist_ok=True)
+        bar = None
+        if self.progress and self.world.root:
+            from tqdm import tqdm
+
+            bar = tqdm(total=cfg.iters, initial=self.step, unit="step", dynamic_ncols=True)
+        replay = cfg.graphs and bool(dev.capabilities()["graphs"])
+        bucket = cfg.length_bucket or (REPLAY_BUCKET if replay else 1)
+        runner = StepRunner(model, self.opt, bucket=bucket, replay=replay, micro_batches=cfg.grad_accum,
+                            world=self.world, reducer=reducer_for(self.world, dev))
+        rate = Rate()
+        dev.reset_peak()
+        self.world.check_params(self.model.lora_params, self.step)
+        try:
+            with open(metrics_path, "a") if self.world.root else Discard() as log:
+                while self.step < cfg.iters:
+                    self._one_step(runner, rate, log, bar)
+        finally:
+            runner.release()
+        if bar is not None:
+            bar.close()
+        if self.world.root:
+            self.save_adapter()
+        return {"steps": self.step, "loss": self.history[-1][1] if self.history else None,
+                "val_loss": self.val_history[-1][1] if self.val_history else None,
+                "skipped_steps": self.opt.skipped_steps, "metrics": str(metrics_path)}
+
+    def _one_step(self, runner, rate, log, bar):
+        """Queues the step's micro-batches and update, waits once, then metrics, progress,
+        validation and checkpoints."""
+        cfg, dev = self.cfg, self.model.dev
+        self.step += 1
+        tokens, ranks = 0, self.world.size > 1
+        for i in range(cfg.grad_accum):
+            batch = self.data.next()
+            n = int(np.count_nonzero(np.asarray(batch[1]) != -100))
+            tokens += n  # of the global batch: every rank reads all of it
+            if ranks:
+                mine = self.world.slice(batch)
+                runner.micro_batch(mine, self.opt.loss_scale, i, n, first_row=self.world.rank * len(mine[0]))
+            else:
+                runner.micro_batch(batch, self.opt.loss_scale, i)
+        runner.optimizer(cfg.grad_accum, self.step)
+        loss, info = runner.finish()
+        if not math.isfinite(loss) and not self.opt.scaler.enabled:
+            raise FloatingPointError(f"[train] loss is {loss} at step {self.step}; stopping (no adapter "
+                                     f"written for this step; the last checkpoint is intact)")
+        rate.add(tokens)
+        peak = dev.pool_stats()["peak_reserved"] / 2**20
+        rec = {"step": self.step, "loss": loss, "lr": info["lr"], "grad_norm": info["grad_norm"],
+               "tokens_per_s": rate.recent(), "tokens_per_s_cumulative": rate.cumulative(), "peak_mem_mib": peak,
+               "skipped_steps": info["skipped_steps"], "loss_scale": info["loss_scale"]}
+        if self.resumed is not None:  # the first step after a resume that changed the run
+            rec["resumed"], self.resumed = self.resumed, None
+        self.history.append((self.step, loss))
+        last = self.step == cfg.iters
+        if (cfg.val_every and self.step % cfg.val_every == 0) or last:
+            v = self.evaluate()
+            if v is not None:
+                rec["val_loss"] = v
+                self.val_history.append((self.step, v))
+        log.write(json.dumps(rec) + "\n")
+        log.flush()
+        if bar is not None:
+            post = {"loss": f"{loss:.4f}", "tok/s": f"{rec['tokens_per_s']:.0f}", "lr": f"{info['lr']:.2e}",
+                    "peak": f"{peak:.0f}MiB"}
+            if "val_loss" in rec:
+                post["val"] = f"{rec['val_loss']:.4f}"
+            if info["skipped_steps"]:
+                post["skipped"] = info["skipped_steps"]
+            bar.set_postfix(post, refresh=False)
+            bar.update(1)
+        if ranks and (self.step % self.world.check_every == 0 or last):
+            self.world.check_params(self.model.lora_params, self.step)
+        if (cfg.save_every and self.step % cfg.save_every == 0) or last:
+            self.save()
+        if self.on_step is not None:
+            self.on_step(self.step, rec)
+
+    def save_adapter(self):
+        lc = self.model.lora_config
+        cfg = adapter_io.peft_config(lc, base_model=self.base_model, layers=lc.layers, model_config=self.model.config)
+        state = self.model.lora_state()
+        adapter_io.save_adapter(self.out, state, cfg, self.model.config)
+        if self.adapter_format == "mlx":
+            adapter_io.save_mlx_adapter(self.out / adapter_io.MLX_SUBFOLDER, lc, state, self.model.config,
+                                        self.base_model)
+
+
+def plot_metrics(metrics_path, png_path):
+    """Loss curve (train, and validation where present) from a metrics JSONL file."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps, losses, vsteps, vlosses = [], [], [], []
+    with open(metrics_path) as f:
+        for line in f:
+            r = json.loads(line)
+            steps.append(r["step"])
+            losses.append(r["loss"])
+            if "val_loss" in r:
+                vsteps.append(r["step"])
+                vlosses.append(r["val_loss"])
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, losses, label="train", lw=1)
+    if vsteps:
+        ax.plot(vsteps, vlosses, "o-", label="validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    atomic_write_bytes(png_path, buf.getvalue())

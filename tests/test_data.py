@@ -109,8 +109,7 @@ TOOL_CHAT = [
 
 
 def _train_tokenizer():
-    from tokenizers import Tokenizer as Tk
-    from tokenizers import decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as Tk, decoders, models, pre_tokenizers, trainers
 
     tk = Tk(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -151,7 +151,7 @@ def test_multimodal_adapter_in_peft_and_fuse_in_transformers(mm_folder, tmp_path
 
 @pytest.mark.torch
 def test_multimodal_refusals(mm_folder, tmp_path):
-    """One-line errors: no text_config; mlx-lm's adapter layout; fuse --quantize."""
+    """One-line errors: no text_config; mlx-lm's adapter layout; fuse --q-bits."""
     with pytest.raises(ValueError, match=r"^\[ModelConfig\] <dict>: a gemma3 config needs a 'text_config' object$"):
         ModelConfig.from_dict({"model_type": "gemma3"})
     lora = LoraConfig(r=2, alpha=4.0)
@@ -160,7 +160,7 @@ def test_multimodal_refusals(mm_folder, tmp_path):
         krnl.formats.adapter.mlx_adapter(lora, m.lora_state(), m.config)
     krnl.formats.adapter.save_adapter(tmp_path / "ad", m.lora_state(), krnl.formats.adapter.peft_config(lora, "", None, m.config),
                               m.config)
-    with pytest.raises(ValueError, match=r"^\[fuse\] .* is a multimodal gemma3 model; fuse it without --quantize$"):
+    with pytest.raises(ValueError, match=r"^\[fuse\] .* is a multimodal gemma3 model; fuse it without --q-bits$"):
         hf.fuse(mm_folder, tmp_path / "ad", tmp_path / "q", quantize=(4, 32))
 
 

@@ -277,9 +277,9 @@ def test_gguf_cli_trains_generates_and_fuses(tmp_path, capsys, arch):
         for text in TEXTS:
             assert ftok.encode(text) == tok.encode(text), text
         assert ftok.chat_template == tok.chat_template and ftok.eos_id == tok.eos_id
-    # --quantize: the fused model re-quantized as an MLX folder (8 bits: close to the fused loss)
+    # --q-bits: the fused model re-quantized as an MLX folder (8 bits: close to the fused loss)
     out = tmp_path / "fused-q8"
-    assert main(["fuse", "--adapter-path", str(ad), "--save-path", str(out), "--quantize", "8",
+    assert main(["fuse", "--adapter-path", str(ad), "--save-path", str(out), "--q-bits", "8",
                  "--q-group-size", "32", "--dtype", "f32"]) == 0
     assert json.loads((out / "config.json").read_text())["quantization"]["bits"] == 8
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".krnl-fuse-")]  # the HF step is gone

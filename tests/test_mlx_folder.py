@@ -1,5 +1,5 @@
 """MLX quantized folders without MLX (krnl.formats.mlx_folder, hf.load_hf_weights, krnl quantize, fuse
---quantize, --adapter-format mlx): folders written here with numpy in MLX's layout (packed U32
+--q-bits, --adapter-format mlx): folders written here with numpy in MLX's layout (packed U32
 codes, scales and biases, the quantization entry of config.json), read back exactly; the errors;
 the layout `krnl quantize` writes; training, fusing and the mlx-lm adapter layout through the CLI.
 tests/test_mlx_models.py checks the same files against mlx-lm itself."""
@@ -128,7 +128,7 @@ def test_model_on_mlx_folder_matches_dense_dequantized(tmp_path):
     ids = np.random.default_rng(1).integers(0, V, (2, 11))
     a, b = m.loss(ids[:, :-1], ids[:, 1:]), ref.loss(ids[:, :-1], ids[:, 1:])
     assert np.isfinite(a) and a == pytest.approx(b, rel=1e-5)
-    with pytest.raises(ValueError, match=r"is quantized already \(4 bits, groups of 64\); leave out --quantize"):
+    with pytest.raises(ValueError, match=r"is quantized already \(4 bits, groups of 64\); leave out --q-bits"):
         load_model(tmp_path / "m", dev, quantize=(4, 64))
 
 
@@ -140,7 +140,7 @@ def header_of(folder):  # {name: (dtype, shape)}, metadata
 def test_quantize_command_writes_mlx_layout(tmp_path, capsys):
     base = make_base(tmp_path / "base")
     out = tmp_path / "q"
-    assert main(["quantize", "--model", str(base), "--save-path", str(out), "--bits", "5", "--group-size", "128",
+    assert main(["quantize", "--model", str(base), "--save-path", str(out), "--q-bits", "5", "--q-group-size", "128",
                  "--dtype", "bf16"]) == 0
     assert "quantized" in capsys.readouterr().out
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
@@ -172,7 +172,12 @@ def test_quantize_command_writes_mlx_layout(tmp_path, capsys):
 def test_train_eval_generate_on_mlx_folder_through_cli(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     base = make_base(tmp_path / "base")
+    # The former spellings (--bits, --group-size) still work, with a note naming the new ones.
     assert main(["quantize", "--model", str(base), "--save-path", "q4", "--bits", "4", "--group-size", "64"]) == 0
+    err = capsys.readouterr().err
+    assert "krnl: --bits is spelled --q-bits now" in err and "krnl: --group-size is spelled --q-group-size now" in err
+    q = json.loads(Path("q4/config.json").read_text())["quantization"]
+    assert (q["bits"], q["group_size"]) == (4, 64)
     write_data(tmp_path / "data")
     common = ["--model", "q4", "--data", "data", "--dtype", "f32", "--device", "cpu"]
     assert main(["train", *common, "--iters", "3", "--batch-size", "2", "--lora-rank", "2", "--steps-per-eval", "0",
@@ -183,8 +188,8 @@ def test_train_eval_generate_on_mlx_folder_through_cli(tmp_path, capsys, monkeyp
     assert "valid loss" in capsys.readouterr().out
     assert main(["generate", "--model", "q4", "--adapter-path", "ad/mlx", "--prompt", "w1 w2", "--max-tokens", "2",
                  "--dtype", "f32", "--device", "cpu"]) == 0
-    assert main(["train", *common, "--iters", "1", "--quantize", "4", "--adapter-path", "ad2"]) == 1
-    assert "is quantized already (4 bits, groups of 64); leave out --quantize" in capsys.readouterr().err
+    assert main(["train", *common, "--iters", "1", "--q-bits", "4", "--adapter-path", "ad2"]) == 1
+    assert "is quantized already (4 bits, groups of 64); leave out --q-bits" in capsys.readouterr().err
     # mlx-lm adapts the last layers only: layer 0 of 2 alone has no mlx-lm layout, refused before training.
     assert main(["train", *common, "--iters", "1", "--adapter-path", "ad3", "--adapter-format", "mlx",
                  "--lora-layers", "0", "--quiet", "--no-tune"]) == 1
@@ -235,7 +240,7 @@ def test_fuse_from_and_to_mlx_folder(tmp_path, capsys):
     # To an MLX folder: merged modules quantized afresh (4 bits, groups of 32); the others keep their
     # stored codes and layouts, written as overrides.
     assert main(["fuse", "--adapter-path", str(tmp_path / "a"), "--save-path", str(tmp_path / "q"),
-                 "--quantize", "4", "--q-group-size", "32"]) == 0
+                 "--q-bits", "4", "--q-group-size", "32"]) == 0
     assert "(MLX, 4 bits, groups of 32)" in capsys.readouterr().out
     q = load_hf_weights(tmp_path / "q")
     cfg = json.loads((tmp_path / "q" / "config.json").read_text())["quantization"]

@@ -2,7 +2,7 @@
 writes what mlx_lm.convert -q writes, bit for bit; krnl's loss on mlx-lm's quantized folders
 (uniform, mixed per-layer bits, quantized embedding, untied quantized head) equals mlx-lm's in
 f32; an adapter krnl writes with --adapter-format mlx loads in mlx_lm.load and gives krnl's
-loss; fuse --quantize writes a folder mlx_lm.load reads."""
+loss; fuse --q-bits writes a folder mlx_lm.load reads."""
 
 import json
 from pathlib import Path
@@ -140,7 +140,7 @@ def test_mlx_adapter_loads_in_mlx_lm(mlx_lm, tmp_path, monkeypatch, capsys):
 
 
 def test_fuse_quantize_loads_in_mlx_lm(mlx_lm, tmp_path, capsys):
-    """fuse --quantize from an HF base and from an MLX base: mlx_lm.load reads both, and its loss
+    """fuse --q-bits from an HF base and from an MLX base: mlx_lm.load reads both, and its loss
     equals krnl's on the written folder."""
     base = make_base(tmp_path / "base", torch_dtype="bfloat16")
     mlx_lm.convert(str(base), str(tmp_path / "q"), quantize=True, q_bits=4, q_group_size=64)
@@ -151,7 +151,7 @@ def test_fuse_quantize_loads_in_mlx_lm(mlx_lm, tmp_path, capsys):
     for src in (base, tmp_path / "q"):
         ad, out = tmp_path / f"a-{src.name}", tmp_path / f"fused-{src.name}"
         krnl.formats.adapter.save_mlx_adapter(ad, lora, t, config, base_model=str(src))
-        assert main(["fuse", "--adapter-path", str(ad), "--save-path", str(out), "--quantize", "8",
+        assert main(["fuse", "--adapter-path", str(ad), "--save-path", str(out), "--q-bits", "8",
                      "--q-group-size", "32"]) == 0
         capsys.readouterr()
         w = load_hf_weights(out)

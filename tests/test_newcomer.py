@@ -2,6 +2,7 @@
 user's umask, one-line errors (disk full, a path under a file, bad options, non-UTF-8 data),
 Ctrl-C during training, --lora-targets forms and --help defaults. No torch needed."""
 
+import collections
 import errno
 import json
 import os
@@ -15,7 +16,7 @@ import krnl.formats.adapter
 import krnl.io.fileio
 import krnl.train.trainer
 from krnl.io.checkpoint import list_checkpoints, load_checkpoint
-from krnl.cli.args import lora_targets
+from krnl.cli.args import lora_targets, parse_args
 from krnl.cli.main import main
 from krnl.train.data import DataError, read_jsonl
 from krnl.models.config import ModelConfig
@@ -226,6 +227,32 @@ def test_yaml_lists_and_numbers_as_strings(tmp_path, monkeypatch, capsys):
     assert "LoRA r=4 on 2 modules" in capsys.readouterr().out
     cfg = json.loads(Path("adapters/adapter_config.json").read_text())
     assert cfg["target_modules"] == ["down_proj", "q_proj"] and cfg["layers_to_transform"] == [1]
+
+
+def test_quantization_options_have_one_vocabulary(tmp_path, capsys):
+    """--q-bits / --q-group-size on every command; the former spellings (train's and fuse's
+    --quantize, quantize's --bits and --group-size, a YAML `quantize` key) land on the same
+    options with a note."""
+    commands = collections.defaultdict(lambda: None)
+    for cmd in ("train", "eval", "generate", "fuse", "quantize"):
+        a = parse_args([cmd, "--q-bits", "8", "--q-group-size", "32"] + (["--model", "m"] if cmd == "quantize" else []),
+                       commands)
+        assert (a.q_bits, a.q_group_size) == (8, 32)
+        assert capsys.readouterr().err == ""
+    assert parse_args(["quantize", "--model", "m"], commands).q_bits == 4  # quantize's default
+    assert parse_args(["train"], commands).q_bits is None
+    for cmd, old in (("train", "--quantize"), ("fuse", "--quantize"), ("quantize", "--bits")):
+        a = parse_args([cmd, old, "6"] + (["--model", "m"] if cmd == "quantize" else []), commands)
+        assert a.q_bits == 6 and capsys.readouterr().err == f"krnl: {old} is spelled --q-bits now\n"
+    assert parse_args(["quantize", "--model", "m", "--group-size", "128"], commands).q_group_size == 128
+    assert "--group-size is spelled --q-group-size now" in capsys.readouterr().err
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("quantize: 4\nq_group_size: 32\n")
+    a = parse_args(["train", "--config", str(cfg)], commands)
+    assert (a.q_bits, a.q_group_size) == (4, 32)
+    assert "option 'quantize' is spelled q_bits now" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["train", "--q-bits", "7"], commands)  # not a width MLX has
 
 
 def test_bad_lora_layers_and_seed(tmp_path, monkeypatch, capsys):

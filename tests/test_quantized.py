@@ -407,7 +407,7 @@ def test_model_takes_quantized_arrays(dev, dtype):
 
 
 def test_cli_train_eval_generate_on_a_quantized_base(hf_folder, tmp_path, monkeypatch, capsys):
-    """krnl train --quantize 4 on an HF folder: the loss goes down, the checkpoint records the
+    """krnl train --q-bits 4 on an HF folder: the loss goes down, the checkpoint records the
     quantization (resume without it is refused), and eval and generate run with the same flags."""
     import json
 
@@ -418,7 +418,7 @@ def test_cli_train_eval_generate_on_a_quantized_base(hf_folder, tmp_path, monkey
     rows = "".join(json.dumps({"text": f"w{i} w{i + 1} w{i + 2} w{i + 3}"}) + "\n" for i in range(1, 20))
     (data / "train.jsonl").write_text(rows)
     (data / "valid.jsonl").write_text(rows)
-    q = ["--quantize", "4", "--q-group-size", "32"]
+    q = ["--q-bits", "4", "--q-group-size", "32"]
     common = ["--model", str(hf_folder), "--data", str(data), "--dtype", "f32", "--batch-size", "4", "--quiet",
               "--learning-rate", "1e-2", "--no-tune"]
     assert main(["train", *common, *q, "--iters", "12", "--save-every", "6", "--steps-per-eval", "0"]) == 0

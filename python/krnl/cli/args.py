@@ -1,9 +1,10 @@
 """The `krnl` command line's arguments: the parser of every subcommand, the train options read
 from a YAML file and the LoRA layout of train's --lora-* flags. The commands themselves live in
-cli.py and cli_device.py."""
+main.py and device.py."""
 
 import argparse
 import re
+import sys
 
 from ..quant import affine as quant
 
@@ -44,6 +45,10 @@ def yaml_defaults(path, parser):
     actions = {a.dest: a for a in parser._actions}
     for key, value in data.items():
         dest = str(key).replace("-", "_")
+        if dest in RENAMED:
+            print(f"krnl: {path}: option {key!r} is spelled {RENAMED[dest].lstrip('-').replace('-', '_')} now",
+                  file=sys.stderr)
+            dest = RENAMED[dest].lstrip("-").replace("-", "_")
         if dest not in known or dest in ("help", "config"):
             raise SystemExit(f"krnl train: error: {path}: unknown option {key!r}")
         out[dest] = _yaml_value(path, key, value, actions[dest])
@@ -119,6 +124,39 @@ def _help_with_defaults(parser):
             a.help = (text + " " if text else "") + f"(default: {_show_default(a.default)})"
 
 
+# Former spellings, still accepted with a note: --quantize was "hold the base quantized" on train but
+# "write an MLX folder" on fuse, and `krnl quantize` said --bits; one vocabulary now, mlx-lm's.
+RENAMED = {"quantize": "--q-bits", "bits": "--q-bits", "group_size": "--q-group-size"}
+
+
+class _Renamed(argparse.Action):
+    """An option's former spelling: hidden from --help, stored under the new one's dest."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        new = RENAMED[option_string.lstrip("-").replace("-", "_")]
+        print(f"krnl: {option_string} is spelled {new} now", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def quantize_arguments(q, meaning, bits=None, recipes=False):
+    """The quantization options, one vocabulary on every command (mlx_lm.convert's): --q-bits and
+    --q-group-size quantize this command's model in MLX's affine layout; `meaning` says which model
+    (train, eval, generate: the base held in memory; fuse, quantize: the folder written)."""
+    q.add_argument("--q-bits", type=int, default=bits, choices=list(quant.BITS),
+                   help=f"quantize {meaning} to this many bits, as MLX does (affine: a scale and a bias per group)")
+    q.add_argument("--q-group-size", type=int, default=64, choices=list(quant.MLX_GROUP_SIZES),
+                   help="inputs per quantization group (with --q-bits)")
+    if recipes:
+        q.add_argument("--quant-predicate", default=None, choices=["mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6"],
+                       help="one of mlx-lm's mixed-bit recipes (sets the bits; v_proj, down_proj and the head get "
+                       "more)")
+    old = ["--quantize"] if bits is None else ["--bits"]
+    q.add_argument(*old, dest="q_bits", type=int, choices=list(quant.BITS), action=_Renamed, help=argparse.SUPPRESS)
+    if bits is not None:
+        q.add_argument("--group-size", dest="q_group_size", type=int, choices=list(quant.MLX_GROUP_SIZES),
+                       action=_Renamed, help=argparse.SUPPRESS)
+
+
 SHORT_TARGETS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj", "up": "up_proj",
                  "down": "down_proj"}
 
@@ -126,8 +164,7 @@ SHORT_TARGETS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "ga
 def lora_targets(text):
     """The module names of --lora-targets: short names (q,k,v,o,gate,up,down), module names
     (q_proj) or mlx-lm's keys (self_attn.q_proj, mlp.gate_proj), comma-separated."""
-    from ..models.config import module_part
-    from ..models.config import ALL_MODULES
+    from ..models.config import module_part, ALL_MODULES
 
     names = ALL_MODULES + ("qkv_proj", "gate_up_proj")  # phi3's fused projections (the config checks which apply)
     out = []
@@ -180,11 +217,8 @@ def parse_args(argv, commands):
         q.add_argument("--seed", type=int, default=0)
 
     def quantize(q):  # train, eval and generate: the base held quantized (QLoRA)
-        q.add_argument("--quantize", type=int, default=None, choices=list(quant.BITS),
-                       help="hold the base's projections quantized to this many bits, as MLX does (affine, a scale "
-                       "and a bias per group); eval and generate need the value training used")
-        q.add_argument("--q-group-size", type=int, default=64, choices=list(quant.MLX_GROUP_SIZES),
-                       help="inputs per quantization group (with --quantize)")
+        quantize_arguments(q, "the base's projections, held so in memory (QLoRA; eval and generate need the "
+                           "value training used)")
 
     t = sub.add_parser("train", help="LoRA fine-tune (default: the embedded tiny model and task)")
     common(t)
@@ -275,7 +309,7 @@ def parse_args(argv, commands):
     g.set_defaults(fn=commands["generate"])
 
     f = sub.add_parser("fuse", help="merge an adapter into its base model and write an HF folder (or, with "
-                       "--quantize, an MLX quantized folder)")
+                       "--q-bits, an MLX quantized folder)")
     f.add_argument("--model", default=None, help="the base model's HF or MLX folder, or GGUF file (default: the "
                    "adapter's base model)")
     f.add_argument("--adapter-path", default="adapters", help="adapter folder (PEFT or mlx-lm layout)")
@@ -283,21 +317,14 @@ def parse_args(argv, commands):
     f.add_argument("--max-shard-size", default="2GB", help="largest safetensors shard, e.g. 2GB, 500MB")
     f.add_argument("--dtype", default=None, choices=["f32", "f16", "bf16"],
                    help="output dtype (default: each tensor's stored dtype; bf16 from a quantized base; with "
-                   "--quantize the base's dtype)")
-    f.add_argument("--quantize", type=int, default=None, choices=list(quant.BITS),
-                   help="write an MLX folder quantized to this many bits, as mlx_lm.convert -q does")
-    f.add_argument("--q-group-size", type=int, default=64, choices=list(quant.MLX_GROUP_SIZES),
-                   help="inputs per quantization group (with --quantize)")
+                   "--q-bits the base's dtype)")
+    quantize_arguments(f, "the fused model, written as an MLX folder as mlx_lm.convert -q does")
     f.set_defaults(fn=commands["fuse"])
 
     z = sub.add_parser("quantize", help="write an HF model folder as an MLX quantized folder (as mlx_lm.convert -q)")
     z.add_argument("--model", required=True, help="the HF folder to quantize (f32, f16 or bf16 weights)")
     z.add_argument("--save-path", default="mlx_model", help="output folder")
-    z.add_argument("--bits", type=int, default=4, choices=list(quant.BITS), help="bits per quantized weight")
-    z.add_argument("--group-size", type=int, default=64, choices=list(quant.MLX_GROUP_SIZES),
-                   help="inputs per quantization group")
-    z.add_argument("--quant-predicate", default=None, choices=["mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6"],
-                   help="one of mlx-lm's mixed-bit recipes (sets the bits; v_proj, down_proj and the head get more)")
+    quantize_arguments(z, "the model", bits=4, recipes=True)
     z.add_argument("--dtype", default=None, choices=["f32", "f16", "bf16"],
                    help="dtype of the scales, biases and unquantized weights (default: the config's torch_dtype, "
                    "else the stored one)")

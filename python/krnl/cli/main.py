@@ -1,10 +1,8 @@
-"""The `krnl` command line: `train`, `eval` and `generate` (the embedded default: a tiny Llama and a
-generated task; or, for eval and generate, an HF or MLX model folder or GGUF file from --model or the
-adapter's base_model_name_or_path), `fuse` (an adapter merged into its base, written as an HF folder or an MLX
-quantized one), `quantize` (an HF folder written as an MLX quantized folder), `w1` (LoRA on the W1 MLP
-block of docs/performance.md, matching a teacher), `bench` (krnl/bench), `tune` (tune.py), `devices` and
-`doctor` (doctor.py: a self-test). Parser: cli_args.py; `devices`, `w1` and the device choice:
-cli_device.py; `krnl.cli.main:main` stays the entry point."""
+"""The `krnl` command line (entry point `krnl.cli.main:main`): `train`, `eval`, `generate` (the embedded
+default, a tiny Llama and a generated task; or an HF or MLX folder or GGUF file from --model or the
+adapter's base_model_name_or_path), `fuse` (an adapter merged into its base: an HF or MLX folder),
+`quantize` (an HF folder as an MLX one), `w1`, `bench` (krnl.bench), `tune`, `devices`, `doctor`
+(doctor/). Parser: args.py; `devices`, `w1` and the device choice: device.py."""
 
 import sys
 from pathlib import Path
@@ -13,19 +11,19 @@ import numpy as np
 
 import krnl
 
+from ..bench.tune import cmd_tune, ensure_tuned
+from ..io.run_folder import claim
 from ..train.dist import world as dist
 from .args import lora_from_args, parse_args
 from .device import cmd_devices, cmd_w1, device_from_args
-from ..io.run_folder import claim
-from ..bench.tune import cmd_tune, ensure_tuned
 
 DEFAULT_BASE = "krnl:default-tiny-llama"  # the embedded default's base model id (adapter_config)
 BASE_SEED = 1234
 
 
 def _quantize(args):
-    """(bits, group_size) from --quantize / --q-group-size, None for a base in the compute dtype."""
-    return None if getattr(args, "quantize", None) is None else (args.quantize, args.q_group_size)
+    """(bits, group_size) from --q-bits / --q-group-size; None without --q-bits (no quantization)."""
+    return None if getattr(args, "q_bits", None) is None else (args.q_bits, args.q_group_size)
 
 
 def _default_model(dev, lora, dtype, seed, grad_checkpoint=False, quantize=None):
@@ -128,7 +126,7 @@ def cmd_fuse(args):
     if base is None:
         raise ValueError(f"[fuse] {args.adapter_path} belongs to the embedded default model; fuse needs an HF "
                          "model folder or GGUF file (--model)")
-    q = None if args.quantize is None else (args.quantize, args.q_group_size)
+    q = _quantize(args)
     if is_gguf(base):
         info = fuse_gguf_as(base, args, q)
     else:
@@ -161,10 +159,11 @@ def fuse_gguf_as(base, args, q):
 def cmd_quantize(args):
     from ..formats.hf import quantize_folder
 
-    info = quantize_folder(args.model, args.save_path, args.bits, args.group_size, dtype=args.dtype,
+    bits, group_size = _quantize(args)
+    info = quantize_folder(args.model, args.save_path, bits, group_size, dtype=args.dtype,
                            shard_size=args.max_shard_size, recipe=args.quant_predicate)
-    bits = args.quant_predicate or f"{args.bits} bits"
-    print(f"quantized {args.model} to {bits} (groups of {args.group_size}) into {args.save_path}: "
+    what = args.quant_predicate or f"{bits} bits"
+    print(f"quantized {args.model} to {what} (groups of {group_size}) into {args.save_path}: "
           f"{', '.join(info['files'])}" + (f"; copied {', '.join(info['copied'])}" if info["copied"] else ""))
     return 0
 

@@ -13,8 +13,7 @@ import numpy as np
 
 from ..models import gemma3
 from ..io.fileio import atomic_write_bytes, read_json_object
-from ..models.config import module_part
-from ..models.config import LoraConfig, lora_key
+from ..models.config import module_part, LoraConfig, lora_key
 from ..io.safetensors_io import LazyTensor, read_safetensors_header
 
 CONFIG_NAME = "adapter_config.json"

@@ -175,7 +175,7 @@ def load_model(folder, device, lora=None, dtype="f32", seed=0, grad_checkpoint=F
     held = [w for w in weights.values() if isinstance(w, QuantizedArray)]
     if held and kw.get("quantize") is not None:
         raise ValueError(f"[hf] {folder} is quantized already ({held[0].bits} bits, groups of {held[0].group_size}); "
-                         f"leave out --quantize")
+                         f"leave out --q-bits")
     tensors = None
     if adapter is not None:
         if lora is not None:
@@ -273,7 +273,7 @@ def fuse(model_folder, adapter_folder, out_folder, shard_size="2GB", dtype=None,
     names = {k: k for k in weights}
     if config.multimodal:  # written back under the stored names, the vision tower copied through
         if quantize is not None:
-            raise ValueError(f"[fuse] {model_folder} is a multimodal gemma3 model; fuse it without --quantize")
+            raise ValueError(f"[fuse] {model_folder} is a multimodal gemma3 model; fuse it without --q-bits")
         _, names, rest = gemma3.text_tower(read_tensors(model_folder))
         weights = {**{names[k]: t for k, t in weights.items()}, **rest}
     merged = {}

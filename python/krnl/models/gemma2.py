@@ -11,12 +11,13 @@ load, in f32 whatever the compute dtype (rmsnorm takes f32 weights; transformers
 1 + w in f32 before rounding), and `fuse` reads the files again, so it writes the original w. The fused attention op has no
 soft-capping, so a layer with attn_softcap always takes the materialised path."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import numpy as np
 
 from .. import _core
+from . import gemma3
 from .attention import materialised_forward, fused_forward, qrows, row_blocks
 
 ops = _core.ops
@@ -35,6 +36,24 @@ class GemmaAttn:
 def norm_weight(w):
     """Gemma's RMSNorm multiplies by (1 + w), in f32 as transformers does: the folded f32 weight."""
     return np.float32(1.0) + np.asarray(w, np.float32)
+
+
+def layer_parts(i, c, weights, device, heads):
+    """What Gemma's layer i holds beyond the Llama layer's projections, as {field: value}: its four
+    norms with (1 + w) folded into f32 copies (input, pre_ff, post_ff and, in `attn`, the
+    post-attention one), its attention settings (GemmaAttn), Gemma 3's q/k norms (else None), and
+    `heads`: on Gemma 3's sliding layers a copy turning by the local rotary frequencies."""
+    p, g = f"model.layers.{i}.", c.gemma
+    norm = lambda name: device.tensor(norm_weight(weights[p + name]), "f32")  # (C,) or (D,) f32, (1 + w)
+    if g.get("local_theta") is not None and g["windows"][i]:
+        heads = replace(heads, inv_freq=device.tensor(gemma3.local_inv_freq(g["local_theta"], c.head_dim), "f32"))
+    qk = c.qk_norm
+    return {"heads": heads, "input": norm("input_layernorm.weight"), "pre_ff": norm("pre_feedforward_layernorm.weight"),
+            "post_ff": norm("post_feedforward_layernorm.weight"),
+            "q_norm": norm("self_attn.q_norm.weight") if qk else None,
+            "k_norm": norm("self_attn.k_norm.weight") if qk else None,
+            "attn": GemmaAttn(norm("post_attention_layernorm.weight"), g["attn_scale"], g["attn_softcap"],
+                              g["windows"][i])}
 
 
 def embed_scale(config, dtype):

@@ -10,14 +10,14 @@ N = B T rows of C features; H query heads and Hk key/value heads of D features. 
 frozen weights and the LoRA linears, a Batch the rows of one call, a LayerCache what backward reads."""
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import numpy as np
 
 from .. import _core
 from .attention import fused_forward, materialised_forward
-from . import gemma2, gemma3
+from . import gemma2
 from .layer_heads import heads_backward, heads_forward
 from .gemma2 import GemmaAttn
 from .config import ALL_MODULES, ATTN_MODULES, QKV_MODULES, lora_key
@@ -231,7 +231,7 @@ def build_layer(i, config, weights, device, dtype, heads, ones, lora_config, lor
                             sums=sums, Wk=Wks.get(m), stack=stacks.get(m))
     eps = c.rms_norm_eps
     if c.gemma:
-        return build_gemma_layer(i, c, weights, device, dtype, heads, ones, qkv, qkv_bias, lin)
+        return build_gemma_layer(i, c, weights, device, heads, ones, qkv, qkv_bias, lin)
     mlp = Mlp(up([p + "post_attention_layernorm.weight"]), lin["gate_proj"], lin["up_proj"], lin["down_proj"], eps,
               fold=folds.get("gate_proj"))
     qn = kn = None
@@ -241,22 +241,12 @@ def build_layer(i, config, weights, device, dtype, heads, ones, lora_config, lor
                  lin["q_proj"], lin["k_proj"], lin["v_proj"], lin["o_proj"], mlp, qn, kn, qkv_fold=folds.get("q_proj"))
 
 
-def build_gemma_layer(i, c, weights, device, dtype, heads, ones, qkv, qkv_bias, lin):
-    """Gemma 2's layer: four norms with (1 + w) folded into the frozen copies, GeGLU, and its
-    attention settings (gemma2.GemmaAttn); Gemma 3's also q/k norms and, on sliding layers, its
-    own Heads with the local rotary frequencies."""
-    p, g, eps = f"model.layers.{i}.", c.gemma, c.rms_norm_eps
-    norm = lambda name: device.tensor(gemma2.norm_weight(weights[p + name]), "f32")  # (C,) f32 (1 + w)
-    qn = kn = None
-    if c.qk_norm:
-        qn, kn = norm("self_attn.q_norm.weight"), norm("self_attn.k_norm.weight")  # (D,) f32 (1 + w)
-    if g.get("local_theta") is not None and g["windows"][i]:
-        heads = replace(heads, inv_freq=device.tensor(gemma3.local_inv_freq(g["local_theta"], c.head_dim), "f32"))
-    mlp = Mlp(norm("pre_feedforward_layernorm.weight"), lin["gate_proj"], lin["up_proj"], lin["down_proj"], eps,
-              norm("post_feedforward_layernorm.weight"))
-    ga = gemma2.GemmaAttn(norm("post_attention_layernorm.weight"), g["attn_scale"], g["attn_softcap"], g["windows"][i])
-    return Layer(heads, eps, norm("input_layernorm.weight"), qkv, qkv_bias, ones,
-                 lin["q_proj"], lin["k_proj"], lin["v_proj"], lin["o_proj"], mlp, qn, kn, gemma=ga)
+def build_gemma_layer(i, c, weights, device, heads, ones, qkv, qkv_bias, lin):
+    """Gemma's layer: the Llama layer's projections with the parts gemma2.layer_parts gives."""
+    g = gemma2.layer_parts(i, c, weights, device, heads)
+    mlp = Mlp(g["pre_ff"], lin["gate_proj"], lin["up_proj"], lin["down_proj"], c.rms_norm_eps, g["post_ff"])
+    return Layer(g["heads"], c.rms_norm_eps, g["input"], qkv, qkv_bias, ones, lin["q_proj"], lin["k_proj"],
+                 lin["v_proj"], lin["o_proj"], mlp, g["q_norm"], g["k_norm"], gemma=g["attn"])
 
 
 def mlp_forward(mlp, h, call_seed=None, residual=None):

@@ -14,6 +14,7 @@ from typing import Callable, Optional
 
 from .. import _core
 from . import gemma2
+from .qwen3 import qk_norm_backward, qk_norm_forward
 from .attention import fused_forward
 
 ops = _core.ops
@@ -89,27 +90,3 @@ def heads_backward(L, batch, cache, datt, dqkv):
             qk_norm_backward(L, *cache.qk[b], dqk, dheads, H, Hk)
             turn = 0
         ops.transpose_heads(dheads, dqkv[r].reshape(T, NH, D), batch.positions[b], hd.freqs(batch), turn, -1.0, 0)
-
-
-def qk_norm_forward(L, heads, H, Hk):
-    """Qwen3's per-head RMSNorm of q and k: head-major rows are contiguous, so each is one
-    rmsnorm over (heads T, D) rows. Returns q (H, T, D), k (Hk, T, D) normed into a new buffer
-    (heads keeps the inputs for backward) and their rstd (H T + Hk T,) f32."""
-    d, dt, T, D = heads.device, heads.dtype, heads.shape[1], heads.shape[2]
-    nq, nk = H * T, Hk * T
-    qk = d.empty((H + Hk, T, D), dt)                                      # (H + Hk, T, D)
-    rstd = d.empty((nq + nk,), "f32")                                     # (H T + Hk T,)
-    ops.rmsnorm_forward(heads[:H].reshape(nq, D), L.q_norm, qk[:H].reshape(nq, D), rstd[:nq], L.eps)
-    ops.rmsnorm_forward(heads[H:H + Hk].reshape(nk, D), L.k_norm, qk[H:].reshape(nk, D), rstd[nq:], L.eps)
-    return qk[:H], qk[H:], rstd
-
-
-def qk_norm_backward(L, heads, rstd, dqk, dheads, H, Hk):
-    """dheads[:H + Hk] (pre-norm q and k gradients) from dqk (H + Hk, T, D), the gradients at the
-    norms' outputs; the norm weights are frozen (no dw)."""
-    T, D = heads.shape[1], heads.shape[2]
-    nq, nk = H * T, Hk * T
-    ops.rmsnorm_backward(dqk[:H].reshape(nq, D), heads[:H].reshape(nq, D), L.q_norm, rstd[:nq],
-                         dheads[:H].reshape(nq, D))
-    ops.rmsnorm_backward(dqk[H:].reshape(nk, D), heads[H:H + Hk].reshape(nk, D), L.k_norm, rstd[nq:],
-                         dheads[H:H + Hk].reshape(nk, D))

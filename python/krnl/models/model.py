@@ -54,7 +54,7 @@ class LlamaModel:
         up = lambda k: device.tensor(np.asarray(weights[k], np.float32), dtype)
         self.embed = frozen_weight(device, [weights["model.embed_tokens.weight"]], dtype)  # (V, C)
         # The embedding table and an untied head stay quantized where the file quantizes them
-        # (a tied head is the table); --quantize leaves both in the compute dtype.
+        # (a tied head is the table); --q-bits leaves both in the compute dtype.
         self.head = self.embed if c.tie_word_embeddings else frozen_weight(device, [weights["lm_head.weight"]], dtype)
         self.norm_w = up("model.norm.weight")                            # (C,)
         if c.gemma:  # (1 + w), folded into the frozen copy only

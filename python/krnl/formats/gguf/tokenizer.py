@@ -61,8 +61,7 @@ def _byte_alphabet():
 def build_tokenizer(md, source="<gguf>"):
     """A tokenizers.Tokenizer and its tokenizer_config dict (special tokens, add_bos_token,
     add_eos_token, chat_template) from GGUF metadata."""
-    from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
-    from tokenizers import Tokenizer as Tk
+    from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors, Tokenizer as Tk
     from tokenizers.models import BPE
 
     kind = md.get("tokenizer.ggml.model")

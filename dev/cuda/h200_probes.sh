@@ -2,7 +2,7 @@
 # The research probes that measured krnl's CUDA backend on the lent H200, one phase a device call,
 # on the same set-up as tools/device/h200_check.sh (tools/device/h200_setup.sh: carry .whl as its
 # header says). Not product checks: each phase's figures and what they decided are in
-# dev/cuda/README.md and docs/performance.md.
+# dev/cuda/README.md and dev/performance-history.md (the logs: dev/results/).
 #   bash dev/cuda/h200_probes.sh attention
 #                                           every cuDNN attention engine at the train shapes
 #                                           (dev/cuda/attention_probe.cpp, table in

@@ -1,10 +1,10 @@
 // SwiGLU with the LoRA's rank-r products of its outputs in the same pass, tried and not kept
-// (docs/performance.md, 'SwiGLU and its rank-r products in one pass'): the forward's t = s A^T for
-// the down projection, the backward's dt = s dg B for gate and up, each product taking s, dg or du
-// from the registers that store it, where a skinny GEMM reads the (rows, F) array back. Two ways
-// of moving the rows: in the products' fragment layout (swiglu_lora_kernel) and whole
-// (swiglu_lora_rows_kernel). Both ran below the unfused pair (krnl's SwiGLU pass, then cuBLAS) at
-// the train shapes; swiglu_lora_variants.cu times their launch shapes.
+// (dev/performance-history.md, 'SwiGLU and its rank-r products in one pass'): the forward's
+// t = s A^T for the down projection, the backward's dt = s dg B for gate and up, each product
+// taking s, dg or du from the registers that store it, where a skinny GEMM reads the (rows, F)
+// array back. Two ways of moving the rows: in the products' fragment layout (swiglu_lora_kernel)
+// and whole (swiglu_lora_rows_kernel). Both ran below the unfused pair (krnl's SwiGLU pass, then
+// cuBLAS) at the train shapes; swiglu_lora_variants.cu times their launch shapes.
 #pragma once
 #include <algorithm>
 

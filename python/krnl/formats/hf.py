@@ -1,7 +1,7 @@
 """Hugging Face model folders (docs/architecture.md, 'Models, adapters and data'): `config.json` plus one `model.safetensors` or
 shards named by `model.safetensors.index.json`, for the llama, mistral, qwen2, qwen3, phi3, gemma2
-and gemma3_text families. A GGUF file (gguf_file.py) stands wherever a folder does: load_model
-and load_tokenizer take either (fuse: gguf_fuse.py).
+and gemma3_text families. A GGUF file (formats/gguf/file.py) stands wherever a folder does: load_model
+and load_tokenizer take either (fuse: gguf/fuse.py).
 
 Weights are mapped to the core as stored ([out, in], no transposes). The safetensors files are
 memory-mapped (krnl.io.safetensors_io), so a tensor is read from disk only when it is uploaded; the

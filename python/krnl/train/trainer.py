@@ -49,7 +49,7 @@ class TrainConfig:
     seed: int = 0
     length_bucket: int = 0        # pad each batch's length to a multiple (0: 256 where graphs replay, else none)
     graphs: bool = True           # record the step once per padded length and replay it, where the device can
-    reduce_order: str = "auto"    # sample: LoRA grads summed per sample (dist_train); auto: sample with > 1 rank
+    reduce_order: str = "auto"    # sample: LoRA grads summed per sample (dist/ranks.py); auto: sample with > 1 rank
 
     def validate(self):
         for name in ("iters", "batch_size", "grad_accum", "val_batches", "keep_checkpoints"):

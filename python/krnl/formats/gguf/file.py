@@ -1,6 +1,6 @@
 """GGUF files (llama.cpp, Ollama, LM Studio) as base models: one `.gguf` file turned into what an
 HF folder gives krnl (docs/architecture.md, 'GGUF files'): an HF config dict, the weights under
-HF names and the tokenizer (gguf_tokenizer.py).
+HF names and the tokenizer (tokenizer.py).
 
 - config: from the `{arch}.*` metadata of the llama (also Mistral's files), qwen2 and qwen3
   architectures; no `output.weight` tensor means tied embeddings.
@@ -9,7 +9,7 @@ HF names and the tokenizer (gguf_tokenizer.py).
   the rows of q and k of the llama architecture for GGML's interleaved rotary embedding; that is
   undone here (qwen2 and qwen3 files are not permuted).
 - Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K load as QuantizedArrays converted exactly
-  (gguf_quants.py); every other quantized type is dequantized by gguf-py and rounded to bf16,
+  (krnl.quant.gguf); every other quantized type is dequantized by gguf-py and rounded to bf16,
   with one note per load; F32, F16 and BF16 load as they are.
 """
 

@@ -1,9 +1,9 @@
 // The op list (docs/architecture.md, 'The op contract'): every op of the backend contract once, as X(name, (parameters)).
 // Generated from it: the Backend virtuals (backend.h), their "[op] not implemented" defaults
-// (backend.cpp) and the core's entry points (ops.h). Adding an op here declares all three; ops.cpp
-// then defines the entry point (its validation), a backend overrides the virtual where it has
-// the op, and bindings/ops.cpp binds it by hand with its argument names, defaults and docstring
-// (tests/test_core.py checks that every op of this list is bound).
+// (backend.cpp) and the core's entry points (ops.h). Adding an op here declares all three;
+// ops_<family>.cpp then defines the entry point (its validation), a backend overrides the virtual
+// where it has the op, and bindings/ops.cpp binds it by hand with its argument names, defaults
+// and docstring (tests/test_core.py checks that every op of this list is bound).
 //
 // Expanded where Tensor, GemmArgs and AdamWArgs are declared (backend.h), so nothing is included.
 // Notes on single ops (a comment cannot sit inside the macro's lines):

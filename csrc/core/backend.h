@@ -163,6 +163,9 @@ class Backend {
 #define KRNL_BACKEND_OP(name, params) virtual void name params;
   KRNL_OPS(KRNL_BACKEND_OP)
 #undef KRNL_BACKEND_OP
+// A backend declares its overrides from the list as well (KRNL_OPS(KRNL_OVERRIDE_OP) in its
+// class): `override` keeps the compiler checking each signature against the virtual above.
+#define KRNL_OVERRIDE_OP(name, params) void name params override;
 
   // ---- profiling: one record per op while enabled
   struct OpRecord {

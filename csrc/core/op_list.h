@@ -1,11 +1,14 @@
 // The op list (docs/architecture.md, 'The op contract'): every op of the backend contract once, as X(name, (parameters)).
 // Generated from it: the Backend virtuals (backend.h), their "[op] not implemented" defaults
-// (backend.cpp) and the core's entry points (ops.h). Adding an op here declares all three; ops.cpp
-// then defines the entry point (its validation), a backend overrides the virtual where it has
-// the op, and bindings/ops.cpp binds it by hand with its argument names, defaults and docstring
+// (backend.cpp), the core's entry points (ops.h) and the backends' override declarations
+// (KRNL_OVERRIDE_OP in cpu_backend.h, cuda_backend.h, metal_ops.h). Adding an op here declares
+// them all; ops_<family>.cpp then defines the entry point (its validation), each of those
+// backends defines its override (or leaves the op out of its header, with the reason), and
+// bindings/ops.cpp binds it by hand with its argument names, defaults and docstring
 // (tests/test_core.py checks that every op of this list is bound).
 //
-// Expanded where Tensor, GemmArgs and AdamWArgs are declared (backend.h), so nothing is included.
+// Expanded where Tensor, GemmArgs and AdamWArgs are declared (backend.h) or visible (the backends'
+// classes), so nothing is included.
 // Notes on single ops (a comment cannot sit inside the macro's lines):
 // - attention_forward/backward: fused causal attention (docs/architecture.md, 'Attention'; flash form). q (Hq, T,
 //   D), k and v (Hk, T, D), query head h reads KV head h / (Hq / Hk); o (Hq, T, D); lse (Hq, T)
@@ -55,14 +58,34 @@
 //   heads_axis names x's head axis (1: x (T, H, D), 0: x (H, T, D)); positions index the other.
 #pragma once
 
-// Every op. gemm comes apart from the rest: the backend gets the router's GemmArgs, while the
-// core's entry point takes tensors and flags (ops.h declares it by hand).
-#define KRNL_OPS(X)               \
-  X(gemm, (const GemmArgs& a))    \
-  KRNL_DIRECT_OPS(X)
+// Every op. The list comes in three parts, so that each use takes those it needs:
+// - gemm, apart because the backend gets the router's GemmArgs while the core's entry point takes
+//   tensors and flags (ops.h declares it by hand). krnl::GemmArgs in full: metal/kargs.h has a
+//   GemmArgs of its own in krnl::metal, where MetalOps expands this list.
+// - the fused attention pair, apart because a backend may have it in some builds only (CUDA: with
+//   cuDNN), so that its header can still take every other override from here.
+// - the rest.
+#define KRNL_OPS(X)                  \
+  KRNL_OPS_BUT_FUSED_ATTENTION(X)    \
+  KRNL_FUSED_ATTENTION_OPS(X)
 
-// The ops whose core entry point takes the backend's parameters unchanged.
-#define KRNL_DIRECT_OPS(X)                                                                                          \
+// The ops whose core entry point takes the backend's parameters unchanged: all but gemm.
+#define KRNL_DIRECT_OPS(X)                  \
+  KRNL_DIRECT_OPS_BUT_FUSED_ATTENTION(X)    \
+  KRNL_FUSED_ATTENTION_OPS(X)
+
+#define KRNL_OPS_BUT_FUSED_ATTENTION(X)   \
+  X(gemm, (const krnl::GemmArgs& a))      \
+  KRNL_DIRECT_OPS_BUT_FUSED_ATTENTION(X)
+
+#define KRNL_FUSED_ATTENTION_OPS(X)                                                                                 \
+  X(attention_forward, (const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& lse,      \
+                        float scale, const Tensor* segments, int64_t window))                                       \
+  X(attention_backward, (const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& dout,    \
+                         const Tensor& lse, const Tensor& dq, const Tensor& dk, const Tensor& dv, float scale,      \
+                         const Tensor* segments, int64_t window))
+
+#define KRNL_DIRECT_OPS_BUT_FUSED_ATTENTION(X)                                                                      \
   X(rmsnorm_forward, (const Tensor& x, const Tensor& w, const Tensor& y, const Tensor& rstd, float eps,           \
                       const Tensor* residual))                                                                      \
   X(rmsnorm_backward, (const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& dx,    \
@@ -77,11 +100,6 @@
   X(softmax_causal_forward, (const Tensor& S, const Tensor& P, float scale, const Tensor* segments,                 \
                              int64_t window))                                                                       \
   X(softmax_backward, (const Tensor& P, const Tensor& dP, const Tensor& dS, float scale))                           \
-  X(attention_forward, (const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& lse,      \
-                        float scale, const Tensor* segments, int64_t window))                                       \
-  X(attention_backward, (const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& dout,    \
-                         const Tensor& lse, const Tensor& dq, const Tensor& dk, const Tensor& dv, float scale,      \
-                         const Tensor* segments, int64_t window))                                                   \
   X(embedding_forward, (const Tensor& ids, const Tensor& table, const Tensor& out))                                 \
   X(embedding_backward, (const Tensor& ids, const Tensor& dout, const Tensor& dtable))                              \
   X(cross_entropy, (const Tensor& logits, const Tensor& targets, const Tensor& loss, const Tensor* dlogits,         \

@@ -34,49 +34,10 @@ class CpuBackend : public Backend {
   Capabilities capabilities() const override;
   SplitKConfig split_k_config() const override;
 
-  void gemm(const GemmArgs& a) override;
-  void rmsnorm_forward(const Tensor& x, const Tensor& w, const Tensor& y, const Tensor& rstd, float eps,
-                       const Tensor* residual) override;
-  void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& dx,
-                        const Tensor* dw, const Tensor* residual) override;
-  void swiglu_forward(const Tensor& g, const Tensor& u, const Tensor& s) override;
-  void swiglu_backward(const Tensor& ds, const Tensor& g, const Tensor& u, const Tensor& dg, const Tensor& du) override;
-  void geglu_forward(const Tensor& g, const Tensor& u, const Tensor& s) override;
-  void geglu_backward(const Tensor& ds, const Tensor& g, const Tensor& u, const Tensor& dg, const Tensor& du) override;
-  void softcap(const Tensor& x, float cap, const Tensor& out) override;
-  void softcap_backward(const Tensor& dy, const Tensor& y, float cap, const Tensor& dx) override;
-  void rope(const Tensor& x, const Tensor& positions, const Tensor& inv_freq, float sign, bool token_major) override;
-  void softmax_causal_forward(const Tensor& S, const Tensor& P, float scale, const Tensor* segments,
-                              int64_t window) override;
-  void softmax_backward(const Tensor& P, const Tensor& dP, const Tensor& dS, float scale) override;
-  // The reference of the fused attention contract: plain loops in f32, O(Hq T^2 D). The model
-  // keeps the materialised row-block path on the CPU (BLAS runs it faster): capabilities() lists no
-  // fused_attention dtypes.
-  void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& lse,
-                         float scale, const Tensor* segments, int64_t window) override;
-  void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& dout,
-                          const Tensor& lse, const Tensor& dq, const Tensor& dk, const Tensor& dv, float scale,
-                          const Tensor* segments, int64_t window) override;
-  void embedding_forward(const Tensor& ids, const Tensor& table, const Tensor& out) override;
-  void embedding_backward(const Tensor& ids, const Tensor& dout, const Tensor& dtable) override;
-  void cross_entropy(const Tensor& logits, const Tensor& targets, const Tensor& loss, const Tensor* dlogits,
-                     int32_t ignore_index, float scale, const Tensor* scale_by) override;
-  void add(const Tensor& a, const Tensor& b, const Tensor& out) override;
-  void axpy(float alpha, const Tensor& x, const Tensor& y) override;
-  void scale(const Tensor& x, float alpha, const Tensor& out) override;
-  void cast(const Tensor& x, const Tensor& out) override;
-  // Tiles of 256 rows of W dequantized to f32, one sgemm each (never all of W at once).
-  void quantized_matmul(const Tensor& x, const Tensor& w, const Tensor& scales, const Tensor& biases,
-                        const Tensor& out, bool transpose, int64_t group_size, int64_t bits, float beta) override;
-  void quantized_embedding(const Tensor& ids, const Tensor& w, const Tensor& scales, const Tensor& biases,
-                           const Tensor& out, int64_t group_size, int64_t bits) override;
-  void transpose_heads(const Tensor& x, const Tensor& out, const Tensor* positions, const Tensor* inv_freq,
-                       int64_t rotate, float sign, int64_t heads_axis) override;
-  void fill(const Tensor& x, double value) override;
-  void dropout(const Tensor& x, const Tensor& out, float p, uint64_t seed, const Tensor* seed_offset) override;
-  void adamw_update(const AdamWArgs& a) override;
-  void sumsq(const Tensor& x, const Tensor& out) override;
-  void nonfinite(const Tensor& x, const Tensor& flag) override;
+  // Every op of op_list.h, one file per family. attention_forward/backward are the reference of the
+  // fused attention contract (plain f32 loops, O(Hq T^2 D)); the model keeps the materialised path
+  // here (capabilities() lists no fused attention dtypes).
+  KRNL_OPS(KRNL_OVERRIDE_OP)
 
  protected:
   void* raw_alloc(size_t bytes) override;

@@ -71,52 +71,17 @@ class CudaBackend : public Backend {
     bool on_;
   };
 
-  void gemm(const GemmArgs& a) override;
-  void rmsnorm_forward(const Tensor& x, const Tensor& w, const Tensor& y, const Tensor& rstd, float eps,
-                       const Tensor* residual) override;
-  void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& dx,
-                        const Tensor* dw, const Tensor* residual) override;
-  void swiglu_forward(const Tensor& g, const Tensor& u, const Tensor& s) override;
-  void swiglu_backward(const Tensor& ds, const Tensor& g, const Tensor& u, const Tensor& dg, const Tensor& du) override;
-  void geglu_forward(const Tensor& g, const Tensor& u, const Tensor& s) override;
-  void geglu_backward(const Tensor& ds, const Tensor& g, const Tensor& u, const Tensor& dg, const Tensor& du) override;
-  void softcap(const Tensor& x, float cap, const Tensor& out) override;
-  void softcap_backward(const Tensor& dy, const Tensor& y, float cap, const Tensor& dx) override;
-  void rope(const Tensor& x, const Tensor& positions, const Tensor& inv_freq, float sign, bool token_major) override;
-  void softmax_causal_forward(const Tensor& S, const Tensor& P, float scale, const Tensor* segments,
-                              int64_t window) override;
-  void softmax_backward(const Tensor& P, const Tensor& dP, const Tensor& dS, float scale) override;
+  // Every op of op_list.h (one .cu file per family) but fused attention, which is cuDNN's SDPA
+  // graphs, bf16/f16 (attention_cudnn.cpp): left out without cuDNN at build time, so that the
+  // Backend defaults throw.
+  KRNL_OPS_BUT_FUSED_ATTENTION(KRNL_OVERRIDE_OP)
 #ifdef KRNL_HAS_CUDNN
-  // cuDNN's SDPA graphs, bf16/f16 (attention_cudnn.cpp); absent without cuDNN at build time.
-  void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& lse,
-                         float scale, const Tensor* segments, int64_t window) override;
-  void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& dout,
-                          const Tensor& lse, const Tensor& dq, const Tensor& dk, const Tensor& dv, float scale,
-                          const Tensor* segments, int64_t window) override;
+  KRNL_FUSED_ATTENTION_OPS(KRNL_OVERRIDE_OP)
   // The dtypes in which the ops above run here, so that the model takes them: cuDNN's (bf16, f16)
   // where libcudnn loaded, else none.
   std::vector<DType> fused_attention_dtypes() const;
   bool token_major_attention() const override;  // cuDNN's graphs take the views' strides
 #endif
-  void embedding_forward(const Tensor& ids, const Tensor& table, const Tensor& out) override;
-  void embedding_backward(const Tensor& ids, const Tensor& dout, const Tensor& dtable) override;
-  void cross_entropy(const Tensor& logits, const Tensor& targets, const Tensor& loss, const Tensor* dlogits,
-                     int32_t ignore_index, float scale, const Tensor* scale_by) override;
-  void add(const Tensor& a, const Tensor& b, const Tensor& out) override;
-  void axpy(float alpha, const Tensor& x, const Tensor& y) override;
-  void scale(const Tensor& x, float alpha, const Tensor& out) override;
-  void cast(const Tensor& x, const Tensor& out) override;
-  void transpose_heads(const Tensor& x, const Tensor& out, const Tensor* positions, const Tensor* inv_freq,
-                       int64_t rotate, float sign, int64_t heads_axis) override;
-  void quantized_matmul(const Tensor& x, const Tensor& w, const Tensor& scales, const Tensor& biases,
-                        const Tensor& out, bool transpose, int64_t group_size, int64_t bits, float beta) override;
-  void quantized_embedding(const Tensor& ids, const Tensor& w, const Tensor& scales, const Tensor& biases,
-                           const Tensor& out, int64_t group_size, int64_t bits) override;
-  void fill(const Tensor& x, double value) override;
-  void dropout(const Tensor& x, const Tensor& out, float p, uint64_t seed, const Tensor* seed_offset) override;
-  void adamw_update(const AdamWArgs& a) override;
-  void sumsq(const Tensor& x, const Tensor& out) override;
-  void nonfinite(const Tensor& x, const Tensor& flag) override;
 
  protected:
   void* raw_alloc(size_t bytes) override;

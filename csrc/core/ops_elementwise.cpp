@@ -1,0 +1,132 @@
+// The elementwise ops' entry points: SwiGLU, GeGLU, soft-capping, add, axpy, scale, cast, fill
+// and dropout.
+#include <cmath>
+#include <string>
+#include <utility>
+
+#include "ops_common.h"
+
+namespace krnl::ops {
+
+void swiglu_forward(const Tensor& g, const Tensor& u, const Tensor& s) {
+  Check c{"swiglu_forward"};
+  c.tensor("g", g), c.tensor("u", u), c.tensor("s", s);
+  c.floating("g", g);
+  c.shape("u", u, g.shape()), c.same_dtype("u", u, "g", g);
+  c.shape("s", s, g.shape()), c.same_dtype("s", s, "g", g);
+  run(c, shape_str(g.shape()), 6.0 * double(g.numel()), nbytes({&g, &u, &s}), g.dtype(),
+      [&] { c.dev->swiglu_forward(g, u, s); });
+}
+
+void swiglu_backward(const Tensor& ds, const Tensor& g, const Tensor& u, const Tensor& dg, const Tensor& du) {
+  Check c{"swiglu_backward"};
+  c.tensor("ds", ds), c.tensor("g", g), c.tensor("u", u), c.tensor("dg", dg), c.tensor("du", du);
+  c.floating("g", g);
+  for (auto [n, t] : {std::pair<const char*, const Tensor*>{"ds", &ds}, {"u", &u}, {"dg", &dg}, {"du", &du}}) {
+    c.shape(n, *t, g.shape());
+    c.same_dtype(n, *t, "g", g);
+  }
+  run(c, shape_str(g.shape()), 12.0 * double(g.numel()), nbytes({&ds, &g, &u, &dg, &du}), g.dtype(),
+      [&] { c.dev->swiglu_backward(ds, g, u, dg, du); });
+}
+
+void geglu_forward(const Tensor& g, const Tensor& u, const Tensor& s) {
+  Check c{"geglu_forward"};
+  c.tensor("g", g), c.tensor("u", u), c.tensor("s", s);
+  c.floating("g", g);
+  c.shape("u", u, g.shape()), c.same_dtype("u", u, "g", g);
+  c.shape("s", s, g.shape()), c.same_dtype("s", s, "g", g);
+  run(c, shape_str(g.shape()), 10.0 * double(g.numel()), nbytes({&g, &u, &s}), g.dtype(),
+      [&] { c.dev->geglu_forward(g, u, s); });
+}
+
+void geglu_backward(const Tensor& ds, const Tensor& g, const Tensor& u, const Tensor& dg, const Tensor& du) {
+  Check c{"geglu_backward"};
+  c.tensor("ds", ds), c.tensor("g", g), c.tensor("u", u), c.tensor("dg", dg), c.tensor("du", du);
+  c.floating("g", g);
+  for (auto [n, t] : {std::pair<const char*, const Tensor*>{"ds", &ds}, {"u", &u}, {"dg", &dg}, {"du", &du}}) {
+    c.shape(n, *t, g.shape());
+    c.same_dtype(n, *t, "g", g);
+  }
+  run(c, shape_str(g.shape()), 18.0 * double(g.numel()), nbytes({&ds, &g, &u, &dg, &du}), g.dtype(),
+      [&] { c.dev->geglu_backward(ds, g, u, dg, du); });
+}
+
+void softcap(const Tensor& x, float cap, const Tensor& out) {
+  Check c{"softcap"};
+  c.tensor("x", x), c.tensor("out", out);
+  c.floating("x", x);
+  c.shape("out", out, x.shape()), c.same_dtype("out", out, "x", x);
+  if (!(cap > 0) || !std::isfinite(cap)) c.fail("cap must be finite and > 0, got " + std::to_string(cap));
+  run(c, shape_str(x.shape()), 4.0 * double(x.numel()), nbytes({&x, &out}), x.dtype(),
+      [&] { c.dev->softcap(x, cap, out); });
+}
+
+void softcap_backward(const Tensor& dy, const Tensor& y, float cap, const Tensor& dx) {
+  Check c{"softcap_backward"};
+  c.tensor("dy", dy), c.tensor("y", y), c.tensor("dx", dx);
+  c.floating("y", y);
+  c.shape("dy", dy, y.shape()), c.same_dtype("dy", dy, "y", y);
+  c.shape("dx", dx, y.shape()), c.same_dtype("dx", dx, "y", y);
+  if (!(cap > 0) || !std::isfinite(cap)) c.fail("cap must be finite and > 0, got " + std::to_string(cap));
+  run(c, shape_str(y.shape()), 4.0 * double(y.numel()), nbytes({&dy, &y, &dx}), y.dtype(),
+      [&] { c.dev->softcap_backward(dy, y, cap, dx); });
+}
+
+void add(const Tensor& a, const Tensor& b, const Tensor& out) {
+  Check c{"add"};
+  c.tensor("a", a), c.tensor("b", b), c.tensor("out", out);
+  c.floating("a", a);
+  c.shape("b", b, a.shape()), c.same_dtype("b", b, "a", a);
+  c.shape("out", out, a.shape()), c.same_dtype("out", out, "a", a);
+  run(c, shape_str(a.shape()), double(a.numel()), nbytes({&a, &b, &out}), a.dtype(), [&] { c.dev->add(a, b, out); });
+}
+
+void axpy(float alpha, const Tensor& x, const Tensor& y) {
+  Check c{"axpy"};
+  c.tensor("x", x), c.tensor("y", y);
+  c.floating("x", x), c.floating("y", y);
+  c.shape("y", y, x.shape());
+  run(c, shape_str(x.shape()), 2.0 * double(x.numel()), nbytes({&x, &y, &y}), y.dtype(), [&] { c.dev->axpy(alpha, x, y); });
+}
+
+void scale(const Tensor& x, float alpha, const Tensor& out) {
+  Check c{"scale"};
+  c.tensor("x", x), c.tensor("out", out);
+  c.floating("x", x);
+  c.shape("out", out, x.shape()), c.same_dtype("out", out, "x", x);
+  run(c, shape_str(x.shape()), double(x.numel()), nbytes({&x, &out}), x.dtype(), [&] { c.dev->scale(x, alpha, out); });
+}
+
+void cast(const Tensor& x, const Tensor& out) {
+  Check c{"cast"};
+  c.tensor("x", x), c.tensor("out", out);
+  c.shape("out", out, x.shape());
+  if ((x.dtype() == DType::i32) != (out.dtype() == DType::i32))
+    c.fail("casts between i32 and floating types are not supported: " + x.describe() + " -> " + out.describe());
+  run(c, shape_str(x.shape()) + " " + dtype_name(x.dtype()) + "->" + dtype_name(out.dtype()), 0, nbytes({&x, &out}),
+      x.dtype(), [&] { c.dev->cast(x, out); });
+}
+
+void fill(const Tensor& x, double value) {
+  Check c{"fill"};
+  c.tensor("x", x);
+  run(c, shape_str(x.shape()), 0, nbytes({&x}), x.dtype(), [&] { c.dev->fill(x, value); });
+}
+
+void dropout(const Tensor& x, const Tensor& out, float p, uint64_t seed, const Tensor* seed_offset) {
+  Check c{"dropout"};
+  c.tensor("x", x), c.tensor("out", out);
+  c.floating("x", x);
+  c.shape("out", out, x.shape()), c.same_dtype("out", out, "x", x);
+  if (!(p >= 0.f && p < 1.f)) c.fail("p must be in [0, 1), got " + std::to_string(p));
+  if (seed_offset) {
+    c.tensor("seed_offset", *seed_offset);
+    if (seed_offset->shape() != Shape{3}) c.shape("seed_offset", *seed_offset, {2});  // (3,): with a first row
+    c.dtype("seed_offset", *seed_offset, {DType::i32});
+  }
+  run(c, shape_str(x.shape()), double(x.numel()), nbytes({&x, &out}), x.dtype(),
+      [&] { c.dev->dropout(x, out, p, seed, seed_offset); });
+}
+
+}  // namespace krnl::ops

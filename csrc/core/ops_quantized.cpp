@@ -1,0 +1,73 @@
+// quantized_matmul and quantized_embedding's entry points: the packed table (op_list.h has its
+// layout) checked against the activations.
+#include <string>
+
+#include "ops_common.h"
+
+namespace krnl::ops {
+
+namespace {
+
+// The quantized table W (O, I) of quantized_matmul and quantized_embedding: packed codes, scales
+// and biases checked against each other and against `act` (x or out: scales in its dtype or f32).
+// Returns I.
+int64_t check_quantized(Check& c, const Tensor& w, const Tensor& scales, const Tensor& biases, const char* act_name,
+                        const Tensor& act, int64_t group_size, int64_t bits) {
+  c.tensor("w", w), c.tensor("scales", scales), c.tensor("biases", biases);
+  if (bits != 2 && bits != 3 && bits != 4 && bits != 5 && bits != 6 && bits != 8)
+    c.fail("bits must be 2, 3, 4, 5, 6 or 8, got " + std::to_string(bits));
+  if (group_size != 16 && group_size != 32 && group_size != 64 && group_size != 128)
+    c.fail("group_size must be 16, 32, 64 or 128, got " + std::to_string(group_size));
+  c.floating(act_name, act);
+  c.dtype("w", w, {DType::i32});
+  if (w.dim() != 2 || (w.size(1) * 32) % bits)
+    c.fail("w must be 2-D (O, I * bits / 32) of packed " + std::to_string(bits) + "-bit codes, got " + w.describe());
+  const int64_t O = w.size(0), I = w.size(1) * 32 / bits, G = I / group_size;
+  if (scales.dim() != 2 || scales.size(0) != O || scales.size(1) * group_size != I)
+    c.fail("scales must be (" + std::to_string(O) + ", " + std::to_string(G) + ") for w " + w.describe() +
+           " at " + std::to_string(bits) + " bits and group_size " + std::to_string(group_size) + ", got " +
+           scales.describe());
+  if (scales.dtype() != act.dtype() && scales.dtype() != DType::f32)
+    c.fail("scales must be " + (act.dtype() == DType::f32 ? std::string("f32")
+                                                         : std::string(dtype_name(act.dtype())) + " (" + act_name +
+                                                               "'s dtype) or f32") +
+           ", got " + scales.describe());
+  c.shape("biases", biases, scales.shape()), c.same_dtype("biases", biases, "scales", scales);
+  return I;
+}
+
+}  // namespace
+
+void quantized_matmul(const Tensor& x, const Tensor& w, const Tensor& scales, const Tensor& biases, const Tensor& out,
+                      bool transpose, int64_t group_size, int64_t bits, float beta) {
+  Check c{"quantized_matmul"};
+  // x and out may be row-strided 2-D views (column blocks of a fused q|k|v projection).
+  c.rows("x", x), c.rows("out", out);
+  const int64_t I = check_quantized(c, w, scales, biases, "x", x, group_size, bits), O = w.size(0);
+  if (x.dim() != 2) c.fail("x must be 2-D (N, I) or (N, O), got " + x.describe());
+  const int64_t N = x.size(0), K = transpose ? I : O, M = transpose ? O : I;
+  if (x.size(1) != K)
+    c.fail("x must be (N, " + std::to_string(K) + ") for " + (transpose ? "out = x W^T" : "out = x W") + " with W (" +
+           std::to_string(O) + ", " + std::to_string(I) + "), got " + x.describe());
+  c.shape("out", out, {N, M}), c.same_dtype("out", out, "x", x);
+  if (out.storage() == x.storage() && out.numel() > 0) c.fail("out must not share memory with x");
+  run(c, shape_str(x.shape()) + (transpose ? " W^T " : " W ") + "(" + std::to_string(O) + ", " + std::to_string(I) +
+             ") q" + std::to_string(bits) + "g" + std::to_string(group_size),
+      2.0 * double(N) * double(O) * double(I), nbytes({&x, &w, &scales, &biases, &out}), x.dtype(),
+      [&] { c.dev->quantized_matmul(x, w, scales, biases, out, transpose, group_size, bits, beta); });
+}
+
+void quantized_embedding(const Tensor& ids, const Tensor& w, const Tensor& scales, const Tensor& biases,
+                         const Tensor& out, int64_t group_size, int64_t bits) {
+  Check c{"quantized_embedding"};
+  c.tensor("ids", ids), c.tensor("out", out);
+  c.dtype("ids", ids, {DType::i32});
+  const int64_t C = check_quantized(c, w, scales, biases, "out", out, group_size, bits);
+  Shape want = ids.shape();
+  want.push_back(C);
+  c.shape("out", out, want);
+  run(c, shape_str(out.shape()) + " q" + std::to_string(bits) + "g" + std::to_string(group_size), 0,
+      2.0 * nbytes({&out}), out.dtype(), [&] { c.dev->quantized_embedding(ids, w, scales, biases, out, group_size, bits); });
+}
+
+}  // namespace krnl::ops

@@ -131,15 +131,16 @@ def test_lora_group_falls_back_with_dropout(dev):
 def test_lora_group_sample_order(dev, outs):
     """With SampleSums on (krnl.models.sample_sums), each member's gA, gB (views of one FlatParams' f32
     gradient) gather per sample in the slots, over 2 micro-batches, and finish() adds their tree
-    in: float64's gradients (2 micro-batches of 4 samples of 312 rows; column-block dy_i, t_i of
+    in: float64's gradients (2 micro-batches of 4 samples of 3 rows; column-block dy_i, t_i of
     the q|k|v layout), and the whole micro-batches' gradients are their halves' added in f32, bit
     for bit (what 2 ranks and MPI's sum compute). A single member runs LoraLinear's own
-    backward. Halves of 624 rows: a multiple of OpenBLAS's row tiles, and large enough that no
-    rank-r product takes its small-matrix kernel; on CUDA 6 rows, where cuBLAS picks the same
-    kernels for both halves and the whole (docs/distributed.md)."""
+    backward. Halves of 6 rows: on the CPU reserve() blocks every GEMM by a sample's rows, which
+    any split keeps (without the blocks the single member failed under OpenBLAS's SkylakeX kernels);
+    on CUDA cuBLAS picks the same kernels for both halves and the whole at this size
+    (docs/distributed.md)."""
     from krnl.models.sample_sums import SampleSums
 
-    S, T, inp, r, s = 4, 3 if dev.capabilities()["kind"] == "cuda" else 312, 19, 2, 2.0
+    S, T, inp, r, s = 4, 3, 19, 2, 2.0
     rows, cols = S * T, np.cumsum((0,) + outs)
     rng = np.random.default_rng(11)
     a = [rng.standard_normal((r, inp)) / np.sqrt(inp) for _ in outs]
@@ -187,8 +188,7 @@ def test_lora_group_model_reads_its_stacks(dev):
     """A Llama model lays each layer's A side by side: q, k, v and gate, up read theirs as one
     view of the model's parameters (no copy at the call) and write their gradients there; with
     only some of a group adapted, or the layout split, the group copies (stacked_A's other path)."""
-    from krnl.models.model import LlamaModel
-    from krnl.models.config import LoraConfig, ModelConfig, random_weights
+    from krnl.models.model import LlamaModel, LoraConfig, ModelConfig, random_weights
 
     cfg = ModelConfig.from_dict(dict(model_type="llama", vocab_size=61, hidden_size=32, intermediate_size=48,
                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8))

@@ -1,9 +1,11 @@
 """The sample reduce order (krnl.models.sample_sums): a weight gradient summed per sample in the fixed
 pairwise tree equals float64 at awkward sizes, a batch's tree is the sum of its two halves' trees
 bit for bit (what 2 ranks and MPI's a + b compute), for one GEMM and for whole LoRA steps of the
-tiny model (micro-batches, phi3's fused projections), slots into the flat gradient, and the bits
-of f32 per-sample products and of a step do not depend on the thread count."""
+tiny model (micro-batches, phi3's fused projections, the loss's chunks) under each of OpenBLAS's
+x86 kernel sets, slots into the flat gradient, and the bits of per-sample products and of a step
+do not depend on the thread count."""
 
+import json
 import os
 import subprocess
 import sys
@@ -162,47 +164,125 @@ def step_grads(m, batches, n_totals=None, first_row=None):
     return np.array(flat.grads.numpy()[:flat.numel], np.float32), np.array(runner.losses.numpy(), np.float32)
 
 
-@pytest.mark.parametrize("fold", ["0", "1"], ids=["plain", "lora-fold"])
-@pytest.mark.parametrize("B,T,accum,config", [(8, 156, 1, {}), (6, 208, 1, {}), (4, 312, 3, {}),
-                                              (4, 312, 2, {"model_type": "phi3"})],
-                         ids=["8x156", "6x208", "accum3", "phi3"])
-def test_lora_step_sample_order_is_its_halves_summed(B, T, accum, config, fold, monkeypatch):
-    """With the sample order on, one process's gradient and loss sums of a step (accum
-    micro-batches) equal the sums of what the two halves of each micro-batch (weighted by the
-    whole micro-batch's target count, as a rank's slice is) give, bit for bit; every LoRA path
-    (grouped q|k|v and gate|up, o, down) carries gradient. Halves of 624 rows, for two BLAS
-    kernels (docs/distributed.md): OpenBLAS's Haswell sgemm computes a frozen linear's row by a
-    kernel that depends on where the row falls in its row tiles of 12, so with other splits (B T
-    = 88 into 44 + 44, 128 into 64 + 64) the halves' activations already differ from the whole
-    batch's in the last bits; its SkylakeX one (AVX-512) takes products of up to about 1,200
-    output elements through a small-matrix kernel of other bits, so each half must be large
-    enough for the rank-2 products (> 600 rows) as the whole is. phi3's fused projections: q, k
-    and v's dA add into one shared gradient, per sample too. With the LoRA folded into the frozen
-    GEMMs' K (lora_fold.py, forced on; phi3's fused projections keep the plain path) the saved
-    inputs are column blocks of the widened norm outputs."""
-    from conftest import tiny_lora_model
-
-    monkeypatch.setenv("KRNL_LORA_FOLD", fold)
-    m = tiny_lora_model(krnl.device("cpu"), "f32", **config)
-    assert m.config.fused_projections == bool(config)
-    assert (m.layers[0].qkv_fold is not None) == (fold == "1" and not config)
+def whole_and_halves(m, B, T, accum=1):
+    """(whole, halves): the (gradient, loss sums) of one step of `accum` micro-batches of B
+    samples of T rows, and the sums of what the two halves of each micro-batch give (each
+    weighted by the whole micro-batch's target count and given its first row, as a rank's slice
+    is), the sample order on."""
     m.sums.on = True
     batches = [_batch(m.config.vocab_size, B, T, seed=4 + i) for i in range(accum)]
     n = [int(np.count_nonzero(b[1] != -100)) for b in batches]
-    whole, loss = step_grads(m, batches)
+    whole = step_grads(m, batches)
     h = B // 2
     g0, l0 = step_grads(m, [tuple(a[:h] for a in b) for b in batches], n, 0)
     g1, l1 = step_grads(m, [tuple(a[h:] for a in b) for b in batches], n, h)
+    return whole, (g0 + g1, l0 + l1)
+
+
+@pytest.mark.parametrize("fold", ["0", "1"], ids=["plain", "lora-fold"])
+@pytest.mark.parametrize("B,T,accum,kw,dtype", [(8, 40, 1, {}, "f32"), (6, 11, 1, {}, "f32"), (4, 25, 3, {}, "f32"),
+                                                (8, 5, 2, {"model_type": "phi3"}, "f32"), (8, 40, 1, {}, "bf16"),
+                                                (6, 11, 1, {"quantize": (4, 32), "intermediate_size": 64}, "f32")],
+                         ids=["8x40", "6x11", "accum3", "phi3", "bf16", "4-bit"])
+def test_lora_step_sample_order_is_its_halves_summed(B, T, accum, kw, dtype, fold, monkeypatch):
+    """With the sample order on, one process's gradient and loss sums of a step (accum
+    micro-batches) equal the sums of what the two halves of each micro-batch give, bit for bit;
+    every LoRA path (grouped q|k|v and gate|up, o, down) carries gradient. OpenBLAS picks its
+    kernels by a call's shape (SkylakeX: a small-matrix kernel below about 1,200 outputs, which
+    q|k|v's 6-column LoRA product crosses between 320 rows and 160; Haswell: edge tiles), so one
+    GEMM over all rows gives a row other bits in the whole batch than in its half: each f32 case
+    here failed under both kernel sets before the CPU's GEMMs went by blocks of a sample's rows in
+    the sample order (Device.gemm_row_block, docs/distributed.md); bf16's rounding of the
+    activations hid it. phi3's fused projections: q, k and v's dA add into one shared gradient,
+    per sample too. With the LoRA folded into the frozen GEMMs' K (lora_fold.py, forced on;
+    phi3's fused projections and 4-bit weights keep the plain path) the saved inputs are column
+    blocks of the widened norm outputs. 4-bit: the quantized matmul's tiles go by the same blocks."""
+    from conftest import tiny_lora_model
+
+    monkeypatch.setenv("KRNL_LORA_FOLD", fold)
+    m = tiny_lora_model(krnl.device("cpu"), dtype, **kw)
+    assert m.config.fused_projections == (kw.get("model_type") == "phi3")
+    assert (m.layers[0].qkv_fold is not None) == (fold == "1" and not kw)
+    (whole, loss), (halves, halves_loss) = whole_and_halves(m, B, T, accum)
     assert np.count_nonzero(whole) > 0.9 * whole.size
-    np.testing.assert_array_equal(whole, g0 + g1)
-    np.testing.assert_array_equal(loss, l0 + l1)
+    np.testing.assert_array_equal(whole, halves)
+    np.testing.assert_array_equal(loss, halves_loss)
+    assert m.dev.gemm_row_block == 0  # finish() unblocks the device's GEMMs
     m.sums.on = False  # the rows order: the same gradient up to f32 rounding
+    batches = [_batch(m.config.vocab_size, B, T, seed=4 + i) for i in range(accum)]
     rows, _ = step_grads(m, batches)
     assert np.linalg.norm(rows - whole) <= 1e-5 * np.linalg.norm(whole)
 
 
+@pytest.mark.parametrize("ce_chunk", [50, 20])
+def test_sample_order_loss_chunks_keep_samples(ce_chunk):
+    """The loss's logits run in chunks of at most ce_chunk rows; in the sample order a chunk holds
+    whole samples (50 rows: one sample of 30) or pieces of one from its start (20: rows 0-19 and
+    20-29 of each), so a half's chunks are the whole batch's and the bits match. Chunks of 50
+    rows across samples (rows 50-99 hold parts of samples 1-3) differed in both kernel sets."""
+    from conftest import tiny_lora_model
+
+    m = tiny_lora_model(krnl.device("cpu"), "f32")
+    m.ce_chunk = ce_chunk
+    (whole, loss), (halves, halves_loss) = whole_and_halves(m, 4, 30)
+    np.testing.assert_array_equal(whole, halves)
+    np.testing.assert_array_equal(loss, halves_loss)
+    m.sums.samples = 4
+    assert m.sums.row_chunks(4, 30, ce_chunk) == ((30, [(r, r + 30) for r in range(0, 120, 30)]) if ce_chunk == 50 else
+                                                  (20, [(s + c, s + min(30, c + 20)) for s in range(0, 120, 30)
+                                                        for c in (0, 20)]))
+    m.sums.samples = 0  # rows order: chunks straight across
+    assert m.sums.row_chunks(4, 30, 50) == (50, [(0, 50), (50, 100), (100, 120)])
+
+
+_KERNELS_CODE = """
+import json, sys, numpy as np, krnl
+sys.path.insert(0, {here!r})
+from conftest import tiny_lora_model
+from test_sample_sums import whole_and_halves
+out = {{"blas": krnl.device("cpu").capabilities()["details"]["blas"]}}
+for B, T in ((8, 40), (8, 5)):
+    for cfg in ({{}}, {{"model_type": "phi3"}}):
+        m = tiny_lora_model(krnl.device("cpu"), "f32", **cfg)
+        (g, loss), (h, hloss) = whole_and_halves(m, B, T)
+        same = np.array_equal(g, h) and np.array_equal(loss, hloss)
+        out[f"{{B}}x{{T}} {{cfg.get('model_type', 'llama')}}"] = bool(same)
+print(json.dumps(out))
+"""
+
+
+def _under_core(core, args, **env):
+    """Runs python args in a subprocess under OpenBLAS's `core` kernels (OPENBLAS_CORETYPE; None:
+    this CPU's own); skips where the build cannot choose (not a DYNAMIC_ARCH OpenBLAS) or this CPU
+    does not run them. Returns its stdout."""
+    if core is not None:
+        blas = krnl.device("cpu").capabilities()["details"]["blas"]
+        if "DYNAMIC_ARCH" not in blas:
+            pytest.skip(f"not a DYNAMIC_ARCH OpenBLAS: {blas}")
+        env["OPENBLAS_CORETYPE"] = core
+    r = subprocess.run([sys.executable] + args, env=dict(os.environ, **env), capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    blas = json.loads(r.stdout.strip().splitlines()[-1])["blas"]
+    if core is not None and f" {core} " not in blas:
+        pytest.skip(f"this CPU does not run OpenBLAS's {core} kernels ({blas})")
+    return r.stdout
+
+
+@pytest.mark.parametrize("core", ["Haswell", "SkylakeX", "Sandybridge"])
+def test_sample_order_halves_under_each_openblas_kernel_set(core):
+    """The halves' bits equal the whole batch's under each of OpenBLAS's x86 kernel sets that
+    this machine runs (OPENBLAS_CORETYPE; the wheel is a DYNAMIC_ARCH build), on 2 threads: the
+    claim does not hang on one BLAS's kernel choices. Without the row blocks, 8x40 and 8x5 differed
+    under Haswell and SkylakeX (measured)."""
+    out = json.loads(_under_core(core, ["-c", _KERNELS_CODE.format(here=str(HERE))], KRNL_NUM_THREADS="2",
+                                 OPENBLAS_NUM_THREADS="2").strip().splitlines()[-1])
+    del out["blas"]
+    assert all(out.values()), out
+
+
 _THREADS_CODE = """
-import sys, numpy as np, krnl
+import json, sys, numpy as np, krnl
 sys.path.insert(0, {here!r})
 from conftest import tiny_lora_model
 from test_sample_sums import _batch, _operands, step_grads
@@ -210,29 +290,34 @@ from krnl.models.sample_sums import SampleSums
 d = krnl.device("cpu")
 a, b = _operands(8 * 33, 64, 300, seed=8)
 out = {{"gemm": SampleSums().sample_sum(d.tensor(a, "f32"), d.tensor(b, "f32"), 1.0, 8).numpy()}}
-m = tiny_lora_model(d, "f32")
-m.sums.on = True
-out["step"] = step_grads(m, [_batch(m.config.vocab_size, 8, 11)])[0]
+a, b = _operands(1024, 64, 64, seed=9)
+d.gemm_row_block = 1024  # what a training call of 1 sample of 1024 rows sets (SampleSums.reserve)
+out["gemm1"] = SampleSums().sample_sum(d.tensor(a, "f32"), d.tensor(b, "f32"), 1.0, 1).numpy()
+d.gemm_row_block = 0
+for key, dtype, B, T in (("step", "f32", 8, 11), ("step1", "f32", 1, 1024), ("bf16", "bf16", 1, 1024)):
+    m = tiny_lora_model(d, dtype)
+    m.sums.on = True
+    out[key] = step_grads(m, [_batch(m.config.vocab_size, B, T)])[0]
 np.savez(sys.argv[1], threads=krnl.num_threads(), **out)
+print(json.dumps({{"blas": d.capabilities()["details"]["blas"]}}))
 """
 
 
-def test_sample_order_bits_do_not_depend_on_the_thread_count(tmp_path):
-    """f32, at least as many samples as threads: the per-sample GEMMs (K never split, one
-    single-threaded BLAS call per sample on the CPU's pool) and the tiny model's whole LoRA step
-    give the same bits on 1 thread and on 2. Not held, and not asserted: with fewer samples than
-    threads (a batched GEMM of one entry) or bf16 operands the CPU backend hands each product to
-    OpenBLAS's own threads, whose row tiles per thread change the bits (measured: 1 sample of
-    1024 rows, 64 x 64, differs in 29% of the elements), as they do for every frozen linear's
-    rows."""
+@pytest.mark.parametrize("core", [None, "Haswell"], ids=["own", "Haswell"])
+def test_sample_order_bits_do_not_depend_on_the_thread_count(tmp_path, core):
+    """The per-sample GEMMs (K never split) and the tiny model's whole LoRA step give the same
+    bits on 1 thread and on 2, also with fewer samples than threads and with bf16 operands: in
+    the sample order every CPU GEMM runs as single-threaded BLAS calls on krnl's pool, blocks of
+    one sample's rows in fixed column chunks (Device.gemm_row_block), never split by OpenBLAS's
+    threads, whose row tiles per thread change the bits (before the blocks: 1 sample of 1024
+    rows, 64 x 64, differed in 29% of the elements under OpenBLAS's Haswell kernels, and so did
+    the 1-sample steps; this CPU's SkylakeX kernels kept them, measured)."""
     code = _THREADS_CODE.format(here=str(HERE))
     got = []
     for k in (1, 2):
-        env = dict(os.environ, KRNL_NUM_THREADS=str(k), OPENBLAS_NUM_THREADS=str(k))
-        r = subprocess.run([sys.executable, "-c", code, str(tmp_path / f"t{k}.npz")], env=env, capture_output=True,
-                           text=True, timeout=600)
-        assert r.returncode == 0, r.stderr[-2000:]
+        _under_core(core, ["-c", code, str(tmp_path / f"t{k}.npz")], KRNL_NUM_THREADS=str(k),
+                    OPENBLAS_NUM_THREADS=str(k))
         got.append(np.load(tmp_path / f"t{k}.npz"))
     assert (int(got[0]["threads"]), int(got[1]["threads"])) == (1, 2)
-    for key in ("gemm", "step"):
+    for key in ("gemm", "gemm1", "step", "step1", "bf16"):
         np.testing.assert_array_equal(got[0][key], got[1][key], err_msg=key)

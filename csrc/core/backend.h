@@ -159,6 +159,13 @@ class Backend {
   // ---- routing parameters (pure data for the core's routers)
   virtual SplitKConfig split_k_config() const { return {}; }
 
+  // ---- the sample reduce order (krnl.sample_sums sets it for its training calls): the rows of
+  // one sample, 0 when off. While set, the CPU backend computes each GEMM's output in blocks of
+  // that many rows with calls whose shapes do not depend on M or the thread count (gemm.cpp), so
+  // that a sample's rows get the same bits whichever process holds it; other backends ignore it.
+  void set_gemm_row_block(int64_t rows) { gemm_row_block_ = rows > 0 ? rows : 0; }
+  int64_t gemm_row_block() const { return gemm_row_block_; }
+
   // ---- ops (validated by the core before they get here): one virtual per entry of op_list.h.
 #define KRNL_BACKEND_OP(name, params) virtual void name params;
   KRNL_OPS(KRNL_BACKEND_OP)
@@ -241,6 +248,7 @@ class Backend {
   std::unordered_set<std::shared_ptr<Storage>>* capture_keep_ = nullptr;
   bool in_step_ = false;
   uint64_t last_committed_ = 0;
+  int64_t gemm_row_block_ = 0;
   bool profiling_ = false;
   double device_ms_ = 0;
   std::vector<OpRecord> records_;

@@ -56,7 +56,9 @@ SplitKConfig CpuBackend::split_k_config() const {
   SplitKConfig c;
   c.tile_m = 64;
   c.tile_n = 64;
-  c.min_tiles = blas_fan_out() ? 2 * int64_t(ThreadPool::global().size()) : 0;
+  // Never in the sample order (gemm_row_block): a split chosen by M's tiles and the thread count
+  // would change a row's bits with them.
+  c.min_tiles = blas_fan_out() && gemm_row_block() == 0 ? 2 * int64_t(ThreadPool::global().size()) : 0;
   c.k_unit = 64;
   c.max_splits = 8;
   c.min_k_per_split = 512;

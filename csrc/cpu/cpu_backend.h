@@ -22,6 +22,10 @@ void register_second_backend();
 std::vector<int> probe_blas_threads();
 // Whether BLAS calls run side by side on the pool (blas.h's blas_fan_out).
 bool blas_fans_out();
+// Row-major f32 C (M, N) = alpha op(A) op(B) + beta C (blas.h's sgemm); with rows > 0 (the device's
+// gemm_row_block) in the sample order's blocks of that many rows (gemm.cpp).
+void sgemm_rows(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
+                const float* B, int64_t ldb, float beta, float* C, int64_t ldc, int64_t rows);
 
 class CpuBackend : public Backend {
  public:

@@ -48,11 +48,13 @@ void CpuBackend::quantized_matmul(const Tensor& x, const Tensor& w, const Tensor
         }
       }
     });
+    // M = N token rows: in the sample order's blocks of a sample's rows (gemm_row_block)
     if (transpose)  // out[:, o0:o0+rows] (+)= x (N, I) tile^T
-      sgemm(false, true, N, rows, I, 1.f, xf.data(), I, tile.data(), I, beta != 0.f ? 1.f : 0.f, &of[size_t(o0)], O);
+      sgemm_rows(false, true, N, rows, I, 1.f, xf.data(), I, tile.data(), I, beta != 0.f ? 1.f : 0.f,
+                 &of[size_t(o0)], O, gemm_row_block());
     else            // out (N, I) += x[:, o0:o0+rows] tile
-      sgemm(false, false, N, I, rows, 1.f, &xf[size_t(o0)], O, tile.data(), I, o0 > 0 || beta != 0.f ? 1.f : 0.f,
-            of.data(), I);
+      sgemm_rows(false, false, N, I, rows, 1.f, &xf[size_t(o0)], O, tile.data(), I,
+                 o0 > 0 || beta != 0.f ? 1.f : 0.f, of.data(), I, gemm_row_block());
   }
   for (int64_t n = 0; n < N; ++n) store_all(out.dtype(), &of[size_t(n * M)], M, out.data(), n * ldo);
 }

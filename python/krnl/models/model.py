@@ -301,11 +301,10 @@ class LlamaModel:
         dxn = d.empty((N, C), dt)
         # One (chunk, V) logits buffer serves every chunk (their ops run in queue order): where a
         # released buffer waits for the step's end (Metal), chunks would each hold their own.
-        chunk = min(N, self.ce_chunk)
+        chunk, spans = self.sums.row_chunks(B, T, self.ce_chunk)  # [(r0, r1)] of at most ce_chunk rows
         logits_buf = d.empty((chunk, V), dt)
         dl_buf = d.empty((chunk, V), dt) if self.final_softcap else logits_buf  # soft-capped logits are kept
-        for r0 in range(0, N, chunk):
-            r1 = min(N, r0 + chunk)
+        for r0, r1 in spans:
             logits, dl = logits_buf[0:r1 - r0], dl_buf[0:r1 - r0]
             linear(xn[r0:r1], self.head, logits)                          # logits = xn W^T
             gemma2.cap_logits(self.final_softcap, logits)

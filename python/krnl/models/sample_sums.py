@@ -18,7 +18,12 @@ The tree's shape depends only on the sample count, so a rank holding samples [r 
 of each global micro-batch (N a power of two) holds exactly a subtree's slots; for 2 ranks the
 two subtrees are the root's children, and MPI's sum of the two (a + b, one correctly rounded f32
 add whichever comes first) is one process's root. A node of 2^k samples runs as k levels of one
-GEMM each (_levels: a pair's 1 a + 1 b rounds once, to a + b), fewer ops than 2^k - 1 adds."""
+GEMM each (_levels: a pair's 1 a + 1 b rounds once, to a + b), fewer ops than 2^k - 1 adds.
+
+The sums' terms must also have one process's bits: from reserve() to finish() the device computes
+each GEMM in blocks of one sample's rows (Device.gemm_row_block; the CPU's single-threaded BLAS
+calls, whose kernels a call's shape picks), and the loss's chunks keep samples whole (row_chunks),
+so a row's bits do not depend on how many samples a process holds or on its thread count."""
 
 import numpy as np
 
@@ -42,6 +47,7 @@ class SampleSums:
         self._places = {}  # (buffer, byte offset, shape) of a gradient view -> its (S, m, n) view of the slots
         self._pair = {}    # (device, g) -> (g, 2 g) f32: a tree level's GEMM operand (_levels)
         self._ones = {}    # (device, T) -> (T, 1) f32 ones: a sample's row sum
+        self._device = None  # the device whose gemm_row_block reserve() set, until finish()
 
     def reserve(self, samples, T, device):
         """Before a training call of `samples` samples of T rows (outside any recording: what it
@@ -59,6 +65,9 @@ class SampleSums:
                                  f"{self.slots.shape[0]}: the sample order needs one batch size a step")
             self.slots, self._places = device.zeros((S, max(self.flat.numel, 1)), "f32"), {}  # (S, numel)
         self.filling = self.flat is not None
+        # Every GEMM of the call in blocks of one sample's rows (the CPU's; Device.gemm_row_block),
+        # so a row's bits do not depend on how many samples this process holds.
+        device.gemm_row_block, self._device = int(T), device
         return S
 
     def begin(self, samples):
@@ -132,6 +141,20 @@ class SampleSums:
         self._per_sample(a, b, P, alpha, 0.0, S)
         return self.tree_sum(P)
 
+    def row_chunks(self, B, T, most):
+        """(chunk, spans): B samples of T rows in chunks of at most `most` rows (the loss's
+        logits), the largest chunk's rows and each chunk's [r0, r1). In the sample order a chunk
+        holds whole samples, each a block of the CPU's GEMMs, or where a sample is longer than
+        `most` a piece of one at a fixed offset from its start: a row's chunk is the same in a
+        rank as in one process."""
+        N = B * T
+        chunk = min(N, int(most))
+        if self.samples and chunk < T:
+            return chunk, [(s * T + c, s * T + min(T, c + chunk)) for s in range(B) for c in range(0, T, chunk)]
+        if self.samples:
+            chunk -= chunk % T
+        return chunk, [(r0, min(N, r0 + chunk)) for r0 in range(0, N, chunk)]
+
     def _row_ones(self, d, T):
         if (d, T) not in self._ones:
             self._ones[(d, T)] = d.tensor(np.ones((T, 1), np.float32), "f32")
@@ -171,7 +194,10 @@ class SampleSums:
 
     def finish(self):
         """After a step's micro-batches (before the ranks' allreduce): the flat gradient += the
-        slots' tree, and the slots zeroed for the next step. Nothing while off."""
+        slots' tree, and the slots zeroed for the next step; the device's GEMMs unblocked. Nothing
+        while off."""
+        if self._device is not None:
+            self._device.gemm_row_block, self._device = 0, None
         if not self.on or self.slots is None:
             return
         n = self.flat.numel

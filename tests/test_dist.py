@@ -113,7 +113,7 @@ def test_dist_watchdog_names_a_rank_that_died():
     interval, not after KRNL_DIST_TIMEOUT, naming that rank and the collective, status 1."""
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    code = ("import socket, time\nfrom krnl import dist\nw = dist.World()\nh = socket.gethostname()\n"
+    code = ("import socket, time\nfrom krnl.train.dist import world as dist\nw = dist.World()\nh = socket.gethostname()\n"
             f"w.rank, w.size, w.peers = 0, 2, [(h, 1), (h, {gone.pid})]\n"
             "dist._Watchdog(w, 300).arm('the gradient allreduce of step 3')\ntime.sleep(60)")
     t0 = time.monotonic()
@@ -421,7 +421,7 @@ def test_dist_ranks_sharing_a_machine_split_its_cores():
     """Without KRNL_NUM_THREADS, each of 2 ranks on this machine sizes its thread pool to half
     the cores (set by dist.world() before the pool starts)."""
     # rank 0 prints every rank's line (two ranks' prints to one pipe may interleave)
-    code = ("import os, krnl\nfrom krnl import dist\nw = dist.world()\nkrnl.device('cpu')\n"
+    code = ("import os, krnl\nfrom krnl.train.dist import world as dist\nw = dist.world()\nkrnl.device('cpu')\n"
             "got = w.comm.gather(f'threads {w.rank} {krnl.num_threads()} {os.cpu_count()}')\n"
             "print('\\n'.join(got) if w.root else '')")
     env = {k: v for k, v in os.environ.items() if k != "KRNL_NUM_THREADS"}

@@ -188,7 +188,8 @@ def test_lora_group_model_reads_its_stacks(dev):
     """A Llama model lays each layer's A side by side: q, k, v and gate, up read theirs as one
     view of the model's parameters (no copy at the call) and write their gradients there; with
     only some of a group adapted, or the layout split, the group copies (stacked_A's other path)."""
-    from krnl.models.model import LlamaModel, LoraConfig, ModelConfig, random_weights
+    from krnl.models.model import LlamaModel
+    from krnl.models.config import LoraConfig, ModelConfig, random_weights
 
     cfg = ModelConfig.from_dict(dict(model_type="llama", vocab_size=61, hidden_size=32, intermediate_size=48,
                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8))

@@ -31,7 +31,7 @@ struct ElementwiseArgs {
 };
 
 // rmsnorm_forward: x (rows, cols); y (rows, cols) at row stride ldy (cols, or the wider buffer a
-// LoRA fold widens: python/krnl/lora_fold.py); w (cols,); rstd (rows,) f32. vec4 != 0: the host
+// LoRA fold widens: python/krnl/models/lora_fold.py); w (cols,); rstd (rows,) f32. vec4 != 0: the host
 // promises cols, ldy and x's and y's buffer offsets multiples of 4 elements (vector accesses).
 struct RmsnormArgs {
     uint32_t rows;

@@ -5,7 +5,7 @@
 // threadgroup memory. Half operands are read and combined in float, rounded once on the store.
 // y (and dy, dx in the backward) are x's dtype, or f32 from bf16 x with f32 w (the _yf32 and
 // _dyf32 kernels). y and dx are written at a row stride (ldy, ldx): a LoRA fold has the norm
-// write the first columns of a wider buffer (python/krnl/lora_fold.py); the rest is not touched.
+// write the first columns of a wider buffer (python/krnl/models/lora_fold.py); the rest is not touched.
 // rmsnorm_backward: the same geometry (one threadgroup per row), the residual add fused.
 // rmsnorm_backward_dw: 2-D threadgroups (tx, ty) with tx * ty <= 1024, grid (ceil(cols / tx), 1)
 // or fewer (groups stride over column blocks): thread (i, j) owns column block + i and sums rows

@@ -308,7 +308,7 @@ void bind_devices(nb::module_& m) {
            "Blocks until every committed submission has completed.")
       .def_prop_ro("in_step", &Backend::in_step)
       .def_prop_rw("gemm_row_block", &Backend::gemm_row_block, &Backend::set_gemm_row_block,
-                   "Rows of one sample while the sample reduce order runs (krnl.sample_sums), 0 when off: the "
+                   "Rows of one sample while the sample reduce order runs (krnl.models.sample_sums), 0 when off: the "
                    "CPU backend then computes each GEMM in blocks of that many rows (where M is a multiple of "
                    "it) and fixed column chunks, one single-threaded BLAS call each, so a row's bits do not "
                    "depend on how many samples the call holds or on the thread count. Other devices ignore it.")

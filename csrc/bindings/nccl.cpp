@@ -1,5 +1,5 @@
 // NCCL: the loader's answers (every build) and, in CUDA builds, a communicator of a CUDA device
-// (csrc/cuda/nccl_comm.h), which krnl.dist_nccl sums the flat LoRA gradient with.
+// (csrc/cuda/nccl_comm.h), which krnl.train.dist.nccl sums the flat LoRA gradient with.
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
@@ -42,7 +42,7 @@ void bind_nccl(nb::module_& m, nb::module_& testing) {
           if (r != nccl::kSuccess) nccl::fail(a, "ncclGetUniqueId", r);
           return nb::bytes(id.internal, sizeof id.internal);
         },
-        "ncclGetUniqueId's 128 bytes: made by one rank, sent to the others (krnl.dist does it over MPI), "
+        "ncclGetUniqueId's 128 bytes: made by one rank, sent to the others (krnl.train.dist.world does it over MPI), "
         "then every rank joins with nccl_comm.");
   testing.def("nccl_load", [](const std::string& path) { return describe(nccl::load(path)); }, "path"_a,
               "nccl_info's loading of one library path, uncached (the loader's tests).");

@@ -90,10 +90,10 @@ struct Capabilities {
   // with more than one variant (Metal); never a simulator.
   bool gemm_tuning = false;
   // Libraries that sum tensors across processes on this device's own queue, without a host copy
-  // ("nccl" on CUDA): data-parallel training takes them where every rank has one (krnl.dist_nccl).
+  // ("nccl" on CUDA): data-parallel training takes them where every rank has one (krnl.train.dist.nccl).
   // Whether the library itself loads on this machine is the loader's answer, not this one's.
   std::vector<std::string> collectives;
-  // Fold each LoRA's second product into its frozen GEMM's K (python/krnl/lora_fold.py): one pass
+  // Fold each LoRA's second product into its frozen GEMM's K (python/krnl/models/lora_fold.py): one pass
   // over the output instead of two, where passes over memory are what a GEMM this size costs.
   bool lora_fold = false;
   // Facts about the hardware behind the device (GPU name, GPU family, ...), for people.
@@ -159,7 +159,7 @@ class Backend {
   // ---- routing parameters (pure data for the core's routers)
   virtual SplitKConfig split_k_config() const { return {}; }
 
-  // ---- the sample reduce order (krnl.sample_sums sets it for its training calls): the rows of
+  // ---- the sample reduce order (krnl.models.sample_sums sets it for its training calls): the rows of
   // one sample, 0 when off. While set, the CPU backend computes each GEMM's output in blocks of
   // that many rows with calls whose shapes do not depend on M or the thread count (gemm.cpp), so
   // that a sample's rows get the same bits whichever process holds it; other backends ignore it.

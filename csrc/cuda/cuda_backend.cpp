@@ -68,7 +68,7 @@ const char* cublas_error() { return g_cublas_error.c_str(); }
 
 // Which GPU this process takes: KRNL_CUDA_DEVICE (an ordinal) when set; else, among the ranks of a
 // data-parallel run that share this machine, the rank's place on it (KRNL_LOCAL_RANK, which
-// krnl.dist sets before the device is made) modulo the GPUs, so that ranks take distinct GPUs
+// krnl.train.dist.world sets before the device is made) modulo the GPUs, so that ranks take distinct GPUs
 // where there are enough; else GPU 0. CUDA_VISIBLE_DEVICES, read by the driver, comes first.
 static int chosen_device(int count) {
   if (const char* e = std::getenv("KRNL_CUDA_DEVICE"); e && *e) {

@@ -47,7 +47,7 @@ Capabilities MetalOps::capabilities() const {
   c.fused_attention_dtypes = c.dtypes;
   c.fused_attention_segments = c.fused_attention_window = true;
   c.fused_attention_head_dims = attention_head_dims();
-  // The LoRA fold (python/krnl/lora_fold.py) pays by a static count of bytes per LoRA'd
+  // The LoRA fold (python/krnl/models/lora_fold.py) pays by a static count of bytes per LoRA'd
   // projection, each operand moved once (Metal GPUs are bandwidth-bound; docs/architecture.md,
   // 'The fold on Metal'): T rows, N outputs, G members of rank r. The forward's one GEMM saves
   // the rank-r product's write of y and the frozen GEMM's read of it (2 T N elements) for

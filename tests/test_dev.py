@@ -2,10 +2,12 @@
 imports from krnl exists (the probes run only on a CUDA machine, so this is what CI can keep true),
 every shell script parses, and, where nvcc exists, every CUDA probe compiles for the H200
 (attention_probe.cpp needs the cuDNN frontend's headers, which only the H200 phase brings). Each
-file has its line in dev/cuda/README.md."""
+file has its line in dev/cuda/README.md, and every measured file under dev/results and
+bench/results its line in that folder's README."""
 import ast
 import importlib
 import py_compile
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -56,3 +58,25 @@ def test_cuda_probe_compiles(path, tmp_path):
     r = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-I", str(ROOT / "csrc"), "-c", str(path),
                         "-o", str(tmp_path / "probe.o")], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("folder", ["dev/results", "bench/results"])
+def test_every_result_file_says_what_made_it(folder):
+    # A measured file nobody can trace is a figure nobody can check: each has its README line.
+
+    d = ROOT / folder
+    named = set()
+    for token in re.findall(r"`([^`]+)`", (d / "README.md").read_text()):
+        m = re.fullmatch(r"(.*)\{([^}]*)\}(.*)", token)  # `h200-train-{1b,8b}-...`: one line, several files
+        named |= {m[1] + x + m[3] for x in m[2].split(",")} if m else {token}
+    missing = [p.name for p in sorted(d.iterdir()) if p.name != "README.md" and p.name not in named]
+    assert not missing, f"{folder}/README.md has no line for {missing}"
+
+
+def test_docs_cite_result_files_that_exist():
+    cited = set()
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "dev" / "performance-history.md"]:
+        cited |= set(re.findall(r"(?:bench|dev)/results/[\w.-]+\.(?:json|txt)", doc.read_text()))
+    assert cited, "no result file cited: did the docs stop citing their data?"
+    gone = sorted(c for c in cited if not (ROOT / c).is_file())
+    assert not gone, f"cited but not in the tree: {gone}"

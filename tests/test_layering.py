@@ -257,3 +257,19 @@ def test_file_size(path):
     n = len(path.read_text(encoding="utf-8").splitlines())
     assert n <= MAX_LINES, f"{rel} has {n} lines (at most {MAX_LINES}): split it"
 
+
+
+def test_no_package_file_is_ignored_by_git():
+    # The wheel and the sdist leave out what .gitignore names: a package folder matching a pattern
+    # meant for the top (dist/, build/) would install without its modules.
+    import shutil
+    import subprocess
+
+    repo = ROOT.parents[1]
+    if shutil.which("git") is None or not (repo / ".git").exists():
+        pytest.skip("not a git checkout")
+    files = [str(p.relative_to(repo)) for p in sorted(ROOT.rglob("*.py"))]
+    r = subprocess.run(["git", "check-ignore", "--no-index", "--stdin"], cwd=repo, input="\n".join(files),
+                       capture_output=True, text=True)
+    assert r.returncode in (0, 1), r.stderr
+    assert r.stdout.split() == [], f"files of the package that .gitignore names: {r.stdout.split()}"

@@ -253,6 +253,12 @@ def test_quantization_options_have_one_vocabulary(tmp_path, capsys):
     assert "option 'quantize' is spelled q_bits now" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parse_args(["train", "--q-bits", "7"], commands)  # not a width MLX has
+    capsys.readouterr()
+    for cmd in ("train", "fuse", "quantize"):  # --help names the new spellings only
+        with pytest.raises(SystemExit):
+            parse_args([cmd, "--help"], commands)
+        out = capsys.readouterr().out
+        assert "--q-bits" in out and "--quantize" not in out and "--bits" not in out and "SUPPRESS" not in out
 
 
 def test_bad_lora_layers_and_seed(tmp_path, monkeypatch, capsys):

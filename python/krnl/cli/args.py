@@ -117,7 +117,8 @@ def _show_default(value):
 def _help_with_defaults(parser):
     """Appends "(default: ...)" to every option's help that does not already state its default."""
     for a in parser._actions:
-        if not a.option_strings or a.default is argparse.SUPPRESS or isinstance(a, argparse._HelpAction):
+        if (not a.option_strings or a.default is argparse.SUPPRESS or a.help is argparse.SUPPRESS
+                or isinstance(a, argparse._HelpAction)):
             continue
         text = a.help or ""
         if not re.search(r"\bdefault[: ]", text.lower()):  # "(default: x)", "(default x)", "; default: x"
@@ -143,7 +144,8 @@ def quantize_arguments(q, meaning, bits=None, recipes=False):
     --q-group-size quantize this command's model in MLX's affine layout; `meaning` says which model
     (train, eval, generate: the base held in memory; fuse, quantize: the folder written)."""
     q.add_argument("--q-bits", type=int, default=bits, choices=list(quant.BITS),
-                   help=f"quantize {meaning} to this many bits, as MLX does (affine: a scale and a bias per group)")
+                   help=f"bits per quantized weight of {meaning}, in MLX's affine layout (a scale and a bias per "
+                   "group)")
     q.add_argument("--q-group-size", type=int, default=64, choices=list(quant.MLX_GROUP_SIZES),
                    help="inputs per quantization group (with --q-bits)")
     if recipes:
@@ -318,13 +320,13 @@ def parse_args(argv, commands):
     f.add_argument("--dtype", default=None, choices=["f32", "f16", "bf16"],
                    help="output dtype (default: each tensor's stored dtype; bf16 from a quantized base; with "
                    "--q-bits the base's dtype)")
-    quantize_arguments(f, "the fused model, written as an MLX folder as mlx_lm.convert -q does")
+    quantize_arguments(f, "the fused model, written as an MLX folder as mlx_lm.convert -q writes one")
     f.set_defaults(fn=commands["fuse"])
 
     z = sub.add_parser("quantize", help="write an HF model folder as an MLX quantized folder (as mlx_lm.convert -q)")
     z.add_argument("--model", required=True, help="the HF folder to quantize (f32, f16 or bf16 weights)")
     z.add_argument("--save-path", default="mlx_model", help="output folder")
-    quantize_arguments(z, "the model", bits=4, recipes=True)
+    quantize_arguments(z, "the written folder", bits=4, recipes=True)
     z.add_argument("--dtype", default=None, choices=["f32", "f16", "bf16"],
                    help="dtype of the scales, biases and unquantized weights (default: the config's torch_dtype, "
                    "else the stored one)")

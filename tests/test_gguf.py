@@ -381,10 +381,10 @@ def test_gguf_fused_folder_loads_in_transformers(tmp_path):
 @pytest.mark.parametrize("bits", [4, 5, 6, 8])
 @pytest.mark.parametrize("rows", [1, 33])
 def test_gguf_pack_is_quant_pack(bits, rows):
-    from krnl.quant import gguf as gguf_quants, affine as quant
+    from krnl.quant import gguf as gguf_quants, affine
 
     codes = np.random.default_rng(bits).integers(0, 2 ** bits, (rows, 96))
-    assert np.array_equal(gguf_quants._pack(codes, bits), quant.pack(codes, bits))
+    assert np.array_equal(gguf_quants._pack(codes, bits), affine.pack(codes, bits))
 
 
 def test_gguf_quantize_on_load_only_for_float_files(tmp_path):

@@ -14,7 +14,7 @@ test_metal_kernels.py's."""
 import numpy as np
 import pytest
 
-from krnl.quant import affine as quant
+from krnl.quant import affine
 from test_metal_kernels import KARGS, METAL, _caught, _without_barriers, build_all
 
 QuantizedMatmulArgs = KARGS["QuantizedMatmulArgs"]
@@ -42,7 +42,7 @@ def weights(O, I, bits, gs, sdt):
     s = (rng.uniform(0.01, 0.2, (O, I // gs)) * rng.choice([-1.0, 1.0], (O, I // gs))).astype(sdt)
     b = rng.standard_normal((O, I // gs)).astype(sdt)
     W = np.repeat(s.astype(np.float64), gs, 1) * codes + np.repeat(b.astype(np.float64), gs, 1)
-    return np.ascontiguousarray(quant.pack(codes, bits).view(np.uint32)), s, b, W
+    return np.ascontiguousarray(affine.pack(codes, bits).view(np.uint32)), s, b, W
 
 
 def padded(rows, cols, ld, dtype, fill):
@@ -98,8 +98,8 @@ def check(got, ref, mag, dt, K, out_flat, N, M):
 CASES = {"t": [(33, 45, 3), (31, 9, 2)], "n": [(33, 37, 2), (1, 70, 3)], "tv": [(1, 17, 3), (9, 3, 2)]}
 
 
-@pytest.mark.parametrize("gs", quant.GROUP_SIZES)
-@pytest.mark.parametrize("bits", quant.BITS)
+@pytest.mark.parametrize("gs", affine.GROUP_SIZES)
+@pytest.mark.parametrize("bits", affine.BITS)
 @pytest.mark.parametrize("form", ["t", "n", "tv"])
 def test_quantized_matmul_metal(libs, form, bits, gs):
     """Every bits and group size, each form, f32, at two shapes (I in groups)."""

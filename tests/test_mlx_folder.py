@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import krnl
-from krnl.quant import affine as quant
+from krnl.quant import affine
 from krnl.cli.main import main
 from krnl.formats.hf import fuse, load_hf_weights, load_model, read_tensors, write_sharded
 from krnl.models.model import LlamaModel
@@ -159,7 +159,7 @@ def test_quantize_command_writes_mlx_layout(tmp_path, capsys):
     assert h["model.embed_tokens.weight"] == ("BF16", (V, 64)) and h["model.norm.weight"] == ("BF16", (64,))
     # The codes, scales and biases are krnl.quant.affine's of the weight cast to bf16.
     W = np.asarray(load_hf_weights(base)["model.layers.1.mlp.down_proj.weight"], np.float32)
-    w, s, b = quant.quantize(round_bf16(W), 5, 128)
+    w, s, b = affine.quantize(round_bf16(W), 5, 128)
     qa = load_hf_weights(out)["model.layers.1.mlp.down_proj.weight"]
     assert np.array_equal(np.asarray(qa.w).view(np.int32), w)
     assert np.array_equal(np.asarray(qa.scales, np.float32), round_bf16(s))
@@ -249,7 +249,7 @@ def test_fuse_from_and_to_mlx_folder(tmp_path, capsys):
     assert np.array_equal(np.asarray(q[un].w), np.asarray(src[un].w))
     W32 = krnl.formats.hf.merged_weight(np.asarray(src[merged], np.float32), t[lora_key(1, "q_proj", "A")],
                                 t[lora_key(1, "q_proj", "B")], 1.5)
-    w, s, b = quant.quantize(round_bf16(W32), 4, 32)
+    w, s, b = affine.quantize(round_bf16(W32), 4, 32)
     assert np.array_equal(np.asarray(q[merged].w).view(np.int32), w)
     assert np.array_equal(np.asarray(q[merged].scales, np.float32), round_bf16(s))
     assert fuse(tmp_path / "m", tmp_path / "a", tmp_path / "q2", quantize=(8, 64))["merged"]

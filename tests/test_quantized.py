@@ -7,7 +7,7 @@ import pytest
 
 import krnl
 from krnl import ops
-from krnl.quant import affine as quant
+from krnl.quant import affine
 
 from conftest import (FLOAT_DTYPES, U32, UNIT_ROUNDOFF, assert_close_elementwise, dispatch_budget, read, round_to,
                       to_dev, upload)
@@ -19,18 +19,18 @@ def test_pack_layout():
     # 3 bits: one little-endian bit stream; code 10 straddles words 0 and 1 (bits 30-32).
     c3 = np.zeros((1, 32), np.int64)
     c3[0, 10], c3[0, 31] = 7, 5
-    assert quant.pack(c3, 3).view(np.uint32).tolist() == [[0xC0000000, 0x1, 0xA0000000]]
-    w = quant.pack(codes, 4)
+    assert affine.pack(c3, 3).view(np.uint32).tolist() == [[0xC0000000, 0x1, 0xA0000000]]
+    w = affine.pack(codes, 4)
     assert w.dtype == np.int32 and w.shape == (1, 2)
     assert w.view(np.uint32)[0, 0] == 0x87654321 and w.view(np.uint32)[0, 1] == 0x9000000F
     rng = np.random.default_rng(0)
-    for bits in quant.BITS:
+    for bits in affine.BITS:
         c = rng.integers(0, 1 << bits, (3, 64))
-        assert np.array_equal(quant.unpack(quant.pack(c, bits), bits), c)
+        assert np.array_equal(affine.unpack(affine.pack(c, bits), bits), c)
 
 
-@pytest.mark.parametrize("bits", quant.BITS)
-@pytest.mark.parametrize("group_size", quant.GROUP_SIZES)
+@pytest.mark.parametrize("bits", affine.BITS)
+@pytest.mark.parametrize("group_size", affine.GROUP_SIZES)
 def test_quantize_round_trip(bits, group_size):
     """Each weight whose code is not clipped comes back within half a step of its group, a clipped
     one (the far end, whose step count the exact near end rounds) within 1.5 steps; the end of
@@ -38,10 +38,10 @@ def test_quantize_round_trip(bits, group_size):
     rng = np.random.default_rng(bits * group_size)
     w = (rng.standard_normal((5, 4 * group_size)) * rng.uniform(0.01, 4, (5, 1))).astype(np.float32)
     w[0, :group_size] = 0.75
-    wq, s, b = quant.quantize(w, bits, group_size)
-    back = quant.dequantize(wq, s, b, bits, group_size)
+    wq, s, b = affine.quantize(w, bits, group_size)
+    back = affine.dequantize(wq, s, b, bits, group_size)
     step = np.repeat(np.abs(s), group_size, axis=1)
-    codes = quant.unpack(wq, bits)
+    codes = affine.unpack(wq, bits)
     inside = (codes > 0) & (codes < (1 << bits) - 1)
     err = np.abs(back - w) - 1e-6 * np.abs(w)
     assert np.all(err[inside] <= 0.5 * step[inside] * (1 + 1e-5)) and np.all(err <= 1.5 * step)
@@ -58,13 +58,13 @@ def test_quantize_matches_mlx(dtype):
     weight's dtype, as MLX returns them)."""
     mx = pytest.importorskip("mlx.core")
     rng = np.random.default_rng(3)
-    for bits in quant.BITS:
-        for gs in quant.MLX_GROUP_SIZES:
+    for bits in affine.BITS:
+        for gs in affine.MLX_GROUP_SIZES:
             w = (rng.standard_normal((6, 384)) * rng.uniform(0.01, 3, (6, 1))).astype(np.float32)
             w[1, :gs] = -np.abs(w[1, :gs])
             wm = mx.array(w).astype(getattr(mx, dtype))
             wq, s, b = mx.quantize(wm, group_size=gs, bits=bits)
-            pq, ps, pb = quant.quantize(np.array(wm.astype(mx.float32)), bits, gs)
+            pq, ps, pb = affine.quantize(np.array(wm.astype(mx.float32)), bits, gs)
             as_dtype = lambda a: np.array(mx.array(a).astype(getattr(mx, dtype)).astype(mx.float32))
             assert np.array_equal(np.array(wq).view(np.int32), pq), (bits, gs)
             assert np.array_equal(np.array(s.astype(mx.float32)), as_dtype(ps)), (bits, gs)
@@ -73,10 +73,10 @@ def test_quantize_matches_mlx(dtype):
 
 def test_quantize_errors():
     with pytest.raises(ValueError, match=r"\[quantize\] bits must be one of \(2, 3, 4, 5, 6, 8\), got 7"):
-        quant.quantize(np.zeros((2, 64)), 7, 64)
+        affine.quantize(np.zeros((2, 64)), 7, 64)
     with pytest.raises(ValueError, match=r"\[quantize\] W must be 2-D with its last dimension a multiple of "
                                          r"group_size 64 .*, got shape \(2, 96\)"):
-        quant.quantize(np.zeros((2, 96)), 4, 64)
+        affine.quantize(np.zeros((2, 96)), 4, 64)
 
 
 # ------------------------------------------------------------------------------- quantized_matmul
@@ -105,7 +105,7 @@ def quantized_inputs(dev, O, I, bits, group_size, sdt, seed):
     s, sf = upload(dev, scales, sdt)
     b, bf = upload(dev, biases, sdt)
     W = np.repeat(sf, group_size, axis=1) * codes + np.repeat(bf, group_size, axis=1)
-    return to_dev(dev, quant.pack(codes, bits), "i32"), s, b, W
+    return to_dev(dev, affine.pack(codes, bits), "i32"), s, b, W
 
 
 # (N, O, I, group_size): 1, 31 and 33 rows (Metal's 32-row tiles), 8 and 9 (the last of Metal's
@@ -116,7 +116,7 @@ QMM_CASES = [(1, 1, 32, 32), (33, 31, 96, 32), (2, 300, 192, 64), (33, 65, 320, 
 
 
 @pytest.mark.parametrize("dt", FLOAT_DTYPES)
-@pytest.mark.parametrize("bits", quant.BITS)
+@pytest.mark.parametrize("bits", affine.BITS)
 @pytest.mark.parametrize("transpose", [True, False], ids=["xWt", "xW"])
 @pytest.mark.parametrize("N,O,I,group_size", QMM_CASES, ids=[f"{n}x{o}x{i}g{g}" for n, o, i, g in QMM_CASES])
 def test_quantized_matmul(dev, N, O, I, group_size, transpose, bits, dt):
@@ -157,7 +157,7 @@ def test_quantized_matmul_f32_scales_with_16_bit_activations(dev):
 
 
 @pytest.mark.parametrize("dt", FLOAT_DTYPES)
-@pytest.mark.parametrize("bits", quant.BITS)
+@pytest.mark.parametrize("bits", affine.BITS)
 @pytest.mark.parametrize("V,C,group_size", [(1, 32, 32), (33, 96, 32), (7, 64, 16), (5, 384, 128)])
 def test_quantized_embedding(dev, V, C, group_size, bits, dt):
     """Rows of a quantized table, repeated and in any order, equal the float64 dequantized rows
@@ -377,7 +377,7 @@ def test_model_takes_quantized_arrays(dev, dtype):
         m = name.split(".")[-2]
         if name.endswith("_proj.weight") or name in ("lm_head.weight", "model.embed_tokens.weight"):
             bits, gs, sdt = layout.get(m, (8, 32, "f16"))
-            w, s, b = quant.quantize(np.asarray(weights[name], np.float32), bits, gs)
+            w, s, b = affine.quantize(np.asarray(weights[name], np.float32), bits, gs)
             s, b = round_to(s, sdt).astype(np.float32), round_to(b, sdt).astype(np.float32)
             qw[name] = QuantizedArray(w, s, b, bits, gs, sdt)
             dense[name] = qw[name].dequantize()

@@ -6,7 +6,7 @@ import argparse
 import re
 import sys
 
-from ..quant import affine as quant
+from ..quant import affine
 
 
 def yaml_defaults(path, parser):
@@ -143,19 +143,19 @@ def quantize_arguments(q, meaning, bits=None, recipes=False):
     """The quantization options, one vocabulary on every command (mlx_lm.convert's): --q-bits and
     --q-group-size quantize this command's model in MLX's affine layout; `meaning` says which model
     (train, eval, generate: the base held in memory; fuse, quantize: the folder written)."""
-    q.add_argument("--q-bits", type=int, default=bits, choices=list(quant.BITS),
+    q.add_argument("--q-bits", type=int, default=bits, choices=list(affine.BITS),
                    help=f"bits per quantized weight of {meaning}, in MLX's affine layout (a scale and a bias per "
                    "group)")
-    q.add_argument("--q-group-size", type=int, default=64, choices=list(quant.MLX_GROUP_SIZES),
+    q.add_argument("--q-group-size", type=int, default=64, choices=list(affine.MLX_GROUP_SIZES),
                    help="inputs per quantization group (with --q-bits)")
     if recipes:
         q.add_argument("--quant-predicate", default=None, choices=["mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6"],
                        help="one of mlx-lm's mixed-bit recipes (sets the bits; v_proj, down_proj and the head get "
                        "more)")
     old = ["--quantize"] if bits is None else ["--bits"]
-    q.add_argument(*old, dest="q_bits", type=int, choices=list(quant.BITS), action=_Renamed, help=argparse.SUPPRESS)
+    q.add_argument(*old, dest="q_bits", type=int, choices=list(affine.BITS), action=_Renamed, help=argparse.SUPPRESS)
     if bits is not None:
-        q.add_argument("--group-size", dest="q_group_size", type=int, choices=list(quant.MLX_GROUP_SIZES),
+        q.add_argument("--group-size", dest="q_group_size", type=int, choices=list(affine.MLX_GROUP_SIZES),
                        action=_Renamed, help=argparse.SUPPRESS)
 
 

@@ -16,7 +16,7 @@ of a module quantized as mx.quantize does, for krnl.formats.hf.write_sharded."""
 
 import numpy as np
 
-from ..quant import affine as quant
+from ..quant import affine
 from ..models.config import module_part
 from ..quant.qweight import QuantizedArray
 from ..io.safetensors_io import encode, f32_to_bf16
@@ -112,10 +112,10 @@ def read_quantized(tensors, config, q, folder):
         words, groups = w.shape[1], s.shape[1] if s.ndim == 2 else 0
         bits = words * 32 // I if I else 0
         gs = I // groups if groups else 0
-        if (w.shape[0] != O or s.shape[0] != O or words * 32 != bits * I or bits not in quant.BITS
-                or gs * groups != I or gs not in quant.GROUP_SIZES):
+        if (w.shape[0] != O or s.shape[0] != O or words * 32 != bits * I or bits not in affine.BITS
+                or gs * groups != I or gs not in affine.GROUP_SIZES):
             bad.append(f"{at}: codes {w.shape} and scales {s.shape} do not quantize a ({O}, {I}) weight at "
-                       f"bits {quant.BITS} and group sizes {quant.GROUP_SIZES}")
+                       f"bits {affine.BITS} and group sizes {affine.GROUP_SIZES}")
             continue
         if isinstance(ov, tuple) and ov != (bits, gs):
             bad.append(f"{m}: stored at {bits} bits in groups of {gs}, the config says {ov[0]} bits, groups of "
@@ -135,12 +135,12 @@ def plan(config, bits, group_size, overrides=None):
     """{module path: (bits, group_size) or None} as mlx_lm.convert -q chooses: every Linear and
     Embedding whose input size is a multiple of its group size is quantized. `overrides` {module
     path: (bits, group_size) or None} changes single modules (mixed recipes)."""
-    quant.check((1, group_size), bits, group_size)
+    affine.check((1, group_size), bits, group_size)
     out = {}
     for m in module_paths(config):
         layout = (overrides or {}).get(m, (bits, group_size))
         if layout is not None:
-            quant.check((1, layout[1]), *layout)
+            affine.check((1, layout[1]), *layout)
             inp = config.hidden_size if m in ("model.embed_tokens", "lm_head") else config.module_shape(
                 m.rsplit(".", 1)[1])[1]
             layout = layout if inp % layout[1] == 0 else None
@@ -200,7 +200,7 @@ def quantized_items(module, get_w32, shape, bits, group_size, dtype):
     def part(i):
         def make():
             if "q" not in done:
-                done["q"] = quant.quantize(round_to(get_w32(), dtype), bits, group_size)
+                done["q"] = affine.quantize(round_to(get_w32(), dtype), bits, group_size)
             a = done["q"][i]
             if i == 2:
                 done.clear()  # biases come last: free the module's arrays

@@ -28,7 +28,7 @@ from .step_inputs import DeviceInputs, HostInputs
 from . import phi3
 from ..quant.qweight import embed, frozen_weight, linear, linear_grad
 from . import gemma2
-from ..quant import affine as quant
+from ..quant import affine
 
 ops = _core.ops
 
@@ -71,7 +71,7 @@ class LlamaModel:
         # a base quantized on load); embeddings, head and norms stay in the compute dtype.
         self.quantize = None if quantize is None else (int(quantize[0]), int(quantize[1]))
         if self.quantize is not None:
-            quant.check((1, self.quantize[1]), *self.quantize)
+            affine.check((1, self.quantize[1]), *self.quantize)
         self.sums = SampleSums(self.lora_params)  # .on: LoRA gradients and loss summed per sample (sample_sums)
         self.layers = [build_layer(i, c, weights, device, dtype, self.heads, ones, self.lora_config, self.lora_params,
                                    self.adapted, self.quantize, self.sums) for i in range(c.num_hidden_layers)]

@@ -21,7 +21,7 @@ No Python loop runs per block: each type is a few whole-array numpy operations."
 
 import numpy as np
 
-from . import affine as quant
+from . import affine
 
 QK_K = 256
 
@@ -109,7 +109,7 @@ _CONVERT = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q5_K": 
 
 
 def _pack(codes, bits):
-    """quant.pack's layout built bytewise: the row's bit stream in little-endian 32-bit words is
+    """affine.pack's layout built bytewise: the row's bit stream in little-endian 32-bit words is
     the same stream in bytes, and g = 8 / gcd(bits, 8) codes fill g * bits / 8 whole bytes
     (one code a byte at 8 bits, two at 4, four codes in three bytes at 6, eight in five at 5)."""
     O, I = codes.shape

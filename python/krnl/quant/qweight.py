@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import _core
-from . import affine as quant
+from . import affine
 
 ops = _core.ops
 
@@ -38,7 +38,7 @@ class QuantizedArray:
 
     def __post_init__(self):
         s = tuple(np.shape(self.scales))
-        quant.check((s[0] if s else 0, np.shape(self.w)[1] * 32 // self.bits), self.bits, self.group_size)
+        affine.check((s[0] if s else 0, np.shape(self.w)[1] * 32 // self.bits), self.bits, self.group_size)
         if self.scale_dtype not in ("f32", "f16", "bf16"):
             raise ValueError(f"[quantize] scale_dtype must be f32, f16 or bf16, got {self.scale_dtype!r}")
 
@@ -51,7 +51,7 @@ class QuantizedArray:
         return 2
 
     def dequantize(self):
-        return quant.dequantize(np.asarray(self.w), np.asarray(self.scales, np.float32),
+        return affine.dequantize(np.asarray(self.w), np.asarray(self.scales, np.float32),
                                 np.asarray(self.biases, np.float32), self.bits, self.group_size)
 
     def __array__(self, dtype=None, copy=None):
@@ -86,7 +86,7 @@ class QuantizedWeight:
         if W.ndim != 2 or W.shape[1] % group_size:
             raise ValueError(f"[quantize] {what} {tuple(W.shape)}: its input size must be a multiple of "
                              f"--q-group-size {group_size}")
-        w, s, b = quant.quantize(W, bits, group_size)
+        w, s, b = affine.quantize(W, bits, group_size)
         return QuantizedWeight(device.tensor(w, "i32"), device.tensor(s, dtype), device.tensor(b, dtype), bits,
                                group_size)
 
@@ -104,7 +104,7 @@ class QuantizedWeight:
 
     def numpy(self):
         """The dequantized weight (out, in) float32, as the products see it."""
-        return quant.dequantize(self.w.numpy(), np.asarray(self.scales.numpy(), np.float32),
+        return affine.dequantize(self.w.numpy(), np.asarray(self.scales.numpy(), np.float32),
                                 np.asarray(self.biases.numpy(), np.float32), self.bits, self.group_size)
 
 

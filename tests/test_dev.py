@@ -19,9 +19,17 @@ DEV = ROOT / "dev" / "cuda"
 PROBES = sorted(p for p in DEV.iterdir() if p.name != "README.md")
 
 
+def readme_names(folder):
+    """The file names a folder's README.md names in backticks, `a-{1b,8b}.json` standing for both."""
+    named = set()
+    for token in re.findall(r"`([^`]+)`", (folder / "README.md").read_text()):
+        m = re.fullmatch(r"(.*)\{([^}]*)\}(.*)", token)
+        named |= {m[1] + x + m[3] for x in m[2].split(",")} if m else {token}
+    return named
+
+
 def test_every_probe_has_its_purpose():
-    readme = (DEV / "README.md").read_text()
-    missing = [p.name for p in PROBES if f"`{p.name}`" not in readme]
+    missing = [p.name for p in PROBES if p.name not in readme_names(DEV)]
     assert not missing, f"dev/cuda/README.md has no line for {missing}"
 
 
@@ -63,12 +71,8 @@ def test_cuda_probe_compiles(path, tmp_path):
 @pytest.mark.parametrize("folder", ["dev/results", "bench/results"])
 def test_every_result_file_says_what_made_it(folder):
     # A measured file nobody can trace is a figure nobody can check: each has its README line.
-
     d = ROOT / folder
-    named = set()
-    for token in re.findall(r"`([^`]+)`", (d / "README.md").read_text()):
-        m = re.fullmatch(r"(.*)\{([^}]*)\}(.*)", token)  # `h200-train-{1b,8b}-...`: one line, several files
-        named |= {m[1] + x + m[3] for x in m[2].split(",")} if m else {token}
+    named = readme_names(d)
     missing = [p.name for p in sorted(d.iterdir()) if p.name != "README.md" and p.name not in named]
     assert not missing, f"{folder}/README.md has no line for {missing}"
 

@@ -203,14 +203,14 @@ def folder_violations(modules, layers):
     """["module (layer)"] for every module outside its layer's folder: a module in krnl/x/ belongs to
     layer x, and the lowest layer holds the files at the top (plus __main__, which the table may
     put in any layer: `python -m krnl` is the CLI)."""
-    out = []
+    names, out = {n for n, _ in layers}, []
     for m in sorted(modules):
         found = layers_of(layers, m)
         if len(found) != 1:
             continue  # test_every_module_has_exactly_one_layer reports it
         name = layers[found[0]][0]
-        top = m.split(".")[0] if "." in m or m in {n for n, _ in layers} else None
-        if (top or layers[0][0]) != name and m != "__main__":
+        folder = m.split(".")[0] if "." in m or m in names else layers[0][0]  # a package's __init__ is its folder's
+        if folder != name and m != "__main__":
             out.append(f"{m} ({name})")
     return out
 

@@ -46,9 +46,8 @@ def yaml_defaults(path, parser):
     for key, value in data.items():
         dest = str(key).replace("-", "_")
         if dest in RENAMED:
-            print(f"krnl: {path}: option {key!r} is spelled {RENAMED[dest].lstrip('-').replace('-', '_')} now",
-                  file=sys.stderr)
-            dest = RENAMED[dest].lstrip("-").replace("-", "_")
+            print(f"krnl: {path}: option {key!r} is spelled {RENAMED[dest]} now", file=sys.stderr)
+            dest = RENAMED[dest]
         if dest not in known or dest in ("help", "config"):
             raise SystemExit(f"krnl train: error: {path}: unknown option {key!r}")
         out[dest] = _yaml_value(path, key, value, actions[dest])
@@ -127,36 +126,36 @@ def _help_with_defaults(parser):
 
 # Former spellings, still accepted with a note: --quantize was "hold the base quantized" on train but
 # "write an MLX folder" on fuse, and `krnl quantize` said --bits; one vocabulary now, mlx-lm's.
-RENAMED = {"quantize": "--q-bits", "bits": "--q-bits", "group_size": "--q-group-size"}
+# {former dest: the dest of the option it is now}
+RENAMED = {"quantize": "q_bits", "bits": "q_bits", "group_size": "q_group_size"}
 
 
 class _Renamed(argparse.Action):
     """An option's former spelling: hidden from --help, stored under the new one's dest."""
 
     def __call__(self, parser, namespace, values, option_string=None):
-        new = RENAMED[option_string.lstrip("-").replace("-", "_")]
-        print(f"krnl: {option_string} is spelled {new} now", file=sys.stderr)
+        print(f"krnl: {option_string} is spelled --{self.dest.replace('_', '-')} now", file=sys.stderr)
         setattr(namespace, self.dest, values)
 
 
-def quantize_arguments(q, meaning, bits=None, recipes=False):
+def quantize_arguments(q, meaning, bits=None, recipes=False, former=("quantize",)):
     """The quantization options, one vocabulary on every command (mlx_lm.convert's): --q-bits and
     --q-group-size quantize this command's model in MLX's affine layout; `meaning` says which model
-    (train, eval, generate: the base held in memory; fuse, quantize: the folder written)."""
-    q.add_argument("--q-bits", type=int, default=bits, choices=list(affine.BITS),
-                   help=f"bits per quantized weight of {meaning}, in MLX's affine layout (a scale and a bias per "
-                   "group)")
-    q.add_argument("--q-group-size", type=int, default=64, choices=list(affine.MLX_GROUP_SIZES),
-                   help="inputs per quantization group (with --q-bits)")
+    (train, eval, generate: the base held in memory; fuse, quantize: the folder written). `former`:
+    the command's earlier spellings (RENAMED's keys)."""
+    new = {"q_bits": q.add_argument("--q-bits", type=int, default=bits, choices=list(affine.BITS),
+                                    help=f"bits per quantized weight of {meaning}, in MLX's affine layout (a "
+                                    "scale and a bias per group)"),
+           "q_group_size": q.add_argument("--q-group-size", type=int, default=64, choices=list(affine.MLX_GROUP_SIZES),
+                                          help="inputs per quantization group (with --q-bits)")}
     if recipes:
         q.add_argument("--quant-predicate", default=None, choices=["mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6"],
                        help="one of mlx-lm's mixed-bit recipes (sets the bits; v_proj, down_proj and the head get "
                        "more)")
-    old = ["--quantize"] if bits is None else ["--bits"]
-    q.add_argument(*old, dest="q_bits", type=int, choices=list(affine.BITS), action=_Renamed, help=argparse.SUPPRESS)
-    if bits is not None:
-        q.add_argument("--group-size", dest="q_group_size", type=int, choices=list(affine.MLX_GROUP_SIZES),
-                       action=_Renamed, help=argparse.SUPPRESS)
+    for old in former:
+        a = new[RENAMED[old]]
+        q.add_argument("--" + old.replace("_", "-"), dest=a.dest, type=int, choices=a.choices, action=_Renamed,
+                       help=argparse.SUPPRESS)
 
 
 SHORT_TARGETS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj", "up": "up_proj",
@@ -326,7 +325,7 @@ def parse_args(argv, commands):
     z = sub.add_parser("quantize", help="write an HF model folder as an MLX quantized folder (as mlx_lm.convert -q)")
     z.add_argument("--model", required=True, help="the HF folder to quantize (f32, f16 or bf16 weights)")
     z.add_argument("--save-path", default="mlx_model", help="output folder")
-    quantize_arguments(z, "the written folder", bits=4, recipes=True)
+    quantize_arguments(z, "the written folder", bits=4, recipes=True, former=("bits", "group_size"))
     z.add_argument("--dtype", default=None, choices=["f32", "f16", "bf16"],
                    help="dtype of the scales, biases and unquantized weights (default: the config's torch_dtype, "
                    "else the stored one)")

@@ -119,6 +119,27 @@ void bind_ops(nb::module_& parent) {
         "of lr, weight_decay, step and grad_scale: grad_scale = clip * inv_denom with norm = sqrt(sq) *\n"
         "inv_denom, clip = min(1, max_norm / (norm + 1e-6)) if max_norm > 0; nothing is written when\n"
         "flag[0] != 0 or sq[0] is not finite.");
+  m.def("moe_route", &ops::moe_route, release, "logits"_a, "ids"_a, "weights"_a, "norm"_a = false,
+        "ids (N, K) i32 = the K experts of largest softmax(logits (N, E)) per row (f32, descending, a tie\n"
+        "to the lower expert); weights (N, K) f32 their probabilities, divided by their sum if norm.");
+  m.def("moe_route_backward", &ops::moe_route_backward, release, "logits"_a, "ids"_a, "dweights"_a, "dlogits"_a,
+        "norm"_a = false, "dprobs"_a = nb::none(),
+        "dlogits (N, E) (overwritten) of moe_route given dweights (N, K) f32; dprobs (E,) f32, if given,\n"
+        "is added to every row's gradient of the probabilities (the load-balancing loss's).");
+  m.def("moe_sort", &ops::moe_sort, release, "ids"_a, "tokens"_a, "slot"_a, "offsets"_a,
+        "Groups the (token, k) pairs of ids (N, K) by expert, stably: slot (N, K) i32 each pair's position,\n"
+        "tokens (N K,) i32 each position's token, offsets (E + 1,) i32 each expert's first position.");
+  m.def("moe_combine", &ops::moe_combine, release, "ys"_a, "slot"_a, "weights"_a.none(), "out"_a, "beta"_a = 0.0f,
+        "out (N, C) = beta * out + sum_k weights[t, k] * ys[slot[t, k]] (weights None: 1), in f32.");
+  m.def("moe_combine_backward", &ops::moe_combine_backward, release, "dout"_a, "ys"_a, "slot"_a, "weights"_a, "dys"_a,
+        "dweights"_a, "dys[slot[t, k]] = weights[t, k] * dout[t]; dweights[t, k] = dout[t] . ys[slot[t, k]] (f32).");
+  m.def("moe_gemm", &ops::moe_gemm, release, "x"_a, "w"_a, "offsets"_a, "out"_a, "transpose"_a = true,
+        "alpha"_a = 1.0f, "beta"_a = 0.0f,
+        "Rows offsets[e]:offsets[e+1] of x times expert e of w (E, O, I): out = alpha * x W_e^T + beta * out\n"
+        "(transpose: x (P, I), out (P, O)) or alpha * x W_e + beta * out (x (P, O), out (P, I)).");
+  m.def("moe_gemm_weight_grad", &ops::moe_gemm_weight_grad, release, "a"_a, "b"_a, "offsets"_a, "out"_a,
+        "alpha"_a = 1.0f, "beta"_a = 0.0f,
+        "out[e] (M, N) = alpha * a_e^T b_e + beta * out[e] over expert e's rows of a (P, M) and b (P, N).");
   m.def("sumsq", &ops::sumsq, release, "x"_a, "out"_a, "out[0] = sum(x^2) (f32).");
   m.def("nonfinite", &ops::nonfinite, release, "x"_a, "flag"_a, "flag[0] = 1 if x holds inf or NaN (never cleared).");
 }

@@ -56,6 +56,25 @@
 //   (T,) i32 and inv_freq (R,) f32 the rows of heads h < rotate also turn as `rope` turns them
 //   (sign +1 forward, -1 backward) on the way: one pass instead of a transpose and two ropes.
 //   heads_axis names x's head axis (1: x (T, H, D), 0: x (H, T, D)); positions index the other.
+// - Mixture of experts (docs/architecture.md, 'Experts'): N tokens, E experts, K experts per token,
+//   P = N K (token, expert) pairs. moe_route: p = softmax(logits (N, E)) in f32; ids (N, K) i32 the K
+//   largest p of each row in descending order, a tie going to the lower expert (a fixed rule: torch.topk
+//   leaves the order of ties unspecified);
+//   weights (N, K) f32 their p, divided by their sum where norm. moe_route_backward overwrites
+//   dlogits (N, E) (logits' dtype) given dweights (N, K) f32 (recomputing p), dprobs (E,) f32 where
+//   given added to every row's gradient of p (the load-balancing loss's). moe_sort groups the pairs
+//   by expert, stably: pair (t, k) goes to position s = slot[t, k] (slot (N, K) i32), tokens[s] = t
+//   (tokens (P,) i32: embedding_forward(tokens, x) gathers the grouped rows), expert e holds
+//   positions offsets[e]:offsets[e + 1] (offsets (E + 1,) i32, E from its length). moe_combine: out
+//   (N, C) = beta out + sum over k in order of weights[t, k] (1 without weights) ys[slot[t, k]], ys
+//   (P, C), accumulated in f32 (without weights it is the gather's backward). moe_combine_backward
+//   overwrites dys[slot[t, k]] = weights[t, k] dout[t] and dweights[t, k] = dout[t] . ys[slot[t, k]]
+//   (f32). moe_gemm: rows offsets[e]:offsets[e + 1] of x times expert e of w (E, O, I): transpose,
+//   out (P, O) = alpha x (P, I) W_e^T + beta out (a linear), else out (P, I) = alpha x (P, O) W_e +
+//   beta out (its input gradient); x, w and out of one dtype, f32 accumulation. moe_gemm_weight_grad:
+//   out[e] (M, N) = alpha a_e^T b_e + beta out[e] over the rows of expert e of a (P, M) and b (P, N);
+//   out f32 or a's dtype; an expert without rows gets beta out[e]. offsets must be moe_sort's: they
+//   rise from 0 to P (the CPU checks; GPUs trust them).
 #pragma once
 
 // Every op. The list comes in three parts, so that each use takes those it needs:
@@ -85,7 +104,25 @@
                          const Tensor& lse, const Tensor& dq, const Tensor& dk, const Tensor& dv, float scale,      \
                          const Tensor* segments, int64_t window))
 
-#define KRNL_DIRECT_OPS_BUT_FUSED_ATTENTION(X)                                                                      \
+#define KRNL_DIRECT_OPS_BUT_FUSED_ATTENTION(X) \
+  KRNL_DIRECT_OPS_BUT_ATTENTION_AND_MOE(X)     \
+  KRNL_MOE_OPS(X)
+
+// Mixture-of-experts: routing, grouping by expert, grouped GEMMs and the weighted combine (notes above).
+#define KRNL_MOE_OPS(X)                                                                                             \
+  X(moe_route, (const Tensor& logits, const Tensor& ids, const Tensor& weights, bool norm))                          \
+  X(moe_route_backward, (const Tensor& logits, const Tensor& ids, const Tensor& dweights, const Tensor& dlogits,    \
+                         bool norm, const Tensor* dprobs))                                                          \
+  X(moe_sort, (const Tensor& ids, const Tensor& tokens, const Tensor& slot, const Tensor& offsets))                  \
+  X(moe_combine, (const Tensor& ys, const Tensor& slot, const Tensor* weights, const Tensor& out, float beta))      \
+  X(moe_combine_backward, (const Tensor& dout, const Tensor& ys, const Tensor& slot, const Tensor& weights,         \
+                           const Tensor& dys, const Tensor& dweights))                                              \
+  X(moe_gemm, (const Tensor& x, const Tensor& w, const Tensor& offsets, const Tensor& out, bool transpose,           \
+               float alpha, float beta))                                                                            \
+  X(moe_gemm_weight_grad, (const Tensor& a, const Tensor& b, const Tensor& offsets, const Tensor& out, float alpha, \
+                           float beta))
+
+#define KRNL_DIRECT_OPS_BUT_ATTENTION_AND_MOE(X)                                                                    \
   X(rmsnorm_forward, (const Tensor& x, const Tensor& w, const Tensor& y, const Tensor& rstd, float eps,           \
                       const Tensor* residual))                                                                      \
   X(rmsnorm_backward, (const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& dx,    \

@@ -140,6 +140,20 @@ def test_moe_sort(dev, N, E, K, kind):
 
 
 @pytest.mark.parametrize("dt", FLOAT_DTYPES)
+@pytest.mark.parametrize("N,E,K,kind", CASES, ids=CASE_IDS)
+def test_moe_gather(dev, N, E, K, kind, dt):
+    """Rows by moe_sort's tokens, copied exactly (tokens written by the sort, in the same step)."""
+    rng = np.random.default_rng(N * K)
+    ids = random_ids(rng, N, E, K, kind)
+    x, x64 = upload(dev, rng.standard_normal((N, 31)), dt)
+    with dev.step():
+        tokens, _, _ = sorted_pairs(dev, ids, E)
+        out = dev.empty((N * K, 31), dt)
+        ops.moe_gather(x, tokens, out)
+    np.testing.assert_array_equal(read(out), x64[sort_ref(ids, E)[0]])
+
+
+@pytest.mark.parametrize("dt", FLOAT_DTYPES)
 @pytest.mark.parametrize("weighted", [True, False], ids=["weighted", "gather-backward"])
 @pytest.mark.parametrize("N,E,K,kind", CASES[1:], ids=CASE_IDS[1:])
 def test_moe_combine(dev, N, E, K, kind, weighted, dt):
@@ -247,7 +261,7 @@ def test_moe_expert_block_finite_differences(dev):
         tokens, slot, offsets = dev.empty((N * K,), "i32"), dev.empty((N, K), "i32"), dev.empty((E + 1,), "i32")
         ops.moe_sort(ids, tokens, slot, offsets)
         xs, h, ys, out = (dev.empty(s, "f32") for s in ((N * K, C), (N * K, F), (N * K, C), (N, C)))
-        ops.embedding_forward(tokens, x, xs)
+        ops.moe_gather(x, tokens, xs)
         ops.moe_gemm(xs, W1, offsets, h)
         ops.moe_gemm(h, W2, offsets, ys)
         ops.moe_combine(ys, slot, w, out)

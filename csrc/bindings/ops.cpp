@@ -129,6 +129,8 @@ void bind_ops(nb::module_& parent) {
   m.def("moe_sort", &ops::moe_sort, release, "ids"_a, "tokens"_a, "slot"_a, "offsets"_a,
         "Groups the (token, k) pairs of ids (N, K) by expert, stably: slot (N, K) i32 each pair's position,\n"
         "tokens (N K,) i32 each position's token, offsets (E + 1,) i32 each expert's first position.");
+  m.def("moe_gather", &ops::moe_gather, release, "x"_a, "tokens"_a, "out"_a,
+        "out (P, C) = rows tokens (P,) i32 of x (N, C): the grouped rows of moe_sort's tokens.");
   m.def("moe_combine", &ops::moe_combine, release, "ys"_a, "slot"_a, "weights"_a.none(), "out"_a, "beta"_a = 0.0f,
         "out (N, C) = beta * out + sum_k weights[t, k] * ys[slot[t, k]] (weights None: 1), in f32.");
   m.def("moe_combine_backward", &ops::moe_combine_backward, release, "dout"_a, "ys"_a, "slot"_a, "weights"_a, "dys"_a,

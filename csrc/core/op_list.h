@@ -64,8 +64,9 @@
 //   dlogits (N, E) (logits' dtype) given dweights (N, K) f32 (recomputing p), dprobs (E,) f32 where
 //   given added to every row's gradient of p (the load-balancing loss's). moe_sort groups the pairs
 //   by expert, stably: pair (t, k) goes to position s = slot[t, k] (slot (N, K) i32), tokens[s] = t
-//   (tokens (P,) i32: embedding_forward(tokens, x) gathers the grouped rows), expert e holds
-//   positions offsets[e]:offsets[e + 1] (offsets (E + 1,) i32, E from its length). moe_combine: out
+//   (tokens (P,) i32), expert e holds positions offsets[e]:offsets[e + 1] (offsets (E + 1,) i32, E
+//   from its length). moe_gather: out (P, C) = rows tokens of x (N, C) (embedding_forward's work,
+//   but with tokens written by an earlier kernel of the step, which no host may read). moe_combine: out
 //   (N, C) = beta out + sum over k in order of weights[t, k] (1 without weights) ys[slot[t, k]], ys
 //   (P, C), accumulated in f32 (without weights it is the gather's backward). moe_combine_backward
 //   overwrites dys[slot[t, k]] = weights[t, k] dout[t] and dweights[t, k] = dout[t] . ys[slot[t, k]]
@@ -114,6 +115,7 @@
   X(moe_route_backward, (const Tensor& logits, const Tensor& ids, const Tensor& dweights, const Tensor& dlogits,    \
                          bool norm, const Tensor* dprobs))                                                          \
   X(moe_sort, (const Tensor& ids, const Tensor& tokens, const Tensor& slot, const Tensor& offsets))                  \
+  X(moe_gather, (const Tensor& x, const Tensor& tokens, const Tensor& out))                                        \
   X(moe_combine, (const Tensor& ys, const Tensor& slot, const Tensor* weights, const Tensor& out, float beta))      \
   X(moe_combine_backward, (const Tensor& dout, const Tensor& ys, const Tensor& slot, const Tensor& weights,         \
                            const Tensor& dys, const Tensor& dweights))                                              \

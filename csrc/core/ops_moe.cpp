@@ -76,6 +76,18 @@ void moe_sort(const Tensor& ids, const Tensor& tokens, const Tensor& slot, const
       [&] { c.dev->moe_sort(ids, tokens, slot, offsets); });
 }
 
+void moe_gather(const Tensor& x, const Tensor& tokens, const Tensor& out) {
+  Check c{"moe_gather"};
+  c.tensor("x", x), c.tensor("tokens", tokens), c.tensor("out", out);
+  if (x.dim() != 2) c.fail("x must be 2-D (N, C), got " + x.describe());
+  c.floating("x", x);
+  if (tokens.dim() != 1) c.fail("tokens must be 1-D (P,), got " + tokens.describe());
+  c.dtype("tokens", tokens, {DType::i32});
+  c.shape("out", out, {tokens.size(0), x.size(1)});
+  c.same_dtype("out", out, "x", x);
+  run(c, shape_str(out.shape()), 0, 2.0 * nbytes({&out}), x.dtype(), [&] { c.dev->moe_gather(x, tokens, out); });
+}
+
 void moe_combine(const Tensor& ys, const Tensor& slot, const Tensor* weights, const Tensor& out, float beta) {
   Check c{"moe_combine"};
   c.tensor("ys", ys), c.tensor("slot", slot), c.tensor("out", out);

@@ -13,7 +13,8 @@ import numpy as np
 
 from ..models import gemma3
 from ..io.fileio import atomic_write_bytes, read_json_object
-from ..models.config import module_part, LoraConfig, lora_key
+from ..models.config import EXPERT_MODULES, module_part, LoraConfig, lora_key, lora_shapes
+from ..models.moe import held_factors, peft_expert_keys, peft_factors
 from ..io.safetensors_io import LazyTensor, read_safetensors_header
 
 CONFIG_NAME = "adapter_config.json"
@@ -29,6 +30,10 @@ def peft_config(lora, base_model="", layers=None, model_config=None):
     """adapter_config.json contents for a LoraConfig-like object (a multimodal gemma3 model's
     excludes its vision tower, whose q/k/v_proj PEFT would adapt too)."""
     extra = {"exclude_modules": gemma3.EXCLUDE} if model_config is not None and model_config.multimodal else {}
+    targets = sorted(lora.target_modules)
+    if model_config is not None and model_config.moe:  # the experts are parameters, not modules, to PEFT
+        extra["target_parameters"] = [f"mlp.experts.{m}" for m in targets if m in EXPERT_MODULES]
+        targets = [m for m in targets if m not in EXPERT_MODULES]
     return {**extra,
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -36,7 +41,7 @@ def peft_config(lora, base_model="", layers=None, model_config=None):
         "r": int(lora.r),
         "lora_alpha": float(lora.alpha),
         "lora_dropout": float(lora.dropout),
-        "target_modules": sorted(lora.target_modules),
+        "target_modules": targets,
         "use_rslora": bool(lora.use_rslora),
         "layers_to_transform": None if layers is None else [int(i) for i in layers],
         "bias": "none",
@@ -55,10 +60,42 @@ def save_adapter(path, tensors, config, model_config=None):
     path = Path(path)
     if model_config is not None and model_config.multimodal:
         tensors = gemma3.peft_keys_out(tensors)
+    if model_config is not None and model_config.moe:
+        tensors = _peft_experts_out(tensors, model_config)
     blob = save({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()},
                 metadata={"format": "pt"})
     atomic_write_bytes(path / WEIGHTS_NAME, blob)  # weights first: the config names a complete set
     atomic_write_bytes(path / CONFIG_NAME, (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
+
+
+def _peft_experts_out(tensors, config):
+    """tensors with the experts' factors under PEFT's keys and in its layout (moe.peft_factors)."""
+    out = dict(tensors)
+    for i in range(config.num_hidden_layers):
+        mods = [m for m in EXPERT_MODULES if lora_key(i, m, "A") in out]
+        for m, (kA, kB) in peft_expert_keys(i, mods).items():
+            out[kA], out[kB] = peft_factors(out.pop(lora_key(i, m, "A")), out.pop(lora_key(i, m, "B")))
+    return out
+
+
+def _peft_experts_in(raw, config, cfg, who):
+    """raw with the experts' PEFT factors (target_parameters) under krnl's keys, held as the model
+    holds them (moe.held_factors); other keys pass through."""
+    params = cfg.get("target_parameters") or []
+    mods = [m for m in EXPERT_MODULES if f"mlp.experts.{m}" in params]
+    unknown = [p for p in params if p not in [f"mlp.experts.{m}" for m in EXPERT_MODULES]]
+    if unknown:
+        raise ValueError(f"[{who}] target_parameters {unknown} are not supported; krnl takes "
+                         f"{', '.join('mlp.experts.' + m for m in EXPERT_MODULES)}")
+    out, E = dict(raw), config.moe["experts"]
+    for i in range(config.num_hidden_layers):
+        for m, (kA, kB) in peft_expert_keys(i, mods).items():
+            if kA in out and kB in out:
+                A, B = out.pop(kA), out.pop(kB)
+                if A.ndim != 2 or B.ndim != 2 or A.shape[0] % E or B.shape[1] != A.shape[0]:
+                    raise ValueError(f"[{who}] {kA} {A.shape} and {kB} {B.shape} are not the LoRA of {E} experts")
+                out[lora_key(i, m, "A")], out[lora_key(i, m, "B")] = held_factors(A, B, E, m == "gate_up_proj")
+    return out
 
 
 def mlx_adapter(lora, tensors, config, base_model=""):
@@ -67,6 +104,9 @@ def mlx_adapter(lora, tensors, config, base_model=""):
     adapts the last num_layers layers: other layer sets have no such layout (a ValueError)."""
     if config.multimodal:
         raise ValueError("[adapter] mlx-lm's layout of a multimodal gemma3 adapter is not written; use the PEFT one")
+    if config.moe:
+        raise ValueError(f"[adapter] mlx-lm's layout of a {config.model_type} adapter is not written yet (its experts' "
+                         "LoRA are separate gate and up factors); use the PEFT one")
     n, layers = config.num_hidden_layers, lora.adapted_layers(config)
     if layers != list(range(n - len(layers), n)):
         raise ValueError(f"[adapter] mlx-lm adapts the last num_layers layers of a model; LoRA on layers {layers} of "
@@ -166,6 +206,8 @@ def read_adapter(path, config):
         raw = _read_f32_tensors(path / WEIGHTS_NAME, who)
         if config.multimodal:
             raw = gemma3.peft_keys_in(raw)
+        if config.moe:
+            raw = _peft_experts_in(raw, config, cfg, who)
         pattern, fname = _PEFT_KEY, WEIGHTS_NAME
     else:
         ft = cfg.get("fine_tune_type", "lora")
@@ -207,8 +249,7 @@ def read_adapter(path, config):
         if set(fac) != {"A", "B"}:
             half.append(f"layer {i} {mod}: only lora_{''.join(fac)}")
             continue
-        out, inp = config.module_shape(mod)
-        want = {"A": (r, inp), "B": (out, r)}
+        want = dict(zip("AB", lora_shapes(config, mod, r)))
         for f, (k, v) in fac.items():
             if v.shape != want[f]:
                 shown = v.shape[::-1] if fmt == "mlx" else v.shape
@@ -226,11 +267,11 @@ def read_adapter(path, config):
     tensors = {}
     for i in lora.adapted_layers(config):
         for mod in modules:
-            out, inp = config.module_shape(mod)
+            shapes = lora_shapes(config, mod, r)
             fac = found.get((i, mod))
             # A module this adapter leaves alone in a layer it adapts elsewhere: a zero update.
-            tensors[lora_key(i, mod, "A")] = fac["A"][1] if fac else np.zeros((r, inp), np.float32)
-            tensors[lora_key(i, mod, "B")] = fac["B"][1] if fac else np.zeros((out, r), np.float32)
+            tensors[lora_key(i, mod, "A")] = fac["A"][1] if fac else np.zeros(shapes[0], np.float32)
+            tensors[lora_key(i, mod, "B")] = fac["B"][1] if fac else np.zeros(shapes[1], np.float32)
     return lora, tensors, {"format": fmt, "base_model": base, "config": cfg}
 
 

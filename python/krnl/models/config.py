@@ -12,7 +12,12 @@ import numpy as np
 
 from . import gemma3, phi3
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "gemma3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "gemma3", "qwen3_moe",
+                         "mixtral")
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
+# The LoRA targets of a mixture of experts' layers: attention's, and the experts' two fused weights as
+# PEFT's target_parameters name them (gate_up_proj (E, 2F, C), down_proj (E, C, F)).
+EXPERT_MODULES = ("gate_up_proj", "down_proj")
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 ALL_MODULES = ATTN_MODULES + MLP_MODULES
@@ -38,6 +43,7 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     sliding_window: Optional[int] = None  # attention window (mistral; qwen2/qwen3 with use_sliding_window)
     gemma: Optional[dict] = None  # gemma2/gemma3_text: gemma2_fields' dict (None for the other families)
+    moe: Optional[dict] = None  # qwen3_moe/mixtral: moe_fields' dict (None for dense families)
     multimodal: bool = False  # gemma3: the text tower of Gemma3ForConditionalGeneration (gemma3.py)
     source: str = field(default="<dict>", repr=False, compare=False)
 
@@ -134,13 +140,13 @@ class ModelConfig:
         else:
             bias = get("attention_bias", bool, default=False, required=False)
         sw = None
-        if mt in ("mistral", "phi3") or (mt in ("qwen2", "qwen3") and d.get("use_sliding_window")):
+        if mt in ("mistral", "phi3", "mixtral") or (mt in ("qwen2", "qwen3", "qwen3_moe") and d.get("use_sliding_window")):
             sw = get("sliding_window", int, default=None, required=False)
         return cls(
             model_type=mt,
             vocab_size=get("vocab_size", int),
             hidden_size=C,
-            intermediate_size=get("intermediate_size", int),
+            intermediate_size=get("intermediate_size", int, default=0 if mt == "qwen3_moe" else None),
             num_hidden_layers=get("num_hidden_layers", int),
             num_attention_heads=H,
             num_key_value_heads=Hk,
@@ -153,6 +159,7 @@ class ModelConfig:
             max_position_embeddings=get("max_position_embeddings", int, default=2048),
             sliding_window=sw,
             gemma=gemma2_fields(d, get, where) if mt in ("gemma2", "gemma3_text", "gemma3") else None,
+            moe=moe_fields(d, get, where) if mt in MOE_MODEL_TYPES else None,
             multimodal=multimodal,
             source=source,
         )
@@ -160,7 +167,7 @@ class ModelConfig:
     @property
     def qk_norm(self):
         """Qwen3 and Gemma 3 normalise each head of q and k (RMSNorm over D, weights (D,)) before rotary."""
-        return self.model_type in ("qwen3", "gemma3_text")
+        return self.model_type in ("qwen3", "gemma3_text", "qwen3_moe")
 
     @property
     def fused_projections(self):
@@ -169,12 +176,17 @@ class ModelConfig:
 
     def lora_modules(self):
         """The module names LoRA targets take in this family (PEFT's), in layer order."""
+        if self.moe:
+            return ATTN_MODULES + EXPERT_MODULES
         return phi3.MODULES if self.fused_projections else ALL_MODULES
 
     def module_shape(self, name):
-        """(out, in) of a projection (or of a fused one: qkv_proj, gate_up_proj)."""
+        """(out, in) of a projection (or of a fused one: qkv_proj, gate_up_proj; of one expert's in a
+        mixture of experts)."""
         C, F, H, Hk, D = (self.hidden_size, self.intermediate_size, self.num_attention_heads,
                           self.num_key_value_heads, self.head_dim)
+        if self.moe:
+            F = self.moe["expert_size"]
         return {"q_proj": (H * D, C), "k_proj": (Hk * D, C), "v_proj": (Hk * D, C), "o_proj": (C, H * D),
                 "gate_proj": (F, C), "up_proj": (F, C), "down_proj": (C, F), "qkv_proj": ((H + 2 * Hk) * D, C),
                 "gate_up_proj": (2 * F, C)}[name]
@@ -238,7 +250,12 @@ class ModelConfig:
             if self.qk_norm:
                 s[p + "self_attn.q_norm.weight"] = (self.head_dim,)
                 s[p + "self_attn.k_norm.weight"] = (self.head_dim,)
-            for m in (m for m in mods if module_part(m) == "mlp"):
+            if self.moe:  # the experts' weights fused, as transformers holds them (moe.stacked_experts)
+                E, Fe = self.moe["experts"], self.moe["expert_size"]
+                s[p + "mlp.gate.weight"] = (E, C)
+                s[p + "mlp.experts.gate_up_proj"] = (E, 2 * Fe, C)
+                s[p + "mlp.experts.down_proj"] = (E, C, Fe)
+            for m in (m for m in mods if module_part(m) == "mlp" and not self.moe):
                 s[p + f"mlp.{m}.weight"] = self.module_shape(m)
             s[p + "input_layernorm.weight"] = (C,)
             s[p + "post_attention_layernorm.weight"] = (C,)
@@ -269,6 +286,27 @@ class ModelConfig:
             msgs.append(f"wrong shapes {bad}")
         if msgs:
             raise ValueError(f"{who} weights do not match the config ({self.source}): " + "; ".join(msgs))
+
+
+def moe_fields(d, get, where):
+    """A mixture of experts' keys: {"experts": E, "top_k": K, "expert_size": F (one expert's
+    width), "norm_topk": whether the K weights are divided by their sum (Mixtral always),
+    "aux_coef": router_aux_loss_coef}. Every layer holds experts (qwen3_moe's mlp_only_layers and
+    decoder_sparse_step, dense layers among them, are refused)."""
+    mixtral = d.get("model_type") == "mixtral"
+    # transformers 5 writes num_local_experts for every family (num_experts an alias of it).
+    E = get("num_local_experts" if mixtral or d.get("num_experts") is None else "num_experts", int)
+    K = get("num_experts_per_tok", int)
+    if K > E:
+        raise ValueError(f"{where}: num_experts_per_tok ({K}) exceeds the {E} experts")
+    if not mixtral:
+        if d.get("mlp_only_layers") or get("decoder_sparse_step", int, default=1) != 1:
+            raise ValueError(f"{where}: dense MLP layers among the experts (mlp_only_layers, decoder_sparse_step) "
+                             "are not supported")
+    return {"experts": E, "top_k": K,
+            "expert_size": get("intermediate_size" if mixtral else "moe_intermediate_size", int),
+            "norm_topk": True if mixtral else get("norm_topk_prob", bool, default=False, required=False),
+            "aux_coef": get("router_aux_loss_coef", float, default=0.0, required=False, positive=False)}
 
 
 def gemma2_fields(d, get, where):
@@ -319,6 +357,9 @@ class LoraConfig:
         self.target_modules = tuple(self.target_modules)
         if config.fused_projections:
             self.target_modules = phi3.lora_targets(self.target_modules)
+        if config.moe:  # the experts' LoRA is on the fused gate|up, as PEFT's target_parameters have it
+            mods = ["gate_up_proj" if m in ("gate_proj", "up_proj") else m for m in self.target_modules]
+            self.target_modules = tuple(dict.fromkeys(mods))
         bad = [m for m in self.target_modules if m not in config.lora_modules()]
         if bad:
             raise ValueError(f"[LoraConfig] unknown target module(s) {bad}; valid names: "
@@ -332,6 +373,9 @@ class LoraConfig:
                                  f"it must be between 1 and min(in, out) = {min(out, inp)}")
         if not (0.0 <= float(self.dropout) < 1.0):
             raise ValueError(f"[LoraConfig] dropout must be in [0, 1), got {self.dropout!r}")
+        if config.moe and self.dropout and set(self.target_modules) & set(EXPERT_MODULES):
+            raise ValueError(f"[LoraConfig] dropout {self.dropout} on the experts' LoRA: PEFT has none there either "
+                             "(target_parameters); set dropout 0 or leave the experts out of the targets")
         if not float(self.alpha) > 0:
             raise ValueError(f"[LoraConfig] alpha must be > 0, got {self.alpha!r}")
         n = config.num_hidden_layers
@@ -343,6 +387,17 @@ class LoraConfig:
     def adapted_layers(self, config):
         n = config.num_hidden_layers
         return list(range(n)) if self.layers is None else sorted(set(int(i) for i in self.layers))
+
+
+def lora_shapes(config, module, r):
+    """(A, B) shapes of a module's LoRA factors as the model holds them: (r, in) and (out, r); an
+    expert module's per expert, (E, r, in) and (E, out, r), gate_up_proj's B as (2, E, F, r): gate's
+    and up's rows apart, each a contiguous (E, F, r) (formats.adapter converts to PEFT's layout)."""
+    out, inp = config.module_shape(module)
+    if not (config.moe and module in EXPERT_MODULES):
+        return (r, inp), (out, r)
+    E = config.moe["experts"]
+    return (E, r, inp), ((2, E, out // 2, r) if module == "gate_up_proj" else (E, out, r))
 
 
 def module_part(module):

@@ -24,6 +24,7 @@ from .config import ALL_MODULES, ATTN_MODULES, QKV_MODULES, lora_key
 from .lora import LoraLinear, LoraSaved, dropout_tag, module_factors
 from .lora_fold import Fold, norm_output, rows_for_A, wanted as fold_wanted
 from .lora_group import GroupSaved, group_backward, group_forward, stack_of, writes_all
+from .moe import MoeMlp, build_moe, moe_backward, moe_forward
 from ..quant.qweight import frozen_weight, linear, linear_grad
 
 ops = _core.ops
@@ -77,6 +78,10 @@ class Mlp:
     post: Optional[Tensor] = None  # (C,) gemma2: post_feedforward_layernorm (also selects GeGLU)
     fold: Optional[Fold] = None    # gate and up's LoRA folded into their GEMMs' K (lora_fold.py)
 
+    def grad_cols(self):
+        """The columns the down projection's fold writes beside dy (LoraLinear.grad_cols)."""
+        return self.down.grad_cols()
+
 
 @dataclass
 class MlpCache:
@@ -109,17 +114,19 @@ class Layer:
     k_proj: LoraLinear
     v_proj: LoraLinear
     o_proj: LoraLinear          # (C, H D)
-    mlp: Mlp
+    mlp: Mlp                    # or a MoeMlp (qwen3_moe, mixtral)
     q_norm: Optional[Tensor] = None  # (D,) qwen3: RMSNorm of every query head (None: no q/k norm)
     k_norm: Optional[Tensor] = None  # (D,) ... and of every key head
     gemma: Optional[GemmaAttn] = None  # gemma2's attention settings and post-attention norm
     qkv_fold: Optional[Fold] = None    # q, k and v's LoRA folded into the projection's K (lora_fold.py)
 
     def linears(self):
-        """{HF module name: LoraLinear}."""
+        """{HF module name: LoraLinear} (a mixture of experts' experts are no linears)."""
         m = self.mlp
-        return {"q_proj": self.q_proj, "k_proj": self.k_proj, "v_proj": self.v_proj, "o_proj": self.o_proj,
-                "gate_proj": m.gate, "up_proj": m.up, "down_proj": m.down}
+        out = {"q_proj": self.q_proj, "k_proj": self.k_proj, "v_proj": self.v_proj, "o_proj": self.o_proj}
+        if isinstance(m, Mlp):
+            out.update({"gate_proj": m.gate, "up_proj": m.up, "down_proj": m.down})
+        return out
 
     def qkv_blocks(self):
         """(linear, c0, c1): q, k and v with their column block of the fused projection."""
@@ -136,6 +143,9 @@ class Layer:
         if self.gemma is not None:
             out.update(post_attn=self.gemma.post_attn, post_mlp=self.mlp.post)
         out.update({m: lin.W for m, lin in self.linears().items() if m not in QKV_MODULES})
+        if isinstance(self.mlp, MoeMlp):
+            out.update(router=self.mlp.router, experts_gate=self.mlp.gate, experts_up=self.mlp.up,
+                       experts_down=self.mlp.down)
         return out
 
 
@@ -194,8 +204,9 @@ def build_layer(i, config, weights, device, dtype, heads, ones, lora_config, lor
     def up_linear(names):  # a projection's weight: dense, quantized as stored, or quantized on load
         return frozen_weight(device, [weights[k] for k in names], dtype, quantize, what=names[0])
 
-    key = {m: f"{p}{'self_attn' if m in ATTN_MODULES else 'mlp'}.{m}.weight" for m in ALL_MODULES}
-    fs = {m: module_factors(c, lora_params, adapted, i, m) for m in ALL_MODULES}
+    mods = ATTN_MODULES if c.moe else ALL_MODULES  # a mixture's experts: moe.build_moe
+    key = {m: f"{p}{'self_attn' if m in ATTN_MODULES else 'mlp'}.{m}.weight" for m in mods}
+    fs = {m: module_factors(c, lora_params, adapted, i, m) for m in mods}
     folds, Ws, Wks = {}, {}, {}
 
     def fold(mods, outputs, blocks):  # a group's weights widened for the fold (lora_fold.py), or nothing
@@ -205,23 +216,24 @@ def build_layer(i, config, weights, device, dtype, heads, ones, lora_config, lor
             folds[mods[0]], ws = Fold.upload(device, dtype, [[weights[key[m]] for m in o] for o in outputs], blocks, r)
             Ws.update(zip([o[0] for o in outputs], ws))
 
-    for m in ("o_proj", "down_proj"):  # their backward folds (LoraLinear._fold_backward)
+    for m in ("o_proj", "down_proj")[:1 if c.moe else 2]:  # their backward folds (LoraLinear._fold_backward)
         if not c.gemma and fold_wanted(device, quantize, [weights[key[m]]], [fs[m]]):
             Wks[m], Ws[m] = rows_for_A(device, dtype, weights[key[m]], fs[m].A.shape[0])
 
     rows = [c.module_shape(m)[0] for m in QKV_MODULES]
     fold(QKV_MODULES, [QKV_MODULES], [(0, sum(rows[:k]), sum(rows[:k + 1])) for k in range(3)])
     F = c.module_shape("gate_proj")[0]
-    fold(("gate_proj", "up_proj"), [("gate_proj",), ("up_proj",)], [(0, 0, F), (1, 0, F)])
+    if not c.moe:
+        fold(("gate_proj", "up_proj"), [("gate_proj",), ("up_proj",)], [(0, 0, F), (1, 0, F)])
     qkv = Ws["q_proj"] if "q_proj" in Ws else up_linear([key[m] for m in QKV_MODULES])
     qkv_bias = up([f"{p}self_attn.{m}.bias" for m in QKV_MODULES], (1, -1)) if c.attention_bias else None
     stacks = {}
-    for mods in (QKV_MODULES, ("gate_proj", "up_proj")):  # the groups' A read as one tensor (lora_group.Stack)
-        if all((i, m) in adapted for m in mods) and not c.fused_projections:
-            st = stack_of(lora_params, [lora_key(i, m, "A") for m in mods], [dropout_tag(c, i, m) for m in mods])
-            stacks.update(dict.fromkeys(mods, st))
+    for group in (QKV_MODULES, ("gate_proj", "up_proj")):  # the groups' A read as one tensor (lora_group.Stack)
+        if all((i, m) in adapted for m in group) and not c.fused_projections:
+            st = stack_of(lora_params, [lora_key(i, m, "A") for m in group], [dropout_tag(c, i, m) for m in group])
+            stacks.update(dict.fromkeys(group, st))
     lin, r0 = {}, 0
-    for m in ALL_MODULES:
+    for m in mods:
         if m in QKV_MODULES:
             n = c.module_shape(m)[0]
             W, r0 = qkv[r0:r0 + n], r0 + n
@@ -232,8 +244,11 @@ def build_layer(i, config, weights, device, dtype, heads, ones, lora_config, lor
     eps = c.rms_norm_eps
     if c.gemma:
         return build_gemma_layer(i, c, weights, device, heads, ones, qkv, qkv_bias, lin)
-    mlp = Mlp(up([p + "post_attention_layernorm.weight"]), lin["gate_proj"], lin["up_proj"], lin["down_proj"], eps,
-              fold=folds.get("gate_proj"))
+    if c.moe:
+        mlp = build_moe(i, c, weights, device, dtype, lora_config, lora_params, adapted, sums)
+    else:
+        mlp = Mlp(up([p + "post_attention_layernorm.weight"]), lin["gate_proj"], lin["up_proj"], lin["down_proj"],
+                  eps, fold=folds.get("gate_proj"))
     qn = kn = None
     if c.qk_norm:
         qn, kn = up([p + "self_attn.q_norm.weight"]), up([p + "self_attn.k_norm.weight"])
@@ -344,7 +359,8 @@ def layer_forward(L, x, batch, attend: Optional[Callable] = None):
     if L.gemma is not None:                                               # gemma2: h = x + rmsnorm(attn)
         a = h
         h, ar = gemma2.post_norm_forward(L.gemma.post_attn, a, L.eps)
-    y, mlp_cache = mlp_forward(L.mlp, h, batch.call_seed, residual=x)     # h = x + attn, then its norm
+    ff = moe_forward if isinstance(L.mlp, MoeMlp) else mlp_forward
+    y, mlp_cache = ff(L.mlp, h, batch.call_seed, residual=x)              # h = x + attn, then its norm
     return y, LayerCache(xn, r1, qkv_saved, saved, qk_saved, o_saved, h, mlp_cache, a, ar, qkv_group, tm)
 
 
@@ -356,7 +372,8 @@ def layer_backward(L, x, cache, dy, batch, need_dx=True, dx_cols=0):
     d, dt, hd = x.device, x.dtype, L.heads
     B, T, H, Hk, D = batch.B, batch.T, hd.H, hd.Hk, hd.D
     N, C, NH = B * T, x.shape[1], H + 2 * Hk
-    dhw = mlp_backward(L.mlp, cache.h, cache.mlp, dy, L.o_proj.grad_cols() if L.gemma is None else 0)
+    ff = moe_backward if isinstance(L.mlp, MoeMlp) else mlp_backward
+    dhw = ff(L.mlp, cache.h, cache.mlp, dy, L.o_proj.grad_cols() if L.gemma is None else 0)
     dh = dhw[:, :C]                                                       # (N, C)
     datt = d.empty((N, H * D), dt)                                        # (N, H D)
     da = dhw if L.gemma is None else gemma2.post_norm_backward(L.gemma.post_attn, cache.a, cache.a_rstd, dh)

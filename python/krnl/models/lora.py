@@ -13,7 +13,7 @@ from typing import Optional
 import numpy as np
 
 from .. import _core
-from .config import ALL_MODULES, lora_key
+from .config import ALL_MODULES, lora_key, lora_shapes
 from .phi3 import FUSED, MEMBER_OF
 from .params import FlatParams
 from ..quant.qweight import linear, linear_grad
@@ -171,16 +171,16 @@ def init_lora(device, config, lora_config, dtype, seed):
     for i in lora_config.adapted_layers(config):
         mods = [m for m in config.lora_modules() if m in lora_config.target_modules]
         for m in mods:
-            shapes[lora_key(i, m, "A")] = (r, config.module_shape(m)[1])
+            shapes[lora_key(i, m, "A")] = lora_shapes(config, m, r)[0]
             adapted.add((i, m))
         for m in mods:
-            shapes[lora_key(i, m, "B")] = (config.module_shape(m)[0], r)
+            shapes[lora_key(i, m, "B")] = lora_shapes(config, m, r)[1]
     params = FlatParams(device, shapes, dtype)
     rng = np.random.default_rng(seed)
     init = {}
     for k, shp in shapes.items():
         if ".lora_A." in k:   # PEFT: kaiming_uniform_(a=sqrt(5)) => U(-1/sqrt(in), 1/sqrt(in))
-            b = 1.0 / math.sqrt(shp[1])
+            b = 1.0 / math.sqrt(shp[-1])
             init[k] = rng.uniform(-b, b, size=shp).astype(np.float32)
         else:
             init[k] = np.zeros(shp, np.float32)

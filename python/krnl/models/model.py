@@ -26,7 +26,7 @@ from .lora import init_lora
 from .sample_sums import SampleSums
 from .step_inputs import DeviceInputs, HostInputs
 from . import phi3
-from ..quant.qweight import embed, frozen_weight, linear, linear_grad
+from ..quant.qweight import QuantizedArray, embed, frozen_weight, linear, linear_grad
 from . import gemma2
 from ..quant import affine
 
@@ -70,6 +70,9 @@ class LlamaModel:
         # quantize = (bits, group_size): the seven projections held quantized as MLX does (QLoRA on
         # a base quantized on load); embeddings, head and norms stay in the compute dtype.
         self.quantize = None if quantize is None else (int(quantize[0]), int(quantize[1]))
+        if c.moe and (self.quantize is not None or any(isinstance(w, QuantizedArray) for w in weights.values())):
+            raise ValueError(f"[LlamaModel] {c.model_type}: quantized experts are not supported yet; load the float "
+                             "model without --q-bits")
         if self.quantize is not None:
             affine.check((1, self.quantize[1]), *self.quantize)
         self.sums = SampleSums(self.lora_params)  # .on: LoRA gradients and loss summed per sample (sample_sums)
@@ -313,7 +316,7 @@ class LlamaModel:
             gemma2.cap_logits_backward(self.final_softcap, logits, dl)
             linear_grad(dl, self.head, dxn[r0:r1])                        # dxn = dlogits W
         del logits_buf, dl_buf, logits, dl
-        cols = [0] + [L.mlp.down.grad_cols() for L in self.layers]  # [i]: what layer i-1's down fold writes beside dy
+        cols = [0] + [L.mlp.grad_cols() for L in self.layers]  # [i]: what layer i-1's down fold writes beside dy
         dx = d.empty((N, C + cols[-1]), dt)
         ops.rmsnorm_backward(dxn, x, self.norm_w, rstd, dx[:, :C])
         for i in reversed(range(c.num_hidden_layers)):

@@ -1,0 +1,297 @@
+"""Mixture-of-experts families (qwen3_moe, mixtral) against transformers and PEFT on tiny random
+models the tests build: loss and logits, the router's choices, the LoRA gradients of attention and
+experts through PEFT's target_parameters, krnl's adapter in PEFT, fuse in transformers, KV-cached
+greedy tokens; and, without torch, the checkpoint layouts, adapter round trips and a CLI run."""
+
+import json
+
+import numpy as np
+import pytest
+
+import krnl
+from krnl.formats import adapter as adapter_io
+from krnl.formats import hf
+from krnl.models import moe
+from krnl.models.config import LoraConfig, ModelConfig, random_weights
+from krnl.models.model import LlamaModel
+
+from conftest import lora_step
+from hf_families import V, hf_model, random_b, save_random, token_batch, torch_loss, torch_modules
+from mlx_folders import write_tokenizer
+from mlx_folders import write_data
+
+# Tiny folders: E not a power of two, K > 1, qwen3_moe with and without norm_topk_prob (its
+# per-head q/k norms, head_dim 10 with hidden 48), Mixtral (always renormalised) with GQA.
+FOLDERS = {
+    "qwen3_moe-norm": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        hidden_size=48, moe_intermediate_size=24, intermediate_size=40, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=10, num_experts=5, num_experts_per_tok=2, norm_topk_prob=True,
+        tie_word_embeddings=False)),
+    "qwen3_moe-raw": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        hidden_size=32, moe_intermediate_size=16, intermediate_size=40, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, num_experts=7, num_experts_per_tok=3, norm_topk_prob=False,
+        tie_word_embeddings=True)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
+        hidden_size=48, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        num_local_experts=3, num_experts_per_tok=2, tie_word_embeddings=False)),
+}
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj")
+LOSS_RTOL, GRAD_RTOL = 2e-5, 1e-4
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    torch, transformers = torch_modules()
+    root, out = tmp_path_factory.mktemp("moe"), {}
+    for i, (name, (cfg, model, kw)) in enumerate(FOLDERS.items()):
+        c = getattr(transformers, cfg)(vocab_size=V, max_position_embeddings=64, rms_norm_eps=1e-6, **kw)
+        torch.manual_seed(i)
+        out[name] = save_random(getattr(transformers, model)(c), root / name, 40 + i)
+    return out
+
+
+def peft_layout(config, tensors):
+    """krnl's factors (or gradients) under PEFT's keys and layouts."""
+    return adapter_io._peft_experts_out(tensors, config)
+
+
+def peft_model(folder, lora, state):
+    """transformers' model of `folder` with PEFT's LoRA on attention (target_modules) and the experts
+    (target_parameters), its factors set from krnl's `state`."""
+    torch, _ = torch_modules()
+    peft = pytest.importorskip("peft")
+    m = hf_model(folder)
+    mods = [t for t in lora.target_modules if t.endswith("_proj") and t not in moe.EXPERT_MODULES]
+    params = [f"mlp.experts.{t}" for t in lora.target_modules if t in moe.EXPERT_MODULES]
+    cfg = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, target_modules=mods or None, target_parameters=params)
+    pm = peft.get_peft_model(m, cfg)
+    sd = peft_layout(hf.read_config(folder), state)
+    missing, _ = peft.set_peft_model_state_dict(pm, {k: torch.tensor(v) for k, v in sd.items()}), None
+    names = {n.replace(".default", "") for n, p in pm.named_parameters() if p.requires_grad}
+    assert names == set(sd), sorted(names ^ set(sd))
+    return pm
+
+
+def router_choices(m, ids):
+    """Each layer's (N, K) expert ids as krnl's forward routes them."""
+    seen = []
+    real = moe.ops
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        @staticmethod
+        def moe_route(logits, ids_t, w, norm):
+            real.moe_route(logits, ids_t, w, norm)
+            seen.append(ids_t)
+
+    moe.ops = Spy()
+    try:
+        m.loss(ids, ids)
+    finally:
+        moe.ops = real
+    return [np.asarray(t.numpy()) for t in seen]
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("name", list(FOLDERS))
+def test_loss_logits_and_routing_match_transformers(folders, name):
+    torch, _ = torch_modules()
+    ids, labels, targets = token_batch(V, seed=1)
+    ref = hf_model(folders[name])
+    with torch.no_grad():  # output_router_logits adds the load-balancing loss to out.loss
+        out = ref(torch.tensor(ids), labels=torch.tensor(labels))
+        routed = ref(torch.tensor(ids), output_router_logits=True)
+    m = hf.load_model(folders[name], krnl.device("cpu"))
+    assert m.loss(ids, targets) == pytest.approx(float(out.loss), rel=LOSS_RTOL)
+    want = out.logits.numpy()
+    assert np.abs(m.logits(ids) - want).max() <= 1e-5 * np.abs(want).max()
+    K = m.config.moe["top_k"]
+    got = router_choices(m, ids)
+    assert len(got) == len(routed.router_logits)
+    for mine, lg in zip(got, routed.router_logits):
+        p = torch.softmax(lg.float(), -1)
+        assert np.array_equal(np.sort(mine, -1), np.sort(torch.topk(p, K, -1).indices.numpy(), -1))
+        assert len(np.unique(mine)) > K  # the batch reaches more experts than one token's
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("name, targets", [("qwen3_moe-norm", TARGETS), ("qwen3_moe-raw", ("gate_up_proj",)),
+                                           ("mixtral", ("v_proj", "down_proj")), ("mixtral", TARGETS)])
+def test_lora_gradients_match_peft(folders, name, targets):
+    """Every factor's gradient, attention's and the experts', against PyTorch autograd through PEFT
+    (target_parameters on the fused experts), the router's gradient path included."""
+    torch, _ = torch_modules()
+    lora = LoraConfig(r=3, alpha=5.0, target_modules=targets)
+    m = hf.load_model(folders[name], krnl.device("cpu"), lora=lora)
+    st = random_b(m, 1)
+    ids, labels, tg = token_batch(V, seed=2)
+    loss, grads = lora_step(m, ids, tg)
+    pm = peft_model(folders[name], lora, st)
+    out = pm(torch.tensor(ids), labels=torch.tensor(labels))
+    out.loss.backward()
+    ref = {n.replace(".default", ""): p.grad.double().numpy() for n, p in pm.named_parameters() if p.requires_grad}
+    assert loss == pytest.approx(float(out.loss.detach()), rel=LOSS_RTOL)
+    mine = peft_layout(m.config, grads)
+    assert set(mine) == set(ref)
+    for k, g in ref.items():
+        scale = np.abs(g).max()
+        assert scale > 0, k
+        assert np.abs(mine[k] - g).max() <= GRAD_RTOL * scale, k
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("name", ["qwen3_moe-norm", "mixtral"])
+def test_krnl_adapter_in_peft_and_fuse_in_transformers(folders, name, tmp_path):
+    torch, _ = torch_modules()
+    peft = pytest.importorskip("peft")
+    folder = folders[name]
+    lora = LoraConfig(r=2, alpha=6.0, target_modules=("q_proj", "gate_up_proj", "down_proj"))
+    m = hf.load_model(folder, krnl.device("cpu"), lora=lora)
+    st = random_b(m, 3)
+    cfg = adapter_io.peft_config(lora, str(folder), model_config=m.config)
+    assert cfg["target_modules"] == ["q_proj"]
+    assert cfg["target_parameters"] == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
+    adapter_io.save_adapter(tmp_path / "ad", st, cfg, m.config)
+    ids, labels, targets = token_batch(V, seed=4)
+    mine = m.loss(ids, targets)
+    assert abs(mine - torch_loss(hf_model(folder), ids, labels)) > 1e-3  # the adapter matters
+    pm = peft.PeftModel.from_pretrained(hf_model(folder), str(tmp_path / "ad")).eval()
+    assert torch_loss(pm, ids, labels) == pytest.approx(mine, rel=LOSS_RTOL)
+    again = hf.load_model(folder, krnl.device("cpu"), adapter=tmp_path / "ad")
+    assert again.loss(ids, targets) == pytest.approx(mine, rel=1e-6)
+
+    hf.fuse(folder, tmp_path / "ad", tmp_path / "fused")
+    t, orig = hf.read_tensors(tmp_path / "fused"), hf.read_tensors(folder)
+    assert sorted(t) == sorted(orig)  # per expert, as transformers wrote the base
+    assert torch_loss(hf_model(tmp_path / "fused"), ids, labels) == pytest.approx(mine, rel=LOSS_RTOL)
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("name", list(FOLDERS))
+def test_greedy_generation_matches_transformers(folders, name):
+    torch, _ = torch_modules()
+    prompt = [7, 1, 33, 12, 50]
+    ref = hf_model(folders[name])
+    ref.generation_config.eos_token_id = None
+    with torch.no_grad():
+        want = ref.generate(torch.tensor([prompt]), max_new_tokens=9, do_sample=False, pad_token_id=0)[0, 5:].tolist()
+    got = hf.load_model(folders[name], krnl.device("cpu")).generate(prompt, max_new_tokens=9)
+    assert got == want and len(set(want)) > 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Without torch
+
+CFG = dict(model_type="qwen3_moe", vocab_size=V, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=2,
+           num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=5, num_experts_per_tok=2,
+           norm_topk_prob=True, max_position_embeddings=64)
+
+
+def test_peft_factor_layout_round_trips():
+    """PEFT's expert factors: A (E r, in) rows e r..(e+1) r are expert e's; B (out, r E) column
+    j E + e is rank j of expert e; and the nesting of its keys."""
+    rng = np.random.default_rng(0)
+    E, r, F, C = 5, 3, 4, 6
+    A, B = rng.standard_normal((E, r, C)).astype(np.float32), rng.standard_normal((2, E, F, r)).astype(np.float32)
+    pa, pb = moe.peft_factors(A, B)
+    for e in range(E):
+        full = np.concatenate([B[0, e], B[1, e]])                         # (2F, r)
+        np.testing.assert_array_equal(pb[:, np.arange(r) * E + e], full)
+        np.testing.assert_array_equal(pa[e * r:(e + 1) * r], A[e])
+    back = moe.held_factors(pa, pb, E, True)
+    np.testing.assert_array_equal(back[0], A)
+    np.testing.assert_array_equal(back[1], B)
+    keys = moe.peft_expert_keys(1, ("down_proj", "gate_up_proj"))
+    assert keys["gate_up_proj"][0] == "base_model.model.model.layers.1.mlp.experts.base_layer.lora_A.weight"
+    assert keys["down_proj"][1] == "base_model.model.model.layers.1.mlp.experts.lora_B.weight"
+    assert moe.peft_expert_keys(0, ("down_proj",))["down_proj"][0].endswith("layers.0.mlp.experts.lora_A.weight")
+
+
+def test_per_expert_folder_reads_as_fused(tmp_path):
+    """transformers' save_pretrained layout (per expert; Mixtral's w1/w3/w2) and the fused one give
+    the same model."""
+    from safetensors.numpy import save_file
+
+    for mt, extra in (("qwen3_moe", {}), ("mixtral", {"num_local_experts": 5, "intermediate_size": 16})):
+        d = dict(CFG, model_type=mt, **extra)
+        config = ModelConfig.from_dict(d)
+        w = random_weights(config, seed=3, std=0.3)
+        per = {}
+        for k, v in w.items():
+            per.update(moe.expert_pieces(config, k, v))
+        assert not any("experts.gate_up_proj" in k for k in per) and len(per) > len(w)
+        for name, ws in (("fused", w), ("per", per)):
+            (tmp_path / mt / name).mkdir(parents=True)
+            save_file({k: np.ascontiguousarray(v) for k, v in ws.items()}, str(tmp_path / mt / name / "model.safetensors"))
+            (tmp_path / mt / name / "config.json").write_text(json.dumps(d))
+        ids = np.random.default_rng(1).integers(0, V, (2, 9))
+        a, b = (hf.load_model(tmp_path / mt / n, krnl.device("cpu")).loss(ids, ids) for n in ("fused", "per"))
+        assert a == b
+
+
+def test_moe_bad_configs_and_options():
+    with pytest.raises(ValueError, match="mlp_only_layers"):
+        ModelConfig.from_dict(dict(CFG, mlp_only_layers=[1]))
+    with pytest.raises(ValueError, match=r"num_experts_per_tok \(6\) exceeds the 5 experts"):
+        ModelConfig.from_dict(dict(CFG, num_experts_per_tok=6))
+    config = ModelConfig.from_dict(CFG)
+    with pytest.raises(ValueError, match="dropout 0.1 on the experts' LoRA"):
+        LoraConfig(dropout=0.1).validate(config)
+    lc = LoraConfig(target_modules=("q_proj", "gate_proj", "up_proj", "down_proj"))
+    lc.validate(config)
+    assert lc.target_modules == ("q_proj", "gate_up_proj", "down_proj")
+    w = random_weights(config)
+    with pytest.raises(ValueError, match="quantized experts are not supported yet"):
+        LlamaModel(krnl.device("cpu"), config, w, quantize=(4, 32))
+
+
+def test_training_lowers_the_loss_and_leaves_frozen_weights(tmp_path):
+    """A few steps on the CPU lower the loss of a fixed batch; the router and the experts' frozen
+    weights stay as loaded."""
+    from krnl.train.optim import AdamW, Schedule
+
+    config = ModelConfig.from_dict(CFG)
+    m = LlamaModel(krnl.device("cpu"), config, random_weights(config, seed=4, std=0.3),
+                   lora=LoraConfig(r=4, alpha=8, target_modules=("gate_up_proj", "down_proj")))
+    before = {k: np.array(v.numpy()) for k, v in m.layers[0].frozen().items()}
+    ids = np.random.default_rng(2).integers(0, V, (2, 12))
+    opt = AdamW(m.lora_params, Schedule(1e-2, kind="constant"))
+    first = m.loss(ids, ids)
+    for _ in range(8):
+        m.zero_grads()
+        m.forward_backward(ids, ids)
+        opt.step()
+    assert m.loss(ids, ids) < first - 0.05
+    for k, v in m.layers[0].frozen().items():
+        np.testing.assert_array_equal(np.asarray(v.numpy()), before[k], err_msg=k)
+
+
+def test_cli_trains_evaluates_and_fuses_a_moe_folder(tmp_path):
+    from krnl.cli.main import main
+
+    config = ModelConfig.from_dict(CFG)
+    w = random_weights(config, seed=5, std=0.3)
+    folder = tmp_path / "base"
+    folder.mkdir()
+    from safetensors.numpy import save_file
+    per = {}
+    for k, v in w.items():
+        per.update(moe.expert_pieces(config, k, v))
+    save_file({k: np.ascontiguousarray(v) for k, v in per.items()}, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(CFG))
+    write_tokenizer(folder)
+    write_data(tmp_path / "data")
+    out = tmp_path / "ad"
+    assert main(["train", "--model", str(folder), "--data", str(tmp_path / "data"), "--device", "cpu", "--dtype",
+                 "f32", "--iters", "3", "--batch-size", "2", "--lora-rank", "2", "--steps-per-eval", "0", "--quiet",
+                 "--no-tune", "--adapter-path", str(out)]) == 0
+    losses = [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 3 and all(np.isfinite(losses))
+    ac = json.loads((out / "adapter_config.json").read_text())
+    assert ac["target_parameters"] == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
+    assert main(["fuse", "--model", str(folder), "--adapter-path", str(out), "--save-path", str(tmp_path / "fused")]) == 0
+    assert sorted(hf.read_tensors(tmp_path / "fused")) == sorted(per)
+    assert main(["generate", "--model", str(tmp_path / "fused"), "--prompt", "w1 w2", "--max-tokens", "3",
+                 "--device", "cpu"]) == 0

@@ -176,7 +176,9 @@ def test_doctor_report_paths():
 
 def test_doctor_cases_cover_the_contract():
     """Each op of csrc/core/op_list.h has a case (the doctor also reports any that has none)."""
-    assert {c.op for c in doctor_cases.cases()} == set(krnl._core.testing.op_names())
+    from krnl.cli.doctor.cases_moe import moe_cases
+
+    assert {c.op for c in doctor_cases.cases() + moe_cases()} == set(krnl._core.testing.op_names())
 
 
 def test_help_lists_doctor(capsys):

@@ -142,6 +142,34 @@ def test_lora_gradients_match_peft(folders, name, targets):
 
 
 @pytest.mark.torch
+@pytest.mark.parametrize("name", ["qwen3_moe-raw", "mixtral"])
+def test_load_balancing_loss_matches_transformers(folders, name):
+    """aux_loss() is transformers' aux_loss; with a coefficient, the loss and every LoRA gradient are
+    those of transformers' loss with output_router_logits (CE + coef aux) through PEFT."""
+    torch, _ = torch_modules()
+    coef = 0.3
+    lora = LoraConfig(r=3, alpha=5.0, target_modules=("q_proj", "gate_up_proj", "down_proj"))
+    m = hf.load_model(folders[name], krnl.device("cpu"), lora=lora)
+    m.aux_loss_coef = coef
+    st = random_b(m, 2)
+    ids, labels, tg = token_batch(V, seed=5)
+    loss, grads = lora_step(m, ids, tg)
+    pm = peft_model(folders[name], lora, st)
+    pm.base_model.model.router_aux_loss_coef = coef  # read from the config at init
+    out = pm(torch.tensor(ids), labels=torch.tensor(labels), output_router_logits=True)
+    out.loss.backward()
+    assert m.aux_loss() == pytest.approx(float(out.aux_loss), rel=1e-5)
+    assert loss + coef * m.aux_loss() == pytest.approx(float(out.loss.detach()), rel=LOSS_RTOL)
+    ref = {n.replace(".default", ""): p.grad.double().numpy() for n, p in pm.named_parameters() if p.requires_grad}
+    mine = peft_layout(m.config, grads)
+    for k, g in ref.items():
+        assert np.abs(mine[k] - g).max() <= GRAD_RTOL * np.abs(g).max(), k
+    m.aux_loss_coef = 0.0  # the coefficient moves the gradients: without it they differ
+    _, plain = lora_step(m, ids, tg)
+    assert any(np.abs(plain[k] - grads[k]).max() > 1e-4 * np.abs(grads[k]).max() for k in grads)
+
+
+@pytest.mark.torch
 @pytest.mark.parametrize("name", ["qwen3_moe-norm", "mixtral"])
 def test_krnl_adapter_in_peft_and_fuse_in_transformers(folders, name, tmp_path):
     torch, _ = torch_modules()
@@ -286,9 +314,9 @@ def test_cli_trains_evaluates_and_fuses_a_moe_folder(tmp_path):
     out = tmp_path / "ad"
     assert main(["train", "--model", str(folder), "--data", str(tmp_path / "data"), "--device", "cpu", "--dtype",
                  "f32", "--iters", "3", "--batch-size", "2", "--lora-rank", "2", "--steps-per-eval", "0", "--quiet",
-                 "--no-tune", "--adapter-path", str(out)]) == 0
-    losses = [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert len(losses) == 3 and all(np.isfinite(losses))
+                 "--no-tune", "--adapter-path", str(out), "--router-aux-loss-coef", "0.01"]) == 0
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 and all(np.isfinite(r["loss"]) and 0 < r["aux_loss"] < 1e3 for r in rows)
     ac = json.loads((out / "adapter_config.json").read_text())
     assert ac["target_parameters"] == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
     assert main(["fuse", "--model", str(folder), "--adapter-path", str(out), "--save-path", str(tmp_path / "fused")]) == 0

@@ -304,3 +304,46 @@ def test_moe_data_errors_on_the_cpu():
     with pytest.raises(ValueError, match=r"\[moe_gemm\] offsets must rise from 0 to 4"):
         ops.moe_gemm(dev.zeros((4, 8)), dev.zeros((2, 5, 8)), to_dev(dev, np.array([0, 3, 2], np.int32), "i32"),
                      dev.zeros((4, 5)))
+
+
+QCASES = [(1, 1, 1, "spread", 4, 32), (31, 7, 2, "spread", 4, 64), (33, 60, 8, "spread", 3, 32),
+          (127, 5, 3, "one", 8, 16)]
+
+
+@pytest.mark.parametrize("dt", FLOAT_DTYPES)
+@pytest.mark.parametrize("transpose", [True, False], ids=["linear", "input-grad"])
+@pytest.mark.parametrize("N,E,K,kind,bits,gs", QCASES, ids=[f"{n}x{e}top{k}-{kd}-q{b}g{g}" for n, e, k, kd, b, g in QCASES])
+def test_moe_quantized_matmul(dev, N, E, K, kind, bits, gs, transpose, dt):
+    """Each expert's rows times its dequantized W_e (MLX's affine codes), beta accumulating, against
+    float64 from the same rounded inputs: quantized_matmul's bound per expert."""
+    from krnl.quant import affine
+
+    rng = np.random.default_rng(N + E + bits)
+    O, I = 40, 64
+    offsets, off, P = gemm_rows(dev, N, E, K, kind, N * E + 2)
+    codes = rng.integers(0, 1 << bits, (E, O, I))
+    s, s64 = upload(dev, rng.uniform(0.01, 0.2, (E, O, I // gs)) * rng.choice([-1.0, 1.0], (E, O, I // gs)), dt)
+    b, b64 = upload(dev, rng.standard_normal((E, O, I // gs)), dt)
+    W = np.repeat(s64, gs, axis=2) * codes + np.repeat(b64, gs, axis=2)   # (E, O, I)
+    w = to_dev(dev, np.stack([affine.pack(codes[e], bits) for e in range(E)]), "i32")
+    x, x64 = upload(dev, rng.standard_normal((P, I if transpose else O)), dt)
+    out, o64 = upload(dev, rng.standard_normal((P, O if transpose else I)), dt)
+    ops.moe_quantized_matmul(x, w, s, b, offsets, out, transpose, gs, bits, beta=0.5)
+    ref, mag = 0.5 * o64, 0.5 * np.abs(o64)
+    for e in range(E):
+        r = slice(off[e], off[e + 1])
+        We = W[e].T if transpose else W[e]
+        ref[r] += x64[r] @ We
+        mag[r] += np.abs(x64[r]) @ np.abs(We)
+    k = I if transpose else O
+    tol = (k + 4) * U32 * mag + (2 * UNIT_ROUNDOFF[dt] * mag if dt != "f32" else 0)
+    assert_close_elementwise(read(out), ref, UNIT_ROUNDOFF[dt], tol, what="out")
+
+
+def test_moe_quantized_matmul_bad_calls(dev):
+    offsets = to_dev(dev, np.array([0, 1, 4], np.int32), "i32")
+    w, s = dev.zeros((2, 8, 8), "i32"), dev.zeros((2, 8, 2))
+    with pytest.raises(ValueError, match=r"\[moe_quantized_matmul\] w, scales and biases must be \(E, \.\.\.\) with E = 2"):
+        ops.moe_quantized_matmul(dev.zeros((4, 64)), dev.zeros((3, 8, 8), "i32"), s, s, offsets, dev.zeros((4, 8)))
+    with pytest.raises(ValueError, match=r"\[moe_quantized_matmul\] x must be \(P, 64\)"):
+        ops.moe_quantized_matmul(dev.zeros((4, 32)), w, s, s, offsets, dev.zeros((4, 8)), group_size=32)

@@ -142,6 +142,10 @@ void bind_ops(nb::module_& parent) {
   m.def("moe_gemm_weight_grad", &ops::moe_gemm_weight_grad, release, "a"_a, "b"_a, "offsets"_a, "out"_a,
         "alpha"_a = 1.0f, "beta"_a = 0.0f,
         "out[e] (M, N) = alpha * a_e^T b_e + beta * out[e] over expert e's rows of a (P, M) and b (P, N).");
+  m.def("moe_quantized_matmul", &ops::moe_quantized_matmul, release, "x"_a, "w"_a, "scales"_a, "biases"_a,
+        "offsets"_a, "out"_a, "transpose"_a = true, "group_size"_a = 64, "bits"_a = 4, "beta"_a = 0.0f,
+        "moe_gemm with every expert's W_e quantized as quantized_matmul's: w (E, O, I * bits / 32) i32,\n"
+        "scales and biases (E, O, I / group_size).");
   m.def("sumsq", &ops::sumsq, release, "x"_a, "out"_a, "out[0] = sum(x^2) (f32).");
   m.def("nonfinite", &ops::nonfinite, release, "x"_a, "flag"_a, "flag[0] = 1 if x holds inf or NaN (never cleared).");
 }

@@ -74,8 +74,11 @@
 //   out (P, O) = alpha x (P, I) W_e^T + beta out (a linear), else out (P, I) = alpha x (P, O) W_e +
 //   beta out (its input gradient); x, w and out of one dtype, f32 accumulation. moe_gemm_weight_grad:
 //   out[e] (M, N) = alpha a_e^T b_e + beta out[e] over the rows of expert e of a (P, M) and b (P, N);
-//   out f32 or a's dtype; an expert without rows gets beta out[e]. offsets must be moe_sort's: they
-//   rise from 0 to P (the CPU checks; GPUs trust them).
+//   out f32 or a's dtype; an expert without rows gets beta out[e]. moe_quantized_matmul: moe_gemm
+//   (alpha 1) with every expert's W_e held as quantized_matmul's W: w (E, O, I * bits / 32) i32,
+//   scales and biases (E, O, I / group_size) in x's dtype or f32; no expert is dequantized whole
+//   beyond one transient tile (quantized_matmul's rule per expert). offsets must be moe_sort's:
+//   they rise from 0 to P (the CPU checks; GPUs trust them).
 #pragma once
 
 // Every op. The list comes in three parts, so that each use takes those it needs:
@@ -122,7 +125,10 @@
   X(moe_gemm, (const Tensor& x, const Tensor& w, const Tensor& offsets, const Tensor& out, bool transpose,           \
                float alpha, float beta))                                                                            \
   X(moe_gemm_weight_grad, (const Tensor& a, const Tensor& b, const Tensor& offsets, const Tensor& out, float alpha, \
-                           float beta))
+                           float beta))                                                                             \
+  X(moe_quantized_matmul, (const Tensor& x, const Tensor& w, const Tensor& scales, const Tensor& biases,             \
+                           const Tensor& offsets, const Tensor& out, bool transpose, int64_t group_size,             \
+                           int64_t bits, float beta))
 
 #define KRNL_DIRECT_OPS_BUT_ATTENTION_AND_MOE(X)                                                                    \
   X(rmsnorm_forward, (const Tensor& x, const Tensor& w, const Tensor& y, const Tensor& rstd, float eps,           \

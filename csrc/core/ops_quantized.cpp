@@ -57,6 +57,32 @@ void quantized_matmul(const Tensor& x, const Tensor& w, const Tensor& scales, co
       [&] { c.dev->quantized_matmul(x, w, scales, biases, out, transpose, group_size, bits, beta); });
 }
 
+void moe_quantized_matmul(const Tensor& x, const Tensor& w, const Tensor& scales, const Tensor& biases,
+                          const Tensor& offsets, const Tensor& out, bool transpose, int64_t group_size, int64_t bits,
+                          float beta) {
+  Check c{"moe_quantized_matmul"};
+  c.tensor("x", x), c.tensor("out", out), c.tensor("offsets", offsets), c.tensor("w", w);
+  c.dtype("offsets", offsets, {DType::i32});
+  if (offsets.dim() != 1 || offsets.size(0) < 2) c.fail("offsets must be (E + 1,) with E >= 1, got " + offsets.describe());
+  const int64_t E = offsets.size(0) - 1;
+  if (w.dim() != 3 || w.size(0) != E || scales.dim() != 3 || scales.size(0) != E || biases.dim() != 3)
+    c.fail("w, scales and biases must be (E, ...) with E = " + std::to_string(E) + " (offsets' length - 1), got " +
+           w.describe() + ", " + scales.describe() + ", " + biases.describe());
+  // Expert 0's table stands for all: they share one layout.
+  const int64_t I = check_quantized(c, w.select(0, 0), scales.select(0, 0), biases.select(0, 0), "x", x, group_size,
+                                    bits);
+  c.shape("biases", biases, scales.shape());
+  const int64_t O = w.size(1), K = transpose ? I : O, M = transpose ? O : I;
+  if (x.dim() != 2 || x.size(1) != K)
+    c.fail("x must be (P, " + std::to_string(K) + ") for " + (transpose ? "out = x W_e^T" : "out = x W_e") +
+           " with W_e (" + std::to_string(O) + ", " + std::to_string(I) + "), got " + x.describe());
+  c.shape("out", out, {x.size(0), M}), c.same_dtype("out", out, "x", x);
+  run(c, shape_str(x.shape()) + (transpose ? " W^T " : " W ") + "(" + std::to_string(E) + ", " + std::to_string(O) +
+             ", " + std::to_string(I) + ") q" + std::to_string(bits) + "g" + std::to_string(group_size),
+      2.0 * double(x.size(0)) * double(O) * double(I), nbytes({&x, &w, &scales, &biases, &out}), x.dtype(),
+      [&] { c.dev->moe_quantized_matmul(x, w, scales, biases, offsets, out, transpose, group_size, bits, beta); });
+}
+
 void quantized_embedding(const Tensor& ids, const Tensor& w, const Tensor& scales, const Tensor& biases,
                          const Tensor& out, int64_t group_size, int64_t bits) {
   Check c{"quantized_embedding"};

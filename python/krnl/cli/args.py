@@ -253,6 +253,9 @@ def parse_args(argv, commands):
     t.add_argument("--lora-targets", default=None, help="comma-separated modules: short names (q,k,v,o,gate,up,down), module "
                    "names (q_proj) or mlx-lm keys (self_attn.q_proj) (default: all seven)")
     t.add_argument("--grad-checkpoint", action="store_true", help="recompute layers in backward (less memory)")
+    t.add_argument("--router-aux-loss-coef", type=float, default=0.0,
+                   help="mixture-of-experts models: train with this times the load-balancing loss (transformers' "
+                        "router_aux_loss_coef with output_router_logits; 0: reported only)")
     t.add_argument("--length-bucket", type=int, default=0, metavar="N",
                    help="pad each batch's length to a multiple of N tokens (default: 256 where the step replays as a "
                    "graph, else no padding)")

@@ -120,6 +120,7 @@ def _hf_base(args, dev, lora):
 
 def cmd_fuse(args):
     from ..formats.gguf.file import is_gguf
+    from ..formats.gguf.fuse import fuse_gguf
     from ..formats.hf import fuse
 
     base = _adapter_base(args)
@@ -128,7 +129,7 @@ def cmd_fuse(args):
                          "model folder or GGUF file (--model)")
     q = _quantize(args)
     if is_gguf(base):
-        info = fuse_gguf_as(base, args, q)
+        info = fuse_gguf(base, args.adapter_path, args.save_path, args.max_shard_size, args.dtype, quantize=q)
     else:
         info = fuse(base, args.adapter_path, args.save_path, shard_size=args.max_shard_size, dtype=args.dtype,
                     quantize=q)
@@ -136,24 +137,6 @@ def cmd_fuse(args):
     print(f"fused {len(info['merged'])} weights (scale {info['scale']:g}) into {args.save_path}{what}: "
           f"{', '.join(info['files'])}" + (f"; copied {', '.join(info['copied'])}" if info["copied"] else ""))
     return 0
-
-
-def fuse_gguf_as(base, args, q):
-    """fuse of a GGUF base: an HF folder, or with q = (bits, group_size) an MLX folder quantized
-    from the fused HF folder (written beside the output, then removed)."""
-    import tempfile
-
-    from ..formats.gguf.fuse import fuse_gguf
-    from ..formats.hf import quantize_folder
-
-    if q is None:
-        return fuse_gguf(base, args.adapter_path, args.save_path, shard_size=args.max_shard_size, dtype=args.dtype)
-    out = Path(args.save_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".krnl-fuse-", dir=out.parent) as tmp:
-        info = fuse_gguf(base, args.adapter_path, tmp, shard_size=args.max_shard_size, dtype=args.dtype)
-        qinfo = quantize_folder(tmp, out, q[0], q[1], dtype=args.dtype, shard_size=args.max_shard_size)
-    return {**info, "files": qinfo["files"], "copied": qinfo.get("copied", info["copied"])}
 
 
 def cmd_quantize(args):
@@ -200,6 +183,7 @@ def cmd_train(args):
         what = (f"tiny Llama ({model.config.num_hidden_layers} layers, hidden {model.config.hidden_size}, GQA "
                 f"{model.config.num_attention_heads}/{model.config.num_key_value_heads})")
         hint = f"krnl generate --adapter-path {args.adapter_path} --prompt '+2c>'"
+    model.aux_loss_coef = args.router_aux_loss_coef  # refused (> 0) by a model without experts
     iters = args.iters
     if args.epochs is not None:
         if not args.epochs > 0:
@@ -213,6 +197,7 @@ def cmd_train(args):
     fingerprint = {"base": base_id, "model": vars(model.config), "lora": vars(lora), "dtype": args.dtype}
     if model.quantize is not None:  # only then: older checkpoints have no such key
         fingerprint["quantize"] = list(model.quantize)
+    fingerprint.update({"aux_loss_coef": model.aux_loss_coef} if model.aux_loss_coef else {})  # likewise
     trainer = Trainer(model, cfg, train, valid, out_dir=args.adapter_path, fingerprint=fingerprint,
                       base_model=base_id, progress=not args.quiet, options=_run_options(args),
                       adapter_format=args.adapter_format, world=world)

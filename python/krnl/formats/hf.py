@@ -31,7 +31,7 @@ from ..models.config import module_part
 from ..models.model import LlamaModel
 from ..models.config import ModelConfig, lora_key
 from ..models.config import EXPERT_MODULES
-from ..models.moe import StackedTensor, expert_pieces, stacked_experts
+from ..models.moe import ExpertPieces, StackedTensor, expert_pieces, merged_experts, stacked_experts, stored_name
 from ..quant.qweight import QuantizedArray
 from ..io.safetensors_io import LazyTensor, encode, header_bytes, nbytes, read_safetensors_header
 from ..io.tokenizer import Tokenizer
@@ -260,14 +260,6 @@ def merged_weight(W32, A, B, scale):
             ).astype(np.float32)
 
 
-def merged_experts(W32, A, B, scale):
-    """W (E, out, in) + s B_e A_e per expert in float32, the factors as the model holds them."""
-    B = np.asarray(B, np.float32)
-    if B.ndim == 4:  # gate_up_proj: gate's rows, then up's
-        B = np.concatenate([B[0], B[1]], axis=1)
-    return (W32 + np.float32(scale) * np.einsum("eor,eri->eoi", B, np.asarray(A, np.float32))).astype(np.float32)
-
-
 def fuse(model_folder, adapter_folder, out_folder, shard_size="2GB", dtype=None, quantize=None):
     """Merges the adapter at `adapter_folder` (PEFT or mlx-lm layout) into the model at
     `model_folder` (an HF or MLX quantized folder) and writes the result to `out_folder`: an HF
@@ -350,44 +342,19 @@ def _write_folder(model_folder, weights, config, out_folder, shard_size, dtype, 
             st = force or t.st_dtype
             get = merged.get(name) or (lambda t=t: np.asarray(t, np.float32))
             if isinstance(t, StackedTensor):  # experts read per expert are written back per expert
-                pieces = _Pieces(config, name, get)
+                pieces = ExpertPieces(config, name, get)
                 shapes = expert_pieces(config, name, np.broadcast_to(np.float32(0), t.shape))
                 items += [(k, st, a.shape, lambda p=pieces, j=j, st=st: encode(p.take(j), st))
                           for j, (k, a) in enumerate(shapes)]
                 continue
             keep = name not in merged and getattr(t, "st_dtype", None) == st  # the stored bytes as they are
             producer = t.raw_bytes if keep else (lambda get=get, st=st: encode(get(), st))
-            items.append((_stored_name(config, weights, name), st, tuple(t.shape), producer))
+            items.append((stored_name(config, weights, name), st, tuple(t.shape), producer))
     files = write_sharded(out_folder, items, shard_size=shard_size, metadata=meta)
     if force:
         cfg["torch_dtype" if "torch_dtype" in cfg else "dtype"] = _FLOAT_NAMES[force]
     atomic_write_bytes(out_folder / CONFIG_NAME, (json.dumps(cfg, indent=2) + "\n").encode())
     return files
-
-
-def _stored_name(config, weights, name):
-    """The name a weight goes back under: a router beside experts read per expert, its family's
-    per-expert name (Mixtral's block_sparse_moe.gate); any other weight, its own."""
-    if config.moe and name.endswith(".mlp.gate.weight"):
-        if isinstance(weights.get(name[:-len("gate.weight")] + "experts.down_proj"), StackedTensor):
-            return expert_pieces(config, name, None)[0][0]
-    return name
-
-
-class _Pieces:
-    """A fused expert weight's per-expert pieces, made once for all of them and dropped after the last."""
-
-    def __init__(self, config, name, get):
-        self.config, self.name, self.get, self.arrays, self.left = config, name, get, None, None
-
-    def take(self, j):
-        if self.arrays is None:
-            self.arrays = [a for _, a in expert_pieces(self.config, self.name, self.get())]
-            self.left = len(self.arrays)
-        a, self.left = self.arrays[j], self.left - 1
-        if self.left == 0:
-            self.arrays = None
-        return a
 
 
 def _copy_tokenizer(model_folder, out_folder):

@@ -11,13 +11,11 @@ from typing import Optional
 import numpy as np
 
 from . import gemma3, phi3
+from .moe_config import EXPERT_MODULES, MOE_MODEL_TYPES, expert_shapes, expert_targets, moe_fields
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "gemma3", "qwen3_moe",
                          "mixtral")
-MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
-# The LoRA targets of a mixture of experts' layers: attention's, and the experts' two fused weights as
-# PEFT's target_parameters name them (gate_up_proj (E, 2F, C), down_proj (E, C, F)).
-EXPERT_MODULES = ("gate_up_proj", "down_proj")
+
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 ALL_MODULES = ATTN_MODULES + MLP_MODULES
@@ -251,10 +249,7 @@ class ModelConfig:
                 s[p + "self_attn.q_norm.weight"] = (self.head_dim,)
                 s[p + "self_attn.k_norm.weight"] = (self.head_dim,)
             if self.moe:  # the experts' weights fused, as transformers holds them (moe.stacked_experts)
-                E, Fe = self.moe["experts"], self.moe["expert_size"]
-                s[p + "mlp.gate.weight"] = (E, C)
-                s[p + "mlp.experts.gate_up_proj"] = (E, 2 * Fe, C)
-                s[p + "mlp.experts.down_proj"] = (E, C, Fe)
+                s.update(expert_shapes(self.moe, p, C))
             for m in (m for m in mods if module_part(m) == "mlp" and not self.moe):
                 s[p + f"mlp.{m}.weight"] = self.module_shape(m)
             s[p + "input_layernorm.weight"] = (C,)
@@ -286,27 +281,6 @@ class ModelConfig:
             msgs.append(f"wrong shapes {bad}")
         if msgs:
             raise ValueError(f"{who} weights do not match the config ({self.source}): " + "; ".join(msgs))
-
-
-def moe_fields(d, get, where):
-    """A mixture of experts' keys: {"experts": E, "top_k": K, "expert_size": F (one expert's
-    width), "norm_topk": whether the K weights are divided by their sum (Mixtral always),
-    "aux_coef": router_aux_loss_coef}. Every layer holds experts (qwen3_moe's mlp_only_layers and
-    decoder_sparse_step, dense layers among them, are refused)."""
-    mixtral = d.get("model_type") == "mixtral"
-    # transformers 5 writes num_local_experts for every family (num_experts an alias of it).
-    E = get("num_local_experts" if mixtral or d.get("num_experts") is None else "num_experts", int)
-    K = get("num_experts_per_tok", int)
-    if K > E:
-        raise ValueError(f"{where}: num_experts_per_tok ({K}) exceeds the {E} experts")
-    if not mixtral:
-        if d.get("mlp_only_layers") or get("decoder_sparse_step", int, default=1) != 1:
-            raise ValueError(f"{where}: dense MLP layers among the experts (mlp_only_layers, decoder_sparse_step) "
-                             "are not supported")
-    return {"experts": E, "top_k": K,
-            "expert_size": get("intermediate_size" if mixtral else "moe_intermediate_size", int),
-            "norm_topk": True if mixtral else get("norm_topk_prob", bool, default=False, required=False),
-            "aux_coef": get("router_aux_loss_coef", float, default=0.0, required=False, positive=False)}
 
 
 def gemma2_fields(d, get, where):
@@ -357,9 +331,8 @@ class LoraConfig:
         self.target_modules = tuple(self.target_modules)
         if config.fused_projections:
             self.target_modules = phi3.lora_targets(self.target_modules)
-        if config.moe:  # the experts' LoRA is on the fused gate|up, as PEFT's target_parameters have it
-            mods = ["gate_up_proj" if m in ("gate_proj", "up_proj") else m for m in self.target_modules]
-            self.target_modules = tuple(dict.fromkeys(mods))
+        if config.moe:
+            self.target_modules = expert_targets(self.target_modules)
         bad = [m for m in self.target_modules if m not in config.lora_modules()]
         if bad:
             raise ValueError(f"[LoraConfig] unknown target module(s) {bad}; valid names: "

@@ -23,8 +23,9 @@ from .config import IGNORE_INDEX, LoraConfig, ModelConfig
 from .generate import generate
 from .layer import Batch, Heads, Ones, build_layer, layer_backward, layer_forward
 from .lora import init_lora
+from .moe import RouterStats
 from .sample_sums import SampleSums
-from .step_inputs import DeviceInputs, HostInputs
+from .step_inputs import DeviceInputs, HostInputs, check_ids, id_array, plan_rows
 from . import phi3
 from ..quant.qweight import QuantizedArray, embed, frozen_weight, linear, linear_grad
 from . import gemma2
@@ -78,6 +79,11 @@ class LlamaModel:
         self.sums = SampleSums(self.lora_params)  # .on: LoRA gradients and loss summed per sample (sample_sums)
         self.layers = [build_layer(i, c, weights, device, dtype, self.heads, ones, self.lora_config, self.lora_params,
                                    self.adapted, self.quantize, self.sums) for i in range(c.num_hidden_layers)]
+        # A mixture's load-balancing loss: computed in every forward (aux_loss()), trained with where
+        # aux_loss_coef > 0 (transformers' router_aux_loss_coef with output_router_logits).
+        self.router_stats = RouterStats(device, c.moe["experts"]) if c.moe else None
+        for L in self.layers if c.moe else ():
+            L.mlp.stats = self.router_stats
         caps = device.capabilities()
         # Causal query row blocks skip the score blocks above the diagonal at the cost of more,
         # smaller GEMMs: the device says how many rows a block takes (0: all, one block; its
@@ -96,61 +102,33 @@ class LlamaModel:
         self.d_embed_out = self._loss = None
         self._ones = {}  # N -> (1, N) f32 ones: the loss sum's gemm row
 
-    # -- inputs ----------------------------------------------------------------------------
+    @property
+    def aux_loss_coef(self):
+        return self.router_stats.coef if self.router_stats else 0.0
 
-    def _id_array(self, ids, what):
-        """(shape, (B, T) integer array, or None for a device tensor) of ids or targets."""
-        if isinstance(ids, _core.Tensor):
-            if ids.ndim != 2:
-                raise ValueError(f"[LlamaModel] {what} must be (B, T), got {ids.shape}")
-            return tuple(ids.shape), None
-        a = np.asarray(ids)
-        if a.ndim == 1:
-            a = a[None, :]
-        if a.ndim != 2 or not np.issubdtype(a.dtype, np.integer):
-            raise ValueError(f"[LlamaModel] {what} must be a (B, T) integer array, got shape {a.shape} dtype {a.dtype}")
-        return a.shape, a
+    @aux_loss_coef.setter
+    def aux_loss_coef(self, v):
+        v = float(v)
+        if not (v >= 0 and np.isfinite(v)):
+            raise ValueError(f"[LlamaModel] aux_loss_coef must be a finite number >= 0, got {v!r}")
+        if v and not self.router_stats:
+            raise ValueError(f"[LlamaModel] aux_loss_coef {v}: {self.config.model_type} has no router")
+        if self.router_stats:
+            self.router_stats.coef = v
+
+    def aux_loss(self):
+        """The load-balancing loss of the last forward (a float, after its step), None without experts."""
+        if self.router_stats is None or self.router_stats.last is None:
+            return None
+        return float(self.router_stats.last.numpy()[0])
+
+    # -- inputs ----------------------------------------------------------------------------
 
     def _ids(self, ids, what):
         """(flat (N,) i32 device tensor, shape, array or None) of ids or targets."""
-        shape, a = self._id_array(ids, what)
+        shape, a = id_array(ids, what)
         t = ids.reshape(-1) if a is None else self.dev.tensor(a.reshape(-1).astype(np.int32), "i32")
         return t, shape, a
-
-    def _row_arrays(self, a, what, shape):
-        if a is None:
-            return None
-        a = np.asarray(a)
-        if a.ndim == 1:
-            a = a[None, :]
-        if a.shape != tuple(shape) or not np.issubdtype(a.dtype, np.integer):
-            raise ValueError(f"[LlamaModel] {what} must be a {tuple(shape)} integer array like ids, "
-                             f"got shape {a.shape} dtype {a.dtype}")
-        return a.astype(np.int32)
-
-    def _plan(self, shape, segments=None, positions=None):
-        """The host's half of a call's rows: (segments, positions) as checked (B, T) int32 arrays
-        or None, and the sliding window it attends with (0: none)."""
-        B, T = shape
-        seg = self._row_arrays(segments, "segments", shape)
-        pos = self._row_arrays(positions, "positions", shape)
-        mp = self.config.max_position_embeddings
-        if pos is not None:
-            if pos.min() < 0 or pos.max() >= mp:
-                raise ValueError(f"[LlamaModel] positions must lie in [0, {mp}) (max_position_embeddings), "
-                                 f"got [{pos.min()}, {pos.max()}]")
-        elif T > mp:
-            raise ValueError(f"[LlamaModel] sequence length {T} exceeds max_position_embeddings {mp}")
-        sw, window = self.config.sliding_window, 0
-        if sw is not None:
-            span = T
-            if seg is not None:  # the longest run of one segment bounds the attention span
-                edges = np.concatenate([np.ones((B, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
-                run_starts = np.flatnonzero(np.concatenate([edges.reshape(-1), [True]]))
-                span = int(np.diff(run_starts).max())
-            if span > sw:  # the fused op where the device lists windows, else the materialised softmax's
-                window = sw
-        return seg, pos, window
 
     def _long_rope(self, T, pos):
         return self.call_inv_freq(T - 1 if pos is None else int(pos.max())) is not None
@@ -167,7 +145,7 @@ class LlamaModel:
         each row; segments (B, T) restrict attention to keys of the query's own segment (packed
         samples); call_seed None is eval (no dropout)."""
         B, T = shape
-        seg, pos, window = self._plan(shape, segments, positions)
+        seg, pos, window = plan_rows(self.config, shape, segments, positions)
         d = self.dev
         every = d.tensor(np.arange(T, dtype=np.int32) if pos is None else pos, "i32")  # (T,) shared or (B, T)
         rows = [every] * B if pos is None else [every[b] for b in range(B)]
@@ -190,6 +168,8 @@ class LlamaModel:
         rstd (N,), and per layer (input, LayerCache or None when checkpointed) if keep."""
         d, dt, c = self.dev, self.dtype, self.config
         N, C = batch.B * batch.T, c.hidden_size
+        if self.router_stats:
+            self.router_stats.begin()
         x = d.empty((N, C), dt)
         embed(ids_t, self.embed, x)
         if self.embed_scale is not None:
@@ -202,24 +182,15 @@ class LlamaModel:
             x = out
         xn, rstd = d.empty((N, C), dt), d.empty((N,), "f32")
         ops.rmsnorm_forward(x, self.norm_w, xn, rstd, c.rms_norm_eps)
+        if self.router_stats:
+            self.router_stats.loss()
         return x, xn, rstd, saved
 
     # -- loss and evaluation ---------------------------------------------------------------
 
-    def _check_ids(self, a, what, allow_ignore):
-        if a is None:
-            return
-        V = self.config.vocab_size
-        bad = (a < 0) | (a >= V)
-        if allow_ignore:
-            bad &= a != IGNORE_INDEX
-        if bad.any():
-            raise ValueError(f"[LlamaModel] {what} holds values outside [0, {V})"
-                             + (f" other than {IGNORE_INDEX}" if allow_ignore else "") + f": {np.unique(a[bad])[:8]}")
-
     def _target_array(self, targets, shape):
         """(targets as a checked (B, T) array, the count that is not ignore_index)."""
-        tshape, ta = self._id_array(targets, "targets")
+        tshape, ta = id_array(targets, "targets")
         if tshape != shape:
             raise ValueError(f"[LlamaModel] targets shape {tshape} differs from ids shape {shape}")
         if ta is None:
@@ -227,7 +198,7 @@ class LlamaModel:
                 raise ValueError("[LlamaModel] targets given as a device tensor cannot be counted inside a step; "
                                  "pass a numpy array")
             ta = np.asarray(targets.numpy())
-        self._check_ids(ta, "targets", True)
+        check_ids(ta, "targets", True, self.config.vocab_size)
         return ta, int((ta != IGNORE_INDEX).sum())
 
     def _targets(self, targets, shape):
@@ -259,16 +230,16 @@ class LlamaModel:
         """The host's half of a training call (checks, the valid-target count, the next dropout
         seed): a HostInputs for DeviceInputs and forward_backward_step. ids may be a (B, T) device
         tensor (then unchecked, HostInputs.ids None)."""
-        shape, ia = self._id_array(ids, "ids")
-        self._check_ids(ia, "ids", False)
+        shape, ia = id_array(ids, "ids")
+        check_ids(ia, "ids", False, self.config.vocab_size)
         self.sums.reserve(shape[0], shape[1], self.dev)  # the sample order's slots, before any recording
         ta, n_valid = self._target_array(targets, shape)
-        seg, pos, window = self._plan(shape, segments, positions)
+        seg, pos, window = plan_rows(self.config, shape, segments, positions)
         self._call_seed += 1
         return HostInputs(shape[0], shape[1], None if ia is None else ia.reshape(-1).astype(np.int32),
                           ta.reshape(-1).astype(np.int32), pos, seg, n_valid, float(loss_scale) / max(n_valid, 1),
                           self._call_seed if self.lora_config.dropout > 0 else None, window,
-                          self._long_rope(shape[1], pos))
+                          self._long_rope(shape[1], pos), loss_scale=float(loss_scale))
 
     def forward_backward(self, ids, targets, loss_scale=1.0, segments=None, positions=None):
         """Forward and backward of the mean cross entropy; LoRA gradients accumulate into
@@ -300,6 +271,8 @@ class LlamaModel:
         d, dt, c = self.dev, self.dtype, self.config
         N, C, V = B * T, c.hidden_size, c.vocab_size
         x, xn, rstd, saved = self._trunk_forward(inputs.ids, batch, keep=True)
+        if self.router_stats:
+            self.router_stats.backward(inputs.loss_scale)
         rows_loss = d.empty((N,), "f32")
         dxn = d.empty((N, C), dt)
         # One (chunk, V) logits buffer serves every chunk (their ops run in queue order): where a
@@ -349,7 +322,7 @@ class LlamaModel:
     def loss(self, ids, targets, segments=None, positions=None):
         """Forward only (eval, no dropout): the mean cross entropy as a float."""
         ids_t, shape, ia = self._ids(ids, "ids")
-        self._check_ids(ia, "ids", False)
+        check_ids(ia, "ids", False, self.config.vocab_size)
         tt, n_valid = self._targets(targets, shape)
         batch = self._batch(shape, segments, positions)
         N = shape[0] * shape[1]
@@ -373,13 +346,13 @@ class LlamaModel:
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise ValueError("[generate] the prompt is empty")
-        self._check_ids(np.asarray(prompt), "prompt", False)
+        check_ids(np.asarray(prompt), "prompt", False, self.config.vocab_size)
         return generate(self, prompt, max_new_tokens, temperature, top_p, seed, eos_id)
 
     def logits(self, ids, segments=None, positions=None):
         """(B, T, V) float32 numpy logits (forward only, no dropout)."""
         ids_t, shape, ia = self._ids(ids, "ids")
-        self._check_ids(ia, "ids", False)
+        check_ids(ia, "ids", False, self.config.vocab_size)
         batch = self._batch(shape, segments, positions)
         N, V = shape[0] * shape[1], self.config.vocab_size
         out = self.dev.empty((N, V), self.dtype)                         # (N, V)

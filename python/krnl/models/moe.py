@@ -18,7 +18,8 @@ from typing import Optional
 import numpy as np
 
 from .. import _core
-from .config import EXPERT_MODULES, lora_key  # noqa: F401 (EXPERT_MODULES: the names, here too)
+from .config import lora_key
+from .moe_config import EXPERT_MODULES  # noqa: F401 (the names, here too)
 from ..quant.qweight import linear, linear_grad
 
 ops = _core.ops
@@ -35,6 +36,60 @@ class ExpertLora:
     scale: float
 
 
+class RouterStats:
+    """The load-balancing loss of one forward over every mixture layer, as transformers'
+    load_balancing_loss_func defines it (no attention mask: every row counts):
+
+        aux = E sum_e f_e P_e,  f_e = top-K picks of expert e / (L N),  P_e = sum of p[., e] / (L N)
+
+    over L layers of N rows; f is a count (no gradient), so d aux / d p[., e] = E f_e / (L N), the
+    dprobs moe_route_backward adds to every row. All of it stays on the device."""
+
+    def __init__(self, device, experts, coef=0.0):
+        self.dev, self.E, self.coef = device, int(experts), float(coef)
+        self.counts = device.zeros((self.E, 1, 1), "f32")                # (E, 1, 1) picks per expert
+        self.probs = device.zeros((1, self.E), "f32")                    # (1, E) summed probabilities
+        self.rows, self.recording, self.dprobs, self.last, self._ones = 0, False, None, None, {}
+
+    def begin(self):
+        ops.fill(self.counts, 0.0)
+        ops.fill(self.probs, 0.0)
+        self.rows, self.recording, self.dprobs = 0, True, None
+
+    def ones(self, n):
+        if n not in self._ones:
+            self._ones[n] = self.dev.tensor(np.ones((n, 1), np.float32), "f32")
+        return self._ones[n]
+
+    def add(self, logits, offsets, top_k):
+        """One layer's routing: logits (N, E), offsets moe_sort's of its N top_k pairs."""
+        if not self.recording:
+            return  # a checkpointed layer's recomputation: counted in the forward already
+        d, (N, E) = self.dev, logits.shape
+        S, P = d.empty((N, E), "f32"), d.empty((N, E), "f32")
+        ops.cast(logits, S)
+        ops.softmax_causal_forward(S.reshape(N, 1, E), P.reshape(N, 1, E), 1.0)  # one query row sees every key
+        ops.gemm(self.ones(N), P, self.probs, trans_a=True, beta=1.0)        # probs += 1^T p
+        pairs = self.ones(N * top_k)
+        ops.moe_gemm_weight_grad(pairs, pairs, offsets, self.counts, beta=1.0)  # counts_e += pairs of e
+        self.rows += N
+
+    def loss(self):
+        """(1,) f32 aux of the forward since begin(); also kept as .last."""
+        out = self.dev.empty((1, 1), "f32")
+        ops.gemm(self.probs, self.counts.reshape(self.E, 1), out, alpha=self.E / float(max(self.rows, 1)) ** 2)
+        self.last, self.recording = out.reshape(1), False
+        return self.last
+
+    def backward(self, loss_scale):
+        """The dprobs of coef * aux (times loss_scale, a (1,) f32 tensor) for the layers' backward."""
+        if self.coef:
+            self.dprobs = self.dev.empty((self.E, 1), "f32")
+            ops.gemm(self.counts.reshape(self.E, 1), loss_scale.reshape(1, 1), self.dprobs,
+                     alpha=self.coef * self.E / float(max(self.rows, 1)) ** 2)
+            self.dprobs = self.dprobs.reshape(self.E)
+
+
 @dataclass
 class MoeMlp:
     """y = h + the experts' mixture of hn = rmsnorm(h) norm."""
@@ -49,6 +104,7 @@ class MoeMlp:
     gate_up_lora: Optional[ExpertLora] = None
     down_lora: Optional[ExpertLora] = None
     sums: object = None        # the model's SampleSums: the sample order cannot hold here
+    stats: Optional[RouterStats] = None  # the model's load-balancing loss
 
     def grad_cols(self):
         return 0  # no fold writes beside dy
@@ -109,6 +165,8 @@ def moe_forward(mlp, h, call_seed=None, residual=None):
     ops.moe_route(logits, ids, w, mlp.norm_topk)
     tokens, slot, offsets = d.empty((P,), "i32"), d.empty((N, K), "i32"), d.empty((E + 1,), "i32")
     ops.moe_sort(ids, tokens, slot, offsets)
+    if mlp.stats is not None:
+        mlp.stats.add(logits, offsets, K)
     xs = d.empty((P, C), dt)                                              # (P, C) each pair's input
     ops.moe_gather(hn, tokens, xs)
     g, u = d.empty((P, F), dt), d.empty((P, F), dt)
@@ -178,7 +236,7 @@ def moe_backward(mlp, h, cache, dy, dh_cols=0):
     dhn = d.empty((N, C), dt)
     ops.moe_combine(dxs, c.slot, None, dhn)                               # the gather's backward
     dlogits = d.empty(c.logits.shape, dt)
-    ops.moe_route_backward(c.logits, c.ids, dw, dlogits, mlp.norm_topk)
+    ops.moe_route_backward(c.logits, c.ids, dw, dlogits, mlp.norm_topk, mlp.stats and mlp.stats.dprobs)
     linear_grad(dlogits, mlp.router, dhn, 1.0)                            # dhn += dlogits Wr
     dh = d.empty((N, C + dh_cols), dt)
     ops.rmsnorm_backward(dhn, h, mlp.norm, c.rstd, dh[:, :C], residual=dyv)  # dh = norm's gradient + dy
@@ -248,6 +306,39 @@ def expert_pieces(config, name, array):
     rows = a.shape[1] // len(names)
     return [(f"{p}experts.{e}.{n}.weight", a[e, j * rows:(j + 1) * rows]) for e in range(a.shape[0])
             for j, n in enumerate(names)]
+
+
+def merged_experts(W32, A, B, scale):
+    """W (E, out, in) + s B_e A_e per expert in float32, the factors as the model holds them."""
+    B = np.asarray(B, np.float32)
+    if B.ndim == 4:  # gate_up_proj: gate's rows, then up's
+        B = np.concatenate([B[0], B[1]], axis=1)
+    return (W32 + np.float32(scale) * np.einsum("eor,eri->eoi", B, np.asarray(A, np.float32))).astype(np.float32)
+
+
+def stored_name(config, weights, name):
+    """The name a weight goes back under: a router beside experts read per expert, its family's
+    per-expert name (Mixtral's block_sparse_moe.gate); any other weight, its own."""
+    if config.moe and name.endswith(".mlp.gate.weight"):
+        if isinstance(weights.get(name[:-len("gate.weight")] + "experts.down_proj"), StackedTensor):
+            return expert_pieces(config, name, None)[0][0]
+    return name
+
+
+class ExpertPieces:
+    """A fused expert weight's per-expert pieces, made once for all of them and dropped after the last."""
+
+    def __init__(self, config, name, get):
+        self.config, self.name, self.get, self.arrays, self.left = config, name, get, None, None
+
+    def take(self, j):
+        if self.arrays is None:
+            self.arrays = [a for _, a in expert_pieces(self.config, self.name, self.get())]
+            self.left = len(self.arrays)
+        a, self.left = self.arrays[j], self.left - 1
+        if self.left == 0:
+            self.arrays = None
+        return a
 
 
 # ---- the experts' LoRA in PEFT's layout (target_parameters on the fused expert weights)

@@ -10,6 +10,7 @@ from typing import Optional
 import numpy as np
 
 from .. import _core
+from .config import IGNORE_INDEX
 
 SEED_MASK = 0x7FFFFFFFFFFFFFFF
 SEED_STRIDE = 1000003  # call c's mask for the linear tagged t is seeded (c * SEED_STRIDE + t) & SEED_MASK
@@ -40,6 +41,7 @@ class HostInputs:
     window: int                     # sliding window this call attends with (0: none)
     long_rope: bool                 # the rotary frequencies of long positions (LongRoPE)
     first_row: Optional[int] = None  # token row of ids[0] in the global batch (krnl.train.dist.world), else None
+    loss_scale: float = 1.0         # the loss gradient's factor before the mean (dynamic loss scaling)
 
     def key(self):
         """What a recorded step depends on besides the contents of its inputs."""
@@ -56,6 +58,7 @@ class DeviceInputs:
     positions: list                       # B of (T,) i32 (one tensor B times when rows share them)
     segments: Optional[list]              # B of (T,) i32
     rope_positions: Optional[_core.Tensor] = None  # the positions as one tensor: (T,) shared, or (B, T)
+    loss_scale: Optional[_core.Tensor] = None  # (1,) f32: the load-balancing loss's gradient factor
 
     @classmethod
     def of(cls, dev, host, ids=None):
@@ -69,13 +72,14 @@ class DeviceInputs:
                    dev.tensor(np.array([host.ce_scale], np.float32), "f32"),
                    None if host.call_seed is None else
                    dev.tensor(seed_offset_words(host.call_seed, host.first_row), "i32"),
-                   positions, seg, every)
+                   positions, seg, every, dev.tensor(np.array([host.loss_scale], np.float32), "f32"))
 
     def write(self, dev, host):
         """New contents from `host`, whose key() must equal the one these tensors were made for."""
         dev.upload(self.ids, host.ids)
         dev.upload(self.targets, host.targets)
         dev.upload(self.ce_scale, np.array([host.ce_scale], np.float32))
+        dev.upload(self.loss_scale, np.array([host.loss_scale], np.float32))
         if self.seed_offset is not None:
             dev.upload(self.seed_offset, seed_offset_words(host.call_seed, host.first_row))
         if host.positions is not None:
@@ -83,3 +87,68 @@ class DeviceInputs:
         if host.segments is not None:
             for b in range(host.B):
                 dev.upload(self.segments[b], host.segments[b])
+
+
+# ---- the host's checks of a call's rows (LlamaModel)
+
+def id_array(ids, what):
+    """(shape, (B, T) integer array, or None for a device tensor) of ids or targets."""
+    if isinstance(ids, _core.Tensor):
+        if ids.ndim != 2:
+            raise ValueError(f"[LlamaModel] {what} must be (B, T), got {ids.shape}")
+        return tuple(ids.shape), None
+    a = np.asarray(ids)
+    if a.ndim == 1:
+        a = a[None, :]
+    if a.ndim != 2 or not np.issubdtype(a.dtype, np.integer):
+        raise ValueError(f"[LlamaModel] {what} must be a (B, T) integer array, got shape {a.shape} dtype {a.dtype}")
+    return a.shape, a
+
+
+def row_arrays(a, what, shape):
+    """Checked (B, T) int32 rows of segments or positions (None passes through)."""
+    if a is None:
+        return None
+    a = np.asarray(a)
+    if a.ndim == 1:
+        a = a[None, :]
+    if a.shape != tuple(shape) or not np.issubdtype(a.dtype, np.integer):
+        raise ValueError(f"[LlamaModel] {what} must be a {tuple(shape)} integer array like ids, "
+                         f"got shape {a.shape} dtype {a.dtype}")
+    return a.astype(np.int32)
+
+def plan_rows(config, shape, segments=None, positions=None):
+    """The host's half of a call's rows: (segments, positions) as checked (B, T) int32 arrays
+    or None, and the sliding window it attends with (0: none)."""
+    B, T = shape
+    seg = row_arrays(segments, "segments", shape)
+    pos = row_arrays(positions, "positions", shape)
+    mp = config.max_position_embeddings
+    if pos is not None:
+        if pos.min() < 0 or pos.max() >= mp:
+            raise ValueError(f"[LlamaModel] positions must lie in [0, {mp}) (max_position_embeddings), "
+                             f"got [{pos.min()}, {pos.max()}]")
+    elif T > mp:
+        raise ValueError(f"[LlamaModel] sequence length {T} exceeds max_position_embeddings {mp}")
+    sw, window = config.sliding_window, 0
+    if sw is not None:
+        span = T
+        if seg is not None:  # the longest run of one segment bounds the attention span
+            edges = np.concatenate([np.ones((B, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+            run_starts = np.flatnonzero(np.concatenate([edges.reshape(-1), [True]]))
+            span = int(np.diff(run_starts).max())
+        if span > sw:  # the fused op where the device lists windows, else the materialised softmax's
+            window = sw
+    return seg, pos, window
+
+
+def check_ids(a, what, allow_ignore, V):
+    """Raises naming the values of ids (or targets) outside [0, V) (but -100 where allowed)."""
+    if a is None:
+        return
+    bad = (a < 0) | (a >= V)
+    if allow_ignore:
+        bad &= a != IGNORE_INDEX
+    if bad.any():
+        raise ValueError(f"[LlamaModel] {what} holds values outside [0, {V})"
+                         + (f" other than {IGNORE_INDEX}" if allow_ignore else "") + f": {np.unique(a[bad])[:8]}")

@@ -70,6 +70,9 @@ class StepRunner:
         self.hyper = self.dev.zeros((5,), "f32") if self.replay else None
         self.slot = self.dev.zeros((1,), "f32")  # a replayed micro-batch's loss sum
         self.losses = self.dev.zeros((micro_batches,), "f32")  # each micro-batch's loss sum
+        # a mixture's load-balancing loss of each micro-batch (this rank's rows), and a replay's
+        self.aux = self.dev.zeros((micro_batches,), "f32") if model.router_stats else None
+        self.aux_slot = self.dev.zeros((1,), "f32") if model.router_stats else None
         self.n_valid = []
 
     def pad(self, batch):
@@ -100,6 +103,8 @@ class StepRunner:
             inputs = DeviceInputs.of(dev, host)
             with dev.step():  # one submission per micro-batch
                 ops.cast(m.forward_backward_step(key, inputs), out)
+                if self.aux is not None:
+                    ops.cast(m.router_stats.last, self.aux[index:index + 1])
             return host.n_valid
         if key in self.graphs:
             graph, inputs = self.graphs[key]
@@ -110,10 +115,14 @@ class StepRunner:
 
             def body():
                 ops.cast(m.forward_backward_step(key, inputs), self.slot)
+                if self.aux is not None:
+                    ops.cast(m.router_stats.last, self.aux_slot)
 
             self.graphs[key] = (dev.capture(body), inputs)  # its warm-up call is this micro-batch's run
         with dev.step():
             ops.cast(self.slot, out)
+            if self.aux is not None:
+                ops.cast(self.aux_slot, self.aux[index:index + 1])
         return host.n_valid
 
     def optimizer(self, n_micro, step=None):
@@ -168,6 +177,8 @@ class StepRunner:
         sums = self.reduced if self.reduced is not None else self.losses.numpy()
         sums = np.asarray(sums, np.float64)[:len(self.n_valid)]
         loss = float(np.mean([s / max(n, 1) for s, n in zip(sums, self.n_valid)]))
+        if self.aux is not None:  # this rank's: the load-balancing loss is not summed over ranks
+            info["aux_loss"] = float(np.mean(self.aux.numpy()[:len(self.n_valid)]))
         return loss, info
 
     def release(self):

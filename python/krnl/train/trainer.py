@@ -329,6 +329,8 @@ class Trainer:
         rec = {"step": self.step, "loss": loss, "lr": info["lr"], "grad_norm": info["grad_norm"],
                "tokens_per_s": rate.recent(), "tokens_per_s_cumulative": rate.cumulative(), "peak_mem_mib": peak,
                "skipped_steps": info["skipped_steps"], "loss_scale": info["loss_scale"]}
+        if "aux_loss" in info:  # a mixture of experts' load-balancing loss (trained with at aux_loss_coef)
+            rec["aux_loss"] = info["aux_loss"]
         if self.resumed is not None:  # the first step after a resume that changed the run
             rec["resumed"], self.resumed = self.resumed, None
         self.history.append((self.step, loss))

@@ -5,6 +5,7 @@ config.json from the file's metadata, and the file's tokenizer as tokenizer.json
 tokenizer_config.json (chat template included)."""
 
 import json
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -13,14 +14,23 @@ from ..adapter import read_adapter
 from ...io.fileio import atomic_write_bytes
 from .file import read_gguf
 from .tokenizer import build_tokenizer, tokenizer_files
-from ..hf import _FLOAT_NAMES, CONFIG_NAME, _weight_order, merged_weight, write_sharded
+from ..hf import _FLOAT_NAMES, CONFIG_NAME, _weight_order, merged_weight, quantize_folder, write_sharded
 from ...models.config import ATTN_MODULES, lora_key
 from ...io.safetensors_io import encode
 
 
-def fuse_gguf(path, adapter_folder, out_folder, shard_size="2GB", dtype=None):
+def fuse_gguf(path, adapter_folder, out_folder, shard_size="2GB", dtype=None, quantize=None):
     """Merges the adapter at `adapter_folder` into the GGUF model at `path` and writes an HF folder
-    to `out_folder` (dtype "f32", "f16" or "bf16"; bf16 when None). Returns hf.fuse's summary."""
+    to `out_folder` (dtype "f32", "f16" or "bf16"; bf16 when None), or with quantize = (bits,
+    group_size) an MLX folder quantized from that HF folder (written beside the output, then
+    removed). Returns hf.fuse's summary."""
+    if quantize is not None:
+        out = Path(out_folder)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=".krnl-fuse-", dir=out.parent) as tmp:
+            info = fuse_gguf(path, adapter_folder, tmp, shard_size=shard_size, dtype=dtype)
+            q = quantize_folder(tmp, out, quantize[0], quantize[1], dtype=dtype, shard_size=shard_size)
+        return {**info, "files": q["files"], "copied": q.get("copied", info["copied"])}
     out_folder = Path(out_folder)
     if out_folder.exists() and not out_folder.is_dir():
         raise ValueError(f"[fuse] {out_folder} is a file; the output must be a folder")

@@ -217,6 +217,24 @@ CFG = dict(model_type="qwen3_moe", vocab_size=V, hidden_size=32, moe_intermediat
            norm_topk_prob=True, max_position_embeddings=64)
 
 
+def write_folder(folder, cfg, seed=5, std=0.3):
+    """A tiny float HF folder of `cfg` as transformers writes it (experts per expert) with the keys
+    mlx-lm's model classes need too; returns ModelConfig and the per-expert tensors."""
+    from safetensors.numpy import save_file
+
+    full = dict(cfg, rope_theta=10000.0, rms_norm_eps=1e-6, intermediate_size=48, decoder_sparse_step=1,
+                mlp_only_layers=[], tie_word_embeddings=False)
+    config = ModelConfig.from_dict(full)
+    per = {}
+    for k, v in random_weights(config, seed=seed, std=std).items():
+        per.update(moe.expert_pieces(config, k, v))
+    folder.mkdir(parents=True)
+    save_file({k: np.ascontiguousarray(v) for k, v in per.items()}, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(full))
+    write_tokenizer(folder)
+    return config, per
+
+
 def test_peft_factor_layout_round_trips():
     """PEFT's expert factors: A (E r, in) rows e r..(e+1) r are expert e's; B (out, r E) column
     j E + e is rank j of expert e; and the nesting of its keys."""
@@ -271,7 +289,8 @@ def test_moe_bad_configs_and_options():
     lc.validate(config)
     assert lc.target_modules == ("q_proj", "gate_up_proj", "down_proj")
     w = random_weights(config)
-    with pytest.raises(ValueError, match="quantized experts are not supported yet"):
+    with pytest.raises(ValueError, match=r"experts.down_proj \(5, 32, 16\): its input size must be a multiple of "
+                                         r"--q-group-size 32"):
         LlamaModel(krnl.device("cpu"), config, w, quantize=(4, 32))
 
 
@@ -299,17 +318,8 @@ def test_training_lowers_the_loss_and_leaves_frozen_weights(tmp_path):
 def test_cli_trains_evaluates_and_fuses_a_moe_folder(tmp_path):
     from krnl.cli.main import main
 
-    config = ModelConfig.from_dict(CFG)
-    w = random_weights(config, seed=5, std=0.3)
     folder = tmp_path / "base"
-    folder.mkdir()
-    from safetensors.numpy import save_file
-    per = {}
-    for k, v in w.items():
-        per.update(moe.expert_pieces(config, k, v))
-    save_file({k: np.ascontiguousarray(v) for k, v in per.items()}, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps(CFG))
-    write_tokenizer(folder)
+    _, per = write_folder(folder, CFG)
     write_data(tmp_path / "data")
     out = tmp_path / "ad"
     assert main(["train", "--model", str(folder), "--data", str(tmp_path / "data"), "--device", "cpu", "--dtype",
@@ -323,3 +333,56 @@ def test_cli_trains_evaluates_and_fuses_a_moe_folder(tmp_path):
     assert sorted(hf.read_tensors(tmp_path / "fused")) == sorted(per)
     assert main(["generate", "--model", str(tmp_path / "fused"), "--prompt", "w1 w2", "--max-tokens", "3",
                  "--device", "cpu"]) == 0
+
+
+def _dequantized(weights):
+    return {k: np.asarray(v, np.float32) for k, v in weights.items()}
+
+
+def test_quantized_experts_train_as_their_dequantized_weights(tmp_path):
+    """Experts quantized on load (and an MLX folder's, below) run through moe_quantized_matmul: the
+    loss and every LoRA gradient equal those of a float model holding the dequantized weights."""
+    from conftest import assert_step_close
+
+    _, per = write_folder(tmp_path / "base", dict(CFG, hidden_size=64, head_dim=16, moe_intermediate_size=32))
+    lora = LoraConfig(r=2, alpha=4.0, target_modules=("q_proj", "gate_up_proj", "down_proj"))
+    q = hf.load_model(tmp_path / "base", krnl.device("cpu"), lora=lora, quantize=(4, 32))
+    assert type(q.layers[0].mlp.gate).__name__ == "QuantizedWeight" and q.layers[0].mlp.gate.w.ndim == 3
+    st = random_b(q, 4)
+    deq = {}
+    for i, L in enumerate(q.layers):  # the model's experts as it holds them, dequantized
+        W = [np.asarray(x.numpy(), np.float32) if hasattr(x, "numpy") else None for x in (L.mlp.gate, L.mlp.up)]
+        deq[f"model.layers.{i}.mlp.experts.gate_up_proj"] = np.concatenate([W[0], W[1]], axis=1)
+        deq[f"model.layers.{i}.mlp.experts.down_proj"] = np.asarray(L.mlp.down.numpy(), np.float32)
+        for m in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            deq[f"model.layers.{i}.self_attn.{m}.weight"] = np.asarray(L.linears()[m].W.numpy(), np.float32)
+    base = hf.load_hf_weights(tmp_path / "base")
+    f = LlamaModel(krnl.device("cpu"), q.config, {**_dequantized(base), **deq}, lora=lora)
+    f.lora_params.load(st)
+    ids = np.random.default_rng(3).integers(0, V, (2, 10))
+    assert_step_close(lora_step(f, ids, ids), lora_step(q, ids, ids), 1e-5, 1e-4)
+
+
+@pytest.mark.mlx
+def test_mlx_quantized_moe_matches_mlx_lm(tmp_path):
+    """mlx_lm.convert -q of a qwen3_moe folder (switch_mlp experts at 4 bits, the router at mlx-lm's
+    8): krnl reads it as stored and its loss equals mlx-lm's."""
+    pytest.importorskip("mlx.core")
+    mlx_lm = pytest.importorskip("mlx_lm")
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    write_folder(tmp_path / "base", dict(CFG, hidden_size=64, head_dim=16, moe_intermediate_size=32))
+    mlx_lm.convert(str(tmp_path / "base"), str(tmp_path / "q"), quantize=True, q_bits=4, q_group_size=32)
+    w = hf.load_hf_weights(tmp_path / "q")
+    assert isinstance(w["model.layers.1.mlp.experts.down_proj"], krnl.quant.qweight.QuantizedArray)
+    assert all(isinstance(p, krnl.quant.qweight.QuantizedArray)
+               for p in w["model.layers.0.mlp.experts.gate_up_proj"].parts)
+    m = hf.load_model(tmp_path / "q", krnl.device("cpu"))
+    model, _ = mlx_lm.load(str(tmp_path / "q"))
+    model.set_dtype(mx.float32)
+    for seed, n in ((0, 11), (1, 6)):
+        ids = np.random.default_rng(seed).integers(0, V, (2, n)).astype(np.int32)
+        logits = model(mx.array(ids[:, :-1])).astype(mx.float32)
+        ref = nn.losses.cross_entropy(logits, mx.array(ids[:, 1:])).mean().item()
+        assert m.loss(ids[:, :-1], ids[:, 1:]) == pytest.approx(ref, rel=1e-5)

@@ -31,7 +31,8 @@ from ..models.config import module_part
 from ..models.model import LlamaModel
 from ..models.config import ModelConfig, lora_key
 from ..models.config import EXPERT_MODULES
-from ..models.moe import ExpertPieces, StackedTensor, expert_pieces, merged_experts, stacked_experts, stored_name
+from ..models.moe import (ExpertPieces, StackedTensor, expert_pieces, merged_experts, stacked_experts, stored_name,
+                          switch_experts)
 from ..quant.qweight import QuantizedArray
 from ..io.safetensors_io import LazyTensor, encode, header_bytes, nbytes, read_safetensors_header
 from ..io.tokenizer import Tokenizer
@@ -135,6 +136,7 @@ def load_hf_weights(folder, config=None):
     for k in ignored:
         tensors.pop(k)
     tensors = stacked_experts(tensors, config)  # per-expert checkpoints read as transformers holds them
+    tensors = switch_experts(tensors, config, folder)  # mlx-lm's, float or quantized
     q = quantization(read_json_object(folder / CONFIG_NAME, "hf"), str(folder / CONFIG_NAME))
     if q is not None:
         read_quantized(tensors, config, q, folder)

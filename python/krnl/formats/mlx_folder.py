@@ -31,7 +31,10 @@ def module_paths(config):
     Embedding layers), in checkpoint order."""
     out = ["model.embed_tokens"]
     for i in range(config.num_hidden_layers):
-        out += [f"model.layers.{i}.{module_part(m)}.{m}" for m in config.lora_modules()]
+        mods = [m for m in config.lora_modules() if not config.moe or module_part(m) == "self_attn"]
+        out += [f"model.layers.{i}.{module_part(m)}.{m}" for m in mods]
+        if config.moe:  # a mixture's router (its experts are 3-D: moe.switch_experts)
+            out.append(f"model.layers.{i}.mlp.gate")
     if not config.tie_word_embeddings:
         out.append("lm_head")
     return out

@@ -245,7 +245,7 @@ def build_layer(i, config, weights, device, dtype, heads, ones, lora_config, lor
     if c.gemma:
         return build_gemma_layer(i, c, weights, device, heads, ones, qkv, qkv_bias, lin)
     if c.moe:
-        mlp = build_moe(i, c, weights, device, dtype, lora_config, lora_params, adapted, sums)
+        mlp = build_moe(i, c, weights, device, dtype, lora_config, lora_params, adapted, sums, quantize)
     else:
         mlp = Mlp(up([p + "post_attention_layernorm.weight"]), lin["gate_proj"], lin["up_proj"], lin["down_proj"],
                   eps, fold=folds.get("gate_proj"))

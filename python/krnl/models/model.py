@@ -27,7 +27,7 @@ from .moe import RouterStats
 from .sample_sums import SampleSums
 from .step_inputs import DeviceInputs, HostInputs, check_ids, id_array, plan_rows
 from . import phi3
-from ..quant.qweight import QuantizedArray, embed, frozen_weight, linear, linear_grad
+from ..quant.qweight import embed, frozen_weight, linear, linear_grad
 from . import gemma2
 from ..quant import affine
 
@@ -71,9 +71,6 @@ class LlamaModel:
         # quantize = (bits, group_size): the seven projections held quantized as MLX does (QLoRA on
         # a base quantized on load); embeddings, head and norms stay in the compute dtype.
         self.quantize = None if quantize is None else (int(quantize[0]), int(quantize[1]))
-        if c.moe and (self.quantize is not None or any(isinstance(w, QuantizedArray) for w in weights.values())):
-            raise ValueError(f"[LlamaModel] {c.model_type}: quantized experts are not supported yet; load the float "
-                             "model without --q-bits")
         if self.quantize is not None:
             affine.check((1, self.quantize[1]), *self.quantize)
         self.sums = SampleSums(self.lora_params)  # .on: LoRA gradients and loss summed per sample (sample_sums)

@@ -20,7 +20,7 @@ import numpy as np
 from .. import _core
 from .config import lora_key
 from .moe_config import EXPERT_MODULES  # noqa: F401 (the names, here too)
-from ..quant.qweight import linear, linear_grad
+from ..quant.qweight import QuantizedArray, expert_matmul, frozen_weight, linear, linear_grad
 
 ops = _core.ops
 Tensor = _core.Tensor
@@ -94,8 +94,8 @@ class RouterStats:
 class MoeMlp:
     """y = h + the experts' mixture of hn = rmsnorm(h) norm."""
     norm: Tensor               # (C,)
-    router: Tensor             # (E, C)
-    gate: Tensor               # (E, F, C): gate_up_proj's first F rows of each expert
+    router: Tensor             # (E, C), or a QuantizedWeight (qweight.py)
+    gate: Tensor               # (E, F, C): gate_up_proj's first F rows of each expert; or a QuantizedWeight
     up: Tensor                 # (E, F, C)
     down: Tensor               # (E, C, F)
     top_k: int
@@ -128,11 +128,18 @@ class MoeCache:
     ad: Optional[Tensor]       # (P, r) a A^T of down's LoRA
 
 
-def build_moe(i, config, weights, device, dtype, lora_config, lora_params, adapted, sums):
-    """Layer i's MoeMlp from weights named as ModelConfig.weight_shapes has them (stacked_experts)."""
+def build_moe(i, config, weights, device, dtype, lora_config, lora_params, adapted, sums, quantize=None):
+    """Layer i's MoeMlp from weights named as ModelConfig.weight_shapes has them (stacked_experts,
+    switch_experts): experts dense in the compute dtype, quantized as the file holds them, or
+    quantized on load where quantize = (bits, group_size); the router dense unless the file
+    quantizes it (it is small, and quantize-on-load leaves it)."""
     p, F = f"model.layers.{i}.", config.moe["expert_size"]
-    up = lambda name: np.asarray(weights[p + name], np.float32)
-    gu = up("mlp.experts.gate_up_proj")                                   # (E, 2F, C)
+    gu = weights[p + "mlp.experts.gate_up_proj"]                          # (E, 2F, C)
+    if not isinstance(gu, ExpertHalves):
+        gu = np.asarray(gu, np.float32)
+        gu = ExpertHalves(gu[:, :F], gu[:, F:])
+    experts = [frozen_weight(device, [a], dtype, quantize, what=f"{p}mlp.experts.{n}")
+               for a, n in zip(gu.parts + (weights[p + "mlp.experts.down_proj"],), ("gate", "up", "down_proj"))]
     los = {}
     for m in ("gate_up_proj", "down_proj"):
         if (i, m) in adapted:
@@ -141,10 +148,9 @@ def build_moe(i, config, weights, device, dtype, lora_config, lora_params, adapt
             halves = [0, 1] if m == "gate_up_proj" else [None]
             los[m] = ExpertLora(lora_params.compute(kA), [B if h is None else B[h] for h in halves],
                                 lora_params.grad(kA), [gB if h is None else gB[h] for h in halves], lora_config.scale)
-    t = lambda a: device.tensor(np.ascontiguousarray(a), dtype)
-    return MoeMlp(t(up("post_attention_layernorm.weight")), t(up("mlp.gate.weight")), t(gu[:, :F]), t(gu[:, F:]),
-                  t(up("mlp.experts.down_proj")), config.moe["top_k"], config.moe["norm_topk"], config.rms_norm_eps,
-                  los.get("gate_up_proj"), los.get("down_proj"), sums)
+    norm = device.tensor(np.asarray(weights[p + "post_attention_layernorm.weight"], np.float32), dtype)
+    return MoeMlp(norm, frozen_weight(device, [weights[p + "mlp.gate.weight"]], dtype), *experts, config.moe["top_k"],
+                  config.moe["norm_topk"], config.rms_norm_eps, los.get("gate_up_proj"), los.get("down_proj"), sums)
 
 
 def moe_forward(mlp, h, call_seed=None, residual=None):
@@ -170,14 +176,14 @@ def moe_forward(mlp, h, call_seed=None, residual=None):
     xs = d.empty((P, C), dt)                                              # (P, C) each pair's input
     ops.moe_gather(hn, tokens, xs)
     g, u = d.empty((P, F), dt), d.empty((P, F), dt)
-    ops.moe_gemm(xs, mlp.gate, offsets, g)
-    ops.moe_gemm(xs, mlp.up, offsets, u)
+    expert_matmul(xs, mlp.gate, offsets, g)
+    expert_matmul(xs, mlp.up, offsets, u)
     xa = _lora_forward(mlp.gate_up_lora, xs, [g, u], offsets)
     del xs                                                                # gathered again in backward
     a = d.empty((P, F), dt)
     ops.swiglu_forward(g, u, a)
     ys = d.empty((P, C), dt)
-    ops.moe_gemm(a, mlp.down, offsets, ys)
+    expert_matmul(a, mlp.down, offsets, ys)
     ad = _lora_forward(mlp.down_lora, a, [ys], offsets)
     y = d.empty((N, C), dt)
     ops.moe_combine(ys, slot, w, y)
@@ -219,15 +225,15 @@ def moe_backward(mlp, h, cache, dy, dh_cols=0):
     dys, dw = d.empty((P, C), dt), d.empty(c.w.shape, "f32")
     ops.moe_combine_backward(dyv, c.ys, c.slot, c.w, dys, dw)
     da = d.empty((P, F), dt)
-    ops.moe_gemm(dys, mlp.down, c.offsets, da, transpose=False)
+    expert_matmul(dys, mlp.down, c.offsets, da, transpose=False)
     _lora_backward(mlp.down_lora, [dys], c.ad, c.a, da, c.offsets)
     del dys
     dg, du = d.empty((P, F), dt), d.empty((P, F), dt)
     ops.swiglu_backward(da, c.g, c.u, dg, du)
     del da
     dxs = d.empty((P, C), dt)
-    ops.moe_gemm(dg, mlp.gate, c.offsets, dxs, transpose=False)
-    ops.moe_gemm(du, mlp.up, c.offsets, dxs, transpose=False, beta=1.0)
+    expert_matmul(dg, mlp.gate, c.offsets, dxs, transpose=False)
+    expert_matmul(du, mlp.up, c.offsets, dxs, transpose=False, beta=1.0)
     if mlp.gate_up_lora is not None:
         xs = d.empty((P, C), dt)
         ops.moe_gather(c.hn, c.tokens, xs)
@@ -269,6 +275,53 @@ class StackedTensor:
     def __array__(self, dtype=None, copy=None):
         a = np.stack([np.concatenate([np.asarray(p, np.float32) for p in ps]) for ps in self.parts])
         return a if dtype is None else a.astype(dtype, copy=False)
+
+
+class ExpertHalves:
+    """A fused gate_up_proj (E, 2F, C) held as its two halves, gate's and up's experts (E, F, C)
+    each, float or QuantizedArrays (MLX's switch_mlp)."""
+
+    def __init__(self, gate, up):
+        self.parts = (gate, up)
+        E, F, C = gate.shape
+        self.shape, self.ndim = (E, 2 * F, C), 3
+
+    def __array__(self, dtype=None, copy=None):
+        a = np.concatenate([np.asarray(p, np.float32) for p in self.parts], axis=1)
+        return a if dtype is None else a.astype(dtype, copy=False)
+
+
+def switch_experts(tensors, config, where):
+    """tensors with mlx-lm's experts (`mlp.switch_mlp.{gate,up,down}_proj`, (E, O, I) each, float or
+    quantized with `.scales` and `.biases` (E, O, I / group_size)) under the fused names; a
+    quantized triple's bits and group size follow from its shapes, as for MLX's linears."""
+    if not config.moe:
+        return tensors
+    out, bad = dict(tensors), []
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}.mlp."
+        got = {}
+        for n in ("gate_proj", "up_proj", "down_proj"):
+            w, s, b = (out.pop(f"{p}switch_mlp.{n}.{k}", None) for k in ("weight", "scales", "biases"))
+            if w is None:
+                continue
+            I = config.hidden_size if n != "down_proj" else config.moe["expert_size"]
+            if s is None:
+                got[n] = w
+            elif b is None or w.ndim != 3 or s.ndim != 3 or w.shape[2] * 32 % I or I % s.shape[2]:
+                bad.append(f"{p}switch_mlp.{n}: codes {w.shape}, scales {s.shape}, biases "
+                           f"{None if b is None else b.shape} do not quantize (E, O, {I}) experts")
+                continue
+            else:
+                got[n] = QuantizedArray(w, s, b, w.shape[2] * 32 // I, I // s.shape[2],
+                                        {"F32": "f32", "F16": "f16", "BF16": "bf16"}.get(s.st_dtype, "f32"))
+        if "gate_proj" in got and "up_proj" in got:
+            out[p + "experts.gate_up_proj"] = ExpertHalves(got["gate_proj"], got["up_proj"])
+        if "down_proj" in got:
+            out[p + "experts.down_proj"] = got["down_proj"]
+    if bad:
+        raise ValueError(f"[hf] {where}: " + "; ".join(bad))
+    return out
 
 
 def stacked_experts(tensors, config):

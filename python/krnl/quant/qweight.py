@@ -38,21 +38,25 @@ class QuantizedArray:
 
     def __post_init__(self):
         s = tuple(np.shape(self.scales))
-        affine.check((s[0] if s else 0, np.shape(self.w)[1] * 32 // self.bits), self.bits, self.group_size)
+        affine.check((s[-2] if s else 0, np.shape(self.w)[-1] * 32 // self.bits), self.bits, self.group_size)
         if self.scale_dtype not in ("f32", "f16", "bf16"):
             raise ValueError(f"[quantize] scale_dtype must be f32, f16 or bf16, got {self.scale_dtype!r}")
 
     @property
     def shape(self):
-        return (int(np.shape(self.w)[0]), int(np.shape(self.w)[1]) * 32 // self.bits)
+        """(O, I); a mixture's experts (E, O I) with E experts' tables stacked."""
+        w = np.shape(self.w)
+        return tuple(int(n) for n in w[:-1]) + (int(w[-1]) * 32 // self.bits,)
 
     @property
     def ndim(self):
-        return 2
+        return len(self.shape)
 
     def dequantize(self):
-        return affine.dequantize(np.asarray(self.w), np.asarray(self.scales, np.float32),
-                                np.asarray(self.biases, np.float32), self.bits, self.group_size)
+        w, s, b = np.asarray(self.w), np.asarray(self.scales, np.float32), np.asarray(self.biases, np.float32)
+        if w.ndim == 3:  # experts: each its own table
+            return np.stack([affine.dequantize(w[e], s[e], b[e], self.bits, self.group_size) for e in range(len(w))])
+        return affine.dequantize(w, s, b, self.bits, self.group_size)
 
     def __array__(self, dtype=None, copy=None):
         a = self.dequantize()
@@ -81,18 +85,21 @@ class QuantizedWeight:
 
     @staticmethod
     def quantize(device, W, dtype, bits, group_size, what="W"):
-        """W (out, in) float quantized as mx.quantize does; scales and biases stored in dtype."""
+        """W (out, in) float quantized as mx.quantize does (experts (E, out, in): each expert's
+        table); scales and biases stored in dtype."""
         W = np.asarray(W, np.float32)
-        if W.ndim != 2 or W.shape[1] % group_size:
+        if W.ndim not in (2, 3) or W.shape[-1] % group_size:
             raise ValueError(f"[quantize] {what} {tuple(W.shape)}: its input size must be a multiple of "
                              f"--q-group-size {group_size}")
-        w, s, b = affine.quantize(W, bits, group_size)
+        parts = [affine.quantize(We, bits, group_size) for We in (W if W.ndim == 3 else [W])]
+        w, s, b = (np.stack(p) if W.ndim == 3 else p[0] for p in zip(*parts))
         return QuantizedWeight(device.tensor(w, "i32"), device.tensor(s, dtype), device.tensor(b, dtype), bits,
                                group_size)
 
     @property
     def shape(self):
-        return (self.w.shape[0], self.w.shape[1] * 32 // self.bits)
+        """(out, in); experts' (E, out, in)."""
+        return tuple(self.w.shape[:-1]) + (self.w.shape[-1] * 32 // self.bits,)
 
     @property
     def device(self):
@@ -103,9 +110,9 @@ class QuantizedWeight:
         return QuantizedWeight(self.w[rows], self.scales[rows], self.biases[rows], self.bits, self.group_size)
 
     def numpy(self):
-        """The dequantized weight (out, in) float32, as the products see it."""
-        return affine.dequantize(self.w.numpy(), np.asarray(self.scales.numpy(), np.float32),
-                                np.asarray(self.biases.numpy(), np.float32), self.bits, self.group_size)
+        """The dequantized weight (out, in) (experts': (E, out, in)) float32, as the products see it."""
+        return QuantizedArray(self.w.numpy(), self.scales.numpy(), self.biases.numpy(), self.bits,
+                              self.group_size).dequantize()
 
 
 class RowStack:
@@ -170,6 +177,15 @@ def linear(x, W, y, beta=0.0):
         ops.quantized_matmul(x, W.w, W.scales, W.biases, y, True, W.group_size, W.bits, beta)
     else:
         ops.gemm(x, W, y, trans_b=True, beta=beta)
+
+
+def expert_matmul(x, W, offsets, out, transpose=True, beta=0.0):
+    """ops.moe_gemm's out = x W_e^T (transpose) or x W_e, + beta out, over the experts W (E, O, I):
+    a dense tensor, or a QuantizedWeight of (E, ...) tables."""
+    if isinstance(W, QuantizedWeight):
+        ops.moe_quantized_matmul(x, W.w, W.scales, W.biases, offsets, out, transpose, W.group_size, W.bits, beta)
+    else:
+        ops.moe_gemm(x, W, offsets, out, transpose, 1.0, beta)
 
 
 def linear_grad(dy, W, dx, beta=0.0):

@@ -69,9 +69,11 @@ def bpe_vocab():
 
 
 def write_gguf(path, arch="llama", types=None, tied=False, tokenizer="spm", seed=0, pre="llama-bpe",
-               metadata=None, drop=(), extra=None):
+               metadata=None, drop=(), extra=None, experts=None):
     """Writes a tiny model; returns {HF name: float32 array} as the file holds it. `types` maps a
-    GGUF tensor name to a type (default F32); `drop` leaves tensors out; `extra` adds some."""
+    GGUF tensor name to a type (default F32); `drop` leaves tensors out; `extra` adds some;
+    experts = (E, K, F): a mixture (llama: Mixtral; qwen3moe) of E experts of width F, K per token,
+    whose weights come back under transformers' fused names (gate_up_proj (E, 2F, C))."""
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -108,6 +110,11 @@ def write_gguf(path, arch="llama", types=None, tied=False, tokenizer="spm", seed
     metadata = dict(metadata or {})
     w.add_rope_freq_base(metadata.pop(f"{arch}.rope.freq_base", 10000.0))
     w.add_layer_norm_rms_eps(1e-5)
+    if experts:
+        w.add_expert_count(experts[0])
+        w.add_expert_used_count(experts[1])
+        if arch == "qwen3moe":
+            w.add_expert_feed_forward_length(experts[2])
     for k, v in metadata.items():
         (w.add_string if isinstance(v, str) else w.add_uint32 if isinstance(v, int) else w.add_float32)(k, v)
     shapes = {"token_embd.weight": ("model.embed_tokens.weight", (V, C)),
@@ -117,14 +124,20 @@ def write_gguf(path, arch="llama", types=None, tied=False, tokenizer="spm", seed
     mods = {"attn_q": ("self_attn.q_proj", H * D, C), "attn_k": ("self_attn.k_proj", Hk * D, C),
             "attn_v": ("self_attn.v_proj", Hk * D, C), "attn_output": ("self_attn.o_proj", C, H * D),
             "ffn_gate": ("mlp.gate_proj", F, C), "ffn_up": ("mlp.up_proj", F, C), "ffn_down": ("mlp.down_proj", C, F)}
+    if experts:
+        E, _, Fe = experts
+        for g in ("ffn_gate", "ffn_up", "ffn_down"):
+            mods.pop(g)
+        mods.update({"ffn_gate_inp": ("mlp.gate", E, C), "ffn_gate_exps": ("mlp.experts.gate", E, Fe, C),
+                     "ffn_up_exps": ("mlp.experts.up", E, Fe, C), "ffn_down_exps": ("mlp.experts.down_proj", E, C, Fe)})
     for i in range(L):
         shapes[f"blk.{i}.attn_norm.weight"] = (f"model.layers.{i}.input_layernorm.weight", (C,))
         shapes[f"blk.{i}.ffn_norm.weight"] = (f"model.layers.{i}.post_attention_layernorm.weight", (C,))
-        for g, (hf, o, n) in mods.items():
-            shapes[f"blk.{i}.{g}.weight"] = (f"model.layers.{i}.{hf}.weight", (o, n))
+        for g, (hf, *shape) in mods.items():
+            shapes[f"blk.{i}.{g}.weight"] = (f"model.layers.{i}.{hf}" + (".weight" * (len(shape) == 2)), tuple(shape))
             if arch == "qwen2" and g in ("attn_q", "attn_k", "attn_v"):
                 shapes[f"blk.{i}.{g}.bias"] = (f"model.layers.{i}.{hf}.bias", (o,))
-        if arch == "qwen3":  # RMSNorm of each q and k head
+        if arch in ("qwen3", "qwen3moe"):  # RMSNorm of each q and k head
             for g in ("q", "k"):
                 shapes[f"blk.{i}.attn_{g}_norm.weight"] = (f"model.layers.{i}.self_attn.{g}_norm.weight", (D,))
     hf_weights = {}
@@ -150,12 +163,15 @@ def write_gguf(path, arch="llama", types=None, tied=False, tokenizer="spm", seed
             w.add_tensor(name, file_v)
             hf_weights[hf] = hfv.astype(np.float32)
         else:
-            raw = raw_blocks(rng, kind, shape[0], shape[1])
-            file_v = dequantize(raw, gguf.GGMLQuantizationType[kind]).astype(np.float32)
+            raw = raw_blocks(rng, kind, int(np.prod(shape[:-1])), shape[-1]).reshape(*shape[:-1], -1)
+            file_v = dequantize(raw, gguf.GGMLQuantizationType[kind]).astype(np.float32).reshape(shape)
             if kind not in ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"):
                 file_v = bf16_to_f32(f32_to_bf16(file_v))  # what krnl holds of the other types
             w.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType[kind])
             hf_weights[hf] = file_v[perm] if perm is not None else file_v
+    for i in range(L if experts else 0):  # the halves as one fused weight
+        p = f"model.layers.{i}.mlp.experts."
+        hf_weights[p + "gate_up_proj"] = np.concatenate([hf_weights.pop(p + "gate"), hf_weights.pop(p + "up")], 1)
     for name, arr in (extra or {}).items():
         w.add_tensor(name, arr)
     w.write_header_to_file()

@@ -386,3 +386,58 @@ def test_mlx_quantized_moe_matches_mlx_lm(tmp_path):
         logits = model(mx.array(ids[:, :-1])).astype(mx.float32)
         ref = nn.losses.cross_entropy(logits, mx.array(ids[:, 1:])).mean().item()
         assert m.loss(ids[:, :-1], ids[:, 1:]) == pytest.approx(ref, rel=1e-5)
+
+
+GGUF_TYPES = {"blk.0.ffn_gate_exps.weight": "Q4_K", "blk.0.ffn_up_exps.weight": "Q8_0",
+              "blk.0.ffn_down_exps.weight": "Q6_K", "blk.1.ffn_gate_exps.weight": "Q5_K",
+              "blk.1.ffn_up_exps.weight": "F16", "blk.1.ffn_down_exps.weight": "Q4_0"}
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "llama"])
+def test_gguf_moe_reads_quantized_experts_and_fuses(tmp_path, arch):
+    """llama.cpp's mixtures (qwen3moe; Mixtral as llama with experts): ffn_*_exps held as the file
+    quantizes them, the loss that of the float weights the file holds; trained adapter fused."""
+    pytest.importorskip("gguf")
+    from gguf_files import write_gguf
+    from krnl.formats.gguf.file import read_gguf
+    from krnl.formats.gguf.fuse import fuse_gguf
+
+    path = tmp_path / "m.gguf"
+    want = write_gguf(path, arch=arch, types=GGUF_TYPES, experts=(5, 2, 512), seed=2)  # llama: feed_forward_length
+    g = read_gguf(path, quiet=True)
+    assert g.config.model_type == ("qwen3_moe" if arch == "qwen3moe" else "mixtral") and g.config.moe["top_k"] == 2
+    lora = LoraConfig(r=2, alpha=4.0, target_modules=("q_proj", "gate_up_proj", "down_proj"))
+    m = hf.load_model(path, krnl.device("cpu"), lora=lora)
+    assert type(m.layers[0].mlp.gate).__name__ == "QuantizedWeight" and m.layers[0].mlp.gate.bits == 4
+    assert type(m.layers[1].mlp.up).__name__ != "QuantizedWeight"  # F16: dense
+    f = LlamaModel(krnl.device("cpu"), g.config, want, lora=lora)
+    st = random_b(m, 6)
+    f.lora_params.load(st)
+    ids = np.random.default_rng(1).integers(0, g.config.vocab_size, (2, 9))
+    assert m.loss(ids, ids) == pytest.approx(f.loss(ids, ids), rel=1e-5)
+    cfg = adapter_io.peft_config(lora, str(path), model_config=m.config)
+    adapter_io.save_adapter(tmp_path / "ad", st, cfg, m.config)
+    fuse_gguf(path, tmp_path / "ad", tmp_path / "fused", dtype="f32")
+    fused = hf.load_model(tmp_path / "fused", krnl.device("cpu"))
+    assert fused.loss(ids, ids) == pytest.approx(m.loss(ids, ids), rel=1e-5)
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("arch", ["qwen3moe", "llama"])
+def test_gguf_moe_fused_folder_loads_in_transformers(tmp_path, arch):
+    torch, _ = torch_modules()
+    pytest.importorskip("gguf")
+    from gguf_files import write_gguf
+    from krnl.formats.gguf.fuse import fuse_gguf
+
+    path = tmp_path / "m.gguf"
+    write_gguf(path, arch=arch, types=GGUF_TYPES, experts=(5, 2, 512), seed=3)
+    lora = LoraConfig(r=2, alpha=4.0, target_modules=("v_proj", "gate_up_proj", "down_proj"))
+    m = hf.load_model(path, krnl.device("cpu"), lora=lora)
+    st = random_b(m, 7)
+    adapter_io.save_adapter(tmp_path / "ad", st, adapter_io.peft_config(lora, str(path), model_config=m.config),
+                            m.config)
+    fuse_gguf(path, tmp_path / "ad", tmp_path / "fused", dtype="f32")
+    ids = np.random.default_rng(2).integers(0, m.config.vocab_size, (2, 9))
+    tg = np.concatenate([ids[:, 1:], np.full((2, 1), -100)], axis=1)  # transformers' labels=ids, shifted
+    assert torch_loss(hf_model(tmp_path / "fused"), ids, ids) == pytest.approx(m.loss(ids, tg), rel=1e-4)

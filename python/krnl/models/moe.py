@@ -306,7 +306,7 @@ def switch_experts(tensors, config, where):
             if w is None:
                 continue
             I = config.hidden_size if n != "down_proj" else config.moe["expert_size"]
-            if s is None:
+            if s is None:  # float, or (GGUF) a QuantizedArray already
                 got[n] = w
             elif b is None or w.ndim != 3 or s.ndim != 3 or w.shape[2] * 32 % I or I % s.shape[2]:
                 bad.append(f"{p}switch_mlp.{n}: codes {w.shape}, scales {s.shape}, biases "

@@ -22,16 +22,20 @@ import numpy as np
 
 from ...quant import gguf as gguf_quants
 from ...models.config import ModelConfig
+from ...models.moe import switch_experts
 from ...quant.qweight import QuantizedArray
 from ...io.safetensors_io import bf16_to_f32, f32_to_bf16
 
 MAGIC = b"GGUF"
 ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
-                 "qwen3": ("qwen3", "Qwen3ForCausalLM")}
+                 "qwen3": ("qwen3", "Qwen3ForCausalLM"), "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM")}
 _LAYER = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
           "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
           "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-          "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}  # the last two: qwen3
+          "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",  # qwen3
+          # experts (E, out, in) each and the router: read under mlx-lm's names (moe.switch_experts)
+          "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.switch_mlp.gate_proj",
+          "ffn_up_exps": "mlp.switch_mlp.up_proj", "ffn_down_exps": "mlp.switch_mlp.down_proj"}
 _GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
            "output.weight": "lm_head.weight"}
 _IGNORED = ("rope_freqs.weight",)  # llama3 rope scaling as factors: read into the config instead
@@ -108,10 +112,13 @@ def hf_config(path, md, tensors):
     if int(md.get(f"{arch}.rope.dimension_count") or D) != D:
         raise ValueError(f"[gguf] {path}: partial rotary embeddings (rope.dimension_count "
                          f"{md[f'{arch}.rope.dimension_count']} < head_dim {D}) are not supported")
+    E = int(md.get(f"{arch}.expert_count") or 0)
+    if E and arch == "llama":  # llama.cpp writes Mixtral as llama with experts
+        model_type, hf_arch = "mixtral", "MixtralForCausalLM"
     cfg = {
         "architectures": [hf_arch], "model_type": model_type,
         "vocab_size": int(tensors["token_embd.weight"][1][0]),
-        "hidden_size": C, "intermediate_size": int(get("feed_forward_length")),
+        "hidden_size": C, "intermediate_size": int(get("feed_forward_length", 0 if E else None)),
         "num_hidden_layers": int(get("block_count")), "num_attention_heads": H,
         "num_key_value_heads": int(md.get(f"{arch}.attention.head_count_kv") or H), "head_dim": D,
         "rms_norm_eps": _f32(get("attention.layer_norm_rms_epsilon")),
@@ -121,6 +128,12 @@ def hf_config(path, md, tensors):
     }
     if model_type == "qwen2" or "blk.0.attn_q.bias" in tensors:
         cfg["attention_bias"] = True
+    if E:  # llama.cpp renormalises the top-k weights of both (its norm_w)
+        cfg.update({"num_local_experts" if arch == "llama" else "num_experts": E,
+                    "num_experts_per_tok": int(get("expert_used_count")),
+                    "norm_topk_prob": bool(md.get(f"{arch}.expert_weights_norm", True))})
+        if arch == "qwen3moe":
+            cfg["moe_intermediate_size"] = int(get("expert_feed_forward_length"))
     for key, tk in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
         if md.get(f"tokenizer.ggml.{tk}") is not None:
             cfg[key] = int(md[f"tokenizer.ggml.{tk}"])
@@ -196,6 +209,11 @@ def tensor_array(t, path):
     if kind in gguf_quants.LAYOUTS and len(shape) == 2:
         w, s, b, bits, gs, sdt = gguf_quants.convert(kind, t.data, shape[0], shape[1])
         return QuantizedArray(w, s, b, bits, gs, sdt), False
+    if kind in gguf_quants.LAYOUTS and len(shape) == 3:  # experts: each its own table
+        data = np.asarray(t.data).reshape(shape[0], shape[1], -1)
+        parts = [gguf_quants.convert(kind, data[e], shape[1], shape[2]) for e in range(shape[0])]
+        w, s, b = (np.stack([p[j] for p in parts]) for j in range(3))
+        return QuantizedArray(w, s, b, *parts[0][3:]), False
     if kind in ("F32", "F16"):
         return np.asarray(t.data).reshape(shape), False
     if kind == "BF16":
@@ -227,7 +245,8 @@ def read_gguf(path, quiet=False):
     unknown = sorted(k for k, v in names.items() if v is None)
     if unknown:
         raise ValueError(f"[gguf] {path}: unexpected tensors {unknown[:8]}{' ...' if len(unknown) > 8 else ''}")
-    missing = sorted(set(config.weight_shapes()) - set(names.values()))
+    fused = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")  # from the switch_mlp names below
+    missing = sorted(k for k in set(config.weight_shapes()) - set(names.values()) if not k.endswith(fused))
     if missing:
         raise ValueError(f"[gguf] {path}: missing tensors {sorted(_gguf_name(m) for m in missing)[:8]} "
                          f"({len(missing)} in all)")
@@ -242,6 +261,7 @@ def read_gguf(path, quiet=False):
         weights[hf], types[hf] = a, t.tensor_type.name
         if deq:
             dequantized[t.tensor_type.name] = dequantized.get(t.tensor_type.name, 0) + 1
+    weights = switch_experts(weights, config, path)
     config.check_weights(weights, who=f"[gguf] {path}:")
     if dequantized and not quiet:
         what = ", ".join(f"{n} x {k}" for k, n in sorted(dequantized.items()))

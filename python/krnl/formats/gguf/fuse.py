@@ -15,7 +15,8 @@ from ...io.fileio import atomic_write_bytes
 from .file import read_gguf
 from .tokenizer import build_tokenizer, tokenizer_files
 from ..hf import _FLOAT_NAMES, CONFIG_NAME, _weight_order, merged_weight, quantize_folder, write_sharded
-from ...models.config import ATTN_MODULES, lora_key
+from ...models.config import ATTN_MODULES, EXPERT_MODULES, lora_key
+from ...models.moe import merged_experts
 from ...io.safetensors_io import encode
 
 
@@ -40,13 +41,16 @@ def fuse_gguf(path, adapter_folder, out_folder, shard_size="2GB", dtype=None, qu
     s, delta = lora.scale, {}
     for i in lora.adapted_layers(g.config):
         for m in lora.target_modules:
-            part = "self_attn" if m in ATTN_MODULES else "mlp"
-            delta[f"model.layers.{i}.{part}.{m}.weight"] = (tensors[lora_key(i, m, "A")], tensors[lora_key(i, m, "B")])
+            name = f"model.layers.{i}.{'self_attn' if m in ATTN_MODULES else 'mlp'}.{m}.weight"
+            if g.config.moe and m in EXPERT_MODULES:  # written fused, as transformers holds (and loads) them
+                name = f"model.layers.{i}.mlp.experts.{m}"
+            delta[name] = (tensors[lora_key(i, m, "A")], tensors[lora_key(i, m, "B")])
 
     def producer(name, w):
         def make():  # called once, in order, by write_sharded: one weight in memory at a time
             if name in delta:
-                return encode(merged_weight(np.asarray(w, np.float32), *delta[name], s), st)
+                merge = merged_experts if np.ndim(w) == 3 else merged_weight
+                return encode(merge(np.asarray(w, np.float32), *delta[name], s), st)
             return encode(np.asarray(w, np.float32), st)
         return make
 

@@ -441,3 +441,38 @@ def test_gguf_moe_fused_folder_loads_in_transformers(tmp_path, arch):
     ids = np.random.default_rng(2).integers(0, m.config.vocab_size, (2, 9))
     tg = np.concatenate([ids[:, 1:], np.full((2, 1), -100)], axis=1)  # transformers' labels=ids, shifted
     assert torch_loss(hf_model(tmp_path / "fused"), ids, ids) == pytest.approx(m.loss(ids, tg), rel=1e-4)
+
+
+@pytest.mark.mlx
+def test_quantize_and_fuse_write_mlx_moe_folders_as_mlx_lm(tmp_path):
+    """krnl quantize of a float qwen3_moe folder writes what mlx_lm.convert -q writes (switch_mlp
+    experts, the router at mlx-lm's 8 bits), tensor for tensor; fuse -q of an adapter into it
+    loads in mlx-lm with krnl's loss."""
+    pytest.importorskip("mlx.core")
+    mlx_lm = pytest.importorskip("mlx_lm")
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    write_folder(tmp_path / "base", dict(CFG, hidden_size=64, head_dim=16, moe_intermediate_size=32))
+    hf.quantize_folder(tmp_path / "base", tmp_path / "k", bits=4, group_size=32)
+    mlx_lm.convert(str(tmp_path / "base"), str(tmp_path / "m"), quantize=True, q_bits=4, q_group_size=32)
+    mine, theirs = hf.read_tensors(tmp_path / "k"), hf.read_tensors(tmp_path / "m")
+    assert sorted(mine) == sorted(theirs) and any(".switch_mlp." in k for k in mine)
+    for k in theirs:
+        assert np.array_equal(np.asarray(mine[k].raw()), np.asarray(theirs[k].raw())), k
+    q = json.loads((tmp_path / "k" / "config.json").read_text())["quantization"]
+    assert q["model.layers.0.mlp.gate"] == {"group_size": 64, "bits": 8, "mode": "affine"}
+
+    lora = LoraConfig(r=2, alpha=4.0, target_modules=("q_proj", "gate_up_proj", "down_proj"))
+    m = hf.load_model(tmp_path / "base", krnl.device("cpu"), lora=lora)
+    st = random_b(m, 8)
+    adapter_io.save_adapter(tmp_path / "ad", st, adapter_io.peft_config(lora, "", model_config=m.config), m.config)
+    hf.fuse(tmp_path / "base", tmp_path / "ad", tmp_path / "fq", quantize=(4, 32))
+    fq = hf.load_model(tmp_path / "fq", krnl.device("cpu"))
+    model, _ = mlx_lm.load(str(tmp_path / "fq"))
+    model.set_dtype(mx.float32)
+    ids = np.random.default_rng(4).integers(0, V, (2, 10)).astype(np.int32)
+    logits = model(mx.array(ids[:, :-1])).astype(mx.float32)
+    ref = nn.losses.cross_entropy(logits, mx.array(ids[:, 1:])).mean().item()
+    assert fq.loss(ids[:, :-1], ids[:, 1:]) == pytest.approx(ref, rel=1e-5)
+    assert fq.loss(ids[:, :-1], ids[:, 1:]) == pytest.approx(m.loss(ids[:, :-1], ids[:, 1:]), rel=0.05)  # 4 bits of it

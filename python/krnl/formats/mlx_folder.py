@@ -140,15 +140,23 @@ def plan(config, bits, group_size, overrides=None):
     path: (bits, group_size) or None} changes single modules (mixed recipes)."""
     affine.check((1, group_size), bits, group_size)
     out = {}
-    for m in module_paths(config):
-        layout = (overrides or {}).get(m, (bits, group_size))
+    for m in module_paths(config) + expert_paths(config):
+        router = config.moe and m.endswith(".mlp.gate")  # mlx-lm keeps qwen3_moe's at 8 bits, groups of 64
+        default = (8, 64) if router and config.model_type == "qwen3_moe" else (bits, group_size)
+        layout = (overrides or {}).get(m, default)
         if layout is not None:
             affine.check((1, layout[1]), *layout)
-            inp = config.hidden_size if m in ("model.embed_tokens", "lm_head") else config.module_shape(
-                m.rsplit(".", 1)[1])[1]
+            whole = m in ("model.embed_tokens", "lm_head") or router
+            inp = config.hidden_size if whole else config.module_shape(m.rsplit(".", 1)[1])[1]
             layout = layout if inp % layout[1] == 0 else None
         out[m] = layout
     return out
+
+
+def expert_paths(config):
+    """A mixture's experts as mlx-lm stores them: mlp.switch_mlp.{gate,up,down}_proj per layer."""
+    return [f"model.layers.{i}.mlp.switch_mlp.{n}" for i in range(config.num_hidden_layers) if config.moe
+            for n in ("gate_proj", "up_proj", "down_proj")]
 
 
 RECIPES = {"mixed_2_6": (2, 6), "mixed_3_4": (3, 4), "mixed_3_6": (3, 6), "mixed_4_6": (4, 6)}
@@ -196,23 +204,28 @@ def quantized_items(module, get_w32, shape, bits, group_size, dtype):
     write_sharded. get_w32() -> the (O, I) float32 weight; it is rounded to dtype first (mlx-lm
     casts, then quantizes) and quantized once, when the codes are written; scales and biases are
     stored in dtype."""
-    O, I = shape
+    *lead, I = shape  # (O, I); a mixture's experts (E, O, I), each quantized on its own
     st = ST_DTYPES[dtype]
     done = {}
+
+    def quantize(W):
+        if W.ndim == 3:
+            return [np.stack(p) for p in zip(*(affine.quantize(We, bits, group_size) for We in W))]
+        return affine.quantize(W, bits, group_size)
 
     def part(i):
         def make():
             if "q" not in done:
-                done["q"] = affine.quantize(round_to(get_w32(), dtype), bits, group_size)
+                done["q"] = quantize(round_to(get_w32(), dtype))
             a = done["q"][i]
             if i == 2:
                 done.clear()  # biases come last: free the module's arrays
             return a.view(np.uint32).tobytes() if i == 0 else encode(a, st)
         return make
 
-    G = I // group_size
-    return [(module + ".weight", "U32", (O, I * bits // 32), part(0)), (module + ".scales", st, (O, G), part(1)),
-            (module + ".biases", st, (O, G), part(2))]
+    G, lead = I // group_size, tuple(lead)
+    return [(module + ".weight", "U32", lead + (I * bits // 32,), part(0)),
+            (module + ".scales", st, lead + (G,), part(1)), (module + ".biases", st, lead + (G,), part(2))]
 
 
 def stored_items(module, qa):
@@ -227,11 +240,9 @@ def stored_items(module, qa):
             return lambda: np.ascontiguousarray(np.asarray(a)).view(np.uint32).tobytes()
         return lambda: encode(np.asarray(a, np.float32), dt)
 
-    O, words = np.shape(qa.w)
-    G = np.shape(qa.scales)[1]
-    return [(module + ".weight", "U32", (O, words), raw(qa.w, "U32")),
-            (module + ".scales", st, (O, G), raw(qa.scales, st)),
-            (module + ".biases", st, (O, G), raw(qa.biases, st))]
+    ws, ss = tuple(np.shape(qa.w)), tuple(np.shape(qa.scales))  # experts' with their leading E
+    return [(module + ".weight", "U32", ws, raw(qa.w, "U32")), (module + ".scales", st, ss, raw(qa.scales, st)),
+            (module + ".biases", st, ss, raw(qa.biases, st))]
 
 
 def model_dtype(cfg, weights):
@@ -258,17 +269,40 @@ def mlx_items(config, weights, names, bits, group_size, dtype, merged=None, over
     module_of = {m + ".weight": m for m in layouts}
     st = ST_DTYPES[dtype]
     items, used = [], {}
-    for name in names:
-        t, m = weights[name], module_of.get(name)
-        get = merged.get(name) or (lambda t=t: np.asarray(t, np.float32))
-        if m is not None and isinstance(t, QuantizedArray) and name not in merged and t.scale_dtype == dtype:
+    for name, t, mget in _switch_parts(config, weights, names, merged):
+        m = module_of.get(name)
+        get = mget or (lambda t=t: np.asarray(t, np.float32))
+        if m is not None and isinstance(t, QuantizedArray) and mget is None and t.scale_dtype == dtype:
             items += stored_items(m, t)
             used[m] = (t.bits, t.group_size)
         elif m is not None and layouts[m] is not None:
             items += quantized_items(m, get, tuple(t.shape), *layouts[m], dtype)
             used[m] = layouts[m]
-        elif name not in merged and getattr(t, "st_dtype", None) == st:
+        elif mget is None and getattr(t, "st_dtype", None) == st:
             items.append((name, st, tuple(t.shape), t.raw_bytes))
         else:
             items.append((name, st, tuple(np.shape(t)), lambda get=get: encode(get(), st)))
     return items, config_entry(used, bits, group_size)
+
+
+def _switch_parts(config, weights, names, merged):
+    """(name, tensor, merged getter or None) of each weight to write: a mixture's fused experts as
+    mlx-lm's switch_mlp modules, gate_up_proj's halves apart, under `<module>.weight`."""
+    for name in names:
+        t, get = weights[name], merged.get(name)
+        if not (config.moe and ".mlp.experts." in name):
+            yield name, t, get
+            continue
+        p = name.split(".mlp.experts.")[0] + ".mlp.switch_mlp."
+        if name.endswith("down_proj"):
+            yield p + "down_proj.weight", t, get
+            continue
+        E, F2, C = t.shape
+        halves = getattr(t, "parts", (None, None))  # moe.ExpertHalves: as the source holds them
+        for j, n in enumerate(("gate_proj", "up_proj")):
+            if get is None and isinstance(halves[j], QuantizedArray):
+                yield p + n + ".weight", halves[j], None
+                continue
+            whole = get or (lambda t=t: np.asarray(t, np.float32))
+            yield p + n + ".weight", np.broadcast_to(np.float32(0), (E, F2 // 2, C)), (
+                lambda whole=whole, j=j: whole()[:, j * F2 // 2:(j + 1) * F2 // 2])

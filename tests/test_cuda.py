@@ -10,7 +10,8 @@ import pytest
 import krnl
 from krnl import ops
 
-from conftest import check_step_against_cpu, check_training_reduces_loss, lora_step, read, tiny_lora_model
+from conftest import (U32, UNIT_ROUNDOFF, assert_close, assert_close_elementwise, check_step_against_cpu,
+                      check_training_reduces_loss, empty_filled, lora_step, read, tiny_lora_model, upload)
 
 pytestmark = pytest.mark.skipif(
     "cuda" not in krnl.devices(),
@@ -526,3 +527,204 @@ def test_gpu_power_meter_reads_this_gpu(cuda):
     w = gpu_power.window(meter.readings, [(t0 + 0.05, t1)])
     assert w is not None and w["samples"] >= 10 and 200 <= w["sm_mhz"] <= 3000, w
     assert w["watts"] is not None and 50 < w["watts"] < 2000, w
+
+
+# ---- mixture of experts (csrc/cuda/moe.cu): the paths that test_moe_ops.py's small, odd shapes
+# leave out (16-byte tiles, the tensor cores, row tiles of 128, many sort runs), graphs and guards
+
+def _moe_offsets(rng, P, E):
+    """Rising offsets (E + 1,) of P rows: ragged experts, one hot, expert 1 empty (E > 2)."""
+    e = np.where(rng.random(P) < 0.3, 0, rng.integers(0, E, P))
+    if E > 2:
+        e[e == 1] = 2
+    return np.concatenate([[0], np.cumsum(np.bincount(e, minlength=E))]).astype(np.int32)
+
+
+MOE_GEMM_TILES = [(600, 6, 136, 72), (1000, 4, 264, 40), (260, 70, 24, 16), (150, 3, 37, 33)]
+
+
+@pytest.mark.parametrize("dt", ["f32", "f16", "bf16"])
+@pytest.mark.parametrize("transpose", [True, False], ids=["linear", "input-grad"])
+@pytest.mark.parametrize("P,E,O,I", MOE_GEMM_TILES, ids=[f"{p}x{e}x{o}x{i}" for p, e, o, i in MOE_GEMM_TILES])
+def test_moe_gemm_tiles(cuda, P, E, O, I, transpose, dt):
+    """Dims that are multiples of 8 (16-byte tiles; bf16/f16 on tensor cores), row tiles of 128
+    (1000 rows on 4 experts) and of 64, more experts than a warp has lanes, an expert without rows,
+    an odd shape with several tiles; with beta = 0 an output prefilled with NaN is never read."""
+    from test_ops import reduction_rtol
+    rng = np.random.default_rng(P + E)
+    off = _moe_offsets(rng, P, E)
+    offsets = cuda.tensor(off, "i32")
+    w, w64 = upload(cuda, rng.standard_normal((E, O, I)) / np.sqrt(I), dt)
+    x, x64 = upload(cuda, rng.standard_normal((P, I if transpose else O)), dt)
+    out, o64 = upload(cuda, rng.standard_normal((P, O if transpose else I)), dt)
+    fresh = empty_filled(cuda, (P, O if transpose else I), dt)
+    ops.moe_gemm(x, w, offsets, out, transpose, alpha=1.5, beta=0.25)
+    ops.moe_gemm(x, w, offsets, fresh, transpose, alpha=1.5, beta=0.0)
+    prod, mag = np.zeros_like(o64), np.zeros_like(o64)
+    for e in range(E):
+        r = slice(off[e], off[e + 1])
+        We = w64[e].T if transpose else w64[e]
+        prod[r], mag[r] = 1.5 * x64[r] @ We, 1.5 * np.abs(x64[r]) @ np.abs(We)
+    tol = UNIT_ROUNDOFF[dt] + reduction_rtol(max(O, I))
+    assert_close_elementwise(read(out), 0.25 * o64 + prod, rtol=0.0, atol=tol * (mag + 0.25 * np.abs(o64)), what="out")
+    assert_close_elementwise(read(fresh), prod, rtol=0.0, atol=tol * mag, what="beta 0")
+
+
+MOE_WGRAD = [(700, 5, 136, 264), (90, 4, 17, 33), (2000, 3, 128, 64)]
+
+
+@pytest.mark.parametrize("dt,odt", [("f32", "f32"), ("f16", "f32"), ("bf16", "f32"), ("bf16", "bf16")])
+@pytest.mark.parametrize("P,E,M,N", MOE_WGRAD, ids=[f"{p}x{e}x{m}x{n}" for p, e, m, n in MOE_WGRAD])
+def test_moe_gemm_weight_grad_tiles(cuda, P, E, M, N, dt, odt):
+    """Many steps of k per expert, 16-byte tiles and odd ones; an expert without rows gets beta out
+    exactly, and zeros over NaN where beta = 0."""
+    from test_ops import reduction_rtol
+    rng = np.random.default_rng(P + M)
+    off = _moe_offsets(rng, P, E)
+    offsets = cuda.tensor(off, "i32")
+    a, a64 = upload(cuda, rng.standard_normal((P, M)), dt)
+    b, b64 = upload(cuda, rng.standard_normal((P, N)), dt)
+    out, o64 = upload(cuda, rng.standard_normal((E, M, N)), odt)
+    fresh = empty_filled(cuda, (E, M, N), odt)
+    ops.moe_gemm_weight_grad(a, b, offsets, out, alpha=2.0, beta=0.5)
+    ops.moe_gemm_weight_grad(a, b, offsets, fresh, alpha=2.0, beta=0.0)
+    prod, mag = np.zeros_like(o64), np.zeros_like(o64)
+    for e in range(E):
+        r = slice(off[e], off[e + 1])
+        prod[e], mag[e] = 2.0 * a64[r].T @ b64[r], 2.0 * np.abs(a64[r]).T @ np.abs(b64[r])
+    tol = UNIT_ROUNDOFF[odt] + reduction_rtol(int(np.diff(off).max()) + 1)
+    got = read(out)
+    assert_close_elementwise(got, 0.5 * o64 + prod, rtol=0.0, atol=tol * (mag + 0.5 * np.abs(o64)), what="out")
+    assert_close_elementwise(read(fresh), prod, rtol=0.0, atol=tol * mag, what="beta 0")
+    empty = np.diff(off) == 0
+    assert empty.any()
+    np.testing.assert_array_equal(got[empty], (0.5 * o64)[empty].astype(np.float32))
+    np.testing.assert_array_equal(read(fresh)[empty], 0.0)
+
+
+@pytest.mark.parametrize("N,K,E", [(6000, 8, 128), (3001, 2, 7), (400, 6, 3000)], ids=["6000x128top8", "3001x7top2",
+                                                                                        "400x3000top6"])
+def test_moe_sort_many_runs(cuda, N, K, E):
+    """Many runs of 512 pairs over several blocks (the counts' expert-major scan), experts above a
+    warp's lanes, and so many experts that a block holds fewer warps: still a stable sort."""
+    from test_moe_ops import sort_ref
+    rng = np.random.default_rng(N + E)
+    hot = rng.random((N, 1)) < 0.5  # half the tokens on the first experts: long runs of equal ids
+    ids = np.where(hot, np.arange(K)[None, :], np.stack([rng.choice(E, K, replace=False) for _ in range(N)]))
+    tokens, slot, offsets = cuda.empty((N * K,), "i32"), cuda.empty((N, K), "i32"), cuda.empty((E + 1,), "i32")
+    ops.moe_sort(cuda.tensor(ids.astype(np.int32), "i32"), tokens, slot, offsets)
+    rt, rs, ro = sort_ref(ids, E)
+    np.testing.assert_array_equal(read(tokens, np.int64), rt)
+    np.testing.assert_array_equal(read(slot, np.int64), rs)
+    np.testing.assert_array_equal(read(offsets, np.int64), ro)
+
+
+@pytest.mark.parametrize("dt", ["f32", "f16", "bf16"])
+def test_moe_combine_vectors(cuda, dt):
+    """Rows of whole 16-byte vectors (the vector kernels of the gather, the combine and its
+    backward) against the CPU backend: the same sums in the same order."""
+    cpu = krnl.device("cpu")
+    rng = np.random.default_rng(9)
+    N, E, K, C = 129, 9, 3, 256
+    ids = np.stack([rng.choice(E, K, replace=False) for _ in range(N)]).astype(np.int32)
+    arrays = dict(x=rng.standard_normal((N, C)), ys=rng.standard_normal((N * K, C)), dout=rng.standard_normal((N, C)),
+                  out=rng.standard_normal((N, C)), w=rng.uniform(0, 1, (N, K)))
+    got = {}
+    for dev in (cuda, cpu):
+        t = {k: dev.tensor(v.astype(np.float32), "f32" if k == "w" else dt) for k, v in arrays.items()}
+        tokens, slot, offsets = dev.empty((N * K,), "i32"), dev.empty((N, K), "i32"), dev.empty((E + 1,), "i32")
+        ops.moe_sort(dev.tensor(ids, "i32"), tokens, slot, offsets)
+        xs, dys, dw = dev.empty((N * K, C), dt), dev.empty((N * K, C), dt), dev.empty((N, K))
+        ops.moe_gather(t["x"], tokens, xs)
+        ops.moe_combine(t["ys"], slot, t["w"], t["out"], 0.5)
+        ops.moe_combine_backward(t["dout"], t["ys"], slot, t["w"], dys, dw)
+        got[dev.name] = [read(v) for v in (xs, t["out"], dys, dw)]
+    tol = UNIT_ROUNDOFF[dt]
+    for name, c, g in zip(["gather", "combine", "dys", "dweights"], got["cpu"], got["cuda"]):
+        if name == "gather":
+            np.testing.assert_array_equal(g, c)
+        else:
+            assert_close(g, c, rtol=tol + 64 * U32, what=name)
+
+
+def _moe_block(dev, x, lg, W1, W2, dout, K):
+    """The MoE ops as a model chains them, forward and backward; returns every result."""
+    N, E = lg.shape
+    C, F, dt = x.shape[1], W1.shape[1], x.dtype
+    ids, w = dev.empty((N, K), "i32"), dev.empty((N, K))
+    ops.moe_route(lg, ids, w, True)
+    tokens, slot, offsets = dev.empty((N * K,), "i32"), dev.empty((N, K), "i32"), dev.empty((E + 1,), "i32")
+    ops.moe_sort(ids, tokens, slot, offsets)
+    xs, h, ys = dev.empty((N * K, C), dt), dev.empty((N * K, F), dt), dev.empty((N * K, C), dt)
+    out = dev.empty((N, C), dt)
+    ops.moe_gather(x, tokens, xs)
+    ops.moe_gemm(xs, W1, offsets, h)
+    ops.moe_gemm(h, W2, offsets, ys)
+    ops.moe_combine(ys, slot, w, out)
+    dys, dw = dev.empty((N * K, C), dt), dev.empty((N, K))
+    ops.moe_combine_backward(dout, ys, slot, w, dys, dw)
+    dh, dxs, dx = dev.empty((N * K, F), dt), dev.empty((N * K, C), dt), dev.empty((N, C), dt)
+    dl = dev.empty((N, E), lg.dtype)
+    dW2, dW1 = dev.empty((E, C, F)), dev.empty((E, F, C))
+    ops.moe_gemm(dys, W2, offsets, dh, transpose=False)
+    ops.moe_gemm_weight_grad(dys, h, offsets, dW2)
+    ops.moe_gemm(dh, W1, offsets, dxs, transpose=False)
+    ops.moe_gemm_weight_grad(dh, xs, offsets, dW1)
+    ops.moe_combine(dxs, slot, None, dx)
+    ops.moe_route_backward(lg, ids, dw, dl, True)
+    return ids, w, out, dx, dl, dW1, dW2
+
+
+def test_moe_block_recorded_in_a_graph(cuda):
+    """Every MoE op records into a graph (no op reads ids, tokens, slots or offsets on the host);
+    replayed with new inputs uploaded into the recorded tensors it gives the eager run's results bit
+    for bit (deterministic kernels), and the CPU backend's to rounding."""
+    from test_moe_ops import separated_logits
+    rng = np.random.default_rng(2)
+    N, E, K, C, F, dt = 300, 16, 4, 64, 48, "bf16"
+
+    def inputs():  # logits far enough apart that the CPU picks the same experts
+        return (rng.standard_normal((N, C)), separated_logits(rng, N, E, spread=0.2),
+                rng.standard_normal((E, F, C)) / 8, rng.standard_normal((E, C, F)) / 7, rng.standard_normal((N, C)))
+
+    def on(dev, arrays):
+        return [dev.tensor(a.astype(np.float32), "f32" if i == 1 else dt) for i, a in enumerate(arrays)]
+
+    recorded = on(cuda, inputs())
+    g = cuda.capture(lambda: _moe_block(cuda, *recorded, K))
+    for _ in range(2):
+        arrays = inputs()
+        for t, a in zip(recorded, arrays):
+            cuda.upload(t, a.astype(np.float32))  # rounded to t's dtype as Device.tensor rounds
+        g.replay()
+        replayed = [read(t) for t in g.outputs]
+        with cuda.step():
+            eager = _moe_block(cuda, *on(cuda, arrays), K)
+        names = ["ids", "weights", "out", "dx", "dlogits", "dW1", "dW2"]
+        for name, r, e in zip(names, replayed, [read(t) for t in eager]):
+            np.testing.assert_array_equal(r, e, err_msg=name)
+        ref = [read(t) for t in _moe_block(krnl.device("cpu"), *on(krnl.device("cpu"), arrays), K)]
+        np.testing.assert_array_equal(replayed[0], ref[0])
+        for name, r, c in zip(["weights", "out", "dx", "dlogits", "dW1", "dW2"], replayed[1:], ref[1:]):
+            assert_close(r, c, rtol=0.05, what=name)
+    g.release()
+
+
+def test_moe_replayed_bad_tokens_and_slots_are_nan(cuda):
+    """Recorded gathers and combines cannot check tokens and slots on the host (nor can any GPU op:
+    they are written by earlier kernels): replayed with some out of range, those rows are NaN, the
+    rest exact."""
+    x = cuda.tensor(np.arange(24, dtype=np.float32).reshape(3, 8))
+    tokens, slot = cuda.tensor(np.array([2, 0, 1, 1], np.int32)), cuda.tensor(np.array([[0, 1], [2, 3]], np.int32))
+    xs, out = cuda.empty((4, 8)), cuda.empty((2, 8))
+    g = cuda.capture(lambda: (ops.moe_gather(x, tokens, xs), ops.moe_combine(xs, slot, None, out)))
+    cuda.upload(tokens, np.array([2, 7, 1, -1], np.int32))
+    cuda.upload(slot, np.array([[0, 2], [9, 3]], np.int32))
+    g.replay()
+    got = read(xs)
+    np.testing.assert_array_equal(got[[0, 2]], read(x)[[2, 1]])
+    assert np.isnan(got[[1, 3]]).all()
+    o = read(out)
+    np.testing.assert_array_equal(o[0], got[0] + got[2])
+    assert np.isnan(o[1]).all()
+    g.release()

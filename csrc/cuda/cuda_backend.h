@@ -74,8 +74,7 @@ class CudaBackend : public Backend {
   // Every op of op_list.h (one .cu file per family) but fused attention, which is cuDNN's SDPA
   // graphs, bf16/f16 (attention_cudnn.cpp): left out without cuDNN at build time, so that the
   // Backend defaults throw.
-  KRNL_OVERRIDE_OP(gemm, (const krnl::GemmArgs& a))
-  KRNL_DIRECT_OPS_BUT_ATTENTION_AND_MOE(KRNL_OVERRIDE_OP)  // TEMP-MOE
+  KRNL_OPS_BUT_FUSED_ATTENTION(KRNL_OVERRIDE_OP)
 #ifdef KRNL_HAS_CUDNN
   KRNL_FUSED_ATTENTION_OPS(KRNL_OVERRIDE_OP)
   // The dtypes in which the ops above run here, so that the model takes them: cuDNN's (bf16, f16)

@@ -43,6 +43,11 @@
 #                                           tools/mslcuda/qmm_timing.py: the tiled, few-row and naive
 #                                           quantized_matmul next to the dense GEMM at an 8B's shapes
 #                                           ($OUT/qmm_timing.json)
+#   bash tools/device/h200_check.sh moe     the mixture-of-experts ops of csrc/cuda/moe.cu: their cuda tests
+#                                           (tests/test_moe_ops.py, the moe tests of tests/test_cuda.py and
+#                                           tests/test_cuda_host.py), then tests/test_moe_ops.py's cuda tests under
+#                                           compute-sanitizer (SANITIZE tools, default "memcheck racecheck
+#                                           synccheck"; logs in $OUT/moe_sanitize_TOOL.log)
 #   MSLCUDA_CACHE (optional): a folder of mslcuda libraries built here with the same nvcc (13.0),
 #          carried to skip the kernels' compile there (a stale one is simply rebuilt).
 # The remote machine has Python, PyTorch, nvcc, cmake and ninja but no network, so wheels travel
@@ -149,6 +154,23 @@ elif [ "$phase" = metal-cuda ] || [ "$phase" = sanitize ] || [ "$phase" = qmm ];
   wait
   [ -f "$OUT/cuda_tests.log" ] && tail -12 "$OUT/cuda_tests.log"
   [ -f "$OUT/sanitize.out" ] && cat "$OUT/sanitize.out"
+elif [ "$phase" = moe ]; then
+  timeout ${MOE_TESTS_S:-240} python3 -m pytest -q -p no:cacheprovider tests/test_moe_ops.py tests/test_cuda.py \
+    tests/test_cuda_host.py -k "moe and not cpu and not metal" 2>&1 | tee "$OUT/moe_tests.log" | tail -15
+  rc=0
+  for tool in ${SANITIZE:-memcheck racecheck synccheck}; do
+    log="$OUT/moe_sanitize_$tool.log"
+    timeout ${SAN_S:-300} compute-sanitizer --tool "$tool" --print-limit 20 python3 -m pytest -q -p no:cacheprovider \
+      tests/test_moe_ops.py -k "cuda" > "$log" 2>&1
+    grep -E "SUMMARY|passed|failed" "$log" | tail -3 | sed "s/^/$tool: /"
+    if [ "$tool" = racecheck ]; then  # racecheck files hazards as warnings: both must be 0
+      grep -qE "RACECHECK SUMMARY: 0 hazards displayed \(0 errors, 0 warnings\)" "$log" || rc=1
+    else
+      grep -qE "ERROR SUMMARY: 0 errors" "$log" || rc=1
+    fi
+  done
+  echo "moe sanitize: $([ $rc = 0 ] && echo clean || echo FINDINGS)"
+  exit $rc
 elif [ "$phase" = bench ]; then
   if [ -f /tmp/mlx/part_aa ] && [ -f .mlx2/part_ab ]; then
     # into the interpreter's own site-packages: libmlx.so finds the CUDA libraries of the nvidia-*

@@ -1,0 +1,805 @@
+// Mixture-of-experts ops (op_list.h's notes): routing and its backward, the stable sort by expert,
+// the gather, the weighted combine and its backward, and the grouped GEMMs. Expert ids, tokens,
+// slots and offsets are written by earlier kernels of the same step: nothing here reads them on
+// the host or waits for the stream, so every op records into a CUDA graph. The GPU trusts them
+// (the CPU backend checks them); a kernel still never reads or writes outside a tensor for a bad
+// one: an out-of-range id joins no expert, an out-of-range token or slot reads as NaN.
+//
+// Results are deterministic: no float atomics; every sum runs in an order fixed by the shapes.
+//
+// The grouped GEMMs (moe_gemm, moe_gemm_weight_grad) are tiled kernels whose index arithmetic
+// lives in moe_tiles.cuh (checked on the host by tests/cuda_host/moe_tiles_check.cu). bf16 and
+// f16 run on tensor cores (WMMA 16 x 16 x 16, f32 accumulation): 128 x 128 output tiles (64 x 128
+// where experts average under 96 rows, or a row length is no multiple of 8), steps of 32 over k, 8
+// warps of 64 x 32 (32 x 32), operand tiles double-buffered in shared memory through registers (one
+// barrier a step), 16-byte loads and stores where every row length is a multiple of 8. f32 runs
+// on CUDA cores: 64 x 64 tiles, 4 x 4 outputs a thread (never TF32, as gemm.cu). moe_gemm's blocks
+// take row tiles of one expert from a map that a one-block kernel builds from offsets on the
+// device: ceil(P / BM) + E row tiles at most, the ones past the last exit at once.
+#include <mma.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
+
+#include "common.cuh"
+#include "moe_tiles.cuh"
+
+namespace krnl::cuda {
+namespace {
+
+using moe::BlockTile;
+using moe::GemmParams;
+using moe::Mode;
+
+#define KRNL_GRID_LOOP(i, n) \
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < (n); i += int64_t(gridDim.x) * blockDim.x)
+
+constexpr unsigned kFull = 0xffffffffu;
+constexpr int kRowWarps = 8;  // route, route_backward, combine_backward: a warp a row (pair), 8 a block
+
+__device__ __forceinline__ float qnan() { return __int_as_float(0x7fc00000); }
+
+inline bool aligned16(std::initializer_list<const void*> ptrs) {
+  for (const void* p : ptrs)
+    if (reinterpret_cast<uintptr_t>(p) % 16) return false;
+  return true;
+}
+
+// ---- routing
+
+// Row statistics of p = softmax(l) in f32, in every lane: m = max l, inv = 1 / sum exp(l - m).
+__device__ __forceinline__ void row_softmax(DType dt, const void* logits, int64_t base, int E, int lane, float& m,
+                                            float& inv) {
+  float mx = -3.402823466e38f;
+  for (int e = lane; e < E; e += 32) mx = fmaxf(mx, ld(dt, logits, base + e));
+  mx = warp_max(mx);
+  float s = 0.f;
+  for (int e = lane; e < E; e += 32) s += expf(ld(dt, logits, base + e) - mx);
+  m = mx, inv = 1.f / warp_sum(s);
+}
+
+// p[e] of the row, the same value wherever it is formed.
+__device__ __forceinline__ float prob(DType dt, const void* logits, int64_t base, int e, float m, float inv) {
+  return expf(ld(dt, logits, base + e) - m) * inv;
+}
+
+// A warp a row. Pick k is the largest (key, -expert) strictly below pick k - 1 in that strict order
+// (key = p, NaN as -1 below every p; a tie to the lower expert), as the CPU's partial_sort picks;
+// the row's p are recomputed from the logits at each pass rather than kept (any E).
+__global__ void moe_route_kernel(DType dt, const void* logits, int64_t N, int E, int K, int32_t* ids, float* weights,
+                                 bool norm) {
+  const int lane = threadIdx.x & 31;
+  const int64_t t = int64_t(blockIdx.x) * kRowWarps + (threadIdx.x >> 5);
+  if (t >= N) return;
+  const int64_t base = t * E;
+  float m, inv;
+  row_softmax(dt, logits, base, E, lane, m, inv);
+  float pk = __int_as_float(0x7f800000);  // the previous pick (+inf, -1): none yet
+  int pe = -1;
+  float sum = 0.f;
+  for (int k = 0; k < K; ++k) {
+    float bk = -__int_as_float(0x7f800000);  // below every key
+    int be = 0x7fffffff;
+    for (int e = lane; e < E; e += 32) {
+      const float p = prob(dt, logits, base, e, m, inv), key = p == p ? p : -1.f;
+      const bool below = key < pk || (key == pk && e > pe);
+      if (below && (key > bk || (key == bk && e < be))) bk = key, be = e;
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ok = __shfl_xor_sync(kFull, bk, o);
+      const int oe = __shfl_xor_sync(kFull, be, o);
+      if (ok > bk || (ok == bk && oe < be)) bk = ok, be = oe;
+    }
+    pk = bk, pe = be;  // K <= E: a candidate was left, so be is an expert
+    const float p = prob(dt, logits, base, be, m, inv);
+    sum += p;  // in pick order, as the CPU sums
+    if (lane == 0) ids[t * K + k] = be, weights[t * K + k] = p;
+  }
+  if (norm && lane == 0)
+    for (int k = 0; k < K; ++k) weights[t * K + k] = weights[t * K + k] / sum;
+}
+
+// A warp a row, as the CPU: dp[e] = dprobs[e] + the pick terms of expert e in k order; norm: term k
+// = (dw_k - sum_j dw_j w_j) / S with w_j = p_j / S; dlogits = p (dp - sum_e p dp).
+__global__ void moe_route_bwd_kernel(DType dt, const void* logits, const int32_t* ids, const float* dweights,
+                                     const float* dprobs, void* dlogits, int64_t N, int E, int K, bool norm) {
+  const int lane = threadIdx.x & 31;
+  const int64_t t = int64_t(blockIdx.x) * kRowWarps + (threadIdx.x >> 5);
+  if (t >= N) return;
+  const int64_t base = t * E;
+  float m, inv;
+  row_softmax(dt, logits, base, E, lane, m, inv);
+  const int32_t* it = ids + t * K;
+  const float* g = dweights + t * K;
+  auto picked = [&](int k) {
+    const int32_t e = it[k];
+    return e >= 0 && e < E ? prob(dt, logits, base, e, m, inv) : qnan();
+  };
+  float S = 0.f, gw = 0.f;
+  if (norm) {
+    for (int k = 0; k < K; ++k) S += picked(k);
+    for (int k = 0; k < K; ++k) gw += g[k] * (picked(k) / S);
+  }
+  auto dp = [&](int e) {
+    float d = dprobs ? dprobs[e] : 0.f;
+    for (int k = 0; k < K; ++k)
+      if (it[k] == e) d += norm ? (g[k] - gw) / S : g[k];
+    return d;
+  };
+  float pd = 0.f;
+  for (int e = lane; e < E; e += 32) pd += prob(dt, logits, base, e, m, inv) * dp(e);
+  pd = warp_sum(pd);  // every read of another lane's logit is above: dlogits may be logits
+  for (int e = lane; e < E; e += 32) {
+    const float p = prob(dt, logits, base, e, m, inv);
+    st(dt, dlogits, base + e, p * (dp(e) - pd));
+  }
+}
+
+// ---- the sort: a counting sort in three kernels. Warps take runs of kSortRun pairs in order
+// (run r: pairs r kSortRun on); count_kernel counts each run's pairs per expert, scan_kernel turns
+// the counts (runs, E) into each run's first position per expert (expert-major: expert e's pairs of
+// run r follow those of runs < r) and writes offsets, place_kernel walks each run again in order,
+// 32 pairs at a time, ranking equal experts by lane (__match_any_sync): pairs keep their (t, k)
+// order inside an expert.
+
+constexpr int kSortRun = 512;
+constexpr int kSortMaxExperts = 12288;  // a block's shared counters: 48 KiB
+
+// Pair j's expert, or -1 past the run's end or out of range (then it joins no expert).
+__device__ __forceinline__ int pair_expert(const int32_t* ids, int64_t j, int64_t end, int E) {
+  if (j >= end) return -1;
+  const int32_t x = ids[j];
+  return x >= 0 && x < E ? int(x) : -1;
+}
+
+// Block b, warp w: run r = b W + w (W warps a block) into shared counters sh[w][E], then to counts[r].
+__global__ void moe_sort_count_kernel(const int32_t* ids, int64_t P, int E, int64_t R, int32_t* counts) {
+  extern __shared__ int32_t sh[];
+  const int W = int(blockDim.x >> 5), w = int(threadIdx.x >> 5), lane = int(threadIdx.x & 31);
+  for (int i = threadIdx.x; i < W * E; i += blockDim.x) sh[i] = 0;
+  __syncthreads();
+  const int64_t r = int64_t(blockIdx.x) * W + w;
+  if (r < R) {
+    int32_t* c = sh + w * E;
+    const int64_t end = min(P, (r + 1) * kSortRun);
+    for (int64_t j0 = r * kSortRun; j0 < end; j0 += 32) {
+      const int x = pair_expert(ids, j0 + lane, end, E);
+      const unsigned peers = __match_any_sync(kFull, x < 0 ? E + lane : x);  // lanes without an expert alone
+      if (x >= 0 && lane == __ffs(peers) - 1) c[x] += __popc(peers);
+      __syncwarp();
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < W * E; i += blockDim.x) {
+    const int64_t rr = int64_t(blockIdx.x) * W + i / E;
+    if (rr < R) counts[rr * E + i % E] = sh[i];
+  }
+}
+
+// One block: totals per expert, their exclusive scan (offsets), then counts[r][e] becomes the first
+// position of run r's pairs of expert e.
+__global__ void moe_sort_scan_kernel(int64_t R, int E, int32_t* counts, int32_t* offsets) {
+  extern __shared__ int32_t tot[];
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    int32_t s = 0;
+    for (int64_t r = 0; r < R; ++r) s += counts[r * E + e];
+    tot[e] = s;
+  }
+  __syncthreads();
+  if (threadIdx.x < 32) {  // lane l scans experts [l per, (l + 1) per)
+    const int lane = int(threadIdx.x), per = (E + 31) / 32, e0 = min(E, lane * per), e1 = min(E, e0 + per);
+    int32_t mine = 0;
+    for (int e = e0; e < e1; ++e) mine += tot[e];
+    int32_t inc = mine;
+    for (int o = 1; o < 32; o <<= 1) {
+      const int32_t v = __shfl_up_sync(kFull, inc, o);
+      if (lane >= o) inc += v;
+    }
+    int32_t run = inc - mine;
+    for (int e = e0; e < e1; ++e) {
+      const int32_t n = tot[e];
+      tot[e] = run, offsets[e] = run;
+      run += n;
+    }
+    if (lane == 31) offsets[E] = inc;
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    int32_t run = tot[e];
+    for (int64_t r = 0; r < R; ++r) {
+      const int32_t n = counts[r * E + e];
+      counts[r * E + e] = run;
+      run += n;
+    }
+  }
+}
+
+// The runs of count_kernel again, from their first positions: slot[j] and tokens[slot[j]] = j / K.
+__global__ void moe_sort_place_kernel(const int32_t* ids, int64_t P, int E, int K, int64_t R, const int32_t* first,
+                                      int32_t* tokens, int32_t* slot) {
+  extern __shared__ int32_t sh[];
+  const int W = int(blockDim.x >> 5), w = int(threadIdx.x >> 5), lane = int(threadIdx.x & 31);
+  for (int i = threadIdx.x; i < W * E; i += blockDim.x) {
+    const int64_t rr = int64_t(blockIdx.x) * W + i / E;
+    sh[i] = rr < R ? first[rr * E + i % E] : 0;
+  }
+  __syncthreads();
+  const int64_t r = int64_t(blockIdx.x) * W + w;
+  if (r >= R) return;
+  int32_t* c = sh + w * E;
+  const int64_t end = min(P, (r + 1) * kSortRun);
+  for (int64_t j0 = r * kSortRun; j0 < end; j0 += 32) {
+    const int64_t j = j0 + lane;
+    const int x = pair_expert(ids, j, end, E);
+    const unsigned peers = __match_any_sync(kFull, x < 0 ? E + lane : x);
+    if (x >= 0) {
+      const int32_t s = c[x] + __popc(peers & ((1u << lane) - 1u));  // after this run's earlier pairs of x
+      slot[j] = s;
+      if (s < P) tokens[s] = int32_t(j / K);
+    } else if (j < end) {
+      slot[j] = -1;  // an id out of range: no slot
+    }
+    __syncwarp();
+    if (x >= 0 && lane == __ffs(peers) - 1) c[x] += __popc(peers);
+    __syncwarp();
+  }
+}
+
+// ---- gather: out[p] = x[tokens[p]], whole rows; a token out of range gives a NaN row.
+
+__global__ void moe_gather_vec_kernel(const int32_t* tokens, const uint4* __restrict__ x, uint4* __restrict__ out,
+                                      int64_t P, int64_t units, int64_t N, uint4 nan) {
+  KRNL_GRID_LOOP(i, P * units) {
+    const int64_t p = i / units, c = i - p * units;
+    const int32_t t = __ldg(tokens + p);
+    out[i] = t >= 0 && t < N ? x[int64_t(t) * units + c] : nan;
+  }
+}
+
+template <class W>
+__global__ void moe_gather_kernel(const int32_t* tokens, const W* __restrict__ x, W* __restrict__ out, int64_t P,
+                                  int64_t C, int64_t N, W nan) {
+  KRNL_GRID_LOOP(i, P * C) {
+    const int64_t p = i / C, c = i - p * C;
+    const int32_t t = tokens[p];
+    out[i] = t >= 0 && t < N ? x[int64_t(t) * C + c] : nan;
+  }
+}
+
+// ---- combine: out[t] = beta out[t] + sum over k in order of w[t, k] ys[slot[t, k]], in f32.
+
+// VEC consecutive columns a thread (C a multiple of VEC, 16-byte aligned rows); V = 1: one.
+template <bool W16, int V>
+__global__ void moe_combine_kernel(DType dt, const void* ys, const int32_t* slot, const float* w, void* out, int64_t N,
+                                   int64_t C, int K, int64_t P, float beta) {
+  const int64_t units = C / V;
+  KRNL_GRID_LOOP(i, N * units) {
+    const int64_t t = i / units, c = (i - t * units) * V;
+    float acc[V];
+#pragma unroll
+    for (int q = 0; q < V; ++q) acc[q] = 0.f;
+    for (int k = 0; k < K; ++k) {
+      const int32_t s = slot[t * K + k];
+      const float a = w ? w[t * K + k] : 1.f;
+      float y[V];
+      if (s < 0 || s >= P) {
+#pragma unroll
+        for (int q = 0; q < V; ++q) y[q] = qnan();
+      } else if constexpr (V == 1) {
+        y[0] = ld(dt, ys, int64_t(s) * C + c);
+      } else {
+        load_vec<W16>(dt, ys, int64_t(s) * C + c, y);
+      }
+#pragma unroll
+      for (int q = 0; q < V; ++q) acc[q] = fmaf(a, y[q], acc[q]);
+    }
+    if (beta != 0.f) {  // beta == 0 never reads out
+      float o[V];
+      if constexpr (V == 1)
+        o[0] = ld(dt, out, t * C + c);
+      else
+        load_vec<W16>(dt, out, t * C + c, o);
+#pragma unroll
+      for (int q = 0; q < V; ++q) acc[q] = fmaf(beta, o[q], acc[q]);
+    }
+    if constexpr (V == 1)
+      st(dt, out, t * C + c, acc[0]);
+    else
+      store_vec<W16>(dt, out, t * C + c, acc);
+  }
+}
+
+// A warp a pair (t, k) = pair: dys[s] = w dout[t] and dweights = dout[t] . ys[s] (lane partial sums
+// in column order, then the warp's fixed tree), s = slot[pair]. dys may be ys: each element of ys is
+// read by the thread that then writes it.
+template <bool W16, int V>
+__global__ void moe_combine_bwd_kernel(DType dt, const void* dout, const void* ys, const int32_t* slot, const float* w,
+                                       void* dys, float* dweights, int64_t NK, int K, int64_t C, int64_t P) {
+  const int lane = threadIdx.x & 31;
+  const int64_t pair = int64_t(blockIdx.x) * kRowWarps + (threadIdx.x >> 5);
+  if (pair >= NK) return;
+  const int64_t t = pair / K;
+  const int32_t s = slot[pair];
+  const bool bad = s < 0 || s >= P;
+  const float a = w[pair];
+  float d = 0.f;
+  for (int64_t c = int64_t(lane) * V; c < C; c += 32 * V) {
+    float g[V], y[V];
+    if constexpr (V == 1) {
+      g[0] = ld(dt, dout, t * C + c);
+      if (!bad) y[0] = ld(dt, ys, int64_t(s) * C + c);
+    } else {
+      load_vec<W16>(dt, dout, t * C + c, g);
+      if (!bad) load_vec<W16>(dt, ys, int64_t(s) * C + c, y);
+    }
+    if (bad) continue;
+#pragma unroll
+    for (int q = 0; q < V; ++q) {
+      d = fmaf(g[q], y[q], d);
+      g[q] *= a;
+    }
+    if constexpr (V == 1)
+      st(dt, dys, int64_t(s) * C + c, g[0]);
+    else
+      store_vec<W16>(dt, dys, int64_t(s) * C + c, g);
+  }
+  d = warp_sum(d);
+  if (lane == 0) dweights[pair] = bad ? qnan() : d;
+}
+
+// ---- grouped GEMMs
+
+// map[t] = {expert, first row, rows} of row tile t of moe_gemm: each expert's rows offsets[e]:
+// offsets[e + 1] in tiles of BM, expert by expert; {-1, 0, 0} past the last tile. One block: warp 0
+// scans the experts' tile counts (lane l takes experts [l per, (l + 1) per)), then every thread
+// marks the rest. Offsets are clamped into [0, P] (rising), so that bad ones cannot send a block
+// outside x.
+__global__ void moe_tile_map_kernel(const int32_t* offsets, int E, int P, int BM, int4* map, int T) {
+  __shared__ int total;
+  if (threadIdx.x < 32) {
+    const int lane = int(threadIdx.x), per = (E + 31) / 32, e0 = min(E, lane * per), e1 = min(E, e0 + per);
+    auto range = [&](int e, int& lo, int& hi) {
+      lo = min(max(offsets[e], 0), P);
+      hi = min(max(offsets[e + 1], lo), P);
+      return (hi - lo + BM - 1) / BM;
+    };
+    int mine = 0, lo, hi;
+    for (int e = e0; e < e1; ++e) mine += range(e, lo, hi);
+    int inc = mine;
+    for (int o = 1; o < 32; o <<= 1) {
+      const int v = __shfl_up_sync(kFull, inc, o);
+      if (lane >= o) inc += v;
+    }
+    int at = inc - mine;
+    for (int e = e0; e < e1; ++e) {
+      const int n = range(e, lo, hi);
+      for (int j = 0; j < n; ++j, ++at)
+        if (at < T) map[at] = make_int4(e, lo + j * BM, min(BM, hi - lo - j * BM), 0);
+    }
+    if (lane == 31) total = min(inc, T);
+  }
+  __syncthreads();
+  for (int t = total + int(threadIdx.x); t < T; t += blockDim.x) map[t] = make_int4(-1, 0, 0, 0);
+}
+
+// out[o] = v (alpha and the empty-expert rule applied by the caller) + beta out[o].
+__device__ __forceinline__ void put(DType odt, void* out, int64_t o, float v, float beta) {
+  st(odt, out, o, beta != 0.f ? fmaf(beta, ld(odt, out, o), v) : v);
+}
+
+__device__ __forceinline__ void load8(DType dt, const void* p, int64_t i, float* v) {
+  if (dt == DType::f32) {
+    load_vec<false>(dt, p, i, v);
+    load_vec<false>(dt, p, i + 4, v + 4);
+  } else {
+    load_vec<true>(dt, p, i, v);
+  }
+}
+__device__ __forceinline__ void store8(DType dt, void* p, int64_t i, const float* v) {
+  if (dt == DType::f32) {
+    store_vec<false>(dt, p, i, v);
+    store_vec<false>(dt, p, i + 4, v + 4);
+  } else {
+    store_vec<true>(dt, p, i, v);
+  }
+}
+
+template <DType DT>
+struct WmmaType;
+template <>
+struct WmmaType<DType::bf16> {
+  using type = __nv_bfloat16;
+};
+template <>
+struct WmmaType<DType::f16> {
+  using type = __half;
+};
+
+// The tensor-core kernel (bf16, f16): moe_tiles.cuh's Geometry and WarpTiles. VEC: 16-byte
+// operand and output units (the matrices' row lengths multiples of 8, 16-byte aligned).
+template <Mode MODE, DType DT, int BM, bool VEC>
+__global__ void __launch_bounds__(256) moe_gemm_tc_kernel(const GemmParams p) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  namespace wmma = nvcuda::wmma;
+  using G = moe::Geometry<MODE, BM, 128, 32, 2>;
+  using WT = moe::WarpTiles<G>;
+  using T = typename WmmaType<DT>::type;
+  using ALayout = std::conditional_t<G::A_KM, wmma::col_major, wmma::row_major>;
+  using BLayout = std::conditional_t<G::B_NK, wmma::col_major, wmma::row_major>;
+  constexpr int kTileBytes = 2 * (G::A_TILE + G::B_TILE) * 2, kEpiBytes = 8 * WT::EPI_FLOATS * 4;
+  static_assert((G::A_TILE * 2) % 32 == 0 && (G::B_TILE * 2) % 32 == 0, "WMMA's 32-byte aligned tiles");
+  __shared__ __align__(128) unsigned char smem[kTileBytes > kEpiBytes ? kTileBytes : kEpiBytes];
+  uint16_t* As = reinterpret_cast<uint16_t*>(smem);  // [2][A_TILE]
+  uint16_t* Bs = As + 2 * G::A_TILE;                 // [2][B_TILE]
+  const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
+
+  const BlockTile t = moe::block_tile<MODE, BM, G::BN>(p, blockIdx.x);
+  if (!t.live) return;
+  const uint16_t *A, *B;
+  moe::operands<MODE>(p, t, A, B);
+  moe::TileLoader<G::A_ROWS, G::A_COLS, G::LDA, 2, WT::NT, VEC> la;
+  moe::TileLoader<G::B_ROWS, G::B_COLS, G::LDB, 2, WT::NT, VEC> lb;
+
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[WT::FM][WT::FN];
+#pragma unroll
+  for (int i = 0; i < WT::FM; ++i)
+#pragma unroll
+    for (int j = 0; j < WT::FN; ++j) wmma::fill_fragment(acc[i][j], 0.f);
+
+  const int64_t steps = (t.kext + G::BK - 1) / G::BK;  // the same in every thread: barriers below are uniform
+  if (steps > 0) {
+    moe::fetch_step<MODE>(la, lb, tid, A, B, p, t, 0);
+    la.commit(tid, As);
+    lb.commit(tid, Bs);
+    __syncthreads();
+    for (int64_t s = 0; s < steps; ++s) {
+      const int buf = int(s & 1);
+      // Buffer buf ^ 1 was last read in step s - 1, before its closing barrier: the commit below
+      // may overwrite it while other warps still read buf.
+      if (s + 1 < steps) moe::fetch_step<MODE>(la, lb, tid, A, B, p, t, (s + 1) * G::BK);
+      const T* as = reinterpret_cast<const T*>(As + buf * G::A_TILE);
+      const T* bs = reinterpret_cast<const T*>(Bs + buf * G::B_TILE);
+#pragma unroll
+      for (int kk = 0; kk < G::BK; kk += 16) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, ALayout> af[WT::FM];
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, BLayout> bf[WT::FN];
+#pragma unroll
+        for (int i = 0; i < WT::FM; ++i) wmma::load_matrix_sync(af[i], as + WT::a_frag(warp, i, kk), G::LDA);
+#pragma unroll
+        for (int j = 0; j < WT::FN; ++j) wmma::load_matrix_sync(bf[j], bs + WT::b_frag(warp, j, kk), G::LDB);
+#pragma unroll
+        for (int i = 0; i < WT::FM; ++i)
+#pragma unroll
+          for (int j = 0; j < WT::FN; ++j) wmma::mma_sync(acc[i][j], af[i], bf[j], acc[i][j]);
+      }
+      if (s + 1 < steps) {
+        la.commit(tid, As + (buf ^ 1) * G::A_TILE);
+        lb.commit(tid, Bs + (buf ^ 1) * G::B_TILE);
+      }
+      __syncthreads();  // also: no warp reads the tiles any more once past the last
+    }
+  }
+
+  // Epilogue: each fragment through the warp's own 16 x 20 floats (over the tiles, read no more).
+  float* scr = reinterpret_cast<float*>(smem) + warp * WT::EPI_FLOATS;
+  const bool empty = t.kext == 0;  // weight_grad's expert without rows: beta out exactly
+#pragma unroll
+  for (int i = 0; i < WT::FM; ++i)
+#pragma unroll
+    for (int j = 0; j < WT::FN; ++j) {
+      wmma::store_matrix_sync(scr, acc[i][j], WT::EPI_LD, wmma::mem_row_major);
+      __syncwarp();
+      const int fr = WT::frag_row(warp, i), fc = WT::frag_col(warp, j);
+      if constexpr (VEC) {
+        int r, c;
+        WT::epi_vec(lane, r, c);
+        // N a multiple of 8: the 8 columns lie all inside or all outside, as column c does
+        const int64_t o = moe::out_index(t, p.N, fr + r, fc + c);
+        if (o >= 0) {
+          float v[8], old[8];
+#pragma unroll
+          for (int q = 0; q < 8; ++q) v[q] = empty ? 0.f : p.alpha * scr[r * WT::EPI_LD + c + q];
+          if (p.beta != 0.f) {
+            load8(p.odt, p.out, o, old);
+#pragma unroll
+            for (int q = 0; q < 8; ++q) v[q] = fmaf(p.beta, old[q], v[q]);
+          }
+          store8(p.odt, p.out, o, v);
+        }
+      } else {
+#pragma unroll
+        for (int q = 0; q < 8; ++q) {
+          int r, c;
+          WT::epi_scalar(lane, q, r, c);
+          const int64_t o = moe::out_index(t, p.N, fr + r, fc + c);
+          if (o >= 0) put(p.odt, p.out, o, empty ? 0.f : p.alpha * scr[r * WT::EPI_LD + c], p.beta);
+        }
+      }
+      __syncwarp();  // every lane's reads before the next fragment's store
+    }
+#else
+  __trap();  // the host refuses 16-bit grouped GEMMs below compute capability 8.0
+#endif
+}
+
+// The CUDA-core kernel (f32): moe_tiles.cuh's Geometry (64 x 64 x 16) and ThreadTiles.
+template <Mode MODE, bool VEC>
+__global__ void __launch_bounds__(256) moe_gemm_f32_kernel(const GemmParams p) {
+  using G = moe::Geometry<MODE, 64, 64, 16, 4>;
+  using TT = moe::ThreadTiles;
+  __shared__ __align__(16) float As[2 * G::A_TILE];
+  __shared__ __align__(16) float Bs[2 * G::B_TILE];
+  const int tid = int(threadIdx.x);
+  const BlockTile t = moe::block_tile<MODE, G::BM, G::BN>(p, blockIdx.x);
+  if (!t.live) return;
+  const float *A, *B;
+  moe::operands<MODE>(p, t, A, B);
+  moe::TileLoader<G::A_ROWS, G::A_COLS, G::LDA, 4, TT::NT, VEC> la;
+  moe::TileLoader<G::B_ROWS, G::B_COLS, G::LDB, 4, TT::NT, VEC> lb;
+  float acc[TT::TM][TT::TN] = {};
+  const int64_t steps = (t.kext + G::BK - 1) / G::BK;
+  if (steps > 0) {
+    moe::fetch_step<MODE>(la, lb, tid, A, B, p, t, 0);
+    la.commit(tid, As);
+    lb.commit(tid, Bs);
+    __syncthreads();
+    for (int64_t s = 0; s < steps; ++s) {
+      const int buf = int(s & 1);
+      if (s + 1 < steps) moe::fetch_step<MODE>(la, lb, tid, A, B, p, t, (s + 1) * G::BK);
+      const float* as = As + buf * G::A_TILE;
+      const float* bs = Bs + buf * G::B_TILE;
+#pragma unroll
+      for (int k = 0; k < G::BK; ++k) {
+        float a[TT::TM], b[TT::TN];
+#pragma unroll
+        for (int i = 0; i < TT::TM; ++i) a[i] = as[G::a_at(TT::row(tid, i), k)];
+#pragma unroll
+        for (int j = 0; j < TT::TN; ++j) b[j] = bs[G::b_at(k, TT::col(tid, j))];
+#pragma unroll
+        for (int i = 0; i < TT::TM; ++i)
+#pragma unroll
+          for (int j = 0; j < TT::TN; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+      }
+      if (s + 1 < steps) {
+        la.commit(tid, As + (buf ^ 1) * G::A_TILE);
+        lb.commit(tid, Bs + (buf ^ 1) * G::B_TILE);
+      }
+      __syncthreads();
+    }
+  }
+  const bool empty = t.kext == 0;
+#pragma unroll
+  for (int i = 0; i < TT::TM; ++i)
+#pragma unroll
+    for (int j = 0; j < TT::TN; ++j) {
+      const int64_t o = moe::out_index(t, p.N, TT::row(tid, i), TT::col(tid, j));
+      if (o >= 0) put(p.odt, p.out, o, empty ? 0.f : p.alpha * acc[i][j], p.beta);
+    }
+}
+
+// beta * out (0 where beta == 0: out never read), the grouped GEMM with k = 0.
+__global__ void moe_scale_kernel(DType dt, void* out, int64_t n, float beta) {
+  KRNL_GRID_LOOP(i, n) st(dt, out, i, beta == 0.f ? 0.f : beta * ld(dt, out, i));
+}
+
+// bm: 128 or 64 with 16-byte units (weight_grad: 128), 64 per element (fewer registers: the
+// per-element loaders hold 4x the values).
+template <Mode MODE, DType DT>
+void launch_tc(const GemmParams& p, int bm, bool vec, unsigned blocks, cudaStream_t s) {
+  if (!vec) {
+    moe_gemm_tc_kernel<MODE, DT, 64, false><<<blocks, 256, 0, s>>>(p);
+    return;
+  }
+  if constexpr (MODE != Mode::weight_grad) {
+    if (bm == 64) {
+      moe_gemm_tc_kernel<MODE, DT, 64, true><<<blocks, 256, 0, s>>>(p);
+      return;
+    }
+  }
+  moe_gemm_tc_kernel<MODE, DT, 128, true><<<blocks, 256, 0, s>>>(p);
+}
+
+template <Mode MODE>
+void launch_gemm(const GemmParams& p, DType dt, int bm, bool vec, unsigned blocks, cudaStream_t s) {
+  switch (dt) {
+    case DType::bf16: return launch_tc<MODE, DType::bf16>(p, bm, vec, blocks, s);
+    case DType::f16: return launch_tc<MODE, DType::f16>(p, bm, vec, blocks, s);
+    default:
+      if (vec)
+        moe_gemm_f32_kernel<MODE, true><<<blocks, 256, 0, s>>>(p);
+      else
+        moe_gemm_f32_kernel<MODE, false><<<blocks, 256, 0, s>>>(p);
+  }
+}
+
+// Blocks of a warp-a-row kernel for n rows.
+unsigned warp_rows_grid(int64_t n) { return unsigned((n + kRowWarps - 1) / kRowWarps); }
+
+void check_grid(int64_t blocks, const char* op) {
+  if (blocks > int64_t(INT32_MAX))
+    throw std::invalid_argument(std::string("[") + op + "] needs " + std::to_string(blocks) +
+                                " blocks, over CUDA's 2^31 - 1");
+}
+
+}  // namespace
+
+void CudaBackend::moe_route(const Tensor& logits, const Tensor& ids, const Tensor& weights, bool norm) {
+  OpTimer timer(this);
+  const int64_t N = logits.size(0), E = logits.size(1), K = ids.size(1);
+  if (N == 0) return;
+  check_grid(N / kRowWarps + 1, "moe_route");
+  moe_route_kernel<<<warp_rows_grid(N), 32 * kRowWarps, 0, stream_>>>(
+      logits.dtype(), logits.data(), N, int(E), int(K), ids.ptr<int32_t>(), weights.ptr<float>(), norm);
+  check_launch("moe_route");
+}
+
+void CudaBackend::moe_route_backward(const Tensor& logits, const Tensor& ids, const Tensor& dweights,
+                                     const Tensor& dlogits, bool norm, const Tensor* dprobs) {
+  OpTimer timer(this);
+  const int64_t N = logits.size(0), E = logits.size(1), K = ids.size(1);
+  if (N == 0) return;
+  check_grid(N / kRowWarps + 1, "moe_route_backward");
+  moe_route_bwd_kernel<<<warp_rows_grid(N), 32 * kRowWarps, 0, stream_>>>(
+      logits.dtype(), logits.data(), ids.ptr<int32_t>(), dweights.ptr<float>(),
+      dprobs ? dprobs->ptr<float>() : nullptr, dlogits.data(), N, int(E), int(K), norm);
+  check_launch("moe_route_backward");
+}
+
+void CudaBackend::moe_sort(const Tensor& ids, const Tensor& tokens, const Tensor& slot, const Tensor& offsets) {
+  OpTimer timer(this);
+  const int64_t K = ids.size(1), P = ids.numel(), E = offsets.numel() - 1;
+  if (E > kSortMaxExperts)
+    throw std::invalid_argument("[moe_sort] " + std::to_string(E) + " experts: the CUDA sort takes at most " +
+                                std::to_string(kSortMaxExperts));
+  if (P > int64_t(INT32_MAX)) throw std::invalid_argument("[moe_sort] over 2^31 - 1 pairs");
+  const int64_t R = (P + kSortRun - 1) / kSortRun;               // runs of pairs, a warp each
+  const int W = int(std::min<int64_t>(8, kSortMaxExperts / E));  // warps a block: W E counters in 48 KiB
+  const int64_t blocks = (R + W - 1) / W;
+  Tensor counts = scratch(std::max<int64_t>(1, R * E), DType::i32);  // (R, E): counts, then first positions
+  int32_t* c = counts.ptr<int32_t>();
+  const size_t sh = size_t(W) * size_t(E) * 4;
+  if (R > 0) {
+    moe_sort_count_kernel<<<unsigned(blocks), 32 * W, sh, stream_>>>(ids.ptr<int32_t>(), P, int(E), R, c);
+    check_launch("moe_sort");
+  }
+  moe_sort_scan_kernel<<<1, 256, size_t(E) * 4, stream_>>>(R, int(E), c, offsets.ptr<int32_t>());
+  check_launch("moe_sort");
+  if (R > 0) {
+    moe_sort_place_kernel<<<unsigned(blocks), 32 * W, sh, stream_>>>(ids.ptr<int32_t>(), P, int(E), int(K), R, c,
+                                                                     tokens.ptr<int32_t>(), slot.ptr<int32_t>());
+    check_launch("moe_sort");
+  }
+}
+
+void CudaBackend::moe_gather(const Tensor& x, const Tensor& tokens, const Tensor& out) {
+  OpTimer timer(this);
+  const int64_t N = x.size(0), C = x.size(1), P = tokens.numel();
+  if (P == 0 || C == 0) return;
+  const int64_t row = C * int64_t(dtype_size(x.dtype()));
+  const uint32_t nan32 = dtype_size(x.dtype()) == 4 ? 0x7fc00000u
+                         : x.dtype() == DType::bf16 ? 0x7fc07fc0u : 0x7e007e00u;  // a NaN in every element
+  if (row % 16 == 0 && aligned16({x.data(), out.data()})) {
+    moe_gather_vec_kernel<<<grid_for(P * (row / 16)), kThreads, 0, stream_>>>(
+        tokens.ptr<int32_t>(), static_cast<const uint4*>(x.data()), static_cast<uint4*>(out.data()), P, row / 16, N,
+        make_uint4(nan32, nan32, nan32, nan32));
+  } else if (dtype_size(x.dtype()) == 4) {
+    moe_gather_kernel<uint32_t><<<grid_for(P * C), kThreads, 0, stream_>>>(
+        tokens.ptr<int32_t>(), x.ptr<uint32_t>(), out.ptr<uint32_t>(), P, C, N, nan32);
+  } else {
+    moe_gather_kernel<uint16_t><<<grid_for(P * C), kThreads, 0, stream_>>>(
+        tokens.ptr<int32_t>(), x.ptr<uint16_t>(), out.ptr<uint16_t>(), P, C, N, uint16_t(nan32));
+  }
+  check_launch("moe_gather");
+}
+
+void CudaBackend::moe_combine(const Tensor& ys, const Tensor& slot, const Tensor* weights, const Tensor& out,
+                              float beta) {
+  OpTimer timer(this);
+  const int64_t N = out.size(0), C = out.size(1), K = slot.size(1), P = ys.size(0);
+  if (N == 0 || C == 0) return;
+  const DType dt = ys.dtype();
+  const float* w = weights ? weights->ptr<float>() : nullptr;
+  const int32_t* sl = slot.ptr<int32_t>();
+  if (vectorizable(dt, C, {ys.data(), out.data()})) {
+    const int64_t units = N * (C / vec_width(dt));
+    if (dt == DType::f32)
+      moe_combine_kernel<false, 4><<<grid_for(units), kThreads, 0, stream_>>>(dt, ys.data(), sl, w, out.data(), N, C,
+                                                                             int(K), P, beta);
+    else
+      moe_combine_kernel<true, 8><<<grid_for(units), kThreads, 0, stream_>>>(dt, ys.data(), sl, w, out.data(), N, C,
+                                                                            int(K), P, beta);
+  } else {
+    moe_combine_kernel<false, 1><<<grid_for(N * C), kThreads, 0, stream_>>>(dt, ys.data(), sl, w, out.data(), N, C,
+                                                                           int(K), P, beta);
+  }
+  check_launch("moe_combine");
+}
+
+void CudaBackend::moe_combine_backward(const Tensor& dout, const Tensor& ys, const Tensor& slot, const Tensor& weights,
+                                       const Tensor& dys, const Tensor& dweights) {
+  OpTimer timer(this);
+  const int64_t N = dout.size(0), C = dout.size(1), K = slot.size(1), P = ys.size(0), NK = N * K;
+  if (NK == 0) return;
+  check_grid(NK / kRowWarps + 1, "moe_combine_backward");
+  const DType dt = ys.dtype();
+  const unsigned grid = warp_rows_grid(NK);
+#define KRNL_CB(W16, V)                                                                                              \
+  moe_combine_bwd_kernel<W16, V><<<grid, 32 * kRowWarps, 0, stream_>>>(dt, dout.data(), ys.data(),                   \
+                                                                        slot.ptr<int32_t>(), weights.ptr<float>(), \
+                                                                        dys.data(), dweights.ptr<float>(), NK,      \
+                                                                        int(K), C, P)
+  if (vectorizable(dt, C, {dout.data(), ys.data(), dys.data()})) {
+    if (dt == DType::f32)
+      KRNL_CB(false, 4);
+    else
+      KRNL_CB(true, 8);
+  } else {
+    KRNL_CB(false, 1);
+  }
+#undef KRNL_CB
+  check_launch("moe_combine_backward");
+}
+
+void CudaBackend::moe_gemm(const Tensor& x, const Tensor& w, const Tensor& offsets, const Tensor& out, bool transpose,
+                           float alpha, float beta) {
+  OpTimer timer(this);
+  const int64_t P = x.size(0), E = w.size(0), O = w.size(1), I = w.size(2);
+  const int64_t K = transpose ? I : O, N = transpose ? O : I;
+  const DType dt = x.dtype();
+  if (P == 0 || N == 0) return;
+  if (K == 0) {  // an empty sum: beta out over every row (moe_sort's offsets cover them all)
+    moe_scale_kernel<<<grid_for(P * N), kThreads, 0, stream_>>>(dt, out.data(), P * N, beta);
+    check_launch("moe_gemm");
+    return;
+  }
+  const bool tc = dt != DType::f32;
+  if (tc && std::atoi(compute_capability_.c_str()) < 8)
+    throw std::runtime_error("[moe_gemm] bf16 and f16 need compute capability 8.0 or later (this GPU: " +
+                             compute_capability_ + ")");
+  if (P > int64_t(INT32_MAX)) throw std::invalid_argument("[moe_gemm] over 2^31 - 1 rows");
+  const int64_t unit = 16 / int64_t(dtype_size(dt));
+  const bool vec = K % unit == 0 && N % unit == 0 && aligned16({x.data(), w.data(), out.data()});
+  // Row tiles of 128 where experts average 96 rows or more, else of 64 (less padding per expert).
+  const int bm = tc && vec && P >= 96 * E ? 128 : 64, bn = tc ? 128 : 64;
+  const int64_t T = (P + bm - 1) / bm + E, tiles_n = (N + bn - 1) / bn, blocks = T * tiles_n;
+  check_grid(blocks, "moe_gemm");
+  Tensor map = scratch(4 * T, DType::i32);  // (T,) int4 {expert, first row, rows, 0}
+  moe_tile_map_kernel<<<1, 256, 0, stream_>>>(offsets.ptr<int32_t>(), int(E), int(P), bm,
+                                              reinterpret_cast<int4*>(map.data()), int(T));
+  check_launch("moe_gemm");
+  GemmParams p{x.data(), w.data(), out.data(), reinterpret_cast<const int4*>(map.data()), offsets.ptr<int32_t>(),
+               P, 0, N, K, O * I, 0, tiles_n, dt, alpha, beta};
+  if (transpose)
+    launch_gemm<Mode::linear>(p, dt, bm, vec, unsigned(blocks), stream_);
+  else
+    launch_gemm<Mode::input_grad>(p, dt, bm, vec, unsigned(blocks), stream_);
+  check_launch("moe_gemm");
+}
+
+void CudaBackend::moe_gemm_weight_grad(const Tensor& a, const Tensor& b, const Tensor& offsets, const Tensor& out,
+                                       float alpha, float beta) {
+  OpTimer timer(this);
+  const int64_t P = a.size(0), M = a.size(1), N = b.size(1), E = out.size(0);
+  const DType dt = a.dtype();
+  if (M == 0 || N == 0) return;
+  const bool tc = dt != DType::f32;
+  if (tc && std::atoi(compute_capability_.c_str()) < 8)
+    throw std::runtime_error("[moe_gemm_weight_grad] bf16 and f16 need compute capability 8.0 or later (this GPU: " +
+                             compute_capability_ + ")");
+  if (P > int64_t(INT32_MAX)) throw std::invalid_argument("[moe_gemm_weight_grad] over 2^31 - 1 rows");
+  const int64_t unit = 16 / int64_t(dtype_size(dt));
+  // bf16/f16: units of 8, so the tensor-core epilogue's 8-column groups hold for an f32 out too.
+  const bool vec = M % unit == 0 && N % unit == 0 && aligned16({a.data(), b.data(), out.data()});
+  const int bm = tc && vec ? 128 : 64, bn = tc ? 128 : 64;
+  const int64_t tiles_m = (M + bm - 1) / bm, tiles_n = (N + bn - 1) / bn, blocks = E * tiles_m * tiles_n;
+  check_grid(blocks, "moe_gemm_weight_grad");
+  // Every block writes its tile, an expert without rows included (beta out).
+  GemmParams p{a.data(), b.data(), out.data(), nullptr, offsets.ptr<int32_t>(), P, M, N, 0, 0, tiles_m, tiles_n,
+               out.dtype(), alpha, beta};
+  launch_gemm<Mode::weight_grad>(p, dt, bm, vec, unsigned(blocks), stream_);
+  check_launch("moe_gemm_weight_grad");
+}
+
+}  // namespace krnl::cuda

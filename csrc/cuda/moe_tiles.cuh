@@ -1,0 +1,201 @@
+// The index arithmetic of the grouped GEMMs (moe.cu): tile geometry, the global-to-shared tile
+// loader, the tensor-core fragments' places and the epilogue's, as __host__ __device__ code, so
+// that tests/cuda_host/moe_tiles_check.cu runs the very same arithmetic on the host (emulating
+// what a block does with it) against a reference GEMM, where no GPU is at hand.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "core/dtype.h"
+
+namespace krnl::cuda::moe {
+
+#define KRNL_HD __host__ __device__ __forceinline__
+#ifdef __CUDA_ARCH__
+#define KRNL_UNROLL _Pragma("unroll")
+#else
+#define KRNL_UNROLL  // the host compiler's own choice (GCC warns on an unknown pragma)
+#endif
+
+// The three grouped GEMMs. Output tile (m, n) of C = A B over k:
+// - linear:      C (rows of expert e, O) = x (rows, I) W_e^T; A = x rows [m][k], B = W_e (O, I) [n][k]
+// - input_grad:  C (rows of expert e, I) = x (rows, O) W_e;   A = x rows [m][k], B = W_e (O, I) [k][n]
+// - weight_grad: C = out[e] (M, N) = a_e^T b_e;                A = a_e (rows, M) [k][m], B = b_e (rows, N) [k][n]
+// Each operand tile is copied as it lies in memory (a block of a row-major matrix), so every
+// global read runs along a stored row.
+enum class Mode { linear, input_grad, weight_grad };
+
+// Tiles of BM x BN outputs over steps of BK; ES bytes an element. Shared rows get PAD elements
+// (16 bytes) more than they hold: rows stay 16-byte aligned for vector stores and WMMA's ldm (a
+// multiple of 8 16-bit elements), and successive rows start 4 banks apart.
+template <Mode MODE, int BM_, int BN_, int BK_, int ES>
+struct Geometry {
+  static constexpr int BM = BM_, BN = BN_, BK = BK_, PAD = 16 / ES;
+  static constexpr bool A_KM = MODE == Mode::weight_grad;  // A tile stored [BK][BM] (k rows), else [BM][BK]
+  static constexpr bool B_NK = MODE == Mode::linear;       // B tile stored [BN][BK], else [BK][BN]
+  static constexpr int A_ROWS = A_KM ? BK : BM, A_COLS = A_KM ? BM : BK, LDA = A_COLS + PAD;
+  static constexpr int B_ROWS = B_NK ? BN : BK, B_COLS = B_NK ? BK : BN, LDB = B_COLS + PAD;
+  static constexpr int A_TILE = A_ROWS * LDA, B_TILE = B_ROWS * LDB;  // elements of one buffer
+  // Element offsets of A(m, k) and B(k, n) in their tiles.
+  static KRNL_HD int a_at(int m, int k) { return A_KM ? k * LDA + m : m * LDA + k; }
+  static KRNL_HD int b_at(int k, int n) { return B_NK ? n * LDB + k : k * LDB + n; }
+};
+
+// Storage of one element: the bits of a 16-bit float, or a float.
+template <int ES>
+using Elem = std::conditional_t<ES == 2, uint16_t, float>;
+
+// An R x C tile of a row-major matrix g (row stride ld elements) into shared memory of row stride
+// LDS: tile element (r, c) = g[(row0 + r) ld + col0 + c] where row0 + r < row_lim and col0 + c <
+// col_lim, else 0. NT threads; each keeps its share in registers from fetch (global loads in
+// flight while the block computes on the other buffer) to commit (the shared stores).
+// VEC: 16-byte units, for ld, col0 and col_lim multiples of the unit and g 16-byte aligned, so
+// that a unit lies wholly inside or wholly outside the matrix (the grouped GEMMs' col_lim is ld).
+template <int R, int C, int LDS, int ES, int NT, bool VEC>
+struct TileLoader {
+  using E = Elem<ES>;
+  static constexpr int W = VEC ? 16 / ES : 1;  // elements a unit
+  static_assert(C % W == 0 && (LDS * ES) % 16 == 0, "tile rows of whole, aligned units");
+  static constexpr int UPR = C / W, NU = R * UPR, PER = (NU + NT - 1) / NT;
+  using U = std::conditional_t<VEC, uint4, E>;
+  U reg[PER];
+
+  static KRNL_HD int unit_row(int u) { return u / UPR; }
+  static KRNL_HD int unit_col(int u) { return (u % UPR) * W; }
+
+  KRNL_HD void fetch(int tid, const E* g, int64_t ld, int64_t row0, int64_t col0, int64_t row_lim, int64_t col_lim) {
+    KRNL_UNROLL
+    for (int i = 0; i < PER; ++i) {
+      const int u = tid + i * NT;
+      if (NU % NT != 0 && u >= NU) break;
+      const int64_t r = row0 + unit_row(u), c = col0 + unit_col(u);
+      reg[i] = r < row_lim && c < col_lim ? *reinterpret_cast<const U*>(g + r * ld + c) : U{};
+    }
+  }
+  KRNL_HD void commit(int tid, E* s) const {
+    KRNL_UNROLL
+    for (int i = 0; i < PER; ++i) {
+      const int u = tid + i * NT;
+      if (NU % NT != 0 && u >= NU) break;
+      *reinterpret_cast<U*>(s + unit_row(u) * LDS + unit_col(u)) = reg[i];
+    }
+  }
+};
+
+// The tensor-core kernel: 8 warps as 2 (m) x 4 (n), each WM x WN outputs in 16 x 16 fragments.
+template <class G>
+struct WarpTiles {
+  static constexpr int NT = 256, WM = G::BM / 2, WN = G::BN / 4, FM = WM / 16, FN = WN / 16;
+  static_assert(WM % 16 == 0 && WN % 16 == 0 && G::BK % 16 == 0, "whole 16 x 16 x 16 fragments");
+  // Offsets in the tiles of fragment i of A (rows m) and j of B (columns n) at step kk, for warp w;
+  // A row-major where stored [m][k] (A(i, k) at i LDA + k), column-major where [k][m]; B row-major
+  // where stored [k][n], column-major where [n][k]: load_matrix_sync with ldm LDA or LDB.
+  static KRNL_HD int a_frag(int w, int i, int kk) { return G::a_at((w / 4) * WM + i * 16, kk); }
+  static KRNL_HD int b_frag(int w, int j, int kk) { return G::b_at(kk, (w % 4) * WN + j * 16); }
+  // The fragment's (row, col) origin in the block's tile.
+  static KRNL_HD int frag_row(int w, int i) { return (w / 4) * WM + i * 16; }
+  static KRNL_HD int frag_col(int w, int j) { return (w % 4) * WN + j * 16; }
+  // A fragment stored (store_matrix_sync, row-major) in a warp's 16 x EPI_LD floats of shared
+  // memory; element (r, c) at r EPI_LD + c. EPI_LD a multiple of 4 (WMMA's ldm for float), not of 32.
+  static constexpr int EPI_LD = 20, EPI_FLOATS = 16 * EPI_LD;
+  // The epilogue's share of a fragment: VEC, lane takes 8 consecutive columns of row lane / 2;
+  // else element q (of 8) of a lane is (r, c) = (i / 16, i % 16) for i = 32 q + lane, so that a
+  // warp's store covers two rows of 16 contiguous elements.
+  static KRNL_HD void epi_vec(int lane, int& r, int& c) { r = lane >> 1, c = (lane & 1) * 8; }
+  static KRNL_HD void epi_scalar(int lane, int q, int& r, int& c) {
+    const int i = 32 * q + lane;
+    r = i >> 4, c = i & 15;
+  }
+};
+
+// The CUDA-core kernel (f32, and 16-bit dtypes on GPUs without bf16 tensor cores): 256 threads as
+// 16 x 16, thread (tx, ty) computes rows ty + 16 i and columns tx + 16 j (i, j < 4) of a 64 x 64
+// tile: a warp reads two A values (broadcasts) and 16 consecutive B columns.
+struct ThreadTiles {
+  static constexpr int NT = 256, TM = 4, TN = 4;
+  static KRNL_HD int row(int tid, int i) { return (tid >> 4) + 16 * i; }
+  static KRNL_HD int col(int tid, int j) { return (tid & 15) + 16 * j; }
+};
+
+// A grouped GEMM's operands and scalars, as its kernels take them.
+struct GemmParams {
+  const void* a;  // moe_gemm: x (P, K); weight_grad: a (P, M)
+  const void* b;  // moe_gemm: w (E, O, I); weight_grad: b (P, N)
+  void* out;      // moe_gemm: (P, N); weight_grad: (E, M, N)
+  const int4* map;           // moe_gemm's row tiles (moe_tile_map_kernel): {expert, first row, rows, 0}
+  const int32_t* offsets;    // moe_sort's (E + 1,)
+  int64_t P, M, N, K, b_stride, tiles_m, tiles_n;  // M: weight_grad's rows of out[e]; K: moe_gemm's
+  DType odt;
+  float alpha, beta;
+};
+
+// A block's output tile: rows [m0, m0 + BM) of a matrix of row_lim rows at out_base (row stride
+// N), columns [n0, n0 + BN); the a operand from its row row0 (moe_gemm: x's rows of the tile;
+// weight_grad: the expert's first row of a and b); kext values of k. live: false for a moe_gemm
+// block past the last row tile.
+struct BlockTile {
+  int64_t e, row0, row_lim, m0, n0, kext, out_base;
+  bool live;
+};
+
+// Block b's tile. moe_gemm: row tile b / tiles_n (map[]; expert -1 past the last) and column tile
+// b % tiles_n, so that the blocks of one row tile run side by side and share its rows of x (and
+// an expert's row tiles follow each other, sharing W_e in L2). weight_grad: expert b / (tiles_m
+// tiles_n), then row and column tiles; offsets clamped into [0, P], so that bad ones (never
+// checked on the GPU) cannot send a block outside a or b.
+template <Mode MODE, int BM, int BN>
+KRNL_HD BlockTile block_tile(const GemmParams& p, int64_t b) {
+  BlockTile t{};
+  if constexpr (MODE != Mode::weight_grad) {
+    const int4 tm = p.map[b / p.tiles_n];
+    t.live = tm.x >= 0;
+    t.e = tm.x, t.row0 = tm.y, t.row_lim = tm.z, t.m0 = 0, t.n0 = (b % p.tiles_n) * BN, t.kext = p.K;
+    t.out_base = t.row0 * p.N;
+  } else {
+    const int64_t per = p.tiles_m * p.tiles_n, rem = b % per, e = b / per;
+    int64_t lo = p.offsets[e], hi = p.offsets[e + 1];
+    lo = lo < 0 ? 0 : (lo > p.P ? p.P : lo);
+    hi = hi < lo ? lo : (hi > p.P ? p.P : hi);
+    t.live = true;
+    t.e = e, t.row0 = lo, t.row_lim = p.M, t.m0 = (rem / p.tiles_n) * BM, t.n0 = (rem % p.tiles_n) * BN;
+    t.kext = hi - lo, t.out_base = e * p.M * p.N;
+  }
+  return t;
+}
+
+// Operand bases: A at the tile's first row, B at expert e's matrix (moe_gemm) or first row.
+template <Mode MODE, class E>
+KRNL_HD void operands(const GemmParams& p, const BlockTile& t, const E*& A, const E*& B) {
+  constexpr bool FWD = MODE != Mode::weight_grad;
+  A = static_cast<const E*>(p.a) + t.row0 * (FWD ? p.K : p.M);
+  B = static_cast<const E*>(p.b) + (FWD ? t.e * p.b_stride : t.row0 * p.N);
+}
+
+// One step's operand tiles into the loaders' registers (k0: the step's first k), for thread tid.
+template <Mode MODE, class LA, class LB, class E>
+KRNL_HD void fetch_step(LA& la, LB& lb, int tid, const E* A, const E* B, const GemmParams& p, const BlockTile& t,
+                        int64_t k0) {
+  if constexpr (MODE == Mode::linear) {  // A = x rows [m][k] (ld K); B = W_e (O = N, I = K) [n][k]
+    la.fetch(tid, A, p.K, 0, k0, t.row_lim, p.K);
+    lb.fetch(tid, B, p.K, t.n0, k0, p.N, p.K);
+  } else if constexpr (MODE == Mode::input_grad) {  // B = W_e (O = K, I = N) [k][n]
+    la.fetch(tid, A, p.K, 0, k0, t.row_lim, p.K);
+    lb.fetch(tid, B, p.N, k0, t.n0, p.K, p.N);
+  } else {  // A = a_e (rows, M) [k][m], B = b_e (rows, N) [k][n]
+    la.fetch(tid, A, p.M, k0, t.m0, t.kext, p.M);
+    lb.fetch(tid, B, p.N, k0, t.n0, t.kext, p.N);
+  }
+}
+
+// The output element of tile-relative (r, c) (r from the tile's m0), or -1 outside the output.
+KRNL_HD int64_t out_index(const BlockTile& t, int64_t N, int64_t r, int64_t c) {
+  const int64_t row = t.m0 + r, col = t.n0 + c;
+  return row < t.row_lim && col < N ? t.out_base + row * N + col : -1;
+}
+
+#undef KRNL_UNROLL
+#undef KRNL_HD
+
+}  // namespace krnl::cuda::moe

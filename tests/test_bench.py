@@ -199,16 +199,44 @@ def test_qlora_workload_rows():
     checkpointing on the same batches (same losses: recomputation changes no value), and no PEFT
     row where torch is not among the peers asked for."""
     s = Session("cpu", rounds=1, quick=False, peers=["numpy"], log=lambda m: None)
-    s.run_qlora()
+    s.run_model("qlora")
     assert [(r["impl"], r["status"]) for r in s.rows] == [("krnl", "skipped")]
     assert "sized for the H200" in s.rows[0]["reason"]
     s = Session("cpu", rounds=1, quick=True, peers=["numpy"], log=lambda m: None)
-    s.run_qlora()
+    s.run_model("qlora")
     rows = {r["impl"]: r for r in s.rows}
     assert list(rows) == ["krnl", "krnl grad-ckpt"]
     plain, ckpt = rows["krnl"], rows["krnl grad-ckpt"]
     assert plain["tokens_per_s"] > 0 and ckpt["tokens_per_s"] > 0 and np.isfinite(plain["loss"])
     assert plain["loss"] == ckpt["loss"] and plain["title"].startswith("QLoRA 4-bit g64")
+
+
+def test_moe_workload_rows():
+    """The MoE workload: at full size only on a GPU; --quick runs krnl in the compute dtype and with
+    4-bit experts on the same batches (both train: finite losses near each other)."""
+    s = Session("cpu", rounds=1, quick=False, peers=["numpy"], log=lambda m: None)
+    s.run_model("moe")
+    assert [(r["impl"], r["status"]) for r in s.rows] == [("krnl", "skipped")]
+    assert "Qwen3-30B-A3B" in s.rows[0]["reason"]
+    s = Session("cpu", rounds=1, quick=True, peers=["numpy"], log=lambda m: None)
+    s.run_model("moe")
+    rows = {r["impl"]: r for r in s.rows}
+    assert list(rows) == ["krnl f32", "krnl 4-bit g64"] and rows["krnl f32"]["title"].startswith("MoE 7 experts top-2")
+    dense, q = rows["krnl f32"], rows["krnl 4-bit g64"]
+    assert dense["tokens_per_s"] > 0 and q["tokens_per_s"] > 0 and np.isfinite(dense["loss"])
+    assert q["loss"] == pytest.approx(dense["loss"], rel=0.02) and q["loss"] != dense["loss"]
+
+
+@pytest.mark.torch
+def test_moe_workload_peft_row():
+    """With torch among the peers, PEFT's row (target_parameters on transformers' Qwen3-MoE) trains
+    the same-shaped stack: a finite loss near krnl's (random weights on both sides: about ln V)."""
+    pytest.importorskip("peft")
+    s = Session("cpu", rounds=1, quick=True, peers=["torch"], log=lambda m: None)
+    s.run_model("moe")
+    rows = {r["impl"].split(" (")[0]: r for r in s.rows}
+    assert rows["PEFT bf16"]["tokens_per_s"] > 0
+    assert rows["PEFT bf16"]["loss"] == pytest.approx(rows["krnl f32"]["loss"], rel=0.05)
 
 
 def test_bad_arguments_are_named(capsys):

@@ -24,6 +24,7 @@ SIZES = {
     "quick": dict(layers=2, C=128, F=256, H=4, KV=2, V=512, T=64, B=2, steps=3, warmup=1),
 }
 BITS, GROUP = 4, 64
+SKIP = "sized for the H200 (an 8B-shaped model); --quick runs a small one here"
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -84,7 +85,7 @@ def run_krnl(dev, s, batches, dtype, log=print, profile=False, grad_checkpoint=F
         return model.read_loss()
 
     res = _time(step, batches, s, dev.synchronize, lambda: dev.pool_stats()["peak_in_use"], log,
-                "krnl" + (" (grad checkpoint)" if grad_checkpoint else ""))
+                "qlora krnl" + (" (grad checkpoint)" if grad_checkpoint else ""))
     if profile:  # one more step, op by op: where the step's time goes
         with krnl.profile(dev) as p:
             step(batches[-1])
@@ -105,7 +106,7 @@ def _time(step, batches, s, sync, peak, log, who):
     sync()
     dt = time.perf_counter() - t0
     toks = s["steps"] * s["B"] * s["T"]
-    log(f"krnl bench: qlora {who}: {toks / dt:,.0f} tokens/s, peak {peak() / 2**30:.2f} GiB, loss {loss:.4f}")
+    log(f"krnl bench: {who}: {toks / dt:,.0f} tokens/s, peak {peak() / 2**30:.2f} GiB, loss {loss:.4f}")
     return {"tokens_per_s": toks / dt, "ms": 1e3 * dt / s["steps"], "peak_bytes": int(peak()), "loss": float(loss),
             "samples": s["steps"]}
 
@@ -171,7 +172,7 @@ def run_peft(s, batches, on_gpu, log=print):
 
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     peak = (lambda: torch.cuda.max_memory_allocated()) if on_gpu else (lambda: 0)
-    res = _time(step, batches, s, sync, peak, log, label)
+    res = _time(step, batches, s, sync, peak, log, "qlora " + label)
     res["label"] = label
     del model, opt
     gc.collect()

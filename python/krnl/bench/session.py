@@ -11,11 +11,10 @@ import time
 import numpy as np
 
 import krnl
-from . import gate, gpu_power
+from . import gate, gpu_power, w1, w2
 from .targets import TOLERANCE, Unavailable, compute_dtype, has_graphs, is_gpu, kind
 from .workloads import (ALL, KNOWN, PEER_MODULES, PEER_NAMES, INSTALL_HINT, STEPS, copy_rate, gemm_bytes, gemm_fn, lora_gemms,
                         peer_note, square_gemms)
-from . import w1, w2
 
 
 class PeerError(Exception):
@@ -342,10 +341,11 @@ class Session:
                 if name == prof_wl and profile and problem is not None:
                     prof = self._profile(problem, name)
                 del problem
-        if "qlora" in workloads:
-            if self.rows:
-                between.append(("before qlora", gate.measure_control(dev, n_ctl)))
-            self.run_qlora(profile)
+        for name in ("qlora", "moe"):
+            if name in workloads:
+                if self.rows:
+                    between.append((f"before {name}", gate.measure_control(dev, n_ctl)))
+                self.run_model(name, profile)
         if "train" in workloads:
             if self.rows:
                 between.append(("before train", gate.measure_control(dev, n_ctl)))
@@ -372,21 +372,21 @@ class Session:
             "rows": self.rows, "profile": prof,
         }
 
-    def run_qlora(self, profile=False):
-        from . import qlora
+    def run_model(self, name, profile=False):
+        """A whole-model workload: qlora (qlora.py) or moe (moe.py)."""
+        mod = importlib.import_module(f".{name}", __package__)
         if not self.quick and not is_gpu(self.dev):
-            self._row("qlora", "krnl", status="skipped", reason="sized for the H200 (an 8B-shaped model); --quick runs "
-                                                                "a small one here")
+            self._row(name, "krnl", status="skipped", reason=mod.SKIP)
             return
-        self.log("krnl bench: qlora")
-        for r in qlora.run(self.dev, self.dtype, quick=self.quick, peers="torch" in self.peers, log=self.log,
-                            profile=profile):
+        self.log(f"krnl bench: {name}")
+        for r in mod.run(self.dev, self.dtype, quick=self.quick, peers="torch" in self.peers, log=self.log,
+                         profile=profile):
             peak, loss, vs = r.pop("peak_bytes", None), r.pop("loss", None), r.pop("peak_vs_krnl", None)
             peak = peak if is_gpu(self.dev) else None  # the CPU's pool holds only part of a CPU run's memory
             note = ", ".join(x for x in (f"peak {peak / 2**30:.2f} GiB" if peak else "",
                                          f"x{vs:.2f} krnl's peak" if vs else "",
                                          f"loss {loss:.3f}" if loss is not None else "") if x)
-            self._row("qlora", r.pop("impl"), note=note, peak_bytes=peak, loss=loss, **r)
+            self._row(name, r.pop("impl"), note=note, peak_bytes=peak, loss=loss, **r)
 
     def _profile(self, case, name):
         """The per-op profile of one step of workload `name` (after a warm-up step)."""

@@ -11,8 +11,9 @@ import pytest
 import krnl
 from krnl.formats import adapter as adapter_io
 from krnl.formats import hf
+from krnl.formats import experts
 from krnl.models import moe
-from krnl.models.config import LoraConfig, ModelConfig, random_weights
+from krnl.models.config import EXPERT_MODULES, LoraConfig, ModelConfig, random_weights
 from krnl.models.model import LlamaModel
 
 from conftest import lora_step
@@ -61,8 +62,8 @@ def peft_model(folder, lora, state):
     torch, _ = torch_modules()
     peft = pytest.importorskip("peft")
     m = hf_model(folder)
-    mods = [t for t in lora.target_modules if t.endswith("_proj") and t not in moe.EXPERT_MODULES]
-    params = [f"mlp.experts.{t}" for t in lora.target_modules if t in moe.EXPERT_MODULES]
+    mods = [t for t in lora.target_modules if t.endswith("_proj") and t not in EXPERT_MODULES]
+    params = [f"mlp.experts.{t}" for t in lora.target_modules if t in EXPERT_MODULES]
     cfg = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, target_modules=mods or None, target_parameters=params)
     pm = peft.get_peft_model(m, cfg)
     sd = peft_layout(hf.read_config(folder), state)
@@ -227,7 +228,7 @@ def write_folder(folder, cfg, seed=5, std=0.3):
     config = ModelConfig.from_dict(full)
     per = {}
     for k, v in random_weights(config, seed=seed, std=std).items():
-        per.update(moe.expert_pieces(config, k, v))
+        per.update(experts.expert_pieces(config, k, v))
     folder.mkdir(parents=True)
     save_file({k: np.ascontiguousarray(v) for k, v in per.items()}, str(folder / "model.safetensors"))
     (folder / "config.json").write_text(json.dumps(full))
@@ -241,18 +242,18 @@ def test_peft_factor_layout_round_trips():
     rng = np.random.default_rng(0)
     E, r, F, C = 5, 3, 4, 6
     A, B = rng.standard_normal((E, r, C)).astype(np.float32), rng.standard_normal((2, E, F, r)).astype(np.float32)
-    pa, pb = moe.peft_factors(A, B)
+    pa, pb = experts.peft_factors(A, B)
     for e in range(E):
         full = np.concatenate([B[0, e], B[1, e]])                         # (2F, r)
         np.testing.assert_array_equal(pb[:, np.arange(r) * E + e], full)
         np.testing.assert_array_equal(pa[e * r:(e + 1) * r], A[e])
-    back = moe.held_factors(pa, pb, E, True)
+    back = experts.held_factors(pa, pb, E, True)
     np.testing.assert_array_equal(back[0], A)
     np.testing.assert_array_equal(back[1], B)
-    keys = moe.peft_expert_keys(1, ("down_proj", "gate_up_proj"))
+    keys = experts.peft_expert_keys(1, ("down_proj", "gate_up_proj"))
     assert keys["gate_up_proj"][0] == "base_model.model.model.layers.1.mlp.experts.base_layer.lora_A.weight"
     assert keys["down_proj"][1] == "base_model.model.model.layers.1.mlp.experts.lora_B.weight"
-    assert moe.peft_expert_keys(0, ("down_proj",))["down_proj"][0].endswith("layers.0.mlp.experts.lora_A.weight")
+    assert experts.peft_expert_keys(0, ("down_proj",))["down_proj"][0].endswith("layers.0.mlp.experts.lora_A.weight")
 
 
 def test_per_expert_folder_reads_as_fused(tmp_path):
@@ -266,11 +267,12 @@ def test_per_expert_folder_reads_as_fused(tmp_path):
         w = random_weights(config, seed=3, std=0.3)
         per = {}
         for k, v in w.items():
-            per.update(moe.expert_pieces(config, k, v))
+            per.update(experts.expert_pieces(config, k, v))
         assert not any("experts.gate_up_proj" in k for k in per) and len(per) > len(w)
         for name, ws in (("fused", w), ("per", per)):
             (tmp_path / mt / name).mkdir(parents=True)
-            save_file({k: np.ascontiguousarray(v) for k, v in ws.items()}, str(tmp_path / mt / name / "model.safetensors"))
+            save_file({k: np.ascontiguousarray(v) for k, v in ws.items()},
+                      str(tmp_path / mt / name / "model.safetensors"))
             (tmp_path / mt / name / "config.json").write_text(json.dumps(d))
         ids = np.random.default_rng(1).integers(0, V, (2, 9))
         a, b = (hf.load_model(tmp_path / mt / n, krnl.device("cpu")).loss(ids, ids) for n in ("fused", "per"))
@@ -329,7 +331,8 @@ def test_cli_trains_evaluates_and_fuses_a_moe_folder(tmp_path):
     assert len(rows) == 3 and all(np.isfinite(r["loss"]) and 0 < r["aux_loss"] < 1e3 for r in rows)
     ac = json.loads((out / "adapter_config.json").read_text())
     assert ac["target_parameters"] == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
-    assert main(["fuse", "--model", str(folder), "--adapter-path", str(out), "--save-path", str(tmp_path / "fused")]) == 0
+    assert main(["fuse", "--model", str(folder), "--adapter-path", str(out), "--save-path",
+                 str(tmp_path / "fused")]) == 0
     assert sorted(hf.read_tensors(tmp_path / "fused")) == sorted(per)
     assert main(["generate", "--model", str(tmp_path / "fused"), "--prompt", "w1 w2", "--max-tokens", "3",
                  "--device", "cpu"]) == 0
@@ -476,3 +479,30 @@ def test_quantize_and_fuse_write_mlx_moe_folders_as_mlx_lm(tmp_path):
     ref = nn.losses.cross_entropy(logits, mx.array(ids[:, 1:])).mean().item()
     assert fq.loss(ids[:, :-1], ids[:, 1:]) == pytest.approx(ref, rel=1e-5)
     assert fq.loss(ids[:, :-1], ids[:, 1:]) == pytest.approx(m.loss(ids[:, :-1], ids[:, 1:]), rel=0.05)  # 4 bits of it
+
+
+@pytest.mark.mlx
+def test_mlx_lm_adapter_layout_of_experts(tmp_path):
+    """--adapter-format mlx for a mixture: LoRASwitchLinear factors on switch_mlp's gate, up (one A,
+    PEFT's) and down; mlx-lm loads the adapter onto its model of the folder with krnl's loss, and
+    krnl reads it back to the same factors."""
+    pytest.importorskip("mlx.core")
+    mlx_lm = pytest.importorskip("mlx_lm")
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    write_folder(tmp_path / "base", dict(CFG, hidden_size=64, head_dim=16, moe_intermediate_size=32))
+    lora = LoraConfig(r=2, alpha=4.0, target_modules=("q_proj", "gate_up_proj", "down_proj"))
+    m = hf.load_model(tmp_path / "base", krnl.device("cpu"), lora=lora)
+    st = random_b(m, 9)
+    adapter_io.save_mlx_adapter(tmp_path / "ad", lora, st, m.config)
+    model, _ = mlx_lm.load(str(tmp_path / "base"), adapter_path=str(tmp_path / "ad"))
+    model.set_dtype(mx.float32)
+    ids = np.random.default_rng(5).integers(0, V, (2, 10)).astype(np.int32)
+    logits = model(mx.array(ids[:, :-1])).astype(mx.float32)
+    ref = nn.losses.cross_entropy(logits, mx.array(ids[:, 1:])).mean().item()
+    assert m.loss(ids[:, :-1], ids[:, 1:]) == pytest.approx(ref, rel=1e-5)
+    back, tensors, info = adapter_io.read_adapter(tmp_path / "ad", m.config)
+    assert info["format"] == "mlx" and set(back.target_modules) == set(lora.target_modules)
+    for k, v in st.items():
+        np.testing.assert_allclose(tensors[k], v, rtol=1e-6, err_msg=k)

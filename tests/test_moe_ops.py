@@ -8,7 +8,8 @@ import pytest
 
 from krnl import ops
 
-from conftest import FLOAT_DTYPES, SUBNORMAL, U32, UNIT_ROUNDOFF, assert_close, assert_close_elementwise, read, to_dev, upload
+from conftest import (FLOAT_DTYPES, SUBNORMAL, U32, UNIT_ROUNDOFF, assert_close, assert_close_elementwise, read, to_dev,
+                      upload)
 from test_ops import assert_fd, fd_grad, reduction_rtol
 
 
@@ -85,7 +86,8 @@ def test_moe_route_backward(dev, N, E, K, norm, with_dprobs):
             dp[t, ids[t]] += dw64[t]
     ref = p * (dp - (p * dp).sum(-1, keepdims=True))
     mag = p * (np.abs(dp) + (p * np.abs(dp)).sum(-1, keepdims=True))
-    assert_close_elementwise(read(dl), ref, rtol=0.0, atol=64 * K * U32 * (mag + np.abs(dp).max() * 1e-3), what="dlogits")
+    atol = 64 * K * U32 * (mag + np.abs(dp).max() * 1e-3)
+    assert_close_elementwise(read(dl), ref, rtol=0.0, atol=atol, what="dlogits")
 
 
 @pytest.mark.parametrize("norm", [False, True], ids=["raw", "norm"])
@@ -109,7 +111,8 @@ def sort_ref(ids, E):
     order = np.argsort(flat, kind="stable")
     slot = np.empty_like(order)
     slot[order] = np.arange(flat.size)
-    return order // ids.shape[1], slot.reshape(ids.shape), np.concatenate([[0], np.cumsum(np.bincount(flat, minlength=E))])
+    offsets = np.concatenate([[0], np.cumsum(np.bincount(flat, minlength=E))])
+    return order // ids.shape[1], slot.reshape(ids.shape), offsets
 
 
 def sorted_pairs(dev, ids, E):
@@ -312,7 +315,8 @@ QCASES = [(1, 1, 1, "spread", 4, 32), (31, 7, 2, "spread", 4, 64), (33, 60, 8, "
 
 @pytest.mark.parametrize("dt", FLOAT_DTYPES)
 @pytest.mark.parametrize("transpose", [True, False], ids=["linear", "input-grad"])
-@pytest.mark.parametrize("N,E,K,kind,bits,gs", QCASES, ids=[f"{n}x{e}top{k}-{kd}-q{b}g{g}" for n, e, k, kd, b, g in QCASES])
+@pytest.mark.parametrize("N,E,K,kind,bits,gs", QCASES,
+                         ids=[f"{n}x{e}top{k}-{kd}-q{b}g{g}" for n, e, k, kd, b, g in QCASES])
 def test_moe_quantized_matmul(dev, N, E, K, kind, bits, gs, transpose, dt):
     """Each expert's rows times its dequantized W_e (MLX's affine codes), beta accumulating, against
     float64 from the same rounded inputs: quantized_matmul's bound per expert."""
@@ -343,7 +347,8 @@ def test_moe_quantized_matmul(dev, N, E, K, kind, bits, gs, transpose, dt):
 def test_moe_quantized_matmul_bad_calls(dev):
     offsets = to_dev(dev, np.array([0, 1, 4], np.int32), "i32")
     w, s = dev.zeros((2, 8, 8), "i32"), dev.zeros((2, 8, 2))
-    with pytest.raises(ValueError, match=r"\[moe_quantized_matmul\] w, scales and biases must be \(E, \.\.\.\) with E = 2"):
+    with pytest.raises(ValueError, match=r"\[moe_quantized_matmul\] w, scales and biases must be \(E, \.\.\.\) "
+                                         r"with E = 2"):
         ops.moe_quantized_matmul(dev.zeros((4, 64)), dev.zeros((3, 8, 8), "i32"), s, s, offsets, dev.zeros((4, 8)))
     with pytest.raises(ValueError, match=r"\[moe_quantized_matmul\] x must be \(P, 64\)"):
         ops.moe_quantized_matmul(dev.zeros((4, 32)), w, s, s, offsets, dev.zeros((4, 8)), group_size=32)

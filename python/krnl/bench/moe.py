@@ -10,7 +10,7 @@ import gc
 
 import numpy as np
 
-from .qlora import _time
+from .qlora import _time, log_profile
 
 SIZES = {
     "full": dict(layers=4, C=2048, E=128, K=8, F=768, H=32, KV=4, D=128, V=151936, T=2048, B=1, steps=10, warmup=3),
@@ -58,12 +58,7 @@ def run_krnl(dev, s, batches, dtype, quantize, log=print, profile=False):
     who = f"moe krnl {'4-bit' if quantize else dtype}"
     res = _time(step, batches, s, dev.synchronize, lambda: dev.pool_stats()["peak_in_use"], log, who)
     if profile:
-        import krnl
-        with krnl.profile(dev) as p:
-            step(batches[-1])
-        log(f"krnl bench: {who} profile: {p.op_ms:.1f} ms in ops, {p.wall_ms:.1f} ms wall")
-        for g in sorted(p.rows(), key=lambda g: -g["ms"])[:14]:
-            log(f"  {g['op'][:22]:22s} {g['shape'][:40]:40s} {g['calls']:5d} {g['ms']:9.2f} ms {100 * g['share']:5.1f}%")
+        log_profile(dev, step, batches[-1], who, log)
     return res
 
 

@@ -86,13 +86,18 @@ def run_krnl(dev, s, batches, dtype, log=print, profile=False, grad_checkpoint=F
 
     res = _time(step, batches, s, dev.synchronize, lambda: dev.pool_stats()["peak_in_use"], log,
                 "qlora krnl" + (" (grad checkpoint)" if grad_checkpoint else ""))
-    if profile:  # one more step, op by op: where the step's time goes
-        with krnl.profile(dev) as p:
-            step(batches[-1])
-        log(f"krnl bench: qlora krnl profile: {p.op_ms:.1f} ms in ops, {p.wall_ms:.1f} ms wall")
-        for g in sorted(p.rows(), key=lambda g: -g["ms"])[:14]:
-            log(f"  {g['op'][:22]:22s} {g['shape'][:40]:40s} {g['calls']:5d} {g['ms']:9.2f} ms {100 * g['share']:5.1f}%")
+    if profile:
+        log_profile(dev, step, batches[-1], "qlora krnl", log)
     return res
+
+
+def log_profile(dev, step, ids, who, log):
+    """One more step, op by op: where the step's time goes."""
+    with krnl.profile(dev) as p:
+        step(ids)
+    log(f"krnl bench: {who} profile: {p.op_ms:.1f} ms in ops, {p.wall_ms:.1f} ms wall")
+    for g in sorted(p.rows(), key=lambda g: -g["ms"])[:14]:
+        log(f"  {g['op'][:22]:22s} {g['shape'][:40]:40s} {g['calls']:5d} {g['ms']:9.2f} ms {100 * g['share']:5.1f}%")
 
 
 def _time(step, batches, s, sync, peak, log, who):

@@ -14,7 +14,7 @@ import numpy as np
 from ..models import gemma3
 from ..io.fileio import atomic_write_bytes, read_json_object
 from ..models.config import EXPERT_MODULES, module_part, LoraConfig, lora_key, lora_shapes
-from ..models.moe import held_factors, peft_expert_keys, peft_factors
+from .experts import held_factors, peft_expert_keys, peft_factors
 from ..io.safetensors_io import LazyTensor, read_safetensors_header
 
 CONFIG_NAME = "adapter_config.json"
@@ -69,7 +69,7 @@ def save_adapter(path, tensors, config, model_config=None):
 
 
 def _peft_experts_out(tensors, config):
-    """tensors with the experts' factors under PEFT's keys and in its layout (moe.peft_factors)."""
+    """tensors with the experts' factors under PEFT's keys and in its layout (experts.peft_factors)."""
     out = dict(tensors)
     for i in range(config.num_hidden_layers):
         mods = [m for m in EXPERT_MODULES if lora_key(i, m, "A") in out]
@@ -80,7 +80,7 @@ def _peft_experts_out(tensors, config):
 
 def _peft_experts_in(raw, config, cfg, who):
     """raw with the experts' PEFT factors (target_parameters) under krnl's keys, held as the model
-    holds them (moe.held_factors); other keys pass through."""
+    holds them (experts.held_factors); other keys pass through."""
     params = cfg.get("target_parameters") or []
     mods = [m for m in EXPERT_MODULES if f"mlp.experts.{m}" in params]
     unknown = [p for p in params if p not in [f"mlp.experts.{m}" for m in EXPERT_MODULES]]
@@ -98,21 +98,49 @@ def _peft_experts_in(raw, config, cfg, who):
     return out
 
 
+def _mlx_experts_in(raw, config, who):
+    """raw with mlx-lm's expert factors (switch_mlp's gate, up and down LoRASwitchLinear) under
+    krnl's keys: gate and up must share their A, as PEFT's one LoRA on the fused gate|up does."""
+    out = dict(raw)
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}.mlp.switch_mlp."
+        got = {h: (out.pop(f"{p}{h}.lora_a", None), out.pop(f"{p}{h}.lora_b", None))
+               for h in ("gate_proj", "up_proj", "down_proj")}
+        if got["down_proj"][0] is not None:
+            d = f"model.layers.{i}.mlp.down_proj."
+            out[d + "lora_a"], out[d + "lora_b"] = got["down_proj"]
+        (ga, gb), (ua, ub) = got["gate_proj"], got["up_proj"]
+        if ga is None and ua is None:
+            continue
+        if ga is None or ua is None or gb is None or ub is None or ga.shape != ua.shape or not np.array_equal(ga, ua):
+            raise ValueError(f"[{who}] layer {i}: krnl's experts take one LoRA on the fused gate|up (PEFT's "
+                             "target_parameters): mlx-lm's gate_proj and up_proj factors must share lora_a")
+        out[f"model.layers.{i}.mlp.gate_up_proj.lora_a"] = ga
+        out[f"model.layers.{i}.mlp.gate_up_proj.lora_b"] = np.stack([gb, ub])
+    return out
+
+
 def mlx_adapter(lora, tensors, config, base_model=""):
     """({mlx-lm key: float32 array}, adapter_config.json dict) of a LoRA adapter in mlx-lm's layout:
     lora_a = A^T (in, r), lora_b = B^T (r, out), the scale itself in lora_parameters. mlx-lm
     adapts the last num_layers layers: other layer sets have no such layout (a ValueError)."""
     if config.multimodal:
         raise ValueError("[adapter] mlx-lm's layout of a multimodal gemma3 adapter is not written; use the PEFT one")
-    if config.moe:
-        raise ValueError(f"[adapter] mlx-lm's layout of a {config.model_type} adapter is not written yet (its experts' "
-                         "LoRA are separate gate and up factors); use the PEFT one")
     n, layers = config.num_hidden_layers, lora.adapted_layers(config)
     if layers != list(range(n - len(layers), n)):
         raise ValueError(f"[adapter] mlx-lm adapts the last num_layers layers of a model; LoRA on layers {layers} of "
                          f"{n} has no mlx-lm layout (adapt layers {n - len(layers)}..{n - 1} instead)")
     out, keys = {}, []
     for m in (m for m in config.lora_modules() if m in lora.target_modules):  # one order, whatever the flag's
+        if config.moe and m in EXPERT_MODULES:  # LoRASwitchLinear: (E, r, in) and (E, out, r), as krnl holds them
+            halves = ("gate_proj", "up_proj") if m == "gate_up_proj" else ("down_proj",)
+            keys += [f"mlp.switch_mlp.{h}" for h in halves]
+            for i in layers:
+                A, B = (np.asarray(tensors[lora_key(i, m, f)], np.float32) for f in "AB")
+                for j, h in enumerate(halves):  # gate and up share PEFT's one A
+                    out[f"model.layers.{i}.mlp.switch_mlp.{h}.lora_a"] = A
+                    out[f"model.layers.{i}.mlp.switch_mlp.{h}.lora_b"] = B[j] if B.ndim == 4 else B
+            continue
         keys.append(f"{module_part(m)}.{m}")
         for i in layers:
             for f in ("A", "B"):
@@ -223,6 +251,8 @@ def read_adapter(path, config):
         dropout = float(lp.get("dropout") or 0.0)
         base = cfg.get("model")
         raw = _read_f32_tensors(path / MLX_WEIGHTS_NAME, who)
+        if config.moe:
+            raw = _mlx_experts_in(raw, config, who)
         pattern, fname = _MLX_KEY, MLX_WEIGHTS_NAME
 
     found, unexpected = {}, []
@@ -232,8 +262,8 @@ def read_adapter(path, config):
             unexpected.append(k)
             continue
         i, mod, fac = int(m.group(1)), m.group(3), m.group(4).upper()
-        if fmt == "mlx":
-            v = v.T  # mlx-lm: lora_a (in, r), lora_b (r, out)
+        if fmt == "mlx" and v.ndim == 2:
+            v = v.T  # mlx-lm: lora_a (in, r), lora_b (r, out); its experts' as krnl holds them
         found.setdefault((i, mod), {})[fac] = (k, np.ascontiguousarray(v, np.float32))
     if unexpected:
         raise ValueError(f"[{who}] {fname} has tensors krnl cannot map to LoRA factors of the "

@@ -29,10 +29,9 @@ from .gguf.file import is_gguf, read_gguf
 from .gguf.tokenizer import load_gguf_tokenizer
 from ..models.config import module_part
 from ..models.model import LlamaModel
-from ..models.config import ModelConfig, lora_key
-from ..models.config import EXPERT_MODULES
-from ..models.moe import (ExpertPieces, StackedTensor, expert_pieces, merged_experts, stacked_experts, stored_name,
-                          switch_experts)
+from ..models.config import EXPERT_MODULES, ModelConfig, lora_key
+from .experts import (ExpertPieces, StackedTensor, expert_pieces, merged_experts, stacked_experts, stored_name,
+                      switch_experts)
 from ..quant.qweight import QuantizedArray
 from ..io.safetensors_io import LazyTensor, encode, header_bytes, nbytes, read_safetensors_header
 from ..io.tokenizer import Tokenizer

@@ -33,7 +33,7 @@ def module_paths(config):
     for i in range(config.num_hidden_layers):
         mods = [m for m in config.lora_modules() if not config.moe or module_part(m) == "self_attn"]
         out += [f"model.layers.{i}.{module_part(m)}.{m}" for m in mods]
-        if config.moe:  # a mixture's router (its experts are 3-D: moe.switch_experts)
+        if config.moe:  # a mixture's router (its experts are 3-D: experts.switch_experts)
             out.append(f"model.layers.{i}.mlp.gate")
     if not config.tie_word_embeddings:
         out.append("lm_head")

@@ -248,7 +248,7 @@ class ModelConfig:
             if self.qk_norm:
                 s[p + "self_attn.q_norm.weight"] = (self.head_dim,)
                 s[p + "self_attn.k_norm.weight"] = (self.head_dim,)
-            if self.moe:  # the experts' weights fused, as transformers holds them (moe.stacked_experts)
+            if self.moe:  # the experts' weights fused, as transformers holds them (formats.experts)
                 s.update(expert_shapes(self.moe, p, C))
             for m in (m for m in mods if module_part(m) == "mlp" and not self.moe):
                 s[p + f"mlp.{m}.weight"] = self.module_shape(m)

@@ -11,7 +11,6 @@ every expert (moe_gemm). LoRA on the experts is PEFT's on target_parameters: per
 (r, C) and B (2F, r) on the fused gate|up weight, and A (r, F), B (C, r) on down; the router is
 frozen. Dropout has no place there (PEFT refuses it too)."""
 
-import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -19,8 +18,7 @@ import numpy as np
 
 from .. import _core
 from .config import lora_key
-from .moe_config import EXPERT_MODULES  # noqa: F401 (the names, here too)
-from ..quant.qweight import QuantizedArray, expert_matmul, frozen_weight, linear, linear_grad
+from ..quant.qweight import expert_matmul, frozen_weight, linear, linear_grad
 
 ops = _core.ops
 Tensor = _core.Tensor
@@ -249,34 +247,6 @@ def moe_backward(mlp, h, cache, dy, dh_cols=0):
     return dh
 
 
-# ---- the experts' weights as checkpoints store them
-
-_PER_EXPERT = {  # family: (block name, {our fused name: the stored names of an expert's pieces})
-    "qwen3_moe": ("mlp", {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}),
-    "mixtral": ("block_sparse_moe", {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}),
-}
-
-
-class StackedTensor:
-    """Experts' per-expert tensors read as one (E, out, in) array (gate_up: gate's rows, then up's),
-    lazily like the LazyTensors it holds (`parts[e]`: the pieces of expert e)."""
-
-    def __init__(self, parts):
-        self.parts = parts
-        first = parts[0][0]
-        rows = sum(p.shape[0] for p in parts[0])
-        self.shape = (len(parts), rows, first.shape[1])
-        self.st_dtype, self.path = first.st_dtype, first.path
-
-    @property
-    def ndim(self):
-        return 3
-
-    def __array__(self, dtype=None, copy=None):
-        a = np.stack([np.concatenate([np.asarray(p, np.float32) for p in ps]) for ps in self.parts])
-        return a if dtype is None else a.astype(dtype, copy=False)
-
-
 class ExpertHalves:
     """A fused gate_up_proj (E, 2F, C) held as its two halves, gate's and up's experts (E, F, C)
     each, float or QuantizedArrays (MLX's switch_mlp)."""
@@ -289,139 +259,3 @@ class ExpertHalves:
     def __array__(self, dtype=None, copy=None):
         a = np.concatenate([np.asarray(p, np.float32) for p in self.parts], axis=1)
         return a if dtype is None else a.astype(dtype, copy=False)
-
-
-def switch_experts(tensors, config, where):
-    """tensors with mlx-lm's experts (`mlp.switch_mlp.{gate,up,down}_proj`, (E, O, I) each, float or
-    quantized with `.scales` and `.biases` (E, O, I / group_size)) under the fused names; a
-    quantized triple's bits and group size follow from its shapes, as for MLX's linears."""
-    if not config.moe:
-        return tensors
-    out, bad = dict(tensors), []
-    for i in range(config.num_hidden_layers):
-        p = f"model.layers.{i}.mlp."
-        got = {}
-        for n in ("gate_proj", "up_proj", "down_proj"):
-            w, s, b = (out.pop(f"{p}switch_mlp.{n}.{k}", None) for k in ("weight", "scales", "biases"))
-            if w is None:
-                continue
-            I = config.hidden_size if n != "down_proj" else config.moe["expert_size"]
-            if s is None:  # float, or (GGUF) a QuantizedArray already
-                got[n] = w
-            elif b is None or w.ndim != 3 or s.ndim != 3 or w.shape[2] * 32 % I or I % s.shape[2]:
-                bad.append(f"{p}switch_mlp.{n}: codes {w.shape}, scales {s.shape}, biases "
-                           f"{None if b is None else b.shape} do not quantize (E, O, {I}) experts")
-                continue
-            else:
-                got[n] = QuantizedArray(w, s, b, w.shape[2] * 32 // I, I // s.shape[2],
-                                        {"F32": "f32", "F16": "f16", "BF16": "bf16"}.get(s.st_dtype, "f32"))
-        if "gate_proj" in got and "up_proj" in got:
-            out[p + "experts.gate_up_proj"] = ExpertHalves(got["gate_proj"], got["up_proj"])
-        if "down_proj" in got:
-            out[p + "experts.down_proj"] = got["down_proj"]
-    if bad:
-        raise ValueError(f"[hf] {where}: " + "; ".join(bad))
-    return out
-
-
-def stacked_experts(tensors, config):
-    """tensors with a mixture of experts' per-expert weights (transformers' save_pretrained; Mixtral's
-    block_sparse_moe w1/w2/w3) replaced by the fused names ModelConfig.weight_shapes lists. Fused
-    checkpoints pass through; a layer missing an expert's piece is left for the caller's check to name."""
-    if not config.moe or config.model_type not in _PER_EXPERT:
-        return tensors
-    block, pieces = _PER_EXPERT[config.model_type]
-    out = dict(tensors)
-    E = config.moe["experts"]
-    for i in range(config.num_hidden_layers):
-        p = f"model.layers.{i}.{block}."
-        router = out.pop(p + "gate.weight", None)
-        if router is not None:
-            out[f"model.layers.{i}.mlp.gate.weight"] = router
-        for fused, names in pieces.items():
-            keys = [[f"{p}experts.{e}.{n}.weight" for n in names] for e in range(E)]
-            if all(k in out for ks in keys for k in ks):
-                out[f"model.layers.{i}.mlp.experts.{fused}"] = StackedTensor([[out.pop(k) for k in ks] for ks in keys])
-    return out
-
-
-def expert_pieces(config, name, array):
-    """[(stored name, (out, in) array)] of a fused expert weight as `config`'s family stores it per
-    expert (the inverse of stacked_experts, for writing folders the way transformers does)."""
-    m = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.(experts\.(gate_up_proj|down_proj)|gate\.weight)", name)
-    if m is None or config.model_type not in _PER_EXPERT:
-        return [(name, array)]
-    block, pieces = _PER_EXPERT[config.model_type]
-    p = f"model.layers.{m.group(1)}.{block}."
-    if m.group(3) is None:
-        return [(p + "gate.weight", array)]
-    names, a = pieces[m.group(3)], np.asarray(array, np.float32)
-    rows = a.shape[1] // len(names)
-    return [(f"{p}experts.{e}.{n}.weight", a[e, j * rows:(j + 1) * rows]) for e in range(a.shape[0])
-            for j, n in enumerate(names)]
-
-
-def merged_experts(W32, A, B, scale):
-    """W (E, out, in) + s B_e A_e per expert in float32, the factors as the model holds them."""
-    B = np.asarray(B, np.float32)
-    if B.ndim == 4:  # gate_up_proj: gate's rows, then up's
-        B = np.concatenate([B[0], B[1]], axis=1)
-    return (W32 + np.float32(scale) * np.einsum("eor,eri->eoi", B, np.asarray(A, np.float32))).astype(np.float32)
-
-
-def stored_name(config, weights, name):
-    """The name a weight goes back under: a router beside experts read per expert, its family's
-    per-expert name (Mixtral's block_sparse_moe.gate); any other weight, its own."""
-    if config.moe and name.endswith(".mlp.gate.weight"):
-        if isinstance(weights.get(name[:-len("gate.weight")] + "experts.down_proj"), StackedTensor):
-            return expert_pieces(config, name, None)[0][0]
-    return name
-
-
-class ExpertPieces:
-    """A fused expert weight's per-expert pieces, made once for all of them and dropped after the last."""
-
-    def __init__(self, config, name, get):
-        self.config, self.name, self.get, self.arrays, self.left = config, name, get, None, None
-
-    def take(self, j):
-        if self.arrays is None:
-            self.arrays = [a for _, a in expert_pieces(self.config, self.name, self.get())]
-            self.left = len(self.arrays)
-        a, self.left = self.arrays[j], self.left - 1
-        if self.left == 0:
-            self.arrays = None
-        return a
-
-
-# ---- the experts' LoRA in PEFT's layout (target_parameters on the fused expert weights)
-
-def peft_expert_keys(i, modules):
-    """{module: (PEFT key of A, of B)} of layer i's expert modules among `modules`. PEFT wraps the
-    experts' parameters in their declaration order (gate_up_proj, then down_proj), each wrapper
-    around the last: all but the outermost sit under one more `base_layer.` per wrapper above."""
-    mods = [m for m in ("gate_up_proj", "down_proj") if m in modules]
-    p = f"base_model.model.model.layers.{i}.mlp.experts."
-    return {m: tuple(p + "base_layer." * (len(mods) - 1 - j) + f"lora_{f}.weight" for f in "AB")
-            for j, m in enumerate(mods)}
-
-
-def peft_factors(A, B):
-    """PEFT's (E r, in) A and (out, r E) B (column j E + e: rank j of expert e) of factors held as
-    A (E, r, in) and B (E, out, r) or gate_up_proj's (2, E, F, r)."""
-    A, B = np.asarray(A, np.float32), np.asarray(B, np.float32)
-    if B.ndim == 4:
-        B = np.concatenate([B[0], B[1]], axis=1)                          # (E, 2F, r): gate's rows, then up's
-    E, out, r = B.shape
-    return A.reshape(E * r, A.shape[2]), np.ascontiguousarray(B.transpose(1, 2, 0).reshape(out, r * E))
-
-
-def held_factors(A, B, E, fused_gate_up):
-    """The inverse of peft_factors for E experts."""
-    A, B = np.asarray(A, np.float32), np.asarray(B, np.float32)
-    r = A.shape[0] // E
-    out = B.shape[0]
-    Bh = np.ascontiguousarray(B.reshape(out, r, E).transpose(2, 0, 1))   # (E, out, r)
-    if fused_gate_up:
-        Bh = np.stack([Bh[:, :out // 2], Bh[:, out // 2:]])
-    return np.ascontiguousarray(A.reshape(E, r, A.shape[1])), np.ascontiguousarray(Bh)

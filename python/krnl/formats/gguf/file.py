@@ -22,7 +22,7 @@ import numpy as np
 
 from ...quant import gguf as gguf_quants
 from ...models.config import ModelConfig
-from ...models.moe import switch_experts
+from ..experts import switch_experts
 from ...quant.qweight import QuantizedArray
 from ...io.safetensors_io import bf16_to_f32, f32_to_bf16
 
@@ -33,7 +33,7 @@ _LAYER = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": 
           "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
           "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
           "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",  # qwen3
-          # experts (E, out, in) each and the router: read under mlx-lm's names (moe.switch_experts)
+          # experts (E, out, in) each and the router: read under mlx-lm's names (experts.switch_experts)
           "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.switch_mlp.gate_proj",
           "ffn_up_exps": "mlp.switch_mlp.up_proj", "ffn_down_exps": "mlp.switch_mlp.down_proj"}
 _GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",

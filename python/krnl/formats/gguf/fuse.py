@@ -16,7 +16,7 @@ from .file import read_gguf
 from .tokenizer import build_tokenizer, tokenizer_files
 from ..hf import _FLOAT_NAMES, CONFIG_NAME, _weight_order, merged_weight, quantize_folder, write_sharded
 from ...models.config import ATTN_MODULES, EXPERT_MODULES, lora_key
-from ...models.moe import merged_experts
+from ..experts import merged_experts
 from ...io.safetensors_io import encode
 
 

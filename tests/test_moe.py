@@ -506,3 +506,19 @@ def test_mlx_lm_adapter_layout_of_experts(tmp_path):
     assert info["format"] == "mlx" and set(back.target_modules) == set(lora.target_modules)
     for k, v in st.items():
         np.testing.assert_allclose(tensors[k], v, rtol=1e-6, err_msg=k)
+
+
+@pytest.mark.parametrize("dtype, tol", [("bf16", 3e-2), ("f16", 5e-3)])
+def test_moe_step_in_16_bit_dtypes_matches_f32(dtype, tol):
+    """One LoRA step of a mixture in bf16 and f16 (activations, experts and router logits rounded;
+    routing still in f32) against the f32 step: loss and every gradient within the dtype's reach."""
+    from conftest import assert_step_close
+
+    config = ModelConfig.from_dict(dict(CFG, hidden_size=64, head_dim=16, moe_intermediate_size=32))
+    w = random_weights(config, seed=11, std=0.1)
+    lora = LoraConfig(r=4, alpha=8.0, target_modules=("q_proj", "v_proj", "gate_up_proj", "down_proj"))
+    models = {dt: LlamaModel(krnl.device("cpu"), config, w, lora=lora, dtype=dt) for dt in ("f32", dtype)}
+    st = random_b(models["f32"], 12)
+    models[dtype].lora_params.load(st)
+    ids = np.random.default_rng(8).integers(0, V, (2, 12))
+    assert_step_close(lora_step(models["f32"], ids, ids), lora_step(models[dtype], ids, ids), tol, 4 * tol)

@@ -62,8 +62,8 @@ def peft_model(folder, lora, state):
     torch, _ = torch_modules()
     peft = pytest.importorskip("peft")
     m = hf_model(folder)
-    mods = [t for t in lora.target_modules if t.endswith("_proj") and t not in EXPERT_MODULES]
-    params = [f"mlp.experts.{t}" for t in lora.target_modules if t in EXPERT_MODULES]
+    mods = [t for t in lora.target_modules if t not in adapter_io.PEFT_PARAMETERS]
+    params = [adapter_io.PEFT_PARAMETERS[t] for t in lora.target_modules if t in adapter_io.PEFT_PARAMETERS]
     cfg = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, target_modules=mods or None, target_parameters=params)
     pm = peft.get_peft_model(m, cfg)
     sd = peft_layout(hf.read_config(folder), state)
@@ -119,10 +119,12 @@ def test_loss_logits_and_routing_match_transformers(folders, name):
 
 @pytest.mark.torch
 @pytest.mark.parametrize("name, targets", [("qwen3_moe-norm", TARGETS), ("qwen3_moe-raw", ("gate_up_proj",)),
-                                           ("mixtral", ("v_proj", "down_proj")), ("mixtral", TARGETS)])
+                                           ("mixtral", ("v_proj", "down_proj")), ("mixtral", TARGETS),
+                                           ("qwen3_moe-raw", ("router", "down_proj")), ("mixtral", ("router",))])
 def test_lora_gradients_match_peft(folders, name, targets):
-    """Every factor's gradient, attention's and the experts', against PyTorch autograd through PEFT
-    (target_parameters on the fused experts), the router's gradient path included."""
+    """Every factor's gradient, attention's, the experts' and the router's, against PyTorch autograd
+    through PEFT (target_parameters on the fused experts and on the router's weight), the gradient
+    through the routing weights included."""
     torch, _ = torch_modules()
     lora = LoraConfig(r=3, alpha=5.0, target_modules=targets)
     m = hf.load_model(folders[name], krnl.device("cpu"), lora=lora)
@@ -176,12 +178,12 @@ def test_krnl_adapter_in_peft_and_fuse_in_transformers(folders, name, tmp_path):
     torch, _ = torch_modules()
     peft = pytest.importorskip("peft")
     folder = folders[name]
-    lora = LoraConfig(r=2, alpha=6.0, target_modules=("q_proj", "gate_up_proj", "down_proj"))
+    lora = LoraConfig(r=2, alpha=6.0, target_modules=("q_proj", "gate_up_proj", "down_proj", "router"))
     m = hf.load_model(folder, krnl.device("cpu"), lora=lora)
     st = random_b(m, 3)
     cfg = adapter_io.peft_config(lora, str(folder), model_config=m.config)
     assert cfg["target_modules"] == ["q_proj"]
-    assert cfg["target_parameters"] == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
+    assert cfg["target_parameters"] == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj", "mlp.gate.weight"]
     adapter_io.save_adapter(tmp_path / "ad", st, cfg, m.config)
     ids, labels, targets = token_batch(V, seed=4)
     mine = m.loss(ids, targets)
@@ -285,7 +287,7 @@ def test_moe_bad_configs_and_options():
     with pytest.raises(ValueError, match=r"num_experts_per_tok \(6\) exceeds the 5 experts"):
         ModelConfig.from_dict(dict(CFG, num_experts_per_tok=6))
     config = ModelConfig.from_dict(CFG)
-    with pytest.raises(ValueError, match="dropout 0.1 on the experts' LoRA"):
+    with pytest.raises(ValueError, match="dropout 0.1 on the experts' or router's LoRA"):
         LoraConfig(dropout=0.1).validate(config)
     lc = LoraConfig(target_modules=("q_proj", "gate_proj", "up_proj", "down_proj"))
     lc.validate(config)
@@ -492,7 +494,7 @@ def test_mlx_lm_adapter_layout_of_experts(tmp_path):
     import mlx.nn as nn
 
     write_folder(tmp_path / "base", dict(CFG, hidden_size=64, head_dim=16, moe_intermediate_size=32))
-    lora = LoraConfig(r=2, alpha=4.0, target_modules=("q_proj", "gate_up_proj", "down_proj"))
+    lora = LoraConfig(r=2, alpha=4.0, target_modules=("q_proj", "gate_up_proj", "down_proj", "router"))
     m = hf.load_model(tmp_path / "base", krnl.device("cpu"), lora=lora)
     st = random_b(m, 9)
     adapter_io.save_mlx_adapter(tmp_path / "ad", lora, st, m.config)

@@ -31,9 +31,9 @@ def peft_config(lora, base_model="", layers=None, model_config=None):
     excludes its vision tower, whose q/k/v_proj PEFT would adapt too)."""
     extra = {"exclude_modules": gemma3.EXCLUDE} if model_config is not None and model_config.multimodal else {}
     targets = sorted(lora.target_modules)
-    if model_config is not None and model_config.moe:  # the experts are parameters, not modules, to PEFT
-        extra["target_parameters"] = [f"mlp.experts.{m}" for m in targets if m in EXPERT_MODULES]
-        targets = [m for m in targets if m not in EXPERT_MODULES]
+    if model_config is not None and model_config.moe:  # experts and router are parameters, not modules, to PEFT
+        extra["target_parameters"] = sorted(PEFT_PARAMETERS[m] for m in targets if m in PEFT_PARAMETERS)
+        targets = [m for m in targets if m not in PEFT_PARAMETERS]
     return {**extra,
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -68,9 +68,20 @@ def save_adapter(path, tensors, config, model_config=None):
     atomic_write_bytes(path / CONFIG_NAME, (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
 
 
+# krnl's LoRA targets of a mixture that PEFT reaches through target_parameters, by their names there.
+PEFT_PARAMETERS = {"gate_up_proj": "mlp.experts.gate_up_proj", "down_proj": "mlp.experts.down_proj",
+                   "router": "mlp.gate.weight"}
+
+
+def _router_key(key):
+    """PEFT's key of a router factor (the ParamWrapper sits on mlp.gate) for krnl's, and back."""
+    return key.replace(".mlp.router.", ".mlp.gate.") if ".mlp.router." in key else key.replace(".mlp.gate.lora_",
+                                                                                              ".mlp.router.lora_")
+
+
 def _peft_experts_out(tensors, config):
     """tensors with the experts' factors under PEFT's keys and in its layout (experts.peft_factors)."""
-    out = dict(tensors)
+    out = {_router_key(k) if ".mlp.router." in k else k: v for k, v in tensors.items()}
     for i in range(config.num_hidden_layers):
         mods = [m for m in EXPERT_MODULES if lora_key(i, m, "A") in out]
         for m, (kA, kB) in peft_expert_keys(i, mods).items():
@@ -83,11 +94,11 @@ def _peft_experts_in(raw, config, cfg, who):
     holds them (experts.held_factors); other keys pass through."""
     params = cfg.get("target_parameters") or []
     mods = [m for m in EXPERT_MODULES if f"mlp.experts.{m}" in params]
-    unknown = [p for p in params if p not in [f"mlp.experts.{m}" for m in EXPERT_MODULES]]
+    unknown = [p for p in params if p not in PEFT_PARAMETERS.values()]
     if unknown:
         raise ValueError(f"[{who}] target_parameters {unknown} are not supported; krnl takes "
-                         f"{', '.join('mlp.experts.' + m for m in EXPERT_MODULES)}")
-    out, E = dict(raw), config.moe["experts"]
+                         f"{', '.join(PEFT_PARAMETERS.values())}")
+    out, E = {_router_key(k) if ".mlp.gate.lora_" in k else k: v for k, v in raw.items()}, config.moe["experts"]
     for i in range(config.num_hidden_layers):
         for m, (kA, kB) in peft_expert_keys(i, mods).items():
             if kA in out and kB in out:
@@ -141,7 +152,7 @@ def mlx_adapter(lora, tensors, config, base_model=""):
                     out[f"model.layers.{i}.mlp.switch_mlp.{h}.lora_a"] = A
                     out[f"model.layers.{i}.mlp.switch_mlp.{h}.lora_b"] = B[j] if B.ndim == 4 else B
             continue
-        keys.append(f"{module_part(m)}.{m}")
+        keys.append(f"{module_part(m)}.{'gate' if m == 'router' else m}")  # mlx-lm's router: mlp.gate
         for i in layers:
             for f in ("A", "B"):
                 out[f"model.layers.{i}.{keys[-1]}.lora_{f.lower()}"] = np.asarray(tensors[lora_key(i, m, f)],
@@ -252,7 +263,7 @@ def read_adapter(path, config):
         base = cfg.get("model")
         raw = _read_f32_tensors(path / MLX_WEIGHTS_NAME, who)
         if config.moe:
-            raw = _mlx_experts_in(raw, config, who)
+            raw = {k.replace(".mlp.gate.lora_", ".mlp.router.lora_"): v for k, v in _mlx_experts_in(raw, config, who).items()}
         pattern, fname = _MLX_KEY, MLX_WEIGHTS_NAME
 
     found, unexpected = {}, []

@@ -288,6 +288,7 @@ def fuse(model_folder, adapter_folder, out_folder, shard_size="2GB", dtype=None,
                 name = f"model.layers.{i}.mlp.experts.{m}"
                 merged[name] = lambda t=weights[name], A=A, B=B: merged_experts(np.asarray(t, np.float32), A, B, s)
                 continue
+            m = "gate" if m == "router" else m  # a mixture's router: mlp.gate
             name = names[f"model.layers.{i}.{module_part(m)}.{m}.weight"]  # phi3: the fused weight
             merged[name] = lambda t=weights[name], A=A, B=B: merged_weight(np.asarray(t, np.float32), A, B, s)
     files = _write_folder(model_folder, weights, config, out_folder, shard_size, dtype, quantize, merged)

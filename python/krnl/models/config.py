@@ -175,7 +175,7 @@ class ModelConfig:
     def lora_modules(self):
         """The module names LoRA targets take in this family (PEFT's), in layer order."""
         if self.moe:
-            return ATTN_MODULES + EXPERT_MODULES
+            return ATTN_MODULES + EXPERT_MODULES + ("router",)
         return phi3.MODULES if self.fused_projections else ALL_MODULES
 
     def module_shape(self, name):
@@ -185,6 +185,8 @@ class ModelConfig:
                           self.num_key_value_heads, self.head_dim)
         if self.moe:
             F = self.moe["expert_size"]
+            if name == "router":
+                return (self.moe["experts"], C)
         return {"q_proj": (H * D, C), "k_proj": (Hk * D, C), "v_proj": (Hk * D, C), "o_proj": (C, H * D),
                 "gate_proj": (F, C), "up_proj": (F, C), "down_proj": (C, F), "qkv_proj": ((H + 2 * Hk) * D, C),
                 "gate_up_proj": (2 * F, C)}[name]
@@ -346,9 +348,9 @@ class LoraConfig:
                                  f"it must be between 1 and min(in, out) = {min(out, inp)}")
         if not (0.0 <= float(self.dropout) < 1.0):
             raise ValueError(f"[LoraConfig] dropout must be in [0, 1), got {self.dropout!r}")
-        if config.moe and self.dropout and set(self.target_modules) & set(EXPERT_MODULES):
-            raise ValueError(f"[LoraConfig] dropout {self.dropout} on the experts' LoRA: PEFT has none there either "
-                             "(target_parameters); set dropout 0 or leave the experts out of the targets")
+        if config.moe and self.dropout and set(self.target_modules) & {*EXPERT_MODULES, "router"}:
+            raise ValueError(f"[LoraConfig] dropout {self.dropout} on the experts' or router's LoRA: PEFT has none "
+                             "there either (target_parameters); set dropout 0 or leave them out of the targets")
         if not float(self.alpha) > 0:
             raise ValueError(f"[LoraConfig] alpha must be > 0, got {self.alpha!r}")
         n = config.num_hidden_layers

@@ -144,7 +144,7 @@ class Layer:
             out.update(post_attn=self.gemma.post_attn, post_mlp=self.mlp.post)
         out.update({m: lin.W for m, lin in self.linears().items() if m not in QKV_MODULES})
         if isinstance(self.mlp, MoeMlp):
-            out.update(router=self.mlp.router, experts_gate=self.mlp.gate, experts_up=self.mlp.up,
+            out.update(router=self.mlp.router.W, experts_gate=self.mlp.gate, experts_up=self.mlp.up,
                        experts_down=self.mlp.down)
         return out
 

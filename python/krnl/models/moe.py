@@ -18,7 +18,8 @@ import numpy as np
 
 from .. import _core
 from .config import lora_key
-from ..quant.qweight import expert_matmul, frozen_weight, linear, linear_grad
+from .lora import LoraLinear, module_factors
+from ..quant.qweight import expert_matmul, frozen_weight
 
 ops = _core.ops
 Tensor = _core.Tensor
@@ -92,7 +93,7 @@ class RouterStats:
 class MoeMlp:
     """y = h + the experts' mixture of hn = rmsnorm(h) norm."""
     norm: Tensor               # (C,)
-    router: Tensor             # (E, C), or a QuantizedWeight (qweight.py)
+    router: LoraLinear         # (E, C), frozen unless a LoRA target
     gate: Tensor               # (E, F, C): gate_up_proj's first F rows of each expert; or a QuantizedWeight
     up: Tensor                 # (E, F, C)
     down: Tensor               # (E, C, F)
@@ -124,6 +125,7 @@ class MoeCache:
     ys: Tensor                 # (P, C) each pair's expert output
     xa: Optional[Tensor]       # (P, r) xs A^T of gate_up's LoRA
     ad: Optional[Tensor]       # (P, r) a A^T of down's LoRA
+    router: object = None      # the router's LoraSaved (None when frozen)
 
 
 def build_moe(i, config, weights, device, dtype, lora_config, lora_params, adapted, sums, quantize=None):
@@ -147,8 +149,10 @@ def build_moe(i, config, weights, device, dtype, lora_config, lora_params, adapt
             los[m] = ExpertLora(lora_params.compute(kA), [B if h is None else B[h] for h in halves],
                                 lora_params.grad(kA), [gB if h is None else gB[h] for h in halves], lora_config.scale)
     norm = device.tensor(np.asarray(weights[p + "post_attention_layernorm.weight"], np.float32), dtype)
-    return MoeMlp(norm, frozen_weight(device, [weights[p + "mlp.gate.weight"]], dtype), *experts, config.moe["top_k"],
-                  config.moe["norm_topk"], config.rms_norm_eps, los.get("gate_up_proj"), los.get("down_proj"), sums)
+    router = LoraLinear(frozen_weight(device, [weights[p + "mlp.gate.weight"]], dtype),
+                        module_factors(config, lora_params, adapted, i, "router"), lora_config.scale, sums=sums)
+    return MoeMlp(norm, router, *experts, config.moe["top_k"], config.moe["norm_topk"], config.rms_norm_eps,
+                  los.get("gate_up_proj"), los.get("down_proj"), sums)
 
 
 def moe_forward(mlp, h, call_seed=None, residual=None):
@@ -159,12 +163,12 @@ def moe_forward(mlp, h, call_seed=None, residual=None):
                          "the experts' grouping by expert cannot keep; use the default order")
     d, dt = h.device, h.dtype
     N, C = h.shape
-    E, F, K = mlp.router.shape[0], mlp.gate.shape[1], mlp.top_k
+    E, F, K = mlp.router.out, mlp.gate.shape[1], mlp.top_k
     P = N * K
     hn, rstd = d.empty((N, C), dt), d.empty((N,), "f32")
     ops.rmsnorm_forward(h, mlp.norm, hn, rstd, mlp.eps, residual=residual)
     logits = d.empty((N, E), dt)
-    linear(hn, mlp.router, logits)
+    router = mlp.router.forward(hn, logits)
     ids, w = d.empty((N, K), "i32"), d.empty((N, K), "f32")
     ops.moe_route(logits, ids, w, mlp.norm_topk)
     tokens, slot, offsets = d.empty((P,), "i32"), d.empty((N, K), "i32"), d.empty((E + 1,), "i32")
@@ -186,7 +190,7 @@ def moe_forward(mlp, h, call_seed=None, residual=None):
     y = d.empty((N, C), dt)
     ops.moe_combine(ys, slot, w, y)
     ops.add(y, h, y)
-    return y, MoeCache(hn, rstd, logits, ids, w, tokens, slot, offsets, g, u, a, ys, xa, ad)
+    return y, MoeCache(hn, rstd, logits, ids, w, tokens, slot, offsets, g, u, a, ys, xa, ad, router)
 
 
 def _lora_forward(lo, x, outs, offsets):
@@ -241,7 +245,7 @@ def moe_backward(mlp, h, cache, dy, dh_cols=0):
     ops.moe_combine(dxs, c.slot, None, dhn)                               # the gather's backward
     dlogits = d.empty(c.logits.shape, dt)
     ops.moe_route_backward(c.logits, c.ids, dw, dlogits, mlp.norm_topk, mlp.stats and mlp.stats.dprobs)
-    linear_grad(dlogits, mlp.router, dhn, 1.0)                            # dhn += dlogits Wr
+    mlp.router.backward(dlogits, c.router, dhn, accumulate=True)         # dhn += dlogits Wr (+ its LoRA's)
     dh = d.empty((N, C + dh_cols), dt)
     ops.rmsnorm_backward(dhn, h, mlp.norm, c.rstd, dh[:, :C], residual=dyv)  # dh = norm's gradient + dy
     return dh

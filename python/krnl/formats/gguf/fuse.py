@@ -41,7 +41,8 @@ def fuse_gguf(path, adapter_folder, out_folder, shard_size="2GB", dtype=None, qu
     s, delta = lora.scale, {}
     for i in lora.adapted_layers(g.config):
         for m in lora.target_modules:
-            name = f"model.layers.{i}.{'self_attn' if m in ATTN_MODULES else 'mlp'}.{m}.weight"
+            part, w = ("self_attn" if m in ATTN_MODULES else "mlp"), ("gate" if m == "router" else m)  # router: mlp.gate
+            name = f"model.layers.{i}.{part}.{w}.weight"
             if g.config.moe and m in EXPERT_MODULES:  # written fused, as transformers holds (and loads) them
                 name = f"model.layers.{i}.mlp.experts.{m}"
             delta[name] = (tensors[lora_key(i, m, "A")], tensors[lora_key(i, m, "B")])

@@ -328,11 +328,12 @@ def test_cli_trains_evaluates_and_fuses_a_moe_folder(tmp_path):
     out = tmp_path / "ad"
     assert main(["train", "--model", str(folder), "--data", str(tmp_path / "data"), "--device", "cpu", "--dtype",
                  "f32", "--iters", "3", "--batch-size", "2", "--lora-rank", "2", "--steps-per-eval", "0", "--quiet",
-                 "--no-tune", "--adapter-path", str(out), "--router-aux-loss-coef", "0.01"]) == 0
+                 "--no-tune", "--adapter-path", str(out), "--router-aux-loss-coef", "0.01", "--lora-targets",
+                 "q,k,v,o,gate,up,down,router"]) == 0
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 3 and all(np.isfinite(r["loss"]) and 0 < r["aux_loss"] < 1e3 for r in rows)
     ac = json.loads((out / "adapter_config.json").read_text())
-    assert ac["target_parameters"] == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
+    assert ac["target_parameters"] == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj", "mlp.gate.weight"]
     assert main(["fuse", "--model", str(folder), "--adapter-path", str(out), "--save-path",
                  str(tmp_path / "fused")]) == 0
     assert sorted(hf.read_tensors(tmp_path / "fused")) == sorted(per)

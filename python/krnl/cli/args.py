@@ -167,7 +167,8 @@ def lora_targets(text):
     (q_proj) or mlx-lm's keys (self_attn.q_proj, mlp.gate_proj), comma-separated."""
     from ..models.config import module_part, ALL_MODULES
 
-    names = ALL_MODULES + ("qkv_proj", "gate_up_proj")  # phi3's fused projections (the config checks which apply)
+    # phi3's fused projections, a mixture's router (the config checks which apply)
+    names = ALL_MODULES + ("qkv_proj", "gate_up_proj", "router")
     out = []
     for item in str(text).split(","):
         name = item.strip()
@@ -251,7 +252,8 @@ def parse_args(argv, commands):
     t.add_argument("--rslora", action="store_true", help="scale by alpha/sqrt(r) (rsLoRA)")
     t.add_argument("--lora-layers", default=None, help="comma-separated layer indices (default: all)")
     t.add_argument("--lora-targets", default=None, help="comma-separated modules: short names (q,k,v,o,gate,up,down), module "
-                   "names (q_proj) or mlx-lm keys (self_attn.q_proj) (default: all seven)")
+                   "names (q_proj) or mlx-lm keys (self_attn.q_proj); mixtures of experts: gate and up are the experts' "
+                   "gate_up_proj, router their router (default: all seven; a mixture's router left frozen)")
     t.add_argument("--grad-checkpoint", action="store_true", help="recompute layers in backward (less memory)")
     t.add_argument("--router-aux-loss-coef", type=float, default=0.0,
                    help="mixture-of-experts models: train with this times the load-balancing loss (transformers' "

@@ -1,7 +1,8 @@
 // msl: 3.0 (krnl's floor; newest feature used: 64-bit indices (ulong), MSL 2.x)
 // Embedding lookup and its gradient. Ids are (n,) i32, checked on the host before the dispatch
 // (as the CPU backend does); an id outside [0, V) still never touches memory out of range here:
-// the forward writes a NaN row for it (so a missed check shows), the backward skips it.
+// the forward writes a NaN row for it (so a missed check shows), the backward skips it. moe_gather
+// runs the forward over moe_sort's tokens, which no host checks (a GPU kernel wrote them).
 #include <metal_stdlib>
 #include "kargs.h"
 using namespace metal;

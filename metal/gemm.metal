@@ -4,6 +4,7 @@
 // nt (op(B) = B^T, B stored (N, K)); tn (op(A) = A^T, A stored (K, M)). Stored matrices are
 // row-major with row strides lda/ldb/ldc; batch entry z = grid.z sits at element offsets
 // z * stride_a/b/c (0 broadcasts one matrix to every batch entry).
+// The grouped GEMMs of a mixture of experts (moe_gemm_*) share gemm_tile at the end of the file.
 //
 // Plain GEMM variants (the host picks one per shape class; `krnl tune` measures which wins on the
 // user's GPU, today's tile32 without a measurement). Per K step of 16, with M N K FLOPs = 2 M N K:
@@ -431,4 +432,83 @@ template [[host_name("gemm_steel32_tn_bf16")]]  [[kernel]] decltype(gemm_steel<b
 template [[host_name("gemm_steel32_nn_bf16_f32")]] [[kernel]] decltype(gemm_steel<bfloat, float, false, false, 32, 32, 2, 2>) gemm_steel<bfloat, float, false, false, 32, 32, 2, 2>;
 template [[host_name("gemm_steel32_nt_bf16_f32")]] [[kernel]] decltype(gemm_steel<bfloat, float, false, true, 32, 32, 2, 2>) gemm_steel<bfloat, float, false, true, 32, 32, 2, 2>;
 template [[host_name("gemm_steel32_tn_bf16_f32")]] [[kernel]] decltype(gemm_steel<bfloat, float, true, false, 32, 32, 2, 2>) gemm_steel<bfloat, float, true, false, 32, 32, 2, 2>;
+#endif
+
+// ---- Grouped GEMMs of a mixture of experts (moe_gemm, moe_gemm_weight_grad: csrc/core/op_list.h's
+// notes; metal/kargs.h MoeGemmArgs), on gemm_tile: here rather than in moe.metal, so that one tile
+// serves both (a library cannot call another's functions). Expert e's rows are rows
+// offsets[e]:offsets[e + 1] of x (or of a and b). moe_sort wrote the offsets earlier in the step
+// and no host has seen them, so they are clamped into [0, P]: wrong offsets give wrong rows, never
+// an access out of range. Experts' row counts are ragged, so the tiles always take the
+// edge-checked path (aligned false; gemm_aligned is not read).
+//
+// Dispatch geometry (threads (32, 1, 1), one SIMD-group per 32x32 tile as tile32):
+//   moe_gemm_{nn,nt}_{f32,f16,bf16}: grid (ceil(N/32), row tiles, 1). The row tiles of all experts
+//     in expert order (ceil(n_e / 32) each) are numbered from 0; threadgroup y takes tile0 + y and
+//     exits past the last one: sum ceil(n_e / 32) <= (P + 31 E) / 32 tiles cover every expert.
+//     nt: out = x W_e^T with W_e stored (N, K) (a linear); nn: out = x W_e, W_e stored (K, N).
+//   moe_gemm_weight_grad_{f32,f16,f16_f32,bf16,bf16_f32}: grid (ceil(N/32), ceil(M/32), E); an
+//     expert without rows sums nothing: out[e] = beta out[e] (0 where beta == 0).
+
+// Expert e's rows [x, y), clamped into [0, P].
+inline uint2 moe_rows(device const int* offsets, uint e, uint P)
+{
+    const int lo = min(max(offsets[e], 0), int(P));
+    return uint2(uint(lo), uint(min(max(offsets[e + 1], lo), int(P))));
+}
+
+template <typename T, bool TB>
+kernel void moe_gemm(device const T*      X       [[buffer(0)]],
+                     device const T*      W       [[buffer(1)]],
+                     device T*            Out     [[buffer(2)]],
+                     device const int*    offsets [[buffer(3)]],
+                     constant MoeGemmArgs& args   [[buffer(4)]],
+                     uint3 tg   [[threadgroup_position_in_grid]],
+                     uint  lane [[thread_index_in_simdgroup]])
+{
+    threadgroup float4 smem[GEMM_SMEM_F4];
+    // this threadgroup's expert and its row tile inside it (the same walk in every lane)
+    uint g = args.tile0 + tg.y, e = 0;
+    uint2 r = uint2(0, 0);
+    for (; e < args.E; ++e) {
+        r = moe_rows(offsets, e, args.P);
+        const uint tiles = (r.y - r.x + GEMM_BM - 1) / GEMM_BM;
+        if (g < tiles) break;
+        g -= tiles;
+    }
+    if (e == args.E) return;  // past the last tile: the whole threadgroup, before any barrier
+    gemm_tile<T, T, false, TB>(X + (ulong)r.x * args.lda, W + (ulong)e * args.stride_b, Out + (ulong)r.x * args.ldc,
+                               r.y - r.x, args.N, args.lda, args.ldb, args.ldc, 0, args.K, args.alpha, args.beta,
+                               g * GEMM_BM, tg.x * GEMM_BN, lane, smem, false);
+}
+
+template <typename T, typename TC>
+kernel void moe_gemm_weight_grad(device const T*      A       [[buffer(0)]],
+                                 device const T*      B       [[buffer(1)]],
+                                 device TC*           Out     [[buffer(2)]],
+                                 device const int*    offsets [[buffer(3)]],
+                                 constant MoeGemmArgs& args   [[buffer(4)]],
+                                 uint3 tg   [[threadgroup_position_in_grid]],
+                                 uint  lane [[thread_index_in_simdgroup]])
+{
+    threadgroup float4 smem[GEMM_SMEM_F4];
+    const uint2 r = moe_rows(offsets, tg.z, args.P);
+    // a_e^T b_e: a_e stored (n_e, M) is op(A) transposed (tn), summed over the expert's rows
+    gemm_tile<T, TC, true, false>(A + (ulong)r.x * args.lda, B + (ulong)r.x * args.ldb, Out + (ulong)tg.z * args.stride_c,
+                                  args.M, args.N, args.lda, args.ldb, args.ldc, 0, r.y - r.x, args.alpha, args.beta,
+                                  tg.y * GEMM_BM, tg.x * GEMM_BN, lane, smem, false);
+}
+
+template [[host_name("moe_gemm_nn_f32")]] [[kernel]] decltype(moe_gemm<float, false>) moe_gemm<float, false>;
+template [[host_name("moe_gemm_nt_f32")]] [[kernel]] decltype(moe_gemm<float, true>)  moe_gemm<float, true>;
+template [[host_name("moe_gemm_nn_f16")]] [[kernel]] decltype(moe_gemm<half, false>)  moe_gemm<half, false>;
+template [[host_name("moe_gemm_nt_f16")]] [[kernel]] decltype(moe_gemm<half, true>)   moe_gemm<half, true>;
+template [[host_name("moe_gemm_weight_grad_f32")]]     [[kernel]] decltype(moe_gemm_weight_grad<float, float>) moe_gemm_weight_grad<float, float>;
+template [[host_name("moe_gemm_weight_grad_f16")]]     [[kernel]] decltype(moe_gemm_weight_grad<half, half>)   moe_gemm_weight_grad<half, half>;
+template [[host_name("moe_gemm_weight_grad_f16_f32")]] [[kernel]] decltype(moe_gemm_weight_grad<half, float>)  moe_gemm_weight_grad<half, float>;
+#if KRNL_BF16
+template [[host_name("moe_gemm_nn_bf16")]] [[kernel]] decltype(moe_gemm<bfloat, false>) moe_gemm<bfloat, false>;
+template [[host_name("moe_gemm_nt_bf16")]] [[kernel]] decltype(moe_gemm<bfloat, true>)  moe_gemm<bfloat, true>;
+template [[host_name("moe_gemm_weight_grad_bf16")]]     [[kernel]] decltype(moe_gemm_weight_grad<bfloat, bfloat>) moe_gemm_weight_grad<bfloat, bfloat>;
+template [[host_name("moe_gemm_weight_grad_bf16_f32")]] [[kernel]] decltype(moe_gemm_weight_grad<bfloat, float>)  moe_gemm_weight_grad<bfloat, float>;
 #endif

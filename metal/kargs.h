@@ -172,7 +172,8 @@ struct CrossEntropyArgs {
 
 // embedding_forward: out (n, C) = table (V, C)[ids (n,) i32]; embedding_backward: dtable (V, C)
 // f32 += dout (n, C) scattered by ids, deterministic (each column summed in token order).
-// Ids are checked on the host before the dispatch.
+// Ids are checked on the host before the dispatch, except moe_gather's tokens (moe_sort's, written
+// on the GPU): embedding_forward gathers its rows too.
 struct EmbeddingArgs {
     uint32_t n;
     uint32_t C;
@@ -265,6 +266,64 @@ struct QuantizedEmbeddingArgs {
     uint32_t V;
     uint32_t words;       // 32-bit words per row of the table (C * bits / 32)
     uint32_t group_size;
+};
+
+// Mixture of experts (metal/moe.metal; csrc/core/op_list.h's notes): N tokens, E experts, K
+// experts per token, P = N K pairs. moe_route: logits (N, E), ids (N, K) i32, weights (N, K) f32;
+// norm != 0 divides the weights by their sum. moe_route_backward: dweights (N, K) f32, dlogits
+// (N, E); has_dprobs != 0: dprobs (E,) f32 at buffer(4), else buffer(4) is bound and never read.
+struct MoeRouteArgs {
+    uint32_t N;
+    uint32_t E;
+    uint32_t K;
+    uint32_t norm;
+    uint32_t has_dprobs;
+};
+
+// moe_sort: ids (N, K) i32 -> tokens (P,), slot (N, K), offsets (E + 1,), all i32; counts (T, E)
+// u32 the scratch of its one threadgroup of T threads.
+struct MoeSortArgs {
+    uint32_t P;
+    uint32_t K;
+    uint32_t E;
+};
+
+// moe_combine: out (N, C) = beta out + sum_k weights[t, k] ys[slot[t, k]] with ys (P, C);
+// has_weights == 0: every weight 1 (buffer(2) bound, never read). moe_combine_backward: dys (P,
+// C) and dweights (N, K) f32 from dout (N, C), ys, slot and weights (beta, has_weights unused).
+struct MoeCombineArgs {
+    uint32_t N;
+    uint32_t C;
+    uint32_t K;
+    uint32_t P;
+    float    beta;
+    uint32_t has_weights;
+};
+
+// moe_gemm and moe_gemm_weight_grad (metal/gemm.metal, on gemm_tile). Expert e's rows are rows
+// offsets[e]:offsets[e + 1] (clamped into [0, P]) of the (P, lda) and (P, ldb) operands.
+// moe_gemm: out (P, ldc) = alpha x op(W_e) + beta out over N columns, x (P, lda) of K columns,
+// W_e at e * stride_b with row stride ldb (M, stride_c unused). Threadgroup (x, y) computes
+// column tile x of row tile tile0 + y, the experts' row tiles (ceil(n_e / 32) each) numbered in
+// expert order; past the last one it exits.
+// moe_gemm_weight_grad: out[e] (M, N) = alpha a_e^T b_e + beta out[e], a (P, lda), b (P, ldb),
+// out[e] at e * stride_c with row stride ldc; threadgroup (x, y, e) (K, stride_b, tile0 unused).
+// A dispatch may compute a block of the output (columns, and rows of each out[e] or a range of
+// row tiles), its buffers bound at the block.
+struct MoeGemmArgs {
+    uint32_t E;
+    uint32_t P;
+    uint32_t M;
+    uint32_t N;
+    uint32_t K;
+    uint32_t lda;
+    uint32_t ldb;
+    uint32_t ldc;
+    uint32_t stride_b;
+    uint32_t stride_c;
+    uint32_t tile0;
+    float    alpha;
+    float    beta;
 };
 
 #ifdef __cplusplus

@@ -100,9 +100,7 @@ class MetalOps : public Backend {
   void upload(const Tensor& dst, const void* src) override;
 
   // Every op of op_list.h, one file per family (gemm.cpp, norm.cpp, ...).
-  KRNL_OVERRIDE_OP(gemm, (const krnl::GemmArgs& a))
-  KRNL_DIRECT_OPS_BUT_ATTENTION_AND_MOE(KRNL_OVERRIDE_OP)
-  KRNL_FUSED_ATTENTION_OPS(KRNL_OVERRIDE_OP)  // TEMP-MOE
+  KRNL_OPS(KRNL_OVERRIDE_OP)
 
   // Waits until every library of metal/ is compiled (compiling those not yet started) and returns
   // each one's compile time in ms; the first that failed is thrown. Only "metal" compiles

@@ -1,7 +1,7 @@
 // The Metal backend's ops (docs/architecture.md, 'The Metal backend'): this file holds MetalOps'
 // construction and capabilities; every other op of the contract becomes Dispatch records in the
 // file of its family beside it (gemm.cpp, norm.cpp, attention.cpp, elementwise.cpp, loss.cpp,
-// quantized.cpp, optim.cpp; their shared helpers in ops_common.h). Portable C++: runs in CI on the
+// moe.cpp, quantized.cpp, optim.cpp; their shared helpers in ops_common.h). Portable C++: runs in CI on the
 // metal-sim device, and on macOS under the Objective-C++ encoder. The core has validated every
 // call (shapes, dtypes, devices); what is checked here is only what the kernels add: bf16 kernels
 // run only where the GPU has native bf16 (emulated bf16 is ~40x slower than f16 before M3;

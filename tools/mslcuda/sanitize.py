@@ -138,6 +138,7 @@ def run_kernels(device="metal-cuda", only=None):
         ops.adamw_update(t((n,)), t((n,)), t((n,)), dev.zeros((n,), "f32"), 1e-3, working=dev.empty((n,), dt),
                          hyper=hyper, sq=dev.tensor(np.array([4.0], np.float32), "f32"), flag=dev.zeros((1,), "i32"))
         quantized_calls(dev, t, dt, rng)
+        moe_calls(dev, t, dt)
         if dt in fused["dtypes"]:  # the fused attention, where the backend has it: GQA, ragged T
             attention(dev, t, dt, fused["segments"], fused["head_dims"] or (16, 64))
     if only is None:
@@ -176,6 +177,31 @@ def quantized_calls(dev, t, dt, rng):
         qids = dev.tensor(rng.integers(0, 45, 33).astype(np.int32), "i32")
         for sdt in ((dt, "f32") if dt != "f32" else (dt,)):  # rows of the same W as an embedding table
             ops.quantized_embedding(qids, w, t((45, 3), sdt, 0.1), t((45, 3), sdt), dev.empty((33, 96), dt), 32, bits)
+
+
+def moe_calls(dev, t, dt):
+    """The mixture-of-experts ops chained as a model runs them (the routing stays on the device):
+    37 tokens on 5 experts, top 2 (74 pairs: moe_sort's one threadgroup, ragged row tiles per
+    expert), 45 channels and 70 outputs (2-3 tiles a dimension), in dtype dt."""
+    from krnl import ops
+    N, E, K, C, O = 37, 5, 2, 45, 70
+    P = N * K
+    logits = t((N, E), dt)
+    ids, w = dev.empty((N, K), "i32"), dev.empty((N, K), "f32")
+    for norm in (False, True):
+        ops.moe_route(logits, ids, w, norm)
+        ops.moe_route_backward(logits, ids, t((N, K)), dev.empty((N, E), dt), norm, t((E,)) if norm else None)
+    tokens, slot, offsets = dev.empty((P,), "i32"), dev.empty((N, K), "i32"), dev.empty((E + 1,), "i32")
+    ops.moe_sort(ids, tokens, slot, offsets)
+    xs, h = dev.empty((P, C), dt), dev.empty((P, O), dt)
+    ops.moe_gather(t((N, C), dt), tokens, xs)
+    ops.moe_gemm(xs, t((E, O, C), dt), offsets, h)
+    ops.moe_gemm(h, t((E, O, C), dt), offsets, t((P, C), dt), transpose=False, beta=0.5)
+    for odt in ((dt, "f32") if dt != "f32" else (dt,)):
+        ops.moe_gemm_weight_grad(h, xs, offsets, t((E, O, C), odt), beta=1.0)
+    ops.moe_combine(xs, slot, w, dev.empty((N, C), dt))
+    ops.moe_combine(xs, slot, None, t((N, C), dt), 0.5)
+    ops.moe_combine_backward(t((N, C), dt), xs, slot, w, dev.empty((P, C), dt), dev.empty((N, K), "f32"))
 
 
 def attention(dev, t, dt, segments, head_dims):

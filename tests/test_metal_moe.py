@@ -1,0 +1,137 @@
+"""The Metal backend's mixture-of-experts ops beyond the op suite (tests/test_moe_ops.py runs that
+on metal-sim too): the grouped GEMMs in blocks under the per-dispatch budget, moe_sort with many
+pairs per thread, and a routing that no host checked (ids, slot, tokens and offsets come from
+earlier kernels of the step) kept inside every buffer."""
+import numpy as np
+import pytest
+
+import krnl
+from krnl import ops
+
+import conftest
+from conftest import dispatch_budget, read, to_dev, upload
+from test_moe_ops import random_ids, sort_ref, sorted_pairs
+
+GPU = dict(apple_family=9)  # the GPU metal-sim stands for in the suite
+
+
+@pytest.fixture
+def sim():
+    if conftest.METAL_SIM is None:
+        pytest.skip("metal-sim is not registered")
+    return krnl.device("metal-sim")
+
+
+def last_records(prefix):
+    return [r for r in krnl._core.testing.metal_sim_last_step() if r["kernel"].startswith(prefix)]
+
+
+def within_budget(r, budget):
+    """A block's estimate fits the budget, or it is one tile (nothing smaller can be dispatched)."""
+    ms = krnl._core.testing.metal_estimate_ms(GPU, r["flops"], r["bytes"], r["rate"])
+    return ms <= budget or r["grid"][:2] == (1, 1)
+
+
+def binding_offset(r, index):
+    return {i: off for i, _, _, _, off in r["buffers"]}[index]
+
+
+@pytest.mark.parametrize("transpose", [True, False], ids=["linear", "input-grad"])
+def test_moe_gemm_over_the_dispatch_budget_runs_in_blocks(sim, transpose):
+    """moe_gemm estimated over the per-dispatch budget runs as blocks of the experts' row tiles
+    (numbered across experts: the host never sees the offsets) and of output columns, each within
+    the budget, together covering the grid once; the result is the one-dispatch result bit for bit."""
+    rng = np.random.default_rng(3)
+    N, E, K, O, I = 70, 5, 2, 70, 45
+    _, _, offsets = sorted_pairs(sim, random_ids(rng, N, E, K, "spread"), E)
+    P, cols = N * K, O if transpose else I
+    w, _ = upload(sim, rng.standard_normal((E, O, I)), "f16")
+    x, _ = upload(sim, rng.standard_normal((P, I if transpose else O)), "f16")
+    out0 = rng.standard_normal((P, cols))
+    whole, split = to_dev(sim, out0, "f16"), to_dev(sim, out0, "f16")
+    ops.moe_gemm(x, w, offsets, whole, transpose, alpha=1.5, beta=0.25)
+    (one,) = last_records("moe_gemm")
+    budget = 0.3 * krnl._core.testing.metal_estimate_ms(GPU, one["flops"], one["bytes"], one["rate"])
+    with dispatch_budget(sim, budget):
+        ops.moe_gemm(x, w, offsets, split, transpose, alpha=1.5, beta=0.25)
+        recs = last_records("moe_gemm")
+    assert len(recs) > 1 and {r["kernel"] for r in recs} == {one["kernel"]} and one["rate"] == "gemm"
+    tiles, col_tiles = one["grid"][1], one["grid"][0]
+    cover = np.zeros((tiles, col_tiles), np.int32)
+    for r in recs:
+        assert within_budget(r, budget), r["grid"]
+        a = np.frombuffer(r["args"], np.uint32)  # MoeGemmArgs: E, P, M, N, ..., tile0 at 10
+        c0 = (binding_offset(r, 2) - binding_offset(one, 2)) // 2
+        assert c0 % 32 == 0 and int(a[3]) == min(cols - c0, 32 * r["grid"][0])
+        cover[int(a[10]):int(a[10]) + r["grid"][1], c0 // 32:c0 // 32 + r["grid"][0]] += 1
+    assert (cover == 1).all()
+    np.testing.assert_array_equal(read(split), read(whole))
+
+
+def test_moe_gemm_weight_grad_over_the_dispatch_budget_runs_in_blocks(sim):
+    """moe_gemm_weight_grad over the budget runs as blocks of rows and columns of every out[e]
+    (grid.z the experts, an empty one among them), covering out once, bit for bit as one dispatch."""
+    rng = np.random.default_rng(4)
+    N, E, K, M, Nc = 60, 7, 2, 70, 45
+    _, _, offsets = sorted_pairs(sim, random_ids(rng, N, E, K, "one"), E)
+    assert (np.diff(read(offsets, np.int64)) == 0).any()
+    a, _ = upload(sim, rng.standard_normal((N * K, M)), "bf16")
+    b, _ = upload(sim, rng.standard_normal((N * K, Nc)), "bf16")
+    out0 = rng.standard_normal((E, M, Nc))
+    whole, split = to_dev(sim, out0), to_dev(sim, out0)
+    ops.moe_gemm_weight_grad(a, b, offsets, whole, alpha=2.0, beta=0.5)
+    (one,) = last_records("moe_gemm_weight_grad")
+    budget = 0.3 * krnl._core.testing.metal_estimate_ms(GPU, one["flops"], one["bytes"], one["rate"])
+    with dispatch_budget(sim, budget):
+        ops.moe_gemm_weight_grad(a, b, offsets, split, alpha=2.0, beta=0.5)
+        recs = last_records("moe_gemm_weight_grad")
+    assert len(recs) > 1 and {r["kernel"] for r in recs} == {"moe_gemm_weight_grad_bf16_f32"}
+    cover = np.zeros((M, Nc), np.int32)
+    for r in recs:
+        assert within_budget(r, budget) and r["grid"][2] == E, r["grid"]
+        a_ = np.frombuffer(r["args"], np.uint32)  # MoeGemmArgs: E, P, M, N first
+        r0, c0 = divmod((binding_offset(r, 2) - binding_offset(one, 2)) // 4, Nc)
+        assert r0 % 32 == 0 and c0 % 32 == 0
+        cover[r0:r0 + int(a_[2]), c0:c0 + int(a_[3])] += 1
+    assert (cover == 1).all()
+    np.testing.assert_array_equal(read(split), read(whole))
+
+
+def test_moe_sort_many_pairs_per_thread(sim):
+    """More pairs than moe_sort's 256 threads, on few experts (one empty): each thread counts and
+    places a run of pairs, and the pairs still keep their (t, k) order inside every expert."""
+    rng = np.random.default_rng(8)
+    N, E, K = 700, 6, 3
+    ids = np.stack([rng.choice(E - 1, K, replace=False) for _ in range(N)])  # expert 5 empty
+    tokens, slot, offsets = sorted_pairs(sim, ids, E)
+    rt, rs, ro = sort_ref(ids, E)
+    np.testing.assert_array_equal(read(tokens, np.int64), rt)
+    np.testing.assert_array_equal(read(slot, np.int64), rs)
+    np.testing.assert_array_equal(read(offsets, np.int64), ro)
+
+
+def test_moe_routing_out_of_range_stays_in_bounds(sim):
+    """GPUs trust the routing their own kernels wrote; a bad one still touches no memory outside
+    its buffers (metal-sim guards each bound range) and shows: a pair whose expert is out of range
+    gets slot -1 and no position (token -1 there), the gather copies a NaN row for such a token,
+    the combine reads NaN for such a slot, and offsets that do not rise are clamped."""
+    ids = to_dev(sim, np.array([[0, 3], [-1, 1]], np.int32), "i32")
+    tokens, slot, offsets = sim.empty((4,), "i32"), sim.empty((2, 2), "i32"), sim.empty((3,), "i32")
+    ops.moe_sort(ids, tokens, slot, offsets)
+    np.testing.assert_array_equal(read(slot, np.int64), [[0, -1], [-1, 1]])
+    np.testing.assert_array_equal(read(tokens, np.int64), [0, 1, -1, -1])
+    np.testing.assert_array_equal(read(offsets, np.int64), [0, 1, 2])
+    x = to_dev(sim, np.arange(6, dtype=np.float32).reshape(2, 3))
+    xs = sim.empty((4, 3))
+    ops.moe_gather(x, tokens, xs)
+    assert np.isnan(read(xs)[2:]).all() and (read(xs)[:2] == [[0, 1, 2], [3, 4, 5]]).all()
+    out = sim.empty((2, 3))
+    ops.moe_combine(xs, slot, None, out)
+    assert np.isnan(read(out)).all()  # every token has a pair without a slot
+    dys, dw = sim.empty((4, 3)), sim.empty((2, 2))
+    ops.moe_combine_backward(x, xs, slot, sim.zeros((2, 2)), dys, dw)
+    assert np.isnan(read(dw)[[0, 1], [1, 0]]).all()
+    bad = to_dev(sim, np.array([0, 9, 1], np.int32), "i32")  # rises past P = 4, then falls
+    ops.moe_gemm(xs, sim.zeros((2, 5, 3)), bad, sim.empty((4, 5)))
+    ops.moe_gemm_weight_grad(xs, xs, bad, sim.empty((2, 3, 3)))
+    sim.synchronize()

@@ -43,6 +43,9 @@
 #                                           tools/mslcuda/qmm_timing.py: the tiled, few-row and naive
 #                                           quantized_matmul next to the dense GEMM at an 8B's shapes
 #                                           ($OUT/qmm_timing.json)
+#   bash tools/device/h200_check.sh moebench  `krnl bench --workloads moe`: a Qwen3-30B-A3B-shaped stack, krnl in
+#                                           bf16 and with 4-bit experts next to transformers + PEFT (JSON in
+#                                           $OUT/moe_bench.json; MOE_PROFILE=1 adds krnl's op profile)
 #   bash tools/device/h200_check.sh moe     the mixture-of-experts ops of csrc/cuda/moe.cu: their cuda tests
 #                                           (tests/test_moe_ops.py, the moe tests of tests/test_cuda.py and
 #                                           tests/test_cuda_host.py), then tests/test_moe_ops.py's cuda tests under
@@ -181,6 +184,9 @@ elif [ "$phase" = bench ]; then
   fi
   KRNL_BENCH_JSON="$OUT/cuda_bench.json" timeout ${BENCH_S:-540} python3 -m pytest -q -s -p no:cacheprovider \
     bench/test_gpu.py 2>&1 | tee "$OUT/bench.log" | grep -v "^\s*$" | tail -120
+elif [ "$phase" = moebench ]; then
+  timeout ${BENCH_S:-500} python3 -m krnl.bench --workloads moe --peers torch --rounds 1 ${MOE_PROFILE:+--profile} \
+    --json "$OUT/moe_bench.json" 2>&1 | tee "$OUT/moe_bench.log" | tail -30
 elif [ "$phase" = qlora ]; then
   timeout ${QTESTS_S:-200} python3 -m pytest -q -p no:cacheprovider tests/test_quantized.py -k "cuda" 2>&1 | tail -5
   [ -d .bnb ] && export PYTHONPATH=$PYTHONPATH:$PWD/.bnb

@@ -525,3 +525,22 @@ def test_moe_step_in_16_bit_dtypes_matches_f32(dtype, tol):
     models[dtype].lora_params.load(st)
     ids = np.random.default_rng(8).integers(0, V, (2, 12))
     assert_step_close(lora_step(models["f32"], ids, ids), lora_step(models[dtype], ids, ids), tol, 4 * tol)
+
+
+@pytest.mark.parametrize("dtype, tol", [("f32", 1e-5), ("bf16", 3e-2)])
+def test_moe_training_step_on_metal_sim_matches_cpu(dtype, tol):
+    """One LoRA step of a tiny mixture (attention, experts and router adapted) on metal-sim, the
+    MSL kernels of every moe op in a model's chain, against the CPU backend in f32."""
+    from conftest import METAL_SIM, assert_step_close
+
+    if METAL_SIM is None:
+        pytest.skip("metal-sim is off (KRNL_TEST_METAL_SIM=0 or no g++)")
+    config = ModelConfig.from_dict(dict(CFG, hidden_size=32, head_dim=8, moe_intermediate_size=16, num_experts=5))
+    w = random_weights(config, seed=13, std=0.2)
+    lora = LoraConfig(r=2, alpha=4.0, target_modules=("q_proj", "gate_up_proj", "down_proj", "router"))
+    cpu = LlamaModel(krnl.device("cpu"), config, w, lora=lora)
+    sim = LlamaModel(krnl.device("metal-sim"), config, w, lora=lora, dtype=dtype)
+    st = random_b(cpu, 14)
+    sim.lora_params.load(st)
+    ids = np.random.default_rng(9).integers(0, V, (2, 7))
+    assert_step_close(lora_step(cpu, ids, ids), lora_step(sim, ids, ids), tol, 4 * tol)

@@ -50,6 +50,23 @@ const float* f32_of(const Tensor& t, std::vector<float>& buf) {
   return buf.data();
 }
 
+// An output as f32 for the BLAS: in place for f32, else a copy (holding out where beta reads it)
+// that store() writes back in out's dtype.
+struct F32Out {
+  const Tensor& out;
+  std::vector<float> buf;
+  float* data;
+  F32Out(const Tensor& o, float beta) : out(o), data(o.dtype() == DType::f32 ? o.ptr<float>() : nullptr) {
+    if (data) return;
+    buf.assign(size_t(out.numel()), 0.f);
+    if (beta != 0.f) load_all(out.dtype(), out.data(), 0, out.numel(), buf.data());
+    data = buf.data();
+  }
+  void store() {
+    if (out.dtype() != DType::f32) store_all(out.dtype(), buf.data(), out.numel(), out.data(), 0);
+  }
+};
+
 // fn(e) for every expert: side by side on the pool with single-threaded BLAS where calls fan out.
 template <class F>
 void each_expert(int64_t E, F&& fn) {
@@ -215,15 +232,11 @@ void CpuBackend::moe_gemm(const Tensor& x, const Tensor& w, const Tensor& offset
   const int64_t P = x.size(0), E = w.size(0), O = w.size(1), I = w.size(2);
   const int64_t in = x.size(1), on = out.size(1);
   const std::vector<int64_t> r = expert_rows("moe_gemm", offsets, P);
-  std::vector<float> xb, wb, ob;
+  std::vector<float> xb, wb;
   const float* xf = f32_of(x, xb);
   const float* wf = f32_of(w, wb);
-  float* of = out.ptr<float>();
-  if (out.dtype() != DType::f32) {
-    ob.assign(size_t(out.numel()), 0.f);
-    if (beta != 0.f) load_all(out.dtype(), out.data(), 0, out.numel(), ob.data());
-    of = ob.data();
-  }
+  F32Out f32out(out, beta);
+  float* of = f32out.data;
   each_expert(E, [&](int64_t e) {
     const int64_t r0 = r[size_t(e)], n = r[size_t(e) + 1] - r0;
     if (n == 0 || on == 0) return;
@@ -235,22 +248,18 @@ void CpuBackend::moe_gemm(const Tensor& x, const Tensor& w, const Tensor& offset
     // transpose: (n, I) x W_e^T, W_e stored (O, I); else (n, O) x W_e.
     sgemm(false, transpose, n, on, in, alpha, xf + r0 * in, in, wf + e * O * I, I, beta, o, on);
   });
-  if (out.dtype() != DType::f32) store_all(out.dtype(), ob.data(), out.numel(), out.data(), 0);
+  f32out.store();
 }
 
 void CpuBackend::moe_gemm_weight_grad(const Tensor& a, const Tensor& b, const Tensor& offsets, const Tensor& out,
                                       float alpha, float beta) {
   const int64_t P = a.size(0), M = a.size(1), N = b.size(1), E = out.size(0);
   const std::vector<int64_t> r = expert_rows("moe_gemm_weight_grad", offsets, P);
-  std::vector<float> ab, bb, ob;
+  std::vector<float> ab, bb;
   const float* af = f32_of(a, ab);
   const float* bf = f32_of(b, bb);
-  float* of = out.ptr<float>();
-  if (out.dtype() != DType::f32) {
-    ob.assign(size_t(out.numel()), 0.f);
-    if (beta != 0.f) load_all(out.dtype(), out.data(), 0, out.numel(), ob.data());
-    of = ob.data();
-  }
+  F32Out f32out(out, beta);
+  float* of = f32out.data;
   each_expert(E, [&](int64_t e) {
     const int64_t r0 = r[size_t(e)], n = r[size_t(e) + 1] - r0;
     float* o = of + e * M * N;
@@ -260,7 +269,7 @@ void CpuBackend::moe_gemm_weight_grad(const Tensor& a, const Tensor& b, const Te
     }
     if (M && N) sgemm(true, false, M, N, n, alpha, af + r0 * M, M, bf + r0 * N, N, beta, o, N);
   });
-  if (out.dtype() != DType::f32) store_all(out.dtype(), ob.data(), out.numel(), out.data(), 0);
+  f32out.store();
 }
 
 // Expert by expert through quantized_matmul on views: the same tiles and numerics as a dense

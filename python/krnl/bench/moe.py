@@ -10,7 +10,7 @@ import gc
 
 import numpy as np
 
-from .qlora import _time, log_profile
+from .qlora import time_krnl, time_torch
 
 SIZES = {
     "full": dict(layers=4, C=2048, E=128, K=8, F=768, H=32, KV=4, D=128, V=151936, T=2048, B=1, steps=10, warmup=3),
@@ -39,27 +39,11 @@ def krnl_weights(s, seed=0):
 def run_krnl(dev, s, batches, dtype, quantize, log=print, profile=False):
     from ..models.config import LoraConfig
     from ..models.model import LlamaModel
-    from ..train.optim import AdamW, Schedule
     cfg, weights = krnl_weights(s)
     model = LlamaModel(dev, cfg, weights, LoraConfig(r=16, alpha=32.0, target_modules=TARGETS), dtype=dtype,
                        quantize=quantize)
     del weights
-    gc.collect()
-    opt = AdamW(model.lora_params, Schedule(1e-4, kind="constant"), max_grad_norm=1.0)
-    dev.synchronize()
-    dev.reset_peak()
-
-    def step(ids):
-        model.lora_params.zero_grads()
-        model.forward_backward(ids, np.concatenate([ids[:, 1:], np.full((ids.shape[0], 1), -100)], axis=1))
-        opt.step()
-        return model.read_loss()
-
-    who = f"moe krnl {'4-bit' if quantize else dtype}"
-    res = _time(step, batches, s, dev.synchronize, lambda: dev.pool_stats()["peak_in_use"], log, who)
-    if profile:
-        log_profile(dev, step, batches[-1], who, log)
-    return res
+    return time_krnl(dev, model, s, batches, log, f"moe krnl {'4-bit' if quantize else dtype}", profile)
 
 
 def run_peft(s, batches, on_gpu, log=print):
@@ -68,12 +52,11 @@ def run_peft(s, batches, on_gpu, log=print):
     import torch
     import transformers
     from peft import LoraConfig, get_peft_model
-    device = "cuda" if on_gpu else "cpu"
     torch.manual_seed(0)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
-        with torch.device(device):
+        with torch.device("cuda" if on_gpu else "cpu"):
             model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
                 **hf_config(s), use_cache=False, attn_implementation="sdpa"))
     finally:
@@ -82,32 +65,8 @@ def run_peft(s, batches, on_gpu, log=print):
         p.requires_grad_(False)
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=list(TARGETS[:4]),
                                              target_parameters=[f"mlp.experts.{m}" for m in TARGETS[4:]]))
-    gc.collect()
-    if on_gpu:
-        torch.cuda.empty_cache()
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(trainable, lr=1e-4)
-
-    def step(ids):
-        t = torch.as_tensor(ids, device=device)
-        loss = model(input_ids=t, labels=t).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return float(loss.detach())
-
-    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
-    peak = (lambda: torch.cuda.max_memory_allocated()) if on_gpu else (lambda: 0)
     label = f"PEFT bf16 (transformers {transformers.__version__})"
-    res = _time(step, batches, s, sync, peak, log, "moe " + label)
-    del model, opt
-    gc.collect()
-    if on_gpu:
-        torch.cuda.empty_cache()
-    return dict(impl=label, **res)
+    return dict(impl=label, **time_torch(model, s, batches, on_gpu, log, "moe " + label))
 
 
 def run(dev, dtype="bf16", quick=False, peers=True, log=print, profile=False):

@@ -69,10 +69,17 @@ def krnl_weights(s, seed=0):
 def run_krnl(dev, s, batches, dtype, log=print, profile=False, grad_checkpoint=False):
     from ..models.config import LoraConfig
     from ..models.model import LlamaModel
-    from ..train.optim import AdamW, Schedule
     cfg, weights = krnl_weights(s)
     model = LlamaModel(dev, cfg, weights, LoraConfig(r=16, alpha=32.0), dtype=dtype, grad_checkpoint=grad_checkpoint)
     del weights
+    return time_krnl(dev, model, s, batches, log, "qlora krnl" + (" (grad checkpoint)" if grad_checkpoint else ""),
+                     profile)
+
+
+def time_krnl(dev, model, s, batches, log, who, profile=False):
+    """_time's figures of AdamW steps of `model` (lr 1e-4, clipping at 1) on `batches`, the peak
+    counted from here (the model built); with profile one more step, op by op."""
+    from ..train.optim import AdamW, Schedule
     gc.collect()
     opt = AdamW(model.lora_params, Schedule(1e-4, kind="constant"), max_grad_norm=1.0)
     dev.synchronize()
@@ -84,20 +91,14 @@ def run_krnl(dev, s, batches, dtype, log=print, profile=False, grad_checkpoint=F
         opt.step()
         return model.read_loss()
 
-    res = _time(step, batches, s, dev.synchronize, lambda: dev.pool_stats()["peak_in_use"], log,
-                "qlora krnl" + (" (grad checkpoint)" if grad_checkpoint else ""))
-    if profile:
-        log_profile(dev, step, batches[-1], "qlora krnl", log)
+    res = _time(step, batches, s, dev.synchronize, lambda: dev.pool_stats()["peak_in_use"], log, who)
+    if profile:  # where the step's time goes
+        with krnl.profile(dev) as p:
+            step(batches[-1])
+        log(f"krnl bench: {who} profile: {p.op_ms:.1f} ms in ops, {p.wall_ms:.1f} ms wall")
+        for g in sorted(p.rows(), key=lambda g: -g["ms"])[:14]:
+            log(f"  {g['op'][:22]:22s} {g['shape'][:40]:40s} {g['calls']:5d} {g['ms']:9.2f} ms {100 * g['share']:5.1f}%")
     return res
-
-
-def log_profile(dev, step, ids, who, log):
-    """One more step, op by op: where the step's time goes."""
-    with krnl.profile(dev) as p:
-        step(ids)
-    log(f"krnl bench: {who} profile: {p.op_ms:.1f} ms in ops, {p.wall_ms:.1f} ms wall")
-    for g in sorted(p.rows(), key=lambda g: -g["ms"])[:14]:
-        log(f"  {g['op'][:22]:22s} {g['shape'][:40]:40s} {g['calls']:5d} {g['ms']:9.2f} ms {100 * g['share']:5.1f}%")
 
 
 def _time(step, batches, s, sync, peak, log, who):
@@ -158,28 +159,37 @@ def peft_model(s, torch, on_gpu):
 def run_peft(s, batches, on_gpu, log=print):
     import torch
     model, label = peft_model(s, torch, on_gpu)
+    res = time_torch(model, s, batches, on_gpu, log, "qlora " + label)
+    res["label"] = label
+    return res
+
+
+def time_torch(model, s, batches, on_gpu, log, who):
+    """_time's figures of torch AdamW steps (lr 1e-4, clipping at 1) of a PEFT model; the model is
+    released after."""
+    import torch
     gc.collect()
     if on_gpu:
         torch.cuda.empty_cache()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=1e-4)
     device = "cuda" if on_gpu else "cpu"
 
     def step(ids):
         t = torch.as_tensor(ids, device=device)
         loss = model(input_ids=t, labels=t).loss
         loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return float(loss.detach())
 
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     peak = (lambda: torch.cuda.max_memory_allocated()) if on_gpu else (lambda: 0)
-    res = _time(step, batches, s, sync, peak, log, "qlora " + label)
-    res["label"] = label
-    del model, opt
+    res = _time(step, batches, s, sync, peak, log, who)
+    del model, opt, trainable
     gc.collect()
     if on_gpu:
         torch.cuda.empty_cache()

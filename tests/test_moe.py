@@ -339,6 +339,8 @@ def test_cli_trains_evaluates_and_fuses_a_moe_folder(tmp_path):
     assert sorted(hf.read_tensors(tmp_path / "fused")) == sorted(per)
     assert main(["generate", "--model", str(tmp_path / "fused"), "--prompt", "w1 w2", "--max-tokens", "3",
                  "--device", "cpu"]) == 0
+    assert main(["eval", "--model", str(folder), "--adapter-path", str(out), "--data", str(tmp_path / "data"),
+                 "--device", "cpu"]) == 0
 
 
 def _dequantized(weights):
@@ -544,3 +546,25 @@ def test_moe_training_step_on_metal_sim_matches_cpu(dtype, tol):
     sim.lora_params.load(st)
     ids = np.random.default_rng(9).integers(0, V, (2, 7))
     assert_step_close(lora_step(cpu, ids, ids), lora_step(sim, ids, ids), tol, 4 * tol)
+
+
+def test_moe_gradient_checkpointing_changes_nothing():
+    """Checkpointed layers recompute their mixture in the backward (routing, grouping, the experts)
+    without counting the load-balancing statistics twice: loss, aux loss and every gradient equal."""
+    config = ModelConfig.from_dict(CFG)
+    w = random_weights(config, seed=15, std=0.3)
+    lora = LoraConfig(r=2, alpha=4.0, target_modules=("q_proj", "gate_up_proj", "down_proj", "router"))
+    runs = []
+    for ckpt in (False, True):
+        m = LlamaModel(krnl.device("cpu"), config, w, lora=lora, grad_checkpoint=ckpt)
+        m.aux_loss_coef = 0.05
+        if runs:
+            m.lora_params.load(st)
+        else:
+            st = random_b(m, 16)
+        ids = np.random.default_rng(10).integers(0, V, (2, 9))
+        runs.append((*lora_step(m, ids, ids), m.aux_loss()))
+    (l0, g0, a0), (l1, g1, a1) = runs
+    assert l0 == l1 and a0 == a1
+    for k in g0:
+        np.testing.assert_array_equal(g0[k], g1[k], err_msg=k)

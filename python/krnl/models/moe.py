@@ -1,5 +1,6 @@
 """A mixture of experts' feed-forward block (qwen3_moe, mixtral), forward and backward over the
-core's moe_* ops (op_list.h), and the experts' weights as checkpoints store them:
+core's moe_* ops (op_list.h; docs/architecture.md, 'Experts'); formats/experts.py reads and writes
+the experts as files hold them:
 
     hn = rmsnorm(h) norm                     logits = hn Wr^T (N, E)
     ids, w = top-K of softmax(logits)        (divided by their sum where norm_topk)
@@ -8,8 +9,8 @@ core's moe_* ops (op_list.h), and the experts' weights as checkpoints store them
 
 The N K pairs are grouped by expert once (moe_sort), so each projection is one grouped GEMM over
 every expert (moe_gemm). LoRA on the experts is PEFT's on target_parameters: per expert, one A
-(r, C) and B (2F, r) on the fused gate|up weight, and A (r, F), B (C, r) on down; the router is
-frozen. Dropout has no place there (PEFT refuses it too)."""
+(r, C) and B (2F, r) on the fused gate|up weight, and A (r, F), B (C, r) on down; the router is a
+LoraLinear, frozen unless it is a target. Dropout has no place there (PEFT refuses it too)."""
 
 from dataclasses import dataclass
 from typing import Optional

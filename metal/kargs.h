@@ -326,6 +326,31 @@ struct MoeGemmArgs {
     float    beta;
 };
 
+// moe_quantized_matmul (metal/quantized.metal): out (P, ldo) = x (P, ldx) op(W_e) + beta out over
+// the rows offsets[e]:offsets[e + 1] (clamped into [0, P]) of each expert e, W_e quantized as
+// quantized_matmul's W: codes at e * stride_w of w (words per row), scales and biases at
+// e * stride_s (groups per row); transpose (the _t kernels): K = I, out columns rows of W_e; else
+// K = O, out columns columns of W_e. Threadgroup (x, y) computes column tile x of row tile
+// tile0 + y, the experts' row tiles (ceil(n_e / 32) each) numbered in expert order; past the last
+// one it exits. A dispatch may compute a block: M out columns from m0 of the whole (out bound at
+// column m0; a multiple of 8) and a range of row tiles (tile0).
+struct MoeQuantizedMatmulArgs {
+    uint32_t E;
+    uint32_t P;
+    uint32_t M;
+    uint32_t K;
+    uint32_t words;       // 32-bit words per row of W_e (I * bits / 32)
+    uint32_t group_size;
+    uint32_t groups;      // groups per row of W_e (I / group_size)
+    float    beta;
+    uint32_t ldx;         // row strides of x and out
+    uint32_t ldo;
+    uint32_t m0;
+    uint32_t tile0;
+    uint32_t stride_w;    // O * words: one expert's codes
+    uint32_t stride_s;    // O * groups: one expert's scales (and biases)
+};
+
 #ifdef __cplusplus
 #ifndef __METAL_VERSION__
 }  // namespace krnl::metal

@@ -7,7 +7,9 @@
 //   quantized_matmul_n_*:  out (N, I) = x (N, O) W               (its input gradient)
 //   quantized_matmul_tv_*: the `t` product for a few rows of x (generation; N <= 8 per row block)
 //   quantized_embedding_*: out (n, C) = rows ids of the table W, dequantized
-// Names: quantized_matmul_{t,n,tv}_<x dtype>[_sf32]_b<bits> (quantized_embedding_<out dtype>...);
+//   moe_quantized_matmul_{t,n}_*: the tiled `t` and `n` products per expert of a mixture (below)
+// Names: quantized_matmul_{t,n,tv}_<x dtype>[_sf32]_b<bits> (quantized_embedding_<out dtype>...,
+// moe_quantized_matmul_{t,n}_<x dtype>...);
 // _sf32 when scales and biases are f32 while x is 16-bit. x and out share a dtype; products
 // accumulate in float, out rounds once.
 //
@@ -26,6 +28,16 @@
 // accumulators and stores them straight from its lanes. Threadgroup memory: 2 x 32 x 36 elements
 // (9,216 bytes f32, 4,608 half). Grid (ceil(M / 32), ceil(N / 32), 1), threads (128, 1, 1).
 // Any N, M, K: x tiles are zero filled past N and K, op(W) tiles past M and K, stores checked.
+//
+// Mixture of experts (moe_quantized_matmul_{t,n}_*; csrc/core/op_list.h's note, metal/kargs.h
+// MoeQuantizedMatmulArgs): rows offsets[e]:offsets[e + 1] of x (P, K) times expert e's W_e, whose
+// codes, scales and biases sit at e * stride_w and e * stride_s of w, scales and biases. The tiled
+// form's threadgroup and tile (qmm_tile, shared with quantized_matmul_{t,n}: the same numbers as
+// quantized_matmul on the expert's rows) on gemm.metal's moe_gemm tile map: the experts' row tiles
+// (ceil(n_e / 32) each, in expert order) are numbered from 0 and threadgroup y takes tile0 + y,
+// exiting past the last; sum ceil(n_e / 32) <= (P + 31 E) / 32 tiles cover every expert. offsets
+// (moe_sort's, never seen by a host) are clamped into [0, P]. Grid (ceil(M / 32), row tiles, 1),
+// threads (128, 1, 1); blocks by args.m0 (columns, out bound there) and args.tile0 (row tiles).
 //
 // Few-row form (quantized_matmul_tv_*), after MLX's qmv: 2 SIMD-groups (64 threads) per
 // threadgroup, each owning 4 rows of W (4 output columns) and up to 8 rows of x (the row block).
@@ -95,22 +107,16 @@ inline float dequant(device const uint* w, uint words, uint o, uint j, float s, 
     return s * float(q & MASK) + b;
 }
 
+// One 32x32 tile of the tiled form at out row n0 and column c0 of a block of N rows and M columns
+// (x and out at the block's first row, out at its column m0; W, scales and biases whole), K in
+// steps of 32: quantized_matmul's kernel and moe_quantized_matmul's (one expert's rows and W) both
+// run it. Xs, Ws: the kernel's threadgroup tiles. tid, sg, lane: the thread's indices.
 template <typename T, typename S, int BITS, bool TRANSPOSE>
-kernel void quantized_matmul(device const T*    x      [[buffer(0)]],
-                             device const uint* w      [[buffer(1)]],
-                             device const S*    scales [[buffer(2)]],
-                             device const S*    biases [[buffer(3)]],
-                             device T*          out    [[buffer(4)]],
-                             constant QuantizedMatmulArgs& args [[buffer(5)]],
-                             uint3 tg   [[threadgroup_position_in_grid]],
-                             uint  tid  [[thread_index_in_threadgroup]],
-                             uint  sg   [[simdgroup_index_in_threadgroup]],
-                             uint  lane [[thread_index_in_simdgroup]])
+inline void qmm_tile(device const T* x, device const uint* w, device const S* scales, device const S* biases,
+                     device T* out, uint N, uint M, uint K, uint words, uint gs, uint G, uint ldx, uint ldo,
+                     uint m0, float beta, uint n0, uint c0, uint tid, uint sg, uint lane,
+                     threadgroup T* Xs, threadgroup T* Ws)
 {
-    threadgroup T Xs[QMM_BM * QMM_LDX];
-    threadgroup T Ws[QMM_BK * QMM_LDW];
-    const uint N = args.N, M = args.M, K = args.K, gs = args.group_size, G = args.groups;
-    const uint n0 = tg.y * QMM_BM, c0 = tg.x * QMM_BN;   // the tile's first out row and column
     const uint sm = sg / 2, sn = sg % 2;                  // this SIMD-group's 16x16 quarter
     // What this thread stages: row r, elements [c, c + 8) of a 32-wide row of each tile
     const uint r = tid / (QMM_BK / QMM_CHUNK), c = (tid % (QMM_BK / QMM_CHUNK)) * QMM_CHUNK;
@@ -126,7 +132,7 @@ kernel void quantized_matmul(device const T*    x      [[buffer(0)]],
     for (uint k0 = 0; k0 < K; k0 += QMM_BK) {
         // x tile [n][k]: row n0 + r, k0 + c ..; zeros past N and K
         {
-            device const T* p = x + (ulong)(n0 + r) * args.ldx + (k0 + c);
+            device const T* p = x + (ulong)(n0 + r) * ldx + (k0 + c);
             threadgroup T* d = Xs + r * QMM_LDX + c;
             if (n_full && k0 + QMM_BK <= K) {
 #pragma clang loop unroll(full)
@@ -142,8 +148,8 @@ kernel void quantized_matmul(device const T*    x      [[buffer(0)]],
         // op(W) tile [k][n]: 8 codes of one W row, dequantized in float, stored in T
         {
             // t: W row (out column) c0 + r, its elements k0 + c ..; n: W row k0 + r, columns c0 + c ..
-            const uint o = TRANSPOSE ? args.m0 + c0 + r : k0 + r;
-            const uint j = TRANSPOSE ? k0 + c : args.m0 + c0 + c;
+            const uint o = TRANSPOSE ? m0 + c0 + r : k0 + r;
+            const uint j = TRANSPOSE ? k0 + c : m0 + c0 + c;
             // t: K is I, a multiple of the group size, so a chunk is all in or all out; n: a chunk
             // starting inside the block lies inside W's row (I a multiple of 16, m0 of 8), and
             // columns past M only reach out columns that are never stored
@@ -151,7 +157,7 @@ kernel void quantized_matmul(device const T*    x      [[buffer(0)]],
             float s = 0.0f, b = 0.0f;
             ulong v = 0;
             if (ok) {
-                v = codes8<BITS>(w + (ulong)o * args.words, j);
+                v = codes8<BITS>(w + (ulong)o * words, j);
                 const uint g = o * G + j / gs;
                 s = float(scales[g]), b = float(biases[g]);
             }
@@ -190,7 +196,7 @@ kernel void quantized_matmul(device const T*    x      [[buffer(0)]],
     // (as gemm.metal's steel kernels store). beta == 0 never reads out (it may hold NaN).
     const uint q = lane / 4;
     const uint fr = (q & 4) + (lane / 2) % 4, fc = (q & 2) * 2 + (lane % 2) * 2;
-    const bool use_out = args.beta != 0.0f;
+    const bool use_out = beta != 0.0f;
 #pragma clang loop unroll(full)
     for (uint i = 0; i < 2; ++i) {
         const uint n = n0 + sm * 16 + i * 8 + fr;
@@ -198,12 +204,75 @@ kernel void quantized_matmul(device const T*    x      [[buffer(0)]],
         for (uint j = 0; j < 2; ++j) {
             const uint m = c0 + sn * 16 + j * 8 + fc;
             const float2 s = acc[i][j].thread_elements();
-            device T* p = out + (ulong)n * args.ldo + m;
+            device T* p = out + (ulong)n * ldo + m;
             for (uint e = 0; e < 2; ++e)
                 if (n < N && m + e < M)
-                    p[e] = T(use_out ? fma(args.beta, float(p[e]), s[e]) : s[e]);
+                    p[e] = T(use_out ? fma(beta, float(p[e]), s[e]) : s[e]);
         }
     }
+}
+
+template <typename T, typename S, int BITS, bool TRANSPOSE>
+kernel void quantized_matmul(device const T*    x      [[buffer(0)]],
+                             device const uint* w      [[buffer(1)]],
+                             device const S*    scales [[buffer(2)]],
+                             device const S*    biases [[buffer(3)]],
+                             device T*          out    [[buffer(4)]],
+                             constant QuantizedMatmulArgs& args [[buffer(5)]],
+                             uint3 tg   [[threadgroup_position_in_grid]],
+                             uint  tid  [[thread_index_in_threadgroup]],
+                             uint  sg   [[simdgroup_index_in_threadgroup]],
+                             uint  lane [[thread_index_in_simdgroup]])
+{
+    threadgroup T Xs[QMM_BM * QMM_LDX];
+    threadgroup T Ws[QMM_BK * QMM_LDW];
+    qmm_tile<T, S, BITS, TRANSPOSE>(x, w, scales, biases, out, args.N, args.M, args.K, args.words, args.group_size,
+                                    args.groups, args.ldx, args.ldo, args.m0, args.beta, tg.y * QMM_BM,
+                                    tg.x * QMM_BN, tid, sg, lane, Xs, Ws);
+}
+
+// Expert e's rows [x, y) of moe_quantized_matmul, clamped into [0, P] (gemm.metal's moe_rows; a
+// library cannot call another's functions): offsets come from moe_sort on the GPU and no host has
+// seen them, so wrong ones give wrong rows, never an access out of range.
+inline uint2 qmm_moe_rows(device const int* offsets, uint e, uint P)
+{
+    const int lo = min(max(offsets[e], 0), int(P));
+    return uint2(uint(lo), uint(min(max(offsets[e + 1], lo), int(P))));
+}
+
+// moe_quantized_matmul (the file comment): threadgroup (x, y) finds row tile tile0 + y among the
+// experts' row tiles (ceil(n_e / 32) each, in expert order; the same walk in every thread) and
+// runs quantized_matmul's tile on its expert's rows and W_e; past the last tile it exits, the
+// whole threadgroup before any barrier.
+template <typename T, typename S, int BITS, bool TRANSPOSE>
+kernel void moe_quantized_matmul(device const T*    x       [[buffer(0)]],
+                                 device const uint* w       [[buffer(1)]],
+                                 device const S*    scales  [[buffer(2)]],
+                                 device const S*    biases  [[buffer(3)]],
+                                 device T*          out     [[buffer(4)]],
+                                 device const int*  offsets [[buffer(5)]],
+                                 constant MoeQuantizedMatmulArgs& args [[buffer(6)]],
+                                 uint3 tg   [[threadgroup_position_in_grid]],
+                                 uint  tid  [[thread_index_in_threadgroup]],
+                                 uint  sg   [[simdgroup_index_in_threadgroup]],
+                                 uint  lane [[thread_index_in_simdgroup]])
+{
+    threadgroup T Xs[QMM_BM * QMM_LDX];
+    threadgroup T Ws[QMM_BK * QMM_LDW];
+    uint g = args.tile0 + tg.y, e = 0;
+    uint2 r = uint2(0, 0);
+    for (; e < args.E; ++e) {
+        r = qmm_moe_rows(offsets, e, args.P);
+        const uint tiles = (r.y - r.x + QMM_BM - 1) / QMM_BM;
+        if (g < tiles) break;
+        g -= tiles;
+    }
+    if (e == args.E) return;
+    const ulong sw = (ulong)e * args.stride_w, ss = (ulong)e * args.stride_s;
+    qmm_tile<T, S, BITS, TRANSPOSE>(x + (ulong)r.x * args.ldx, w + sw, scales + ss, biases + ss,
+                                    out + (ulong)r.x * args.ldo, r.y - r.x, args.M, args.K, args.words,
+                                    args.group_size, args.groups, args.ldx, args.ldo, args.m0, args.beta,
+                                    g * QMM_BM, tg.x * QMM_BN, tid, sg, lane, Xs, Ws);
 }
 
 // The few-row form of quantized_matmul_t (the file comment). Rows of W past M and x rows past the
@@ -308,7 +377,11 @@ kernel void quantized_embedding(device const int*   ids    [[buffer(0)]],
     template [[host_name("quantized_matmul_tv_" NAME "_b" #BITS)]] [[kernel]]                           \
     decltype(quantized_matmul_rows<T, S, BITS>) quantized_matmul_rows<T, S, BITS>;                        \
     template [[host_name("quantized_embedding_" NAME "_b" #BITS)]] [[kernel]]                           \
-    decltype(quantized_embedding<T, S, BITS>) quantized_embedding<T, S, BITS>;
+    decltype(quantized_embedding<T, S, BITS>) quantized_embedding<T, S, BITS>;                            \
+    template [[host_name("moe_quantized_matmul_t_" NAME "_b" #BITS)]] [[kernel]]                        \
+    decltype(moe_quantized_matmul<T, S, BITS, true>) moe_quantized_matmul<T, S, BITS, true>;              \
+    template [[host_name("moe_quantized_matmul_n_" NAME "_b" #BITS)]] [[kernel]]                        \
+    decltype(moe_quantized_matmul<T, S, BITS, false>) moe_quantized_matmul<T, S, BITS, false>;
 
 #define QMM_KERNELS(T, S, NAME)                                                                              \
     QMM_KERNEL(T, S, NAME, 2) QMM_KERNEL(T, S, NAME, 3) QMM_KERNEL(T, S, NAME, 4)                           \

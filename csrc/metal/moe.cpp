@@ -113,6 +113,7 @@ void MetalOps::moe_combine_backward(const Tensor& dout, const Tensor& ys, const 
 // tile falls to, only that the ranges cover every tile once) and by output columns;
 // moe_gemm_weight_grad by rows and columns of every out[e]. A block's estimate counts its work as
 // if each of its tiles were full, bounded by all P rows: offsets stay on the GPU.
+// moe_quantized_matmul, quantized_matmul's tiled form on moe_gemm's tile map, is in quantized.cpp.
 
 void MetalOps::moe_gemm(const Tensor& x, const Tensor& w, const Tensor& offsets, const Tensor& out, bool transpose,
                         float alpha, float beta) {

@@ -1,5 +1,5 @@
-// quantized_matmul and quantized_embedding on the Metal kernels (metal/quantized.metal): the tiled
-// and few-row forms, and blocks under the per-dispatch budget.
+// quantized_matmul, moe_quantized_matmul and quantized_embedding on the Metal kernels
+// (metal/quantized.metal): the tiled and few-row forms, and blocks under the per-dispatch budget.
 #include <algorithm>
 #include <stdexcept>
 #include <string>
@@ -80,6 +80,55 @@ void MetalOps::quantized_matmul(const Tensor& x, const Tensor& w, const Tensor& 
   encode_blocks(N, M, tile_rows, tile_cols, [&](int64_t n0, int64_t rows, int64_t m0, int64_t cols) {
     return quantized_matmul_block(e, x, w, scales, biases, out, transpose, group_size, bits, beta, n0, rows, m0, cols,
                                   few);
+  });
+}
+
+// moe_quantized_matmul: quantized_matmul's tiled form per expert (quantized.metal's
+// moe_quantized_matmul_{t,n}_*) on moe_gemm's tile map: the grid's y runs over the experts' row
+// tiles, numbered across experts (the host cannot know which expert a tile falls to: offsets are
+// moe_sort's, on the GPU), at most (P + 31 E) / 32 of them. Cut into blocks under the per-dispatch
+// budget as moe_gemm is, by ranges of those row tiles and by out columns; a block's estimate counts
+// its tiles as full, bounded by all P rows, and reads at most one W_e per row tile.
+void MetalOps::moe_quantized_matmul(const Tensor& x, const Tensor& w, const Tensor& scales, const Tensor& biases,
+                                    const Tensor& offsets, const Tensor& out, bool transpose, int64_t group_size,
+                                    int64_t bits, float beta) {
+  Emit e{this, "moe_quantized_matmul"};
+  const int64_t P = x.size(0), K = x.size(1), M = out.size(1);
+  const int64_t E = w.size(0), O = w.size(1), words = w.size(2), G = scales.size(2);
+  if (P == 0 || M == 0) return;
+  const bool sf32 = scales.dtype() != x.dtype();  // f32 scales and biases with 16-bit x
+  const std::string kernel = std::string("moe_quantized_matmul_") + (transpose ? "t_" : "n_") + e.sfx(x.dtype()) +
+                             (sf32 ? "_sf32" : "") + "_b" + std::to_string(bits);
+  const int64_t ldx = x.strides()[0], ldo = out.strides()[0];
+  const size_t xsz = dtype_size(x.dtype()), osz = dtype_size(out.dtype()), ssz = dtype_size(scales.dtype());
+  // sum over experts of ceil(n_e / 32) <= (P + 31 E) / 32: the row tiles the grid's y runs over
+  const int64_t tiles = (P + (kQmmTile - 1) * E) / kQmmTile;
+  // the kernel indexes within an expert's codes and scales, x's and out's rows, tiles in 32 bits
+  u32(e.op, P, "P"), u32(e.op, K, "x's columns"), u32(e.op, M, "out's columns"), u32(e.op, E, "E");
+  u32(e.op, tiles * kQmmTile, "the row tiles' rows");
+  u32(e.op, O * words, "one expert's code words"), u32(e.op, O * G, "one expert's scales");
+  u32(e.op, (P - 1) * std::max(ldx, ldo) + std::max(K, M), "x and out extents");
+  encode_blocks(tiles * kQmmTile, M, kQmmTile, kQmmTile, [&](int64_t r0, int64_t rows, int64_t c0, int64_t cols) {
+    Dispatch d = e.make("quantized", kernel);
+    bind(d, 0, x), bind(d, 1, w), bind(d, 2, scales), bind(d, 3, biases);
+    d.bind(4, out.storage()->ptr(), out.offset() + size_t(c0) * osz, size_t(extent_elems(P, cols, ldo, 0, 1)) * osz);
+    bind(d, 5, offsets);
+    MoeQuantizedMatmulArgs a{};
+    a.E = uint32_t(E), a.P = uint32_t(P), a.M = uint32_t(cols), a.K = uint32_t(K);
+    a.words = uint32_t(words), a.group_size = uint32_t(group_size), a.groups = uint32_t(G), a.beta = beta;
+    a.ldx = uint32_t(ldx), a.ldo = uint32_t(ldo), a.m0 = uint32_t(c0), a.tile0 = uint32_t(r0 / kQmmTile);
+    a.stride_w = uint32_t(O * words), a.stride_s = uint32_t(O * G);
+    d.set_args(6, a);
+    const double n = double(std::min(rows, P));                                           // rows at most
+    const double experts = double(std::min<int64_t>(E, ceil_div(rows, kQmmTile)));       // W_e read at most
+    d.flops = 2.0 * n * double(cols) * double(K);
+    d.rate = RateClass::quantized_tiled;
+    d.bytes = double(xsz) * n * double(K) +
+              experts * double(cols) * double(K) * (double(bits) / 8 + 2.0 * double(ssz) / double(group_size)) +
+              double(osz) * n * double(cols) * (beta != 0.f ? 2.0 : 1.0);
+    d.grid = {ceil_div(cols, kQmmTile), ceil_div(rows, kQmmTile), 1};
+    d.threads = {128, 1, 1};
+    return d;
   });
 }
 

@@ -160,8 +160,18 @@ def run_kernels(device="metal-cuda", only=None):
 
 
 def quantized_calls(dev, t, dt, rng):
-    """quantized_matmul (both forms) and quantized_embedding in dtype dt."""
+    """quantized_matmul (both forms), quantized_embedding and moe_quantized_matmul in dtype dt."""
     from krnl import ops
+    # moe_quantized_matmul: 74 rows on 5 experts (20, 0, 33, 7, 14: ragged row tiles, 1 + 2 + 1 + 1
+    # of a grid of (74 + 31 * 5) / 32 = 7, the last 2 exit) times W_e (45, 96) at every bits,
+    # both directions, scales in dt and in f32; offsets uploaded (moe_calls chains moe_sort's)
+    offsets = dev.tensor(np.array([0, 20, 20, 53, 60, 74], np.int32), "i32")
+    for bits in (2, 3, 4, 5, 6, 8):
+        w = dev.tensor(rng.integers(0, 2**31, (5, 45, 96 * bits // 32)).astype(np.int32), "i32")
+        for sdt in ((dt, "f32") if dt != "f32" else (dt,)):
+            sc, bi = t((5, 45, 3), sdt, 0.1), t((5, 45, 3), sdt)
+            ops.moe_quantized_matmul(t((74, 96), dt), w, sc, bi, offsets, dev.empty((74, 45), dt), True, 32, bits)
+            ops.moe_quantized_matmul(t((74, 45), dt), w, sc, bi, offsets, t((74, 96), dt), False, 32, bits, 0.5)
     # quantized_matmul: W (45, 96) at every bits, both directions, scales in dt and in f32;
     # the few-row form (7 rows, x W^T) and the tiled form (40 rows: 2 x 2 or 2 x 3 ragged
     # 32x32 tiles, K = 45 ragged in x W); x and out as column blocks of wider matrices once per bits

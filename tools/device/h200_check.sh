@@ -43,7 +43,7 @@
 #                                           tools/mslcuda/qmm_timing.py: the tiled, few-row and naive
 #                                           quantized_matmul next to the dense GEMM at an 8B's shapes
 #                                           ($OUT/qmm_timing.json)
-#   bash tools/device/h200_check.sh moe     the mixture-of-experts ops of csrc/cuda/moe.cu: their cuda tests
+#   bash tools/device/h200_check.sh moe     the mixture-of-experts ops of csrc/cuda/moe.cu and moe_quantized.cu: their cuda tests
 #                                           (tests/test_moe_ops.py, the moe tests of tests/test_cuda.py and
 #                                           tests/test_cuda_host.py), then tests/test_moe_ops.py's cuda tests under
 #                                           compute-sanitizer (SANITIZE tools, default "memcheck racecheck

@@ -647,6 +647,85 @@ def test_moe_combine_vectors(cuda, dt):
             assert_close(g, c, rtol=tol + 64 * U32, what=name)
 
 
+# moe_quantized_matmul (csrc/cuda/moe_quantized.cu): moe_gemm's tiles with each B tile dequantized as
+# it is loaded. test_moe_ops.py's cases stay at one column tile, 16-byte units, row tiles of 64 and
+# 3, 4 and 8 bits; these take every other code width, row tiles of 128, per-element tiles (an odd
+# O), several column tiles and a last partial step, groups of 16 to 128, f32 scales for 16-bit x.
+MOEQ_TILES = [(1000, 4, 136, 160, 3, 32, True), (600, 6, 40, 48, 6, 16, False), (150, 3, 37, 64, 5, 64, True),
+              (260, 70, 24, 256, 2, 128, False), (300, 5, 72, 128, 8, 16, True)]
+
+
+@pytest.mark.parametrize("dt", ["f32", "f16", "bf16"])
+@pytest.mark.parametrize("transpose", [True, False], ids=["linear", "input-grad"])
+@pytest.mark.parametrize("P,E,O,I,bits,gs,f32_scales", MOEQ_TILES,
+                         ids=[f"{p}x{e}x{o}x{i}-q{b}g{g}" + ("-f32s" if f else "") for p, e, o, i, b, g, f in MOEQ_TILES])
+def test_moe_quantized_matmul_tiles(cuda, P, E, O, I, bits, gs, f32_scales, transpose, dt):
+    """Against float64 from the codes (quantized_matmul's bound: W rounded once to a 16-bit dtype);
+    with beta = 0 an output prefilled with NaN is never read. Scales of powers of two over 32 and
+    biases in eighths make every s q + b exact in f32, so the result must equal moe_gemm's on W
+    rounded to x's dtype bit for bit: the same tiles, only the B loads differ."""
+    from krnl.quant import affine
+    rng = np.random.default_rng(P + bits)
+    off = _moe_offsets(rng, P, E)
+    offsets = cuda.tensor(off, "i32")
+    G, sdt = I // gs, "f32" if f32_scales or dt == "f32" else dt
+    codes = rng.integers(0, 1 << bits, (E, O, I))
+    s64 = rng.choice([1.0, -1.0, 2.0, -2.0, 4.0], (E, O, G)) / 32
+    b64 = rng.integers(-3, 4, (E, O, G)) / 8
+    W = np.repeat(s64, gs, axis=2) * codes + np.repeat(b64, gs, axis=2)  # (E, O, I), exact in f32
+    w = cuda.tensor(np.stack([affine.pack(codes[e], bits) for e in range(E)]), "i32")
+    s, b = cuda.tensor(s64.astype(np.float32), sdt), cuda.tensor(b64.astype(np.float32), sdt)
+    shape = (P, O if transpose else I)
+    x, x64 = upload(cuda, rng.standard_normal((P, I if transpose else O)), dt)
+    out, o64 = upload(cuda, rng.standard_normal(shape), dt)
+    fresh = empty_filled(cuda, shape, dt)
+    ops.moe_quantized_matmul(x, w, s, b, offsets, out, transpose, gs, bits, beta=0.25)
+    ops.moe_quantized_matmul(x, w, s, b, offsets, fresh, transpose, gs, bits, beta=0.0)
+    prod, mag = np.zeros(shape), np.zeros(shape)
+    for e in range(E):
+        r = slice(off[e], off[e + 1])
+        We = W[e].T if transpose else W[e]
+        prod[r], mag[r] = x64[r] @ We, np.abs(x64[r]) @ np.abs(We)
+    tol = ((I if transpose else O) + 4) * U32 + (2 * UNIT_ROUNDOFF[dt] if dt != "f32" else 0.0)
+    assert_close_elementwise(read(out), 0.25 * o64 + prod, rtol=0.0, atol=tol * (mag + 0.25 * np.abs(o64)), what="out")
+    assert_close_elementwise(read(fresh), prod, rtol=0.0, atol=tol * mag, what="beta 0")
+    dense = empty_filled(cuda, shape, dt)
+    ops.moe_gemm(x, cuda.tensor(W.astype(np.float32), dt), offsets, dense, transpose, alpha=1.0, beta=0.0)
+    np.testing.assert_array_equal(read(fresh), read(dense))
+
+
+def test_moe_quantized_matmul_recorded_in_a_graph(cuda):
+    """Offsets written by moe_sort inside the graph, never read on the host: replayed with new
+    expert ids it gives the eager results bit for bit."""
+    from krnl.quant import affine
+    rng = np.random.default_rng(11)
+    N, E, K, O, I, bits, gs, dt = 300, 8, 2, 72, 96, 5, 32, "bf16"
+    ids = cuda.empty((N, K), "i32")
+    tokens, slot, offsets = cuda.empty((N * K,), "i32"), cuda.empty((N, K), "i32"), cuda.empty((E + 1,), "i32")
+    w = cuda.tensor(np.stack([affine.pack(c, bits) for c in rng.integers(0, 1 << bits, (E, O, I))]), "i32")
+    s = cuda.tensor(rng.uniform(0.01, 0.1, (E, O, I // gs)).astype(np.float32), dt)
+    b = cuda.tensor((rng.standard_normal((E, O, I // gs)) / 10).astype(np.float32), dt)
+    x = cuda.tensor(rng.standard_normal((N * K, I)).astype(np.float32), dt)
+
+    def step(out):
+        ops.moe_sort(ids, tokens, slot, offsets)
+        ops.moe_quantized_matmul(x, w, s, b, offsets, out, True, gs, bits)
+        return out
+
+    def new_ids():
+        return np.stack([rng.choice(E, K, replace=False) for _ in range(N)]).astype(np.int32)
+
+    cuda.upload(ids, new_ids())
+    recorded = cuda.empty((N * K, O), dt)
+    g = cuda.capture(lambda: step(recorded))
+    for _ in range(2):
+        cuda.upload(ids, new_ids())
+        g.replay()
+        got = read(recorded)
+        np.testing.assert_array_equal(got, read(step(cuda.empty((N * K, O), dt))))
+    g.release()
+
+
 def _moe_block(dev, x, lg, W1, W2, dout, K):
     """The MoE ops as a model chains them, forward and backward; returns every result."""
     N, E = lg.shape

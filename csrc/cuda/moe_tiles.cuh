@@ -1,8 +1,11 @@
-// The index arithmetic of the grouped GEMMs (moe.cu): tile geometry, the global-to-shared tile
-// loader, the tensor-core fragments' places and the epilogue's, as __host__ __device__ code, so
-// that tests/cuda_host/moe_tiles_check.cu runs the very same arithmetic on the host (emulating
-// what a block does with it) against a reference GEMM, where no GPU is at hand.
+// The index arithmetic of the grouped GEMMs (moe_gemm.cuh's kernels, for moe.cu and
+// moe_quantized.cu): tile geometry, the global-to-shared tile loaders (moe_quantized_matmul's
+// dequantizing one included), the tensor-core fragments' places and the epilogue's, as __host__
+// __device__ code, so that tests/cuda_host/moe_tiles_check.cu runs the very same arithmetic on the
+// host (emulating what a block does with it) against a reference GEMM, where no GPU is at hand.
 #pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -81,6 +84,159 @@ struct TileLoader {
       if (NU % NT != 0 && u >= NU) break;
       *reinterpret_cast<U*>(s + unit_row(u) * LDS + unit_col(u)) = reg[i];
     }
+  }
+};
+
+// ---- moe_quantized_matmul's B operand: W_e held as quantized_matmul's W (op_list.h), dequantized
+// tile by tile as it is loaded, so that nothing but the shared tile is ever dequantized.
+
+// A quantized W (E, O, I): codes w (E, O, words) u32, each row one little-endian bit stream of BITS
+// a code (code j at bit j BITS; 3-, 5- and 6-bit codes straddle words); scales and biases (E, O,
+// groups) in sdt (f32, bf16 or f16), experts s_stride and b_stride elements apart (rows of groups
+// contiguous), group_size 1 << gs_log2. quant_operand moves the pointers to expert e.
+struct QuantParams {
+  const uint32_t* w;
+  const void* scales;
+  const void* biases;
+  int64_t words, groups, s_stride, b_stride;
+  int gs_log2;
+  DType sdt;
+};
+
+// A scale or bias as float.
+KRNL_HD float ld_param(DType dt, const void* p, int64_t i) {
+  if (dt == DType::f32) return static_cast<const float*>(p)[i];
+  const uint16_t h = static_cast<const uint16_t*>(p)[i];
+#ifdef __CUDA_ARCH__
+  return dt == DType::bf16 ? __uint_as_float(uint32_t(h) << 16) : __half2float(__ushort_as_half(h));
+#else
+  return dt == DType::bf16 ? krnl::bf16_to_f32(h) : krnl::f16_to_f32(h);
+#endif
+}
+
+// f rounded to nearest even in the 16-bit DT, as bits (dtype.h's conversions on the host).
+template <DType DT>
+KRNL_HD uint16_t round16(float f) {
+  static_assert(DT == DType::bf16 || DT == DType::f16, "a 16-bit dtype");
+#ifdef __CUDA_ARCH__
+  if constexpr (DT == DType::bf16)
+    return __bfloat16_as_ushort(__float2bfloat16_rn(f));
+  else
+    return __half_as_ushort(__float2half_rn(f));
+#else
+  return DT == DType::bf16 ? krnl::f32_to_bf16(f) : krnl::f32_to_f16(f);
+#endif
+}
+
+// The 32 bits of the stream hi:lo from bit sh (0 <= sh < 32) on.
+KRNL_HD uint32_t funnel(uint32_t lo, uint32_t hi, int sh) {
+#ifdef __CUDA_ARCH__
+  return __funnelshift_r(lo, hi, uint32_t(sh));
+#else
+  return sh ? (lo >> sh) | (hi << (32 - sh)) : lo;
+#endif
+}
+
+// An R x C tile of W_e (rows o from row0, codes j from col0; zero at o >= row_lim or j >= col_lim)
+// into shared memory of row stride LDS, dequantized (s q + b in f32, rounded to a 16-bit DT) as
+// DT's elements. The unit of work is a run of 16 codes of one row: group_size >= 16 and col0 is a
+// multiple of 16 (of BK or BN), so a run lies in one group and, the row length I being a multiple
+// of 16, wholly inside or outside the row. fetch loads each unit's code words, scale and bias into
+// registers (in flight while the block computes on the other buffer); commit decodes and stores
+// them. A run starts at bit j0 BITS of its row, j0 a multiple of 16: word-aligned for even BITS, at
+// bit 0 or 16 of a word for odd. Either way it touches exactly NW = ceil(16 BITS / 32) words (odd
+// BITS from bit 16: 16 (BITS + 1) bits, (BITS + 1) / 2 words), so it reads no word past its own
+// last bit, hence none past the row, which ends on a word boundary. commit shifts the words into
+// place (funnel) and takes the codes at fixed bit positions: registers throughout, no dynamic
+// indexing.
+template <int R, int C, int LDS, DType DT, int NT, int BITS>
+struct QuantTileLoader {
+  static constexpr int ES = DT == DType::f32 ? 4 : 2, RUN = 16;
+  using E = Elem<ES>;
+  static_assert(C % RUN == 0 && (LDS * ES) % 16 == 0, "tile rows of whole runs, 16-byte aligned");
+  static constexpr int UPR = C / RUN, NU = R * UPR, PER = (NU + NT - 1) / NT;
+  static constexpr int NW = (RUN * BITS + 31) / 32;  // words of a run
+  static_assert(BITS % 2 == 0 || 16 + RUN * BITS <= 32 * NW, "an odd-BITS run from bit 16 fits in NW words");
+  static constexpr uint32_t MASK = (1u << BITS) - 1u;
+  uint32_t wr[PER][NW];
+  float sc[PER], bi[PER];
+  int sh[PER];
+
+  static KRNL_HD int unit_row(int u) { return u / UPR; }
+  static KRNL_HD int unit_col(int u) { return (u % UPR) * RUN; }
+
+  // q: at expert e (quant_operand).
+  KRNL_HD void fetch(int tid, const QuantParams& q, int64_t row0, int64_t col0, int64_t row_lim, int64_t col_lim) {
+    KRNL_UNROLL
+    for (int i = 0; i < PER; ++i) {
+      const int u = tid + i * NT;
+      if (NU % NT != 0 && u >= NU) break;
+      const int64_t r = row0 + unit_row(u), j = col0 + unit_col(u);
+      if (r < row_lim && j < col_lim) {
+        const int64_t bit = j * BITS;
+        const uint32_t* src = q.w + r * q.words + (bit >> 5);
+        KRNL_UNROLL
+        for (int k = 0; k < NW; ++k) wr[i][k] = src[k];
+        sh[i] = int(bit & 31);
+        const int64_t g = j >> q.gs_log2;
+        sc[i] = ld_param(q.sdt, q.scales, r * q.groups + g);
+        bi[i] = ld_param(q.sdt, q.biases, r * q.groups + g);
+      } else {  // zeros: 0 q + 0
+        KRNL_UNROLL
+        for (int k = 0; k < NW; ++k) wr[i][k] = 0;
+        sh[i] = 0, sc[i] = 0.f, bi[i] = 0.f;
+      }
+    }
+  }
+
+  KRNL_HD void commit(int tid, E* s) const {
+    KRNL_UNROLL
+    for (int i = 0; i < PER; ++i) {
+      const int u = tid + i * NT;
+      if (NU % NT != 0 && u >= NU) break;
+      uint32_t a[NW];  // the run's bits from bit 0 of a[0]
+      KRNL_UNROLL
+      for (int k = 0; k < NW; ++k) {
+        if constexpr (BITS % 2 == 0)
+          a[k] = wr[i][k];  // runs of even BITS start word-aligned
+        else
+          a[k] = funnel(wr[i][k], k + 1 < NW ? wr[i][k + 1] : 0u, sh[i]);
+      }
+      float v[RUN];
+      KRNL_UNROLL
+      for (int c = 0; c < RUN; ++c) {
+        const int b = c * BITS, wi = b >> 5, o = b & 31;
+        uint32_t x = a[wi] >> o;
+        if (o + BITS > 32) x |= a[wi + 1] << (32 - o);  // a code across two words
+        v[c] = fmaf(sc[i], float(x & MASK), bi[i]);
+      }
+      uint4* dst = reinterpret_cast<uint4*>(s + unit_row(u) * LDS + unit_col(u));  // 32- or 64-byte aligned
+      if constexpr (ES == 4) {
+        KRNL_UNROLL
+        for (int k = 0; k < RUN / 4; ++k) {
+          uint4 p;
+          p.x = float_bits(v[4 * k]), p.y = float_bits(v[4 * k + 1]), p.z = float_bits(v[4 * k + 2]),
+          p.w = float_bits(v[4 * k + 3]);
+          dst[k] = p;
+        }
+      } else {
+        uint32_t pk[RUN / 2];
+        KRNL_UNROLL
+        for (int k = 0; k < RUN / 2; ++k)
+          pk[k] = uint32_t(round16<DT>(v[2 * k])) | uint32_t(round16<DT>(v[2 * k + 1])) << 16;
+        KRNL_UNROLL
+        for (int k = 0; k < RUN / 8; ++k) dst[k] = make_uint4(pk[4 * k], pk[4 * k + 1], pk[4 * k + 2], pk[4 * k + 3]);
+      }
+    }
+  }
+
+ private:
+  static KRNL_HD uint32_t float_bits(float f) {
+#ifdef __CUDA_ARCH__
+    return __float_as_uint(f);
+#else
+    return krnl::f32_bits(f);
+#endif
   }
 };
 
@@ -187,6 +343,29 @@ KRNL_HD void fetch_step(LA& la, LB& lb, int tid, const E* A, const E* B, const G
     la.fetch(tid, A, p.M, k0, t.m0, t.kext, p.M);
     lb.fetch(tid, B, p.N, k0, t.n0, t.kext, p.N);
   }
+}
+
+// W_e's codes, scales and biases: q at expert e of O rows.
+KRNL_HD QuantParams quant_operand(const QuantParams& q, int64_t e, int64_t O) {
+  const int64_t es = q.sdt == DType::f32 ? 4 : 2;
+  QuantParams r = q;
+  r.w = q.w + e * O * q.words;
+  r.scales = static_cast<const char*>(q.scales) + e * q.s_stride * es;
+  r.biases = static_cast<const char*>(q.biases) + e * q.b_stride * es;
+  return r;
+}
+
+// fetch_step for moe_quantized_matmul (linear or input_grad): B's tile window is the dense one,
+// over W_e's rows o and codes j (q at expert e).
+template <Mode MODE, class LA, class LQ, class E>
+KRNL_HD void fetch_step_q(LA& la, LQ& lq, int tid, const E* A, const QuantParams& q, const GemmParams& p,
+                          const BlockTile& t, int64_t k0) {
+  static_assert(MODE != Mode::weight_grad, "moe_gemm's modes");
+  la.fetch(tid, A, p.K, 0, k0, t.row_lim, p.K);
+  if constexpr (MODE == Mode::linear)  // W_e (O = N, I = K): rows n, codes k
+    lq.fetch(tid, q, t.n0, k0, p.N, p.K);
+  else  // W_e (O = K, I = N): rows k, codes n
+    lq.fetch(tid, q, k0, t.n0, p.K, p.N);
 }
 
 // The output element of tile-relative (r, c) (r from the tile's m0), or -1 outside the output.

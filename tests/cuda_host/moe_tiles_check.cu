@@ -1,11 +1,15 @@
 // Host-side check of the CUDA grouped GEMMs' index arithmetic (csrc/cuda/moe_tiles.cuh) and of the
-// sort's and tile map's algorithms (csrc/cuda/moe.cu), for machines with nvcc but no GPU
-// (tests/test_cuda_host.py builds and runs it). Each block of a launch is emulated thread by
+// sort's and tile map's algorithms (csrc/cuda/moe.cu, moe_gemm.cuh), for machines with nvcc but no
+// GPU (tests/test_cuda_host.py builds and runs it). Each block of a launch is emulated thread by
 // thread with the kernels' own helpers: block_tile, operands, the loaders' fetch and commit into
 // double-buffered shared tiles, WMMA's documented fragment layouts at WarpTiles' offsets (or
 // ThreadTiles' products), then the epilogue's lane mapping and out_index. Small integers keep every
 // product exact, so the emulation must equal the reference exactly, and every output element must
-// be written once. The sort and the tile map are mirrored line by line (warps as loops over 32
+// be written once. moe_quantized_matmul's dequantizing B loader (QuantTileLoader: codes that
+// straddle words, runs from bit 16 of a word, groups changing inside a step, rounding to bf16 or
+// f16) runs the same way against codes packed here bit by bit and dequantized independently; its
+// scales (quarters) and small biases keep the dequantized, rounded weights on a grid where every
+// sum stays exact. The sort and the tile map are mirrored line by line (warps as loops over 32
 // lanes, __match_any_sync as a scan of the lanes), which checks their arithmetic, not the CUDA
 // itself: nothing here runs on a GPU.
 #include <algorithm>
@@ -46,6 +50,20 @@ float elem_f(uint16_t b) {
 }
 float elem_f(float f) { return f; }
 
+// A tile element as float: 16-bit elements hold DT's bits.
+template <krnl::DType DT>
+float to_f(uint16_t b) {
+  return DT == krnl::DType::f16 ? krnl::f16_to_f32(b) : krnl::bf16_to_f32(b);
+}
+template <krnl::DType DT>
+float to_f(float f) {
+  return f;
+}
+template <krnl::DType DT>
+uint16_t from_f(float f) {
+  return DT == krnl::DType::f16 ? krnl::f32_to_f16(f) : krnl::f32_to_bf16(f);
+}
+
 // moe_tile_map_kernel, a warp as 32 lanes.
 std::vector<int4> tile_map(const std::vector<int32_t>& off, int E, int P, int BM, int T) {
   std::vector<int4> map(size_t(T), make_int4(-7, -7, -7, -7));
@@ -77,13 +95,18 @@ std::vector<int4> tile_map(const std::vector<int32_t>& off, int E, int P, int BM
 }
 
 // Emulates every block of one grouped GEMM launch into out (float), counting writes per element.
-template <Mode MODE, int BM, int BN, int BK, int ES, bool VEC, bool TC>
-void emulate(const GemmParams& p, int64_t blocks, std::vector<float>& out, std::vector<int>& writes) {
+// 16-bit elements hold DT's bits. BITS > 0: B is the quantized W of q (moe_quantized_matmul).
+template <Mode MODE, int BM, int BN, int BK, int ES, bool VEC, bool TC,
+          krnl::DType DT = ES == 2 ? krnl::DType::bf16 : krnl::DType::f32, int BITS = 0>
+void emulate(const GemmParams& p, int64_t blocks, std::vector<float>& out, std::vector<int>& writes,
+             const QuantParams& q = QuantParams{}) {
   using G = Geometry<MODE, BM, BN, BK, ES>;
   using E = Elem<ES>;
   constexpr int NT = 256;
   using LA = TileLoader<G::A_ROWS, G::A_COLS, G::LDA, ES, NT, VEC>;
-  using LB = TileLoader<G::B_ROWS, G::B_COLS, G::LDB, ES, NT, VEC>;
+  using LB = std::conditional_t<BITS == 0, TileLoader<G::B_ROWS, G::B_COLS, G::LDB, ES, NT, VEC>,
+                                QuantTileLoader<G::B_ROWS, G::B_COLS, G::LDB, DT, NT, BITS>>;
+  auto val = [](E v) { return to_f<DT>(v); };
   std::vector<E> As(size_t(2 * G::A_TILE)), Bs(size_t(2 * G::B_TILE));
   std::vector<LA> la(NT);
   std::vector<LB> lb(NT);
@@ -92,6 +115,13 @@ void emulate(const GemmParams& p, int64_t blocks, std::vector<float>& out, std::
     if (!t.live) continue;
     const E *A, *B;
     operands<MODE>(p, t, A, B);
+    const QuantParams qe = quant_operand(q, t.e, MODE == Mode::linear ? p.N : p.K);
+    auto fetch = [&](int tid, int64_t k0) {
+      if constexpr (BITS == 0)
+        fetch_step<MODE>(la[size_t(tid)], lb[size_t(tid)], tid, A, B, p, t, k0);
+      else
+        fetch_step_q<MODE>(la[size_t(tid)], lb[size_t(tid)], tid, A, qe, p, t, k0);
+    };
     std::vector<float> acc(size_t(BM * BN), 0.f);  // (row, col) of the block's tile
     std::fill(As.begin(), As.end(), E(0x5555));     // junk: a tile element never committed shows up
     std::fill(Bs.begin(), Bs.end(), E(0x5555));
@@ -101,14 +131,13 @@ void emulate(const GemmParams& p, int64_t blocks, std::vector<float>& out, std::
       for (int tid = 0; tid < NT; ++tid) lb[size_t(tid)].commit(tid, Bs.data() + buf * G::B_TILE);
     };
     if (steps > 0) {
-      for (int tid = 0; tid < NT; ++tid) fetch_step<MODE>(la[size_t(tid)], lb[size_t(tid)], tid, A, B, p, t, 0);
+      for (int tid = 0; tid < NT; ++tid) fetch(tid, 0);
       commit(0);
     }
     for (int64_t s = 0; s < steps; ++s) {
       const int buf = int(s & 1);
       if (s + 1 < steps)
-        for (int tid = 0; tid < NT; ++tid)
-          fetch_step<MODE>(la[size_t(tid)], lb[size_t(tid)], tid, A, B, p, t, (s + 1) * BK);
+        for (int tid = 0; tid < NT; ++tid) fetch(tid, (s + 1) * BK);
       const E* as = As.data() + buf * G::A_TILE;
       const E* bs = Bs.data() + buf * G::B_TILE;
       if constexpr (TC) {
@@ -128,7 +157,7 @@ void emulate(const GemmParams& p, int64_t blocks, std::vector<float>& out, std::
                       const int ai = G::A_KM ? ao + r + k * G::LDA : ao + r * G::LDA + k;
                       const int bi = G::B_NK ? bo + k + c * G::LDB : bo + k * G::LDB + c;
                       CHECK(ai >= 0 && ai < G::A_TILE && bi >= 0 && bi < G::B_TILE, "fragment outside its tile");
-                      sum += elem_f(as[ai]) * elem_f(bs[bi]);
+                      sum += val(as[ai]) * val(bs[bi]);
                     }
                     acc[size_t((WT::frag_row(w, i) + r) * BN + WT::frag_col(w, j) + c)] += sum;
                   }
@@ -140,7 +169,7 @@ void emulate(const GemmParams& p, int64_t blocks, std::vector<float>& out, std::
             for (int i = 0; i < TT::TM; ++i)
               for (int j = 0; j < TT::TN; ++j)
                 acc[size_t(TT::row(tid, i) * BN + TT::col(tid, j))] +=
-                    elem_f(as[G::a_at(TT::row(tid, i), k)]) * elem_f(bs[G::b_at(k, TT::col(tid, j))]);
+                    val(as[G::a_at(TT::row(tid, i), k)]) * val(bs[G::b_at(k, TT::col(tid, j))]);
       }
       if (s + 1 < steps) commit(buf ^ 1);
     }
@@ -294,6 +323,117 @@ void check_weight_grad(std::mt19937& rng, int E, int P, int M, int N, float beta
         int(TC), E, P, M, N, double(beta), bad, out.size());
 }
 
+// moe_quantized_matmul (linear or input_grad) against the reference: W_e (O, I) of BITS-bit codes
+// packed here bit by bit into each row's little-endian stream, scales and biases (E, O, I / gs) in
+// sdt (f32 or DT), each weight s q + b rounded to a 16-bit DT as the tensor-core kernel rounds
+// it. The codes of each expert lie in a buffer of exactly E O words words, so a read past the last
+// row's codes is a read past the allocation (tests/test_cuda_host.py builds with AddressSanitizer
+// where it can).
+template <Mode MODE, int BM, int BN, int BK, krnl::DType DT, bool VEC, bool TC, int BITS>
+void check_quantized(std::mt19937& rng, int E, int P, int O, int I, int gs, bool f32_scales, float beta) {
+  constexpr bool LIN = MODE == Mode::linear;
+  constexpr int ES = DT == krnl::DType::f32 ? 4 : 2;
+  using El = Elem<ES>;
+  const int K = LIN ? I : O, N = LIN ? O : I, G = I / gs, words = I * BITS / 32;
+  CHECK(I % gs == 0 && (I * BITS) % 32 == 0, "bad test shape I %d gs %d bits %d", I, gs, BITS);
+  const std::vector<int32_t> off = random_offsets(rng, E, P);
+  std::vector<uint32_t> codes(size_t(E) * O * I);
+  for (auto& c : codes) c = rng() % (1u << BITS);
+  std::vector<uint32_t> packed(size_t(E) * O * words, 0u);
+  for (size_t row = 0; row < size_t(E) * O; ++row)
+    for (int j = 0; j < I; ++j)
+      for (int b = 0; b < BITS; ++b)  // bit b of code j is bit j BITS + b of the row's stream
+        if (codes[row * I + size_t(j)] >> b & 1u) {
+          const int64_t at = int64_t(j) * BITS + b;
+          packed[row * words + size_t(at >> 5)] |= 1u << (at & 31);
+        }
+  const float quarter_scales[] = {0.25f, -0.25f, 0.5f, -0.5f, 1.f, -1.f, 2.f};
+  std::vector<float> sf(size_t(E) * O * G), bf(sf.size());
+  for (auto& v : sf) v = quarter_scales[rng() % 7];
+  for (auto& v : bf) v = float(int(rng() % 7) - 3);
+  // scales and biases as the kernel reads them: f32, or DT's bits (exact for these values)
+  std::vector<float> s32 = sf, b32 = bf;
+  std::vector<uint16_t> s16(sf.size()), b16(sf.size());
+  for (size_t i = 0; i < sf.size(); ++i) s16[i] = from_f<DT == krnl::DType::f16 ? DT : krnl::DType::bf16>(sf[i]),
+                                         b16[i] = from_f<DT == krnl::DType::f16 ? DT : krnl::DType::bf16>(bf[i]);
+  const bool sc32 = f32_scales || DT == krnl::DType::f32;
+  const krnl::DType sdt = sc32 ? krnl::DType::f32 : DT;
+  // W[e, o, j] = s q + b, rounded to a 16-bit DT
+  std::vector<float> W(codes.size());
+  for (int e = 0; e < E; ++e)
+    for (int o = 0; o < O; ++o)
+      for (int j = 0; j < I; ++j) {
+        const size_t row = size_t(e) * O + size_t(o), g = row * G + size_t(j / gs);
+        float v = sf[g] * float(codes[row * I + size_t(j)]) + bf[g];
+        if constexpr (ES == 2) v = to_f<DT>(from_f<DT>(v));
+        W[row * I + size_t(j)] = v;
+      }
+  std::vector<El> x(size_t(P) * K);
+  for (auto& v : x) {
+    const float f = float(int(rng() % 9) - 4);
+    if constexpr (ES == 2)
+      v = from_f<DT>(f);
+    else
+      v = f;
+  }
+  std::vector<float> out(size_t(P) * N), ref;
+  for (auto& o : out) o = float(int(rng() % 7) - 3);
+  ref = out;
+  for (int e = 0; e < E; ++e)
+    for (int r = off[size_t(e)]; r < off[size_t(e) + 1]; ++r)
+      for (int n = 0; n < N; ++n) {
+        float acc = 0.f;
+        for (int k = 0; k < K; ++k)
+          acc += to_f<DT>(x[size_t(r) * K + k]) *
+                 (LIN ? W[(size_t(e) * O + n) * I + k] : W[(size_t(e) * O + k) * I + n]);
+        float& o = ref[size_t(r) * N + n];
+        o = beta != 0.f ? beta * o + acc : acc;
+      }
+  const int T = (P + BM - 1) / BM + E;
+  const std::vector<int4> map = tile_map(off, E, P, BM, T);
+  const int64_t tiles_n = (N + BN - 1) / BN;
+  GemmParams p{x.data(), nullptr, out.data(), map.data(), off.data(), P, 0, N, K, 0, 0, tiles_n, krnl::DType::f32,
+               1.f, beta};
+  int gs_log2 = 0;
+  while ((1 << gs_log2) < gs) ++gs_log2;
+  const void* sp = sc32 ? static_cast<const void*>(s32.data()) : s16.data();
+  const void* bp = sc32 ? static_cast<const void*>(b32.data()) : b16.data();
+  const QuantParams q{packed.data(), sp, bp, words, G, int64_t(O) * G, int64_t(O) * G, gs_log2, sdt};
+  std::vector<int> writes(out.size(), 0);
+  emulate<MODE, BM, BN, BK, ES, VEC, TC, DT, BITS>(p, T * tiles_n, out, writes, q);
+  int bad = 0;
+  for (size_t i = 0; i < out.size(); ++i)
+    if (out[i] != ref[i] || writes[i] != 1) ++bad;
+  CHECK(bad == 0, "moe_quantized_matmul %s BM %d dt %d VEC %d TC %d bits %d gs %d E %d P %d O %d I %d scales %s "
+        "beta %g: %d of %zu wrong", LIN ? "linear" : "input_grad", BM, int(DT), int(VEC), int(TC), BITS, gs, E, P, O,
+        I, sc32 ? "f32" : "16-bit", double(beta), bad, out.size());
+}
+
+// One configuration of the launches of moe_quantized_matmul (moe_quantized.cu): the tensor-core
+// geometry (BN 128, BK 32) with BM 128 or 64 by 16-byte units and BM 64 per element, the CUDA-core
+// one (64 x 64 x 16) both ways, for one code width.
+template <int BITS>
+void check_quantized_widths(std::mt19937& rng) {
+  using krnl::DType;
+  constexpr int I1 = BITS % 2 ? 64 : 48;  // a last step of 16 (BK 32) for even widths (odd ones need I % 32 = 0)
+  constexpr int I2 = 160;                 // two column tiles of 128 (three of 64), the last partial
+  for (float beta : {0.f, 0.5f}) {
+    // bf16, 16-byte units, BM 64 and 128; scales in bf16 and f32; groups of 16 (two a step of 32)
+    check_quantized<Mode::linear, 64, 128, 32, DType::bf16, true, true, BITS>(rng, 6, 203, 136, I1, 16, false, beta);
+    check_quantized<Mode::input_grad, 64, 128, 32, DType::bf16, true, true, BITS>(rng, 5, 150, 40, I2, 16, true, beta);
+    check_quantized<Mode::linear, 128, 128, 32, DType::bf16, true, true, BITS>(rng, 3, 300, 264, I2, 32, true, beta);
+    check_quantized<Mode::input_grad, 128, 128, 32, DType::bf16, true, true, BITS>(rng, 2, 260, 72, I2, 32, false, beta);
+    // f16, per element (odd O): BM 64
+    check_quantized<Mode::linear, 64, 128, 32, DType::f16, false, true, BITS>(rng, 4, 97, 37, I1, 16, false, beta);
+    check_quantized<Mode::input_grad, 64, 128, 32, DType::f16, false, true, BITS>(rng, 4, 97, 37, I2, 16, true, beta);
+    // f32 on CUDA cores (steps of 16: odd widths' runs from bit 16), 16-byte units and per element
+    check_quantized<Mode::linear, 64, 64, 16, DType::f32, true, false, BITS>(rng, 5, 120, 68, I2, 16, true, beta);
+    check_quantized<Mode::input_grad, 64, 64, 16, DType::f32, true, false, BITS>(rng, 5, 120, 68, I2, 32, true, beta);
+    check_quantized<Mode::linear, 64, 64, 16, DType::f32, false, false, BITS>(rng, 3, 91, 37, I1, 16, true, beta);
+    check_quantized<Mode::input_grad, 64, 64, 16, DType::f32, false, false, BITS>(rng, 3, 91, 37, I1, 16, true, beta);
+  }
+}
+
 // moe_sort's three kernels, warps as 32-lane loops, W warps a block.
 void check_sort(std::mt19937& rng, int N, int K, int E, int W) {
   const int64_t P = int64_t(N) * K, RUN = 512, R = (P + RUN - 1) / RUN;
@@ -431,6 +571,19 @@ int main() {
   // A single expert with P = 0 rows (weight_grad: all empty) and an expert count above 32 lanes.
   check_weight_grad<128, 128, 32, 2, true, true>(rng, 3, 0, 16, 24, 0.5f);
   check_forward<Mode::linear, 64, 128, 32, 2, true, true>(rng, 70, 260, 24, 16, 0.5f);
+  // moe_quantized_matmul: every code width; groups of 128 (of 64) over whole column tiles and
+  // steps; more experts than a warp has lanes.
+  check_quantized_widths<2>(rng);
+  check_quantized_widths<3>(rng);
+  check_quantized_widths<4>(rng);
+  check_quantized_widths<5>(rng);
+  check_quantized_widths<6>(rng);
+  check_quantized_widths<8>(rng);
+  check_quantized<Mode::linear, 64, 128, 32, krnl::DType::bf16, true, true, 4>(rng, 2, 90, 24, 256, 128, false, 0.5f);
+  check_quantized<Mode::input_grad, 64, 128, 32, krnl::DType::bf16, true, true, 3>(rng, 2, 90, 24, 256, 128, false,
+                                                                                   0.5f);
+  check_quantized<Mode::input_grad, 64, 64, 16, krnl::DType::f32, true, false, 5>(rng, 3, 100, 20, 192, 64, true, 0.f);
+  check_quantized<Mode::linear, 64, 128, 32, krnl::DType::f16, true, true, 5>(rng, 70, 260, 24, 32, 32, false, 0.5f);
   // moe_sort: one run, many runs and blocks, experts above and below 32 lanes, fewer warps a block.
   check_sort(rng, 1, 1, 1, 8);
   check_sort(rng, 33, 8, 60, 8);

@@ -46,7 +46,8 @@
 #   bash tools/device/h200_check.sh moebench  `krnl bench --workloads moe`: a Qwen3-30B-A3B-shaped stack, krnl in
 #                                           bf16 and with 4-bit experts next to transformers + PEFT (JSON in
 #                                           $OUT/moe_bench.json; MOE_PROFILE=1 adds krnl's op profile)
-#   bash tools/device/h200_check.sh moe     the mixture-of-experts ops of csrc/cuda/moe.cu: their cuda tests
+#   bash tools/device/h200_check.sh moe     the mixture-of-experts ops of csrc/cuda/moe.cu and moe_quantized.cu:
+#                                           their cuda tests
 #                                           (tests/test_moe_ops.py, the moe tests of tests/test_cuda.py and
 #                                           tests/test_cuda_host.py), then tests/test_moe_ops.py's cuda tests under
 #                                           compute-sanitizer (SANITIZE tools, default "memcheck racecheck

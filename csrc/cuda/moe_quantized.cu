@@ -1,0 +1,80 @@
+// moe_quantized_matmul on CUDA (op_list.h's notes): moe_gemm (alpha 1) with every expert's W_e held
+// as quantized_matmul's W. moe_gemm's own kernels and tile map (moe_gemm.cuh), instantiated for
+// each code width: the A tiles (rows of x), the fragments and the epilogue are moe_gemm's, and each
+// B tile is dequantized as it is loaded (moe_tiles.cuh's QuantTileLoader: s q + b in f32, rounded
+// to a 16-bit x's dtype for the tensor cores as Metal's quantized kernel rounds each weight), so
+// no W_e is ever dequantized beyond the block's shared tile, and the offsets (moe_sort's) are read
+// on the device only: no host reads, no syncs, graph-capturable.
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
+
+#include "moe_gemm.cuh"
+
+namespace krnl::cuda {
+namespace {
+
+template <Mode MODE>
+void launch_quantized(int64_t bits, const GemmParams& p, const QuantParams& q, DType dt, int bm, bool vec,
+                      unsigned blocks, cudaStream_t s) {
+  switch (bits) {  // the core allows exactly these
+    case 2: return launch_gemm<MODE, 2>(p, dt, bm, vec, blocks, s, q);
+    case 3: return launch_gemm<MODE, 3>(p, dt, bm, vec, blocks, s, q);
+    case 4: return launch_gemm<MODE, 4>(p, dt, bm, vec, blocks, s, q);
+    case 5: return launch_gemm<MODE, 5>(p, dt, bm, vec, blocks, s, q);
+    case 6: return launch_gemm<MODE, 6>(p, dt, bm, vec, blocks, s, q);
+    default: return launch_gemm<MODE, 8>(p, dt, bm, vec, blocks, s, q);
+  }
+}
+
+int log2_exact(int64_t v) {  // group_size: 16, 32, 64 or 128 (the core checks)
+  int l = 0;
+  while ((int64_t(1) << l) < v) ++l;
+  return l;
+}
+
+}  // namespace
+
+void CudaBackend::moe_quantized_matmul(const Tensor& x, const Tensor& w, const Tensor& scales, const Tensor& biases,
+                                       const Tensor& offsets, const Tensor& out, bool transpose, int64_t group_size,
+                                       int64_t bits, float beta) {
+  OpTimer timer(this);
+  const int64_t P = x.size(0), E = w.size(0), O = w.size(1), words = w.size(2), I = words * 32 / bits;
+  const int64_t K = transpose ? I : O, N = transpose ? O : I;
+  const DType dt = x.dtype();
+  if (P == 0 || N == 0) return;
+  if (K == 0) {  // an empty sum: beta out over every row (moe_sort's offsets cover them all)
+    moe_scale_kernel<<<grid_for(P * N), kThreads, 0, stream_>>>(dt, out.data(), P * N, beta);
+    check_launch("moe_quantized_matmul");
+    return;
+  }
+  const bool tc = dt != DType::f32;
+  if (tc && std::atoi(compute_capability_.c_str()) < 8)
+    throw std::runtime_error("[moe_quantized_matmul] bf16 and f16 need compute capability 8.0 or later (this GPU: " +
+                             compute_capability_ + ")");
+  if (P > int64_t(INT32_MAX)) throw std::invalid_argument("[moe_quantized_matmul] over 2^31 - 1 rows");
+  // 16-byte units for x's tiles and the epilogue (the codes' loads are the B loader's own).
+  const int64_t unit = 16 / int64_t(dtype_size(dt));
+  const bool vec = K % unit == 0 && N % unit == 0 && aligned16({x.data(), out.data()});
+  // moe_gemm's tiles: rows of 128 where experts average 96 rows or more (each dequantized B tile
+  // then serves twice the rows), else 64.
+  const int bm = tc && vec && P >= 96 * E ? 128 : 64, bn = tc ? 128 : 64;
+  const int64_t T = (P + bm - 1) / bm + E, tiles_n = (N + bn - 1) / bn, blocks = T * tiles_n;
+  check_grid(blocks, "moe_quantized_matmul");
+  Tensor map = scratch(4 * T, DType::i32);  // (T,) int4 {expert, first row, rows, 0}
+  moe_tile_map_kernel<<<1, 256, 0, stream_>>>(offsets.ptr<int32_t>(), int(E), int(P), bm,
+                                              reinterpret_cast<int4*>(map.data()), int(T));
+  check_launch("moe_quantized_matmul");
+  GemmParams p{x.data(), nullptr, out.data(), reinterpret_cast<const int4*>(map.data()), offsets.ptr<int32_t>(),
+               P, 0, N, K, 0, 0, tiles_n, dt, 1.f, beta};
+  // Scales and biases: expert 0's (O, groups) is contiguous (the core checks); experts by stride.
+  const QuantParams q{static_cast<const uint32_t*>(w.data()), scales.data(), biases.data(), words, scales.size(2),
+                      scales.strides()[0], biases.strides()[0], log2_exact(group_size), scales.dtype()};
+  if (transpose)
+    launch_quantized<Mode::linear>(bits, p, q, dt, bm, vec, unsigned(blocks), stream_);
+  else
+    launch_quantized<Mode::input_grad>(bits, p, q, dt, bm, vec, unsigned(blocks), stream_);
+  check_launch("moe_quantized_matmul");
+}
+
+}  // namespace krnl::cuda

@@ -231,7 +231,10 @@ def test_moe_workload_rows():
 def test_moe_workload_peft_row():
     """With torch among the peers, PEFT's row (target_parameters on transformers' Qwen3-MoE) trains
     the same-shaped stack: a finite loss near krnl's (random weights on both sides: about ln V)."""
-    pytest.importorskip("peft")
+    peft, transformers = pytest.importorskip("peft"), pytest.importorskip("transformers")
+    if int(transformers.__version__.split(".")[0]) < 5 or tuple(map(int, peft.__version__.split(".")[:2])) < (0, 17):
+        pytest.skip(f"transformers {transformers.__version__} / PEFT {peft.__version__}: fused experts and "
+                    "target_parameters need transformers 5 and PEFT 0.17")
     s = Session("cpu", rounds=1, quick=True, peers=["torch"], log=lambda m: None)
     s.run_model("moe")
     rows = {r["impl"].split(" (")[0]: r for r in s.rows}

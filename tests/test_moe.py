@@ -17,7 +17,8 @@ from krnl.models.config import EXPERT_MODULES, LoraConfig, ModelConfig, random_w
 from krnl.models.model import LlamaModel
 
 from conftest import lora_step
-from hf_families import V, hf_model, random_b, save_random, token_batch, torch_loss, torch_modules
+from hf_families import V, hf_model, random_b, save_random, token_batch, torch_loss
+from hf_families import torch_modules as _torch_modules
 from mlx_folders import write_tokenizer
 from mlx_folders import write_data
 
@@ -38,6 +39,21 @@ FOLDERS = {
 }
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj")
 LOSS_RTOL, GRAD_RTOL = 2e-5, 1e-4
+
+
+def torch_modules():
+    """torch and transformers, where transformers holds the experts fused (5.0 on) and PEFT, if
+    installed, adapts them through target_parameters (0.17 on); else the test skips saying so."""
+    torch, transformers = _torch_modules()
+    if int(transformers.__version__.split(".")[0]) < 5:
+        pytest.skip(f"transformers {transformers.__version__} keeps experts as modules; these checks need 5.0 or later")
+    try:
+        import peft
+    except ImportError:
+        return torch, transformers
+    if tuple(int(x) for x in peft.__version__.split(".")[:2]) < (0, 17):
+        pytest.skip(f"PEFT {peft.__version__} has no target_parameters; these checks need 0.17 or later")
+    return torch, transformers
 
 
 @pytest.fixture(scope="module")

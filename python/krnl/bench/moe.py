@@ -90,7 +90,10 @@ def run(dev, dtype="bf16", quick=False, peers=True, log=print, profile=False):
             rows.append(dict(impl="PEFT", status="skipped", reason=f"{e.name} is not installed"))
         else:
             from .targets import is_gpu
-            rows.append(run_peft(s, batches, is_gpu(dev) and torch.cuda.is_available(), log))
+            try:
+                rows.append(run_peft(s, batches, is_gpu(dev) and torch.cuda.is_available(), log))
+            except (TypeError, ValueError, AttributeError) as e:  # transformers < 5 or PEFT < 0.17: no fused experts
+                rows.append(dict(impl="PEFT", status="skipped", reason=f"{type(e).__name__}: {str(e)[:120]}"))
     k = rows[0]
     for r in rows[1:]:
         if r.get("tokens_per_s"):

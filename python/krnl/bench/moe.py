@@ -10,7 +10,7 @@ import gc
 
 import numpy as np
 
-from .qlora import time_krnl, time_torch
+from .qlora import time_krnl, time_torch, with_peer
 
 SIZES = {
     "full": dict(layers=4, C=2048, E=128, K=8, F=768, H=32, KV=4, D=128, V=151936, T=2048, B=1, steps=10, warmup=3),
@@ -82,21 +82,10 @@ def run(dev, dtype="bf16", quick=False, peers=True, log=print, profile=False):
     rows.append(dict(impl=f"krnl 4-bit g{GROUP}", **run_krnl(dev, s, batches, dtype, (BITS, GROUP), log)))
     gc.collect()
     dev.trim()
-    if peers:
+    def peft_row(on_gpu):
         try:
-            import peft  # noqa: F401
-            import torch
-        except ImportError as e:
-            rows.append(dict(impl="PEFT", status="skipped", reason=f"{e.name} is not installed"))
-        else:
-            from .targets import is_gpu
-            try:
-                rows.append(run_peft(s, batches, is_gpu(dev) and torch.cuda.is_available(), log))
-            except (TypeError, ValueError, AttributeError) as e:  # transformers < 5 or PEFT < 0.17: no fused experts
-                rows.append(dict(impl="PEFT", status="skipped", reason=f"{type(e).__name__}: {str(e)[:120]}"))
-    k = rows[0]
-    for r in rows[1:]:
-        if r.get("tokens_per_s"):
-            r["vs_krnl"] = r["tokens_per_s"] / k["tokens_per_s"]
-            r["peak_vs_krnl"] = r["peak_bytes"] / k["peak_bytes"] if k["peak_bytes"] and r["peak_bytes"] else None
-    return rows
+            return run_peft(s, batches, on_gpu, log)
+        except (TypeError, ValueError, AttributeError) as e:  # transformers < 5 or PEFT < 0.17: no fused experts
+            return dict(impl="PEFT", status="skipped", reason=f"{type(e).__name__}: {str(e)[:120]}")
+
+    return with_peer(rows, dev, peers, peft_row)

@@ -209,6 +209,16 @@ def run(dev, dtype="bf16", quick=False, peers=True, log=print, profile=False):
     rows.append(dict(impl="krnl grad-ckpt", **run_krnl(dev, s, batches, dtype, log, grad_checkpoint=True)))
     gc.collect()
     dev.trim()
+    def peft_row(on_gpu):
+        r = run_peft(s, batches, on_gpu, log)
+        return dict(impl=r.pop("label"), **r)
+
+    return with_peer(rows, dev, peers, peft_row, first=2)
+
+
+def with_peer(rows, dev, peers, peft_row, first=1):
+    """rows and the PEFT row (peft_row(on_gpu)) where torch and peft import, each of rows[first:]
+    with its tokens/s and peak memory relative to krnl's (rows[0])."""
     if peers:
         try:
             import peft  # noqa: F401
@@ -217,11 +227,9 @@ def run(dev, dtype="bf16", quick=False, peers=True, log=print, profile=False):
             rows.append(dict(impl="PEFT", status="skipped", reason=f"{e.name} is not installed"))
         else:
             from .targets import is_gpu
-            on_gpu = is_gpu(dev) and torch.cuda.is_available()
-            r = run_peft(s, batches, on_gpu, log)
-            rows.append(dict(impl=r.pop("label"), **r))
+            rows.append(peft_row(is_gpu(dev) and torch.cuda.is_available()))
     k = rows[0]
-    for r in rows[2:]:
+    for r in rows[first:]:
         if r.get("tokens_per_s"):
             r["vs_krnl"] = r["tokens_per_s"] / k["tokens_per_s"]
             r["peak_vs_krnl"] = r["peak_bytes"] / k["peak_bytes"] if k["peak_bytes"] and r["peak_bytes"] else None

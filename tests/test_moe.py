@@ -1,4 +1,4 @@
-"""Mixture-of-experts families (qwen3_moe, mixtral) against transformers and PEFT on tiny random
+"""Mixture-of-experts families (qwen3_moe, mixtral, olmoe) against transformers and PEFT on tiny random
 models the tests build: loss and logits, the router's choices, the LoRA gradients of attention and
 experts through PEFT's target_parameters, krnl's adapter in PEFT, fuse in transformers, KV-cached
 greedy tokens; and, without torch, the checkpoint layouts, adapter round trips and a CLI run."""
@@ -13,7 +13,7 @@ from krnl.formats import adapter as adapter_io
 from krnl.formats import hf
 from krnl.formats import experts
 from krnl.models import moe
-from krnl.models.config import EXPERT_MODULES, LoraConfig, ModelConfig, random_weights
+from krnl.models.config import LoraConfig, ModelConfig, random_weights
 from krnl.models.model import LlamaModel
 
 from conftest import lora_step
@@ -36,6 +36,10 @@ FOLDERS = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
         hidden_size=48, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         num_local_experts=3, num_experts_per_tok=2, tie_word_embeddings=False)),
+    # OLMoE: RMSNorm over the whole q (H D = 48) and k (Hk D = 24), norm_topk_prob False by default
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(
+        hidden_size=48, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=5, num_experts_per_tok=2, tie_word_embeddings=False, pad_token_id=0, eos_token_id=1)),
 }
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj")
 LOSS_RTOL, GRAD_RTOL = 2e-5, 1e-4
@@ -136,7 +140,8 @@ def test_loss_logits_and_routing_match_transformers(folders, name):
 @pytest.mark.torch
 @pytest.mark.parametrize("name, targets", [("qwen3_moe-norm", TARGETS), ("qwen3_moe-raw", ("gate_up_proj",)),
                                            ("mixtral", ("v_proj", "down_proj")), ("mixtral", TARGETS),
-                                           ("qwen3_moe-raw", ("router", "down_proj")), ("mixtral", ("router",))])
+                                           ("qwen3_moe-raw", ("router", "down_proj")), ("mixtral", ("router",)),
+                                           ("olmoe", TARGETS + ("router",))])
 def test_lora_gradients_match_peft(folders, name, targets):
     """Every factor's gradient, attention's, the experts' and the router's, against PyTorch autograd
     through PEFT (target_parameters on the fused experts and on the router's weight), the gradient
@@ -189,7 +194,7 @@ def test_load_balancing_loss_matches_transformers(folders, name):
 
 
 @pytest.mark.torch
-@pytest.mark.parametrize("name", ["qwen3_moe-norm", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3_moe-norm", "mixtral", "olmoe"])
 def test_krnl_adapter_in_peft_and_fuse_in_transformers(folders, name, tmp_path):
     torch, _ = torch_modules()
     peft = pytest.importorskip("peft")
@@ -545,8 +550,9 @@ def test_moe_step_in_16_bit_dtypes_matches_f32(dtype, tol):
     assert_step_close(lora_step(models["f32"], ids, ids), lora_step(models[dtype], ids, ids), tol, 4 * tol)
 
 
-@pytest.mark.parametrize("dtype, tol", [("f32", 1e-5), ("bf16", 3e-2)])
-def test_moe_training_step_on_metal_sim_matches_cpu(dtype, tol):
+@pytest.mark.parametrize("model_type, dtype, tol", [("qwen3_moe", "f32", 1e-5), ("qwen3_moe", "bf16", 3e-2),
+                                                    ("olmoe", "f32", 1e-5)])
+def test_moe_training_step_on_metal_sim_matches_cpu(model_type, dtype, tol):
     """One LoRA step of a tiny mixture (attention, experts and router adapted) on metal-sim, the
     MSL kernels of every moe op in a model's chain, against the CPU backend in the same dtype (bf16
     against f32 moves some gradients of this tiny model by 12-42% on the CPU alone: its routing is
@@ -555,7 +561,8 @@ def test_moe_training_step_on_metal_sim_matches_cpu(dtype, tol):
 
     if METAL_SIM is None:
         pytest.skip("metal-sim is off (KRNL_TEST_METAL_SIM=0 or no g++)")
-    config = ModelConfig.from_dict(dict(CFG, hidden_size=32, head_dim=8, moe_intermediate_size=16, num_experts=5))
+    config = ModelConfig.from_dict(dict(CFG, model_type=model_type, hidden_size=32, head_dim=8, moe_intermediate_size=16,
+                                        intermediate_size=16, num_experts=5))
     w = random_weights(config, seed=13, std=0.2)
     lora = LoraConfig(r=2, alpha=4.0, target_modules=("q_proj", "gate_up_proj", "down_proj", "router"))
     cpu = LlamaModel(krnl.device("cpu"), config, w, lora=lora, dtype=dtype)

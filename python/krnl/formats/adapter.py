@@ -13,7 +13,8 @@ import numpy as np
 
 from ..models import gemma3
 from ..io.fileio import atomic_write_bytes, read_json_object
-from ..models.config import EXPERT_MODULES, module_part, LoraConfig, lora_key, lora_shapes
+from ..models.config import module_part, LoraConfig, lora_key
+from ..models.moe_config import EXPERT_MODULES, lora_shapes
 from .experts import held_factors, peft_expert_keys, peft_factors
 from ..io.safetensors_io import LazyTensor, read_safetensors_header
 

@@ -12,6 +12,7 @@ from ..quant.qweight import QuantizedArray
 
 _PER_EXPERT = {  # family: (block name, {our fused name: the stored names of an expert's pieces})
     "qwen3_moe": ("mlp", {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}),
+    "olmoe": ("mlp", {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}),
     "mixtral": ("block_sparse_moe", {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}),
 }
 

@@ -29,7 +29,8 @@ from .gguf.file import is_gguf, read_gguf
 from .gguf.tokenizer import load_gguf_tokenizer
 from ..models.config import module_part
 from ..models.model import LlamaModel
-from ..models.config import EXPERT_MODULES, ModelConfig, lora_key
+from ..models.config import ModelConfig, lora_key
+from ..models.moe_config import EXPERT_MODULES
 from .experts import (ExpertPieces, StackedTensor, expert_pieces, merged_experts, stacked_experts, stored_name,
                       switch_experts)
 from ..quant.qweight import QuantizedArray

@@ -13,8 +13,8 @@ import numpy as np
 from . import gemma3, phi3
 from .moe_config import EXPERT_MODULES, MOE_MODEL_TYPES, expert_shapes, expert_targets, moe_fields
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "gemma3", "qwen3_moe",
-                         "mixtral")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "gemma3",
+                         *MOE_MODEL_TYPES)
 
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
@@ -168,6 +168,11 @@ class ModelConfig:
         return self.model_type in ("qwen3", "gemma3_text", "qwen3_moe")
 
     @property
+    def qk_full_norm(self):
+        """OLMoE normalises the whole q (H D) and k (Hk D) of a token (olmoe.py)."""
+        return self.model_type == "olmoe"
+
+    @property
     def fused_projections(self):
         """Phi-3 stores q|k|v as qkv_proj and gate|up as gate_up_proj (phi3.py)."""
         return self.model_type == "phi3"
@@ -247,9 +252,10 @@ class ModelConfig:
             if self.attention_bias:
                 for m in ("q_proj", "k_proj", "v_proj"):
                     s[p + f"self_attn.{m}.bias"] = (self.module_shape(m)[0],)
-            if self.qk_norm:
-                s[p + "self_attn.q_norm.weight"] = (self.head_dim,)
-                s[p + "self_attn.k_norm.weight"] = (self.head_dim,)
+            if self.qk_norm or self.qk_full_norm:  # per head (D,), or olmoe's over all heads
+                hq, hk = (self.num_attention_heads, self.num_key_value_heads) if self.qk_full_norm else (1, 1)
+                s[p + "self_attn.q_norm.weight"] = (hq * self.head_dim,)
+                s[p + "self_attn.k_norm.weight"] = (hk * self.head_dim,)
             if self.moe:  # the experts' weights fused, as transformers holds them (formats.experts)
                 s.update(expert_shapes(self.moe, p, C))
             for m in (m for m in mods if module_part(m) == "mlp" and not self.moe):
@@ -362,17 +368,6 @@ class LoraConfig:
     def adapted_layers(self, config):
         n = config.num_hidden_layers
         return list(range(n)) if self.layers is None else sorted(set(int(i) for i in self.layers))
-
-
-def lora_shapes(config, module, r):
-    """(A, B) shapes of a module's LoRA factors as the model holds them: (r, in) and (out, r); an
-    expert module's per expert, (E, r, in) and (E, out, r), gate_up_proj's B as (2, E, F, r): gate's
-    and up's rows apart, each a contiguous (E, F, r) (formats.adapter converts to PEFT's layout)."""
-    out, inp = config.module_shape(module)
-    if not (config.moe and module in EXPERT_MODULES):
-        return (r, inp), (out, r)
-    E = config.moe["experts"]
-    return (E, r, inp), ((2, E, out // 2, r) if module == "gate_up_proj" else (E, out, r))
 
 
 def module_part(module):

@@ -1,9 +1,9 @@
 """One decoder layer of the Llama family, forward and backward over core ops (llm.c style):
 
     xn = rmsnorm(x) n1
-    q|k|v = xn Wqkv^T (+ b) (+ LoRA per block)    heads, (qwen3: rmsnorm of each q and k head), rotary
+    q|k|v = xn Wqkv^T (+ b) (+ LoRA per block)    heads (qwen3: rmsnorm of each q and k head; olmoe: of q, k), rotary
     h = x + o_proj(attention(q, k, v))
-    y = h + down(silu(gate(hn)) * up(hn))           hn = rmsnorm(h) n2
+    y = h + down(silu(gate(hn)) * up(hn))           hn = rmsnorm(h) n2 (a mixture of experts': moe.py)
     (gemma2, gemma2.py: both sums' second terms RMS-normed first, GeGLU, its own attention)
 
 N = B T rows of C features; H query heads and Hk key/value heads of D features. A Layer holds the
@@ -17,7 +17,7 @@ import numpy as np
 
 from .. import _core
 from .attention import fused_forward, materialised_forward
-from . import gemma2
+from . import gemma2, olmoe
 from .layer_heads import heads_backward, heads_forward
 from .gemma2 import GemmaAttn
 from .config import ALL_MODULES, ATTN_MODULES, QKV_MODULES, lora_key
@@ -119,6 +119,7 @@ class Layer:
     k_norm: Optional[Tensor] = None  # (D,) ... and of every key head
     gemma: Optional[GemmaAttn] = None  # gemma2's attention settings and post-attention norm
     qkv_fold: Optional[Fold] = None    # q, k and v's LoRA folded into the projection's K (lora_fold.py)
+    qk_full: Optional[tuple] = None    # olmoe: RMSNorm weights over the whole q (H D,) and k (Hk D,)
 
     def linears(self):
         """{HF module name: LoraLinear} (a mixture of experts' experts are no linears)."""
@@ -143,10 +144,7 @@ class Layer:
         if self.gemma is not None:
             out.update(post_attn=self.gemma.post_attn, post_mlp=self.mlp.post)
         out.update({m: lin.W for m, lin in self.linears().items() if m not in QKV_MODULES})
-        if isinstance(self.mlp, MoeMlp):
-            out.update(router=self.mlp.router.W, experts_gate=self.mlp.gate, experts_up=self.mlp.up,
-                       experts_down=self.mlp.down)
-        return out
+        return {**out, **self.mlp.frozen()} if isinstance(self.mlp, MoeMlp) else out
 
 
 @dataclass
@@ -188,6 +186,7 @@ class LayerCache:
     a_rstd: Optional[Tensor] = None  # (N,) f32 its rstd
     qkv_group: Optional[GroupSaved] = None  # q, k and v's LoRA, grouped (lora_group.py)
     token_major: bool = False        # attn holds one state of every row (views of qkv and att)
+    qk_full: Optional[list] = None   # olmoe: (raw (N, h D), rstd) of q and k before their norms
 
 
 def build_layer(i, config, weights, device, dtype, heads, ones, lora_config, lora_params, adapted, quantize=None,
@@ -249,11 +248,12 @@ def build_layer(i, config, weights, device, dtype, heads, ones, lora_config, lor
     else:
         mlp = Mlp(up([p + "post_attention_layernorm.weight"]), lin["gate_proj"], lin["up_proj"], lin["down_proj"],
                   eps, fold=folds.get("gate_proj"))
-    qn = kn = None
-    if c.qk_norm:
-        qn, kn = up([p + "self_attn.q_norm.weight"]), up([p + "self_attn.k_norm.weight"])
+    norms = (up([p + "self_attn.q_norm.weight"]), up([p + "self_attn.k_norm.weight"])) if c.qk_norm or c.qk_full_norm \
+        else (None, None)
+    full, (qn, kn) = (norms, (None, None)) if c.qk_full_norm else (None, norms)  # olmoe's over all heads
     return Layer(heads, eps, up([p + "input_layernorm.weight"]), qkv, qkv_bias, ones,
-                 lin["q_proj"], lin["k_proj"], lin["v_proj"], lin["o_proj"], mlp, qn, kn, qkv_fold=folds.get("q_proj"))
+                 lin["q_proj"], lin["k_proj"], lin["v_proj"], lin["o_proj"], mlp, qn, kn, qkv_fold=folds.get("q_proj"),
+                 qk_full=full)
 
 
 def build_gemma_layer(i, c, weights, device, heads, ones, qkv, qkv_bias, lin):
@@ -351,6 +351,7 @@ def layer_forward(L, x, batch, attend: Optional[Callable] = None):
     r1 = d.empty((N,), "f32")                                             # (N,)
     ops.rmsnorm_forward(x, L.n1, xn, r1, L.eps)
     qkv, (qkv_saved, qkv_group) = qkv_forward(L, xn, batch.call_seed, xw)  # (N, NH D)
+    full = olmoe.qk_full_norm_forward(L, qkv) if L.qk_full is not None else None
     att = d.empty((N, H * D), dt)                                         # (N, H D)
     saved, qk_saved, tm = heads_forward(L, batch, qkv, att, attend)
     h = d.empty((N, C), dt)                                               # (N, C)
@@ -361,7 +362,7 @@ def layer_forward(L, x, batch, attend: Optional[Callable] = None):
         h, ar = gemma2.post_norm_forward(L.gemma.post_attn, a, L.eps)
     ff = moe_forward if isinstance(L.mlp, MoeMlp) else mlp_forward
     y, mlp_cache = ff(L.mlp, h, batch.call_seed, residual=x)              # h = x + attn, then its norm
-    return y, LayerCache(xn, r1, qkv_saved, saved, qk_saved, o_saved, h, mlp_cache, a, ar, qkv_group, tm)
+    return y, LayerCache(xn, r1, qkv_saved, saved, qk_saved, o_saved, h, mlp_cache, a, ar, qkv_group, tm, full)
 
 
 def layer_backward(L, x, cache, dy, batch, need_dx=True, dx_cols=0):
@@ -380,6 +381,8 @@ def layer_backward(L, x, cache, dy, batch, need_dx=True, dx_cols=0):
     L.o_proj.backward(da, cache.o, datt)
     dqkv = d.empty((N, NH * D), dt)                                       # (N, NH D)
     heads_backward(L, batch, cache, datt, dqkv)
+    if cache.qk_full is not None:
+        olmoe.qk_full_norm_backward(L, cache.qk_full, dqkv)
     dxn = d.empty((N, C), dt) if need_dx else None                        # (N, C)
     lins, dys = [b[0] for b in L.qkv_blocks()], [dqkv[:, c0:c1] for _, c0, c1 in L.qkv_blocks()]
     first = cache.qkv_group is not None and writes_all(lins)              # LoRA first (lora_group.py)

@@ -13,7 +13,8 @@ from typing import Optional
 import numpy as np
 
 from .. import _core
-from .config import ALL_MODULES, lora_key, lora_shapes
+from .config import ALL_MODULES, lora_key
+from .moe_config import lora_shapes
 from .phi3 import FUSED, MEMBER_OF
 from .params import FlatParams
 from ..quant.qweight import linear, linear_grad

@@ -109,6 +109,10 @@ class MoeMlp:
     def grad_cols(self):
         return 0  # no fold writes beside dy
 
+    def frozen(self):
+        """{name: tensor} of its frozen weights (Layer.frozen)."""
+        return dict(router=self.router.W, experts_gate=self.gate, experts_up=self.up, experts_down=self.down)
+
 
 @dataclass
 class MoeCache:

@@ -15,7 +15,8 @@ from ...io.fileio import atomic_write_bytes
 from .file import read_gguf
 from .tokenizer import build_tokenizer, tokenizer_files
 from ..hf import _FLOAT_NAMES, CONFIG_NAME, _weight_order, merged_weight, quantize_folder, write_sharded
-from ...models.config import ATTN_MODULES, EXPERT_MODULES, lora_key
+from ...models.config import ATTN_MODULES, lora_key
+from ...models.moe_config import EXPERT_MODULES
 from ..experts import merged_experts
 from ...io.safetensors_io import encode
 

@@ -340,11 +340,14 @@ def test_training_lowers_the_loss_and_leaves_frozen_weights(tmp_path):
         np.testing.assert_array_equal(np.asarray(v.numpy()), before[k], err_msg=k)
 
 
-def test_cli_trains_evaluates_and_fuses_a_moe_folder(tmp_path):
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "olmoe"])
+def test_cli_trains_evaluates_and_fuses_a_moe_folder(tmp_path, model_type):
+    """train (router adapted, load-balancing loss trained with), fuse (written back per expert),
+    generate from the fused folder and eval with the adapter, for each family from an HF folder."""
     from krnl.cli.main import main
 
     folder = tmp_path / "base"
-    _, per = write_folder(folder, CFG)
+    _, per = write_folder(folder, dict(CFG, model_type=model_type, num_local_experts=CFG["num_experts"]))
     write_data(tmp_path / "data")
     out = tmp_path / "ad"
     assert main(["train", "--model", str(folder), "--data", str(tmp_path / "data"), "--device", "cpu", "--dtype",

@@ -56,6 +56,9 @@ class CudaBackend : public Backend {
   // A scratch f32/f64 buffer from the pool, released (retired on the open step) by the caller
   // dropping the tensor: kernels queued before the release still own it until the step completes.
   Tensor scratch(int64_t n, DType dt = DType::f32) { return empty({n}, dt); }
+  // Throws naming op where 16-bit tensor-core kernels (the grouped GEMMs' bf16/f16 tiles) cannot
+  // run: compute capability below 8.0 (moe.cu).
+  void require_tensor_cores(const char* op) const;
 
   // Scope of one op's launches: when profiling, events around them and their elapsed time
   // reported through add_device_ms; otherwise nothing.

@@ -455,6 +455,12 @@ void CudaBackend::moe_combine_backward(const Tensor& dout, const Tensor& ys, con
   check_launch("moe_combine_backward");
 }
 
+void CudaBackend::require_tensor_cores(const char* op) const {
+  if (std::atoi(compute_capability_.c_str()) < 8)
+    throw std::runtime_error(std::string("[") + op + "] bf16 and f16 need compute capability 8.0 or later (this GPU: " +
+                             compute_capability_ + ")");
+}
+
 void CudaBackend::moe_gemm(const Tensor& x, const Tensor& w, const Tensor& offsets, const Tensor& out, bool transpose,
                            float alpha, float beta) {
   OpTimer timer(this);
@@ -468,26 +474,16 @@ void CudaBackend::moe_gemm(const Tensor& x, const Tensor& w, const Tensor& offse
     return;
   }
   const bool tc = dt != DType::f32;
-  if (tc && std::atoi(compute_capability_.c_str()) < 8)
-    throw std::runtime_error("[moe_gemm] bf16 and f16 need compute capability 8.0 or later (this GPU: " +
-                             compute_capability_ + ")");
-  if (P > int64_t(INT32_MAX)) throw std::invalid_argument("[moe_gemm] over 2^31 - 1 rows");
+  if (tc) require_tensor_cores("moe_gemm");
   const int64_t unit = 16 / int64_t(dtype_size(dt));
   const bool vec = K % unit == 0 && N % unit == 0 && aligned16({x.data(), w.data(), out.data()});
-  // Row tiles of 128 where experts average 96 rows or more, else of 64 (less padding per expert).
-  const int bm = tc && vec && P >= 96 * E ? 128 : 64, bn = tc ? 128 : 64;
-  const int64_t T = (P + bm - 1) / bm + E, tiles_n = (N + bn - 1) / bn, blocks = T * tiles_n;
-  check_grid(blocks, "moe_gemm");
-  Tensor map = scratch(4 * T, DType::i32);  // (T,) int4 {expert, first row, rows, 0}
-  moe_tile_map_kernel<<<1, 256, 0, stream_>>>(offsets.ptr<int32_t>(), int(E), int(P), bm,
-                                              reinterpret_cast<int4*>(map.data()), int(T));
-  check_launch("moe_gemm");
-  GemmParams p{x.data(), w.data(), out.data(), reinterpret_cast<const int4*>(map.data()), offsets.ptr<int32_t>(),
-               P, 0, N, K, O * I, 0, tiles_n, dt, alpha, beta};
+  const RowTiles t = row_tiles(*this, offsets, P, E, N, tc, vec, "moe_gemm");
+  GemmParams p{x.data(), w.data(), out.data(), reinterpret_cast<const int4*>(t.map.data()), offsets.ptr<int32_t>(),
+               P, 0, N, K, O * I, 0, t.tiles_n, dt, alpha, beta};
   if (transpose)
-    launch_gemm<Mode::linear>(p, dt, bm, vec, unsigned(blocks), stream_);
+    launch_gemm<Mode::linear>(p, dt, t.bm, vec, unsigned(t.blocks), stream_);
   else
-    launch_gemm<Mode::input_grad>(p, dt, bm, vec, unsigned(blocks), stream_);
+    launch_gemm<Mode::input_grad>(p, dt, t.bm, vec, unsigned(t.blocks), stream_);
   check_launch("moe_gemm");
 }
 
@@ -498,9 +494,7 @@ void CudaBackend::moe_gemm_weight_grad(const Tensor& a, const Tensor& b, const T
   const DType dt = a.dtype();
   if (M == 0 || N == 0) return;
   const bool tc = dt != DType::f32;
-  if (tc && std::atoi(compute_capability_.c_str()) < 8)
-    throw std::runtime_error("[moe_gemm_weight_grad] bf16 and f16 need compute capability 8.0 or later (this GPU: " +
-                             compute_capability_ + ")");
+  if (tc) require_tensor_cores("moe_gemm_weight_grad");
   if (P > int64_t(INT32_MAX)) throw std::invalid_argument("[moe_gemm_weight_grad] over 2^31 - 1 rows");
   const int64_t unit = 16 / int64_t(dtype_size(dt));
   // bf16/f16: units of 8, so the tensor-core epilogue's 8-column groups hold for an f32 out too.

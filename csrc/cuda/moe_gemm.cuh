@@ -324,5 +324,32 @@ void check_grid(int64_t blocks, const char* op) {
                                 " blocks, over CUDA's 2^31 - 1");
 }
 
+// The row tiles of moe_gemm and moe_quantized_matmul (P rows of E experts, N output columns):
+// rows of 128 where experts average 96 rows or more (tensor cores, 16-byte units), else of 64
+// (less padding per expert); ceil(P / bm) + E row tiles cover every expert's rows, and map (T,)
+// int4 {expert, first row, rows, 0} is built from offsets on the device.
+struct RowTiles {
+  int bm, bn;
+  int64_t T, tiles_n, blocks;
+  Tensor map;
+};
+
+RowTiles row_tiles(CudaBackend& dev, const Tensor& offsets, int64_t P, int64_t E, int64_t N, bool tc, bool vec,
+                   const char* op) {
+  if (P > int64_t(INT32_MAX)) throw std::invalid_argument(std::string("[") + op + "] over 2^31 - 1 rows");
+  RowTiles t;
+  t.bm = tc && vec && P >= 96 * E ? 128 : 64;
+  t.bn = tc ? 128 : 64;
+  t.T = (P + t.bm - 1) / t.bm + E;
+  t.tiles_n = (N + t.bn - 1) / t.bn;
+  t.blocks = t.T * t.tiles_n;
+  check_grid(t.blocks, op);
+  t.map = dev.scratch(4 * t.T, DType::i32);
+  moe_tile_map_kernel<<<1, 256, 0, dev.stream()>>>(offsets.ptr<int32_t>(), int(E), int(P), t.bm,
+                                                   reinterpret_cast<int4*>(t.map.data()), int(t.T));
+  check_launch(op);
+  return t;
+}
+
 }  // namespace
 }  // namespace krnl::cuda

@@ -49,31 +49,21 @@ void CudaBackend::moe_quantized_matmul(const Tensor& x, const Tensor& w, const T
     return;
   }
   const bool tc = dt != DType::f32;
-  if (tc && std::atoi(compute_capability_.c_str()) < 8)
-    throw std::runtime_error("[moe_quantized_matmul] bf16 and f16 need compute capability 8.0 or later (this GPU: " +
-                             compute_capability_ + ")");
-  if (P > int64_t(INT32_MAX)) throw std::invalid_argument("[moe_quantized_matmul] over 2^31 - 1 rows");
+  if (tc) require_tensor_cores("moe_quantized_matmul");
   // 16-byte units for x's tiles and the epilogue (the codes' loads are the B loader's own).
   const int64_t unit = 16 / int64_t(dtype_size(dt));
   const bool vec = K % unit == 0 && N % unit == 0 && aligned16({x.data(), out.data()});
-  // moe_gemm's tiles: rows of 128 where experts average 96 rows or more (each dequantized B tile
-  // then serves twice the rows), else 64.
-  const int bm = tc && vec && P >= 96 * E ? 128 : 64, bn = tc ? 128 : 64;
-  const int64_t T = (P + bm - 1) / bm + E, tiles_n = (N + bn - 1) / bn, blocks = T * tiles_n;
-  check_grid(blocks, "moe_quantized_matmul");
-  Tensor map = scratch(4 * T, DType::i32);  // (T,) int4 {expert, first row, rows, 0}
-  moe_tile_map_kernel<<<1, 256, 0, stream_>>>(offsets.ptr<int32_t>(), int(E), int(P), bm,
-                                              reinterpret_cast<int4*>(map.data()), int(T));
-  check_launch("moe_quantized_matmul");
-  GemmParams p{x.data(), nullptr, out.data(), reinterpret_cast<const int4*>(map.data()), offsets.ptr<int32_t>(),
-               P, 0, N, K, 0, 0, tiles_n, dt, 1.f, beta};
+  // moe_gemm's tiles (each dequantized B tile serves a whole row tile)
+  const RowTiles t = row_tiles(*this, offsets, P, E, N, tc, vec, "moe_quantized_matmul");
+  GemmParams p{x.data(), nullptr, out.data(), reinterpret_cast<const int4*>(t.map.data()), offsets.ptr<int32_t>(),
+               P, 0, N, K, 0, 0, t.tiles_n, dt, 1.f, beta};
   // Scales and biases: expert 0's (O, groups) is contiguous (the core checks); experts by stride.
   const QuantParams q{static_cast<const uint32_t*>(w.data()), scales.data(), biases.data(), words, scales.size(2),
                       scales.strides()[0], biases.strides()[0], log2_exact(group_size), scales.dtype()};
   if (transpose)
-    launch_quantized<Mode::linear>(bits, p, q, dt, bm, vec, unsigned(blocks), stream_);
+    launch_quantized<Mode::linear>(bits, p, q, dt, t.bm, vec, unsigned(t.blocks), stream_);
   else
-    launch_quantized<Mode::input_grad>(bits, p, q, dt, bm, vec, unsigned(blocks), stream_);
+    launch_quantized<Mode::input_grad>(bits, p, q, dt, t.bm, vec, unsigned(t.blocks), stream_);
   check_launch("moe_quantized_matmul");
 }
 

@@ -27,6 +27,10 @@ bool blas_fans_out();
 void sgemm_rows(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
                 const float* B, int64_t ldb, float beta, float* C, int64_t ldc, int64_t rows);
 
+// out (n, C) = rows ids (n,) i32 of table (V, C), the ids checked with op's name (loss.cpp):
+// embedding_forward's work, and moe_gather's.
+void gather_rows(const char* op, const char* what, const Tensor& ids, const Tensor& table, const Tensor& out);
+
 class CpuBackend : public Backend {
  public:
   explicit CpuBackend(const char* name = "cpu");

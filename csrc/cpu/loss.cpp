@@ -13,9 +13,9 @@ namespace krnl::cpu {
 
 // ---- embedding
 
-void CpuBackend::embedding_forward(const Tensor& ids, const Tensor& table, const Tensor& out) {
+void gather_rows(const char* op, const char* what, const Tensor& ids, const Tensor& table, const Tensor& out) {
   const int64_t V = table.size(0), C = table.size(1), n = ids.numel();
-  ops::check_ids("embedding_forward", "id", "position", ids.ptr<int32_t>(), n, V);
+  ops::check_ids(op, what, "position", ids.ptr<int32_t>(), n, V);
   const int32_t* id = ids.ptr<int32_t>();
   const size_t row_bytes = size_t(C) * dtype_size(table.dtype());
   const char* src = static_cast<const char*>(table.data());
@@ -23,6 +23,10 @@ void CpuBackend::embedding_forward(const Tensor& ids, const Tensor& table, const
   for_rows(n, C, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) std::memcpy(dst + size_t(t) * row_bytes, src + size_t(id[t]) * row_bytes, row_bytes);
   });
+}
+
+void CpuBackend::embedding_forward(const Tensor& ids, const Tensor& table, const Tensor& out) {
+  gather_rows("embedding_forward", "id", ids, table, out);
 }
 
 void CpuBackend::embedding_backward(const Tensor& ids, const Tensor& dout, const Tensor& dtable) {

@@ -3,7 +3,6 @@
 // experts side by side on the pool (single-threaded BLAS) where calls may fan out.
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -165,15 +164,7 @@ void CpuBackend::moe_sort(const Tensor& ids, const Tensor& tokens, const Tensor&
 }
 
 void CpuBackend::moe_gather(const Tensor& x, const Tensor& tokens, const Tensor& out) {
-  const int64_t N = x.size(0), C = x.size(1), P = tokens.numel();
-  ops::check_ids("moe_gather", "token", "position", tokens.ptr<int32_t>(), P, N);
-  const int32_t* tok = tokens.ptr<int32_t>();
-  const size_t row = size_t(C) * dtype_size(x.dtype());
-  const char* src = static_cast<const char*>(x.data());
-  char* dst = static_cast<char*>(out.data());
-  for_rows(P, C, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) std::memcpy(dst + size_t(p) * row, src + size_t(tok[p]) * row, row);
-  });
+  gather_rows("moe_gather", "token", tokens, x, out);  // embedding_forward's rows, named as tokens
 }
 
 void CpuBackend::moe_combine(const Tensor& ys, const Tensor& slot, const Tensor* weights, const Tensor& out,

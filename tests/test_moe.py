@@ -600,3 +600,18 @@ def test_moe_gradient_checkpointing_changes_nothing():
     assert l0 == l1 and a0 == a1
     for k in g0:
         np.testing.assert_array_equal(g0[k], g1[k], err_msg=k)
+
+
+def test_switch_experts_refuse_microscaled_scales():
+    """mlx-lm's switch_mlp experts in a microscaling mode (U8 scales, no biases: mxfp4) are refused
+    by name, as read_quantized refuses such linears, never read as affine codes."""
+    class Stored:  # a LazyTensor's face: shape, ndim, st_dtype
+        def __init__(self, shape, st_dtype):
+            self.shape, self.ndim, self.st_dtype = shape, len(shape), st_dtype
+
+    config = ModelConfig.from_dict(CFG)
+    p = "model.layers.0.mlp.switch_mlp.gate_proj."
+    tensors = {p + "weight": Stored((5, 16, 4), "U32"), p + "scales": Stored((5, 16, 1), "U8")}
+    with pytest.raises(ValueError, match=r"\[hf\] f: model\.layers\.0\.mlp\.switch_mlp\.gate_proj\.scales: U8 scales "
+                                         r"\(a microscaling mode\?\)"):
+        experts.switch_experts(tensors, config, "f")

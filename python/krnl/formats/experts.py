@@ -9,6 +9,7 @@ import numpy as np
 
 from ..models.moe import ExpertHalves
 from ..quant.qweight import QuantizedArray
+from ..io.safetensors_io import FLOAT_DTYPES
 
 _PER_EXPERT = {  # family: (block name, {our fused name: the stored names of an expert's pieces})
     "qwen3_moe": ("mlp", {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}),
@@ -54,13 +55,14 @@ def switch_experts(tensors, config, where):
             I = config.hidden_size if n != "down_proj" else config.moe["expert_size"]
             if s is None:  # float, or (GGUF) a QuantizedArray already
                 got[n] = w
+            elif s.st_dtype not in FLOAT_DTYPES:  # as mlx_folder.read_quantized refuses it
+                bad.append(f"{p}switch_mlp.{n}.scales: {s.st_dtype} scales (a microscaling mode?); krnl reads "
+                           f"affine scales in F32, F16 or BF16")
             elif b is None or w.ndim != 3 or s.ndim != 3 or w.shape[2] * 32 % I or I % s.shape[2]:
                 bad.append(f"{p}switch_mlp.{n}: codes {w.shape}, scales {s.shape}, biases "
                            f"{None if b is None else b.shape} do not quantize (E, O, {I}) experts")
-                continue
             else:
-                got[n] = QuantizedArray(w, s, b, w.shape[2] * 32 // I, I // s.shape[2],
-                                        {"F32": "f32", "F16": "f16", "BF16": "bf16"}.get(s.st_dtype, "f32"))
+                got[n] = QuantizedArray(w, s, b, w.shape[2] * 32 // I, I // s.shape[2], FLOAT_DTYPES[s.st_dtype])
         if "gate_proj" in got and "up_proj" in got:
             out[p + "experts.gate_up_proj"] = ExpertHalves(got["gate_proj"], got["up_proj"])
         if "down_proj" in got:
@@ -124,19 +126,21 @@ def stored_name(config, weights, name):
     return name
 
 
-class ExpertPieces:
-    """A fused expert weight's per-expert pieces, made once for all of them and dropped after the last."""
+class Pieces:
+    """The parts split(get()) of one weight a writer stores as several tensors (an expert's pieces,
+    gate_up's halves): made once for its `uses` calls of take(j) (default: one per part) and
+    dropped after the last, so that a fused weight is computed once, not once per part."""
 
-    def __init__(self, config, name, get):
-        self.config, self.name, self.get, self.arrays, self.left = config, name, get, None, None
+    def __init__(self, get, split, uses=None):
+        self.get, self.split, self.uses, self.parts, self.left = get, split, uses, None, 0
 
     def take(self, j):
-        if self.arrays is None:
-            self.arrays = [a for _, a in expert_pieces(self.config, self.name, self.get())]
-            self.left = len(self.arrays)
-        a, self.left = self.arrays[j], self.left - 1
+        if self.parts is None:
+            self.parts = self.split(self.get())
+            self.left = self.uses or len(self.parts)
+        a, self.left = self.parts[j], self.left - 1
         if self.left == 0:
-            self.arrays = None
+            self.parts = None
         return a
 
 

@@ -31,7 +31,7 @@ from ..models.config import module_part
 from ..models.model import LlamaModel
 from ..models.config import ModelConfig, lora_key
 from ..models.moe_config import EXPERT_MODULES
-from .experts import (ExpertPieces, StackedTensor, expert_pieces, merged_experts, stacked_experts, stored_name,
+from .experts import (Pieces, StackedTensor, expert_pieces, merged_experts, stacked_experts, stored_name,
                       switch_experts)
 from ..quant.qweight import QuantizedArray
 from ..io.safetensors_io import LazyTensor, encode, header_bytes, nbytes, read_safetensors_header
@@ -345,7 +345,7 @@ def _write_folder(model_folder, weights, config, out_folder, shard_size, dtype, 
             st = force or t.st_dtype
             get = merged.get(name) or (lambda t=t: np.asarray(t, np.float32))
             if isinstance(t, StackedTensor):  # experts read per expert are written back per expert
-                pieces = ExpertPieces(config, name, get)
+                pieces = Pieces(get, lambda a, name=name: [x for _, x in expert_pieces(config, name, a)])
                 shapes = expert_pieces(config, name, np.broadcast_to(np.float32(0), t.shape))
                 items += [(k, st, a.shape, lambda p=pieces, j=j, st=st: encode(p.take(j), st))
                           for j, (k, a) in enumerate(shapes)]

@@ -19,10 +19,10 @@ import numpy as np
 from ..quant import affine
 from ..models.config import module_part
 from ..quant.qweight import QuantizedArray
-from ..io.safetensors_io import encode, f32_to_bf16
+from .experts import Pieces
+from ..io.safetensors_io import FLOAT_DTYPES, ST_DTYPES, encode, f32_to_bf16
 
-SCALE_DTYPES = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
-ST_DTYPES = {"f32": "F32", "f16": "F16", "bf16": "BF16"}
+SCALE_DTYPES = FLOAT_DTYPES  # affine scales and biases: a float dtype
 FLOAT_NAMES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 
 
@@ -299,10 +299,12 @@ def _switch_parts(config, weights, names, merged):
             continue
         E, F2, C = t.shape
         halves = getattr(t, "parts", (None, None))  # moe.ExpertHalves: as the source holds them
+        kept = [get is None and isinstance(h, QuantizedArray) for h in halves]  # passed through as stored
+        pieces = Pieces(get or (lambda t=t: np.asarray(t, np.float32)),
+                        lambda a, F=F2 // 2: [a[:, :F], a[:, F:]], uses=kept.count(False))
         for j, n in enumerate(("gate_proj", "up_proj")):
-            if get is None and isinstance(halves[j], QuantizedArray):
+            if kept[j]:
                 yield p + n + ".weight", halves[j], None
-                continue
-            whole = get or (lambda t=t: np.asarray(t, np.float32))
-            yield p + n + ".weight", np.broadcast_to(np.float32(0), (E, F2 // 2, C)), (
-                lambda whole=whole, j=j: whole()[:, j * F2 // 2:(j + 1) * F2 // 2])
+            else:
+                yield p + n + ".weight", np.broadcast_to(np.float32(0), (E, F2 // 2, C)), (
+                    lambda pieces=pieces, j=j: pieces.take(j))

@@ -17,6 +17,9 @@ ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "U32": 4, "I32": 4, "U8": 1
 # Integer tensors are quantized weights' packed codes (U32, I32) or the scales of MLX's
 # microscaling modes (U8): read as their raw integers, never converted to float.
 INT_DTYPES = ("U32", "I32", "U8")
+# The float dtypes krnl computes in, by their safetensors names, and back.
+FLOAT_DTYPES = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
+ST_DTYPES = {v: k for k, v in FLOAT_DTYPES.items()}
 
 
 def nbytes(st_dtype, shape):

@@ -74,15 +74,14 @@ PEFT_PARAMETERS = {"gate_up_proj": "mlp.experts.gate_up_proj", "down_proj": "mlp
                    "router": "mlp.gate.weight"}
 
 
-def _router_key(key):
-    """PEFT's key of a router factor (the ParamWrapper sits on mlp.gate) for krnl's, and back."""
-    return key.replace(".mlp.router.", ".mlp.gate.") if ".mlp.router." in key else key.replace(".mlp.gate.lora_",
-                                                                                              ".mlp.router.lora_")
+# A router factor's key part: krnl's module name, and the module PEFT's ParamWrapper (and mlx-lm's
+# LoRALinear) sit on.
+ROUTER, ROUTER_FILE = ".mlp.router.lora_", ".mlp.gate.lora_"
 
 
 def _peft_experts_out(tensors, config):
     """tensors with the experts' factors under PEFT's keys and in its layout (experts.peft_factors)."""
-    out = {_router_key(k) if ".mlp.router." in k else k: v for k, v in tensors.items()}
+    out = {k.replace(ROUTER, ROUTER_FILE): v for k, v in tensors.items()}
     for i in range(config.num_hidden_layers):
         mods = [m for m in EXPERT_MODULES if lora_key(i, m, "A") in out]
         for m, (kA, kB) in peft_expert_keys(i, mods).items():
@@ -94,12 +93,12 @@ def _peft_experts_in(raw, config, cfg, who):
     """raw with the experts' PEFT factors (target_parameters) under krnl's keys, held as the model
     holds them (experts.held_factors); other keys pass through."""
     params = cfg.get("target_parameters") or []
-    mods = [m for m in EXPERT_MODULES if f"mlp.experts.{m}" in params]
+    mods = [m for m in EXPERT_MODULES if PEFT_PARAMETERS[m] in params]
     unknown = [p for p in params if p not in PEFT_PARAMETERS.values()]
     if unknown:
         raise ValueError(f"[{who}] target_parameters {unknown} are not supported; krnl takes "
                          f"{', '.join(PEFT_PARAMETERS.values())}")
-    out, E = {_router_key(k) if ".mlp.gate.lora_" in k else k: v for k, v in raw.items()}, config.moe["experts"]
+    out, E = {k.replace(ROUTER_FILE, ROUTER): v for k, v in raw.items()}, config.moe["experts"]
     for i in range(config.num_hidden_layers):
         for m, (kA, kB) in peft_expert_keys(i, mods).items():
             if kA in out and kB in out:
@@ -264,7 +263,7 @@ def read_adapter(path, config):
         base = cfg.get("model")
         raw = _read_f32_tensors(path / MLX_WEIGHTS_NAME, who)
         if config.moe:
-            raw = {k.replace(".mlp.gate.lora_", ".mlp.router.lora_"): v for k, v in _mlx_experts_in(raw, config, who).items()}
+            raw = {k.replace(ROUTER_FILE, ROUTER): v for k, v in _mlx_experts_in(raw, config, who).items()}
         pattern, fname = _MLX_KEY, MLX_WEIGHTS_NAME
 
     found, unexpected = {}, []

@@ -78,7 +78,8 @@ class LlamaModel:
                                    self.adapted, self.quantize, self.sums) for i in range(c.num_hidden_layers)]
         # A mixture's load-balancing loss: computed in every forward (aux_loss()), trained with where
         # aux_loss_coef > 0 (transformers' router_aux_loss_coef with output_router_logits).
-        self.router_stats = RouterStats(device, c.moe["experts"]) if c.moe else None
+        self._ones = Ones(device, "f32")  # f32 ones: the loss sum's gemm row, RouterStats' sums
+        self.router_stats = RouterStats(device, c.moe["experts"], self._ones) if c.moe else None
         for L in self.layers if c.moe else ():
             L.mlp.stats = self.router_stats
         caps = device.capabilities()
@@ -97,7 +98,6 @@ class LlamaModel:
         self.token_major = fa["token_major"]
         self.input_grad = False  # d_embed_out: frozen embeddings need none to train (W2, W3 time it)
         self.d_embed_out = self._loss = None
-        self._ones = {}  # N -> (1, N) f32 ones: the loss sum's gemm row
 
     @property
     def aux_loss_coef(self):
@@ -213,10 +213,8 @@ class LlamaModel:
     def _loss_sum(self, rows_loss, alpha=1.0):
         """(1,) f32 = alpha sum(rows_loss), as one gemm with a ones row (ignored rows hold 0)."""
         N = rows_loss.shape[0]
-        if N not in self._ones:
-            self._ones[N] = self.dev.tensor(np.ones((1, N), np.float32), "f32")
         out = self.dev.empty((1, 1), "f32")
-        ops.gemm(self._ones[N], rows_loss.reshape(N, 1), out, alpha=alpha)
+        ops.gemm(self._ones(N).reshape(1, N), rows_loss.reshape(N, 1), out, alpha=alpha)
         return out.reshape(1)
 
     def _mean_loss(self, rows_loss, n_valid):

@@ -45,21 +45,16 @@ class RouterStats:
     over L layers of N rows; f is a count (no gradient), so d aux / d p[., e] = E f_e / (L N), the
     dprobs moe_route_backward adds to every row. All of it stays on the device."""
 
-    def __init__(self, device, experts, coef=0.0):
-        self.dev, self.E, self.coef = device, int(experts), float(coef)
+    def __init__(self, device, experts, ones, coef=0.0):
+        self.dev, self.E, self.coef, self.ones = device, int(experts), float(coef), ones  # ones(n): (n, 1) f32
         self.counts = device.zeros((self.E, 1, 1), "f32")                # (E, 1, 1) picks per expert
         self.probs = device.zeros((1, self.E), "f32")                    # (1, E) summed probabilities
-        self.rows, self.recording, self.dprobs, self.last, self._ones = 0, False, None, None, {}
+        self.rows, self.recording, self.dprobs, self.last = 0, False, None, None
 
     def begin(self):
         ops.fill(self.counts, 0.0)
         ops.fill(self.probs, 0.0)
         self.rows, self.recording, self.dprobs = 0, True, None
-
-    def ones(self, n):
-        if n not in self._ones:
-            self._ones[n] = self.dev.tensor(np.ones((n, 1), np.float32), "f32")
-        return self._ones[n]
 
     def add(self, logits, offsets, top_k):
         """One layer's routing: logits (N, E), offsets moe_sort's of its N top_k pairs."""

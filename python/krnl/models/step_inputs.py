@@ -117,6 +117,7 @@ def row_arrays(a, what, shape):
                          f"got shape {a.shape} dtype {a.dtype}")
     return a.astype(np.int32)
 
+
 def plan_rows(config, shape, segments=None, positions=None):
     """The host's half of a call's rows: (segments, positions) as checked (B, T) int32 arrays
     or None, and the sliding window it attends with (0: none)."""

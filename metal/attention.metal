@@ -2,7 +2,9 @@
 // attention_forward / attention_backward: fused causal flash attention (docs/architecture.md,
 // 'Attention'). q, o, dout, dq (Hq, T, D); k, v, dk, dv (Hk, T, D); query head h reads KV head
 // h / (Hq / Hk); lse and delta (Hq, T) f32. Query i sees key j iff j <= i, and i - j < window where
-// window > 0, and seg[i] == seg[j] where has_segments (metal/kargs.h AttentionArgs). Operands f32 or
+// window > 0, and seg[i] == seg[j] where has_segments (metal/kargs.h AttentionArgs). With has_sinks
+// the forward's softmax takes sinks[h] as a column without a value (seeding the running max and
+// sum); its lse includes it, so the backward, from lse and delta, is the same. Operands f32 or
 // f16 (bf16 under KRNL_BF16), products on 8x8 simdgroup matrices accumulating in float; P and
 // dS are rounded to the operand type before their products, as in the forward of every flash
 // attention. The scores never leave threadgroup memory.
@@ -163,6 +165,7 @@ kernel void attention_forward(device const T*         q    [[buffer(0)]],
                               device float*           lse  [[buffer(4)]],
                               device const int*       seg  [[buffer(5)]],
                               constant AttentionArgs& args [[buffer(6)]],
+                              device const float*     sinks [[buffer(7)]],
                               uint2 tg   [[threadgroup_position_in_grid]],
                               uint  tid  [[thread_index_in_threadgroup]],
                               uint  lane [[thread_index_in_simdgroup]],
@@ -197,6 +200,7 @@ kernel void attention_forward(device const T*         q    [[buffer(0)]],
     threadgroup float* srow = s_s + sg * 8 * BK;
     threadgroup T*     prow = p_s + sg * 8 * BK;
     float m = ATTN_LOWEST, l = 0.0f;          // running max and sum of this lane's row
+    if (args.has_sinks != 0) m = sinks[h], l = 1.0f;   // the sink's column: exp(sink - m) = 1
     simdgroup_float8x8 acc[DB];
     for (uint j = 0; j < DB; ++j) acc[j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
 

@@ -44,7 +44,7 @@ struct RmsnormArgs {
 // softmax_causal_forward: S, P (rows, tk) with rows = batch * tq; query row r sits at position
 // q = r % tq + tk - tq. has_segments != 0: buffer(2) holds (tk,) i32 segment ids (tq == tk); when 0
 // buffer(2) must still be bound (any buffer) and is not read. window > 0: only keys j with
-// q - j < window are visible (0: no sliding window).
+// q - j < window are visible (0: no sliding window). has_sinks as has_segments, for buffer(4).
 struct SoftmaxArgs {
     uint32_t rows;
     uint32_t tq;
@@ -52,6 +52,7 @@ struct SoftmaxArgs {
     float    scale;
     uint32_t has_segments;
     uint32_t window;
+    uint32_t has_sinks;     // buffer(4): sinks (rows / tq,) f32, one per score matrix
 };
 
 // attention_forward / attention_backward (metal/attention.metal): q (Hq, T, D), k, v (Hk, T, D),
@@ -70,12 +71,15 @@ struct AttentionArgs {
     float    scale;
     uint32_t head0;
     uint32_t block0;
+    uint32_t has_sinks;     // the forward's sinks (Hq,) f32 buffer: read where != 0, else bound only
 };
 
 // swiglu_forward (s = silu(g) * u) and swiglu_backward (dg, du from ds, g, u): flat buffers of n
-// elements.
+// elements. limit > 0: gpt-oss's clamped form (metal/swiglu.metal) with alpha; else plain, alpha unread.
 struct SwigluArgs {
     uint32_t n;
+    float    alpha;
+    float    limit;
 };
 
 // geglu_forward (s = gelu_tanh(g) * u) and geglu_backward (dg, du from ds, g, u): flat buffers of n

@@ -2,7 +2,8 @@
 // softmax_causal_forward: P = causal softmax of scale * S over the last dim.
 // S, P (rows, tk), rows = batch * tq; query row r sits at position q = r % tq + tk - tq and sees
 // keys j <= q, only those with q - j < window where window > 0 (a sliding window), and with
-// segments only keys of its own segment. Masked entries are written as
+// segments only keys of its own segment; with sinks (has_sinks) sinks[row / tq] joins the row's
+// softmax as a column without a value (unscaled: P then sums to < 1). Masked entries are written as
 // exact zeros; the row max (over visible keys) is subtracted before exp, so no infinity is ever
 // produced or needed. One threadgroup per row (grid = rows), any threadgroup size up to 1024;
 // max and sum in float via simd_max/simd_sum and one partial per SIMD-group in threadgroup
@@ -20,6 +21,7 @@ kernel void softmax_causal_forward(device const T*       S    [[buffer(0)]],
                                    device T*             P    [[buffer(1)]],
                                    device const int*     seg  [[buffer(2)]],
                                    constant SoftmaxArgs& args [[buffer(3)]],
+                                   device const float*   sinks [[buffer(4)]],
                                    uint row  [[threadgroup_position_in_grid]],
                                    uint tid  [[thread_position_in_threadgroup]],
                                    uint ntg  [[threads_per_threadgroup]],
@@ -49,6 +51,8 @@ kernel void softmax_causal_forward(device const T*       S    [[buffer(0)]],
     threadgroup_barrier(mem_flags::mem_threadgroup);
     m = part_max[0];
     for (uint s = 1; s < nsg; ++s) m = max(m, part_max[s]);
+    const float sink = args.has_sinks != 0 ? sinks[row / args.tq] : 0.0f;
+    if (args.has_sinks != 0) m = max(m, sink / scale);   // the unscaled sink joins the max, in S's units
 
     // sum of exp(scale * (s - m)) over the visible keys
     float sum = 0.0f;
@@ -59,6 +63,7 @@ kernel void softmax_causal_forward(device const T*       S    [[buffer(0)]],
     threadgroup_barrier(mem_flags::mem_threadgroup);
     float total = 0.0f;
     for (uint s = 0; s < nsg; ++s) total += part_sum[s];  // same order in every thread
+    if (args.has_sinks != 0) total += exp(sink - scale * m);
     const float inv = 1.0f / total;
 
     for (uint j = tid; j < tk; j += ntg) {

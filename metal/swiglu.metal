@@ -2,12 +2,19 @@
 // SwiGLU over flat contiguous buffers of n elements (g, u, s, ds, dg, du all the same shape).
 // swiglu_forward:  s = silu(g) * u, silu(g) = g * sig(g), sig(g) = 1 / (1 + exp(-g)).
 // swiglu_backward: du = ds * silu(g); dg = ds * u * sig * (1 + g * (1 - sig)).
+// args.limit > 0: gpt-oss's clamped form, x = min(g, limit), v = clamp(u, -limit, limit) + 1,
+// s = x * sig(alpha x) * v; dg = ds * v * sig * (1 + alpha x (1 - sig)) where g <= limit, du =
+// ds * x * sig where |u| <= limit (torch.clamp's gradient, bounds included), else 0.
 // Any n: a grid-stride loop with a bounds check. Half operands are computed in float and rounded
 // once on the store. In the backward every input of an element is read before either output is
 // written, so dg and/or du may alias ds (each element is owned by one thread).
 #include <metal_stdlib>
 #include "kargs.h"
 using namespace metal;
+
+// The clamped form's inputs: x = min(g, limit), v = clamp(u, -limit, limit) + 1 (NaN stays NaN).
+inline float swiglu_x(float g, float limit) { return g > limit ? limit : g; }
+inline float swiglu_v(float u, float limit) { return (u > limit ? limit : (u < -limit ? -limit : u)) + 1.0f; }
 
 template <typename T>
 kernel void swiglu_forward(device const T*      g    [[buffer(0)]],
@@ -17,6 +24,13 @@ kernel void swiglu_forward(device const T*      g    [[buffer(0)]],
                            uint gid [[thread_position_in_grid]],
                            uint gsz [[threads_per_grid]])
 {
+    if (args.limit > 0.0f) {
+        for (uint i = gid; i < args.n; i += gsz) {
+            const float x = swiglu_x(float(g[i]), args.limit);
+            s[i] = T(x / (1.0f + exp(-args.alpha * x)) * swiglu_v(float(u[i]), args.limit));
+        }
+        return;
+    }
     for (uint i = gid; i < args.n; i += gsz) {
         const float gi = float(g[i]), ui = float(u[i]);
         s[i] = T(gi / (1.0f + exp(-gi)) * ui);
@@ -33,6 +47,17 @@ kernel void swiglu_backward(device const T*      ds   [[buffer(0)]],
                             uint gid [[thread_position_in_grid]],
                             uint gsz [[threads_per_grid]])
 {
+    const float limit = args.limit, alpha = args.alpha;
+    if (limit > 0.0f) {
+        for (uint i = gid; i < args.n; i += gsz) {
+            const float d = float(ds[i]), gi = float(g[i]), ui = float(u[i]);  // all reads first
+            const float x = swiglu_x(gi, limit), v = swiglu_v(ui, limit);
+            const float sig = 1.0f / (1.0f + exp(-alpha * x));
+            dg[i] = T(gi <= limit ? d * v * sig * (1.0f + alpha * x * (1.0f - sig)) : 0.0f);
+            du[i] = T(ui >= -limit && ui <= limit ? d * x * sig : 0.0f);
+        }
+        return;
+    }
     for (uint i = gid; i < args.n; i += gsz) {
         const float d = float(ds[i]), gi = float(g[i]), ui = float(u[i]);  // all reads first
         const float sig = 1.0f / (1.0f + exp(-gi));

@@ -286,6 +286,111 @@ def test_swiglu_backward_finite_differences(dev):
     assert_fd(read(du), fd_grad(lambda uv: loss(g0, uv), u0), "du")
 
 
+SWIGLU_ALPHA, SWIGLU_LIMIT = float(np.float32(1.702)), 7.0  # gpt-oss's, alpha as the op receives it
+
+
+def clamped_swiglu_inputs(dev, rng, shape, dt):
+    """g and u over (-2 limit, 2 limit), a tenth of each exactly at +limit and a tenth at -limit."""
+    g, u = (2 * SWIGLU_LIMIT * (2 * rng.random(shape) - 1) for _ in range(2))
+    for x, off in ((g, 0), (u, 3)):
+        x.flat[off::10], x.flat[off + 5::10] = SWIGLU_LIMIT, -SWIGLU_LIMIT
+    return upload(dev, g, dt), upload(dev, u, dt)
+
+
+def clamped_swiglu_ref(g, u, alpha=SWIGLU_ALPHA, limit=SWIGLU_LIMIT):
+    """float64 s, ds-free dg and du of gpt-oss's clamped SwiGLU (transformers' GptOssExperts), the
+    gradients passing torch.clamp where its input lies within the bounds, bounds included; and the
+    size of the terms that f32 rounds (u + 1 cancels near u = -1, 1 + alpha x (1 - sg) near x = -0.75)."""
+    x, v = np.minimum(g, limit), np.clip(u, -limit, limit) + 1
+    sg = sigmoid(alpha * x)
+    grad_x = np.where(g <= limit, v * sg * (1 + alpha * x * (1 - sg)), 0.0)
+    grad_u = np.where(np.abs(u) <= limit, x * sg, 0.0)
+    mag = np.abs(x * sg) * (np.abs(v) + 2) * (1 + np.abs(alpha * x))
+    return x * sg * v, grad_x, grad_u, mag
+
+
+@pytest.mark.parametrize("dt", FLOAT_DTYPES)
+@pytest.mark.parametrize("shape", SWIGLU_SHAPES, ids=SWIGLU_IDS)
+def test_swiglu_forward_clamped(dev, shape, dt):
+    """limit > 0: gpt-oss's clamped form, inputs straddling +-limit and exactly on both bounds."""
+    (g, gf), (u, uf) = clamped_swiglu_inputs(dev, np.random.default_rng(16), shape, dt)
+    s = empty_filled(dev, shape, dt)
+    ops.swiglu_forward(g, u, s, SWIGLU_ALPHA, SWIGLU_LIMIT)
+    ref, _, _, mag = clamped_swiglu_ref(gf, uf)
+    assert_close_elementwise(read(s), ref, rtol=OUT_RTOL[dt], atol=32 * U32 * mag + SUBNORMAL[dt], what="s")
+
+
+@pytest.mark.parametrize("dt", FLOAT_DTYPES)
+@pytest.mark.parametrize("shape", SWIGLU_SHAPES, ids=SWIGLU_IDS)
+def test_swiglu_backward_clamped(dev, shape, dt):
+    """dg, du of the clamped form: zero past the clamps, passed on the bounds themselves."""
+    rng = np.random.default_rng(17)
+    (g, gf), (u, uf) = clamped_swiglu_inputs(dev, rng, shape, dt)
+    ds, dsf = upload(dev, rng.standard_normal(shape), dt)
+    dg, du = empty_filled(dev, shape, dt), empty_filled(dev, shape, dt)
+    ops.swiglu_backward(ds, g, u, dg, du, SWIGLU_ALPHA, SWIGLU_LIMIT)
+    _, grad_x, grad_u, mag = clamped_swiglu_ref(gf, uf)
+    atol = 32 * U32 * np.abs(dsf) * mag + SUBNORMAL[dt]
+    assert_close_elementwise(read(dg), dsf * grad_x, rtol=OUT_RTOL[dt], atol=atol, what="dg")
+    assert_close_elementwise(read(du), dsf * grad_u, rtol=OUT_RTOL[dt], atol=atol, what="du")
+    assert np.all(read(dg)[gf > SWIGLU_LIMIT] == 0) and np.all(read(du)[np.abs(uf) > SWIGLU_LIMIT] == 0)
+    on = (gf == SWIGLU_LIMIT) & (np.abs(dsf * grad_x) > 1e-3)  # clear of f16's underflow
+    assert on.sum() > 0 and np.all(read(dg)[on] != 0), "the bound itself passes the gradient"
+
+
+@pytest.mark.parametrize("alias", ["s=g", "s=u", "dg=ds", "du=ds", "dg=g,du=u"])
+def test_swiglu_clamped_in_place(dev, alias):
+    """Outputs may alias inputs in the clamped form too (every input of an element is read first)."""
+    rng = np.random.default_rng(18)
+    shape = (33, 31)
+    (g, gf), (u, uf) = clamped_swiglu_inputs(dev, rng, shape, "f32")
+    ds, dsf = upload(dev, rng.standard_normal(shape))
+    s_ref, grad_x, grad_u, mag = clamped_swiglu_ref(gf, uf)
+    atol = 32 * U32 * mag * np.maximum(1, np.abs(dsf))
+    if alias.startswith("s="):
+        s = g if alias == "s=g" else u
+        ops.swiglu_forward(g, u, s, SWIGLU_ALPHA, SWIGLU_LIMIT)
+        assert_close_elementwise(read(s), s_ref, rtol=OUT_RTOL["f32"], atol=atol, what=alias)
+        return
+    other = empty_filled(dev, shape, "f32")
+    dg, du = {"dg=ds": (ds, other), "du=ds": (other, ds), "dg=g,du=u": (g, u)}[alias]
+    ops.swiglu_backward(ds, g, u, dg, du, SWIGLU_ALPHA, SWIGLU_LIMIT)
+    assert_close_elementwise(read(dg), dsf * grad_x, rtol=OUT_RTOL["f32"], atol=atol, what=f"dg ({alias})")
+    assert_close_elementwise(read(du), dsf * grad_u, rtol=OUT_RTOL["f32"], atol=atol, what=f"du ({alias})")
+
+
+def test_swiglu_clamped_finite_differences(dev):
+    """The clamped form's backward is the gradient of sum(s * ct) through its own forward, away
+    from the kinks at +-limit (where central differences straddle two slopes)."""
+    rng = np.random.default_rng(19)
+    shape, alpha, limit = (3, 31), 1.5, 2.0
+    g0, u0 = ((3 * rng.standard_normal(shape)).astype(np.float32) for _ in range(2))
+    for x in (g0, u0):
+        x[np.abs(np.abs(x) - limit) < 0.05] += np.float32(0.1)
+    ct = rng.standard_normal(shape)
+
+    def loss(gv, uv):
+        s = dev.empty(shape)
+        ops.swiglu_forward(to_dev(dev, gv), to_dev(dev, uv), s, alpha, limit)
+        return float(np.sum(read(s) * ct))
+
+    dg, du = dev.empty(shape), dev.empty(shape)
+    ops.swiglu_backward(to_dev(dev, ct), to_dev(dev, g0), to_dev(dev, u0), dg, du, alpha, limit)
+    assert_fd(read(dg), fd_grad(lambda gv: loss(gv, u0), g0), "dg")
+    assert_fd(read(du), fd_grad(lambda uv: loss(g0, uv), u0), "du")
+
+
+def test_swiglu_bad_clamp(dev):
+    """alpha belongs to the clamped form only; the limit must be finite."""
+    x = dev.empty((4,))
+    with pytest.raises(ValueError, match=r"\[swiglu_forward\] alpha=1.702000 needs limit > 0"):
+        ops.swiglu_forward(x, x, x, 1.702)
+    with pytest.raises(ValueError, match=r"\[swiglu_backward\] alpha=2.000000 needs limit > 0"):
+        ops.swiglu_backward(x, x, x, x, x, 2.0, -1.0)
+    with pytest.raises(ValueError, match=r"\[swiglu_forward\] limit must be finite"):
+        ops.swiglu_forward(x, x, x, 1.0, math.inf)
+
+
 # ------------------------------------------------------------------- GeGLU and soft-capping
 
 GELU_K, GELU_A = math.sqrt(2.0 / math.pi), 0.044715
@@ -647,10 +752,11 @@ def test_rope_backward_finite_differences(dev):
 # ------------------------------------------------------------------------- causal softmax
 
 
-def causal_softmax_ref(S, scale, segments=None, window=0):
+def causal_softmax_ref(S, scale, segments=None, window=0, sinks=None):
     """P over the last dim: query row i sits at position i + Tk - Tq and sees key j iff j <= that
     position (and, with segments, seg[j] == seg[position]; with window > 0, position - j < window);
-    returns P and the visibility mask."""
+    sinks (one per (Tq, Tk) matrix) join each row as an unscaled column, dropped afterwards (as
+    transformers' gpt-oss does); returns P and the visibility mask."""
     Tq, Tk = S.shape[-2:]
     qpos = np.arange(Tq) + (Tk - Tq)
     mask = np.arange(Tk)[None, :] <= qpos[:, None]
@@ -659,9 +765,11 @@ def causal_softmax_ref(S, scale, segments=None, window=0):
     if segments is not None:
         mask = mask & (segments[None, :] == segments[qpos][:, None])
     z = np.where(mask, scale * S, -np.inf)
+    if sinks is not None:
+        z = np.concatenate([z, np.broadcast_to(np.reshape(sinks, S.shape[:-2] + (1, 1)), S.shape[:-1] + (1,))], -1)
     z = z - np.max(z, axis=-1, keepdims=True)
     e = np.exp(z)
-    return e / np.sum(e, axis=-1, keepdims=True), np.broadcast_to(mask, S.shape)
+    return (e / np.sum(e, axis=-1, keepdims=True))[..., :Tk], np.broadcast_to(mask, S.shape)
 
 
 def softmax_rtol(dt, S, scale, mask):
@@ -673,11 +781,12 @@ def softmax_rtol(dt, S, scale, mask):
     return UNIT_ROUNDOFF[dt] + (16 + 2 * spread + 2 * big) * U32 + reduction_rtol(S.shape[-1])
 
 
-def check_softmax(got, S, scale, dt, segments=None, what="", window=0):
-    ref, mask = causal_softmax_ref(S, scale, segments, window)
+def check_softmax(got, S, scale, dt, segments=None, what="", window=0, sinks=None):
+    ref, mask = causal_softmax_ref(S, scale, segments, window, sinks)
     masked = got[~mask]
     assert np.all(masked == 0), f"{what}: {np.count_nonzero(masked)} masked entries are not exactly 0"
-    rtol = softmax_rtol(dt, S, scale, mask)
+    # a sink shifts exp's argument by up to |sink| (its f32 error, relative to its size)
+    rtol = softmax_rtol(dt, S, scale, mask) + (0 if sinks is None else 8 * float(np.max(np.abs(sinks))) * U32)
     assert_close_elementwise(got, ref, rtol=rtol, atol=SUBNORMAL[dt], what=what)
 
 
@@ -806,6 +915,58 @@ def test_softmax_backward_finite_differences_window(dev):
     _, mask = causal_softmax_ref(s0.astype(np.float64), scale, window=window)
     assert np.all(numeric[~mask] == 0) and np.all(read(dS)[~mask] == 0)
     assert_fd(read(dS), numeric, "dS")
+
+
+def sink_values(rng, n):
+    """n f32 attention sinks (gpt-oss): a large positive one that takes nearly all of its rows, a
+    large negative one that takes nothing, and moderate ones, each moved a little."""
+    return (np.resize([30.0, -40.0, 0.7, 3.0, -1.5], n) + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+
+# (shape, packed, window): leading dims of 0, 1 and 2 axes, one key, Tq < Tk (decode rows), masks
+SINK_SOFTMAX_CASES = [((1, 1, 1), False, 0), ((2, 31, 31), True, 0), ((5, 33, 33), False, 8), ((2, 5, 127), False, 0),
+                      ((2, 3, 1, 33), False, 0), ((31, 64), False, 0), ((1, 127, 127), True, 40)]
+SINK_SOFTMAX_IDS = ["1", "packed-31", "window8-33", "5x127", "2x3-decode", "2d-31x64", "packed-window40-127"]
+
+
+@pytest.mark.parametrize("dt", FLOAT_DTYPES)
+@pytest.mark.parametrize("shape,packed,window", SINK_SOFTMAX_CASES, ids=SINK_SOFTMAX_IDS)
+def test_softmax_causal_forward_sinks(dev, shape, packed, window, dt):
+    """Each score matrix's sink joins its rows' softmax as an unscaled column without output: P
+    against the float64 reference (the column concatenated, then dropped), masks kept exact zeros;
+    in place (P = S) too."""
+    rng = np.random.default_rng(33)
+    S, Sf = upload(dev, 3 * rng.standard_normal(shape), dt)
+    sinks = sink_values(rng, int(np.prod(shape[:-2])))
+    seg = packed_segments(shape[-1], 34) if packed else None
+    sd = None if seg is None else to_dev(dev, seg, "i32")
+    for scale in (1.0 / math.sqrt(128), 2.5):
+        P = empty_filled(dev, shape, dt)
+        ops.softmax_causal_forward(S, P, scale, sd, window, to_dev(dev, sinks))
+        check_softmax(read(P), Sf, np.float64(np.float32(scale)), dt, seg, f"scale={scale}", window, sinks)
+    ops.softmax_causal_forward(S, S, 0.5, sd, window, to_dev(dev, sinks))
+    check_softmax(read(S), Sf, 0.5, dt, seg, "in place", window, sinks)
+
+
+def test_softmax_backward_finite_differences_sinks(dev):
+    """softmax_backward takes no sinks: from the P of a forward with sinks (rows summing to < 1) it
+    is still the gradient of sum(P * ct), the sink's column having no output (f32, window, Tq < Tk)."""
+    rng = np.random.default_rng(35)
+    shape, scale, window = (3, 5, 9), 0.7, 4
+    s0 = rng.standard_normal(shape).astype(np.float32)
+    ct = rng.standard_normal(shape).astype(np.float32)
+    sinks = to_dev(dev, np.array([1.5, -0.5, 0.2], np.float32))
+
+    def forward(sv):
+        P = dev.empty(shape)
+        ops.softmax_causal_forward(to_dev(dev, sv), P, scale, window=window, sinks=sinks)
+        return P
+
+    P = forward(s0)
+    assert np.all(read(P).sum(-1) < 1)
+    dS = dev.empty(shape)
+    ops.softmax_backward(P, to_dev(dev, ct), dS, scale)
+    assert_fd(read(dS), fd_grad(lambda sv: float(np.sum(read(forward(sv)) * ct)), s0), "dS")
 
 
 @pytest.mark.parametrize("block", [0, 8, 13])
@@ -995,25 +1156,28 @@ def attention_mask(T, segments=None, window=0):
     return m
 
 
-def attention_ref(q, k, v, scale, segments=None, window=0):
-    """float64 causal attention with GQA (query head h reads KV head h // g): o, lse, P."""
+def attention_ref(q, k, v, scale, segments=None, window=0, sinks=None):
+    """float64 causal attention with GQA (query head h reads KV head h // g): o, lse, P. sinks
+    (Hq,): an unscaled column of each head's scores without a value (transformers' gpt-oss)."""
     Hq, T, _ = q.shape
     kk, vv = (np.repeat(x, Hq // k.shape[0], axis=0) for x in (k, v))
     S = scale * np.einsum("htd,hsd->hts", q, kk)
     S = np.where(attention_mask(T, segments, window), S, -np.inf)
-    m = S.max(-1, keepdims=True)
-    e = np.exp(S - m)
+    Sx = S if sinks is None else np.concatenate([S, np.broadcast_to(np.reshape(sinks, (Hq, 1, 1)), (Hq, T, 1))], -1)
+    m = Sx.max(-1, keepdims=True)
+    e = np.exp(Sx - m)
     lse = (m + np.log(e.sum(-1, keepdims=True)))[..., 0]
     P = np.exp(S - lse[..., None])
     return P @ vv, lse, P
 
 
-def attention_backward_ref(q, k, v, do, scale, segments=None, window=0):
-    """float64 dq, dk, dv of attention_ref (dk, dv summed over each KV head's query heads)."""
+def attention_backward_ref(q, k, v, do, scale, segments=None, window=0, sinks=None):
+    """float64 dq, dk, dv of attention_ref (dk, dv summed over each KV head's query heads). The
+    sink's column has no value, so its dP is 0 and it adds nothing to the row's sum of P dP."""
     Hq, Hk = q.shape[0], k.shape[0]
     g = Hq // Hk
     kk, vv = (np.repeat(x, g, axis=0) for x in (k, v))
-    _, _, P = attention_ref(q, k, v, scale, segments, window)
+    _, _, P = attention_ref(q, k, v, scale, segments, window, sinks)
     dP = do @ vv.transpose(0, 2, 1)
     dS = P * (dP - np.sum(dP * P, -1, keepdims=True)) * scale
     dq = dS @ kk
@@ -1125,33 +1289,34 @@ def test_attention_token_major(dev, B, Hq, Hk, T, D, dt):
             assert_close(g, ref, rtol=2 * tol, atol=2 * tol * 1e-2, what=f"{name} of row {b}")
 
 
-def check_attention_backward(dev, Hq, Hk, T, D, dt, seed, seg=None, window=0):
-    """dq, dk, dv of the fused op (from its own o and lse; seg a (T,) numpy array or None)
-    against float64 gradients under the same mask."""
+def check_attention_backward(dev, Hq, Hk, T, D, dt, seed, seg=None, window=0, sinks=None):
+    """dq, dk, dv of the fused op (from its own o and lse; seg a (T,) numpy array or None; sinks
+    (Hq,) or None, the forward's only) against float64 gradients under the same mask."""
     (q, qf), (k, kf), (v, vf) = attention_inputs(dev, Hq, Hk, T, D, dt, seed)
     do, dof = upload(dev, np.random.default_rng(seed + 1).standard_normal((Hq, T, D)), dt)
     sd = None if seg is None else to_dev(dev, seg, "i32")
     scale = 1.0 / math.sqrt(D)
     o, lse = dev.empty((Hq, T, D), dt), dev.empty((Hq, T), "f32")
-    ops.attention_forward(q, k, v, o, lse, scale, sd, window)
+    ops.attention_forward(q, k, v, o, lse, scale, sd, window, None if sinks is None else to_dev(dev, sinks))
     dq, dk, dv = (empty_filled(dev, s, dt) for s in ((Hq, T, D), (Hk, T, D), (Hk, T, D)))
     ops.attention_backward(q, k, v, o, do, lse, dq, dk, dv, scale, sd, window)
     tol = 2 * ATTN_TOL[dt]
-    refs = attention_backward_ref(qf, kf, vf, dof, scale, seg, window)
+    refs = attention_backward_ref(qf, kf, vf, dof, scale, seg, window, sinks)
     for name, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), refs):
         assert_close(read(got), ref, rtol=tol, atol=tol * 1e-2, what=name)
 
 
-def check_attention_finite_differences(dev, Hq, Hk, T, D, scale, seed, seg=None, window=0):
+def check_attention_finite_differences(dev, Hq, Hk, T, D, scale, seed, seg=None, window=0, sinks=None):
     """attention_backward is the gradient of L = sum(o * ct) through the device's own forward (f32)."""
     rng = np.random.default_rng(seed)
     x0 = [rng.standard_normal(s).astype(np.float32) for s in ((Hq, T, D), (Hk, T, D), (Hk, T, D))]
     ct = rng.standard_normal((Hq, T, D)).astype(np.float32)
     sd = None if seg is None else to_dev(dev, seg, "i32")
+    sk = None if sinks is None else to_dev(dev, sinks)
 
     def forward(q, k, v):
         o, lse = dev.empty((Hq, T, D)), dev.empty((Hq, T))
-        ops.attention_forward(to_dev(dev, q), to_dev(dev, k), to_dev(dev, v), o, lse, scale, sd, window)
+        ops.attention_forward(to_dev(dev, q), to_dev(dev, k), to_dev(dev, v), o, lse, scale, sd, window, sk)
         return o, lse
 
     o, lse = forward(*x0)
@@ -1230,6 +1395,85 @@ def test_attention_masks_finite_differences(dev):
     Hq, Hk, T, D, scale, window = 2, 1, 7, 4, 0.6, 3
     require_attention_masks(dev, "f32", True, True, D)
     check_attention_finite_differences(dev, Hq, Hk, T, D, scale, 49, np.array([0, 0, 0, 0, 1, 1, 2], np.int32), window)
+
+
+def require_attention_sinks(dev, dt, segments, window, head_dim=None):
+    """The fused op takes sinks where the capabilities say so; where they do not, it refuses them
+    by name instead of computing something else."""
+    require_attention_masks(dev, dt, segments, window, head_dim)
+    if not dev.capabilities()["fused_attention"]["sinks"]:
+        q, lse = dev.empty((1, 1, head_dim or 8), dt), dev.empty((1, 1))
+        with pytest.raises(NotImplementedError, match=r"^\[attention_forward\] attention sinks"):
+            ops.attention_forward(q, q, q, q, lse, 1.0, sinks=dev.zeros((1,)))
+        pytest.skip(f"{dev.name}'s fused attention lists no sinks")
+
+
+# (Hq, Hk, T, D, packed, window): one token, GQA and MQA at awkward lengths, masks, D 128
+ATTN_SINK_CASES = [(1, 1, 1, 8, False, 0), (4, 2, 31, 16, False, 0), (5, 1, 33, 64, True, 0),
+                   (4, 2, 33, 16, False, 8), (2, 2, 127, 128, True, 40)]
+ATTN_SINK_IDS = ["1x1x1x8", "4x2x31x16", "mqa5-packed-33x64", "window8-4x2x33", "packed-window40-127x128"]
+
+
+@pytest.mark.parametrize("dt", FLOAT_DTYPES)
+@pytest.mark.parametrize("Hq,Hk,T,D,packed,window", ATTN_SINK_CASES, ids=ATTN_SINK_IDS)
+def test_attention_forward_sinks(dev, Hq, Hk, T, D, packed, window, dt):
+    """o and lse (which then includes the sink) against float64 attention with each head's sink
+    as an extra unscaled column without a value; then dq, dk, dv from that lse."""
+    require_attention_sinks(dev, dt, packed, window, D)
+    (q, qf), (k, kf), (v, vf) = attention_inputs(dev, Hq, Hk, T, D, dt, 50)
+    sinks = sink_values(np.random.default_rng(51), Hq)
+    seg = packed_segments(T, 52) if packed else None
+    scale = 1.0 / math.sqrt(D)
+    o, lse = empty_filled(dev, (Hq, T, D), dt), empty_filled(dev, (Hq, T), "f32")
+    ops.attention_forward(q, k, v, o, lse, scale, None if seg is None else to_dev(dev, seg, "i32"), window,
+                          to_dev(dev, sinks))
+    o_ref, lse_ref, _ = attention_ref(qf, kf, vf, scale, seg, window, sinks)
+    tol = ATTN_TOL[dt]
+    assert_close(read(o), o_ref, rtol=tol, atol=tol * np.max(np.abs(vf)), what="o")
+    assert_close(read(lse), lse_ref, rtol=0, atol=(1e-5 if dt == "f32" else 2e-3) + 2 * 40 * U32, what="lse")
+    check_attention_backward(dev, Hq, Hk, T, D, dt, 53, seg, window, sinks)
+
+
+def test_attention_sinks_finite_differences(dev):
+    """With sinks, attention_backward (which takes none: the forward's lse holds them) is the
+    gradient of sum(o * ct) through the device's own forward (f32, GQA, a window)."""
+    require_attention_sinks(dev, "f32", False, True, 4)
+    check_attention_finite_differences(dev, 4, 2, 7, 4, 0.6, 54, None, 5, np.array([1.0, -0.5, 2.0, 0.1], np.float32))
+
+
+def test_attention_token_major_sinks(dev):
+    """Token-major views of two sequences with sinks: o and lse of each against float64 attention."""
+    B, Hq, Hk, T, D, dt = 2, 4, 2, 33, 16, "f32"
+    if not dev.capabilities()["fused_attention"]["token_major"]:
+        pytest.skip(f"{dev.name} takes no token-major operands")
+    require_attention_sinks(dev, dt, False, False, D)
+    (q, k, v), _, xf = token_major_views(dev, B, T, (Hq, Hk, Hk), D, dt, seed=55)
+    (o,), obuf, _ = token_major_views(dev, B, T, (Hq,), D, dt, extra=1, fill=7.0)
+    lse, scale, sinks = dev.empty((B, Hq, T), "f32"), 1.0 / math.sqrt(D), sink_values(np.random.default_rng(56), Hq)
+    ops.attention_forward(q, k, v, o, lse, scale, sinks=to_dev(dev, sinks))
+    x4 = xf.reshape(B, T, Hq + 2 * Hk, D).transpose(0, 2, 1, 3)
+    o4 = read(obuf).reshape(B, T, Hq + 1, D).transpose(0, 2, 1, 3)
+    np.testing.assert_array_equal(o4[:, Hq], 7.0)
+    for b in range(B):
+        o_ref, lse_ref, _ = attention_ref(x4[b, :Hq], x4[b, Hq:Hq + Hk], x4[b, Hq + Hk:], scale, sinks=sinks)
+        assert_close(o4[b, :Hq], o_ref, rtol=1e-5, atol=1e-5 * np.max(np.abs(x4)), what=f"o of row {b}")
+        assert_close(read(lse)[b], lse_ref, rtol=0, atol=1e-5 + 2 * 40 * U32, what=f"lse of row {b}")
+
+
+def test_sinks_errors(dev):
+    """sinks must be f32, 1-D, one per head (attention) or per score matrix (softmax)."""
+    q, k, o, lse = dev.empty((4, 8, 16)), dev.empty((2, 8, 16)), dev.empty((4, 8, 16)), dev.empty((4, 8))
+    with pytest.raises(ValueError, match=r"\[attention_forward\] sinks must have shape \(4,\), got .*\(2,\)"):
+        ops.attention_forward(q, k, k, o, lse, 0.25, sinks=dev.zeros((2,)))
+    with pytest.raises(ValueError, match=r"\[attention_forward\] sinks must be f32, got .*f16"):
+        ops.attention_forward(q, k, k, o, lse, 0.25, sinks=dev.zeros((4,), "f16"))
+    with pytest.raises(ValueError, match=r"\[attention_forward\] sinks must have shape \(4,\)"):
+        ops.attention_forward(q, k, k, o, lse, 0.25, sinks=dev.zeros((4, 1)))
+    S = dev.empty((2, 3, 5, 5))
+    with pytest.raises(ValueError, match=r"\[softmax_causal_forward\] sinks must have shape \(6,\)"):
+        ops.softmax_causal_forward(S, S, 1.0, sinks=dev.zeros((2,)))
+    with pytest.raises(ValueError, match=r"\[softmax_causal_forward\] sinks must be f32"):
+        ops.softmax_causal_forward(S, S, 1.0, sinks=dev.zeros((6,), "i32"))
 
 
 def test_attention_errors(dev):

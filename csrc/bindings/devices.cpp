@@ -124,6 +124,7 @@ nb::dict capabilities_dict(const Capabilities& c) {
   fused["dtypes"] = dtype_names(c.fused_attention_dtypes);
   fused["segments"] = c.fused_attention_segments;
   fused["window"] = c.fused_attention_window;
+  fused["sinks"] = c.fused_attention_sinks;
   fused["token_major"] = c.fused_attention_token_major;
   nb::list dims;
   for (int64_t D : c.fused_attention_head_dims) dims.append(D);
@@ -209,8 +210,9 @@ void bind_devices(nb::module_& m) {
       .def_prop_ro("name", &Backend::name)
       .def("capabilities", [](const Backend& d) { return capabilities_dict(d.capabilities()); },
            "What this device can do, from its backend: kind, dtypes (float compute dtypes with kernels here), "
-           "compute_dtype (the training default), fused_attention ({dtypes, segments, window, head_dims, token_major}: "
-           "where the fused attention ops beat the materialised path, with packed segments, a sliding window, for "
+           "compute_dtype (the training default), fused_attention ({dtypes, segments, window, sinks, head_dims, "
+           "token_major}: where the fused attention ops beat the materialised path, with packed segments, a sliding "
+           "window, attention sinks, for "
            "which head sizes ([] = any), on token-major (B, T, H, D) views), graphs (capture/replay), host_visible (zero-copy numpy views), "
            "synchronous (ops complete when they return), queue_ordered (buffers released inside a step are "
            "reused within it), attention_block (query rows per materialised attention block, 0: all), "

@@ -34,8 +34,13 @@ void bind_ops(nb::module_& parent) {
         "residual"_a = nb::none(),
         "dx (overwritten) and optionally dw (f32, accumulated) of rmsnorm_forward. With residual, dx is the\n"
         "norm's gradient (rounded to dx's dtype) + residual: a residual stream's gradient fused in.");
-  m.def("swiglu_forward", &ops::swiglu_forward, release, "g"_a, "u"_a, "s"_a, "s = silu(g) * u.");
-  m.def("swiglu_backward", &ops::swiglu_backward, release, "ds"_a, "g"_a, "u"_a, "dg"_a, "du"_a);
+  m.def("swiglu_forward", &ops::swiglu_forward, release, "g"_a, "u"_a, "s"_a, "alpha"_a = 1.0f, "limit"_a = 0.0f,
+        "s = silu(g) * u (limit <= 0, alpha 1). limit > 0: gpt-oss's clamped form, g' = min(g, limit),\n"
+        "u' = clamp(u, -limit, limit), s = g' * sigmoid(alpha * g') * (u' + 1). s may alias g or u.");
+  m.def("swiglu_backward", &ops::swiglu_backward, release, "ds"_a, "g"_a, "u"_a, "dg"_a, "du"_a, "alpha"_a = 1.0f,
+        "limit"_a = 0.0f,
+        "dg, du (overwritten) of swiglu_forward (same alpha and limit; through a clamp only where its input\n"
+        "lies within the bounds, bounds included, as torch.clamp); they may alias ds.");
   m.def("geglu_forward", &ops::geglu_forward, release, "g"_a, "u"_a, "s"_a,
         "s = gelu_tanh(g) * u, gelu_tanh(x) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) (Gemma's MLP).");
   m.def("geglu_backward", &ops::geglu_backward, release, "ds"_a, "g"_a, "u"_a, "dg"_a, "du"_a,
@@ -49,18 +54,22 @@ void bind_ops(nb::module_& parent) {
         "dims; sign=-1 applies the inverse rotation (the backward). token_major: x is a (B, T, H, D) view\n"
         "(rows of D contiguous) and positions (B, T) or (T,), where the device takes token-major operands.");
   m.def("softmax_causal_forward", &ops::softmax_causal_forward, release, "S"_a, "P"_a, "scale"_a, "segments"_a = nb::none(),
-        "window"_a = 0,
+        "window"_a = 0, "sinks"_a = nb::none(),
         "P = causal softmax of scale*S over the last dim (S is (..., Tq, Tk); query i sits at position\n"
         "q = i + Tk - Tq). Masked entries are exact zeros; segments (Tk,) i32 also masks across samples;\n"
-        "window > 0 keeps only keys j with q - j < window (attention_forward's sliding window).");
+        "window > 0 keeps only keys j with q - j < window (attention_forward's sliding window); sinks (A,)\n"
+        "f32, A the product of the leading dims, adds one unscaled logit per score matrix to each row's\n"
+        "softmax as a column without output (gpt-oss): P's rows then sum to < 1.");
   m.def("softmax_backward", &ops::softmax_backward, release, "P"_a, "dP"_a, "dS"_a, "scale"_a,
         "dS = P * (dP - rowsum(dP * P)) * scale.");
   m.def("attention_forward", &ops::attention_forward, release, "q"_a, "k"_a, "v"_a, "o"_a, "lse"_a, "scale"_a,
-        "segments"_a = nb::none(), "window"_a = 0,
+        "segments"_a = nb::none(), "window"_a = 0, "sinks"_a = nb::none(),
         "Fused causal attention: o = softmax(scale * q k^T, causal) v per head, never materialising the\n"
         "scores. q, o (Hq, T, D); k, v (Hk, T, D), query head h reads KV head h // (Hq // Hk); lse (Hq, T) f32\n"
         "receives the natural-log row sums of exp(scale * q.k), which attention_backward needs. Query i sees\n"
-        "key j <= i, within i - j < window if window > 0, and of its own sample if segments (T,) i32 are given.");
+        "key j <= i, within i - j < window if window > 0, and of its own sample if segments (T,) i32 are given.\n"
+        "sinks (Hq,) f32 (gpt-oss): one unscaled logit per head joins each row's softmax as a column without a\n"
+        "value; lse includes it, so attention_backward takes no sinks (capabilities: fused_attention.sinks).");
   m.def("attention_backward", &ops::attention_backward, release, "q"_a, "k"_a, "v"_a, "o"_a, "dout"_a, "lse"_a, "dq"_a,
         "dk"_a, "dv"_a, "scale"_a, "segments"_a = nb::none(), "window"_a = 0,
         "dq, dk, dv (overwritten) of attention_forward (same segments and window), from its o and lse.");

@@ -79,6 +79,7 @@ struct Capabilities {
   std::vector<DType> fused_attention_dtypes;  // where attention_forward/backward beat the materialised path
   bool fused_attention_segments = false;      // ... also with packed segments
   bool fused_attention_window = false;        // ... also with a sliding window
+  bool fused_attention_sinks = false;         // ... also with attention sinks (gpt-oss)
   std::vector<int64_t> fused_attention_head_dims;  // ... for these head sizes D (empty: any)
   bool fused_attention_token_major = false;   // ... on token-major (B, T, H, D) views, and rope over them
   bool graphs = false;         // capture() records a step that replays whole

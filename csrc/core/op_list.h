@@ -16,6 +16,13 @@
 //   backward keeps of the scores. Backward overwrites dq, dk, dv. Query i sees key j iff j <= i,
 //   and i - j < window where window > 0 (sliding window), and seg[i] == seg[j] where segments
 //   (T,) i32 are given (packed samples). Capabilities say which of these a backend's fused op takes.
+//   sinks (Hq,) f32 where given (gpt-oss): one unscaled logit per query head that joins every row's
+//   softmax as a column without a value, p_j = exp(s_j) / (exp(sinks[h]) + sum_j exp(s_j)); lse then
+//   includes it, so backward (from lse and D = rowsum(dO * O)) takes no sinks.
+// - swiglu_forward/backward: s = silu(g) * u where limit <= 0 (alpha must be 1); where limit > 0
+//   gpt-oss's clamped form, g' = min(g, limit), u' = clamp(u, -limit, limit), s = g' sigmoid(alpha g')
+//   (u' + 1), gradients through the clamps where the input is within the bounds, bounds included
+//   (torch.clamp's). Elementwise: outputs may alias inputs.
 // - geglu_forward/backward: Gemma's gated MLP, s = gelu_tanh(g) * u with gelu_tanh(x) = 0.5 x (1 +
 //   tanh(sqrt(2/pi) (x + 0.044715 x^3))) (transformers' "gelu_pytorch_tanh"); shapes and dtypes as
 //   swiglu_forward/backward, and like them elementwise, so outputs may alias inputs.
@@ -24,6 +31,9 @@
 // - softmax_causal_forward: query row i of S (..., Tq, Tk) sits at position q = i + Tk - Tq and sees
 //   key j iff j <= q, q - j < window where window > 0, and seg[q] == seg[j] where segments are given:
 //   attention_forward's mask, so a query row block r0:r1 scored against keys :r1 is masked right.
+//   sinks (A,) f32 where given, A the product of S's leading dims: one logit per (Tq, Tk) matrix
+//   joins each row's softmax as attention_forward's sinks do (unscaled; rows then sum to < 1), and
+//   softmax_backward needs nothing more (the sink column's dP is 0).
 // - quantized_matmul: W (O, I) quantized as MLX does (affine, per group of group_size consecutive
 //   inputs of a row; bits 2, 3, 4, 5, 6, 8; group_size 16, 32, 64, 128): w (O, I * bits / 32) i32
 //   holds each row's codes q as one little-endian bit stream, element j at bit j * bits (codes of
@@ -103,7 +113,7 @@
 
 #define KRNL_FUSED_ATTENTION_OPS(X)                                                                                 \
   X(attention_forward, (const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& lse,      \
-                        float scale, const Tensor* segments, int64_t window))                                       \
+                        float scale, const Tensor* segments, int64_t window, const Tensor* sinks))                  \
   X(attention_backward, (const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& dout,    \
                          const Tensor& lse, const Tensor& dq, const Tensor& dk, const Tensor& dv, float scale,      \
                          const Tensor* segments, int64_t window))
@@ -135,15 +145,16 @@
                       const Tensor* residual))                                                                      \
   X(rmsnorm_backward, (const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& dx,    \
                        const Tensor* dw, const Tensor* residual))                                                   \
-  X(swiglu_forward, (const Tensor& g, const Tensor& u, const Tensor& s))                                            \
-  X(swiglu_backward, (const Tensor& ds, const Tensor& g, const Tensor& u, const Tensor& dg, const Tensor& du))      \
+  X(swiglu_forward, (const Tensor& g, const Tensor& u, const Tensor& s, float alpha, float limit))                 \
+  X(swiglu_backward, (const Tensor& ds, const Tensor& g, const Tensor& u, const Tensor& dg, const Tensor& du,       \
+                      float alpha, float limit))                                                                    \
   X(geglu_forward, (const Tensor& g, const Tensor& u, const Tensor& s))                                             \
   X(geglu_backward, (const Tensor& ds, const Tensor& g, const Tensor& u, const Tensor& dg, const Tensor& du))       \
   X(softcap, (const Tensor& x, float cap, const Tensor& out))                                                       \
   X(softcap_backward, (const Tensor& dy, const Tensor& y, float cap, const Tensor& dx))                             \
   X(rope, (const Tensor& x, const Tensor& positions, const Tensor& inv_freq, float sign, bool token_major))        \
   X(softmax_causal_forward, (const Tensor& S, const Tensor& P, float scale, const Tensor* segments,                 \
-                             int64_t window))                                                                       \
+                             int64_t window, const Tensor* sinks))                                                  \
   X(softmax_backward, (const Tensor& P, const Tensor& dP, const Tensor& dS, float scale))                           \
   X(embedding_forward, (const Tensor& ids, const Tensor& table, const Tensor& out))                                 \
   X(embedding_backward, (const Tensor& ids, const Tensor& dout, const Tensor& dtable))                              \

@@ -15,6 +15,14 @@ void check_rope(Check& c, const Tensor& positions, const Tensor& inv_freq, int64
     c.fail("inv_freq must be 1-D with 1 to D/2 = " + std::to_string(D / 2) + " entries, got " + inv_freq.describe());
   if (sign != 1.f && sign != -1.f) c.fail("sign must be +1 (forward) or -1 (backward), got " + std::to_string(sign));
 }
+
+// Attention sinks where given: one f32 logit per head (softmax_causal_forward: per score matrix).
+void check_sinks(Check& c, const Tensor* sinks, int64_t heads) {
+  if (!sinks) return;
+  c.tensor("sinks", *sinks);
+  c.dtype("sinks", *sinks, {DType::f32});
+  c.shape("sinks", *sinks, {heads});
+}
 }  // namespace
 
 void rope(const Tensor& x, const Tensor& positions, const Tensor& inv_freq, float sign, bool token_major) {
@@ -39,7 +47,8 @@ void rope(const Tensor& x, const Tensor& positions, const Tensor& inv_freq, floa
       x.dtype(), [&] { c.dev->rope(x, positions, inv_freq, sign, token_major); });
 }
 
-void softmax_causal_forward(const Tensor& S, const Tensor& P, float scale, const Tensor* segments, int64_t window) {
+void softmax_causal_forward(const Tensor& S, const Tensor& P, float scale, const Tensor* segments, int64_t window,
+                            const Tensor* sinks) {
   Check c{"softmax_causal_forward"};
   c.tensor("S", S), c.tensor("P", P);
   c.rank_at_least("S", S, 2);
@@ -55,8 +64,11 @@ void softmax_causal_forward(const Tensor& S, const Tensor& P, float scale, const
   }
   if (!(scale > 0)) c.fail("scale must be > 0");
   if (window < 0) c.fail("window must be >= 0 (0: no sliding window), got " + std::to_string(window));
-  run(c, shape_str(S.shape()), 5.0 * double(S.numel()), nbytes({&S, &P}), S.dtype(),
-      [&] { c.dev->softmax_causal_forward(S, P, scale, segments, window); });
+  int64_t A = 1;  // score matrices: one sink each
+  for (int64_t i = 0; i + 2 < S.dim(); ++i) A *= S.size(i);
+  check_sinks(c, sinks, A);
+  run(c, shape_str(S.shape()), 5.0 * double(S.numel()), nbytes({&S, &P, sinks}), S.dtype(),
+      [&] { c.dev->softmax_causal_forward(S, P, scale, segments, window, sinks); });
 }
 
 void softmax_backward(const Tensor& P, const Tensor& dP, const Tensor& dS, float scale) {
@@ -112,11 +124,13 @@ double check_attention(Check& c, const Tensor& q, const Tensor& k, const Tensor&
 }  // namespace
 
 void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& lse,
-                       float scale, const Tensor* segments, int64_t window) {
+                       float scale, const Tensor* segments, int64_t window, const Tensor* sinks) {
   Check c{"attention_forward"};
   const double flops = check_attention(c, q, k, v, o, lse, scale, segments, window);
-  run(c, shape_str(q.shape()) + " kv " + shape_str(k.shape()), flops, nbytes({&q, &k, &v, &o, &lse}), q.dtype(),
-      [&] { c.dev->attention_forward(q, k, v, o, lse, scale, segments, window); });
+  check_sinks(c, sinks, q.size(q.dim() == 4 ? 2 : 0));
+  run(c, shape_str(q.shape()) + " kv " + shape_str(k.shape()) + (sinks ? " sinks" : ""), flops,
+      nbytes({&q, &k, &v, &o, &lse, sinks}), q.dtype(),
+      [&] { c.dev->attention_forward(q, k, v, o, lse, scale, segments, window, sinks); });
 }
 
 void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& dout,

@@ -8,17 +8,30 @@
 
 namespace krnl::ops {
 
-void swiglu_forward(const Tensor& g, const Tensor& u, const Tensor& s) {
+namespace {
+// SwiGLU's clamp: limit > 0 takes gpt-oss's clamped form with any finite alpha; limit <= 0 the
+// plain silu(g) * u, which has no alpha (1, its only value, keeps a wrong call from passing).
+void check_swiglu(Check& c, float alpha, float limit) {
+  if (!std::isfinite(limit)) c.fail("limit must be finite (<= 0: no clamp), got " + std::to_string(limit));
+  if (!std::isfinite(alpha)) c.fail("alpha must be finite, got " + std::to_string(alpha));
+  if (limit <= 0.f && alpha != 1.f)
+    c.fail("alpha=" + std::to_string(alpha) + " needs limit > 0 (the clamped form); plain silu(g) * u takes alpha 1");
+}
+}  // namespace
+
+void swiglu_forward(const Tensor& g, const Tensor& u, const Tensor& s, float alpha, float limit) {
   Check c{"swiglu_forward"};
   c.tensor("g", g), c.tensor("u", u), c.tensor("s", s);
   c.floating("g", g);
   c.shape("u", u, g.shape()), c.same_dtype("u", u, "g", g);
   c.shape("s", s, g.shape()), c.same_dtype("s", s, "g", g);
-  run(c, shape_str(g.shape()), 6.0 * double(g.numel()), nbytes({&g, &u, &s}), g.dtype(),
-      [&] { c.dev->swiglu_forward(g, u, s); });
+  check_swiglu(c, alpha, limit);
+  run(c, shape_str(g.shape()) + (limit > 0.f ? " clamped" : ""), 6.0 * double(g.numel()), nbytes({&g, &u, &s}),
+      g.dtype(), [&] { c.dev->swiglu_forward(g, u, s, alpha, limit); });
 }
 
-void swiglu_backward(const Tensor& ds, const Tensor& g, const Tensor& u, const Tensor& dg, const Tensor& du) {
+void swiglu_backward(const Tensor& ds, const Tensor& g, const Tensor& u, const Tensor& dg, const Tensor& du,
+                     float alpha, float limit) {
   Check c{"swiglu_backward"};
   c.tensor("ds", ds), c.tensor("g", g), c.tensor("u", u), c.tensor("dg", dg), c.tensor("du", du);
   c.floating("g", g);
@@ -26,8 +39,9 @@ void swiglu_backward(const Tensor& ds, const Tensor& g, const Tensor& u, const T
     c.shape(n, *t, g.shape());
     c.same_dtype(n, *t, "g", g);
   }
-  run(c, shape_str(g.shape()), 12.0 * double(g.numel()), nbytes({&ds, &g, &u, &dg, &du}), g.dtype(),
-      [&] { c.dev->swiglu_backward(ds, g, u, dg, du); });
+  check_swiglu(c, alpha, limit);
+  run(c, shape_str(g.shape()) + (limit > 0.f ? " clamped" : ""), 12.0 * double(g.numel()),
+      nbytes({&ds, &g, &u, &dg, &du}), g.dtype(), [&] { c.dev->swiglu_backward(ds, g, u, dg, du, alpha, limit); });
 }
 
 void geglu_forward(const Tensor& g, const Tensor& u, const Tensor& s) {

@@ -81,11 +81,12 @@ void CpuBackend::rope(const Tensor& x, const Tensor& positions, const Tensor& in
 // ---- attention softmax
 
 void CpuBackend::softmax_causal_forward(const Tensor& S, const Tensor& P, float scale, const Tensor* segments,
-                                        int64_t window) {
+                                        int64_t window, const Tensor* sinks) {
   const int64_t Tq = S.size(-2), Tk = S.size(-1), rows = rows_of(S, Tk);
   if (rows == 0) return;
   const DType dt = S.dtype();
   const int32_t* seg = segments ? segments->ptr<int32_t>() : nullptr;
+  const float* sink = sinks ? sinks->ptr<float>() : nullptr;  // (rows / Tq,): one per score matrix
   for_rows(rows, Tk, [&](int64_t r0, int64_t r1) {
     float* ss = scratch(0, Tk);
     float* ps = scratch(1, Tk);
@@ -102,12 +103,13 @@ void CpuBackend::softmax_causal_forward(const Tensor& S, const Tensor& P, float 
         for (int64_t j = lo; j < q; ++j)
           if (seg[j] == sq) m = std::max(m, sr[j]);
       }
+      if (sink) m = std::max(m, sink[r / Tq] / scale);  // the unscaled sink joins the max, in S's units
       for (int64_t j = lo; j <= q; ++j) pr[j] = scale * (sr[j] - m);
       exp_inplace(pr + lo, q + 1 - lo);
       if (seg)
         for (int64_t j = lo; j < q; ++j)
           if (seg[j] != sq) pr[j] = 0.f;
-      const float inv = 1.f / sum(pr + lo, q + 1 - lo);
+      const float inv = 1.f / (sum(pr + lo, q + 1 - lo) + (sink ? std::exp(sink[r / Tq] - scale * m) : 0.f));
       for (int64_t j = lo; j <= q; ++j) pr[j] *= inv;
       for (int64_t j = 0; j < lo; ++j) pr[j] = 0.f;  // after the reads above: pr may alias sr
       for (int64_t j = q + 1; j < Tk; ++j) pr[j] = 0.f;
@@ -154,9 +156,10 @@ struct AttentionMask {
 namespace {
 
 // One sequence's attention over head-major f32 arrays: q, o (Hq, T, D), k, v (Hk, T, D), lse
-// (Hq, T); o starts at zero.
+// (Hq, T), sinks (Hq,) or null; o starts at zero.
 void attention_forward_f32(const float* qf, const float* kf, const float* vf, float* of, float* ls, int64_t Hq,
-                           int64_t Hk, int64_t T, int64_t D, float scale, const AttentionMask& mask) {
+                           int64_t Hk, int64_t T, int64_t D, float scale, const AttentionMask& mask,
+                           const float* sinks) {
   const int64_t g = Hq / Hk;
   for_rows(Hq * T, T * D, [&](int64_t r0, int64_t r1) {
     float* p = scratch(0, T);
@@ -166,7 +169,8 @@ void attention_forward_f32(const float* qf, const float* kf, const float* vf, fl
       float m = -std::numeric_limits<float>::infinity();
       for (int64_t j = j0; j <= i; ++j)
         if (mask.sees(i, j)) m = std::max(m, p[j] = scale * dot(qi, &kf[kv + j * D], D));
-      float l = 0.f;
+      if (sinks) m = std::max(m, sinks[h]);  // the sink: a column of the softmax without a value
+      float l = sinks ? std::exp(sinks[h] - m) : 0.f;
       for (int64_t j = j0; j <= i; ++j) l += (p[j] = mask.sees(i, j) ? std::exp(p[j] - m) : 0.f);
       float* oi = &of[r * D];
       for (int64_t j = j0; j <= i; ++j)
@@ -237,7 +241,8 @@ void store_heads(const std::vector<float>& f, const Tensor& x, int64_t b) {
 // 3-D operands are one head-major sequence; 4-D ones token-major views of B sequences, each
 // gathered head-major, attended and scattered back.
 void CpuBackend::attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o,
-                                   const Tensor& lse, float scale, const Tensor* segments, int64_t window) {
+                                   const Tensor& lse, float scale, const Tensor* segments, int64_t window,
+                                   const Tensor* sinks) {
   const bool tm = q.dim() == 4;
   const int64_t B = tm ? q.size(0) : 1, Hq = q.size(tm ? 2 : 0), Hk = k.size(tm ? 2 : 0), T = q.size(1), D = q.size(-1);
   const AttentionMask mask{segments ? segments->ptr<int32_t>() : nullptr, window};
@@ -245,7 +250,7 @@ void CpuBackend::attention_forward(const Tensor& q, const Tensor& k, const Tenso
     const std::vector<float> qf = heads_f32(q, b), kf = heads_f32(k, b), vf = heads_f32(v, b);
     std::vector<float> of(qf.size());
     attention_forward_f32(qf.data(), kf.data(), vf.data(), of.data(), lse.ptr<float>() + b * Hq * T, Hq, Hk, T, D,
-                          scale, mask);
+                          scale, mask, sinks ? sinks->ptr<float>() : nullptr);
     store_heads(of, o, b);
   }
 }

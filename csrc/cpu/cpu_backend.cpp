@@ -41,7 +41,7 @@ Capabilities CpuBackend::capabilities() const {
   c.dtypes = {DType::f32, DType::f16, DType::bf16};
   c.compute_dtype = DType::f32;  // the kernels compute in f32 whatever the operands: 16-bit saves no time
   // The reference loops take every feature of the contract (never chosen: no fused dtypes).
-  c.fused_attention_segments = c.fused_attention_window = true;
+  c.fused_attention_segments = c.fused_attention_window = c.fused_attention_sinks = true;
   // Causal query row blocks skip the score blocks above the diagonal at the cost of more, smaller
   // GEMMs: measured, blocks of 128 took W2's attention from 71 to 53 ms.
   c.attention_block = 128;

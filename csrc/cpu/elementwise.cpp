@@ -16,52 +16,77 @@ namespace krnl::cpu {
 // ---- gated MLPs: s = act(g) * u with act(x) = x sg(x), sg a sigmoid of some z(x) computed as
 // 1 / (1 + e), e = exp(-z) from a bulk exp. SwiGLU: z = x (act = SiLU); GeGLU (Gemma): z = 2 k (x +
 // a x^3), act the tanh-approximated GELU. Act gives e, and dg = d u act'(x) from x, e and sg.
+// gpt-oss's clamped SwiGLU (SiluClamped) turns g and u first: x = min(g, limit) and u + 1 with u
+// clamped to +-limit, z = alpha x; gates() says where the gradients pass the clamps.
 
 namespace {
 constexpr float kGeluK = 0.7978845608028654f;  // sqrt(2 / pi)
 constexpr float kGeluA = 0.044715f;
 
 struct Silu {
-  static void exps(const float* g, float* e, int64_t n) {
+  float x(float g) const { return g; }
+  float u(float u) const { return u; }
+  void exps(const float* g, float* e, int64_t n) const {
     for (int64_t i = 0; i < n; ++i) e[i] = -g[i];
     exp_inplace(e, n);
   }
   // d u act'(x), multiplied in this order (pinned results depend on it)
-  static float dg(float d, float u, float x, float, float sg) { return d * u * sg * (1.f + x * (1.f - sg)); }
+  float dg(float d, float u, float x, float, float sg) const { return d * u * sg * (1.f + x * (1.f - sg)); }
+  bool g_passes(float) const { return true; }
+  bool u_passes(float) const { return true; }
+};
+
+struct SiluClamped {
+  float alpha, limit;
+  float x(float g) const { return g > limit ? limit : g; }  // NaN stays NaN, as torch.clamp keeps it
+  float u(float u) const { return (u > limit ? limit : (u < -limit ? -limit : u)) + 1.f; }
+  void exps(const float* g, float* e, int64_t n) const {
+    for (int64_t i = 0; i < n; ++i) e[i] = -alpha * x(g[i]);
+    exp_inplace(e, n);
+  }
+  float dg(float d, float u, float x, float, float sg) const { return d * u * sg * (1.f + alpha * x * (1.f - sg)); }
+  // torch.clamp's gradient: through where the input lies within the bounds, bounds included
+  bool g_passes(float g) const { return g <= limit; }
+  bool u_passes(float u) const { return u >= -limit && u <= limit; }
 };
 
 // sg = 1 / (1 + exp(-2 z)) = (1 + tanh z) / 2, so gelu_tanh(x) = x sg: 1 + tanh from the sigmoid
 // keeps its relative accuracy for very negative x (1 + tanh would cancel there).
 struct GeluTanh {
-  static void exps(const float* g, float* e, int64_t n) {
+  float x(float g) const { return g; }
+  float u(float u) const { return u; }
+  void exps(const float* g, float* e, int64_t n) const {
     for (int64_t i = 0; i < n; ++i) e[i] = -2.f * kGeluK * (g[i] + kGeluA * g[i] * g[i] * g[i]);
     exp_inplace(e, n);
   }
   // gelu_tanh'(x) = (1 + t) / 2 + x (1 - t^2) k (1 + 3 a x^2) / 2 with 1 + t = 2 sg and
   // 1 - t^2 = 4 sg (1 - sg); 1 - sg as e sg where sg > 1/2, where 1 - sg would cancel.
-  static float dg(float d, float u, float x, float e, float sg) {
+  float dg(float d, float u, float x, float e, float sg) const {
     const float om = sg < 0.5f ? 1.f - sg : e * sg;
     return d * u * (sg + 2.f * x * sg * om * kGeluK * (1.f + 3.f * kGeluA * x * x));
   }
+  bool g_passes(float) const { return true; }
+  bool u_passes(float) const { return true; }
 };
 
 template <class Act>
-void gated_forward(const Tensor& g, const Tensor& u, const Tensor& s) {
+void gated_forward(const Act& act, const Tensor& g, const Tensor& u, const Tensor& s) {
   const DType dt = g.dtype();
   for_blocks(g.numel(), [&](int64_t b, int64_t e) {
     float gs[kBlock], us[kBlock], ss[kBlock], t[kBlock];
     const int64_t n = e - b;
     const float* gv = view(dt, g.data(), b, n, gs);
     const float* uv = view(dt, u.data(), b, n, us);
-    Act::exps(gv, t, n);
+    act.exps(gv, t, n);
     float* sv = out_window(dt, s.data(), b, ss);
-    for (int64_t i = 0; i < n; ++i) sv[i] = gv[i] / (1.f + t[i]) * uv[i];
+    for (int64_t i = 0; i < n; ++i) sv[i] = act.x(gv[i]) / (1.f + t[i]) * act.u(uv[i]);
     flush(dt, sv, n, s.data(), b);
   });
 }
 
 template <class Act>
-void gated_backward(const Tensor& ds, const Tensor& g, const Tensor& u, const Tensor& dg, const Tensor& du) {
+void gated_backward(const Act& act, const Tensor& ds, const Tensor& g, const Tensor& u, const Tensor& dg,
+                    const Tensor& du) {
   const DType dt = g.dtype();
   for_blocks(g.numel(), [&](int64_t b, int64_t e) {
     float dss[kBlock], gs[kBlock], us[kBlock], dgs[kBlock], dus[kBlock], t[kBlock];
@@ -69,14 +94,15 @@ void gated_backward(const Tensor& ds, const Tensor& g, const Tensor& u, const Te
     const float* dv = view(dt, ds.data(), b, n, dss);
     const float* gv = view(dt, g.data(), b, n, gs);
     const float* uv = view(dt, u.data(), b, n, us);
-    Act::exps(gv, t, n);
+    act.exps(gv, t, n);
     float* dgv = out_window(dt, dg.data(), b, dgs);
     float* duv = out_window(dt, du.data(), b, dus);
     for (int64_t i = 0; i < n; ++i) {
       // All inputs read before either output is written: dg/du may alias ds.
-      const float d = dv[i], x = gv[i], ui = uv[i], sg = 1.f / (1.f + t[i]);
-      dgv[i] = Act::dg(d, ui, x, t[i], sg);
-      duv[i] = d * x * sg;
+      const float d = dv[i], x = act.x(gv[i]), ui = act.u(uv[i]), sg = 1.f / (1.f + t[i]);
+      const bool gp = act.g_passes(gv[i]), up = act.u_passes(uv[i]);
+      dgv[i] = gp ? act.dg(d, ui, x, t[i], sg) : 0.f;
+      duv[i] = up ? d * x * sg : 0.f;
     }
     flush(dt, dgv, n, dg.data(), b);
     flush(dt, duv, n, du.data(), b);
@@ -84,18 +110,22 @@ void gated_backward(const Tensor& ds, const Tensor& g, const Tensor& u, const Te
 }
 }  // namespace
 
-void CpuBackend::swiglu_forward(const Tensor& g, const Tensor& u, const Tensor& s) { gated_forward<Silu>(g, u, s); }
-
-void CpuBackend::swiglu_backward(const Tensor& ds, const Tensor& g, const Tensor& u, const Tensor& dg,
-                                 const Tensor& du) {
-  gated_backward<Silu>(ds, g, u, dg, du);
+void CpuBackend::swiglu_forward(const Tensor& g, const Tensor& u, const Tensor& s, float alpha, float limit) {
+  if (limit > 0.f) return gated_forward(SiluClamped{alpha, limit}, g, u, s);
+  gated_forward(Silu{}, g, u, s);
 }
 
-void CpuBackend::geglu_forward(const Tensor& g, const Tensor& u, const Tensor& s) { gated_forward<GeluTanh>(g, u, s); }
+void CpuBackend::swiglu_backward(const Tensor& ds, const Tensor& g, const Tensor& u, const Tensor& dg,
+                                 const Tensor& du, float alpha, float limit) {
+  if (limit > 0.f) return gated_backward(SiluClamped{alpha, limit}, ds, g, u, dg, du);
+  gated_backward(Silu{}, ds, g, u, dg, du);
+}
+
+void CpuBackend::geglu_forward(const Tensor& g, const Tensor& u, const Tensor& s) { gated_forward(GeluTanh{}, g, u, s); }
 
 void CpuBackend::geglu_backward(const Tensor& ds, const Tensor& g, const Tensor& u, const Tensor& dg,
                                 const Tensor& du) {
-  gated_backward<GeluTanh>(ds, g, u, dg, du);
+  gated_backward(GeluTanh{}, ds, g, u, dg, du);
 }
 
 // ---- soft-capping (Gemma 2's attention scores and logits)

@@ -85,13 +85,22 @@ __global__ void rope_apply_vec_kernel(DType dt, void* x, I rows, I T, I D, I R, 
 // Row r of (.., Tq, Tk) scores: query at absolute position q = r % Tq + (Tk - Tq) sees keys
 // j <= q, q - j < window where window > 0, and of its own segment when segments are given.
 // Masked entries are exact zeros. P may alias S: every pass reads only what the same thread
-// writes last.
+// writes last. sinks (rows / Tq,) where given: sinks[r / Tq] joins the row's softmax unscaled.
 __device__ __forceinline__ int64_t window_start(int64_t q, int64_t window) {
   return window > 0 && q >= window ? q - window + 1 : 0;
 }
 
+// The row max m (of S, before scale) with the row's sink joined in S's units, and the sink's
+// term of the row sum; m unchanged and 0 without sinks.
+__device__ __forceinline__ float sink_term(const float* sinks, int64_t r, int64_t Tq, float scale, float& m) {
+  if (!sinks) return 0.f;
+  const float s = sinks[r / Tq];
+  m = fmaxf(m, s / scale);
+  return expf(s - scale * m);
+}
+
 __global__ void softmax_causal_kernel(DType dt, const void* S, void* P, int64_t Tq, int64_t Tk, float scale,
-                                      const int32_t* seg, int64_t window) {
+                                      const int32_t* seg, int64_t window, const float* sinks) {
   __shared__ float sh[32];
   const int64_t r = blockIdx.x, base = r * Tk, q = r % Tq + (Tk - Tq), lo = window_start(q, window);
   const int32_t sq = seg ? seg[q] : 0;
@@ -99,10 +108,11 @@ __global__ void softmax_causal_kernel(DType dt, const void* S, void* P, int64_t 
   for (int64_t j = lo + threadIdx.x; j <= q; j += blockDim.x)
     if (!seg || seg[j] == sq) m = fmaxf(m, ld(dt, S, base + j));
   m = block_max(m, sh);
+  const float sink = sink_term(sinks, r, Tq, scale, m);
   float sum = 0.f;
   for (int64_t j = lo + threadIdx.x; j <= q; j += blockDim.x)
     if (!seg || seg[j] == sq) sum += expf(scale * (ld(dt, S, base + j) - m));
-  const float inv = 1.f / block_sum(sum, sh);
+  const float inv = 1.f / (block_sum(sum, sh) + sink);
   for (int64_t j = threadIdx.x; j < Tk; j += blockDim.x) {
     float p = 0.f;
     if (j >= lo && j <= q && (!seg || seg[j] == sq)) p = expf(scale * (ld(dt, S, base + j) - m)) * inv;
@@ -126,7 +136,7 @@ __global__ void softmax_bwd_kernel(DType dt, const void* P, const void* dP, void
 // Same contract as softmax_causal_kernel. Vectors starting past q are neither read nor needed.
 template <bool W16, int NV>
 __global__ void softmax_causal_reg_kernel(DType dt, const void* S, void* P, int64_t Tq, int64_t Tk, float scale,
-                                          const int32_t* seg, int64_t window) {
+                                          const int32_t* seg, int64_t window, const float* sinks) {
   constexpr int VEC = W16 ? 8 : 4;
   __shared__ float sh[32];
   const int64_t r = blockIdx.x, base = r * Tk, q = r % Tq + (Tk - Tq), lo = window_start(q, window);
@@ -144,6 +154,7 @@ __global__ void softmax_causal_reg_kernel(DType dt, const void* S, void* P, int6
     }
   }
   m = block_max(m, sh);
+  const float sink = sink_term(sinks, r, Tq, scale, m);
   float sum = 0.f;
 #pragma unroll
   for (int k = 0; k < NV; ++k) {
@@ -155,7 +166,7 @@ __global__ void softmax_causal_reg_kernel(DType dt, const void* S, void* P, int6
       sum += x[k][e];
     }
   }
-  const float inv = 1.f / block_sum(sum, sh);
+  const float inv = 1.f / (block_sum(sum, sh) + sink);
 #pragma unroll
   for (int k = 0; k < NV; ++k) {
     const int64_t j0 = (int64_t(k) * blockDim.x + threadIdx.x) * VEC;
@@ -381,25 +392,26 @@ void CudaBackend::transpose_heads_rope(const Tensor& x, const Tensor& out, const
 }
 
 void CudaBackend::softmax_causal_forward(const Tensor& S, const Tensor& P, float scale, const Tensor* segments,
-                                         int64_t window) {
+                                         int64_t window, const Tensor* sinks) {
   OpTimer timer(this);
   const int64_t Tq = S.size(-2), Tk = S.size(-1), rows = Tk ? S.numel() / Tk : 0;
   if (rows == 0) return;
   const RegPlan rp = reg_plan(S.dtype(), Tk, {S.data(), P.data()});
+  const int32_t* seg = segments ? segments->ptr<int32_t>() : nullptr;
+  const float* sink = sinks ? sinks->ptr<float>() : nullptr;
   if (rp.threads) {
     const bool w16 = S.dtype() != DType::f32;
-    const int32_t* seg = segments ? segments->ptr<int32_t>() : nullptr;
     const unsigned g = unsigned(rows);
 #define KRNL_SOFTMAX_FWD(W, NV) \
   softmax_causal_reg_kernel<W, NV><<<g, rp.threads, 0, stream_>>>(S.dtype(), S.data(), P.data(), Tq, Tk, scale, seg, \
-                                                                   window)
+                                                                   window, sink)
     KRNL_DISPATCH_REG(w16, rp.nv, KRNL_SOFTMAX_FWD)
 #undef KRNL_SOFTMAX_FWD
     check_launch("softmax_causal_forward");
     return;
   }
   softmax_causal_kernel<<<unsigned(rows), std::min(row_threads(Tk), 512), 0, stream_>>>(
-      S.dtype(), S.data(), P.data(), Tq, Tk, scale, segments ? segments->ptr<int32_t>() : nullptr, window);
+      S.dtype(), S.data(), P.data(), Tq, Tk, scale, seg, window, sink);
   check_launch("softmax_causal_forward");
 }
 

@@ -208,7 +208,7 @@ CudaBackend::CudnnState& CudaBackend::cudnn(const char* op) {
 }
 
 namespace {
-void check_fused(DType dt, const Tensor* segments, int64_t window, const char* op) {
+void check_fused(DType dt, const Tensor* segments, int64_t window, const char* op, const Tensor* sinks = nullptr) {
   if (!fused_dtype(dt))
     throw NotImplementedError(std::string("[") + op + "] cuDNN's fused attention takes bf16 or f16 on cuda, got " +
                               dtype_name(dt) + " (f32 takes the materialised path)");
@@ -216,6 +216,10 @@ void check_fused(DType dt, const Tensor* segments, int64_t window, const char* o
   // are not, so the model keeps those rows materialised (capabilities: segments false).
   if (segments)
     throw NotImplementedError(std::string("[") + op + "] packed segments are not implemented in cuda's fused "
+                              "attention (they take the materialised path)");
+  // cuDNN's SDPA takes no extra softmax column (capabilities: sinks false); softmax_causal_forward does.
+  if (sinks)
+    throw NotImplementedError(std::string("[") + op + "] attention sinks are not implemented in cuda's fused "
                               "attention (they take the materialised path)");
   if (window > int64_t(std::numeric_limits<int>::max()))
     throw std::invalid_argument(std::string("[") + op + "] window " + std::to_string(window) + " exceeds cuDNN's int");
@@ -229,8 +233,9 @@ void execute(fe::graph::Graph& g, cudnnHandle_t h, std::unordered_map<int64_t, v
 }  // namespace
 
 void CudaBackend::attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o,
-                                    const Tensor& lse, float scale, const Tensor* segments, int64_t window) {
-  check_fused(q.dtype(), segments, window, "attention_forward");
+                                    const Tensor& lse, float scale, const Tensor* segments, int64_t window,
+                                    const Tensor* sinks) {
+  check_fused(q.dtype(), segments, window, "attention_forward", sinks);
   if (q.numel() == 0) return;
   if (window >= q.size(1)) window = 0;  // a window as long as the row masks nothing: one plan (T: axis 1 both ways)
   CudnnState& s = cudnn("attention_forward");

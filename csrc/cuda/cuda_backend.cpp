@@ -146,6 +146,8 @@ Capabilities CudaBackend::capabilities() const {
 #ifdef KRNL_HAS_CUDNN
   c.fused_attention_dtypes = fused_attention_dtypes();  // packed segments stay materialised
   c.fused_attention_window = !c.fused_attention_dtypes.empty();  // cuDNN's diagonal band
+  // sinks stay false: cuDNN's SDPA graphs take no extra softmax column, and krnl has no fused
+  // attention kernel of its own on CUDA; gpt-oss attention takes the materialised path there.
 #endif
   c.graphs = true;  // capture() (cuda_graph.cpp)
   // Causal query row blocks skip the score blocks above the diagonal at the cost of more, smaller

@@ -96,9 +96,10 @@ class CudaBackend : public Backend {
  private:
   // SwiGLU's and GeGLU's launchers, one for each direction over the activation (elementwise.cu).
   template <class Act>
-  void gated_forward(const Tensor& g, const Tensor& u, const Tensor& s);
+  void gated_forward(const Act& act, const Tensor& g, const Tensor& u, const Tensor& s);
   template <class Act>
-  void gated_backward(const Tensor& ds, const Tensor& g, const Tensor& u, const Tensor& dg, const Tensor& du);
+  void gated_backward(const Act& act, const Tensor& ds, const Tensor& g, const Tensor& u, const Tensor& dg,
+                      const Tensor& du);
   // beta * C over a (possibly row-strided, batched) output: the K = 0 GEMM.
   void gemm_untimed(const GemmArgs& g);  // gemm's body, for ops that end in a GEMM (quantized_matmul)
   void gemm_scale_output(const GemmArgs& g);

@@ -7,6 +7,7 @@
 
 #include "common.cuh"
 #include "core/rng.h"
+#include "swiglu.cuh"
 
 namespace krnl::cuda {
 namespace {
@@ -47,18 +48,8 @@ __global__ void dropout_kernel(DType dt, const void* x, void* out, int64_t n, fl
 
 // The gated activations s = act(g) * u as functors, each with its forward and its backward
 // (dg, du from ds, g, u; in that expression order, which fixes the rounding), for one set of
-// kernels and launchers below.
-// SwiGLU: act = silu, sigmoid as 1 / (1 + exp(-g)) like the CPU backend.
-struct Swiglu {
-  static constexpr const char* fwd_name = "swiglu_forward";
-  static constexpr const char* bwd_name = "swiglu_backward";
-  __device__ static float forward(float g, float u) { return g / (1.f + expf(-g)) * u; }
-  __device__ static void backward(float d, float g, float u, float& dg, float& du) {
-    const float sig = 1.f / (1.f + expf(-g));
-    dg = d * u * sig * (1.f + g * (1.f - sig));
-    du = d * g * sig;
-  }
-};
+// kernels and launchers below; passed by value (SwiGLU's clamped form carries alpha and limit).
+// SwiGLU's forms: swiglu.cuh.
 
 // GeGLU: gelu_tanh(x) = x sg with sg = sigmoid(2 k (x + a x^3)) = (1 + tanh(k (x + a x^3))) / 2
 // (transformers' "gelu_pytorch_tanh"); 1 + tanh from the sigmoid keeps its relative accuracy for
@@ -77,8 +68,8 @@ __device__ __forceinline__ float gelu_grad(float x, float& sg) {  // also return
 struct Geglu {
   static constexpr const char* fwd_name = "geglu_forward";
   static constexpr const char* bwd_name = "geglu_backward";
-  __device__ static float forward(float g, float u) { return g * gelu_sigmoid(g) * u; }
-  __device__ static void backward(float d, float g, float u, float& dg, float& du) {
+  __device__ float forward(float g, float u) const { return g * gelu_sigmoid(g) * u; }
+  __device__ void backward(float d, float g, float u, float& dg, float& du) const {
     float sg;
     dg = d * u * gelu_grad(g, sg);
     du = d * g * sg;
@@ -86,16 +77,17 @@ struct Geglu {
 };
 
 template <class Act>
-__global__ void gated_fwd_kernel(DType dt, const void* g, const void* u, void* s, int64_t n) {
-  KRNL_GRID_LOOP(i, n) st(dt, s, i, Act::forward(ld(dt, g, i), ld(dt, u, i)));
+__global__ void gated_fwd_kernel(Act act, DType dt, const void* g, const void* u, void* s, int64_t n) {
+  KRNL_GRID_LOOP(i, n) st(dt, s, i, act.forward(ld(dt, g, i), ld(dt, u, i)));
 }
 
 // dg/du may alias ds: all three inputs are read before either output is written.
 template <class Act>
-__global__ void gated_bwd_kernel(DType dt, const void* ds, const void* g, const void* u, void* dg, void* du, int64_t n) {
+__global__ void gated_bwd_kernel(Act act, DType dt, const void* ds, const void* g, const void* u, void* dg, void* du,
+                                 int64_t n) {
   KRNL_GRID_LOOP(i, n) {
     float dgi, dui;
-    Act::backward(ld(dt, ds, i), ld(dt, g, i), ld(dt, u, i), dgi, dui);
+    act.backward(ld(dt, ds, i), ld(dt, g, i), ld(dt, u, i), dgi, dui);
     st(dt, dg, i, dgi);
     st(dt, du, i, dui);
   }
@@ -141,21 +133,21 @@ __global__ void axpy_vec_kernel(float alpha, DType dt, const void* x, void* y, i
 }
 
 template <class Act, bool W16>
-__global__ void gated_fwd_vec_kernel(DType dt, const void* g, const void* u, void* s, int64_t nvec) {
+__global__ void gated_fwd_vec_kernel(Act act, DType dt, const void* g, const void* u, void* s, int64_t nvec) {
   constexpr int VEC = W16 ? 8 : 4;
   KRNL_GRID_LOOP(v, nvec) {
     float gv[VEC], uv[VEC];
     load_vec<W16>(dt, g, v * VEC, gv);
     load_vec<W16>(dt, u, v * VEC, uv);
 #pragma unroll
-    for (int e = 0; e < VEC; ++e) gv[e] = Act::forward(gv[e], uv[e]);
+    for (int e = 0; e < VEC; ++e) gv[e] = act.forward(gv[e], uv[e]);
     store_vec<W16>(dt, s, v * VEC, gv);
   }
 }
 
 template <class Act, bool W16>
-__global__ void gated_bwd_vec_kernel(DType dt, const void* ds, const void* g, const void* u, void* dg, void* du,
-                                     int64_t nvec) {
+__global__ void gated_bwd_vec_kernel(Act act, DType dt, const void* ds, const void* g, const void* u, void* dg,
+                                     void* du, int64_t nvec) {
   constexpr int VEC = W16 ? 8 : 4;
   KRNL_GRID_LOOP(v, nvec) {
     float d[VEC], gv[VEC], uv[VEC];
@@ -163,7 +155,7 @@ __global__ void gated_bwd_vec_kernel(DType dt, const void* ds, const void* g, co
     load_vec<W16>(dt, g, v * VEC, gv);
     load_vec<W16>(dt, u, v * VEC, uv);
 #pragma unroll
-    for (int e = 0; e < VEC; ++e) Act::backward(d[e], gv[e], uv[e], d[e], uv[e]);  // d becomes dg, uv du
+    for (int e = 0; e < VEC; ++e) act.backward(d[e], gv[e], uv[e], d[e], uv[e]);  // d becomes dg, uv du
     store_vec<W16>(dt, dg, v * VEC, d);
     store_vec<W16>(dt, du, v * VEC, uv);
   }
@@ -275,50 +267,56 @@ void CudaBackend::dropout(const Tensor& x, const Tensor& out, float p, uint64_t 
 
 // The launchers of a gated activation's forward and backward (16-byte vectors where aligned).
 template <class Act>
-void CudaBackend::gated_forward(const Tensor& g, const Tensor& u, const Tensor& s) {
+void CudaBackend::gated_forward(const Act& act, const Tensor& g, const Tensor& u, const Tensor& s) {
   OpTimer timer(this);
   const int64_t n = g.numel();
   if (!n) return;
   if (vectorizable(g.dtype(), n, {g.data(), u.data(), s.data()})) {
     const int64_t nv = n / vec_width(g.dtype());
-#define KRNL_GATED_FWD(W) \
-  gated_fwd_vec_kernel<Act, W><<<grid_for(nv), kThreads, 0, stream_>>>(g.dtype(), g.data(), u.data(), s.data(), nv)
+#define KRNL_GATED_FWD(W)                                                                                   \
+  gated_fwd_vec_kernel<Act, W><<<grid_for(nv), kThreads, 0, stream_>>>(act, g.dtype(), g.data(), u.data(), s.data(), \
+                                                                       nv)
     KRNL_DISPATCH_VEC(g.dtype() != DType::f32, KRNL_GATED_FWD)
 #undef KRNL_GATED_FWD
   } else {
-    gated_fwd_kernel<Act><<<grid_for(n), kThreads, 0, stream_>>>(g.dtype(), g.data(), u.data(), s.data(), n);
+    gated_fwd_kernel<Act><<<grid_for(n), kThreads, 0, stream_>>>(act, g.dtype(), g.data(), u.data(), s.data(), n);
   }
   check_launch(Act::fwd_name);
 }
 
 template <class Act>
-void CudaBackend::gated_backward(const Tensor& ds, const Tensor& g, const Tensor& u, const Tensor& dg, const Tensor& du) {
+void CudaBackend::gated_backward(const Act& act, const Tensor& ds, const Tensor& g, const Tensor& u, const Tensor& dg,
+                                 const Tensor& du) {
   OpTimer timer(this);
   const int64_t n = g.numel();
   if (!n) return;
   if (vectorizable(g.dtype(), n, {ds.data(), g.data(), u.data(), dg.data(), du.data()})) {
     const int64_t nv = n / vec_width(g.dtype());
 #define KRNL_GATED_BWD(W)                                                                                       \
-  gated_bwd_vec_kernel<Act, W><<<grid_for(nv), kThreads, 0, stream_>>>(g.dtype(), ds.data(), g.data(), u.data(), \
-                                                                       dg.data(), du.data(), nv)
+  gated_bwd_vec_kernel<Act, W><<<grid_for(nv), kThreads, 0, stream_>>>(act, g.dtype(), ds.data(), g.data(),      \
+                                                                       u.data(), dg.data(), du.data(), nv)
     KRNL_DISPATCH_VEC(g.dtype() != DType::f32, KRNL_GATED_BWD)
 #undef KRNL_GATED_BWD
   } else {
-    gated_bwd_kernel<Act><<<grid_for(n), kThreads, 0, stream_>>>(g.dtype(), ds.data(), g.data(), u.data(), dg.data(),
-                                                                 du.data(), n);
+    gated_bwd_kernel<Act><<<grid_for(n), kThreads, 0, stream_>>>(act, g.dtype(), ds.data(), g.data(), u.data(),
+                                                                 dg.data(), du.data(), n);
   }
   check_launch(Act::bwd_name);
 }
 
-void CudaBackend::swiglu_forward(const Tensor& g, const Tensor& u, const Tensor& s) { gated_forward<Swiglu>(g, u, s); }
-void CudaBackend::swiglu_backward(const Tensor& ds, const Tensor& g, const Tensor& u, const Tensor& dg,
-                                  const Tensor& du) {
-  gated_backward<Swiglu>(ds, g, u, dg, du);
+void CudaBackend::swiglu_forward(const Tensor& g, const Tensor& u, const Tensor& s, float alpha, float limit) {
+  if (limit > 0.f) return gated_forward(SwigluClamped{alpha, limit}, g, u, s);
+  gated_forward(Swiglu{}, g, u, s);
 }
-void CudaBackend::geglu_forward(const Tensor& g, const Tensor& u, const Tensor& s) { gated_forward<Geglu>(g, u, s); }
+void CudaBackend::swiglu_backward(const Tensor& ds, const Tensor& g, const Tensor& u, const Tensor& dg,
+                                  const Tensor& du, float alpha, float limit) {
+  if (limit > 0.f) return gated_backward(SwigluClamped{alpha, limit}, ds, g, u, dg, du);
+  gated_backward(Swiglu{}, ds, g, u, dg, du);
+}
+void CudaBackend::geglu_forward(const Tensor& g, const Tensor& u, const Tensor& s) { gated_forward(Geglu{}, g, u, s); }
 void CudaBackend::geglu_backward(const Tensor& ds, const Tensor& g, const Tensor& u, const Tensor& dg,
                                  const Tensor& du) {
-  gated_backward<Geglu>(ds, g, u, dg, du);
+  gated_backward(Geglu{}, ds, g, u, dg, du);
 }
 
 void CudaBackend::softcap(const Tensor& x, float cap, const Tensor& out) {

@@ -27,19 +27,18 @@ void MetalOps::rope(const Tensor& x, const Tensor& positions, const Tensor& inv_
 }
 
 void MetalOps::softmax_causal_forward(const Tensor& S, const Tensor& P, float scale, const Tensor* segments,
-                                      int64_t window) {
+                                      int64_t window, const Tensor* sinks) {
   Emit e{this, "softmax_causal_forward"};
   Dispatch d = e.make("softmax", "softmax_causal_forward_" + e.sfx(S.dtype()));
   const int64_t tq = S.size(-2), tk = S.size(-1), rows = tk ? S.numel() / tk : 0;
   if (rows == 0) return;
   bind(d, 0, S), bind(d, 1, P);
-  if (segments)
-    bind(d, 2, *segments);
-  else
-    bind(d, 2, S, 0);  // must be bound; not read
+  bind_optional(d, 2, segments, S);
+  bind_optional(d, 4, sinks, S);
   // A window of tk keys or more masks nothing: as 0 it fits the kernel's u32.
   const uint32_t win = window > 0 && window < tk ? uint32_t(window) : 0u;
-  d.set_args(3, SoftmaxArgs{u32(e.op, rows, "rows"), uint32_t(tq), uint32_t(tk), scale, segments ? 1u : 0u, win});
+  d.set_args(3, SoftmaxArgs{u32(e.op, rows, "rows"), uint32_t(tq), uint32_t(tk), scale, segments ? 1u : 0u, win,
+                            sinks ? 1u : 0u});
   d.grid = {uint32_t(rows), 1, 1};
   d.threads = {row_threads(tk), 1, 1};
   encode(std::move(d));
@@ -94,17 +93,12 @@ double query_pairs(int64_t r0, int64_t r1, int64_t window) {
 // The same of key rows [r0, r1) of T: key j is seen by min(T - j, window) queries.
 double key_pairs(int64_t r0, int64_t r1, int64_t T, int64_t window) { return query_pairs(T - r1, T - r0, window); }
 
-// q, k, v, the masks' segments (or a dummy binding) and the argument struct, shared by the kernels.
+// The argument struct shared by the kernels (sinks: the forward's only).
 AttentionArgs attention_args(const char* op, const Tensor& q, const Tensor& k, float scale, const Tensor* segments,
-                             int64_t window) {
+                             int64_t window, const Tensor* sinks = nullptr) {
   return AttentionArgs{u32(op, q.size(0), "Hq"), u32(op, k.size(0), "Hk"), u32(op, q.size(1), "T"),
-                       u32(op, q.size(2), "D"),  u32(op, window, "window"), segments ? 1u : 0u, scale, 0u, 0u};
-}
-void bind_segments(Dispatch& d, uint32_t index, const Tensor& q, const Tensor* segments) {
-  if (segments)
-    bind(d, index, *segments);
-  else
-    bind(d, index, q, 0);  // must be bound; not read
+                       u32(op, q.size(2), "D"),  u32(op, window, "window"), segments ? 1u : 0u, scale, 0u, 0u,
+                       sinks ? 1u : 0u};
 }
 
 }  // namespace
@@ -114,15 +108,15 @@ std::vector<int64_t> MetalOps::attention_head_dims() {
 }
 
 void MetalOps::attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& lse,
-                                 float scale, const Tensor* segments, int64_t window) {
+                                 float scale, const Tensor* segments, int64_t window, const Tensor* sinks) {
   Emit e{this, "attention_forward"};
   const int64_t Hq = q.size(0), T = q.size(1), D = q.size(2);
   Dispatch d = e.make("attention", "attention_forward" + attention_size(e.op, name(), D) + e.sfx(q.dtype()));
-  const AttentionArgs args = attention_args(e.op, q, k, scale, segments, window);
+  const AttentionArgs args = attention_args(e.op, q, k, scale, segments, window, sinks);
   if (T == 0 || Hq == 0) return;
   const AttentionTiles t = attention_tiles(D);
   bind(d, 0, q), bind(d, 1, k), bind(d, 2, v), bind(d, 3, o), bind(d, 4, lse);
-  bind_segments(d, 5, q, segments);
+  bind_optional(d, 5, segments, q), bind_optional(d, 7, sinks, q);
   d.threads = {32 * t.fwd_sg, 1, 1};
   encode_parts(std::move(d), 6, args,
                attention_parts(cb_policy_, AttentionKernel::forward, Hq, k.size(0), T, D, window, dtype_size(q.dtype())));
@@ -211,14 +205,14 @@ void MetalOps::attention_backward(const Tensor& q, const Tensor& k, const Tensor
 
   Dispatch dqd = e.make("attention", "attention_backward_dq" + size + sfx);
   bind(dqd, 0, q), bind(dqd, 1, k), bind(dqd, 2, v), bind(dqd, 3, dout), bind(dqd, 4, lse), bind(dqd, 5, delta);
-  bind_segments(dqd, 6, q, segments);
+  bind_optional(dqd, 6, segments, q);
   bind(dqd, 7, dq);
   dqd.threads = {32 * t.dq_sg, 1, 1};
   encode_parts(std::move(dqd), 8, args, attention_parts(cb_policy_, AttentionKernel::dq, Hq, Hk, T, D, window, es));
 
   Dispatch dkv = e.make("attention", "attention_backward_dkv" + size + sfx);
   bind(dkv, 0, q), bind(dkv, 1, k), bind(dkv, 2, v), bind(dkv, 3, dout), bind(dkv, 4, lse), bind(dkv, 5, delta);
-  bind_segments(dkv, 6, q, segments);
+  bind_optional(dkv, 6, segments, q);
   bind(dkv, 7, dk), bind(dkv, 8, dv);
   dkv.threads = {32 * t.dkv_sg, 1, 1};
   encode_parts(std::move(dkv), 9, args, attention_parts(cb_policy_, AttentionKernel::dkv, Hq, Hk, T, D, window, es));

@@ -13,22 +13,23 @@ namespace krnl::metal {
 
 // ---- gated MLPs and soft-capping
 
-void MetalOps::swiglu_forward(const Tensor& g, const Tensor& u, const Tensor& s) {
+void MetalOps::swiglu_forward(const Tensor& g, const Tensor& u, const Tensor& s, float alpha, float limit) {
   Emit e{this, "swiglu_forward"};
   Dispatch d = e.make("swiglu", "swiglu_forward_" + e.sfx(g.dtype()));
   if (g.numel() == 0) return;
   bind(d, 0, g), bind(d, 1, u), bind(d, 2, s);
-  d.set_args(3, SwigluArgs{u32(e.op, g.numel(), "n")});
+  d.set_args(3, SwigluArgs{u32(e.op, g.numel(), "n"), alpha, limit});
   ew_geometry(d, g.numel());
   encode(std::move(d));
 }
 
-void MetalOps::swiglu_backward(const Tensor& ds, const Tensor& g, const Tensor& u, const Tensor& dg, const Tensor& du) {
+void MetalOps::swiglu_backward(const Tensor& ds, const Tensor& g, const Tensor& u, const Tensor& dg, const Tensor& du,
+                               float alpha, float limit) {
   Emit e{this, "swiglu_backward"};
   Dispatch d = e.make("swiglu", "swiglu_backward_" + e.sfx(g.dtype()));
   if (g.numel() == 0) return;
   bind(d, 0, ds), bind(d, 1, g), bind(d, 2, u), bind(d, 3, dg), bind(d, 4, du);
-  d.set_args(5, SwigluArgs{u32(e.op, g.numel(), "n")});
+  d.set_args(5, SwigluArgs{u32(e.op, g.numel(), "n"), alpha, limit});
   ew_geometry(d, g.numel());
   encode(std::move(d));
 }
@@ -129,10 +130,7 @@ void MetalOps::dropout(const Tensor& x, const Tensor& out, float p, uint64_t see
   Dispatch d = e.make("elementwise", "dropout_" + s);
   if (x.numel() == 0) return;
   bind(d, 0, x), bind(d, 1, out);
-  if (seed_offset)
-    bind(d, 3, *seed_offset);
-  else
-    bind(d, 3, x, 0);  // must be bound; not read
+  bind_optional(d, 3, seed_offset, x);
   const int64_t width = seed_offset && seed_offset->numel() == 3 ? (x.shape().empty() ? 1 : x.shape().back()) : 0;
   d.set_args(2, DropoutArgs{u32(e.op, x.numel(), "n"), uint32_t(seed), uint32_t(seed >> 32), p, 1.f / (1.f - p),
                             seed_offset ? 1u : 0u, u32(e.op, width, "row width")});

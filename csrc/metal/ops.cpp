@@ -45,7 +45,7 @@ Capabilities MetalOps::capabilities() const {
   // KRNL_BF16, like every family's, so they come with the backend's bf16 policy), every
   // mask of the contract, at the head sizes it instantiates.
   c.fused_attention_dtypes = c.dtypes;
-  c.fused_attention_segments = c.fused_attention_window = true;
+  c.fused_attention_segments = c.fused_attention_window = c.fused_attention_sinks = true;
   c.fused_attention_head_dims = attention_head_dims();
   // The LoRA fold (python/krnl/models/lora_fold.py) pays by a static count of bytes per LoRA'd
   // projection, each operand moved once (Metal GPUs are bandwidth-bound; docs/architecture.md,

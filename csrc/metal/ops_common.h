@@ -74,6 +74,11 @@ inline void bind(Dispatch& d, uint32_t index, const Tensor& t, size_t extent_byt
   d.bind(index, t.storage()->ptr(), t.offset(), extent_bytes);
 }
 inline void bind(Dispatch& d, uint32_t index, const Tensor& t) { bind(d, index, t, t.nbytes()); }
+// An optional operand: t where given, else `stand_in` with no extent (a kernel's buffer must be
+// bound; its flag in the arguments keeps it unread).
+inline void bind_optional(Dispatch& d, uint32_t index, const Tensor* t, const Tensor& stand_in) {
+  t ? bind(d, index, *t) : bind(d, index, stand_in, 0);
+}
 
 // A grid-stride dispatch over n elements.
 inline void ew_geometry(Dispatch& d, int64_t n) {

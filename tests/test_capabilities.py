@@ -29,8 +29,8 @@ def test_every_device_answers_every_field(name):
     assert c["dtypes"] and set(c["dtypes"]) <= set(FLOAT_DTYPES) and len(set(c["dtypes"])) == len(c["dtypes"])
     assert c["compute_dtype"] in c["dtypes"]
     fa = c["fused_attention"]
-    assert set(fa) == {"dtypes", "segments", "window", "head_dims", "token_major"}
-    assert type(fa["segments"]) is bool and type(fa["window"]) is bool and type(fa["token_major"]) is bool
+    assert set(fa) == {"dtypes", "segments", "window", "sinks", "head_dims", "token_major"}
+    assert all(type(fa[k]) is bool for k in ("segments", "window", "sinks", "token_major"))
     assert all(type(D) is int and D > 0 for D in fa["head_dims"])
     assert set(fa["dtypes"]) <= set(c["dtypes"])
     assert c["attention_block"] >= 0
@@ -44,7 +44,8 @@ def test_cpu_values():
         c = krnl.device(name).capabilities()
         assert {k: v for k, v in c.items() if k != "details"} == {
             "kind": "cpu", "dtypes": ["f32", "f16", "bf16"], "compute_dtype": "f32",
-            "fused_attention": {"dtypes": [], "segments": True, "window": True, "head_dims": [], "token_major": True},
+            "fused_attention": {"dtypes": [], "segments": True, "window": True, "sinks": True, "head_dims": [],
+                                "token_major": True},
             "graphs": False, "host_visible": True,
             "synchronous": True, "queue_ordered": True, "attention_block": 128, "gemm_tuning": False,
             "collectives": [], "lora_fold": False}, name
@@ -155,7 +156,8 @@ def _with_capabilities(monkeypatch, **fields):
     monkeypatch.setattr(krnl.Device, "capabilities", fake)
 
 
-FUSED_F32 = {"dtypes": ["f32"], "segments": False, "window": False, "head_dims": [], "token_major": True}
+FUSED_F32 = {"dtypes": ["f32"], "segments": False, "window": False, "sinks": False, "head_dims": [],
+             "token_major": True}
 
 
 def test_model_takes_attention_policy_from_capabilities(monkeypatch):

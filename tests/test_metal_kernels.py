@@ -50,7 +50,7 @@ ElementwiseArgs, RmsnormArgs, SoftmaxArgs = (KARGS[n] for n in ("ElementwiseArgs
 def test_kargs_layout():
     assert [f for f, _ in ElementwiseArgs._fields_][:3] == ["n", "alpha", "beta"]
     assert [f for f, _ in RmsnormArgs._fields_] == ["rows", "cols", "eps", "ldy", "vec4"]
-    assert [f for f, _ in SoftmaxArgs._fields_] == ["rows", "tq", "tk", "scale", "has_segments", "window"]
+    assert [f for f, _ in SoftmaxArgs._fields_] == ["rows", "tq", "tk", "scale", "has_segments", "window", "has_sinks"]
     for s in KARGS.values():  # 4-byte fields only: no padding, identical in MSL and C++
         assert ctypes.sizeof(s) == 4 * len(s._fields_)
 
@@ -256,8 +256,9 @@ def softmax_run(lib, dt, S, scale, segments=None, tg=256, extra_groups=0, out=No
     rows = S.size // Tk
     P = np.full(S.shape, np.nan, S.dtype) if out is None else out
     seg = segments if segments is not None else np.zeros(1, np.int32)
+    sinks = np.zeros(1, np.float32)  # bound, not read (has_sinks 0); test_ops.py runs the kernel with sinks
     lib.dispatch(f"softmax_causal_forward_{dt}", grid=(rows + extra_groups, 1, 1), threads=(tg, 1, 1),
-                 buffers=[S, P, seg, SoftmaxArgs(rows, Tq, Tk, scale, int(segments is not None))], **kw)
+                 buffers=[S, P, seg, SoftmaxArgs(rows, Tq, Tk, scale, int(segments is not None)), sinks], **kw)
     return P
 
 

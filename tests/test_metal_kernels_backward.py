@@ -20,7 +20,7 @@ U32 = 2.0 ** -24
 
 
 def test_kargs_layout_backward():
-    assert [f for f, _ in SwigluArgs._fields_] == ["n"]
+    assert [f for f, _ in SwigluArgs._fields_] == ["n", "alpha", "limit"]
     assert [f for f, _ in RopeArgs._fields_] == ["rows", "T", "D", "R", "sign"]
     assert [f for f, _ in RmsnormBackwardArgs._fields_] == ["rows", "cols", "ldx", "ldr", "has_residual"]
     assert [f for f, _ in SoftmaxBackwardArgs._fields_] == ["rows", "cols", "scale"]

@@ -120,7 +120,7 @@ def test_attention_head_sizes(sim):
     metal/attention.metal instantiates; another size raises NotImplementedError naming the op and
     the sizes there are."""
     caps = sim.capabilities()
-    assert caps["fused_attention"] == {"dtypes": caps["dtypes"], "segments": True, "window": True,
+    assert caps["fused_attention"] == {"dtypes": caps["dtypes"], "segments": True, "window": True, "sinks": True,
                                        "head_dims": [4, 8, 16, 32, 64, 80, 96, 128, 256], "token_major": False}
     assert {"f32", "f16"} <= set(caps["dtypes"])
     q, lse = sim.zeros((2, 3, 24), "f32"), sim.empty((2, 3), "f32")

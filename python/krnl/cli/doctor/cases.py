@@ -59,16 +59,17 @@ def _rstd(x, eps):
     return (1.0 / np.sqrt(np.mean(np.float64(x) ** 2, axis=-1) + eps)).astype(np.float32)
 
 
-def _attention(q, k, v, scale):
-    """(o, lse) of causal GQA attention in float64."""
+def _attention(q, k, v, scale, sinks=None):
+    """(o, lse) of causal GQA attention in float64; sinks (Hq,) join each head's rows unscaled, no value."""
     Hq, T, _ = q.shape
     rep = Hq // k.shape[0]
     kk, vv = np.repeat(np.float64(k), rep, axis=0), np.repeat(np.float64(v), rep, axis=0)
     s = scale * np.einsum("htd,hsd->hts", np.float64(q), kk)
     s = np.where(np.tril(np.ones((T, T), bool)), s, -np.inf)
-    m = s.max(-1, keepdims=True)
-    e = np.exp(s - m)
-    return np.einsum("hts,hsd->htd", e / e.sum(-1, keepdims=True), vv), (m[..., 0] + np.log(e.sum(-1)))
+    sk = np.full((Hq, 1, 1), -np.inf) if sinks is None else np.float64(sinks).reshape(Hq, 1, 1)
+    m = np.maximum(s.max(-1, keepdims=True), sk)
+    e, l = np.exp(s - m), np.exp(sk - m) + np.exp(s - m).sum(-1, keepdims=True)
+    return np.einsum("hts,hsd->htd", e / l, vv), (m + np.log(l))[..., 0]
 
 
 def _normal(rng, *shape, scale=1.0):
@@ -258,27 +259,32 @@ def _attention_cases():
         return {"q": _normal(rng, H, n, d), "k": _normal(rng, KV, n, d), "v": _normal(rng, KV, n, d),
                 "dout": _normal(rng, H, n, d)}
 
-    def attn_fwd(O, a):
-        o, lse = O.out(a["q"].shape), O.out(a["q"].shape[:2], "f32")
-        ops.attention_forward(O.t(a["q"]), O.t(a["k"]), O.t(a["v"]), o, lse, 1 / math.sqrt(a["q"].shape[-1]))
-        return {"o": o, "lse": lse}
-
-    def attn_bwd(O, a):
-        scale = 1 / math.sqrt(a["q"].shape[-1])
-        o, lse = _attention(a["q"], a["k"], a["v"], scale)  # the forward's saved values, for both devices
-        dq, dk, dv = O.out(a["q"].shape), O.out(a["k"].shape), O.out(a["k"].shape)
-        ops.attention_backward(O.t(a["q"]), O.t(a["k"]), O.t(a["v"]), O.t(round_to(o, O.dt)), O.t(a["dout"]),
-                               O.t(lse.astype(np.float32), "f32"), dq, dk, dv, scale)
-        return {"dq": dq, "dk": dk, "dv": dv}
-
     return [Case("rope", "D=16 partial", gen, rope(1.0)), Case("rope", "inverse", gen, rope(-1.0)),
             Case("softmax_causal_forward", "Tq<Tk", gen, softmax(False)),
             Case("softmax_causal_forward", "segments+window", gen, softmax(True)),
             Case("softmax_backward", "Tq<Tk", gen, softmax_back, ulps=8),
             Case("transpose_heads", "(T,H,D)", gen, transpose(1, 0), exact=True),
             Case("transpose_heads", "(H,T,D) rope 2 heads", gen, transpose(0, 2)),
-            Case("attention_forward", "GQA 4/2 D=8", gen_attn, attn_fwd, ulps=8),
-            Case("attention_backward", "GQA 4/2 D=8", gen_attn, attn_bwd, ulps=16)]
+            Case("attention_forward", "GQA 4/2 D=8", gen_attn, attention_fwd, ulps=8),
+            Case("attention_backward", "GQA 4/2 D=8", gen_attn, attention_bwd, ulps=16)]
+
+
+def attention_fwd(O, a, sinks=None):
+    """The fused forward of inputs q, k, v (sinks (Hq,) f32 where given, cases_gpt_oss.py)."""
+    o, lse = O.out(a["q"].shape), O.out(a["q"].shape[:2], "f32")
+    ops.attention_forward(O.t(a["q"]), O.t(a["k"]), O.t(a["v"]), o, lse, 1 / math.sqrt(a["q"].shape[-1]),
+                          sinks=None if sinks is None else O.t(sinks, "f32"))
+    return {"o": o, "lse": lse}
+
+
+def attention_bwd(O, a, sinks=None):
+    """The backward from the saved values of attention_fwd's forward (computed on the host, for both devices)."""
+    scale = 1 / math.sqrt(a["q"].shape[-1])
+    o, lse = _attention(a["q"], a["k"], a["v"], scale, sinks)
+    dq, dk, dv = O.out(a["q"].shape), O.out(a["k"].shape), O.out(a["k"].shape)
+    ops.attention_backward(O.t(a["q"]), O.t(a["k"]), O.t(a["v"]), O.t(round_to(o, O.dt)), O.t(a["dout"]),
+                           O.t(lse.astype(np.float32), "f32"), dq, dk, dv, scale)
+    return {"dq": dq, "dk": dk, "dv": dv}
 
 
 def _table_cases():

@@ -10,6 +10,7 @@ import numpy as np
 import krnl
 
 from .cases import FLOAT_DTYPES, Operands, cases
+from .cases_gpt_oss import gpt_oss_cases
 from .cases_moe import moe_cases
 from ...formats.mlx_folder import round_to
 
@@ -18,10 +19,11 @@ SIZES = {"quick": (1, 33), "full": (1, 31, 33, 127)}
 
 def _optional(dev, case, dtype):
     """Whether `dev` may lack `case` in `dtype` by its own capabilities: only fused attention is
-    optional (the model then takes the materialised scores), and only where they do not list it."""
+    optional (the model then takes the materialised scores), and only where they do not list it
+    (its sinks cases: where they do not list sinks)."""
     fa = dev.capabilities()["fused_attention"]
     return case.op.startswith("attention_") and (dtype not in fa["dtypes"] or bool(fa["head_dims"]) and
-                                                 8 not in fa["head_dims"])
+                                                 8 not in fa["head_dims"] or "sinks" in case.name and not fa["sinks"])
 
 
 def _read(tensors):
@@ -79,7 +81,7 @@ def check_ops(dev, quick=False, log=print):
     cpu = krnl.device("cpu")
     have = dev.capabilities()["dtypes"]
     dtypes = [d for d in FLOAT_DTYPES if d in have]
-    all_cases = cases() + moe_cases()
+    all_cases = cases() + moe_cases() + gpt_oss_cases()
     records = []
     for case in all_cases:
         for dt in (d for d in dtypes if d in case.dtypes):

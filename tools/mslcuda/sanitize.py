@@ -105,6 +105,7 @@ def run_kernels(device="metal-cuda", only=None):
         ops.softmax_causal_forward(S, dev.empty((2, T, T), dt), 0.3, seg)
         ops.softmax_causal_forward(S, dev.empty((2, T, T), dt), 0.3, seg, 5)
         ops.softmax_causal_forward(t((2, 9, T), dt), dev.empty((2, 9, T), dt), 0.3, window=4)
+        ops.softmax_causal_forward(S, dev.empty((2, T, T), dt), 0.3, seg, 5, t((2,), "f32"))  # gpt-oss's sinks
         # elementwise and friends over 1000 elements
         n = 1000
         a, b = t((n,), dt), t((n,), dt)
@@ -120,6 +121,8 @@ def run_kernels(device="metal-cuda", only=None):
         ops.dropout(a, dev.empty((n,), dt), 0.3, 7, seed_offset=dev.tensor(np.array([5, -3], np.int32), "i32"))
         ops.swiglu_forward(a, b, dev.empty((n,), dt))
         ops.swiglu_backward(t((n,), dt), a, b, dev.empty((n,), dt), dev.empty((n,), dt))
+        ops.swiglu_forward(a, b, dev.empty((n,), dt), 1.702, 0.5)  # gpt-oss's clamped form
+        ops.swiglu_backward(t((n,), dt), a, b, dev.empty((n,), dt), dev.empty((n,), dt), 1.702, 0.5)
         ops.geglu_forward(a, b, dev.empty((n,), dt))
         ops.geglu_backward(t((n,), dt), a, b, dev.empty((n,), dt), dev.empty((n,), dt))
         ops.softcap(a, 30.0, dev.empty((n,), dt))
@@ -216,7 +219,8 @@ def moe_calls(dev, t, dt):
 
 def attention(dev, t, dt, segments, head_dims):
     """attention_forward and _backward at T = 37 (ragged blocks), 4 query heads on 2 KV heads, at
-    every head size the device lists, plain, with a window and (where supported) packed segments."""
+    every head size the device lists, plain, with a window and (where supported) packed segments
+    and sinks (the forward's only: its lse holds them)."""
     from krnl import ops
     T = 37
     seg = dev.tensor(np.repeat(np.arange(3), [10, 20, 7]).astype(np.int32), "i32") if segments else None
@@ -232,6 +236,9 @@ def attention(dev, t, dt, segments, head_dims):
                 continue
             ops.attention_backward(q, k, v, o, t((4, T, D), dt), lse, dev.empty((4, T, D), dt),
                                    dev.empty((2, T, D), dt), dev.empty((2, T, D), dt), 0.25, **extra)
+        if dev.capabilities()["fused_attention"].get("sinks"):
+            ops.attention_forward(q, k, v, dev.empty((4, T, D), dt), dev.empty((4, T), "f32"), 0.25, window=5,
+                                  sinks=t((4,), "f32"))
 
 
 def run_barrier(n: int, build_only: bool = False):

@@ -2,14 +2,16 @@
 // quantized_matmul: out (N, M) = x (N, K) op(W) + beta * out with W (O, I) quantized as MLX does
 // (metal/kargs.h QuantizedMatmulArgs; csrc/core/op_list.h has the layout): each row's codes one
 // little-endian bit stream of 32-bit words (3, 5 and 6 bits straddle words),
-// W[o, j] = scales[o, j / gs] * q + biases[o, j / gs]. x and out rows are args.ldx / args.ldo apart.
+// W[o, j] = scales[o, j / gs] * q + biases[o, j / gs] (mode affine), or scales[o, j / 32] * e2m1(q)
+// (mode mxfp4: 4-bit codes, groups of 32, no biases). x and out rows are args.ldx / args.ldo apart.
 //   quantized_matmul_t_*:  transpose, out (N, O) = x (N, I) W^T  (a linear's forward)
 //   quantized_matmul_n_*:  out (N, I) = x (N, O) W               (its input gradient)
 //   quantized_matmul_tv_*: the `t` product for a few rows of x (generation; N <= 8 per row block)
 //   quantized_embedding_*: out (n, C) = rows ids of the table W, dequantized
 //   moe_quantized_matmul_{t,n}_*: the tiled `t` and `n` products per expert of a mixture (below)
 // Names: quantized_matmul_{t,n,tv}_<x dtype>[_sf32]_b<bits> (quantized_embedding_<out dtype>...,
-// moe_quantized_matmul_{t,n}_<x dtype>...);
+// moe_quantized_matmul_{t,n}_<x dtype>...), _mxfp4 in place of _b<bits> for mode mxfp4 (the same
+// kernels, template MX: only the dequantization differs; its biases' buffer is bound, never read);
 // _sf32 when scales and biases are f32 while x is 16-bit. x and out share a dtype; products
 // accumulate in float, out rounds once.
 //
@@ -95,6 +97,24 @@ inline float code_at(ulong v, uint e)
     return float(uint(v >> (e * BITS)) & ((1u << BITS) - 1u));
 }
 
+// MXFP4's E2M1 code c (bit 3 the sign; bits 0-2, m, index 0, 0.5, 1, 1.5, 2, 3, 4, 6) built as a
+// float's bits: m >= 2 is 2^((m >> 1) - 1) (1 + (m & 1) / 2), m = 1 is 0.5; no table in memory.
+inline float e2m1(uint c)
+{
+    const uint m = c & 7u;
+    const uint mag = m < 2u ? m * (126u << 23) : ((126u + (m >> 1)) << 23) | ((m & 1u) << 22);
+    return as_type<float>(mag | ((c & 8u) << 28));
+}
+
+// Code e of v (codes8's) as a weight: s q + b (affine) or s e2m1(q) (MX: mxfp4, b unused).
+template <int BITS, bool MX>
+inline float qweight(ulong v, uint e, float s, float b)
+{
+    if (MX)
+        return s * e2m1(uint(v >> (e * 4)) & 15u);
+    return fma(s, code_at<BITS>(v, e), b);
+}
+
 template <int BITS>
 inline float dequant(device const uint* w, uint words, uint o, uint j, float s, float b)
 {
@@ -110,8 +130,9 @@ inline float dequant(device const uint* w, uint words, uint o, uint j, float s, 
 // One 32x32 tile of the tiled form at out row n0 and column c0 of a block of N rows and M columns
 // (x and out at the block's first row, out at its column m0; W, scales and biases whole), K in
 // steps of 32: quantized_matmul's kernel and moe_quantized_matmul's (one expert's rows and W) both
-// run it. Xs, Ws: the kernel's threadgroup tiles. tid, sg, lane: the thread's indices.
-template <typename T, typename S, int BITS, bool TRANSPOSE>
+// run it. Xs, Ws: the kernel's threadgroup tiles. tid, sg, lane: the thread's indices. MX: mode
+// mxfp4 (qweight).
+template <typename T, typename S, int BITS, bool MX, bool TRANSPOSE>
 inline void qmm_tile(device const T* x, device const uint* w, device const S* scales, device const S* biases,
                      device T* out, uint N, uint M, uint K, uint words, uint gs, uint G, uint ldx, uint ldo,
                      uint m0, float beta, uint n0, uint c0, uint tid, uint sg, uint lane,
@@ -159,11 +180,11 @@ inline void qmm_tile(device const T* x, device const uint* w, device const S* sc
             if (ok) {
                 v = codes8<BITS>(w + (ulong)o * words, j);
                 const uint g = o * G + j / gs;
-                s = float(scales[g]), b = float(biases[g]);
+                s = float(scales[g]), b = MX ? 0.0f : float(biases[g]);
             }
 #pragma clang loop unroll(full)
             for (uint e = 0; e < QMM_CHUNK; ++e) {
-                const T wv = T(ok ? fma(s, code_at<BITS>(v, e), b) : 0.0f);
+                const T wv = T(ok ? qweight<BITS, MX>(v, e, s, b) : 0.0f);
                 if (TRANSPOSE)
                     Ws[(c + e) * QMM_LDW + r] = wv;
                 else
@@ -212,7 +233,7 @@ inline void qmm_tile(device const T* x, device const uint* w, device const S* sc
     }
 }
 
-template <typename T, typename S, int BITS, bool TRANSPOSE>
+template <typename T, typename S, int BITS, bool MX, bool TRANSPOSE>
 kernel void quantized_matmul(device const T*    x      [[buffer(0)]],
                              device const uint* w      [[buffer(1)]],
                              device const S*    scales [[buffer(2)]],
@@ -226,7 +247,7 @@ kernel void quantized_matmul(device const T*    x      [[buffer(0)]],
 {
     threadgroup T Xs[QMM_BM * QMM_LDX];
     threadgroup T Ws[QMM_BK * QMM_LDW];
-    qmm_tile<T, S, BITS, TRANSPOSE>(x, w, scales, biases, out, args.N, args.M, args.K, args.words, args.group_size,
+    qmm_tile<T, S, BITS, MX, TRANSPOSE>(x, w, scales, biases, out, args.N, args.M, args.K, args.words, args.group_size,
                                     args.groups, args.ldx, args.ldo, args.m0, args.beta, tg.y * QMM_BM,
                                     tg.x * QMM_BN, tid, sg, lane, Xs, Ws);
 }
@@ -244,7 +265,7 @@ inline uint2 qmm_moe_rows(device const int* offsets, uint e, uint P)
 // experts' row tiles (ceil(n_e / 32) each, in expert order; the same walk in every thread) and
 // runs quantized_matmul's tile on its expert's rows and W_e; past the last tile it exits, the
 // whole threadgroup before any barrier.
-template <typename T, typename S, int BITS, bool TRANSPOSE>
+template <typename T, typename S, int BITS, bool MX, bool TRANSPOSE>
 kernel void moe_quantized_matmul(device const T*    x       [[buffer(0)]],
                                  device const uint* w       [[buffer(1)]],
                                  device const S*    scales  [[buffer(2)]],
@@ -269,7 +290,7 @@ kernel void moe_quantized_matmul(device const T*    x       [[buffer(0)]],
     }
     if (e == args.E) return;
     const ulong sw = (ulong)e * args.stride_w, ss = (ulong)e * args.stride_s;
-    qmm_tile<T, S, BITS, TRANSPOSE>(x + (ulong)r.x * args.ldx, w + sw, scales + ss, biases + ss,
+    qmm_tile<T, S, BITS, MX, TRANSPOSE>(x + (ulong)r.x * args.ldx, w + sw, scales + ss, biases + ss,
                                     out + (ulong)r.x * args.ldo, r.y - r.x, args.M, args.K, args.words,
                                     args.group_size, args.groups, args.ldx, args.ldo, args.m0, args.beta,
                                     g * QMM_BM, tg.x * QMM_BN, tid, sg, lane, Xs, Ws);
@@ -277,7 +298,7 @@ kernel void moe_quantized_matmul(device const T*    x       [[buffer(0)]],
 
 // The few-row form of quantized_matmul_t (the file comment). Rows of W past M and x rows past the
 // row block contribute zeros; every lane reaches every simd_sum (uniform control flow).
-template <typename T, typename S, int BITS>
+template <typename T, typename S, int BITS, bool MX>
 kernel void quantized_matmul_rows(device const T*    x      [[buffer(0)]],
                                   device const uint* w      [[buffer(1)]],
                                   device const S*    scales [[buffer(2)]],
@@ -309,11 +330,11 @@ kernel void quantized_matmul_rows(device const T*    x      [[buffer(0)]],
             if (c0 + i < M) {
                 const uint o = args.m0 + c0 + i;
                 v = codes8<BITS>(w + (ulong)o * args.words, k);
-                s = float(scales[o * G + k / gs]), b = float(biases[o * G + k / gs]);
+                s = float(scales[o * G + k / gs]), b = MX ? 0.0f : float(biases[o * G + k / gs]);
             }
 #pragma clang loop unroll(full)
             for (uint e = 0; e < QMM_CHUNK; ++e)
-                wf[i][e] = fma(s, code_at<BITS>(v, e), b);
+                wf[i][e] = qweight<BITS, MX>(v, e, s, b);
         }
 #pragma clang loop unroll(full)
         for (uint n = 0; n < QMV_N; ++n) {
@@ -369,19 +390,23 @@ kernel void quantized_embedding(device const int*   ids    [[buffer(0)]],
     }
 }
 
+// The products of one layout (SUFFIX: "_b<bits>" or "_mxfp4"); quantized_embedding is affine's only.
+#define QMM_PRODUCTS(T, S, NAME, SUFFIX, BITS, MX)                                                           \
+    template [[host_name("quantized_matmul_t_" NAME SUFFIX)]] [[kernel]]                                 \
+    decltype(quantized_matmul<T, S, BITS, MX, true>) quantized_matmul<T, S, BITS, MX, true>;              \
+    template [[host_name("quantized_matmul_n_" NAME SUFFIX)]] [[kernel]]                                 \
+    decltype(quantized_matmul<T, S, BITS, MX, false>) quantized_matmul<T, S, BITS, MX, false>;            \
+    template [[host_name("quantized_matmul_tv_" NAME SUFFIX)]] [[kernel]]                                \
+    decltype(quantized_matmul_rows<T, S, BITS, MX>) quantized_matmul_rows<T, S, BITS, MX>;                \
+    template [[host_name("moe_quantized_matmul_t_" NAME SUFFIX)]] [[kernel]]                             \
+    decltype(moe_quantized_matmul<T, S, BITS, MX, true>) moe_quantized_matmul<T, S, BITS, MX, true>;      \
+    template [[host_name("moe_quantized_matmul_n_" NAME SUFFIX)]] [[kernel]]                             \
+    decltype(moe_quantized_matmul<T, S, BITS, MX, false>) moe_quantized_matmul<T, S, BITS, MX, false>;
+
 #define QMM_KERNEL(T, S, NAME, BITS)                                                                         \
-    template [[host_name("quantized_matmul_t_" NAME "_b" #BITS)]] [[kernel]]                            \
-    decltype(quantized_matmul<T, S, BITS, true>) quantized_matmul<T, S, BITS, true>;                      \
-    template [[host_name("quantized_matmul_n_" NAME "_b" #BITS)]] [[kernel]]                            \
-    decltype(quantized_matmul<T, S, BITS, false>) quantized_matmul<T, S, BITS, false>;                    \
-    template [[host_name("quantized_matmul_tv_" NAME "_b" #BITS)]] [[kernel]]                           \
-    decltype(quantized_matmul_rows<T, S, BITS>) quantized_matmul_rows<T, S, BITS>;                        \
+    QMM_PRODUCTS(T, S, NAME, "_b" #BITS, BITS, false)                                                        \
     template [[host_name("quantized_embedding_" NAME "_b" #BITS)]] [[kernel]]                           \
-    decltype(quantized_embedding<T, S, BITS>) quantized_embedding<T, S, BITS>;                            \
-    template [[host_name("moe_quantized_matmul_t_" NAME "_b" #BITS)]] [[kernel]]                        \
-    decltype(moe_quantized_matmul<T, S, BITS, true>) moe_quantized_matmul<T, S, BITS, true>;              \
-    template [[host_name("moe_quantized_matmul_n_" NAME "_b" #BITS)]] [[kernel]]                        \
-    decltype(moe_quantized_matmul<T, S, BITS, false>) moe_quantized_matmul<T, S, BITS, false>;
+    decltype(quantized_embedding<T, S, BITS>) quantized_embedding<T, S, BITS>;
 
 #define QMM_KERNELS(T, S, NAME)                                                                              \
     QMM_KERNEL(T, S, NAME, 2) QMM_KERNEL(T, S, NAME, 3) QMM_KERNEL(T, S, NAME, 4)                           \
@@ -391,8 +416,14 @@ QMM_KERNELS(float, float, "f32")
 QMM_KERNELS(half, half, "f16")
 QMM_KERNELS(half, float, "f16_sf32")
 
+// mxfp4: scales f32, or bf16 with bf16 x; never f16 (it cannot hold E8M0's powers of two)
+QMM_PRODUCTS(float, float, "f32", "_mxfp4", 4, true)
+QMM_PRODUCTS(half, float, "f16_sf32", "_mxfp4", 4, true)
+
 #if KRNL_BF16
 // bf16 activations (MSL 3.1, native on Apple9+), scales in bf16 or f32, accumulated in float.
 QMM_KERNELS(bfloat, bfloat, "bf16")
 QMM_KERNELS(bfloat, float, "bf16_sf32")
+QMM_PRODUCTS(bfloat, bfloat, "bf16", "_mxfp4", 4, true)
+QMM_PRODUCTS(bfloat, float, "bf16_sf32", "_mxfp4", 4, true)
 #endif

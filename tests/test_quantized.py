@@ -314,18 +314,19 @@ def _tiny(dev, quantize=None, weights=None):
     return tiny_lora_model(dev, "f32", weights=weights, quantize=quantize, intermediate_size=64), weights
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_lora_on_a_quantized_base_equals_the_dequantized_base(dev, bits):
-    """A model whose projections are quantized gives the loss and LoRA gradients of a dense model
-    holding the dequantized weights (f32: both compute the same products), and the quantized one
-    differs from the original weights' model (the base really is quantized)."""
+@pytest.mark.parametrize("quantize", [(4, 32), (8, 32), (4, 32, "mxfp4")], ids=["q4", "q8", "mxfp4"])
+def test_lora_on_a_quantized_base_equals_the_dequantized_base(dev, quantize):
+    """A model whose projections are quantized (affine, or mxfp4) gives the loss and LoRA gradients
+    of a dense model holding the dequantized weights (f32: both compute the same products), and the
+    quantized one differs from the original weights' model (the base really is quantized)."""
     from conftest import lora_step
     why = quantized_missing(dev)
     if why:
         pytest.skip(why)
     rng = np.random.default_rng(7)
     ids, targets = rng.integers(0, 61, (2, 9)), rng.integers(0, 61, (2, 9))
-    q, weights = _tiny(dev, (bits, 32))
+    q, weights = _tiny(dev, quantize)
+    assert q.quantize == quantize and q.layers[0].mlp.down.W.mode == (quantize[2:] or ("affine",))[0]
     dense_weights = dict(weights)
     for i, L in enumerate(q.layers):
         for name, lin in L.linears().items():
@@ -350,6 +351,9 @@ def test_quantized_base_refuses_a_group_size_that_does_not_divide(dev):
         LlamaModel(dev, cfg, random_weights(cfg, 0), LoraConfig(r=2), quantize=(4, 32))
     with pytest.raises(ValueError, match=r"\[quantize\] bits must be one of \(2, 3, 4, 5, 6, 8\), got 7"):
         LlamaModel(dev, cfg, random_weights(cfg, 0), LoraConfig(r=2), quantize=(7, 32))
+    with pytest.raises(ValueError, match=r"\[quantize\] mxfp4 takes bits 4, group_size 32 and no biases, got bits 4, "
+                                         r"group_size 64"):
+        LlamaModel(dev, cfg, random_weights(cfg, 0), LoraConfig(r=2), quantize=(4, 64, "mxfp4"))
 
 
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])

@@ -2,10 +2,24 @@
 // its std::invalid_argument becomes ValueError naming the op.
 #include <nanobind/stl/string.h>
 
+#include <stdexcept>
+#include <string>
+
 #include "bindings.h"
 #include "core/ops.h"
 
 namespace krnl::bindings {
+
+namespace {
+
+// quantized_matmul's and moe_quantized_matmul's mode by name (ops.h's QuantMode)
+int64_t quant_mode(const char* op, const std::string& mode) {
+  if (mode == "affine") return ops::kQuantAffine;
+  if (mode == "mxfp4") return ops::kQuantMxfp4;
+  throw std::invalid_argument(std::string("[") + op + "] mode must be \"affine\" or \"mxfp4\", got \"" + mode + "\"");
+}
+
+}  // namespace
 
 void bind_ops(nb::module_& parent) {
   using namespace nb::literals;
@@ -85,12 +99,19 @@ void bind_ops(nb::module_& parent) {
   m.def("axpy", &ops::axpy, release, "alpha"_a, "x"_a, "y"_a, "y += alpha * x.");
   m.def("scale", &ops::scale, release, "x"_a, "alpha"_a, "out"_a, "out = alpha * x.");
   m.def("cast", &ops::cast, release, "x"_a, "out"_a, "out = x converted to out's dtype (round to nearest even).");
-  m.def("quantized_matmul", &ops::quantized_matmul, release, "x"_a, "w"_a, "scales"_a, "biases"_a, "out"_a,
-        "transpose"_a = true, "group_size"_a = 64, "bits"_a = 4, "beta"_a = 0.0f,
+  m.def("quantized_matmul",
+        [](const Tensor& x, const Tensor& w, const Tensor& scales, const Tensor* biases, const Tensor& out,
+           bool transpose, int64_t group_size, int64_t bits, float beta, const std::string& mode) {
+          ops::quantized_matmul(x, w, scales, biases, out, transpose, group_size, bits, beta,
+                                quant_mode("quantized_matmul", mode));
+        }, release, "x"_a, "w"_a, "scales"_a, "biases"_a.none(), "out"_a, "transpose"_a = true, "group_size"_a = 64,
+        "bits"_a = 4, "beta"_a = 0.0f, "mode"_a = "affine",
         "out = x W^T (transpose, a linear's forward) or x W (its input gradient), + beta * out, with W (O, I)\n"
         "quantized as MLX does: w (O, I * bits / 32) i32 packed codes, scales and biases (O, I / group_size);\n"
-        "W = scales * q + biases per group of group_size inputs (bits 2-8, a bit stream per row). f32\n"
-        "accumulation; x and out may be column blocks; at most one transient dequantized W (CUDA, 16+ rows).");
+        "mode \"affine\": W = scales * q + biases per group of group_size inputs (bits 2-8, a bit stream per\n"
+        "row); \"mxfp4\": W = scales * e2m1(q) (bits 4, group_size 32, biases None, scales the E8M0 powers of\n"
+        "two in f32 or bf16). f32 accumulation; x and out may be column blocks; at most one transient\n"
+        "dequantized W (CUDA, 16+ rows).");
   m.def("quantized_embedding", &ops::quantized_embedding, release, "ids"_a, "w"_a, "scales"_a, "biases"_a, "out"_a,
         "group_size"_a = 64, "bits"_a = 4,
         "out (n, C) = rows ids (n,) of a table (V, C) quantized as quantized_matmul's W, dequantized.");
@@ -151,10 +172,15 @@ void bind_ops(nb::module_& parent) {
   m.def("moe_gemm_weight_grad", &ops::moe_gemm_weight_grad, release, "a"_a, "b"_a, "offsets"_a, "out"_a,
         "alpha"_a = 1.0f, "beta"_a = 0.0f,
         "out[e] (M, N) = alpha * a_e^T b_e + beta * out[e] over expert e's rows of a (P, M) and b (P, N).");
-  m.def("moe_quantized_matmul", &ops::moe_quantized_matmul, release, "x"_a, "w"_a, "scales"_a, "biases"_a,
-        "offsets"_a, "out"_a, "transpose"_a = true, "group_size"_a = 64, "bits"_a = 4, "beta"_a = 0.0f,
-        "moe_gemm with every expert's W_e quantized as quantized_matmul's: w (E, O, I * bits / 32) i32,\n"
-        "scales and biases (E, O, I / group_size).");
+  m.def("moe_quantized_matmul",
+        [](const Tensor& x, const Tensor& w, const Tensor& scales, const Tensor* biases, const Tensor& offsets,
+           const Tensor& out, bool transpose, int64_t group_size, int64_t bits, float beta, const std::string& mode) {
+          ops::moe_quantized_matmul(x, w, scales, biases, offsets, out, transpose, group_size, bits, beta,
+                                    quant_mode("moe_quantized_matmul", mode));
+        }, release, "x"_a, "w"_a, "scales"_a, "biases"_a.none(), "offsets"_a, "out"_a, "transpose"_a = true,
+        "group_size"_a = 64, "bits"_a = 4, "beta"_a = 0.0f, "mode"_a = "affine",
+        "moe_gemm with every expert's W_e quantized as quantized_matmul's (mode as there): w (E, O, I * bits /\n"
+        "32) i32, scales and biases (E, O, I / group_size).");
   m.def("sumsq", &ops::sumsq, release, "x"_a, "out"_a, "out[0] = sum(x^2) (f32).");
   m.def("nonfinite", &ops::nonfinite, release, "x"_a, "flag"_a, "flag[0] = 1 if x holds inf or NaN (never cleared).");
 }

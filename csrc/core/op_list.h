@@ -43,7 +43,12 @@
 //   accumulated in f32; x and out may be row-strided 2-D views. Never a full dequantized W per
 //   call beyond one transient (O, I) matrix in x's dtype (CUDA's cuBLAS path, which rounds W to a
 //   16-bit x's dtype first, as MLX and bitsandbytes do; Metal's tiled kernel rounds each
-//   dequantized weight to a 16-bit x's dtype too, tile by tile).
+//   dequantized weight to a 16-bit x's dtype too, tile by tile). mode (ops.h's QuantMode): 0
+//   affine (the above; biases required), 1 mxfp4 (OCP microscaling, MLX's mode="mxfp4" and
+//   gpt-oss's experts): bits 4, group_size 32, biases null, codes packed as affine 4-bit ones,
+//   W[o, j] = scales[o, j / 32] * e2m1(q) with q's bit 3 the sign and bits 0-2 indexing
+//   [0, 0.5, 1, 1.5, 2, 3, 4, 6]; scales hold the E8M0 powers of two 2^(e - 127) in f32 or a bf16
+//   x's bf16 (both hold every one exactly), never f16 (2^-25 and below, 2^16 and above lost).
 // - quantized_embedding: out (n, C) = rows ids (n,) of a table (V, C) held as quantized_matmul's W
 //   (w (V, C * bits / 32), scales and biases (V, C / group_size) in out's dtype or f32),
 //   dequantized; an embedding that stays quantized (and doubles as a tied head). Ids are checked.
@@ -86,9 +91,9 @@
 //   out[e] (M, N) = alpha a_e^T b_e + beta out[e] over the rows of expert e of a (P, M) and b (P, N);
 //   out f32 or a's dtype; an expert without rows gets beta out[e]. moe_quantized_matmul: moe_gemm
 //   (alpha 1) with every expert's W_e held as quantized_matmul's W: w (E, O, I * bits / 32) i32,
-//   scales and biases (E, O, I / group_size) in x's dtype or f32; no expert is dequantized whole
-//   beyond one transient tile (quantized_matmul's rule per expert). offsets must be moe_sort's:
-//   they rise from 0 to P (the CPU checks; GPUs trust them).
+//   scales and biases (E, O, I / group_size) in x's dtype or f32, mode as there; no expert is
+//   dequantized whole beyond one transient tile (quantized_matmul's rule per expert). offsets must
+//   be moe_sort's: they rise from 0 to P (the CPU checks; GPUs trust them).
 #pragma once
 
 // Every op. The list comes in three parts, so that each use takes those it needs:
@@ -136,9 +141,9 @@
                float alpha, float beta))                                                                            \
   X(moe_gemm_weight_grad, (const Tensor& a, const Tensor& b, const Tensor& offsets, const Tensor& out, float alpha, \
                            float beta))                                                                             \
-  X(moe_quantized_matmul, (const Tensor& x, const Tensor& w, const Tensor& scales, const Tensor& biases,             \
+  X(moe_quantized_matmul, (const Tensor& x, const Tensor& w, const Tensor& scales, const Tensor* biases,             \
                            const Tensor& offsets, const Tensor& out, bool transpose, int64_t group_size,             \
-                           int64_t bits, float beta))
+                           int64_t bits, float beta, int64_t mode))
 
 #define KRNL_DIRECT_OPS_BUT_ATTENTION_AND_MOE(X)                                                                    \
   X(rmsnorm_forward, (const Tensor& x, const Tensor& w, const Tensor& y, const Tensor& rstd, float eps,           \
@@ -166,8 +171,9 @@
   X(cast, (const Tensor& x, const Tensor& out))                                                                     \
   X(transpose_heads, (const Tensor& x, const Tensor& out, const Tensor* positions, const Tensor* inv_freq,          \
                       int64_t rotate, float sign, int64_t heads_axis))                                              \
-  X(quantized_matmul, (const Tensor& x, const Tensor& w, const Tensor& scales, const Tensor& biases,                 \
-                       const Tensor& out, bool transpose, int64_t group_size, int64_t bits, float beta))            \
+  X(quantized_matmul, (const Tensor& x, const Tensor& w, const Tensor& scales, const Tensor* biases,                 \
+                       const Tensor& out, bool transpose, int64_t group_size, int64_t bits, float beta,             \
+                       int64_t mode))                                                                               \
   X(quantized_embedding, (const Tensor& ids, const Tensor& w, const Tensor& scales, const Tensor& biases,            \
                           const Tensor& out, int64_t group_size, int64_t bits))                                     \
   X(fill, (const Tensor& x, double value))                                                                          \

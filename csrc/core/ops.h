@@ -19,6 +19,9 @@ SplitKPlan gemm_plan(const Tensor& A, const Tensor& B, const Tensor& C, bool tra
                      int64_t batch = 1, int64_t stride_a = -1, int64_t stride_b = -1, int64_t stride_c = -1,
                      int64_t split_k = -1);
 
+// quantized_matmul's and moe_quantized_matmul's mode (op_list.h's notes): how a code becomes a weight.
+enum QuantMode : int64_t { kQuantAffine = 0, kQuantMxfp4 = 1 };
+
 // Every other op of op_list.h, with the backend's parameters.
 #define KRNL_CORE_OP(name, params) void name params;
 KRNL_DIRECT_OPS(KRNL_CORE_OP)

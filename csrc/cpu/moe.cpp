@@ -265,15 +265,16 @@ void CpuBackend::moe_gemm_weight_grad(const Tensor& a, const Tensor& b, const Te
 
 // Expert by expert through quantized_matmul on views: the same tiles and numerics as a dense
 // model's quantized linears.
-void CpuBackend::moe_quantized_matmul(const Tensor& x, const Tensor& w, const Tensor& scales, const Tensor& biases,
+void CpuBackend::moe_quantized_matmul(const Tensor& x, const Tensor& w, const Tensor& scales, const Tensor* biases,
                                       const Tensor& offsets, const Tensor& out, bool transpose, int64_t group_size,
-                                      int64_t bits, float beta) {
+                                      int64_t bits, float beta, int64_t mode) {
   const std::vector<int64_t> r = expert_rows("moe_quantized_matmul", offsets, x.size(0));
   for (int64_t e = 0; e + 1 < int64_t(r.size()); ++e) {
     if (r[size_t(e) + 1] == r[size_t(e)]) continue;
+    const Tensor be = biases ? biases->select(0, e) : Tensor();  // none in mode mxfp4
     quantized_matmul(x.slice(0, r[size_t(e)], r[size_t(e) + 1]), w.select(0, e), scales.select(0, e),
-                     biases.select(0, e), out.slice(0, r[size_t(e)], r[size_t(e) + 1]), transpose, group_size, bits,
-                     beta);
+                     biases ? &be : nullptr, out.slice(0, r[size_t(e)], r[size_t(e) + 1]), transpose, group_size, bits,
+                     beta, mode);
   }
 }
 

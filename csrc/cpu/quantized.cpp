@@ -13,23 +13,40 @@ namespace krnl::cpu {
 
 // ---- quantized matmul: W dequantized a tile of rows at a time into f32, each tile one sgemm
 
-void CpuBackend::quantized_matmul(const Tensor& x, const Tensor& w, const Tensor& scales, const Tensor& biases,
-                                  const Tensor& out, bool transpose, int64_t group_size, int64_t bits, float beta) {
+namespace {
+
+// MXFP4's E2M1 code values: bit 3 the sign, bits 0-2 the magnitude
+constexpr float kE2M1[16] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -0.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+
+// Code j of a packed row: the row's codes are one bit stream, so a code may straddle two words
+// (3, 5, 6 bits).
+inline uint32_t code_at(const uint32_t* row, int64_t j, int64_t bits) {
+  const int64_t bit = j * bits, wi = bit >> 5, sh = bit & 31;
+  uint32_t q = row[wi] >> sh;
+  if (sh + bits > 32) q |= row[wi + 1] << (32 - sh);
+  return q & ((1u << bits) - 1u);
+}
+
+}  // namespace
+
+void CpuBackend::quantized_matmul(const Tensor& x, const Tensor& w, const Tensor& scales, const Tensor* biases,
+                                  const Tensor& out, bool transpose, int64_t group_size, int64_t bits, float beta,
+                                  int64_t mode) {
   const int64_t N = x.size(0), O = w.size(0), words = w.size(1), I = words * 32 / bits, G = I / group_size;
   const int64_t M = transpose ? O : I, K = transpose ? I : O;
   const int64_t ldx = x.strides()[0], ldo = out.strides()[0];  // row strides: x and out may be column blocks
   if (N == 0 || M == 0) return;
   constexpr int64_t kTile = 256;  // rows of W per dequantized tile: (256, I) f32, a few MB at most
-  std::vector<float> xf(size_t(N * K)), of(size_t(N * M)), sf(size_t(O * G)), bf(size_t(O * G));
+  const bool mx = mode == ops::kQuantMxfp4;  // W = s e2m1(q), no biases
+  std::vector<float> xf(size_t(N * K)), of(size_t(N * M)), sf(size_t(O * G)), bf(mx ? 0 : size_t(O * G));
   for (int64_t n = 0; n < N; ++n) load_all(x.dtype(), x.data(), n * ldx, K, &xf[size_t(n * K)]);
   load_all(scales.dtype(), scales.data(), 0, O * G, sf.data());
-  load_all(biases.dtype(), biases.data(), 0, O * G, bf.data());
+  if (!mx) load_all(biases->dtype(), biases->data(), 0, O * G, bf.data());
   if (beta != 0.f) {
     for (int64_t n = 0; n < N; ++n) load_all(out.dtype(), out.data(), n * ldo, M, &of[size_t(n * M)]);
     for (float& v : of) v *= beta;
   }
   const uint32_t* codes = static_cast<const uint32_t*>(w.data());
-  const uint32_t mask = (1u << bits) - 1u;
   std::vector<float> tile(size_t(std::min(kTile, O) * I));
   for (int64_t o0 = 0; o0 < O; o0 += kTile) {
     const int64_t rows = std::min(kTile, O - o0);
@@ -37,14 +54,12 @@ void CpuBackend::quantized_matmul(const Tensor& x, const Tensor& w, const Tensor
       for (int64_t r = r0; r < r1; ++r) {
         const uint32_t* wr = codes + (o0 + r) * words;
         const float* s = &sf[size_t((o0 + r) * G)];
-        const float* b = &bf[size_t((o0 + r) * G)];
         float* t = &tile[size_t(r * I)];
-        for (int64_t j = 0; j < I; ++j) {
-          // The row's codes are one bit stream: a code may straddle two words (3, 5, 6 bits).
-          const int64_t bit = j * bits, wi = bit >> 5, sh = bit & 31;
-          uint32_t q = wr[wi] >> sh;
-          if (sh + bits > 32) q |= wr[wi + 1] << (32 - sh);
-          t[j] = s[j / group_size] * float(q & mask) + b[j / group_size];
+        if (mx) {
+          for (int64_t j = 0; j < I; ++j) t[j] = s[j / group_size] * kE2M1[code_at(wr, j, 4)];
+        } else {
+          const float* b = &bf[size_t((o0 + r) * G)];
+          for (int64_t j = 0; j < I; ++j) t[j] = s[j / group_size] * float(code_at(wr, j, bits)) + b[j / group_size];
         }
       }
     });
@@ -65,7 +80,6 @@ void CpuBackend::quantized_embedding(const Tensor& ids, const Tensor& w, const T
   ops::check_ids("quantized_embedding", "id", "position", ids.ptr<int32_t>(), n, V);
   const int32_t* id = ids.ptr<int32_t>();
   const uint32_t* codes = static_cast<const uint32_t*>(w.data());
-  const uint32_t mask = (1u << bits) - 1u;
   for_rows(n, C, [&](int64_t t0, int64_t t1) {
     std::vector<float> row(static_cast<size_t>(C)), s(static_cast<size_t>(G)), b(static_cast<size_t>(G));
     for (int64_t t = t0; t < t1; ++t) {
@@ -73,12 +87,8 @@ void CpuBackend::quantized_embedding(const Tensor& ids, const Tensor& w, const T
       load_all(scales.dtype(), scales.data(), v * G, G, s.data());
       load_all(biases.dtype(), biases.data(), v * G, G, b.data());
       const uint32_t* wr = codes + v * words;
-      for (int64_t j = 0; j < C; ++j) {
-        const int64_t bit = j * bits, wi = bit >> 5, sh = bit & 31;
-        uint32_t q = wr[wi] >> sh;
-        if (sh + bits > 32) q |= wr[wi + 1] << (32 - sh);
-        row[size_t(j)] = s[size_t(j / group_size)] * float(q & mask) + b[size_t(j / group_size)];
-      }
+      for (int64_t j = 0; j < C; ++j)
+        row[size_t(j)] = s[size_t(j / group_size)] * float(code_at(wr, j, bits)) + b[size_t(j / group_size)];
       store_all(out.dtype(), row.data(), C, out.data(), t * C);
     }
   });

@@ -2,8 +2,9 @@
 // moe_quantized_matmul), included by both files: the tile map, the tensor-core kernel (bf16, f16)
 // and the CUDA-core one (f32), whose index arithmetic lives in moe_tiles.cuh (checked on the host by
 // tests/cuda_host/moe_tiles_check.cu). moe.cu's head has the design. A kernel's BITS is 0 for a
-// dense W_e, else the code width of a quantized one, whose B tiles moe_tiles.cuh's QuantTileLoader
-// dequantizes as it loads them (no other change: A tiles, fragments and the epilogue are moe_gemm's).
+// dense W_e, else the code width of a quantized one (moe::kMxfp4: mode mxfp4's E2M1 codes), whose
+// B tiles moe_tiles.cuh's QuantTileLoader dequantizes as it loads them (no other change: A tiles,
+// fragments and the epilogue are moe_gemm's).
 #pragma once
 #include <mma.h>
 

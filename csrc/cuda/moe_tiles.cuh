@@ -93,7 +93,8 @@ struct TileLoader {
 // A quantized W (E, O, I): codes w (E, O, words) u32, each row one little-endian bit stream of BITS
 // a code (code j at bit j BITS; 3-, 5- and 6-bit codes straddle words); scales and biases (E, O,
 // groups) in sdt (f32, bf16 or f16), experts s_stride and b_stride elements apart (rows of groups
-// contiguous), group_size 1 << gs_log2. quant_operand moves the pointers to expert e.
+// contiguous), group_size 1 << gs_log2. quant_operand moves the pointers to expert e. In mode
+// mxfp4 (op_list.h) biases is null: W = s e2m1(q).
 struct QuantParams {
   const uint32_t* w;
   const void* scales;
@@ -102,6 +103,24 @@ struct QuantParams {
   int gs_log2;
   DType sdt;
 };
+
+// The loaders' and kernels' template int for a quantized W: the affine code width (2 to 8), or
+// kMxfp4: 4-bit E2M1 codes times the group's scale, no biases (quantized_matmul's mode mxfp4).
+constexpr int kMxfp4 = 16;
+template <int Q>
+constexpr int code_bits = Q == kMxfp4 ? 4 : Q;
+
+// MXFP4's E2M1 code c (bit 3 the sign; bits 0-2, m, index 0, 0.5, 1, 1.5, 2, 3, 4, 6) built as a
+// float's bits: m >= 2 is 2^((m >> 1) - 1) (1 + (m & 1) / 2), m = 1 is 0.5; no table in memory.
+KRNL_HD float e2m1(uint32_t c) {
+  const uint32_t m = c & 7u;
+  const uint32_t mag = m < 2u ? m * (126u << 23) : ((126u + (m >> 1)) << 23) | ((m & 1u) << 22);
+#ifdef __CUDA_ARCH__
+  return __uint_as_float(mag | ((c & 8u) << 28));
+#else
+  return krnl::bits_f32(mag | ((c & 8u) << 28));
+#endif
+}
 
 // A scale or bias as float.
 KRNL_HD float ld_param(DType dt, const void* p, int64_t i) {
@@ -148,9 +167,11 @@ KRNL_HD uint32_t funnel(uint32_t lo, uint32_t hi, int sh) {
 // BITS from bit 16: 16 (BITS + 1) bits, (BITS + 1) / 2 words), so it reads no word past its own
 // last bit, hence none past the row, which ends on a word boundary. commit shifts the words into
 // place (funnel) and takes the codes at fixed bit positions: registers throughout, no dynamic
-// indexing.
-template <int R, int C, int LDS, DType DT, int NT, int BITS>
+// indexing. Q: the code width, or kMxfp4 (s e2m1(q): no biases are read).
+template <int R, int C, int LDS, DType DT, int NT, int Q>
 struct QuantTileLoader {
+  static constexpr int BITS = code_bits<Q>;
+  static constexpr bool MX = Q == kMxfp4;
   static constexpr int ES = DT == DType::f32 ? 4 : 2, RUN = 16;
   using E = Elem<ES>;
   static_assert(C % RUN == 0 && (LDS * ES) % 16 == 0, "tile rows of whole runs, 16-byte aligned");
@@ -180,7 +201,7 @@ struct QuantTileLoader {
         sh[i] = int(bit & 31);
         const int64_t g = j >> q.gs_log2;
         sc[i] = ld_param(q.sdt, q.scales, r * q.groups + g);
-        bi[i] = ld_param(q.sdt, q.biases, r * q.groups + g);
+        bi[i] = MX ? 0.f : ld_param(q.sdt, q.biases, r * q.groups + g);
       } else {  // zeros: 0 q + 0
         KRNL_UNROLL
         for (int k = 0; k < NW; ++k) wr[i][k] = 0;
@@ -208,7 +229,10 @@ struct QuantTileLoader {
         const int b = c * BITS, wi = b >> 5, o = b & 31;
         uint32_t x = a[wi] >> o;
         if (o + BITS > 32) x |= a[wi + 1] << (32 - o);  // a code across two words
-        v[c] = fmaf(sc[i], float(x & MASK), bi[i]);
+        if constexpr (MX)
+          v[c] = sc[i] * e2m1(x);
+        else
+          v[c] = fmaf(sc[i], float(x & MASK), bi[i]);
       }
       uint4* dst = reinterpret_cast<uint4*>(s + unit_row(u) * LDS + unit_col(u));  // 32- or 64-byte aligned
       if constexpr (ES == 4) {
@@ -351,7 +375,7 @@ KRNL_HD QuantParams quant_operand(const QuantParams& q, int64_t e, int64_t O) {
   QuantParams r = q;
   r.w = q.w + e * O * q.words;
   r.scales = static_cast<const char*>(q.scales) + e * q.s_stride * es;
-  r.biases = static_cast<const char*>(q.biases) + e * q.b_stride * es;
+  if (q.biases) r.biases = static_cast<const char*>(q.biases) + e * q.b_stride * es;  // none in mode mxfp4
   return r;
 }
 

@@ -20,14 +20,20 @@ constexpr int64_t kQmvRows = 8;      // its few-row form: x rows per row block,
 constexpr int64_t kQmvCols = 8;      // and out columns per threadgroup (2 SIMD-groups of 4, 64 threads)
 constexpr int64_t kQmvMaxN = 8;      // the host takes the few-row form up to this many rows (`t` only)
 
+// A kernel name's layout: _b<bits>, or _mxfp4 (quantized.metal's file comment).
+std::string layout_suffix(int64_t bits, int64_t mode) {
+  return mode == ops::kQuantMxfp4 ? "_mxfp4" : "_b" + std::to_string(bits);
+}
+
 // One quantized_matmul dispatch computing the block out[n0 : n0 + rows, m0 : m0 + cols] of the
 // whole product out = x op(W) (+ beta out), the interface of QuantizedMatmulArgs (kargs.h): x and
 // out bound at row n0, out at column m0; m0 a row of W (transpose) or a column of W, then a
 // multiple of 8. `few`: the few-row form (transpose products of at most kQmvMaxN rows), else the
 // tiled one. The caller encodes it; quantized_matmul calls it once per block.
 Dispatch quantized_matmul_block(const Emit& e, const Tensor& x, const Tensor& w, const Tensor& scales,
-                                const Tensor& biases, const Tensor& out, bool transpose, int64_t group_size,
-                                int64_t bits, float beta, int64_t n0, int64_t rows, int64_t m0, int64_t cols, bool few) {
+                                const Tensor* biases, const Tensor& out, bool transpose, int64_t group_size,
+                                int64_t bits, float beta, int64_t mode, int64_t n0, int64_t rows, int64_t m0,
+                                int64_t cols, bool few) {
   const int64_t N = x.size(0), K = x.size(1), M = out.size(1);
   if (n0 < 0 || rows < 1 || n0 + rows > N || m0 < 0 || cols < 1 || m0 + cols > M || (!transpose && m0 % 8 != 0))
     throw std::invalid_argument(std::string("[") + e.op + "] block rows [" + std::to_string(n0) + ", " +
@@ -36,11 +42,11 @@ Dispatch quantized_matmul_block(const Emit& e, const Tensor& x, const Tensor& w,
                                 std::to_string(M) + ")" + (transpose ? "" : " with its first column a multiple of 8"));
   const bool sf32 = scales.dtype() != x.dtype();  // f32 scales and biases with 16-bit x
   Dispatch d = e.make("quantized", std::string("quantized_matmul_") + (few ? "tv_" : transpose ? "t_" : "n_") +
-                                       e.sfx(x.dtype()) + (sf32 ? "_sf32" : "") + "_b" + std::to_string(bits));
+                                       e.sfx(x.dtype()) + (sf32 ? "_sf32" : "") + layout_suffix(bits, mode));
   const int64_t ldx = x.strides()[0], ldo = out.strides()[0];  // column-block views allowed
   const size_t xsz = dtype_size(x.dtype()), osz = dtype_size(out.dtype());
   d.bind(0, x.storage()->ptr(), x.offset() + size_t(n0 * ldx) * xsz, size_t(extent_elems(rows, K, ldx, 0, 1)) * xsz);
-  bind(d, 1, w), bind(d, 2, scales), bind(d, 3, biases);
+  bind(d, 1, w), bind(d, 2, scales), bind(d, 3, biases ? *biases : scales);  // mxfp4: bound, never read
   d.bind(4, out.storage()->ptr(), out.offset() + size_t(n0 * ldo + m0) * osz,
          size_t(extent_elems(rows, cols, ldo, 0, 1)) * osz);
   d.set_args(5, QuantizedMatmulArgs{u32(e.op, rows, "N"), u32(e.op, cols, "M"), u32(e.op, K, "K"),
@@ -54,8 +60,9 @@ Dispatch quantized_matmul_block(const Emit& e, const Tensor& x, const Tensor& w,
   // Each operand once: x's rows, the codes, scales and biases of the block's W rows (t) or
   // columns (n), out's block (read too when beta != 0).
   const double w_elems = double(cols) * double(K);  // of W, for this block's outputs
+  const double params = biases ? 2.0 : 1.0;         // scales and biases, or scales alone
   d.bytes = double(xsz) * double(rows) * double(K) +
-            w_elems * (double(bits) / 8 + 2.0 * double(dtype_size(scales.dtype())) / double(group_size)) +
+            w_elems * (double(bits) / 8 + params * double(dtype_size(scales.dtype())) / double(group_size)) +
             double(osz) * double(rows) * double(cols) * (beta != 0.f ? 2.0 : 1.0);
   if (few) {
     d.grid = {ceil_div(cols, kQmvCols), ceil_div(rows, kQmvRows), 1};
@@ -69,8 +76,9 @@ Dispatch quantized_matmul_block(const Emit& e, const Tensor& x, const Tensor& w,
 
 }  // namespace
 
-void MetalOps::quantized_matmul(const Tensor& x, const Tensor& w, const Tensor& scales, const Tensor& biases,
-                                const Tensor& out, bool transpose, int64_t group_size, int64_t bits, float beta) {
+void MetalOps::quantized_matmul(const Tensor& x, const Tensor& w, const Tensor& scales, const Tensor* biases,
+                                const Tensor& out, bool transpose, int64_t group_size, int64_t bits, float beta,
+                                int64_t mode) {
   Emit e{this, "quantized_matmul"};
   const int64_t N = x.size(0), M = out.size(1);
   if (N == 0 || M == 0) return;
@@ -78,8 +86,8 @@ void MetalOps::quantized_matmul(const Tensor& x, const Tensor& w, const Tensor& 
   const bool few = transpose && N <= kQmvMaxN;
   const int64_t tile_rows = few ? N : kQmmTile, tile_cols = few ? kQmvCols : kQmmTile;
   encode_blocks(N, M, tile_rows, tile_cols, [&](int64_t n0, int64_t rows, int64_t m0, int64_t cols) {
-    return quantized_matmul_block(e, x, w, scales, biases, out, transpose, group_size, bits, beta, n0, rows, m0, cols,
-                                  few);
+    return quantized_matmul_block(e, x, w, scales, biases, out, transpose, group_size, bits, beta, mode, n0, rows, m0,
+                                  cols, few);
   });
 }
 
@@ -89,16 +97,16 @@ void MetalOps::quantized_matmul(const Tensor& x, const Tensor& w, const Tensor& 
 // moe_sort's, on the GPU), at most (P + 31 E) / 32 of them. Cut into blocks under the per-dispatch
 // budget as moe_gemm is, by ranges of those row tiles and by out columns; a block's estimate counts
 // its tiles as full, bounded by all P rows, and reads at most one W_e per row tile.
-void MetalOps::moe_quantized_matmul(const Tensor& x, const Tensor& w, const Tensor& scales, const Tensor& biases,
+void MetalOps::moe_quantized_matmul(const Tensor& x, const Tensor& w, const Tensor& scales, const Tensor* biases,
                                     const Tensor& offsets, const Tensor& out, bool transpose, int64_t group_size,
-                                    int64_t bits, float beta) {
+                                    int64_t bits, float beta, int64_t mode) {
   Emit e{this, "moe_quantized_matmul"};
   const int64_t P = x.size(0), K = x.size(1), M = out.size(1);
   const int64_t E = w.size(0), O = w.size(1), words = w.size(2), G = scales.size(2);
   if (P == 0 || M == 0) return;
   const bool sf32 = scales.dtype() != x.dtype();  // f32 scales and biases with 16-bit x
   const std::string kernel = std::string("moe_quantized_matmul_") + (transpose ? "t_" : "n_") + e.sfx(x.dtype()) +
-                             (sf32 ? "_sf32" : "") + "_b" + std::to_string(bits);
+                             (sf32 ? "_sf32" : "") + layout_suffix(bits, mode);
   const int64_t ldx = x.strides()[0], ldo = out.strides()[0];
   const size_t xsz = dtype_size(x.dtype()), osz = dtype_size(out.dtype()), ssz = dtype_size(scales.dtype());
   // sum over experts of ceil(n_e / 32) <= (P + 31 E) / 32: the row tiles the grid's y runs over
@@ -110,7 +118,7 @@ void MetalOps::moe_quantized_matmul(const Tensor& x, const Tensor& w, const Tens
   u32(e.op, (P - 1) * std::max(ldx, ldo) + std::max(K, M), "x and out extents");
   encode_blocks(tiles * kQmmTile, M, kQmmTile, kQmmTile, [&](int64_t r0, int64_t rows, int64_t c0, int64_t cols) {
     Dispatch d = e.make("quantized", kernel);
-    bind(d, 0, x), bind(d, 1, w), bind(d, 2, scales), bind(d, 3, biases);
+    bind(d, 0, x), bind(d, 1, w), bind(d, 2, scales), bind(d, 3, biases ? *biases : scales);  // mxfp4: never read
     d.bind(4, out.storage()->ptr(), out.offset() + size_t(c0) * osz, size_t(extent_elems(P, cols, ldo, 0, 1)) * osz);
     bind(d, 5, offsets);
     MoeQuantizedMatmulArgs a{};
@@ -124,7 +132,8 @@ void MetalOps::moe_quantized_matmul(const Tensor& x, const Tensor& w, const Tens
     d.flops = 2.0 * n * double(cols) * double(K);
     d.rate = RateClass::quantized_tiled;
     d.bytes = double(xsz) * n * double(K) +
-              experts * double(cols) * double(K) * (double(bits) / 8 + 2.0 * double(ssz) / double(group_size)) +
+              experts * double(cols) * double(K) *
+                  (double(bits) / 8 + (biases ? 2.0 : 1.0) * double(ssz) / double(group_size)) +
               double(osz) * n * double(cols) * (beta != 0.f ? 2.0 : 1.0);
     d.grid = {ceil_div(cols, kQmmTile), ceil_div(rows, kQmmTile), 1};
     d.threads = {128, 1, 1};

@@ -7,9 +7,9 @@
 // product exact, so the emulation must equal the reference exactly, and every output element must
 // be written once. moe_quantized_matmul's dequantizing B loader (QuantTileLoader: codes that
 // straddle words, runs from bit 16 of a word, groups changing inside a step, rounding to bf16 or
-// f16) runs the same way against codes packed here bit by bit and dequantized independently; its
-// scales (quarters) and small biases keep the dequantized, rounded weights on a grid where every
-// sum stays exact. The sort and the tile map are mirrored line by line (warps as loops over 32
+// f16; mode mxfp4's E2M1 codes too) runs the same way against codes packed here bit by bit and
+// dequantized independently; its scales (quarters) and small biases keep the dequantized, rounded
+// weights on a grid where every sum stays exact. The sort and the tile map are mirrored line by line (warps as loops over 32
 // lanes, __match_any_sync as a scan of the lanes), which checks their arithmetic, not the CUDA
 // itself: nothing here runs on a GPU.
 #include <algorithm>
@@ -328,9 +328,14 @@ void check_weight_grad(std::mt19937& rng, int E, int P, int M, int N, float beta
 // sdt (f32 or DT), each weight s q + b rounded to a 16-bit DT as the tensor-core kernel rounds
 // it. The codes of each expert lie in a buffer of exactly E O words words, so a read past the last
 // row's codes is a read past the allocation (tests/test_cuda_host.py builds with AddressSanitizer
-// where it can).
-template <Mode MODE, int BM, int BN, int BK, krnl::DType DT, bool VEC, bool TC, int BITS>
+// where it can). Q = kMxfp4: 4-bit E2M1 codes (kE2M1 below, not the header's e2m1), positive
+// power-of-two scales, no biases (a null pointer: a read of one fails under the sanitizer).
+constexpr float kE2M1[16] = {0, 0.5f, 1, 1.5f, 2, 3, 4, 6, -0.f, -0.5f, -1, -1.5f, -2, -3, -4, -6};
+
+template <Mode MODE, int BM, int BN, int BK, krnl::DType DT, bool VEC, bool TC, int Q>
 void check_quantized(std::mt19937& rng, int E, int P, int O, int I, int gs, bool f32_scales, float beta) {
+  constexpr int BITS = code_bits<Q>;
+  constexpr bool MX = Q == kMxfp4;
   constexpr bool LIN = MODE == Mode::linear;
   constexpr int ES = DT == krnl::DType::f32 ? 4 : 2;
   using El = Elem<ES>;
@@ -347,10 +352,10 @@ void check_quantized(std::mt19937& rng, int E, int P, int O, int I, int gs, bool
           const int64_t at = int64_t(j) * BITS + b;
           packed[row * words + size_t(at >> 5)] |= 1u << (at & 31);
         }
-  const float quarter_scales[] = {0.25f, -0.25f, 0.5f, -0.5f, 1.f, -1.f, 2.f};
+  const float quarter_scales[] = {0.25f, 0.5f, 1.f, 2.f, -0.25f, -0.5f, -1.f};  // MX: the first 4
   std::vector<float> sf(size_t(E) * O * G), bf(sf.size());
-  for (auto& v : sf) v = quarter_scales[rng() % 7];
-  for (auto& v : bf) v = float(int(rng() % 7) - 3);
+  for (auto& v : sf) v = quarter_scales[rng() % (MX ? 4 : 7)];
+  for (auto& v : bf) v = MX ? 0.f : float(int(rng() % 7) - 3);
   // scales and biases as the kernel reads them: f32, or DT's bits (exact for these values)
   std::vector<float> s32 = sf, b32 = bf;
   std::vector<uint16_t> s16(sf.size()), b16(sf.size());
@@ -364,7 +369,8 @@ void check_quantized(std::mt19937& rng, int E, int P, int O, int I, int gs, bool
     for (int o = 0; o < O; ++o)
       for (int j = 0; j < I; ++j) {
         const size_t row = size_t(e) * O + size_t(o), g = row * G + size_t(j / gs);
-        float v = sf[g] * float(codes[row * I + size_t(j)]) + bf[g];
+        const uint32_t c = codes[row * I + size_t(j)];
+        float v = MX ? sf[g] * kE2M1[c] : sf[g] * float(c) + bf[g];
         if constexpr (ES == 2) v = to_f<DT>(from_f<DT>(v));
         W[row * I + size_t(j)] = v;
       }
@@ -397,40 +403,42 @@ void check_quantized(std::mt19937& rng, int E, int P, int O, int I, int gs, bool
   int gs_log2 = 0;
   while ((1 << gs_log2) < gs) ++gs_log2;
   const void* sp = sc32 ? static_cast<const void*>(s32.data()) : s16.data();
-  const void* bp = sc32 ? static_cast<const void*>(b32.data()) : b16.data();
+  const void* bp = MX ? nullptr : sc32 ? static_cast<const void*>(b32.data()) : b16.data();
   const QuantParams q{packed.data(), sp, bp, words, G, int64_t(O) * G, int64_t(O) * G, gs_log2, sdt};
   std::vector<int> writes(out.size(), 0);
-  emulate<MODE, BM, BN, BK, ES, VEC, TC, DT, BITS>(p, T * tiles_n, out, writes, q);
+  emulate<MODE, BM, BN, BK, ES, VEC, TC, DT, Q>(p, T * tiles_n, out, writes, q);
   int bad = 0;
   for (size_t i = 0; i < out.size(); ++i)
     if (out[i] != ref[i] || writes[i] != 1) ++bad;
-  CHECK(bad == 0, "moe_quantized_matmul %s BM %d dt %d VEC %d TC %d bits %d gs %d E %d P %d O %d I %d scales %s "
-        "beta %g: %d of %zu wrong", LIN ? "linear" : "input_grad", BM, int(DT), int(VEC), int(TC), BITS, gs, E, P, O,
+  CHECK(bad == 0, "moe_quantized_matmul %s BM %d dt %d VEC %d TC %d q %d gs %d E %d P %d O %d I %d scales %s "
+        "beta %g: %d of %zu wrong", LIN ? "linear" : "input_grad", BM, int(DT), int(VEC), int(TC), Q, gs, E, P, O,
         I, sc32 ? "f32" : "16-bit", double(beta), bad, out.size());
 }
 
 // One configuration of the launches of moe_quantized_matmul (moe_quantized.cu): the tensor-core
 // geometry (BN 128, BK 32) with BM 128 or 64 by 16-byte units and BM 64 per element, the CUDA-core
-// one (64 x 64 x 16) both ways, for one code width.
-template <int BITS>
+// one (64 x 64 x 16) both ways, for one code width (or kMxfp4, whose groups are 32: GS).
+template <int Q>
 void check_quantized_widths(std::mt19937& rng) {
   using krnl::DType;
-  constexpr int I1 = BITS % 2 ? 64 : 48;  // a last step of 16 (BK 32) for even widths (odd ones need I % 32 = 0)
-  constexpr int I2 = 160;                 // two column tiles of 128 (three of 64), the last partial
+  constexpr int GS = Q == kMxfp4 ? 32 : 16;
+  // a last step of 16 (BK 32) for even widths in groups of 16 (odd ones need I % 32 = 0)
+  constexpr int I1 = Q % 2 || GS == 32 ? 64 : 48;
+  constexpr int I2 = 160;  // two column tiles of 128 (three of 64), the last partial
   for (float beta : {0.f, 0.5f}) {
     // bf16, 16-byte units, BM 64 and 128; scales in bf16 and f32; groups of 16 (two a step of 32)
-    check_quantized<Mode::linear, 64, 128, 32, DType::bf16, true, true, BITS>(rng, 6, 203, 136, I1, 16, false, beta);
-    check_quantized<Mode::input_grad, 64, 128, 32, DType::bf16, true, true, BITS>(rng, 5, 150, 40, I2, 16, true, beta);
-    check_quantized<Mode::linear, 128, 128, 32, DType::bf16, true, true, BITS>(rng, 3, 300, 264, I2, 32, true, beta);
-    check_quantized<Mode::input_grad, 128, 128, 32, DType::bf16, true, true, BITS>(rng, 2, 260, 72, I2, 32, false, beta);
+    check_quantized<Mode::linear, 64, 128, 32, DType::bf16, true, true, Q>(rng, 6, 203, 136, I1, GS, false, beta);
+    check_quantized<Mode::input_grad, 64, 128, 32, DType::bf16, true, true, Q>(rng, 5, 150, 40, I2, GS, true, beta);
+    check_quantized<Mode::linear, 128, 128, 32, DType::bf16, true, true, Q>(rng, 3, 300, 264, I2, 32, true, beta);
+    check_quantized<Mode::input_grad, 128, 128, 32, DType::bf16, true, true, Q>(rng, 2, 260, 72, I2, 32, false, beta);
     // f16, per element (odd O): BM 64
-    check_quantized<Mode::linear, 64, 128, 32, DType::f16, false, true, BITS>(rng, 4, 97, 37, I1, 16, false, beta);
-    check_quantized<Mode::input_grad, 64, 128, 32, DType::f16, false, true, BITS>(rng, 4, 97, 37, I2, 16, true, beta);
+    check_quantized<Mode::linear, 64, 128, 32, DType::f16, false, true, Q>(rng, 4, 97, 37, I1, GS, false, beta);
+    check_quantized<Mode::input_grad, 64, 128, 32, DType::f16, false, true, Q>(rng, 4, 97, 37, I2, GS, true, beta);
     // f32 on CUDA cores (steps of 16: odd widths' runs from bit 16), 16-byte units and per element
-    check_quantized<Mode::linear, 64, 64, 16, DType::f32, true, false, BITS>(rng, 5, 120, 68, I2, 16, true, beta);
-    check_quantized<Mode::input_grad, 64, 64, 16, DType::f32, true, false, BITS>(rng, 5, 120, 68, I2, 32, true, beta);
-    check_quantized<Mode::linear, 64, 64, 16, DType::f32, false, false, BITS>(rng, 3, 91, 37, I1, 16, true, beta);
-    check_quantized<Mode::input_grad, 64, 64, 16, DType::f32, false, false, BITS>(rng, 3, 91, 37, I1, 16, true, beta);
+    check_quantized<Mode::linear, 64, 64, 16, DType::f32, true, false, Q>(rng, 5, 120, 68, I2, GS, true, beta);
+    check_quantized<Mode::input_grad, 64, 64, 16, DType::f32, true, false, Q>(rng, 5, 120, 68, I2, 32, true, beta);
+    check_quantized<Mode::linear, 64, 64, 16, DType::f32, false, false, Q>(rng, 3, 91, 37, I1, GS, true, beta);
+    check_quantized<Mode::input_grad, 64, 64, 16, DType::f32, false, false, Q>(rng, 3, 91, 37, I1, GS, true, beta);
   }
 }
 
@@ -579,6 +587,7 @@ int main() {
   check_quantized_widths<5>(rng);
   check_quantized_widths<6>(rng);
   check_quantized_widths<8>(rng);
+  check_quantized_widths<kMxfp4>(rng);  // mode mxfp4: s e2m1(q), no biases
   check_quantized<Mode::linear, 64, 128, 32, krnl::DType::bf16, true, true, 4>(rng, 2, 90, 24, 256, 128, false, 0.5f);
   check_quantized<Mode::input_grad, 64, 128, 32, krnl::DType::bf16, true, true, 3>(rng, 2, 90, 24, 256, 128, false,
                                                                                    0.5f);

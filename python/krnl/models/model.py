@@ -27,9 +27,8 @@ from .moe import RouterStats
 from .sample_sums import SampleSums
 from .step_inputs import DeviceInputs, HostInputs, check_ids, id_array, plan_rows
 from . import phi3
-from ..quant.qweight import embed, frozen_weight, linear, linear_grad
+from ..quant.qweight import embed, frozen_weight, linear, linear_grad, quantize_spec
 from . import gemma2
-from ..quant import affine
 
 ops = _core.ops
 
@@ -68,11 +67,10 @@ class LlamaModel:
         self.heads = Heads(c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                            device.tensor(c.inv_freq(), "f32"), c.rope_attention_factor)
         ones = Ones(device, dtype)  # shared by the layers' q/k/v biases
-        # quantize = (bits, group_size): the seven projections held quantized as MLX does (QLoRA on
-        # a base quantized on load); embeddings, head and norms stay in the compute dtype.
-        self.quantize = None if quantize is None else (int(quantize[0]), int(quantize[1]))
-        if self.quantize is not None:
-            affine.check((1, self.quantize[1]), *self.quantize)
+        # quantize = (bits, group_size) or (4, 32, "mxfp4"): the seven projections held quantized as
+        # MLX does (QLoRA on a base quantized on load); embeddings, head and norms stay in the
+        # compute dtype.
+        self.quantize = quantize_spec(quantize)
         self.sums = SampleSums(self.lora_params)  # .on: LoRA gradients and loss summed per sample (sample_sums)
         self.layers = [build_layer(i, c, weights, device, dtype, self.heads, ones, self.lora_config, self.lora_params,
                                    self.adapted, self.quantize, self.sums) for i in range(c.num_hidden_layers)]

@@ -11,6 +11,7 @@ import krnl
 
 from ...formats.mlx_folder import round_to  # values rounded to a dtype and back, as float32
 from ...quant.affine import pack
+from ...quant.mxfp4 import e8m0_to_float
 
 ops = krnl.ops
 
@@ -319,22 +320,24 @@ def _table_cases():
 def _quantized_cases():
     O_, I, V = 33, 128, 37
 
-    def gen(bits, gs, rows):
+    def gen(bits, gs, rows, mxfp4=False):
         def g(rng, n):
             words = pack(rng.integers(0, 2**bits, (rows, I)), bits)
             scales = rng.uniform(0.01, 0.02, (rows, I // gs)).astype(np.float32)
+            scales = e8m0_to_float(rng.integers(120, 123, scales.shape)) if mxfp4 else scales  # 2^-7 .. 2^-5
             return {"w": words, "scales": scales, "biases": (-(2**bits - 1) / 2 * scales).astype(np.float32),
                     "x": _normal(rng, n, I), "dy": _normal(rng, n, O_), "out0": _normal(rng, n, O_),
                     "ids": rng.integers(0, V, n).astype(np.int32)}
         return g
 
-    def qmm(bits, gs, transpose, beta=0.0):
+    def qmm(bits, gs, transpose, beta=0.0, mode="affine"):
         def r(O, a):
             x = a["x"] if transpose else a["dy"]
             shape = (x.shape[0], O_ if transpose else I)
             out = O.t(a["out0"]) if beta else O.out(shape)
-            ops.quantized_matmul(O.t(x), O.t(a["w"]), O.t(a["scales"]), O.t(a["biases"]), out, transpose=transpose,
-                                 group_size=gs, bits=bits, beta=beta)
+            mx = mode == "mxfp4"  # E8M0's powers of two: f32 scales whatever x's dtype, no biases
+            ops.quantized_matmul(O.t(x), O.t(a["w"]), O.t(a["scales"], "f32" if mx else None),
+                                 None if mx else O.t(a["biases"]), out, transpose, gs, bits, beta, mode)
             return {"out": out}
         return r
 
@@ -351,6 +354,8 @@ def _quantized_cases():
         cases.append(Case("quantized_matmul", f"q{bits} g{gs} x W^T", gen(bits, gs, O_), qmm(bits, gs, True)))
         cases.append(Case("quantized_matmul", f"q{bits} g{gs} dy W", gen(bits, gs, O_), qmm(bits, gs, False)))
     cases.append(Case("quantized_matmul", "q4 g64 beta 0.5", gen(4, 64, O_), qmm(4, 64, True, beta=0.5)))
+    for transpose, beta, name in ((True, 0.0, "mxfp4 x W^T"), (False, 0.0, "mxfp4 dy W"), (True, 0.5, "mxfp4 beta 0.5")):
+        cases.append(Case("quantized_matmul", name, gen(4, 32, O_, True), qmm(4, 32, transpose, beta, "mxfp4")))
     cases.append(Case("quantized_embedding", "q4 g64", gen(4, 64, V), qemb(4, 64)))
     cases.append(Case("quantized_embedding", "q3 g32", gen(3, 32, V), qemb(3, 32)))
     return cases

@@ -8,6 +8,7 @@ import krnl
 
 from .cases import Case, _normal
 from ...quant.affine import pack
+from ...quant.mxfp4 import e8m0_to_float
 
 ops = krnl.ops
 
@@ -38,7 +39,8 @@ def moe_cases():
                 "ys": _normal(rng, n * K, C), "out": _normal(rng, n, C), "dout": _normal(rng, n, C),
                 "xs": _normal(rng, n * K, C), "dys": _normal(rng, n * K, F), "W": _normal(rng, E, F, C, scale=0.2),
                 "dprobs": _normal(rng, E), "qw": np.stack([pack(rng.integers(0, 16, (F, C + 31)), 4) for _ in range(E)]),
-                "qs": rng.uniform(0.01, 0.02, (E, F, 2)).astype(np.float32), "qx": _normal(rng, n * K, C + 31)}
+                "qs": rng.uniform(0.01, 0.02, (E, F, 2)).astype(np.float32), "qx": _normal(rng, n * K, C + 31),
+                "qe": e8m0_to_float(rng.integers(120, 123, (E, F, 2)))}  # mxfp4's scales, 2^-7 .. 2^-5
 
     def route(O, a):
         ids, w = O.t(np.zeros_like(a["ids"])), O.out(a["ids"].shape, "f32")
@@ -86,17 +88,20 @@ def moe_cases():
         ops.moe_gemm_weight_grad(O.t(a["dys"]), O.t(a["xs"]), O.t(a["offsets"]), out, alpha=0.5, beta=1.0)
         return {"out": out}
 
-    def qmm(transpose):
+    def qmm(transpose, mode="affine"):
         def r(O, a):
             x = a["qx"] if transpose else a["dys"]
             out = O.out((x.shape[0], F if transpose else C + 31))
-            ops.moe_quantized_matmul(O.t(x), O.t(a["qw"]), O.t(a["qs"]), O.t(-7.5 * a["qs"]), O.t(a["offsets"]), out,
-                                     transpose, group_size=32, bits=4)
+            # mxfp4: E8M0's powers of two as f32 scales whatever x's dtype, no biases
+            s, b = (O.t(a["qe"], "f32"), None) if mode == "mxfp4" else (O.t(a["qs"]), O.t(-7.5 * a["qs"]))
+            ops.moe_quantized_matmul(O.t(x), O.t(a["qw"]), s, b, O.t(a["offsets"]), out, transpose, 32, 4, mode=mode)
             return {"out": out}
         return r
 
     return [Case("moe_quantized_matmul", "q4 g32 x W^T", gen, qmm(True)),
             Case("moe_quantized_matmul", "q4 g32 dy W", gen, qmm(False)),
+            Case("moe_quantized_matmul", "mxfp4 x W^T", gen, qmm(True, "mxfp4")),
+            Case("moe_quantized_matmul", "mxfp4 dy W", gen, qmm(False, "mxfp4")),
             Case("moe_route", "E=7 top3 norm", gen, route), Case("moe_route_backward", "norm dprobs", gen, route_back,
                                                                                 ulps=16),
             Case("moe_sort", "E=7 top3", gen, sort, exact=True), Case("moe_gather", "C=33", gen, gather, exact=True),

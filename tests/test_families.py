@@ -102,7 +102,7 @@ FAMILIES = {
     "gemma3": dict(
         # no soft-capping: the fused op (with its window) or the materialised path, in row blocks of 4
         loss=[("pattern", T), ("types", T)], attention=BLOCKS, logits=True,
-        tensors=lambda name, t, c: (c.model_type == "gemma3_text" and set(c.gemma["windows"])
+        tensors=lambda name, t, c: (c.model_type == "gemma3_text" and set(c.layer_windows)
                                     == {0, FOLDERS["gemma3"]["configs"][name]["sliding_window"]}),
         grads=[("pattern", False, {"fused_attention": True}), ("pattern", False, {"fused_attention": False}),
                ("types", True, {"fused_attention": False})], targets=ALL_MODULES,
@@ -281,7 +281,7 @@ def test_cached_decode_logits_match_transformers(folders, family, name):
     with torch.no_grad():
         want = hf_model(folders(family)[name])(torch.tensor(ids[None])).logits[0].numpy()
     m = hf.load_model(folders(family)[name], krnl.device("cpu"))
-    cache = KVCache(m.dev, m.dtype, len(m.layers), m.heads, T, [L.gemma for L in m.layers])
+    cache = KVCache(m.dev, m.dtype, m.layers, m.heads, T)
     got = [decode(m, list(ids[:4]), 0, cache)] + [decode(m, [int(ids[t])], t, cache) for t in range(4, T)]
     assert np.abs(np.stack(got) - want[3:]).max() <= 1e-5 * np.abs(want).max()
 

@@ -34,13 +34,14 @@ def test_config_reads_gemma2():
          "sliding_window": 5, "query_pre_attn_scalar": 16, "attn_logit_softcapping": 50.0,
          "final_logit_softcapping": None, "tie_word_embeddings": True}
     c = ModelConfig.from_dict(d)
-    assert c.gemma == {"attn_scale": 0.25, "attn_softcap": 50.0, "final_softcap": 0.0, "windows": [5, 0, 5]}
+    assert c.gemma == {"attn_scale": 0.25, "attn_softcap": 50.0, "final_softcap": 0.0}
+    assert c.layer_windows == [5, 0, 5]
     assert c.sliding_window is None  # per layer, not the Llama family's global window
     s = c.weight_shapes()
     for n in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"):
         assert s[f"model.layers.2.{n}.weight"] == (48,)
     c2 = ModelConfig.from_dict({**d, "layer_types": ["full_attention", "sliding_attention", "full_attention"]})
-    assert c2.gemma["windows"] == [0, 5, 0]
+    assert c2.layer_windows == [0, 5, 0]
     with pytest.raises(ValueError, match=r"key 'layer_types' must list 3"):
         ModelConfig.from_dict({**d, "layer_types": ["full_attention"]})
     with pytest.raises(ValueError, match=r"unsupported hidden_activation 'silu'"):
@@ -82,7 +83,7 @@ def test_attention_path_follows_cap_and_capabilities():
     a windowed layer takes the fused op only where the device lists the window."""
     from krnl.models.attention import FusedSaved, MaterialisedSaved
     from krnl.models.gemma2 import GemmaAttn, SoftcapSaved, attend
-    from krnl.models.layer import Batch
+    from krnl.models.attention import Batch
 
     d = krnl.device("cpu")
     rng = np.random.default_rng(0)

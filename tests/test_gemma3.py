@@ -29,15 +29,15 @@ BASE = {"model_type": "gemma3_text", "vocab_size": V, "hidden_size": 48, "interm
 def test_config_reads_gemma3_text():
     old = ModelConfig.from_dict({**BASE, "sliding_window_pattern": 2, "rope_theta": 1e6,
                                  "rope_local_base_freq": 1e4, "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
-    assert old.gemma == {"attn_scale": 0.25, "attn_softcap": 0.0, "final_softcap": 0.0, "windows": [5, 0, 5, 0],
-                         "local_theta": 1e4}
+    assert old.gemma == {"attn_scale": 0.25, "attn_softcap": 0.0, "final_softcap": 0.0, "local_theta": 1e4}
+    assert old.layer_windows == [5, 0, 5, 0]
     assert old.rope_theta == 1e6 and old.rope_scaling["factor"] == 8.0 and old.qk_norm
     assert old.weight_shapes()["model.layers.3.self_attn.k_norm.weight"] == (10,)
     # transformers 5 writes rope_parameters per layer type; the default pattern is 6
     new = ModelConfig.from_dict({**BASE, "num_hidden_layers": 7, "rope_parameters": {
         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}})
-    assert new.gemma["windows"] == [5] * 5 + [0, 5] and new.gemma["local_theta"] == 1e4
+    assert new.layer_windows == [5] * 5 + [0, 5] and new.gemma["local_theta"] == 1e4
     assert new.rope_theta == 1e6 and new.rope_scaling == {"rope_type": "linear", "factor": 8.0}
     plain = ModelConfig.from_dict({**BASE, "rope_parameters": {"full_attention": {"rope_type": "default",
                                                                                   "rope_theta": 5e5}}})
@@ -87,7 +87,7 @@ def test_sliding_layers_rotate_with_the_local_base(folders):
     m = hf.load_model(folders["pattern"], krnl.device("cpu"))
     D = c.head_dim
     local = 1.0 / 1e4 ** (np.arange(0, D, 2) / D)
-    for L, wnd in zip(m.layers, c.gemma["windows"]):
+    for L, wnd in zip(m.layers, c.layer_windows):
         got = np.asarray(L.heads.inv_freq.numpy(), np.float64)
         want = local if wnd else 1.0 / 1e6 ** (np.arange(0, D, 2) / D) / 8.0
         assert np.allclose(got, want, rtol=1e-6), wnd

@@ -47,7 +47,7 @@ def test_config_fills_transformers_defaults():
     assert c.multimodal and (c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (8, 4, 256)
     assert c.vocab_size == 262208
     assert c.max_position_embeddings == 131072 and c.tie_word_embeddings and c.gemma["attn_scale"] == 256 ** -0.5
-    assert c.gemma["windows"][:6] == [1024] * 5 + [0] and c.rope_theta == 1e6 and c.gemma["local_theta"] == 1e4
+    assert c.layer_windows[:6] == [1024] * 5 + [0] and c.rope_theta == 1e6 and c.gemma["local_theta"] == 1e4
 
 
 def test_text_tower_names_both_layouts():
@@ -86,7 +86,7 @@ def mm_model(folder):
 def test_multimodal_loss_matches_transformers(mm_folder):
     torch, _ = torch_modules()
     c = hf.read_config(mm_folder)
-    assert c.multimodal and c.model_type == "gemma3_text" and c.gemma["windows"] == [4, 0, 4]
+    assert c.multimodal and c.model_type == "gemma3_text" and c.layer_windows == [4, 0, 4]
     assert any(k.startswith("vision_tower.") for k in hf.read_tensors(mm_folder))
     ids, labels, targets = _batch(1)
     ref_model = mm_model(mm_folder)

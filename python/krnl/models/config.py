@@ -11,6 +11,7 @@ from typing import Optional
 import numpy as np
 
 from . import gemma3, phi3
+from .rope_scaling import check_rope_scaling, scaled_inv_freq
 from .moe_config import EXPERT_MODULES, MOE_MODEL_TYPES, expert_shapes, expert_targets, moe_fields
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "gemma3",
@@ -40,8 +41,9 @@ class ModelConfig:
     attention_bias: bool = False
     max_position_embeddings: int = 2048
     sliding_window: Optional[int] = None  # attention window (mistral; qwen2/qwen3 with use_sliding_window)
-    gemma: Optional[dict] = None  # gemma2/gemma3_text: gemma2_fields' dict (None for the other families)
-    moe: Optional[dict] = None  # qwen3_moe/mixtral: moe_fields' dict (None for dense families)
+    gemma: Optional[dict] = None  # gemma2/gemma3_text: gemma3.gemma_fields' dict (None for the other families)
+    moe: Optional[dict] = None  # qwen3_moe/mixtral/olmoe/gpt_oss: moe_fields' dict (None for dense families)
+    layer_windows: Optional[list] = None  # gemma2/gemma3_text/gpt_oss: per layer, the sliding window (0: full)
     multimodal: bool = False  # gemma3: the text tower of Gemma3ForConditionalGeneration (gemma3.py)
     source: str = field(default="<dict>", repr=False, compare=False)
 
@@ -110,33 +112,13 @@ class ModelConfig:
             raise ValueError(f"{where}: head_dim must be even for rotary embeddings, got {D}")
         if mt == "phi3":
             phi3.check_config(d, where)
-        rs = d.get("rope_scaling")
-        if rs is not None:
-            if not isinstance(rs, dict):
-                raise ValueError(f"{where}: key 'rope_scaling' must be an object or null, got {rs!r}")
-            kind = rs.get("rope_type", rs.get("type"))
-            if kind in (None, "default"):
-                rs = None
-            elif kind == "linear":
-                if not isinstance(rs.get("factor"), (int, float)) or not rs["factor"] > 0:
-                    raise ValueError(f"{where}: key 'rope_scaling.factor' must be a number > 0, got {rs.get('factor')!r}")
-            elif kind == "llama3":
-                for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
-                    if not isinstance(rs.get(k), (int, float)) or not rs[k] > 0:
-                        raise ValueError(f"{where}: key 'rope_scaling.{k}' must be a number > 0, got {rs.get(k)!r}")
-                if rs["high_freq_factor"] <= rs["low_freq_factor"]:
-                    raise ValueError(f"{where}: rope_scaling.high_freq_factor must exceed low_freq_factor")
-            elif kind in ("longrope", "su") and mt == "phi3":
-                rs = phi3.check_longrope(rs, d, D, where)
-            else:
-                raise ValueError(f"{where}: unsupported key 'rope_scaling' type {kind!r}; supported: linear, llama3"
-                                 + (", longrope" if mt == "phi3" else ""))
+        rs = check_rope_scaling(d.get("rope_scaling"), d, D, mt, where)
         if mt == "qwen2":
             bias = True  # Qwen2 always has q/k/v biases (HF hard-codes them)
             if "attention_bias" in d and d["attention_bias"] is not None:
                 bias = get("attention_bias", bool)
         else:
-            bias = get("attention_bias", bool, default=False, required=False)
+            bias = get("attention_bias", bool, default=mt == "gpt_oss", required=False)
         sw = None
         if mt in ("mistral", "phi3", "mixtral") or (mt in ("qwen2", "qwen3", "qwen3_moe") and d.get("use_sliding_window")):
             sw = get("sliding_window", int, default=None, required=False)
@@ -156,8 +138,9 @@ class ModelConfig:
             attention_bias=bias,
             max_position_embeddings=get("max_position_embeddings", int, default=2048),
             sliding_window=sw,
-            gemma=gemma2_fields(d, get, where) if mt in ("gemma2", "gemma3_text", "gemma3") else None,
+            gemma=gemma3.gemma_fields(d, get, where) if mt == "gemma2" or mt == "gemma3_text" else None,
             moe=moe_fields(d, get, where) if mt in MOE_MODEL_TYPES else None,
+            layer_windows=layer_windows(d, get, where) if mt in ("gemma2", "gemma3_text", "gpt_oss") else None,
             multimodal=multimodal,
             source=source,
         )
@@ -171,6 +154,16 @@ class ModelConfig:
     def qk_full_norm(self):
         """OLMoE normalises the whole q (H D) and k (Hk D) of a token (olmoe.py)."""
         return self.model_type == "olmoe"
+
+    @property
+    def o_proj_bias(self):
+        """attention_bias puts a bias on o_proj too, in every family but Qwen2 (q/k/v only)."""
+        return self.attention_bias and self.model_type != "qwen2"
+
+    @property
+    def attention_sinks(self):
+        """gpt-oss: one learned logit per query head joins each softmax (self_attn.sinks (H,))."""
+        return self.model_type == "gpt_oss"
 
     @property
     def fused_projections(self):
@@ -198,9 +191,9 @@ class ModelConfig:
 
     @property
     def rope_attention_factor(self):
-        """LongRoPE's scaling of cos and sin (1.0 otherwise)."""
+        """LongRoPE's and YaRN's scaling of cos and sin (1.0 otherwise)."""
         rs = self.rope_scaling
-        return rs["attention_factor"] if rs and rs.get("rope_type") == "longrope" else 1.0
+        return rs["attention_factor"] if rs and rs.get("rope_type") in ("longrope", "yarn") else 1.0
 
     @property
     def rope_switch_position(self):
@@ -219,26 +212,7 @@ class ModelConfig:
 
     def inv_freq(self):
         """The rotary inverse frequencies (D/2,) as HF computes them, rope_scaling included."""
-        D = self.head_dim
-        inv = 1.0 / (self.rope_theta ** (np.arange(0, D, 2, dtype=np.int64).astype(np.float64) / D))
-        rs = self.rope_scaling
-        if rs:
-            kind = rs.get("rope_type", rs.get("type"))
-            if kind == "linear":
-                inv = inv / float(rs["factor"])
-            elif kind == "longrope":
-                return phi3.longrope_inv_freq(rs, self.rope_theta, D, False)
-            elif kind == "llama3":
-                factor, lo, hi = float(rs["factor"]), float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
-                old = float(rs["original_max_position_embeddings"])
-                low_wl, high_wl = old / lo, old / hi
-                wl = 2 * math.pi / inv
-                out = np.where(wl > low_wl, inv / factor, inv)
-                smooth = (old / wl - lo) / (hi - lo)
-                smoothed = (1 - smooth) * out / factor + smooth * out
-                medium = ~(wl < high_wl) & ~(wl > low_wl)
-                inv = np.where(medium, smoothed, out)
-        return inv.astype(np.float32)
+        return scaled_inv_freq(self.rope_scaling, self.rope_theta, self.head_dim)
 
     def weight_shapes(self):
         """{HF name: shape} of every weight this config needs."""
@@ -250,8 +224,10 @@ class ModelConfig:
             for m in (m for m in mods if module_part(m) == "self_attn"):
                 s[p + f"self_attn.{m}.weight"] = self.module_shape(m)
             if self.attention_bias:
-                for m in ("q_proj", "k_proj", "v_proj"):
+                for m in ("q_proj", "k_proj", "v_proj", "o_proj")[:4 if self.o_proj_bias else 3]:
                     s[p + f"self_attn.{m}.bias"] = (self.module_shape(m)[0],)
+            if self.attention_sinks:
+                s[p + "self_attn.sinks"] = (self.num_attention_heads,)
             if self.qk_norm or self.qk_full_norm:  # per head (D,), or olmoe's over all heads
                 hq, hk = (self.num_attention_heads, self.num_key_value_heads) if self.qk_full_norm else (1, 1)
                 s[p + "self_attn.q_norm.weight"] = (hq * self.head_dim,)
@@ -291,16 +267,11 @@ class ModelConfig:
             raise ValueError(f"{who} weights do not match the config ({self.source}): " + "; ".join(msgs))
 
 
-def gemma2_fields(d, get, where):
-    """Gemma 2's keys: {"attn_scale": query_pre_attn_scalar ** -0.5, "attn_softcap" and
-    "final_softcap" (0: none), "windows": per layer, the sliding window (0: full attention),
-    and for gemma3_text "local_theta": the sliding layers' rotary base, unscaled}. Layers follow
-    `layer_types`; older gemma2 configs without it slide on even layers (transformers' default;
+def layer_windows(d, get, where):
+    """Per layer, the sliding window (0: full attention) `layer_types` gives (gemma2, gemma3_text,
+    gpt_oss); without it, sliding on even layers (transformers' default for gemma2 and gpt_oss;
     gemma3.normalize fills it for gemma3_text)."""
     n = get("num_hidden_layers", int)
-    act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
-    if act != "gelu_pytorch_tanh":
-        raise ValueError(f"{where}: unsupported hidden_activation {act!r}; supported: gelu_pytorch_tanh")
     types = d.get("layer_types")
     if types is None:
         types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
@@ -311,13 +282,7 @@ def gemma2_fields(d, get, where):
     sw = get("sliding_window", int, default=0, required=False) or 0
     if sw == 0 and "sliding_attention" in types:
         raise ValueError(f"{where}: layer_types has sliding_attention layers but no sliding_window")
-    g = {"attn_scale": float(get("query_pre_attn_scalar", float, default=256.0)) ** -0.5,
-         "attn_softcap": get("attn_logit_softcapping", float, default=0.0, required=False) or 0.0,
-         "final_softcap": get("final_logit_softcapping", float, default=0.0, required=False) or 0.0,
-         "windows": [sw if t == "sliding_attention" else 0 for t in types]}
-    if d.get("model_type") == "gemma3_text":
-        g["local_theta"] = get("rope_local_base_freq", float)
-    return g
+    return [sw if t == "sliding_attention" else 0 for t in types]
 
 
 @dataclass
@@ -387,7 +352,7 @@ def random_weights(config, seed=0, std=0.02):
     for k, shape in config.weight_shapes().items():
         if k.endswith("norm.weight"):
             w[k] = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
-        elif k.endswith(".bias"):
+        elif k.endswith((".bias", "_bias", ".sinks")):
             w[k] = (0.1 * rng.standard_normal(shape)).astype(np.float32)
         else:
             w[k] = (std * rng.standard_normal(shape)).astype(np.float32)

@@ -45,7 +45,7 @@ def layer_parts(i, c, weights, device, heads):
     `heads`: on Gemma 3's sliding layers a copy turning by the local rotary frequencies."""
     p, g = f"model.layers.{i}.", c.gemma
     norm = lambda name: device.tensor(norm_weight(weights[p + name]), "f32")  # (C,) or (D,) f32, (1 + w)
-    if g.get("local_theta") is not None and g["windows"][i]:
+    if g.get("local_theta") is not None and c.layer_windows[i]:
         heads = replace(heads, inv_freq=device.tensor(gemma3.local_inv_freq(g["local_theta"], c.head_dim), "f32"))
     qk = c.qk_norm
     return {"heads": heads, "input": norm("input_layernorm.weight"), "pre_ff": norm("pre_feedforward_layernorm.weight"),
@@ -53,7 +53,7 @@ def layer_parts(i, c, weights, device, heads):
             "q_norm": norm("self_attn.q_norm.weight") if qk else None,
             "k_norm": norm("self_attn.k_norm.weight") if qk else None,
             "attn": GemmaAttn(norm("post_attention_layernorm.weight"), g["attn_scale"], g["attn_softcap"],
-                              g["windows"][i])}
+                              c.layer_windows[i])}
 
 
 def embed_scale(config, dtype):
@@ -140,8 +140,7 @@ def attend(ga, batch, b, q, k, v, out):
     seg = None if batch.segments is None else batch.segments[b]
     if ga.softcap:
         return softcap_attention_forward(q, k, v, out, ga.scale, ga.softcap, seg, batch.attn_block, ga.window)
-    if (batch.fused and (seg is None or batch.fused_segments)
-            and (not ga.window or batch.fused_window)):
+    if batch.fuses(seg is not None, ga.window):
         return fused_forward(q, k, v, out, ga.scale, seg, ga.window)
     return materialised_forward(q, k, v, out, ga.scale, seg, batch.attn_block, ga.window)
 

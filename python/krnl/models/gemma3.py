@@ -19,7 +19,7 @@ DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 921
 
 def normalize(d, where):
     """A copy of config dict d with flat `rope_theta`, `rope_scaling` (full-attention layers),
-    `rope_local_base_freq` (sliding layers) and `layer_types`, as gemma2_fields and ModelConfig read
+    `rope_local_base_freq` (sliding layers) and `layer_types`, as gemma_fields and ModelConfig read
     them, and transformers' defaults where d leaves a key out."""
     d = {**DEFAULTS, **d}
     if d.get("use_bidirectional_attention"):
@@ -48,6 +48,21 @@ def normalize(d, where):
         if isinstance(n, int) and not isinstance(n, bool):
             d["layer_types"] = [LAYER_TYPES[(i + 1) % p == 0] for i in range(n)]
     return d
+
+
+def gemma_fields(d, get, where):
+    """Gemma 2's keys (ModelConfig.gemma): {"attn_scale": query_pre_attn_scalar ** -0.5,
+    "attn_softcap" and "final_softcap" (0: none), and for gemma3_text "local_theta": the sliding
+    layers' rotary base, unscaled}; `get` is ModelConfig's reader of d's keys."""
+    act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise ValueError(f"{where}: unsupported hidden_activation {act!r}; supported: gelu_pytorch_tanh")
+    g = {"attn_scale": float(get("query_pre_attn_scalar", float, default=256.0)) ** -0.5,
+         "attn_softcap": get("attn_logit_softcapping", float, default=0.0, required=False) or 0.0,
+         "final_softcap": get("final_logit_softcapping", float, default=0.0, required=False) or 0.0}
+    if d.get("model_type") == "gemma3_text":
+        g["local_theta"] = get("rope_local_base_freq", float)
+    return g
 
 
 def local_inv_freq(theta, head_dim):

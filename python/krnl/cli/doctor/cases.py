@@ -323,8 +323,8 @@ def _quantized_cases():
     def gen(bits, gs, rows, mxfp4=False):
         def g(rng, n):
             words = pack(rng.integers(0, 2**bits, (rows, I)), bits)
-            scales = rng.uniform(0.01, 0.02, (rows, I // gs)).astype(np.float32)
-            scales = e8m0_to_float(rng.integers(120, 123, scales.shape)) if mxfp4 else scales  # 2^-7 .. 2^-5
+            scales = (e8m0_to_float(rng.integers(120, 123, (rows, I // gs))) if mxfp4  # 2^-7 .. 2^-5
+                      else rng.uniform(0.01, 0.02, (rows, I // gs)).astype(np.float32))
             return {"w": words, "scales": scales, "biases": (-(2**bits - 1) / 2 * scales).astype(np.float32),
                     "x": _normal(rng, n, I), "dy": _normal(rng, n, O_), "out0": _normal(rng, n, O_),
                     "ids": rng.integers(0, V, n).astype(np.int32)}
@@ -356,9 +356,8 @@ def _quantized_cases():
     cases.append(Case("quantized_matmul", "q4 g64 beta 0.5", gen(4, 64, O_), qmm(4, 64, True, beta=0.5)))
     for transpose, beta, name in ((True, 0.0, "mxfp4 x W^T"), (False, 0.0, "mxfp4 dy W"), (True, 0.5, "mxfp4 beta 0.5")):
         cases.append(Case("quantized_matmul", name, gen(4, 32, O_, True), qmm(4, 32, transpose, beta, "mxfp4")))
-    cases.append(Case("quantized_embedding", "q4 g64", gen(4, 64, V), qemb(4, 64)))
-    cases.append(Case("quantized_embedding", "q3 g32", gen(3, 32, V), qemb(3, 32)))
-    return cases
+    return cases + [Case("quantized_embedding", f"q{bits} g{gs}", gen(bits, gs, V), qemb(bits, gs))
+                    for bits, gs in ((4, 64), (3, 32))]
 
 
 def _training_cases():

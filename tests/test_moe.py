@@ -82,8 +82,9 @@ def peft_model(folder, lora, state):
     torch, _ = torch_modules()
     peft = pytest.importorskip("peft")
     m = hf_model(folder)
-    mods = [t for t in lora.target_modules if t not in adapter_io.PEFT_PARAMETERS]
-    params = [adapter_io.PEFT_PARAMETERS[t] for t in lora.target_modules if t in adapter_io.PEFT_PARAMETERS]
+    known = adapter_io.peft_parameters(hf.read_config(folder))
+    mods = [t for t in lora.target_modules if t not in known]
+    params = [known[t] for t in lora.target_modules if t in known]
     cfg = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, target_modules=mods or None, target_parameters=params)
     pm = peft.get_peft_model(m, cfg)
     sd = peft_layout(hf.read_config(folder), state)

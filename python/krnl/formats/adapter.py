@@ -14,8 +14,9 @@ import numpy as np
 from ..models import gemma3
 from ..io.fileio import atomic_write_bytes, read_json_object
 from ..models.config import module_part, LoraConfig, lora_key
-from ..models.moe_config import EXPERT_MODULES, lora_shapes
+from ..models.moe_config import EXPERT_MODULES, lora_shapes, router_module, switch_module
 from .experts import held_factors, peft_expert_keys, peft_factors
+from .gpt_oss import peft_rows
 from ..io.safetensors_io import LazyTensor, read_safetensors_header
 
 CONFIG_NAME = "adapter_config.json"
@@ -33,8 +34,9 @@ def peft_config(lora, base_model="", layers=None, model_config=None):
     extra = {"exclude_modules": gemma3.EXCLUDE} if model_config is not None and model_config.multimodal else {}
     targets = sorted(lora.target_modules)
     if model_config is not None and model_config.moe:  # experts and router are parameters, not modules, to PEFT
-        extra["target_parameters"] = sorted(PEFT_PARAMETERS[m] for m in targets if m in PEFT_PARAMETERS)
-        targets = [m for m in targets if m not in PEFT_PARAMETERS]
+        params = peft_parameters(model_config)
+        extra["target_parameters"] = sorted(params[m] for m in targets if m in params)
+        targets = [m for m in targets if m not in params]
     return {**extra,
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -69,52 +71,63 @@ def save_adapter(path, tensors, config, model_config=None):
     atomic_write_bytes(path / CONFIG_NAME, (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
 
 
-# krnl's LoRA targets of a mixture that PEFT reaches through target_parameters, by their names there.
-PEFT_PARAMETERS = {"gate_up_proj": "mlp.experts.gate_up_proj", "down_proj": "mlp.experts.down_proj",
-                   "router": "mlp.gate.weight"}
+def peft_parameters(config):
+    """{krnl's LoRA target of a mixture: the parameter PEFT reaches it by (target_parameters)}."""
+    return {"gate_up_proj": "mlp.experts.gate_up_proj", "down_proj": "mlp.experts.down_proj",
+            "router": f"mlp.{router_module(config)}.weight"}
 
 
-# A router factor's key part: krnl's module name, and the module PEFT's ParamWrapper (and mlx-lm's
-# LoRALinear) sit on.
-ROUTER, ROUTER_FILE = ".mlp.router.lora_", ".mlp.gate.lora_"
+# A router factor's key part: krnl's module name; the module PEFT's ParamWrapper (and mlx-lm's
+# LoRALinear) sit on is the family's router_module.
+ROUTER = ".mlp.router.lora_"
+
+
+def _router_file(config):
+    return f".mlp.{router_module(config)}.lora_"
 
 
 def _peft_experts_out(tensors, config):
-    """tensors with the experts' factors under PEFT's keys and in its layout (experts.peft_factors)."""
-    out = {k.replace(ROUTER, ROUTER_FILE): v for k, v in tensors.items()}
+    """tensors with the experts' factors under PEFT's keys and in its layout (experts.peft_factors;
+    gpt-oss's gate_up_proj columns interleave gate's and up's, and so do the rows of its B)."""
+    out = {k.replace(ROUTER, _router_file(config)): v for k, v in tensors.items()}
     for i in range(config.num_hidden_layers):
         mods = [m for m in EXPERT_MODULES if lora_key(i, m, "A") in out]
         for m, (kA, kB) in peft_expert_keys(i, mods).items():
             out[kA], out[kB] = peft_factors(out.pop(lora_key(i, m, "A")), out.pop(lora_key(i, m, "B")))
+            if m == "gate_up_proj" and config.model_type == "gpt_oss":
+                out[kB] = peft_rows(out[kB], True)
     return out
 
 
 def _peft_experts_in(raw, config, cfg, who):
     """raw with the experts' PEFT factors (target_parameters) under krnl's keys, held as the model
     holds them (experts.held_factors); other keys pass through."""
-    params = cfg.get("target_parameters") or []
-    mods = [m for m in EXPERT_MODULES if PEFT_PARAMETERS[m] in params]
-    unknown = [p for p in params if p not in PEFT_PARAMETERS.values()]
+    params, known = cfg.get("target_parameters") or [], peft_parameters(config)
+    mods = [m for m in EXPERT_MODULES if known[m] in params]
+    unknown = [p for p in params if p not in known.values()]
     if unknown:
         raise ValueError(f"[{who}] target_parameters {unknown} are not supported; krnl takes "
-                         f"{', '.join(PEFT_PARAMETERS.values())}")
-    out, E = {k.replace(ROUTER_FILE, ROUTER): v for k, v in raw.items()}, config.moe["experts"]
+                         f"{', '.join(known.values())}")
+    out, E = {k.replace(_router_file(config), ROUTER): v for k, v in raw.items()}, config.moe["experts"]
     for i in range(config.num_hidden_layers):
         for m, (kA, kB) in peft_expert_keys(i, mods).items():
             if kA in out and kB in out:
                 A, B = out.pop(kA), out.pop(kB)
                 if A.ndim != 2 or B.ndim != 2 or A.shape[0] % E or B.shape[1] != A.shape[0]:
                     raise ValueError(f"[{who}] {kA} {A.shape} and {kB} {B.shape} are not the LoRA of {E} experts")
+                if m == "gate_up_proj" and config.model_type == "gpt_oss":
+                    B = peft_rows(B, False)
                 out[lora_key(i, m, "A")], out[lora_key(i, m, "B")] = held_factors(A, B, E, m == "gate_up_proj")
     return out
 
 
 def _mlx_experts_in(raw, config, who):
-    """raw with mlx-lm's expert factors (switch_mlp's gate, up and down LoRASwitchLinear) under
-    krnl's keys: gate and up must share their A, as PEFT's one LoRA on the fused gate|up does."""
+    """raw with mlx-lm's expert factors (switch_mlp's gate, up and down LoRASwitchLinear; gpt-oss's
+    experts') under krnl's keys: gate and up must share their A, as PEFT's one LoRA on the fused
+    gate|up does."""
     out = dict(raw)
     for i in range(config.num_hidden_layers):
-        p = f"model.layers.{i}.mlp.switch_mlp."
+        p = f"model.layers.{i}.mlp.{switch_module(config)}."
         got = {h: (out.pop(f"{p}{h}.lora_a", None), out.pop(f"{p}{h}.lora_b", None))
                for h in ("gate_proj", "up_proj", "down_proj")}
         if got["down_proj"][0] is not None:
@@ -145,14 +158,14 @@ def mlx_adapter(lora, tensors, config, base_model=""):
     for m in (m for m in config.lora_modules() if m in lora.target_modules):  # one order, whatever the flag's
         if config.moe and m in EXPERT_MODULES:  # LoRASwitchLinear: (E, r, in) and (E, out, r), as krnl holds them
             halves = ("gate_proj", "up_proj") if m == "gate_up_proj" else ("down_proj",)
-            keys += [f"mlp.switch_mlp.{h}" for h in halves]
+            keys += [f"mlp.{switch_module(config)}.{h}" for h in halves]
             for i in layers:
                 A, B = (np.asarray(tensors[lora_key(i, m, f)], np.float32) for f in "AB")
                 for j, h in enumerate(halves):  # gate and up share PEFT's one A
-                    out[f"model.layers.{i}.mlp.switch_mlp.{h}.lora_a"] = A
-                    out[f"model.layers.{i}.mlp.switch_mlp.{h}.lora_b"] = B[j] if B.ndim == 4 else B
+                    out[f"model.layers.{i}.{keys[j - len(halves)]}.lora_a"] = A
+                    out[f"model.layers.{i}.{keys[j - len(halves)]}.lora_b"] = B[j] if B.ndim == 4 else B
             continue
-        keys.append(f"{module_part(m)}.{'gate' if m == 'router' else m}")  # mlx-lm's router: mlp.gate
+        keys.append(f"{module_part(m)}.{router_module(config) if m == 'router' else m}")
         for i in layers:
             for f in ("A", "B"):
                 out[f"model.layers.{i}.{keys[-1]}.lora_{f.lower()}"] = np.asarray(tensors[lora_key(i, m, f)],
@@ -263,7 +276,7 @@ def read_adapter(path, config):
         base = cfg.get("model")
         raw = _read_f32_tensors(path / MLX_WEIGHTS_NAME, who)
         if config.moe:
-            raw = {k.replace(ROUTER_FILE, ROUTER): v for k, v in _mlx_experts_in(raw, config, who).items()}
+            raw = {k.replace(_router_file(config), ROUTER): v for k, v in _mlx_experts_in(raw, config, who).items()}
         pattern, fname = _MLX_KEY, MLX_WEIGHTS_NAME
 
     found, unexpected = {}, []

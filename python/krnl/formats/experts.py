@@ -8,6 +8,7 @@ import re
 import numpy as np
 
 from ..models.moe import ExpertHalves
+from ..models.moe_config import switch_module
 from ..quant.qweight import QuantizedArray
 from ..io.safetensors_io import FLOAT_DTYPES
 
@@ -38,28 +39,45 @@ class StackedTensor:
         return a if dtype is None else a.astype(dtype, copy=False)
 
 
+class Joined:
+    """Tensors (E, n_j) read as one (E, sum n_j) array, lazily (gpt-oss's gate and up biases)."""
+
+    def __init__(self, parts):
+        self.parts, self.st_dtype, self.path = parts, parts[0].st_dtype, parts[0].path
+        self.shape, self.ndim = (parts[0].shape[0], sum(p.shape[1] for p in parts)), 2
+
+    def __array__(self, dtype=None, copy=None):
+        a = np.concatenate([np.asarray(p, np.float32) for p in self.parts], axis=1)
+        return a if dtype is None else a.astype(dtype, copy=False)
+
+
 def switch_experts(tensors, config, where):
-    """tensors with mlx-lm's experts (`mlp.switch_mlp.{gate,up,down}_proj`, (E, O, I) each, float or
-    quantized with `.scales` and `.biases` (E, O, I / group_size)) under the fused names; a
-    quantized triple's bits and group size follow from its shapes, as for MLX's linears."""
+    """tensors with mlx-lm's experts (`mlp.switch_mlp.{gate,up,down}_proj`, gpt-oss's `mlp.experts.*`,
+    (E, O, I) each, float or quantized with `.scales` and `.biases` (E, O, I / group_size); gpt-oss's
+    `.bias` (E, O) too) under the fused names; a quantized triple's bits and group size follow from
+    its shapes, as for MLX's linears."""
     if not config.moe:
         return tensors
-    out, bad = dict(tensors), []
+    out, bad, sw = dict(tensors), [], switch_module(config)
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}.mlp."
-        got = {}
+        got, bias = {}, {n: out.pop(f"{p}{sw}.{n}.bias", None) for n in ("gate_proj", "up_proj", "down_proj")}
+        if bias["gate_proj"] is not None and bias["up_proj"] is not None:
+            out[p + "experts.gate_up_proj_bias"] = Joined([bias["gate_proj"], bias["up_proj"]])
+        if bias["down_proj"] is not None:
+            out[p + "experts.down_proj_bias"] = bias["down_proj"]
         for n in ("gate_proj", "up_proj", "down_proj"):
-            w, s, b = (out.pop(f"{p}switch_mlp.{n}.{k}", None) for k in ("weight", "scales", "biases"))
+            w, s, b = (out.pop(f"{p}{sw}.{n}.{k}", None) for k in ("weight", "scales", "biases"))
             if w is None:
                 continue
             I = config.hidden_size if n != "down_proj" else config.moe["expert_size"]
             if s is None:  # float, or (GGUF) a QuantizedArray already
                 got[n] = w
             elif s.st_dtype not in FLOAT_DTYPES:  # as mlx_folder.read_quantized refuses it
-                bad.append(f"{p}switch_mlp.{n}.scales: {s.st_dtype} scales (a microscaling mode?); krnl reads "
+                bad.append(f"{p}{sw}.{n}.scales: {s.st_dtype} scales (a microscaling mode?); krnl reads "
                            f"affine scales in F32, F16 or BF16")
             elif b is None or w.ndim != 3 or s.ndim != 3 or w.shape[2] * 32 % I or I % s.shape[2]:
-                bad.append(f"{p}switch_mlp.{n}: codes {w.shape}, scales {s.shape}, biases "
+                bad.append(f"{p}{sw}.{n}: codes {w.shape}, scales {s.shape}, biases "
                            f"{None if b is None else b.shape} do not quantize (E, O, {I}) experts")
             else:
                 got[n] = QuantizedArray(w, s, b, w.shape[2] * 32 // I, I // s.shape[2], FLOAT_DTYPES[s.st_dtype])

@@ -33,6 +33,7 @@ from ..models.config import ModelConfig, lora_key
 from ..models.moe_config import EXPERT_MODULES
 from .experts import (Pieces, StackedTensor, expert_pieces, merged_experts, stacked_experts, stored_name,
                       switch_experts)
+from . import gpt_oss
 from ..quant.qweight import QuantizedArray
 from ..io.safetensors_io import LazyTensor, encode, header_bytes, nbytes, read_safetensors_header
 from ..io.tokenizer import Tokenizer
@@ -136,6 +137,7 @@ def load_hf_weights(folder, config=None):
     for k in ignored:
         tensors.pop(k)
     tensors = stacked_experts(tensors, config)  # per-expert checkpoints read as transformers holds them
+    tensors = gpt_oss.read_experts(tensors, config)
     tensors = switch_experts(tensors, config, folder)  # mlx-lm's, float or quantized
     q = quantization(read_json_object(folder / CONFIG_NAME, "hf"), str(folder / CONFIG_NAME))
     if q is not None:
@@ -350,9 +352,14 @@ def _write_folder(model_folder, weights, config, out_folder, shard_size, dtype, 
                 items += [(k, st, a.shape, lambda p=pieces, j=j, st=st: encode(p.take(j), st))
                           for j, (k, a) in enumerate(shapes)]
                 continue
+            # gpt-oss's router and experts go back in transformers' layout (formats/gpt_oss.py)
+            sname, shape, relay = (config.model_type == "gpt_oss" and gpt_oss.stored_layout(name, t.shape)) or (
+                stored_name(config, weights, name), tuple(t.shape), None)
             keep = name not in merged and getattr(t, "st_dtype", None) == st  # the stored bytes as they are
-            producer = t.raw_bytes if keep else (lambda get=get, st=st: encode(get(), st))
-            items.append((stored_name(config, weights, name), st, tuple(t.shape), producer))
+            if keep and hasattr(t, "src"):
+                t = t.src  # a Relaid's stored tensor
+            producer = t.raw_bytes if keep else (lambda get=get, st=st, f=relay or (lambda a: a): encode(f(get()), st))
+            items.append((sname, st, shape, producer))
     files = write_sharded(out_folder, items, shard_size=shard_size, metadata=meta)
     if force:
         cfg["torch_dtype" if "torch_dtype" in cfg else "dtype"] = _FLOAT_NAMES[force]

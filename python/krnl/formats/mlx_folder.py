@@ -14,10 +14,13 @@ Read side: `quantization(cfg)` parses the config, `read_quantized` turns the sto
 QuantizedArray values of the weights dict. Write side: `quantized_items` gives the three tensors
 of a module quantized as mx.quantize does, for krnl.formats.hf.write_sharded."""
 
+import re
+
 import numpy as np
 
 from ..quant import affine
 from ..models.config import module_part
+from ..models.moe_config import switch_module
 from ..quant.qweight import QuantizedArray
 from .experts import Pieces
 from ..io.safetensors_io import FLOAT_DTYPES, ST_DTYPES, encode, f32_to_bf16
@@ -141,8 +144,8 @@ def plan(config, bits, group_size, overrides=None):
     affine.check((1, group_size), bits, group_size)
     out = {}
     for m in module_paths(config) + expert_paths(config):
-        router = config.moe and m.endswith(".mlp.gate")  # mlx-lm keeps qwen3_moe's at 8 bits, groups of 64
-        default = (8, 64) if router and config.model_type == "qwen3_moe" else (bits, group_size)
+        router = config.moe and m.endswith(".mlp.gate")  # mlx-lm keeps qwen3_moe's and gpt-oss's at 8 bits, groups of 64
+        default = (8, 64) if router and config.model_type in ("qwen3_moe", "gpt_oss") else (bits, group_size)
         layout = (overrides or {}).get(m, default)
         if layout is not None:
             affine.check((1, layout[1]), *layout)
@@ -154,9 +157,10 @@ def plan(config, bits, group_size, overrides=None):
 
 
 def expert_paths(config):
-    """A mixture's experts as mlx-lm stores them: mlp.switch_mlp.{gate,up,down}_proj per layer."""
-    return [f"model.layers.{i}.mlp.switch_mlp.{n}" for i in range(config.num_hidden_layers) if config.moe
-            for n in ("gate_proj", "up_proj", "down_proj")]
+    """A mixture's experts as mlx-lm stores them: mlp.switch_mlp.{gate,up,down}_proj per layer (gpt-oss:
+    mlp.experts.*)."""
+    return [f"model.layers.{i}.mlp.{switch_module(config)}.{n}" for i in range(config.num_hidden_layers)
+            if config.moe for n in ("gate_proj", "up_proj", "down_proj")]
 
 
 RECIPES = {"mixed_2_6": (2, 6), "mixed_3_4": (3, 4), "mixed_3_6": (3, 6), "mixed_4_6": (4, 6)}
@@ -282,6 +286,9 @@ def mlx_items(config, weights, names, bits, group_size, dtype, merged=None, over
             items.append((name, st, tuple(t.shape), t.raw_bytes))
         else:
             items.append((name, st, tuple(np.shape(t)), lambda get=get: encode(get(), st)))
+    if config.model_type == "gpt_oss":  # its router goes back under mlp.router (krnl's mlp.gate)
+        ren = lambda n: re.sub(r"\.mlp\.gate(?=\.|$)", ".mlp.router", n)
+        items, used = [(ren(n), *rest) for n, *rest in items], {ren(m): v for m, v in used.items()}
     return items, config_entry(used, bits, group_size)
 
 
@@ -293,9 +300,15 @@ def _switch_parts(config, weights, names, merged):
         if not (config.moe and ".mlp.experts." in name):
             yield name, t, get
             continue
-        p = name.split(".mlp.experts.")[0] + ".mlp.switch_mlp."
-        if name.endswith("down_proj"):
-            yield p + "down_proj.weight", t, get
+        p = name.split(".mlp.experts.")[0] + f".mlp.{switch_module(config)}."
+        if name.endswith("down_proj") or name.endswith("down_proj_bias"):
+            yield p + "down_proj." + ("bias" if name.endswith("_bias") else "weight"), t, get
+            continue
+        if name.endswith("gate_up_proj_bias"):  # gpt-oss: (E, 2F) gate's, then up's
+            pieces = Pieces(get or (lambda t=t: np.asarray(t, np.float32)), lambda a: np.split(a, 2, axis=1))
+            for j, n in enumerate(("gate_proj", "up_proj")):
+                yield p + n + ".bias", np.broadcast_to(np.float32(0), (t.shape[0], t.shape[1] // 2)), (
+                    lambda pieces=pieces, j=j: pieces.take(j))
             continue
         E, F2, C = t.shape
         halves = getattr(t, "parts", (None, None))  # moe.ExpertHalves: as the source holds them

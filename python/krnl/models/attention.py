@@ -6,8 +6,11 @@
                 capabilities list them
   materialised  S = Q K^T, P = softmax(S), O = P V as GEMMs in query row blocks; saves P
 
-Query head h reads KV head h // g (g = H / Hk query heads per KV head, adjacent). Each forward
-returns its saved state as a dataclass whose backward() runs the matching backward."""
+Query head h reads KV head h // g (g = H / Hk query heads per KV head, adjacent). gpt-oss's sinks
+(H,) f32, one logit per query head in every softmax's denominator, change the forward only: the
+saved lse (or P) holds them, and the sink's column has no value to take a gradient. Each forward
+returns its saved state as a dataclass whose backward() runs the matching backward. A Batch holds
+the rows of one call and picks the way each attends."""
 
 from dataclasses import dataclass
 from typing import Optional
@@ -44,13 +47,47 @@ class MaterialisedSaved:
         materialised_backward(self, dout, dq, dk, dv)
 
 
-def fused_forward(q, k, v, out, scale, segments=None, window=0):
+@dataclass
+class Batch:
+    """The rows of one call: B sequences of T tokens, N = B T rows, and how to attend them."""
+    B: int
+    T: int
+    positions: list                  # B of (T,) i32: rotary positions of each row
+    segments: Optional[list] = None  # B of (T,) i32: packed samples' ids (attention stays inside)
+    call_seed: Optional[object] = None  # dropout seed: an int or a (2,) i32 seed_offset tensor; None (eval): off
+    fused: bool = False              # fused attention (ops.attention_forward/backward)
+    fused_segments: bool = False     # ... also for packed rows (else those stay materialised)
+    attn_block: int = 0              # query rows per materialised block (0: one block)
+    window: int = 0                  # sliding window (0: none): the fused op's where it lists one, else materialised
+    inv_freq: Optional[_core.Tensor] = None  # (D/2,) f32: this call's rotary frequencies (None: Heads')
+    fused_window: bool = False       # the fused op takes a window (per-layer windows: gemma2, gpt_oss)
+    token_major: bool = False        # the fused op takes token-major views (no head transposes)
+    rope_positions: Optional[_core.Tensor] = None  # positions as one tensor: (T,) every row's, or (B, T)
+    fused_sinks: bool = False        # the fused op takes attention sinks (gpt_oss)
+
+    def fuses(self, packed, window, sinks=None):
+        """Whether an attention of packed rows (or not), a window (0: none) and sinks (or None) takes
+        the fused op: the call uses it and the device lists each feature."""
+        return (self.fused and (not packed or self.fused_segments) and (not window or self.fused_window)
+                and (sinks is None or self.fused_sinks))
+
+    def attend(self, b, q, k, v, out, scale, window=None, sinks=None):
+        """out (H, T, D) = attention of row b with the call's window (or a layer's own) and sinks
+        (H,) f32 where given; returns its saved state."""
+        seg = None if self.segments is None else self.segments[b]
+        window = self.window if window is None else window
+        if self.fuses(seg is not None, window, sinks):
+            return fused_forward(q, k, v, out, scale, seg, window, sinks)
+        return materialised_forward(q, k, v, out, scale, seg, self.attn_block, window, sinks)
+
+
+def fused_forward(q, k, v, out, scale, segments=None, window=0, sinks=None):
     """out (H, T, D) = causal attention of q, k, v with the fused op; segments (T,) i32 keep
-    each query in its sample, window > 0 limits it to the last `window` keys. Token-major
-    (B, T, H, D) views attend B sequences at once (no segments)."""
+    each query in its sample, window > 0 limits it to the last `window` keys, sinks (H,) f32 join
+    each softmax. Token-major (B, T, H, D) views attend B sequences at once (no segments)."""
     lse_shape = (q.shape[0], q.shape[2], q.shape[1]) if q.ndim == 4 else (q.shape[0], q.shape[1])
     lse = q.device.empty(lse_shape, "f32")                                # (H, T) or (B, H, T)
-    ops.attention_forward(q, k, v, out, lse, scale, segments, window)
+    ops.attention_forward(q, k, v, out, lse, scale, segments, window, sinks)
     return FusedSaved(q, k, v, out, lse, scale, segments, window)
 
 
@@ -78,11 +115,12 @@ def qrows(x, Hk, s, r0, r1):
     return x.reshape(Hk, g * T, x.shape[2])[:, s * T + r0:s * T + r1]
 
 
-def materialised_forward(q, k, v, out, scale, segments: Optional[_core.Tensor] = None, block=0, window=0):
+def materialised_forward(q, k, v, out, scale, segments: Optional[_core.Tensor] = None, block=0, window=0,
+                         sinks=None):
     """out (H, T, D) = causal attention of q, k, v through materialised scores, in query row
     blocks of `block` rows (0: one block); segments (T,) i32 keep each query in its sample,
     window > 0 limits it to the last `window` keys (the zeros it leaves in P carry the mask
-    into the backward)."""
+    into the backward), sinks (H,) f32 join each softmax."""
     d, dt = q.device, q.dtype
     H, T = q.shape[0], q.shape[1]
     Hk = k.shape[0]
@@ -97,7 +135,7 @@ def materialised_forward(q, k, v, out, scale, segments: Optional[_core.Tensor] =
                      trans_b=True, batch=Hk)                              # S = Q K^T
         # in place: P = softmax(S); row i of the block is query r0 + i (= i + r1 - (r1 - r0)), which
         # the op's window measures from
-        ops.softmax_causal_forward(P, P, scale, segments, window=window)
+        ops.softmax_causal_forward(P, P, scale, segments, window=window, sinks=sinks)
         for s in range(g):
             ops.gemm(qrows(P, Hk, s, 0, r1 - r0), v[:, :r1], qrows(out, Hk, s, r0, r1), batch=Hk)
         blocks.append((r0, r1, P))

@@ -5,7 +5,8 @@ cache and attends to every cached position."""
 import numpy as np
 
 from .. import _core
-from .layer import Batch, layer_forward
+from .attention import Batch
+from .layer import layer_forward
 from ..quant.qweight import embed, linear
 
 ops = _core.ops
@@ -14,19 +15,20 @@ ops = _core.ops
 class KVCache:
     """Per layer and KV head: keys and values (total, D), rows filled as positions are decoded."""
 
-    def __init__(self, device, dtype, n_layers, heads, total, gemma=None, window=0):
+    def __init__(self, device, dtype, layers, heads, total, window=0):
         self.heads, self.window = heads, int(window or 0)  # window: the config's sliding window
-        self.gemma = gemma or [None] * n_layers  # per layer: gemma.GemmaAttn or None
+        self.layers = layers  # their Gemma settings, own windows and sinks
         e = lambda: [device.empty((total, heads.D), dtype) for _ in range(heads.Hk)]
-        self.k = [e() for _ in range(n_layers)]
-        self.v = [e() for _ in range(n_layers)]
+        self.k = [e() for _ in layers]
+        self.v = [e() for _ in layers]
 
     def attention(self, i, start):
         """layer_forward's attend for layer i on tokens at positions start..: appends their keys
         and values, then out = causal attention over every cached position."""
-        hd, ga = self.heads, self.gemma[i]
+        hd, L = self.heads, self.layers[i]
+        ga, sinks = L.gemma, L.sinks
         Kc, Vc, g, D, scale = self.k[i], self.v[i], hd.g, hd.D, hd.scale
-        cap, window = 0.0, self.window
+        cap, window = 0.0, self.window if L.window is None else L.window
         if ga is not None:  # gemma2: its scale, soft-capped scores, the layer's sliding window
             scale, cap, window = ga.scale, ga.softcap, ga.window
 
@@ -42,7 +44,8 @@ class KVCache:
                 if cap:
                     ops.scale(S, scale, S)
                     ops.softcap(S, cap, S)
-                ops.softmax_causal_forward(S, S, 1.0 if cap else scale, window=window)  # query i at start + i
+                ops.softmax_causal_forward(S, S, 1.0 if cap else scale, window=window,  # query i at start + i
+                                           sinks=None if sinks is None else sinks[j * g:(j + 1) * g])
                 ops.gemm(S.reshape(g * n, end), Vc[j][:end], out[j * g:(j + 1) * g].reshape(g * n, D))
             return None  # nothing to save: no backward
 
@@ -96,8 +99,7 @@ def generate(model, prompt, max_new_tokens=32, temperature=0.0, top_p=1.0, seed=
     total = min(len(prompt) + max_new_tokens, mp)
     if len(prompt) >= total:
         raise ValueError(f"[generate] the prompt fills max_position_embeddings {mp}")
-    cache = KVCache(model.dev, model.dtype, len(model.layers), model.heads, total,
-                    [L.gemma for L in model.layers], model.config.sliding_window)
+    cache = KVCache(model.dev, model.dtype, model.layers, model.heads, total, model.config.sliding_window)
     rng = np.random.default_rng(seed)
     out, pending, pos = [], prompt, 0
     switch = model.config.rope_switch_position  # LongRoPE: None, or where the long factors begin

@@ -16,7 +16,6 @@ from typing import Callable, Optional
 import numpy as np
 
 from .. import _core
-from .attention import fused_forward, materialised_forward
 from . import gemma2, olmoe
 from .layer_heads import heads_backward, heads_forward
 from .gemma2 import GemmaAttn
@@ -120,6 +119,9 @@ class Layer:
     gemma: Optional[GemmaAttn] = None  # gemma2's attention settings and post-attention norm
     qkv_fold: Optional[Fold] = None    # q, k and v's LoRA folded into the projection's K (lora_fold.py)
     qk_full: Optional[tuple] = None    # olmoe: RMSNorm weights over the whole q (H D,) and k (Hk D,)
+    o_bias: Optional[Tensor] = None    # (1, C) o_proj's bias (attention_bias but in qwen2)
+    window: Optional[int] = None       # gpt_oss: the layer's own sliding window (0: full; None: the call's)
+    sinks: Optional[Tensor] = None     # (H,) f32 gpt_oss: attention sinks
 
     def linears(self):
         """{HF module name: LoraLinear} (a mixture of experts' experts are no linears)."""
@@ -137,39 +139,14 @@ class Layer:
     def frozen(self):
         """{name: tensor} of the frozen weights (the q/k/v weights inside qkv)."""
         out = {"n1": self.n1, "n2": self.mlp.norm, "qkv": self.qkv}
-        if self.qkv_bias is not None:
-            out["qkv_bias"] = self.qkv_bias
+        out.update({k: t for k, t in (("qkv_bias", self.qkv_bias), ("o_bias", self.o_bias), ("sinks", self.sinks))
+                    if t is not None})
         if self.q_norm is not None:
             out.update(q_norm=self.q_norm, k_norm=self.k_norm)
         if self.gemma is not None:
             out.update(post_attn=self.gemma.post_attn, post_mlp=self.mlp.post)
         out.update({m: lin.W for m, lin in self.linears().items() if m not in QKV_MODULES})
         return {**out, **self.mlp.frozen()} if isinstance(self.mlp, MoeMlp) else out
-
-
-@dataclass
-class Batch:
-    """The rows of one call: B sequences of T tokens, N = B T rows, and how to attend them."""
-    B: int
-    T: int
-    positions: list                  # B of (T,) i32: rotary positions of each row
-    segments: Optional[list] = None  # B of (T,) i32: packed samples' ids (attention stays inside)
-    call_seed: Optional[object] = None  # dropout seed: an int or a (2,) i32 seed_offset tensor; None (eval): off
-    fused: bool = False              # fused attention (ops.attention_forward/backward)
-    fused_segments: bool = False     # ... also for packed rows (else those stay materialised)
-    attn_block: int = 0              # query rows per materialised block (0: one block)
-    window: int = 0                  # sliding window (0: none): the fused op's where it lists one, else materialised
-    inv_freq: Optional[Tensor] = None  # (D/2,) f32: this call's rotary frequencies (None: Heads')
-    fused_window: bool = False       # the fused op takes a window (gemma2's per-layer windows)
-    token_major: bool = False        # the fused op takes token-major views (no head transposes)
-    rope_positions: Optional[Tensor] = None  # positions as one tensor: (T,) every row's, or (B, T)
-
-    def attend(self, b, q, k, v, out, scale):
-        """out (H, T, D) = attention of row b; returns its saved state."""
-        seg = None if self.segments is None else self.segments[b]
-        if self.fused and (seg is None or self.fused_segments) and (not self.window or self.fused_window):
-            return fused_forward(q, k, v, out, scale, seg, self.window)
-        return materialised_forward(q, k, v, out, scale, seg, self.attn_block, self.window)
 
 
 @dataclass
@@ -241,19 +218,24 @@ def build_layer(i, config, weights, device, dtype, heads, ones, lora_config, lor
         lin[m] = LoraLinear(W, fs[m], lora_config.scale, lora_config.dropout, tag=dropout_tag(c, i, m),
                             sums=sums, Wk=Wks.get(m), stack=stacks.get(m))
     eps = c.rms_norm_eps
+    o_bias = up([p + "self_attn.o_proj.bias"], (1, -1)) if c.o_proj_bias else None
     if c.gemma:
-        return build_gemma_layer(i, c, weights, device, heads, ones, qkv, qkv_bias, lin)
+        L = build_gemma_layer(i, c, weights, device, heads, ones, qkv, qkv_bias, lin)
+        L.o_bias = o_bias
+        return L
     if c.moe:
-        mlp = build_moe(i, c, weights, device, dtype, lora_config, lora_params, adapted, sums, quantize)
+        mlp = build_moe(i, c, weights, device, dtype, lora_config, lora_params, adapted, sums, quantize, ones)
     else:
         mlp = Mlp(up([p + "post_attention_layernorm.weight"]), lin["gate_proj"], lin["up_proj"], lin["down_proj"],
                   eps, fold=folds.get("gate_proj"))
     norms = (up([p + "self_attn.q_norm.weight"]), up([p + "self_attn.k_norm.weight"])) if c.qk_norm or c.qk_full_norm \
         else (None, None)
     full, (qn, kn) = (norms, (None, None)) if c.qk_full_norm else (None, norms)  # olmoe's over all heads
+    sinks = device.tensor(np.asarray(weights[p + "self_attn.sinks"], np.float32), "f32") if c.attention_sinks else None
     return Layer(heads, eps, up([p + "input_layernorm.weight"]), qkv, qkv_bias, ones,
                  lin["q_proj"], lin["k_proj"], lin["v_proj"], lin["o_proj"], mlp, qn, kn, qkv_fold=folds.get("q_proj"),
-                 qk_full=full)
+                 qk_full=full, o_bias=o_bias, window=c.layer_windows[i] if c.layer_windows and not c.gemma else None,
+                 sinks=sinks)
 
 
 def build_gemma_layer(i, c, weights, device, heads, ones, qkv, qkv_bias, lin):
@@ -356,6 +338,8 @@ def layer_forward(L, x, batch, attend: Optional[Callable] = None):
     saved, qk_saved, tm = heads_forward(L, batch, qkv, att, attend)
     h = d.empty((N, C), dt)                                               # (N, C)
     o_saved = L.o_proj.forward(att, h, batch.call_seed)
+    if L.o_bias is not None:
+        ops.gemm(L.ones(N), L.o_bias, h, beta=1.0)
     a = ar = None
     if L.gemma is not None:                                               # gemma2: h = x + rmsnorm(attn)
         a = h

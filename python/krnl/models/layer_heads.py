@@ -20,12 +20,17 @@ from .attention import fused_forward
 ops = _core.ops
 
 
+def window_of(L, batch):
+    """The sliding window layer L attends with: its own (gpt_oss's per layer) or the call's."""
+    return batch.window if L.window is None else L.window
+
+
 def token_major(L, batch, attend: Optional[Callable]):
     """Whether a call attends token-major: the fused op on a device that takes the views, rows
-    without packed segments (a window only where the op takes one), no per-head norm between the
-    projection and RoPE (Qwen3), no Gemma scores (soft-capping) and no caller's own attend."""
-    return (batch.token_major and batch.fused and batch.rope_positions is not None and batch.segments is None
-            and (not batch.window or batch.fused_window) and attend is None and L.q_norm is None
+    without packed segments (a window or sinks only where the op takes them), no per-head norm
+    between the projection and RoPE (Qwen3), no Gemma scores (soft-capping) and no caller's own attend."""
+    return (batch.token_major and batch.rope_positions is not None and batch.segments is None
+            and batch.fuses(False, window_of(L, batch), L.sinks) and attend is None and L.q_norm is None
             and L.gemma is None)
 
 
@@ -39,12 +44,13 @@ def heads_forward(L, batch, qkv, att, attend: Optional[Callable] = None):
     if token_major(L, batch, attend):
         q4, o4 = qkv.reshape(B, T, NH, D), att.reshape(B, T, H, D)      # views (B, T, heads, D)
         ops.rope(q4[:, :, :H + Hk], batch.rope_positions, hd.freqs(batch), token_major=True)
-        s = fused_forward(q4[:, :, :H], q4[:, :, H:H + Hk], q4[:, :, H + Hk:], o4, hd.scale, None, batch.window)
+        s = fused_forward(q4[:, :, :H], q4[:, :, H:H + Hk], q4[:, :, H + Hk:], o4, hd.scale, None,
+                          window_of(L, batch), L.sinks)
         return [s], None, True
     if attend is None and L.gemma is not None:
         attend = lambda b, q, k, v, out: gemma2.attend(L.gemma, batch, b, q, k, v, out)
     elif attend is None:
-        attend = lambda b, q, k, v, out: batch.attend(b, q, k, v, out, hd.scale)
+        attend = lambda b, q, k, v, out: batch.attend(b, q, k, v, out, hd.scale, L.window, L.sinks)
     saved, qk_saved = [], ([] if L.q_norm is not None else None)
     for b in range(B):
         r = slice(b * T, (b + 1) * T)

@@ -21,7 +21,8 @@ import numpy as np
 from .. import _core
 from .config import IGNORE_INDEX, LoraConfig, ModelConfig
 from .generate import generate
-from .layer import Batch, Heads, Ones, build_layer, layer_backward, layer_forward
+from .attention import Batch
+from .layer import Heads, Ones, build_layer, layer_backward, layer_forward
 from .lora import init_lora
 from .moe import RouterStats
 from .sample_sums import SampleSums
@@ -90,7 +91,7 @@ class LlamaModel:
         # window take it where the device lists those too. Settable, e.g. to compare both paths.
         fa = caps["fused_attention"]
         self.fused_attention = dtype in fa["dtypes"] and (not fa["head_dims"] or c.head_dim in fa["head_dims"])
-        self.fused_segments, self.fused_window = fa["segments"], fa["window"]
+        self.fused_segments, self.fused_window, self.fused_sinks = fa["segments"], fa["window"], fa["sinks"]
         # q, k and v attended in place as columns of the projection (no head transposes), all
         # rows in one call, where the device takes token-major views; settable like the above.
         self.token_major = fa["token_major"]
@@ -133,7 +134,7 @@ class LlamaModel:
         tensor; None is eval; rope_positions: the rows' positions as one (T,) or (B, T) tensor)."""
         return Batch(B, T, positions, segments, seed, self.fused_attention, self.fused_segments, self.attn_block,
                      window, inv_freq=self._long_inv_freq if long_rope else None, fused_window=self.fused_window,
-                     token_major=self.token_major, rope_positions=rope_positions)
+                     token_major=self.token_major, rope_positions=rope_positions, fused_sinks=self.fused_sinks)
 
     def _batch(self, shape, segments=None, positions=None, call_seed=None):
         """The Batch of one call. positions (B, T) replace arange(T) in the rotary embedding of

@@ -1,11 +1,15 @@
-"""A mixture of experts' feed-forward block (qwen3_moe, mixtral), forward and backward over the
-core's moe_* ops (op_list.h; docs/architecture.md, 'Experts'); formats/experts.py reads and writes
-the experts as files hold them:
+"""A mixture of experts' feed-forward block (qwen3_moe, mixtral, olmoe, gpt_oss), forward and backward
+over the core's moe_* ops (op_list.h; docs/architecture.md, 'Experts'); formats/experts.py reads and
+writes the experts as files hold them:
 
-    hn = rmsnorm(h) norm                     logits = hn Wr^T (N, E)
+    hn = rmsnorm(h) norm                     logits = hn Wr^T (+ br) (N, E)
     ids, w = top-K of softmax(logits)        (divided by their sum where norm_topk)
-    per pair (t, k), e = ids[t, k]:          y_tk = down_e(silu(gate_e(hn_t)) * up_e(hn_t))
+    per pair (t, k), e = ids[t, k]:          y_tk = down_e(act(gate_e(hn_t), up_e(hn_t)))
     y = h + sum_k w[t, k] y_tk
+
+act is silu(g) u, or gpt-oss's clamped form (ops.swiglu_forward's alpha and limit); gpt-oss's
+router and experts carry biases (each projection's + b_e, added as a one-column grouped GEMM of ones
+against the (E, O, 1) biases), and its softmax over the top-K logits is norm_topk's renormalisation.
 
 The N K pairs are grouped by expert once (moe_sort), so each projection is one grouped GEMM over
 every expert (moe_gemm). LoRA on the experts is PEFT's on target_parameters: per expert, one A
@@ -100,13 +104,21 @@ class MoeMlp:
     down_lora: Optional[ExpertLora] = None
     sums: object = None        # the model's SampleSums: the sample order cannot hold here
     stats: Optional[RouterStats] = None  # the model's load-balancing loss
+    swiglu: tuple = (1.0, 0.0)  # (alpha, limit) of ops.swiglu_forward
+    ones: object = None        # the layer's Ones (compute dtype), where there are biases
+    router_bias: Optional[Tensor] = None  # (1, E) gpt_oss
+    biases: Optional[list] = None  # gpt_oss: gate's, up's (E, F, 1) and down's (E, C, 1)
 
     def grad_cols(self):
         return 0  # no fold writes beside dy
 
     def frozen(self):
         """{name: tensor} of its frozen weights (Layer.frozen)."""
-        return dict(router=self.router.W, experts_gate=self.gate, experts_up=self.up, experts_down=self.down)
+        out = dict(router=self.router.W, experts_gate=self.gate, experts_up=self.up, experts_down=self.down)
+        if self.biases is not None:
+            out.update(router_bias=self.router_bias, **{f"experts_{n}_bias": b for n, b in
+                                                      zip(("gate", "up", "down"), self.biases)})
+        return out
 
 
 @dataclass
@@ -128,7 +140,7 @@ class MoeCache:
     router: object = None      # the router's LoraSaved (None when frozen)
 
 
-def build_moe(i, config, weights, device, dtype, lora_config, lora_params, adapted, sums, quantize=None):
+def build_moe(i, config, weights, device, dtype, lora_config, lora_params, adapted, sums, quantize=None, ones=None):
     """Layer i's MoeMlp from weights named as ModelConfig.weight_shapes has them (stacked_experts,
     switch_experts): experts dense in the compute dtype, quantized as the file holds them, or
     quantized on load where quantize = (bits, group_size); the router dense unless the file
@@ -151,8 +163,14 @@ def build_moe(i, config, weights, device, dtype, lora_config, lora_params, adapt
     norm = device.tensor(np.asarray(weights[p + "post_attention_layernorm.weight"], np.float32), dtype)
     router = LoraLinear(frozen_weight(device, [weights[p + "mlp.gate.weight"]], dtype),
                         module_factors(config, lora_params, adapted, i, "router"), lora_config.scale, sums=sums)
-    return MoeMlp(norm, router, *experts, config.moe["top_k"], config.moe["norm_topk"], config.rms_norm_eps,
-                  los.get("gate_up_proj"), los.get("down_proj"), sums)
+    mlp = MoeMlp(norm, router, *experts, config.moe["top_k"], config.moe["norm_topk"], config.rms_norm_eps,
+                 los.get("gate_up_proj"), los.get("down_proj"), sums, swiglu=config.moe["swiglu"])
+    if config.moe["bias"]:
+        E, t = config.moe["experts"], lambda a: device.tensor(np.asarray(a, np.float32), dtype)
+        gub = np.asarray(weights[p + "mlp.experts.gate_up_proj_bias"], np.float32)     # (E, 2F): gate's, then up's
+        mlp.ones, mlp.router_bias = ones, t(weights[p + "mlp.gate.bias"]).reshape(1, E)
+        mlp.biases = [t(b).reshape(E, -1, 1) for b in (gub[:, :F], gub[:, F:], weights[p + "mlp.experts.down_proj_bias"])]
+    return mlp
 
 
 def moe_forward(mlp, h, call_seed=None, residual=None):
@@ -169,6 +187,8 @@ def moe_forward(mlp, h, call_seed=None, residual=None):
     ops.rmsnorm_forward(h, mlp.norm, hn, rstd, mlp.eps, residual=residual)
     logits = d.empty((N, E), dt)
     router = mlp.router.forward(hn, logits)
+    if mlp.router_bias is not None:
+        ops.gemm(mlp.ones(N), mlp.router_bias, logits, beta=1.0)
     ids, w = d.empty((N, K), "i32"), d.empty((N, K), "f32")
     ops.moe_route(logits, ids, w, mlp.norm_topk)
     tokens, slot, offsets = d.empty((P,), "i32"), d.empty((N, K), "i32"), d.empty((E + 1,), "i32")
@@ -182,15 +202,25 @@ def moe_forward(mlp, h, call_seed=None, residual=None):
     expert_matmul(xs, mlp.up, offsets, u)
     xa = _lora_forward(mlp.gate_up_lora, xs, [g, u], offsets)
     del xs                                                                # gathered again in backward
+    _add_biases(mlp, (0, 1), [g, u], offsets)
     a = d.empty((P, F), dt)
-    ops.swiglu_forward(g, u, a)
+    ops.swiglu_forward(g, u, a, *mlp.swiglu)
     ys = d.empty((P, C), dt)
     expert_matmul(a, mlp.down, offsets, ys)
     ad = _lora_forward(mlp.down_lora, a, [ys], offsets)
+    _add_biases(mlp, (2,), [ys], offsets)
     y = d.empty((N, C), dt)
     ops.moe_combine(ys, slot, w, y)
     ops.add(y, h, y)
     return y, MoeCache(hn, rstd, logits, ids, w, tokens, slot, offsets, g, u, a, ys, xa, ad, router)
+
+
+def _add_biases(mlp, which, outs, offsets):
+    """outs[j] (P, O) += the bias of each row's expert, biases[which[j]] (E, O, 1)."""
+    if mlp.biases is not None:
+        ones = mlp.ones(outs[0].shape[0])                                 # (P, 1)
+        for j, out in zip(which, outs):
+            ops.moe_gemm(ones, mlp.biases[j], offsets, out, beta=1.0)
 
 
 def _lora_forward(lo, x, outs, offsets):
@@ -231,7 +261,7 @@ def moe_backward(mlp, h, cache, dy, dh_cols=0):
     _lora_backward(mlp.down_lora, [dys], c.ad, c.a, da, c.offsets)
     del dys
     dg, du = d.empty((P, F), dt), d.empty((P, F), dt)
-    ops.swiglu_backward(da, c.g, c.u, dg, du)
+    ops.swiglu_backward(da, c.g, c.u, dg, du, *mlp.swiglu)
     del da
     dxs = d.empty((P, C), dt)
     expert_matmul(dg, mlp.gate, c.offsets, dxs, transpose=False)
@@ -259,6 +289,8 @@ class ExpertHalves:
         self.parts = (gate, up)
         E, F, C = gate.shape
         self.shape, self.ndim = (E, 2 * F, C), 3
+        self.st_dtype = getattr(gate, "st_dtype", None)
+        self.path = getattr(gate, "path", None) or getattr(getattr(gate, "w", None), "path", None)
 
     def __array__(self, dtype=None, copy=None):
         a = np.concatenate([np.asarray(p, np.float32) for p in self.parts], axis=1)

@@ -14,6 +14,7 @@ import krnl
 from krnl.formats import adapter as adapter_io
 from krnl.formats import gpt_oss, hf
 from krnl.models.config import LoraConfig, ModelConfig, random_weights
+from krnl.quant import mxfp4
 
 from conftest import lora_step
 from hf_families import V, hf_model, random_b, save_random, token_batch, torch_loss
@@ -31,6 +32,10 @@ FOLDERS = {
                   num_key_value_heads=2, head_dim=16, num_local_experts=3, num_experts_per_tok=3, sliding_window=4,
                   swiglu_limit=1.5, layer_types=["full_attention", "sliding_attention"],
                   rope_parameters=dict(YARN, factor=2.0)),
+    # sizes MXFP4 takes (inputs of 32): its experts also written as OpenAI's checkpoints hold them
+    "mxfp4": dict(hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=5,
+                  swiglu_limit=1.0, rope_parameters=YARN),
 }
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj", "router")
 LOSS_RTOL, GRAD_RTOL = 2e-5, 1e-4
@@ -48,7 +53,34 @@ def folders(tmp_path_factory):
         torch.manual_seed(i)
         folder = save_random(transformers.GptOssForCausalLM(c), root / name, 60 + i)
         out[name] = folder
+    out["mxfp4-blocks"] = mxfp4_folder(out["mxfp4"], root / "mxfp4-blocks")
     return out
+
+
+def mxfp4_folder(src, dst):
+    """The float gpt-oss folder src with its experts in MXFP4 as OpenAI's checkpoints store them:
+    `*_blocks` (E, O, I / 32, 16) bytes of 4-bit codes and `*_scales` (E, O, I / 32) E8M0 bytes, rows
+    (out, in), and config.json's quantization_config (quant_method mxfp4)."""
+    from safetensors.numpy import save_file
+
+    out = {}
+    for k, t in hf.read_tensors(src).items():
+        if not k.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            out[k] = np.asarray(t, np.float32)
+            continue
+        W = np.asarray(t, np.float32).transpose(0, 2, 1)                # (E, O, I)
+        codes, scales = zip(*(mxfp4.quantize(w) for w in W))
+        E, O, words = np.shape(codes)
+        out[k + "_blocks"] = np.stack(codes).view(np.uint8).reshape(E, O, words // 4, 16)
+        out[k + "_scales"] = np.stack(scales)
+    dst.mkdir()
+    save_file({k: np.ascontiguousarray(v) for k, v in out.items()}, str(dst / "model.safetensors"))
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                  "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    write_tokenizer(dst)
+    return dst
 
 
 def peft_model(folder, lora, state):
@@ -176,6 +208,33 @@ def test_krnl_adapter_in_peft_and_fuse_in_transformers(folders, tmp_path):
 
 
 @pytest.mark.torch
+def test_mxfp4_experts_stay_in_4_bits_with_transformers_loss(folders, tmp_path):
+    """OpenAI's MXFP4 layout: krnl keeps the experts as mxfp4 codes (moe_quantized_matmul) and its
+    loss is transformers' (which dequantizes them on the CPU); LoRA on them trains, and fuse writes a
+    bf16 folder in transformers' layout that transformers loads with krnl's loss."""
+    torch, _ = torch_modules()
+    folder = folders["mxfp4-blocks"]
+    ids, labels, targets = token_batch(V, seed=6)
+    w = hf.load_hf_weights(folder)
+    gu = w["model.layers.1.mlp.experts.gate_up_proj"]
+    assert all(p.mode == "mxfp4" for p in gu.parts) and w["model.layers.1.mlp.experts.down_proj"].mode == "mxfp4"
+    m = hf.load_model(folder, krnl.device("cpu"))
+    assert m.layers[0].mlp.down.mode == "mxfp4"
+    mine = m.loss(ids, targets)
+    assert mine == pytest.approx(torch_loss(hf_model(folder), ids, labels), rel=LOSS_RTOL)
+    assert abs(mine - torch_loss(hf_model(folders["mxfp4"]), ids, labels)) > 1e-4  # 4 bits of the float model
+    lora = LoraConfig(r=2, alpha=4.0, target_modules=("q_proj", "gate_up_proj", "down_proj"))
+    m = hf.load_model(folder, krnl.device("cpu"), lora=lora)
+    st = random_b(m, 7)
+    adapter_io.save_adapter(tmp_path / "ad", st, adapter_io.peft_config(lora, "", model_config=m.config), m.config)
+    hf.fuse(folder, tmp_path / "ad", tmp_path / "fused")
+    t = hf.read_tensors(tmp_path / "fused")
+    assert t["model.layers.0.mlp.experts.gate_up_proj"].st_dtype == "BF16"
+    assert "quantization_config" not in json.loads((tmp_path / "fused" / "config.json").read_text())
+    assert torch_loss(hf_model(tmp_path / "fused"), ids, labels) == pytest.approx(m.loss(ids, targets), rel=1e-2)
+
+
+@pytest.mark.torch
 @pytest.mark.parametrize("name", list(FOLDERS))
 def test_greedy_generation_matches_transformers(folders, name):
     torch, _ = torch_modules()
@@ -272,6 +331,46 @@ def test_cli_trains_evaluates_and_fuses_a_gpt_oss_folder(tmp_path):
                  "--device", "cpu"]) == 0
     assert main(["eval", "--model", str(folder), "--adapter-path", str(out), "--data", str(tmp_path / "data"),
                  "--device", "cpu"]) == 0
+
+
+def test_mxfp4_folder_reads_as_its_dequantized_weights_and_trains(tmp_path):
+    """OpenAI's MXFP4 layout without torch: the loss of krnl's 4-bit experts equals the loss of a
+    float folder holding their dequantized values (float64 numpy's E2M1 times 2^(e - 127)); the CLI
+    trains LoRA on them and fuses a bf16 folder in transformers' layout."""
+    from safetensors.numpy import save_file
+    from krnl.cli.main import main
+
+    cfg = dict(CFG, hidden_size=64, intermediate_size=32, head_dim=16)
+    write_folder(tmp_path / "f", cfg)
+    mxfp4_folder(tmp_path / "f", tmp_path / "q")
+    deq = {}
+    for k, t in hf.read_tensors(tmp_path / "q").items():
+        if k.endswith("_scales"):
+            continue
+        if k.endswith("_blocks"):
+            b, e = np.asarray(t.raw()), np.asarray(hf.read_tensors(tmp_path / "q")[k[:-6] + "scales"].raw())
+            vals = mxfp4.E2M1.astype(np.float64)[np.stack([b & 15, b >> 4], -1)].reshape(*b.shape[:2], -1)
+            W = vals * np.exp2(e.astype(np.float64) - 127).repeat(32, axis=-1)  # (E, O, I)
+            deq[k[:-7]] = np.ascontiguousarray(W.transpose(0, 2, 1), np.float32)
+        else:
+            deq[k] = np.asarray(t, np.float32)
+    (tmp_path / "d").mkdir()
+    save_file(deq, str(tmp_path / "d" / "model.safetensors"))
+    (tmp_path / "d" / "config.json").write_text(json.dumps(cfg))
+    ids, targets = np.array([[3, 9, 4, 40, 2, 7, 1, 5]]), np.array([[9, 4, 40, 2, 7, 1, 5, -100]])
+    q = hf.load_model(tmp_path / "q", krnl.device("cpu"))
+    assert q.layers[1].mlp.gate.mode == "mxfp4"
+    assert q.loss(ids, targets) == pytest.approx(hf.load_model(tmp_path / "d", krnl.device("cpu")).loss(ids, targets),
+                                                 rel=1e-6)
+    write_data(tmp_path / "data")
+    assert main(["train", "--model", str(tmp_path / "q"), "--data", str(tmp_path / "data"), "--device", "cpu",
+                 "--iters", "2", "--batch-size", "2", "--lora-rank", "2", "--steps-per-eval", "0", "--quiet",
+                 "--no-tune", "--adapter-path", str(tmp_path / "ad"), "--lora-targets", "q,gate,up,down"]) == 0
+    assert main(["fuse", "--model", str(tmp_path / "q"), "--adapter-path", str(tmp_path / "ad"), "--save-path",
+                 str(tmp_path / "fused")]) == 0
+    fused = hf.read_tensors(tmp_path / "fused")
+    assert fused["model.layers.0.mlp.experts.gate_up_proj"].shape == (5, 64, 64)
+    assert not any(k.endswith(("_blocks", "_scales")) for k in fused)
 
 
 # mlx-lm's gpt-oss: swiglu limit 7 and YaRN truncated (its own constants), rope keys of transformers 4

@@ -16,17 +16,18 @@ import re
 import numpy as np
 
 from ..models.moe import ExpertHalves
+from ..quant.qweight import QuantizedArray
 
 _NAME = re.compile(r"(model\.layers\.\d+\.mlp\.)(router\.(weight|bias|scales|biases)|"
-                   r"experts\.(gate_up_proj|gate_up_proj_bias|down_proj))")
+                   r"experts\.(gate_up_proj|gate_up_proj_bias|down_proj|gate_up_proj_blocks|down_proj_blocks))")
 
 
 class Relaid:
     """A stored tensor read in krnl's layout (fn of the stored float32 array), lazily like the
     LazyTensor it wraps; raw_bytes and st_dtype stay the stored ones, for writers."""
 
-    def __init__(self, src, fn, shape):
-        self.src, self.fn, self.shape = src, fn, tuple(shape)
+    def __init__(self, src, fn, shape, raw=False):
+        self.src, self.fn, self.shape, self.raw = src, fn, tuple(shape), raw  # raw: integers as stored
         self.st_dtype, self.path = getattr(src, "st_dtype", None), getattr(src, "path", None)
 
     @property
@@ -34,7 +35,7 @@ class Relaid:
         return len(self.shape)
 
     def __array__(self, dtype=None, copy=None):
-        a = np.ascontiguousarray(self.fn(np.asarray(self.src, np.float32)))
+        a = np.ascontiguousarray(self.fn(np.asarray(self.src) if self.raw else np.asarray(self.src, np.float32)))
         return a if dtype is None else a.astype(dtype, copy=False)
 
 
@@ -51,13 +52,25 @@ def _interleaved(a):
     return out
 
 
+def _mxfp4(blocks, scales, rows):
+    """A QuantizedArray (mode mxfp4) of the expert rows `rows` (a slice) of stored blocks (E, O, G, 16)
+    and scales (E, O, G): each row's G 16-byte blocks are its codes, low nibble first."""
+    E, O, G, _ = blocks.shape
+    n = len(range(O)[rows])
+    w = Relaid(blocks, lambda a: np.ascontiguousarray(a[:, rows]).reshape(E, n, G * 16).view(np.uint32),
+               (E, n, G * 4), raw=True)
+    s = Relaid(scales, lambda a: a[:, rows], (E, n, G), raw=True)
+    return QuantizedArray(w, s, None, 4, 32, "bf16", "mxfp4")
+
+
 def read_experts(tensors, config):
     """tensors with transformers' gpt-oss names and layouts turned into krnl's (module docstring); an
     MLX folder's router (quantized too) renamed, its experts left to experts.switch_experts."""
     if config.model_type != "gpt_oss":
         return tensors
+    scales = {k: t for k, t in tensors.items() if k.endswith("_scales") and ".mlp.experts." in k}
     out = {}
-    for name, t in tensors.items():
+    for name, t in ((k, t) for k, t in tensors.items() if not (k.endswith("_scales") and ".mlp.experts." in k)):
         m = _NAME.fullmatch(name)
         if m is None:
             out[name] = t
@@ -65,6 +78,16 @@ def read_experts(tensors, config):
         p, what = m.group(1), m.group(4)
         if m.group(3):                                                    # the router
             out[p + "gate." + m.group(3)] = t
+        elif what.endswith("_blocks"):                                    # MXFP4, rows (out, in) already
+            base = name[:-len("_blocks")]
+            s = scales.pop(base + "_scales", None)
+            if s is None or t.st_dtype != "U8" or s.st_dtype != "U8" or t.ndim != 4 or s.shape != t.shape[:3]:
+                raise ValueError(f"[hf] {name} {t.st_dtype} {t.shape} with {base}_scales "
+                                 f"{None if s is None else (s.st_dtype, s.shape)}: not MXFP4 blocks and scales")
+            if what.startswith("gate_up"):
+                out[base] = ExpertHalves(_mxfp4(t, s, slice(0, None, 2)), _mxfp4(t, s, slice(1, None, 2)))
+            else:
+                out[base] = _mxfp4(t, s, slice(None))
         elif what == "gate_up_proj":                                      # (E, C, 2F): halves (E, F, C) each
             E, C, F2 = t.shape
             out[name] = ExpertHalves(*(Relaid(t, lambda a, j=j: _halves(a)[j].transpose(0, 2, 1), (E, F2 // 2, C))
@@ -73,6 +96,7 @@ def read_experts(tensors, config):
             out[name] = Relaid(t, lambda a: np.concatenate(_halves(a), axis=-1), t.shape)
         else:                                                             # down_proj (E, F, C)
             out[name] = Relaid(t, lambda a: a.transpose(0, 2, 1), (t.shape[0], t.shape[2], t.shape[1]))
+    out.update(scales)  # scales without blocks: left for the caller's check to name
     return out
 
 

@@ -64,6 +64,8 @@ def quantization(cfg, source="config.json"):
         q = cfg.get("quantization_config")
         if q is None:
             return None
+        if isinstance(q, dict) and q.get("quant_method") == "mxfp4":
+            return None  # gpt-oss's MXFP4 experts: formats/gpt_oss.py reads their blocks and scales
         if not isinstance(q, dict) or "bits" not in q or "group_size" not in q:
             method = q.get("quant_method", "?") if isinstance(q, dict) else q
             raise ValueError(f"[hf] {source}: quantization_config (quant_method {method!r}) is not MLX's "

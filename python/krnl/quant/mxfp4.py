@@ -62,7 +62,8 @@ def quantize(w):
     a = np.abs(g) * np.ldexp(np.float32(1), -k)[..., None].astype(np.float32)  # exact: a power of two
     mag = (a[..., None] > _MIDPOINTS).sum(axis=-1).astype(np.uint32)
     codes = mag | np.where((g < 0) & (mag > 0), np.uint32(8), np.uint32(0))
-    return affine.pack(codes.reshape(O, I), BITS), (k + 127).astype(np.uint8)
+    # C order whatever w's: writers (safetensors among them) take the buffer as it lies
+    return affine.pack(codes.reshape(O, I), BITS), np.ascontiguousarray(k + 127, dtype=np.uint8)
 
 
 def dequantize(w, scales):

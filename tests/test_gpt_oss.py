@@ -12,7 +12,7 @@ import pytest
 
 import krnl
 from krnl.formats import adapter as adapter_io
-from krnl.formats import gpt_oss, hf
+from krnl.formats import experts, gpt_oss, hf
 from krnl.models.config import LoraConfig, ModelConfig, random_weights
 from krnl.quant import mxfp4
 
@@ -445,3 +445,32 @@ def test_mlx_lm_computes_krnl_loss_from_both_layouts_and_quantized(tmp_path):
     assert sorted(a) == sorted(b)
     for k in b:
         assert np.array_equal(np.asarray(a[k].raw()), np.asarray(b[k].raw())), k
+
+
+@pytest.mark.mlx
+def test_mlx_mxfp4_folder_matches_mlx_lm(tmp_path):
+    """mlx_lm.convert --q-mode mxfp4: every linear (experts, attention, head) and the embedding in MXFP4
+    (U8 scales, no biases), the router at 8-bit affine; krnl keeps the linears in 4 bits (the
+    embedding dense) and its loss equals mlx-lm's."""
+    pytest.importorskip("mlx.core")
+    mlx_lm = pytest.importorskip("mlx_lm")
+    from safetensors.numpy import save_file
+
+    config, _ = write_folder(tmp_path / "hf", MLX_CFG)
+    (tmp_path / "mlx").mkdir()
+    save_file({k: np.ascontiguousarray(v) for k, v in mlx_names(config, random_weights(config, 5, 0.3)).items()},
+              str(tmp_path / "mlx" / "model.safetensors"))
+    (tmp_path / "mlx" / "config.json").write_text(json.dumps(MLX_CFG))
+    write_tokenizer(tmp_path / "mlx")
+    mlx_lm.convert(str(tmp_path / "mlx"), str(tmp_path / "q"), quantize=True, q_mode="mxfp4")
+    w = hf.load_hf_weights(tmp_path / "q")
+    assert all(p.mode == "mxfp4" for p in w["model.layers.0.mlp.experts.gate_up_proj"].parts)
+    assert w["model.layers.0.self_attn.q_proj.weight"].mode == "mxfp4" and w["lm_head.weight"].mode == "mxfp4"
+    assert w["model.layers.0.mlp.gate.weight"].mode == "affine" and w["model.layers.0.mlp.gate.weight"].bits == 8
+    m = hf.load_model(tmp_path / "q", krnl.device("cpu"))
+    ids = np.random.default_rng(8).integers(0, V, (2, 12)).astype(np.int32)
+    assert m.loss(ids[:, :-1], ids[:, 1:]) == pytest.approx(mlx_loss(tmp_path / "q", ids), rel=1e-5)
+    t = hf.read_tensors(tmp_path / "q")
+    with pytest.raises(ValueError, match=r"q_proj\.scales: U8 scales \(64, 2\) with codes \(64, 8\) are no MXFP4 of 96"):
+        experts.stored_array(t["model.layers.0.self_attn.q_proj.weight"], t["model.layers.0.self_attn.q_proj.scales"],
+                             None, 96, "q_proj")

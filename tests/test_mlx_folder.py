@@ -70,7 +70,7 @@ def test_read_mlx_folder_infers_layout_and_keeps_float_modules(tmp_path):
 
 
 @pytest.mark.parametrize("q, match", [
-    ({"group_size": 32, "bits": 4, "mode": "mxfp4"}, r"quantization mode 'mxfp4' is not supported"),
+    ({"group_size": 16, "bits": 4, "mode": "nvfp4"}, r"quantization mode 'nvfp4' is not supported"),
     ({"group_size": 64, "bits": 4, "model.layers.0.mlp.up_proj": {"group_size": 32, "bits": 8, "mode": "mxfp8"}},
      r"\(model\.layers\.0\.mlp\.up_proj\): quantization mode 'mxfp8'"),
     ({"group_size": 64, "bits": 4, "model.layers.0.mlp.down_proj": {"group_size": 64, "bits": 4}},

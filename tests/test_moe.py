@@ -603,9 +603,10 @@ def test_moe_gradient_checkpointing_changes_nothing():
         np.testing.assert_array_equal(g0[k], g1[k], err_msg=k)
 
 
-def test_switch_experts_refuse_microscaled_scales():
-    """mlx-lm's switch_mlp experts in a microscaling mode (U8 scales, no biases: mxfp4) are refused
-    by name, as read_quantized refuses such linears, never read as affine codes."""
+def test_switch_experts_read_mxfp4_and_refuse_other_microscaling():
+    """mlx-lm's switch_mlp experts with U8 scales and no biases: MXFP4 (4 bits, groups of 32) is read
+    in mode mxfp4; another microscaling layout (nvfp4's groups of 16) is refused by name, never read
+    as affine codes."""
     class Stored:  # a LazyTensor's face: shape, ndim, st_dtype
         def __init__(self, shape, st_dtype):
             self.shape, self.ndim, self.st_dtype = shape, len(shape), st_dtype
@@ -613,6 +614,9 @@ def test_switch_experts_refuse_microscaled_scales():
     config = ModelConfig.from_dict(CFG)
     p = "model.layers.0.mlp.switch_mlp.gate_proj."
     tensors = {p + "weight": Stored((5, 16, 4), "U32"), p + "scales": Stored((5, 16, 1), "U8")}
+    got = experts.stored_array(tensors[p + "weight"], tensors[p + "scales"], None, 32, "g")
+    assert (got.mode, got.bits, got.group_size) == ("mxfp4", 4, 32)
+    tensors[p + "scales"] = Stored((5, 16, 2), "U8")
     with pytest.raises(ValueError, match=r"\[hf\] f: model\.layers\.0\.mlp\.switch_mlp\.gate_proj\.scales: U8 scales "
-                                         r"\(a microscaling mode\?\)"):
+                                         r"\(5, 16, 2\) with codes \(5, 16, 4\) are no MXFP4 of 32 inputs"):
         experts.switch_experts(tensors, config, "f")

@@ -9,6 +9,7 @@ import numpy as np
 
 from ..models.moe import ExpertHalves
 from ..models.moe_config import switch_module
+from ..quant import affine
 from ..quant.qweight import QuantizedArray
 from ..io.safetensors_io import FLOAT_DTYPES
 
@@ -51,6 +52,33 @@ class Joined:
         return a if dtype is None else a.astype(dtype, copy=False)
 
 
+def stored_array(w, s, b, I, where):
+    """The QuantizedArray of a module MLX stores quantized: codes w (..., O, I bits / 32) U32 with
+    scales (..., O, I / group_size) and biases like them (affine), or U8 E8M0 scales and no biases
+    (mxfp4); bits and group size follow from the shapes. A ValueError names what does not fit, by
+    the module's path `where`."""
+    if w.st_dtype not in ("U32", "I32") or w.ndim != s.ndim or w.shape[:-1] != s.shape[:-1]:
+        raise ValueError(f"{where}.weight: codes {w.st_dtype} {w.shape} and scales {s.st_dtype} {s.shape} are not a "
+                         "quantized weight's (U32 codes, scales of the same rows)")
+    words, groups = w.shape[-1], s.shape[-1]
+    if s.st_dtype == "U8":  # a microscaling mode: mxfp4 is the one krnl computes with
+        if b is not None or words * 8 != I or groups * 32 != I:
+            raise ValueError(f"{where}.scales: U8 scales {s.shape} with codes {w.shape}{' and biases' if b is not None else ''}"
+                             f" are no MXFP4 of {I} inputs (4 bits, groups of 32); krnl reads MLX's affine and "
+                             "mxfp4 modes")
+        return QuantizedArray(w, s, None, 4, 32, "f32", "mxfp4")
+    if s.st_dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{where}.scales: {s.st_dtype} scales; krnl reads affine scales in F32, F16 or BF16")
+    if b is None or b.shape != s.shape or b.st_dtype != s.st_dtype:
+        raise ValueError(f"{where}.biases: {'missing' if b is None else (b.st_dtype, b.shape)} (expected "
+                         f"{s.st_dtype} {s.shape} like the scales)")
+    bits, gs = words * 32 // I if I else 0, I // groups if groups else 0
+    if words * 32 != bits * I or bits not in affine.BITS or gs * groups != I or gs not in affine.GROUP_SIZES:
+        raise ValueError(f"{where}.weight: codes {w.shape} and scales {s.shape} do not quantize {I} inputs at bits "
+                         f"{affine.BITS} and group sizes {affine.GROUP_SIZES}")
+    return QuantizedArray(w, s, b, bits, gs, FLOAT_DTYPES[s.st_dtype])
+
+
 def switch_experts(tensors, config, where):
     """tensors with mlx-lm's experts (`mlp.switch_mlp.{gate,up,down}_proj`, gpt-oss's `mlp.experts.*`,
     (E, O, I) each, float or quantized with `.scales` and `.biases` (E, O, I / group_size); gpt-oss's
@@ -73,14 +101,11 @@ def switch_experts(tensors, config, where):
             I = config.hidden_size if n != "down_proj" else config.moe["expert_size"]
             if s is None:  # float, or (GGUF) a QuantizedArray already
                 got[n] = w
-            elif s.st_dtype not in FLOAT_DTYPES:  # as mlx_folder.read_quantized refuses it
-                bad.append(f"{p}{sw}.{n}.scales: {s.st_dtype} scales (a microscaling mode?); krnl reads "
-                           f"affine scales in F32, F16 or BF16")
-            elif b is None or w.ndim != 3 or s.ndim != 3 or w.shape[2] * 32 % I or I % s.shape[2]:
-                bad.append(f"{p}{sw}.{n}: codes {w.shape}, scales {s.shape}, biases "
-                           f"{None if b is None else b.shape} do not quantize (E, O, {I}) experts")
-            else:
-                got[n] = QuantizedArray(w, s, b, w.shape[2] * 32 // I, I // s.shape[2], FLOAT_DTYPES[s.st_dtype])
+                continue
+            try:
+                got[n] = stored_array(w, s, b, I, f"{p}{sw}.{n}")
+            except ValueError as e:
+                bad.append(str(e))
         if "gate_proj" in got and "up_proj" in got:
             out[p + "experts.gate_up_proj"] = ExpertHalves(got["gate_proj"], got["up_proj"])
         if "down_proj" in got:

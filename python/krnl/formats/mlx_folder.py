@@ -22,7 +22,7 @@ from ..quant import affine
 from ..models.config import module_part
 from ..models.moe_config import switch_module
 from ..quant.qweight import QuantizedArray
-from .experts import Pieces
+from .experts import Pieces, stored_array
 from ..io.safetensors_io import FLOAT_DTYPES, ST_DTYPES, encode, f32_to_bf16
 
 SCALE_DTYPES = FLOAT_DTYPES  # affine scales and biases: a float dtype
@@ -44,11 +44,12 @@ def module_paths(config):
 
 
 def _layout(d, where):
-    """(bits, group_size) of a quantization dict, refusing modes other than affine."""
+    """(bits, group_size) of a quantization dict, refusing modes other than affine and mxfp4 (whose
+    modules read_quantized tells by their U8 scales)."""
     mode = d.get("mode", "affine")
-    if mode != "affine":
+    if mode not in ("affine", "mxfp4"):
         raise ValueError(f"[hf] {where}: quantization mode {mode!r} is not supported; krnl reads MLX's affine "
-                         f"quantization (integer codes with scales and biases)")
+                         f"quantization (integer codes with scales and biases) and mxfp4")
     try:
         return int(d["bits"]), int(d["group_size"])
     except (KeyError, TypeError, ValueError):
@@ -101,35 +102,22 @@ def read_quantized(tensors, config, q, folder):
             continue
         w, s = tensors[wk], tensors.pop(sk)
         b = tensors.pop(bk, None)
-        at = f"{wk} ({w.path})"
         if ov is False:
             bad.append(f"{m}: the config says not quantized but {sk} is stored")
             continue
         O, I = want[wk]
-        if w.st_dtype not in ("U32", "I32") or w.ndim != 2:
-            bad.append(f"{at}: {w.st_dtype} {w.shape}, expected packed U32 codes next to {sk}")
+        try:
+            qa = stored_array(w, s, b, I, m)
+        except ValueError as e:
+            bad.append(f"{e} ({w.path})")
             continue
-        if s.st_dtype not in SCALE_DTYPES:
-            bad.append(f"{sk}: {s.st_dtype} scales (a microscaling mode?); krnl reads affine scales in "
-                       f"F32, F16 or BF16")
-            continue
-        if b is None or b.shape != s.shape or b.st_dtype != s.st_dtype:
-            what = "missing" if b is None else f"{b.st_dtype} {b.shape}"
-            bad.append(f"{bk}: {what} (expected {s.st_dtype} {s.shape} like {sk})")
-            continue
-        words, groups = w.shape[1], s.shape[1] if s.ndim == 2 else 0
-        bits = words * 32 // I if I else 0
-        gs = I // groups if groups else 0
-        if (w.shape[0] != O or s.shape[0] != O or words * 32 != bits * I or bits not in affine.BITS
-                or gs * groups != I or gs not in affine.GROUP_SIZES):
-            bad.append(f"{at}: codes {w.shape} and scales {s.shape} do not quantize a ({O}, {I}) weight at "
-                       f"bits {affine.BITS} and group sizes {affine.GROUP_SIZES}")
-            continue
-        if isinstance(ov, tuple) and ov != (bits, gs):
-            bad.append(f"{m}: stored at {bits} bits in groups of {gs}, the config says {ov[0]} bits, groups of "
-                       f"{ov[1]}")
-            continue
-        tensors[wk] = QuantizedArray(w, s, b, bits, gs, SCALE_DTYPES[s.st_dtype])
+        if w.ndim != 2 or w.shape[0] != O:
+            bad.append(f"{wk} ({w.path}): codes {w.shape} are not a ({O}, {I}) weight's")
+        elif isinstance(ov, tuple) and ov != (qa.bits, qa.group_size):
+            bad.append(f"{m}: stored at {qa.bits} bits in groups of {qa.group_size}, the config says {ov[0]} bits, "
+                       f"groups of {ov[1]}")
+        else:
+            tensors[wk] = qa
     if bad:
         raise ValueError(f"[hf] {folder}: quantized tensors do not match the config: " + "; ".join(bad))
     return tensors

@@ -53,7 +53,10 @@ class LlamaModel:
             weights = phi3.split_fused(weights, config)
         c = config
         up = lambda k: device.tensor(np.asarray(weights[k], np.float32), dtype)
-        self.embed = frozen_weight(device, [weights["model.embed_tokens.weight"]], dtype)  # (V, C)
+        table = weights["model.embed_tokens.weight"]
+        if getattr(table, "mode", "affine") == "mxfp4":  # quantized_embedding reads affine tables: held dense
+            table = np.asarray(table, np.float32)
+        self.embed = frozen_weight(device, [table], dtype)  # (V, C)
         # The embedding table and an untied head stay quantized where the file quantizes them
         # (a tied head is the table); --q-bits leaves both in the compute dtype.
         self.head = self.embed if c.tie_word_embeddings else frozen_weight(device, [weights["lm_head.weight"]], dtype)

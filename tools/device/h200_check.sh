@@ -46,10 +46,12 @@
 #   bash tools/device/h200_check.sh moebench  `krnl bench --workloads moe`: a Qwen3-30B-A3B-shaped stack, krnl in
 #                                           bf16 and with 4-bit experts next to transformers + PEFT (JSON in
 #                                           $OUT/moe_bench.json; MOE_PROFILE=1 adds krnl's op profile)
-#   bash tools/device/h200_check.sh moe     the mixture-of-experts ops of csrc/cuda/moe.cu and moe_quantized.cu:
-#                                           their cuda tests
-#                                           (tests/test_moe_ops.py, the moe tests of tests/test_cuda.py and
-#                                           tests/test_cuda_host.py), then tests/test_moe_ops.py's cuda tests under
+#   bash tools/device/h200_check.sh moe     the mixture-of-experts ops of csrc/cuda/moe.cu and moe_quantized.cu
+#                                           and gpt-oss's (MXFP4 products, attention sinks, clamped SwiGLU):
+#                                           their cuda tests (tests/test_moe_ops.py, tests/test_mxfp4.py, the
+#                                           sinks/swiglu tests of tests/test_ops.py, the moe tests of
+#                                           tests/test_cuda.py and tests/test_cuda_host.py), then
+#                                           tests/test_moe_ops.py's and tests/test_mxfp4.py's cuda tests under
 #                                           compute-sanitizer (SANITIZE tools, default "memcheck racecheck
 #                                           synccheck"; logs in $OUT/moe_sanitize_TOOL.log)
 #   MSLCUDA_CACHE (optional): a folder of mslcuda libraries built here with the same nvcc (13.0),
@@ -159,13 +161,14 @@ elif [ "$phase" = metal-cuda ] || [ "$phase" = sanitize ] || [ "$phase" = qmm ];
   [ -f "$OUT/cuda_tests.log" ] && tail -12 "$OUT/cuda_tests.log"
   [ -f "$OUT/sanitize.out" ] && cat "$OUT/sanitize.out"
 elif [ "$phase" = moe ]; then
-  timeout ${MOE_TESTS_S:-240} python3 -m pytest -q -p no:cacheprovider tests/test_moe_ops.py tests/test_cuda.py \
-    tests/test_cuda_host.py -k "moe and not cpu and not metal" 2>&1 | tee "$OUT/moe_tests.log" | tail -15
+  timeout ${MOE_TESTS_S:-300} python3 -m pytest -q -p no:cacheprovider tests/test_moe_ops.py tests/test_mxfp4.py \
+    tests/test_ops.py tests/test_cuda.py tests/test_cuda_host.py \
+    -k "(moe or mxfp4 or sinks or swiglu) and not cpu and not metal" 2>&1 | tee "$OUT/moe_tests.log" | tail -15
   rc=0
   for tool in ${SANITIZE:-memcheck racecheck synccheck}; do
     log="$OUT/moe_sanitize_$tool.log"
     timeout ${SAN_S:-300} compute-sanitizer --tool "$tool" --print-limit 20 python3 -m pytest -q -p no:cacheprovider \
-      tests/test_moe_ops.py -k "cuda" > "$log" 2>&1
+      tests/test_moe_ops.py tests/test_mxfp4.py -k "cuda" > "$log" 2>&1
     grep -E "SUMMARY|passed|failed" "$log" | tail -3 | sed "s/^/$tool: /"
     if [ "$tool" = racecheck ]; then  # racecheck files hazards as warnings: both must be 0
       grep -qE "RACECHECK SUMMARY: 0 hazards displayed \(0 errors, 0 warnings\)" "$log" || rc=1

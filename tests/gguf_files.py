@@ -192,3 +192,77 @@ def mixed_types(layers=2):
         for g, k in per[i % 2].items():
             t[f"blk.{i}.{g}.weight"] = k
     return t
+
+
+def write_gpt_oss_gguf(path, seed=0, fused_gate_up=False):
+    """A tiny gpt-oss as llama.cpp's converter writes it (arch gpt-oss: attn_sinks, post_attention_norm,
+    biases, YaRN metadata, the experts in ggml's MXFP4 quantized by gguf-py; gate and up apart, or
+    fused as ffn_gate_up_exps); returns {krnl name: float32} of what the file holds, the experts as
+    gguf-py dequantizes them, gate_up_proj (E, 2F, C) gate's rows first."""
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    rng = np.random.default_rng(seed)
+    C, F, H, Hk, D, L, E = 64, 32, 4, 2, 16, 2, 5
+    w = gguf.GGUFWriter(str(path), "gpt-oss")
+    tokens, ttypes = bpe_vocab()
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("llama-bpe")
+    w.add_token_merges(BPE_MERGES)
+    w.add_token_list(tokens)
+    w.add_token_types(ttypes)
+    w.add_bos_token_id(tokens.index("<|endoftext|>"))
+    w.add_eos_token_id(tokens.index("<|endoftext|>"))
+    for add, v in ((w.add_context_length, 128), (w.add_embedding_length, C), (w.add_block_count, L),
+                   (w.add_feed_forward_length, F), (w.add_head_count, H), (w.add_head_count_kv, Hk),
+                   (w.add_key_length, D), (w.add_value_length, D), (w.add_rope_freq_base, 150000.0),
+                   (w.add_layer_norm_rms_eps, 1e-5), (w.add_expert_count, E), (w.add_expert_used_count, 2),
+                   (w.add_expert_feed_forward_length, F), (w.add_sliding_window, 4),
+                   (w.add_rope_scaling_type, gguf.RopeScalingType.YARN), (w.add_rope_scaling_factor, 4.0),
+                   (w.add_rope_scaling_orig_ctx_len, 16)):
+        add(v)
+    V, out = len(tokens), {}
+
+    def put(name, krnl_name, shape, mxfp4=False, scale=0.3):
+        a = (scale * rng.normal(size=shape)).astype(np.float32)
+        if name.endswith("norm.weight"):
+            a += 1
+        if mxfp4:
+            raw = quantize(a, gguf.GGMLQuantizationType.MXFP4)
+            w.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+            a = dequantize(raw, gguf.GGMLQuantizationType.MXFP4).reshape(shape).astype(np.float32)
+        else:
+            w.add_tensor(name, a)
+        if krnl_name:
+            out[krnl_name] = a
+        return a
+
+    put("token_embd.weight", "model.embed_tokens.weight", (V, C))
+    put("output_norm.weight", "model.norm.weight", (C,))
+    put("output.weight", "lm_head.weight", (V, C))
+    for i in range(L):
+        b, p = f"blk.{i}.", f"model.layers.{i}."
+        put(b + "attn_norm.weight", p + "input_layernorm.weight", (C,))
+        put(b + "post_attention_norm.weight", p + "post_attention_layernorm.weight", (C,))
+        for g, m, rows in (("attn_q", "q_proj", H * D), ("attn_k", "k_proj", Hk * D), ("attn_v", "v_proj", Hk * D),
+                           ("attn_output", "o_proj", C)):
+            put(b + g + ".weight", p + f"self_attn.{m}.weight", (rows, C if g != "attn_output" else H * D))
+            put(b + g + ".bias", p + f"self_attn.{m}.bias", (rows,))
+        put(b + "attn_sinks.weight", p + "self_attn.sinks", (H,), scale=1.0)
+        put(b + "ffn_gate_inp.weight", p + "mlp.gate.weight", (E, C))
+        put(b + "ffn_gate_inp.bias", p + "mlp.gate.bias", (E,))
+        if fused_gate_up:
+            put(b + "ffn_gate_up_exps.weight", p + "mlp.experts.gate_up_proj", (E, 2 * F, C), mxfp4=True)
+            put(b + "ffn_gate_up_exps.bias", p + "mlp.experts.gate_up_proj_bias", (E, 2 * F))
+        else:
+            halves = [put(b + f"ffn_{h}_exps.weight", None, (E, F, C), mxfp4=True) for h in ("gate", "up")]
+            out[p + "mlp.experts.gate_up_proj"] = np.concatenate(halves, axis=1)
+            bias = [put(b + f"ffn_{h}_exps.bias", None, (E, F)) for h in ("gate", "up")]
+            out[p + "mlp.experts.gate_up_proj_bias"] = np.concatenate(bias, axis=1)
+        put(b + "ffn_down_exps.weight", p + "mlp.experts.down_proj", (E, C, F), mxfp4=True)
+        put(b + "ffn_down_exps.bias", p + "mlp.experts.down_proj_bias", (E, C))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out

@@ -474,3 +474,56 @@ def test_mlx_mxfp4_folder_matches_mlx_lm(tmp_path):
     with pytest.raises(ValueError, match=r"q_proj\.scales: U8 scales \(64, 2\) with codes \(64, 8\) are no MXFP4 of 96"):
         experts.stored_array(t["model.layers.0.self_attn.q_proj.weight"], t["model.layers.0.self_attn.q_proj.scales"],
                              None, 96, "q_proj")
+
+
+@pytest.mark.parametrize("fused_gate_up", [False, True])
+def test_gguf_gpt_oss_keeps_mxfp4_experts_and_fuses(tmp_path, fused_gate_up):
+    """llama.cpp's gpt-oss files (arch gpt-oss; ggml's MXFP4 experts, gate and up apart or fused): the
+    experts stay mxfp4 (ggml's nibble order turned into krnl's), the loss that of the float weights
+    gguf-py dequantizes; an adapter trained on it fuses into a folder in transformers' layout."""
+    pytest.importorskip("gguf")
+    from gguf_files import write_gpt_oss_gguf
+    from krnl.formats.gguf.file import read_gguf
+    from krnl.formats.gguf.fuse import fuse_gguf
+    from krnl.models.model import LlamaModel
+
+    path = tmp_path / "m.gguf"
+    want = write_gpt_oss_gguf(path, seed=3, fused_gate_up=fused_gate_up)
+    g = read_gguf(path, quiet=True)
+    c = g.config
+    assert c.model_type == "gpt_oss" and c.layer_windows == [4, 0] and c.moe["swiglu"] == (1.702, 7.0)
+    assert c.rope_scaling["truncate"] and c.rope_attention_factor == pytest.approx(0.1 * np.log(4.0) + 1)
+    lora = LoraConfig(r=2, alpha=4.0, target_modules=("q_proj", "gate_up_proj", "down_proj", "router"))
+    m = hf.load_model(path, krnl.device("cpu"), lora=lora)
+    assert m.layers[0].mlp.gate.mode == "mxfp4" and m.layers[1].mlp.down.mode == "mxfp4"
+    f = LlamaModel(krnl.device("cpu"), c, want, lora=lora)
+    st = random_b(m, 6)
+    f.lora_params.load(st)
+    ids = np.random.default_rng(1).integers(0, c.vocab_size, (2, 9))
+    assert m.loss(ids, ids) == pytest.approx(f.loss(ids, ids), rel=1e-5)
+    adapter_io.save_adapter(tmp_path / "ad", st, adapter_io.peft_config(lora, str(path), model_config=c), c)
+    fuse_gguf(path, tmp_path / "ad", tmp_path / "fused", dtype="f32")
+    t = hf.read_tensors(tmp_path / "fused")
+    assert t["model.layers.0.mlp.experts.gate_up_proj"].shape == (5, 64, 64) and "model.layers.0.mlp.router.bias" in t
+    assert hf.load_model(tmp_path / "fused", krnl.device("cpu")).loss(ids, ids) == pytest.approx(m.loss(ids, ids),
+                                                                                                 rel=1e-5)
+
+
+@pytest.mark.torch
+def test_gguf_gpt_oss_fused_folder_loads_in_transformers(tmp_path):
+    torch, _ = torch_modules()
+    pytest.importorskip("gguf")
+    from gguf_files import write_gpt_oss_gguf
+    from krnl.formats.gguf.fuse import fuse_gguf
+
+    path = tmp_path / "m.gguf"
+    write_gpt_oss_gguf(path, seed=4)
+    lora = LoraConfig(r=2, alpha=4.0, target_modules=("v_proj", "gate_up_proj", "router"))
+    m = hf.load_model(path, krnl.device("cpu"), lora=lora)
+    st = random_b(m, 7)
+    adapter_io.save_adapter(tmp_path / "ad", st, adapter_io.peft_config(lora, str(path), model_config=m.config),
+                            m.config)
+    fuse_gguf(path, tmp_path / "ad", tmp_path / "fused", dtype="f32")
+    ids = np.random.default_rng(2).integers(0, m.config.vocab_size, (2, 9))
+    tg = np.concatenate([ids[:, 1:], np.full((2, 1), -100)], axis=1)  # transformers' labels=ids, shifted
+    assert torch_loss(hf_model(tmp_path / "fused"), ids, ids) == pytest.approx(m.loss(ids, tg), rel=1e-4)

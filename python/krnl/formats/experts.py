@@ -44,7 +44,8 @@ class Joined:
     """Tensors (E, n_j) read as one (E, sum n_j) array, lazily (gpt-oss's gate and up biases)."""
 
     def __init__(self, parts):
-        self.parts, self.st_dtype, self.path = parts, parts[0].st_dtype, parts[0].path
+        self.parts, self.st_dtype = parts, getattr(parts[0], "st_dtype", None)
+        self.path = getattr(parts[0], "path", None)  # GGUF's are arrays
         self.shape, self.ndim = (parts[0].shape[0], sum(p.shape[1] for p in parts)), 2
 
     def __array__(self, dtype=None, copy=None):

@@ -146,3 +146,14 @@ def convert(type_name, raw, rows, cols):
         biases = np.ascontiguousarray(biases, np.float32).reshape(rows, cols // gs)
         f16 = all(np.array_equal(a.astype(np.float16).astype(np.float32), a) for a in (scales, biases))
     return (_pack(codes.reshape(rows, cols), bits), scales, biases, bits, gs, "f16" if f16 else "f32")
+
+
+def convert_mxfp4(raw, rows, cols):
+    """(packed codes (rows, cols / 8) int32, E8M0 scales (rows, cols / 32) uint8) of ggml's MXFP4 blocks
+    (a scale byte, then 16 bytes whose low nibbles are the block's first 16 E2M1 codes and whose
+    high nibbles its last 16): the same codes in krnl.quant.mxfp4's order, nothing dequantized."""
+    if cols % 32:
+        raise ValueError(f"[gguf] an MXFP4 row of {cols} values is not whole blocks of 32")
+    bl = np.ascontiguousarray(raw, np.uint8).reshape(rows, cols // 32, 17)
+    codes = np.concatenate([bl[..., 1:] & 15, bl[..., 1:] >> 4], axis=-1)  # (rows, blocks, 32)
+    return _pack(codes.reshape(rows, cols), 4), np.ascontiguousarray(bl[..., 0])

@@ -15,7 +15,7 @@ HF names and the tokenizer (tokenizer.py).
 
 import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -23,19 +23,24 @@ import numpy as np
 from ...quant import gguf as gguf_quants
 from ...models.config import ModelConfig
 from ..experts import switch_experts
+from ...models.moe import ExpertHalves
 from ...quant.qweight import QuantizedArray
 from ...io.safetensors_io import bf16_to_f32, f32_to_bf16
 
 MAGIC = b"GGUF"
 ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
-                 "qwen3": ("qwen3", "Qwen3ForCausalLM"), "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM")}
+                 "qwen3": ("qwen3", "Qwen3ForCausalLM"), "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+                 "gpt-oss": ("gpt_oss", "GptOssForCausalLM")}
 _LAYER = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
           "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
           "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
           "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",  # qwen3
           # experts (E, out, in) each and the router: read under mlx-lm's names (experts.switch_experts)
           "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.switch_mlp.gate_proj",
-          "ffn_up_exps": "mlp.switch_mlp.up_proj", "ffn_down_exps": "mlp.switch_mlp.down_proj"}
+          "ffn_up_exps": "mlp.switch_mlp.up_proj", "ffn_down_exps": "mlp.switch_mlp.down_proj",
+          # gpt-oss: sinks, the post-attention norm's name, gate|up fused (gate's rows first, as krnl holds it)
+          "attn_sinks": "self_attn.sinks", "post_attention_norm": "post_attention_layernorm",
+          "ffn_gate_up_exps": "mlp.experts.gate_up_proj"}
 _GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
            "output.weight": "lm_head.weight"}
 _IGNORED = ("rope_freqs.weight",)  # llama3 rope scaling as factors: read into the config instead
@@ -128,8 +133,11 @@ def hf_config(path, md, tensors):
     }
     if model_type == "qwen2" or "blk.0.attn_q.bias" in tensors:
         cfg["attention_bias"] = True
+    if arch == "gpt-oss":  # llama.cpp slides on even layers; SwiGLU's alpha and limit are its constants
+        cfg.update({"intermediate_size": int(get("expert_feed_forward_length")),
+                    "sliding_window": int(get("attention.sliding_window"))})
     if E:  # llama.cpp renormalises the top-k weights of both (its norm_w)
-        cfg.update({"num_local_experts" if arch == "llama" else "num_experts": E,
+        cfg.update({"num_experts" if arch == "qwen3moe" else "num_local_experts": E,
                     "num_experts_per_tok": int(get("expert_used_count")),
                     "norm_topk_prob": bool(md.get(f"{arch}.expert_weights_norm", True))})
         if arch == "qwen3moe":
@@ -140,8 +148,13 @@ def hf_config(path, md, tensors):
     kind = md.get(f"{arch}.rope.scaling.type")
     if kind == "linear":
         cfg["rope_scaling"] = {"rope_type": "linear", "factor": _f32(get("rope.scaling.factor"))}
+    elif kind == "yarn":  # ggml's ramp bounds are whole dimensions (transformers' truncate)
+        cfg["rope_scaling"] = {"rope_type": "yarn", "factor": _f32(get("rope.scaling.factor")), "truncate": True,
+                               "original_max_position_embeddings": int(get("rope.scaling.original_context_length")),
+                               "beta_fast": _f32(md.get(f"{arch}.rope.scaling.yarn_beta_fast") or 32.0),
+                               "beta_slow": _f32(md.get(f"{arch}.rope.scaling.yarn_beta_slow") or 1.0)}
     elif kind not in (None, "none", ""):
-        raise ValueError(f"[gguf] {path}: rope scaling {kind!r} is not supported (krnl takes linear and llama3)")
+        raise ValueError(f"[gguf] {path}: rope scaling {kind!r} is not supported (krnl takes linear, yarn and llama3)")
     return cfg
 
 
@@ -162,12 +175,19 @@ def _llama3_scaling(path, cfg, factors, md, arch):
     raise ValueError(f"[gguf] {path}: its rope_freqs factors match no llama3 rope scaling krnl knows")
 
 
-def _hf_name(name):
+def _hf_name(name, arch=None):
     if name in _GLOBAL:
         return _GLOBAL[name]
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
     if m and m.group(2) in _LAYER:
-        return f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}.{m.group(3)}"
+        hf = f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}"
+        if m.group(2) == "attn_sinks":
+            return hf
+        if m.group(2) == "ffn_gate_up_exps":
+            return hf + ("_bias" if m.group(3) == "bias" else "")
+        if arch == "gpt-oss":  # mlx-lm's names of gpt-oss's experts (experts.switch_experts)
+            hf = hf.replace(".switch_mlp.", ".experts.")
+        return f"{hf}.{m.group(3)}"
     return None
 
 
@@ -214,6 +234,11 @@ def tensor_array(t, path):
         parts = [gguf_quants.convert(kind, data[e], shape[1], shape[2]) for e in range(shape[0])]
         w, s, b = (np.stack([p[j] for p in parts]) for j in range(3))
         return QuantizedArray(w, s, b, *parts[0][3:]), False
+    if kind == "MXFP4" and len(shape) in (2, 3):  # kept in 4 bits, codes reordered (krnl.quant.gguf)
+        rows = int(np.prod(shape[:-1]))
+        w, s = gguf_quants.convert_mxfp4(np.asarray(t.data).reshape(rows, -1), rows, shape[-1])
+        return QuantizedArray(w.reshape(*shape[:-1], -1), s.reshape(*shape[:-1], -1), None, 4, 32, "bf16",
+                              "mxfp4"), False
     if kind in ("F32", "F16"):
         return np.asarray(t.data).reshape(shape), False
     if kind == "BF16":
@@ -241,11 +266,13 @@ def read_gguf(path, quiet=False):
         t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
         cfg["rope_scaling"] = _llama3_scaling(path, cfg, t.data, md, arch)
     config = ModelConfig.from_dict(cfg, source=path)
-    names = {t.name: _hf_name(t.name) for t in reader.tensors if t.name not in _IGNORED}
+    names = {t.name: _hf_name(t.name, arch) for t in reader.tensors if t.name not in _IGNORED}
     unknown = sorted(k for k, v in names.items() if v is None)
     if unknown:
         raise ValueError(f"[gguf] {path}: unexpected tensors {unknown[:8]}{' ...' if len(unknown) > 8 else ''}")
-    fused = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")  # from the switch_mlp names below
+    # from the switch_mlp (gpt-oss: experts) names below
+    fused = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.experts.gate_up_proj_bias",
+             "mlp.experts.down_proj_bias")
     missing = sorted(k for k in set(config.weight_shapes()) - set(names.values()) if not k.endswith(fused))
     if missing:
         raise ValueError(f"[gguf] {path}: missing tensors {sorted(_gguf_name(m) for m in missing)[:8]} "
@@ -262,6 +289,11 @@ def read_gguf(path, quiet=False):
         if deq:
             dequantized[t.tensor_type.name] = dequantized.get(t.tensor_type.name, 0) + 1
     weights = switch_experts(weights, config, path)
+    for k, a in list(weights.items()):  # a fused gate|up held quantized: its halves, as the model takes them
+        if k.endswith("experts.gate_up_proj") and isinstance(a, QuantizedArray):
+            F = a.shape[1] // 2
+            weights[k] = ExpertHalves(*(replace(a, w=a.w[:, r], scales=a.scales[:, r], biases=None if a.biases is None
+                                                else a.biases[:, r]) for r in (slice(0, F), slice(F, None))))
     config.check_weights(weights, who=f"[gguf] {path}:")
     if dequantized and not quiet:
         what = ", ".join(f"{n} x {k}" for k, n in sorted(dequantized.items()))

@@ -18,6 +18,7 @@ from ..hf import _FLOAT_NAMES, CONFIG_NAME, _weight_order, merged_weight, quanti
 from ...models.config import ATTN_MODULES, lora_key
 from ...models.moe_config import EXPERT_MODULES
 from ..experts import merged_experts
+from .. import gpt_oss
 from ...io.safetensors_io import encode
 
 
@@ -48,16 +49,20 @@ def fuse_gguf(path, adapter_folder, out_folder, shard_size="2GB", dtype=None, qu
                 name = f"model.layers.{i}.mlp.experts.{m}"
             delta[name] = (tensors[lora_key(i, m, "A")], tensors[lora_key(i, m, "B")])
 
-    def producer(name, w):
+    def item(name, w, shape):
+        # gpt-oss goes out in transformers' layout (formats/gpt_oss.py)
+        out, out_shape, relay = (g.config.model_type == "gpt_oss" and gpt_oss.stored_layout(name, shape)) or (
+            name, tuple(shape), lambda a: a)
+
         def make():  # called once, in order, by write_sharded: one weight in memory at a time
             if name in delta:
                 merge = merged_experts if np.ndim(w) == 3 else merged_weight
-                return encode(merge(np.asarray(w, np.float32), *delta[name], s), st)
-            return encode(np.asarray(w, np.float32), st)
-        return make
+                return encode(relay(merge(np.asarray(w, np.float32), *delta[name], s)), st)
+            return encode(relay(np.asarray(w, np.float32)), st)
+        return out, st, out_shape, make
 
     shapes = g.config.weight_shapes()
-    items = [(n, st, tuple(shapes[n]), producer(n, g.weights[n])) for n in sorted(g.weights, key=_weight_order)]
+    items = [item(n, g.weights[n], shapes[n]) for n in sorted(g.weights, key=_weight_order)]
     files = write_sharded(out_folder, items, shard_size=shard_size)
     cfg = {**g.hf_config, "torch_dtype": _FLOAT_NAMES[st]}
     atomic_write_bytes(out_folder / CONFIG_NAME, (json.dumps(cfg, indent=2) + "\n").encode())

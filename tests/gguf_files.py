@@ -69,14 +69,22 @@ def bpe_vocab():
 
 
 def write_gguf(path, arch="llama", types=None, tied=False, tokenizer="spm", seed=0, pre="llama-bpe",
-               metadata=None, drop=(), extra=None, experts=None):
+               metadata=None, drop=(), extra=None, experts=None, per_expert=False):
     """Writes a tiny model; returns {HF name: float32 array} as the file holds it. `types` maps a
     GGUF tensor name to a type (default F32); `drop` leaves tensors out; `extra` adds some;
     experts = (E, K, F): a mixture (llama: Mixtral; qwen3moe) of E experts of width F, K per token,
-    whose weights come back under transformers' fused names (gate_up_proj (E, 2F, C))."""
+    whose weights come back under transformers' fused names (gate_up_proj (E, 2F, C)); per_expert:
+    each expert's weights as a tensor of its own (`blk.N.ffn_gate.E.weight`, llama.cpp's Mixtral files
+    before ffn_*_exps)."""
     import gguf
 
     rng = np.random.default_rng(seed)
+
+    def add(name, data, **kw):
+        m = name.endswith("_exps.weight") and per_expert
+        for e, d in enumerate(data if m else [data]):
+            w.add_tensor(name.replace("_exps.weight", f".{e}.weight") if m else name, d, **kw)
+
     C, F, H, Hk, D, L = (TINY[k] for k in ("hidden", "ffn", "heads", "kv", "head_dim", "layers"))
     w = gguf.GGUFWriter(str(path), arch)
     if tokenizer == "spm":
@@ -160,14 +168,14 @@ def write_gguf(path, arch="llama", types=None, tied=False, tokenizer="spm", seed
                 file_v[perm] = hfv
             else:
                 file_v = hfv
-            w.add_tensor(name, file_v)
+            add(name, file_v)
             hf_weights[hf] = hfv.astype(np.float32)
         else:
             raw = raw_blocks(rng, kind, int(np.prod(shape[:-1])), shape[-1]).reshape(*shape[:-1], -1)
             file_v = dequantize(raw, gguf.GGMLQuantizationType[kind]).astype(np.float32).reshape(shape)
             if kind not in ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"):
                 file_v = bf16_to_f32(f32_to_bf16(file_v))  # what krnl holds of the other types
-            w.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType[kind])
+            add(name, raw, raw_dtype=gguf.GGMLQuantizationType[kind])
             hf_weights[hf] = file_v[perm] if perm is not None else file_v
     for i in range(L if experts else 0):  # the halves as one fused weight
         p = f"model.layers.{i}.mlp.experts."

@@ -311,8 +311,8 @@ def test_gguf_bad_files_give_one_line_errors(tmp_path):
     write_gguf(missing, drop=("blk.1.ffn_up.weight", "output_norm.weight"))
     cases.append((missing, r"missing.gguf: missing tensors \['blk.1.ffn_up.weight', 'output_norm.weight'\]"))
     extra = tmp_path / "extra.gguf"
-    write_gguf(extra, extra={"blk.0.attn_sinks.weight": np.zeros(4, np.float32)})
-    cases.append((extra, r"extra.gguf: unexpected tensors \['blk.0.attn_sinks.weight'\]"))
+    write_gguf(extra, extra={"blk.0.attn_rel_b.weight": np.zeros(4, np.float32)})
+    cases.append((extra, r"extra.gguf: unexpected tensors \['blk.0.attn_rel_b.weight'\]"))
     for p, msg in cases:
         with pytest.raises(ValueError, match=r"^\[gguf\] .*" + msg) as e:
             read_gguf(p)

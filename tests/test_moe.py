@@ -430,17 +430,19 @@ GGUF_TYPES = {"blk.0.ffn_gate_exps.weight": "Q4_K", "blk.0.ffn_up_exps.weight": 
               "blk.1.ffn_up_exps.weight": "F16", "blk.1.ffn_down_exps.weight": "Q4_0"}
 
 
-@pytest.mark.parametrize("arch", ["qwen3moe", "llama"])
-def test_gguf_moe_reads_quantized_experts_and_fuses(tmp_path, arch):
+@pytest.mark.parametrize("arch, per_expert", [("qwen3moe", False), ("llama", False), ("llama", True)])
+def test_gguf_moe_reads_quantized_experts_and_fuses(tmp_path, arch, per_expert):
     """llama.cpp's mixtures (qwen3moe; Mixtral as llama with experts): ffn_*_exps held as the file
-    quantizes them, the loss that of the float weights the file holds; trained adapter fused."""
+    quantizes them (older Mixtral files' ffn_gate.E one by one, stacked), the loss that of the float
+    weights the file holds; trained adapter fused."""
     pytest.importorskip("gguf")
     from gguf_files import write_gguf
     from krnl.formats.gguf.file import read_gguf
     from krnl.formats.gguf.fuse import fuse_gguf
 
     path = tmp_path / "m.gguf"
-    want = write_gguf(path, arch=arch, types=GGUF_TYPES, experts=(5, 2, 512), seed=2)  # llama: feed_forward_length
+    want = write_gguf(path, arch=arch, types=GGUF_TYPES, experts=(5, 2, 512), seed=2,  # llama: feed_forward_length
+                      per_expert=per_expert)
     g = read_gguf(path, quiet=True)
     assert g.config.model_type == ("qwen3_moe" if arch == "qwen3moe" else "mixtral") and g.config.moe["top_k"] == 2
     lora = LoraConfig(r=2, alpha=4.0, target_modules=("q_proj", "gate_up_proj", "down_proj"))

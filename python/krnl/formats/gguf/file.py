@@ -2,15 +2,17 @@
 HF folder gives krnl (docs/architecture.md, 'GGUF files'): an HF config dict, the weights under
 HF names and the tokenizer (tokenizer.py).
 
-- config: from the `{arch}.*` metadata of the llama (also Mistral's files), qwen2 and qwen3
-  architectures; no `output.weight` tensor means tied embeddings.
+- config: from the `{arch}.*` metadata of the llama (also Mistral's and Mixtral's files), qwen2,
+  qwen3, qwen3moe and gpt-oss architectures; no `output.weight` tensor means tied embeddings.
 - weights: GGUF names to HF names; shapes come reversed (ne0, the input size, first), which the
   reader's row-major arrays already undo, so a row is an output. llama.cpp's converter permutes
   the rows of q and k of the llama architecture for GGML's interleaved rotary embedding; that is
   undone here (qwen2 and qwen3 files are not permuted).
 - Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K load as QuantizedArrays converted exactly
-  (krnl.quant.gguf); every other quantized type is dequantized by gguf-py and rounded to bf16,
-  with one note per load; F32, F16 and BF16 load as they are.
+  (krnl.quant.gguf), MXFP4 as mode-mxfp4 ones (its codes reordered); every other quantized type
+  is dequantized by gguf-py and rounded to bf16, with one note per load; F32, F16 and BF16 load
+  as they are. A mixture's experts come as 3-D `ffn_*_exps` (gpt-oss: `ffn_gate_up_exps` too) or,
+  in Mixtral files older than those, one tensor per expert (`ffn_gate.E`), stacked here.
 """
 
 import re
@@ -178,6 +180,9 @@ def _llama3_scaling(path, cfg, factors, md, arch):
 def _hf_name(name, arch=None):
     if name in _GLOBAL:
         return _GLOBAL[name]
+    m = re.fullmatch(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight", name)
+    if m:  # an expert of its own (llama.cpp's Mixtral files before ffn_*_exps): stacked by read_gguf
+        return f"model.layers.{m.group(1)}.mlp.switch_mlp.{m.group(2)}_proj.{m.group(3)}"
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
     if m and m.group(2) in _LAYER:
         hf = f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}"
@@ -252,6 +257,28 @@ def tensor_array(t, path):
     return bf16_to_f32(f32_to_bf16(np.asarray(a, np.float32).reshape(shape))), True
 
 
+def _stacked(weights, path):
+    """weights with each layer's experts stored one by one (`...switch_mlp.gate_proj.E`) stacked into
+    one (E, O, I) weight, a QuantizedArray where every expert holds the same quantized layout."""
+    groups = {}
+    for k in [k for k in weights if re.search(r"\.switch_mlp\.\w+_proj\.\d+$", k)]:
+        base, e = k.rsplit(".", 1)
+        groups.setdefault(base, {})[int(e)] = weights.pop(k)
+    for base, parts in groups.items():
+        if sorted(parts) != list(range(len(parts))):
+            raise ValueError(f"[gguf] {path}: the experts of {_gguf_name(base + '.weight')} are not 0..{len(parts) - 1}: "
+                             f"{sorted(parts)}")
+        ps = [parts[e] for e in range(len(parts))]
+        if all(isinstance(p, QuantizedArray) for p in ps) and len({(p.bits, p.group_size, p.scale_dtype, p.mode)
+                                                                    for p in ps}) == 1:
+            weights[base + ".weight"] = replace(ps[0], w=np.stack([p.w for p in ps]),
+                                                scales=np.stack([p.scales for p in ps]),
+                                                biases=None if ps[0].biases is None else np.stack([p.biases for p in ps]))
+        else:  # mixed types: every expert dequantized (krnl holds the experts of a projection alike)
+            weights[base + ".weight"] = np.stack([np.asarray(p, np.float32) for p in ps])
+    return weights
+
+
 def read_gguf(path, quiet=False):
     """A GGUFModel from the GGUF file at `path`."""
     path = str(path)
@@ -288,7 +315,7 @@ def read_gguf(path, quiet=False):
         weights[hf], types[hf] = a, t.tensor_type.name
         if deq:
             dequantized[t.tensor_type.name] = dequantized.get(t.tensor_type.name, 0) + 1
-    weights = switch_experts(weights, config, path)
+    weights = switch_experts(_stacked(weights, path), config, path)
     for k, a in list(weights.items()):  # a fused gate|up held quantized: its halves, as the model takes them
         if k.endswith("experts.gate_up_proj") and isinstance(a, QuantizedArray):
             F = a.shape[1] // 2

@@ -527,3 +527,47 @@ def test_gguf_gpt_oss_fused_folder_loads_in_transformers(tmp_path):
     ids = np.random.default_rng(2).integers(0, m.config.vocab_size, (2, 9))
     tg = np.concatenate([ids[:, 1:], np.full((2, 1), -100)], axis=1)  # transformers' labels=ids, shifted
     assert torch_loss(hf_model(tmp_path / "fused"), ids, ids) == pytest.approx(m.loss(ids, tg), rel=1e-4)
+
+
+@pytest.mark.mlx
+def test_krnl_quantize_mxfp4_writes_what_mlx_lm_convert_writes(tmp_path, capsys):
+    """krnl quantize --q-mode mxfp4 of a gpt-oss folder writes mlx_lm.convert --q-mode mxfp4's tensors
+    byte for byte (U8 scales, no biases; the router at 8-bit affine) and its quantization entry;
+    the CLI trains on the folder and fuses back into one in the same mode."""
+    pytest.importorskip("mlx.core")
+    mlx_lm = pytest.importorskip("mlx_lm")
+    from safetensors.numpy import save_file
+    from krnl.cli.main import main
+
+    config, _ = write_folder(tmp_path / "hf", MLX_CFG)
+    (tmp_path / "mlx").mkdir()
+    save_file({k: np.ascontiguousarray(v) for k, v in mlx_names(config, random_weights(config, 5, 0.3)).items()},
+              str(tmp_path / "mlx" / "model.safetensors"))
+    (tmp_path / "mlx" / "config.json").write_text(json.dumps(MLX_CFG))
+    write_tokenizer(tmp_path / "mlx")
+    mlx_lm.convert(str(tmp_path / "mlx"), str(tmp_path / "m"), quantize=True, q_mode="mxfp4")
+    assert main(["quantize", "--model", str(tmp_path / "hf"), "--save-path", str(tmp_path / "k"),
+                 "--q-mode", "mxfp4"]) == 0
+    mine, theirs = hf.read_tensors(tmp_path / "k"), hf.read_tensors(tmp_path / "m")
+    assert sorted(mine) == sorted(theirs)
+    for k in theirs:
+        assert mine[k].st_dtype == theirs[k].st_dtype and np.array_equal(np.asarray(mine[k].raw()),
+                                                                         np.asarray(theirs[k].raw())), k
+    q = lambda f: json.loads((tmp_path / f / "config.json").read_text())["quantization"]
+    assert q("k")["mode"] == "mxfp4" and q("k")["model.layers.0.mlp.router"] == {"group_size": 64, "bits": 8,
+                                                                                 "mode": "affine"}
+    assert main(["quantize", "--model", str(tmp_path / "hf"), "--save-path", str(tmp_path / "x"), "--q-mode", "mxfp4",
+                 "--q-bits", "8"]) != 0
+    assert "--q-mode mxfp4 takes 4 bits in groups of 32, got --q-bits 8" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+    write_data(tmp_path / "data")
+    assert main(["train", "--model", str(tmp_path / "k"), "--data", str(tmp_path / "data"), "--device", "cpu",
+                 "--iters", "2", "--batch-size", "2", "--lora-rank", "2", "--steps-per-eval", "0", "--quiet",
+                 "--no-tune", "--adapter-path", str(tmp_path / "ad"), "--lora-targets", "q,gate,up,down"]) == 0
+    assert main(["fuse", "--model", str(tmp_path / "k"), "--adapter-path", str(tmp_path / "ad"), "--save-path",
+                 str(tmp_path / "fq"), "--q-mode", "mxfp4"]) == 0
+    fused = hf.load_hf_weights(tmp_path / "fq")
+    assert fused["model.layers.0.self_attn.k_proj.weight"].mode == "mxfp4"  # not adapted: passed through
+    ids = np.random.default_rng(2).integers(0, V, (2, 10)).astype(np.int32)
+    assert hf.load_model(tmp_path / "fq", krnl.device("cpu")).loss(ids[:, :-1], ids[:, 1:]) == pytest.approx(
+        mlx_loss(tmp_path / "fq", ids), rel=1e-5)

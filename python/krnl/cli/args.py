@@ -146,8 +146,11 @@ def quantize_arguments(q, meaning, bits=None, recipes=False, former=("quantize",
     new = {"q_bits": q.add_argument("--q-bits", type=int, default=bits, choices=list(affine.BITS),
                                     help=f"bits per quantized weight of {meaning}, in MLX's affine layout (a "
                                     "scale and a bias per group)"),
-           "q_group_size": q.add_argument("--q-group-size", type=int, default=64, choices=list(affine.MLX_GROUP_SIZES),
-                                          help="inputs per quantization group (with --q-bits)")}
+           "q_group_size": q.add_argument("--q-group-size", type=int, default=None, choices=list(affine.MLX_GROUP_SIZES),
+                                          help="inputs per quantization group (with --q-bits; default 64)")}
+    q.add_argument("--q-mode", default="affine", choices=["affine", "mxfp4"],
+                   help="mlx_lm.convert's quantization mode: affine, or mxfp4 (4-bit E2M1 codes, a power-of-two "
+                   "scale per 32 inputs; implies --q-bits 4 --q-group-size 32)")
     if recipes:
         q.add_argument("--quant-predicate", default=None, choices=["mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6"],
                        help="one of mlx-lm's mixed-bit recipes (sets the bits; v_proj, down_proj and the head get "

@@ -22,8 +22,15 @@ BASE_SEED = 1234
 
 
 def _quantize(args):
-    """(bits, group_size) from --q-bits / --q-group-size; None without --q-bits (no quantization)."""
-    return None if getattr(args, "q_bits", None) is None else (args.q_bits, args.q_group_size)
+    """(bits, group_size), or (4, 32, "mxfp4") with --q-mode mxfp4, from --q-bits / --q-group-size;
+    None without either (no quantization)."""
+    bits, gs, mode = getattr(args, "q_bits", None), getattr(args, "q_group_size", None), getattr(args, "q_mode", "affine")
+    if mode == "mxfp4":
+        if bits not in (None, 4) or gs not in (None, 32):
+            raise ValueError(f"[quantize] --q-mode mxfp4 takes 4 bits in groups of 32, got --q-bits {bits} "
+                             f"--q-group-size {gs}")
+        return 4, 32, mode
+    return None if bits is None else (bits, gs or 64)
 
 
 def _default_model(dev, lora, dtype, seed, grad_checkpoint=False, quantize=None):
@@ -142,9 +149,9 @@ def cmd_fuse(args):
 def cmd_quantize(args):
     from ..formats.hf import quantize_folder
 
-    bits, group_size = _quantize(args)
+    bits, group_size, *mode = _quantize(args)
     info = quantize_folder(args.model, args.save_path, bits, group_size, dtype=args.dtype,
-                           shard_size=args.max_shard_size, recipe=args.quant_predicate)
+                           shard_size=args.max_shard_size, recipe=args.quant_predicate, mode=(*mode, "affine")[0])
     what = args.quant_predicate or f"{bits} bits"
     print(f"quantized {args.model} to {what} (groups of {group_size}) into {args.save_path}: "
           f"{', '.join(info['files'])}" + (f"; copied {', '.join(info['copied'])}" if info["copied"] else ""))

@@ -34,7 +34,7 @@ from ..models.moe_config import EXPERT_MODULES
 from .experts import (Pieces, StackedTensor, expert_pieces, merged_experts, stacked_experts, stored_name,
                       switch_experts)
 from . import gpt_oss
-from ..quant.qweight import QuantizedArray
+from ..quant.qweight import QuantizedArray, quantize_spec
 from ..io.safetensors_io import LazyTensor, encode, header_bytes, nbytes, read_safetensors_header
 from ..io.tokenizer import Tokenizer
 # Defined here before safetensors_io.py took the format; krnl.formats.hf.bf16_to_f32 and friends stay.
@@ -300,12 +300,12 @@ def fuse(model_folder, adapter_folder, out_folder, shard_size="2GB", dtype=None,
 
 
 def quantize_folder(model_folder, out_folder, bits=4, group_size=64, dtype=None, shard_size="2GB",
-                    overrides=None, recipe=None):
+                    overrides=None, recipe=None, mode="affine"):
     """Writes the float HF folder at `model_folder` as an MLX quantized folder, as `mlx_lm.convert
-    -q` does: the linears and the embedding whose input size is a multiple of group_size
-    quantized (`overrides` {module path: (bits, group_size) or None} for single modules, or one
-    of mlx-lm's mixed `recipe`s, which sets the bits), the rest and the scales in dtype (the
-    config's torch_dtype when None). Returns a summary dict."""
+    -q [--q-mode mode]` does: the linears and the embedding whose input size is a multiple of
+    group_size quantized (`overrides` {module path: (bits, group_size) or None} for single modules,
+    or one of mlx-lm's mixed `recipe`s, which sets the bits), the rest and the scales in dtype (the
+    config's torch_dtype when None); mode "mxfp4" takes 4 bits in groups of 32. Returns a summary dict."""
     model_folder, out_folder = Path(model_folder), Path(out_folder)
     if out_folder.resolve() == model_folder.resolve():
         raise ValueError(f"[quantize] the output folder must differ from the model folder {model_folder}")
@@ -316,9 +316,11 @@ def quantize_folder(model_folder, out_folder, bits=4, group_size=64, dtype=None,
         raise ValueError(f"[quantize] {model_folder} is quantized already ({held[0].bits} bits, groups of "
                          f"{held[0].group_size}); krnl quantize reads float HF folders")
     if recipe is not None:
+        if mode != "affine":
+            raise ValueError(f"[quantize] mlx-lm's recipe {recipe} is affine; it takes no --q-mode {mode}")
         bits, overrides = recipe_overrides(config, recipe, group_size)
-    files = _write_folder(model_folder, weights, config, out_folder, shard_size, dtype, (bits, group_size),
-                          overrides=overrides)
+    files = _write_folder(model_folder, weights, config, out_folder, shard_size, dtype,
+                          quantize_spec((bits, group_size, mode)), overrides=overrides)
     return {"files": files, "copied": _copy_tokenizer(model_folder, out_folder)}
 
 
@@ -334,7 +336,8 @@ def _write_folder(model_folder, weights, config, out_folder, shard_size, dtype, 
     order = sorted(weights, key=_weight_order)
     if quantize is not None:
         dt = dtype or model_dtype(cfg, weights)
-        items, cfg["quantization"] = mlx_items(config, weights, order, *quantize, dt, merged, overrides)
+        items, cfg["quantization"] = mlx_items(config, weights, order, *quantize[:2], dt, merged, overrides,
+                                               *quantize[2:])
         cfg["quantization_config"] = cfg["quantization"]
         meta, force = {"format": "mlx"}, {"f32": "F32", "f16": "F16", "bf16": "BF16"}[dt]
     else:

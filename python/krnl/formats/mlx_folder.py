@@ -21,7 +21,8 @@ import numpy as np
 from ..quant import affine
 from ..models.config import module_part
 from ..models.moe_config import switch_module
-from ..quant.qweight import QuantizedArray
+from ..quant import mxfp4
+from ..quant.qweight import QuantizedArray, quantize_spec
 from .experts import Pieces, stored_array
 from ..io.safetensors_io import FLOAT_DTYPES, ST_DTYPES, encode, f32_to_bf16
 
@@ -127,18 +128,18 @@ def read_quantized(tensors, config, q, folder):
 # Write side
 
 
-def plan(config, bits, group_size, overrides=None):
-    """{module path: (bits, group_size) or None} as mlx_lm.convert -q chooses: every Linear and
-    Embedding whose input size is a multiple of its group size is quantized. `overrides` {module
-    path: (bits, group_size) or None} changes single modules (mixed recipes)."""
-    affine.check((1, group_size), bits, group_size)
+def plan(config, bits, group_size, overrides=None, mode="affine"):
+    """{module path: (bits, group_size), (4, 32, "mxfp4") or None} as mlx_lm.convert -q chooses: every
+    Linear and Embedding whose input size is a multiple of its group size is quantized, in `mode`.
+    `overrides` {module path: (bits, group_size) or None} changes single modules (mixed recipes)."""
+    default = quantize_spec((bits, group_size, mode))
     out = {}
     for m in module_paths(config) + expert_paths(config):
         router = config.moe and m.endswith(".mlp.gate")  # mlx-lm keeps qwen3_moe's and gpt-oss's at 8 bits, groups of 64
-        default = (8, 64) if router and config.model_type in ("qwen3_moe", "gpt_oss") else (bits, group_size)
-        layout = (overrides or {}).get(m, default)
+        layout = (overrides or {}).get(m, (8, 64) if router and config.model_type in ("qwen3_moe", "gpt_oss")
+                                       else default)
         if layout is not None:
-            affine.check((1, layout[1]), *layout)
+            quantize_spec(layout)
             whole = m in ("model.embed_tokens", "lm_head") or router
             inp = config.hidden_size if whole else config.module_shape(m.rsplit(".", 1)[1])[1]
             layout = layout if inp % layout[1] == 0 else None
@@ -172,13 +173,15 @@ def recipe_overrides(config, recipe, group_size=64):
     return low, out
 
 
-def config_entry(layouts, bits, group_size):
+def config_entry(layouts, bits, group_size, mode="affine"):
     """The "quantization" object of config.json: the default plus one entry per module quantized
     otherwise (mlx-lm writes its mixed recipes this way)."""
-    q = {"group_size": int(group_size), "bits": int(bits), "mode": "affine"}
+    entry = lambda lay: {"group_size": int(lay[1]), "bits": int(lay[0]), "mode": lay[2] if len(lay) > 2 else "affine"}
+    default = quantize_spec((bits, group_size, mode))
+    q = entry(default)
     for m, lay in layouts.items():
-        if lay is not None and tuple(lay) != (bits, group_size):
-            q[m] = {"group_size": int(lay[1]), "bits": int(lay[0]), "mode": "affine"}
+        if lay is not None and tuple(lay) != default:
+            q[m] = entry(lay)
     return q
 
 
@@ -193,33 +196,36 @@ def round_to(W32, dtype):
     return W32
 
 
-def quantized_items(module, get_w32, shape, bits, group_size, dtype):
-    """[(name, st_dtype, shape, producer)] of `module` quantized (weight, scales, biases), for
-    write_sharded. get_w32() -> the (O, I) float32 weight; it is rounded to dtype first (mlx-lm
-    casts, then quantizes) and quantized once, when the codes are written; scales and biases are
-    stored in dtype."""
+def quantized_items(module, get_w32, shape, layout, dtype):
+    """[(name, st_dtype, shape, producer)] of `module` quantized at layout (bits, group_size) (weight,
+    scales, biases) or (4, 32, "mxfp4") (weight, U8 scales), for write_sharded. get_w32() -> the (O,
+    I) float32 weight; it is rounded to dtype first (mlx-lm casts, then quantizes) and quantized
+    once, when the codes are written; affine scales and biases are stored in dtype."""
     *lead, I = shape  # (O, I); a mixture's experts (E, O, I), each quantized on its own
-    st = ST_DTYPES[dtype]
+    bits, group_size = layout[:2]
+    mx = layout[2:] == ("mxfp4",)
+    one = mxfp4.quantize if mx else (lambda W: affine.quantize(W, bits, group_size))
+    st = "U8" if mx else ST_DTYPES[dtype]
     done = {}
 
     def quantize(W):
-        if W.ndim == 3:
-            return [np.stack(p) for p in zip(*(affine.quantize(We, bits, group_size) for We in W))]
-        return affine.quantize(W, bits, group_size)
+        return [np.stack(p) for p in zip(*(one(We) for We in W))] if W.ndim == 3 else one(W)
 
     def part(i):
         def make():
             if "q" not in done:
                 done["q"] = quantize(round_to(get_w32(), dtype))
             a = done["q"][i]
-            if i == 2:
-                done.clear()  # biases come last: free the module's arrays
-            return a.view(np.uint32).tobytes() if i == 0 else encode(a, st)
+            if i == len(done["q"]) - 1:
+                done.clear()  # the last part: free the module's arrays
+            return np.ascontiguousarray(a).view(np.uint32).tobytes() if i == 0 else (
+                np.ascontiguousarray(a).tobytes() if mx else encode(a, st))
         return make
 
     G, lead = I // group_size, tuple(lead)
     return [(module + ".weight", "U32", lead + (I * bits // 32,), part(0)),
-            (module + ".scales", st, lead + (G,), part(1)), (module + ".biases", st, lead + (G,), part(2))]
+            (module + ".scales", st, lead + (G,), part(1))] + ([] if mx else [(module + ".biases", st, lead + (G,),
+                                                                               part(2))])
 
 
 def stored_items(module, qa):
@@ -235,6 +241,9 @@ def stored_items(module, qa):
         return lambda: encode(np.asarray(a, np.float32), dt)
 
     ws, ss = tuple(np.shape(qa.w)), tuple(np.shape(qa.scales))  # experts' with their leading E
+    if qa.mode == "mxfp4":  # E8M0 bytes as they are, no biases
+        return [(module + ".weight", "U32", ws, raw(qa.w, "U32")), (module + ".scales", "U8", ss,
+                                                                    lambda: np.asarray(qa.scales, np.uint8).tobytes())]
     return [(module + ".weight", "U32", ws, raw(qa.w, "U32")), (module + ".scales", st, ss, raw(qa.scales, st)),
             (module + ".biases", st, ss, raw(qa.biases, st))]
 
@@ -251,7 +260,7 @@ def model_dtype(cfg, weights):
     return SCALE_DTYPES.get(getattr(e, "st_dtype", "F32"), "f32")
 
 
-def mlx_items(config, weights, names, bits, group_size, dtype, merged=None, overrides=None):
+def mlx_items(config, weights, names, bits, group_size, dtype, merged=None, overrides=None, mode="affine"):
     """(items for write_sharded, the config's "quantization" object) of an MLX folder holding
     `weights` ({HF name: LazyTensor, QuantizedArray or array}, written in the order of `names`):
     modules quantized as plan() says, everything else cast to dtype. merged {name: () -> float32
@@ -259,18 +268,19 @@ def mlx_items(config, weights, names, bits, group_size, dtype, merged=None, over
     is not merged keeps its codes, scales and biases when they are in dtype already: quantizing
     a dequantized weight again would round it twice."""
     merged = merged or {}
-    layouts = plan(config, bits, group_size, overrides)
+    layouts = plan(config, bits, group_size, overrides, mode)
     module_of = {m + ".weight": m for m in layouts}
     st = ST_DTYPES[dtype]
     items, used = [], {}
     for name, t, mget in _switch_parts(config, weights, names, merged):
         m = module_of.get(name)
         get = mget or (lambda t=t: np.asarray(t, np.float32))
-        if m is not None and isinstance(t, QuantizedArray) and mget is None and t.scale_dtype == dtype:
+        if m is not None and isinstance(t, QuantizedArray) and mget is None and (t.scale_dtype == dtype
+                                                                                  or t.mode == "mxfp4"):
             items += stored_items(m, t)
-            used[m] = (t.bits, t.group_size)
+            used[m] = quantize_spec((t.bits, t.group_size, t.mode))
         elif m is not None and layouts[m] is not None:
-            items += quantized_items(m, get, tuple(t.shape), *layouts[m], dtype)
+            items += quantized_items(m, get, tuple(t.shape), layouts[m], dtype)
             used[m] = layouts[m]
         elif mget is None and getattr(t, "st_dtype", None) == st:
             items.append((name, st, tuple(t.shape), t.raw_bytes))
@@ -279,7 +289,7 @@ def mlx_items(config, weights, names, bits, group_size, dtype, merged=None, over
     if config.model_type == "gpt_oss":  # its router goes back under mlp.router (krnl's mlp.gate)
         ren = lambda n: re.sub(r"\.mlp\.gate(?=\.|$)", ".mlp.router", n)
         items, used = [(ren(n), *rest) for n, *rest in items], {ren(m): v for m, v in used.items()}
-    return items, config_entry(used, bits, group_size)
+    return items, config_entry(used, bits, group_size, mode)
 
 
 def _switch_parts(config, weights, names, merged):

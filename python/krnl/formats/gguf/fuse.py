@@ -32,7 +32,8 @@ def fuse_gguf(path, adapter_folder, out_folder, shard_size="2GB", dtype=None, qu
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix=".krnl-fuse-", dir=out.parent) as tmp:
             info = fuse_gguf(path, adapter_folder, tmp, shard_size=shard_size, dtype=dtype)
-            q = quantize_folder(tmp, out, quantize[0], quantize[1], dtype=dtype, shard_size=shard_size)
+            q = quantize_folder(tmp, out, quantize[0], quantize[1], dtype=dtype, shard_size=shard_size,
+                                mode=(*quantize[2:], "affine")[0])
         return {**info, "files": q["files"], "copied": q.get("copied", info["copied"])}
     out_folder = Path(out_folder)
     if out_folder.exists() and not out_folder.is_dir():

@@ -145,9 +145,10 @@ def write_gguf(path, arch="llama", types=None, tied=False, tokenizer="spm", seed
             shapes[f"blk.{i}.{g}.weight"] = (f"model.layers.{i}.{hf}" + (".weight" * (len(shape) == 2)), tuple(shape))
             if arch == "qwen2" and g in ("attn_q", "attn_k", "attn_v"):
                 shapes[f"blk.{i}.{g}.bias"] = (f"model.layers.{i}.{hf}.bias", (shape[0],))
-        if arch in ("qwen3", "qwen3moe"):  # RMSNorm of each q and k head
-            for g in ("q", "k"):
-                shapes[f"blk.{i}.attn_{g}_norm.weight"] = (f"model.layers.{i}.self_attn.{g}_norm.weight", (D,))
+        if arch in ("qwen3", "qwen3moe", "olmoe"):  # RMSNorm of each q and k head (olmoe: of all q, all k)
+            for g, n in (("q", H), ("k", Hk)):
+                shapes[f"blk.{i}.attn_{g}_norm.weight"] = (f"model.layers.{i}.self_attn.{g}_norm.weight",
+                                                           (D * n if arch == "olmoe" else D,))
     hf_weights = {}
     from gguf.quants import dequantize
 

@@ -430,9 +430,9 @@ GGUF_TYPES = {"blk.0.ffn_gate_exps.weight": "Q4_K", "blk.0.ffn_up_exps.weight": 
               "blk.1.ffn_up_exps.weight": "F16", "blk.1.ffn_down_exps.weight": "Q4_0"}
 
 
-@pytest.mark.parametrize("arch, per_expert", [("qwen3moe", False), ("llama", False), ("llama", True)])
+@pytest.mark.parametrize("arch, per_expert", [("qwen3moe", False), ("llama", False), ("llama", True), ("olmoe", False)])
 def test_gguf_moe_reads_quantized_experts_and_fuses(tmp_path, arch, per_expert):
-    """llama.cpp's mixtures (qwen3moe; Mixtral as llama with experts): ffn_*_exps held as the file
+    """llama.cpp's mixtures (qwen3moe, olmoe; Mixtral as llama with experts): ffn_*_exps held as the file
     quantizes them (older Mixtral files' ffn_gate.E one by one, stacked), the loss that of the float
     weights the file holds; trained adapter fused."""
     pytest.importorskip("gguf")
@@ -444,7 +444,8 @@ def test_gguf_moe_reads_quantized_experts_and_fuses(tmp_path, arch, per_expert):
     want = write_gguf(path, arch=arch, types=GGUF_TYPES, experts=(5, 2, 512), seed=2,  # llama: feed_forward_length
                       per_expert=per_expert)
     g = read_gguf(path, quiet=True)
-    assert g.config.model_type == ("qwen3_moe" if arch == "qwen3moe" else "mixtral") and g.config.moe["top_k"] == 2
+    assert g.config.model_type == {"qwen3moe": "qwen3_moe", "llama": "mixtral", "olmoe": "olmoe"}[arch]
+    assert g.config.moe["top_k"] == 2 and g.config.moe["norm_topk"] == (arch != "olmoe")
     lora = LoraConfig(r=2, alpha=4.0, target_modules=("q_proj", "gate_up_proj", "down_proj"))
     m = hf.load_model(path, krnl.device("cpu"), lora=lora)
     assert type(m.layers[0].mlp.gate).__name__ == "QuantizedWeight" and m.layers[0].mlp.gate.bits == 4
@@ -462,7 +463,7 @@ def test_gguf_moe_reads_quantized_experts_and_fuses(tmp_path, arch, per_expert):
 
 
 @pytest.mark.torch
-@pytest.mark.parametrize("arch", ["qwen3moe", "llama"])
+@pytest.mark.parametrize("arch", ["qwen3moe", "llama", "olmoe"])
 def test_gguf_moe_fused_folder_loads_in_transformers(tmp_path, arch):
     torch, _ = torch_modules()
     pytest.importorskip("gguf")

@@ -3,7 +3,7 @@ HF folder gives krnl (docs/architecture.md, 'GGUF files'): an HF config dict, th
 HF names and the tokenizer (tokenizer.py).
 
 - config: from the `{arch}.*` metadata of the llama (also Mistral's and Mixtral's files), qwen2,
-  qwen3, qwen3moe and gpt-oss architectures; no `output.weight` tensor means tied embeddings.
+  qwen3, qwen3moe, olmoe and gpt-oss architectures; no `output.weight` tensor means tied embeddings.
 - weights: GGUF names to HF names; shapes come reversed (ne0, the input size, first), which the
   reader's row-major arrays already undo, so a row is an output. llama.cpp's converter permutes
   the rows of q and k of the llama architecture for GGML's interleaved rotary embedding; that is
@@ -32,7 +32,7 @@ from ...io.safetensors_io import bf16_to_f32, f32_to_bf16
 MAGIC = b"GGUF"
 ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
                  "qwen3": ("qwen3", "Qwen3ForCausalLM"), "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
-                 "gpt-oss": ("gpt_oss", "GptOssForCausalLM")}
+                 "gpt-oss": ("gpt_oss", "GptOssForCausalLM"), "olmoe": ("olmoe", "OlmoeForCausalLM")}
 _LAYER = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
           "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
           "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -138,10 +138,10 @@ def hf_config(path, md, tensors):
     if arch == "gpt-oss":  # llama.cpp slides on even layers; SwiGLU's alpha and limit are its constants
         cfg.update({"intermediate_size": int(get("expert_feed_forward_length")),
                     "sliding_window": int(get("attention.sliding_window"))})
-    if E:  # llama.cpp renormalises the top-k weights of both (its norm_w)
-        cfg.update({"num_experts" if arch == "qwen3moe" else "num_local_experts": E,
+    if E:  # llama.cpp renormalises the top-k weights of qwen3moe and Mixtral (its norm_w), not OLMoE's
+        cfg.update({"num_experts" if arch in ("qwen3moe", "olmoe") else "num_local_experts": E,
                     "num_experts_per_tok": int(get("expert_used_count")),
-                    "norm_topk_prob": bool(md.get(f"{arch}.expert_weights_norm", True))})
+                    "norm_topk_prob": bool(md.get(f"{arch}.expert_weights_norm", arch != "olmoe"))})
         if arch == "qwen3moe":
             cfg["moe_intermediate_size"] = int(get("expert_feed_forward_length"))
     for key, tk in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):

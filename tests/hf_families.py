@@ -138,6 +138,22 @@ def torch_loss(model, ids, labels):
         return float(model(torch.tensor(ids), labels=torch.tensor(labels)).loss)
 
 
+def assert_greedy_matches(folder, prompt=(7, 1, 33, 12, 50), n=9):
+    """krnl's KV-cached greedy tokens after `prompt` equal transformers' generate (no EOS stop), and
+    are not one token repeated."""
+    import krnl
+    from krnl.formats import hf
+
+    torch, _ = torch_modules()
+    ref = hf_model(folder)
+    ref.generation_config.eos_token_id = None
+    with torch.no_grad():
+        want = ref.generate(torch.tensor([list(prompt)]), max_new_tokens=n, do_sample=False,
+                            pad_token_id=0)[0, len(prompt):].tolist()
+    got = hf.load_model(folder, krnl.device("cpu")).generate(list(prompt), max_new_tokens=n)
+    assert got == want and len(set(want)) > 1
+
+
 def random_b(model, seed):
     """B factors off zero, so that every LoRA path carries signal; returns the LoRA state."""
     rng = np.random.default_rng(seed)

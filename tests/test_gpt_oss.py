@@ -17,7 +17,7 @@ from krnl.models.config import LoraConfig, ModelConfig, random_weights
 from krnl.quant import mxfp4
 
 from conftest import lora_step
-from hf_families import V, hf_model, random_b, save_random, token_batch, torch_loss
+from hf_families import V, assert_greedy_matches, hf_model, random_b, save_random, token_batch, torch_loss
 from mlx_folders import write_data, write_tokenizer
 from test_moe import router_choices, torch_modules
 
@@ -237,14 +237,8 @@ def test_mxfp4_experts_stay_in_4_bits_with_transformers_loss(folders, tmp_path):
 @pytest.mark.torch
 @pytest.mark.parametrize("name", list(FOLDERS))
 def test_greedy_generation_matches_transformers(folders, name):
-    torch, _ = torch_modules()
-    prompt = [7, 1, 33, 12, 50]
-    ref = hf_model(folders[name])
-    ref.generation_config.eos_token_id = None
-    with torch.no_grad():
-        want = ref.generate(torch.tensor([prompt]), max_new_tokens=9, do_sample=False, pad_token_id=0)[0, 5:].tolist()
-    got = hf.load_model(folders[name], krnl.device("cpu")).generate(prompt, max_new_tokens=9)
-    assert got == want and len(set(want)) > 1
+    torch_modules()
+    assert_greedy_matches(folders[name])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -398,6 +392,18 @@ def mlx_names(config, weights):
     return out
 
 
+def float_folders(tmp_path):
+    """tmp_path/hf (transformers' layout) and tmp_path/mlx (mlx-lm's) of the same random MLX_CFG weights."""
+    from safetensors.numpy import save_file
+
+    config, _ = write_folder(tmp_path / "hf", MLX_CFG)
+    (tmp_path / "mlx").mkdir()
+    save_file({k: np.ascontiguousarray(v) for k, v in mlx_names(config, random_weights(config, 5, 0.3)).items()},
+              str(tmp_path / "mlx" / "model.safetensors"))
+    (tmp_path / "mlx" / "config.json").write_text(json.dumps(MLX_CFG))
+    write_tokenizer(tmp_path / "mlx")
+
+
 def mlx_loss(folder, ids):
     import mlx.core as mx
     import mlx.nn as nn
@@ -417,15 +423,8 @@ def test_mlx_lm_computes_krnl_loss_from_both_layouts_and_quantized(tmp_path):
     quantize of the transformers folder writes the same tensors."""
     pytest.importorskip("mlx.core")
     mlx_lm = pytest.importorskip("mlx_lm")
-    from safetensors.numpy import save_file
 
-    config, _ = write_folder(tmp_path / "hf", MLX_CFG)
-    (tmp_path / "mlx").mkdir()
-    weights = random_weights(config, seed=5, std=0.3)
-    save_file({k: np.ascontiguousarray(v) for k, v in mlx_names(config, weights).items()},
-              str(tmp_path / "mlx" / "model.safetensors"))
-    (tmp_path / "mlx" / "config.json").write_text(json.dumps(MLX_CFG))
-    write_tokenizer(tmp_path / "mlx")
+    float_folders(tmp_path)
     ids = np.random.default_rng(3).integers(0, V, (2, 12)).astype(np.int32)
     mine = hf.load_model(tmp_path / "hf", krnl.device("cpu")).loss(ids[:, :-1], ids[:, 1:])
     assert hf.load_model(tmp_path / "mlx", krnl.device("cpu")).loss(ids[:, :-1], ids[:, 1:]) == pytest.approx(
@@ -454,14 +453,8 @@ def test_mlx_mxfp4_folder_matches_mlx_lm(tmp_path):
     embedding dense) and its loss equals mlx-lm's."""
     pytest.importorskip("mlx.core")
     mlx_lm = pytest.importorskip("mlx_lm")
-    from safetensors.numpy import save_file
 
-    config, _ = write_folder(tmp_path / "hf", MLX_CFG)
-    (tmp_path / "mlx").mkdir()
-    save_file({k: np.ascontiguousarray(v) for k, v in mlx_names(config, random_weights(config, 5, 0.3)).items()},
-              str(tmp_path / "mlx" / "model.safetensors"))
-    (tmp_path / "mlx" / "config.json").write_text(json.dumps(MLX_CFG))
-    write_tokenizer(tmp_path / "mlx")
+    float_folders(tmp_path)
     mlx_lm.convert(str(tmp_path / "mlx"), str(tmp_path / "q"), quantize=True, q_mode="mxfp4")
     w = hf.load_hf_weights(tmp_path / "q")
     assert all(p.mode == "mxfp4" for p in w["model.layers.0.mlp.experts.gate_up_proj"].parts)
@@ -536,15 +529,9 @@ def test_krnl_quantize_mxfp4_writes_what_mlx_lm_convert_writes(tmp_path, capsys)
     the CLI trains on the folder and fuses back into one in the same mode."""
     pytest.importorskip("mlx.core")
     mlx_lm = pytest.importorskip("mlx_lm")
-    from safetensors.numpy import save_file
     from krnl.cli.main import main
 
-    config, _ = write_folder(tmp_path / "hf", MLX_CFG)
-    (tmp_path / "mlx").mkdir()
-    save_file({k: np.ascontiguousarray(v) for k, v in mlx_names(config, random_weights(config, 5, 0.3)).items()},
-              str(tmp_path / "mlx" / "model.safetensors"))
-    (tmp_path / "mlx" / "config.json").write_text(json.dumps(MLX_CFG))
-    write_tokenizer(tmp_path / "mlx")
+    float_folders(tmp_path)
     mlx_lm.convert(str(tmp_path / "mlx"), str(tmp_path / "m"), quantize=True, q_mode="mxfp4")
     assert main(["quantize", "--model", str(tmp_path / "hf"), "--save-path", str(tmp_path / "k"),
                  "--q-mode", "mxfp4"]) == 0

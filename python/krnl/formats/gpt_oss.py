@@ -23,8 +23,9 @@ _NAME = re.compile(r"(model\.layers\.\d+\.mlp\.)(router\.(weight|bias|scales|bia
 
 
 class Relaid:
-    """A stored tensor read in krnl's layout (fn of the stored float32 array), lazily like the
-    LazyTensor it wraps; raw_bytes and st_dtype stay the stored ones, for writers."""
+    """A stored tensor read in krnl's layout (fn of the stored float32 array, or of its integers where
+    raw), lazily like the LazyTensor it wraps; st_dtype is the stored one and .src the stored
+    tensor, whose bytes a writer keeps where nothing changed."""
 
     def __init__(self, src, fn, shape, raw=False):
         self.src, self.fn, self.shape, self.raw = src, fn, tuple(shape), raw  # raw: integers as stored

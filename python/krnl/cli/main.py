@@ -168,10 +168,14 @@ def cmd_train(args):
         if not args.data:
             raise ValueError("[train] --data is required with --model")
         from ..train.data import load_dataset
+        from ..train.pairs import load_pair_dataset
 
+        if args.pack and args.train_mode != "sft":
+            raise ValueError(f"[train] --pack packs SFT samples; --train-mode {args.train_mode} keeps each pair's rows")
         tok, model, base_id = _hf_base(args, dev, lora)
         ds = load_dataset(args.data, tok, args.max_seq_length, mask_prompt=args.mask_prompt, pack=args.pack,
-                          vocab_size=model.config.vocab_size)
+                          vocab_size=model.config.vocab_size) if args.train_mode == "sft" else load_pair_dataset(
+            args.data, tok, args.max_seq_length, vocab_size=model.config.vocab_size)
         for split in ds.values():
             if split is not None:
                 print(split.summary())
@@ -180,6 +184,8 @@ def cmd_train(args):
         what = f"{Path(args.model).name} ({model.config.num_hidden_layers} layers, hidden {model.config.hidden_size})"
         hint = f"krnl generate --adapter-path {args.adapter_path} --prompt '...'"
     else:
+        if args.train_mode != "sft":
+            raise ValueError(f"[train] --train-mode {args.train_mode} needs --model and preference data (--data)")
         from ..train.default_task import make_split
 
         tok, model = _default_model(dev, lora, args.dtype, seed=args.seed, grad_checkpoint=args.grad_checkpoint,
@@ -200,7 +206,8 @@ def cmd_train(args):
                       learning_rate=args.learning_rate, warmup=args.warmup, schedule=args.lr_schedule,
                       weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
                       val_every=args.steps_per_eval, save_every=args.save_every, seed=args.seed,
-                      length_bucket=args.length_bucket, graphs=not args.no_graphs, reduce_order=args.reduce_order)
+                      length_bucket=args.length_bucket, graphs=not args.no_graphs, reduce_order=args.reduce_order,
+                      train_mode=args.train_mode, beta=args.beta, loss_type=args.loss_type)
     fingerprint = {"base": base_id, "model": vars(model.config), "lora": vars(lora), "dtype": args.dtype}
     if model.quantize is not None:  # only then: older checkpoints have no such key
         fingerprint["quantize"] = list(model.quantize)

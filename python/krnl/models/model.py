@@ -265,11 +265,18 @@ class LlamaModel:
         S = self.sums.begin(B)  # the LoRA backward's sample count (0: sums over all rows at once)
         batch = self._batch_of(B, T, inputs.positions, inputs.segments, inputs.seed_offset, window, long_rope,
                                inputs.rope_positions)
-        d, dt, c = self.dev, self.dtype, self.config
-        N, C, V = B * T, c.hidden_size, c.vocab_size
         x, xn, rstd, saved = self._trunk_forward(inputs.ids, batch, keep=True)
         if self.router_stats:
             self.router_stats.backward(inputs.loss_scale)
+        rows_loss, dxn = self._head_backward(xn, inputs.targets, inputs.ce_scale, B, T)
+        self._trunk_backward(batch, x, rstd, saved, dxn)
+        return self.sums.loss_sum(rows_loss) if S else self._loss_sum(rows_loss)
+
+    def _head_backward(self, xn, targets, ce_scale, B, T):
+        """(rows_loss (N,) f32, dxn (N, C)): each row's cross entropy and its gradient at xn, times
+        ce_scale[0] ((1,) f32; None: 1)."""
+        d, dt, c = self.dev, self.dtype, self.config
+        N, C, V = B * T, c.hidden_size, c.vocab_size
         rows_loss = d.empty((N,), "f32")
         dxn = d.empty((N, C), dt)
         # One (chunk, V) logits buffer serves every chunk (their ops run in queue order): where a
@@ -281,13 +288,17 @@ class LlamaModel:
             logits, dl = logits_buf[0:r1 - r0], dl_buf[0:r1 - r0]
             linear(xn[r0:r1], self.head, logits)                          # logits = xn W^T
             gemma2.cap_logits(self.final_softcap, logits)
-            ops.cross_entropy(logits, inputs.targets[r0:r1], rows_loss[r0:r1], dl, IGNORE_INDEX, 1.0,
-                              scale_by=inputs.ce_scale)
+            ops.cross_entropy(logits, targets[r0:r1], rows_loss[r0:r1], dl, IGNORE_INDEX, 1.0, scale_by=ce_scale)
             gemma2.cap_logits_backward(self.final_softcap, logits, dl)
             linear_grad(dl, self.head, dxn[r0:r1])                        # dxn = dlogits W
-        del logits_buf, dl_buf, logits, dl
+        return rows_loss, dxn
+
+    def _trunk_backward(self, batch, x, rstd, saved, dxn):
+        """The layers' backward from dxn, the gradient at the final norm's output: LoRA gradients
+        accumulate, d_embed_out is the embeddings' output gradient."""
+        c, C = self.config, self.config.hidden_size
         cols = [0] + [L.mlp.grad_cols() for L in self.layers]  # [i]: what layer i-1's down fold writes beside dy
-        dx = d.empty((N, C + cols[-1]), dt)
+        dx = self.dev.empty((dxn.shape[0], C + cols[-1]), self.dtype)
         ops.rmsnorm_backward(dxn, x, self.norm_w, rstd, dx[:, :C])
         for i in reversed(range(c.num_hidden_layers)):
             L, (xin, cache) = self.layers[i], saved[i]
@@ -296,7 +307,6 @@ class LlamaModel:
             dx = layer_backward(L, xin, cache, dx, batch, need_dx=i > 0 or self.input_grad, dx_cols=cols[i])
             saved[i] = None
         self.d_embed_out = dx
-        return self.sums.loss_sum(rows_loss) if S else self._loss_sum(rows_loss)
 
     def read_loss(self):
         """The loss of the last forward_backward, as a float (after its step is committed)."""

@@ -53,8 +53,9 @@ class StepRunner:
     """micro_batch() for each micro-batch, optimizer(), then finish(): the step's loss and the
     optimizer's info, after the one wait of the step."""
 
-    def __init__(self, model, opt, bucket=1, replay=False, micro_batches=1, world=None, reducer=None):
+    def __init__(self, model, opt, bucket=1, replay=False, micro_batches=1, world=None, reducer=None, objective=None):
         self.model, self.opt, self.dev = model, opt, model.dev
+        self.objective, self.metrics = objective, []  # a sequence objective (krnl.train.preference), its metrics
         self.world = world  # a krnl.train.dist.world.World of size > 1: the grads and losses are summed over its ranks
         # a krnl.train.dist.nccl.NcclReducer: that sum runs on the device (NCCL), before the update and in
         # its recorded graph, instead of through host memory
@@ -87,10 +88,16 @@ class StepRunner:
         the slice's first row in it, so that its dropout masks are the whole batch's."""
         m, dev = self.model, self.dev
         if index == 0:
-            self.n_valid, self.reduced = [], None
+            self.n_valid, self.reduced, self.metrics = [], None, []
         if index >= self.losses.shape[0]:
             raise ValueError(f"[StepRunner] micro-batch {index} of a runner made for {self.losses.shape[0]}")
         batch = self.pad(batch)
+        if self.objective is not None:  # eager, two device steps (models/sequence_loss.py)
+            loss, metrics = self.objective.step(m, batch[0], batch[1], loss_scale)
+            dev.upload(self.losses[index:index + 1], np.array([loss], np.float32))
+            self.n_valid.append(1)
+            self.metrics.append(metrics)
+            return int((np.asarray(batch[1]) != IGNORE_INDEX).sum())
         host = m.prepare(batch[0], batch[1], loss_scale, *batch[2:4])
         if n_valid_total is not None:
             host.ce_scale = float(loss_scale) / max(int(n_valid_total), 1)
@@ -179,6 +186,9 @@ class StepRunner:
         loss = float(np.mean([s / max(n, 1) for s, n in zip(sums, self.n_valid)]))
         if self.aux is not None:  # this rank's: the load-balancing loss is not summed over ranks
             info["aux_loss"] = float(np.mean(self.aux.numpy()[:len(self.n_valid)]))
+        if self.metrics:  # the objective's, averaged over the micro-batches
+            info["objective"] = sorted(self.metrics[0])
+            info.update({k: float(np.mean([m[k] for m in self.metrics])) for k in self.metrics[0]})
         return loss, info
 
     def release(self):

@@ -6,7 +6,6 @@ counters, schedule, loss scale), the data position and every seed the loop draws
 restored from step k reproduces the losses of an uninterrupted run from step k+1 on.
 """
 
-import io
 import json
 import math
 import time
@@ -21,9 +20,10 @@ from ..io.checkpoint import fingerprint_diff, list_checkpoints, load_checkpoint,
 from .dist.world import World
 from .dist.nccl import reducer_for
 from .dist.ranks import Discard, apply_reduce_order, check_world, evaluate_ranks
-from ..io.fileio import atomic_write_bytes
 from .optim import AdamW, Schedule
 from ..io.run_folder import describe, option_changes, repair_metrics
+from .plot import plot_metrics  # noqa: F401 (the CLI and its tests reach it here)
+from . import preference
 from .step import StepRunner
 
 # Where the step replays as a graph, each padded length is one recording: lengths go up in steps
@@ -50,6 +50,9 @@ class TrainConfig:
     length_bucket: int = 0        # pad each batch's length to a multiple (0: 256 where graphs replay, else none)
     graphs: bool = True           # record the step once per padded length and replay it, where the device can
     reduce_order: str = "auto"    # sample: LoRA grads summed per sample (dist/ranks.py); auto: sample with > 1 rank
+    train_mode: str = "sft"       # sft | dpo (krnl.train.preference: batches of preference pairs)
+    beta: float = 0.1             # dpo: TRL's beta
+    loss_type: str = "sigmoid"    # dpo: sigmoid | hinge | ipo
 
     def validate(self):
         for name in ("iters", "batch_size", "grad_accum", "val_batches", "keep_checkpoints"):
@@ -60,6 +63,7 @@ class TrainConfig:
                 raise ValueError(f"[train] {name} must be >= 0, got {getattr(self, name)}")
         if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):
             raise ValueError(f"[train] learning_rate must be > 0, got {self.learning_rate}")
+        preference.check(self)
 
 
 class Rate:
@@ -104,6 +108,7 @@ class Trainer:
         self.world = world or World()
         check_world(self.world, cfg)
         apply_reduce_order(model, cfg, self.world)
+        self.objective = preference.objective(cfg, self.world)  # None: sft's mean cross entropy
         # train: (ids, targets[, segments, positions]) arrays, a krnl.train.data.Split (its batches()),
         # or a batch source with next(), state() and load_state().
         if hasattr(train, "batches"):
@@ -261,10 +266,11 @@ class Trainer:
         if self.world.size > 1:
             return evaluate_ranks(self.model, self.valid, self.cfg, self.world, self.step)
         bs, total = self.cfg.batch_size, []
-        if hasattr(self.valid, "eval_batches"):  # a krnl.train.data.Split
+        if hasattr(self.valid, "eval_batches"):  # a krnl.train.data.Split (or pairs.PairSplit)
             for batch in self.valid.eval_batches(bs)[:self.cfg.val_batches]:
                 ids, tg, kw = _batch_args(batch)
-                total.append(self.model.loss(ids, tg, **kw))
+                total.append(self.objective.evaluate(self.model, ids, tg) if self.objective else
+                             self.model.loss(ids, tg, **kw))
             return float(np.mean(total))
         ids, tg = self.valid[0], self.valid[1]
         extra = self.valid[2:4] if len(self.valid) > 2 else None
@@ -283,10 +289,11 @@ class Trainer:
             from tqdm import tqdm
 
             bar = tqdm(total=cfg.iters, initial=self.step, unit="step", dynamic_ncols=True)
-        replay = cfg.graphs and bool(dev.capabilities()["graphs"])
+        # a sequence objective reads each micro-batch's sums on the host mid-step: never a replayed graph
+        replay = cfg.graphs and bool(dev.capabilities()["graphs"]) and self.objective is None
         bucket = cfg.length_bucket or (REPLAY_BUCKET if replay else 1)
         runner = StepRunner(model, self.opt, bucket=bucket, replay=replay, micro_batches=cfg.grad_accum,
-                            world=self.world, reducer=reducer_for(self.world, dev))
+                            world=self.world, reducer=reducer_for(self.world, dev), objective=self.objective)
         rate = Rate()
         dev.reset_peak()
         self.world.check_params(self.model.lora_params, self.step)
@@ -329,8 +336,9 @@ class Trainer:
         rec = {"step": self.step, "loss": loss, "lr": info["lr"], "grad_norm": info["grad_norm"],
                "tokens_per_s": rate.recent(), "tokens_per_s_cumulative": rate.cumulative(), "peak_mem_mib": peak,
                "skipped_steps": info["skipped_steps"], "loss_scale": info["loss_scale"]}
-        if "aux_loss" in info:  # a mixture of experts' load-balancing loss (trained with at aux_loss_coef)
-            rec["aux_loss"] = info["aux_loss"]
+        for k in ("aux_loss", *info.get("objective", ())):  # a mixture's load-balancing loss; dpo's rewards
+            if k in info:
+                rec[k] = info[k]
         if self.resumed is not None:  # the first step after a resume that changed the run
             rec["resumed"], self.resumed = self.resumed, None
         self.history.append((self.step, loss))
@@ -366,35 +374,3 @@ class Trainer:
         if self.adapter_format == "mlx":
             adapter_io.save_mlx_adapter(self.out / adapter_io.MLX_SUBFOLDER, lc, state, self.model.config,
                                         self.base_model)
-
-
-def plot_metrics(metrics_path, png_path):
-    """Loss curve (train, and validation where present) from a metrics JSONL file."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps, losses, vsteps, vlosses = [], [], [], []
-    with open(metrics_path) as f:
-        for line in f:
-            r = json.loads(line)
-            steps.append(r["step"])
-            losses.append(r["loss"])
-            if "val_loss" in r:
-                vsteps.append(r["step"])
-                vlosses.append(r["val_loss"])
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, losses, label="train", lw=1)
-    if vsteps:
-        ax.plot(vsteps, vlosses, "o-", label="validation")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.set_yscale("log")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    atomic_write_bytes(png_path, buf.getvalue())

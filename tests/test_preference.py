@@ -1,0 +1,260 @@
+"""Preference training (krnl.train.preference, models/sequence_loss.py): DPO's objectives against TRL's
+DPOTrainer (loss, reward metrics and every LoRA gradient through PEFT, the reference the adapter
+off); and, without torch, the per-sample machinery against krnl's own cross entropy and the
+objectives' gradients against float64 finite differences."""
+
+import json
+
+import numpy as np
+import pytest
+
+import krnl
+from krnl.models.config import LoraConfig, ModelConfig, random_weights
+from krnl.models.model import LlamaModel
+from krnl.models.sequence_loss import adapter_off, forward_backward_sequences, sequence_logps
+from krnl.train import preference
+
+from conftest import lora_step
+from hf_families import V, random_b
+
+CFG = dict(model_type="qwen3", vocab_size=V, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+           num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=64)
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def tiny(seed=0, lora=None):
+    c = ModelConfig.from_dict(CFG)
+    m = LlamaModel(krnl.device("cpu"), c, random_weights(c, seed=seed, std=0.3),
+                   lora=lora or LoraConfig(r=2, alpha=4.0, target_modules=TARGETS))
+    random_b(m, seed + 1)
+    return m
+
+
+def pairs(seed=0, P=3, T=11):
+    """ids (2P, T) and targets: completions of different lengths after prompts of different lengths,
+    chosen rows first."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, V, (2 * P, T))
+    tg = np.full((2 * P, T), -100)
+    for b in range(2 * P):
+        p0, p1 = rng.integers(1, 4), rng.integers(6, T)
+        tg[b, p0:p1] = ids[b, p0 + 1:p1 + 1]
+    return ids, tg
+
+
+def test_sequence_logps_are_the_cross_entropy_sums():
+    m = tiny()
+    ids, tg = pairs()
+    logp, n = sequence_logps(m, ids, tg)
+    for b in range(len(ids)):
+        assert n[b] == (tg[b] != -100).sum()
+        assert logp[b] == pytest.approx(-m.loss(ids[b:b + 1], tg[b:b + 1]) * n[b], rel=1e-5)
+
+
+def test_weights_of_the_mean_give_forward_backward_gradients():
+    """A sequence objective whose weights are 1 / (valid tokens) is the mean cross entropy: the same
+    LoRA gradients as forward_backward."""
+    m = tiny()
+    ids, tg = pairs(seed=1)
+    _, want = lora_step(m, ids, tg)
+    m.lora_params.zero_grads()
+    got = forward_backward_sequences(m, ids, tg, lambda logp, n: (np.full(len(n), 1.0 / n.sum()), logp))
+    assert got.shape == (len(ids),)
+    for k, g in m._lora_grads().items():
+        np.testing.assert_allclose(g.numpy(), want[k], rtol=1e-4, atol=1e-5 * np.abs(want[k]).max(), err_msg=k)
+
+
+def test_adapter_off_is_the_base_model_and_restores_the_adapter():
+    m = tiny()
+    ids, tg = pairs(seed=2)
+    before = m.lora_state()
+    with_adapter = m.loss(ids, tg)
+    with adapter_off(m):
+        off = m.loss(ids, tg)
+    base = LlamaModel(krnl.device("cpu"), m.config, random_weights(m.config, seed=0, std=0.3))
+    assert off == pytest.approx(base.loss(ids, tg), rel=1e-6) and abs(off - with_adapter) > 1e-3
+    assert m.loss(ids, tg) == with_adapter
+    for k, v in m.lora_state().items():
+        assert np.array_equal(v, before[k]), k
+
+
+@pytest.mark.parametrize("loss_type", preference.DPO_LOSS_TYPES)
+def test_dpo_gradient_is_its_loss_derivative(loss_type):
+    rng = np.random.default_rng(3)
+    logp, ref, n = -rng.uniform(5, 30, 8), -rng.uniform(5, 30, 8), rng.integers(1, 20, 8)
+    _, w, _ = preference.dpo(logp, n, ref, 0.3, loss_type)
+    for i in range(8):
+        e = np.zeros(8)
+        e[i] = 1e-6
+        fd = (preference.dpo(logp + e, n, ref, 0.3, loss_type)[0] - preference.dpo(logp - e, n, ref, 0.3, loss_type)[0])
+        assert -w[i] == pytest.approx(fd / 2e-6, rel=1e-6, abs=1e-9), i
+    with pytest.raises(ValueError, match="loss_type must be one of sigmoid, hinge, ipo"):
+        preference.dpo(logp, n, ref, 0.3, "kto")
+    with pytest.raises(ValueError, match="a batch holds pairs"):
+        preference.dpo(logp[:3], n[:3], ref[:3])
+
+
+def test_dpo_training_raises_the_margin():
+    """A few steps of DPO with AdamW move the chosen-minus-rejected margin of the batch up."""
+    from krnl.train.optim import AdamW, Schedule
+
+    m = tiny(seed=4)
+    ids, tg = pairs(seed=4, P=4)
+    opt = AdamW(m.lora_params, Schedule(5e-3, kind="constant"))
+    margins = []
+    for _ in range(6):
+        m.lora_params.zero_grads()
+        loss, metrics = preference.dpo_step(m, ids, tg, beta=0.5)
+        opt.step()
+        margins.append(metrics["rewards/margins"])
+    assert margins[-1] > margins[0] + 0.05
+
+
+# ---------------------------------------------------------------------------------------------
+# TRL
+
+@pytest.mark.torch
+@pytest.mark.parametrize("loss_type", preference.DPO_LOSS_TYPES)
+def test_dpo_matches_trl(tmp_path, loss_type):
+    """The same batch through TRL's DPOTrainer (PEFT LoRA, the reference the adapter off) and krnl:
+    loss, reward metrics and every LoRA gradient equal."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    from hf_families import save_random
+    from krnl.formats import hf
+
+    c = transformers.Qwen3Config(**{k: v for k, v in CFG.items() if k != "model_type"}, rms_norm_eps=1e-6,
+                                 tie_word_embeddings=False)
+    torch.manual_seed(0)
+    folder = save_random(transformers.Qwen3ForCausalLM(c), tmp_path / "m", 11)
+    lora = LoraConfig(r=2, alpha=4.0, target_modules=TARGETS)
+    m = hf.load_model(folder, krnl.device("cpu"), lora=lora)
+    st = random_b(m, 5)
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32,
+                                                             attn_implementation="eager")
+    pm = peft.get_peft_model(base, peft.LoraConfig(r=2, lora_alpha=4.0, target_modules=list(TARGETS)))
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), eos_token="</s>",
+                                               pad_token="</s>")
+    ds = datasets.Dataset.from_dict({"prompt": ["w1 w2", "w3", "w9 w8 w7"], "chosen": [" w4 w5", " w6", " w11"],
+                                     "rejected": [" w7", " w8 w9 w1", " w12 w13"]})
+    args = trl.DPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=3, beta=0.2,
+                         loss_type=[loss_type], report_to=[], use_cpu=True, bf16=False)
+    tr = trl.DPOTrainer(model=pm, args=args, train_dataset=ds, processing_class=tok)
+    # after the trainer copies the initial adapter (B = 0: the base) as its reference
+    peft.set_peft_model_state_dict(pm, {k: torch.tensor(v) for k, v in st.items()})
+    batch = next(iter(tr.get_train_dataloader()))
+    loss = tr.compute_loss(pm, batch)
+    loss.backward()
+    ref = {n.replace(".default", ""): p.grad.double().numpy() for n, p in pm.named_parameters() if p.requires_grad}
+    ids, cm = batch["input_ids"].numpy(), batch["completion_mask"].numpy()
+    tg = np.where(cm[:, 1:] == 1, ids[:, 1:], -100)
+    tg = np.concatenate([tg, np.full((len(ids), 1), -100)], axis=1)
+    m.lora_params.zero_grads()
+    mine, metrics = preference.dpo_step(m, ids, tg, beta=0.2, loss_type=loss_type)
+    assert mine == pytest.approx(float(loss.detach()), rel=1e-5)
+    for k in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
+        assert metrics[k] == pytest.approx(tr._metrics["train"][k][-1], rel=1e-4, abs=1e-6), k
+    grads = {k: np.asarray(g.numpy(), np.float64) for k, g in m._lora_grads().items()}
+    assert set(grads) == set(ref)
+    for k, g in ref.items():
+        assert np.abs(g).max() > 0, k
+        assert np.abs(grads[k] - g).max() <= 1e-4 * np.abs(g).max(), k
+
+
+def write_pairs(n, seed, conversational=False):
+    """n preference pairs in TRL's standard (or conversational) format: whatever the prompt, the chosen
+    completion is 'w5 w6' and the rejected one 'w7 w8' (a preference the model can learn)."""
+    rng = np.random.default_rng(seed)
+    lines = []
+    for _ in range(n):
+        prompt = " ".join(f"w{i}" for i in rng.integers(10, 40, rng.integers(1, 5)))
+        if conversational:
+            lines.append({"prompt": [{"role": "user", "content": prompt}],
+                          "chosen": [{"role": "assistant", "content": "w5 w6"}],
+                          "rejected": [{"role": "assistant", "content": "w7 w8"}]})
+        else:
+            lines.append({"prompt": prompt, "chosen": " w5 w6", "rejected": " w7 w8"})
+    return "".join(json.dumps(x) + "\n" for x in lines)
+
+
+def test_cli_dpo_trains_and_moves_held_out_margins(tmp_path, capsys):
+    """krnl train --train-mode dpo on a tiny folder: metrics carry TRL's reward metrics, the validation
+    loss is DPO's, and the held-out pairs' margin goes up; bad pair lines are named."""
+    from mlx_folders import make_base
+    from krnl.cli.main import main
+    from krnl.formats import hf
+
+    make_base(tmp_path / "base")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_text(write_pairs(32, 1))
+    (tmp_path / "data" / "valid.jsonl").write_text(write_pairs(8, 2))
+    out = tmp_path / "ad"
+    args = ["train", "--model", str(tmp_path / "base"), "--data", str(tmp_path / "data"), "--device", "cpu",
+            "--train-mode", "dpo", "--beta", "0.5", "--iters", "8", "--batch-size", "4", "--learning-rate", "1e-2",
+            "--steps-per-eval", "4", "--quiet", "--no-tune", "--adapter-path", str(out)]
+    assert main(args) == 0
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 8 and all("rewards/margins" in r and "rewards/accuracies" in r for r in rows)
+    vals = [r["val_loss"] for r in rows if "val_loss" in r]
+    assert len(vals) == 2 and vals[-1] < np.log(2) - 0.01  # DPO's loss starts at log 2 (policy = reference)
+    m = hf.load_model(tmp_path / "base", krnl.device("cpu"), adapter=out)
+    from krnl.train.pairs import load_pairs
+
+    split = load_pairs(tmp_path / "data" / "valid.jsonl", hf.load_tokenizer(tmp_path / "base"), 64)
+    ids, tg = split.eval_batches(8)[0]
+    assert preference.DPO(0.5, "sigmoid").evaluate(m, ids, tg) == pytest.approx(vals[-1], rel=1e-4)
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "train.jsonl").write_text('{"prompt": "w1", "chosen": " w2"}\n')
+    assert main(args[:4] + [str(tmp_path / "bad")] + args[5:]) != 0
+    assert "bad/train.jsonl:1: missing key 'rejected'" in capsys.readouterr().err
+
+
+def test_pairs_of_both_formats_mask_the_prompt(tmp_path):
+    """Standard and conversational pairs: 2P rows, the chosen first; only completion tokens are targets
+    (with a chat template, the tokens after the prompt's generation prompt)."""
+    from mlx_folders import make_base
+    from krnl.formats import hf
+    from krnl.train.pairs import load_pairs
+
+    make_base(tmp_path / "base")
+    tok = hf.load_tokenizer(tmp_path / "base")
+    (tmp_path / "p.jsonl").write_text('{"prompt": "w1 w2 w3", "chosen": " w5 w6", "rejected": " w7"}\n')
+    ids, tg = load_pairs(tmp_path / "p.jsonl", tok, 64).eval_batches(4)[0]
+    assert ids.shape[0] == 2 and list(tg[0][tg[0] != -100]) == [5, 6, tok.eos_id]
+    assert list(tg[1][tg[1] != -100]) == [7, tok.eos_id]
+    (tmp_path / "c.jsonl").write_text(write_pairs(3, 4, conversational=True))
+    with pytest.raises(ValueError, match=r"c.jsonl:1: conversational pairs need a tokenizer with a chat template"):
+        load_pairs(tmp_path / "c.jsonl", tok, 64)
+    cfg = json.loads((tmp_path / "base" / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+                            "{% if add_generation_prompt %}assistant {% endif %}")
+    (tmp_path / "base" / "tokenizer_config.json").write_text(json.dumps(cfg))
+    split = load_pairs(tmp_path / "c.jsonl", hf.load_tokenizer(tmp_path / "base"), 64)
+    ids, tg = split.eval_batches(3)[0]
+    assert ids.shape[0] == 6
+    assert all(list(t[t != -100]) == ([5, 6] if b < 3 else [7, 8]) for b, t in enumerate(tg))
+
+
+def test_cli_dpo_resume_is_exact(tmp_path):
+    """4 DPO steps in one run, or 2 then a resume to 4 (a constant rate: the schedule does not hang on
+    --iters): the same adapter."""
+    from mlx_folders import make_base
+    from safetensors.numpy import load_file
+    from krnl.cli.main import main
+
+    make_base(tmp_path / "base")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_text(write_pairs(16, 5))
+    run = lambda out, iters, *more: main(["train", "--model", str(tmp_path / "base"), "--data", str(tmp_path / "data"),
+                                         "--device", "cpu", "--train-mode", "dpo", "--loss-type", "ipo", "--iters",
+                                         str(iters), "--batch-size", "2", "--grad-accumulation", "2", "--save-every",
+                                         "2", "--steps-per-eval", "0", "--lr-schedule", "constant", "--warmup", "0",
+                                         "--quiet", "--no-tune", "--adapter-path", str(out), *more])
+    assert run(tmp_path / "a", 4) == 0
+    assert run(tmp_path / "b", 2) == 0 and run(tmp_path / "b", 4, "--resume") == 0
+    a, b = (load_file(str(tmp_path / d / "adapter_model.safetensors")) for d in "ab")
+    assert sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)
+    assert any(np.abs(a[k]).max() > 0 for k in a if ".lora_B." in k)

@@ -11,7 +11,7 @@ import pytest
 import krnl
 from krnl.models.config import LoraConfig, ModelConfig, random_weights
 from krnl.models.model import LlamaModel
-from krnl.models.sequence_loss import adapter_off, forward_backward_sequences, sequence_logps
+from krnl.models.sequence_loss import adapter_off, forward_backward_rows, sequence_logps
 from krnl.train import preference
 
 from conftest import lora_step
@@ -52,14 +52,15 @@ def test_sequence_logps_are_the_cross_entropy_sums():
 
 
 def test_weights_of_the_mean_give_forward_backward_gradients():
-    """A sequence objective whose weights are 1 / (valid tokens) is the mean cross entropy: the same
-    LoRA gradients as forward_backward."""
+    """An objective of the rows' losses whose weights are 1 / (valid tokens) is the mean cross entropy:
+    the same LoRA gradients as forward_backward."""
     m = tiny()
     ids, tg = pairs(seed=1)
     _, want = lora_step(m, ids, tg)
     m.lora_params.zero_grads()
-    got = forward_backward_sequences(m, ids, tg, lambda logp, n: (np.full(len(n), 1.0 / n.sum()), logp))
-    assert got.shape == (len(ids),)
+    valid = tg != -100
+    got = forward_backward_rows(m, ids, tg, lambda rows: (valid / valid.sum(), rows))
+    assert got.shape == ids.shape and np.all(got[~valid] == 0) and np.all(got[valid] > 0)
     for k, g in m._lora_grads().items():
         np.testing.assert_allclose(g.numpy(), want[k], rtol=1e-4, atol=1e-5 * np.abs(want[k]).max(), err_msg=k)
 
@@ -78,20 +79,31 @@ def test_adapter_off_is_the_base_model_and_restores_the_adapter():
         assert np.array_equal(v, before[k]), k
 
 
-@pytest.mark.parametrize("loss_type", preference.DPO_LOSS_TYPES)
-def test_dpo_gradient_is_its_loss_derivative(loss_type):
+OBJECTIVES = {**{f"dpo-{t}": lambda lp, n, ref, t=t: preference.dpo(lp, n, ref, 0.3, t) for t in preference.DPO_LOSS_TYPES},
+              "orpo": lambda lp, n, ref: preference.orpo(lp, n, 0.3),
+              "simpo": lambda lp, n, ref: preference.simpo(lp, n, 2.0, 0.5, 0.7, 0.1)}
+
+
+@pytest.mark.parametrize("name", list(OBJECTIVES))
+def test_objective_weights_are_its_loss_derivative(name):
+    """w = dloss/dS with S = -logp each row's summed token losses, against float64 central differences."""
+    f = OBJECTIVES[name]
     rng = np.random.default_rng(3)
-    logp, ref, n = -rng.uniform(5, 30, 8), -rng.uniform(5, 30, 8), rng.integers(1, 20, 8)
-    _, w, _ = preference.dpo(logp, n, ref, 0.3, loss_type)
+    n = rng.integers(1, 20, 8)
+    logp, ref = -rng.uniform(0.2, 3.0, 8) * n, -rng.uniform(5, 30, 8)  # per token: log-probabilities < 0
+    _, w, _ = f(logp, n, ref)
     for i in range(8):
         e = np.zeros(8)
         e[i] = 1e-6
-        fd = (preference.dpo(logp + e, n, ref, 0.3, loss_type)[0] - preference.dpo(logp - e, n, ref, 0.3, loss_type)[0])
-        assert -w[i] == pytest.approx(fd / 2e-6, rel=1e-6, abs=1e-9), i
-    with pytest.raises(ValueError, match="loss_type must be one of sigmoid, hinge, ipo"):
-        preference.dpo(logp, n, ref, 0.3, "kto")
+        fd = (f(logp - e, n, ref)[0] - f(logp + e, n, ref)[0]) / 2e-6   # dloss/dS = -dloss/dlogp
+        assert w[i] == pytest.approx(fd, rel=1e-6, abs=1e-9), i
     with pytest.raises(ValueError, match="a batch holds pairs"):
-        preference.dpo(logp[:3], n[:3], ref[:3])
+        f(logp[:3], n[:3], ref[:3])
+
+
+def test_dpo_refuses_unknown_loss_types():
+    with pytest.raises(ValueError, match="loss_type must be one of sigmoid, hinge, ipo"):
+        preference.dpo(np.zeros(2), np.ones(2), np.zeros(2), 0.3, "kto")
 
 
 def test_dpo_training_raises_the_margin():
@@ -205,7 +217,7 @@ def test_cli_dpo_trains_and_moves_held_out_margins(tmp_path, capsys):
 
     split = load_pairs(tmp_path / "data" / "valid.jsonl", hf.load_tokenizer(tmp_path / "base"), 64)
     ids, tg = split.eval_batches(8)[0]
-    assert preference.DPO(0.5, "sigmoid").evaluate(m, ids, tg) == pytest.approx(vals[-1], rel=1e-4)
+    assert preference.Pairwise("dpo", 0.5).evaluate(m, ids, tg) == pytest.approx(vals[-1], rel=1e-4)
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "train.jsonl").write_text('{"prompt": "w1", "chosen": " w2"}\n')
     assert main(args[:4] + [str(tmp_path / "bad")] + args[5:]) != 0
@@ -258,3 +270,83 @@ def test_cli_dpo_resume_is_exact(tmp_path):
     a, b = (load_file(str(tmp_path / d / "adapter_model.safetensors")) for d in "ab")
     assert sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)
     assert any(np.abs(a[k]).max() > 0 for k in a if ".lora_B." in k)
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("mode, alpha", [("orpo", None), ("simpo", 0.0), ("simpo", 1.0)])
+def test_orpo_and_simpo_match_trl(tmp_path, mode, alpha):
+    """TRL's ORPOTrainer and CPOTrainer (loss_type simpo, with and without CPO's NLL) on one batch and
+    krnl's objectives: loss, reward metrics and every LoRA gradient equal."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+    from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+    from hf_families import save_random
+    from krnl.formats import hf
+
+    c = transformers.Qwen3Config(**{k: v for k, v in CFG.items() if k != "model_type"}, rms_norm_eps=1e-6,
+                                 tie_word_embeddings=False)
+    torch.manual_seed(0)
+    folder = save_random(transformers.Qwen3ForCausalLM(c), tmp_path / "m", 12)
+    m = hf.load_model(folder, krnl.device("cpu"), lora=LoraConfig(r=2, alpha=4.0, target_modules=TARGETS))
+    st = random_b(m, 6)
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32,
+                                                             attn_implementation="eager")
+    pm = peft.get_peft_model(base, peft.LoraConfig(r=2, lora_alpha=4.0, target_modules=list(TARGETS)))
+    peft.set_peft_model_state_dict(pm, {k: torch.tensor(v) for k, v in st.items()})
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), eos_token="</s>",
+                                               pad_token="</s>")
+    ds = datasets.Dataset.from_dict({"prompt": ["w1 w2", "w3", "w9 w8 w7"], "chosen": [" w4 w5", " w6", " w11"],
+                                     "rejected": [" w7", " w8 w9 w1", " w12 w13"]})
+    common = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=3, beta=0.2, report_to=[],
+                  use_cpu=True, bf16=False)
+    if mode == "orpo":
+        tr = ORPOTrainer(model=pm, args=ORPOConfig(**common), train_dataset=ds, processing_class=tok)
+    else:
+        tr = CPOTrainer(model=pm, args=CPOConfig(**common, loss_type="simpo", simpo_gamma=0.3, cpo_alpha=alpha),
+                        train_dataset=ds, processing_class=tok)
+    batch = next(iter(tr.get_train_dataloader()))
+    loss, want = tr.get_batch_loss_metrics(pm, batch)
+    loss.backward()
+    ref = {n.replace(".default", ""): p.grad.double().numpy() for n, p in pm.named_parameters() if p.requires_grad}
+    T = max(batch["chosen_input_ids"].shape[1], batch["rejected_input_ids"].shape[1])
+    pad = lambda a, v: np.pad(a.numpy(), ((0, 0), (0, T - a.shape[1])), constant_values=v)
+    ids = np.concatenate([pad(batch[f"{k}_input_ids"], 0) for k in ("chosen", "rejected")])
+    lab = np.concatenate([pad(batch[f"{k}_labels"], -100) for k in ("chosen", "rejected")])
+    tg = np.concatenate([lab[:, 1:], np.full((len(lab), 1), -100)], axis=1)
+    m.lora_params.zero_grads()
+    obj = preference.Pairwise(mode, 0.2, gamma=0.3, cpo_alpha=alpha or 0.0)
+    mine, metrics = obj.step(m, ids, tg)
+    assert mine == pytest.approx(float(loss.detach()), rel=1e-5)
+    for k in ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "nll_loss"):
+        assert metrics[k] == pytest.approx(float(want[k]), rel=1e-4, abs=1e-6), k
+    grads = {k: np.asarray(g.numpy(), np.float64) for k, g in m._lora_grads().items()}
+    assert set(grads) == set(ref)
+    for k, g in ref.items():
+        assert np.abs(g).max() > 0, k
+        assert np.abs(grads[k] - g).max() <= 1e-4 * np.abs(g).max(), k
+
+
+@pytest.mark.parametrize("mode", ["orpo", "simpo"])
+def test_cli_orpo_and_simpo_train(tmp_path, mode):
+    """--train-mode orpo and simpo from the CLI: TRL's metrics per step, the validation loss (the
+    mode's) going down."""
+    from mlx_folders import make_base
+    from krnl.cli.main import main
+
+    make_base(tmp_path / "base")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_text(write_pairs(32, 1))
+    (tmp_path / "data" / "valid.jsonl").write_text(write_pairs(8, 2))
+    out = tmp_path / "ad"
+    assert main(["train", "--model", str(tmp_path / "base"), "--data", str(tmp_path / "data"), "--device", "cpu",
+                 "--train-mode", mode, "--beta", "0.5", "--cpo-alpha", "0.2", "--iters", "8", "--batch-size", "4",
+                 "--learning-rate", "1e-2", "--steps-per-eval", "1", "--quiet", "--no-tune",
+                 "--adapter-path", str(out)]) == 0
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["nll_loss"] > 0 and "rewards/margins" in r for r in rows)
+    vals = [r["val_loss"] for r in rows]
+    assert vals[-1] < vals[0] - 0.01, vals

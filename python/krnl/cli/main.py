@@ -207,7 +207,8 @@ def cmd_train(args):
                       weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
                       val_every=args.steps_per_eval, save_every=args.save_every, seed=args.seed,
                       length_bucket=args.length_bucket, graphs=not args.no_graphs, reduce_order=args.reduce_order,
-                      train_mode=args.train_mode, beta=args.beta, loss_type=args.loss_type)
+                      train_mode=args.train_mode, beta=args.beta, loss_type=args.loss_type,
+                      simpo_gamma=args.simpo_gamma, cpo_alpha=args.cpo_alpha)
     fingerprint = {"base": base_id, "model": vars(model.config), "lora": vars(lora), "dtype": args.dtype}
     if model.quantize is not None:  # only then: older checkpoints have no such key
         fingerprint["quantize"] = list(model.quantize)

@@ -1,10 +1,8 @@
-"""Sequence-level objectives over krnl's own forward and backward (preference training: DPO, ORPO and
-SimPO, krnl.train.preference): each sample's summed log-probability of its targets, over the rows
-the cross entropy covers, and a backward in which each row's cross-entropy gradient is scaled by its
-sample's weight, dL / d(sum of the sample's row losses), which the objective computes on the host
-from the forward's sums:
-
-    logp_b = -sum over t of CE(b, t)        (targets -100 ignored; n_b counts the others)
+"""Objectives of whole sequences over krnl's own forward and backward (preference training: DPO, ORPO
+and SimPO, krnl.train.preference): each row's cross entropy (its target's negative log-probability;
+0 where the target is -100) read on the host, and a backward in which each row's cross-entropy
+gradient is scaled by dL / d(that row's loss), which the objective computes from them; a sample's
+log-probability of its completion is minus the sum of its completion rows' losses.
 
 A training call is two device steps with one host read between: the forward, each row's loss and its
 gradient at the final norm (at scale 1); then, the weights known, those gradients scaled row by row
@@ -39,21 +37,15 @@ def adapter_off(model):
         ops.cast(keep, flat)
 
 
-def _sample_sums(model, rows_loss, B, T):
-    """(B, 1) f32: each sample's sum of its T row losses."""
-    out = model.dev.empty((B, 1), "f32")
-    ops.gemm(rows_loss.reshape(B, T), model._ones(T), out)
-    return out
-
-
-def _counts(targets):
-    t = np.asarray(targets)
-    return (t.reshape(t.shape[0], -1) != IGNORE_INDEX).sum(axis=1)
-
-
 def sequence_logps(model, ids, targets):
     """(logp (B,) float64, n (B,)): each sample's summed log-probability of its targets (B, T) and their
     count, forward only (no dropout)."""
+    rows = row_losses(model, ids, targets)
+    return -rows.sum(axis=1), (np.asarray(targets).reshape(rows.shape) != IGNORE_INDEX).sum(axis=1)
+
+
+def row_losses(model, ids, targets):
+    """(B, T) float64: each row's cross entropy of its target (0 where -100), forward only (no dropout)."""
     ids_t, shape, ia = model._ids(ids, "ids")
     tt, _ = model._targets(targets, shape)
     batch = model._batch(shape)
@@ -63,17 +55,15 @@ def sequence_logps(model, ids, targets):
     def body():
         model._forward_logits_rows(ids_t, batch, lambda r0, r1, lg: ops.cross_entropy(lg, tt[r0:r1], rows[r0:r1],
                                                                                        None, IGNORE_INDEX))
-        return _sample_sums(model, rows, B, T)
+        return rows
 
-    sums = model._run(body)
-    return -np.asarray(sums.numpy()[:, 0], np.float64), _counts(targets)
+    return np.asarray(model._run(body).numpy(), np.float64).reshape(B, T)
 
 
-def forward_backward_sequences(model, ids, targets, weigh, loss_scale=1.0):
-    """One training forward and backward of a sequence-level objective: weigh(logp (B,) float64, n (B,))
-    returns (w (B,) the loss's gradient with respect to each sample's summed row losses, -dL/dlogp_b;
-    anything else the caller wants back), which this returns second. LoRA gradients accumulate, times
-    loss_scale (dynamic loss scaling)."""
+def forward_backward_rows(model, ids, targets, weigh, loss_scale=1.0):
+    """One training forward and backward of an objective of the rows' losses: weigh(losses (B, T)
+    float64) returns (w (B, T), dL/d(each row's loss); anything else), and this returns that anything
+    else. LoRA gradients accumulate, times loss_scale (dynamic loss scaling)."""
     host = model.prepare(ids, targets, loss_scale)
     if model.sums.on:
         raise ValueError("[LlamaModel] a sequence-level objective weighs each sample after the forward, which the "
@@ -88,9 +78,8 @@ def forward_backward_sequences(model, ids, targets, weigh, loss_scale=1.0):
         if model.router_stats:
             model.router_stats.backward(inputs.loss_scale)
         rows_loss, dxn = model._head_backward(xn, inputs.targets, None, B, T)
-        sums = _sample_sums(model, rows_loss, B, T)
-    w, out = weigh(-np.asarray(sums.numpy()[:, 0], np.float64), _counts(host.targets.reshape(B, T)))
-    w = np.repeat(np.asarray(w, np.float64) * float(loss_scale), T).astype(np.float32)
+    w, out = weigh(np.asarray(rows_loss.numpy(), np.float64).reshape(B, T))
+    w = (np.asarray(w, np.float64) * float(loss_scale)).astype(np.float32).reshape(N)
     with d.step():
         # each row's gradient times its sample's weight: a weighted gather of rows over identity slots
         scaled = d.empty(tuple(dxn.shape), dxn.dtype)

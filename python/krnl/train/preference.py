@@ -1,4 +1,5 @@
-"""Preference training's objectives as TRL defines them (DPOTrainer), on the per-sample
+"""Preference training's objectives as TRL defines them (DPOTrainer; ORPOTrainer and CPOTrainer's
+SimPO in trl.experimental), on the per-sample
 log-probabilities krnl's forward gives (models/sequence_loss.py). A batch holds P pairs as 2P rows,
 the P chosen completions first and their rejected ones after, in the same order (TRL's layout);
 each row's targets cover its completion only (the prompt's are -100).
@@ -10,13 +11,21 @@ reference's (the base model: the adapter off) c0, r0, and d = (c - c0) - (r - r0
     hinge    max(0, 1 - beta d)
     ipo      ((c - c0) / n_c - (r - r0) / n_r - 1 / (2 beta))^2    (log-ratios per completion token)
 
-averaged over the pairs. The loss's gradient is taken here with respect to each row's summed
-token losses (-logp), which scales that row's cross-entropy gradient in the model's backward.
+averaged over the pairs. ORPO and SimPO need no reference; with a = logp / n per completion token
+and NLL the chosen rows' mean token loss:
+
+    orpo   NLL - beta mean log sigmoid(log odds),  log odds = (a_c - a_r) - (log(1 - e^a_c) - log(1 - e^a_r))
+           (its NLL over the chosen rows' prompt and completion tokens, as TRL's)
+    simpo  mean -log sigmoid(beta (a_c - a_r) - gamma) + cpo_alpha NLL (over the completion tokens)
+
+The loss's gradient is taken here with respect to each row's summed token losses (S = -logp),
+which scales that row's cross-entropy gradient in the model's backward.
 Everything on the host is float64: a batch's handful of scalars."""
 
 import numpy as np
 
-from ..models.sequence_loss import adapter_off, forward_backward_sequences, sequence_logps
+from ..models.config import IGNORE_INDEX
+from ..models.sequence_loss import adapter_off, forward_backward_rows, row_losses
 
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo")
 
@@ -32,21 +41,19 @@ def _sigmoid(x):
 def dpo(logp, n, ref_logp, beta=0.1, loss_type="sigmoid"):
     """(loss, w, metrics) of a DPO batch: logp, ref_logp (2P,) the policy's and the reference's summed
     log-probabilities, n (2P,) completion tokens; w (2P,) = -dloss/dlogp; metrics as TRL logs them
-    (rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen, logps/rejected)."""
+    (rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen, logps/rejected).
+    n counts tokens of completions (at least 1 taken)."""
     if loss_type not in DPO_LOSS_TYPES:
         raise ValueError(f"[dpo] loss_type must be one of {', '.join(DPO_LOSS_TYPES)}, got {loss_type!r}")
     if not beta > 0:
         raise ValueError(f"[dpo] beta must be > 0, got {beta!r}")
-    logp, ref_logp, n = (np.asarray(a, np.float64) for a in (logp, ref_logp, n))
-    if len(logp) % 2 or len(logp) != len(ref_logp) or len(logp) != len(n):
-        raise ValueError(f"[dpo] a batch holds pairs: chosen rows then rejected ones, got {len(logp)} rows")
-    P = len(logp) // 2
-    ratio = logp - ref_logp                                               # (2P,) log pi / pi_ref
+    logp, n, P = _pairs(logp, n, "dpo")
+    ratio = logp - np.asarray(ref_logp, np.float64)                       # (2P,) log pi / pi_ref
     if loss_type == "ipo":
-        ratio_n = ratio / np.maximum(n, 1.0)
+        ratio_n = ratio / n
         d = ratio_n[:P] - ratio_n[P:]
         per, dper = (d - 1 / (2 * beta)) ** 2, 2 * (d - 1 / (2 * beta))
-        scale = 1 / np.maximum(n, 1.0)                                    # d(d) / d(logp): per token
+        scale = 1 / n                                                     # d(d) / d(logp): per token
     else:
         d = ratio[:P] - ratio[P:]
         if loss_type == "sigmoid":
@@ -55,55 +62,131 @@ def dpo(logp, n, ref_logp, beta=0.1, loss_type="sigmoid"):
             per, dper = np.maximum(0.0, 1 - beta * d), np.where(1 - beta * d > 0, -beta, 0.0)
         scale = np.ones(2 * P)
     dlogp = np.concatenate([dper, -dper]) * scale / P                     # dloss / dlogp
-    rewards = beta * ratio
-    metrics = {"rewards/chosen": rewards[:P].mean(), "rewards/rejected": rewards[P:].mean(),
-               "rewards/accuracies": (rewards[:P] > rewards[P:]).mean(),
-               "rewards/margins": (rewards[:P] - rewards[P:]).mean(),
-               "logps/chosen": logp[:P].mean(), "logps/rejected": logp[P:].mean()}
+    metrics = _reward_metrics(beta * ratio, logp, P)
     return float(per.mean()), -dlogp, {k: float(v) for k, v in metrics.items()}
 
 
-def dpo_step(model, ids, targets, beta=0.1, loss_type="sigmoid", ref_logp=None, loss_scale=1.0):
-    """One forward and backward of DPO on the model (LoRA gradients accumulate); ref_logp (2P,) the
-    reference's log-probabilities where known already (TRL's precompute_ref_log_probs), else computed
-    here with the adapter off. Returns (loss, metrics)."""
-    if ref_logp is None:
-        with adapter_off(model):
-            ref_logp, _ = sequence_logps(model, ids, targets)
+def _log1mexp(x):
+    """log(1 - e^x) for x < 0, without cancellation on either side of -ln 2."""
+    return np.where(x < -np.log(2.0), np.log1p(-np.exp(x)), np.log(-np.expm1(x)))
 
-    def weigh(logp, n):
-        loss, w, metrics = dpo(logp, n, ref_logp, beta, loss_type)
-        return w, (loss, metrics)
 
-    return forward_backward_sequences(model, ids, targets, weigh, loss_scale)
+def _pairs(logp, n, who):
+    logp, n = np.asarray(logp, np.float64), np.asarray(n, np.float64)
+    if len(logp) % 2 or len(logp) != len(n):
+        raise ValueError(f"[{who}] a batch holds pairs: chosen rows then rejected ones, got {len(logp)} rows")
+    return logp, np.maximum(n, 1.0), len(logp) // 2
+
+
+def _reward_metrics(r, logp, P):
+    return {"rewards/chosen": r[:P].mean(), "rewards/rejected": r[P:].mean(),
+            "rewards/accuracies": (r[:P] > r[P:]).mean(), "rewards/margins": (r[:P] - r[P:]).mean(),
+            "logps/chosen": logp[:P].mean(), "logps/rejected": logp[P:].mean()}
+
+
+def orpo(logp, n, beta=0.1, nll=0.0):
+    """(loss, w, metrics) of ORPO (TRL's ORPOTrainer) given the NLL term `nll` (its gradient the
+    caller's): as dpo() without a reference; w = dloss/dS."""
+    logp, n, P = _pairs(logp, n, "orpo")
+    a = logp / n                                                          # (2P,) per-token log-probabilities
+    lo = (a[:P] - a[P:]) - (_log1mexp(a[:P]) - _log1mexp(a[P:]))
+    ratio = _log_sigmoid(lo)
+    dlo = -beta * _sigmoid(-lo) / P                                       # d(-beta mean ratio) / d lo
+    da = np.concatenate([dlo / -np.expm1(a[:P]), -dlo / -np.expm1(a[P:])])  # dlo/da = 1 / (1 - e^a), signed
+    metrics = {**_reward_metrics(beta * a, a, P), "nll_loss": nll, "log_odds_ratio": ratio.mean(),
+               "log_odds_chosen": lo.mean()}
+    return float(nll - beta * ratio.mean()), -da / n, {k: float(v) for k, v in metrics.items()}  # a = -S / n
+
+
+def simpo(logp, n, beta=2.0, gamma=0.5, cpo_alpha=0.0, label_smoothing=0.0, nll=0.0):
+    """(loss, w, metrics) of SimPO (TRL's CPOTrainer with loss_type "simpo") given the NLL term `nll`
+    (its gradient the caller's); w = dloss/dS."""
+    logp, n, P = _pairs(logp, n, "simpo")
+    a = logp / n
+    z = beta * (a[:P] - a[P:]) - gamma
+    per = -(1 - label_smoothing) * _log_sigmoid(z) - label_smoothing * _log_sigmoid(-z)
+    dz = (-(1 - label_smoothing) * _sigmoid(-z) + label_smoothing * _sigmoid(z)) / P
+    metrics = {**_reward_metrics(beta * a, a, P), "nll_loss": nll if cpo_alpha else 0.0}  # TRL skips it at 0
+    return float(per.mean() + cpo_alpha * nll), -np.concatenate([beta * dz, -beta * dz]) / n, \
+        {k: float(v) for k, v in metrics.items()}
+
+
+def dpo_step(model, ids, targets, beta=0.1, loss_type="sigmoid", loss_scale=1.0):
+    """One forward and backward of DPO on the model (LoRA gradients accumulate), the reference computed
+    with the adapter off. Returns (loss, metrics)."""
+    return Pairwise("dpo", beta, loss_type).step(model, ids, targets, loss_scale)
+
+
+MODES = ("sft", "dpo", "orpo", "simpo")
 
 
 def check(cfg):
     """Raises naming a TrainConfig's bad preference settings."""
-    if cfg.train_mode not in ("sft", "dpo"):
-        raise ValueError(f"[train] train_mode must be sft or dpo, got {cfg.train_mode!r}")
-    if cfg.train_mode == "dpo":
-        if cfg.loss_type not in DPO_LOSS_TYPES:
-            raise ValueError(f"[train] loss_type must be one of {', '.join(DPO_LOSS_TYPES)}, got {cfg.loss_type!r}")
-        if not (cfg.beta > 0 and np.isfinite(cfg.beta)):
-            raise ValueError(f"[train] beta must be > 0, got {cfg.beta!r}")
+    if cfg.train_mode not in MODES:
+        raise ValueError(f"[train] train_mode must be one of {', '.join(MODES)}, got {cfg.train_mode!r}")
+    if cfg.train_mode == "dpo" and cfg.loss_type not in DPO_LOSS_TYPES:
+        raise ValueError(f"[train] loss_type must be one of {', '.join(DPO_LOSS_TYPES)}, got {cfg.loss_type!r}")
+    for k in ("beta", "simpo_gamma", "cpo_alpha"):
+        v = getattr(cfg, k)
+        if not (np.isfinite(v) and (v > 0 if k == "beta" else v >= 0)):
+            raise ValueError(f"[train] {k} must be {'> 0' if k == 'beta' else '>= 0'}, got {v!r}")
 
 
-class DPO:
-    """The objective of --train-mode dpo for the trainer's StepRunner: step() trains on a batch of
-    pairs (the reference the adapter off, computed at each batch), evaluate() gives its loss."""
+class Pairwise:
+    """The objective of --train-mode dpo, orpo or simpo for the trainer's StepRunner: step() trains on
+    a batch of pairs (DPO's reference the adapter off, computed at each batch), evaluate() gives its loss."""
 
-    def __init__(self, beta, loss_type):
-        self.beta, self.loss_type = float(beta), loss_type
+    def __init__(self, mode, beta, loss_type="sigmoid", gamma=0.5, cpo_alpha=0.0):
+        self.mode, self.beta, self.loss_type, self.gamma, self.cpo_alpha = mode, float(beta), loss_type, gamma, cpo_alpha
+
+    def targets(self, ids, targets):
+        """(the targets the forward reads, the completion rows (B, T) bool): ORPO's NLL also reads the
+        chosen rows' prompt tokens, every row up to the completion's last."""
+        done = targets != IGNORE_INDEX
+        if self.mode != "orpo":
+            return targets, done
+        T = targets.shape[1]
+        last = np.where(done.any(axis=1), T - 1 - np.argmax(done[:, ::-1], axis=1), -1)
+        full = np.where(np.arange(T)[None, :] <= last[:, None], np.concatenate([ids[:, 1:], ids[:, :1]], axis=1),
+                        IGNORE_INDEX)
+        return full, done
+
+    def loss(self, rows, read, done, ref=None):
+        """(loss, w (B, T) dloss/d(row loss), metrics) from the rows' losses (B, T)."""
+        logp, n = -(rows * done).sum(axis=1), done.sum(axis=1)
+        P, chosen = len(rows) // 2, np.zeros(rows.shape, bool)
+        chosen[:P] = read[:P] != IGNORE_INDEX                             # the NLL's rows
+        nll = rows[chosen].sum() / max(chosen.sum(), 1)
+        if self.mode == "dpo":
+            loss, w, m = dpo(logp, n, ref, self.beta, self.loss_type)
+        elif self.mode == "orpo":
+            loss, w, m = orpo(logp, n, self.beta, nll)
+        else:
+            loss, w, m = simpo(logp, n, self.beta, self.gamma, self.cpo_alpha, nll=nll)
+        alpha = 1.0 if self.mode == "orpo" else self.cpo_alpha if self.mode == "simpo" else 0.0
+        return loss, w[:, None] * done + alpha * chosen / max(chosen.sum(), 1), m
+
+    def reference(self, model, ids, targets, done):
+        if self.mode != "dpo":
+            return None
+        with adapter_off(model):
+            return -(row_losses(model, ids, targets) * done).sum(axis=1)
 
     def step(self, model, ids, targets, loss_scale=1.0):
-        return dpo_step(model, ids, targets, self.beta, self.loss_type, loss_scale=loss_scale)
+        ids, targets = np.asarray(ids), np.asarray(targets)
+        read, done = self.targets(ids, targets)
+        ref = self.reference(model, ids, read, done)
+
+        def weigh(rows):
+            loss, w, metrics = self.loss(rows, read, done, ref)
+            return w, (loss, metrics)
+
+        return forward_backward_rows(model, ids, read, weigh, loss_scale)
 
     def evaluate(self, model, ids, targets):
-        with adapter_off(model):
-            ref, _ = sequence_logps(model, ids, targets)
-        logp, n = sequence_logps(model, ids, targets)
-        return dpo(logp, n, ref, self.beta, self.loss_type)[0]
+        ids, targets = np.asarray(ids), np.asarray(targets)
+        read, done = self.targets(ids, targets)
+        return self.loss(row_losses(model, ids, read), read, done, self.reference(model, ids, read, done))[0]
 
 
 def objective(cfg, world=None):
@@ -113,4 +196,4 @@ def objective(cfg, world=None):
     if world is not None and world.size > 1:
         raise ValueError(f"[train] --train-mode {cfg.train_mode} runs on one process for now (a pair's rows must "
                          "stay together and the pairs' mean spans the ranks)")
-    return DPO(cfg.beta, cfg.loss_type)
+    return Pairwise(cfg.train_mode, cfg.beta, cfg.loss_type, cfg.simpo_gamma, cfg.cpo_alpha)

@@ -50,9 +50,11 @@ class TrainConfig:
     length_bucket: int = 0        # pad each batch's length to a multiple (0: 256 where graphs replay, else none)
     graphs: bool = True           # record the step once per padded length and replay it, where the device can
     reduce_order: str = "auto"    # sample: LoRA grads summed per sample (dist/ranks.py); auto: sample with > 1 rank
-    train_mode: str = "sft"       # sft | dpo (krnl.train.preference: batches of preference pairs)
-    beta: float = 0.1             # dpo: TRL's beta
+    train_mode: str = "sft"       # sft | dpo | orpo | simpo (krnl.train.preference: batches of preference pairs)
+    beta: float = 0.1             # TRL's beta (ORPO's lambda)
     loss_type: str = "sigmoid"    # dpo: sigmoid | hinge | ipo
+    simpo_gamma: float = 0.5      # simpo: the target reward margin
+    cpo_alpha: float = 0.0        # simpo: weight of the chosen rows' NLL (CPO's; 0 is SimPO's own)
 
     def validate(self):
         for name in ("iters", "batch_size", "grad_accum", "val_batches", "keep_checkpoints"):

@@ -1,0 +1,110 @@
+"""GRPO's objective (krnl.train.grpo) on fixed completions: against TRL's GRPOTrainer._compute_loss (the
+loss and every LoRA gradient, ratios off 1 so that both clips bite, with and without the KL to the base),
+and, without torch, the advantages and the loss's gradient against float64 finite differences."""
+
+import numpy as np
+import pytest
+
+import krnl
+from krnl.models.config import LoraConfig
+from krnl.models.sequence_loss import row_losses
+from krnl.train import grpo
+
+from hf_families import V, random_b
+from test_preference import CFG, TARGETS
+
+
+def test_advantages_are_trls_group_normalisation():
+    r = np.array([1.0, 0.0, 0.5, 0.5, 2.0, -1.0])
+    a = grpo.advantages(r, 2)
+    assert a[2] == a[3] == 0.0
+    np.testing.assert_allclose(a[:2], [0.5 / (np.std([1.0, 0.0], ddof=1) + 1e-4)] * 1 + [-0.5 / (np.std([1, 0], ddof=1)
+                                                                                             + 1e-4)], rtol=1e-12)
+    assert grpo.advantages(r, 3, "none")[0] == pytest.approx(1.0 - 0.5)
+    assert grpo.advantages(r, 6, "batch")[4] == pytest.approx((2.0 - r.mean()) / (r.std(ddof=1) + 1e-4))
+    with pytest.raises(ValueError, match="5 rewards are not whole groups of 2"):
+        grpo.advantages(r[:5], 2)
+
+
+@pytest.mark.parametrize("loss_type", grpo.LOSS_TYPES)
+@pytest.mark.parametrize("beta, correction", [(0.0, True), (0.05, True), (0.05, False)])
+def test_objective_gradient_is_its_derivative(loss_type, beta, correction):
+    rng = np.random.default_rng(1)
+    B, T = 4, 6
+    mask = rng.random((B, T)) < 0.8
+    logp, old, ref = (-rng.uniform(0.1, 3, (B, T)) for _ in range(3))
+    adv = rng.normal(size=B)
+    f = lambda lp: grpo.objective(lp, mask, adv, old, ref, beta, 0.2, 0.28, loss_type, 9, correction)
+    _, g, _ = f(logp)
+    for i in range(B):
+        for t in range(T):
+            e = np.zeros((B, T))
+            e[i, t] = 1e-6
+            fd = (f(logp + e)[0] - f(logp - e)[0]) / 2e-6
+            assert g[i, t] == pytest.approx(fd, rel=1e-5, abs=1e-9), (i, t)
+    assert np.all(g[~mask] == 0)
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("loss_type, beta", [("grpo", 0.0), ("grpo", 0.04), ("bnpo", 0.04), ("dr_grpo", 0.0)])
+def test_grpo_matches_trl(tmp_path, loss_type, beta):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    from hf_families import save_random
+    from krnl.formats import hf
+
+    c = transformers.Qwen3Config(**{k: v for k, v in CFG.items() if k != "model_type"}, rms_norm_eps=1e-6,
+                                 tie_word_embeddings=False)
+    torch.manual_seed(0)
+    folder = save_random(transformers.Qwen3ForCausalLM(c), tmp_path / "m", 13)
+    m = hf.load_model(folder, krnl.device("cpu"), lora=LoraConfig(r=2, alpha=4.0, target_modules=TARGETS))
+    st = random_b(m, 8)
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32,
+                                                             attn_implementation="eager")
+    pm = peft.get_peft_model(base, peft.LoraConfig(r=2, lora_alpha=4.0, target_modules=list(TARGETS)))
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), eos_token="</s>",
+                                               pad_token="</s>")
+    args = trl.GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=2,
+                          beta=beta, loss_type=loss_type, max_completion_length=9, epsilon=0.2, epsilon_high=0.28,
+                          report_to=[], use_cpu=True, bf16=False)
+    tr = trl.GRPOTrainer(model=pm, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
+                         train_dataset=datasets.Dataset.from_dict({"prompt": ["w1 w2"] * 4}), processing_class=tok)
+    peft.set_peft_model_state_dict(pm, {k: torch.tensor(v) for k, v in st.items()})
+    rng = np.random.default_rng(3)
+    B, Tp, Tc = 4, 3, 7
+    prompt = rng.integers(1, V, (B, Tp))
+    comp = rng.integers(1, V, (B, Tc))
+    cmask = np.ones((B, Tc), np.int64)
+    cmask[1, 5:], cmask[3, 2:] = 0, 0
+    adv = np.array([0.7, -0.7, 1.3, -1.3])
+    ids = np.concatenate([prompt, comp], axis=1)
+    tg = np.full(ids.shape, -100)
+    tg[:, Tp - 1:Tp - 1 + Tc] = np.where(cmask == 1, comp, -100)
+    now = -row_losses(m, ids, tg)[:, Tp - 1:Tp - 1 + Tc]
+    old_c = now + np.where(np.arange(Tc) % 3 == 0, 0.5, np.where(np.arange(Tc) % 3 == 1, -0.5, 0.05))  # both clips bite
+    old = np.zeros(ids.shape)
+    old[:, Tp - 1:Tp - 1 + Tc] = old_c
+    T = lambda a, dt=torch.long: torch.tensor(a, dtype=dt)
+    inputs = {"prompt_ids": T(prompt), "prompt_mask": T(np.ones((B, Tp))), "completion_ids": T(comp),
+              "completion_mask": T(cmask), "advantages": T(adv, torch.float32),
+              "old_per_token_logps": T(old_c, torch.float32), "num_items_in_batch": T(cmask.sum())}
+    if beta:
+        with torch.no_grad(), pm.disable_adapter():
+            inputs["ref_per_token_logps"], _, _ = tr._get_per_token_logps_and_entropies(
+                pm, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
+                torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1), Tc)
+    tr.current_gradient_accumulation_steps = 1  # what Trainer.training_step sets before the loss
+    loss = tr._compute_loss(pm, inputs)
+    loss.backward()
+    ref = {n.replace(".default", ""): p.grad.double().numpy() for n, p in pm.named_parameters() if p.requires_grad}
+    m.lora_params.zero_grads()
+    mine, metrics = grpo.grpo_step(m, ids, tg, adv, old, beta, 0.2, 0.28, loss_type, 9)
+    assert mine == pytest.approx(float(loss.detach()), rel=1e-5)
+    assert metrics["clip_ratio/low_mean"] > 0 and metrics["clip_ratio/high_mean"] > 0
+    assert metrics["clip_ratio/high_mean"] == pytest.approx(tr._metrics["train"]["clip_ratio/high_mean"][-1], rel=1e-6)
+    grads = {k: np.asarray(g.numpy(), np.float64) for k, g in m._lora_grads().items()}
+    for k, g in ref.items():
+        assert np.abs(grads[k] - g).max() <= 1e-4 * np.abs(g).max(), k

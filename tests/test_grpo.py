@@ -108,3 +108,46 @@ def test_grpo_matches_trl(tmp_path, loss_type, beta):
     grads = {k: np.asarray(g.numpy(), np.float64) for k, g in m._lora_grads().items()}
     for k, g in ref.items():
         assert np.abs(grads[k] - g).max() <= 1e-4 * np.abs(g).max(), k
+
+
+REWARD = '''
+def fives(prompts, completions, completion_ids, **kwargs):
+    """The share of a completion's tokens that are w5 (id 5): a rule the policy can learn."""
+    return [sum(t == 5 for t in ids) / max(len(ids), 1) for ids in completion_ids]
+
+
+def tagged(prompts, completions, tag, **kwargs):
+    return [1.0 if t == "yes" else None for t in tag]
+'''
+
+
+def test_cli_grpo_samples_rewards_and_raises_the_reward(tmp_path):
+    """krnl train --train-mode grpo: prompts sampled num_generations times by krnl's generation, two
+    reward functions from a file (one reading the lines' own key, one answering None), TRL's metrics per
+    step; a short run raises the mean reward."""
+    import json
+    from mlx_folders import make_base
+    from krnl.cli.main import main
+
+    make_base(tmp_path / "base")
+    (tmp_path / "rw.py").write_text(REWARD)
+    (tmp_path / "data").mkdir()
+    rng = np.random.default_rng(0)
+    (tmp_path / "data" / "train.jsonl").write_text("".join(
+        json.dumps({"prompt": " ".join(f"w{i}" for i in rng.integers(10, 40, 3)), "tag": "yes" if k % 2 else "no"})
+        + "\n" for k in range(16)))
+    out = tmp_path / "ad"
+    assert main(["train", "--model", str(tmp_path / "base"), "--data", str(tmp_path / "data"), "--device", "cpu",
+                 "--train-mode", "grpo", "--reward", f"{tmp_path / 'rw.py'}:fives", "--reward",
+                 f"{tmp_path / 'rw.py'}:tagged", "--reward-weights", "1,0.1", "--num-generations", "4",
+                 "--batch-size", "16", "--max-completion-length", "6", "--iters", "12", "--learning-rate", "2e-2",
+                 "--lr-schedule", "constant", "--warmup", "0", "--beta", "0.02", "--steps-per-eval", "0", "--quiet",
+                 "--no-tune", "--adapter-path", str(out)]) == 0
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 12
+    for r in rows:
+        assert {"reward", "reward_std", "rewards/fives/mean", "rewards/tagged/mean", "kl", "completions/mean_length",
+                "timing/generation_s", "clip_ratio/high_mean"} <= set(r)
+        assert r["rewards/tagged/mean"] == 1.0 and 0 < r["completions/mean_length"] <= 6
+    first, last = np.mean([r["rewards/fives/mean"] for r in rows[:3]]), np.mean([r["rewards/fives/mean"] for r in rows[-3:]])
+    assert last > first + 0.05, (first, last)

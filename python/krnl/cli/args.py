@@ -7,6 +7,7 @@ import re
 import sys
 
 from ..quant import affine
+from . import objectives
 
 
 def yaml_defaults(path, parser):
@@ -271,13 +272,7 @@ def parse_args(argv, commands):
                    help="how LoRA gradients sum over a batch's rows: sample (per sample in a fixed tree, as a "
                    "data-parallel run's ranks do: one process then gives their adapter), rows (one GEMM over all "
                    "rows), auto (default: sample under an MPI launcher with more than one rank, else rows)")
-    t.add_argument("--train-mode", default="sft", choices=["sft", "dpo", "orpo", "simpo"], help="sft (the data's "
-                   "completions), or TRL's objective on preference pairs {prompt, chosen, rejected} (dpo's reference: "
-                   "the base, the adapter off)")
-    t.add_argument("--beta", type=float, default=0.1, help="TRL's beta of dpo, orpo (its lambda) and simpo")
-    t.add_argument("--loss-type", default="sigmoid", choices=["sigmoid", "hinge", "ipo"], help="dpo: TRL's loss type")
-    t.add_argument("--simpo-gamma", type=float, default=0.5, help="simpo: the target reward margin (TRL's)")
-    t.add_argument("--cpo-alpha", type=float, default=0.0, help="simpo: weight of the chosen NLL (CPO's; 0: SimPO)")
+    objectives.add_arguments(t)  # --train-mode dpo|orpo|simpo|grpo and their options
     t.add_argument("--train-samples", type=int, default=4000)
     t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --adapter-path that "
                    "verifies (the run's options must match the checkpoint's; --iters may grow)")

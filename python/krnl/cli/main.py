@@ -14,6 +14,7 @@ import krnl
 from ..bench.tune import cmd_tune, ensure_tuned
 from ..io.run_folder import claim
 from ..train.dist import world as dist
+from . import objectives
 from .args import lora_from_args, parse_args
 from .device import cmd_devices, cmd_w1, device_from_args
 
@@ -168,19 +169,18 @@ def cmd_train(args):
         if not args.data:
             raise ValueError("[train] --data is required with --model")
         from ..train.data import load_dataset
-        from ..train.pairs import load_pair_dataset
 
-        if args.pack and args.train_mode != "sft":
-            raise ValueError(f"[train] --pack packs SFT samples; --train-mode {args.train_mode} keeps each pair's rows")
         tok, model, base_id = _hf_base(args, dev, lora)
-        ds = load_dataset(args.data, tok, args.max_seq_length, mask_prompt=args.mask_prompt, pack=args.pack,
-                          vocab_size=model.config.vocab_size) if args.train_mode == "sft" else load_pair_dataset(
-            args.data, tok, args.max_seq_length, vocab_size=model.config.vocab_size)
-        for split in ds.values():
-            if split is not None:
-                print(split.summary())
-        train, valid = ds["train"], ds["valid"]
-        n_train = len(train.packed().ids) if args.pack else len(train.samples)
+        if args.train_mode == "sft":
+            ds = load_dataset(args.data, tok, args.max_seq_length, mask_prompt=args.mask_prompt, pack=args.pack,
+                              vocab_size=model.config.vocab_size)
+            for split in ds.values():
+                if split is not None:
+                    print(split.summary())
+            train, valid = ds["train"], ds["valid"]
+            n_train = len(train.packed().ids) if args.pack else len(train.samples)
+        else:
+            train, valid, n_train = objectives.mode_data(args, tok, model)
         what = f"{Path(args.model).name} ({model.config.num_hidden_layers} layers, hidden {model.config.hidden_size})"
         hint = f"krnl generate --adapter-path {args.adapter_path} --prompt '...'"
     else:
@@ -207,15 +207,15 @@ def cmd_train(args):
                       weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
                       val_every=args.steps_per_eval, save_every=args.save_every, seed=args.seed,
                       length_bucket=args.length_bucket, graphs=not args.no_graphs, reduce_order=args.reduce_order,
-                      train_mode=args.train_mode, beta=args.beta, loss_type=args.loss_type,
-                      simpo_gamma=args.simpo_gamma, cpo_alpha=args.cpo_alpha)
+                      **objectives.config_fields(args))
     fingerprint = {"base": base_id, "model": vars(model.config), "lora": vars(lora), "dtype": args.dtype}
     if model.quantize is not None:  # only then: older checkpoints have no such key
         fingerprint["quantize"] = list(model.quantize)
     fingerprint.update({"aux_loss_coef": model.aux_loss_coef} if model.aux_loss_coef else {})  # likewise
     trainer = Trainer(model, cfg, train, valid, out_dir=args.adapter_path, fingerprint=fingerprint,
                       base_model=base_id, progress=not args.quiet, options=_run_options(args),
-                      adapter_format=args.adapter_format, world=world)
+                      adapter_format=args.adapter_format, world=world,
+                      objective=objectives.objective(args, tok, cfg))
     if args.adapter_format == "mlx":  # refused before training, not after it
         from ..formats.adapter import mlx_adapter
 

@@ -1,4 +1,5 @@
-"""GRPO's objective as TRL's GRPOTrainer computes it, on completions already sampled and rewarded:
+"""GRPO as TRL's GRPOTrainer computes it: completions sampled by krnl's own generation and rewarded by
+the user's functions (GRPO, below), then, on them,
 group-normalised advantages, and the clipped per-token loss over the completion rows' log-probabilities
 (models/sequence_loss.py gives them and takes the loss's gradient row by row):
 
@@ -10,6 +11,9 @@ group-normalised advantages, and the clipped per-token loss over the completion 
 aggregated over the completion tokens by loss_type: grpo (each completion's mean, then their mean), bnpo
 (the batch's token mean), dr_grpo (sum / (completions * max_completion_length)), dapo (sum / the
 batch's tokens). Everything on the host is float64: a batch's (B, T) scalars."""
+
+import time
+from pathlib import Path
 
 import numpy as np
 
@@ -86,3 +90,82 @@ def grpo_step(model, ids, targets, adv, old=None, beta=0.0, eps_low=0.2, eps_hig
         return -dlogp, (loss, metrics)  # logp = -(row loss)
 
     return forward_backward_rows(model, ids, targets, weigh, loss_scale)
+
+
+def load_reward(spec):
+    """(name, callable) of a reward function named "module:function" or "path/to/file.py:function"; it
+    is called as TRL calls its reward functions, f(prompts=[...], completions=[...], completion_ids=[...],
+    **the lines' other keys), and returns a float (or None) per completion."""
+    import importlib
+    import importlib.util
+
+    mod, _, fn = str(spec).rpartition(":")
+    if not mod or not fn:
+        raise ValueError(f"[grpo] --reward {spec!r}: expected module:function or file.py:function")
+    try:
+        if mod.endswith(".py"):
+            s = importlib.util.spec_from_file_location(Path(mod).stem, mod)
+            m = importlib.util.module_from_spec(s)
+            s.loader.exec_module(m)
+        else:
+            m = importlib.import_module(mod)
+        f = getattr(m, fn)
+    except (ImportError, OSError, AttributeError) as e:
+        raise ValueError(f"[grpo] --reward {spec!r}: {type(e).__name__}: {e}") from None
+    if not callable(f):
+        raise ValueError(f"[grpo] --reward {spec!r} is not callable")
+    return fn, f
+
+
+class GRPO:
+    """The objective of --train-mode grpo for the trainer's StepRunner: a batch of prompts, each sampled
+    num_generations times by krnl's KV-cached generation (the current adapter, temperature, top_p,
+    max_completion_length, stopping at EOS), rewarded, and trained on with grpo_step (one pass: the
+    sampling policy is this one)."""
+
+    def __init__(self, tok, rewards, weights=None, num_generations=8, max_completion_length=512, temperature=1.0,
+                 top_p=1.0, beta=0.0, eps_low=0.2, eps_high=None, loss_type="dapo", scale="group", seed=0):
+        if not rewards:
+            raise ValueError("[grpo] at least one reward function (--reward module:function)")
+        self.tok, self.rewards = tok, list(rewards)
+        self.weights = np.ones(len(rewards)) if weights is None else np.asarray(weights, np.float64)
+        if len(self.weights) != len(self.rewards):
+            raise ValueError(f"[grpo] {len(self.weights)} reward weights for {len(self.rewards)} reward functions")
+        if num_generations < 2:
+            raise ValueError(f"[grpo] num_generations must be >= 2 (a group's advantages), got {num_generations}")
+        self.G, self.max_len, self.temperature, self.top_p = int(num_generations), int(max_completion_length), \
+            float(temperature), float(top_p)
+        self.beta, self.eps_low, self.eps_high = float(beta), float(eps_low), float(eps_low if eps_high is None else eps_high)
+        self.loss_type, self.scale, self.seed, self.calls = loss_type, scale, int(seed), 0
+
+    def run(self, model, prompts, loss_scale=1.0):
+        """(loss, metrics, completion tokens trained) of one batch of prompts (load_prompts' items)."""
+        t0 = time.perf_counter()
+        self.calls += 1
+        comps = [model.generate(ids, self.max_len, self.temperature, self.top_p, seed=self.seed * 1_000_003 +
+                                self.calls * 1009 + j, eos_id=self.tok.eos_id)
+                 for ids, _ in prompts for j in range(self.G)]
+        lines = [line for _, line in prompts for _ in range(self.G)]
+        texts = [self.tok.decode(c) for c in comps]
+        extra = {k: [ln[k] for ln in lines] for k in lines[0] if k != "prompt"}
+        got = np.array([[np.nan if v is None else float(v) for v in f(prompts=[ln["prompt"] for ln in lines],
+                                                                     completions=texts, completion_ids=comps, **extra)]
+                        for _, f in self.rewards], np.float64)                # (functions, B)
+        total = np.nansum(got * self.weights[:, None], axis=0)
+        adv = advantages(total, self.G, self.scale)
+        t1 = time.perf_counter()
+        Tp = max(len(ids) for ids, _ in prompts)
+        T = Tp + max(max(len(c) for c in comps), 1)
+        ids = np.full((len(comps), T), self.tok.pad_id, np.int32)
+        tg = np.full((len(comps), T), IGNORE_INDEX, np.int32)
+        for b, c in enumerate(comps):
+            p = prompts[b // self.G][0]
+            ids[b, :len(p) + len(c)] = list(p) + list(c)
+            tg[b, len(p) - 1:len(p) - 1 + len(c)] = c                       # the completion's tokens, predicted
+        loss, metrics = grpo_step(model, ids, tg, adv, None, self.beta, self.eps_low, self.eps_high, self.loss_type,
+                                  self.max_len, loss_scale=loss_scale)
+        metrics.update({"reward": float(total.mean()), "reward_std": float(total.std(ddof=1)),
+                        "completions/mean_length": float(np.mean([len(c) for c in comps])),
+                        "timing/generation_s": t1 - t0, "timing/training_s": time.perf_counter() - t1,
+                        **{f"rewards/{n}/mean": float(np.nanmean(r)) for (n, _), r in zip(self.rewards, got)}})
+        return loss, metrics, int((tg != IGNORE_INDEX).sum())

@@ -1,12 +1,13 @@
-"""Preference data (krnl train --train-mode dpo): each line of a split's jsonl a pair, in TRL's
-formats,
+"""Preference data (krnl train --train-mode dpo, orpo, simpo): each line of a split's jsonl a pair, in
+TRL's formats,
 
     {"prompt": "...", "chosen": "...", "rejected": "..."}                         standard
     {"prompt": [messages], "chosen": [assistant messages], "rejected": [...]}     conversational
 
 tokenized as SFT's samples are (data.py: the chat template where the tokenizer has one), each
 completion learned and its prompt masked; and batches of P pairs as 2P rows, the chosen ones first
-and their rejected ones after in the same order (TRL's layout, krnl.train.preference)."""
+and their rejected ones after in the same order (TRL's layout, krnl.train.preference). GRPO's data is
+prompt-only lines (load_prompts, PromptBatches)."""
 
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,12 +113,16 @@ class PairBatches:
         self.n_batches = len(pairs) // batch_size  # the incomplete last batch is left out
         self.epoch, self.index = 0, 0
 
-    def next(self):
+    def _items(self):
+        """The next batch's items, in the epoch's shuffled order."""
         if self.index >= self.n_batches:
             self.epoch, self.index = self.epoch + 1, 0
         order = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.pairs))
         b, self.index = self.index, self.index + 1
-        return rows([self.pairs[i] for i in order[b * self.batch_size:(b + 1) * self.batch_size]], self.pad_id)
+        return [self.pairs[i] for i in order[b * self.batch_size:(b + 1) * self.batch_size]]
+
+    def next(self):
+        return rows(self._items(), self.pad_id)
 
     def state(self):
         return {"epoch": self.epoch, "index": self.index}
@@ -135,3 +140,39 @@ def load_pair_dataset(folder, tok, max_seq_length, vocab_size=None):
         tok.check_vocab(vocab_size)
     return {name: load_pairs(folder / f"{name}.jsonl", tok, max_seq_length, vocab_size, name)
             if (folder / f"{name}.jsonl").is_file() else None for name in ("train", "valid")}
+
+
+def prompt_ids(tok, prompt):
+    """Token ids of a GRPO prompt: a string (as the user's turn where the tokenizer has a chat template)
+    or a list of messages, rendered up to the assistant's turn."""
+    if isinstance(prompt, str):
+        if not tok.has_chat_template:
+            return tok.encode(prompt)
+        prompt = [{"role": "user", "content": prompt}]
+    return tok.encode(tok.apply_chat_template(prompt, add_generation_prompt=True), add_special_tokens=False)
+
+
+def load_prompts(path, tok, max_prompt_length, vocab_size=None):
+    """[(token ids, the prompt as the line gives it)] of a jsonl of {"prompt": str or messages, ...}
+    lines (TRL's prompt-only format; the line's other keys go to the reward functions as theirs)."""
+    records = read_jsonl(path)
+    if not records:
+        raise DataError(f"[data] {path}: the split is empty (no prompts)")
+    out = []
+    for line, obj in records:
+        if "prompt" not in obj:
+            _fail(path, line, "missing key 'prompt' (GRPO reads prompt-only lines)")
+        if not isinstance(obj["prompt"], str):
+            _check_chat({"messages": obj["prompt"]}, path, line)
+        ids = prompt_ids(tok, obj["prompt"])[-max_prompt_length:]  # TRL keeps a long prompt's end
+        if not ids or (vocab_size is not None and max(ids) >= vocab_size):
+            _fail(path, line, "the prompt tokenizes to nothing or outside the model's vocabulary")
+        out.append((ids, obj))
+    return out
+
+
+class PromptBatches(PairBatches):
+    """Batches of batch_size prompts (load_prompts' items), shuffled each epoch: next(), state(), load_state()."""
+
+    def next(self):
+        return self._items()

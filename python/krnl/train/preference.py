@@ -117,15 +117,16 @@ def dpo_step(model, ids, targets, beta=0.1, loss_type="sigmoid", loss_scale=1.0)
     return Pairwise("dpo", beta, loss_type).step(model, ids, targets, loss_scale)
 
 
-MODES = ("sft", "dpo", "orpo", "simpo")
+MODES = ("sft", "dpo", "orpo", "simpo", "grpo")
 
 
 def check(cfg):
     """Raises naming a TrainConfig's bad preference settings."""
     if cfg.train_mode not in MODES:
         raise ValueError(f"[train] train_mode must be one of {', '.join(MODES)}, got {cfg.train_mode!r}")
-    if cfg.train_mode == "dpo" and cfg.loss_type not in DPO_LOSS_TYPES:
-        raise ValueError(f"[train] loss_type must be one of {', '.join(DPO_LOSS_TYPES)}, got {cfg.loss_type!r}")
+    types = {"dpo": DPO_LOSS_TYPES, "grpo": ("grpo", "bnpo", "dr_grpo", "dapo")}.get(cfg.train_mode)
+    if types and cfg.loss_type not in types:
+        raise ValueError(f"[train] loss_type of {cfg.train_mode} must be one of {', '.join(types)}, got {cfg.loss_type!r}")
     for k in ("beta", "simpo_gamma", "cpo_alpha"):
         v = getattr(cfg, k)
         if not (np.isfinite(v) and (v > 0 if k == "beta" else v >= 0)):
@@ -183,17 +184,25 @@ class Pairwise:
 
         return forward_backward_rows(model, ids, read, weigh, loss_scale)
 
+    def run(self, model, batch, loss_scale=1.0):
+        """(loss, metrics, completion tokens) of one batch (ids, targets) of pairs: the StepRunner's call."""
+        loss, metrics = self.step(model, batch[0], batch[1], loss_scale)
+        return loss, metrics, int((np.asarray(batch[1]) != IGNORE_INDEX).sum())
+
     def evaluate(self, model, ids, targets):
         ids, targets = np.asarray(ids), np.asarray(targets)
         read, done = self.targets(ids, targets)
         return self.loss(row_losses(model, ids, read), read, done, self.reference(model, ids, read, done))[0]
 
 
-def objective(cfg, world=None):
-    """The trainer's objective of cfg.train_mode: None for sft, else its step and evaluation."""
+def objective(cfg, world=None, given=None):
+    """The trainer's objective of cfg.train_mode: None for sft, `given` (grpo's: its tokenizer and
+    reward functions are the caller's), else its step and evaluation."""
     if cfg.train_mode == "sft":
         return None
+    if cfg.train_mode == "grpo" and given is None:
+        raise ValueError("[train] --train-mode grpo needs its objective (krnl.train.grpo.GRPO) given to the Trainer")
     if world is not None and world.size > 1:
         raise ValueError(f"[train] --train-mode {cfg.train_mode} runs on one process for now (a pair's rows must "
                          "stay together and the pairs' mean spans the ranks)")
-    return Pairwise(cfg.train_mode, cfg.beta, cfg.loss_type, cfg.simpo_gamma, cfg.cpo_alpha)
+    return given or Pairwise(cfg.train_mode, cfg.beta, cfg.loss_type, cfg.simpo_gamma, cfg.cpo_alpha)

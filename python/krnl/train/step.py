@@ -91,13 +91,13 @@ class StepRunner:
             self.n_valid, self.reduced, self.metrics = [], None, []
         if index >= self.losses.shape[0]:
             raise ValueError(f"[StepRunner] micro-batch {index} of a runner made for {self.losses.shape[0]}")
-        batch = self.pad(batch)
-        if self.objective is not None:  # eager, two device steps (models/sequence_loss.py)
-            loss, metrics = self.objective.step(m, batch[0], batch[1], loss_scale)
+        if self.objective is not None:  # eager, two device steps (models/sequence_loss.py); its own batches
+            loss, metrics, tokens = self.objective.run(m, batch, loss_scale)
             dev.upload(self.losses[index:index + 1], np.array([loss], np.float32))
             self.n_valid.append(1)
             self.metrics.append(metrics)
-            return int((np.asarray(batch[1]) != IGNORE_INDEX).sum())
+            return tokens
+        batch = self.pad(batch)
         host = m.prepare(batch[0], batch[1], loss_scale, *batch[2:4])
         if n_valid_total is not None:
             host.ce_scale = float(loss_scale) / max(int(n_valid_total), 1)

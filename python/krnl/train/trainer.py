@@ -50,9 +50,9 @@ class TrainConfig:
     length_bucket: int = 0        # pad each batch's length to a multiple (0: 256 where graphs replay, else none)
     graphs: bool = True           # record the step once per padded length and replay it, where the device can
     reduce_order: str = "auto"    # sample: LoRA grads summed per sample (dist/ranks.py); auto: sample with > 1 rank
-    train_mode: str = "sft"       # sft | dpo | orpo | simpo (krnl.train.preference: batches of preference pairs)
-    beta: float = 0.1             # TRL's beta (ORPO's lambda)
-    loss_type: str = "sigmoid"    # dpo: sigmoid | hinge | ipo
+    train_mode: str = "sft"       # sft | dpo | orpo | simpo | grpo (krnl.train.preference, krnl.train.grpo)
+    beta: float = 0.1             # TRL's beta (ORPO's lambda; GRPO's KL weight)
+    loss_type: str = "sigmoid"    # dpo: sigmoid | hinge | ipo; grpo: grpo | bnpo | dr_grpo | dapo
     simpo_gamma: float = 0.5      # simpo: the target reward margin
     cpo_alpha: float = 0.0        # simpo: weight of the chosen rows' NLL (CPO's; 0 is SimPO's own)
 
@@ -103,14 +103,14 @@ def _batch_args(batch):
 
 class Trainer:
     def __init__(self, model, cfg, train, valid=None, out_dir="krnl_out", fingerprint=None, base_model="",
-                 progress=True, on_step=None, options=None, adapter_format="peft", world=None):
+                 progress=True, on_step=None, options=None, adapter_format="peft", world=None, objective=None):
         cfg.validate()
         self.model, self.cfg, self.valid = model, cfg, valid
         # krnl.train.dist.world: each rank trains on its slice of the global batches; rank 0 alone writes files.
         self.world = world or World()
         check_world(self.world, cfg)
         apply_reduce_order(model, cfg, self.world)
-        self.objective = preference.objective(cfg, self.world)  # None: sft's mean cross entropy
+        self.objective = preference.objective(cfg, self.world, objective)  # None: sft's mean cross entropy
         # train: (ids, targets[, segments, positions]) arrays, a krnl.train.data.Split (its batches()),
         # or a batch source with next(), state() and load_state().
         if hasattr(train, "batches"):
@@ -321,13 +321,13 @@ class Trainer:
         tokens, ranks = 0, self.world.size > 1
         for i in range(cfg.grad_accum):
             batch = self.data.next()
-            n = int(np.count_nonzero(np.asarray(batch[1]) != -100))
-            tokens += n  # of the global batch: every rank reads all of it
-            if ranks:
+            if ranks:  # the tokens of the global batch: every rank reads all of it
+                n = int(np.count_nonzero(np.asarray(batch[1]) != -100))
+                tokens += n
                 mine = self.world.slice(batch)
                 runner.micro_batch(mine, self.opt.loss_scale, i, n, first_row=self.world.rank * len(mine[0]))
             else:
-                runner.micro_batch(batch, self.opt.loss_scale, i)
+                tokens += runner.micro_batch(batch, self.opt.loss_scale, i)
         runner.optimizer(cfg.grad_accum, self.step)
         loss, info = runner.finish()
         if not math.isfinite(loss) and not self.opt.scaler.enabled:

@@ -1,0 +1,72 @@
+"""krnl train's modes beyond SFT (--train-mode dpo, orpo, simpo, grpo): their options, with TRL's names
+and defaults, their data from --data, and GRPO's objective (its tokenizer and reward functions)."""
+
+from pathlib import Path
+
+PAIRWISE = ("dpo", "orpo", "simpo")
+
+
+def add_arguments(t):
+    t.add_argument("--train-mode", default="sft", choices=["sft", *PAIRWISE, "grpo"], help="sft (the data's "
+                   "completions); TRL's objective on preference pairs {prompt, chosen, rejected} (dpo's reference: "
+                   "the base, the adapter off); or grpo on prompt-only lines, sampled and rewarded")
+    t.add_argument("--beta", type=float, default=None, help="TRL's beta: dpo, orpo (its lambda), simpo (default "
+                   "0.1); grpo's KL to the base (default 0)")
+    t.add_argument("--loss-type", default=None, choices=["sigmoid", "hinge", "ipo", "grpo", "bnpo", "dr_grpo", "dapo"],
+                   help="TRL's loss type: dpo's (default sigmoid) or grpo's (default dapo)")
+    t.add_argument("--simpo-gamma", type=float, default=0.5, help="simpo: the target reward margin (TRL's)")
+    t.add_argument("--cpo-alpha", type=float, default=0.0, help="simpo: weight of the chosen NLL (CPO's; 0: SimPO)")
+    g = t.add_argument_group("grpo (TRL's GRPOConfig names; --batch-size counts completions)")
+    g.add_argument("--reward", action="append", default=[], metavar="MODULE:FUNCTION",
+                   help="a reward function, module:function or file.py:function, called as TRL calls them (repeat)")
+    g.add_argument("--reward-weights", default=None, help="comma-separated weights of the --reward functions")
+    g.add_argument("--num-generations", type=int, default=8, help="completions sampled per prompt")
+    g.add_argument("--max-completion-length", type=int, default=512)
+    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--epsilon", type=float, default=0.2, help="the ratio's clip below 1 (and above, without "
+                   "--epsilon-high)")
+    g.add_argument("--epsilon-high", type=float, default=None)
+    g.add_argument("--scale-rewards", default="group", choices=["group", "batch", "none"])
+
+
+def config_fields(args):
+    """TrainConfig's fields of the mode, its defaults resolved."""
+    grpo = args.train_mode == "grpo"
+    return {"train_mode": args.train_mode, "beta": args.beta if args.beta is not None else (0.0 if grpo else 0.1),
+            "loss_type": args.loss_type or ("dapo" if grpo else "sigmoid"), "simpo_gamma": args.simpo_gamma,
+            "cpo_alpha": args.cpo_alpha}
+
+
+def mode_data(args, tok, model):
+    """(train source, valid or None, training items) of the mode from --data: pairs, or grpo's prompts."""
+    from ..train.pairs import PromptBatches, load_pair_dataset, load_prompts
+
+    if args.pack:
+        raise ValueError(f"[train] --pack packs SFT samples; --train-mode {args.train_mode} keeps each row's own")
+    V = model.config.vocab_size
+    if args.train_mode == "grpo":
+        G = args.num_generations
+        if args.batch_size % G:
+            raise ValueError(f"[train] --batch-size {args.batch_size} (completions) is not whole groups of "
+                             f"--num-generations {G}")
+        prompts = load_prompts(Path(args.data) / "train.jsonl", tok, args.max_seq_length, V)
+        print(f"train: {len(prompts)} prompts from {Path(args.data) / 'train.jsonl'}")
+        return PromptBatches(prompts, args.batch_size // G, args.seed, where=args.data), None, len(prompts) * G
+    ds = load_pair_dataset(args.data, tok, args.max_seq_length, vocab_size=V)
+    for split in ds.values():
+        if split is not None:
+            print(split.summary())
+    return ds["train"], ds["valid"], len(ds["train"].pairs)
+
+
+def objective(args, tok, cfg):
+    """GRPO's objective of the command line (None for the other modes: TrainConfig says all of theirs)."""
+    if args.train_mode != "grpo":
+        return None
+    from ..train.grpo import GRPO, load_reward
+
+    w = None if args.reward_weights is None else [float(x) for x in args.reward_weights.split(",")]
+    return GRPO(tok, [load_reward(s) for s in args.reward], w, args.num_generations, args.max_completion_length,
+                args.temperature, args.top_p, cfg.beta, args.epsilon, args.epsilon_high, cfg.loss_type,
+                args.scale_rewards, args.seed)

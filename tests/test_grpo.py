@@ -6,12 +6,11 @@ import numpy as np
 import pytest
 
 import krnl
-from krnl.models.config import LoraConfig
 from krnl.models.sequence_loss import row_losses
 from krnl.train import grpo
 
-from hf_families import V, random_b
-from test_preference import CFG, TARGETS
+from hf_families import V
+from test_preference import assert_grads_match, trl_pair
 
 
 def test_advantages_are_trls_group_normalisation():
@@ -48,25 +47,10 @@ def test_objective_gradient_is_its_derivative(loss_type, beta, correction):
 @pytest.mark.torch
 @pytest.mark.parametrize("loss_type, beta", [("grpo", 0.0), ("grpo", 0.04), ("bnpo", 0.04), ("dr_grpo", 0.0)])
 def test_grpo_matches_trl(tmp_path, loss_type, beta):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    peft = pytest.importorskip("peft")
-    trl = pytest.importorskip("trl")
-    datasets = pytest.importorskip("datasets")
-    from hf_families import save_random
-    from krnl.formats import hf
+    m, st, pm, tok, torch, peft = trl_pair(tmp_path, 8)  # skips without torch, PEFT, TRL and datasets
+    import datasets
+    import trl
 
-    c = transformers.Qwen3Config(**{k: v for k, v in CFG.items() if k != "model_type"}, rms_norm_eps=1e-6,
-                                 tie_word_embeddings=False)
-    torch.manual_seed(0)
-    folder = save_random(transformers.Qwen3ForCausalLM(c), tmp_path / "m", 13)
-    m = hf.load_model(folder, krnl.device("cpu"), lora=LoraConfig(r=2, alpha=4.0, target_modules=TARGETS))
-    st = random_b(m, 8)
-    base = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32,
-                                                             attn_implementation="eager")
-    pm = peft.get_peft_model(base, peft.LoraConfig(r=2, lora_alpha=4.0, target_modules=list(TARGETS)))
-    tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), eos_token="</s>",
-                                               pad_token="</s>")
     args = trl.GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=2,
                           beta=beta, loss_type=loss_type, max_completion_length=9, epsilon=0.2, epsilon_high=0.28,
                           report_to=[], use_cpu=True, bf16=False)
@@ -99,16 +83,12 @@ def test_grpo_matches_trl(tmp_path, loss_type, beta):
     tr.current_gradient_accumulation_steps = 1  # what Trainer.training_step sets before the loss
     loss = tr._compute_loss(pm, inputs)
     loss.backward()
-    ref = {n.replace(".default", ""): p.grad.double().numpy() for n, p in pm.named_parameters() if p.requires_grad}
     m.lora_params.zero_grads()
     mine, metrics = grpo.grpo_step(m, ids, tg, adv, old, beta, 0.2, 0.28, loss_type, 9)
     assert mine == pytest.approx(float(loss.detach()), rel=1e-5)
     assert metrics["clip_ratio/low_mean"] > 0 and metrics["clip_ratio/high_mean"] > 0
     assert metrics["clip_ratio/high_mean"] == pytest.approx(tr._metrics["train"]["clip_ratio/high_mean"][-1], rel=1e-6)
-    grads = {k: np.asarray(g.numpy(), np.float64) for k, g in m._lora_grads().items()}
-    for k, g in ref.items():
-        assert np.abs(grads[k] - g).max() <= 1e-4 * np.abs(g).max(), k
-
+    assert_grads_match(m, pm)
 
 REWARD = '''
 def fives(prompts, completions, completion_ids, **kwargs):

@@ -125,42 +125,63 @@ def test_dpo_training_raises_the_margin():
 # ---------------------------------------------------------------------------------------------
 # TRL
 
-@pytest.mark.torch
-@pytest.mark.parametrize("loss_type", preference.DPO_LOSS_TYPES)
-def test_dpo_matches_trl(tmp_path, loss_type):
-    """The same batch through TRL's DPOTrainer (PEFT LoRA, the reference the adapter off) and krnl:
-    loss, reward metrics and every LoRA gradient equal."""
+def trl_pair(tmp_path, seed):
+    """(krnl's model with random B factors, its LoRA state, PEFT's model of the same folder with the
+    initial (zero-B) adapter, the folder's tokenizer for TRL, torch, peft) on a tiny Qwen3 folder; the
+    caller loads the state into PEFT once its trainer has copied what it needs."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
-    trl = pytest.importorskip("trl")
-    datasets = pytest.importorskip("datasets")
+    pytest.importorskip("trl")
+    pytest.importorskip("datasets")
     from hf_families import save_random
     from krnl.formats import hf
 
     c = transformers.Qwen3Config(**{k: v for k, v in CFG.items() if k != "model_type"}, rms_norm_eps=1e-6,
                                  tie_word_embeddings=False)
     torch.manual_seed(0)
-    folder = save_random(transformers.Qwen3ForCausalLM(c), tmp_path / "m", 11)
-    lora = LoraConfig(r=2, alpha=4.0, target_modules=TARGETS)
-    m = hf.load_model(folder, krnl.device("cpu"), lora=lora)
-    st = random_b(m, 5)
+    folder = save_random(transformers.Qwen3ForCausalLM(c), tmp_path / "m", 10 + seed)
+    m = hf.load_model(folder, krnl.device("cpu"), lora=LoraConfig(r=2, alpha=4.0, target_modules=TARGETS))
+    st = random_b(m, seed)
     base = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32,
                                                              attn_implementation="eager")
     pm = peft.get_peft_model(base, peft.LoraConfig(r=2, lora_alpha=4.0, target_modules=list(TARGETS)))
     tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), eos_token="</s>",
                                                pad_token="</s>")
-    ds = datasets.Dataset.from_dict({"prompt": ["w1 w2", "w3", "w9 w8 w7"], "chosen": [" w4 w5", " w6", " w11"],
-                                     "rejected": [" w7", " w8 w9 w1", " w12 w13"]})
+    return m, st, pm, tok, torch, peft
+
+
+def assert_grads_match(m, pm):
+    """Every LoRA gradient of krnl's model within 1e-4 of PEFT's (autograd's), none zero."""
+    ref = {n.replace(".default", ""): p.grad.double().numpy() for n, p in pm.named_parameters() if p.requires_grad}
+    grads = {k: np.asarray(g.numpy(), np.float64) for k, g in m._lora_grads().items()}
+    assert set(grads) == set(ref)
+    for k, g in ref.items():
+        assert np.abs(g).max() > 0, k
+        assert np.abs(grads[k] - g).max() <= 1e-4 * np.abs(g).max(), k
+
+
+PAIR_DATA = {"prompt": ["w1 w2", "w3", "w9 w8 w7"], "chosen": [" w4 w5", " w6", " w11"],
+             "rejected": [" w7", " w8 w9 w1", " w12 w13"]}
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("loss_type", preference.DPO_LOSS_TYPES)
+def test_dpo_matches_trl(tmp_path, loss_type):
+    """The same batch through TRL's DPOTrainer (PEFT LoRA, the reference the adapter off) and krnl:
+    loss, reward metrics and every LoRA gradient equal."""
+    m, st, pm, tok, torch, peft = trl_pair(tmp_path, 5)  # skips without torch, PEFT, TRL and datasets
+    import datasets
+    import trl
+
     args = trl.DPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=3, beta=0.2,
                          loss_type=[loss_type], report_to=[], use_cpu=True, bf16=False)
-    tr = trl.DPOTrainer(model=pm, args=args, train_dataset=ds, processing_class=tok)
+    tr = trl.DPOTrainer(model=pm, args=args, train_dataset=datasets.Dataset.from_dict(PAIR_DATA), processing_class=tok)
     # after the trainer copies the initial adapter (B = 0: the base) as its reference
     peft.set_peft_model_state_dict(pm, {k: torch.tensor(v) for k, v in st.items()})
     batch = next(iter(tr.get_train_dataloader()))
     loss = tr.compute_loss(pm, batch)
     loss.backward()
-    ref = {n.replace(".default", ""): p.grad.double().numpy() for n, p in pm.named_parameters() if p.requires_grad}
     ids, cm = batch["input_ids"].numpy(), batch["completion_mask"].numpy()
     tg = np.where(cm[:, 1:] == 1, ids[:, 1:], -100)
     tg = np.concatenate([tg, np.full((len(ids), 1), -100)], axis=1)
@@ -169,11 +190,7 @@ def test_dpo_matches_trl(tmp_path, loss_type):
     assert mine == pytest.approx(float(loss.detach()), rel=1e-5)
     for k in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
         assert metrics[k] == pytest.approx(tr._metrics["train"][k][-1], rel=1e-4, abs=1e-6), k
-    grads = {k: np.asarray(g.numpy(), np.float64) for k, g in m._lora_grads().items()}
-    assert set(grads) == set(ref)
-    for k, g in ref.items():
-        assert np.abs(g).max() > 0, k
-        assert np.abs(grads[k] - g).max() <= 1e-4 * np.abs(g).max(), k
+    assert_grads_match(m, pm)
 
 
 def write_pairs(n, seed, conversational=False):
@@ -277,30 +294,13 @@ def test_cli_dpo_resume_is_exact(tmp_path):
 def test_orpo_and_simpo_match_trl(tmp_path, mode, alpha):
     """TRL's ORPOTrainer and CPOTrainer (loss_type simpo, with and without CPO's NLL) on one batch and
     krnl's objectives: loss, reward metrics and every LoRA gradient equal."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    peft = pytest.importorskip("peft")
-    pytest.importorskip("trl")
-    datasets = pytest.importorskip("datasets")
+    m, st, pm, tok, torch, peft = trl_pair(tmp_path, 6)  # skips without torch, PEFT, TRL and datasets
+    import datasets
     from trl.experimental.cpo import CPOConfig, CPOTrainer
     from trl.experimental.orpo import ORPOConfig, ORPOTrainer
-    from hf_families import save_random
-    from krnl.formats import hf
 
-    c = transformers.Qwen3Config(**{k: v for k, v in CFG.items() if k != "model_type"}, rms_norm_eps=1e-6,
-                                 tie_word_embeddings=False)
-    torch.manual_seed(0)
-    folder = save_random(transformers.Qwen3ForCausalLM(c), tmp_path / "m", 12)
-    m = hf.load_model(folder, krnl.device("cpu"), lora=LoraConfig(r=2, alpha=4.0, target_modules=TARGETS))
-    st = random_b(m, 6)
-    base = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32,
-                                                             attn_implementation="eager")
-    pm = peft.get_peft_model(base, peft.LoraConfig(r=2, lora_alpha=4.0, target_modules=list(TARGETS)))
     peft.set_peft_model_state_dict(pm, {k: torch.tensor(v) for k, v in st.items()})
-    tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), eos_token="</s>",
-                                               pad_token="</s>")
-    ds = datasets.Dataset.from_dict({"prompt": ["w1 w2", "w3", "w9 w8 w7"], "chosen": [" w4 w5", " w6", " w11"],
-                                     "rejected": [" w7", " w8 w9 w1", " w12 w13"]})
+    ds = datasets.Dataset.from_dict(PAIR_DATA)
     common = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=3, beta=0.2, report_to=[],
                   use_cpu=True, bf16=False)
     if mode == "orpo":
@@ -311,7 +311,6 @@ def test_orpo_and_simpo_match_trl(tmp_path, mode, alpha):
     batch = next(iter(tr.get_train_dataloader()))
     loss, want = tr.get_batch_loss_metrics(pm, batch)
     loss.backward()
-    ref = {n.replace(".default", ""): p.grad.double().numpy() for n, p in pm.named_parameters() if p.requires_grad}
     T = max(batch["chosen_input_ids"].shape[1], batch["rejected_input_ids"].shape[1])
     pad = lambda a, v: np.pad(a.numpy(), ((0, 0), (0, T - a.shape[1])), constant_values=v)
     ids = np.concatenate([pad(batch[f"{k}_input_ids"], 0) for k in ("chosen", "rejected")])
@@ -323,11 +322,7 @@ def test_orpo_and_simpo_match_trl(tmp_path, mode, alpha):
     assert mine == pytest.approx(float(loss.detach()), rel=1e-5)
     for k in ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "nll_loss"):
         assert metrics[k] == pytest.approx(float(want[k]), rel=1e-4, abs=1e-6), k
-    grads = {k: np.asarray(g.numpy(), np.float64) for k, g in m._lora_grads().items()}
-    assert set(grads) == set(ref)
-    for k, g in ref.items():
-        assert np.abs(g).max() > 0, k
-        assert np.abs(grads[k] - g).max() <= 1e-4 * np.abs(g).max(), k
+    assert_grads_match(m, pm)
 
 
 @pytest.mark.parametrize("mode", ["orpo", "simpo"])

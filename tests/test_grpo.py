@@ -5,7 +5,6 @@ and, without torch, the advantages and the loss's gradient against float64 finit
 import numpy as np
 import pytest
 
-import krnl
 from krnl.models.sequence_loss import row_losses
 from krnl.train import grpo
 

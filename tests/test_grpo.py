@@ -130,3 +130,39 @@ def test_cli_grpo_samples_rewards_and_raises_the_reward(tmp_path):
         assert r["rewards/tagged/mean"] == 1.0 and 0 < r["completions/mean_length"] <= 6
     first, last = np.mean([r["rewards/fives/mean"] for r in rows[:3]]), np.mean([r["rewards/fives/mean"] for r in rows[-3:]])
     assert last > first + 0.05, (first, last)
+
+
+def test_sample_top_k_keeps_the_k_largest_logits():
+    from krnl.models.generate import sample
+
+    logits = np.array([0.0, 3.0, 2.9, -1.0, 2.95])
+    rng = np.random.default_rng(0)
+    assert {sample(logits, 1.0, 1.0, rng, top_k=1) for _ in range(50)} == {1}
+    assert {sample(logits, 5.0, 1.0, rng, top_k=2) for _ in range(200)} == {1, 4}
+    assert len({sample(logits, 5.0, 1.0, rng) for _ in range(400)}) == 5
+
+
+def test_cli_grpo_resume_is_exact(tmp_path):
+    """4 GRPO steps in one run, or 2 then a resume to 4 (a constant rate): the same adapter, the
+    completions sampled with seeds of the run's position."""
+    import json
+    from mlx_folders import make_base
+    from safetensors.numpy import load_file
+    from krnl.cli.main import main
+
+    make_base(tmp_path / "base")
+    (tmp_path / "rw.py").write_text(REWARD)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_text("".join(json.dumps({"prompt": f"w{10 + k} w{20 + k}"}) + "\n"
+                                                           for k in range(8)))
+    run = lambda out, iters, *more: main(["train", "--model", str(tmp_path / "base"), "--data", str(tmp_path / "data"),
+                                         "--device", "cpu", "--train-mode", "grpo", "--reward", f"{tmp_path / 'rw.py'}:fives",
+                                         "--num-generations", "2", "--batch-size", "4", "--max-completion-length", "4",
+                                         "--top-k", "20", "--iters", str(iters), "--save-every", "2", "--lr-schedule",
+                                         "constant", "--warmup", "0", "--steps-per-eval", "0", "--quiet", "--no-tune",
+                                         "--adapter-path", str(out), *more])
+    assert run(tmp_path / "a", 4) == 0
+    assert run(tmp_path / "b", 2) == 0 and run(tmp_path / "b", 4, "--resume") == 0
+    a, b = (load_file(str(tmp_path / d / "adapter_model.safetensors")) for d in "ab")
+    assert sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)
+    assert any(np.abs(a[k]).max() > 0 for k in a if ".lora_B." in k)

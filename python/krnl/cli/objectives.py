@@ -24,6 +24,7 @@ def add_arguments(t):
     g.add_argument("--max-completion-length", type=int, default=512)
     g.add_argument("--temperature", type=float, default=1.0)
     g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="0: no top-k")
     g.add_argument("--epsilon", type=float, default=0.2, help="the ratio's clip below 1 (and above, without "
                    "--epsilon-high)")
     g.add_argument("--epsilon-high", type=float, default=None)
@@ -69,4 +70,4 @@ def objective(args, tok, cfg):
     w = None if args.reward_weights is None else [float(x) for x in args.reward_weights.split(",")]
     return GRPO(tok, [load_reward(s) for s in args.reward], w, args.num_generations, args.max_completion_length,
                 args.temperature, args.top_p, cfg.beta, args.epsilon, args.epsilon_high, cfg.loss_type,
-                args.scale_rewards, args.seed)
+                args.scale_rewards, args.seed, args.top_k)

@@ -52,13 +52,16 @@ class KVCache:
         return attend
 
 
-def sample(logits, temperature, top_p, rng):
+def sample(logits, temperature, top_p, rng, top_k=0):
     """A token id from logits (V,): argmax at temperature 0, else from softmax(logits / temperature)
-    restricted to the smallest set of tokens whose probability reaches top_p."""
+    restricted to the top_k largest logits (0: all; ties at the k-th kept, as transformers' top-k),
+    then to the smallest set of tokens whose probability reaches top_p."""
     z = np.asarray(logits, np.float64)
     if temperature == 0:
         return int(np.argmax(z))
     z = (z - z.max()) / temperature
+    if 0 < top_k < len(z):
+        z = np.where(z >= np.partition(z, -top_k)[-top_k], z, -np.inf)
     p = np.exp(z)
     p /= p.sum()
     order = np.argsort(-p)
@@ -90,7 +93,7 @@ def decode(model, ids, start, cache):
     return np.asarray(logits.numpy()[0], np.float32)
 
 
-def generate(model, prompt, max_new_tokens=32, temperature=0.0, top_p=1.0, seed=0, eos_id=None):
+def generate(model, prompt, max_new_tokens=32, temperature=0.0, top_p=1.0, seed=0, eos_id=None, top_k=0):
     """Up to max_new_tokens ids sampled after `prompt` (a non-empty list of valid ids), stopping
     after eos_id or at max_position_embeddings."""
     if not (temperature >= 0) or not (0 < top_p <= 1):
@@ -110,7 +113,7 @@ def generate(model, prompt, max_new_tokens=32, temperature=0.0, top_p=1.0, seed=
             pending, pos = prompt + out, 0
         logits = decode(model, pending, pos, cache)
         pos += len(pending)
-        nxt = sample(logits, temperature, top_p, rng)
+        nxt = sample(logits, temperature, top_p, rng, top_k)
         out.append(nxt)
         if nxt == eos_id or len(out) == max_new_tokens or pos >= total:
             break

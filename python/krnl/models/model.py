@@ -345,7 +345,7 @@ class LlamaModel:
             return out
         return float(out.numpy()[0])
 
-    def generate(self, prompt, max_new_tokens=32, temperature=0.0, top_p=1.0, seed=0, eos_id=None):
+    def generate(self, prompt, max_new_tokens=32, temperature=0.0, top_p=1.0, seed=0, eos_id=None, top_k=0):
         """Samples up to max_new_tokens after `prompt` (a list of ids) with a KV cache: the prompt
         runs once through every layer, then each new token only attends to the cached keys and
         values. temperature 0 is greedy; otherwise softmax(logits / temperature) restricted to the
@@ -354,7 +354,7 @@ class LlamaModel:
         if not prompt:
             raise ValueError("[generate] the prompt is empty")
         check_ids(np.asarray(prompt), "prompt", False, self.config.vocab_size)
-        return generate(self, prompt, max_new_tokens, temperature, top_p, seed, eos_id)
+        return generate(self, prompt, max_new_tokens, temperature, top_p, seed, eos_id, top_k)
 
     def logits(self, ids, segments=None, positions=None):
         """(B, T, V) float32 numpy logits (forward only, no dropout)."""

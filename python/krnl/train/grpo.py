@@ -119,12 +119,12 @@ def load_reward(spec):
 
 class GRPO:
     """The objective of --train-mode grpo for the trainer's StepRunner: a batch of prompts, each sampled
-    num_generations times by krnl's KV-cached generation (the current adapter, temperature, top_p,
-    max_completion_length, stopping at EOS), rewarded, and trained on with grpo_step (one pass: the
+    num_generations times by krnl's KV-cached generation (the current adapter, temperature, top_k,
+    top_p, max_completion_length, stopping at EOS; seeds from the run's position), rewarded, and trained on with grpo_step (one pass: the
     sampling policy is this one)."""
 
     def __init__(self, tok, rewards, weights=None, num_generations=8, max_completion_length=512, temperature=1.0,
-                 top_p=1.0, beta=0.0, eps_low=0.2, eps_high=None, loss_type="dapo", scale="group", seed=0):
+                 top_p=1.0, beta=0.0, eps_low=0.2, eps_high=None, loss_type="dapo", scale="group", seed=0, top_k=0):
         if not rewards:
             raise ValueError("[grpo] at least one reward function (--reward module:function)")
         self.tok, self.rewards = tok, list(rewards)
@@ -136,15 +136,16 @@ class GRPO:
         self.G, self.max_len, self.temperature, self.top_p = int(num_generations), int(max_completion_length), \
             float(temperature), float(top_p)
         self.beta, self.eps_low, self.eps_high = float(beta), float(eps_low), float(eps_low if eps_high is None else eps_high)
-        self.loss_type, self.scale, self.seed, self.calls = loss_type, scale, int(seed), 0
+        self.loss_type, self.scale, self.seed, self.top_k = loss_type, scale, int(seed), int(top_k)
+        self.position = (0, 0)  # (step, micro-batch) the trainer sets: the sampling seeds, so that resume is exact
 
     def run(self, model, prompts, loss_scale=1.0):
         """(loss, metrics, completion tokens trained) of one batch of prompts (load_prompts' items)."""
         t0 = time.perf_counter()
-        self.calls += 1
-        comps = [model.generate(ids, self.max_len, self.temperature, self.top_p, seed=self.seed * 1_000_003 +
-                                self.calls * 1009 + j, eos_id=self.tok.eos_id)
-                 for ids, _ in prompts for j in range(self.G)]
+        seeds = np.random.SeedSequence([self.seed, *self.position]).generate_state(len(prompts) * self.G)
+        comps = [model.generate(ids, self.max_len, self.temperature, self.top_p, seed=int(seeds[k]),
+                                eos_id=self.tok.eos_id, top_k=self.top_k)
+                 for k, (ids, _) in enumerate((p for p in prompts for _ in range(self.G)))]
         lines = [line for _, line in prompts for _ in range(self.G)]
         texts = [self.tok.decode(c) for c in comps]
         extra = {k: [ln[k] for ln in lines] for k in lines[0] if k != "prompt"}

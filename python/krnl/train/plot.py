@@ -28,7 +28,8 @@ def plot_metrics(metrics_path, png_path):
         ax.plot(vsteps, vlosses, "o-", label="validation")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
-    ax.set_yscale("log")
+    if min(losses + vlosses, default=1.0) > 0:  # GRPO's and DPO's losses may be 0 or below
+        ax.set_yscale("log")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

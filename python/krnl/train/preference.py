@@ -128,9 +128,9 @@ def check(cfg):
     if types and cfg.loss_type not in types:
         raise ValueError(f"[train] loss_type of {cfg.train_mode} must be one of {', '.join(types)}, got {cfg.loss_type!r}")
     for k in ("beta", "simpo_gamma", "cpo_alpha"):
-        v = getattr(cfg, k)
-        if not (np.isfinite(v) and (v > 0 if k == "beta" else v >= 0)):
-            raise ValueError(f"[train] {k} must be {'> 0' if k == 'beta' else '>= 0'}, got {v!r}")
+        v, positive = getattr(cfg, k), k == "beta" and cfg.train_mode != "grpo"  # grpo's beta 0: no KL
+        if not (np.isfinite(v) and (v > 0 if positive else v >= 0)):
+            raise ValueError(f"[train] {k} must be {'> 0' if positive else '>= 0'}, got {v!r}")
 
 
 class Pairwise:

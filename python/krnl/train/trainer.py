@@ -321,6 +321,8 @@ class Trainer:
         tokens, ranks = 0, self.world.size > 1
         for i in range(cfg.grad_accum):
             batch = self.data.next()
+            if self.objective is not None:  # a sampling objective's seeds follow the run's position
+                self.objective.position = (self.step, i)
             if ranks:  # the tokens of the global batch: every rank reads all of it
                 n = int(np.count_nonzero(np.asarray(batch[1]) != -100))
                 tokens += n

@@ -257,7 +257,7 @@ def write_folder(folder, cfg=CFG, seed=5, std=0.3):
     config = ModelConfig.from_dict(hf.normalize_config(cfg))
     stored = {}
     for k, v in random_weights(config, seed=seed, std=std).items():
-        name, _, relay = gpt_oss.stored_layout(k, v.shape) or (k, None, lambda a: a)
+        name, _, relay = gpt_oss.stored_layout(config, k, v.shape) or (k, None, lambda a: a)
         stored[name] = np.ascontiguousarray(relay(v))
     folder.mkdir(parents=True)
     save_file(stored, str(folder / "model.safetensors"))

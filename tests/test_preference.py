@@ -11,7 +11,7 @@ import pytest
 import krnl
 from krnl.models.config import LoraConfig, ModelConfig, random_weights
 from krnl.models.model import LlamaModel
-from krnl.models.sequence_loss import adapter_off, forward_backward_rows, sequence_logps
+from krnl.models.sequence_loss import adapter_off, forward_backward_rows, row_losses
 from krnl.train import preference
 
 from conftest import lora_step
@@ -42,10 +42,12 @@ def pairs(seed=0, P=3, T=11):
     return ids, tg
 
 
-def test_sequence_logps_are_the_cross_entropy_sums():
+def test_row_losses_sum_to_the_cross_entropy_sums():
     m = tiny()
     ids, tg = pairs()
-    logp, n = sequence_logps(m, ids, tg)
+    rows = row_losses(m, ids, tg)
+    assert np.all(rows[tg == -100] == 0)
+    logp, n = -rows.sum(axis=1), (tg != -100).sum(axis=1)
     for b in range(len(ids)):
         assert n[b] == (tg[b] != -100).sum()
         assert logp[b] == pytest.approx(-m.loss(ids[b:b + 1], tg[b:b + 1]) * n[b], rel=1e-5)

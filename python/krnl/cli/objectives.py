@@ -3,6 +3,9 @@ and defaults, their data from --data, and GRPO's objective (its tokenizer and re
 
 from pathlib import Path
 
+from ..train.grpo import LOSS_TYPES
+from ..train.preference import DPO_LOSS_TYPES
+
 PAIRWISE = ("dpo", "orpo", "simpo")
 
 
@@ -12,7 +15,7 @@ def add_arguments(t):
                    "the base, the adapter off); or grpo on prompt-only lines, sampled and rewarded")
     t.add_argument("--beta", type=float, default=None, help="TRL's beta: dpo, orpo (its lambda), simpo (default "
                    "0.1); grpo's KL to the base (default 0)")
-    t.add_argument("--loss-type", default=None, choices=["sigmoid", "hinge", "ipo", "grpo", "bnpo", "dr_grpo", "dapo"],
+    t.add_argument("--loss-type", default=None, choices=[*DPO_LOSS_TYPES, *LOSS_TYPES],
                    help="TRL's loss type: dpo's (default sigmoid) or grpo's (default dapo)")
     t.add_argument("--simpo-gamma", type=float, default=0.5, help="simpo: the target reward margin (TRL's)")
     t.add_argument("--cpo-alpha", type=float, default=0.0, help="simpo: weight of the chosen NLL (CPO's; 0: SimPO)")

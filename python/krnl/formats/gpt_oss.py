@@ -101,9 +101,11 @@ def read_experts(tensors, config):
     return out
 
 
-def stored_layout(name, shape):
+def stored_layout(config, name, shape):
     """(stored name, stored shape, krnl layout -> stored layout) of a weight krnl names `name`,
-    or None where both agree."""
+    or None where both agree (every family but gpt-oss)."""
+    if config.model_type != "gpt_oss":
+        return None
     m = re.fullmatch(r"(model\.layers\.\d+\.mlp\.)(gate\.(weight|bias)|experts\.(gate_up_proj|gate_up_proj_bias|down_proj))",
                      name)
     if m is None:

@@ -356,7 +356,7 @@ def _write_folder(model_folder, weights, config, out_folder, shard_size, dtype, 
                           for j, (k, a) in enumerate(shapes)]
                 continue
             # gpt-oss's router and experts go back in transformers' layout (formats/gpt_oss.py)
-            sname, shape, relay = (config.model_type == "gpt_oss" and gpt_oss.stored_layout(name, t.shape)) or (
+            sname, shape, relay = gpt_oss.stored_layout(config, name, t.shape) or (
                 stored_name(config, weights, name), tuple(t.shape), None)
             keep = name not in merged and getattr(t, "st_dtype", None) == st  # the stored bytes as they are
             if keep and hasattr(t, "src"):

@@ -37,13 +37,6 @@ def adapter_off(model):
         ops.cast(keep, flat)
 
 
-def sequence_logps(model, ids, targets):
-    """(logp (B,) float64, n (B,)): each sample's summed log-probability of its targets (B, T) and their
-    count, forward only (no dropout)."""
-    rows = row_losses(model, ids, targets)
-    return -rows.sum(axis=1), (np.asarray(targets).reshape(rows.shape) != IGNORE_INDEX).sum(axis=1)
-
-
 def row_losses(model, ids, targets):
     """(B, T) float64: each row's cross entropy of its target (0 where -100), forward only (no dropout)."""
     ids_t, shape, ia = model._ids(ids, "ids")

@@ -19,6 +19,8 @@ import numpy as np
 
 from ..models.config import IGNORE_INDEX
 from ..models.sequence_loss import adapter_off, forward_backward_rows, row_losses
+from .batches import pad_batch
+from .data import Sample
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 
@@ -142,11 +144,11 @@ class GRPO:
     def run(self, model, prompts, loss_scale=1.0):
         """(loss, metrics, completion tokens trained) of one batch of prompts (load_prompts' items)."""
         t0 = time.perf_counter()
-        seeds = np.random.SeedSequence([self.seed, *self.position]).generate_state(len(prompts) * self.G)
-        comps = [model.generate(ids, self.max_len, self.temperature, self.top_p, seed=int(seeds[k]),
-                                eos_id=self.tok.eos_id, top_k=self.top_k)
-                 for k, (ids, _) in enumerate((p for p in prompts for _ in range(self.G)))]
-        lines = [line for _, line in prompts for _ in range(self.G)]
+        each = [p for p in prompts for _ in range(self.G)]                # (ids, line) of each completion
+        seeds = np.random.SeedSequence([self.seed, *self.position]).generate_state(len(each))
+        comps = [model.generate(ids, self.max_len, self.temperature, self.top_p, seed=int(s), eos_id=self.tok.eos_id,
+                                top_k=self.top_k) for (ids, _), s in zip(each, seeds)]
+        lines = [line for _, line in each]
         texts = [self.tok.decode(c) for c in comps]
         extra = {k: [ln[k] for ln in lines] for k in lines[0] if k != "prompt"}
         got = np.array([[np.nan if v is None else float(v) for v in f(prompts=[ln["prompt"] for ln in lines],
@@ -155,14 +157,10 @@ class GRPO:
         total = np.nansum(got * self.weights[:, None], axis=0)
         adv = advantages(total, self.G, self.scale)
         t1 = time.perf_counter()
-        Tp = max(len(ids) for ids, _ in prompts)
-        T = Tp + max(max(len(c) for c in comps), 1)
-        ids = np.full((len(comps), T), self.tok.pad_id, np.int32)
-        tg = np.full((len(comps), T), IGNORE_INDEX, np.int32)
-        for b, c in enumerate(comps):
-            p = prompts[b // self.G][0]
-            ids[b, :len(p) + len(c)] = list(p) + list(c)
-            tg[b, len(p) - 1:len(p) - 1 + len(c)] = c                       # the completion's tokens, predicted
+        # rows of prompt + completion, the completion's tokens learned (its prompt's predict nothing)
+        ids, tg = pad_batch([Sample(np.asarray(list(p) + list(c), np.int32), np.arange(len(p) + len(c)) >= len(p))
+                             for (p, _), c in zip(each, comps)],
+                            self.tok.pad_id)
         loss, metrics = grpo_step(model, ids, tg, adv, None, self.beta, self.eps_low, self.eps_high, self.loss_type,
                                   self.max_len, loss_scale=loss_scale)
         metrics.update({"reward": float(total.mean()), "reward_std": float(total.std(ddof=1)),

@@ -105,21 +105,22 @@ def rows(pairs, pad_id=0):
 
 class PairBatches:
     """Batches of batch_size pairs, shuffled each epoch from (seed, epoch): next(), state(), load_state()."""
+    noun = "pairs"
 
-    def __init__(self, pairs, batch_size, seed, pad_id=0, where="<data>"):
-        if len(pairs) < batch_size:
-            raise DataError(f"[data] {where}: {len(pairs)} pairs are fewer than one batch of {batch_size}")
-        self.pairs, self.batch_size, self.seed, self.pad_id = pairs, int(batch_size), seed, pad_id
-        self.n_batches = len(pairs) // batch_size  # the incomplete last batch is left out
+    def __init__(self, items, batch_size, seed, pad_id=0, where="<data>"):
+        if len(items) < batch_size:
+            raise DataError(f"[data] {where}: {len(items)} {self.noun} are fewer than one batch of {batch_size}")
+        self.items, self.batch_size, self.seed, self.pad_id = items, int(batch_size), seed, pad_id
+        self.n_batches = len(items) // batch_size  # the incomplete last batch is left out
         self.epoch, self.index = 0, 0
 
     def _items(self):
         """The next batch's items, in the epoch's shuffled order."""
         if self.index >= self.n_batches:
             self.epoch, self.index = self.epoch + 1, 0
-        order = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.pairs))
+        order = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.items))
         b, self.index = self.index, self.index + 1
-        return [self.pairs[i] for i in order[b * self.batch_size:(b + 1) * self.batch_size]]
+        return [self.items[i] for i in order[b * self.batch_size:(b + 1) * self.batch_size]]
 
     def next(self):
         return rows(self._items(), self.pad_id)
@@ -173,6 +174,7 @@ def load_prompts(path, tok, max_prompt_length, vocab_size=None):
 
 class PromptBatches(PairBatches):
     """Batches of batch_size prompts (load_prompts' items), shuffled each epoch: next(), state(), load_state()."""
+    noun = "prompts"
 
     def next(self):
         return self._items()

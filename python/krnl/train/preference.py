@@ -26,6 +26,7 @@ import numpy as np
 
 from ..models.config import IGNORE_INDEX
 from ..models.sequence_loss import adapter_off, forward_backward_rows, row_losses
+from . import grpo
 
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo")
 
@@ -124,7 +125,7 @@ def check(cfg):
     """Raises naming a TrainConfig's bad preference settings."""
     if cfg.train_mode not in MODES:
         raise ValueError(f"[train] train_mode must be one of {', '.join(MODES)}, got {cfg.train_mode!r}")
-    types = {"dpo": DPO_LOSS_TYPES, "grpo": ("grpo", "bnpo", "dr_grpo", "dapo")}.get(cfg.train_mode)
+    types = {"dpo": DPO_LOSS_TYPES, "grpo": grpo.LOSS_TYPES}.get(cfg.train_mode)
     if types and cfg.loss_type not in types:
         raise ValueError(f"[train] loss_type of {cfg.train_mode} must be one of {', '.join(types)}, got {cfg.loss_type!r}")
     for k in ("beta", "simpo_gamma", "cpo_alpha"):

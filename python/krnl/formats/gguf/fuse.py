@@ -52,7 +52,7 @@ def fuse_gguf(path, adapter_folder, out_folder, shard_size="2GB", dtype=None, qu
 
     def item(name, w, shape):
         # gpt-oss goes out in transformers' layout (formats/gpt_oss.py)
-        out, out_shape, relay = (g.config.model_type == "gpt_oss" and gpt_oss.stored_layout(name, shape)) or (
+        out, out_shape, relay = gpt_oss.stored_layout(g.config, name, shape) or (
             name, tuple(shape), lambda a: a)
 
         def make():  # called once, in order, by write_sharded: one weight in memory at a time

@@ -20,7 +20,7 @@ import numpy as np
 
 from .. import _core
 from .config import IGNORE_INDEX, LoraConfig, ModelConfig
-from .generate import generate
+from .generate import generate, generate_batch
 from .attention import Batch
 from .layer import Heads, Ones, build_layer, layer_backward, layer_forward
 from .lora import init_lora
@@ -350,11 +350,11 @@ class LlamaModel:
         runs once through every layer, then each new token only attends to the cached keys and
         values. temperature 0 is greedy; otherwise softmax(logits / temperature) restricted to the
         smallest set of tokens whose probability reaches top_p. Returns the new ids."""
-        prompt = [int(t) for t in prompt]
-        if not prompt:
-            raise ValueError("[generate] the prompt is empty")
-        check_ids(np.asarray(prompt), "prompt", False, self.config.vocab_size)
         return generate(self, prompt, max_new_tokens, temperature, top_p, seed, eos_id, top_k)
+
+    def generate_batch(self, prompts, max_new_tokens=32, temperature=0.0, top_p=1.0, seeds=None, eos_id=None, top_k=0):
+        """generate() of each prompt, decoded together (krnl.models.generate.generate_batch)."""
+        return generate_batch(self, prompts, max_new_tokens, temperature, top_p, seeds, eos_id, top_k)
 
     def logits(self, ids, segments=None, positions=None):
         """(B, T, V) float32 numpy logits (forward only, no dropout)."""

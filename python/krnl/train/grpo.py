@@ -121,9 +121,10 @@ def load_reward(spec):
 
 class GRPO:
     """The objective of --train-mode grpo for the trainer's StepRunner: a batch of prompts, each sampled
-    num_generations times by krnl's KV-cached generation (the current adapter, temperature, top_k,
-    top_p, max_completion_length, stopping at EOS; seeds from the run's position), rewarded, and trained on with grpo_step (one pass: the
-    sampling policy is this one)."""
+    num_generations times by krnl's KV-cached generation, every completion of the batch decoded
+    together (generate_batch: the current adapter, temperature, top_k, top_p, max_completion_length,
+    stopping at EOS; seeds from the run's position), rewarded, and trained on with grpo_step (one
+    pass: the sampling policy is this one)."""
 
     def __init__(self, tok, rewards, weights=None, num_generations=8, max_completion_length=512, temperature=1.0,
                  top_p=1.0, beta=0.0, eps_low=0.2, eps_high=None, loss_type="dapo", scale="group", seed=0, top_k=0):
@@ -146,8 +147,8 @@ class GRPO:
         t0 = time.perf_counter()
         each = [p for p in prompts for _ in range(self.G)]                # (ids, line) of each completion
         seeds = np.random.SeedSequence([self.seed, *self.position]).generate_state(len(each))
-        comps = [model.generate(ids, self.max_len, self.temperature, self.top_p, seed=int(s), eos_id=self.tok.eos_id,
-                                top_k=self.top_k) for (ids, _), s in zip(each, seeds)]
+        comps = model.generate_batch([ids for ids, _ in each], self.max_len, self.temperature, self.top_p, seeds,
+                                     self.tok.eos_id, self.top_k)
         lines = [line for _, line in each]
         texts = [self.tok.decode(c) for c in comps]
         extra = {k: [ln[k] for ln in lines] for k in lines[0] if k != "prompt"}

@@ -4,6 +4,7 @@ and defaults, their data from --data, and GRPO's objective (its tokenizer and re
 from pathlib import Path
 
 from ..train.grpo import LOSS_TYPES
+from ..train.pairs import FEATURES
 from ..train.preference import DPO_LOSS_TYPES
 
 PAIRWISE = ("dpo", "orpo", "simpo")
@@ -32,11 +33,25 @@ def add_arguments(t):
                    "--epsilon-high)")
     g.add_argument("--epsilon-high", type=float, default=None)
     g.add_argument("--scale-rewards", default="group", choices=["group", "batch", "none"])
+    d = t.add_argument_group("the data's key names in these modes (mlx-lm-lora's *_feature options)")
+    for k in FEATURES:
+        d.add_argument(f"--{k.replace('_', '-')}-feature", default=k, metavar="KEY",
+                       help=f"the key of each line read as {k!r}")
+
+
+def data_keys(args):
+    """{krnl's key: the data's} of the --*-feature options that rename one."""
+    keys = {k: getattr(args, f"{k}_feature") for k in FEATURES if getattr(args, f"{k}_feature") != k}
+    if keys and args.train_mode == "sft":
+        raise ValueError(f"[train] --{next(iter(keys)).replace('_', '-')}-feature names a key of --train-mode "
+                         "dpo, orpo, simpo or grpo data; sft reads text, prompt/completion or messages")
+    return keys
 
 
 def config_fields(args):
     """TrainConfig's fields of the mode, its defaults resolved."""
     grpo = args.train_mode == "grpo"
+    data_keys(args)  # sft refuses them: they would be ignored
     return {"train_mode": args.train_mode, "beta": args.beta if args.beta is not None else (0.0 if grpo else 0.1),
             "loss_type": args.loss_type or ("dapo" if grpo else "sigmoid"), "simpo_gamma": args.simpo_gamma,
             "cpo_alpha": args.cpo_alpha}
@@ -54,10 +69,10 @@ def mode_data(args, tok, model):
         if args.batch_size % G:
             raise ValueError(f"[train] --batch-size {args.batch_size} (completions) is not whole groups of "
                              f"--num-generations {G}")
-        prompts = load_prompts(Path(args.data) / "train.jsonl", tok, args.max_seq_length, V)
+        prompts = load_prompts(Path(args.data) / "train.jsonl", tok, args.max_seq_length, V, data_keys(args))
         print(f"train: {len(prompts)} prompts from {Path(args.data) / 'train.jsonl'}")
         return PromptBatches(prompts, args.batch_size // G, args.seed, where=args.data), None, len(prompts) * G
-    ds = load_pair_dataset(args.data, tok, args.max_seq_length, vocab_size=V)
+    ds = load_pair_dataset(args.data, tok, args.max_seq_length, V, args.train_mode == "orpo", data_keys(args))
     for split in ds.values():
         if split is not None:
             print(split.summary())

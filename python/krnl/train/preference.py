@@ -15,7 +15,8 @@ averaged over the pairs. ORPO and SimPO need no reference; with a = logp / n per
 and NLL the chosen rows' mean token loss:
 
     orpo   NLL - beta mean log sigmoid(log odds),  log odds = (a_c - a_r) - (log(1 - e^a_c) - log(1 - e^a_r))
-           (its NLL over the chosen rows' prompt and completion tokens, as TRL's)
+           (its NLL over the chosen rows' prompt and completion tokens, as TRL's; with a pair's
+           preference score s, mlx-lm-lora's, s a_c stands for a_c in the log odds and the rewards)
     simpo  mean -log sigmoid(beta (a_c - a_r) - gamma) + cpo_alpha NLL (over the completion tokens)
 
 The loss's gradient is taken here with respect to each row's summed token losses (S = -logp),
@@ -85,18 +86,20 @@ def _reward_metrics(r, logp, P):
             "logps/chosen": logp[:P].mean(), "logps/rejected": logp[P:].mean()}
 
 
-def orpo(logp, n, beta=0.1, nll=0.0):
+def orpo(logp, n, beta=0.1, nll=0.0, scores=None):
     """(loss, w, metrics) of ORPO (TRL's ORPOTrainer) given the NLL term `nll` (its gradient the
-    caller's): as dpo() without a reference; w = dloss/dS."""
+    caller's): as dpo() without a reference; w = dloss/dS. scores (P,): the pairs' preference
+    scores (mlx-lm-lora's orpo_loss: the chosen per-token log-probability times the score), or None."""
     logp, n, P = _pairs(logp, n, "orpo")
-    a = logp / n                                                          # (2P,) per-token log-probabilities
+    s = np.concatenate([np.ones(P) if scores is None else np.asarray(scores, np.float64), np.ones(P)])
+    a = s * logp / n                                                      # (2P,) per-token log-probabilities
     lo = (a[:P] - a[P:]) - (_log1mexp(a[:P]) - _log1mexp(a[P:]))
     ratio = _log_sigmoid(lo)
     dlo = -beta * _sigmoid(-lo) / P                                       # d(-beta mean ratio) / d lo
     da = np.concatenate([dlo / -np.expm1(a[:P]), -dlo / -np.expm1(a[P:])])  # dlo/da = 1 / (1 - e^a), signed
-    metrics = {**_reward_metrics(beta * a, a, P), "nll_loss": nll, "log_odds_ratio": ratio.mean(),
+    metrics = {**_reward_metrics(beta * a, logp / n, P), "nll_loss": nll, "log_odds_ratio": ratio.mean(),
                "log_odds_chosen": lo.mean()}
-    return float(nll - beta * ratio.mean()), -da / n, {k: float(v) for k, v in metrics.items()}  # a = -S / n
+    return float(nll - beta * ratio.mean()), -da * s / n, {k: float(v) for k, v in metrics.items()}  # a = -s S / n
 
 
 def simpo(logp, n, beta=2.0, gamma=0.5, cpo_alpha=0.0, label_smoothing=0.0, nll=0.0):
@@ -153,8 +156,12 @@ class Pairwise:
                         IGNORE_INDEX)
         return full, done
 
-    def loss(self, rows, read, done, ref=None):
-        """(loss, w (B, T) dloss/d(row loss), metrics) from the rows' losses (B, T)."""
+    def loss(self, rows, read, done, ref=None, scores=None):
+        """(loss, w (B, T) dloss/d(row loss), metrics) from the rows' losses (B, T); scores: the pairs'
+        preference scores (ORPO's) or None."""
+        if scores is not None and self.mode != "orpo":
+            raise ValueError(f"[{self.mode}] preference scores weigh ORPO's odds ratio; {self.mode} has no use for "
+                             "them")
         logp, n = -(rows * done).sum(axis=1), done.sum(axis=1)
         P, chosen = len(rows) // 2, np.zeros(rows.shape, bool)
         chosen[:P] = read[:P] != IGNORE_INDEX                             # the NLL's rows
@@ -162,7 +169,7 @@ class Pairwise:
         if self.mode == "dpo":
             loss, w, m = dpo(logp, n, ref, self.beta, self.loss_type)
         elif self.mode == "orpo":
-            loss, w, m = orpo(logp, n, self.beta, nll)
+            loss, w, m = orpo(logp, n, self.beta, nll, scores)
         else:
             loss, w, m = simpo(logp, n, self.beta, self.gamma, self.cpo_alpha, nll=nll)
         alpha = 1.0 if self.mode == "orpo" else self.cpo_alpha if self.mode == "simpo" else 0.0
@@ -174,26 +181,27 @@ class Pairwise:
         with adapter_off(model):
             return -(row_losses(model, ids, targets) * done).sum(axis=1)
 
-    def step(self, model, ids, targets, loss_scale=1.0):
+    def step(self, model, ids, targets, loss_scale=1.0, scores=None):
         ids, targets = np.asarray(ids), np.asarray(targets)
         read, done = self.targets(ids, targets)
         ref = self.reference(model, ids, read, done)
 
         def weigh(rows):
-            loss, w, metrics = self.loss(rows, read, done, ref)
+            loss, w, metrics = self.loss(rows, read, done, ref, scores)
             return w, (loss, metrics)
 
         return forward_backward_rows(model, ids, read, weigh, loss_scale)
 
     def run(self, model, batch, loss_scale=1.0):
-        """(loss, metrics, completion tokens) of one batch (ids, targets) of pairs: the StepRunner's call."""
-        loss, metrics = self.step(model, batch[0], batch[1], loss_scale)
+        """(loss, metrics, completion tokens) of one batch (ids, targets[, scores]) of pairs (pairs.rows):
+        the StepRunner's call."""
+        loss, metrics = self.step(model, batch[0], batch[1], loss_scale, *batch[2:])
         return loss, metrics, int((np.asarray(batch[1]) != IGNORE_INDEX).sum())
 
-    def evaluate(self, model, ids, targets):
+    def evaluate(self, model, ids, targets, scores=None):
         ids, targets = np.asarray(ids), np.asarray(targets)
         read, done = self.targets(ids, targets)
-        return self.loss(row_losses(model, ids, read), read, done, self.reference(model, ids, read, done))[0]
+        return self.loss(row_losses(model, ids, read), read, done, self.reference(model, ids, read, done), scores)[0]
 
 
 def objective(cfg, world=None, given=None):

@@ -270,9 +270,11 @@ class Trainer:
         bs, total = self.cfg.batch_size, []
         if hasattr(self.valid, "eval_batches"):  # a krnl.train.data.Split (or pairs.PairSplit)
             for batch in self.valid.eval_batches(bs)[:self.cfg.val_batches]:
+                if self.objective:  # its batches its own: pairs' rows and their scores
+                    total.append(self.objective.evaluate(self.model, *batch))
+                    continue
                 ids, tg, kw = _batch_args(batch)
-                total.append(self.objective.evaluate(self.model, ids, tg) if self.objective else
-                             self.model.loss(ids, tg, **kw))
+                total.append(self.model.loss(ids, tg, **kw))
             return float(np.mean(total))
         ids, tg = self.valid[0], self.valid[1]
         extra = self.valid[2:4] if len(self.valid) > 2 else None

@@ -13,6 +13,7 @@ modules relative to krnl, `x.*` meaning every module under krnl/x:
     models    models models.*
     formats   formats formats.*
     train     train train.*
+    serve     serve serve.*
     bench     bench bench.*
     cli       cli cli.* __main__
 
@@ -31,6 +32,8 @@ modules relative to krnl, `x.*` meaning every module under krnl/x:
 - train: the optimizer, batches, datasets, the embedded default task, the device step (step: eager
   or replayed), the training loop, and data parallel (dist/: the world of ranks, NCCL sums, what
   the trainer does with ranks); data and trainer both draw on batches and not on each other.
+- serve: `krnl serve`'s engine (every running request decoded together), its adapters and its
+  OpenAI-compatible HTTP API; on the model and the formats, apart from training.
 - bench: `krnl bench` and `krnl tune` (the measured GEMM choices the CLI applies).
 - cli: the `krnl` commands (cli.main) and the self-test (`krnl doctor`, cli/doctor/), which may
   use everything.

@@ -92,3 +92,22 @@ def test_peer_rows_with_trl():
         assert rows[name]["status"] == "ok", rows[name].get("reason")
         assert rows[name]["tokens_per_s"] > 0 and rows[name]["vs_krnl"] > 0
     assert np.isfinite(rows["TRL GRPO step"]["loss"])
+
+
+def test_serve_quick_rows():
+    """bench/serve.py: krnl serve at each client count, every stream of exactly the tokens asked for
+    (serve.stream raises otherwise), or one row saying the serve extra is missing."""
+    from krnl.bench import serve
+
+    rows = rows_of("serve")
+    try:
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        assert [r["status"] for r in rows.values()] == ["skipped"]
+        return
+    s = serve.SIZES["quick"]
+    assert list(rows) == [f"krnl serve x{c}" for c in s["clients"]]
+    for c, r in zip(s["clients"], rows.values()):
+        assert r["status"] == "ok" and r["tokens_per_s"] > 0 and r["samples"] == c * s["requests"]
+        assert "req/s" in r["note"] and "p99" in r["note"]

@@ -46,11 +46,12 @@
 #   bash tools/device/h200_check.sh moebench  `krnl bench --workloads moe`: a Qwen3-30B-A3B-shaped stack, krnl in
 #                                           bf16 and with 4-bit experts next to transformers + PEFT (JSON in
 #                                           $OUT/moe_bench.json; MOE_PROFILE=1 adds krnl's op profile)
-#   bash tools/device/h200_check.sh pref    `krnl bench --workloads dpo,grpo` on the 1b shape: a DPO step next to TRL's
-#                                           DPOTrainer, and GRPO's generation next to transformers' generate and its
-#                                           step next to TRL's GRPOTrainer loss, timed apart (JSON in
-#                                           $OUT/pref_bench.json; TRL from .trl, below; PREF_PROFILE=1 adds krnl's
-#                                           op profiles)
+#   bash tools/device/h200_check.sh pref    `krnl bench --workloads dpo,grpo,serve` on the 1b shape: a DPO step next to
+#                                           TRL's DPOTrainer, GRPO's generation next to transformers' generate and its
+#                                           step next to TRL's GRPOTrainer loss, timed apart, and `krnl serve` under 1,
+#                                           4 and 16 streaming clients next to transformers' generate (JSON in
+#                                           $OUT/pref_bench.json; TRL from .trl, uvicorn and Starlette from .whl,
+#                                           below; PREF_WORKLOADS to pick; PREF_PROFILE=1 adds krnl's op profiles)
 #   bash tools/device/h200_check.sh moe     the mixture-of-experts ops of csrc/cuda/moe.cu and moe_quantized.cu
 #                                           and gpt-oss's (MXFP4 products, attention sinks, clamped SwiGLU):
 #                                           their cuda tests (tests/test_moe_ops.py, tests/test_mxfp4.py, the
@@ -71,6 +72,8 @@
 #            --platform manylinux_2_28_x86_64 -d .whl scipy-openblas32 nvidia-cudnn-frontend
 #          unzip -q .whl/nvidia_cudnn_frontend-*.whl 'include/*' -d /tmp/fe && rm .whl/nvidia_cudnn_frontend-*.whl
 #          tar czf .whl/cudnn_frontend-include.tar.gz -C /tmp/fe include
+#          and, for the pref phase's serve workload, `pip download --no-deps -d .whl uvicorn starlette` (pure
+#          Python; the image has their anyio, click and h11)
 #   .bnb   (qlora phase) bitsandbytes, unpacked from its wheel without the libraries of other CUDA
 #          and ROCm versions (the wheel is 43 MB, its CUDA 13 part 4 MB):
 #          unzip -q bitsandbytes-*.whl -d .bnb -x '*cuda1[12]*' '*rocm*' '*xpu*'
@@ -213,7 +216,7 @@ elif [ "$phase" = pref ]; then
   else
     echo "no .trl folder carried: the TRL rows will be skipped"
   fi
-  timeout ${BENCH_S:-500} python3 -m krnl.bench --workloads dpo,grpo --peers torch --rounds 1 ${PREF_PROFILE:+--profile} \
+  timeout ${BENCH_S:-500} python3 -m krnl.bench --workloads ${PREF_WORKLOADS:-dpo,grpo,serve} --peers torch --rounds 1 ${PREF_PROFILE:+--profile} \
     --json "$OUT/pref_bench.json" 2>&1 | tee "$OUT/pref_bench.log" | tail -30
 elif [ "$phase" = qlora ]; then
   timeout ${QTESTS_S:-200} python3 -m pytest -q -p no:cacheprovider tests/test_quantized.py -k "cuda" 2>&1 | tail -5

@@ -22,7 +22,8 @@ modules relative to krnl, `x.*` meaning every module under krnl/x:
 - io: bytes on disk (atomic writes, safetensors, checkpoints, run folders, tokenizers), knowing
   nothing of the model, so that the model may read files through it.
 - quant: quantized weights: MLX's affine and MXFP4 codecs (affine, mxfp4), GGUF's block codecs
-  (gguf) and the quantized arrays the model holds and multiplies by (qweight).
+  (gguf) and K-quant writer (kquants), and the quantized arrays the model holds and multiplies by
+  (qweight).
 - models: parameters, the model's configuration and LoRA layout, the layers, the model stack, and
   one file per family for what it adds to the Llama layer (gemma2, gemma3, phi3, qwen3).
 - formats: the files that describe a model (HF and MLX quantized folders, GGUF files in gguf/,

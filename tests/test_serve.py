@@ -225,3 +225,23 @@ def test_a_full_queue_answers_429(srv):
     finally:
         server.should_exit = True
         thread.join(5)
+
+
+def test_cli_serve_options(tmp_path):
+    """The command line: its options parsed, bad values refused in one line, and --adapters checked."""
+    from krnl.cli.args import parse_args
+    from krnl.cli.main import main
+    from krnl.serve.adapters import parse_adapters
+
+    a = parse_args(["serve", "--model", "m", "--adapters", "x=a", "y=b", "--port", "9", "--max-batch", "4"],
+                   {k: None for k in ("devices", "train", "eval", "generate", "fuse", "quantize", "w1", "tune", "bench",
+                                      "doctor", "serve")})
+    assert (a.model, a.adapters, a.port, a.max_batch, a.host) == ("m", ["x=a", "y=b"], 9, 4, "127.0.0.1")
+    assert main(["serve", "--model", str(tmp_path), "--max-batch", "0"]) == 1
+    (tmp_path / "ad").mkdir()
+    assert parse_adapters([f"n={tmp_path / 'ad'}", str(tmp_path / "ad")]) == {"n": str(tmp_path / "ad"),
+                                                                               "ad": str(tmp_path / "ad")}
+    for bad, msg in (([f"n={tmp_path}", f"n={tmp_path}"], "given twice"), (["n=/nowhere"], "no adapter folder"),
+                     (["=x"], "expected name=path")):
+        with pytest.raises(ValueError, match=msg):
+            parse_adapters(bad)

@@ -244,6 +244,10 @@ HF_VOCAB = 32
 
 @pytest.fixture
 def hf_folder(tmp_path):
+    return write_hf_folder(tmp_path)
+
+
+def write_hf_folder(tmp_path):
     """A tiny random Llama HF folder (in-features multiples of 32, so it also quantizes): config.json,
     model.safetensors, a word-level tokenizer of HF_VOCAB tokens ("</s>", "w1" .. "w31")."""
     tokenizers = pytest.importorskip("tokenizers")

@@ -194,7 +194,7 @@ def test_no_import_circle():
 def test_every_module_has_exactly_one_layer():
     graph, _ = import_graph()
     layers = read_layers()
-    assert [name for name, _ in layers] == ["ops", "io", "quant", "models", "formats", "train", "bench", "cli"]
+    assert [name for name, _ in layers] == ["ops", "io", "quant", "models", "formats", "train", "serve", "bench", "cli"]
     wrong = {m: [layers[i][0] for i in layers_of(layers, m)] for m in graph if len(layers_of(layers, m)) != 1}
     assert wrong == {}, f"modules in no layer or in several (add them to krnl/__init__.py's table): {wrong}"
 

@@ -159,7 +159,7 @@ def test_preference_score_is_mlx_lm_loras_orpo_loss():
     assert preference.orpo(logp, n, beta, 0.7, np.ones(3))[0] == preference.orpo(logp, n, beta, 0.7)[0]
     with pytest.raises(ValueError, match=r"\[dpo\] preference scores weigh ORPO's odds ratio"):
         preference.Pairwise("dpo", 0.1).loss(np.zeros((2, 3)), np.zeros((2, 3)), np.ones((2, 3), bool),
-                                             np.zeros(2), np.ones(1))
+                                             np.zeros(2), scores=np.ones(1))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ modules relative to krnl, `x.*` meaning every module under krnl/x:
     models    models models.*
     formats   formats formats.*
     train     train train.*
+    serve     serve serve.*
     bench     bench bench.*
     cli       cli cli.* __main__
 
@@ -21,7 +22,8 @@ modules relative to krnl, `x.*` meaning every module under krnl/x:
 - io: bytes on disk (atomic writes, safetensors, checkpoints, run folders, tokenizers), knowing
   nothing of the model, so that the model may read files through it.
 - quant: quantized weights: MLX's affine and MXFP4 codecs (affine, mxfp4), GGUF's block codecs
-  (gguf) and the quantized arrays the model holds and multiplies by (qweight).
+  (gguf) and K-quant writer (kquants), and the quantized arrays the model holds and multiplies by
+  (qweight).
 - models: parameters, the model's configuration and LoRA layout, the layers, the model stack, and
   one file per family for what it adds to the Llama layer (gemma2, gemma3, phi3, qwen3).
 - formats: the files that describe a model (HF and MLX quantized folders, GGUF files in gguf/,
@@ -31,6 +33,8 @@ modules relative to krnl, `x.*` meaning every module under krnl/x:
 - train: the optimizer, batches, datasets, the embedded default task, the device step (step: eager
   or replayed), the training loop, and data parallel (dist/: the world of ranks, NCCL sums, what
   the trainer does with ranks); data and trainer both draw on batches and not on each other.
+- serve: `krnl serve`'s engine (every running request decoded together), its adapters and its
+  OpenAI-compatible HTTP API; on the model and the formats, apart from training.
 - bench: `krnl bench` and `krnl tune` (the measured GEMM choices the CLI applies).
 - cli: the `krnl` commands (cli.main) and the self-test (`krnl doctor`, cli/doctor/), which may
   use everything.

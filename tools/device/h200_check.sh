@@ -46,6 +46,12 @@
 #   bash tools/device/h200_check.sh moebench  `krnl bench --workloads moe`: a Qwen3-30B-A3B-shaped stack, krnl in
 #                                           bf16 and with 4-bit experts next to transformers + PEFT (JSON in
 #                                           $OUT/moe_bench.json; MOE_PROFILE=1 adds krnl's op profile)
+#   bash tools/device/h200_check.sh pref    `krnl bench --workloads dpo,grpo,serve` on the 1b shape: a DPO step next to
+#                                           TRL's DPOTrainer, GRPO's generation next to transformers' generate and its
+#                                           step next to TRL's GRPOTrainer loss, timed apart, and `krnl serve` under 1,
+#                                           4 and 16 streaming clients next to transformers' generate (JSON in
+#                                           $OUT/pref_bench.json; TRL from .trl, uvicorn and Starlette from .whl,
+#                                           below; PREF_WORKLOADS to pick; PREF_PROFILE=1 adds krnl's op profiles)
 #   bash tools/device/h200_check.sh moe     the mixture-of-experts ops of csrc/cuda/moe.cu and moe_quantized.cu
 #                                           and gpt-oss's (MXFP4 products, attention sinks, clamped SwiGLU):
 #                                           their cuda tests (tests/test_moe_ops.py, tests/test_mxfp4.py, the
@@ -66,9 +72,20 @@
 #            --platform manylinux_2_28_x86_64 -d .whl scipy-openblas32 nvidia-cudnn-frontend
 #          unzip -q .whl/nvidia_cudnn_frontend-*.whl 'include/*' -d /tmp/fe && rm .whl/nvidia_cudnn_frontend-*.whl
 #          tar czf .whl/cudnn_frontend-include.tar.gz -C /tmp/fe include
+#          and, for the pref phase's serve workload, `pip download --no-deps -d .whl uvicorn starlette` (pure
+#          Python; the image has their anyio, click and h11)
 #   .bnb   (qlora phase) bitsandbytes, unpacked from its wheel without the libraries of other CUDA
 #          and ROCm versions (the wheel is 43 MB, its CUDA 13 part 4 MB):
 #          unzip -q bitsandbytes-*.whl -d .bnb -x '*cuda1[12]*' '*rocm*' '*xpu*'
+#   .trl   (pref phase) TRL and what it needs beyond the image's packages (torch 2.11, transformers
+#          5.17, PEFT, accelerate, pyarrow, pandas, xxhash, fsspec, requests, tqdm): 1.7 MB of
+#          pure-Python wheels. trl 1.16.0 asks for transformers >= 4.56.2 (ran here against 5.17);
+#          datasets 4.8.5, the last 4.x, for its loose needs (huggingface-hub >= 0.25, < 2 as transformers
+#          5.17's; pyarrow >= 21), where datasets 5.2 wants hub >= 1.31 and pyarrow >= 24; dill and
+#          multiprocess in the ranges it takes. Without .trl the TRL rows are skipped, saying so:
+#          python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#            --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+#            -d .trl trl==1.16.0 datasets==4.8.5 dill==0.4.0 multiprocess==0.70.18
 #   .mlx1, .mlx2  (optional, for the MLX CUDA peer) mlx's wheel and the two halves of mlx-cuda-13's
 #          (90 MB, over one call's 64 MiB carry): `split -b 45m mlx_cuda_13-*.whl part_`, part_aa with
 #          the mlx wheel in .mlx1 (carried by the tests call, which keeps it in /tmp/mlx), part_ab in
@@ -191,6 +208,16 @@ elif [ "$phase" = bench ]; then
 elif [ "$phase" = moebench ]; then
   timeout ${BENCH_S:-500} python3 -m krnl.bench --workloads moe --peers torch --rounds 1 ${MOE_PROFILE:+--profile} \
     --json "$OUT/moe_bench.json" 2>&1 | tee "$OUT/moe_bench.log" | tail -30
+elif [ "$phase" = pref ]; then
+  # next to .whl's packages in /tmp/site, which PYTHONPATH puts ahead of the image's own
+  if [ -d .trl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .trl/*.whl &&
+      python3 -c "import trl, datasets, transformers; print('trl', trl.__version__, 'datasets', datasets.__version__, 'transformers', transformers.__version__)"
+  else
+    echo "no .trl folder carried: the TRL rows will be skipped"
+  fi
+  timeout ${BENCH_S:-500} python3 -m krnl.bench --workloads ${PREF_WORKLOADS:-dpo,grpo,serve} --peers torch --rounds 1 ${PREF_PROFILE:+--profile} \
+    --json "$OUT/pref_bench.json" 2>&1 | tee "$OUT/pref_bench.log" | tail -30
 elif [ "$phase" = qlora ]; then
   timeout ${QTESTS_S:-200} python3 -m pytest -q -p no:cacheprovider tests/test_quantized.py -k "cuda" 2>&1 | tail -5
   [ -d .bnb ] && export PYTHONPATH=$PYTHONPATH:$PWD/.bnb

@@ -76,22 +76,25 @@ def run_krnl(dev, s, batches, dtype, log=print, profile=False, grad_checkpoint=F
                      profile)
 
 
-def time_krnl(dev, model, s, batches, log, who, profile=False):
-    """_time's figures of AdamW steps of `model` (lr 1e-4, clipping at 1) on `batches`, the peak
-    counted from here (the model built); with profile one more step, op by op."""
+def time_krnl(dev, model, s, batches, log, who, profile=False, objective=None):
+    """time_steps's figures of AdamW steps of `model` (lr 1e-4, clipping at 1) on `batches`, the peak
+    counted from here (the model built); with profile one more step, op by op. objective(model,
+    batch) -> loss: the step's forward and backward (default: next-token cross entropy on ids)."""
     from ..train.optim import AdamW, Schedule
-    gc.collect()
     opt = AdamW(model.lora_params, Schedule(1e-4, kind="constant"), max_grad_norm=1.0)
-    dev.synchronize()
-    dev.reset_peak()
+    sync, peak = krnl_clock(dev)
 
-    def step(ids):
+    def step(b):
         model.lora_params.zero_grads()
-        model.forward_backward(ids, np.concatenate([ids[:, 1:], np.full((ids.shape[0], 1), -100)], axis=1))
+        if objective is not None:
+            loss = objective(model, b)
+            opt.step()
+            return loss
+        model.forward_backward(b, np.concatenate([b[:, 1:], np.full((b.shape[0], 1), -100)], axis=1))
         opt.step()
         return model.read_loss()
 
-    res = _time(step, batches, s, dev.synchronize, lambda: dev.pool_stats()["peak_in_use"], log, who)
+    res = time_steps(step, batches, s, sync, peak, log, who)
     if profile:  # where the step's time goes
         with krnl.profile(dev) as p:
             step(batches[-1])
@@ -101,25 +104,49 @@ def time_krnl(dev, model, s, batches, log, who, profile=False):
     return res
 
 
-def _time(step, batches, s, sync, peak, log, who):
-    for ids in batches[:s["warmup"]]:
-        step(ids)
+def krnl_clock(dev):
+    """(sync, peak) of a krnl device, its peak counted from here."""
+    gc.collect()
+    dev.synchronize()
+    dev.reset_peak()
+    return dev.synchronize, lambda: dev.pool_stats()["peak_in_use"]
+
+
+def torch_clock(torch, on_gpu):
+    """(sync, peak) of torch's device (the GPU's, or the CPU with no peak figure), the peak counted
+    from here."""
+    gc.collect()
+    if not on_gpu:
+        return (lambda: None), (lambda: 0)
+    torch.cuda.empty_cache()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.synchronize, torch.cuda.max_memory_allocated
+
+
+def time_steps(step, batches, s, sync, peak, log, who):
+    """Figures of step(batch) over batches after s["warmup"] untimed ones, s["B"] rows of s["T"]
+    tokens each; the loss is the last step's return (None: a step with no loss, a generation)."""
+    for b in batches[:s["warmup"]]:
+        step(b)
     sync()
     t0 = time.perf_counter()
     loss = None
-    for ids in batches[s["warmup"]:]:
-        loss = step(ids)
+    for b in batches[s["warmup"]:]:
+        loss = step(b)
     sync()
     dt = time.perf_counter() - t0
     toks = s["steps"] * s["B"] * s["T"]
-    log(f"krnl bench: {who}: {toks / dt:,.0f} tokens/s, peak {peak() / 2**30:.2f} GiB, loss {loss:.4f}")
-    return {"tokens_per_s": toks / dt, "ms": 1e3 * dt / s["steps"], "peak_bytes": int(peak()), "loss": float(loss),
-            "samples": s["steps"]}
+    log(f"krnl bench: {who}: {toks / dt:,.0f} tokens/s, peak {peak() / 2**30:.2f} GiB"
+        + ("" if loss is None else f", loss {loss:.4f}"))
+    return {"tokens_per_s": toks / dt, "ms": 1e3 * dt / s["steps"], "peak_bytes": int(peak()),
+            "loss": None if loss is None else float(loss), "samples": s["steps"]}
 
 
-def peft_model(s, torch, on_gpu):
-    """transformers' Llama with random weights, its seven projections on a bitsandbytes NF4 base
-    where bitsandbytes runs (else bf16, and the label says so), LoRA r=16 through PEFT."""
+def peft_model(s, torch, on_gpu, config=None, nf4=True):
+    """transformers' Llama with random weights (config: its HF config, default hf_config(s)), its
+    seven projections on a bitsandbytes NF4 base where nf4 and bitsandbytes runs (else bf16, and
+    the label says so), LoRA r=16 through PEFT."""
     import transformers
     from peft import LoraConfig, get_peft_model
     device = "cuda" if on_gpu else "cpu"
@@ -128,32 +155,38 @@ def peft_model(s, torch, on_gpu):
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device(device):
-            model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf_config(s), use_cache=False,
+            model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**(config or hf_config(s)), use_cache=False,
                                                                            attn_implementation="sdpa"))
     finally:
         torch.set_default_dtype(prev)
     label = "PEFT bf16 base"
-    try:
-        import bitsandbytes as bnb
-        for layer in model.model.layers:
-            for part in (layer.self_attn, layer.mlp):
-                for name in MODULES:
-                    lin = getattr(part, name, None)
-                    if lin is None:
-                        continue
-                    q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=False, compute_dtype=torch.bfloat16,
-                                          quant_type="nf4", device=device)
-                    q.weight = bnb.nn.Params4bit(lin.weight.data, requires_grad=False, quant_type="nf4",
-                                                 blocksize=GROUP, compress_statistics=True).to(device)
-                    setattr(part, name, q)
-                    del lin
-        label = "PEFT bnb-nf4"
-    except Exception as e:  # noqa: BLE001 (bitsandbytes absent or without this device's backend)
-        label += f" (bitsandbytes: {type(e).__name__}: {str(e)[:80]})"
+    if nf4:
+        try:
+            to_nf4(model, torch, device)
+            label = "PEFT bnb-nf4"
+        except Exception as e:  # noqa: BLE001 (bitsandbytes absent or without this device's backend)
+            label += f" (bitsandbytes: {type(e).__name__}: {str(e)[:80]})"
     for p in model.parameters():
         p.requires_grad_(False)
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=list(MODULES)))
     return model, label
+
+
+def to_nf4(model, torch, device):
+    """The seven projections of every layer replaced by bitsandbytes NF4 ones (the QLoRA recipe)."""
+    import bitsandbytes as bnb
+    for layer in model.model.layers:
+        for part in (layer.self_attn, layer.mlp):
+            for name in MODULES:
+                lin = getattr(part, name, None)
+                if lin is None:
+                    continue
+                q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=False, compute_dtype=torch.bfloat16,
+                                      quant_type="nf4", device=device)
+                q.weight = bnb.nn.Params4bit(lin.weight.data, requires_grad=False, quant_type="nf4",
+                                             blocksize=GROUP, compress_statistics=True).to(device)
+                setattr(part, name, q)
+                del lin
 
 
 def run_peft(s, batches, on_gpu, log=print):
@@ -164,31 +197,29 @@ def run_peft(s, batches, on_gpu, log=print):
     return res
 
 
-def time_torch(model, s, batches, on_gpu, log, who):
-    """_time's figures of torch AdamW steps (lr 1e-4, clipping at 1) of a PEFT model; the model is
-    released after."""
+def time_torch(model, s, batches, on_gpu, log, who, fwd_bwd=None):
+    """time_steps's figures of torch AdamW steps (lr 1e-4, clipping at 1) of a PEFT model; the model is
+    released after. fwd_bwd(batch) -> loss: the step's forward and backward (default: the model's
+    causal-LM loss on ids)."""
     import torch
-    gc.collect()
-    if on_gpu:
-        torch.cuda.empty_cache()
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=1e-4)
     device = "cuda" if on_gpu else "cpu"
 
-    def step(ids):
+    def lm_loss(ids):
         t = torch.as_tensor(ids, device=device)
         loss = model(input_ids=t, labels=t).loss
         loss.backward()
+        return loss
+
+    def step(b):
+        loss = (fwd_bwd or lm_loss)(b)
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return float(loss.detach())
 
-    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
-    peak = (lambda: torch.cuda.max_memory_allocated()) if on_gpu else (lambda: 0)
-    res = _time(step, batches, s, sync, peak, log, who)
+    res = time_steps(step, batches, s, *torch_clock(torch, on_gpu), log, who)
     del model, opt, trainable
     gc.collect()
     if on_gpu:
@@ -216,20 +247,22 @@ def run(dev, dtype="bf16", quick=False, peers=True, log=print, profile=False):
     return with_peer(rows, dev, peers, peft_row, first=2)
 
 
-def with_peer(rows, dev, peers, peft_row, first=1):
-    """rows and the PEFT row (peft_row(on_gpu)) where torch and peft import, each of rows[first:]
-    with its tokens/s and peak memory relative to krnl's (rows[0])."""
+def with_peer(rows, dev, peers, peft_row, first=1, name="PEFT"):
+    """rows and the PEFT row (peft_row(on_gpu): a row or a list of them) where torch and peft
+    import, each of rows[first:] with its tokens/s and peak memory relative to krnl's row rows[0]
+    (rows[r["base"]] where a row names its own)."""
     if peers:
         try:
             import peft  # noqa: F401
             import torch
         except ImportError as e:
-            rows.append(dict(impl="PEFT", status="skipped", reason=f"{e.name} is not installed"))
+            rows.append(dict(impl=name, status="skipped", reason=f"{e.name} is not installed"))
         else:
             from .targets import is_gpu
-            rows.append(peft_row(is_gpu(dev) and torch.cuda.is_available()))
-    k = rows[0]
+            got = peft_row(is_gpu(dev) and torch.cuda.is_available())
+            rows += got if isinstance(got, list) else [got]
     for r in rows[first:]:
+        k = rows[r.pop("base", 0)]
         if r.get("tokens_per_s"):
             r["vs_krnl"] = r["tokens_per_s"] / k["tokens_per_s"]
             r["peak_vs_krnl"] = r["peak_bytes"] / k["peak_bytes"] if k["peak_bytes"] and r["peak_bytes"] else None

@@ -341,7 +341,7 @@ class Session:
                 if name == prof_wl and profile and problem is not None:
                     prof = self._profile(problem, name)
                 del problem
-        for name in ("qlora", "moe"):
+        for name in ("qlora", "moe", "dpo", "grpo", "serve"):
             if name in workloads:
                 if self.rows:
                     between.append((f"before {name}", gate.measure_control(dev, n_ctl)))
@@ -373,7 +373,7 @@ class Session:
         }
 
     def run_model(self, name, profile=False):
-        """A whole-model workload: qlora (qlora.py) or moe (moe.py)."""
+        """A whole-model workload: qlora, moe, dpo, grpo or serve (the module of its name)."""
         mod = importlib.import_module(f".{name}", __package__)
         if not self.quick and not is_gpu(self.dev):
             self._row(name, "krnl", status="skipped", reason=mod.SKIP)
@@ -385,7 +385,7 @@ class Session:
             peak = peak if is_gpu(self.dev) else None  # the CPU's pool holds only part of a CPU run's memory
             note = ", ".join(x for x in (f"peak {peak / 2**30:.2f} GiB" if peak else "",
                                          f"x{vs:.2f} krnl's peak" if vs else "",
-                                         f"loss {loss:.3f}" if loss is not None else "") if x)
+                                         f"loss {loss:.3f}" if loss is not None else "", r.pop("note", "")) if x)
             self._row(name, r.pop("impl"), note=note, peak_bytes=peak, loss=loss, **r)
 
     def _profile(self, case, name):

@@ -73,10 +73,11 @@ W3 = replace(
 STEPS = {s.name: s for s in (W1, W2, W3)}
 ALL = ("w1", "w2", "w3", "gemm", "lora")
 # Named, not run by default: the QLoRA model (bench/qlora.py) builds a whole 8B-shaped model, the MoE
-# one (bench/moe.py) a Qwen3-30B-A3B-shaped stack, and
+# one (bench/moe.py) a Qwen3-30B-A3B-shaped stack, DPO and GRPO (bench/dpo.py, bench/grpo.py) a
+# 1B-shaped one next to TRL, serve (bench/serve.py) `krnl serve` under concurrent clients, and
 # `train` (bench/train.py) writes a model folder and trains it with krnl and each peer in turn
 # (torch.compile's first step alone takes minutes on a small CPU).
-KNOWN = ALL + ("qlora", "moe", "train")
+KNOWN = ALL + ("qlora", "moe", "dpo", "grpo", "serve", "train")
 
 
 ELT = {"f32": 4, "bf16": 2, "f16": 2}

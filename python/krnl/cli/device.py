@@ -105,3 +105,15 @@ def cmd_w1(args):
     print(f"loss {first:.6f} -> {loss:.6f}; median step {med * 1e3:.1f} ms ({flops / med / 1e9:.1f} GFLOP/s); "
           f"peak pool memory {stats['peak_reserved'] / 2**20:.1f} MiB")
     return 0
+
+
+def quantize_from_args(args):
+    """(bits, group_size), or (4, 32, "mxfp4") with --q-mode mxfp4, from --q-bits / --q-group-size;
+    None without either (no quantization)."""
+    bits, gs, mode = getattr(args, "q_bits", None), getattr(args, "q_group_size", None), getattr(args, "q_mode", "affine")
+    if mode == "mxfp4":
+        if bits not in (None, 4) or gs not in (None, 32):
+            raise ValueError(f"[quantize] --q-mode mxfp4 takes 4 bits in groups of 32, got --q-bits {bits} "
+                             f"--q-group-size {gs}")
+        return 4, 32, mode
+    return None if bits is None else (bits, gs or 64)

@@ -1,7 +1,7 @@
 """The `krnl` command line (entry point `krnl.cli.main:main`): `train`, `eval`, `generate` (the embedded
 default, a tiny Llama and a generated task; or an HF or MLX folder or GGUF file from --model or the
 adapter's base_model_name_or_path), `fuse` (an adapter merged into its base: an HF or MLX folder),
-`quantize` (an HF folder as an MLX one), `w1`, `bench` (krnl.bench), `tune`, `devices`, `doctor`
+`quantize` (an HF folder as an MLX one), `serve` (serve.py), `w1`, `bench` (krnl.bench), `tune`, `devices`, `doctor`
 (doctor/). Parser: args.py; `devices`, `w1` and the device choice: device.py."""
 
 import sys
@@ -16,22 +16,11 @@ from ..io.run_folder import claim
 from ..train.dist import world as dist
 from . import objectives
 from .args import lora_from_args, parse_args
-from .device import cmd_devices, cmd_w1, device_from_args
+from .device import cmd_devices, cmd_w1, device_from_args, quantize_from_args as _quantize
+from .serve import cmd_serve
 
 DEFAULT_BASE = "krnl:default-tiny-llama"  # the embedded default's base model id (adapter_config)
 BASE_SEED = 1234
-
-
-def _quantize(args):
-    """(bits, group_size), or (4, 32, "mxfp4") with --q-mode mxfp4, from --q-bits / --q-group-size;
-    None without either (no quantization)."""
-    bits, gs, mode = getattr(args, "q_bits", None), getattr(args, "q_group_size", None), getattr(args, "q_mode", "affine")
-    if mode == "mxfp4":
-        if bits not in (None, 4) or gs not in (None, 32):
-            raise ValueError(f"[quantize] --q-mode mxfp4 takes 4 bits in groups of 32, got --q-bits {bits} "
-                             f"--q-group-size {gs}")
-        return 4, 32, mode
-    return None if bits is None else (bits, gs or 64)
 
 
 def _default_model(dev, lora, dtype, seed, grad_checkpoint=False, quantize=None):
@@ -374,7 +363,7 @@ def main(argv=None):
 
     commands = {"devices": cmd_devices, "train": cmd_train, "eval": cmd_eval, "generate": cmd_generate,
                 "fuse": cmd_fuse, "quantize": cmd_quantize, "w1": cmd_w1, "tune": cmd_tune, "bench": cmd_bench,
-                "doctor": cmd_doctor}
+                "doctor": cmd_doctor, "serve": cmd_serve}
     args = parse_args(argv, commands)
     return dist.guarded(_run, args)
 

@@ -53,11 +53,14 @@ def row_losses(model, ids, targets):
     return np.asarray(model._run(body).numpy(), np.float64).reshape(B, T)
 
 
-def forward_backward_rows(model, ids, targets, weigh, loss_scale=1.0):
+def forward_backward_rows(model, ids, targets, weigh, loss_scale=1.0, first_row=None):
     """One training forward and backward of an objective of the rows' losses: weigh(losses (B, T)
     float64) returns (w (B, T), dL/d(each row's loss); anything else), and this returns that anything
-    else. LoRA gradients accumulate, times loss_scale (dynamic loss scaling)."""
+    else. LoRA gradients accumulate, times loss_scale (dynamic loss scaling). first_row: the rows'
+    first in a global batch of rows as long (a data-parallel rank's slice draws its dropout masks)."""
     host = model.prepare(ids, targets, loss_scale)
+    if first_row is not None:
+        host.first_row = int(first_row) * host.T
     if model.sums.on:
         raise ValueError("[LlamaModel] a sequence-level objective weighs each sample after the forward, which the "
                          "sample reduce order (--reduce-order sample) does not take; use the default order")
@@ -80,3 +83,9 @@ def forward_backward_rows(model, ids, targets, weigh, loss_scale=1.0):
                         d.tensor(w.reshape(N, 1), "f32"), scaled)
         model._trunk_backward(batch, x, rstd, saved, scaled)
     return out
+
+
+def skip_rows(model):
+    """What a data-parallel rank without rows in a micro-batch does instead of forward_backward_rows:
+    it draws the call's dropout seed all the same, so that every rank's seeds stay one process's."""
+    model._call_seed += 1

@@ -18,16 +18,19 @@ from pathlib import Path
 import numpy as np
 
 from ..models.config import IGNORE_INDEX
-from ..models.sequence_loss import adapter_off, forward_backward_rows, row_losses
+from ..models.sequence_loss import adapter_off, forward_backward_rows, row_losses, skip_rows
 from .batches import pad_batch
 from .data import Sample
+from .dist.ranks import pooled
+from .dist.world import World
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 
 
-def advantages(rewards, group_size, scale="group"):
+def advantages(rewards, group_size, scale="group", batch_std=None):
     """(B,) float64 advantages of B = prompts x group_size rewards, each group a prompt's completions
-    in a row (TRL's order); scale "group" (each group's std), "batch" (the batch's) or "none"."""
+    in a row (TRL's order); scale "group" (each group's std), "batch" (the batch's: batch_std where the
+    batch spans ranks) or "none"."""
     r = np.asarray(rewards, np.float64)
     if group_size < 1 or len(r) % group_size:
         raise ValueError(f"[grpo] {len(r)} rewards are not whole groups of {group_size}")
@@ -37,13 +40,18 @@ def advantages(rewards, group_size, scale="group"):
         return adv
     if scale not in ("group", "batch"):
         raise ValueError(f"[grpo] scale must be group, batch or none, got {scale!r}")
-    std = np.repeat(g.std(axis=1, ddof=1), group_size) if scale == "group" else np.full(len(r), r.std(ddof=1))
+    if scale == "batch":
+        std = np.full(len(r), r.std(ddof=1) if batch_std is None else batch_std)
+    else:
+        std = np.repeat(g.std(axis=1, ddof=1), group_size)
     return adv / (std + 1e-4)
 
 
 def objective(logp, mask, adv, old=None, ref=None, beta=0.0, eps_low=0.2, eps_high=0.2, loss_type="grpo",
-              max_completion_length=None, kl_correction=True):
-    """(loss, dloss/dlogp (B, T), metrics) of completion tokens' log-probabilities logp (B, T) where mask."""
+              max_completion_length=None, kl_correction=True, whole=None):
+    """(loss, dloss/dlogp (B, T), metrics) of completion tokens' log-probabilities logp (B, T) where mask.
+    whole: (completions, completion tokens) of the global batch when these rows are a rank's part of it:
+    the loss, gradient and metrics are then this part's shares, which sum over the ranks to the batch's."""
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"[grpo] loss_type must be one of {', '.join(LOSS_TYPES)}, got {loss_type!r}")
     logp, m = np.asarray(logp, np.float64), np.asarray(mask, np.float64)
@@ -54,31 +62,34 @@ def objective(logp, mask, adv, old=None, ref=None, beta=0.0, eps_low=0.2, eps_hi
     per = -np.minimum(rho * A, clipped * A)
     # the min takes the unclipped term unless the clipped one is smaller (then its gradient is 0)
     dper = np.where(rho * A <= clipped * A, -A * rho, 0.0)
-    metrics = {"clip_ratio/low_mean": float((lo & (A < 0))[m > 0].mean()),
-               "clip_ratio/high_mean": float((hi & (A > 0))[m > 0].mean())}
+    B, T = logp.shape
+    n, tokens = whole or (B, m.sum())
+    per_token = 1 / max(tokens, 1)
+    metrics = {"clip_ratio/low_mean": float((lo & (A < 0))[m > 0].sum() * per_token),
+               "clip_ratio/high_mean": float((hi & (A > 0))[m > 0].sum() * per_token)}
     if beta:
         d = np.asarray(ref, np.float64) - logp
         kl, dkl = np.exp(d) - d - 1, 1 - np.exp(d)
         if kl_correction:  # d(rho kl)/dlogp = rho (dkl + kl): rho is differentiable even where it is 1
             kl, dkl = rho * kl, rho * (dkl + kl)
         per, dper = per + beta * kl, dper + beta * dkl
-        metrics["kl"] = float((kl * m).sum() / max(m.sum(), 1))
-    B, T = logp.shape
+        metrics["kl"] = float((kl * m).sum() * per_token)
     if loss_type == "grpo":
-        scale = 1 / (B * np.maximum(m.sum(axis=1, keepdims=True), 1))
+        scale = 1 / (n * np.maximum(m.sum(axis=1, keepdims=True), 1))
     elif loss_type == "dr_grpo":
-        scale = np.full((B, 1), 1 / (B * (max_completion_length or T)))
-    else:  # bnpo, dapo: the batch's tokens (one process, no accumulation split)
-        scale = np.full((B, 1), 1 / max(m.sum(), 1))
+        scale = np.full((B, 1), 1 / (n * (max_completion_length or T)))
+    else:  # bnpo, dapo: the batch's tokens (over the ranks; no accumulation split)
+        scale = np.full((B, 1), per_token)
     return float((per * m * scale).sum()), dper * m * scale, metrics
 
 
 def grpo_step(model, ids, targets, adv, old=None, beta=0.0, eps_low=0.2, eps_high=0.2, loss_type="grpo",
-              max_completion_length=None, kl_correction=True, loss_scale=1.0):
+              max_completion_length=None, kl_correction=True, loss_scale=1.0, whole=None, first_row=None):
     """One forward and backward of GRPO on rows ids (B, T) of prompt then completion, targets the
     completion tokens (the prompt's -100), advantages adv (B,); old (B, T) the sampling policy's
     log-probabilities of the targets (None: this policy's, rho = 1); the reference for beta > 0 the
-    adapter off. LoRA gradients accumulate. Returns (loss, metrics)."""
+    adapter off. LoRA gradients accumulate. Returns (loss, metrics). A rank's part of a global batch:
+    whole as objective() takes it, first_row the part's first row in it (forward_backward_rows')."""
     targets = np.asarray(targets)
     mask = targets != IGNORE_INDEX
     ref = None
@@ -88,10 +99,10 @@ def grpo_step(model, ids, targets, adv, old=None, beta=0.0, eps_low=0.2, eps_hig
 
     def weigh(rows):
         loss, dlogp, metrics = objective(-rows, mask, adv, old, ref, beta, eps_low, eps_high, loss_type,
-                                         max_completion_length, kl_correction)
+                                         max_completion_length, kl_correction, whole)
         return -dlogp, (loss, metrics)  # logp = -(row loss)
 
-    return forward_backward_rows(model, ids, targets, weigh, loss_scale)
+    return forward_backward_rows(model, ids, targets, weigh, loss_scale, first_row)
 
 
 def load_reward(spec):
@@ -141,31 +152,64 @@ class GRPO:
         self.beta, self.eps_low, self.eps_high = float(beta), float(eps_low), float(eps_low if eps_high is None else eps_high)
         self.loss_type, self.scale, self.seed, self.top_k = loss_type, scale, int(seed), int(top_k)
         self.position = (0, 0)  # (step, micro-batch) the trainer sets: the sampling seeds, so that resume is exact
+        self.world = World()    # the ranks sharing each batch (krnl.train.preference.objective sets the trainer's)
 
     def run(self, model, prompts, loss_scale=1.0):
-        """(loss, metrics, completion tokens trained) of one batch of prompts (load_prompts' items)."""
+        """(loss, metrics, completion tokens trained) of one global batch of prompts (load_prompts' items).
+        With ranks, each samples and trains on its slice of the prompts (whole groups; the seeds one
+        process's); the loss is this rank's part (the StepRunner sums them), the rest the batch's."""
         t0 = time.perf_counter()
-        each = [p for p in prompts for _ in range(self.G)]                # (ids, line) of each completion
-        seeds = np.random.SeedSequence([self.seed, *self.position]).generate_state(len(each))
-        comps = model.generate_batch([ids for ids, _ in each], self.max_len, self.temperature, self.top_p, seeds,
-                                     self.tok.eos_id, self.top_k)
+        G, (lo, hi) = self.G, self.world.span(len(prompts))
+        each = [p for p in prompts[lo:hi] for _ in range(G)]              # (ids, line) of each completion
+        seeds = np.random.SeedSequence([self.seed, *self.position]).generate_state(len(prompts) * G)[lo * G:]
+        comps = model.generate_batch([ids for ids, _ in each], self.max_len, self.temperature, self.top_p,
+                                     seeds[:len(each)], self.tok.eos_id, self.top_k) if each else []
+        got = self.rewarded(each, comps)                                  # (functions, completions)
+        total = np.nansum(got * self.weights[:, None], axis=0)
+        whole = self.pool(each, comps, got, total)
+        adv = advantages(total, G, self.scale, whole["std"])
+        t1 = time.perf_counter()
+        # rows of prompt + completion, the completion's tokens learned (its prompt's predict nothing)
+        rows = [Sample(np.asarray(list(p) + list(c), np.int32), np.arange(len(p) + len(c)) >= len(p))
+                for (p, _), c in zip(each, comps)]
+        loss, metrics = 0.0, {}
+        if rows:  # with dropout padded as the whole batch: the rank's rows then draw one process's masks
+            ids, tg = pad_batch(rows, self.tok.pad_id, int(whole["longest"]) if model.lora_config.dropout else 1)
+            loss, metrics = grpo_step(model, ids, tg, adv, None, self.beta, self.eps_low, self.eps_high, self.loss_type,
+                                      self.max_len, loss_scale=loss_scale,
+                                      whole=(whole["completions"], whole["tokens"]), first_row=lo * G)
+        else:
+            skip_rows(model)
+        metrics = pooled(self.world, metrics, "the grpo metrics")
+        n = whole["completions"]
+        metrics.update({"reward": whole["reward"] / n, "reward_std": whole["std"],
+                        "completions/mean_length": whole["tokens"] / n,
+                        "timing/generation_s": t1 - t0, "timing/training_s": time.perf_counter() - t1,
+                        **{f"rewards/{name}/mean": whole[f"{name}/sum"] / whole[f"{name}/n"] if whole[f"{name}/n"]
+                           else float("nan") for name, _ in self.rewards}})
+        return loss, metrics, int(whole["tokens"])
+
+    def rewarded(self, each, comps):
+        """(functions, completions) float64: each function's rewards of the completions of `each`'s
+        (ids, line), NaN where it answers None."""
+        if not comps:  # a rank without prompts
+            return np.zeros((len(self.rewards), 0))
         lines = [line for _, line in each]
         texts = [self.tok.decode(c) for c in comps]
         extra = {k: [ln[k] for ln in lines] for k in lines[0] if k != "prompt"}
-        got = np.array([[np.nan if v is None else float(v) for v in f(prompts=[ln["prompt"] for ln in lines],
-                                                                     completions=texts, completion_ids=comps, **extra)]
-                        for _, f in self.rewards], np.float64)                # (functions, B)
-        total = np.nansum(got * self.weights[:, None], axis=0)
-        adv = advantages(total, self.G, self.scale)
-        t1 = time.perf_counter()
-        # rows of prompt + completion, the completion's tokens learned (its prompt's predict nothing)
-        ids, tg = pad_batch([Sample(np.asarray(list(p) + list(c), np.int32), np.arange(len(p) + len(c)) >= len(p))
-                             for (p, _), c in zip(each, comps)],
-                            self.tok.pad_id)
-        loss, metrics = grpo_step(model, ids, tg, adv, None, self.beta, self.eps_low, self.eps_high, self.loss_type,
-                                  self.max_len, loss_scale=loss_scale)
-        metrics.update({"reward": float(total.mean()), "reward_std": float(total.std(ddof=1)),
-                        "completions/mean_length": float(np.mean([len(c) for c in comps])),
-                        "timing/generation_s": t1 - t0, "timing/training_s": time.perf_counter() - t1,
-                        **{f"rewards/{n}/mean": float(np.nanmean(r)) for (n, _), r in zip(self.rewards, got)}})
-        return loss, metrics, int((tg != IGNORE_INDEX).sum())
+        return np.array([[np.nan if v is None else float(v) for v in f(prompts=[ln["prompt"] for ln in lines],
+                                                                      completions=texts, completion_ids=comps, **extra)]
+                         for _, f in self.rewards], np.float64)
+
+    def pool(self, each, comps, got, total):
+        """The batch's sums over the ranks: completions, their tokens, rewards (each function's over the
+        completions it rewarded), the longest row, and the total rewards' std about the batch's mean."""
+        mine = {"completions": len(comps), "tokens": sum(map(len, comps)), "reward": float(total.sum()),
+                "longest": max((len(p) + len(c) for (p, _), c in zip(each, comps)), default=0)}
+        for (name, _), r in zip(self.rewards, got):
+            mine.update({f"{name}/sum": float(np.nansum(r)), f"{name}/n": int(np.count_nonzero(~np.isnan(r)))})
+        whole = pooled(self.world, mine, "the grpo rewards", most=("longest",))
+        mean = whole["reward"] / whole["completions"]
+        # a second sum, of squares about the batch's mean: sums of raw squares would cancel
+        spread = pooled(self.world, {"sq": float(((total - mean) ** 2).sum())}, "the grpo reward std")["sq"]
+        return dict(whole, std=float(np.sqrt(spread / (whole["completions"] - 1))))

@@ -26,8 +26,10 @@ Everything on the host is float64: a batch's handful of scalars."""
 import numpy as np
 
 from ..models.config import IGNORE_INDEX
-from ..models.sequence_loss import adapter_off, forward_backward_rows, row_losses
+from ..models.sequence_loss import adapter_off, forward_backward_rows, row_losses, skip_rows
 from . import grpo
+from .dist.ranks import pooled
+from .dist.world import World
 
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo")
 
@@ -139,10 +141,13 @@ def check(cfg):
 
 class Pairwise:
     """The objective of --train-mode dpo, orpo or simpo for the trainer's StepRunner: step() trains on
-    a batch of pairs (DPO's reference the adapter off, computed at each batch), evaluate() gives its loss."""
+    a batch of pairs (DPO's reference the adapter off, computed at each batch), evaluate() gives its loss.
+    With ranks (world), run() and evaluate() take the global batch and each rank its whole pairs: its
+    parts of the loss, of its gradient and of the metrics sum over the ranks to the batch's."""
 
-    def __init__(self, mode, beta, loss_type="sigmoid", gamma=0.5, cpo_alpha=0.0):
+    def __init__(self, mode, beta, loss_type="sigmoid", gamma=0.5, cpo_alpha=0.0, world=None):
         self.mode, self.beta, self.loss_type, self.gamma, self.cpo_alpha = mode, float(beta), loss_type, gamma, cpo_alpha
+        self.world = world or World()
 
     def targets(self, ids, targets):
         """(the targets the forward reads, the completion rows (B, T) bool): ORPO's NLL also reads the
@@ -156,24 +161,30 @@ class Pairwise:
                         IGNORE_INDEX)
         return full, done
 
-    def loss(self, rows, read, done, ref=None, scores=None):
-        """(loss, w (B, T) dloss/d(row loss), metrics) from the rows' losses (B, T); scores: the pairs'
-        preference scores (ORPO's) or None."""
+    def loss(self, rows, read, done, ref=None, share=1.0, nll_tokens=None, scores=None):
+        """(loss, w (B, T) dloss/d(row loss), metrics) from the rows' losses (B, T). A rank's part of a
+        global batch: `share` its pairs' fraction of the batch's (the pair terms are means over pairs),
+        nll_tokens the batch's NLL tokens (the NLL is a mean over them), so that the parts sum to the whole.
+        scores: the pairs' preference scores (ORPO's) or None."""
         if scores is not None and self.mode != "orpo":
             raise ValueError(f"[{self.mode}] preference scores weigh ORPO's odds ratio; {self.mode} has no use for "
                              "them")
         logp, n = -(rows * done).sum(axis=1), done.sum(axis=1)
         P, chosen = len(rows) // 2, np.zeros(rows.shape, bool)
         chosen[:P] = read[:P] != IGNORE_INDEX                             # the NLL's rows
-        nll = rows[chosen].sum() / max(chosen.sum(), 1)
+        per_nll = 1 / max(chosen.sum() if nll_tokens is None else nll_tokens, 1)
+        nll = rows[chosen].sum() * per_nll
         if self.mode == "dpo":
             loss, w, m = dpo(logp, n, ref, self.beta, self.loss_type)
         elif self.mode == "orpo":
-            loss, w, m = orpo(logp, n, self.beta, nll, scores)
+            loss, w, m = orpo(logp, n, self.beta, scores=scores)
         else:
-            loss, w, m = simpo(logp, n, self.beta, self.gamma, self.cpo_alpha, nll=nll)
+            loss, w, m = simpo(logp, n, self.beta, self.gamma, self.cpo_alpha)
         alpha = 1.0 if self.mode == "orpo" else self.cpo_alpha if self.mode == "simpo" else 0.0
-        return loss, w[:, None] * done + alpha * chosen / max(chosen.sum(), 1), m
+        m = {k: v * share for k, v in m.items()}
+        if "nll_loss" in m:  # TRL's simpo logs 0 without its NLL term
+            m["nll_loss"] = float(nll) if alpha else 0.0
+        return share * loss + alpha * nll, share * w[:, None] * done + alpha * chosen * per_nll, m
 
     def reference(self, model, ids, targets, done):
         if self.mode != "dpo":
@@ -181,37 +192,61 @@ class Pairwise:
         with adapter_off(model):
             return -(row_losses(model, ids, targets) * done).sum(axis=1)
 
-    def step(self, model, ids, targets, loss_scale=1.0, scores=None):
+    def step(self, model, ids, targets, loss_scale=1.0, share=1.0, nll_tokens=None, scores=None):
         ids, targets = np.asarray(ids), np.asarray(targets)
         read, done = self.targets(ids, targets)
         ref = self.reference(model, ids, read, done)
 
         def weigh(rows):
-            loss, w, metrics = self.loss(rows, read, done, ref, scores)
+            loss, w, metrics = self.loss(rows, read, done, ref, share, nll_tokens, scores)
             return w, (loss, metrics)
 
         return forward_backward_rows(model, ids, read, weigh, loss_scale)
 
+    def mine(self, ids, targets, scores=None):
+        """(this rank's rows of a global batch of pairs (its pairs' chosen rows, then their rejected ones),
+        its share of the pairs, the batch's NLL tokens, its pairs' scores or None)."""
+        P = len(ids) // 2
+        lo, hi = self.world.span(P)
+        read, _ = self.targets(ids, targets)
+        mine = None if scores is None else np.asarray(scores, np.float64)[lo:hi]
+        return np.r_[lo:hi, P + lo:P + hi], (hi - lo) / P, int((read[:P] != IGNORE_INDEX).sum()), mine
+
     def run(self, model, batch, loss_scale=1.0):
-        """(loss, metrics, completion tokens) of one batch (ids, targets[, scores]) of pairs (pairs.rows):
-        the StepRunner's call."""
-        loss, metrics = self.step(model, batch[0], batch[1], loss_scale, *batch[2:])
-        return loss, metrics, int((np.asarray(batch[1]) != IGNORE_INDEX).sum())
+        """(loss, metrics, completion tokens) of one global batch (ids, targets[, scores]) of pairs
+        (pairs.rows): the StepRunner's call. With ranks, the loss is this rank's part (the StepRunner sums
+        them), the rest the batch's."""
+        ids, targets = np.asarray(batch[0]), np.asarray(batch[1])
+        rows, share, nll_tokens, scores = self.mine(ids, targets, *batch[2:])
+        loss, metrics = 0.0, {}
+        if len(rows):
+            loss, metrics = self.step(model, ids[rows], targets[rows], loss_scale, share, nll_tokens, scores)
+        else:
+            skip_rows(model)
+        metrics = pooled(self.world, metrics, f"the {self.mode} metrics")
+        return loss, metrics, int((targets != IGNORE_INDEX).sum())
 
     def evaluate(self, model, ids, targets, scores=None):
+        """The loss of a global batch of pairs (with ranks, each computes its pairs' part)."""
         ids, targets = np.asarray(ids), np.asarray(targets)
-        read, done = self.targets(ids, targets)
-        return self.loss(row_losses(model, ids, read), read, done, self.reference(model, ids, read, done), scores)[0]
+        rows, share, nll_tokens, scores = self.mine(ids, targets, scores)
+        part = {}
+        if len(rows):
+            ids, targets = ids[rows], targets[rows]
+            read, done = self.targets(ids, targets)
+            part["loss"] = self.loss(row_losses(model, ids, read), read, done, self.reference(model, ids, read, done),
+                                     share, nll_tokens, scores)[0]
+        return float(pooled(self.world, part, f"the {self.mode} validation")["loss"])
 
 
 def objective(cfg, world=None, given=None):
     """The trainer's objective of cfg.train_mode: None for sft, `given` (grpo's: its tokenizer and
-    reward functions are the caller's), else its step and evaluation."""
+    reward functions are the caller's; it takes the world), else its step and evaluation."""
     if cfg.train_mode == "sft":
         return None
     if cfg.train_mode == "grpo" and given is None:
         raise ValueError("[train] --train-mode grpo needs its objective (krnl.train.grpo.GRPO) given to the Trainer")
-    if world is not None and world.size > 1:
-        raise ValueError(f"[train] --train-mode {cfg.train_mode} runs on one process for now (a pair's rows must "
-                         "stay together and the pairs' mean spans the ranks)")
-    return given or Pairwise(cfg.train_mode, cfg.beta, cfg.loss_type, cfg.simpo_gamma, cfg.cpo_alpha)
+    if given is not None:
+        given.world = world or World()
+        return given
+    return Pairwise(cfg.train_mode, cfg.beta, cfg.loss_type, cfg.simpo_gamma, cfg.cpo_alpha, world)

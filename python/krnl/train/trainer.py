@@ -108,9 +108,10 @@ class Trainer:
         self.model, self.cfg, self.valid = model, cfg, valid
         # krnl.train.dist.world: each rank trains on its slice of the global batches; rank 0 alone writes files.
         self.world = world or World()
-        check_world(self.world, cfg)
+        check_world(self.world, cfg, model.lora_config.dropout)
         apply_reduce_order(model, cfg, self.world)
-        self.objective = preference.objective(cfg, self.world, objective)  # None: sft's mean cross entropy
+        # None: sft's mean cross entropy; else it takes whole batches and slices them itself among the ranks
+        self.objective = preference.objective(cfg, self.world, objective)
         # train: (ids, targets[, segments, positions]) arrays, a krnl.train.data.Split (its batches()),
         # or a batch source with next(), state() and load_state().
         if hasattr(train, "batches"):
@@ -265,7 +266,7 @@ class Trainer:
     def evaluate(self):
         if self.valid is None:
             return None
-        if self.world.size > 1:
+        if self.world.size > 1 and self.objective is None:
             return evaluate_ranks(self.model, self.valid, self.cfg, self.world, self.step)
         bs, total = self.cfg.batch_size, []
         if hasattr(self.valid, "eval_batches"):  # a krnl.train.data.Split (or pairs.PairSplit)
@@ -325,7 +326,7 @@ class Trainer:
             batch = self.data.next()
             if self.objective is not None:  # a sampling objective's seeds follow the run's position
                 self.objective.position = (self.step, i)
-            if ranks:  # the tokens of the global batch: every rank reads all of it
+            if ranks and self.objective is None:  # the tokens of the global batch: every rank reads all of it
                 n = int(np.count_nonzero(np.asarray(batch[1]) != -100))
                 tokens += n
                 mine = self.world.slice(batch)

@@ -1,6 +1,7 @@
 """The trainer's side of data-parallel training (krnl.train.dist.world): what a run over several ranks
 refuses, the order its gradients sum over rows in, the validation loss over the ranks' slices,
-and the metrics log of ranks other than 0 (which write no file)."""
+the sums of a sequence objective's numbers over the ranks (pooled), and the metrics log of ranks
+other than 0 (which write no file)."""
 
 import numpy as np
 
@@ -21,12 +22,28 @@ class Discard:
         pass
 
 
-def check_world(world, cfg):
+def check_world(world, cfg, dropout=0.0):
+    """Refuses what ranks cannot train as one process would. A sequence objective slices whole pairs or
+    prompts, unevenly where they do not divide (krnl.train.preference, grpo)."""
     if world.size == 1:
         return
-    if cfg.batch_size % world.size:
+    if cfg.train_mode == "sft" and cfg.batch_size % world.size:
         raise ValueError(f"[train] --batch-size {cfg.batch_size} (the global batch) does not divide among "
                          f"{world.size} ranks")
+    if cfg.train_mode in ("dpo", "orpo", "simpo") and dropout:
+        # the masks follow the batch's rows from the slice's first (one offset): a rank's pairs are two blocks
+        raise ValueError(f"[train] --lora-dropout {dropout:g} with --train-mode {cfg.train_mode} over {world.size} "
+                         f"ranks: a rank's chosen and rejected rows are two blocks of the batch, which cannot draw "
+                         f"one process's dropout masks; use --lora-dropout 0 (TRL's default for pairs) or one rank")
+
+
+def pooled(world, values, what, most=()):
+    """{k: the sum over the ranks of values[k]} (floats; the largest for the keys in `most`) in one
+    gather, the same on every rank; a rank without items may give {}. With one rank, `values` itself."""
+    if world.size == 1:
+        return values
+    every = [v for v in world.allgather(values, what) if v]
+    return {k: float((max if k in most else sum)(v[k] for v in every)) for k in every[0]}
 
 
 REDUCE_ORDERS = ("auto", "rows", "sample")
@@ -35,9 +52,15 @@ REDUCE_ORDERS = ("auto", "rows", "sample")
 def reduce_order(cfg, world):
     """TrainConfig.reduce_order resolved: "sample" (krnl.models.sample_sums: each LoRA weight gradient and
     the loss summed per sample in a fixed tree, so that ranks reproduce one process's sums) or
-    "rows" (one GEMM over all rows); "auto" is "sample" where the world has more than one rank."""
+    "rows" (one GEMM over all rows); "auto" is "sample" where the world has more than one rank, in SFT
+    (the sequence objectives' are "rows")."""
     if cfg.reduce_order not in REDUCE_ORDERS:
         raise ValueError(f"[train] --reduce-order must be one of {', '.join(REDUCE_ORDERS)}, got {cfg.reduce_order!r}")
+    if cfg.train_mode != "sft":  # a sequence objective weighs each row after the forward
+        if cfg.reduce_order == "sample":
+            raise ValueError(f"[train] --reduce-order sample sums SFT's token losses per sample; --train-mode "
+                             f"{cfg.train_mode} weighs each row after the forward: use --reduce-order auto or rows")
+        return "rows"
     if cfg.reduce_order == "auto":
         return "sample" if world.size > 1 else "rows"
     return cfg.reduce_order

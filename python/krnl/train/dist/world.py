@@ -206,6 +206,14 @@ class World:
         per = rows // self.size
         return tuple(np.asarray(a)[self.rank * per:(self.rank + 1) * per] for a in batch)
 
+    def span(self, n):
+        """(lo, hi): this rank's consecutive share of n whole items (pairs, prompts) of a global batch, rank
+        0 first: shares differ by one at most, the first ranks' the larger (the last get none when n is
+        smaller than the ranks)."""
+        q, extra = divmod(n, self.size)
+        lo = self.rank * q + min(self.rank, extra)
+        return lo, lo + q + (self.rank < extra)
+
     def allgather(self, obj, what="a gather from every rank"):
         """Every rank's `obj` (any picklable value), in rank order, on every rank."""
         if self.size == 1:

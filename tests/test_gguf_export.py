@@ -189,6 +189,7 @@ def test_metadata_and_tokenizer_keys(tmp_path_factory, family):
     assert arch == {"mistral": "llama", "mixtral": "llama", "gemma3": "gemma3", "qwen3_moe": "qwen3moe",
                     "gpt_oss": "gpt-oss"}.get(family, family)
     assert md["general.file_type"] == 1 and md[f"{arch}.block_count"] == keys.get("num_hidden_layers", 2)
+    assert md["general.name"] == family  # the base folder's name, as llama.cpp's converter names a file
     tokens, types = md["tokenizer.ggml.tokens"], md["tokenizer.ggml.token_type"]
     V = tok.vocab_size
     assert len(tokens) == len(types) == V + extra

@@ -130,8 +130,9 @@ def _put(writer, key, value):
 
 def export_gguf(base, adapter_folder, out_path, gguf_type="f16", ollama=False, name=None):
     """Writes the adapter at `adapter_folder` merged into `base` as the GGUF file `out_path` in
-    --gguf-type `gguf_type` (mix.GGUF_TYPES), and with `ollama` a Modelfile beside it. Returns a
-    summary dict (path, bytes, types, merged, scale, modelfile, notes)."""
+    --gguf-type `gguf_type` (mix.GGUF_TYPES), named `name` (default: the base's folder or file
+    name), and with `ollama` a Modelfile beside it. Returns a summary dict (path, bytes, types,
+    merged, scale, modelfile, notes, arch)."""
     import gguf
 
     if gguf_type not in GGUF_TYPES:
@@ -147,7 +148,10 @@ def export_gguf(base, adapter_folder, out_path, gguf_type="f16", ollama=False, n
     check_supported(config, arch, base)
     tensors = plan(config, arch, weights, deltas, scale, gguf_type)
     kinds = [k for _, _, k, _ in tensors]
-    md = {"general.name": name or out.stem, "general.file_type": GGUF_TYPES[gguf_type][1],
+    # general.name: the base's, as convert_hf_to_gguf names a file (llama.cpp's vocabulary loader
+    # keys some tokenizer settings on it, Phi-3's among them)
+    base_name = Path(base).name if Path(base).is_dir() else Path(base).stem
+    md = {"general.name": name or base_name, "general.file_type": GGUF_TYPES[gguf_type][1],
           "general.quantization_version": QUANTIZATION_VERSION, **arch_metadata(config, arch),
           **tokenizer_metadata(tok, config.vocab_size, source=str(base))}
     writer = gguf.GGUFWriter(None, arch)

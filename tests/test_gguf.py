@@ -64,7 +64,7 @@ def test_gguf_row_permutation_is_ggml_rope_and_undone():
     """The file's q/k rows (tests/gguf_files.hf_rows) rotated as GGML does (adjacent pairs) give
     the same attention scores as HF's rows rotated as HF does (halves); read_gguf's unpermute
     restores HF's rows (quantized q/k rows: the model loss tests below)."""
-    from krnl.formats.gguf.file import permute, unpermute
+    from krnl.formats.gguf.names import permute, unpermute
 
     rng = np.random.default_rng(0)
     H, D, C, T = 3, 8, 5, 4

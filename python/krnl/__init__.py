@@ -22,14 +22,14 @@ modules relative to krnl, `x.*` meaning every module under krnl/x:
 - io: bytes on disk (atomic writes, safetensors, checkpoints, run folders, tokenizers), knowing
   nothing of the model, so that the model may read files through it.
 - quant: quantized weights: MLX's affine and MXFP4 codecs (affine, mxfp4), GGUF's block codecs
-  (gguf) and K-quant writer (kquants), and the quantized arrays the model holds and multiplies by
-  (qweight).
+  (gguf) and their writers (ggml_write; the K-quants' in kquants), and the quantized arrays the
+  model holds and multiplies by (qweight).
 - models: parameters, the model's configuration and LoRA layout, the layers, the model stack, and
   one file per family for what it adds to the Llama layer (gemma2, gemma3, phi3, qwen3).
 - formats: the files that describe a model (HF and MLX quantized folders, GGUF files in gguf/,
   PEFT and mlx-lm adapters); they turn into a ModelConfig, a LoraConfig or a LlamaModel, so they
   stand on the model, and hf builds on adapter, mlx_folder and the GGUF reader, never the reverse
-  (gguf.fuse builds on hf).
+  (gguf.fuse and gguf.export, the GGUF writer, build on hf).
 - train: the optimizer, batches, datasets, the embedded default task, the device step (step: eager
   or replayed), the training loop, and data parallel (dist/: the world of ranks, NCCL sums, what
   the trainer does with ranks); data and trainer both draw on batches and not on each other.

@@ -1,4 +1,4 @@
-"""Smoke test of an installed krnl wheel (CI stage 3 and cibuildwheel's test-command): the package
+"""Smoke test of an installed krnl wheel (CI stage 4 and cibuildwheel's test-command): the package
 imports from site-packages (not a source checkout), the CPU device works, one LoRA training step
 of a tiny random Llama runs and lowers the loss, and `krnl doctor --quick` passes on the CPU. Needs
 only the wheel and its dependencies."""

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CI stage 3 (.ci/run): the wheel a user installs with pip, installed where there is no compiler.
+# CI stage 4 (.ci/run): the wheel a user installs with pip, installed where there is no compiler.
 #   1. `pip wheel . --no-deps` with the active Python (the stage-1 venv in .ci/run: it reuses the
 #      CMake tree build/<wheel tag> that the README's `pip install .` left, so only the binding
 #      files recompile), then `auditwheel repair` (from PyPI).

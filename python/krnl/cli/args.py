@@ -1,6 +1,6 @@
 """The `krnl` command line's arguments: the parser of every subcommand and the LoRA layout of train's
 --lora-* flags (train's --config file: config_file.py). The commands themselves live in main.py,
-device.py and serve.py."""
+device.py, fuse.py and serve.py."""
 
 import argparse
 import re
@@ -9,6 +9,7 @@ import sys
 from ..quant import affine
 from . import objectives
 from .config_file import RENAMED, yaml_defaults
+from .fuse import gguf_arguments
 from .serve import serve_arguments
 
 
@@ -220,7 +221,7 @@ def parse_args(argv, commands):
     g.set_defaults(fn=commands["generate"])
 
     f = sub.add_parser("fuse", help="merge an adapter into its base model and write an HF folder (or, with "
-                       "--q-bits, an MLX quantized folder)")
+                       "--q-bits, an MLX quantized folder; with --export-gguf, a GGUF file)")
     f.add_argument("--model", default=None, help="the base model's HF or MLX folder, or GGUF file (default: the "
                    "adapter's base model)")
     f.add_argument("--adapter-path", default="adapters", help="adapter folder (PEFT or mlx-lm layout)")
@@ -230,6 +231,7 @@ def parse_args(argv, commands):
                    help="output dtype (default: each tensor's stored dtype; bf16 from a quantized base; with "
                    "--q-bits the base's dtype)")
     quantize_arguments(f, "the fused model, written as an MLX folder as mlx_lm.convert -q writes one")
+    gguf_arguments(f)
     f.set_defaults(fn=commands["fuse"])
 
     v = sub.add_parser("serve", help="an OpenAI-compatible server of the model and its adapters (pip install "

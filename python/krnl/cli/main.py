@@ -1,8 +1,9 @@
 """The `krnl` command line (entry point `krnl.cli.main:main`): `train`, `eval`, `generate` (the embedded
 default, a tiny Llama and a generated task; or an HF or MLX folder or GGUF file from --model or the
-adapter's base_model_name_or_path), `fuse` (an adapter merged into its base: an HF or MLX folder),
-`quantize` (an HF folder as an MLX one), `serve` (serve.py), `w1`, `bench` (krnl.bench), `tune`, `devices`, `doctor`
-(doctor/). Parser: args.py; `devices`, `w1` and the device choice: device.py."""
+adapter's base_model_name_or_path), `fuse` (fuse.py: an adapter merged into its base, written as an HF
+or MLX folder or a GGUF file), `quantize` (an HF folder as an MLX one), `serve` (serve.py), `w1`,
+`bench` (krnl.bench), `tune`, `devices`, `doctor` (doctor/). Parser: args.py; `devices`, `w1` and the
+device choice: device.py."""
 
 import sys
 from pathlib import Path
@@ -116,24 +117,9 @@ def _hf_base(args, dev, lora):
 
 
 def cmd_fuse(args):
-    from ..formats.gguf.file import is_gguf
-    from ..formats.gguf.fuse import fuse_gguf
-    from ..formats.hf import fuse
+    from .fuse import fuse_command
 
-    base = _adapter_base(args)
-    if base is None:
-        raise ValueError(f"[fuse] {args.adapter_path} belongs to the embedded default model; fuse needs an HF "
-                         "model folder or GGUF file (--model)")
-    q = _quantize(args)
-    if is_gguf(base):
-        info = fuse_gguf(base, args.adapter_path, args.save_path, args.max_shard_size, args.dtype, quantize=q)
-    else:
-        info = fuse(base, args.adapter_path, args.save_path, shard_size=args.max_shard_size, dtype=args.dtype,
-                    quantize=q)
-    what = f" (MLX, {q[0]} bits, groups of {q[1]})" if q else ""
-    print(f"fused {len(info['merged'])} weights (scale {info['scale']:g}) into {args.save_path}{what}: "
-          f"{', '.join(info['files'])}" + (f"; copied {', '.join(info['copied'])}" if info["copied"] else ""))
-    return 0
+    return fuse_command(args, _adapter_base(args))
 
 
 def cmd_quantize(args):

@@ -329,6 +329,22 @@ def read_adapter(path, config):
     return lora, tensors, {"format": fmt, "base_model": base, "config": cfg}
 
 
+def lora_deltas(lora, tensors, config):
+    """{weight name (as ModelConfig.weight_shapes lists it): (A, B)} of every module the adapter
+    trains: fuse's W + s B A. A mixture's experts come under their fused names (mlp.experts.gate_up_proj,
+    down_proj), its router under mlp.gate."""
+    out = {}
+    for i in lora.adapted_layers(config):
+        for m in lora.target_modules:
+            if config.moe and m in EXPERT_MODULES:
+                name = f"model.layers.{i}.mlp.experts.{m}"
+            else:
+                w = "gate" if m == "router" else m
+                name = f"model.layers.{i}.{module_part(w)}.{w}.weight"
+            out[name] = (tensors[lora_key(i, m, "A")], tensors[lora_key(i, m, "B")])
+    return out
+
+
 def load_adapter_into(model, path):
     """Loads the adapter in folder `path` into `model` (a LlamaModel built with the same LoRA
     layout: rank, scale, modules and layers); returns the info dict of read_adapter."""

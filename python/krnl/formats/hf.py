@@ -22,15 +22,13 @@ from pathlib import Path
 import numpy as np
 
 from ..models import gemma3
-from .adapter import read_adapter
+from .adapter import lora_deltas, read_adapter
 from ..io.fileio import atomic_write_bytes, atomic_write_chunks, read_json_object
 from .mlx_folder import mlx_items, model_dtype, quantization, read_quantized, recipe_overrides
 from .gguf.file import is_gguf, read_gguf
 from .gguf.tokenizer import load_gguf_tokenizer
-from ..models.config import module_part
 from ..models.model import LlamaModel
-from ..models.config import ModelConfig, lora_key
-from ..models.moe_config import EXPERT_MODULES
+from ..models.config import ModelConfig
 from .experts import (Pieces, StackedTensor, expert_pieces, merged_experts, stacked_experts, stored_name,
                       switch_experts)
 from . import gpt_oss
@@ -259,7 +257,9 @@ def write_sharded(out_folder, items, shard_size="2GB", metadata=None):
 
 
 def merged_weight(W32, A, B, scale):
-    """W + s B A in float32."""
+    """W + s B A in float32 (a mixture's experts (E, out, in): each expert's own factors)."""
+    if np.ndim(W32) == 3:
+        return merged_experts(np.asarray(W32, np.float32), A, B, scale)
     return (np.asarray(W32, np.float32) + np.float32(scale) * (np.asarray(B, np.float32) @ np.asarray(A, np.float32))
             ).astype(np.float32)
 
@@ -283,17 +283,8 @@ def fuse(model_folder, adapter_folder, out_folder, shard_size="2GB", dtype=None,
             raise ValueError(f"[fuse] {model_folder} is a multimodal gemma3 model; fuse it without --q-bits")
         _, names, rest = gemma3.text_tower(read_tensors(model_folder))
         weights = {**{names[k]: t for k, t in weights.items()}, **rest}
-    merged = {}
-    for i in lora.adapted_layers(config):
-        for m in lora.target_modules:
-            A, B = tensors[lora_key(i, m, "A")], tensors[lora_key(i, m, "B")]
-            if config.moe and m in EXPERT_MODULES:  # every expert's W + s B_e A_e
-                name = f"model.layers.{i}.mlp.experts.{m}"
-                merged[name] = lambda t=weights[name], A=A, B=B: merged_experts(np.asarray(t, np.float32), A, B, s)
-                continue
-            m = "gate" if m == "router" else m  # a mixture's router: mlp.gate
-            name = names[f"model.layers.{i}.{module_part(m)}.{m}.weight"]  # phi3: the fused weight
-            merged[name] = lambda t=weights[name], A=A, B=B: merged_weight(np.asarray(t, np.float32), A, B, s)
+    merged = {names[k]: lambda t=weights[names[k]], A=A, B=B: merged_weight(t, A, B, s)
+              for k, (A, B) in lora_deltas(lora, tensors, config).items()}
     files = _write_folder(model_folder, weights, config, out_folder, shard_size, dtype, quantize, merged)
     copied = _copy_tokenizer(model_folder, out_folder)
     return {"files": files, "merged": sorted(merged), "copied": copied, "scale": s}

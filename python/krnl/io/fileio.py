@@ -2,6 +2,7 @@
 the same folder, fsync, rename: a reader sees the old file or the new one, never a part) and
 JSON objects read with errors that name the file and line."""
 
+import contextlib
 import json
 import os
 import tempfile
@@ -36,16 +37,25 @@ def atomic_write_bytes(path, data, mode=None):
 def atomic_write_chunks(path, chunks, mode=None):
     """atomic_write_bytes for an iterable of byte strings (large files are streamed). `mode`: the
     file's permission bits; by default those of any new file (0666 less the umask)."""
+    with atomic_path(path, mode) as tmp:
+        with open(tmp, "wb") as f:
+            for data in chunks:
+                f.write(data)
+
+
+@contextlib.contextmanager
+def atomic_path(path, mode=None):
+    """A temporary file's path in `path`'s folder for a writer that opens files itself (GGUF's):
+    once the block ends it gets `mode` (by default 0666 less the umask), is synced to disk and
+    replaces `path`; on any error it is removed and `path` left as it was."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "wb") as f:
-            # mkstemp creates 0600
-            os.fchmod(f.fileno(), 0o666 & ~current_umask() if mode is None else mode)
-            for data in chunks:
-                f.write(data)
-            f.flush()
+        yield tmp
+        os.chmod(tmp, 0o666 & ~current_umask() if mode is None else mode)  # mkstemp creates 0600
+        with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException as e:

@@ -3,11 +3,13 @@ HF folder gives krnl (docs/architecture.md, 'GGUF files'): an HF config dict, th
 HF names and the tokenizer (tokenizer.py).
 
 - config: from the `{arch}.*` metadata of the llama (also Mistral's and Mixtral's files), qwen2,
-  qwen3, qwen3moe, olmoe and gpt-oss architectures; no `output.weight` tensor means tied embeddings.
-- weights: GGUF names to HF names; shapes come reversed (ne0, the input size, first), which the
-  reader's row-major arrays already undo, so a row is an output. llama.cpp's converter permutes
-  the rows of q and k of the llama architecture for GGML's interleaved rotary embedding; that is
-  undone here (qwen2 and qwen3 files are not permuted).
+  qwen3, qwen3moe, olmoe, gpt-oss, gemma2, gemma3 and phi3 architectures; no `output.weight`
+  tensor means tied embeddings. Gemma's query scale is llama.cpp's (1/sqrt(head_dim), or
+  1/sqrt(C/H) for the 27B sizes), its sliding layers the file's pattern (names.swa_layers).
+- weights: GGUF names to HF names (names.py); shapes come reversed (ne0, the input size, first),
+  which the reader's row-major arrays already undo, so a row is an output. llama.cpp's converter
+  permutes the rows of q and k of the llama architecture for GGML's interleaved rotary embedding;
+  that is undone here. Gemma files hold 1 + w for each norm, read back as w.
 - Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K load as QuantizedArrays converted exactly
   (krnl.quant.gguf), MXFP4 as mode-mxfp4 ones (its codes reordered); every other quantized type
   is dequantized by gguf-py and rounded to bf16, with one note per load; F32, F16 and BF16 load
@@ -25,27 +27,12 @@ import numpy as np
 from ...quant import gguf as gguf_quants
 from ...models.config import ModelConfig
 from ..experts import switch_experts
+from .names import ARCHITECTURES, NORM_SHIFT, ROPE_TENSORS, gguf_name, hf_name, swa_layers, unpermute
 from ...models.moe import ExpertHalves
 from ...quant.qweight import QuantizedArray
 from ...io.safetensors_io import bf16_to_f32, f32_to_bf16
 
 MAGIC = b"GGUF"
-ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
-                 "qwen3": ("qwen3", "Qwen3ForCausalLM"), "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
-                 "gpt-oss": ("gpt_oss", "GptOssForCausalLM"), "olmoe": ("olmoe", "OlmoeForCausalLM")}
-_LAYER = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-          "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-          "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-          "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",  # qwen3
-          # experts (E, out, in) each and the router: read under mlx-lm's names (experts.switch_experts)
-          "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.switch_mlp.gate_proj",
-          "ffn_up_exps": "mlp.switch_mlp.up_proj", "ffn_down_exps": "mlp.switch_mlp.down_proj",
-          # gpt-oss: sinks, the post-attention norm's name, gate|up fused (gate's rows first, as krnl holds it)
-          "attn_sinks": "self_attn.sinks", "post_attention_norm": "post_attention_layernorm",
-          "ffn_gate_up_exps": "mlp.experts.gate_up_proj"}
-_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-           "output.weight": "lm_head.weight"}
-_IGNORED = ("rope_freqs.weight",)  # llama3 rope scaling as factors: read into the config instead
 
 
 def is_gguf(path):
@@ -93,8 +80,7 @@ def _f32(v):
 
 
 def hf_config(path, md, tensors):
-    """The HF config dict of a llama, qwen2 or qwen3 GGUF from its metadata; `tensors`: {name: (type,
-    shape)}."""
+    """The HF config dict of a GGUF from its metadata; `tensors`: {name: (type, shape)}."""
     arch = md.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise ValueError(f"[gguf] {path}: architecture {arch!r} is not supported; krnl reads "
@@ -135,9 +121,23 @@ def hf_config(path, md, tensors):
     }
     if model_type == "qwen2" or "blk.0.attn_q.bias" in tensors:
         cfg["attention_bias"] = True
-    if arch == "gpt-oss":  # llama.cpp slides on even layers; SwiGLU's alpha and limit are its constants
+    if arch == "gpt-oss":  # SwiGLU's alpha and limit are llama.cpp's constants
         cfg.update({"intermediate_size": int(get("expert_feed_forward_length")),
                     "sliding_window": int(get("attention.sliding_window"))})
+    if arch in ("gpt-oss", "gemma2", "gemma3"):
+        cfg.update(_layer_types(md, arch, cfg))
+    if arch in ("gemma2", "gemma3"):  # llama.cpp's query scale (gemma2.cpp, gemma3.cpp)
+        big = cfg["num_hidden_layers"] == (46 if arch == "gemma2" else 62)
+        cfg.update({"query_pre_attn_scalar": C // H if big else D, "tie_word_embeddings": True,
+                    "final_logit_softcapping": _f32(md.get(f"{arch}.final_logit_softcapping") or 0.0) or None,
+                    "attn_logit_softcapping": _f32(md.get(f"{arch}.attn_logit_softcapping") or 0.0) or None})
+        if arch == "gemma3":
+            cfg["rope_local_base_freq"] = _f32(md.get(f"{arch}.rope.freq_base_swa") or 10000.0)
+    if arch == "phi3":
+        cfg["original_max_position_embeddings"] = int(md.get(f"{arch}.rope.scaling.original_context_length")
+                                                      or cfg["max_position_embeddings"])
+        if int(md.get(f"{arch}.attention.sliding_window") or 0):
+            cfg["sliding_window"] = int(md[f"{arch}.attention.sliding_window"])
     if E:  # llama.cpp renormalises the top-k weights of qwen3moe and Mixtral (its norm_w), not OLMoE's
         cfg.update({"num_experts" if arch in ("qwen3moe", "olmoe") else "num_local_experts": E,
                     "num_experts_per_tok": int(get("expert_used_count")),
@@ -160,6 +160,25 @@ def hf_config(path, md, tensors):
     return cfg
 
 
+def _layer_types(md, arch, cfg):
+    """layer_types and sliding_window of the architectures with sliding layers (gemma3 without a
+    window: every layer full)."""
+    window = int(md.get(f"{arch}.attention.sliding_window") or 0)
+    if window == 0:
+        return {"layer_types": ["full_attention"] * cfg["num_hidden_layers"]}
+    swa = swa_layers(md, arch, cfg["num_hidden_layers"], 6 if arch == "gemma3" else 2)
+    return {"sliding_window": window, "layer_types": ["sliding_attention" if s else "full_attention" for s in swa]}
+
+
+def _longrope(md, arch, long, short):
+    """Phi-3's LongRoPE rope_scaling from the file's factor tensors and attention factor."""
+    rs = {"rope_type": "longrope", "long_factor": [float(x) for x in np.asarray(long).reshape(-1)],
+          "short_factor": [float(x) for x in np.asarray(short).reshape(-1)]}
+    if md.get(f"{arch}.rope.scaling.attn_factor") is not None:
+        rs["attention_factor"] = _f32(md[f"{arch}.rope.scaling.attn_factor"])
+    return rs
+
+
 def _llama3_scaling(path, cfg, factors, md, arch):
     """The llama3 rope_scaling whose per-frequency factors are the file's rope_freqs tensor (what
     convert_hf_to_gguf writes in its place), among the parameters Llama 3.x uses."""
@@ -175,48 +194,6 @@ def _llama3_scaling(path, cfg, factors, md, arch):
         if np.allclose(got, factors, rtol=1e-4, atol=0):
             return rs
     raise ValueError(f"[gguf] {path}: its rope_freqs factors match no llama3 rope scaling krnl knows")
-
-
-def _hf_name(name, arch=None):
-    if name in _GLOBAL:
-        return _GLOBAL[name]
-    m = re.fullmatch(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight", name)
-    if m:  # an expert of its own (llama.cpp's Mixtral files before ffn_*_exps): stacked by read_gguf
-        return f"model.layers.{m.group(1)}.mlp.switch_mlp.{m.group(2)}_proj.{m.group(3)}"
-    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
-    if m and m.group(2) in _LAYER:
-        hf = f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}"
-        if m.group(2) == "attn_sinks":
-            return hf
-        if m.group(2) == "ffn_gate_up_exps":
-            return hf + ("_bias" if m.group(3) == "bias" else "")
-        if arch == "gpt-oss":  # mlx-lm's names of gpt-oss's experts (experts.switch_experts)
-            hf = hf.replace(".switch_mlp.", ".experts.")
-        return f"{hf}.{m.group(3)}"
-    return None
-
-
-def _gguf_name(hf):
-    """The GGUF name of an HF weight name (for messages)."""
-    back = {v: k for k, v in _GLOBAL.items()}
-    if hf in back:
-        return back[hf]
-    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", hf)
-    g = {v: k for k, v in _LAYER.items()}.get(m.group(2)) if m else None
-    return f"blk.{m.group(1)}.{g}.{m.group(3)}" if g else hf
-
-
-def unpermute(w, n_head):
-    """Undoes convert_hf_to_gguf's q/k row permutation (heads of [first halves, second halves]
-    interleaved pairwise): rows (n_head * D, ...) back to HF's order. Works on any per-row array."""
-    w = np.asarray(w)
-    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def permute(w, n_head):
-    """convert_hf_to_gguf's permutation (for tests and round trips)."""
-    w = np.asarray(w)
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def _rows(a, n_head):
@@ -266,7 +243,7 @@ def _stacked(weights, path):
         groups.setdefault(base, {})[int(e)] = weights.pop(k)
     for base, parts in groups.items():
         if sorted(parts) != list(range(len(parts))):
-            raise ValueError(f"[gguf] {path}: the experts of {_gguf_name(base + '.weight')} are not 0..{len(parts) - 1}: "
+            raise ValueError(f"[gguf] {path}: the experts of {gguf_name(base + '.weight')} are not 0..{len(parts) - 1}: "
                              f"{sorted(parts)}")
         ps = [parts[e] for e in range(len(parts))]
         if all(isinstance(p, QuantizedArray) for p in ps) and len({(p.bits, p.group_size, p.scale_dtype, p.mode)
@@ -289,11 +266,14 @@ def read_gguf(path, quiet=False):
     tensors = {t.name: (t.tensor_type.name, tuple(int(x) for x in reversed(t.shape.tolist()))) for t in reader.tensors}
     cfg = hf_config(path, md, tensors)
     arch = md["general.architecture"]
-    if "rope_freqs.weight" in tensors:
-        t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
-        cfg["rope_scaling"] = _llama3_scaling(path, cfg, t.data, md, arch)
+    rope = {t.name: t.data for t in reader.tensors if t.name in ROPE_TENSORS}
+    if "rope_freqs.weight" in rope:
+        cfg["rope_scaling"] = _llama3_scaling(path, cfg, rope["rope_freqs.weight"], md, arch)
+    if "rope_factors_long.weight" in rope:
+        cfg["rope_scaling"] = _longrope(md, arch, rope["rope_factors_long.weight"],
+                                        rope.get("rope_factors_short.weight", rope["rope_factors_long.weight"]))
     config = ModelConfig.from_dict(cfg, source=path)
-    names = {t.name: _hf_name(t.name, arch) for t in reader.tensors if t.name not in _IGNORED}
+    names = {t.name: hf_name(t.name, arch) for t in reader.tensors if t.name not in ROPE_TENSORS}
     unknown = sorted(k for k, v in names.items() if v is None)
     if unknown:
         raise ValueError(f"[gguf] {path}: unexpected tensors {unknown[:8]}{' ...' if len(unknown) > 8 else ''}")
@@ -302,7 +282,7 @@ def read_gguf(path, quiet=False):
              "mlp.experts.down_proj_bias")
     missing = sorted(k for k in set(config.weight_shapes()) - set(names.values()) if not k.endswith(fused))
     if missing:
-        raise ValueError(f"[gguf] {path}: missing tensors {sorted(_gguf_name(m) for m in missing)[:8]} "
+        raise ValueError(f"[gguf] {path}: missing tensors {sorted(gguf_name(m, arch) for m in missing)[:8]} "
                          f"({len(missing)} in all)")
     weights, types, dequantized = {}, {}, {}
     for t in reader.tensors:
@@ -312,6 +292,8 @@ def read_gguf(path, quiet=False):
         a, deq = tensor_array(t, path)
         if arch == "llama" and (".q_proj." in hf or ".k_proj." in hf):
             a = _rows(a, config.num_attention_heads if ".q_proj." in hf else config.num_key_value_heads)
+        if NORM_SHIFT.get(arch) and hf.endswith("norm.weight"):
+            a = (np.asarray(a, np.float32) - np.float32(NORM_SHIFT[arch])).astype(np.float32)
         weights[hf], types[hf] = a, t.tensor_type.name
         if deq:
             dequantized[t.tensor_type.name] = dequantized.get(t.tensor_type.name, 0) + 1

@@ -10,14 +10,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ..adapter import read_adapter
+from ..adapter import lora_deltas, read_adapter
 from ...io.fileio import atomic_write_bytes
 from .file import read_gguf
 from .tokenizer import build_tokenizer, tokenizer_files
 from ..hf import _FLOAT_NAMES, CONFIG_NAME, _weight_order, merged_weight, quantize_folder, write_sharded
-from ...models.config import ATTN_MODULES, lora_key
-from ...models.moe_config import EXPERT_MODULES
-from ..experts import merged_experts
 from .. import gpt_oss
 from ...io.safetensors_io import encode
 
@@ -41,14 +38,7 @@ def fuse_gguf(path, adapter_folder, out_folder, shard_size="2GB", dtype=None, qu
     g = read_gguf(path)
     st = {None: "BF16", "f32": "F32", "f16": "F16", "bf16": "BF16"}[dtype]
     lora, tensors, _ = read_adapter(adapter_folder, g.config)
-    s, delta = lora.scale, {}
-    for i in lora.adapted_layers(g.config):
-        for m in lora.target_modules:
-            part, w = ("self_attn" if m in ATTN_MODULES else "mlp"), ("gate" if m == "router" else m)  # router: mlp.gate
-            name = f"model.layers.{i}.{part}.{w}.weight"
-            if g.config.moe and m in EXPERT_MODULES:  # written fused, as transformers holds (and loads) them
-                name = f"model.layers.{i}.mlp.experts.{m}"
-            delta[name] = (tensors[lora_key(i, m, "A")], tensors[lora_key(i, m, "B")])
+    s, delta = lora.scale, lora_deltas(lora, tensors, g.config)
 
     def item(name, w, shape):
         # gpt-oss goes out in transformers' layout (formats/gpt_oss.py)
@@ -57,8 +47,7 @@ def fuse_gguf(path, adapter_folder, out_folder, shard_size="2GB", dtype=None, qu
 
         def make():  # called once, in order, by write_sharded: one weight in memory at a time
             if name in delta:
-                merge = merged_experts if np.ndim(w) == 3 else merged_weight
-                return encode(relay(merge(np.asarray(w, np.float32), *delta[name], s)), st)
+                return encode(relay(merged_weight(w, *delta[name], s)), st)
             return encode(relay(np.asarray(w, np.float32)), st)
         return out, st, out_shape, make
 

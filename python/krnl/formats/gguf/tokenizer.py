@@ -6,7 +6,8 @@ library and wrapped in krnl.io.tokenizer.Tokenizer (docs/architecture.md, 'GGUF 
   higher the merged token's score the earlier it applies. Spaces become "▁", one is prepended to
   the text (unless `add_space_prefix` is false), unknown bytes fall back to the <0xNN> tokens.
 - "gpt2": byte-level BPE from tokens and merges, split first by the regex that
-  `tokenizer.ggml.pre` names (llama3's, qwen2's, tekken's; GPT-2's own otherwise, with a note).
+  `tokenizer.ggml.pre` names (llama3's, qwen2's, tekken's, gpt-4o's; GPT-2's own otherwise, with a
+  note).
 - tokens typed 3 (control) are special added tokens, 4 (user-defined) plain added ones; the BOS,
   EOS, unknown and padding ids, add_bos / add_eos and `tokenizer.chat_template` come along.
 This is the layout transformers builds from the same file (AutoTokenizer with gguf_file)."""
@@ -26,8 +27,13 @@ _QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
 _TEKKEN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
            r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
            r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_GPT4O = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+          r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+          r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# tokenizer.ggml.pre -> the regex tokenizer.json splits with (the first name of a regex is the one
+# the exporter writes); tekken: Mistral Nemo's files (arch llama); gpt-4o: gpt-oss's o200k
 SPLITS = {"llama3": _LLAMA3, "llama-v3": _LLAMA3, "llama-bpe": _LLAMA3, "smaug-bpe": _LLAMA3, "qwen2": _QWEN2,
-          "deepseek-r1-qwen": _QWEN2, "tekken": _TEKKEN}  # tekken: Mistral Nemo's files (arch llama)
+          "deepseek-r1-qwen": _QWEN2, "tekken": _TEKKEN, "gpt-4o": _GPT4O}
 
 
 def spm_merges(tokens, scores):

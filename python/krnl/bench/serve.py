@@ -21,7 +21,7 @@ from .qlora import with_peer
 
 SIZES = {
     "full": dict(shape="1b", prompt=128, new=128, requests=4, clients=(1, 4, 16)),
-    "quick": dict(shape="quick", prompt=6, new=8, requests=2, clients=(1, 4)),
+    "quick": dict(shape="quick", prompt=6, new=8, requests=2, clients=(1, 4, 16)),
 }
 SKIP = "sized for the H200 (the 1b shape); --quick runs a small one here"
 

@@ -27,9 +27,8 @@ from ..io.fileio import atomic_write_bytes, atomic_write_chunks, read_json_objec
 from .mlx_folder import mlx_items, model_dtype, quantization, read_quantized, recipe_overrides
 from .gguf.file import is_gguf, read_gguf
 from .gguf.tokenizer import load_gguf_tokenizer
-from ..models.config import module_part
 from ..models.model import LlamaModel
-from ..models.config import ModelConfig, lora_key
+from ..models.config import ModelConfig, lora_key, magnitude_key, module_part
 from ..models.moe_config import EXPERT_MODULES
 from .experts import (Pieces, StackedTensor, expert_pieces, merged_experts, stacked_experts, stored_name,
                       switch_experts)
@@ -258,10 +257,15 @@ def write_sharded(out_folder, items, shard_size="2GB", metadata=None):
     return names
 
 
-def merged_weight(W32, A, B, scale):
-    """W + s B A in float32."""
-    return (np.asarray(W32, np.float32) + np.float32(scale) * (np.asarray(B, np.float32) @ np.asarray(A, np.float32))
-            ).astype(np.float32)
+def merged_weight(W32, A, B, scale, m=None):
+    """W + s B A in float32; with DoRA's magnitude m (out,), each row o of it times m_o over its norm
+    (PEFT's and mlx-lm's merge)."""
+    W = (np.asarray(W32, np.float32) + np.float32(scale) * (np.asarray(B, np.float32) @ np.asarray(A, np.float32))
+         ).astype(np.float32)
+    if m is None:
+        return W
+    norm = np.sqrt(np.sum(np.square(W, dtype=np.float64), axis=1))
+    return (W * (np.asarray(m, np.float64) / norm)[:, None]).astype(np.float32)
 
 
 def fuse(model_folder, adapter_folder, out_folder, shard_size="2GB", dtype=None, quantize=None):
@@ -286,14 +290,15 @@ def fuse(model_folder, adapter_folder, out_folder, shard_size="2GB", dtype=None,
     merged = {}
     for i in lora.adapted_layers(config):
         for m in lora.target_modules:
-            A, B = tensors[lora_key(i, m, "A")], tensors[lora_key(i, m, "B")]
+            A, B, mag = tensors[lora_key(i, m, "A")], tensors[lora_key(i, m, "B")], tensors.get(magnitude_key(i, m))
             if config.moe and m in EXPERT_MODULES:  # every expert's W + s B_e A_e
                 name = f"model.layers.{i}.mlp.experts.{m}"
                 merged[name] = lambda t=weights[name], A=A, B=B: merged_experts(np.asarray(t, np.float32), A, B, s)
                 continue
             m = "gate" if m == "router" else m  # a mixture's router: mlp.gate
             name = names[f"model.layers.{i}.{module_part(m)}.{m}.weight"]  # phi3: the fused weight
-            merged[name] = lambda t=weights[name], A=A, B=B: merged_weight(np.asarray(t, np.float32), A, B, s)
+            merged[name] = lambda t=weights[name], A=A, B=B, mag=mag: merged_weight(np.asarray(t, np.float32), A, B, s,
+                                                                                    mag)
     files = _write_folder(model_folder, weights, config, out_folder, shard_size, dtype, quantize, merged)
     copied = _copy_tokenizer(model_folder, out_folder)
     return {"files": files, "merged": sorted(merged), "copied": copied, "scale": s}

@@ -15,7 +15,7 @@ from ...io.fileio import atomic_write_bytes
 from .file import read_gguf
 from .tokenizer import build_tokenizer, tokenizer_files
 from ..hf import _FLOAT_NAMES, CONFIG_NAME, _weight_order, merged_weight, quantize_folder, write_sharded
-from ...models.config import ATTN_MODULES, lora_key
+from ...models.config import ATTN_MODULES, lora_key, magnitude_key
 from ...models.moe_config import EXPERT_MODULES
 from ..experts import merged_experts
 from .. import gpt_oss
@@ -48,7 +48,8 @@ def fuse_gguf(path, adapter_folder, out_folder, shard_size="2GB", dtype=None, qu
             name = f"model.layers.{i}.{part}.{w}.weight"
             if g.config.moe and m in EXPERT_MODULES:  # written fused, as transformers holds (and loads) them
                 name = f"model.layers.{i}.mlp.experts.{m}"
-            delta[name] = (tensors[lora_key(i, m, "A")], tensors[lora_key(i, m, "B")])
+            # A, B and DoRA's magnitude (None for LoRA)
+            delta[name] = (tensors[lora_key(i, m, "A")], tensors[lora_key(i, m, "B")], tensors.get(magnitude_key(i, m)))
 
     def item(name, w, shape):
         # gpt-oss goes out in transformers' layout (formats/gpt_oss.py)
@@ -57,8 +58,10 @@ def fuse_gguf(path, adapter_folder, out_folder, shard_size="2GB", dtype=None, qu
 
         def make():  # called once, in order, by write_sharded: one weight in memory at a time
             if name in delta:
-                merge = merged_experts if np.ndim(w) == 3 else merged_weight
-                return encode(relay(merge(np.asarray(w, np.float32), *delta[name], s)), st)
+                A, B, mag = delta[name]
+                merged = merged_experts(np.asarray(w, np.float32), A, B, s) if np.ndim(w) == 3 else \
+                    merged_weight(np.asarray(w, np.float32), A, B, s, mag)
+                return encode(relay(merged), st)
             return encode(relay(np.asarray(w, np.float32)), st)
         return out, st, out_shape, make
 

@@ -1,5 +1,5 @@
 """DoRA (krnl.models.dora, --fine-tune-type dora) against PEFT's use_dora and mlx-lm's DoRALinear on
-tiny models of several families (llama, qwen2 with its q/k/v biases, qwen3, gemma2, phi3's fused
+tiny models of several families (llama, qwen2 with its q/k/v biases, qwen3, gemma2, gemma3, phi3's fused
 modules): the loss and every LoRA and magnitude gradient equal PEFT's (B and magnitudes off their
 start, so that the norm and the scale matter), on every LoRA path (grouped or not, LoRA first or
 not, folded); krnl's adapter loads in PEFT with the same loss and PEFT's in krnl; fuse writes
@@ -80,7 +80,7 @@ def grad_error(grads, ref):
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    """{family: (folder, targets)}: llama (make_base), qwen2 (biases on q, k, v), qwen3, gemma2, phi3."""
+    """{family: (folder, targets)}: llama (make_base), qwen2 (biases on q, k, v), qwen3, gemma2 and 3, phi3."""
     _, transformers = torch_modules()
     root = tmp_path_factory.mktemp("dora")
     qwen2 = transformers.Qwen2Config(vocab_size=61, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
@@ -89,6 +89,7 @@ def folders(tmp_path_factory):
             "qwen2": (save_random(transformers.Qwen2ForCausalLM(qwen2), root / "qwen2", 4), QV + ("down_proj",)),
             "qwen3": (family_folders(tmp_path_factory, "qwen3")["gqa"], ALL_MODULES),
             "gemma2": (family_folders(tmp_path_factory, "gemma2")["gqa"], ALL_MODULES),
+            "gemma3": (family_folders(tmp_path_factory, "gemma3")["pattern"], ALL_MODULES),
             "phi3": (family_folders(tmp_path_factory, "phi3")["gqa"], PHI3_MODULES)}
 
 
@@ -97,7 +98,7 @@ VARIANTS = {"plain": ({}, {}, None), "checkpointed": ({}, {"grad_checkpoint": Tr
             "q,v": ({}, {}, QV), "folded": ({"KRNL_LORA_FOLD": "1"}, {}, None),
             "folded q,v,o": ({"KRNL_LORA_FOLD": "1", "KRNL_LORA_FIRST": "0"}, {}, QV + ("o_proj",)),
             "ungrouped": ({"KRNL_LORA_GROUPS": "0"}, {}, None), "frozen first": ({"KRNL_LORA_FIRST": "0"}, {}, None)}
-CASES = [("llama", v) for v in VARIANTS] + [(f, "plain") for f in ("qwen2", "qwen3", "gemma2", "phi3")]
+CASES = [("llama", v) for v in VARIANTS] + [(f, "plain") for f in ("qwen2", "qwen3", "gemma2", "gemma3", "phi3")]
 
 
 @pytest.mark.torch

@@ -1,6 +1,7 @@
 // msl: 3.0 (krnl's floor; newest feature used: 64-bit integers in rng.h's hash, MSL 2.x)
 // Elementwise ops over flat contiguous buffers: fill (f32, f16, bf16, i32), add, axpy, scale, cast
-// (between any two of f32, f16, bf16, and same-dtype copies), dropout. The bf16 kernels sit
+// (between any two of f32, f16, bf16, and same-dtype copies), dropout, DoRA's column scaling and
+// norm (row-strided 2-D views, their own geometry: see each). The bf16 kernels sit
 // behind KRNL_BF16 (MSL 3.1, compiled only for GPUs with native bf16).
 // Any n: a grid-stride loop with a bounds check, so the host may launch any 1-D grid (one thread
 // per element or fewer). Half operands are computed in float and rounded once on the store.
@@ -164,6 +165,80 @@ kernel void transpose_heads(device const T*              x         [[buffer(0)]]
     }
 }
 
+// ---- DoRA (python/krnl/models/dora.py): a per-column scale of (rows, cols) views with row strides,
+// and the per-output norm of W + s B A. In place is safe: each element is read before the same
+// thread writes it.
+
+// out[r, j] = x[r, j] * v[j]; a grid-stride loop over rows * cols (ew geometry).
+template <typename T>
+kernel void scale_columns(device const T*            x    [[buffer(0)]],
+                          device const float*        v    [[buffer(1)]],
+                          device T*                  out  [[buffer(2)]],
+                          constant ScaleColumnsArgs& args [[buffer(3)]],
+                          uint gid [[thread_position_in_grid]],
+                          uint gsz [[threads_per_grid]])
+{
+    const uint n = args.rows * args.cols;
+    for (uint i = gid; i < n; i += gsz) {
+        const uint r = i / args.cols, j = i % args.cols;
+        out[(ulong)r * args.ldo + j] = T(float(x[(ulong)r * args.ldx + j]) * v[j]);
+    }
+}
+
+// Threadgroup (32, SC_LANES) over columns 32 g.x.. of row block g.y: lane y takes the block's rows
+// y, y + SC_LANES, ...; dv adds the lanes' partials in lane order (the block's rows fix the sum).
+#define SC_LANES 8
+template <typename T>
+kernel void scale_columns_backward(device const T*            dy   [[buffer(0)]],
+                                   device const T*            x    [[buffer(1)]],
+                                   device const float*        v    [[buffer(2)]],
+                                   device T*                  dx   [[buffer(3)]],
+                                   device float*              dv   [[buffer(4)]],
+                                   constant ScaleColumnsArgs& args [[buffer(5)]],
+                                   uint2 g   [[threadgroup_position_in_grid]],
+                                   uint2 tid [[thread_position_in_threadgroup]])
+{
+    threadgroup float part[SC_LANES][32];
+    const uint j = g.x * 32 + tid.x, r0 = g.y * args.per;
+    float acc = 0.0f;
+    if (j < args.cols) {
+        const float vj = v[j];
+        for (uint r = r0 + tid.y; r < r0 + args.per; r += SC_LANES) {
+            const float d = float(dy[(ulong)r * args.ldy + j]);
+            acc = fma(d, float(x[(ulong)r * args.ldx + j]), acc);
+            dx[(ulong)r * args.ldo + j] = T(d * vj);
+        }
+    }
+    part[tid.y][tid.x] = acc;
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (tid.y == 0 && j < args.cols) {
+        float total = 0.0f;
+        for (uint l = 0; l < SC_LANES; ++l) total += part[l][tid.x];
+        dv[(ulong)g.y * args.cols + j] = total;
+    }
+}
+
+// One output o a thread (grid-stride): n = sqrt(max(w2 + alpha sum_k B[o, k] Q[k, o], 0)).
+template <typename T>
+kernel void dora_norm(device const float*    w2       [[buffer(0)]],
+                      device const T*        B        [[buffer(1)]],
+                      device const float*    Q        [[buffer(2)]],
+                      device const T*        m        [[buffer(3)]],
+                      device float*          scale    [[buffer(4)]],
+                      device float*          inv_norm [[buffer(5)]],
+                      constant DoraNormArgs& args     [[buffer(6)]],
+                      uint gid [[thread_position_in_grid]],
+                      uint gsz [[threads_per_grid]])
+{
+    for (uint o = gid; o < args.M; o += gsz) {
+        float dot = 0.0f;
+        for (uint k = 0; k < args.r; ++k) dot = fma(float(B[(ulong)o * args.r + k]), Q[(ulong)k * args.M + o], dot);
+        const float norm = sqrt(max(fma(args.alpha, dot, w2[o]), 0.0f));
+        scale[o] = float(m[o]) / norm;
+        inv_norm[o] = 1.0f / norm;
+    }
+}
+
 template [[host_name("fill_f32")]]  [[kernel]] decltype(ew_fill<float>)  ew_fill<float>;
 template [[host_name("fill_f16")]]  [[kernel]] decltype(ew_fill<half>)   ew_fill<half>;
 template [[host_name("add_f32")]]   [[kernel]] decltype(ew_add<float>)   ew_add<float>;
@@ -182,6 +257,12 @@ template [[host_name("dropout_f32")]] [[kernel]] decltype(ew_dropout<float>) ew_
 template [[host_name("dropout_f16")]] [[kernel]] decltype(ew_dropout<half>)  ew_dropout<half>;
 template [[host_name("transpose_heads_f32")]] [[kernel]] decltype(transpose_heads<float>) transpose_heads<float>;
 template [[host_name("transpose_heads_f16")]] [[kernel]] decltype(transpose_heads<half>)  transpose_heads<half>;
+template [[host_name("scale_columns_f32")]] [[kernel]] decltype(scale_columns<float>) scale_columns<float>;
+template [[host_name("scale_columns_f16")]] [[kernel]] decltype(scale_columns<half>)  scale_columns<half>;
+template [[host_name("scale_columns_backward_f32")]] [[kernel]] decltype(scale_columns_backward<float>) scale_columns_backward<float>;
+template [[host_name("scale_columns_backward_f16")]] [[kernel]] decltype(scale_columns_backward<half>)  scale_columns_backward<half>;
+template [[host_name("dora_norm_f32")]] [[kernel]] decltype(dora_norm<float>) dora_norm<float>;
+template [[host_name("dora_norm_f16")]] [[kernel]] decltype(dora_norm<half>)  dora_norm<half>;
 #if KRNL_BF16
 template [[host_name("fill_bf16")]]  [[kernel]] decltype(ew_fill<bfloat>)  ew_fill<bfloat>;
 template [[host_name("add_bf16")]]   [[kernel]] decltype(ew_add<bfloat>)   ew_add<bfloat>;
@@ -198,4 +279,7 @@ template [[host_name("cast_bf16_f16")]] [[kernel]] decltype(ew_cast_via_float<bf
 template [[host_name("cast_bf16_bf16")]] [[kernel]] decltype(ew_cast<bfloat, bfloat>) ew_cast<bfloat, bfloat>;
 template [[host_name("dropout_bf16")]] [[kernel]] decltype(ew_dropout<bfloat>) ew_dropout<bfloat>;
 template [[host_name("transpose_heads_bf16")]] [[kernel]] decltype(transpose_heads<bfloat>) transpose_heads<bfloat>;
+template [[host_name("scale_columns_bf16")]] [[kernel]] decltype(scale_columns<bfloat>) scale_columns<bfloat>;
+template [[host_name("scale_columns_backward_bf16")]] [[kernel]] decltype(scale_columns_backward<bfloat>) scale_columns_backward<bfloat>;
+template [[host_name("dora_norm_bf16")]] [[kernel]] decltype(dora_norm<bfloat>) dora_norm<bfloat>;
 #endif

@@ -95,6 +95,25 @@ struct SoftcapArgs {
     float    cap;
 };
 
+// scale_columns (out = x * v[column]) and scale_columns_backward (dx = dy * v[column]; dv (blocks,
+// cols) f32, row s the column sums of dy * x over the s-th block of `per` rows): (rows, cols) views
+// at row strides ldx (x), ldo (out, or dx) and ldy (dy, backward only).
+struct ScaleColumnsArgs {
+    uint32_t rows;
+    uint32_t cols;
+    uint32_t ldx;
+    uint32_t ldo;
+    uint32_t ldy;
+    uint32_t per;
+};
+
+// dora_norm: B (M, r), Q (r, M) f32, m, w2, scale, inv_norm (M,); n = sqrt(max(w2 + alpha B.Q, 0)).
+struct DoraNormArgs {
+    uint32_t M;
+    uint32_t r;
+    float    alpha;
+};
+
 // rope: x (rows, D) in place with rows = batch * T, row r at time t = r % T; positions (T,) i32,
 // inv_freq (R,) f32 with 2 * R <= D; theta = sign * positions[t] * inv_freq[i].
 struct RopeArgs {

@@ -45,7 +45,8 @@ def built(factory, family, **overrides):
     key = (id(factory), family, tuple(sorted(overrides.items())))
     if key not in _built:
         root = factory.mktemp(family)
-        folder = make_folder(root, family, **overrides)
+        # not named "mistral" alone: transformers' GGUF loader then takes a path gguf-py 0.19 lacks
+        folder = make_folder(root, family, name=f"{family}-base", **overrides)
         _built[key] = folder, make_adapter(folder, root / "adapter")
     return _built[key]
 
@@ -189,7 +190,7 @@ def test_metadata_and_tokenizer_keys(tmp_path_factory, family):
     assert arch == {"mistral": "llama", "mixtral": "llama", "gemma3": "gemma3", "qwen3_moe": "qwen3moe",
                     "gpt_oss": "gpt-oss"}.get(family, family)
     assert md["general.file_type"] == 1 and md[f"{arch}.block_count"] == keys.get("num_hidden_layers", 2)
-    assert md["general.name"] == family  # the base folder's name, as llama.cpp's converter names a file
+    assert md["general.name"] == f"{family}-base"  # the base folder's name, as llama.cpp's converter names a file
     tokens, types = md["tokenizer.ggml.tokens"], md["tokenizer.ggml.token_type"]
     V = tok.vocab_size
     assert len(tokens) == len(types) == V + extra

@@ -363,7 +363,9 @@ def test_bad_adapters(folders, tmp_path):
         adapter_io.read_adapter(ws, config)
     (ws / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4,
                                                         "use_dora": True}))
-    with pytest.raises(ValueError, match="DoRA"):
+    save_file({key.format("A"): np.zeros((2, 64), np.float32), key.format("B"): np.zeros((64, 2), np.float32)},
+              str(ws / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match="q_proj: only lora_A, lora_B$"):
         adapter_io.read_adapter(ws, config)
     with pytest.raises(ValueError, match="neither adapter_model.safetensors"):
         adapter_io.read_adapter(tmp_path, config)

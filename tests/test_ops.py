@@ -605,6 +605,154 @@ def test_geglu_and_softcap_bad_calls(dev):
         assert msg.startswith(f"[{op}] ") and needle in msg and "\n" not in msg, msg
 
 
+# ------------------------------------------------------------------ DoRA's column scale, norm
+
+# (rows, columns) of the column ops; a view: the operands are columns 3.. of wider buffers (q|k|v blocks)
+COLUMN_SHAPES = [(1, 1), (31, 33), (33, 127), (127, 31)]
+COLUMN_IDS = ["1x1", "31x33", "33x127", "127x31"]
+
+
+def column_operand(dev, rng, shape, dt, view, scale=1.0):
+    """(tensor, float64 copy) of random (rows, cols): contiguous, or columns 3.. of a wider buffer
+    (the rest NaN, which an op reading past its columns would spread)."""
+    t, ref = upload(dev, scale * rng.standard_normal(shape), dt)
+    if not view:
+        return t, ref
+    wide = empty_filled(dev, (shape[0], shape[1] + 5), dt)
+    ops.scale_columns(t, to_dev(dev, np.ones(shape[1])), wide[:, 3:3 + shape[1]])
+    return wide[:, 3:3 + shape[1]], ref
+
+
+@pytest.mark.parametrize("view", [False, True], ids=["contiguous", "view"])
+@pytest.mark.parametrize("dt", FLOAT_DTYPES)
+@pytest.mark.parametrize("shape", COLUMN_SHAPES, ids=COLUMN_IDS)
+def test_scale_columns(dev, shape, dt, view):
+    rng = np.random.default_rng(130)
+    x, xf = column_operand(dev, rng, shape, dt, view)
+    v = rng.standard_normal(shape[1]).astype(np.float32)
+    out = column_operand(dev, rng, shape, dt, view)[0] if view else empty_filled(dev, shape, dt)
+    ops.scale_columns(x, to_dev(dev, v), out)
+    assert_close_elementwise(read(out), xf * v, rtol=OUT_RTOL[dt], atol=SUBNORMAL[dt])
+
+
+def test_scale_columns_in_place(dev):
+    rng = np.random.default_rng(131)
+    x, xf = upload(dev, rng.standard_normal((33, 127)))
+    v = rng.standard_normal(127).astype(np.float32)
+    ops.scale_columns(x, to_dev(dev, v), x)
+    assert_close_elementwise(read(x), xf * v, rtol=OUT_RTOL["f32"])
+
+
+@pytest.mark.parametrize("blocks", ["one", "per row"])
+@pytest.mark.parametrize("view", [False, True], ids=["contiguous", "view"])
+@pytest.mark.parametrize("dt", FLOAT_DTYPES)
+@pytest.mark.parametrize("shape", COLUMN_SHAPES, ids=COLUMN_IDS)
+def test_scale_columns_backward(dev, shape, dt, view, blocks):
+    """dx = dy * v elementwise; dv's block sums within an f32 reduction's error of the float64 sums,
+    judged against the sum of the terms' magnitudes (cancellation)."""
+    rng = np.random.default_rng(132)
+    N, M = shape
+    S = 1 if blocks == "one" else N
+    dy, dyf = column_operand(dev, rng, shape, dt, view)
+    x, xf = column_operand(dev, rng, shape, dt, view)
+    v = rng.standard_normal(M).astype(np.float32)
+    dx = column_operand(dev, rng, shape, dt, view)[0] if view else empty_filled(dev, shape, dt)
+    dv = empty_filled(dev, (S, M), "f32")
+    ops.scale_columns_backward(dy, x, to_dev(dev, v), dx, dv)
+    assert_close_elementwise(read(dx), dyf * v, rtol=OUT_RTOL[dt], atol=SUBNORMAL[dt], what="dx")
+    prod = (dyf * xf).reshape(S, N // S, M)
+    assert_close_elementwise(read(dv), prod.sum(1), rtol=0.0, atol=reduction_rtol(N // S) * np.abs(prod).sum(1),
+                             what="dv")
+
+
+def test_scale_columns_backward_per_sample(dev):
+    """dv's rows are the samples' sums, each the same whatever the count of samples in the call (the
+    sample order's requirement): a block alone gives the bits it gives among others."""
+    rng = np.random.default_rng(133)
+    T, S, M = 9, 4, 33
+    dy, x = (to_dev(dev, rng.standard_normal((S * T, M))) for _ in range(2))
+    v = to_dev(dev, rng.standard_normal(M))
+    dv, dx = dev.empty((S, M)), dev.empty((S * T, M))
+    ops.scale_columns_backward(dy, x, v, dx, dv)
+    one, dx1 = dev.empty((1, M)), dev.empty((T, M))
+    ops.scale_columns_backward(dy[2 * T:3 * T], x[2 * T:3 * T], v, dx1, one)
+    np.testing.assert_array_equal(read(one)[0], read(dv)[2])
+
+
+def test_scale_columns_backward_in_place_and_finite_differences(dev):
+    """dv is the gradient of L = sum(scale_columns(x, v) * dy) in v (differences through the device's
+    forward), and dx = dy * v written over dy."""
+    rng = np.random.default_rng(134)
+    shape = (31, 7)
+    x0, ct = rng.standard_normal(shape).astype(np.float32), rng.standard_normal(shape)
+    v0 = rng.standard_normal(shape[1]).astype(np.float32)
+
+    def loss(vv):
+        out = dev.empty(shape)
+        ops.scale_columns(to_dev(dev, x0), to_dev(dev, vv), out)
+        return float(np.sum(read(out) * ct))
+
+    dy, dv = to_dev(dev, ct), dev.empty((1, shape[1]))
+    ops.scale_columns_backward(dy, to_dev(dev, x0), to_dev(dev, v0), dy, dv)
+    assert_fd(read(dv)[0], fd_grad(loss, v0), "dv")
+    assert_close_elementwise(read(dy), np.float32(ct) * v0, rtol=OUT_RTOL["f32"])
+
+
+@pytest.mark.parametrize("dt", FLOAT_DTYPES)
+@pytest.mark.parametrize("M", [1, 31, 33, 127])
+@pytest.mark.parametrize("r", [1, 8])
+def test_dora_norm(dev, M, r, dt):
+    """From Q = A W^T + (s / 2) A A^T B^T and alpha = 2 s: the row norms of W + s B A (float64),
+    scale = m / norm and inv_norm = 1 / norm."""
+    rng = np.random.default_rng(135 + M + r)
+    K, s = 45, 1.7
+    W, A = rng.standard_normal((M, K)), rng.standard_normal((r, K)) / np.sqrt(K)
+    B, Bf = upload(dev, 0.5 * rng.standard_normal((M, r)), dt)
+    m, mf = upload(dev, 1 + rng.random(M), dt)
+    Q = A @ W.T + s / 2 * (A @ A.T) @ Bf.T
+    w2 = (W * W).sum(1)
+    scale, inv = empty_filled(dev, (M,), "f32"), empty_filled(dev, (M,), "f32")
+    ops.dora_norm(to_dev(dev, w2), B, to_dev(dev, Q), m, 2 * s, scale, inv)
+    norm = np.linalg.norm(W + s * Bf @ A, axis=1)
+    # Q and w2 enter rounded to f32, the dot of r terms in f32: a few ulp of the terms' sizes
+    tol = 64 * U32 * (w2 + 2 * s * (np.abs(Bf) * np.abs(Q).T).sum(1)) / norm ** 2
+    assert_close_elementwise(read(inv), 1 / norm, rtol=tol, what="inv_norm")
+    assert_close_elementwise(read(scale), mf / norm, rtol=tol, what="scale")
+
+
+def test_dora_and_column_ops_bad_calls(dev):
+    """Bad shapes and dtypes raise one-line ValueErrors naming the op and the argument."""
+    z = lambda shape, dt="f32": dev.zeros(shape, dt)  # noqa: E731
+    cases = [
+        ("scale_columns", lambda: ops.scale_columns(z((3, 4)), z((5,)), z((3, 4))), "v"),
+        ("scale_columns", lambda: ops.scale_columns(z((3, 4)), z((4,), "f16"), z((3, 4))), "v"),
+        ("scale_columns", lambda: ops.scale_columns(z((3, 4)), z((4,)), z((3, 4), "f16")), "out"),
+        ("scale_columns", lambda: ops.scale_columns(z((12,)), z((12,)), z((12,))), "x"),
+        ("scale_columns", lambda: ops.scale_columns(z((3, 4)), z((4,)), z((4, 3))), "out"),
+        ("scale_columns_backward", lambda: ops.scale_columns_backward(z((6, 4)), z((6, 4)), z((4,)), z((6, 4)),
+                                                                      z((4, 4))), "dv"),
+        ("scale_columns_backward", lambda: ops.scale_columns_backward(z((6, 4)), z((6, 4)), z((4,)), z((6, 4)),
+                                                                      z((2, 4), "f16")), "dv"),
+        ("scale_columns_backward", lambda: ops.scale_columns_backward(z((6, 4), "f16"), z((6, 4)), z((4,)),
+                                                                      z((6, 4)), z((1, 4))), "dy"),
+        ("scale_columns_backward", lambda: ops.scale_columns_backward(z((6, 4)), z((6, 4)), z((4,)), z((6, 5)),
+                                                                      z((1, 4))), "dx"),
+        ("dora_norm", lambda: ops.dora_norm(z((5,)), z((5, 2)), z((5, 2)), z((5,)), 1.0, z((5,)), z((5,))), "Q"),
+        ("dora_norm", lambda: ops.dora_norm(z((5,)), z((5, 2)), z((2, 5)), z((5,), "f16"), 1.0, z((5,)), z((5,))),
+         "m"),
+        ("dora_norm", lambda: ops.dora_norm(z((4,)), z((5, 2)), z((2, 5)), z((5,)), 1.0, z((5,)), z((5,))), "w2"),
+        ("dora_norm", lambda: ops.dora_norm(z((5,)), z((5, 2)), z((2, 5)), z((5,)), 1.0, z((5,), "f16"), z((5,))),
+         "scale"),
+        ("dora_norm", lambda: ops.dora_norm(z((5,)), z((5, 2)), z((2, 5)), z((5,)), float("nan"), z((5,)), z((5,))),
+         "alpha"),
+    ]
+    for op, call, needle in cases:
+        with pytest.raises(ValueError) as e:
+            call()
+        msg = str(e.value)
+        assert msg.startswith(f"[{op}] ") and needle in msg and "\n" not in msg, msg
+
+
 # ------------------------------------------------------------------------------------- RoPE
 
 

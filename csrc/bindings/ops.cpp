@@ -63,6 +63,16 @@ void bind_ops(nb::module_& parent) {
         "out = cap * tanh(x / cap) (Gemma 2's soft-capping of scores and logits); out may be x.");
   m.def("softcap_backward", &ops::softcap_backward, release, "dy"_a, "y"_a, "cap"_a, "dx"_a,
         "dx = dy * (1 - (y / cap)^2) from softcap's OUTPUT y; dx may be dy or y.");
+  m.def("scale_columns", &ops::scale_columns, release, "x"_a, "v"_a, "out"_a,
+        "out[n, j] = x[n, j] * v[j], v (M,) f32 (DoRA's per-output scale); x and out (N, M) may be row-strided\n"
+        "views (column blocks); out may be x.");
+  m.def("scale_columns_backward", &ops::scale_columns_backward, release, "dy"_a, "x"_a, "v"_a, "dx"_a, "dv"_a,
+        "dx = dy * v (dx may be dy) and dv (S, M) f32 overwritten: row s the column sums of dy * x over the\n"
+        "s-th block of N / S consecutive rows (S > 1: one per sample, the sample order's).");
+  m.def("dora_norm", &ops::dora_norm, release, "w2"_a, "B"_a, "Q"_a, "m"_a, "alpha"_a, "scale"_a, "inv_norm"_a,
+        "Per output o of B (M, r): n = sqrt(max(w2[o] + alpha * sum_k B[o, k] Q[k, o], 0)), scale = m / n and\n"
+        "inv_norm = 1 / n (f32; w2 and Q f32, m B's dtype). Q = A W^T + (s/2) A A^T B^T, alpha = 2 s: DoRA's\n"
+        "n = ||W_o + s B_o A|| without W + s B A formed.");
   m.def("rope", &ops::rope, release, "x"_a, "positions"_a, "inv_freq"_a, "sign"_a = 1.0f, "token_major"_a = false,
         "In-place rotary embedding of x (..., T, D), rotate_half convention on the first 2*len(inv_freq)\n"
         "dims; sign=-1 applies the inverse rotation (the backward). token_major: x is a (B, T, H, D) view\n"

@@ -34,6 +34,16 @@
 //   sinks (A,) f32 where given, A the product of S's leading dims: one logit per (Tq, Tk) matrix
 //   joins each row's softmax as attention_forward's sinks do (unscaled; rows then sum to < 1), and
 //   softmax_backward needs nothing more (the sink column's dP is 0).
+// - scale_columns/scale_columns_backward: a per-column scale of an (N, M) activation, DoRA's per-output
+//   magnitude ratio (python/krnl/models/dora.py). x and out (N, M) of one floating dtype, contiguous or
+//   row-strided 2-D views (column blocks of a wider buffer), v (M,) f32: out[n, j] = x[n, j] v[j]; out
+//   may be x. The backward: dx = dy * v (dy, x, dx of x's dtype and shape, dx may be dy) and dv (S, M) f32
+//   overwritten, row s the sum of dy * x over the s-th block of N / S consecutive rows (S > 1: the
+//   sample order's per-sample sums), in an order that depends on the block's rows only.
+// - dora_norm: DoRA's per-output norm of W + s B A from small products (models/dora.py): B (M, r) and
+//   m (M,) of one floating dtype, w2 (M,) f32 the squared row norms of W, Q (r, M) f32; per output o,
+//   n = sqrt(max(w2[o] + alpha sum_k B[o, k] Q[k, o], 0)), scale[o] = m[o] / n, inv_norm[o] = 1 / n
+//   (both (M,) f32). With Q = A W^T + (s / 2) A A^T B^T and alpha = 2 s, n = ||W_o + s B_o A||.
 // - quantized_matmul: W (O, I) quantized as MLX does (affine, per group of group_size consecutive
 //   inputs of a row; bits 2, 3, 4, 5, 6, 8; group_size 16, 32, 64, 128): w (O, I * bits / 32) i32
 //   holds each row's codes q as one little-endian bit stream, element j at bit j * bits (codes of
@@ -157,6 +167,11 @@
   X(geglu_backward, (const Tensor& ds, const Tensor& g, const Tensor& u, const Tensor& dg, const Tensor& du))       \
   X(softcap, (const Tensor& x, float cap, const Tensor& out))                                                       \
   X(softcap_backward, (const Tensor& dy, const Tensor& y, float cap, const Tensor& dx))                             \
+  X(scale_columns, (const Tensor& x, const Tensor& v, const Tensor& out))                                           \
+  X(scale_columns_backward, (const Tensor& dy, const Tensor& x, const Tensor& v, const Tensor& dx,                  \
+                             const Tensor& dv))                                                                     \
+  X(dora_norm, (const Tensor& w2, const Tensor& B, const Tensor& Q, const Tensor& m, float alpha,                   \
+                const Tensor& scale, const Tensor& inv_norm))                                                       \
   X(rope, (const Tensor& x, const Tensor& positions, const Tensor& inv_freq, float sign, bool token_major))        \
   X(softmax_causal_forward, (const Tensor& S, const Tensor& P, float scale, const Tensor* segments,                 \
                              int64_t window, const Tensor* sinks))                                                  \

@@ -1,5 +1,5 @@
-// The elementwise ops' entry points: SwiGLU, GeGLU, soft-capping, add, axpy, scale, cast, fill
-// and dropout.
+// The elementwise ops' entry points: SwiGLU, GeGLU, soft-capping, DoRA's column scaling and norm,
+// add, axpy, scale, cast, fill and dropout.
 #include <cmath>
 #include <string>
 #include <utility>
@@ -85,6 +85,58 @@ void softcap_backward(const Tensor& dy, const Tensor& y, float cap, const Tensor
   if (!(cap > 0) || !std::isfinite(cap)) c.fail("cap must be finite and > 0, got " + std::to_string(cap));
   run(c, shape_str(y.shape()), 4.0 * double(y.numel()), nbytes({&dy, &y, &dx}), y.dtype(),
       [&] { c.dev->softcap_backward(dy, y, cap, dx); });
+}
+
+// ---- DoRA (op_list.h's notes): activations may be column blocks of wider buffers (q|k|v)
+
+namespace {
+void check_columns(Check& c, const char* name, const Tensor& x, const Tensor& ref) {
+  c.rows(name, x);
+  c.shape(name, x, ref.shape()), c.same_dtype(name, x, "x", ref);
+}
+}  // namespace
+
+void scale_columns(const Tensor& x, const Tensor& v, const Tensor& out) {
+  Check c{"scale_columns"};
+  c.rows("x", x), c.tensor("v", v);
+  c.floating("x", x);
+  if (x.dim() != 2) c.fail("x must be 2-D (rows, columns), got " + x.describe());
+  c.shape("v", v, {x.size(1)}), c.dtype("v", v, {DType::f32});
+  check_columns(c, "out", out, x);
+  run(c, shape_str(x.shape()), double(x.numel()), nbytes({&x, &v, &out}), x.dtype(),
+      [&] { c.dev->scale_columns(x, v, out); });
+}
+
+void scale_columns_backward(const Tensor& dy, const Tensor& x, const Tensor& v, const Tensor& dx, const Tensor& dv) {
+  Check c{"scale_columns_backward"};
+  c.rows("x", x), c.tensor("v", v), c.tensor("dv", dv);
+  c.floating("x", x);
+  if (x.dim() != 2) c.fail("x must be 2-D (rows, columns), got " + x.describe());
+  check_columns(c, "dy", dy, x), check_columns(c, "dx", dx, x);
+  c.shape("v", v, {x.size(1)}), c.dtype("v", v, {DType::f32});
+  c.dtype("dv", dv, {DType::f32});
+  if (dv.dim() != 2 || dv.size(1) != x.size(1) || dv.size(0) < 1 || x.size(0) % dv.size(0))
+    c.fail("dv must be (S, " + std::to_string(x.size(1)) + ") with S dividing the " + std::to_string(x.size(0)) +
+           " rows of x, got " + dv.describe());
+  run(c, shape_str(x.shape()) + " in " + std::to_string(dv.size(0)), 3.0 * double(x.numel()),
+      nbytes({&dy, &x, &dx, &dv}), x.dtype(), [&] { c.dev->scale_columns_backward(dy, x, v, dx, dv); });
+}
+
+void dora_norm(const Tensor& w2, const Tensor& B, const Tensor& Q, const Tensor& m, float alpha, const Tensor& scale,
+               const Tensor& inv_norm) {
+  Check c{"dora_norm"};
+  c.tensor("w2", w2), c.tensor("B", B), c.tensor("Q", Q), c.tensor("m", m), c.tensor("scale", scale);
+  c.tensor("inv_norm", inv_norm);
+  c.floating("B", B);
+  if (B.dim() != 2) c.fail("B must be 2-D (outputs, rank), got " + B.describe());
+  const int64_t M = B.size(0), r = B.size(1);
+  c.shape("Q", Q, {r, M}), c.dtype("Q", Q, {DType::f32});
+  c.shape("m", m, {M}), c.same_dtype("m", m, "B", B);
+  for (auto [n, t] : {std::pair<const char*, const Tensor*>{"w2", &w2}, {"scale", &scale}, {"inv_norm", &inv_norm}})
+    c.shape(n, *t, {M}), c.dtype(n, *t, {DType::f32});
+  if (!std::isfinite(alpha)) c.fail("alpha must be finite, got " + std::to_string(alpha));
+  run(c, shape_str(B.shape()), 2.0 * double(B.numel()), nbytes({&w2, &B, &Q, &m, &scale, &inv_norm}), B.dtype(),
+      [&] { c.dev->dora_norm(w2, B, Q, m, alpha, scale, inv_norm); });
 }
 
 void add(const Tensor& a, const Tensor& b, const Tensor& out) {

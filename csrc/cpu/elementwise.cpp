@@ -1,5 +1,5 @@
-// Elementwise ops on the CPU: SwiGLU, GeGLU, soft-capping, add, axpy, scale, cast, fill and
-// dropout, in blocks over the thread pool.
+// Elementwise ops on the CPU: SwiGLU, GeGLU, soft-capping, DoRA's column scaling and norm, add,
+// axpy, scale, cast, fill and dropout, in blocks over the thread pool.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -156,6 +156,79 @@ void CpuBackend::softcap_backward(const Tensor& dy, const Tensor& y, float cap, 
       dxv[i] = dv[i] * (1.f - r * r);
     }
     flush(dt, dxv, n, dx.data(), b);
+  });
+}
+
+// ---- DoRA's per-column scale (2-D views whose rows may be strided: column blocks of q|k|v)
+
+namespace {
+constexpr int64_t kColumnChunk = 256;  // columns a task of scale_columns_backward sums (parallelism over them)
+}
+
+void CpuBackend::scale_columns(const Tensor& x, const Tensor& v, const Tensor& out) {
+  const DType dt = x.dtype();
+  const int64_t M = x.size(1), ldx = x.strides()[0], ldo = out.strides()[0];
+  const float* vv = v.ptr<float>();
+  for_rows(x.size(0), M, [&](int64_t r0, int64_t r1) {
+    float xs[kBlock], os[kBlock];
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t j0 = 0; j0 < M; j0 += kBlock) {
+        const int64_t n = std::min(kBlock, M - j0);
+        const float* xv = view(dt, x.data(), r * ldx + j0, n, xs);
+        float* o = out_window(dt, out.data(), r * ldo + j0, os);  // may alias xv: element i read before written
+        for (int64_t i = 0; i < n; ++i) o[i] = xv[i] * vv[j0 + i];
+        flush(dt, o, n, out.data(), r * ldo + j0);
+      }
+  });
+}
+
+// One task per (row block, column chunk): its rows in order, so a block's sums depend on its rows only.
+void CpuBackend::scale_columns_backward(const Tensor& dy, const Tensor& x, const Tensor& v, const Tensor& dx,
+                                        const Tensor& dv) {
+  const DType dt = x.dtype();
+  const int64_t M = x.size(1), S = dv.size(0), per = x.size(0) / S, chunks = (M + kColumnChunk - 1) / kColumnChunk;
+  const int64_t ldy = dy.strides()[0], ldx = x.strides()[0], ldd = dx.strides()[0];
+  const float* vv = v.ptr<float>();
+  float* out = dv.ptr<float>();
+  ThreadPool::global().parallel_for(S * chunks, 1, [&](int64_t t0, int64_t t1) {
+    float ds[kColumnChunk], xs[kColumnChunk], os[kColumnChunk], acc[kColumnChunk];
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t s = t / chunks, j0 = t % chunks * kColumnChunk, n = std::min(kColumnChunk, M - j0);
+      std::fill(acc, acc + n, 0.f);
+      for (int64_t r = s * per; r < (s + 1) * per; ++r) {
+        const float* d = view(dt, dy.data(), r * ldy + j0, n, ds);
+        const float* xv = view(dt, x.data(), r * ldx + j0, n, xs);
+        float* o = out_window(dt, dx.data(), r * ldd + j0, os);  // may alias d
+        for (int64_t i = 0; i < n; ++i) {
+          acc[i] += d[i] * xv[i];
+          o[i] = d[i] * vv[j0 + i];
+        }
+        flush(dt, o, n, dx.data(), r * ldd + j0);
+      }
+      std::copy(acc, acc + n, out + s * M + j0);
+    }
+  });
+}
+
+void CpuBackend::dora_norm(const Tensor& w2, const Tensor& B, const Tensor& Q, const Tensor& m, float alpha,
+                           const Tensor& scale, const Tensor& inv_norm) {
+  const DType dt = B.dtype();
+  const int64_t M = B.size(0), r = B.size(1);
+  const float *w = w2.ptr<float>(), *q = Q.ptr<float>();
+  float *sc = scale.ptr<float>(), *inv = inv_norm.ptr<float>();
+  for_rows(M, r, [&](int64_t o0, int64_t o1) {
+    float bs[kBlock], ms[1];
+    for (int64_t o = o0; o < o1; ++o) {
+      float dot = 0.f;
+      for (int64_t k0 = 0; k0 < r; k0 += kBlock) {
+        const int64_t n = std::min(kBlock, r - k0);
+        const float* b = view(dt, B.data(), o * r + k0, n, bs);
+        for (int64_t k = 0; k < n; ++k) dot += b[k] * q[(k0 + k) * M + o];
+      }
+      const float norm = std::sqrt(std::max(w[o] + alpha * dot, 0.f));
+      sc[o] = *view(dt, m.data(), o, 1, ms) / norm;
+      inv[o] = 1.f / norm;
+    }
   });
 }
 

@@ -1,5 +1,6 @@
 // Elementwise ops on the Metal kernels: SwiGLU, GeGLU, soft-capping (their own libraries), then
-// add, axpy, scale, cast, fill, dropout and the head transpose (metal/elementwise.metal).
+// DoRA's column scaling and norm, add, axpy, scale, cast, fill, dropout and the head transpose
+// (metal/elementwise.metal).
 #include <algorithm>
 #include <cmath>
 #include <initializer_list>
@@ -71,6 +72,53 @@ void MetalOps::softcap_backward(const Tensor& dy, const Tensor& y, float cap, co
   bind(d, 0, dy), bind(d, 1, y), bind(d, 2, dx);
   d.set_args(3, SoftcapArgs{u32(e.op, y.numel(), "n"), cap});
   ew_geometry(d, y.numel());
+  encode(std::move(d));
+}
+
+// ---- DoRA: (rows, cols) views whose rows may be strided, bound over the bytes they span
+
+namespace {
+void bind_rows(Dispatch& d, uint32_t index, const Tensor& t) {
+  bind(d, index, t, size_t(extent_elems(t.size(0), t.size(1), t.strides()[0], 0, 1)) * dtype_size(t.dtype()));
+}
+}  // namespace
+
+void MetalOps::scale_columns(const Tensor& x, const Tensor& v, const Tensor& out) {
+  Emit e{this, "scale_columns"};
+  Dispatch d = e.make("elementwise", "scale_columns_" + e.sfx(x.dtype()));
+  const int64_t rows = x.size(0), cols = x.size(1);
+  if (rows * cols == 0) return;
+  bind_rows(d, 0, x), bind(d, 1, v), bind_rows(d, 2, out);
+  d.set_args(3, ScaleColumnsArgs{u32(e.op, rows, "rows"), u32(e.op, cols, "cols"), u32(e.op, x.strides()[0], "ldx"),
+                                 u32(e.op, out.strides()[0], "ldo"), 0u, 0u});
+  ew_geometry(d, u32(e.op, rows * cols, "rows * cols"));
+  encode(std::move(d));
+}
+
+void MetalOps::scale_columns_backward(const Tensor& dy, const Tensor& x, const Tensor& v, const Tensor& dx,
+                                      const Tensor& dv) {
+  Emit e{this, "scale_columns_backward"};
+  Dispatch d = e.make("elementwise", "scale_columns_backward_" + e.sfx(x.dtype()));
+  const int64_t rows = x.size(0), cols = x.size(1), S = dv.size(0);
+  if (cols == 0) return;
+  bind_rows(d, 0, dy), bind_rows(d, 1, x), bind(d, 2, v), bind_rows(d, 3, dx), bind(d, 4, dv);
+  d.set_args(5, ScaleColumnsArgs{u32(e.op, rows, "rows"), u32(e.op, cols, "cols"), u32(e.op, x.strides()[0], "ldx"),
+                                 u32(e.op, dx.strides()[0], "ldd"), u32(e.op, dy.strides()[0], "ldy"),
+                                 u32(e.op, rows / S, "rows per block")});
+  d.grid = {ceil_div(cols, 32), u32(e.op, S, "blocks"), 1};
+  d.threads = {32, 8, 1};  // elementwise.metal's SC_LANES
+  encode(std::move(d));
+}
+
+void MetalOps::dora_norm(const Tensor& w2, const Tensor& B, const Tensor& Q, const Tensor& m, float alpha,
+                         const Tensor& scale, const Tensor& inv_norm) {
+  Emit e{this, "dora_norm"};
+  Dispatch d = e.make("elementwise", "dora_norm_" + e.sfx(B.dtype()));
+  const int64_t M = B.size(0);
+  if (M == 0) return;
+  bind(d, 0, w2), bind(d, 1, B), bind(d, 2, Q), bind(d, 3, m), bind(d, 4, scale), bind(d, 5, inv_norm);
+  d.set_args(6, DoraNormArgs{u32(e.op, M, "M"), u32(e.op, B.size(1), "r"), alpha});
+  ew_geometry(d, M);
   encode(std::move(d));
 }
 

@@ -127,6 +127,12 @@ def run_kernels(device="metal-cuda", only=None):
         ops.geglu_backward(t((n,), dt), a, b, dev.empty((n,), dt), dev.empty((n,), dt))
         ops.softcap(a, 30.0, dev.empty((n,), dt))
         ops.softcap_backward(t((n,), dt), b, 30.0, dev.empty((n,), dt))
+        # DoRA's: a column block of a wider buffer, 2-3 threadgroups of columns, sums per 10 rows
+        zw, v = t((70, 80), dt), t((75,), "f32")
+        ops.scale_columns(zw[:, 2:77], v, dev.empty((70, 75), dt))
+        ops.scale_columns_backward(t((70, 75), dt), zw[:, 2:77], v, dev.empty((70, 75), dt), dev.empty((7, 75), "f32"))
+        ops.dora_norm(t((300,), "f32"), t((300, 4), dt), t((4, 300), "f32"), t((300,), dt), 0.5,
+                      dev.empty((300,), "f32"), dev.empty((300,), "f32"))
         ops.transpose_heads(t((3, 5, 8), dt), dev.empty((5, 3, 8), dt))
         ops.transpose_heads(t((3, 5, 7), dt), dev.empty((5, 3, 7), dt))
         x = t((2, T, 16), dt)

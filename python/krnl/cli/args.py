@@ -93,7 +93,8 @@ def lora_from_args(args):
     """The LoraConfig of train's --lora-* options."""
     from ..models.config import LoraConfig
 
-    kw = {"r": args.lora_rank, "alpha": args.lora_alpha, "dropout": args.lora_dropout, "use_rslora": args.rslora}
+    kw = {"r": args.lora_rank, "alpha": args.lora_alpha, "dropout": args.lora_dropout, "use_rslora": args.rslora,
+          "use_dora": args.fine_tune_type == "dora"}
     if args.lora_layers:
         items = [x.strip() for x in str(args.lora_layers).split(",")]
         bad = [x for x in items if not x.isdigit()]
@@ -155,6 +156,8 @@ def parse_args(argv, commands):
     t.add_argument("--lora-alpha", type=float, default=32.0)
     t.add_argument("--lora-dropout", type=float, default=0.0)
     t.add_argument("--rslora", action="store_true", help="scale by alpha/sqrt(r) (rsLoRA)")
+    t.add_argument("--fine-tune-type", default="lora", choices=["lora", "dora"],
+                   help="dora: LoRA plus a trained magnitude per output, PEFT's use_dora (mlx-lm's name)")
     t.add_argument("--lora-layers", default=None, help="comma-separated layer indices (default: all)")
     t.add_argument("--lora-targets", default=None, help="comma-separated modules: short names (q,k,v,o,gate,up,down), module "
                    "names (q_proj) or mlx-lm keys (self_attn.q_proj); mixtures of experts: gate and up are the experts' "

@@ -183,7 +183,8 @@ def cmd_train(args):
                       val_every=args.steps_per_eval, save_every=args.save_every, seed=args.seed,
                       length_bucket=args.length_bucket, graphs=not args.no_graphs, reduce_order=args.reduce_order,
                       **objectives.config_fields(args))
-    fingerprint = {"base": base_id, "model": vars(model.config), "lora": vars(lora), "dtype": args.dtype}
+    lora_fp = {k: v for k, v in vars(lora).items() if k != "use_dora" or v}  # older checkpoints have no use_dora
+    fingerprint = {"base": base_id, "model": vars(model.config), "lora": lora_fp, "dtype": args.dtype}
     if model.quantize is not None:  # only then: older checkpoints have no such key
         fingerprint["quantize"] = list(model.quantize)
     fingerprint.update({"aux_loss_coef": model.aux_loss_coef} if model.aux_loss_coef else {})  # likewise
@@ -195,8 +196,8 @@ def cmd_train(args):
         from ..formats.adapter import mlx_adapter
 
         mlx_adapter(lora, model.lora_state(), model.config)
-    print(f"krnl {krnl.__version__} on {dev.name}: {what}, LoRA r={lora.r} on {len(model.adapted)} modules "
-          f"({model.lora_params.numel} trainable parameters), {args.dtype}"
+    print(f"krnl {krnl.__version__} on {dev.name}: {what}, {'DoRA' if lora.use_dora else 'LoRA'} r={lora.r} on "
+          f"{len(model.adapted)} modules ({model.lora_params.numel} trainable parameters), {args.dtype}"
           + (f", base quantized to {model.quantize[0]} bits (groups of {model.quantize[1]})" if model.quantize else "")
           + world.describe())
     resuming = args.resume or args.resume_from is not None

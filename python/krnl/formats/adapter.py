@@ -1,7 +1,8 @@
 """LoRA adapters in PEFT's on-disk format (docs/architecture.md, 'Models, adapters and data'): `adapter_config.json` and
 `adapter_model.safetensors` with keys `base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight`,
-A (r, in) and B (out, r), so PEFT, transformers and vLLM load them unchanged; and mlx-lm's layout
-(`adapters.safetensors`, keys `model.layers.N.self_attn.q_proj.lora_a`, the factors transposed),
+A (r, in) and B (out, r) (DoRA's magnitude (out,) `...q_proj.lora_magnitude_vector`, use_dora), so
+PEFT, transformers and vLLM load them unchanged; and mlx-lm's layout (`adapters.safetensors`, keys
+`model.layers.N.self_attn.q_proj.lora_a`, the factors transposed; DoRA's `...q_proj.m`),
 which `mlx_lm.load(path, adapter_path=...)` loads. Files are written atomically (temporary file
 in the same folder, fsync, rename)."""
 
@@ -13,7 +14,7 @@ import numpy as np
 
 from ..models import gemma3
 from ..io.fileio import atomic_write_bytes, read_json_object
-from ..models.config import module_part, LoraConfig, lora_key
+from ..models.config import module_part, LoraConfig, lora_key, magnitude_key
 from ..models.moe_config import EXPERT_MODULES, lora_shapes, router_module, switch_module
 from .experts import held_factors, peft_expert_keys, peft_factors
 from .gpt_oss import peft_rows
@@ -46,6 +47,7 @@ def peft_config(lora, base_model="", layers=None, model_config=None):
         "lora_dropout": float(lora.dropout),
         "target_modules": targets,
         "use_rslora": bool(lora.use_rslora),
+        "use_dora": bool(lora.use_dora),
         "layers_to_transform": None if layers is None else [int(i) for i in layers],
         "bias": "none",
         "fan_in_fan_out": False,
@@ -170,7 +172,9 @@ def mlx_adapter(lora, tensors, config, base_model=""):
             for f in ("A", "B"):
                 out[f"model.layers.{i}.{keys[-1]}.lora_{f.lower()}"] = np.asarray(tensors[lora_key(i, m, f)],
                                                                                   np.float32).T
-    cfg = {"fine_tune_type": "lora", "model": base_model, "num_layers": len(layers),
+            if lora.use_dora:  # DoRALinear's m
+                out[f"model.layers.{i}.{keys[-1]}.m"] = np.asarray(tensors[magnitude_key(i, m)], np.float32)
+    cfg = {"fine_tune_type": "dora" if lora.use_dora else "lora", "model": base_model, "num_layers": len(layers),
            "lora_parameters": {"rank": int(lora.r), "scale": float(lora.scale), "dropout": float(lora.dropout),
                                "keys": keys}}
     return out, cfg
@@ -192,9 +196,10 @@ def save_mlx_adapter(path, lora, tensors, config, base_model=""):
 # ---------------------------------------------------------------------------------------------
 # Adapters made by others: PEFT (safetensors) and mlx-lm layouts, checked against a model config.
 
+# group 4 or 5: the factor (A, B; m, the magnitude: PEFT's key without .weight, older ones' with it)
 _PEFT_KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)\."
-                       r"lora_([AB])(?:\.([\w-]+))?\.weight$")
-_MLX_KEY = re.compile(r"^(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([ab])$")
+                       r"(?:lora_([AB])(?:\.[\w-]+)?\.weight|lora_(m)agnitude_vector(?:\.[\w-]+)?(?:\.weight)?)$")
+_MLX_KEY = re.compile(r"^(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.(?:lora_([ab])|(m))$")
 
 
 def _read_f32_tensors(path, who):
@@ -238,9 +243,9 @@ def read_adapter(path, config):
     if fmt == "peft":
         if str(cfg.get("peft_type", "LORA")).upper() != "LORA":
             raise ValueError(f"[{who}] peft_type {cfg.get('peft_type')!r} is not supported; krnl loads LORA adapters")
-        for key, what in (("use_dora", "DoRA"), ("fan_in_fan_out", "fan_in_fan_out weights")):
-            if cfg.get(key):
-                raise ValueError(f"[{who}] {what} ({key}: true) is not supported")
+        if cfg.get("fan_in_fan_out"):
+            raise ValueError(f"[{who}] fan_in_fan_out weights (fan_in_fan_out: true) are not supported")
+        dora = bool(cfg.get("use_dora", False))
         if cfg.get("bias", "none") not in (None, "none"):
             raise ValueError(f"[{who}] bias {cfg['bias']!r} is not supported (krnl adapters train no biases)")
         if cfg.get("modules_to_save"):
@@ -263,8 +268,10 @@ def read_adapter(path, config):
         pattern, fname = _PEFT_KEY, WEIGHTS_NAME
     else:
         ft = cfg.get("fine_tune_type", "lora")
-        if ft != "lora":
-            raise ValueError(f"[{who}] mlx-lm fine_tune_type {ft!r} is not supported; krnl loads LoRA adapters")
+        if ft not in ("lora", "dora"):
+            raise ValueError(f"[{who}] mlx-lm fine_tune_type {ft!r} is not supported; krnl loads LoRA and DoRA "
+                             "adapters")
+        dora = ft == "dora"
         lp = cfg.get("lora_parameters")
         if not isinstance(lp, dict) or "rank" not in lp or "scale" not in lp:
             raise ValueError(f"[{who}] adapter_config.json needs lora_parameters with rank and scale (mlx-lm layout)")
@@ -285,7 +292,7 @@ def read_adapter(path, config):
         if not m or m.group(3) not in config.lora_modules() or m.group(2) != module_part(m.group(3)):
             unexpected.append(k)
             continue
-        i, mod, fac = int(m.group(1)), m.group(3), m.group(4).upper()
+        i, mod, fac = int(m.group(1)), m.group(3), (m.group(4) or "M").upper()
         if fmt == "mlx" and v.ndim == 2:
             v = v.T  # mlx-lm: lora_a (in, r), lora_b (r, out); its experts' as krnl holds them
         found.setdefault((i, mod), {})[fac] = (k, np.ascontiguousarray(v, np.float32))
@@ -300,39 +307,49 @@ def read_adapter(path, config):
         if i >= n:
             bad.append(f"layer {i} ({mod}) does not exist in a model of {n} layers")
             continue
-        if set(fac) != {"A", "B"}:
-            half.append(f"layer {i} {mod}: only lora_{''.join(fac)}")
+        if "M" in fac and not dora:
+            bad.append(f"{fac['M'][0]}: a DoRA magnitude, but the config says LoRA (PEFT's use_dora, mlx-lm's "
+                       "fine_tune_type dora)")
             continue
-        want = dict(zip("AB", lora_shapes(config, mod, r)))
+        if set(fac) != set("ABM" if dora else "AB"):
+            names = {"A": "lora_A", "B": "lora_B", "M": "its DoRA magnitude"}
+            half.append(f"layer {i} {mod}: only {', '.join(names[f] for f in sorted(fac))}")
+            continue
+        want = dict(zip("AB", lora_shapes(config, mod, r)), M=lora_shapes(config, mod, r)[1][:1])
         for f, (k, v) in fac.items():
             if v.shape != want[f]:
                 shown = v.shape[::-1] if fmt == "mlx" else v.shape
                 exp = want[f][::-1] if fmt == "mlx" else want[f]
                 bad.append(f"{k}: {shown} (expected {exp} for r={r})")
     if half:
-        bad.append("unpaired factors: " + ", ".join(half))
+        bad.append("incomplete modules: " + ", ".join(half))
     if bad:
         raise ValueError(f"[{who}] does not fit the model ({config.source}): " + "; ".join(bad))
     layers = sorted({i for i, _ in found})
     modules = tuple(m for m in config.lora_modules() if any(mm == m for _, mm in found))
     lora = LoraConfig(r=r, alpha=alpha, dropout=dropout, target_modules=modules, use_rslora=rslora,
-                      layers=None if layers == list(range(n)) else layers)
+                      layers=None if layers == list(range(n)) else layers, use_dora=dora)
     lora.validate(config)
     tensors = {}
     for i in lora.adapted_layers(config):
         for mod in modules:
             shapes = lora_shapes(config, mod, r)
             fac = found.get((i, mod))
+            if fac is None and dora:  # no magnitude makes the base without the weight's norms
+                raise ValueError(f"[{who}] DoRA adapts {mod} in some layers but not in layer {i}; krnl takes a DoRA "
+                                 "adapter whose modules are adapted in every layer it adapts")
             # A module this adapter leaves alone in a layer it adapts elsewhere: a zero update.
             tensors[lora_key(i, mod, "A")] = fac["A"][1] if fac else np.zeros(shapes[0], np.float32)
             tensors[lora_key(i, mod, "B")] = fac["B"][1] if fac else np.zeros(shapes[1], np.float32)
+            if dora:
+                tensors[magnitude_key(i, mod)] = fac["M"][1]
     return lora, tensors, {"format": fmt, "base_model": base, "config": cfg}
 
 
 def lora_deltas(lora, tensors, config):
-    """{weight name (as ModelConfig.weight_shapes lists it): (A, B)} of every module the adapter
-    trains: fuse's W + s B A. A mixture's experts come under their fused names (mlp.experts.gate_up_proj,
-    down_proj), its router under mlp.gate."""
+    """{weight name (as ModelConfig.weight_shapes lists it): (A, B, DoRA's magnitude or None)} of every
+    module the adapter trains: fuse's W + s B A. A mixture's experts come under their fused names
+    (mlp.experts.gate_up_proj, down_proj), its router under mlp.gate."""
     out = {}
     for i in lora.adapted_layers(config):
         for m in lora.target_modules:
@@ -341,7 +358,7 @@ def lora_deltas(lora, tensors, config):
             else:
                 w = "gate" if m == "router" else m
                 name = f"model.layers.{i}.{module_part(w)}.{w}.weight"
-            out[name] = (tensors[lora_key(i, m, "A")], tensors[lora_key(i, m, "B")])
+            out[name] = (tensors[lora_key(i, m, "A")], tensors[lora_key(i, m, "B")], tensors.get(magnitude_key(i, m)))
     return out
 
 
@@ -351,10 +368,11 @@ def load_adapter_into(model, path):
     lora, tensors, info = read_adapter(path, model.config)
     mine = model.lora_config
     if (lora.r != mine.r or not np.isclose(lora.scale, mine.scale) or set(lora.target_modules) != set(mine.target_modules)
-            or lora.adapted_layers(model.config) != mine.adapted_layers(model.config)):
+            or lora.adapted_layers(model.config) != mine.adapted_layers(model.config)
+            or lora.use_dora != mine.use_dora):
         raise ValueError(f"[adapter {path}] r={lora.r}, scale={lora.scale:g}, modules {sorted(lora.target_modules)}, "
-                         f"layers {lora.layers} differ from the model's LoRA (r={mine.r}, scale={mine.scale:g}, "
-                         f"modules {sorted(mine.target_modules)}, layers {mine.layers}); build the model with "
-                         f"read_adapter's LoraConfig")
+                         f"layers {lora.layers}, use_dora {lora.use_dora} differ from the model's LoRA (r={mine.r}, "
+                         f"scale={mine.scale:g}, modules {sorted(mine.target_modules)}, layers {mine.layers}, use_dora "
+                         f"{mine.use_dora}); build the model with read_adapter's LoraConfig")
     model.lora_params.load(tensors)
     return info

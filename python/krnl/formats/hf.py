@@ -256,12 +256,17 @@ def write_sharded(out_folder, items, shard_size="2GB", metadata=None):
     return names
 
 
-def merged_weight(W32, A, B, scale):
-    """W + s B A in float32 (a mixture's experts (E, out, in): each expert's own factors)."""
+def merged_weight(W32, A, B, m, scale):
+    """W + s B A in float32 (a mixture's experts (E, out, in): each expert's own factors); with DoRA's
+    magnitude m (out,) (None: LoRA), each row o of it times m_o over its norm (PEFT's and mlx-lm's merge)."""
     if np.ndim(W32) == 3:
         return merged_experts(np.asarray(W32, np.float32), A, B, scale)
-    return (np.asarray(W32, np.float32) + np.float32(scale) * (np.asarray(B, np.float32) @ np.asarray(A, np.float32))
-            ).astype(np.float32)
+    W = (np.asarray(W32, np.float32) + np.float32(scale) * (np.asarray(B, np.float32) @ np.asarray(A, np.float32))
+         ).astype(np.float32)
+    if m is None:
+        return W
+    norm = np.sqrt(np.sum(np.square(W, dtype=np.float64), axis=1))
+    return (W * (np.asarray(m, np.float64) / norm)[:, None]).astype(np.float32)
 
 
 def fuse(model_folder, adapter_folder, out_folder, shard_size="2GB", dtype=None, quantize=None):
@@ -283,8 +288,8 @@ def fuse(model_folder, adapter_folder, out_folder, shard_size="2GB", dtype=None,
             raise ValueError(f"[fuse] {model_folder} is a multimodal gemma3 model; fuse it without --q-bits")
         _, names, rest = gemma3.text_tower(read_tensors(model_folder))
         weights = {**{names[k]: t for k, t in weights.items()}, **rest}
-    merged = {names[k]: lambda t=weights[names[k]], A=A, B=B: merged_weight(t, A, B, s)
-              for k, (A, B) in lora_deltas(lora, tensors, config).items()}
+    merged = {names[k]: lambda t=weights[names[k]], d=d: merged_weight(t, *d, s)
+              for k, d in lora_deltas(lora, tensors, config).items()}
     files = _write_folder(model_folder, weights, config, out_folder, shard_size, dtype, quantize, merged)
     copied = _copy_tokenizer(model_folder, out_folder)
     return {"files": files, "merged": sorted(merged), "copied": copied, "scale": s}

@@ -293,6 +293,7 @@ class LoraConfig:
     target_modules: tuple = ALL_MODULES
     use_rslora: bool = False
     layers: Optional[list] = None
+    use_dora: bool = False  # DoRA: a trainable magnitude per output (models/dora.py)
 
     @property
     def scale(self):
@@ -322,6 +323,9 @@ class LoraConfig:
         if config.moe and self.dropout and set(self.target_modules) & {*EXPERT_MODULES, "router"}:
             raise ValueError(f"[LoraConfig] dropout {self.dropout} on the experts' or router's LoRA: PEFT has none "
                              "there either (target_parameters); set dropout 0 or leave them out of the targets")
+        if self.use_dora and config.moe and set(self.target_modules) & {*EXPERT_MODULES, "router"}:
+            raise ValueError("[LoraConfig] DoRA on the experts' or router's LoRA: PEFT has none there either "
+                             "(target_parameters); leave them out of the targets or train LoRA")
         if not float(self.alpha) > 0:
             raise ValueError(f"[LoraConfig] alpha must be > 0, got {self.alpha!r}")
         n = config.num_hidden_layers
@@ -343,6 +347,11 @@ def module_part(module):
 def lora_key(layer, module, factor):
     """PEFT's key of a LoRA factor ('A' or 'B')."""
     return f"base_model.model.model.layers.{layer}.{module_part(module)}.{module}.lora_{factor}.weight"
+
+
+def magnitude_key(layer, module):
+    """PEFT's key of a DoRA magnitude vector (its saved adapters' name, without .weight)."""
+    return f"base_model.model.model.layers.{layer}.{module_part(module)}.{module}.lora_magnitude_vector"
 
 
 def random_weights(config, seed=0, std=0.02):

@@ -16,7 +16,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from .. import _core
-from . import gemma2, olmoe
+from . import dora, gemma2, olmoe
 from .layer_heads import heads_backward, heads_forward
 from .gemma2 import GemmaAttn
 from .config import ALL_MODULES, ATTN_MODULES, QKV_MODULES, lora_key
@@ -167,10 +167,11 @@ class LayerCache:
 
 
 def build_layer(i, config, weights, device, dtype, heads, ones, lora_config, lora_params, adapted, quantize=None,
-                sums=None):
+                sums=None, switch=None):
     """Layer i from HF-named float32 weights, uploaded in the compute dtype (the seven projections
     quantized where quantize = (bits, group_size)); the LoRA factors of the (layer, module) pairs
-    in adapted are views of lora_params; sums: the model's SampleSums, shared by its linears."""
+    in adapted are views of lora_params; sums: the model's SampleSums, shared by its linears;
+    switch: the model's dora.Switch where its adapted linears are DoRA's."""
     c, p = config, f"model.layers.{i}."
 
     def up(names, shape=None):
@@ -215,8 +216,9 @@ def build_layer(i, config, weights, device, dtype, heads, ones, lora_config, lor
             W, r0 = qkv[r0:r0 + n], r0 + n
         else:
             W = Ws[m] if m in Ws else up_linear([key[m]])
+        dr = dora.Dora(switch, W) if switch is not None and fs[m] is not None else None
         lin[m] = LoraLinear(W, fs[m], lora_config.scale, lora_config.dropout, tag=dropout_tag(c, i, m),
-                            sums=sums, Wk=Wks.get(m), stack=stacks.get(m))
+                            sums=sums, Wk=Wks.get(m), stack=stacks.get(m), dora=dr)
     eps = c.rms_norm_eps
     o_bias = up([p + "self_attn.o_proj.bias"], (1, -1)) if c.o_proj_bias else None
     if c.gemma:
@@ -267,6 +269,7 @@ def mlp_forward(mlp, h, call_seed=None, residual=None):
         if first:
             linear(hn, mlp.gate.W, g, 1.0)
             linear(hn, mlp.up.W, u, 1.0)
+    g, u = dora.scale_outputs([mlp.gate], [gs], g), dora.scale_outputs([mlp.up], [us], u)
     (ops.swiglu_forward if mlp.post is None else ops.geglu_forward)(g, u, a)
     y = d.empty((N, C), dt)
     ds = mlp.down.forward(a, y, call_seed)
@@ -290,6 +293,7 @@ def mlp_backward(mlp, h, cache, dy, dh_cols=0):
     mlp.down.backward(dm, cache.down, da)
     dg, du = d.empty((N, F), dt), d.empty((N, F), dt)
     (ops.swiglu_backward if mlp.post is None else ops.geglu_backward)(da, cache.g, cache.u, dg, du)
+    dora.backward_in_place([mlp.gate, mlp.up], [dg, du], [cache.gate, cache.up])
     dhn = d.empty((N, C), dt)
     first = cache.group is not None and writes_all([mlp.gate, mlp.up])
     if first:
@@ -310,16 +314,21 @@ def qkv_forward(L, xn, call_seed=None, xw=None):
     qkv = xn.device.empty((N, L.qkv.shape[0]), xn.dtype)
     lins, ys = [b[0] for b in blocks], [qkv[:, c0:c1] for _, c0, c1 in blocks]
     first = xw is None and writes_all(lins)                               # LoRA first (lora_group.py)
+    scaled = any(dora.active(lin) for lin in lins)                        # DoRA: the bias after its scale
     if xw is not None:
         out = L.qkv_fold.forward(lins, xw, [qkv])
     else:
         if first:
             out = group_forward(lins, xn, ys, call_seed, 0.0)
         linear(xn, L.qkv, qkv, 1.0 if first else 0.0)
-    if L.qkv_bias is not None:
+    if L.qkv_bias is not None and not scaled:
         ops.gemm(L.ones(N), L.qkv_bias, qkv, beta=1.0)
     if xw is None and not first:
         out = group_forward(lins, xn, ys, call_seed)
+    if scaled:
+        qkv = dora.scale_outputs(lins, out[0], qkv)
+        if L.qkv_bias is not None:
+            ops.gemm(L.ones(N), L.qkv_bias, qkv, beta=1.0)
     return qkv, out
 
 
@@ -369,6 +378,7 @@ def layer_backward(L, x, cache, dy, batch, need_dx=True, dx_cols=0):
         olmoe.qk_full_norm_backward(L, cache.qk_full, dqkv)
     dxn = d.empty((N, C), dt) if need_dx else None                        # (N, C)
     lins, dys = [b[0] for b in L.qkv_blocks()], [dqkv[:, c0:c1] for _, c0, c1 in L.qkv_blocks()]
+    dora.backward_in_place(lins, dys, cache.qkv)
     first = cache.qkv_group is not None and writes_all(lins)              # LoRA first (lora_group.py)
     if first:
         group_backward(lins, dys, cache.qkv, cache.qkv_group, dxn, 0.0)

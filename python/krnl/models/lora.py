@@ -3,7 +3,8 @@
     y = x W^T + s (drop(x) A^T) B^T        W (out, in) frozen, A (r, in), B (out, r) trainable
 
 A and B are views of one FlatParams (f32 masters and gradients, the compute dtype's working copy),
-created here with PEFT's key names and initialisation."""
+created here with PEFT's key names and initialisation; with DoRA (dora.py) a magnitude m per
+output scales y, its own view there too."""
 
 import math
 import os
@@ -13,7 +14,9 @@ from typing import Optional
 import numpy as np
 
 from .. import _core
-from .config import ALL_MODULES, lora_key
+from . import dora
+from .dora import DoraSaved
+from .config import ALL_MODULES, lora_key, magnitude_key
 from .moe_config import lora_shapes
 from .phi3 import FUSED, MEMBER_OF
 from .params import FlatParams
@@ -38,6 +41,8 @@ class LoraFactors:
     B: _core.Tensor   # (out, r)  compute dtype
     gA: _core.Tensor  # (r, in)   f32
     gB: _core.Tensor  # (out, r)  f32
+    m: Optional[_core.Tensor] = None   # (out,) DoRA's magnitude, compute dtype (None: LoRA)
+    gm: Optional[_core.Tensor] = None  # (out,) f32 its gradient
 
 
 @dataclass
@@ -46,6 +51,7 @@ class LoraSaved:
     xd: _core.Tensor    # (rows, in) drop(x); x itself without dropout
     t: _core.Tensor     # (rows, r)  drop(x) A^T
     seed: Optional[object]  # the call's dropout seed (an int, or a (2,) i32 seed_offset tensor), None without dropout
+    dora: Optional[DoraSaved] = None  # DoRA's scale and unscaled output, where it scales this linear
 
 
 class LoraLinear:
@@ -55,10 +61,10 @@ class LoraLinear:
     sample_sums.SampleSums (the gradients' sums over rows in the sample order when on), or None.
     Wk: W's own buffer (out + r, in) with rows for A after W's, where the backward folds
     (lora_fold.py; W is then Wk[:out]). stack: the A factors of this linear's group as one tensor
-    (lora_group.Stack), where they lie side by side."""
+    (lora_group.Stack), where they lie side by side. dora: a dora.Dora where DoRA scales the output."""
 
     def __init__(self, W, factors=None, scale=1.0, dropout=0.0, tag=0, accumulate_grads=True, sums=None, Wk=None,
-                 stack=None):
+                 stack=None, dora=None):
         self.W = W                        # (out, in) frozen: a compute-dtype tensor or a QuantizedWeight
         self.Wk = Wk                      # (out + r, in) or None
         self.stack = stack                # lora_group.Stack of this linear's group, or None
@@ -69,6 +75,7 @@ class LoraLinear:
         self.tag = tag                    # tells this linear's dropout masks from the others'
         self.grad_beta = 1.0 if accumulate_grads else 0.0
         self.sums = sums if sums is not None else ROWS
+        self.dora = dora
 
     def seed(self, call_seed):
         """The dropout seed of this linear in the call numbered call_seed."""
@@ -85,6 +92,15 @@ class LoraLinear:
     def forward(self, x, y, call_seed=None):
         """y = x W^T + LoRA, x (rows, in), y (rows, out); returns what backward needs. call_seed
         None (eval) turns dropout off."""
+        if dora.active(self):  # the products into z, scaled into y (dora.py)
+            z = y.device.empty(tuple(y.shape), y.dtype)
+            saved = self.products(x, z, call_seed)
+            dora.scale_outputs([self], [saved], z, y)
+            return saved
+        return self.products(x, y, call_seed)
+
+    def products(self, x, y, call_seed=None):
+        """y = x W^T + s drop(x) A^T B^T, unscaled; returns what backward needs."""
         if self.factors is not None and lora_first():
             # The rank-r product writes y and the frozen one adds to it (beta 1, read under its
             # arithmetic): one pass over y fewer than the other order's read-modify-write.
@@ -117,6 +133,10 @@ class LoraLinear:
     def backward(self, dy, saved, dx, accumulate=False):
         """dx (+)= dy W + drop(dt A); the LoRA gradients from dy (rows, out), or from the first out
         columns of dy (rows, out + grad_cols()), whose others the fold writes."""
+        if saved is not None and saved.dora is not None:  # dz = c dy beside the same columns; dy stays
+            dz = dy.device.empty(tuple(dy.shape), dy.dtype)
+            dora.backward(self, dy[:, :self.out], saved.dora, dz[:, :self.out])
+            dy = dz
         if dy.shape[1] > self.out:
             if self.Wk is not None and saved is not None and saved.seed is None:
                 return self._fold_backward(dy, saved, dx, accumulate)
@@ -165,8 +185,9 @@ class LoraLinear:
 def init_lora(device, config, lora_config, dtype, seed):
     """The LoRA factors of a model as one FlatParams, initialised as PEFT does (A uniform, B zero);
     also the set of adapted (layer, module) pairs. Layer by layer, a layer's A factors in module
-    order, then its B factors: the A of linears that share an input (q, k, v; gate, up) lie side
-    by side, so their group reads them, and writes their gradients, as one tensor (lora_group)."""
+    order, then its B factors (then DoRA's magnitudes, 1 until the model sets ||W_o||): the A of
+    linears that share an input (q, k, v; gate, up) lie side by side, so their group reads them,
+    and writes their gradients, as one tensor (lora_group)."""
     r = lora_config.r
     adapted, shapes = set(), {}
     for i in lora_config.adapted_layers(config):
@@ -176,6 +197,8 @@ def init_lora(device, config, lora_config, dtype, seed):
             adapted.add((i, m))
         for m in mods:
             shapes[lora_key(i, m, "B")] = lora_shapes(config, m, r)[1]
+        for m in mods if lora_config.use_dora else ():
+            shapes[magnitude_key(i, m)] = lora_shapes(config, m, r)[1][:1]
     params = FlatParams(device, shapes, dtype)
     rng = np.random.default_rng(seed)
     init = {}
@@ -183,6 +206,8 @@ def init_lora(device, config, lora_config, dtype, seed):
         if ".lora_A." in k:   # PEFT: kaiming_uniform_(a=sqrt(5)) => U(-1/sqrt(in), 1/sqrt(in))
             b = 1.0 / math.sqrt(shp[-1])
             init[k] = rng.uniform(-b, b, size=shp).astype(np.float32)
+        elif k.endswith(".lora_magnitude_vector"):
+            init[k] = np.ones(shp, np.float32)
         else:
             init[k] = np.zeros(shp, np.float32)
     if shapes:
@@ -191,16 +216,17 @@ def init_lora(device, config, lora_config, dtype, seed):
 
 
 def factors(params, layer, module):
-    """The LoraFactors of (layer, module) in params."""
-    kA, kB = lora_key(layer, module, "A"), lora_key(layer, module, "B")
-    return LoraFactors(params.compute(kA), params.compute(kB), params.grad(kA), params.grad(kB))
+    """The LoraFactors of (layer, module) in params (with its magnitude where DoRA has one)."""
+    kA, kB, km = lora_key(layer, module, "A"), lora_key(layer, module, "B"), magnitude_key(layer, module)
+    m, gm = (params.compute(km), params.grad(km)) if km in params.shapes else (None, None)
+    return LoraFactors(params.compute(kA), params.compute(kB), params.grad(kA), params.grad(kB), m, gm)
 
 
 def module_factors(config, params, adapted, layer, module):
     """The LoraFactors of projection `module` of a layer, None when not adapted. A member of a
     fused projection (phi3: q_proj of qkv_proj) shares the fused A and its gradient (the
     members' dA add up into it, so its linears must accumulate gradients, as the model's do)
-    and takes its row block of B: LoRA on the fused module."""
+    and takes its row block of B (and of DoRA's magnitude): LoRA on the fused module."""
     fused = MEMBER_OF.get(module) if config.fused_projections else None
     if fused is None:
         return factors(params, layer, module) if (layer, module) in adapted else None
@@ -210,7 +236,8 @@ def module_factors(config, params, adapted, layer, module):
     for m in FUSED[fused]:
         n = config.module_shape(m)[0]
         if m == module:
-            return LoraFactors(f.A, f.B[r0:r0 + n], f.gA, f.gB[r0:r0 + n])
+            rows = lambda t: None if t is None else t[r0:r0 + n]  # noqa: E731
+            return LoraFactors(f.A, rows(f.B), f.gA, rows(f.gB), rows(f.m), rows(f.gm))
         r0 += n
     raise AssertionError(module)
 

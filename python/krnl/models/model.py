@@ -23,6 +23,7 @@ from .config import IGNORE_INDEX, LoraConfig, ModelConfig
 from .generate import generate, generate_batch
 from .attention import Batch
 from .layer import Heads, Ones, build_layer, layer_backward, layer_forward
+from .dora import Switch, held, magnitudes
 from .lora import init_lora
 from .moe import RouterStats
 from .sample_sums import SampleSums
@@ -76,8 +77,14 @@ class LlamaModel:
         # compute dtype.
         self.quantize = quantize_spec(quantize)
         self.sums = SampleSums(self.lora_params)  # .on: LoRA gradients and loss summed per sample (sample_sums)
+        # DoRA (dora.py): what its linears share, None for LoRA
+        self.dora = Switch(device, max(c.module_shape(m)[0] for m in c.lora_modules())) \
+            if self.lora_config.use_dora else None
         self.layers = [build_layer(i, c, weights, device, dtype, self.heads, ones, self.lora_config, self.lora_params,
-                                   self.adapted, self.quantize, self.sums) for i in range(c.num_hidden_layers)]
+                                   self.adapted, self.quantize, self.sums, self.dora)
+                       for i in range(c.num_hidden_layers)]
+        if self.dora is not None:  # each magnitude starts at ||W_o||, the base's
+            self.lora_params.load({**self.lora_params.state(), **magnitudes(c, self.layers, self.adapted)})
         # A mixture's load-balancing loss: computed in every forward (aux_loss()), trained with where
         # aux_loss_coef > 0 (transformers' router_aux_loss_coef with output_router_logits).
         self._ones = Ones(device, "f32")  # f32 ones: the loss sum's gemm row, RouterStats' sums
@@ -350,11 +357,13 @@ class LlamaModel:
         runs once through every layer, then each new token only attends to the cached keys and
         values. temperature 0 is greedy; otherwise softmax(logits / temperature) restricted to the
         smallest set of tokens whose probability reaches top_p. Returns the new ids."""
-        return generate(self, prompt, max_new_tokens, temperature, top_p, seed, eos_id, top_k)
+        with held(self.dora):
+            return generate(self, prompt, max_new_tokens, temperature, top_p, seed, eos_id, top_k)
 
     def generate_batch(self, prompts, max_new_tokens=32, temperature=0.0, top_p=1.0, seeds=None, eos_id=None, top_k=0):
         """generate() of each prompt, decoded together (krnl.models.generate.generate_batch)."""
-        return generate_batch(self, prompts, max_new_tokens, temperature, top_p, seeds, eos_id, top_k)
+        with held(self.dora):
+            return generate_batch(self, prompts, max_new_tokens, temperature, top_p, seeds, eos_id, top_k)
 
     def logits(self, ids, segments=None, positions=None):
         """(B, T, V) float32 numpy logits (forward only, no dropout)."""

@@ -59,6 +59,7 @@ class SampleSums:
         for g in (1, 2, 4, PAIRS):
             self._pairs(device, g)
         self._row_ones(device, int(T))
+        self._row_ones(device, S)  # vector_grad's
         if self.flat is not None and (self.slots is None or self.slots.shape[0] != S):
             if self.filling:
                 raise ValueError(f"[SampleSums] a micro-batch of {S} samples in a step whose micro-batches have "
@@ -180,6 +181,18 @@ class SampleSums:
             raise ValueError("[weight_grad] the sample order needs accumulated gradients (beta 1) that are views "
                              "of the model's flat gradient")
         self._per_sample(a, b, self._place(g), alpha, 1.0, self.samples)
+
+    def vector_grad(self, P, g, beta=1.0):
+        """g (n,) = beta g + the sum of P's rows: P (1, n) over all rows (samples 0), or one row per
+        sample (S, n), added into g's place in the slots in the sample order (beta 1), as
+        weight_grad adds its products (a DoRA magnitude's gradient, dora.py)."""
+        if not self.samples:
+            if beta:
+                ops.axpy(1.0, P[0], g)
+            else:
+                ops.scale(P[0], 1.0, g)
+            return
+        self.weight_grad(self._row_ones(P.device, self.samples), P, g.reshape(1, g.shape[0]), 1.0, beta)
 
     def _place(self, g):
         """The (S, m, n) view of the slots where g (m, n), a view of the flat gradient, sits."""

@@ -8,7 +8,7 @@ A training call is two device steps with one host read between: the forward, eac
 gradient at the final norm (at scale 1); then, the weights known, those gradients scaled row by row
 and the layers' backward. The reference policy of DPO is the model with its adapter off
 (adapter_off: the LoRA B factors zeroed for the calls inside, so that every path computing a LoRA,
-grouped or folded, adds nothing), never a second copy of the weights."""
+grouped or folded, adds nothing, and DoRA's scale off), never a second copy of the weights."""
 
 from contextlib import contextmanager
 
@@ -16,6 +16,7 @@ import numpy as np
 
 from .. import _core
 from .config import IGNORE_INDEX
+from .dora import off as dora_off
 from .step_inputs import DeviceInputs
 
 ops = _core.ops
@@ -32,7 +33,8 @@ def adapter_off(model):
     for k in (k for k in p.shapes if ".lora_B." in k):
         ops.fill(p.compute(k), 0.0)
     try:
-        yield model
+        with dora_off(model.dora):  # DoRA's scale off too: B = 0 alone leaves m / ||W|| on the base
+            yield model
     finally:
         ops.cast(keep, flat)
 

@@ -1,6 +1,6 @@
 """The adapters one server holds, by name: each one's LoRA weights in the compute dtype kept on the
 device, copied into the model's own (one device copy) when its requests run; "" (the base model)
-is the model with every LoRA B zeroed. They share the model's LoRA layout (rank, targets, layers);
+is the model with every LoRA B zeroed (and DoRA's scale off). They share the model's LoRA layout (rank, targets, layers);
 an adapter whose alpha differs has the ratio of the scales folded into its B."""
 
 from pathlib import Path
@@ -24,7 +24,8 @@ class Adapters:
         for name, path in paths.items():
             lora, tensors, _ = read_adapter(path, model.config)
             why = [f"{k} {getattr(lora, k)!r} (the first adapter's: {getattr(mine, k)!r})"
-                   for k in ("r", "target_modules", "layers", "use_rslora") if getattr(lora, k) != getattr(mine, k)]
+                   for k in ("r", "target_modules", "layers", "use_rslora", "use_dora")
+                   if getattr(lora, k) != getattr(mine, k)]
             if why:
                 raise ValueError(f"[serve] adapter {name}={path} differs in {', '.join(why)}; the adapters of one server "
                                  "share rank, targets and layers")
@@ -44,11 +45,15 @@ class Adapters:
 
     def use(self, name):
         """The model computes with adapter `name` ("" or None: none) from now on."""
-        name = name or ""
+        name, sw = name or "", self.model.dora
         if name != self.current:
             with self.model.dev.step():
                 ops.cast(self.weights[name], self.flat)
             self.current = name
+            if sw is not None:  # DoRA's scales held while one adapter serves (nothing trains here)
+                sw.release()
+        if sw is not None:  # the base: B = 0 and no magnitude's scale
+            sw.on, sw.hold = bool(name), True
 
 
 def parse_adapters(items):

@@ -393,7 +393,7 @@ def _training_cases():
 
 
 def cases():
-    """Every check but the mixture-of-experts ops' (cases_moe.py, which builds on Case), by op family."""
+    """Every check but the experts' and DoRA's ops' (cases_moe.py, cases_dora.py: on Case), by op family."""
     return (_gemm_cases() + _norm_cases() + _elementwise_cases() + _attention_cases() + _table_cases()
             + _quantized_cases() + _training_cases())
 

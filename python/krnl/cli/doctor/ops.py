@@ -10,6 +10,7 @@ import numpy as np
 import krnl
 
 from .cases import FLOAT_DTYPES, Operands, cases
+from .cases_dora import dora_cases
 from .cases_gpt_oss import gpt_oss_cases
 from .cases_moe import moe_cases
 from ...formats.mlx_folder import round_to
@@ -81,7 +82,7 @@ def check_ops(dev, quick=False, log=print):
     cpu = krnl.device("cpu")
     have = dev.capabilities()["dtypes"]
     dtypes = [d for d in FLOAT_DTYPES if d in have]
-    all_cases = cases() + moe_cases() + gpt_oss_cases()
+    all_cases = cases() + moe_cases() + dora_cases() + gpt_oss_cases()
     records = []
     for case in all_cases:
         for dt in (d for d in dtypes if d in case.dtypes):

@@ -2,6 +2,7 @@
 against the pool's measured peak over real training steps, `krnl plan` / `--dry-run`, the choices
 of `--max-memory` / `--fit`, and the one line an out-of-memory step ends with."""
 
+import importlib.util
 from collections import defaultdict
 from dataclasses import replace
 
@@ -18,6 +19,8 @@ from krnl.models.config import LoraConfig, ModelConfig, random_weights
 from krnl.models.model import LlamaModel
 from krnl.train import memory
 from krnl.train.trainer import TrainConfig, Trainer
+
+from conftest import ROOT
 
 LLAMA = dict(model_type="llama", vocab_size=1024, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
              num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096)
@@ -205,3 +208,10 @@ def test_out_of_memory_keeps_the_last_checkpoint(tmp_path, cpu1):
     found = list_checkpoints(tmp_path / "checkpoints")
     assert [s for s, _ in found] == [1, 2]
     assert load_checkpoint(found[-1][1]).trainer_state["step"] == 2  # verifies every file's digest
+
+
+def test_readme_has_the_table_dev_prints():
+    spec = importlib.util.spec_from_file_location("memory_table", ROOT / "dev" / "memory_table.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.table() in (ROOT / "README.md").read_text(encoding="utf-8")

@@ -139,37 +139,37 @@ def test_plan_prints_each_part_the_total_and_whether_it_fits(capsys):
     assert capsys.readouterr().out == out
 
 
-def test_max_memory_chooses_checkpointing_then_micro_batches(capsys):
+def test_max_memory_chooses_checkpointing_then_micro_batches(capsys, cpu1):
     base = default_run("--batch-size", "16")
     plain, gc = memory.estimate(base).total, memory.estimate(replace(base, grad_checkpoint=True)).total
     half = memory.estimate(replace(base, grad_checkpoint=True, batch=8, micro_batches=2)).total
     assert half < gc < plain
-    try:
-        assert main(["plan", "--batch-size", "16", "--device", "cpu", "--max-memory", str((gc + plain) // 2)]) == 0
-        out = capsys.readouterr().out
-        assert "memory: --grad-checkpoint fits" in out and "micro-batches" not in out, out
-        assert main(["plan", "--batch-size", "16", "--device", "cpu", "--max-memory", str((half + gc) // 2)]) == 0
-        out = capsys.readouterr().out
-        assert "memory: --grad-checkpoint, micro-batches of 8 rows, 2 accumulated (global batch 16 kept)" in out
-        assert main(["plan", "--batch-size", "16", "--device", "cpu", "--max-memory", "64K"]) == 1
-        err = capsys.readouterr().err
-        assert err.count("\n") == 1 and err.startswith("krnl plan: error: [memory] nothing fits 64.0 KiB"), err
-    finally:
-        krnl.device("cpu").set_memory_limit(None)
+    cpu1.trim()
+    held = cpu1.pool_stats()["reserved"]  # what the pool holds counts against its limit
+    plan = ["plan", "--batch-size", "16", "--device", "cpu:1", "--max-memory"]
+    assert main(plan + [str(held + (gc + plain) // 2)]) == 0
+    out = capsys.readouterr().out
+    assert "memory: --grad-checkpoint fits" in out and "micro-batches" not in out, out
+    assert main(plan + [str(held + (half + gc) // 2)]) == 0
+    out = capsys.readouterr().out
+    assert "memory: --grad-checkpoint, micro-batches of 8 rows, 2 accumulated (global batch 16 kept)" in out
+    assert main(plan + ["64K"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("krnl plan: error: [memory] nothing fits"), err
 
 
-def test_fit_trains_within_the_limit_it_chose(tmp_path, capsys):
+def test_fit_trains_within_the_limit_it_chose(tmp_path, capsys, cpu1):
     base = default_run("--batch-size", "16")
-    gc = memory.estimate(replace(base, grad_checkpoint=True)).total
-    dev = krnl.device("cpu")
-    try:
-        rc = main(["train", "--batch-size", "16", "--device", "cpu", "--max-memory", str(gc + 1024), "--iters",
-                   "2", "--quiet", "--no-tune", "--adapter-path", str(tmp_path / "run")])
-        assert rc == 0
-        assert "memory: --grad-checkpoint fits" in capsys.readouterr().out
-        assert dev.memory_limit["bytes"] == gc + 1024
-    finally:
-        dev.set_memory_limit(None)
+    plain, gc = memory.estimate(base).total, memory.estimate(replace(base, grad_checkpoint=True)).total
+    cpu1.trim()
+    held = cpu1.pool_stats()["reserved"]  # other tests' live tensors, if any: the limit counts them
+    size = gc + held + 1024
+    assert size < plain
+    rc = main(["train", "--batch-size", "16", "--device", "cpu:1", "--max-memory", str(size), "--iters", "2",
+               "--quiet", "--no-tune", "--adapter-path", str(tmp_path / "run")])
+    out = capsys.readouterr().out
+    assert rc == 0 and "memory: --grad-checkpoint fits" in out, out
+    assert cpu1.memory_limit["bytes"] == size
 
 
 def test_out_of_memory_is_one_line_naming_the_step_and_what_to_change(tmp_path, capsys):

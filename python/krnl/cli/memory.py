@@ -147,6 +147,9 @@ def before_load(args, dev, lora, quantize):
     if args.max_memory is not None:
         dev.set_memory_limit(args.max_memory)  # reads SIZE as KRNL_MAX_MEMORY does (one-line errors)
         limit, origin = dev.memory_limit["bytes"], f"--max-memory {args.max_memory}"
+    held = dev.pool_stats()["reserved"]
+    if held and limit is not None and dev.memory_limit["bytes"]:  # a pool limit counts what it holds already
+        limit, origin = max(limit - held, 0), f"{origin}, less {memory.size_text(held)} the pool holds"
     name = Path(args.model).name if args.model else "the embedded tiny Llama"
     head = (f"memory plan on {dev.name}: {name} ({config.num_hidden_layers} layers, hidden {config.hidden_size}), "
             f"{args.dtype}, LoRA r={lora.r}; {run.batch} x {run.seq} tokens a micro-batch ({where}), "
@@ -173,7 +176,7 @@ def before_load(args, dev, lora, quantize):
     args.grad_checkpoint, args.batch_size, args.grad_accumulation = c.grad_checkpoint, c.batch, c.micro_batches
     args.ce_chunk = c.ce_chunk
     if args.max_memory is None:
-        dev.set_memory_limit(limit)
+        dev.set_memory_limit(limit + held)
     return None
 
 
@@ -194,6 +197,6 @@ def after_load(args, dev, model, train):
     run = run_of(args, dev, model.lora_config, model.config, T, model.quantize or q, fq)
     try:
         return memory.estimate(replace(run, ce_chunk=model.ce_chunk))
-    except (ValueError, KeyError) as e:  # a family the replay does not know: the run goes on without
-        print(f"memory estimate unavailable: {e}", file=sys.stderr)
+    except Exception as e:  # noqa: BLE001 (a layout the replay does not know must not stop the run)
+        print(f"memory estimate unavailable ({type(e).__name__}: {e}); training without it", file=sys.stderr)
         return None

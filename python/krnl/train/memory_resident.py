@@ -23,6 +23,7 @@ def optimizer_state(name):
         raise ValueError(f"[memory] no state layout for optimizer {name!r}; known: {', '.join(OPTIMIZER_STATE)}")
     return OPTIMIZER_STATE[name]
 
+
 # the parts a buffer is counted in (krnl.train.memory.PARTS names them for people)
 WEIGHTS, LORA, GRADS, OPTIM, ACTS, CKPT, ATTN, LOSS, WORK, SMALL = (
     "weights", "lora", "grads", "optimizer", "activations", "checkpoints", "attention", "loss", "working", "small")
@@ -113,10 +114,11 @@ class Resident:
 
     def resident(self):
         c, C, V, dt = self.c, self.C, self.V, self.dt
-        fq = self.run.file_quantized or ()  # an MLX folder quantizes the embeddings and head too
-        self.new((V, C), dt, WEIGHTS) if not fq else self.frozen(V, C, fq)  # embed_tokens
-        if not c.tie_word_embeddings:
-            self.new((V, C), dt, WEIGHTS) if not fq else self.frozen(V, C, fq)  # lm_head
+        for _ in range(1 if c.tie_word_embeddings else 2):                # embed_tokens, lm_head
+            if self.run.file_quantized:  # an MLX folder quantizes them too; --q-bits leaves them
+                self.frozen(V, C, self.run.file_quantized)
+            else:
+                self.new((V, C), dt, WEIGHTS)
         self.new((C,), "f32" if c.gemma else dt, WEIGHTS)                 # final norm
         n = max(self.numel, 1)                                            # FlatParams
         self.new((n,), "f32", LORA)                                       # params

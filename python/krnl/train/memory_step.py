@@ -23,11 +23,12 @@ class Replay(Resident):
 
     def micro_batch(self):
         B, T, N = self.B, self.T, self.N
-        inputs = [self.new((B, T) if self.run.packed else (T,), "i32", SMALL)]  # DeviceInputs.of: positions,
-        inputs += [self.new((T,), "i32", SMALL) for _ in range(B if self.run.packed else 0)]  # segments,
+        # DeviceInputs.of: positions, segments, ids, targets, ce_scale, dropout seeds, loss_scale
+        inputs = [self.new((B, T) if self.run.packed else (T,), "i32", SMALL)]
+        inputs += [self.new((T,), "i32", SMALL) for _ in range(B if self.run.packed else 0)]
         inputs += [self.new((N,), "i32", SMALL), self.new((N,), "i32", SMALL), self.new((1,), "f32", SMALL)]
-        inputs += [self.new((2,), "i32", SMALL)] if self.dropout else []  # ids, targets, ce_scale, seeds,
-        inputs.append(self.new((1,), "f32", SMALL))                       # loss_scale
+        inputs += [self.new((2,), "i32", SMALL)] if self.dropout else []
+        inputs.append(self.new((1,), "f32", SMALL))
         self.t.begin_step()
         total = self.forward_backward_step()
         self.t.free(total)                                               # cast into StepRunner.losses

@@ -7,7 +7,7 @@ import re
 import sys
 
 from ..quant import affine
-from . import objectives
+from . import memory, objectives
 from .config_file import RENAMED, yaml_defaults
 from .fuse import gguf_arguments
 from .serve import serve_arguments
@@ -128,7 +128,8 @@ def parse_args(argv, commands):
         quantize_arguments(q, "the base's projections, held so in memory (QLoRA; eval and generate need the "
                            "value training used)")
 
-    t = sub.add_parser("train", help="LoRA fine-tune (default: the embedded tiny model and task)")
+    t = sub.add_parser("train", aliases=["plan"], help="LoRA fine-tune (default: the embedded tiny model and task); "
+                       "`plan`: the same options, the memory it needs printed instead (--dry-run)")
     common(t)
     quantize(t)
     t.add_argument("--adapter-path", default="adapters", help="output folder: adapter, checkpoints, metrics")
@@ -177,6 +178,7 @@ def parse_args(argv, commands):
                    "data-parallel run's ranks do: one process then gives their adapter), rows (one GEMM over all "
                    "rows), auto (default: sample under an MPI launcher with more than one rank, else rows)")
     objectives.add_arguments(t)  # --train-mode dpo|orpo|simpo|grpo and their options
+    memory.add_arguments(t)  # --dry-run, --max-memory, --fit
     t.add_argument("--train-samples", type=int, default=4000)
     t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --adapter-path that "
                    "verifies (the run's options must match the checkpoint's; --iters may grow)")

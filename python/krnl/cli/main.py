@@ -15,7 +15,8 @@ import krnl
 from ..bench.tune import cmd_tune, ensure_tuned
 from ..io.run_folder import claim
 from ..train.dist import world as dist
-from . import objectives
+from ..train.memory import OutOfMemory
+from . import memory, objectives
 from .args import lora_from_args, parse_args
 from .device import cmd_devices, cmd_w1, device_from_args, quantize_from_args as _quantize
 from .serve import cmd_serve
@@ -140,15 +141,16 @@ def cmd_train(args):
     world = dist.world(mute_others=True)  # before the device: it may set KRNL_NUM_THREADS per rank
     dev = device_from_args(args)
     lora = lora_from_args(args)
+    if args.model and not args.data and not (args.cmd == "plan" or args.dry_run):
+        raise ValueError("[train] --data is required with --model")
+    if memory.wanted(args):  # the plan (then done), or --fit's choice applied to args
+        code = memory.before_load(args, dev, lora, _quantize(args))
+        if code is not None:
+            return code
     if args.model:
-        if not args.data:
-            raise ValueError("[train] --data is required with --model")
-        from ..train.data import load_dataset
-
         tok, model, base_id = _hf_base(args, dev, lora)
         if args.train_mode == "sft":
-            ds = load_dataset(args.data, tok, args.max_seq_length, mask_prompt=args.mask_prompt, pack=args.pack,
-                              vocab_size=model.config.vocab_size)
+            ds = memory.sft_data(args, tok, model.config.vocab_size)
             for split in ds.values():
                 if split is not None:
                     print(split.summary())
@@ -192,6 +194,7 @@ def cmd_train(args):
                       base_model=base_id, progress=not args.quiet, options=_run_options(args),
                       adapter_format=args.adapter_format, world=world,
                       objective=objectives.objective(args, tok, cfg))
+    trainer.memory_estimate = memory.after_load(args, dev, model, train)
     if args.adapter_format == "mlx":  # refused before training, not after it
         from ..formats.adapter import mlx_adapter
 
@@ -358,7 +361,7 @@ def main(argv=None):
 def _run(args):
     try:
         return args.fn(args)
-    except (ValueError, FloatingPointError) as err:
+    except (ValueError, FloatingPointError, OutOfMemory) as err:
         print(f"krnl {args.cmd}: error: {err}", file=sys.stderr)
         return 1
     except OSError as err:  # disk full, read-only folder, permissions: one line, not a traceback

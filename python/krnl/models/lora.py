@@ -182,12 +182,12 @@ class LoraLinear:
             ops.gemm(dt, f.A, dx, beta=beta)                              # dx (+)= dt A
 
 
-def init_lora(device, config, lora_config, dtype, seed):
-    """The LoRA factors of a model as one FlatParams, initialised as PEFT does (A uniform, B zero);
-    also the set of adapted (layer, module) pairs. Layer by layer, a layer's A factors in module
-    order, then its B factors (then DoRA's magnitudes, 1 until the model sets ||W_o||): the A of
-    linears that share an input (q, k, v; gate, up) lie side by side, so their group reads them,
-    and writes their gradients, as one tensor (lora_group)."""
+def lora_param_shapes(config, lora_config):
+    """({PEFT key: shape} in FlatParams' layout order, the set of adapted (layer, module) pairs).
+    Layer by layer, a layer's A factors in module order, then its B factors (then DoRA's magnitudes):
+    the A of linears that share an input (q, k, v; gate, up) lie side by side, so their group reads
+    them, and writes their gradients, as one tensor (lora_group). krnl.train.memory counts the same
+    shapes."""
     r = lora_config.r
     adapted, shapes = set(), {}
     for i in lora_config.adapted_layers(config):
@@ -199,6 +199,14 @@ def init_lora(device, config, lora_config, dtype, seed):
             shapes[lora_key(i, m, "B")] = lora_shapes(config, m, r)[1]
         for m in mods if lora_config.use_dora else ():
             shapes[magnitude_key(i, m)] = lora_shapes(config, m, r)[1][:1]
+    return shapes, adapted
+
+
+def init_lora(device, config, lora_config, dtype, seed):
+    """The LoRA factors of a model as one FlatParams (lora_param_shapes' layout), initialised as
+    PEFT does (A uniform, B zero, DoRA's magnitudes 1 until the model sets ||W_o||); also the set of
+    adapted (layer, module) pairs."""
+    shapes, adapted = lora_param_shapes(config, lora_config)
     params = FlatParams(device, shapes, dtype)
     rng = np.random.default_rng(seed)
     init = {}

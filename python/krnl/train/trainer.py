@@ -20,6 +20,7 @@ from ..io.checkpoint import fingerprint_diff, list_checkpoints, load_checkpoint,
 from .dist.world import World
 from .dist.nccl import reducer_for
 from .dist.ranks import Discard, apply_reduce_order, check_world, evaluate_ranks
+from .memory import out_of_memory
 from .optim import AdamW, Schedule
 from ..io.run_folder import describe, option_changes, repair_metrics
 from .plot import plot_metrics  # noqa: F401 (the CLI and its tests reach it here)
@@ -137,6 +138,7 @@ class Trainer:
                          max_grad_norm=cfg.max_grad_norm or None)
         self.step = 0
         self.history = []  # (step, train loss)
+        self.memory_estimate = None  # krnl.train.memory's Estimate of this run, for the out-of-memory line
         self.val_history = []
 
     # -- state -----------------------------------------------------------------------------
@@ -305,7 +307,14 @@ class Trainer:
         try:
             with open(metrics_path, "a") if self.world.root else Discard() as log:
                 while self.step < cfg.iters:
-                    self._one_step(runner, rate, log, bar)
+                    try:
+                        self._one_step(runner, rate, log, bar)
+                    except RuntimeError as e:  # the pool's refusal, or the device's allocator's
+                        if not str(e).startswith("[alloc]"):
+                            raise
+                        found = list_checkpoints(self.out / "checkpoints")
+                        raise out_of_memory(e, self.step, self.memory_estimate, found[-1][0] if found else None) \
+                            from None
         finally:
             runner.release()
         if bar is not None:

@@ -1,0 +1,193 @@
+"""What a training run holds in the device's pool before its first step, replayed from the shapes
+alone (krnl.train.memory): the buffers LlamaModel (frozen weights, as qweight.frozen_weight and
+layer.build_layer upload them), FlatParams (the LoRA masters, gradients, optimizer state and
+compute copy), AdamW and StepRunner make, in their order. memory_step.Replay goes on from here
+with a step; its docstring says how the replay follows the code."""
+
+import math
+
+from ..models.config import QKV_MODULES
+from ..models.lora import lora_param_shapes
+from ..models.phi3 import MEMBER_OF
+
+E = {"f32": 4, "f16": 2, "bf16": 2, "i32": 4, "u8": 1}
+
+# The flat tensors (their dtypes) an optimizer keeps beside the masters, one element per trainable
+# parameter (FlatParams holds AdamW's m and v). A new optimizer adds its own here.
+OPTIMIZER_STATE = {"adamw": ("f32", "f32")}
+
+
+def optimizer_state(name):
+    """The dtypes of optimizer `name`'s per-parameter state tensors."""
+    if name not in OPTIMIZER_STATE:
+        raise ValueError(f"[memory] no state layout for optimizer {name!r}; known: {', '.join(OPTIMIZER_STATE)}")
+    return OPTIMIZER_STATE[name]
+
+
+# the parts a buffer is counted in (krnl.train.memory.PARTS names them for people)
+WEIGHTS, LORA, GRADS, OPTIM, ACTS, CKPT, ATTN, LOSS, WORK, SMALL = (
+    "weights", "lora", "grads", "optimizer", "activations", "checkpoints", "attention", "loss", "working", "small")
+
+
+class Resident:
+    """One run's resident allocations against `t` (a memory.Trace), from a memory.Run `run`; the
+    helpers memory_step.Replay's step shares."""
+
+    def __init__(self, t, run):
+        self.t, self.run = t, run
+        c, lc = run.config, run.lora
+        self.c, self.dt, self.r = c, run.dtype, lc.r
+        self.B, self.T = run.batch, run.seq
+        self.N = self.B * self.T
+        self.C, self.V, self.L = c.hidden_size, c.vocab_size, c.num_hidden_layers
+        self.H, self.Hk, self.D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.F = c.moe["expert_size"] if c.moe else c.intermediate_size
+        self.NH = self.H + 2 * self.Hk
+        self.shapes, self.adapted = lora_param_shapes(c, lc)
+        self.numel = sum(math.prod(s) for s in self.shapes.values())
+        self.dropout = lc.dropout > 0
+        dev = run.device
+        self.fused = run.dtype in dev.fused_dtypes and (not dev.fused_head_dims or self.D in dev.fused_head_dims)
+        self.fused = self.fused and (not run.packed or dev.fused_segments) and not c.attention_sinks
+        self.token_major = self.fused and dev.token_major and not run.packed and not c.qk_norm and not c.gemma
+        self.block = dev.attn_block
+        self.fold = dev.lora_fold and run.quantize is None and not run.file_quantized and not c.gemma
+        self.ones = {"f32": None, "dt": None}  # the model's two Ones columns (f32, compute dtype): (id, rows)
+        self.chunk = run.ce_chunk or 1024 * max(1, 32768 // self.V)
+        self.recording = True  # RouterStats counts the forward, not a checkpointed recomputation
+        self.router_last = None
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def new(self, shape, dtype, part):
+        return self.t.alloc(shape, E[dtype], part)
+
+    def act(self, shape, part=ACTS):
+        return self.new(shape, self.dt, part)
+
+    def has(self, i, m):
+        """Whether layer i's projection m has LoRA factors (phi3's members: their fused module's)."""
+        return (i, MEMBER_OF.get(m, m) if self.c.fused_projections else m) in self.adapted
+
+    def all_have(self, i, members):
+        return len(members) > 1 and all(self.has(i, m) for m in members)
+
+    def groups(self, i, members):
+        """Whether members' LoRA runs grouped (lora_group.groupable, in a training call)."""
+        return self.all_have(i, members) and not self.dropout
+
+    def folds(self, i, members, rows_out):
+        """Whether a group's forward folds (lora_fold.wanted at build and Fold.pays per call)."""
+        G, r = len(members), self.r
+        return (self.fold and self.groups(i, members) and not self.c.fused_projections
+                and 2 * self.N * rows_out > (G + 1) * r * rows_out + G * r * r)
+
+    def wide_rows(self, i, m):
+        """Whether linear m keeps A's rows below W (lora_fold.rows_for_A): then its dy is r wider."""
+        return self.fold and self.has(i, m) and not (self.c.moe and m == "down_proj")
+
+    def folds_back(self, i, m):
+        """Whether its backward folds (LoraLinear._fold_backward: no dropout drawn)."""
+        return self.wide_rows(i, m) and not self.dropout
+
+    def grow_ones(self, which, rows):
+        """layer.Ones(rows) of the model's f32 column or the layers' ("dt"): a longer one replaces it."""
+        held = self.ones[which]
+        if held is None or held[1] < rows:
+            self.ones[which] = (self.new((rows, 1), self.dt if which == "dt" else which, SMALL), rows)
+            if held is not None:
+                self.t.free(held[0])
+
+    # -- resident: the model, its LoRA, the optimizer, the step runner ---------------------------
+
+    def frozen(self, out, inp, q=None):
+        """qweight.frozen_weight: dense in the compute dtype, or codes, scales and biases; q: a
+        (bits, group_size[, mode]) or None (the projections': the run's quantization)."""
+        q = q or self.run.quantize or self.run.file_quantized
+        lead = (out,) if isinstance(out, int) else tuple(out)
+        if not q:
+            return [self.new(lead + (inp,), self.dt, WEIGHTS)]
+        bits, gs, mode = (tuple(q) + ("affine",))[:3]
+        sdt = "f32" if mode == "mxfp4" and self.dt == "f16" else self.dt
+        ids = [self.new(lead + (inp * bits // 32,), "i32", WEIGHTS), self.new(lead + (inp // gs,), sdt, WEIGHTS)]
+        return ids + ([] if mode == "mxfp4" else [self.new(lead + (inp // gs,), sdt, WEIGHTS)])
+
+    def resident(self):
+        c, C, V, dt = self.c, self.C, self.V, self.dt
+        for _ in range(1 if c.tie_word_embeddings else 2):                # embed_tokens, lm_head
+            if self.run.file_quantized:  # an MLX folder quantizes them too; --q-bits leaves them
+                self.frozen(V, C, self.run.file_quantized)
+            else:
+                self.new((V, C), dt, WEIGHTS)
+        self.new((C,), "f32" if c.gemma else dt, WEIGHTS)                 # final norm
+        n = max(self.numel, 1)                                            # FlatParams
+        self.new((n,), "f32", LORA)                                       # params
+        self.new((n,), "f32", GRADS)
+        for dtype in optimizer_state(self.run.optimizer):                 # AdamW: m, v
+            self.new((n,), dtype, OPTIM)
+        if dt != "f32":
+            self.new((n,), dt, LORA)                                      # the working copy
+        if self.numel:
+            self.t.free(self.new((n,), "f32", SMALL))                     # FlatParams.load's upload
+        self.new((self.D // 2,), "f32", SMALL)                            # inv_freq
+        for i in range(self.L):
+            self.layer_weights(i)
+        if c.moe:                                                          # RouterStats
+            self.new((c.moe["experts"], 1, 1), "f32", SMALL)
+            self.new((1, c.moe["experts"]), "f32", SMALL)
+        k = self.run.micro_batches
+        for shape, dtype in (((1,), "f32"), ((1,), "i32"), ((1,), "f32"), ((k,), "f32")):
+            self.new(shape, dtype, SMALL)                                 # AdamW _sq, _flag; slot, losses
+        if c.moe:
+            self.new((k,), "f32", SMALL)                                  # StepRunner aux, aux_slot
+            self.new((1,), "f32", SMALL)
+
+    def layer_weights(self, i):
+        """layer.build_layer's uploads (and moe.build_moe's)."""
+        c, C, F, dt, r, D = self.c, self.C, self.F, self.dt, self.r, self.D
+        QKV, HD = self.NH * D, self.H * D
+        for m, (o, n) in (("o_proj", (C, HD)), ("down_proj", (C, F))):   # rows_for_A
+            if self.wide_rows(i, m):
+                self.new((o + r, n), dt, WEIGHTS)
+        wide = self.fold and self.all_have(i, QKV_MODULES) and not c.fused_projections
+        if wide:                                                          # Fold.upload: Wk, eye
+            self.new((QKV, C + 3 * r), dt, WEIGHTS)
+            self.new((r, r), dt, SMALL)
+        else:
+            self.frozen(QKV, C)
+        if c.attention_bias:
+            self.new((1, QKV), dt, WEIGHTS)
+        gu = self.fold and not c.moe and self.all_have(i, ("gate_proj", "up_proj"))
+        if gu:
+            self.new((F, C + 2 * r), dt, WEIGHTS)
+            self.new((F, C + 2 * r), dt, WEIGHTS)
+            self.new((r, r), dt, SMALL)
+        if not self.wide_rows(i, "o_proj"):
+            self.frozen(C, HD)
+        if not c.moe:
+            for m, (o, n) in (("gate_proj", (F, C)), ("up_proj", (F, C)), ("down_proj", (C, F))):
+                if not (gu and m != "down_proj") and not (m == "down_proj" and self.wide_rows(i, m)):
+                    self.frozen(o, n)
+        if c.o_proj_bias:
+            self.new((1, C), dt, WEIGHTS)
+        if c.moe:
+            Ex = c.moe["experts"]
+            self.frozen((Ex, F), C)                                       # gate, up, down experts
+            self.frozen((Ex, F), C)
+            self.frozen((Ex, C), F)
+            self.new((C,), dt, WEIGHTS)                                   # post_attention_layernorm
+            self.new((Ex, C), dt, WEIGHTS)                                # router
+            if c.moe["bias"]:
+                for shape in ((1, Ex), (Ex, F, 1), (Ex, F, 1), (Ex, C, 1)):
+                    self.new(shape, dt, WEIGHTS)
+        else:
+            self.new((C,), dt, WEIGHTS)                                   # post_attention_layernorm
+        if c.qk_norm or c.qk_full_norm:
+            hq, hk = (self.H, self.Hk) if c.qk_full_norm else (1, 1)
+            self.new((hq * D,), dt, WEIGHTS)
+            self.new((hk * D,), dt, WEIGHTS)
+        if c.attention_sinks:
+            self.new((self.H,), "f32", WEIGHTS)
+        self.new((C,), dt, WEIGHTS)                                       # input_layernorm
+        for _ in range(2 if c.gemma else 0):                              # gemma's extra norms
+            self.new((C,), dt, WEIGHTS)

@@ -1,0 +1,276 @@
+"""The device allocations of a training step, replayed from the shapes alone (krnl.train.memory
+runs them through a model of the pool): one micro-batch's step as StepRunner and
+LlamaModel.forward_backward_step make it, after memory_resident's buffers.
+
+Each function here mirrors the model function of its name, request for request and in the same
+order, and frees a buffer where Python drops its last reference: a local at its function's return,
+a rebound name after the new value exists (`oh = d.empty(...)` in a loop holds two for a moment),
+a cache once its layer's backward is done. A change to what the model allocates belongs here
+too; tests/test_memory.py measures the pool against this replay on several configurations.
+
+Not replayed (their buffers are small or counted as the nearest case): gemma's post norms and
+soft-capped attention, OLMoE's q/k norms over all heads, the sample reduce order's slots,
+LongRoPE's second frequency table, and the preference objectives' extra forwards."""
+
+from ..models.config import QKV_MODULES
+from .memory_resident import ACTS, ATTN, CKPT, LOSS, SMALL, WORK, Resident
+
+
+class Replay(Resident):
+    """One run's allocations, resident and a micro-batch's step, against a memory.Trace."""
+
+    # -- one micro-batch (StepRunner.micro_batch, eager) ----------------------------------------
+
+    def micro_batch(self):
+        B, T, N = self.B, self.T, self.N
+        # DeviceInputs.of: positions, segments, ids, targets, ce_scale, dropout seeds, loss_scale
+        inputs = [self.new((B, T) if self.run.packed else (T,), "i32", SMALL)]
+        inputs += [self.new((T,), "i32", SMALL) for _ in range(B if self.run.packed else 0)]
+        inputs += [self.new((N,), "i32", SMALL), self.new((N,), "i32", SMALL), self.new((1,), "f32", SMALL)]
+        inputs += [self.new((2,), "i32", SMALL)] if self.dropout else []
+        inputs.append(self.new((1,), "f32", SMALL))
+        self.t.begin_step()
+        total = self.forward_backward_step()
+        self.t.free(total)                                               # cast into StepRunner.losses
+        self.t.end_step()
+        self.t.free(*inputs)
+
+    def optimizer(self):
+        self.t.begin_step()
+        self.t.free(self.new((5,), "f32", SMALL))                         # AdamW.queue_step's hyper
+        self.t.end_step()
+
+    def forward_backward_step(self):
+        x, xn, rstd, saved = self.trunk_forward()
+        rows_loss, dxn = self.head_backward()
+        self.trunk_backward(saved)
+        total = self.new((1, 1), "f32", SMALL)                            # _loss_sum's out, its ones
+        self.grow_ones("f32", self.N)
+        self.t.free(x, xn, rstd, rows_loss, dxn)
+        return total
+
+    def trunk_forward(self):
+        ckpt, N, C = self.run.grad_checkpoint, self.N, self.C
+        x = self.act((N, C), CKPT if ckpt else ACTS)                      # embeddings
+        saved, cache = [], None
+        for i in range(self.L):
+            out, new = self.layer_forward(i, x)
+            if ckpt:
+                self.t.free(*(cache or ()))                               # the previous layer's, rebound
+            cache = new
+            saved.append((x, None if ckpt else cache))
+            x = out
+        xn, rstd = self.act((N, C), LOSS), self.new((N,), "f32", LOSS)
+        if self.c.moe:                                                    # RouterStats.last replaced
+            last, self.router_last = self.router_last, self.new((1, 1), "f32", SMALL)
+            self.t.free(last)
+        if ckpt:
+            self.t.free(*cache)
+        return x, xn, rstd, saved
+
+    def head_backward(self):
+        N, C, V = self.N, self.C, self.V
+        rows_loss, dxn = self.new((N,), "f32", LOSS), self.act((N, C), LOSS)
+        chunk = min(N, self.chunk)
+        logits = self.act((chunk, V), LOSS)
+        dl = self.act((chunk, V), LOSS) if self.c.gemma and self.c.gemma.get("final_softcap") else None
+        self.t.free(logits, dl)
+        return rows_loss, dxn
+
+    def cols(self, i):
+        """The columns the down projection's fold of layer i writes beside dy (Mlp.grad_cols)."""
+        return self.r if self.wide_rows(i, "down_proj") else 0
+
+    def trunk_backward(self, saved):
+        N, C = self.N, self.C
+        dx = self.act((N, C + self.cols(self.L - 1)), WORK)
+        held, rest = [], None  # the loop's names xin and cache (and `_`, checkpointing's output)
+        for i in reversed(range(self.L)):
+            xin, cache = saved[i]
+            self.t.free(*held)
+            held = [xin] + (cache or [])
+            if cache is None:                                             # checkpointed: recompute
+                self.recording = False
+                y, cache = self.layer_forward(i, xin)
+                self.recording = True
+                self.t.free(rest)
+                rest = y
+                held = [xin] + cache
+            ndx = self.layer_backward(i, dx, i > 0, self.cols(i - 1) if i else 0)
+            self.t.free(dx)
+            dx = ndx
+            saved[i] = None
+        self.t.free(*held, rest, dx)
+
+    # -- a decoder layer (layer.py, layer_heads.py, attention.py, lora.py, lora_group.py) ----------
+
+    def lora_forward(self, i, m, inp):
+        """LoraLinear.lora_forward's saved drop(x) and t."""
+        if not self.has(i, m):
+            return []
+        return ([self.act((self.N, inp))] if self.dropout else []) + [self.act((self.N, self.r))]
+
+    def group_forward(self, i, members, inp, folded=False):
+        if self.groups(i, members):
+            held = [self.act((len(members) * self.r, inp))] if self.c.fused_projections else []  # A copied
+            return held + ([] if folded else [self.act((self.N, len(members) * self.r))])
+        return [k for m in members for k in self.lora_forward(i, m, inp)]
+
+    def lora_backward(self, i, m, inp, folded=False, dx=True):
+        if not self.has(i, m) or folded:
+            return
+        dt = self.act((self.N, self.r), WORK)
+        tmp = [self.act((self.N, inp), WORK), self.act((self.N, inp), WORK)] if self.dropout and dx else []
+        self.t.free(dt, *tmp)
+
+    def group_backward(self, i, members, inp, dx=True):
+        if not self.groups(i, members):
+            for m in members:
+                self.lora_backward(i, m, inp, dx=dx)
+            return
+        dt = self.act((self.N, len(members) * self.r), WORK)
+        dA = self.new((len(members) * self.r, inp), "f32", WORK) if self.c.fused_projections else None
+        self.t.free(dt, dA)
+
+    def blocks(self):
+        """attention.row_blocks: (rows, keys) of each materialised query block."""
+        T, b = self.T, self.block
+        if self.run.packed or not b or T <= b:
+            return [(T, T)]
+        return [(min(T, r0 + b) - r0, min(T, r0 + b)) for r0 in range(0, T, b)]
+
+    def layer_forward(self, i, x):
+        """(y, the ids the LayerCache holds) of layer i; x is the caller's."""
+        c, N, C, H, Hk, D, T, r = self.c, self.N, self.C, self.H, self.Hk, self.D, self.T, self.r
+        QKV = self.NH * D
+        fold = self.folds(i, QKV_MODULES, QKV)
+        keep = [self.act((N, C + (3 * r if fold else 0))), self.new((N,), "f32", ACTS)]  # xn, r1
+        qkv = self.act((N, QKV))
+        keep += self.group_forward(i, QKV_MODULES, C, fold)
+        if c.attention_bias:
+            self.grow_ones("dt", N)
+        att = self.act((N, H * D))
+        local = []
+        if self.token_major:
+            keep += [qkv, att, self.new((self.B, H, T), "f32", ATTN)]     # views of qkv and att, lse
+        else:
+            local.append(qkv)
+            (keep if self.has(i, "o_proj") and not self.dropout else local).append(att)  # o's x
+            oh = None
+            for _ in range(self.B):
+                keep.append(self.act((self.NH, T, D)))                    # heads
+                if c.qk_norm:
+                    keep += [self.act((H + Hk, T, D)), self.new(((H + Hk) * T,), "f32", ACTS)]
+                new = self.act((H, T, D))                                 # oh
+                if not self.fused:
+                    self.t.free(oh)
+                oh = new
+                if self.fused:
+                    keep += [oh, self.new((H, T), "f32", ATTN)]           # out, lse
+                else:
+                    keep += [self.new((H, n, k), self.dt, ATTN) for n, k in self.blocks()]  # P
+            if not self.fused:
+                self.t.free(oh)                                           # heads_forward's local
+        keep.append(self.act((N, C)))                                     # h
+        keep += self.lora_forward(i, "o_proj", H * D)
+        y, more = (self.moe_forward if c.moe else self.mlp_forward)(i)
+        self.t.free(*local)
+        return y, keep + more
+
+    def mlp_forward(self, i):
+        N, C, F, r = self.N, self.C, self.F, self.r
+        fold = self.folds(i, ("gate_proj", "up_proj"), 2 * F)
+        keep = [self.act((N, C + (2 * r if fold else 0))), self.new((N,), "f32", ACTS)]  # hn, rstd
+        keep += [self.act((N, F)) for _ in range(3)]                      # g, u, a
+        keep += self.group_forward(i, ("gate_proj", "up_proj"), C, fold)
+        y = self.act((N, C), CKPT if self.run.grad_checkpoint else ACTS)
+        keep += self.lora_forward(i, "down_proj", F)
+        return y, keep
+
+    def layer_backward(self, i, dy, need_dx, dx_cols):
+        N, C, H, Hk, D, T = self.N, self.C, self.H, self.Hk, self.D, self.T
+        o_cols = self.r if self.wide_rows(i, "o_proj") else 0
+        dhw = (self.moe_backward if self.c.moe else self.mlp_backward)(i, dy, o_cols)
+        datt = self.act((N, H * D), WORK)
+        self.lora_backward(i, "o_proj", H * D, folded=self.folds_back(i, "o_proj"))
+        dqkv = self.act((N, self.NH * D), WORK)
+        if not self.token_major:
+            held = {}
+            for _ in range(self.B):
+                for name, shape in (("doh", (H, T, D)), ("dheads", (self.NH, T, D)),
+                                    ("dqk", (H + Hk, T, D) if self.c.qk_norm else None)):
+                    if shape:
+                        new = self.act(shape, WORK)
+                        self.t.free(held.get(name))
+                        held[name] = new
+                if not self.fused:                                        # materialised_backward's dS
+                    dS = None
+                    for n, k in reversed(self.blocks()):
+                        new = self.new((H, n, k), self.dt, ATTN)
+                        self.t.free(dS)
+                        dS = new
+                    self.t.free(dS)
+            self.t.free(*held.values())
+        dxn = self.act((N, C), WORK) if need_dx else None
+        self.group_backward(i, QKV_MODULES, C, dx=need_dx)
+        dx = self.act((N, C + dx_cols), WORK) if need_dx else None
+        self.t.free(dhw, datt, dqkv, dxn)
+        return dx
+
+    def mlp_backward(self, i, dy, dh_cols):
+        N, C, F = self.N, self.C, self.F
+        da = self.act((N, F), WORK)
+        self.lora_backward(i, "down_proj", F, folded=self.folds_back(i, "down_proj"))
+        dg, du, dhn = self.act((N, F), WORK), self.act((N, F), WORK), self.act((N, C), WORK)
+        self.group_backward(i, ("gate_proj", "up_proj"), C)
+        dh = self.act((N, C + dh_cols), WORK)
+        self.t.free(da, dg, du, dhn)
+        return dh
+
+    # -- a mixture of experts (moe.py) -----------------------------------------------------------
+
+    def moe_forward(self, i):
+        N, C, F, r, m = self.N, self.C, self.F, self.r, self.c.moe
+        Ex, K = m["experts"], m["top_k"]
+        P = N * K
+        keep = [self.act((N, C)), self.new((N,), "f32", ACTS), self.act((N, Ex))]  # hn, rstd, logits
+        keep += self.lora_forward(i, "router", C)
+        if m["bias"]:
+            self.grow_ones("dt", N)
+        keep += [self.new((N, K), "i32", ACTS), self.new((N, K), "f32", ACTS)]  # ids, w
+        keep += [self.new((P,), "i32", ACTS), self.new((N, K), "i32", ACTS), self.new((Ex + 1,), "i32", ACTS)]
+        if self.recording:                                                # RouterStats.add
+            S, Pr = self.new((N, Ex), "f32", WORK), self.new((N, Ex), "f32", WORK)
+            self.grow_ones("f32", N)
+            self.grow_ones("f32", P)
+            self.t.free(S, Pr)
+        xs = self.act((P, C), WORK)
+        keep += [self.act((P, F)), self.act((P, F))]                      # g, u
+        xa = [self.act((P, r))] if self.has(i, "gate_up_proj") else []
+        self.t.free(xs)
+        if m["bias"]:
+            self.grow_ones("dt", P)
+        keep += xa + [self.act((P, F)), self.act((P, C))]                 # a, ys
+        keep += [self.act((P, r))] if self.has(i, "down_proj") else []    # ad
+        y = self.act((N, C), CKPT if self.run.grad_checkpoint else ACTS)
+        return y, keep
+
+    def moe_backward(self, i, dy, dh_cols):
+        N, C, F, r, m = self.N, self.C, self.F, self.r, self.c.moe
+        P = N * m["top_k"]
+        dys, dw = self.act((P, C), WORK), self.new((N, m["top_k"]), "f32", WORK)
+        da = self.act((P, F), WORK)
+        if self.has(i, "down_proj"):
+            self.t.free(self.act((P, r), WORK))
+        self.t.free(dys)
+        dg, du = self.act((P, F), WORK), self.act((P, F), WORK)
+        self.t.free(da)
+        dxs = self.act((P, C), WORK)
+        if self.has(i, "gate_up_proj"):
+            xs = self.act((P, C), WORK)
+            self.t.free(self.act((P, r), WORK), xs)
+        dhn, dlogits = self.act((N, C), WORK), self.act((N, m["experts"]), WORK)
+        self.lora_backward(i, "router", C)
+        dh = self.act((N, C + dh_cols), WORK)
+        self.t.free(dw, dg, du, dxs, dhn, dlogits)
+        return dh

@@ -1,0 +1,217 @@
+"""The memory a run needs, known before it runs (krnl.train.memory; README 'Memory'): the estimate
+against the pool's measured peak over real training steps, `krnl plan` / `--dry-run`, the choices
+of `--max-memory` / `--fit`, and the one line an out-of-memory step ends with."""
+
+import importlib.util
+from collections import defaultdict
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+import krnl
+from krnl import _core
+from krnl.cli.args import lora_from_args, parse_args
+from krnl.cli.main import main
+from krnl.cli import memory as cli_memory
+from krnl.io.checkpoint import list_checkpoints, load_checkpoint
+from krnl.models.config import LoraConfig, ModelConfig, random_weights
+from krnl.models.model import LlamaModel
+from krnl.train import memory
+from krnl.train.trainer import TrainConfig, Trainer
+
+from conftest import ROOT
+
+LLAMA = dict(model_type="llama", vocab_size=1024, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096)
+MOE = dict(LLAMA, model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96)
+
+
+@pytest.fixture
+def cpu1():
+    """A CPU device of its own (conftest registers cpu:1): no other test's buffers in its pool."""
+    dev = krnl.device("cpu:1")
+    yield dev
+    dev.set_memory_limit(None)
+
+
+def measured(dev, out, cfg, lora, dtype="f32", B=2, T=64, gc=False, quantize=None, micro=1, packed=False,
+             fused=False, fold=False, monkeypatch=None):
+    """(the pool's peak reserved bytes over two training steps, the Run that describes them)."""
+    if monkeypatch is not None:
+        monkeypatch.setenv("KRNL_LORA_FOLD", "1" if fold else "0")
+    config = ModelConfig.from_dict(cfg)
+    dev.trim()
+    base = dev.pool_stats()["reserved"]
+    m = LlamaModel(dev, config, random_weights(config, seed=0), lora=replace(lora), dtype=dtype,
+                   grad_checkpoint=gc, quantize=quantize)
+    m.fused_attention = m.token_major = fused  # CUDA's paths, which the CPU runs as reference loops
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, config.vocab_size, (4 * B * micro, T)).astype(np.int32)
+    data = (ids, np.roll(ids, -1, 1))
+    if packed:  # two samples a row
+        seg = np.repeat((np.arange(T) >= T // 3).astype(np.int32)[None], len(ids), 0)
+        data += (seg, np.where(seg == 0, np.arange(T), np.arange(T) - T // 3).astype(np.int32))
+    cfg_t = TrainConfig(iters=2, batch_size=B, grad_accum=micro, val_every=0, save_every=0, warmup=0)
+    Trainer(m, cfg_t, data, None, out_dir=out, progress=False).run()
+    peak = dev.pool_stats()["peak_reserved"] - base
+    traits = replace(memory.Traits.of(dev), fused_dtypes=(dtype,) if fused else (), token_major=fused,
+                     lora_fold=fold)
+    return peak, memory.Run(config, lora, dtype, quantize=quantize, batch=B, seq=T, grad_checkpoint=gc,
+                            micro_batches=micro, packed=packed, device=traits)
+
+
+R8 = LoraConfig(r=8, alpha=16)
+CASES = {
+    "dense f32": dict(cfg=LLAMA),
+    "dense bf16": dict(cfg=LLAMA, dtype="bf16"),
+    "dense f32, checkpointed": dict(cfg=LLAMA, gc=True),
+    "dense bf16, checkpointed, T 300 in 3 attention blocks": dict(cfg=LLAMA, dtype="bf16", gc=True, B=1, T=300),
+    "4-bit base": dict(cfg=LLAMA, quantize=(4, 32)),
+    "8-bit base bf16, checkpointed": dict(cfg=LLAMA, quantize=(8, 64), dtype="bf16", gc=True),
+    "GQA 8/2 f16, B 3 T 96, 2 micro-batches": dict(cfg=dict(LLAMA, num_attention_heads=8, head_dim=16), dtype="f16",
+                                                    B=3, T=96, micro=2),
+    "qwen2 biases, dropout": dict(cfg=dict(LLAMA, model_type="qwen2", attention_bias=True),
+                                  lora=LoraConfig(r=8, alpha=16, dropout=0.1)),
+    "qwen3 q/k norms, q and v only, packed": dict(cfg=dict(LLAMA, model_type="qwen3"), packed=True,
+                                                  lora=LoraConfig(r=4, target_modules=("q_proj", "v_proj"))),
+    "MoE bf16": dict(cfg=MOE, dtype="bf16"),
+    "MoE f32, checkpointed": dict(cfg=MOE, gc=True),
+    "fused token-major attention, LoRA folded (CUDA's paths)": dict(cfg=LLAMA, dtype="bf16", fused=True, fold=True),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_estimate_matches_the_measured_peak(cpu1, monkeypatch, tmp_path, case):
+    kw = dict(CASES[case])
+    peak, run = measured(cpu1, tmp_path, kw.pop("cfg"), kw.pop("lora", R8), monkeypatch=monkeypatch, **kw)
+    est = memory.estimate(run)
+    assert abs(est.total - peak) <= 0.1 * peak, (case, est.total, peak)
+    assert sum(est.parts.values()) == est.total and est.parts["slack"] >= 0
+    assert est.parts["checkpoints" if run.grad_checkpoint else "activations"] > 0
+
+
+def test_class_size_is_the_pools():
+    for n in list(range(1, 9000, 97)) + [2**k + d for k in range(12, 34) for d in (-1, 0, 1, 2**k // 3)]:
+        assert memory.class_size(n) == _core.testing.HostBufferPool.class_size(n), n
+
+
+def test_trace_holds_released_buffers_until_the_step_ends_where_not_queue_ordered():
+    for ordered, peak in ((True, 2 << 20), (False, 3 << 20)):
+        t = memory.Trace(queue_ordered=ordered)
+        t.begin_step()
+        t.free(t.alloc((1 << 20,), 1, "x"))
+        a, b = t.alloc((1 << 20,), 1, "x"), t.alloc((1 << 20,), 1, "x")
+        t.end_step()
+        t.free(a, b)
+        assert (t.peak_reserved, t.peak_in_use, t.reserved) == (peak, 2 << 20, peak)
+
+
+def test_optimizer_state_is_a_function_of_the_optimizer():
+    run = memory.Run(ModelConfig.from_dict(LLAMA), R8, "f32", batch=1, seq=16)
+    est = memory.estimate(run)
+    assert est.parts["optimizer"] == 2 * est.parts["grads"]  # AdamW: m and v, f32 like the gradients
+    with pytest.raises(ValueError, match="no state layout for optimizer 'sgdx'"):
+        memory.estimate(replace(run, optimizer="sgdx"))
+
+
+# -- the command line: the embedded tiny model, B 16 rows of 12 tokens ----------------------------
+
+def default_run(*argv):
+    args = parse_args(["train", *argv], defaultdict(lambda: None))
+    args.dtype = "f32"
+    config, fq, _ = cli_memory.model_config(args)
+    T, _ = cli_memory.longest(args, config)
+    return cli_memory.run_of(args, krnl.device("cpu"), lora_from_args(args), config, T, None, fq)
+
+
+def test_plan_prints_each_part_the_total_and_whether_it_fits(capsys):
+    assert main(["plan", "--batch-size", "16", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    est = memory.estimate(default_run("--batch-size", "16"))
+    assert "16 x 12 tokens a micro-batch" in out
+    for name in ("frozen weights", "LoRA weights", "LoRA gradients", "optimizer state", "saved activations",
+                 "attention", "loss", "pool slack"):
+        assert name in out, out
+    assert "total (peak of the pool)" in out and memory.size_text(est.total) in out
+    assert "budget: " in out and "available RAM" in out and "fits: yes" in out
+    assert main(["train", "--dry-run", "--batch-size", "16", "--device", "cpu"]) == 0  # the same plan
+    assert capsys.readouterr().out == out
+
+
+def test_max_memory_chooses_checkpointing_then_micro_batches(capsys, cpu1):
+    base = default_run("--batch-size", "16")
+    plain, gc = memory.estimate(base).total, memory.estimate(replace(base, grad_checkpoint=True)).total
+    half = memory.estimate(replace(base, grad_checkpoint=True, batch=8, micro_batches=2)).total
+    assert half < gc < plain
+    cpu1.trim()
+    held = cpu1.pool_stats()["reserved"]  # what the pool holds counts against its limit
+    plan = ["plan", "--batch-size", "16", "--device", "cpu:1", "--max-memory"]
+    assert main(plan + [str(held + (gc + plain) // 2)]) == 0
+    out = capsys.readouterr().out
+    assert "memory: --grad-checkpoint fits" in out and "micro-batches" not in out, out
+    assert main(plan + [str(held + (half + gc) // 2)]) == 0
+    out = capsys.readouterr().out
+    assert "memory: --grad-checkpoint, micro-batches of 8 rows, 2 accumulated (global batch 16 kept)" in out
+    assert main(plan + ["64K"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("krnl plan: error: [memory] nothing fits"), err
+
+
+def test_fit_trains_within_the_limit_it_chose(tmp_path, capsys, cpu1):
+    base = default_run("--batch-size", "16")
+    plain, gc = memory.estimate(base).total, memory.estimate(replace(base, grad_checkpoint=True)).total
+    cpu1.trim()
+    held = cpu1.pool_stats()["reserved"]  # other tests' live tensors, if any: the limit counts them
+    size = gc + held + 1024
+    assert size < plain
+    rc = main(["train", "--batch-size", "16", "--device", "cpu:1", "--max-memory", str(size), "--iters", "2",
+               "--quiet", "--no-tune", "--adapter-path", str(tmp_path / "run")])
+    out = capsys.readouterr().out
+    assert rc == 0 and "memory: --grad-checkpoint fits" in out, out
+    assert cpu1.memory_limit["bytes"] == size
+
+
+def test_out_of_memory_is_one_line_naming_the_step_and_what_to_change(tmp_path, capsys):
+    dev = krnl.device("cpu")
+    dev.trim()
+    try:
+        dev.set_memory_limit(dev.pool_stats()["reserved"] + (2 << 20))
+        rc = main(["train", "--batch-size", "16", "--device", "cpu", "--iters", "2", "--quiet", "--no-tune",
+                   "--adapter-path", str(tmp_path / "run")])
+    finally:
+        dev.set_memory_limit(None)
+    err = capsys.readouterr().err
+    assert rc == 1 and err.count("\n") == 1, err
+    assert err.startswith("krnl train: error: out of memory in step 1: [alloc] cpu: a request of"), err
+    assert "krnl's estimate for this run is" in err and "--grad-checkpoint" in err and "--max-memory" in err
+    assert "no checkpoint was written yet" in err
+
+
+def test_out_of_memory_keeps_the_last_checkpoint(tmp_path, cpu1):
+    config = ModelConfig.from_dict(LLAMA)
+    m = LlamaModel(cpu1, config, random_weights(config, seed=0), lora=replace(R8))
+    ids = np.random.default_rng(0).integers(0, config.vocab_size, (8, 16)).astype(np.int32)
+    tr = Trainer(m, TrainConfig(iters=4, batch_size=2, save_every=1, val_every=0, warmup=0), (ids, np.roll(ids, -1, 1)),
+                 None, out_dir=tmp_path, progress=False)
+    real = m.forward_backward_step
+
+    def step(key, inputs):
+        if tr.step == 3:
+            raise RuntimeError("[alloc] cpu:1: a request of 1.0 GiB would take the pool past its limit")
+        return real(key, inputs)
+
+    m.forward_backward_step = step
+    with pytest.raises(memory.OutOfMemory, match=r"^out of memory in step 3: \[alloc\] cpu:1: .*; the last "
+                                                 r"checkpoint \(step 2\) is intact$"):
+        tr.run()
+    found = list_checkpoints(tmp_path / "checkpoints")
+    assert [s for s, _ in found] == [1, 2]
+    assert load_checkpoint(found[-1][1]).trainer_state["step"] == 2  # verifies every file's digest
+
+
+def test_readme_has_the_table_dev_prints():
+    spec = importlib.util.spec_from_file_location("memory_table", ROOT / "dev" / "memory_table.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.table() in (ROOT / "README.md").read_text(encoding="utf-8")

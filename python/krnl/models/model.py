@@ -185,7 +185,7 @@ class LlamaModel:
             out, cache = layer_forward(L, x, batch)
             if keep:
                 saved.append((x, None if self.grad_checkpoint else cache))
-            x = out
+            x, cache = out, None  # checkpointed: this layer's activations go now, not during the next layer
         xn, rstd = d.empty((N, C), dt), d.empty((N,), "f32")
         ops.rmsnorm_forward(x, self.norm_w, xn, rstd, c.rms_norm_eps)
         if self.router_stats:

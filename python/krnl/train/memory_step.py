@@ -52,20 +52,17 @@ class Replay(Resident):
     def trunk_forward(self):
         ckpt, N, C = self.run.grad_checkpoint, self.N, self.C
         x = self.act((N, C), CKPT if ckpt else ACTS)                      # embeddings
-        saved, cache = [], None
+        saved = []
         for i in range(self.L):
-            out, new = self.layer_forward(i, x)
+            out, cache = self.layer_forward(i, x)
             if ckpt:
-                self.t.free(*(cache or ()))                               # the previous layer's, rebound
-            cache = new
+                self.t.free(*cache)                                       # dropped before the next layer
             saved.append((x, None if ckpt else cache))
             x = out
         xn, rstd = self.act((N, C), LOSS), self.new((N,), "f32", LOSS)
         if self.c.moe:                                                    # RouterStats.last replaced
             last, self.router_last = self.router_last, self.new((1, 1), "f32", SMALL)
             self.t.free(last)
-        if ckpt:
-            self.t.free(*cache)
         return x, xn, rstd, saved
 
     def head_backward(self):

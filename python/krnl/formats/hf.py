@@ -167,16 +167,20 @@ def load_tokenizer(path):
     return load_gguf_tokenizer(path) if is_gguf(path) else Tokenizer.from_folder(path)
 
 
+def read_base(folder):
+    """(ModelConfig, {HF name: weight}) of an HF or MLX quantized folder, or a GGUF file."""
+    if is_gguf(folder):
+        g = read_gguf(folder)
+        return g.config, g.weights
+    config = read_config(folder)
+    return config, load_hf_weights(folder, config)
+
+
 def load_model(folder, device, lora=None, dtype="f32", seed=0, grad_checkpoint=False, adapter=None, **kw):
     """A LlamaModel from an HF or MLX quantized folder, or a GGUF file (quantized weights held as
     the file has them). `adapter`: an adapter folder (PEFT or mlx-lm layout) whose LoRA config and
     weights are loaded (then `lora` must be None)."""
-    if is_gguf(folder):
-        g = read_gguf(folder)
-        config, weights = g.config, g.weights
-    else:
-        config = read_config(folder)
-        weights = load_hf_weights(folder, config)
+    config, weights = read_base(folder)
     held = [w for w in weights.values() if isinstance(w, QuantizedArray)]
     if held and kw.get("quantize") is not None:
         raise ValueError(f"[hf] {folder} is quantized already ({held[0].bits} bits, groups of {held[0].group_size}); "

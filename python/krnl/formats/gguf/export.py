@@ -21,10 +21,9 @@ from pathlib import Path
 import numpy as np
 
 from ..adapter import lora_deltas, read_adapter
-from ..hf import load_hf_weights, load_tokenizer, merged_weight, read_config
+from ..hf import load_tokenizer, merged_weight, read_base
 from ...io.fileio import atomic_path
 from ...quant.ggml_write import encode
-from .file import is_gguf, read_gguf
 from .meta import arch_metadata, check_supported, notes, rope_tensors
 from .mix import GGUF_TYPES, tensor_type
 from .names import EXPORT_ARCH, NORM_SHIFT, gguf_name, permute, permuted_heads
@@ -35,14 +34,9 @@ QUANTIZATION_VERSION = 2  # GGML_QNT_VERSION: the block layouts of current llama
 
 
 def load_source(base, adapter_folder=None):
-    """(ModelConfig, {HF name: weight}, Tokenizer, {name: (A, B)}, scale) of a base and an adapter
+    """(ModelConfig, {HF name: weight}, Tokenizer, {name: (A, B, DoRA magnitude or None)}, scale) of a base and an adapter
     (None: the base alone)."""
-    if is_gguf(base):
-        g = read_gguf(base)
-        config, weights = g.config, g.weights
-    else:
-        config = read_config(base)
-        weights = load_hf_weights(base, config)
+    config, weights = read_base(base)
     deltas, scale = {}, 0.0
     if adapter_folder is not None:
         lora, tensors, _ = read_adapter(adapter_folder, config)

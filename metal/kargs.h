@@ -206,6 +206,38 @@ struct AdamwArgs {
     float    grad_scale;
     uint32_t device_scalars;
     uint32_t use_flag;
+    uint32_t l2;  // Adam: decay is weight_decay and g += decay * p replaces p -= decay * p
+};
+
+// sgd_update (torch.optim.SGD) over flat f32 params, grads, buf (n,): g = grads * grad_scale + wd p;
+// with momentum, buf = keep buf + in g, g = nesterov ? g + momentum buf : buf; p -= lr g. lr, keep
+// and in from the host, or hyper [lr, keep, in, inv_denom, max_norm] (device_scalars, as AdamwArgs).
+struct SgdArgs {
+    uint32_t n;
+    float    lr;
+    float    keep;
+    float    in;
+    float    weight_decay;
+    float    momentum;
+    float    grad_scale;
+    uint32_t use_momentum;
+    uint32_t nesterov;
+    uint32_t device_scalars;
+    uint32_t use_flag;
+};
+
+// lion_update over flat f32 params, grads, m (n,): g = grads * grad_scale; p -= decay p;
+// p -= lr sign(beta1 m + (1 - beta1) g); m = beta2 m + (1 - beta2) g. lr and decay from the host,
+// or hyper [lr, decay, -, inv_denom, max_norm] (device_scalars, as AdamwArgs).
+struct LionArgs {
+    uint32_t n;
+    float    lr;
+    float    decay;
+    float    beta1;
+    float    beta2;
+    float    grad_scale;
+    uint32_t device_scalars;
+    uint32_t use_flag;
 };
 
 // sumsq (two passes): sumsq_partial: threadgroup g reduces x[g * chunk, min(n, (g + 1) * chunk))

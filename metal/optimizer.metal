@@ -1,6 +1,7 @@
 // msl: 3.0 (krnl's floor; newest feature used: simd_sum/simd_any and a device atomic_int, MSL 2.x)
-// Optimizer-step kernels: AdamW over flat f32 buffers, the two-pass sum of squares (global grad
-// norm) and the inf/NaN flag (dynamic loss scaling). Geometry per kernel below.
+// Optimizer-step kernels: AdamW (and Adam), SGD and Lion over flat f32 buffers, the two-pass sum
+// of squares (global grad norm) and the inf/NaN flag (dynamic loss scaling). Geometry per kernel
+// below.
 #include <metal_stdlib>
 #include "kargs.h"
 using namespace metal;
@@ -16,6 +17,23 @@ using namespace metal;
 // The step's scalars: from args, or (args.device_scalars) from hyper, sq and flag on the device,
 // each thread forming the same values in the same f32 order (kargs.h). skip: a non-finite step,
 // on which nothing is written; the sq test is on its bits, which fast math cannot fold away.
+// Shared by every optimizer kernel: hyper[3] = inv_denom, hyper[4] = max_norm.
+struct ClipScalars {
+    bool  skip;
+    float grad_scale;
+};
+
+static inline ClipScalars clip_scalars(device const float* hyper, device const float* sq, device const int* flag,
+                                       uint use_flag)
+{
+    const float s = sq[0];
+    if ((use_flag != 0 && flag[0] != 0) || (as_type<uint>(s) & 0x7f800000u) == 0x7f800000u) return {true, 0.0f};
+    const float inv_denom = hyper[3], max_norm = hyper[4];
+    const float norm = precise::sqrt(s) * inv_denom;
+    const float clip = max_norm > 0.0f ? min(1.0f, precise::divide(max_norm, norm + 1e-6f)) : 1.0f;
+    return {false, clip * inv_denom};
+}
+
 struct AdamwScalars {
     bool  skip;
     float step_size, bc2_sqrt, decay, grad_scale;
@@ -25,21 +43,19 @@ static inline AdamwScalars adamw_scalars(constant AdamwArgs& a, device const flo
                                          device const float* sq, device const int* flag)
 {
     if (a.device_scalars == 0) return {false, a.step_size, a.bc2_sqrt, a.decay, a.grad_scale};
-    const float s = sq[0];
-    if ((a.use_flag != 0 && flag[0] != 0) || (as_type<uint>(s) & 0x7f800000u) == 0x7f800000u)
-        return {true, 0.0f, 1.0f, 0.0f, 0.0f};
-    const float inv_denom = hyper[3], max_norm = hyper[4];
-    const float norm = precise::sqrt(s) * inv_denom;
-    const float clip = max_norm > 0.0f ? min(1.0f, precise::divide(max_norm, norm + 1e-6f)) : 1.0f;
-    return {false, hyper[0], hyper[1], hyper[2], clip * inv_denom};
+    const ClipScalars c = clip_scalars(hyper, sq, flag, a.use_flag);
+    return {c.skip, hyper[0], hyper[1], hyper[2], c.grad_scale};
 }
 
 static inline float adamw_step(uint i, device float* p, device const float* g, device float* m,
                                device float* v, constant AdamwArgs& a, thread const AdamwScalars& s)
 {
-    const float gi = g[i] * s.grad_scale;
+    float gi = g[i] * s.grad_scale;
     float pi = p[i];
-    pi -= s.decay * pi;
+    if (a.l2 != 0)
+        gi += s.decay * pi;
+    else
+        pi -= s.decay * pi;
     const float mi = a.beta1 * m[i] + (1.0f - a.beta1) * gi;
     const float vi = a.beta2 * v[i] + (1.0f - a.beta2) * gi * gi;
     pi -= s.step_size * precise::divide(mi, precise::divide(precise::sqrt(vi), s.bc2_sqrt) + a.eps);
@@ -90,6 +106,92 @@ decltype(adamw_update_working<half>) adamw_update_working<half>;
 #if KRNL_BF16
 template [[host_name("adamw_update_working_bf16")]] [[kernel]]
 decltype(adamw_update_working<bfloat>) adamw_update_working<bfloat>;
+#endif
+
+// ---- sgd_update, sgd_update_working_{f32,f16,bf16}; lion_update, lion_update_working_*
+// Buffers as adamw_update's: params, grads and buf (SGD; bound to params and never read without
+// momentum) or m (Lion) at 0..2, the working copy at 4, the args at 5, hyper, sq, flag at 6..8.
+// Statement order and float operations are the CPU backend's. Geometry: as adamw_update.
+static inline float sgd_step(uint i, device float* p, device const float* g, device float* buf,
+                             constant SgdArgs& a, float lr, float keep, float in, float gs)
+{
+    float gi = g[i] * gs + a.weight_decay * p[i];
+    if (a.use_momentum != 0) {
+        const float bi = keep != 0.0f ? keep * buf[i] + in * gi : in * gi;  // step 1 never reads buf
+        buf[i] = bi;
+        gi = a.nesterov != 0 ? gi + a.momentum * bi : bi;
+    }
+    const float pi = p[i] - lr * gi;
+    p[i] = pi;
+    return pi;
+}
+
+template <typename W, bool WORKING>
+kernel void sgd_update(device float*       params  [[buffer(0)]],
+                       device const float* grads   [[buffer(1)]],
+                       device float*       buf     [[buffer(2)]],
+                       device W*           working [[buffer(4)]],
+                       constant SgdArgs&   args    [[buffer(5)]],
+                       device const float* hyper   [[buffer(6)]],
+                       device const float* sq      [[buffer(7)]],
+                       device const int*   flag    [[buffer(8)]],
+                       uint gid [[thread_position_in_grid]],
+                       uint gsz [[threads_per_grid]])
+{
+    float lr = args.lr, keep = args.keep, in = args.in, gs = args.grad_scale;
+    if (args.device_scalars != 0) {
+        const ClipScalars c = clip_scalars(hyper, sq, flag, args.use_flag);
+        if (c.skip) return;
+        lr = hyper[0], keep = hyper[1], in = hyper[2], gs = c.grad_scale;
+    }
+    for (uint i = gid; i < args.n; i += gsz) {
+        const float pi = sgd_step(i, params, grads, buf, args, lr, keep, in, gs);
+        if (WORKING) working[i] = W(pi);
+    }
+}
+
+static inline float sign_of(float c) { return c > 0.0f ? 1.0f : (c < 0.0f ? -1.0f : 0.0f); }
+
+template <typename W, bool WORKING>
+kernel void lion_update(device float*       params  [[buffer(0)]],
+                        device const float* grads   [[buffer(1)]],
+                        device float*       m       [[buffer(2)]],
+                        device W*           working [[buffer(4)]],
+                        constant LionArgs&  args    [[buffer(5)]],
+                        device const float* hyper   [[buffer(6)]],
+                        device const float* sq      [[buffer(7)]],
+                        device const int*   flag    [[buffer(8)]],
+                        uint gid [[thread_position_in_grid]],
+                        uint gsz [[threads_per_grid]])
+{
+    float lr = args.lr, decay = args.decay, gs = args.grad_scale;
+    if (args.device_scalars != 0) {
+        const ClipScalars c = clip_scalars(hyper, sq, flag, args.use_flag);
+        if (c.skip) return;
+        lr = hyper[0], decay = hyper[1], gs = c.grad_scale;
+    }
+    const float b1 = args.beta1, b2 = args.beta2;
+    for (uint i = gid; i < args.n; i += gsz) {
+        const float gi = grads[i] * gs;
+        float pi = params[i];
+        pi -= decay * pi;
+        const float c = b1 * m[i] + (1.0f - b1) * gi;
+        pi -= lr * sign_of(c);
+        m[i] = b2 * m[i] + (1.0f - b2) * gi;
+        params[i] = pi;
+        if (WORKING) working[i] = W(pi);
+    }
+}
+
+#define KRNL_OPTIM_KERNELS(op)                                                                            \
+    template [[host_name(#op)]] [[kernel]] decltype(op<float, false>) op<float, false>;                  \
+    template [[host_name(#op "_working_f32")]] [[kernel]] decltype(op<float, true>) op<float, true>;     \
+    template [[host_name(#op "_working_f16")]] [[kernel]] decltype(op<half, true>) op<half, true>;
+KRNL_OPTIM_KERNELS(sgd_update)
+KRNL_OPTIM_KERNELS(lion_update)
+#if KRNL_BF16
+template [[host_name("sgd_update_working_bf16")]] [[kernel]] decltype(sgd_update<bfloat, true>) sgd_update<bfloat, true>;
+template [[host_name("lion_update_working_bf16")]] [[kernel]] decltype(lion_update<bfloat, true>) lion_update<bfloat, true>;
 #endif
 
 // ---- sumsq: out[0] = sum of x^2 over x (n,), two dispatches, deterministic for a given chunk,

@@ -19,6 +19,15 @@ int64_t quant_mode(const char* op, const std::string& mode) {
   throw std::invalid_argument(std::string("[") + op + "] mode must be \"affine\" or \"mxfp4\", got \"" + mode + "\"");
 }
 
+// An optimizer op's optional tensors: the working copy and the device-resident scalars.
+template <typename A>
+void device_scalars(A& a, const Tensor* working, const Tensor* hyper, const Tensor* sq, const Tensor* flag) {
+  if (working) a.working = *working;
+  if (hyper) a.hyper = *hyper;
+  if (sq) a.sq = *sq;
+  if (flag) a.flag = *flag;
+}
+
 }  // namespace
 
 void bind_ops(nb::module_& parent) {
@@ -129,26 +138,57 @@ void bind_ops(nb::module_& parent) {
         "index i + r0 * x.shape[-1], so a data-parallel rank's slice gets the whole batch's mask.");
   m.def("adamw_update", [](const Tensor& params, const Tensor& grads, const Tensor& m_, const Tensor& v, float lr,
                            float beta1, float beta2, float eps, float weight_decay, int64_t step, float grad_scale,
-                           const Tensor* working, const Tensor* hyper, const Tensor* sq, const Tensor* flag) {
+                           const Tensor* working, const Tensor* hyper, const Tensor* sq, const Tensor* flag,
+                           bool decoupled) {
           AdamWArgs a;
           a.params = params, a.grads = grads, a.m = m_, a.v = v;
-          if (working) a.working = *working;
-          if (hyper) a.hyper = *hyper;
-          if (sq) a.sq = *sq;
-          if (flag) a.flag = *flag;
+          device_scalars(a, working, hyper, sq, flag);
           a.lr = lr, a.beta1 = beta1, a.beta2 = beta2, a.eps = eps, a.weight_decay = weight_decay;
-          a.step = step, a.grad_scale = grad_scale;
+          a.step = step, a.grad_scale = grad_scale, a.decoupled = decoupled;
           ops::adamw_update(a);
         }, release, "params"_a, "grads"_a, "m"_a, "v"_a, "lr"_a, "beta1"_a = 0.9f, "beta2"_a = 0.999f, "eps"_a = 1e-8f,
         "weight_decay"_a = 0.0f, "step"_a = 1, "grad_scale"_a = 1.0f, "working"_a = nb::none(),
-        "hyper"_a = nb::none(), "sq"_a = nb::none(), "flag"_a = nb::none(),
+        "hyper"_a = nb::none(), "sq"_a = nb::none(), "flag"_a = nb::none(), "decoupled"_a = true,
         "PyTorch AdamW over flat f32 buffers (decoupled decay, eps outside sqrt, 1-based bias correction).\n"
         "grads are multiplied by grad_scale as read; `working` receives the updated params in its dtype.\n"
         "hyper (5,) f32 [step_size, bc2_sqrt, decay, inv_denom, max_norm] with sq (1,) f32 (sumsq of the\n"
         "grads) and optionally flag (1,) i32 (nonfinite's) take the step's scalars from the device instead\n"
         "of lr, weight_decay, step and grad_scale: grad_scale = clip * inv_denom with norm = sqrt(sq) *\n"
         "inv_denom, clip = min(1, max_norm / (norm + 1e-6)) if max_norm > 0; nothing is written when\n"
-        "flag[0] != 0 or sq[0] is not finite.");
+        "flag[0] != 0 or sq[0] is not finite. decoupled=False: PyTorch's Adam, weight_decay added to the\n"
+        "gradient (L2; hyper's decay is then weight_decay itself).");
+  m.def("sgd_update", [](const Tensor& params, const Tensor& grads, const Tensor* buf, float lr, float momentum,
+                         float dampening, float weight_decay, bool nesterov, int64_t step, float grad_scale,
+                         const Tensor* working, const Tensor* hyper, const Tensor* sq, const Tensor* flag) {
+          SgdUpdateArgs a;
+          a.params = params, a.grads = grads;
+          if (buf) a.buf = *buf;
+          device_scalars(a, working, hyper, sq, flag);
+          a.lr = lr, a.momentum = momentum, a.dampening = dampening, a.weight_decay = weight_decay;
+          a.nesterov = nesterov, a.step = step, a.grad_scale = grad_scale;
+          ops::sgd_update(a);
+        }, release, "params"_a, "grads"_a, "buf"_a.none(), "lr"_a, "momentum"_a = 0.0f, "dampening"_a = 0.0f,
+        "weight_decay"_a = 0.0f, "nesterov"_a = false, "step"_a = 1, "grad_scale"_a = 1.0f, "working"_a = nb::none(),
+        "hyper"_a = nb::none(), "sq"_a = nb::none(), "flag"_a = nb::none(),
+        "PyTorch SGD over flat f32 buffers: g = grads * grad_scale + weight_decay * params; with momentum,\n"
+        "buf = momentum * buf + (1 - dampening) * g (buf = g at step 1), g = g + momentum * buf (nesterov)\n"
+        "or buf; params -= lr * g. hyper (5,) f32 [lr, keep, in, inv_denom, max_norm] (buf = keep * buf +\n"
+        "in * g) with sq and flag replace lr, step and grad_scale as adamw_update's do.");
+  m.def("lion_update", [](const Tensor& params, const Tensor& grads, const Tensor& m_, float lr, float beta1,
+                          float beta2, float weight_decay, float grad_scale, const Tensor* working, const Tensor* hyper,
+                          const Tensor* sq, const Tensor* flag) {
+          LionUpdateArgs a;
+          a.params = params, a.grads = grads, a.m = m_;
+          device_scalars(a, working, hyper, sq, flag);
+          a.lr = lr, a.beta1 = beta1, a.beta2 = beta2, a.weight_decay = weight_decay, a.grad_scale = grad_scale;
+          ops::lion_update(a);
+        }, release, "params"_a, "grads"_a, "m"_a, "lr"_a, "beta1"_a = 0.9f, "beta2"_a = 0.99f,
+        "weight_decay"_a = 0.0f, "grad_scale"_a = 1.0f, "working"_a = nb::none(), "hyper"_a = nb::none(),
+        "sq"_a = nb::none(), "flag"_a = nb::none(),
+        "Lion (lion-pytorch) over flat f32 buffers: params *= 1 - lr * weight_decay; params -= lr *\n"
+        "sign(beta1 * m + (1 - beta1) * g); m = beta2 * m + (1 - beta2) * g, g = grads * grad_scale.\n"
+        "hyper (5,) f32 [lr, lr * weight_decay, unused, inv_denom, max_norm] with sq and flag replace lr,\n"
+        "weight_decay and grad_scale as adamw_update's do.");
   m.def("moe_route", &ops::moe_route, release, "logits"_a, "ids"_a, "weights"_a, "norm"_a = false,
         "ids (N, K) i32 = the K experts of largest softmax(logits (N, E)) per row (f32, descending, a tie\n"
         "to the lower expert); weights (N, K) f32 their probabilities, divided by their sum if norm.");

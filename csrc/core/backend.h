@@ -53,6 +53,33 @@ struct AdamWArgs {
   // grad_scale = clip * inv_denom with clip from norm = sqrt(sq) * inv_denom. Nothing is written
   // when sq[0] is not finite or flag (1,) i32, where given, is nonzero.
   Tensor hyper, sq, flag;
+  // false: torch.optim.Adam's L2 instead of decoupled decay, g = grads * grad_scale + weight_decay * p
+  // (with hyper, its decay entry is then weight_decay itself, not lr * weight_decay).
+  bool decoupled = true;
+};
+
+// sgd_update (torch.optim.SGD): g = grads * grad_scale + weight_decay * p; with momentum, buf =
+// keep * buf + in * g (keep = momentum and in = 1 - dampening, or 0 and 1 on the first step: buf
+// starts as g), g = nesterov ? g + momentum * buf : buf; p -= lr * g. Without momentum buf is
+// unused (may be undefined). hyper (5,) f32 = [lr, keep, in, inv_denom, max_norm] replaces lr,
+// step and grad_scale as adamw_update's does (the same clipping and skip).
+struct SgdUpdateArgs {
+  Tensor params, grads, buf, working;
+  float lr = 1e-3f, momentum = 0.f, dampening = 0.f, weight_decay = 0.f;
+  bool nesterov = false;
+  int64_t step = 1;  // 1-based; step 1 starts buf as g
+  float grad_scale = 1.f;
+  Tensor hyper, sq, flag;
+};
+
+// lion_update (Chen et al. 2023, lion-pytorch): g = grads * grad_scale; p -= decay * p;
+// p -= lr * sign(beta1 m + (1 - beta1) g); m = beta2 m + (1 - beta2) g. decay = lr * weight_decay.
+// hyper (5,) f32 = [lr, decay, unused, inv_denom, max_norm] as adamw_update's.
+struct LionUpdateArgs {
+  Tensor params, grads, m, working;
+  float lr = 1e-4f, beta1 = 0.9f, beta2 = 0.99f, weight_decay = 0.f;
+  float grad_scale = 1.f;
+  Tensor hyper, sq, flag;
 };
 
 // A step recorded once and replayed whole (CUDA graphs: csrc/cuda/cuda_graph.cpp). It owns every

@@ -7,7 +7,7 @@
 // bindings/ops.cpp binds it by hand with its argument names, defaults and docstring
 // (tests/test_core.py checks that every op of this list is bound).
 //
-// Expanded where Tensor, GemmArgs and AdamWArgs are declared (backend.h) or visible (the backends'
+// Expanded where Tensor, GemmArgs and the optimizers' *Args are declared (backend.h) or visible (the backends'
 // classes), so nothing is included.
 // Notes on single ops (a comment cannot sit inside the macro's lines):
 // - attention_forward/backward: fused causal attention (docs/architecture.md, 'Attention'; flash form). q (Hq, T,
@@ -179,5 +179,7 @@
   X(fill, (const Tensor& x, double value))                                                                          \
   X(dropout, (const Tensor& x, const Tensor& out, float p, uint64_t seed, const Tensor* seed_offset))              \
   X(adamw_update, (const AdamWArgs& a))                                                                             \
+  X(sgd_update, (const SgdUpdateArgs& a))                                                                           \
+  X(lion_update, (const LionUpdateArgs& a))                                                                         \
   X(sumsq, (const Tensor& x, const Tensor& out))                                                                    \
   X(nonfinite, (const Tensor& x, const Tensor& flag))

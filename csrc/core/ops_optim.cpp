@@ -1,5 +1,6 @@
-// The optimizer ops' entry points: AdamW (with its device-resident scalars), sumsq and the
-// non-finite flag.
+// The optimizer ops' entry points: AdamW (and Adam), SGD and Lion (with their device-resident
+// scalars), sumsq and the non-finite flag.
+#include <initializer_list>
 #include <string>
 #include <utility>
 
@@ -7,42 +8,83 @@
 
 namespace krnl::ops {
 
-void adamw_update(const AdamWArgs& a) {
-  Check c{"adamw_update"};
-  c.tensor("params", a.params), c.tensor("grads", a.grads), c.tensor("m", a.m), c.tensor("v", a.v);
-  const int64_t n = a.params.numel();
-  for (auto [name, t] : {std::pair<const char*, const Tensor*>{"params", &a.params}, {"grads", &a.grads}, {"m", &a.m}, {"v", &a.v}}) {
+namespace {
+
+// The f32 state vectors of an update (each of params' length), the working copy and the
+// device-resident scalars, checked alike for every optimizer op.
+void check_update(Check& c, const std::initializer_list<std::pair<const char*, const Tensor*>>& flat,
+                  const Tensor& working, const Tensor& hyper, const Tensor& sq, const Tensor& flag) {
+  const int64_t n = flat.begin()->second->numel();
+  for (auto [name, t] : flat) {
+    c.tensor(name, *t);
     c.dtype(name, *t, {DType::f32});
     c.numel(name, *t, n);
   }
-  if (a.working.defined()) {
-    c.tensor("working", a.working);
-    c.floating("working", a.working);
-    c.numel("working", a.working, n);
+  if (working.defined()) {
+    c.tensor("working", working);
+    c.floating("working", working);
+    c.numel("working", working, n);
   }
-  if (a.hyper.defined()) {
-    c.tensor("hyper", a.hyper);
-    c.shape("hyper", a.hyper, {5});
-    c.dtype("hyper", a.hyper, {DType::f32});
-    if (!a.sq.defined()) c.fail("sq is required with hyper (the global norm comes from it)");
-  } else if (a.sq.defined() || a.flag.defined()) {
-    c.fail(std::string(a.sq.defined() ? "sq" : "flag") + " is only read with hyper; pass hyper too");
+  if (hyper.defined()) {
+    c.tensor("hyper", hyper);
+    c.shape("hyper", hyper, {5});
+    c.dtype("hyper", hyper, {DType::f32});
+    if (!sq.defined()) c.fail("sq is required with hyper (the global norm comes from it)");
+  } else if (sq.defined() || flag.defined()) {
+    c.fail(std::string(sq.defined() ? "sq" : "flag") + " is only read with hyper; pass hyper too");
   }
-  if (a.sq.defined()) {
-    c.tensor("sq", a.sq);
-    c.shape("sq", a.sq, {1});
-    c.dtype("sq", a.sq, {DType::f32});
+  if (sq.defined()) {
+    c.tensor("sq", sq);
+    c.shape("sq", sq, {1});
+    c.dtype("sq", sq, {DType::f32});
   }
-  if (a.flag.defined()) {
-    c.tensor("flag", a.flag);
-    c.shape("flag", a.flag, {1});
-    c.dtype("flag", a.flag, {DType::i32});
+  if (flag.defined()) {
+    c.tensor("flag", flag);
+    c.shape("flag", flag, {1});
+    c.dtype("flag", flag, {DType::i32});
   }
+}
+
+bool in_unit(float x) { return x >= 0 && x < 1; }
+
+}  // namespace
+
+void adamw_update(const AdamWArgs& a) {
+  Check c{"adamw_update"};
+  check_update(c, {{"params", &a.params}, {"grads", &a.grads}, {"m", &a.m}, {"v", &a.v}}, a.working, a.hyper, a.sq,
+               a.flag);
   if (!a.hyper.defined() && a.step < 1) c.fail("step is 1-based, got " + std::to_string(a.step));
-  if (!(a.beta1 >= 0 && a.beta1 < 1) || !(a.beta2 >= 0 && a.beta2 < 1)) c.fail("betas must be in [0, 1)");
+  if (!in_unit(a.beta1) || !in_unit(a.beta2)) c.fail("betas must be in [0, 1)");
   if (!(a.eps > 0)) c.fail("eps must be > 0");
+  const int64_t n = a.params.numel();
   run(c, "n=" + std::to_string(n), 16.0 * double(n), nbytes({&a.params, &a.grads, &a.m, &a.v}) * 1.75, DType::f32,
       [&] { c.dev->adamw_update(a); });
+}
+
+void sgd_update(const SgdUpdateArgs& a) {
+  Check c{"sgd_update"};
+  const bool momentum = a.momentum != 0.f;
+  if (momentum && !a.buf.defined()) c.fail("buf is required with momentum");
+  if (momentum) {
+    check_update(c, {{"params", &a.params}, {"grads", &a.grads}, {"buf", &a.buf}}, a.working, a.hyper, a.sq, a.flag);
+  } else {
+    check_update(c, {{"params", &a.params}, {"grads", &a.grads}}, a.working, a.hyper, a.sq, a.flag);
+  }
+  if (!a.hyper.defined() && a.step < 1) c.fail("step is 1-based, got " + std::to_string(a.step));
+  if (!(a.momentum >= 0)) c.fail("momentum must be >= 0");
+  if (a.nesterov && (!momentum || a.dampening != 0.f)) c.fail("nesterov needs momentum > 0 and dampening 0");
+  const int64_t n = a.params.numel();
+  run(c, "n=" + std::to_string(n), 8.0 * double(n), nbytes({&a.params, &a.grads}) * (momentum ? 2.5 : 1.5), DType::f32,
+      [&] { c.dev->sgd_update(a); });
+}
+
+void lion_update(const LionUpdateArgs& a) {
+  Check c{"lion_update"};
+  check_update(c, {{"params", &a.params}, {"grads", &a.grads}, {"m", &a.m}}, a.working, a.hyper, a.sq, a.flag);
+  if (!in_unit(a.beta1) || !in_unit(a.beta2)) c.fail("betas must be in [0, 1)");
+  const int64_t n = a.params.numel();
+  run(c, "n=" + std::to_string(n), 10.0 * double(n), nbytes({&a.params, &a.grads, &a.m}) * 1.67, DType::f32,
+      [&] { c.dev->lion_update(a); });
 }
 
 void sumsq(const Tensor& x, const Tensor& out) {

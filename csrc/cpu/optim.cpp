@@ -1,5 +1,5 @@
-// Optimizer ops on the CPU: AdamW (with the working-copy refresh), sumsq (double partials summed
-// in a fixed order) and the non-finite flag.
+// Optimizer ops on the CPU: AdamW and Adam, SGD, Lion (each with the working-copy refresh),
+// sumsq (double partials summed in a fixed order) and the non-finite flag.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -15,13 +15,14 @@ namespace krnl::cpu {
 
 namespace {
 
-struct AdamwDeviceScalars {
+struct DeviceScalars {
   bool skip;         // a non-finite step: nothing is written
   float grad_scale;  // clip * inv_denom
 };
 
-// adamw_update's scalars from its device tensors (op_list.h), in f32 and in the contract's order.
-AdamwDeviceScalars adamw_device_scalars(const float* hyper, float sq, const int32_t* flag) {
+// The optimizer ops' shared scalars from their device tensors (op_list.h), in f32 and in the
+// contract's order: hyper[3] = inv_denom, hyper[4] = max_norm.
+DeviceScalars device_scalars(const float* hyper, float sq, const int32_t* flag) {
   uint32_t bits;
   std::memcpy(&bits, &sq, 4);
   if ((flag && flag[0] != 0) || (bits & 0x7f800000u) == 0x7f800000u) return {true, 0.f};  // inf/NaN by its bits
@@ -31,6 +32,19 @@ AdamwDeviceScalars adamw_device_scalars(const float* hyper, float sq, const int3
   return {false, clip * inv_denom};
 }
 
+// hyper's values, or nullptr when the update is skipped; the grad scale into *gs. Without hyper,
+// `fallback` (the call's own scalars) and the call's grad scale stand.
+template <typename A>
+const float* step_scalars(const A& a, const float* fallback, float* gs) {
+  *gs = a.grad_scale;
+  if (!a.hyper.defined()) return fallback;
+  const float* h = a.hyper.template ptr<float>();
+  const DeviceScalars d = device_scalars(h, a.sq.template ptr<float>()[0],
+                                         a.flag.defined() ? a.flag.template ptr<int32_t>() : nullptr);
+  *gs = d.grad_scale;
+  return d.skip ? nullptr : h;
+}
+
 }  // namespace
 
 void CpuBackend::adamw_update(const AdamWArgs& a) {
@@ -38,28 +52,77 @@ void CpuBackend::adamw_update(const AdamWArgs& a) {
   const float* g = a.grads.ptr<float>();
   float* m = a.m.ptr<float>();
   float* v = a.v.ptr<float>();
-  const bool working = a.working.defined();
+  const bool working = a.working.defined(), l2 = !a.decoupled;
   const double bc1 = 1.0 - std::pow(double(a.beta1), double(a.step));
   const double bc2 = 1.0 - std::pow(double(a.beta2), double(a.step));
-  float step_size = float(double(a.lr) / bc1), bc2_sqrt = float(std::sqrt(bc2));
-  float decay = a.lr * a.weight_decay, gs = a.grad_scale;
+  const float host[3] = {float(double(a.lr) / bc1), float(std::sqrt(bc2)), l2 ? a.weight_decay : a.lr * a.weight_decay};
+  float gs;
+  const float* h = step_scalars(a, host, &gs);
+  if (!h) return;  // a non-finite step: params, m, v and working stay as they are
+  const float step_size = h[0], bc2_sqrt = h[1], decay = h[2];
   const float b1 = a.beta1, b2 = a.beta2, eps = a.eps;
-  if (a.hyper.defined()) {
-    const float* h = a.hyper.ptr<float>();
-    const int32_t* flag = a.flag.defined() ? a.flag.ptr<int32_t>() : nullptr;
-    const AdamwDeviceScalars d = adamw_device_scalars(h, a.sq.ptr<float>()[0], flag);
-    if (d.skip) return;  // a non-finite step: params, m, v and working stay as they are
-    step_size = h[0], bc2_sqrt = h[1], decay = h[2], gs = d.grad_scale;
-  }
+  for_blocks(a.params.numel(), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      float gi = g[i] * gs;
+      float pi = p[i];
+      if (l2) {
+        gi += decay * pi;
+      } else {
+        pi -= decay * pi;
+      }
+      const float mi = b1 * m[i] + (1.f - b1) * gi;
+      const float vi = b2 * v[i] + (1.f - b2) * gi * gi;
+      pi -= step_size * (mi / (std::sqrt(vi) / bc2_sqrt + eps));
+      m[i] = mi, v[i] = vi, p[i] = pi;
+    }
+    if (working) store(a.working.dtype(), p + i0, i1 - i0, a.working.data(), i0);
+  });
+}
+
+void CpuBackend::sgd_update(const SgdUpdateArgs& a) {
+  float* p = a.params.ptr<float>();
+  const float* g = a.grads.ptr<float>();
+  const bool momentum = a.momentum != 0.f, first = a.step == 1;
+  float* buf = momentum ? a.buf.ptr<float>() : nullptr;
+  const float host[3] = {a.lr, first ? 0.f : a.momentum, first ? 1.f : 1.f - a.dampening};
+  float gs;
+  const float* h = step_scalars(a, host, &gs);
+  if (!h) return;
+  const float lr = h[0], keep = h[1], in = h[2], wd = a.weight_decay, mu = a.momentum;
+  const bool nesterov = a.nesterov, working = a.working.defined();
+  for_blocks(a.params.numel(), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      float gi = g[i] * gs + wd * p[i];
+      if (buf) {
+        const float bi = keep != 0.f ? keep * buf[i] + in * gi : in * gi;  // step 1 never reads buf
+        buf[i] = bi;
+        gi = nesterov ? gi + mu * bi : bi;
+      }
+      p[i] -= lr * gi;
+    }
+    if (working) store(a.working.dtype(), p + i0, i1 - i0, a.working.data(), i0);
+  });
+}
+
+void CpuBackend::lion_update(const LionUpdateArgs& a) {
+  float* p = a.params.ptr<float>();
+  const float* g = a.grads.ptr<float>();
+  float* m = a.m.ptr<float>();
+  const float host[2] = {a.lr, a.lr * a.weight_decay};
+  float gs;
+  const float* h = step_scalars(a, host, &gs);
+  if (!h) return;
+  const float lr = h[0], decay = h[1], b1 = a.beta1, b2 = a.beta2;
+  const bool working = a.working.defined();
   for_blocks(a.params.numel(), [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const float gi = g[i] * gs;
       float pi = p[i];
       pi -= decay * pi;
-      const float mi = b1 * m[i] + (1.f - b1) * gi;
-      const float vi = b2 * v[i] + (1.f - b2) * gi * gi;
-      pi -= step_size * (mi / (std::sqrt(vi) / bc2_sqrt + eps));
-      m[i] = mi, v[i] = vi, p[i] = pi;
+      const float c = b1 * m[i] + (1.f - b1) * gi;
+      pi -= lr * float((c > 0.f) - (c < 0.f));
+      m[i] = b2 * m[i] + (1.f - b2) * gi;
+      p[i] = pi;
     }
     if (working) store(a.working.dtype(), p + i0, i1 - i0, a.working.data(), i0);
   });

@@ -1,6 +1,6 @@
-// Optimizer ops over the flat fp32 parameter buffers: AdamW (with the working-copy refresh),
-// sumsq (fp64 partials, summed in a fixed order: the result does not depend on timing) and the
-// non-finite flag.
+// Optimizer ops over the flat fp32 parameter buffers: AdamW and Adam, SGD, Lion (each with the
+// working-copy refresh), sumsq (fp64 partials, summed in a fixed order: the result does not depend
+// on timing) and the non-finite flag.
 #include <cmath>
 
 #include "common.cuh"
@@ -10,29 +10,83 @@ namespace {
 
 constexpr int kSumBlocks = 1024;  // fixed partial count: the summation order depends only on n
 
-// hyper (5,) [step_size, bc2_sqrt, decay, inv_denom, max_norm], sq (1,) and flag (1,), where
-// hyper is given, replace the scalar arguments (a replayed graph reads them afresh): every thread
-// forms the same f32 values in the contract's order (op_list.h), and returns without writing on a
-// non-finite step. __fmul_rn keeps nvcc from fusing norm's product into the add after it.
+// The optimizer kernels' device scalars: where hyper is given, hyper (5,) [.., .., .., inv_denom,
+// max_norm], sq (1,) and flag (1,) replace the scalar arguments (a replayed graph reads them
+// afresh): every thread forms the same f32 values in the contract's order (op_list.h). Returns
+// false on a non-finite step (nothing is written); sets *gs to the clip-and-unscale factor.
+// __fmul_rn keeps nvcc from fusing norm's product into the add after it.
+__device__ bool device_clip(const float* hyper, const float* sq, const int32_t* flag, float* gs) {
+  const float s = *sq;
+  if ((flag && *flag != 0) || (__float_as_uint(s) & 0x7f800000u) == 0x7f800000u) return false;
+  const float inv_denom = hyper[3], max_norm = hyper[4];
+  const float norm = __fmul_rn(sqrtf(s), inv_denom);
+  const float clip = max_norm > 0.f ? fminf(1.f, max_norm / (norm + 1e-6f)) : 1.f;
+  *gs = clip * inv_denom;
+  return true;
+}
+
+// hyper [step_size, bc2_sqrt, decay, inv_denom, max_norm]. l2: Adam's weight decay (decay is
+// weight_decay, added to the gradient) instead of AdamW's decoupled one.
 __global__ void adamw_kernel(float* p, const float* g, float* m, float* v, int64_t n, float gs, float decay, float b1,
-                             float b2, float step_size, float bc2_sqrt, float eps, DType wd, void* working,
+                             float b2, float step_size, float bc2_sqrt, float eps, bool l2, DType wd, void* working,
                              const float* hyper, const float* sq, const int32_t* flag) {
   if (hyper) {
-    const float s = *sq;
-    if ((flag && *flag != 0) || (__float_as_uint(s) & 0x7f800000u) == 0x7f800000u) return;
-    const float inv_denom = hyper[3], max_norm = hyper[4];
-    const float norm = __fmul_rn(sqrtf(s), inv_denom);
-    const float clip = max_norm > 0.f ? fminf(1.f, max_norm / (norm + 1e-6f)) : 1.f;
-    step_size = hyper[0], bc2_sqrt = hyper[1], decay = hyper[2], gs = clip * inv_denom;
+    if (!device_clip(hyper, sq, flag, &gs)) return;
+    step_size = hyper[0], bc2_sqrt = hyper[1], decay = hyper[2];
+  }
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    float gi = g[i] * gs;
+    float pi = p[i];
+    if (l2) {
+      gi += decay * pi;
+    } else {
+      pi -= decay * pi;
+    }
+    const float mi = b1 * m[i] + (1.f - b1) * gi;
+    const float vi = b2 * v[i] + (1.f - b2) * gi * gi;
+    pi -= step_size * (mi / (sqrtf(vi) / bc2_sqrt + eps));
+    m[i] = mi, v[i] = vi, p[i] = pi;
+    if (working) st(wd, working, i, pi);
+  }
+}
+
+// hyper [lr, keep, in, inv_denom, max_norm]; buf null without momentum.
+__global__ void sgd_kernel(float* p, const float* g, float* buf, int64_t n, float gs, float lr, float keep, float in,
+                           float weight_decay, float momentum, bool nesterov, DType wd, void* working,
+                           const float* hyper, const float* sq, const int32_t* flag) {
+  if (hyper) {
+    if (!device_clip(hyper, sq, flag, &gs)) return;
+    lr = hyper[0], keep = hyper[1], in = hyper[2];
+  }
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    float gi = g[i] * gs + weight_decay * p[i];
+    if (buf) {
+      const float bi = keep != 0.f ? keep * buf[i] + in * gi : in * gi;  // step 1 never reads buf
+      buf[i] = bi;
+      gi = nesterov ? gi + momentum * bi : bi;
+    }
+    const float pi = p[i] - lr * gi;
+    p[i] = pi;
+    if (working) st(wd, working, i, pi);
+  }
+}
+
+// hyper [lr, decay, -, inv_denom, max_norm].
+__global__ void lion_kernel(float* p, const float* g, float* m, int64_t n, float gs, float lr, float decay, float b1,
+                            float b2, DType wd, void* working, const float* hyper, const float* sq,
+                            const int32_t* flag) {
+  if (hyper) {
+    if (!device_clip(hyper, sq, flag, &gs)) return;
+    lr = hyper[0], decay = hyper[1];
   }
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const float gi = g[i] * gs;
     float pi = p[i];
     pi -= decay * pi;
-    const float mi = b1 * m[i] + (1.f - b1) * gi;
-    const float vi = b2 * v[i] + (1.f - b2) * gi * gi;
-    pi -= step_size * (mi / (sqrtf(vi) / bc2_sqrt + eps));
-    m[i] = mi, v[i] = vi, p[i] = pi;
+    const float c = b1 * m[i] + (1.f - b1) * gi;
+    pi -= lr * float((c > 0.f) - (c < 0.f));
+    m[i] = b2 * m[i] + (1.f - b2) * gi;
+    p[i] = pi;
     if (working) st(wd, working, i, pi);
   }
 }
@@ -76,6 +130,26 @@ __global__ void nonfinite_kernel(DType dt, const void* x, int64_t n, int32_t* fl
 
 }  // namespace
 
+namespace {
+
+// The pointers of an update's optional tensors.
+struct Optional {
+  void* working;
+  DType wd;
+  const float *hyper, *sq;
+  const int32_t* flag;
+};
+
+template <typename A>
+Optional optional(const A& a) {
+  return {a.working.defined() ? a.working.data() : nullptr, a.working.defined() ? a.working.dtype() : DType::f32,
+          a.hyper.defined() ? a.hyper.template ptr<float>() : nullptr,
+          a.sq.defined() ? a.sq.template ptr<float>() : nullptr,
+          a.flag.defined() ? a.flag.template ptr<int32_t>() : nullptr};
+}
+
+}  // namespace
+
 void CudaBackend::adamw_update(const AdamWArgs& a) {
   OpTimer timer(this);
   const int64_t n = a.params.numel();
@@ -84,13 +158,36 @@ void CudaBackend::adamw_update(const AdamWArgs& a) {
   const double bc1 = 1.0 - std::pow(double(a.beta1), double(a.step));
   const double bc2 = 1.0 - std::pow(double(a.beta2), double(a.step));
   const float step_size = float(double(a.lr) / bc1), bc2_sqrt = float(std::sqrt(bc2));
-  const bool working = a.working.defined();
+  const float decay = a.decoupled ? a.lr * a.weight_decay : a.weight_decay;
+  const Optional o = optional(a);
   adamw_kernel<<<grid_for(n), kThreads, 0, stream_>>>(
-      a.params.ptr<float>(), a.grads.ptr<float>(), a.m.ptr<float>(), a.v.ptr<float>(), n, a.grad_scale,
-      a.lr * a.weight_decay, a.beta1, a.beta2, step_size, bc2_sqrt, a.eps, working ? a.working.dtype() : DType::f32,
-      working ? a.working.data() : nullptr, a.hyper.defined() ? a.hyper.ptr<float>() : nullptr,
-      a.sq.defined() ? a.sq.ptr<float>() : nullptr, a.flag.defined() ? a.flag.ptr<int32_t>() : nullptr);
+      a.params.ptr<float>(), a.grads.ptr<float>(), a.m.ptr<float>(), a.v.ptr<float>(), n, a.grad_scale, decay,
+      a.beta1, a.beta2, step_size, bc2_sqrt, a.eps, !a.decoupled, o.wd, o.working, o.hyper, o.sq, o.flag);
   check_launch("adamw_update");
+}
+
+void CudaBackend::sgd_update(const SgdUpdateArgs& a) {
+  OpTimer timer(this);
+  const int64_t n = a.params.numel();
+  if (!n) return;
+  const bool momentum = a.momentum != 0.f, first = a.step == 1;
+  const Optional o = optional(a);
+  sgd_kernel<<<grid_for(n), kThreads, 0, stream_>>>(
+      a.params.ptr<float>(), a.grads.ptr<float>(), momentum ? a.buf.ptr<float>() : nullptr, n, a.grad_scale, a.lr,
+      first ? 0.f : a.momentum, first ? 1.f : 1.f - a.dampening, a.weight_decay, a.momentum, a.nesterov, o.wd,
+      o.working, o.hyper, o.sq, o.flag);
+  check_launch("sgd_update");
+}
+
+void CudaBackend::lion_update(const LionUpdateArgs& a) {
+  OpTimer timer(this);
+  const int64_t n = a.params.numel();
+  if (!n) return;
+  const Optional o = optional(a);
+  lion_kernel<<<grid_for(n), kThreads, 0, stream_>>>(
+      a.params.ptr<float>(), a.grads.ptr<float>(), a.m.ptr<float>(), n, a.grad_scale, a.lr, a.lr * a.weight_decay,
+      a.beta1, a.beta2, o.wd, o.working, o.hyper, o.sq, o.flag);
+  check_launch("lion_update");
 }
 
 void CudaBackend::sumsq(const Tensor& x, const Tensor& out) {

@@ -1,5 +1,5 @@
-// Optimizer ops on the Metal kernels (metal/optimizer.metal): AdamW (with the working-copy
-// refresh), sumsq (partials per chunk, then one threadgroup sums them) and the non-finite flag.
+// Optimizer ops on the Metal kernels (metal/optimizer.metal): AdamW and Adam, SGD, Lion (with the
+// working-copy refresh), sumsq (partials per chunk, then one threadgroup sums them) and the non-finite flag.
 #include <algorithm>
 #include <cmath>
 #include <string>
@@ -17,24 +17,68 @@ constexpr uint32_t kReduceChunk = 16384;  // elements per threadgroup in sumsq's
 
 }  // namespace
 
+namespace {
+
+// The buffers every optimizer kernel shares: params, grads and the state vector at 0..2 (adamw's
+// v at 3), the working copy at 4 and hyper, sq, flag at 6..8 (dummies, never read, where absent:
+// the kernels read them only as their args say). Returns whether the scalars come from hyper.
+template <typename A>
+bool bind_update(Dispatch& d, const A& a, const Tensor& state) {
+  bind(d, 0, a.params), bind(d, 1, a.grads), bind(d, 2, state.defined() ? state : a.params);
+  const bool working = a.working.defined(), dev = a.hyper.defined(), flag = a.flag.defined();
+  bind(d, 4, working ? a.working : a.params, working ? a.working.nbytes() : 0);
+  bind(d, 6, dev ? a.hyper : a.params, dev ? a.hyper.nbytes() : 0);
+  bind(d, 7, dev ? a.sq : a.params, dev ? a.sq.nbytes() : 0);
+  bind(d, 8, flag ? a.flag : a.params, flag ? a.flag.nbytes() : 0);
+  return dev;
+}
+
+std::string update_kernel(const Emit& e, const char* op, const Tensor& working) {
+  return working.defined() ? std::string(op) + "_working_" + e.sfx(working.dtype()) : std::string(op);
+}
+
+}  // namespace
+
 void MetalOps::adamw_update(const AdamWArgs& a) {
   Emit e{this, "adamw_update"};
   const int64_t n = a.params.numel();
   if (n == 0) return;
-  const bool working = a.working.defined();
-  Dispatch d = e.make("optimizer", working ? "adamw_update_working_" + e.sfx(a.working.dtype()) : std::string("adamw_update"));
-  bind(d, 0, a.params), bind(d, 1, a.grads), bind(d, 2, a.m), bind(d, 3, a.v);
-  if (working) bind(d, 4, a.working);
-  // The device scalars (or dummy bindings, never read: the kernels read them only as the flags say).
-  const bool dev = a.hyper.defined(), flag = a.flag.defined();
-  bind(d, 6, dev ? a.hyper : a.params, dev ? a.hyper.nbytes() : 0);
-  bind(d, 7, dev ? a.sq : a.params, dev ? a.sq.nbytes() : 0);
-  bind(d, 8, flag ? a.flag : a.params, flag ? a.flag.nbytes() : 0);
+  Dispatch d = e.make("optimizer", update_kernel(e, "adamw_update", a.working));
+  const bool dev = bind_update(d, a, a.m);
+  bind(d, 3, a.v);
   // Bias corrections in double on the host, as the CPU backend computes them.
   const double bc1 = 1.0 - std::pow(double(a.beta1), double(a.step));
   const double bc2 = 1.0 - std::pow(double(a.beta2), double(a.step));
-  d.set_args(5, AdamwArgs{u32(e.op, n, "n"), float(double(a.lr) / bc1), float(std::sqrt(bc2)), a.lr * a.weight_decay,
-                          a.beta1, a.beta2, a.eps, a.grad_scale, dev ? 1u : 0u, flag ? 1u : 0u});
+  const float decay = a.decoupled ? a.lr * a.weight_decay : a.weight_decay;
+  d.set_args(5, AdamwArgs{u32(e.op, n, "n"), float(double(a.lr) / bc1), float(std::sqrt(bc2)), decay, a.beta1,
+                          a.beta2, a.eps, a.grad_scale, dev ? 1u : 0u, a.flag.defined() ? 1u : 0u,
+                          a.decoupled ? 0u : 1u});
+  ew_geometry(d, n);
+  encode(std::move(d));
+}
+
+void MetalOps::sgd_update(const SgdUpdateArgs& a) {
+  Emit e{this, "sgd_update"};
+  const int64_t n = a.params.numel();
+  if (n == 0) return;
+  Dispatch d = e.make("optimizer", update_kernel(e, "sgd_update", a.working));
+  const bool momentum = a.momentum != 0.f, first = a.step == 1;
+  const bool dev = bind_update(d, a, momentum ? a.buf : Tensor());
+  d.set_args(5, SgdArgs{u32(e.op, n, "n"), a.lr, first ? 0.f : a.momentum, first ? 1.f : 1.f - a.dampening,
+                        a.weight_decay, a.momentum, a.grad_scale, momentum ? 1u : 0u, a.nesterov ? 1u : 0u,
+                        dev ? 1u : 0u, a.flag.defined() ? 1u : 0u});
+  ew_geometry(d, n);
+  encode(std::move(d));
+}
+
+void MetalOps::lion_update(const LionUpdateArgs& a) {
+  Emit e{this, "lion_update"};
+  const int64_t n = a.params.numel();
+  if (n == 0) return;
+  Dispatch d = e.make("optimizer", update_kernel(e, "lion_update", a.working));
+  const bool dev = bind_update(d, a, a.m);
+  d.set_args(5, LionArgs{u32(e.op, n, "n"), a.lr, a.lr * a.weight_decay, a.beta1, a.beta2, a.grad_scale,
+                         dev ? 1u : 0u, a.flag.defined() ? 1u : 0u});
   ew_geometry(d, n);
   encode(std::move(d));
 }

@@ -7,7 +7,7 @@ import re
 import sys
 
 from ..quant import affine
-from . import objectives
+from . import objectives, optim_args
 from .config_file import RENAMED, yaml_defaults
 from .serve import serve_arguments
 
@@ -172,6 +172,7 @@ def parse_args(argv, commands):
                    help="how LoRA gradients sum over a batch's rows: sample (per sample in a fixed tree, as a "
                    "data-parallel run's ranks do: one process then gives their adapter), rows (one GEMM over all "
                    "rows), auto (default: sample under an MPI launcher with more than one rank, else rows)")
+    optim_args.add_arguments(t)  # --optimizer and its options
     objectives.add_arguments(t)  # --train-mode dpo|orpo|simpo|grpo and their options
     t.add_argument("--train-samples", type=int, default=4000)
     t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --adapter-path that "

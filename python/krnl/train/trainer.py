@@ -20,7 +20,7 @@ from ..io.checkpoint import fingerprint_diff, list_checkpoints, load_checkpoint,
 from .dist.world import World
 from .dist.nccl import reducer_for
 from .dist.ranks import Discard, apply_reduce_order, check_world, evaluate_ranks
-from .optim import AdamW, Schedule
+from .optim import Schedule, from_config
 from ..io.run_folder import describe, option_changes, repair_metrics
 from .plot import plot_metrics  # noqa: F401 (the CLI and its tests reach it here)
 from . import preference
@@ -42,6 +42,12 @@ class TrainConfig:
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0    # 0 disables clipping
+    optimizer: str = "adamw"      # adamw | adam | sgd | lion (krnl.train.optimizers)
+    betas: tuple = None           # adamw, adam, lion (None: the optimizer's default)
+    eps: float = None             # adamw, adam (None: 1e-8)
+    momentum: float = 0.0         # sgd (and its dampening and nesterov)
+    dampening: float = 0.0
+    nesterov: bool = False
     val_every: int = 100          # 0: only at the end
     val_batches: int = 8
     save_every: int = 200         # 0: only at the end
@@ -133,8 +139,7 @@ class Trainer:
         self.resumed = None  # what resume() changed, recorded in the first metrics row after it
         sched = Schedule(cfg.learning_rate, warmup_steps=min(cfg.warmup, cfg.iters), total_steps=cfg.iters,
                          kind=cfg.schedule, min_lr_ratio=cfg.min_lr_ratio)
-        self.opt = AdamW(model.lora_params, sched, weight_decay=cfg.weight_decay,
-                         max_grad_norm=cfg.max_grad_norm or None)
+        self.opt = from_config(model.lora_params, sched, cfg)
         self.step = 0
         self.history = []  # (step, train loss)
         self.val_history = []

@@ -1,0 +1,38 @@
+"""krnl train's optimizer options (--optimizer and each optimizer's own), with the names and
+defaults of the reference each optimizer matches (README, 'Optimizers')."""
+
+import argparse
+
+from ..train.optimizers import OPTIMIZERS
+
+
+def _betas(text):
+    """--betas "0.9,0.999": two numbers, comma-separated."""
+    try:
+        b = tuple(float(x) for x in str(text).split(","))
+    except ValueError:
+        b = ()
+    if len(b) != 2:
+        raise argparse.ArgumentTypeError(f"expected two comma-separated numbers, e.g. 0.9,0.999; got {text!r}")
+    return b
+
+
+def add_arguments(t):
+    o = t.add_argument_group("optimizer (torch.optim's names and defaults; --weight-decay and --max-grad-norm apply "
+                             "to each)")
+    o.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZERS),
+                   help="adamw, adam (L2 weight decay), sgd, lion")
+    o.add_argument("--betas", type=_betas, default=None, metavar="B1,B2",
+                   help="adamw, adam, lion: the moments' decay rates (default: 0.9,0.999; lion 0.9,0.99)")
+    o.add_argument("--eps", type=float, default=None, help="adamw, adam: the denominator's epsilon (default: 1e-8)")
+    o.add_argument("--momentum", type=float, default=0.0, help="sgd: momentum (0: plain SGD)")
+    o.add_argument("--dampening", type=float, default=0.0, help="sgd: dampening of the momentum")
+    o.add_argument("--nesterov", action="store_true", help="sgd: Nesterov momentum (needs --momentum, no dampening)")
+
+
+def config_fields(args):
+    """TrainConfig's optimizer fields of the command line."""
+    if args.nesterov and (args.optimizer != "sgd" or not args.momentum > 0 or args.dampening):
+        raise ValueError("[train] --nesterov is SGD's, with --momentum > 0 and no --dampening")
+    return {"optimizer": args.optimizer, "betas": args.betas, "eps": args.eps, "momentum": args.momentum,
+            "dampening": args.dampening, "nesterov": args.nesterov}

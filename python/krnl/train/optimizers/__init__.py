@@ -1,0 +1,22 @@
+"""krnl's optimizers over a FlatParams (base.py says what they share) and the one that a
+TrainConfig names (`from_config`)."""
+
+from .elementwise import SGD, Adam, AdamW, Lion
+
+OPTIMIZERS = {c.name: c for c in (AdamW, Adam, SGD, Lion)}
+# --betas left out: each optimizer's reference default
+DEFAULT_BETAS = {"adamw": (0.9, 0.999), "adam": (0.9, 0.999), "lion": (0.9, 0.99)}
+
+
+def from_config(flat, schedule, cfg):
+    """The optimizer of cfg.optimizer with cfg's options (a TrainConfig's fields)."""
+    kind = cfg.optimizer
+    if kind not in OPTIMIZERS:
+        raise ValueError(f"[train] optimizer must be one of {', '.join(OPTIMIZERS)}, got {kind!r}")
+    common = {"weight_decay": cfg.weight_decay, "max_grad_norm": cfg.max_grad_norm or None}
+    betas = tuple(cfg.betas) if cfg.betas else DEFAULT_BETAS.get(kind)
+    if kind in ("adamw", "adam"):
+        return OPTIMIZERS[kind](flat, schedule, betas=betas, eps=cfg.eps if cfg.eps is not None else 1e-8, **common)
+    if kind == "lion":
+        return Lion(flat, schedule, betas=betas, **common)
+    return SGD(flat, schedule, momentum=cfg.momentum, dampening=cfg.dampening, nesterov=cfg.nesterov, **common)

@@ -1,0 +1,206 @@
+"""krnl's optimizers (krnl.train.optimizers) over a FlatParams, each N steps with clipping,
+gradient accumulation and weight decay: against float64 numpy of its reference's update (no torch
+needed), against the reference itself (torch.optim.AdamW, Adam, SGD; lion-pytorch) where it
+installs, its state resumed bit for bit, and the choice from a TrainConfig."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from krnl.train.optim import OPTIMIZERS, SGD, Adam, AdamW, Lion, LossScaler, Schedule, from_config
+from krnl.train.trainer import TrainConfig
+
+from test_optim import flat_of, make_flat, set_grads
+
+SCHED = dict(lr=2e-2, warmup_steps=2, total_steps=7, kind="cosine", min_lr_ratio=0.1)
+
+# name -> (constructor, its keyword arguments): every optimizer and option the references check
+CASES = {
+    "adamw": (AdamW, dict(betas=(0.8, 0.95), eps=1e-6)),
+    "adam": (Adam, dict(betas=(0.9, 0.99), eps=1e-8)),
+    "sgd": (SGD, dict()),
+    "sgd-momentum": (SGD, dict(momentum=0.9, dampening=0.2)),
+    "sgd-nesterov": (SGD, dict(momentum=0.8, nesterov=True)),
+    "lion": (Lion, dict(betas=(0.9, 0.99))),
+}
+
+
+class NumpyRef:
+    """float64 of each reference's update after torch.nn.utils.clip_grad_norm_."""
+
+    def __init__(self, case, p, lr_fn, wd, max_norm):
+        self.kind, self.kw = CASES[case][0].name, CASES[case][1]
+        self.p = np.array(p, np.float64)
+        self.m, self.v = np.zeros_like(self.p), np.zeros_like(self.p)
+        self.lr_fn, self.wd, self.max_norm, self.t = lr_fn, wd, max_norm, 0
+
+    def step(self, g_sum, n):
+        g = np.asarray(g_sum, np.float64) / n
+        norm = float(np.sqrt(np.sum(g * g)))
+        if self.max_norm is not None:
+            g = g * min(1.0, self.max_norm / (norm + 1e-6))
+        self.t += 1
+        lr, t, kw, p = self.lr_fn(self.t), self.t, self.kw, self.p
+        if self.kind in ("adamw", "adam"):
+            (b1, b2), eps = kw["betas"], kw["eps"]
+            if self.kind == "adamw":
+                p *= 1 - lr * self.wd
+            else:
+                g = g + self.wd * p
+            self.m = b1 * self.m + (1 - b1) * g
+            self.v = b2 * self.v + (1 - b2) * g * g
+            p -= lr / (1 - b1**t) * self.m / (np.sqrt(self.v) / np.sqrt(1 - b2**t) + eps)
+        elif self.kind == "sgd":
+            g = g + self.wd * p
+            mu = kw.get("momentum", 0.0)
+            if mu:
+                self.m = g.copy() if t == 1 else mu * self.m + (1 - kw.get("dampening", 0.0)) * g
+                g = g + mu * self.m if kw.get("nesterov") else self.m
+            p -= lr * g
+        else:
+            b1, b2 = kw["betas"]
+            p *= 1 - lr * self.wd
+            p -= lr * np.sign(b1 * self.m + (1 - b1) * g)
+            self.m = b2 * self.m + (1 - b2) * g
+        return norm
+
+
+def make_opt(case, fp, wd=0.0, max_norm=None, sched=None, **extra):
+    cls, kw = CASES[case]
+    return cls(fp, sched or Schedule(**SCHED), weight_decay=wd, max_grad_norm=max_norm, **kw, **extra)
+
+
+def grads_of(rng, n, n_micro, step):
+    """What accumulation of n_micro micro-batches leaves in the grads."""
+    micro = [rng.standard_normal(n).astype(np.float32) * 0.1 * step for _ in range(n_micro)]
+    return np.sum(np.array(micro, np.float32), axis=0)
+
+
+@pytest.mark.parametrize("n_micro, max_norm, wd", [(1, None, 0.0), (3, 0.05, 0.1), (2, 1e3, 0.01)])
+@pytest.mark.parametrize("case", CASES)
+def test_optimizer_matches_numpy(dev, case, n_micro, max_norm, wd):
+    fp = make_flat(dev)
+    n = fp.numel
+    opt = make_opt(case, fp, wd, max_norm)
+    ref = NumpyRef(case, flat_of(fp.params, n), Schedule(**SCHED).lr_at, wd, max_norm)
+    p0 = ref.p.copy()
+    rng = np.random.default_rng(11)
+    for step in range(1, 8):
+        g_sum = grads_of(rng, n, n_micro, step)
+        set_grads(fp, g_sum)
+        info = opt.step(accumulated_micro_batches=n_micro)
+        norm = ref.step(g_sum, n_micro)
+        assert info["grad_norm"] == pytest.approx(norm, rel=1e-5) and not info["skipped"]
+        assert np.all(flat_of(fp.grads, n) == 0), "grads must be zeroed after the step"
+    got = flat_of(fp.params, n)
+    # The total update, so that errors are visible next to the params (~1); slack of a few f32
+    # roundings of the params per step. Lion's and SGD's steps are lr-sized.
+    scale = np.max(np.abs(ref.p - p0))
+    np.testing.assert_allclose(got - p0, ref.p - p0, rtol=3e-4, atol=1e-5 * scale + 16 * 2.0**-23 * np.max(np.abs(p0)))
+    assert opt.adam_step == 7 and opt.iteration == 7
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("case", CASES)
+def test_optimizer_matches_its_reference(dev, case):
+    """Seven steps of the reference optimizer itself (torch.optim, lion-pytorch) on the same
+    gradients, clipped by torch.nn.utils.clip_grad_norm_, stepped by a LambdaLR of the schedule;
+    both in f32."""
+    torch = pytest.importorskip("torch")
+    cls, kw = CASES[case]
+    wd, max_norm, n_micro = 0.05, 0.5, 2
+    fp = make_flat(dev)
+    n = fp.numel
+    opt = make_opt(case, fp, wd, max_norm)
+    tp = torch.nn.Parameter(torch.from_numpy(np.array(fp.params.numpy()[:n], np.float32)))
+    sched = Schedule(**SCHED)
+    if cls.name == "lion":
+        lion_pytorch = pytest.importorskip("lion_pytorch")
+        ref = lion_pytorch.Lion([tp], lr=SCHED["lr"], weight_decay=wd, **kw)
+    else:
+        ref_cls = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}[cls.name]
+        ref = ref_cls([tp], lr=SCHED["lr"], weight_decay=wd, **kw)
+    lr_sched = torch.optim.lr_scheduler.LambdaLR(ref, lambda i: sched.lr_at(i + 1) / SCHED["lr"])
+    rng = np.random.default_rng(12)
+    for step in range(1, 8):
+        g_sum = grads_of(rng, n, n_micro, step)
+        set_grads(fp, g_sum)
+        opt.step(n_micro)
+        tp.grad = torch.from_numpy(g_sum / np.float32(n_micro))
+        torch.nn.utils.clip_grad_norm_([tp], max_norm)
+        ref.step()
+        lr_sched.step()
+    want = tp.detach().numpy().astype(np.float64)
+    got, p0 = flat_of(fp.params, n), np.array(make_flat(dev).params.numpy()[:n], np.float64)
+    err = np.max(np.abs((got - p0) - (want - p0))) / np.max(np.abs(want - p0))
+    assert err < 1e-4, f"{case}: max relative error of the update {err:.2e}"
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+@pytest.mark.parametrize("case", CASES)
+def test_state_dict_round_trip_continues_bit_identically(dev, case, dtype):
+    """Four steps, the state into a fresh optimizer of other settings over other params, then
+    four more steps of both: params and state bit for bit (f16: with loss scaling)."""
+    scaler = (lambda: LossScaler(True, init=1024.0, growth_interval=2)) if dtype == "f16" else (lambda: None)
+    fa = make_flat(dev, dtype)
+    a = make_opt(case, fa, 0.05, 0.3, loss_scaler=scaler())
+    rng = np.random.default_rng(13)
+    grads = [rng.standard_normal(fa.numel).astype(np.float32) for _ in range(8)]
+    for g in grads[:4]:
+        set_grads(fa, g * np.float32(a.loss_scale))
+        a.step(2)
+    state, masters = a.state_dict(), fa.state()
+    assert state["optimizer"] == type(a).name
+    fb = make_flat(dev, dtype, seed=99)
+    cls = type(a)
+    b = cls(fb, Schedule(1.0, kind="constant"), loss_scaler=scaler())
+    fb.load(masters)
+    b.load_state_dict(state)
+    for g in grads[4:]:
+        for opt, fp in ((a, fa), (b, fb)):
+            set_grads(fp, g * np.float32(opt.loss_scale))
+            opt.step(2)
+    for t in ("params", "m", "v"):
+        assert np.array_equal(getattr(fa, t).numpy(), getattr(fb, t).numpy()), t
+    assert a.state_dict()["hyper"] == b.state_dict()["hyper"]
+
+
+def test_state_of_another_optimizer_is_refused(dev):
+    a = make_opt("adamw", make_flat(dev))
+    b = make_opt("lion", make_flat(dev))
+    with pytest.raises(ValueError, match=r"\[Lion.load_state_dict\] the state is adamw's, this optimizer is lion"):
+        b.load_state_dict(a.state_dict())
+    old = a.state_dict()
+    del old["optimizer"]  # a checkpoint from before the choice: AdamW's
+    make_opt("adamw", make_flat(dev)).load_state_dict(old)
+
+
+def test_sgd_skipped_first_step_keeps_the_buffer_start(dev):
+    """Under loss scaling a skipped step does not count: the next one still starts the momentum
+    buffer as its gradient."""
+    fp = make_flat(dev, "f16")
+    opt = SGD(fp, Schedule(0.1, kind="constant"), momentum=0.9, loss_scaler=LossScaler(True, init=4.0))
+    bad = np.full(fp.numel, np.inf, np.float32)
+    set_grads(fp, bad)
+    assert opt.step()["skipped"]
+    g = np.linspace(-1, 1, fp.numel).astype(np.float32)
+    set_grads(fp, g * np.float32(opt.loss_scale))
+    opt.step()
+    np.testing.assert_allclose(flat_of(fp.m, fp.numel), g, rtol=1e-6)
+
+
+def test_from_config_picks_each_optimizer(dev):
+    for name, cls in OPTIMIZERS.items():
+        cfg = TrainConfig(optimizer=name, weight_decay=0.01, max_grad_norm=0.5)
+        opt = from_config(make_flat(dev), Schedule(1e-3, kind="constant"), cfg)
+        assert type(opt) is cls and opt.weight_decay == 0.01 and opt.max_grad_norm == 0.5
+    lion = from_config(make_flat(dev), Schedule(1e-3, kind="constant"), TrainConfig(optimizer="lion"))
+    assert lion.betas == (0.9, 0.99)
+    cfg = dataclasses.replace(TrainConfig(), optimizer="sgd", momentum=0.9, nesterov=True)
+    sgd = from_config(make_flat(dev), Schedule(1e-3, kind="constant"), cfg)
+    assert sgd.momentum == 0.9 and sgd.nesterov and sgd.state == {"buf": "m"}
+    with pytest.raises(ValueError, match="optimizer must be one of"):
+        from_config(make_flat(dev), Schedule(1e-3, kind="constant"), TrainConfig(optimizer="adagrad"))
+    with pytest.raises(ValueError, match=r"\[SGD\] nesterov"):
+        SGD(make_flat(dev), Schedule(1e-3, kind="constant"), nesterov=True)

@@ -240,6 +240,26 @@ struct LionArgs {
     uint32_t use_flag;
 };
 
+// adafactor_update over one parameter (B, R, C) f32 with row (B, R) and col (B, C) f32 moments and
+// a scratch `work` (2 B R + B + 2,) f32: [per-row sums of params^2 | of u^2 | each entry's
+// max(mean(row), eps1) | alpha | the step alpha / max(1, rms(u) / d)], six dispatches
+// (optimizer.metal). rho, beta2t, decay and grad_scale from the host, or hyper [rho, beta2t, decay,
+// inv_denom, max_norm] (device_scalars, as AdamwArgs).
+struct AdafactorArgs {
+    uint32_t B;
+    uint32_t R;
+    uint32_t C;
+    float    rho;
+    float    beta2t;
+    float    decay;
+    float    eps1;
+    float    eps2;
+    float    d;
+    float    grad_scale;
+    uint32_t device_scalars;
+    uint32_t use_flag;
+};
+
 // sumsq (two passes): sumsq_partial: threadgroup g reduces x[g * chunk, min(n, (g + 1) * chunk))
 // into partials[g] (f32); sumsq_finish: one threadgroup sums partials[0, groups) in a fixed order
 // into out[0] (f32). Deterministic for a given chunk and threadgroup size.

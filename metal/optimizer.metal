@@ -1,7 +1,7 @@
 // msl: 3.0 (krnl's floor; newest feature used: simd_sum/simd_any and a device atomic_int, MSL 2.x)
-// Optimizer-step kernels: AdamW (and Adam), SGD and Lion over flat f32 buffers, the two-pass sum
-// of squares (global grad norm) and the inf/NaN flag (dynamic loss scaling). Geometry per kernel
-// below.
+// Optimizer-step kernels: AdamW (and Adam), SGD and Lion over flat f32 buffers, Adafactor per
+// parameter, the two-pass sum of squares (global grad norm) and the inf/NaN flag (dynamic loss
+// scaling). Geometry per kernel below.
 #include <metal_stdlib>
 #include "kargs.h"
 using namespace metal;
@@ -267,6 +267,214 @@ template [[host_name("sumsq_partial_f32")]] [[kernel]] decltype(sumsq_partial<fl
 template [[host_name("sumsq_partial_f16")]] [[kernel]] decltype(sumsq_partial<half>)  sumsq_partial<half>;
 #if KRNL_BF16
 template [[host_name("sumsq_partial_bf16")]] [[kernel]] decltype(sumsq_partial<bfloat>) sumsq_partial<bfloat>;
+#endif
+
+// ---- adafactor_update: adafactor_rows, adafactor_cols, adafactor_stats, adafactor_unorm,
+// adafactor_finish, then adafactor_apply (or adafactor_apply_working_{f32,f16,bf16}), dispatched in
+// that order (kargs.h's AdafactorArgs). Buffers: params 0, grads 1, row 2, col 3, working 4, args
+// 5, hyper/sq/flag 6..8, work 9. Every kernel returns at once on a non-finite step.
+// Geometry: _rows and _unorm one threadgroup per row (B R threadgroups, any size up to 1024);
+// _stats and _finish exactly one threadgroup; _cols and _apply grid-stride loops, any grid.
+struct AdaScalars {
+    bool  skip;
+    float rho, w, decay, gs;
+};
+
+static inline AdaScalars ada_scalars(constant AdafactorArgs& a, device const float* hyper, device const float* sq,
+                                     device const int* flag)
+{
+    if (a.device_scalars == 0) return {false, a.rho, a.beta2t, a.decay, a.grad_scale};
+    const ClipScalars c = clip_scalars(hyper, sq, flag, a.use_flag);
+    return {c.skip, hyper[0], hyper[1], hyper[2], c.grad_scale};
+}
+
+// torch.lerp's form: exact at both ends
+static inline float ada_lerp(float a, float b, float w) { return w < 0.5f ? a + w * (b - a) : b - (b - a) * (1.0f - w); }
+
+// u at (row r, column j): g / sqrt(max(row col / mean, eps1^2)), in the CPU backend's order
+static inline float ada_u(uint r, uint j, device const float* g, device const float* row, device const float* col,
+                          device const float* work, constant AdafactorArgs& a, float gs)
+{
+    const uint b = r / a.R;
+    const float mean = work[2 * a.B * a.R + b];
+    const float v = max(precise::divide(row[r] * col[b * a.C + j], mean), a.eps1 * a.eps1);
+    return precise::divide(g[(ulong)r * a.C + j] * gs, precise::sqrt(v));
+}
+
+kernel void adafactor_rows(device const float*    params [[buffer(0)]],
+                           device const float*    grads  [[buffer(1)]],
+                           device float*          row    [[buffer(2)]],
+                           constant AdafactorArgs& args  [[buffer(5)]],
+                           device const float*    hyper  [[buffer(6)]],
+                           device const float*    sq     [[buffer(7)]],
+                           device const int*      flag   [[buffer(8)]],
+                           device float*          work   [[buffer(9)]],
+                           uint r    [[threadgroup_position_in_grid]],
+                           uint tid  [[thread_position_in_threadgroup]],
+                           uint ntg  [[threads_per_threadgroup]],
+                           uint lane [[thread_index_in_simdgroup]],
+                           uint sg   [[simdgroup_index_in_threadgroup]],
+                           uint nsg  [[simdgroups_per_threadgroup]])
+{
+    threadgroup float part_p[RED_MAX_SIMDGROUPS];
+    threadgroup float part_g[RED_MAX_SIMDGROUPS];
+    const AdaScalars s = ada_scalars(args, hyper, sq, flag);
+    if (s.skip || r >= args.B * args.R) return;  // uniform over the threadgroup
+    float pp = 0.0f, gg = 0.0f;
+    for (uint j = tid; j < args.C; j += ntg) {
+        const ulong i = (ulong)r * args.C + j;
+        const float gi = grads[i] * s.gs;
+        pp = fma(params[i], params[i], pp);
+        gg = fma(gi, gi, gg);
+    }
+    const float tp = threadgroup_sum(pp, part_p, tid, lane, sg, nsg);
+    const float tg = threadgroup_sum(gg, part_g, tid, lane, sg, nsg);
+    if (tid == 0) {
+        work[r] = tp;
+        row[r] = ada_lerp(row[r], precise::divide(tg, float(args.C)), s.w);
+    }
+}
+
+kernel void adafactor_cols(device const float*    grads [[buffer(1)]],
+                           device float*          col   [[buffer(3)]],
+                           constant AdafactorArgs& args [[buffer(5)]],
+                           device const float*    hyper [[buffer(6)]],
+                           device const float*    sq    [[buffer(7)]],
+                           device const int*      flag  [[buffer(8)]],
+                           uint gid [[thread_position_in_grid]],
+                           uint gsz [[threads_per_grid]])
+{
+    const AdaScalars s = ada_scalars(args, hyper, sq, flag);
+    if (s.skip) return;
+    for (uint k = gid; k < args.B * args.C; k += gsz) {
+        const uint b = k / args.C, j = k % args.C;
+        float acc = 0.0f;
+        for (uint i = 0; i < args.R; ++i) {
+            const float gi = grads[((ulong)b * args.R + i) * args.C + j] * s.gs;
+            acc = fma(gi, gi, acc);
+        }
+        col[k] = ada_lerp(col[k], precise::divide(acc, float(args.R)), s.w);
+    }
+}
+
+// work[2BR + b] = max(mean(row[b]), eps1) for each entry b; work[2BR + B] = alpha.
+kernel void adafactor_stats(device const float*    row   [[buffer(2)]],
+                            constant AdafactorArgs& args [[buffer(5)]],
+                            device const float*    hyper [[buffer(6)]],
+                            device const float*    sq    [[buffer(7)]],
+                            device const int*      flag  [[buffer(8)]],
+                            device float*          work  [[buffer(9)]],
+                            uint tid  [[thread_position_in_threadgroup]],
+                            uint ntg  [[threads_per_threadgroup]],
+                            uint lane [[thread_index_in_simdgroup]],
+                            uint sg   [[simdgroup_index_in_threadgroup]],
+                            uint nsg  [[simdgroups_per_threadgroup]])
+{
+    threadgroup float part[RED_MAX_SIMDGROUPS];
+    const AdaScalars s = ada_scalars(args, hyper, sq, flag);
+    if (s.skip) return;
+    const uint rows = args.B * args.R;
+    float acc = 0.0f;
+    for (uint k = tid; k < rows; k += ntg) acc += work[k];
+    const float total = threadgroup_sum(acc, part, tid, lane, sg, nsg);
+    if (tid == 0) {
+        const float n = float(rows) * float(args.C);
+        work[2 * rows + args.B] = max(args.eps2, precise::sqrt(precise::divide(total, n))) * s.rho;
+    }
+    for (uint b = 0; b < args.B; ++b) {
+        threadgroup_barrier(mem_flags::mem_threadgroup);  // part is reused
+        float rs = 0.0f;
+        for (uint i = tid; i < args.R; i += ntg) rs += row[b * args.R + i];
+        const float t = threadgroup_sum(rs, part, tid, lane, sg, nsg);
+        if (tid == 0) work[2 * rows + b] = max(precise::divide(t, float(args.R)), args.eps1);
+    }
+}
+
+kernel void adafactor_unorm(device const float*    grads [[buffer(1)]],
+                            device const float*    row   [[buffer(2)]],
+                            device const float*    col   [[buffer(3)]],
+                            constant AdafactorArgs& args [[buffer(5)]],
+                            device const float*    hyper [[buffer(6)]],
+                            device const float*    sq    [[buffer(7)]],
+                            device const int*      flag  [[buffer(8)]],
+                            device float*          work  [[buffer(9)]],
+                            uint r    [[threadgroup_position_in_grid]],
+                            uint tid  [[thread_position_in_threadgroup]],
+                            uint ntg  [[threads_per_threadgroup]],
+                            uint lane [[thread_index_in_simdgroup]],
+                            uint sg   [[simdgroup_index_in_threadgroup]],
+                            uint nsg  [[simdgroups_per_threadgroup]])
+{
+    threadgroup float part[RED_MAX_SIMDGROUPS];
+    const AdaScalars s = ada_scalars(args, hyper, sq, flag);
+    if (s.skip || r >= args.B * args.R) return;
+    float uu = 0.0f;
+    for (uint j = tid; j < args.C; j += ntg) {
+        const float u = ada_u(r, j, grads, row, col, work, args, s.gs);
+        uu = fma(u, u, uu);
+    }
+    const float t = threadgroup_sum(uu, part, tid, lane, sg, nsg);
+    if (tid == 0) work[args.B * args.R + r] = t;
+}
+
+// work[2BR + B + 1] = alpha / max(1, rms(u) / d)
+kernel void adafactor_finish(constant AdafactorArgs& args [[buffer(5)]],
+                             device const float*    hyper [[buffer(6)]],
+                             device const float*    sq    [[buffer(7)]],
+                             device const int*      flag  [[buffer(8)]],
+                             device float*          work  [[buffer(9)]],
+                             uint tid  [[thread_position_in_threadgroup]],
+                             uint ntg  [[threads_per_threadgroup]],
+                             uint lane [[thread_index_in_simdgroup]],
+                             uint sg   [[simdgroup_index_in_threadgroup]],
+                             uint nsg  [[simdgroups_per_threadgroup]])
+{
+    threadgroup float part[RED_MAX_SIMDGROUPS];
+    const AdaScalars s = ada_scalars(args, hyper, sq, flag);
+    if (s.skip) return;
+    const uint rows = args.B * args.R;
+    float acc = 0.0f;
+    for (uint k = tid; k < rows; k += ntg) acc += work[rows + k];
+    const float total = threadgroup_sum(acc, part, tid, lane, sg, nsg);
+    if (tid == 0) {
+        const float rms = precise::sqrt(precise::divide(total, float(rows) * float(args.C)));
+        work[2 * rows + args.B + 1] = precise::divide(work[2 * rows + args.B], max(1.0f, precise::divide(rms, args.d)));
+    }
+}
+
+template <typename W, bool WORKING>
+kernel void adafactor_apply(device float*          params  [[buffer(0)]],
+                            device const float*    grads   [[buffer(1)]],
+                            device const float*    row     [[buffer(2)]],
+                            device const float*    col     [[buffer(3)]],
+                            device W*              working [[buffer(4)]],
+                            constant AdafactorArgs& args   [[buffer(5)]],
+                            device const float*    hyper   [[buffer(6)]],
+                            device const float*    sq      [[buffer(7)]],
+                            device const int*      flag    [[buffer(8)]],
+                            device const float*    work    [[buffer(9)]],
+                            uint gid [[thread_position_in_grid]],
+                            uint gsz [[threads_per_grid]])
+{
+    const AdaScalars s = ada_scalars(args, hyper, sq, flag);
+    if (s.skip) return;
+    const uint rows = args.B * args.R;
+    const float step = work[2 * rows + args.B + 1], keep = 1.0f - s.decay;
+    for (uint i = gid; i < rows * args.C; i += gsz) {
+        const float pi = params[i] * keep - step * ada_u(i / args.C, i % args.C, grads, row, col, work, args, s.gs);
+        params[i] = pi;
+        if (WORKING) working[i] = W(pi);
+    }
+}
+
+template [[host_name("adafactor_apply")]] [[kernel]] decltype(adafactor_apply<float, false>) adafactor_apply<float, false>;
+template [[host_name("adafactor_apply_working_f32")]] [[kernel]]
+decltype(adafactor_apply<float, true>) adafactor_apply<float, true>;
+template [[host_name("adafactor_apply_working_f16")]] [[kernel]]
+decltype(adafactor_apply<half, true>) adafactor_apply<half, true>;
+#if KRNL_BF16
+template [[host_name("adafactor_apply_working_bf16")]] [[kernel]]
+decltype(adafactor_apply<bfloat, true>) adafactor_apply<bfloat, true>;
 #endif
 
 // ---- nonfinite: flag[0] = 1 if any of x[0, n) is inf or NaN; never cleared here (the host

@@ -280,3 +280,87 @@ def test_optim_update_bad_calls(dev):
     other = krnl.device("cpu:1" if dev.name == "cpu" else "cpu")
     with pytest.raises(ValueError, match=r"^\[lion_update\] m is on"):
         ops.lion_update(z(4), z(4), other.zeros((4,)), 0.1)
+
+
+# ---- Adafactor
+
+def adafactor_ref(p, g, row, col, rho, w, decay, eps1, eps2, d):
+    """torch.optim.Adafactor's step (single-tensor path) in float64 for p (B, R, C), row (B, R),
+    col (B, C); w = 1 - beta2_t, decay = lr * weight_decay."""
+    alpha = max(eps2, np.sqrt(np.mean(p * p))) * rho
+    p = p * (1 - decay)
+    lerp = lambda a, b: a + w * (b - a)  # noqa: E731
+    row = lerp(row, np.mean(g * g, axis=-1))
+    col = lerp(col, np.mean(g * g, axis=-2))
+    v = row[..., :, None] * col[..., None, :] / np.maximum(np.mean(row, axis=-1), eps1)[..., None, None]
+    u = g / np.sqrt(np.maximum(v, eps1 * eps1))
+    return p - alpha / max(1.0, np.sqrt(np.mean(u * u)) / d) * u, row, col
+
+
+ADA_SHAPES = [(1, 1), (1, 31), (33, 1), (31, 33), (127, 4), (3, 5, 7), (2, 2, 3, 5), (48, 96)]
+
+
+@pytest.mark.parametrize("shape", ADA_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_adafactor_update(dev, shape):
+    """Steps 1..4 with torch's schedule of rho and 1 - beta2_t, weight decay and a grad scale; half
+    the gradient rows tiny so eps1's floor and the update clipping both show."""
+    R, C = shape[-2], shape[-1]
+    B = int(np.prod(shape[:-2])) if len(shape) > 2 else 1
+    rng = np.random.default_rng(77)
+    params = to_dev(dev, rng.standard_normal(shape))
+    row, col = dev.zeros((B * R,)), dev.zeros((B * C,))
+    lr, wd, gs = 0.05, 0.1, 0.5
+    for t in range(1, 5):
+        g = rng.standard_normal(shape)
+        g[..., ::2, :] *= 1e-4 * t
+        grads = to_dev(dev, g)
+        p0, g0, r0, c0 = read(params), read(grads), read(row).reshape(B, R), read(col).reshape(B, C)
+        rho, w, decay = min(lr, t**-0.5), float(t) ** -0.8, f32(lr) * f32(wd)
+        ops.adafactor_update(params, grads, row, col, rho, w, decay, grad_scale=gs)
+        rp, rr, rc = adafactor_ref(p0.reshape(B, R, C), g0.reshape(B, R, C) * gs, r0, c0, f32(rho), f32(w), f32(decay),
+                                   f32(np.finfo(np.float32).eps), f32(1e-3), 1.0)
+        assert_close_elementwise(read(row), rr.reshape(-1), 1e-5, 1e-30, what=f"row step {t}")
+        assert_close_elementwise(read(col), rc.reshape(-1), 1e-5, 1e-30, what=f"col step {t}")
+        step = np.max(np.abs(rp - p0.reshape(B, R, C) * (1 - decay)))
+        assert_close_elementwise(read(params).reshape(-1), rp.reshape(-1), 0.0,
+                                 8 * U32 * np.abs(p0.reshape(-1)) + 1e-4 * step + 1e-12,
+                                 what=f"params step {t}")
+
+
+def test_adafactor_update_device_scalars(dev):
+    """hyper [rho, 1 - beta2_t, decay, inv_denom, max_norm]: without clipping bit for bit the
+    scalar path at grad_scale = inv_denom; the skip writes nothing; an f16 working copy."""
+    shape, inv_denom = (31, 33), np.float32(0.25)
+    rng = np.random.default_rng(78)
+    p_init = rng.standard_normal(shape)
+    a = [to_dev(dev, p_init), dev.zeros((31,)), dev.zeros((33,)), empty_filled(dev, shape, "f16")]
+    b = [to_dev(dev, p_init), dev.zeros((31,)), dev.zeros((33,)), empty_filled(dev, shape, "f16")]
+    sq, flag = dev.zeros((1,)), dev.zeros((1,), "i32")
+    for t in (1, 2, 3):
+        grads = to_dev(dev, rng.standard_normal(shape) * 4)
+        ops.sumsq(grads, sq)
+        nums = [min(0.01, t**-0.5), float(t) ** -0.8, 1e-3]
+        ops.adafactor_update(a[0], grads, a[1], a[2], *nums, grad_scale=float(inv_denom), working=a[3])
+        ops.adafactor_update(b[0], grads, b[1], b[2], 9.0, 0.5, 0.5, working=b[3], sq=sq, flag=flag,
+                             hyper=to_dev(dev, hyper_of(nums, inv_denom, 0.0)))
+        for x, y in zip(a, b):
+            np.testing.assert_array_equal(read(x), read(y), err_msg=f"step {t}")
+    np.testing.assert_array_equal(read(b[3]), read(to_dev(dev, read(b[0]), "f16")))
+    before = [read(x) for x in b]
+    ops.fill(flag, 1.0)
+    ops.adafactor_update(b[0], grads, b[1], b[2], 0.0, working=b[3], sq=sq, flag=flag,
+                         hyper=to_dev(dev, hyper_of(nums, inv_denom, 0.0)))
+    for x, y in zip(b, before):
+        np.testing.assert_array_equal(read(x), y, err_msg="written on a skipped step")
+
+
+def test_adafactor_update_bad_calls(dev):
+    z = lambda *s: dev.zeros(s)  # noqa: E731
+    cases = [(lambda: ops.adafactor_update(z(6), z(6), z(1), z(6), 0.1), "2 dims"),
+             (lambda: ops.adafactor_update(z(2, 3), z(3, 2), z(2), z(3), 0.1), "grads"),
+             (lambda: ops.adafactor_update(z(2, 3), z(2, 3), z(3), z(3), 0.1), "row"),
+             (lambda: ops.adafactor_update(z(2, 2, 3), z(2, 2, 3), z(4), z(3), 0.1), "col"),
+             (lambda: ops.adafactor_update(z(2, 3), z(2, 3), z(2), z(3), 0.1, beta2t=1.5), "beta2t")]
+    for call, what in cases:
+        with pytest.raises(ValueError, match=rf"^\[adafactor_update\] .*{what}"):
+            call()

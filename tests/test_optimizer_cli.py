@@ -12,7 +12,8 @@ from krnl.cli.optim_args import config_fields
 BASE = ["train", "--iters", "4", "--warmup", "1", "--steps-per-eval", "4", "--save-every", "2", "--quiet",
         "--train-samples", "64", "--lora-rank", "4", "--batch-size", "4"]
 RUNS = {"adamw": [], "adam": ["--weight-decay", "0.01"], "sgd": ["--momentum", "0.9", "--nesterov"],
-        "lion": ["--betas", "0.9,0.98", "--learning-rate", "3e-4", "--weight-decay", "0.1"]}
+        "lion": ["--betas", "0.9,0.98", "--learning-rate", "3e-4", "--weight-decay", "0.1"],
+        "adafactor": ["--learning-rate", "1e-2", "--no-relative-step", "--clip-threshold", "0.5"]}
 
 
 def args_of(argv):
@@ -27,7 +28,7 @@ def losses(out):
 def test_command_line_and_config_file(tmp_path):
     a = args_of(["train", "--optimizer", "sgd", "--momentum", "0.9", "--dampening", "0.1"])
     assert config_fields(a) == {"optimizer": "sgd", "betas": None, "eps": None, "momentum": 0.9, "dampening": 0.1,
-                                "nesterov": False}
+                                "nesterov": False, "beta2_decay": -0.8, "clip_threshold": 1.0, "relative_step": True}
     assert args_of(["train", "--betas", "0.8,0.9"]).betas == (0.8, 0.9)
     with pytest.raises(SystemExit):
         args_of(["train", "--betas", "0.9"])
@@ -42,6 +43,9 @@ def test_command_line_and_config_file(tmp_path):
     cfg.write_text("optimizer: sgd\nmomentum: 0.5\nnesterov: true\neps: 1e-6\n")
     a = args_of(["train", "--config", str(cfg), "--momentum", "0.7"])  # the command line wins
     assert (a.optimizer, a.momentum, a.nesterov, a.eps) == ("sgd", 0.7, True, 1e-6)
+    cfg.write_text("optimizer: adafactor\nrelative_step: false\nbeta2_decay: -0.5\n")
+    a = args_of(["train", "--config", str(cfg)])
+    assert (a.optimizer, a.relative_step, a.beta2_decay) == ("adafactor", False, -0.5)
 
 
 @pytest.mark.parametrize("name", RUNS)

@@ -8,10 +8,18 @@ import dataclasses
 import numpy as np
 import pytest
 
-from krnl.train.optim import OPTIMIZERS, SGD, Adam, AdamW, Lion, LossScaler, Schedule, from_config
+from krnl.train.optim import OPTIMIZERS, SGD, Adafactor, Adam, AdamW, Lion, LossScaler, Schedule, from_config
 from krnl.train.trainer import TrainConfig
 
-from test_optim import flat_of, make_flat, set_grads
+from test_optim import flat_of, set_grads
+from test_optim import make_flat as make_any_flat
+
+# LoRA-like factors (Adafactor factors >= 2 dims), a 3-D one as an expert's
+SHAPES = {"layer0.A": (3, 17), "layer0.B": (33, 3), "experts.A": (2, 3, 5)}
+
+
+def make_flat(dev, dtype="f32", seed=0):
+    return make_any_flat(dev, dtype, seed, SHAPES)
 
 SCHED = dict(lr=2e-2, warmup_steps=2, total_steps=7, kind="cosine", min_lr_ratio=0.1)
 
@@ -23,6 +31,8 @@ CASES = {
     "sgd-momentum": (SGD, dict(momentum=0.9, dampening=0.2)),
     "sgd-nesterov": (SGD, dict(momentum=0.8, nesterov=True)),
     "lion": (Lion, dict(betas=(0.9, 0.99))),
+    "adafactor": (Adafactor, dict()),
+    "adafactor-lr": (Adafactor, dict(relative_step=False, beta2_decay=-0.5, d=0.5)),
 }
 
 
@@ -51,6 +61,13 @@ class NumpyRef:
             self.m = b1 * self.m + (1 - b1) * g
             self.v = b2 * self.v + (1 - b2) * g * g
             p -= lr / (1 - b1**t) * self.m / (np.sqrt(self.v) / np.sqrt(1 - b2**t) + eps)
+        elif self.kind == "adafactor":
+            off = 0
+            for name, shape in SHAPES.items():
+                size, b = int(np.prod(shape)), (-1,) + shape[-2:]
+                got = self.adafactor(name, p[off:off + size].reshape(b), g[off:off + size].reshape(b), lr, t)
+                self.p[off:off + size] = got.reshape(-1)
+                off += size
         elif self.kind == "sgd":
             g = g + self.wd * p
             mu = kw.get("momentum", 0.0)
@@ -64,6 +81,24 @@ class NumpyRef:
             p -= lr * np.sign(b1 * self.m + (1 - b1) * g)
             self.m = b2 * self.m + (1 - b2) * g
         return norm
+
+
+    def adafactor(self, key, p, g, lr, t):
+        """torch.optim.Adafactor on one parameter as (B, R, C)."""
+        kw = self.kw
+        if not hasattr(self, "rows"):
+            self.rows, self.cols = {}, {}
+        row, col = self.rows.get(key, np.zeros(p.shape[:2])), self.cols.get(key, np.zeros((p.shape[0], p.shape[2])))
+        rho = min(lr, t**-0.5) if kw.get("relative_step", True) else lr
+        w, eps1, d = float(t) ** kw.get("beta2_decay", -0.8), float(np.finfo(np.float32).eps), kw.get("d", 1.0)
+        alpha = max(1e-3, np.sqrt(np.mean(p * p))) * rho
+        p = p * (1 - lr * self.wd)
+        row = row + w * (np.mean(g * g, axis=-1) - row)
+        col = col + w * (np.mean(g * g, axis=-2) - col)
+        self.rows[key], self.cols[key] = row, col
+        v = row[:, :, None] * col[:, None, :] / np.maximum(np.mean(row, axis=-1), eps1)[:, None, None]
+        u = g / np.sqrt(np.maximum(v, eps1 * eps1))
+        return p - alpha / max(1.0, np.sqrt(np.mean(u * u)) / d) * u
 
 
 def make_opt(case, fp, wd=0.0, max_norm=None, sched=None, **extra):
@@ -113,25 +148,32 @@ def test_optimizer_matches_its_reference(dev, case):
     fp = make_flat(dev)
     n = fp.numel
     opt = make_opt(case, fp, wd, max_norm)
-    tp = torch.nn.Parameter(torch.from_numpy(np.array(fp.params.numpy()[:n], np.float32)))
+    init = fp.state()
+    tps = [torch.nn.Parameter(torch.from_numpy(init[k])) for k in SHAPES]
     sched = Schedule(**SCHED)
     if cls.name == "lion":
         lion_pytorch = pytest.importorskip("lion_pytorch")
-        ref = lion_pytorch.Lion([tp], lr=SCHED["lr"], weight_decay=wd, **kw)
+        ref = lion_pytorch.Lion(tps, lr=SCHED["lr"], weight_decay=wd, **kw)
+    elif cls.name == "adafactor":
+        if not kw.get("relative_step", True):
+            pytest.skip("torch's Adafactor always takes the relative step")
+        ref = torch.optim.Adafactor(tps, lr=SCHED["lr"], weight_decay=wd, **kw)
     else:
         ref_cls = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}[cls.name]
-        ref = ref_cls([tp], lr=SCHED["lr"], weight_decay=wd, **kw)
+        ref = ref_cls(tps, lr=SCHED["lr"], weight_decay=wd, **kw)
     lr_sched = torch.optim.lr_scheduler.LambdaLR(ref, lambda i: sched.lr_at(i + 1) / SCHED["lr"])
     rng = np.random.default_rng(12)
     for step in range(1, 8):
         g_sum = grads_of(rng, n, n_micro, step)
         set_grads(fp, g_sum)
         opt.step(n_micro)
-        tp.grad = torch.from_numpy(g_sum / np.float32(n_micro))
-        torch.nn.utils.clip_grad_norm_([tp], max_norm)
+        g = g_sum / np.float32(n_micro)
+        for tp, (o, size) in zip(tps, fp.offsets.values()):
+            tp.grad = torch.from_numpy(g[o:o + size].reshape(tp.shape))
+        torch.nn.utils.clip_grad_norm_(tps, max_norm)
         ref.step()
         lr_sched.step()
-    want = tp.detach().numpy().astype(np.float64)
+    want = np.concatenate([tp.detach().numpy().reshape(-1) for tp in tps]).astype(np.float64)
     got, p0 = flat_of(fp.params, n), np.array(make_flat(dev).params.numpy()[:n], np.float64)
     err = np.max(np.abs((got - p0) - (want - p0))) / np.max(np.abs(want - p0))
     assert err < 1e-4, f"{case}: max relative error of the update {err:.2e}"
@@ -161,9 +203,11 @@ def test_state_dict_round_trip_continues_bit_identically(dev, case, dtype):
         for opt, fp in ((a, fa), (b, fb)):
             set_grads(fp, g * np.float32(opt.loss_scale))
             opt.step(2)
-    for t in ("params", "m", "v"):
-        assert np.array_equal(getattr(fa, t).numpy(), getattr(fb, t).numpy()), t
-    assert a.state_dict()["hyper"] == b.state_dict()["hyper"]
+    assert np.array_equal(fa.params.numpy(), fb.params.numpy())
+    sa, sb = a.state_dict(), b.state_dict()
+    for key in a.state:
+        assert np.array_equal(sa[key], sb[key]), key
+    assert sa["hyper"] == sb["hyper"]
 
 
 def test_state_of_another_optimizer_is_refused(dev):

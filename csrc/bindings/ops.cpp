@@ -189,6 +189,24 @@ void bind_ops(nb::module_& parent) {
         "sign(beta1 * m + (1 - beta1) * g); m = beta2 * m + (1 - beta2) * g, g = grads * grad_scale.\n"
         "hyper (5,) f32 [lr, lr * weight_decay, unused, inv_denom, max_norm] with sq and flag replace lr,\n"
         "weight_decay and grad_scale as adamw_update's do.");
+  m.def("adafactor_update", [](const Tensor& params, const Tensor& grads, const Tensor& row, const Tensor& col,
+                               float rho, float beta2t, float decay, float eps1, float eps2, float d, float grad_scale,
+                               const Tensor* working, const Tensor* hyper, const Tensor* sq, const Tensor* flag) {
+          AdafactorUpdateArgs a;
+          a.params = params, a.grads = grads, a.row = row, a.col = col;
+          device_scalars(a, working, hyper, sq, flag);
+          a.rho = rho, a.beta2t = beta2t, a.decay = decay, a.eps1 = eps1, a.eps2 = eps2, a.d = d;
+          a.grad_scale = grad_scale;
+          ops::adafactor_update(a);
+        }, release, "params"_a, "grads"_a, "row"_a, "col"_a, "rho"_a, "beta2t"_a = 1.0f, "decay"_a = 0.0f,
+        "eps1"_a = 1.1920929e-07f, "eps2"_a = 1e-3f, "d"_a = 1.0f, "grad_scale"_a = 1.0f, "working"_a = nb::none(),
+        "hyper"_a = nb::none(), "sq"_a = nb::none(), "flag"_a = nb::none(),
+        "torch.optim.Adafactor's step over one parameter (B..., R, C) f32 with factored second moments\n"
+        "row (B, R) and col (B, C): alpha = max(eps2, rms(params)) * rho; params *= 1 - decay; row and col\n"
+        "lerp towards the means of g^2 (g = grads * grad_scale) over each row and column by beta2t;\n"
+        "u = g / sqrt(max(row col / max(mean(row), eps1), eps1^2)); params -= alpha / max(1, rms(u) / d) u.\n"
+        "hyper (5,) f32 [rho, beta2t, decay, inv_denom, max_norm] with sq and flag replace rho, beta2t,\n"
+        "decay and grad_scale as adamw_update's do.");
   m.def("moe_route", &ops::moe_route, release, "logits"_a, "ids"_a, "weights"_a, "norm"_a = false,
         "ids (N, K) i32 = the K experts of largest softmax(logits (N, E)) per row (f32, descending, a tie\n"
         "to the lower expert); weights (N, K) f32 their probabilities, divided by their sum if norm.");

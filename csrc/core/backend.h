@@ -82,6 +82,19 @@ struct LionUpdateArgs {
   Tensor hyper, sq, flag;
 };
 
+// adafactor_update (torch.optim.Adafactor) over one parameter of >= 2 dims, (B..., R, C) with its
+// second moment factored over the last two: row (B, R) and col (B, C), f32. g = grads * grad_scale;
+// alpha = max(eps2, rms(params)) * rho; params *= 1 - decay; row = lerp(row, mean_C(g^2), beta2t),
+// col = lerp(col, mean_R(g^2), beta2t); v = row col / max(mean_R(row), eps1) per batch entry;
+// u = g / sqrt(max(v, eps1^2)); params -= alpha / max(1, rms(u) / d) u. hyper (5,) f32 = [rho,
+// beta2t, decay, inv_denom, max_norm] replaces rho, beta2t, decay and grad_scale as adamw_update's.
+struct AdafactorUpdateArgs {
+  Tensor params, grads, row, col, working;
+  float rho = 1e-2f, beta2t = 1.f, decay = 0.f, eps1 = 1.1920929e-07f, eps2 = 1e-3f, d = 1.f;
+  float grad_scale = 1.f;
+  Tensor hyper, sq, flag;
+};
+
 // A step recorded once and replayed whole (CUDA graphs: csrc/cuda/cuda_graph.cpp). It owns every
 // storage the recorded work touches: recorded device addresses stay valid and unshared while it
 // exists.

@@ -181,5 +181,6 @@
   X(adamw_update, (const AdamWArgs& a))                                                                             \
   X(sgd_update, (const SgdUpdateArgs& a))                                                                           \
   X(lion_update, (const LionUpdateArgs& a))                                                                         \
+  X(adafactor_update, (const AdafactorUpdateArgs& a))                                                               \
   X(sumsq, (const Tensor& x, const Tensor& out))                                                                    \
   X(nonfinite, (const Tensor& x, const Tensor& flag))

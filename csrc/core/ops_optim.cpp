@@ -1,7 +1,9 @@
-// The optimizer ops' entry points: AdamW (and Adam), SGD and Lion (with their device-resident
-// scalars), sumsq and the non-finite flag.
+// The optimizer ops' entry points: AdamW (and Adam), SGD, Lion and Adafactor (with their
+// device-resident scalars), sumsq and the non-finite flag.
 #include <initializer_list>
+#include <algorithm>
 #include <string>
+#include <tuple>
 #include <utility>
 
 #include "ops_common.h"
@@ -85,6 +87,25 @@ void lion_update(const LionUpdateArgs& a) {
   const int64_t n = a.params.numel();
   run(c, "n=" + std::to_string(n), 10.0 * double(n), nbytes({&a.params, &a.grads, &a.m}) * 1.67, DType::f32,
       [&] { c.dev->lion_update(a); });
+}
+
+void adafactor_update(const AdafactorUpdateArgs& a) {
+  Check c{"adafactor_update"};
+  check_update(c, {{"params", &a.params}, {"grads", &a.grads}}, a.working, a.hyper, a.sq, a.flag);
+  const Shape& s = a.params.shape();
+  if (s.size() < 2) c.fail("params must have >= 2 dims (its second moment is factored over the last two)");
+  c.shape("grads", a.grads, s);
+  const int64_t C = s.back(), R = s[s.size() - 2], B = a.params.numel() / std::max<int64_t>(R * C, 1);
+  for (auto [name, t, len] : {std::tuple<const char*, const Tensor*, int64_t>{"row", &a.row, B * R}, {"col", &a.col, B * C}}) {
+    c.tensor(name, *t);
+    c.dtype(name, *t, {DType::f32});
+    c.numel(name, *t, len);
+  }
+  if (!(a.eps1 > 0) || !(a.eps2 >= 0) || !(a.d > 0)) c.fail("eps1 and d must be > 0, eps2 >= 0");
+  if (!(a.beta2t >= 0 && a.beta2t <= 1)) c.fail("beta2t (the second moment's lerp weight) must be in [0, 1]");
+  const int64_t n = a.params.numel();
+  run(c, shape_str(s), 12.0 * double(n), nbytes({&a.params, &a.grads}) * 2.5, DType::f32,
+      [&] { c.dev->adafactor_update(a); });
 }
 
 void sumsq(const Tensor& x, const Tensor& out) {

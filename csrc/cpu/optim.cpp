@@ -1,4 +1,4 @@
-// Optimizer ops on the CPU: AdamW and Adam, SGD, Lion (each with the working-copy refresh),
+// Optimizer ops on the CPU: AdamW and Adam, SGD, Lion, Adafactor (each with the working-copy refresh),
 // sumsq (double partials summed in a fixed order) and the non-finite flag.
 #include <algorithm>
 #include <atomic>
@@ -125,6 +125,86 @@ void CpuBackend::lion_update(const LionUpdateArgs& a) {
       p[i] = pi;
     }
     if (working) store(a.working.dtype(), p + i0, i1 - i0, a.working.data(), i0);
+  });
+}
+
+namespace {
+
+// torch.lerp's form: exact at both ends (w = 1 gives b).
+inline float lerp(float a, float b, float w) { return w < 0.5f ? a + w * (b - a) : b - (b - a) * (1.f - w); }
+
+}  // namespace
+
+void CpuBackend::adafactor_update(const AdafactorUpdateArgs& a) {
+  float* p = a.params.ptr<float>();
+  const float* g = a.grads.ptr<float>();
+  float* row = a.row.ptr<float>();
+  float* col = a.col.ptr<float>();
+  const Shape& s = a.params.shape();
+  const int64_t C = s.back(), R = s[s.size() - 2], n = a.params.numel(), B = n / std::max<int64_t>(R * C, 1);
+  if (n == 0) return;
+  const float host[3] = {a.rho, a.beta2t, a.decay};
+  float gs;
+  const float* h = step_scalars(a, host, &gs);
+  if (!h) return;
+  const float rho = h[0], w = h[1], decay = h[2], eps1 = a.eps1;
+  // Per row: the sums of params^2 (before the decay) and g^2; the row's moment.
+  std::vector<double> psq(static_cast<size_t>(B * R));
+  for_rows(B * R, C, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      double pp = 0, gg = 0;
+      for (int64_t j = 0; j < C; ++j) {
+        const float gi = g[r * C + j] * gs;
+        pp += double(p[r * C + j]) * p[r * C + j], gg += double(gi) * gi;
+      }
+      psq[size_t(r)] = pp;
+      row[r] = lerp(row[r], float(gg / double(C)), w);
+    }
+  });
+  double total = 0;
+  for (double v : psq) total += v;
+  const float alpha = std::max(a.eps2, float(std::sqrt(total / double(n)))) * rho;
+  std::vector<float> row_mean(static_cast<size_t>(B));
+  std::vector<double> acc(static_cast<size_t>(C));
+  for (int64_t b = 0; b < B; ++b) {
+    std::fill(acc.begin(), acc.end(), 0.0);
+    for (int64_t i = 0; i < R; ++i) {
+      for (int64_t j = 0; j < C; ++j) {
+        const float gi = g[(b * R + i) * C + j] * gs;
+        acc[size_t(j)] += double(gi) * gi;
+      }
+    }
+    for (int64_t j = 0; j < C; ++j) col[b * C + j] = lerp(col[b * C + j], float(acc[size_t(j)] / double(R)), w);
+    double rs = 0;
+    for (int64_t i = 0; i < R; ++i) rs += row[b * R + i];
+    row_mean[size_t(b)] = std::max(float(rs / double(R)), eps1);
+  }
+  // u = g / sqrt(max(row col / mean(row), eps1^2)), formed twice: for its norm, then for the update.
+  auto u_at = [&](int64_t r, int64_t j) {
+    const int64_t b = r / R;
+    const float v = std::max(row[r] * col[b * C + j] / row_mean[size_t(b)], eps1 * eps1);
+    return g[r * C + j] * gs / std::sqrt(v);
+  };
+  std::vector<double> usq(static_cast<size_t>(B * R));
+  for_rows(B * R, C, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      double uu = 0;
+      for (int64_t j = 0; j < C; ++j) {
+        const float u = u_at(r, j);
+        uu += double(u) * u;
+      }
+      usq[size_t(r)] = uu;
+    }
+  });
+  total = 0;
+  for (double v : usq) total += v;
+  const float step = alpha / std::max(1.f, float(std::sqrt(total / double(n))) / a.d), keep = 1.f - decay;
+  const bool working = a.working.defined();
+  for_rows(B * R, C, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t j = 0; j < C; ++j) p[r * C + j] = p[r * C + j] * keep - step * u_at(r, j);
+    }
+    if (working) store(a.working.dtype(), p + r0 * C, (r1 - r0) * C, a.working.data(), r0 * C);
   });
 }
 

@@ -1,6 +1,6 @@
-// Optimizer ops over the flat fp32 parameter buffers: AdamW and Adam, SGD, Lion (each with the
-// working-copy refresh), sumsq (fp64 partials, summed in a fixed order: the result does not depend
-// on timing) and the non-finite flag.
+// Optimizer ops over the flat fp32 parameter buffers: AdamW and Adam, SGD, Lion, Adafactor per
+// parameter (each with the working-copy refresh), sumsq (fp64 partials, summed in a fixed order:
+// the result does not depend on timing) and the non-finite flag.
 #include <cmath>
 
 #include "common.cuh"
@@ -86,6 +86,116 @@ __global__ void lion_kernel(float* p, const float* g, float* m, int64_t n, float
     const float c = b1 * m[i] + (1.f - b1) * gi;
     pi -= lr * float((c > 0.f) - (c < 0.f));
     m[i] = b2 * m[i] + (1.f - b2) * gi;
+    p[i] = pi;
+    if (working) st(wd, working, i, pi);
+  }
+}
+
+// ---- adafactor_update: six kernels in order (rows, cols, stats, unorm, finish, apply) over one
+// parameter (B, R, C), as metal/optimizer.metal runs them; work (2 B R + B + 2,) f32 holds the
+// per-row sums of params^2 and of u^2, each entry's max(mean(row), eps1), alpha and the step.
+struct AdaArgs {
+  int64_t B, R, C;
+  float rho, w, decay, eps1, eps2, d, gs;
+  const float *hyper, *sq;
+  const int32_t* flag;
+};
+
+// The step's scalars into a (from hyper where given); false on a non-finite step.
+__device__ bool ada_scalars(AdaArgs& a) {
+  if (!a.hyper) return true;
+  if (!device_clip(a.hyper, a.sq, a.flag, &a.gs)) return false;
+  a.rho = a.hyper[0], a.w = a.hyper[1], a.decay = a.hyper[2];
+  return true;
+}
+
+__device__ __forceinline__ float ada_lerp(float a, float b, float w) {  // torch.lerp's form
+  return w < 0.5f ? a + w * (b - a) : b - (b - a) * (1.f - w);
+}
+
+__device__ __forceinline__ float ada_u(const AdaArgs& a, int64_t r, int64_t j, const float* g, const float* row,
+                                       const float* col, const float* work) {
+  const int64_t b = r / a.R;
+  const float v = fmaxf(row[r] * col[b * a.C + j] / work[2 * a.B * a.R + b], a.eps1 * a.eps1);
+  return g[r * a.C + j] * a.gs / sqrtf(v);
+}
+
+__global__ void adafactor_rows_kernel(AdaArgs a, const float* p, const float* g, float* row, float* work) {
+  __shared__ float sh[32];
+  if (!ada_scalars(a)) return;
+  const int64_t r = blockIdx.x;
+  float pp = 0.f, gg = 0.f;
+  for (int64_t j = threadIdx.x; j < a.C; j += blockDim.x) {
+    const float gi = g[r * a.C + j] * a.gs, pi = p[r * a.C + j];
+    pp = fmaf(pi, pi, pp), gg = fmaf(gi, gi, gg);
+  }
+  pp = block_sum(pp, sh);
+  gg = block_sum(gg, sh);
+  if (threadIdx.x == 0) work[r] = pp, row[r] = ada_lerp(row[r], gg / float(a.C), a.w);
+}
+
+__global__ void adafactor_cols_kernel(AdaArgs a, const float* g, float* col) {
+  if (!ada_scalars(a)) return;
+  for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < a.B * a.C; k += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t b = k / a.C, j = k % a.C;
+    float acc = 0.f;
+    for (int64_t i = 0; i < a.R; ++i) {
+      const float gi = g[(b * a.R + i) * a.C + j] * a.gs;
+      acc = fmaf(gi, gi, acc);
+    }
+    col[k] = ada_lerp(col[k], acc / float(a.R), a.w);
+  }
+}
+
+__global__ void adafactor_stats_kernel(AdaArgs a, const float* row, float* work) {
+  __shared__ float sh[32];
+  if (!ada_scalars(a)) return;
+  const int64_t rows = a.B * a.R;
+  float acc = 0.f;
+  for (int64_t k = threadIdx.x; k < rows; k += blockDim.x) acc += work[k];
+  acc = block_sum(acc, sh);
+  if (threadIdx.x == 0) work[2 * rows + a.B] = fmaxf(a.eps2, sqrtf(acc / (float(rows) * float(a.C)))) * a.rho;
+  for (int64_t b = 0; b < a.B; ++b) {
+    float rs = 0.f;
+    for (int64_t i = threadIdx.x; i < a.R; i += blockDim.x) rs += row[b * a.R + i];
+    rs = block_sum(rs, sh);
+    if (threadIdx.x == 0) work[2 * rows + b] = fmaxf(rs / float(a.R), a.eps1);
+  }
+}
+
+__global__ void adafactor_unorm_kernel(AdaArgs a, const float* g, const float* row, const float* col, float* work) {
+  __shared__ float sh[32];
+  if (!ada_scalars(a)) return;
+  const int64_t r = blockIdx.x;
+  float uu = 0.f;
+  for (int64_t j = threadIdx.x; j < a.C; j += blockDim.x) {
+    const float u = ada_u(a, r, j, g, row, col, work);
+    uu = fmaf(u, u, uu);
+  }
+  uu = block_sum(uu, sh);
+  if (threadIdx.x == 0) work[a.B * a.R + r] = uu;
+}
+
+__global__ void adafactor_finish_kernel(AdaArgs a, float* work) {
+  __shared__ float sh[32];
+  if (!ada_scalars(a)) return;
+  const int64_t rows = a.B * a.R;
+  float acc = 0.f;
+  for (int64_t k = threadIdx.x; k < rows; k += blockDim.x) acc += work[rows + k];
+  acc = block_sum(acc, sh);
+  if (threadIdx.x == 0) {
+    const float rms = sqrtf(acc / (float(rows) * float(a.C)));
+    work[2 * rows + a.B + 1] = work[2 * rows + a.B] / fmaxf(1.f, rms / a.d);
+  }
+}
+
+__global__ void adafactor_apply_kernel(AdaArgs a, float* p, const float* g, const float* row, const float* col,
+                                       const float* work, DType wd, void* working) {
+  if (!ada_scalars(a)) return;
+  const int64_t rows = a.B * a.R, n = rows * a.C;
+  const float step = work[2 * rows + a.B + 1], keep = 1.f - a.decay;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const float pi = p[i] * keep - step * ada_u(a, i / a.C, i % a.C, g, row, col, work);
     p[i] = pi;
     if (working) st(wd, working, i, pi);
   }
@@ -188,6 +298,26 @@ void CudaBackend::lion_update(const LionUpdateArgs& a) {
       a.params.ptr<float>(), a.grads.ptr<float>(), a.m.ptr<float>(), n, a.grad_scale, a.lr, a.lr * a.weight_decay,
       a.beta1, a.beta2, o.wd, o.working, o.hyper, o.sq, o.flag);
   check_launch("lion_update");
+}
+
+void CudaBackend::adafactor_update(const AdafactorUpdateArgs& a) {
+  OpTimer timer(this);
+  const Shape& s = a.params.shape();
+  const int64_t n = a.params.numel(), C = s.back(), R = s[s.size() - 2];
+  if (!n) return;
+  const int64_t B = n / (R * C), rows = B * R;
+  Tensor work = scratch(2 * rows + B + 2);
+  const Optional o = optional(a);
+  const AdaArgs args{B, R, C, a.rho, a.beta2t, a.decay, a.eps1, a.eps2, a.d, a.grad_scale, o.hyper, o.sq, o.flag};
+  float *p = a.params.ptr<float>(), *row = a.row.ptr<float>(), *col = a.col.ptr<float>(), *w = work.ptr<float>();
+  const float* g = a.grads.ptr<float>();
+  adafactor_rows_kernel<<<unsigned(rows), kThreads, 0, stream_>>>(args, p, g, row, w);
+  adafactor_cols_kernel<<<grid_for(B * C), kThreads, 0, stream_>>>(args, g, col);
+  adafactor_stats_kernel<<<1, kThreads, 0, stream_>>>(args, row, w);
+  adafactor_unorm_kernel<<<unsigned(rows), kThreads, 0, stream_>>>(args, g, row, col, w);
+  adafactor_finish_kernel<<<1, kThreads, 0, stream_>>>(args, w);
+  adafactor_apply_kernel<<<grid_for(n), kThreads, 0, stream_>>>(args, p, g, row, col, w, o.wd, o.working);
+  check_launch("adafactor_update");
 }
 
 void CudaBackend::sumsq(const Tensor& x, const Tensor& out) {

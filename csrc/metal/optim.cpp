@@ -1,5 +1,5 @@
-// Optimizer ops on the Metal kernels (metal/optimizer.metal): AdamW and Adam, SGD, Lion (with the
-// working-copy refresh), sumsq (partials per chunk, then one threadgroup sums them) and the non-finite flag.
+// Optimizer ops on the Metal kernels (metal/optimizer.metal): AdamW and Adam, SGD, Lion, Adafactor
+// (with the working-copy refresh), sumsq (partials per chunk, then one threadgroup sums them) and the non-finite flag.
 #include <algorithm>
 #include <cmath>
 #include <string>
@@ -81,6 +81,38 @@ void MetalOps::lion_update(const LionUpdateArgs& a) {
                          dev ? 1u : 0u, a.flag.defined() ? 1u : 0u});
   ew_geometry(d, n);
   encode(std::move(d));
+}
+
+void MetalOps::adafactor_update(const AdafactorUpdateArgs& a) {
+  Emit e{this, "adafactor_update"};
+  const Shape& s = a.params.shape();
+  const int64_t n = a.params.numel(), C = s.back(), R = s[s.size() - 2];
+  if (n == 0) return;
+  const int64_t B = n / (R * C), rows = B * R;
+  Tensor work = empty({2 * rows + B + 2}, DType::f32);
+  const AdafactorArgs args{u32(e.op, B, "B"), u32(e.op, R, "R"), u32(e.op, C, "C"), a.rho, a.beta2t, a.decay, a.eps1,
+                           a.eps2, a.d, a.grad_scale, a.hyper.defined() ? 1u : 0u, a.flag.defined() ? 1u : 0u};
+  u32(e.op, n, "n");
+  // the six passes (optimizer.metal), each with every buffer bound
+  const char* passes[] = {"adafactor_rows", "adafactor_cols", "adafactor_stats", "adafactor_unorm", "adafactor_finish",
+                          "adafactor_apply"};
+  for (const char* pass : passes) {
+    const bool last = pass == passes[5];
+    Dispatch d = e.make("optimizer", last ? update_kernel(e, pass, a.working) : std::string(pass));
+    bind_update(d, a, a.row);
+    bind(d, 3, a.col), bind(d, 9, work);
+    d.set_args(5, args);
+    if (pass == passes[0] || pass == passes[3]) {  // a threadgroup per row
+      d.grid = {uint32_t(rows), 1, 1};
+      d.threads = {256, 1, 1};
+    } else if (pass == passes[2] || pass == passes[4]) {  // one threadgroup
+      d.grid = {1, 1, 1};
+      d.threads = {256, 1, 1};
+    } else {
+      ew_geometry(d, pass == passes[1] ? B * C : n);
+    }
+    encode(std::move(d));
+  }
 }
 
 void MetalOps::sumsq(const Tensor& x, const Tensor& out) {

@@ -21,13 +21,20 @@ def add_arguments(t):
     o = t.add_argument_group("optimizer (torch.optim's names and defaults; --weight-decay and --max-grad-norm apply "
                              "to each)")
     o.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZERS),
-                   help="adamw, adam (L2 weight decay), sgd, lion")
+                   help="adamw, adam (L2 weight decay), sgd, lion, adafactor")
     o.add_argument("--betas", type=_betas, default=None, metavar="B1,B2",
                    help="adamw, adam, lion: the moments' decay rates (default: 0.9,0.999; lion 0.9,0.99)")
     o.add_argument("--eps", type=float, default=None, help="adamw, adam: the denominator's epsilon (default: 1e-8)")
     o.add_argument("--momentum", type=float, default=0.0, help="sgd: momentum (0: plain SGD)")
     o.add_argument("--dampening", type=float, default=0.0, help="sgd: dampening of the momentum")
     o.add_argument("--nesterov", action="store_true", help="sgd: Nesterov momentum (needs --momentum, no dampening)")
+    o.add_argument("--beta2-decay", type=float, default=-0.8, help="adafactor: the second moment decays as "
+                   "1 - t^beta2_decay")
+    o.add_argument("--clip-threshold", type=float, default=1.0, help="adafactor: the update's rms is clipped at this "
+                   "(torch's d)")
+    o.add_argument("--relative-step", action=argparse.BooleanOptionalAction, default=True,
+                   help="adafactor: step size min(lr, 1/sqrt(t)) times the parameter's rms (torch's); off: the "
+                   "schedule's lr times the rms")
 
 
 def config_fields(args):
@@ -35,4 +42,5 @@ def config_fields(args):
     if args.nesterov and (args.optimizer != "sgd" or not args.momentum > 0 or args.dampening):
         raise ValueError("[train] --nesterov is SGD's, with --momentum > 0 and no --dampening")
     return {"optimizer": args.optimizer, "betas": args.betas, "eps": args.eps, "momentum": args.momentum,
-            "dampening": args.dampening, "nesterov": args.nesterov}
+            "dampening": args.dampening, "nesterov": args.nesterov, "beta2_decay": args.beta2_decay,
+            "clip_threshold": args.clip_threshold, "relative_step": args.relative_step}

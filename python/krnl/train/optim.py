@@ -4,4 +4,5 @@ lives in krnl.train.optimizers (base.py: what every optimizer's step does on the
 from .optimizers import OPTIMIZERS, from_config  # noqa: F401
 from .optimizers.base import FlatOptimizer  # noqa: F401
 from .optimizers.elementwise import SGD, Adam, AdamW, Lion  # noqa: F401
+from .optimizers.factored import Adafactor  # noqa: F401
 from .optimizers.schedule import LossScaler, Schedule  # noqa: F401

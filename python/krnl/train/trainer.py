@@ -42,12 +42,15 @@ class TrainConfig:
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0    # 0 disables clipping
-    optimizer: str = "adamw"      # adamw | adam | sgd | lion (krnl.train.optimizers)
+    optimizer: str = "adamw"      # adamw | adam | sgd | lion | adafactor (krnl.train.optimizers)
     betas: tuple = None           # adamw, adam, lion (None: the optimizer's default)
     eps: float = None             # adamw, adam (None: 1e-8)
     momentum: float = 0.0         # sgd (and its dampening and nesterov)
     dampening: float = 0.0
     nesterov: bool = False
+    beta2_decay: float = -0.8     # adafactor (torch.optim.Adafactor's), with its clip threshold d
+    clip_threshold: float = 1.0
+    relative_step: bool = True    # adafactor: step min(lr, 1/sqrt(t)); False: the schedule's lr
     val_every: int = 100          # 0: only at the end
     val_batches: int = 8
     save_every: int = 200         # 0: only at the end

@@ -2,8 +2,9 @@
 TrainConfig names (`from_config`)."""
 
 from .elementwise import SGD, Adam, AdamW, Lion
+from .factored import Adafactor
 
-OPTIMIZERS = {c.name: c for c in (AdamW, Adam, SGD, Lion)}
+OPTIMIZERS = {c.name: c for c in (AdamW, Adam, SGD, Lion, Adafactor)}
 # --betas left out: each optimizer's reference default
 DEFAULT_BETAS = {"adamw": (0.9, 0.999), "adam": (0.9, 0.999), "lion": (0.9, 0.99)}
 
@@ -19,4 +20,7 @@ def from_config(flat, schedule, cfg):
         return OPTIMIZERS[kind](flat, schedule, betas=betas, eps=cfg.eps if cfg.eps is not None else 1e-8, **common)
     if kind == "lion":
         return Lion(flat, schedule, betas=betas, **common)
+    if kind == "adafactor":
+        return Adafactor(flat, schedule, beta2_decay=cfg.beta2_decay, d=cfg.clip_threshold,
+                         relative_step=cfg.relative_step, **common)
     return SGD(flat, schedule, momentum=cfg.momentum, dampening=cfg.dampening, nesterov=cfg.nesterov, **common)

@@ -45,7 +45,7 @@ class FlatOptimizer:
     loss_scaler=None: dynamic loss scaling is enabled exactly when the compute dtype is f16."""
 
     name = None
-    state = {}
+    state = {}  # {state_dict key: the FlatParams attribute (or, where it has none, this optimizer's)}
 
     def __init__(self, flat_params, schedule, weight_decay=0.0, max_grad_norm=None, loss_scaler=None):
         who = type(self).__name__
@@ -172,9 +172,8 @@ class FlatOptimizer:
     def state_dict(self):
         """The state vectors (float32 numpy copies, by `state`'s keys), counters, schedule, scaler,
         the hyperparameters and the parameter layout (names and shapes) for load-time checks."""
-        n = self.flat.numel
-        out = {key: np.array(getattr(self.flat, attr).numpy()[:n], dtype=np.float32, copy=True)
-               for key, attr in self.state.items()}
+        out = {key: np.array(t.numpy()[:size], dtype=np.float32, copy=True)
+               for key, (t, size, _) in self._vectors().items()}
         out.update({
             "optimizer": self.name,
             "step": self.adam_step,
@@ -185,6 +184,15 @@ class FlatOptimizer:
             # (name, shape) pairs: order matters (the flat layout) and survives JSON key sorting.
             "layout": [[k, list(s)] for k, s in self.flat.shapes.items()],
         })
+        return out
+
+    def _vectors(self):
+        """{state_dict key: (its device tensor, the length saved, whether it is laid out as the params)}."""
+        out = {}
+        for key, attr in self.state.items():
+            flat = hasattr(self.flat, attr)
+            t = getattr(self.flat if flat else self, attr)
+            out[key] = (t, self.flat.numel if flat else t.shape[0], flat)
         return out
 
     def _in_our_order(self, flat, theirs):
@@ -220,13 +228,13 @@ class FlatOptimizer:
             self.weight_decay = float(hyper["weight_decay"])
             mg = hyper["max_grad_norm"]
             self.max_grad_norm = None if mg is None else float(mg)
-        arrays = {}
-        for key in self.state:
+        arrays, vectors = {}, self._vectors()
+        for key, (_, size, flat) in vectors.items():
             a = np.asarray(state[key])
-            if a.shape != (n,):
-                raise ValueError(f"[{who}] {key} has shape {a.shape}, these parameters need ({n},)")
+            if a.shape != (size,):
+                raise ValueError(f"[{who}] {key} has shape {a.shape}, these parameters need ({size},)")
             a = np.ascontiguousarray(a, dtype=np.float32)
-            if theirs is not None and list(theirs) != list(ours):
+            if flat and theirs is not None and list(theirs) != list(ours):
                 a = self._in_our_order(a, theirs)
             arrays[key] = a
         step, iteration = int(state["step"]), int(state["iteration"])
@@ -235,9 +243,9 @@ class FlatOptimizer:
         self.schedule.load_state_dict(state["schedule"])
         self.scaler.load_state_dict(state["scaler"])
         dev = self.flat.device
-        if n:
-            sources = {key: dev.tensor(a, "f32") for key, a in arrays.items()}
-            with dev.step():
-                for key, src in sources.items():
-                    ops.scale(src, 1.0, getattr(self.flat, self.state[key])[0:n])
+        sources = {key: dev.tensor(a, "f32") for key, a in arrays.items() if a.size}
+        with dev.step():
+            for key, src in sources.items():
+                t, size, _ = vectors[key]
+                ops.scale(src, 1.0, t[0:size])
         self.adam_step, self.iteration = step, iteration

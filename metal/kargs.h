@@ -260,6 +260,32 @@ struct AdafactorArgs {
     uint32_t use_flag;
 };
 
+// muon_momentum over grads, buf, out (n,) f32: buf = lerp(buf, g, 1 - momentum), out = nesterov ?
+// lerp(g, buf, momentum) : buf with g = grads * grad_scale; then sumsq_partial/sumsq_finish of out
+// into a scratch (1,) and muon_momentum_normalize: out /= max(sqrt(sum), eps). grad_scale from
+// the host, or (device_scalars, as AdamwArgs) from hyper's inv_denom and max_norm.
+struct MuonArgs {
+    uint32_t n;
+    float    momentum;
+    float    eps;
+    float    grad_scale;
+    uint32_t nesterov;
+    uint32_t device_scalars;
+    uint32_t use_flag;
+};
+
+// muon_update over params, update (n,) f32: params = params * (1 - decay) - lr * scale * update;
+// lr and decay from the host, or hyper [lr, -, decay, inv_denom, max_norm] (device_scalars; only
+// the skip is read of the rest).
+struct MuonUpdateKArgs {
+    uint32_t n;
+    float    lr;
+    float    decay;
+    float    scale;
+    uint32_t device_scalars;
+    uint32_t use_flag;
+};
+
 // sumsq (two passes): sumsq_partial: threadgroup g reduces x[g * chunk, min(n, (g + 1) * chunk))
 // into partials[g] (f32); sumsq_finish: one threadgroup sums partials[0, groups) in a fixed order
 // into out[0] (f32). Deterministic for a given chunk and threadgroup size.

@@ -477,6 +477,78 @@ template [[host_name("adafactor_apply_working_bf16")]] [[kernel]]
 decltype(adafactor_apply<bfloat, true>) adafactor_apply<bfloat, true>;
 #endif
 
+// ---- muon_momentum (then sumsq_partial_f32, sumsq_finish over out, then muon_momentum_normalize);
+// muon_update, muon_update_working_{f32,f16,bf16}. Buffers: muon_momentum grads 0, buf 1, out 2,
+// args 5, hyper/sq/flag 6..8; _normalize out 2, args 5, hyper/sq/flag 6..8, the sum at 9;
+// muon_update params 0, update 1, working 4, args 5, hyper/sq/flag 6..8. Grid-stride loops.
+kernel void muon_momentum(device const float* grads [[buffer(0)]],
+                          device float*       buf   [[buffer(1)]],
+                          device float*       out   [[buffer(2)]],
+                          constant MuonArgs&  args  [[buffer(5)]],
+                          device const float* hyper [[buffer(6)]],
+                          device const float* sq    [[buffer(7)]],
+                          device const int*   flag  [[buffer(8)]],
+                          uint gid [[thread_position_in_grid]],
+                          uint gsz [[threads_per_grid]])
+{
+    float gs = args.grad_scale;
+    if (args.device_scalars != 0) {
+        const ClipScalars c = clip_scalars(hyper, sq, flag, args.use_flag);
+        if (c.skip) return;
+        gs = c.grad_scale;
+    }
+    const float mu = args.momentum;
+    for (uint i = gid; i < args.n; i += gsz) {
+        const float gi = grads[i] * gs;
+        const float bi = ada_lerp(buf[i], gi, 1.0f - mu);
+        buf[i] = bi;
+        out[i] = args.nesterov != 0 ? ada_lerp(gi, bi, mu) : bi;
+    }
+}
+
+kernel void muon_momentum_normalize(device float*       out   [[buffer(2)]],
+                                    constant MuonArgs&  args  [[buffer(5)]],
+                                    device const float* hyper [[buffer(6)]],
+                                    device const float* sq    [[buffer(7)]],
+                                    device const int*   flag  [[buffer(8)]],
+                                    device const float* total [[buffer(9)]],
+                                    uint gid [[thread_position_in_grid]],
+                                    uint gsz [[threads_per_grid]])
+{
+    if (args.device_scalars != 0 && clip_scalars(hyper, sq, flag, args.use_flag).skip) return;
+    const float denom = max(precise::sqrt(total[0]), args.eps);
+    for (uint i = gid; i < args.n; i += gsz) out[i] = precise::divide(out[i], denom);
+}
+
+template <typename W, bool WORKING>
+kernel void muon_update(device float*             params  [[buffer(0)]],
+                        device const float*       update  [[buffer(1)]],
+                        device W*                 working [[buffer(4)]],
+                        constant MuonUpdateKArgs& args    [[buffer(5)]],
+                        device const float*       hyper   [[buffer(6)]],
+                        device const float*       sq      [[buffer(7)]],
+                        device const int*         flag    [[buffer(8)]],
+                        uint gid [[thread_position_in_grid]],
+                        uint gsz [[threads_per_grid]])
+{
+    float lr = args.lr, decay = args.decay;
+    if (args.device_scalars != 0) {
+        if (clip_scalars(hyper, sq, flag, args.use_flag).skip) return;
+        lr = hyper[0], decay = hyper[2];
+    }
+    const float step = lr * args.scale, keep = 1.0f - decay;
+    for (uint i = gid; i < args.n; i += gsz) {
+        const float pi = params[i] * keep - step * update[i];
+        params[i] = pi;
+        if (WORKING) working[i] = W(pi);
+    }
+}
+
+KRNL_OPTIM_KERNELS(muon_update)
+#if KRNL_BF16
+template [[host_name("muon_update_working_bf16")]] [[kernel]] decltype(muon_update<bfloat, true>) muon_update<bfloat, true>;
+#endif
+
 // ---- nonfinite: flag[0] = 1 if any of x[0, n) is inf or NaN; never cleared here (the host
 // zeroes it once per step, so several tensors can share one flag). Tested on the raw bits
 // (exponent all ones), which fast math cannot fold away as it may isinf/isnan. Only args.n is

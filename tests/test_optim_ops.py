@@ -364,3 +364,88 @@ def test_adafactor_update_bad_calls(dev):
     for call, what in cases:
         with pytest.raises(ValueError, match=rf"^\[adafactor_update\] .*{what}"):
             call()
+
+
+# ---- Muon's two ops
+
+def muon_momentum_ref(g, buf, mu, nesterov, eps):
+    """torch.optim.Muon's momentum and the Newton-Schulz iteration's normalised start, float64."""
+    buf = buf + (1 - mu) * (g - buf)
+    u = g + mu * (buf - g) if nesterov else buf
+    return buf, u / max(np.linalg.norm(u), eps), max(np.linalg.norm(u), eps)
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("n", SIZES)
+def test_muon_momentum(dev, n, nesterov):
+    """Steps 1..3 from the host's scalars; out is written whole (prefilled NaN)."""
+    mu, gs = 0.95, 0.5
+    rng = np.random.default_rng(79)
+    buf = dev.zeros((n,))
+    for step in range(1, 4):
+        grads, out = to_dev(dev, rng.standard_normal(n)), empty_filled(dev, (n,), "f32")
+        g0, b0 = read(grads), read(buf)
+        ops.muon_momentum(grads, buf, out, mu, nesterov, 1e-7, gs)
+        rb, ru, norm = muon_momentum_ref(g0 * gs, b0, f32(mu), nesterov, 1e-7)
+        mag = np.abs(b0) + np.abs(g0 * gs)
+        assert_close_elementwise(read(buf), rb, 0.0, 8 * U32 * mag + SUBNORMAL["f32"], what=f"buf step {step}")
+        # each element a few roundings of its terms, then the norm's (a sum of n squares) error
+        assert_close_elementwise(read(out), ru, 0.0, 8 * U32 * mag / norm + (4 + n**0.5) * U32 * np.abs(ru) + 1e-30,
+                                 what=f"out step {step}")
+    tiny = dev.zeros((n,))
+    out = empty_filled(dev, (n,), "f32")
+    ops.muon_momentum(dev.zeros((n,)), tiny, out, mu, nesterov, 1e-7)
+    np.testing.assert_array_equal(read(out), np.zeros(n))  # a zero update stays zero (eps floor)
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_muon_update(dev, n):
+    """params * (1 - decay) - lr * scale * update, host scalars and device scalars alike (bit for
+    bit), the working copy, and the skip."""
+    rng = np.random.default_rng(80)
+    p_init, x = rng.standard_normal(n), to_dev(dev, rng.standard_normal(n))
+    a, b = to_dev(dev, p_init), to_dev(dev, p_init)
+    wa, wb = empty_filled(dev, (n,), "bf16"), empty_filled(dev, (n,), "bf16")
+    ops.muon_update(a, x, 0.02, 0.002, 1.5, wa)
+    want = np.float32(p_init) * (np.float32(1) - np.float32(0.002)) - np.float32(np.float32(0.02) * np.float32(1.5)) \
+        * np.float32(read(x))
+    assert_close_elementwise(read(a), want, 0.0, 2 * U32 * (np.abs(p_init) + 0.03 * np.abs(read(x))) + 1e-30,
+                             what="params")
+    sq, flag = to_dev(dev, np.array([4.0], np.float32)), dev.zeros((1,), "i32")
+    hyper = to_dev(dev, hyper_of([0.02, 0.0, 0.002], 1.0, 0.0))
+    ops.muon_update(b, x, 9.0, 0.5, 1.5, wb, hyper=hyper, sq=sq, flag=flag)
+    np.testing.assert_array_equal(read(a), read(b))
+    np.testing.assert_array_equal(read(wa), read(wb))
+    ops.fill(flag, 1.0)
+    ops.muon_update(b, x, 9.0, 0.5, 1.5, wb, hyper=hyper, sq=sq, flag=flag)
+    np.testing.assert_array_equal(read(a), read(b))
+
+
+def test_muon_device_scalars_and_skip(dev):
+    """muon_momentum's grad scale from hyper, sq (clipping) and flag: as the host's at the float64
+    clip factor; a non-finite step writes neither buf nor out."""
+    n = 1027
+    rng = np.random.default_rng(81)
+    grads = to_dev(dev, rng.standard_normal(n) * 3)
+    sq, flag = dev.zeros((1,)), dev.zeros((1,), "i32")
+    ops.sumsq(grads, sq)
+    hyper = hyper_of([0.0, 0.0, 0.0], 0.5, 1.0)
+    gs = clip_ref(hyper, float(read(sq)[0]))
+    ba, bb = to_dev(dev, rng.standard_normal(n)), None
+    bb = to_dev(dev, read(ba))
+    oa, ob = dev.zeros((n,)), dev.zeros((n,))
+    ops.muon_momentum(grads, ba, oa, 0.9, True, 1e-7, gs)
+    ops.muon_momentum(grads, bb, ob, 0.9, True, 1e-7, 7.0, hyper=to_dev(dev, hyper), sq=sq, flag=flag)
+    assert_close_elementwise(read(bb), read(ba), 1e-6, 1e-7, what="buf")
+    assert_close_elementwise(read(ob), read(oa), 1e-6, 1e-8, what="out")
+    before = [read(bb), read(ob)]
+    ops.fill(flag, 1.0)
+    ops.muon_momentum(grads, bb, ob, 0.9, True, 1e-7, 7.0, hyper=to_dev(dev, hyper), sq=sq, flag=flag)
+    np.testing.assert_array_equal(read(bb), before[0])
+    np.testing.assert_array_equal(read(ob), before[1])
+    with pytest.raises(ValueError, match=r"^\[muon_momentum\] .*out"):
+        ops.muon_momentum(grads, bb, dev.zeros((n - 1,)))
+    with pytest.raises(ValueError, match=r"^\[muon_momentum\] momentum"):
+        ops.muon_momentum(grads, bb, ob, 1.0)
+    with pytest.raises(ValueError, match=r"^\[muon_update\] update"):
+        ops.muon_update(bb, dev.zeros((3,)), 0.1)

@@ -13,7 +13,8 @@ BASE = ["train", "--iters", "4", "--warmup", "1", "--steps-per-eval", "4", "--sa
         "--train-samples", "64", "--lora-rank", "4", "--batch-size", "4"]
 RUNS = {"adamw": [], "adam": ["--weight-decay", "0.01"], "sgd": ["--momentum", "0.9", "--nesterov"],
         "lion": ["--betas", "0.9,0.98", "--learning-rate", "3e-4", "--weight-decay", "0.1"],
-        "adafactor": ["--learning-rate", "1e-2", "--no-relative-step", "--clip-threshold", "0.5"]}
+        "adafactor": ["--learning-rate", "1e-2", "--no-relative-step", "--clip-threshold", "0.5"],
+        "muon": ["--learning-rate", "2e-2", "--weight-decay", "0.1", "--ns-steps", "4"]}
 
 
 def args_of(argv):
@@ -28,14 +29,18 @@ def losses(out):
 def test_command_line_and_config_file(tmp_path):
     a = args_of(["train", "--optimizer", "sgd", "--momentum", "0.9", "--dampening", "0.1"])
     assert config_fields(a) == {"optimizer": "sgd", "betas": None, "eps": None, "momentum": 0.9, "dampening": 0.1,
-                                "nesterov": False, "beta2_decay": -0.8, "clip_threshold": 1.0, "relative_step": True}
+                                "nesterov": None, "beta2_decay": -0.8, "clip_threshold": 1.0, "relative_step": True,
+                                "ns_steps": 5, "adjust_lr_fn": "original"}
     assert args_of(["train", "--betas", "0.8,0.9"]).betas == (0.8, 0.9)
     with pytest.raises(SystemExit):
         args_of(["train", "--betas", "0.9"])
     with pytest.raises(SystemExit):
         args_of(["train", "--optimizer", "adagrad"])
     with pytest.raises(ValueError, match="--nesterov"):
+        config_fields(args_of(["train", "--nesterov", "--optimizer", "sgd"]))
+    with pytest.raises(ValueError, match="--nesterov"):
         config_fields(args_of(["train", "--nesterov"]))
+    assert config_fields(args_of(["train", "--optimizer", "muon", "--no-nesterov"]))["nesterov"] is False
     cfg = tmp_path / "c.yaml"
     cfg.write_text("optimizer: lion\nbetas: [0.95, 0.98]\nweight_decay: 0.1\n")
     a = args_of(["train", "--config", str(cfg)])

@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from krnl.train.optim import OPTIMIZERS, SGD, Adafactor, Adam, AdamW, Lion, LossScaler, Schedule, from_config
+from krnl.train.optim import OPTIMIZERS, SGD, Adafactor, Adam, AdamW, Lion, LossScaler, Muon, Schedule, from_config
 from krnl.train.trainer import TrainConfig
 
 from test_optim import flat_of, set_grads
@@ -33,7 +33,21 @@ CASES = {
     "lion": (Lion, dict(betas=(0.9, 0.99))),
     "adafactor": (Adafactor, dict()),
     "adafactor-lr": (Adafactor, dict(relative_step=False, beta2_decay=-0.5, d=0.5)),
+    "muon": (Muon, dict()),
+    "muon-plain": (Muon, dict(momentum=0.9, nesterov=False, adjust_lr_fn="match_rms_adamw", betas=(0.9, 0.95))),
 }
+
+
+def newton_schulz(X, steps=5, eps=1e-7, coefficients=(3.4445, -4.7750, 2.0315)):
+    """torch.optim.Muon's orthogonalisation in float64 (torch runs it in bf16)."""
+    a, b, c = coefficients
+    tall = X.shape[0] > X.shape[1]
+    Y = X.T if tall else X
+    Y = Y / max(np.linalg.norm(Y), eps)
+    for _ in range(steps):
+        A = Y @ Y.T
+        Y = a * Y + (b * A + c * A @ A) @ Y
+    return Y.T if tall else Y
 
 
 class NumpyRef:
@@ -61,6 +75,12 @@ class NumpyRef:
             self.m = b1 * self.m + (1 - b1) * g
             self.v = b2 * self.v + (1 - b2) * g * g
             p -= lr / (1 - b1**t) * self.m / (np.sqrt(self.v) / np.sqrt(1 - b2**t) + eps)
+        elif self.kind == "muon":
+            off = 0
+            for name, shape in SHAPES.items():
+                size = int(np.prod(shape))
+                self.p[off:off + size] = self.muon(name, shape, p[off:off + size], g[off:off + size], lr, t, off)
+                off += size
         elif self.kind == "adafactor":
             off = 0
             for name, shape in SHAPES.items():
@@ -82,6 +102,23 @@ class NumpyRef:
             self.m = b2 * self.m + (1 - b2) * g
         return norm
 
+
+    def muon(self, key, shape, p, g, lr, t, off):
+        """torch.optim.Muon on a 2-D parameter, PyTorch's AdamW on the others (m, v at its offset)."""
+        kw, size = self.kw, p.size
+        m, v = self.m[off:off + size], self.v[off:off + size]
+        p = p * (1 - lr * self.wd)
+        if len(shape) != 2:
+            b1, b2 = kw.get("betas", (0.9, 0.999))
+            m[:] = b1 * m + (1 - b1) * g
+            v[:] = b2 * v + (1 - b2) * g * g
+            return p - lr / (1 - b1**t) * m / (np.sqrt(v) / np.sqrt(1 - b2**t) + 1e-8)
+        mu = kw.get("momentum", 0.95)
+        m[:] = m + (1 - mu) * (g - m)
+        u = g + mu * (m - g) if kw.get("nesterov", True) else m
+        A, B = shape
+        ratio = 0.2 * max(A, B) ** 0.5 if kw.get("adjust_lr_fn") == "match_rms_adamw" else max(1, A / B) ** 0.5
+        return p - lr * ratio * newton_schulz(u.reshape(shape)).reshape(-1)
 
     def adafactor(self, key, p, g, lr, t):
         """torch.optim.Adafactor on one parameter as (B, R, C)."""
@@ -154,6 +191,8 @@ def test_optimizer_matches_its_reference(dev, case):
     if cls.name == "lion":
         lion_pytorch = pytest.importorskip("lion_pytorch")
         ref = lion_pytorch.Lion(tps, lr=SCHED["lr"], weight_decay=wd, **kw)
+    elif cls.name == "muon":
+        ref = muon_reference(torch, tps, SCHED["lr"], wd, kw)
     elif cls.name == "adafactor":
         if not kw.get("relative_step", True):
             pytest.skip("torch's Adafactor always takes the relative step")
@@ -161,7 +200,8 @@ def test_optimizer_matches_its_reference(dev, case):
     else:
         ref_cls = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}[cls.name]
         ref = ref_cls(tps, lr=SCHED["lr"], weight_decay=wd, **kw)
-    lr_sched = torch.optim.lr_scheduler.LambdaLR(ref, lambda i: sched.lr_at(i + 1) / SCHED["lr"])
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda i: sched.lr_at(i + 1) / SCHED["lr"])
+              for o in getattr(ref, "opts", [ref])]
     rng = np.random.default_rng(12)
     for step in range(1, 8):
         g_sum = grads_of(rng, n, n_micro, step)
@@ -172,11 +212,35 @@ def test_optimizer_matches_its_reference(dev, case):
             tp.grad = torch.from_numpy(g[o:o + size].reshape(tp.shape))
         torch.nn.utils.clip_grad_norm_(tps, max_norm)
         ref.step()
-        lr_sched.step()
+        for ls in scheds:
+            ls.step()
     want = np.concatenate([tp.detach().numpy().reshape(-1) for tp in tps]).astype(np.float64)
     got, p0 = flat_of(fp.params, n), np.array(make_flat(dev).params.numpy()[:n], np.float64)
     err = np.max(np.abs((got - p0) - (want - p0))) / np.max(np.abs(want - p0))
     assert err < 1e-4, f"{case}: max relative error of the update {err:.2e}"
+
+
+class muon_reference:
+    """torch.optim.Muon over the 2-D tensors, torch.optim.AdamW over the rest, one learning rate;
+    the Newton-Schulz iteration run in f32 (torch's is bf16, krnl's f32)."""
+
+    def __init__(self, torch, tps, lr, wd, kw):
+        kw = dict(kw)
+        betas = kw.pop("betas", (0.9, 0.999))
+        mats = [t for t in tps if t.ndim == 2]
+        self.opts = [torch.optim.Muon(mats, lr=lr, weight_decay=wd, **kw),
+                     torch.optim.AdamW([t for t in tps if t.ndim != 2], lr=lr, weight_decay=wd, betas=betas)]
+        self.param_groups = [g for o in self.opts for g in o.param_groups]
+        self.torch = torch
+
+    def step(self):
+        original = self.torch.Tensor.bfloat16
+        self.torch.Tensor.bfloat16 = lambda t: t.float().clone()  # a copy, as the cast is; within this step only
+        try:
+            for o in self.opts:
+                o.step()
+        finally:
+            self.torch.Tensor.bfloat16 = original
 
 
 @pytest.mark.parametrize("dtype", ["f32", "f16"])

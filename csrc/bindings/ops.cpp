@@ -207,6 +207,33 @@ void bind_ops(nb::module_& parent) {
         "u = g / sqrt(max(row col / max(mean(row), eps1), eps1^2)); params -= alpha / max(1, rms(u) / d) u.\n"
         "hyper (5,) f32 [rho, beta2t, decay, inv_denom, max_norm] with sq and flag replace rho, beta2t,\n"
         "decay and grad_scale as adamw_update's do.");
+  m.def("muon_momentum", [](const Tensor& grads, const Tensor& buf, const Tensor& out, float momentum, bool nesterov,
+                            float eps, float grad_scale, const Tensor* hyper, const Tensor* sq, const Tensor* flag) {
+          MuonMomentumArgs a;
+          a.grads = grads, a.buf = buf, a.out = out;
+          if (hyper) a.hyper = *hyper;
+          if (sq) a.sq = *sq;
+          if (flag) a.flag = *flag;
+          a.momentum = momentum, a.nesterov = nesterov, a.eps = eps, a.grad_scale = grad_scale;
+          ops::muon_momentum(a);
+        }, release, "grads"_a, "buf"_a, "out"_a, "momentum"_a = 0.95f, "nesterov"_a = true, "eps"_a = 1e-7f,
+        "grad_scale"_a = 1.0f, "hyper"_a = nb::none(), "sq"_a = nb::none(), "flag"_a = nb::none(),
+        "Muon's momentum (torch.optim.Muon), all f32 of one length: buf = lerp(buf, g, 1 - momentum) with\n"
+        "g = grads * grad_scale; out = (nesterov ? lerp(g, buf, momentum) : buf) / max(||.||_F, eps), the\n"
+        "Newton-Schulz iteration's start. hyper (5,) f32 [-, -, -, inv_denom, max_norm] with sq and flag\n"
+        "replace grad_scale as adamw_update's do (nothing written on a non-finite step).");
+  m.def("muon_update", [](const Tensor& params, const Tensor& update, float lr, float decay, float scale,
+                          const Tensor* working, const Tensor* hyper, const Tensor* sq, const Tensor* flag) {
+          MuonUpdateArgs a;
+          a.params = params, a.update = update;
+          device_scalars(a, working, hyper, sq, flag);
+          a.lr = lr, a.decay = decay, a.scale = scale;
+          ops::muon_update(a);
+        }, release, "params"_a, "update"_a, "lr"_a, "decay"_a = 0.0f, "scale"_a = 1.0f, "working"_a = nb::none(),
+        "hyper"_a = nb::none(), "sq"_a = nb::none(), "flag"_a = nb::none(),
+        "Muon's step: params = params * (1 - decay) - lr * scale * update (f32, one length; scale: the\n"
+        "shape's learning-rate ratio). hyper (5,) f32 [lr, -, decay, inv_denom, max_norm] with sq and flag\n"
+        "replace lr and decay; nothing is written on a non-finite step.");
   m.def("moe_route", &ops::moe_route, release, "logits"_a, "ids"_a, "weights"_a, "norm"_a = false,
         "ids (N, K) i32 = the K experts of largest softmax(logits (N, E)) per row (f32, descending, a tie\n"
         "to the lower expert); weights (N, K) f32 their probabilities, divided by their sum if norm.");

@@ -95,6 +95,26 @@ struct AdafactorUpdateArgs {
   Tensor hyper, sq, flag;
 };
 
+// Muon (torch.optim.Muon) around its Newton-Schulz iteration, which callers run with gemm.
+// muon_momentum: g = grads * grad_scale; buf = lerp(buf, g, 1 - momentum); u = nesterov ?
+// lerp(g, buf, momentum) : buf; out = u / max(||u||_F, eps) (the iteration's start). muon_update:
+// params = params * (1 - decay) - lr * scale * update. hyper (5,) f32 replaces grad_scale
+// (muon_momentum: [-, -, -, inv_denom, max_norm]) or lr and decay (muon_update: [lr, -, decay, -, -]),
+// and both skip (write nothing) on a non-finite step as adamw_update does.
+struct MuonMomentumArgs {
+  Tensor grads, buf, out;
+  float momentum = 0.95f, eps = 1e-7f;
+  bool nesterov = true;
+  float grad_scale = 1.f;
+  Tensor hyper, sq, flag;
+};
+
+struct MuonUpdateArgs {
+  Tensor params, update, working;
+  float lr = 1e-3f, decay = 0.f, scale = 1.f;
+  Tensor hyper, sq, flag;
+};
+
 // A step recorded once and replayed whole (CUDA graphs: csrc/cuda/cuda_graph.cpp). It owns every
 // storage the recorded work touches: recorded device addresses stay valid and unshared while it
 // exists.

@@ -182,5 +182,7 @@
   X(sgd_update, (const SgdUpdateArgs& a))                                                                           \
   X(lion_update, (const LionUpdateArgs& a))                                                                         \
   X(adafactor_update, (const AdafactorUpdateArgs& a))                                                               \
+  X(muon_momentum, (const MuonMomentumArgs& a))                                                                     \
+  X(muon_update, (const MuonUpdateArgs& a))                                                                         \
   X(sumsq, (const Tensor& x, const Tensor& out))                                                                    \
   X(nonfinite, (const Tensor& x, const Tensor& flag))

@@ -1,5 +1,5 @@
-// The optimizer ops' entry points: AdamW (and Adam), SGD, Lion and Adafactor (with their
-// device-resident scalars), sumsq and the non-finite flag.
+// The optimizer ops' entry points: AdamW (and Adam), SGD, Lion, Adafactor and Muon's two (with
+// their device-resident scalars), sumsq and the non-finite flag.
 #include <initializer_list>
 #include <algorithm>
 #include <string>
@@ -106,6 +106,24 @@ void adafactor_update(const AdafactorUpdateArgs& a) {
   const int64_t n = a.params.numel();
   run(c, shape_str(s), 12.0 * double(n), nbytes({&a.params, &a.grads}) * 2.5, DType::f32,
       [&] { c.dev->adafactor_update(a); });
+}
+
+void muon_momentum(const MuonMomentumArgs& a) {
+  Check c{"muon_momentum"};
+  check_update(c, {{"grads", &a.grads}, {"buf", &a.buf}, {"out", &a.out}}, Tensor(), a.hyper, a.sq, a.flag);
+  if (!(a.momentum >= 0 && a.momentum < 1)) c.fail("momentum must be in [0, 1)");
+  if (!(a.eps > 0)) c.fail("eps must be > 0");
+  const int64_t n = a.grads.numel();
+  run(c, "n=" + std::to_string(n), 8.0 * double(n), nbytes({&a.grads, &a.buf, &a.out}) * 1.7, DType::f32,
+      [&] { c.dev->muon_momentum(a); });
+}
+
+void muon_update(const MuonUpdateArgs& a) {
+  Check c{"muon_update"};
+  check_update(c, {{"params", &a.params}, {"update", &a.update}}, a.working, a.hyper, a.sq, a.flag);
+  const int64_t n = a.params.numel();
+  run(c, "n=" + std::to_string(n), 4.0 * double(n), nbytes({&a.params, &a.update}) * 1.5, DType::f32,
+      [&] { c.dev->muon_update(a); });
 }
 
 void sumsq(const Tensor& x, const Tensor& out) {

@@ -1,4 +1,4 @@
-// Optimizer ops on the CPU: AdamW and Adam, SGD, Lion, Adafactor (each with the working-copy refresh),
+// Optimizer ops on the CPU: AdamW and Adam, SGD, Lion, Adafactor, Muon's (with the working-copy refresh),
 // sumsq (double partials summed in a fixed order) and the non-finite flag.
 #include <algorithm>
 #include <atomic>
@@ -33,10 +33,10 @@ DeviceScalars device_scalars(const float* hyper, float sq, const int32_t* flag) 
 }
 
 // hyper's values, or nullptr when the update is skipped; the grad scale into *gs. Without hyper,
-// `fallback` (the call's own scalars) and the call's grad scale stand.
+// `fallback` (the call's own scalars) and `grad_scale` stand.
 template <typename A>
-const float* step_scalars(const A& a, const float* fallback, float* gs) {
-  *gs = a.grad_scale;
+const float* step_scalars(const A& a, const float* fallback, float grad_scale, float* gs) {
+  *gs = grad_scale;
   if (!a.hyper.defined()) return fallback;
   const float* h = a.hyper.template ptr<float>();
   const DeviceScalars d = device_scalars(h, a.sq.template ptr<float>()[0],
@@ -57,7 +57,7 @@ void CpuBackend::adamw_update(const AdamWArgs& a) {
   const double bc2 = 1.0 - std::pow(double(a.beta2), double(a.step));
   const float host[3] = {float(double(a.lr) / bc1), float(std::sqrt(bc2)), l2 ? a.weight_decay : a.lr * a.weight_decay};
   float gs;
-  const float* h = step_scalars(a, host, &gs);
+  const float* h = step_scalars(a, host, a.grad_scale, &gs);
   if (!h) return;  // a non-finite step: params, m, v and working stay as they are
   const float step_size = h[0], bc2_sqrt = h[1], decay = h[2];
   const float b1 = a.beta1, b2 = a.beta2, eps = a.eps;
@@ -86,7 +86,7 @@ void CpuBackend::sgd_update(const SgdUpdateArgs& a) {
   float* buf = momentum ? a.buf.ptr<float>() : nullptr;
   const float host[3] = {a.lr, first ? 0.f : a.momentum, first ? 1.f : 1.f - a.dampening};
   float gs;
-  const float* h = step_scalars(a, host, &gs);
+  const float* h = step_scalars(a, host, a.grad_scale, &gs);
   if (!h) return;
   const float lr = h[0], keep = h[1], in = h[2], wd = a.weight_decay, mu = a.momentum;
   const bool nesterov = a.nesterov, working = a.working.defined();
@@ -110,7 +110,7 @@ void CpuBackend::lion_update(const LionUpdateArgs& a) {
   float* m = a.m.ptr<float>();
   const float host[2] = {a.lr, a.lr * a.weight_decay};
   float gs;
-  const float* h = step_scalars(a, host, &gs);
+  const float* h = step_scalars(a, host, a.grad_scale, &gs);
   if (!h) return;
   const float lr = h[0], decay = h[1], b1 = a.beta1, b2 = a.beta2;
   const bool working = a.working.defined();
@@ -145,7 +145,7 @@ void CpuBackend::adafactor_update(const AdafactorUpdateArgs& a) {
   if (n == 0) return;
   const float host[3] = {a.rho, a.beta2t, a.decay};
   float gs;
-  const float* h = step_scalars(a, host, &gs);
+  const float* h = step_scalars(a, host, a.grad_scale, &gs);
   if (!h) return;
   const float rho = h[0], w = h[1], decay = h[2], eps1 = a.eps1;
   // Per row: the sums of params^2 (before the decay) and g^2; the row's moment.
@@ -205,6 +205,52 @@ void CpuBackend::adafactor_update(const AdafactorUpdateArgs& a) {
       for (int64_t j = 0; j < C; ++j) p[r * C + j] = p[r * C + j] * keep - step * u_at(r, j);
     }
     if (working) store(a.working.dtype(), p + r0 * C, (r1 - r0) * C, a.working.data(), r0 * C);
+  });
+}
+
+void CpuBackend::muon_momentum(const MuonMomentumArgs& a) {
+  const float* g = a.grads.ptr<float>();
+  float* buf = a.buf.ptr<float>();
+  float* out = a.out.ptr<float>();
+  const int64_t n = a.grads.numel();
+  float gs;
+  const float none[1] = {0.f};
+  if (!step_scalars(a, none, a.grad_scale, &gs)) return;
+  const float mu = a.momentum;
+  const bool nesterov = a.nesterov;
+  const int64_t parts = num_parts(n);
+  std::vector<double> partial(static_cast<size_t>(parts), 0.0);
+  for_parts(n, parts, [&](int64_t part, int64_t b, int64_t e) {
+    double acc = 0;
+    for (int64_t i = b; i < e; ++i) {
+      const float gi = g[i] * gs;
+      const float bi = lerp(buf[i], gi, 1.f - mu);
+      const float u = nesterov ? lerp(gi, bi, mu) : bi;
+      buf[i] = bi, out[i] = u;
+      acc += double(u) * u;
+    }
+    partial[size_t(part)] = acc;
+  });
+  double total = 0;
+  for (double v : partial) total += v;
+  const float denom = std::max(float(std::sqrt(total)), a.eps);
+  for_blocks(n, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) out[i] /= denom;
+  });
+}
+
+void CpuBackend::muon_update(const MuonUpdateArgs& a) {
+  float* p = a.params.ptr<float>();
+  const float* x = a.update.ptr<float>();
+  const float host[3] = {a.lr, 0.f, a.decay};
+  float gs;
+  const float* h = step_scalars(a, host, 1.f, &gs);
+  if (!h) return;
+  const float step = h[0] * a.scale, keep = 1.f - h[2];
+  const bool working = a.working.defined();
+  for_blocks(a.params.numel(), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) p[i] = p[i] * keep - step * x[i];
+    if (working) store(a.working.dtype(), p + i0, i1 - i0, a.working.data(), i0);
   });
 }
 

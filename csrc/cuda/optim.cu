@@ -1,5 +1,5 @@
 // Optimizer ops over the flat fp32 parameter buffers: AdamW and Adam, SGD, Lion, Adafactor per
-// parameter (each with the working-copy refresh), sumsq (fp64 partials, summed in a fixed order:
+// parameter, Muon's two (each with the working-copy refresh), sumsq (fp64 partials, summed in a fixed order:
 // the result does not depend on timing) and the non-finite flag.
 #include <cmath>
 
@@ -201,6 +201,43 @@ __global__ void adafactor_apply_kernel(AdaArgs a, float* p, const float* g, cons
   }
 }
 
+// ---- muon_momentum (its kernel, then sumsq's over out, then the normalize kernel) and muon_update
+
+__global__ void muon_momentum_kernel(const float* g, float* buf, float* out, int64_t n, float gs, float mu,
+                                     bool nesterov, const float* hyper, const float* sq, const int32_t* flag) {
+  if (hyper && !device_clip(hyper, sq, flag, &gs)) return;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const float gi = g[i] * gs;
+    const float bi = ada_lerp(buf[i], gi, 1.f - mu);
+    buf[i] = bi;
+    out[i] = nesterov ? ada_lerp(gi, bi, mu) : bi;
+  }
+}
+
+__global__ void muon_normalize_kernel(float* out, int64_t n, float eps, const float* total, const float* hyper,
+                                      const float* sq, const int32_t* flag) {
+  float gs;
+  if (hyper && !device_clip(hyper, sq, flag, &gs)) return;
+  const float denom = fmaxf(sqrtf(*total), eps);
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    out[i] /= denom;
+}
+
+__global__ void muon_update_kernel(float* p, const float* x, int64_t n, float lr, float decay, float scale, DType wd,
+                                   void* working, const float* hyper, const float* sq, const int32_t* flag) {
+  if (hyper) {
+    float gs;
+    if (!device_clip(hyper, sq, flag, &gs)) return;
+    lr = hyper[0], decay = hyper[2];
+  }
+  const float step = lr * scale, keep = 1.f - decay;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const float pi = p[i] * keep - step * x[i];
+    p[i] = pi;
+    if (working) st(wd, working, i, pi);
+  }
+}
+
 __global__ void sumsq_partial_kernel(DType dt, const void* x, int64_t n, double* part) {
   __shared__ double sh[kThreads];
   double acc = 0;
@@ -318,6 +355,36 @@ void CudaBackend::adafactor_update(const AdafactorUpdateArgs& a) {
   adafactor_finish_kernel<<<1, kThreads, 0, stream_>>>(args, w);
   adafactor_apply_kernel<<<grid_for(n), kThreads, 0, stream_>>>(args, p, g, row, col, w, o.wd, o.working);
   check_launch("adafactor_update");
+}
+
+void CudaBackend::muon_momentum(const MuonMomentumArgs& a) {
+  const int64_t n = a.grads.numel();
+  if (!n) return;
+  const Optional o{nullptr, DType::f32, a.hyper.defined() ? a.hyper.ptr<float>() : nullptr,
+                   a.sq.defined() ? a.sq.ptr<float>() : nullptr, a.flag.defined() ? a.flag.ptr<int32_t>() : nullptr};
+  {
+    OpTimer timer(this);
+    muon_momentum_kernel<<<grid_for(n), kThreads, 0, stream_>>>(a.grads.ptr<float>(), a.buf.ptr<float>(),
+                                                                a.out.ptr<float>(), n, a.grad_scale, a.momentum,
+                                                                a.nesterov, o.hyper, o.sq, o.flag);
+    check_launch("muon_momentum");
+  }
+  Tensor total = scratch(1);
+  sumsq(a.out, total);  // the update's norm (a stale one on a skipped step, never used)
+  OpTimer timer(this);
+  muon_normalize_kernel<<<grid_for(n), kThreads, 0, stream_>>>(a.out.ptr<float>(), n, a.eps, total.ptr<float>(),
+                                                               o.hyper, o.sq, o.flag);
+  check_launch("muon_momentum");
+}
+
+void CudaBackend::muon_update(const MuonUpdateArgs& a) {
+  OpTimer timer(this);
+  const int64_t n = a.params.numel();
+  if (!n) return;
+  const Optional o = optional(a);
+  muon_update_kernel<<<grid_for(n), kThreads, 0, stream_>>>(a.params.ptr<float>(), a.update.ptr<float>(), n, a.lr,
+                                                            a.decay, a.scale, o.wd, o.working, o.hyper, o.sq, o.flag);
+  check_launch("muon_update");
 }
 
 void CudaBackend::sumsq(const Tensor& x, const Tensor& out) {

@@ -5,4 +5,5 @@ from .optimizers import OPTIMIZERS, from_config  # noqa: F401
 from .optimizers.base import FlatOptimizer  # noqa: F401
 from .optimizers.elementwise import SGD, Adam, AdamW, Lion  # noqa: F401
 from .optimizers.factored import Adafactor  # noqa: F401
+from .optimizers.muon import Muon  # noqa: F401
 from .optimizers.schedule import LossScaler, Schedule  # noqa: F401

@@ -3,10 +3,11 @@ TrainConfig names (`from_config`)."""
 
 from .elementwise import SGD, Adam, AdamW, Lion
 from .factored import Adafactor
+from .muon import Muon
 
-OPTIMIZERS = {c.name: c for c in (AdamW, Adam, SGD, Lion, Adafactor)}
-# --betas left out: each optimizer's reference default
-DEFAULT_BETAS = {"adamw": (0.9, 0.999), "adam": (0.9, 0.999), "lion": (0.9, 0.99)}
+OPTIMIZERS = {c.name: c for c in (AdamW, Adam, SGD, Lion, Adafactor, Muon)}
+# --betas left out: each optimizer's reference default (muon: its AdamW's)
+DEFAULT_BETAS = {"adamw": (0.9, 0.999), "adam": (0.9, 0.999), "lion": (0.9, 0.99), "muon": (0.9, 0.999)}
 
 
 def from_config(flat, schedule, cfg):
@@ -20,7 +21,12 @@ def from_config(flat, schedule, cfg):
         return OPTIMIZERS[kind](flat, schedule, betas=betas, eps=cfg.eps if cfg.eps is not None else 1e-8, **common)
     if kind == "lion":
         return Lion(flat, schedule, betas=betas, **common)
+    if kind == "muon":
+        return Muon(flat, schedule, momentum=0.95 if cfg.momentum is None else cfg.momentum,
+                    nesterov=cfg.nesterov is not False, ns_steps=cfg.ns_steps, adjust_lr_fn=cfg.adjust_lr_fn,
+                    betas=betas, adam_eps=cfg.eps if cfg.eps is not None else 1e-8, **common)
     if kind == "adafactor":
         return Adafactor(flat, schedule, beta2_decay=cfg.beta2_decay, d=cfg.clip_threshold,
                          relative_step=cfg.relative_step, **common)
-    return SGD(flat, schedule, momentum=cfg.momentum, dampening=cfg.dampening, nesterov=cfg.nesterov, **common)
+    return SGD(flat, schedule, momentum=cfg.momentum or 0.0, dampening=cfg.dampening, nesterov=bool(cfg.nesterov),
+               **common)

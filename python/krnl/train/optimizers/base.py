@@ -45,6 +45,7 @@ class FlatOptimizer:
     loss_scaler=None: dynamic loss scaling is enabled exactly when the compute dtype is f16."""
 
     name = None
+    hyper_size = 5  # the hyper tensor's length: a row of five per group of numbers
     state = {}  # {state_dict key: the FlatParams attribute (or, where it has none, this optimizer's)}
 
     def __init__(self, flat_params, schedule, weight_decay=0.0, max_grad_norm=None, loss_scaler=None):
@@ -109,18 +110,19 @@ class FlatOptimizer:
         return self.finish_step()
 
     def hyper(self, accumulated_micro_batches=1):
-        """(5,) f32 numpy: the update's `hyper` for the next step (see queue_step)."""
+        """(hyper_size,) f32 numpy: the update's `hyper` for the next step (see queue_step)."""
         n = accumulated_micro_batches
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
             raise ValueError(f"[{type(self).__name__}.step] accumulated_micro_batches must be an integer >= 1, "
                              f"got {n!r}")
         t, lr = self.adam_step + 1, self.schedule.lr_at(self.iteration + 1)
         self._pending = (int(n), self.scaler.scale, lr)
-        return np.array(list(self.numbers(t, lr)) + [1.0 / (self.scaler.scale * n), self.max_grad_norm or 0.0],
-                        np.float32)
+        nums, tail = list(self.numbers(t, lr)), [1.0 / (self.scaler.scale * n), self.max_grad_norm or 0.0]
+        # one row of five per group of three numbers (Muon's second row: its AdamW's)
+        return np.array(sum((nums[i:i + 3] + tail for i in range(0, len(nums), 3)), []), np.float32)
 
     def queue_ops(self, hyper):
-        """The device's half of a step, reading its numbers from the (5,) f32 tensor `hyper`
+        """The device's half of a step, reading its numbers from the f32 tensor `hyper`
         (hyper()): the inf/NaN flag (with loss scaling), the squared gradient norm, the update
         (skipped on the device when the flag is set or the norm is not finite; clipped by the
         norm there) and zeroed grads. Reads nothing on the host: a recording replays it."""

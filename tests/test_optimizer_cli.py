@@ -30,7 +30,7 @@ def test_command_line_and_config_file(tmp_path):
     a = args_of(["train", "--optimizer", "sgd", "--momentum", "0.9", "--dampening", "0.1"])
     assert config_fields(a) == {"optimizer": "sgd", "betas": None, "eps": None, "momentum": 0.9, "dampening": 0.1,
                                 "nesterov": None, "beta2_decay": -0.8, "clip_threshold": 1.0, "relative_step": True,
-                                "ns_steps": 5, "adjust_lr_fn": "original"}
+                                "ns_steps": 5, "adjust_lr_fn": "original", "loraplus_lr_ratio": 0.0}
     assert args_of(["train", "--betas", "0.8,0.9"]).betas == (0.8, 0.9)
     with pytest.raises(SystemExit):
         args_of(["train", "--betas", "0.9"])
@@ -66,3 +66,17 @@ def test_each_optimizer_trains_and_resumes_exactly(tmp_path, name, capsys):
     assert main(BASE + ["--adapter-path", str(out), "--resume", "--iters", "6", "--optimizer",
                         "lion" if name != "lion" else "adamw"]) == 1
     assert f"--optimizer '{name}' -> " in capsys.readouterr().err
+
+
+def test_loraplus_trains_and_resumes_exactly(tmp_path):
+    out = tmp_path / "run"
+    extra = ["--optimizer", "lion", "--learning-rate", "1e-4", "--loraplus-lr-ratio", "16"]
+    assert main(BASE + ["--adapter-path", str(out)] + extra) == 0
+    first = losses(out)
+    state = json.loads((out / "checkpoints" / "step-00000004" / "optimizer.json").read_text())
+    assert state["hyper"]["loraplus_lr_ratio"] == 16.0
+    assert main(BASE + ["--adapter-path", str(out), "--resume-from", "2"] + extra) == 0
+    assert losses(out) == first
+    plain = tmp_path / "plain"
+    assert main(BASE + ["--adapter-path", str(plain)] + extra[:-2]) == 0
+    assert losses(plain)[1:] != first[1:]  # the B factors' larger steps show from the second step

@@ -15,7 +15,7 @@ from test_optim import flat_of, set_grads
 from test_optim import make_flat as make_any_flat
 
 # LoRA-like factors (Adafactor factors >= 2 dims), a 3-D one as an expert's
-SHAPES = {"layer0.A": (3, 17), "layer0.B": (33, 3), "experts.A": (2, 3, 5)}
+SHAPES = {"l0.q.lora_A.weight": (3, 17), "l0.q.lora_B.weight": (33, 3), "l0.experts.lora_A.weight": (2, 3, 5)}
 
 
 def make_flat(dev, dtype="f32", seed=0):
@@ -53,8 +53,11 @@ def newton_schulz(X, steps=5, eps=1e-7, coefficients=(3.4445, -4.7750, 2.0315)):
 class NumpyRef:
     """float64 of each reference's update after torch.nn.utils.clip_grad_norm_."""
 
-    def __init__(self, case, p, lr_fn, wd, max_norm):
+    def __init__(self, case, p, lr_fn, wd, max_norm, ratio=None):
         self.kind, self.kw = CASES[case][0].name, CASES[case][1]
+        # LoRA+: each element's learning-rate factor, the B factors' ratio
+        self.ratio = {k: ratio if ratio and ".lora_B." in k else 1.0 for k in SHAPES}
+        self.scale = np.concatenate([np.full(int(np.prod(s)), self.ratio[k]) for k, s in SHAPES.items()])
         self.p = np.array(p, np.float64)
         self.m, self.v = np.zeros_like(self.p), np.zeros_like(self.p)
         self.lr_fn, self.wd, self.max_norm, self.t = lr_fn, wd, max_norm, 0
@@ -65,7 +68,8 @@ class NumpyRef:
         if self.max_norm is not None:
             g = g * min(1.0, self.max_norm / (norm + 1e-6))
         self.t += 1
-        lr, t, kw, p = self.lr_fn(self.t), self.t, self.kw, self.p
+        lr, t, kw, p = self.lr_fn(self.t) * self.scale, self.t, self.kw, self.p
+        base_lr = self.lr_fn(self.t)
         if self.kind in ("adamw", "adam"):
             (b1, b2), eps = kw["betas"], kw["eps"]
             if self.kind == "adamw":
@@ -79,13 +83,15 @@ class NumpyRef:
             off = 0
             for name, shape in SHAPES.items():
                 size = int(np.prod(shape))
-                self.p[off:off + size] = self.muon(name, shape, p[off:off + size], g[off:off + size], lr, t, off)
+                self.p[off:off + size] = self.muon(name, shape, p[off:off + size], g[off:off + size],
+                                                   base_lr * self.ratio[name], t, off)
                 off += size
         elif self.kind == "adafactor":
             off = 0
             for name, shape in SHAPES.items():
                 size, b = int(np.prod(shape)), (-1,) + shape[-2:]
-                got = self.adafactor(name, p[off:off + size].reshape(b), g[off:off + size].reshape(b), lr, t)
+                got = self.adafactor(name, p[off:off + size].reshape(b), g[off:off + size].reshape(b),
+                                     base_lr * self.ratio[name], t)
                 self.p[off:off + size] = got.reshape(-1)
                 off += size
         elif self.kind == "sgd":
@@ -101,7 +107,6 @@ class NumpyRef:
             p -= lr * np.sign(b1 * self.m + (1 - b1) * g)
             self.m = b2 * self.m + (1 - b2) * g
         return norm
-
 
     def muon(self, key, shape, p, g, lr, t, off):
         """torch.optim.Muon on a 2-D parameter, PyTorch's AdamW on the others (m, v at its offset)."""
@@ -312,3 +317,89 @@ def test_from_config_picks_each_optimizer(dev):
         from_config(make_flat(dev), Schedule(1e-3, kind="constant"), TrainConfig(optimizer="adagrad"))
     with pytest.raises(ValueError, match=r"\[SGD\] nesterov"):
         SGD(make_flat(dev), Schedule(1e-3, kind="constant"), nesterov=True)
+
+
+# ---- LoRA+
+
+@pytest.mark.parametrize("case", CASES)
+def test_loraplus_matches_numpy(dev, case):
+    """LoRA+ with every optimizer: the B factors at lr * ratio (their weight decay and the
+    schedule's shape alike), the A factors at lr; the layout A, B, A makes three runs."""
+    fp = make_flat(dev)
+    n, ratio = fp.numel, 4.0
+    opt = make_opt(case, fp, 0.05, 0.5, lr_ratio=ratio)
+    assert opt.hyper_size == 10 * type(opt).rows
+    ref = NumpyRef(case, flat_of(fp.params, n), Schedule(**SCHED).lr_at, 0.05, 0.5, ratio=ratio)
+    p0 = ref.p.copy()
+    rng = np.random.default_rng(14)
+    for step in range(1, 6):
+        g_sum = grads_of(rng, n, 2, step)
+        set_grads(fp, g_sum)
+        opt.step(2)
+        ref.step(g_sum, 2)
+    got = flat_of(fp.params, n)
+    scale = np.max(np.abs(ref.p - p0))
+    np.testing.assert_allclose(got - p0, ref.p - p0, rtol=3e-4, atol=1e-5 * scale + 16 * 2.0**-23 * np.max(np.abs(p0)))
+    assert opt.state_dict()["hyper"]["loraplus_lr_ratio"] == ratio
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("case", ["adamw", "sgd-momentum", "adafactor", "lion", "muon"])
+def test_loraplus_matches_peft(dev, case):
+    """PEFT's create_loraplus_optimizer on a tiny LoRA model (two adapted linears) with the
+    reference optimizer: the same groups (B at lr * ratio, A at lr, one weight decay) and, over five
+    clipped steps on the same gradients, the same parameters."""
+    torch = pytest.importorskip("torch")
+    peft = pytest.importorskip("peft")
+    from peft.optimizers import create_loraplus_optimizer
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.v = torch.nn.Linear(17, 33), torch.nn.Linear(17, 9)
+
+    torch.manual_seed(0)
+    model = peft.get_peft_model(Tiny(), peft.LoraConfig(r=3, target_modules=["q", "v"]))
+    named = [(k, p) for k, p in model.named_parameters() if p.requires_grad]
+    rng = np.random.default_rng(15)
+    with torch.no_grad():
+        for _, p in named:  # B is zero at PEFT's init: random values make the first step show it
+            p.copy_(torch.from_numpy(rng.standard_normal(tuple(p.shape)).astype(np.float32) * 0.3))
+    cls, kw = CASES[case]
+    wd, ratio, lr = 0.05, 8.0, SCHED["lr"]
+    if cls.name == "lion":
+        optimizer_cls = pytest.importorskip("lion_pytorch").Lion
+    else:
+        optimizer_cls = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD, "adafactor": torch.optim.Adafactor,
+                         "muon": torch.optim.Muon}[cls.name]
+    ref = create_loraplus_optimizer(model, optimizer_cls, lr=lr, loraplus_lr_ratio=ratio, loraplus_weight_decay=wd,
+                                    **kw)
+    from krnl.models.params import FlatParams
+
+    fp = FlatParams(dev, {k: tuple(p.shape) for k, p in named})
+    fp.load({k: p.detach().numpy() for k, p in named})
+    opt = make_opt(case, fp, wd, 0.5, lr_ratio=ratio)
+    groups = {id(p): g["lr"] for g in ref.param_groups for p in g["params"]}
+    assert {k: groups[id(p)] / lr for k, p in named} == {k: [1.0, ratio][opt.group(k)] for k, _ in named}
+    sched = Schedule(**SCHED)
+    lrs = torch.optim.lr_scheduler.LambdaLR(ref, lambda i: sched.lr_at(i + 1) / lr)
+    p0 = flat_of(fp.params, fp.numel)
+    for step in range(1, 6):
+        g = rng.standard_normal(fp.numel).astype(np.float32) * step
+        set_grads(fp, g)
+        opt.step()
+        for k, p in named:
+            o, size = fp.offsets[k]
+            p.grad = torch.from_numpy(g[o:o + size].reshape(tuple(p.shape)).copy())
+        torch.nn.utils.clip_grad_norm_([p for _, p in named], 0.5)
+        original = torch.Tensor.bfloat16
+        torch.Tensor.bfloat16 = lambda t: t.float().clone()  # Muon's iteration in f32, as krnl runs it
+        try:
+            ref.step()
+        finally:
+            torch.Tensor.bfloat16 = original
+        lrs.step()
+    want = np.concatenate([p.detach().numpy().reshape(-1) for _, p in named]).astype(np.float64)
+    got = flat_of(fp.params, fp.numel)
+    err = np.max(np.abs((got - p0) - (want - p0))) / np.max(np.abs(want - p0))
+    assert err < 1e-4, f"{case}: max relative error of the update {err:.2e}"

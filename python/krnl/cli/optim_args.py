@@ -31,6 +31,9 @@ def add_arguments(t):
     o.add_argument("--dampening", type=float, default=0.0, help="sgd: dampening of the momentum")
     o.add_argument("--nesterov", action=argparse.BooleanOptionalAction, default=None,
                    help="Nesterov momentum: sgd (default: off; needs --momentum, no dampening), muon (default: on)")
+    o.add_argument("--loraplus-lr-ratio", type=float, default=0.0, metavar="R",
+                   help="LoRA+ (PEFT's create_loraplus_optimizer): the LoRA B factors train at --learning-rate times R "
+                   "(0: off), with any optimizer")
     o.add_argument("--ns-steps", type=int, default=5, help="muon: Newton-Schulz iterations")
     o.add_argument("--adjust-lr-fn", default="original", choices=["original", "match_rms_adamw"],
                    help="muon: torch's learning-rate ratio per shape (A, B): sqrt(max(1, A/B)), or 0.2 sqrt(max(A, B))")
@@ -45,6 +48,8 @@ def add_arguments(t):
 
 def config_fields(args):
     """TrainConfig's optimizer fields of the command line."""
+    if args.loraplus_lr_ratio < 0:
+        raise ValueError(f"[train] --loraplus-lr-ratio must be >= 0 (0: off), got {args.loraplus_lr_ratio}")
     if args.nesterov and args.optimizer not in ("sgd", "muon"):
         raise ValueError("[train] --nesterov is SGD's and Muon's")
     if args.nesterov and args.optimizer == "sgd" and (not (args.momentum or 0) > 0 or args.dampening):
@@ -52,4 +57,4 @@ def config_fields(args):
     return {"optimizer": args.optimizer, "betas": args.betas, "eps": args.eps, "momentum": args.momentum,
             "dampening": args.dampening, "nesterov": args.nesterov, "beta2_decay": args.beta2_decay,
             "clip_threshold": args.clip_threshold, "relative_step": args.relative_step, "ns_steps": args.ns_steps,
-            "adjust_lr_fn": args.adjust_lr_fn}
+            "adjust_lr_fn": args.adjust_lr_fn, "loraplus_lr_ratio": args.loraplus_lr_ratio}

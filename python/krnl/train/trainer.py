@@ -50,6 +50,7 @@ class TrainConfig:
     nesterov: bool = None         # sgd (off), muon (on); None: that default
     ns_steps: int = 5             # muon: Newton-Schulz iterations, and torch's learning-rate adjustment
     adjust_lr_fn: str = "original"
+    loraplus_lr_ratio: float = 0.0  # LoRA+ (PEFT's): the B factors at learning_rate * this; 0: off
     beta2_decay: float = -0.8     # adafactor (torch.optim.Adafactor's), with its clip threshold d
     clip_threshold: float = 1.0
     relative_step: bool = True    # adafactor: step min(lr, 1/sqrt(t)); False: the schedule's lr

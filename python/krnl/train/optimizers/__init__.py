@@ -15,7 +15,8 @@ def from_config(flat, schedule, cfg):
     kind = cfg.optimizer
     if kind not in OPTIMIZERS:
         raise ValueError(f"[train] optimizer must be one of {', '.join(OPTIMIZERS)}, got {kind!r}")
-    common = {"weight_decay": cfg.weight_decay, "max_grad_norm": cfg.max_grad_norm or None}
+    common = {"weight_decay": cfg.weight_decay, "max_grad_norm": cfg.max_grad_norm or None,
+              "lr_ratio": cfg.loraplus_lr_ratio or None}
     betas = tuple(cfg.betas) if cfg.betas else DEFAULT_BETAS.get(kind)
     if kind in ("adamw", "adam"):
         return OPTIMIZERS[kind](flat, schedule, betas=betas, eps=cfg.eps if cfg.eps is not None else 1e-8, **common)

@@ -45,10 +45,11 @@ class FlatOptimizer:
     loss_scaler=None: dynamic loss scaling is enabled exactly when the compute dtype is f16."""
 
     name = None
-    hyper_size = 5  # the hyper tensor's length: a row of five per group of numbers
+    rows = 1  # rows of five in the hyper tensor per parameter group (Muon: its AdamW's too)
     state = {}  # {state_dict key: the FlatParams attribute (or, where it has none, this optimizer's)}
 
-    def __init__(self, flat_params, schedule, weight_decay=0.0, max_grad_norm=None, loss_scaler=None):
+    def __init__(self, flat_params, schedule, weight_decay=0.0, max_grad_norm=None, loss_scaler=None,
+                 lr_ratio=None):
         who = type(self).__name__
         if not isinstance(schedule, Schedule):
             raise TypeError(f"[{who}] schedule must be a krnl.train.optim.Schedule, got {type(schedule).__name__}")
@@ -56,7 +57,10 @@ class FlatOptimizer:
             raise ValueError(f"[{who}] weight_decay must be >= 0, got {weight_decay}")
         if max_grad_norm is not None and not (float(max_grad_norm) > 0 and math.isfinite(float(max_grad_norm))):
             raise ValueError(f"[{who}] max_grad_norm must be None or finite and > 0, got {max_grad_norm}")
+        if lr_ratio is not None and not (float(lr_ratio) > 0 and math.isfinite(float(lr_ratio))):
+            raise ValueError(f"[{who}] lr_ratio (LoRA+) must be None or finite and > 0, got {lr_ratio}")
         self.flat, self.schedule = flat_params, schedule
+        self.lr_ratio = None if lr_ratio is None else float(lr_ratio)
         self.weight_decay = float(weight_decay)
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         if loss_scaler is None:
@@ -76,6 +80,43 @@ class FlatOptimizer:
     @property
     def skipped_steps(self):
         return self.scaler.skipped_steps
+
+    # ---- LoRA+ (Hayou et al. 2024, PEFT's create_loraplus_optimizer): the B factors at lr * lr_ratio
+
+    @property
+    def hyper_size(self):
+        """The hyper tensor's length: `rows` rows of five per parameter group."""
+        return 5 * self.rows * (2 if self.lr_ratio else 1)
+
+    def group(self, name):
+        """A parameter's group: 1 for a LoRA B factor under LoRA+ (PEFT's groupB: lr * lr_ratio, the
+        same weight decay; krnl adapts no embeddings and has no bias among its factors, so PEFT's
+        other groups have no members here), else 0."""
+        return int(bool(self.lr_ratio) and ".lora_B." in name)
+
+    def group_hyper(self, hyper, group):
+        """The group's part of the hyper tensor: its rows of five."""
+        b = 5 * self.rows * group
+        return hyper[b:b + 5 * self.rows]
+
+    def runs(self, hyper):
+        """(slice of the flat buffers, its group's hyper rows) over stretches of one group, in layout
+        order: the whole buffer in one without LoRA+."""
+        out = []
+        for k, (off, size) in self.flat.offsets.items():
+            g = self.group(k)
+            if out and out[-1][0] == g and out[-1][2] == off:
+                out[-1][2] = off + size
+            elif size:
+                out.append([g, off, off + size])
+        return [(slice(a, b), self.group_hyper(hyper, g)) for g, a, b in out]
+
+    def working(self, part):
+        """The working copy's part (a slice, or a parameter's name), None in f32 training."""
+        flat = self.flat
+        if flat.working is None:
+            return None
+        return flat.compute(part) if isinstance(part, str) else flat.working[part]
 
     def _check_betas(self, betas):
         b1, b2 = (float(b) for b in betas)
@@ -117,7 +158,9 @@ class FlatOptimizer:
                              f"got {n!r}")
         t, lr = self.adam_step + 1, self.schedule.lr_at(self.iteration + 1)
         self._pending = (int(n), self.scaler.scale, lr)
-        nums, tail = list(self.numbers(t, lr)), [1.0 / (self.scaler.scale * n), self.max_grad_norm or 0.0]
+        scales = (1.0, self.lr_ratio) if self.lr_ratio else (1.0,)
+        nums = [x for s in scales for x in self.numbers(t, lr * s)]
+        tail = [1.0 / (self.scaler.scale * n), self.max_grad_norm or 0.0]
         # one row of five per group of three numbers (Muon's second row: its AdamW's)
         return np.array(sum((nums[i:i + 3] + tail for i in range(0, len(nums), 3)), []), np.float32)
 
@@ -182,7 +225,8 @@ class FlatOptimizer:
             "iteration": self.iteration,
             "schedule": self.schedule.state_dict(),
             "scaler": self.scaler.state_dict(),
-            "hyper": dict(self.options(), weight_decay=self.weight_decay, max_grad_norm=self.max_grad_norm),
+            "hyper": dict(self.options(), weight_decay=self.weight_decay, max_grad_norm=self.max_grad_norm,
+                          loraplus_lr_ratio=self.lr_ratio),
             # (name, shape) pairs: order matters (the flat layout) and survives JSON key sorting.
             "layout": [[k, list(s)] for k, s in self.flat.shapes.items()],
         })
@@ -227,7 +271,8 @@ class FlatOptimizer:
         hyper = state.get("hyper")
         if hyper is not None:  # first: SGD's momentum says whether a buffer is saved
             self.set_options(hyper)
-            self.weight_decay = float(hyper["weight_decay"])
+            self.weight_decay, ratio = float(hyper["weight_decay"]), hyper.get("loraplus_lr_ratio")
+            self.lr_ratio = None if ratio is None else float(ratio)
             mg = hyper["max_grad_norm"]
             self.max_grad_norm = None if mg is None else float(mg)
         arrays, vectors = {}, self._vectors()

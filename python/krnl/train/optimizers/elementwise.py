@@ -15,8 +15,8 @@ class AdamW(FlatOptimizer):
     decoupled = True
 
     def __init__(self, flat_params, schedule, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, max_grad_norm=None,
-                 loss_scaler=None):
-        super().__init__(flat_params, schedule, weight_decay, max_grad_norm, loss_scaler)
+                 loss_scaler=None, lr_ratio=None):
+        super().__init__(flat_params, schedule, weight_decay, max_grad_norm, loss_scaler, lr_ratio)
         self.betas = self._check_betas(betas)
         if not (float(eps) > 0):
             raise ValueError(f"[{type(self).__name__}] eps must be > 0, got {eps}")
@@ -30,8 +30,9 @@ class AdamW(FlatOptimizer):
 
     def update(self, hyper):
         flat, (b1, b2) = self.flat, self.betas
-        ops.adamw_update(flat.params, flat.grads, flat.m, flat.v, 0.0, b1, b2, self.eps, 0.0, 1, 1.0, flat.working,
-                         decoupled=self.decoupled, **self._device_scalars(hyper))
+        for s, h in self.runs(hyper):
+            ops.adamw_update(flat.params[s], flat.grads[s], flat.m[s], flat.v[s], 0.0, b1, b2, self.eps, 0.0, 1, 1.0,
+                             self.working(s), decoupled=self.decoupled, **self._device_scalars(h))
 
     def options(self):
         return {"betas": list(self.betas), "eps": self.eps}
@@ -55,8 +56,8 @@ class SGD(FlatOptimizer):
     name = "sgd"
 
     def __init__(self, flat_params, schedule, momentum=0.0, dampening=0.0, nesterov=False, weight_decay=0.0,
-                 max_grad_norm=None, loss_scaler=None):
-        super().__init__(flat_params, schedule, weight_decay, max_grad_norm, loss_scaler)
+                 max_grad_norm=None, loss_scaler=None, lr_ratio=None):
+        super().__init__(flat_params, schedule, weight_decay, max_grad_norm, loss_scaler, lr_ratio)
         if not (float(momentum) >= 0):
             raise ValueError(f"[SGD] momentum must be >= 0, got {momentum}")
         if nesterov and (float(momentum) <= 0 or float(dampening) != 0):
@@ -74,9 +75,10 @@ class SGD(FlatOptimizer):
 
     def update(self, hyper):
         flat = self.flat
-        ops.sgd_update(flat.params, flat.grads, flat.m if self.momentum else None, 0.0, self.momentum,
-                       self.dampening, self.weight_decay, self.nesterov, 1, 1.0, flat.working,
-                       **self._device_scalars(hyper))
+        for s, h in self.runs(hyper):
+            ops.sgd_update(flat.params[s], flat.grads[s], flat.m[s] if self.momentum else None, 0.0, self.momentum,
+                           self.dampening, self.weight_decay, self.nesterov, 1, 1.0, self.working(s),
+                           **self._device_scalars(h))
 
     def options(self):
         return {"momentum": self.momentum, "dampening": self.dampening, "nesterov": self.nesterov}
@@ -95,8 +97,8 @@ class Lion(FlatOptimizer):
     state = {"m": "m"}
 
     def __init__(self, flat_params, schedule, betas=(0.9, 0.99), weight_decay=0.0, max_grad_norm=None,
-                 loss_scaler=None):
-        super().__init__(flat_params, schedule, weight_decay, max_grad_norm, loss_scaler)
+                 loss_scaler=None, lr_ratio=None):
+        super().__init__(flat_params, schedule, weight_decay, max_grad_norm, loss_scaler, lr_ratio)
         self.betas = self._check_betas(betas)
 
     def numbers(self, t, lr):
@@ -104,8 +106,9 @@ class Lion(FlatOptimizer):
 
     def update(self, hyper):
         flat, (b1, b2) = self.flat, self.betas
-        ops.lion_update(flat.params, flat.grads, flat.m, 0.0, b1, b2, 0.0, 1.0, flat.working,
-                        **self._device_scalars(hyper))
+        for s, h in self.runs(hyper):
+            ops.lion_update(flat.params[s], flat.grads[s], flat.m[s], 0.0, b1, b2, 0.0, 1.0, self.working(s),
+                            **self._device_scalars(h))
 
     def options(self):
         return {"betas": list(self.betas)}

@@ -19,8 +19,8 @@ class Adafactor(FlatOptimizer):
     state = {"factors": "factors"}
 
     def __init__(self, flat_params, schedule, beta2_decay=-0.8, eps=(None, 1e-3), d=1.0, relative_step=True,
-                 weight_decay=0.0, max_grad_norm=None, loss_scaler=None):
-        super().__init__(flat_params, schedule, weight_decay, max_grad_norm, loss_scaler)
+                 weight_decay=0.0, max_grad_norm=None, loss_scaler=None, lr_ratio=None):
+        super().__init__(flat_params, schedule, weight_decay, max_grad_norm, loss_scaler, lr_ratio)
         if not float(beta2_decay) <= 0:
             raise ValueError(f"[Adafactor] beta2_decay must be <= 0, got {beta2_decay}")
         eps1, eps2 = eps
@@ -46,9 +46,9 @@ class Adafactor(FlatOptimizer):
     def update(self, hyper):
         flat, kw = self.flat, self._device_scalars(hyper)
         for k, (r0, rows, c0, cols) in self.spans.items():
-            work = flat.compute(k) if flat.working is not None else None
+            kw["hyper"] = self.group_hyper(hyper, self.group(k))
             ops.adafactor_update(flat.master(k), flat.grad(k), self.factors[r0:r0 + rows], self.factors[c0:c0 + cols],
-                                 0.0, 1.0, 0.0, self.eps1, self.eps2, self.d, 1.0, work, **kw)
+                                 0.0, 1.0, 0.0, self.eps1, self.eps2, self.d, 1.0, self.working(k), **kw)
 
     def options(self):
         return {"beta2_decay": self.beta2_decay, "eps": [self.eps1, self.eps2], "d": self.d,

@@ -25,13 +25,13 @@ class Muon(FlatOptimizer):
     weight decay with `betas` and `adam_eps`, its moments in FlatParams.m and v."""
 
     name = "muon"
-    hyper_size = 10
+    rows = 2
     state = {"m": "m", "v": "v"}
 
     def __init__(self, flat_params, schedule, momentum=0.95, nesterov=True, ns_coefficients=NS_COEFFICIENTS,
                  ns_steps=5, eps=1e-7, adjust_lr_fn=None, betas=(0.9, 0.999), adam_eps=1e-8, weight_decay=0.0,
-                 max_grad_norm=None, loss_scaler=None):
-        super().__init__(flat_params, schedule, weight_decay, max_grad_norm, loss_scaler)
+                 max_grad_norm=None, loss_scaler=None, lr_ratio=None):
+        super().__init__(flat_params, schedule, weight_decay, max_grad_norm, loss_scaler, lr_ratio)
         if not 0.0 <= float(momentum) < 1.0:
             raise ValueError(f"[Muon] momentum must be in [0, 1), got {momentum}")
         if adjust_lr_fn not in (None, "original", "match_rms_adamw"):
@@ -70,19 +70,19 @@ class Muon(FlatOptimizer):
 
     def update(self, hyper):
         flat, kw = self.flat, self._device_scalars(hyper)
-        first, second = dict(kw, hyper=hyper[0:5]), dict(kw, hyper=hyper[5:10])
         for k in self.matrices:
+            first = dict(kw, hyper=self.group_hyper(hyper, self.group(k))[0:5])
             X = flat.device.empty(flat.shapes[k], "f32")
             ops.muon_momentum(flat.grad(k), flat.view(flat.m, k), X, self.momentum, self.nesterov, self.eps, 1.0,
                               **first)
             X = self.orthogonalise(X, flat.device)
-            work = flat.compute(k) if flat.working is not None else None
-            ops.muon_update(flat.master(k), X, 0.0, 0.0, lr_ratio(flat.shapes[k], self.adjust_lr_fn), work, **first)
+            ops.muon_update(flat.master(k), X, 0.0, 0.0, lr_ratio(flat.shapes[k], self.adjust_lr_fn), self.working(k),
+                            **first)
         b1, b2 = self.betas
         for k in self.others:
-            work = flat.compute(k) if flat.working is not None else None
+            second = dict(kw, hyper=self.group_hyper(hyper, self.group(k))[5:10])
             ops.adamw_update(flat.master(k), flat.grad(k), flat.view(flat.m, k), flat.view(flat.v, k), 0.0, b1, b2,
-                             self.adam_eps, 0.0, 1, 1.0, work, **second)
+                             self.adam_eps, 0.0, 1, 1.0, self.working(k), **second)
 
     def options(self):
         return {"momentum": self.momentum, "nesterov": self.nesterov, "ns_coefficients": list(self.ns_coefficients),

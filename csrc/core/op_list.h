@@ -61,6 +61,9 @@
 //   max_norm] with sq (1,) f32 (sumsq of the accumulated grads) and flag (1,) i32 (nonfinite's)
 //   replace lr, weight_decay, step and grad_scale, clip by the global norm on the device, and skip
 //   the whole update (nothing written) when flag[0] != 0 or sq[0] is not finite.
+// - The other optimizer updates (sgd_update, lion_update, adafactor_update, muon_momentum,
+//   muon_update; backend.h's *Args say each one's semantics): their hyper (5,) f32 holds three
+//   numbers of their own, then inv_denom and max_norm, clipped and skipped on as adamw_update's.
 // - Token-major attention (where Backend::token_major_attention()): attention_forward/backward's
 //   q, o, dout, dq (B, T, Hq, D) and k, v, dk, dv (B, T, Hk, D) may be views whose rows of D are
 //   contiguous, e.g. the q, k and v columns of one (B T, heads D) projection; lse (B, Hq, T); B

@@ -260,6 +260,23 @@ struct AdafactorArgs {
     uint32_t use_flag;
 };
 
+// adamw8bit_update: AdamwArgs' step_size, bc2_sqrt, decay (params *= 1 - decay here), betas, eps,
+// grad_scale and device scalars, and 1 - beta1, 1 - beta2 as the host formed them (c1, c2).
+struct Adamw8bitArgs {
+    uint32_t n;
+    float    step_size;
+    float    bc2_sqrt;
+    float    decay;
+    float    beta1;
+    float    beta2;
+    float    c1;
+    float    c2;
+    float    eps;
+    float    grad_scale;
+    uint32_t device_scalars;
+    uint32_t use_flag;
+};
+
 // muon_momentum over grads, buf, out (n,) f32: buf = lerp(buf, g, 1 - momentum), out = nesterov ?
 // lerp(g, buf, momentum) : buf with g = grads * grad_scale; then sumsq_partial/sumsq_finish of out
 // into a scratch (1,) and muon_momentum_normalize: out /= max(sqrt(sum), eps). grad_scale from

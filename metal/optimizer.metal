@@ -549,6 +549,118 @@ KRNL_OPTIM_KERNELS(muon_update)
 template [[host_name("muon_update_working_bf16")]] [[kernel]] decltype(muon_update<bfloat, true>) muon_update<bfloat, true>;
 #endif
 
+// ---- adamw8bit_update, adamw8bit_update_working_{f32,f16,bf16}: bitsandbytes' 8-bit blockwise
+// AdamW over one parameter. One threadgroup of exactly 256 threads per block of 256 elements
+// (grid = ceil(n / 256) threadgroups): dequantize, the AdamW step, then the block's absmax and
+// each element's code (kargs.h's Adamw8bitArgs). Buffers: params 0, grads 1, m_codes 2,
+// v_codes 3 (i32 words of four codes), working 4, args 5, hyper/sq/flag 6..8, m_absmax 9,
+// v_absmax 10, m_map 11, v_map 12.
+
+// the code of x in a sorted 256-entry map: how many midpoints lie below x (bucketize's count)
+static inline uint map_code(float x, device const float* map)
+{
+    uint lo = 0, hi = 255;  // the answer lies in [lo, hi]
+    while (lo < hi) {
+        const uint mid = (lo + hi) / 2;
+        if ((map[mid] + map[mid + 1]) / 2.0f < x) lo = mid + 1; else hi = mid;
+    }
+    return lo;
+}
+
+// code of x in its block of absmax amax, bitsandbytes' way: a full block multiplies by the
+// reciprocal, a partial one divides
+static inline uint quantize8(float x, float amax, bool full, device const float* map)
+{
+    const float am = max(amax, 1e-38f);
+    const float s = clamp(full ? x * precise::divide(1.0f, am) : precise::divide(x, am), -1.0f, 1.0f);
+    return map_code(s, map);
+}
+
+// the block's max of |x| over the threadgroup, to every thread
+static inline float threadgroup_absmax(float x, threadgroup float* part, threadgroup float* out, uint tid, uint lane,
+                                       uint sg, uint nsg)
+{
+    x = simd_max(fabs(x));
+    if (lane == 0) part[sg] = x;
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (tid == 0) {
+        float m = 0.0f;
+        for (uint k = 0; k < nsg; ++k) m = max(m, part[k]);
+        out[0] = m;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    return out[0];
+}
+
+template <typename W, bool WORKING>
+kernel void adamw8bit_update(device float*       params   [[buffer(0)]],
+                             device const float* grads    [[buffer(1)]],
+                             device uint*        m_codes  [[buffer(2)]],
+                             device uint*        v_codes  [[buffer(3)]],
+                             device W*           working  [[buffer(4)]],
+                             constant Adamw8bitArgs& args [[buffer(5)]],
+                             device const float* hyper    [[buffer(6)]],
+                             device const float* sq       [[buffer(7)]],
+                             device const int*   flag     [[buffer(8)]],
+                             device float*       m_absmax [[buffer(9)]],
+                             device float*       v_absmax [[buffer(10)]],
+                             device const float* m_map    [[buffer(11)]],
+                             device const float* v_map    [[buffer(12)]],
+                             uint b    [[threadgroup_position_in_grid]],
+                             uint tid  [[thread_position_in_threadgroup]],
+                             uint lane [[thread_index_in_simdgroup]],
+                             uint sg   [[simdgroup_index_in_threadgroup]],
+                             uint nsg  [[simdgroups_per_threadgroup]])
+{
+    threadgroup float part[RED_MAX_SIMDGROUPS];
+    threadgroup float amax[2];
+    threadgroup uint  mq[256];
+    threadgroup uint  vq[256];
+    float step_size = args.step_size, bc2_sqrt = args.bc2_sqrt, decay = args.decay, gs = args.grad_scale;
+    bool skip = false;
+    if (args.device_scalars != 0) {
+        const ClipScalars c = clip_scalars(hyper, sq, flag, args.use_flag);
+        skip = c.skip, step_size = hyper[0], bc2_sqrt = hyper[1], decay = hyper[2], gs = c.grad_scale;
+    }
+    const uint i0 = b * 256;
+    if (skip || i0 >= args.n) return;  // uniform over the threadgroup
+    const uint len = min(256u, args.n - i0), i = i0 + tid;
+    const bool on = tid < len;
+    float mi = 0.0f, vi = 0.0f;
+    if (on) {
+        const uint mc = (m_codes[i / 4] >> (8 * (i % 4))) & 0xffu, vc = (v_codes[i / 4] >> (8 * (i % 4))) & 0xffu;
+        const float gi = grads[i] * gs;
+        float pi = params[i] * (1.0f - decay);
+        mi = fma(args.c1, gi, args.beta1 * (m_map[mc] * m_absmax[b]));
+        vi = args.beta2 * (v_map[vc] * v_absmax[b]) + args.c2 * gi * gi;
+        pi -= step_size * precise::divide(mi, precise::divide(precise::sqrt(vi), bc2_sqrt) + args.eps);
+        params[i] = pi;
+        if (WORKING) working[i] = W(pi);
+    }
+    const float ma = threadgroup_absmax(mi, part, amax, tid, lane, sg, nsg);
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // part and amax[0] are reused
+    const float va = threadgroup_absmax(vi, part, amax + 1, tid, lane, sg, nsg);
+    const bool full = len == 256;
+    mq[tid] = on ? quantize8(mi, ma, full, m_map) : 0u;
+    vq[tid] = on ? quantize8(vi, va, full, v_map) : 0u;
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (tid < (len + 3) / 4) {
+        const uint k = 4 * tid;
+        m_codes[i0 / 4 + tid] = mq[k] | (mq[k + 1] << 8) | (mq[k + 2] << 16) | (mq[k + 3] << 24);
+        v_codes[i0 / 4 + tid] = vq[k] | (vq[k + 1] << 8) | (vq[k + 2] << 16) | (vq[k + 3] << 24);
+    }
+    if (tid == 0) {
+        m_absmax[b] = full ? ma : max(ma, 1e-38f);
+        v_absmax[b] = full ? va : max(va, 1e-38f);
+    }
+}
+
+KRNL_OPTIM_KERNELS(adamw8bit_update)
+#if KRNL_BF16
+template [[host_name("adamw8bit_update_working_bf16")]] [[kernel]]
+decltype(adamw8bit_update<bfloat, true>) adamw8bit_update<bfloat, true>;
+#endif
+
 // ---- nonfinite: flag[0] = 1 if any of x[0, n) is inf or NaN; never cleared here (the host
 // zeroes it once per step, so several tensors can share one flag). Tested on the raw bits
 // (exponent all ones), which fast math cannot fold away as it may isinf/isnan. Only args.n is

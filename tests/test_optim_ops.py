@@ -449,3 +449,109 @@ def test_muon_device_scalars_and_skip(dev):
         ops.muon_momentum(grads, bb, ob, 1.0)
     with pytest.raises(ValueError, match=r"^\[muon_update\] update"):
         ops.muon_update(bb, dev.zeros((3,)), 0.1)
+
+
+# ---- 8-bit AdamW (bitsandbytes' blockwise quantized moments)
+
+def maps():
+    from krnl.train.optimizers.adamw8bit import dynamic_map
+
+    return dynamic_map(True), dynamic_map(False)
+
+
+def codes_of(words, n):
+    return np.asarray(words).view(np.uint8)[:n].astype(np.int64)
+
+
+def quantize_ref(x, code):
+    """bitsandbytes' pure-PyTorch quantize_blockwise in float64 on the f32 values: per block of 256
+    the absmax and the number of midpoints below x / absmax (a partial block's absmax floored)."""
+    mid = (code[:-1].astype(np.float64) + code[1:]) / 2
+    n = x.size
+    codes, absmax = np.empty(n, np.int64), np.empty(-(-n // 256))
+    for b in range(absmax.size):
+        blk = x[b * 256:(b + 1) * 256].astype(np.float64)
+        am = np.max(np.abs(blk))
+        absmax[b] = am if blk.size == 256 else max(am, 1e-38)
+        codes[b * 256:(b + 1) * 256] = np.searchsorted(mid, np.clip(blk / max(am, 1e-38), -1, 1), side="left")
+    return codes, absmax
+
+
+def dequant(codes, absmax, code):
+    return code[codes].astype(np.float64) * np.repeat(absmax, 256)[:codes.size]
+
+
+@pytest.mark.parametrize("n", SIZES + [768])
+def test_adamw8bit_update(dev, n):
+    """Steps 1..4 against float64 from the device's previous (dequantized) state: the params; m and
+    v requantized as bitsandbytes defines it (absmax per block, the nearest map entry), codes equal
+    but where the f32 and float64 values fall on either side of a midpoint (then adjacent)."""
+    lr, b1, b2, eps, wd, gs = 1e-2, 0.9, 0.999, 1e-8, 0.1, 0.5
+    mmap, vmap = maps()
+    words, blocks = -(-n // 4), -(-n // 256)
+    rng = np.random.default_rng(82)
+    params = to_dev(dev, rng.standard_normal(n))
+    mc, vc = dev.zeros((words,), "i32"), dev.zeros((words,), "i32")
+    ma, va = dev.zeros((blocks,)), dev.zeros((blocks,))
+    dm, dv = to_dev(dev, mmap), to_dev(dev, vmap)
+    for step in range(1, 5):
+        g = rng.standard_normal(n) * 10.0 ** rng.uniform(-4, 0, n)
+        grads = to_dev(dev, g)
+        p0, g0 = read(params), read(grads) * f32(gs)
+        m0 = dequant(codes_of(mc.numpy(), n), read(ma), mmap)
+        v0 = dequant(codes_of(vc.numpy(), n), read(va), vmap)
+        ops.adamw8bit_update(params, grads, mc, vc, ma, va, dm, dv, lr, b1, b2, eps, wd, step, gs)
+        m = f32(b1) * m0 + (1 - f32(b1)) * g0
+        v = f32(b2) * v0 + (1 - f32(b2)) * g0 * g0
+        denom = np.sqrt(v) / math.sqrt(1 - f32(b2) ** step) + eps
+        rp = p0 * (1 - f32(lr) * f32(wd)) - f32(lr) / (1 - f32(b1) ** step) * m / denom
+        upd = f32(lr) / (1 - f32(b1) ** step) * (np.abs(m) + np.abs(m0) + np.abs(g0)) / denom
+        assert_close_elementwise(read(params), rp, 0.0, 4 * U32 * np.abs(p0) + 64 * U32 * upd, what=f"params {step}")
+        for what, words_t, absmax_t, ref, code in (("m", mc, ma, m, mmap), ("v", vc, va, v, vmap)):
+            want, want_absmax = quantize_ref(ref, code)
+            got = codes_of(words_t.numpy(), n)
+            assert_close_elementwise(read(absmax_t), want_absmax, 1e-5, 1e-30, what=f"{what} absmax step {step}")
+            assert np.max(np.abs(got - want)) <= 1 and np.mean(got == want) >= 0.99, f"{what} codes step {step}"
+    assert np.all(np.asarray(mc.numpy()).view(np.uint8)[n:4 * words] == 0), "bytes past n written"
+
+
+def test_adamw8bit_update_device_scalars_and_skip(dev):
+    """hyper, sq and flag: without clipping bit for bit the scalar path at grad_scale = inv_denom
+    (params, codes, absmax, an f16 working copy); a non-finite step writes nothing."""
+    n, lr, wd, inv_denom = 1000, 3e-3, 0.05, np.float32(0.25)
+    mmap, vmap = maps()
+    rng = np.random.default_rng(83)
+    p_init = rng.standard_normal(n)
+    sides = []
+    for _ in range(2):
+        sides.append([to_dev(dev, p_init), dev.zeros((250,), "i32"), dev.zeros((250,), "i32"), dev.zeros((4,)),
+                      dev.zeros((4,)), empty_filled(dev, (n,), "f16")])
+    a, b = sides
+    dm, dv = to_dev(dev, mmap), to_dev(dev, vmap)
+    sq, flag = dev.zeros((1,)), dev.zeros((1,), "i32")
+    for step in (1, 2, 3):
+        grads = to_dev(dev, rng.standard_normal(n) * 4)
+        ops.sumsq(grads, sq)
+        ops.adamw8bit_update(a[0], grads, a[1], a[2], a[3], a[4], dm, dv, lr, 0.9, 0.999, 1e-8, wd, step,
+                             float(inv_denom), a[5])
+        b1, b2 = float(np.float32(0.9)), float(np.float32(0.999))
+        hyper = hyper_of([f32(lr) / (1 - b1**step), math.sqrt(1 - b2**step), np.float32(lr) * np.float32(wd)],
+                         inv_denom, 0.0)
+        ops.adamw8bit_update(b[0], grads, b[1], b[2], b[3], b[4], dm, dv, 9.0, 0.9, 0.999, 1e-8, 9.0, 99, 9.0, b[5],
+                             hyper=to_dev(dev, hyper), sq=sq, flag=flag)
+        for x, y in zip(a, b):
+            np.testing.assert_array_equal(np.asarray(x.numpy()), np.asarray(y.numpy()), err_msg=f"step {step}")
+    before = [np.array(x.numpy(), copy=True) for x in b]
+    ops.fill(flag, 1.0)
+    ops.adamw8bit_update(b[0], grads, b[1], b[2], b[3], b[4], dm, dv, 9.0, working=b[5], hyper=to_dev(dev, hyper),
+                         sq=sq, flag=flag)
+    for x, y in zip(b, before):
+        np.testing.assert_array_equal(np.asarray(x.numpy()), y, err_msg="written on a skipped step")
+    bad = [(dict(m_codes=dev.zeros((249,), "i32")), "m_codes"), (dict(v_absmax=dev.zeros((3,))), "v_absmax"),
+           (dict(m_map=dev.zeros((255,))), "m_map"), (dict(v_codes=dev.zeros((250,))), "v_codes")]
+    for kw, what in bad:
+        args = dict(params=b[0], grads=grads, m_codes=b[1], v_codes=b[2], m_absmax=b[3], v_absmax=b[4], m_map=dm,
+                    v_map=dv, lr=0.1)
+        args.update(kw)
+        with pytest.raises(ValueError, match=rf"^\[adamw8bit_update\] {what}"):
+            ops.adamw8bit_update(**args)

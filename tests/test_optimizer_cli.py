@@ -14,7 +14,8 @@ BASE = ["train", "--iters", "4", "--warmup", "1", "--steps-per-eval", "4", "--sa
 RUNS = {"adamw": [], "adam": ["--weight-decay", "0.01"], "sgd": ["--momentum", "0.9", "--nesterov"],
         "lion": ["--betas", "0.9,0.98", "--learning-rate", "3e-4", "--weight-decay", "0.1"],
         "adafactor": ["--learning-rate", "1e-2", "--no-relative-step", "--clip-threshold", "0.5"],
-        "muon": ["--learning-rate", "2e-2", "--weight-decay", "0.1", "--ns-steps", "4"]}
+        "muon": ["--learning-rate", "2e-2", "--weight-decay", "0.1", "--ns-steps", "4"],
+        "adamw8bit": ["--min-8bit-size", "256", "--weight-decay", "0.01"]}
 
 
 def args_of(argv):
@@ -30,7 +31,8 @@ def test_command_line_and_config_file(tmp_path):
     a = args_of(["train", "--optimizer", "sgd", "--momentum", "0.9", "--dampening", "0.1"])
     assert config_fields(a) == {"optimizer": "sgd", "betas": None, "eps": None, "momentum": 0.9, "dampening": 0.1,
                                 "nesterov": None, "beta2_decay": -0.8, "clip_threshold": 1.0, "relative_step": True,
-                                "ns_steps": 5, "adjust_lr_fn": "original", "loraplus_lr_ratio": 0.0}
+                                "ns_steps": 5, "adjust_lr_fn": "original", "loraplus_lr_ratio": 0.0,
+                                "min_8bit_size": 4096}
     assert args_of(["train", "--betas", "0.8,0.9"]).betas == (0.8, 0.9)
     with pytest.raises(SystemExit):
         args_of(["train", "--betas", "0.9"])

@@ -234,6 +234,29 @@ void bind_ops(nb::module_& parent) {
         "Muon's step: params = params * (1 - decay) - lr * scale * update (f32, one length; scale: the\n"
         "shape's learning-rate ratio). hyper (5,) f32 [lr, -, decay, inv_denom, max_norm] with sq and flag\n"
         "replace lr and decay; nothing is written on a non-finite step.");
+  m.def("adamw8bit_update", [](const Tensor& params, const Tensor& grads, const Tensor& m_codes, const Tensor& v_codes,
+                               const Tensor& m_absmax, const Tensor& v_absmax, const Tensor& m_map, const Tensor& v_map,
+                               float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step,
+                               float grad_scale, const Tensor* working, const Tensor* hyper, const Tensor* sq,
+                               const Tensor* flag, float beta1_complement, float beta2_complement) {
+          AdamW8bitArgs a;
+          a.params = params, a.grads = grads, a.m_codes = m_codes, a.v_codes = v_codes;
+          a.m_absmax = m_absmax, a.v_absmax = v_absmax, a.m_map = m_map, a.v_map = v_map;
+          device_scalars(a, working, hyper, sq, flag);
+          a.lr = lr, a.beta1 = beta1, a.beta2 = beta2, a.eps = eps, a.weight_decay = weight_decay;
+          a.step = step, a.grad_scale = grad_scale;
+          a.beta1_complement = beta1_complement, a.beta2_complement = beta2_complement;
+          ops::adamw8bit_update(a);
+        }, release, "params"_a, "grads"_a, "m_codes"_a, "v_codes"_a, "m_absmax"_a, "v_absmax"_a, "m_map"_a, "v_map"_a,
+        "lr"_a, "beta1"_a = 0.9f, "beta2"_a = 0.999f, "eps"_a = 1e-8f, "weight_decay"_a = 0.0f, "step"_a = 1,
+        "grad_scale"_a = 1.0f, "working"_a = nb::none(), "hyper"_a = nb::none(), "sq"_a = nb::none(),
+        "flag"_a = nb::none(), "beta1_complement"_a = 0.0f, "beta2_complement"_a = 0.0f,
+        "bitsandbytes' 8-bit blockwise AdamW over one parameter (n,) f32: m and v as 8-bit codes, four to\n"
+        "an i32 word ((ceil(n / 4),) each), into the sorted 256-entry maps m_map and v_map (f32), times an\n"
+        "f32 absmax per block of 256 ((ceil(n / 256),) each). Per block: dequantize, AdamW's step (params\n"
+        "*= 1 - lr * weight_decay first), requantize (absmax = max |x|, code = the nearest map entry to\n"
+        "x / absmax). beta*_complement: 1 - beta as the caller rounds it (bitsandbytes: from its double\n"
+        "betas); 0: 1.f - beta. hyper, sq and flag as adamw_update's.");
   m.def("moe_route", &ops::moe_route, release, "logits"_a, "ids"_a, "weights"_a, "norm"_a = false,
         "ids (N, K) i32 = the K experts of largest softmax(logits (N, E)) per row (f32, descending, a tie\n"
         "to the lower expert); weights (N, K) f32 their probabilities, divided by their sum if norm.");

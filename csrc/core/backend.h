@@ -95,6 +95,27 @@ struct AdafactorUpdateArgs {
   Tensor hyper, sq, flag;
 };
 
+// adamw8bit_update (bitsandbytes' 8-bit blockwise AdamW) over one parameter of n elements: m and v
+// held as one 8-bit code per element (m_codes, v_codes: (ceil(n / 4),) i32, element i in byte
+// i % 4 of word i / 4, little-endian) and an f32 absmax per block of 256 (m_absmax, v_absmax:
+// (ceil(n / 256),)); m = m_map[code] * absmax (m_map, v_map (256,) f32, sorted: bitsandbytes'
+// signed and unsigned dynamic maps). Per block: dequantize, bitsandbytes' AdamW step (params *=
+// 1 - decay; m, v; params -= step_size m / (sqrt(v) / bc2_sqrt + eps)), then requantize as
+// bitsandbytes defines it (its pure-PyTorch quantize_blockwise): absmax = max |x| over the block;
+// code = the number of the map's midpoints below x / absmax clamped to [-1, 1], its nearest entry
+// (a partial last block divides and stores absmax floored at 1e-38, a full one multiplies by the
+// reciprocal). hyper as adamw_update's.
+struct AdamW8bitArgs {
+  Tensor params, grads, m_codes, v_codes, m_absmax, v_absmax, m_map, v_map, working;
+  float lr = 1e-3f, beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f, weight_decay = 0.f;
+  // 1 - beta1 and 1 - beta2 as the caller forms them: bitsandbytes rounds them once from its
+  // double betas (0.1f for 0.9), which 1.f - 0.9f is not; <= 0: formed from the f32 betas.
+  float beta1_complement = 0.f, beta2_complement = 0.f;
+  int64_t step = 1;
+  float grad_scale = 1.f;
+  Tensor hyper, sq, flag;
+};
+
 // Muon (torch.optim.Muon) around its Newton-Schulz iteration, which callers run with gemm.
 // muon_momentum: g = grads * grad_scale; buf = lerp(buf, g, 1 - momentum); u = nesterov ?
 // lerp(g, buf, momentum) : buf; out = u / max(||u||_F, eps) (the iteration's start). muon_update:

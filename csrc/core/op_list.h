@@ -62,7 +62,7 @@
 //   replace lr, weight_decay, step and grad_scale, clip by the global norm on the device, and skip
 //   the whole update (nothing written) when flag[0] != 0 or sq[0] is not finite.
 // - The other optimizer updates (sgd_update, lion_update, adafactor_update, muon_momentum,
-//   muon_update; backend.h's *Args say each one's semantics): their hyper (5,) f32 holds three
+//   muon_update, adamw8bit_update; backend.h's *Args say each one's semantics): their hyper (5,) f32 holds three
 //   numbers of their own, then inv_denom and max_norm, clipped and skipped on as adamw_update's.
 // - Token-major attention (where Backend::token_major_attention()): attention_forward/backward's
 //   q, o, dout, dq (B, T, Hq, D) and k, v, dk, dv (B, T, Hk, D) may be views whose rows of D are
@@ -187,5 +187,6 @@
   X(adafactor_update, (const AdafactorUpdateArgs& a))                                                               \
   X(muon_momentum, (const MuonMomentumArgs& a))                                                                     \
   X(muon_update, (const MuonUpdateArgs& a))                                                                         \
+  X(adamw8bit_update, (const AdamW8bitArgs& a))                                                                     \
   X(sumsq, (const Tensor& x, const Tensor& out))                                                                    \
   X(nonfinite, (const Tensor& x, const Tensor& flag))

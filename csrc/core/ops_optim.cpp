@@ -1,5 +1,5 @@
-// The optimizer ops' entry points: AdamW (and Adam), SGD, Lion, Adafactor and Muon's two (with
-// their device-resident scalars), sumsq and the non-finite flag.
+// The optimizer ops' entry points: AdamW (and Adam, and 8-bit AdamW), SGD, Lion, Adafactor and
+// Muon's two (with their device-resident scalars), sumsq and the non-finite flag.
 #include <initializer_list>
 #include <algorithm>
 #include <string>
@@ -124,6 +124,25 @@ void muon_update(const MuonUpdateArgs& a) {
   const int64_t n = a.params.numel();
   run(c, "n=" + std::to_string(n), 4.0 * double(n), nbytes({&a.params, &a.update}) * 1.5, DType::f32,
       [&] { c.dev->muon_update(a); });
+}
+
+void adamw8bit_update(const AdamW8bitArgs& a) {
+  Check c{"adamw8bit_update"};
+  check_update(c, {{"params", &a.params}, {"grads", &a.grads}}, a.working, a.hyper, a.sq, a.flag);
+  const int64_t n = a.params.numel(), words = (n + 3) / 4, blocks = (n + 255) / 256;
+  for (auto [name, t, len, dt] : {std::tuple<const char*, const Tensor*, int64_t, DType>{"m_codes", &a.m_codes, words, DType::i32},
+                                  {"v_codes", &a.v_codes, words, DType::i32}, {"m_absmax", &a.m_absmax, blocks, DType::f32},
+                                  {"v_absmax", &a.v_absmax, blocks, DType::f32}, {"m_map", &a.m_map, 256, DType::f32},
+                                  {"v_map", &a.v_map, 256, DType::f32}}) {
+    c.tensor(name, *t);
+    c.dtype(name, *t, {dt});
+    c.numel(name, *t, len);
+  }
+  if (!a.hyper.defined() && a.step < 1) c.fail("step is 1-based, got " + std::to_string(a.step));
+  if (!in_unit(a.beta1) || !in_unit(a.beta2)) c.fail("betas must be in [0, 1)");
+  if (!(a.eps > 0)) c.fail("eps must be > 0");
+  run(c, "n=" + std::to_string(n), 40.0 * double(n), nbytes({&a.params, &a.grads}) * 1.75, DType::f32,
+      [&] { c.dev->adamw8bit_update(a); });
 }
 
 void sumsq(const Tensor& x, const Tensor& out) {

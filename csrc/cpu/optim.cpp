@@ -1,5 +1,5 @@
-// Optimizer ops on the CPU: AdamW and Adam, SGD, Lion, Adafactor, Muon's (with the working-copy refresh),
-// sumsq (double partials summed in a fixed order) and the non-finite flag.
+// Optimizer ops on the CPU: AdamW, Adam, 8-bit AdamW, SGD, Lion, Adafactor, Muon's (with the
+// working-copy refresh), sumsq (double partials summed in a fixed order) and the non-finite flag.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -251,6 +251,71 @@ void CpuBackend::muon_update(const MuonUpdateArgs& a) {
   for_blocks(a.params.numel(), [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) p[i] = p[i] * keep - step * x[i];
     if (working) store(a.working.dtype(), p + i0, i1 - i0, a.working.data(), i0);
+  });
+}
+
+namespace {
+
+// bitsandbytes' blockwise quantization of one block of m or v (its pure-PyTorch definition, which
+// its native CPU quantizer approximates): the len values' absmax (stored; a partial last block's
+// floored at 1e-38, as bitsandbytes stores it) and each value's code, the number of the map's
+// midpoints below x / absmax clamped to [-1, 1] (a full block multiplies by the reciprocal, a
+// partial one divides, as bitsandbytes does).
+void quantize_block(const float* x, int64_t len, const float* mid, uint8_t* codes, float* absmax) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < len; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const bool full = len == 256;
+  const float am = std::max(amax, 1e-38f), inv = 1.f / am;
+  *absmax = full ? amax : am;
+  for (int64_t i = 0; i < len; ++i) {
+    const float s = std::min(1.f, std::max(-1.f, full ? x[i] * inv : x[i] / am));
+    codes[i] = uint8_t(std::lower_bound(mid, mid + 255, s) - mid);
+  }
+}
+
+}  // namespace
+
+void CpuBackend::adamw8bit_update(const AdamW8bitArgs& a) {
+  const int64_t n = a.params.numel();
+  if (n == 0) return;
+  float* p = a.params.ptr<float>();
+  const float* g = a.grads.ptr<float>();
+  const double bc1 = 1.0 - std::pow(double(a.beta1), double(a.step));
+  const double bc2 = 1.0 - std::pow(double(a.beta2), double(a.step));
+  const float host[3] = {float(double(a.lr) / bc1), float(std::sqrt(bc2)), a.lr * a.weight_decay};
+  float gs;
+  const float* h = step_scalars(a, host, a.grad_scale, &gs);
+  if (!h) return;
+  const float step_size = h[0], bc2_sqrt = h[1], keep = 1.f - h[2], b1 = a.beta1, b2 = a.beta2, eps = a.eps;
+  const float c1 = a.beta1_complement > 0.f ? a.beta1_complement : 1.f - b1;
+  const float c2 = a.beta2_complement > 0.f ? a.beta2_complement : 1.f - b2;
+  const float* m_map = a.m_map.ptr<float>();
+  const float* v_map = a.v_map.ptr<float>();
+  float m_mid[255], v_mid[255];
+  for (int i = 0; i < 255; ++i) m_mid[i] = (m_map[i] + m_map[i + 1]) / 2.f, v_mid[i] = (v_map[i] + v_map[i + 1]) / 2.f;
+  // one code per byte, element i at byte i (the i32 words' little-endian bytes)
+  uint8_t* mc = static_cast<uint8_t*>(a.m_codes.data());
+  uint8_t* vc = static_cast<uint8_t*>(a.v_codes.data());
+  float* m_absmax = a.m_absmax.ptr<float>();
+  float* v_absmax = a.v_absmax.ptr<float>();
+  const bool working = a.working.defined();
+  ThreadPool::global().parallel_for((n + 255) / 256, 16, [&](int64_t b0, int64_t b1_) {
+    float mv[256], vv[256];
+    for (int64_t b = b0; b < b1_; ++b) {
+      const int64_t i0 = b * 256, len = std::min<int64_t>(256, n - i0);
+      for (int64_t k = 0; k < len; ++k) {
+        const int64_t i = i0 + k;
+        const float gi = g[i] * gs;
+        float pi = p[i] * keep;
+        const float mi = std::fma(c1, gi, b1 * (m_map[mc[i]] * m_absmax[b]));  // torch's add(alpha=) fuses
+        const float vi = b2 * (v_map[vc[i]] * v_absmax[b]) + c2 * gi * gi;
+        pi -= step_size * (mi / (std::sqrt(vi) / bc2_sqrt + eps));
+        mv[k] = mi, vv[k] = vi, p[i] = pi;
+      }
+      quantize_block(mv, len, m_mid, mc + i0, m_absmax + b);
+      quantize_block(vv, len, v_mid, vc + i0, v_absmax + b);
+      if (working) store(a.working.dtype(), p + i0, len, a.working.data(), i0);
+    }
   });
 }
 

@@ -1,5 +1,5 @@
-// Optimizer ops over the flat fp32 parameter buffers: AdamW and Adam, SGD, Lion, Adafactor per
-// parameter, Muon's two (each with the working-copy refresh), sumsq (fp64 partials, summed in a fixed order:
+// Optimizer ops over the flat fp32 parameter buffers: AdamW, Adam, SGD, Lion; per parameter 8-bit
+// AdamW, Adafactor, Muon's two (each with the working-copy refresh), sumsq (fp64 partials, summed in a fixed order:
 // the result does not depend on timing) and the non-finite flag.
 #include <cmath>
 
@@ -238,6 +238,62 @@ __global__ void muon_update_kernel(float* p, const float* x, int64_t n, float lr
   }
 }
 
+// ---- adamw8bit_update: a block of 256 threads per block of 256 elements, as metal/optimizer.metal
+
+// the code of x in a sorted 256-entry map: how many midpoints lie below x (bucketize's count)
+__device__ unsigned map_code(float x, const float* map) {
+  unsigned lo = 0, hi = 255;
+  while (lo < hi) {
+    const unsigned mid = (lo + hi) / 2;
+    if ((map[mid] + map[mid + 1]) / 2.f < x) lo = mid + 1; else hi = mid;
+  }
+  return lo;
+}
+
+// a full block multiplies by the reciprocal of its absmax, a partial one divides (bitsandbytes')
+__device__ unsigned quantize8(float x, float amax, bool full, const float* map) {
+  const float am = fmaxf(amax, 1e-38f);
+  return map_code(fminf(1.f, fmaxf(-1.f, full ? x * (1.f / am) : x / am)), map);
+}
+
+__global__ void adamw8bit_kernel(float* p, const float* g, uint32_t* mc, uint32_t* vc, float* m_absmax,
+                                 float* v_absmax, const float* m_map, const float* v_map, int64_t n, float gs,
+                                 float decay, float b1, float b2, float c1, float c2, float step_size, float bc2_sqrt,
+                                 float eps, DType wd, void* working, const float* hyper, const float* sq,
+                                 const int32_t* flag) {
+  __shared__ float sh[32];
+  __shared__ unsigned mq[256], vq[256];
+  if (hyper) {
+    if (!device_clip(hyper, sq, flag, &gs)) return;
+    step_size = hyper[0], bc2_sqrt = hyper[1], decay = hyper[2];
+  }
+  const int64_t b = blockIdx.x, i0 = b * 256, i = i0 + threadIdx.x;
+  const int len = int(n - i0 < 256 ? n - i0 : 256);
+  const bool on = int(threadIdx.x) < len;
+  float mi = 0.f, vi = 0.f;
+  if (on) {
+    const unsigned sh8 = 8 * unsigned(i % 4), mcode = (mc[i / 4] >> sh8) & 0xffu, vcode = (vc[i / 4] >> sh8) & 0xffu;
+    const float gi = g[i] * gs;
+    float pi = p[i] * (1.f - decay);
+    mi = fmaf(c1, gi, b1 * (m_map[mcode] * m_absmax[b]));
+    vi = b2 * (v_map[vcode] * v_absmax[b]) + c2 * gi * gi;
+    pi -= step_size * (mi / (sqrtf(vi) / bc2_sqrt + eps));
+    p[i] = pi;
+    if (working) st(wd, working, i, pi);
+  }
+  const float ma = block_max(fabsf(mi), sh), va = block_max(fabsf(vi), sh);
+  const bool full = len == 256;
+  mq[threadIdx.x] = on ? quantize8(mi, ma, full, m_map) : 0u;
+  vq[threadIdx.x] = on ? quantize8(vi, va, full, v_map) : 0u;
+  __syncthreads();
+  if (int(threadIdx.x) < (len + 3) / 4) {
+    const int k = 4 * threadIdx.x;
+    mc[i0 / 4 + threadIdx.x] = mq[k] | (mq[k + 1] << 8) | (mq[k + 2] << 16) | (mq[k + 3] << 24);
+    vc[i0 / 4 + threadIdx.x] = vq[k] | (vq[k + 1] << 8) | (vq[k + 2] << 16) | (vq[k + 3] << 24);
+  }
+  if (threadIdx.x == 0) m_absmax[b] = full ? ma : fmaxf(ma, 1e-38f), v_absmax[b] = full ? va : fmaxf(va, 1e-38f);
+}
+
 __global__ void sumsq_partial_kernel(DType dt, const void* x, int64_t n, double* part) {
   __shared__ double sh[kThreads];
   double acc = 0;
@@ -385,6 +441,23 @@ void CudaBackend::muon_update(const MuonUpdateArgs& a) {
   muon_update_kernel<<<grid_for(n), kThreads, 0, stream_>>>(a.params.ptr<float>(), a.update.ptr<float>(), n, a.lr,
                                                             a.decay, a.scale, o.wd, o.working, o.hyper, o.sq, o.flag);
   check_launch("muon_update");
+}
+
+void CudaBackend::adamw8bit_update(const AdamW8bitArgs& a) {
+  OpTimer timer(this);
+  const int64_t n = a.params.numel();
+  if (!n) return;
+  const double bc1 = 1.0 - std::pow(double(a.beta1), double(a.step));
+  const double bc2 = 1.0 - std::pow(double(a.beta2), double(a.step));
+  const Optional o = optional(a);
+  adamw8bit_kernel<<<unsigned((n + 255) / 256), 256, 0, stream_>>>(
+      a.params.ptr<float>(), a.grads.ptr<float>(), static_cast<uint32_t*>(a.m_codes.data()),
+      static_cast<uint32_t*>(a.v_codes.data()), a.m_absmax.ptr<float>(), a.v_absmax.ptr<float>(), a.m_map.ptr<float>(),
+      a.v_map.ptr<float>(), n, a.grad_scale, a.lr * a.weight_decay, a.beta1, a.beta2,
+      a.beta1_complement > 0.f ? a.beta1_complement : 1.f - a.beta1,
+      a.beta2_complement > 0.f ? a.beta2_complement : 1.f - a.beta2, float(double(a.lr) / bc1),
+      float(std::sqrt(bc2)), a.eps, o.wd, o.working, o.hyper, o.sq, o.flag);
+  check_launch("adamw8bit_update");
 }
 
 void CudaBackend::sumsq(const Tensor& x, const Tensor& out) {

@@ -1,5 +1,5 @@
-// Optimizer ops on the Metal kernels (metal/optimizer.metal): AdamW and Adam, SGD, Lion, Adafactor,
-// Muon's two (with the working-copy refresh), sumsq (partials per chunk, then one threadgroup sums them) and the non-finite flag.
+// Optimizer ops on the Metal kernels (metal/optimizer.metal): AdamW, Adam, 8-bit AdamW, SGD, Lion,
+// Adafactor, Muon's two (with the working-copy refresh), sumsq (partials per chunk, then one threadgroup sums them) and the non-finite flag.
 #include <algorithm>
 #include <cmath>
 #include <string>
@@ -150,6 +150,25 @@ void MetalOps::muon_update(const MuonUpdateArgs& a) {
   const bool dev = bind_update(d, a, a.update, Tensor());
   d.set_args(5, MuonUpdateKArgs{u32(e.op, n, "n"), a.lr, a.decay, a.scale, dev ? 1u : 0u, a.flag.defined() ? 1u : 0u});
   ew_geometry(d, n);
+  encode(std::move(d));
+}
+
+void MetalOps::adamw8bit_update(const AdamW8bitArgs& a) {
+  Emit e{this, "adamw8bit_update"};
+  const int64_t n = a.params.numel();
+  if (n == 0) return;
+  Dispatch d = e.make("optimizer", update_kernel(e, "adamw8bit_update", a.working));
+  const bool dev = bind_update(d, a, a.grads, a.m_codes);
+  bind(d, 3, a.v_codes), bind(d, 9, a.m_absmax), bind(d, 10, a.v_absmax), bind(d, 11, a.m_map), bind(d, 12, a.v_map);
+  const double bc1 = 1.0 - std::pow(double(a.beta1), double(a.step));
+  const double bc2 = 1.0 - std::pow(double(a.beta2), double(a.step));
+  const float c1 = a.beta1_complement > 0.f ? a.beta1_complement : 1.f - a.beta1;
+  const float c2 = a.beta2_complement > 0.f ? a.beta2_complement : 1.f - a.beta2;
+  d.set_args(5, Adamw8bitArgs{u32(e.op, n, "n"), float(double(a.lr) / bc1), float(std::sqrt(bc2)),
+                              a.lr * a.weight_decay, a.beta1, a.beta2, c1, c2, a.eps, a.grad_scale, dev ? 1u : 0u,
+                              a.flag.defined() ? 1u : 0u});
+  d.grid = {uint32_t((n + 255) / 256), 1, 1};  // a threadgroup of 256 per block
+  d.threads = {256, 1, 1};
   encode(std::move(d));
 }
 

@@ -21,9 +21,11 @@ def add_arguments(t):
     o = t.add_argument_group("optimizer (torch.optim's names and defaults; --weight-decay and --max-grad-norm apply "
                              "to each)")
     o.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZERS),
-                   help="adamw, adam (L2 weight decay), sgd, lion, adafactor, muon (AdamW for parameters not 2-D)")
+                   help="adamw, adam (L2 weight decay), sgd, lion, adafactor, muon (AdamW for parameters not 2-D), "
+                   "adamw8bit (bitsandbytes' blockwise 8-bit moments)")
     o.add_argument("--betas", type=_betas, default=None, metavar="B1,B2",
-                   help="adamw, adam, lion, muon's AdamW: the moments' decay rates (default: 0.9,0.999; lion 0.9,0.99)")
+                   help="adamw, adam, adamw8bit, lion, muon's AdamW: the moments' decay rates (default: 0.9,0.999; "
+                   "lion 0.9,0.99)")
     o.add_argument("--eps", type=float, default=None, help="adamw, adam, muon's AdamW: the denominator's epsilon "
                    "(default: 1e-8)")
     o.add_argument("--momentum", type=float, default=None, help="sgd: momentum (default: 0, plain SGD); muon: its "
@@ -34,6 +36,8 @@ def add_arguments(t):
     o.add_argument("--loraplus-lr-ratio", type=float, default=0.0, metavar="R",
                    help="LoRA+ (PEFT's create_loraplus_optimizer): the LoRA B factors train at --learning-rate times R "
                    "(0: off), with any optimizer")
+    o.add_argument("--min-8bit-size", type=int, default=4096, help="adamw8bit: parameters of fewer elements keep f32 "
+                   "moments (bitsandbytes' min_8bit_size)")
     o.add_argument("--ns-steps", type=int, default=5, help="muon: Newton-Schulz iterations")
     o.add_argument("--adjust-lr-fn", default="original", choices=["original", "match_rms_adamw"],
                    help="muon: torch's learning-rate ratio per shape (A, B): sqrt(max(1, A/B)), or 0.2 sqrt(max(A, B))")
@@ -57,4 +61,5 @@ def config_fields(args):
     return {"optimizer": args.optimizer, "betas": args.betas, "eps": args.eps, "momentum": args.momentum,
             "dampening": args.dampening, "nesterov": args.nesterov, "beta2_decay": args.beta2_decay,
             "clip_threshold": args.clip_threshold, "relative_step": args.relative_step, "ns_steps": args.ns_steps,
-            "adjust_lr_fn": args.adjust_lr_fn, "loraplus_lr_ratio": args.loraplus_lr_ratio}
+            "adjust_lr_fn": args.adjust_lr_fn, "loraplus_lr_ratio": args.loraplus_lr_ratio,
+            "min_8bit_size": args.min_8bit_size}

@@ -2,6 +2,7 @@
 lives in krnl.train.optimizers (base.py: what every optimizer's step does on the device)."""
 
 from .optimizers import OPTIMIZERS, from_config  # noqa: F401
+from .optimizers.adamw8bit import AdamW8bit  # noqa: F401
 from .optimizers.base import FlatOptimizer  # noqa: F401
 from .optimizers.elementwise import SGD, Adam, AdamW, Lion  # noqa: F401
 from .optimizers.factored import Adafactor  # noqa: F401

@@ -215,10 +215,9 @@ class FlatOptimizer:
     # ---- state
 
     def state_dict(self):
-        """The state vectors (float32 numpy copies, by `state`'s keys), counters, schedule, scaler,
+        """The state vectors (numpy copies, f32 or i32, by `state`'s keys), counters, schedule, scaler,
         the hyperparameters and the parameter layout (names and shapes) for load-time checks."""
-        out = {key: np.array(t.numpy()[:size], dtype=np.float32, copy=True)
-               for key, (t, size, _) in self._vectors().items()}
+        out = {key: np.array(t.numpy()[:size], copy=True) for key, (t, size, _) in self._vectors().items()}
         out.update({
             "optimizer": self.name,
             "step": self.adam_step,
@@ -276,11 +275,11 @@ class FlatOptimizer:
             mg = hyper["max_grad_norm"]
             self.max_grad_norm = None if mg is None else float(mg)
         arrays, vectors = {}, self._vectors()
-        for key, (_, size, flat) in vectors.items():
+        for key, (t, size, flat) in vectors.items():
             a = np.asarray(state[key])
             if a.shape != (size,):
                 raise ValueError(f"[{who}] {key} has shape {a.shape}, these parameters need ({size},)")
-            a = np.ascontiguousarray(a, dtype=np.float32)
+            a = np.ascontiguousarray(a, dtype=np.int32 if t.dtype == "i32" else np.float32)
             if flat and theirs is not None and list(theirs) != list(ours):
                 a = self._in_our_order(a, theirs)
             arrays[key] = a
@@ -290,9 +289,9 @@ class FlatOptimizer:
         self.schedule.load_state_dict(state["schedule"])
         self.scaler.load_state_dict(state["scaler"])
         dev = self.flat.device
-        sources = {key: dev.tensor(a, "f32") for key, a in arrays.items() if a.size}
+        sources = {key: dev.tensor(a, vectors[key][0].dtype) for key, a in arrays.items() if a.size}
         with dev.step():
             for key, src in sources.items():
                 t, size, _ = vectors[key]
-                ops.scale(src, 1.0, t[0:size])
+                ops.cast(src, t[0:size])
         self.adam_step, self.iteration = step, iteration

@@ -47,12 +47,14 @@ static inline AdamwScalars adamw_scalars(constant AdamwArgs& a, device const flo
     return {c.skip, hyper[0], hyper[1], hyper[2], c.grad_scale};
 }
 
+// L2: Adam's decay added to the gradient (a compile-time choice: AdamW's loop stays the plain one)
+template <bool L2>
 static inline float adamw_step(uint i, device float* p, device const float* g, device float* m,
                                device float* v, constant AdamwArgs& a, thread const AdamwScalars& s)
 {
     float gi = g[i] * s.grad_scale;
     float pi = p[i];
-    if (a.l2 != 0)
+    if (L2)
         gi += s.decay * pi;
     else
         pi -= s.decay * pi;
@@ -78,7 +80,10 @@ kernel void adamw_update(device float*       params [[buffer(0)]],
 {
     const AdamwScalars s = adamw_scalars(args, hyper, sq, flag);
     if (s.skip) return;
-    for (uint i = gid; i < args.n; i += gsz) adamw_step(i, params, grads, m, v, args, s);
+    if (args.l2 != 0)
+        for (uint i = gid; i < args.n; i += gsz) adamw_step<true>(i, params, grads, m, v, args, s);
+    else
+        for (uint i = gid; i < args.n; i += gsz) adamw_step<false>(i, params, grads, m, v, args, s);
 }
 
 template <typename W>
@@ -96,7 +101,10 @@ kernel void adamw_update_working(device float*       params  [[buffer(0)]],
 {
     const AdamwScalars s = adamw_scalars(args, hyper, sq, flag);
     if (s.skip) return;
-    for (uint i = gid; i < args.n; i += gsz) working[i] = W(adamw_step(i, params, grads, m, v, args, s));
+    if (args.l2 != 0)
+        for (uint i = gid; i < args.n; i += gsz) working[i] = W(adamw_step<true>(i, params, grads, m, v, args, s));
+    else
+        for (uint i = gid; i < args.n; i += gsz) working[i] = W(adamw_step<false>(i, params, grads, m, v, args, s));
 }
 
 template [[host_name("adamw_update_working_f32")]] [[kernel]]
@@ -572,7 +580,7 @@ static inline uint map_code(float x, device const float* map)
 static inline uint quantize8(float x, float amax, bool full, device const float* map)
 {
     const float am = max(amax, 1e-38f);
-    const float s = clamp(full ? x * precise::divide(1.0f, am) : precise::divide(x, am), -1.0f, 1.0f);
+    const float s = min(1.0f, max(-1.0f, full ? x * precise::divide(1.0f, am) : precise::divide(x, am)));
     return map_code(s, map);
 }
 
@@ -580,7 +588,7 @@ static inline uint quantize8(float x, float amax, bool full, device const float*
 static inline float threadgroup_absmax(float x, threadgroup float* part, threadgroup float* out, uint tid, uint lane,
                                        uint sg, uint nsg)
 {
-    x = simd_max(fabs(x));
+    x = simd_max(max(x, -x));  // |x|
     if (lane == 0) part[sg] = x;
     threadgroup_barrier(mem_flags::mem_threadgroup);
     if (tid == 0) {

@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "convert.h"
@@ -61,22 +62,26 @@ void CpuBackend::adamw_update(const AdamWArgs& a) {
   if (!h) return;  // a non-finite step: params, m, v and working stay as they are
   const float step_size = h[0], bc2_sqrt = h[1], decay = h[2];
   const float b1 = a.beta1, b2 = a.beta2, eps = a.eps;
-  for_blocks(a.params.numel(), [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      float gi = g[i] * gs;
-      float pi = p[i];
-      if (l2) {
-        gi += decay * pi;
-      } else {
-        pi -= decay * pi;
+  // the form a compile-time choice, so that each loop is the plain one the compiler vectorises
+  auto run = [&](auto adam) {
+    for_blocks(a.params.numel(), [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        float gi = g[i] * gs;
+        float pi = p[i];
+        if constexpr (decltype(adam)::value) {
+          gi += decay * pi;
+        } else {
+          pi -= decay * pi;
+        }
+        const float mi = b1 * m[i] + (1.f - b1) * gi;
+        const float vi = b2 * v[i] + (1.f - b2) * gi * gi;
+        pi -= step_size * (mi / (std::sqrt(vi) / bc2_sqrt + eps));
+        m[i] = mi, v[i] = vi, p[i] = pi;
       }
-      const float mi = b1 * m[i] + (1.f - b1) * gi;
-      const float vi = b2 * v[i] + (1.f - b2) * gi * gi;
-      pi -= step_size * (mi / (std::sqrt(vi) / bc2_sqrt + eps));
-      m[i] = mi, v[i] = vi, p[i] = pi;
-    }
-    if (working) store(a.working.dtype(), p + i0, i1 - i0, a.working.data(), i0);
-  });
+      if (working) store(a.working.dtype(), p + i0, i1 - i0, a.working.data(), i0);
+    });
+  };
+  l2 ? run(std::true_type{}) : run(std::false_type{});
 }
 
 void CpuBackend::sgd_update(const SgdUpdateArgs& a) {

@@ -68,6 +68,9 @@ def test_each_optimizer_trains_and_resumes_exactly(tmp_path, name, capsys):
     assert main(BASE + ["--adapter-path", str(out), "--resume", "--iters", "6", "--optimizer",
                         "lion" if name != "lion" else "adamw"]) == 1
     assert f"--optimizer '{name}' -> " in capsys.readouterr().err
+    assert main(BASE + ["--adapter-path", str(out), "--resume", "--iters", "6", "--optimizer", name, "--eps", "1e-3",
+                        "--resume-override"] + RUNS[name]) == 1
+    assert "cannot change the optimizer or its options: --eps" in capsys.readouterr().err
 
 
 def test_loraplus_trains_and_resumes_exactly(tmp_path):

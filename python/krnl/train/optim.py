@@ -1,7 +1,7 @@
 """The optimizers and the learning-rate schedule, where callers have always found them: the code
 lives in krnl.train.optimizers (base.py: what every optimizer's step does on the device)."""
 
-from .optimizers import OPTIMIZERS, from_config  # noqa: F401
+from .optimizers import OPTIMIZER_FIELDS, OPTIMIZERS, from_config  # noqa: F401
 from .optimizers.adamw8bit import AdamW8bit  # noqa: F401
 from .optimizers.base import FlatOptimizer  # noqa: F401
 from .optimizers.elementwise import SGD, Adam, AdamW, Lion  # noqa: F401

@@ -20,7 +20,7 @@ from ..io.checkpoint import fingerprint_diff, list_checkpoints, load_checkpoint,
 from .dist.world import World
 from .dist.nccl import reducer_for
 from .dist.ranks import Discard, apply_reduce_order, check_world, evaluate_ranks
-from .optim import Schedule, from_config
+from .optim import OPTIMIZER_FIELDS, Schedule, from_config
 from ..io.run_folder import describe, option_changes, repair_metrics
 from .plot import plot_metrics  # noqa: F401 (the CLI and its tests reach it here)
 from . import preference
@@ -230,6 +230,8 @@ class Trainer:
         if changes and not override:
             raise ValueError(f"[train] {ck.path} was trained with other options: {describe(changes)}; rerun with "
                              f"the checkpoint's values, or pass --resume-override to continue with these")
+        if any(k in OPTIMIZER_FIELDS for k in changes):  # the saved state is the saved optimizer's
+            raise ValueError(f"[train] --resume-override cannot change the optimizer or its options: {describe(changes)}")
         self.model.lora_params.load(ck.adapter)
         self.opt.load_state_dict(ck.optimizer_state)
         self.data.load_state(st["data"])

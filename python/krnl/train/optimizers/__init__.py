@@ -12,6 +12,11 @@ DEFAULT_BETAS = {"adamw": (0.9, 0.999), "adam": (0.9, 0.999), "lion": (0.9, 0.99
                  "adamw8bit": (0.9, 0.999)}
 
 
+# TrainConfig's fields that shape an optimizer's state: a resumed run keeps the checkpoint's
+OPTIMIZER_FIELDS = ("optimizer", "betas", "eps", "momentum", "dampening", "nesterov", "beta2_decay", "clip_threshold",
+                    "relative_step", "ns_steps", "adjust_lr_fn", "loraplus_lr_ratio", "min_8bit_size")
+
+
 def from_config(flat, schedule, cfg):
     """The optimizer of cfg.optimizer with cfg's options (a TrainConfig's fields)."""
     kind = cfg.optimizer

@@ -225,6 +225,101 @@ struct AdamwArgs {
     float    grad_scale;
     uint32_t device_scalars;
     uint32_t use_flag;
+    uint32_t l2;  // Adam: decay is weight_decay and g += decay * p replaces p -= decay * p
+};
+
+// sgd_update (torch.optim.SGD) over flat f32 params, grads, buf (n,): g = grads * grad_scale + wd p;
+// with momentum, buf = keep buf + in g, g = nesterov ? g + momentum buf : buf; p -= lr g. lr, keep
+// and in from the host, or hyper [lr, keep, in, inv_denom, max_norm] (device_scalars, as AdamwArgs).
+struct SgdArgs {
+    uint32_t n;
+    float    lr;
+    float    keep;
+    float    in;
+    float    weight_decay;
+    float    momentum;
+    float    grad_scale;
+    uint32_t use_momentum;
+    uint32_t nesterov;
+    uint32_t device_scalars;
+    uint32_t use_flag;
+};
+
+// lion_update over flat f32 params, grads, m (n,): g = grads * grad_scale; p -= decay p;
+// p -= lr sign(beta1 m + (1 - beta1) g); m = beta2 m + (1 - beta2) g. lr and decay from the host,
+// or hyper [lr, decay, -, inv_denom, max_norm] (device_scalars, as AdamwArgs).
+struct LionArgs {
+    uint32_t n;
+    float    lr;
+    float    decay;
+    float    beta1;
+    float    beta2;
+    float    grad_scale;
+    uint32_t device_scalars;
+    uint32_t use_flag;
+};
+
+// adafactor_update over one parameter (B, R, C) f32 with row (B, R) and col (B, C) f32 moments and
+// a scratch `work` (2 B R + B + 2,) f32: [per-row sums of params^2 | of u^2 | each entry's
+// max(mean(row), eps1) | alpha | the step alpha / max(1, rms(u) / d)], six dispatches
+// (optimizer.metal). rho, beta2t, decay and grad_scale from the host, or hyper [rho, beta2t, decay,
+// inv_denom, max_norm] (device_scalars, as AdamwArgs).
+struct AdafactorArgs {
+    uint32_t B;
+    uint32_t R;
+    uint32_t C;
+    float    rho;
+    float    beta2t;
+    float    decay;
+    float    eps1;
+    float    eps2;
+    float    d;
+    float    grad_scale;
+    uint32_t device_scalars;
+    uint32_t use_flag;
+};
+
+// adamw8bit_update: AdamwArgs' step_size, bc2_sqrt, decay (params *= 1 - decay here), betas, eps,
+// grad_scale and device scalars, and 1 - beta1, 1 - beta2 as the host formed them (c1, c2).
+struct Adamw8bitArgs {
+    uint32_t n;
+    float    step_size;
+    float    bc2_sqrt;
+    float    decay;
+    float    beta1;
+    float    beta2;
+    float    c1;
+    float    c2;
+    float    eps;
+    float    grad_scale;
+    uint32_t device_scalars;
+    uint32_t use_flag;
+};
+
+// muon_momentum over grads, buf, out (n,) f32: buf = lerp(buf, g, 1 - momentum), out = nesterov ?
+// lerp(g, buf, momentum) : buf with g = grads * grad_scale; then sumsq_partial/sumsq_finish of out
+// into a scratch (1,) and muon_momentum_normalize: out /= max(sqrt(sum), eps). grad_scale from
+// the host, or (device_scalars, as AdamwArgs) from hyper's inv_denom and max_norm.
+struct MuonArgs {
+    uint32_t n;
+    float    momentum;
+    float    eps;
+    float    grad_scale;
+    uint32_t nesterov;
+    uint32_t device_scalars;
+    uint32_t use_flag;
+};
+
+// muon_update over params, update (n,) f32: params = params * (1 - decay) - lr * scale * update;
+// lr and decay from the host, or hyper [lr, -, decay, inv_denom, max_norm] (device_scalars; only
+// the skip is read of the rest).
+struct MuonUpdateKArgs {
+    uint32_t n;
+    float    lr;
+    float    decay;
+    float    scale;
+    uint32_t device_scalars;
+    uint32_t use_flag;
 };
 
 // sumsq (two passes): sumsq_partial: threadgroup g reduces x[g * chunk, min(n, (g + 1) * chunk))

@@ -67,7 +67,7 @@ DEVICES = [d for d in krnl.devices() if d not in ("cpu:1", "metal-sim")]
 # Test modules whose `dev` tests also run on metal-sim: the op suite. Model-level tests would
 # take minutes per case on the simulator; test_metal_sim.py runs one training step there instead.
 SIM_MODULES = {"test_ops", "test_moe_ops", "test_gemm", "test_metal_sim", "test_capabilities", "test_quantized", "test_lora_group",
-               "test_mxfp4"}
+               "test_mxfp4", "test_optim_ops"}
 
 
 def pytest_generate_tests(metafunc):

@@ -179,8 +179,10 @@ def test_doctor_cases_cover_the_contract():
     """Each op of csrc/core/op_list.h has a case (the doctor also reports any that has none)."""
     from krnl.cli.doctor.cases_dora import dora_cases
     from krnl.cli.doctor.cases_moe import moe_cases
+    from krnl.cli.doctor.cases_optim import optim_cases
 
-    assert {c.op for c in doctor_cases.cases() + moe_cases() + dora_cases()} == set(krnl._core.testing.op_names())
+    assert {c.op for c in doctor_cases.cases() + moe_cases() + dora_cases() + optim_cases()} == \
+        set(krnl._core.testing.op_names())
 
 
 def test_help_lists_doctor(capsys):

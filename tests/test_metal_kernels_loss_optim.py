@@ -24,7 +24,7 @@ def test_kargs_layout_loss_optim():
                                                        "scale_by"]
     assert [f for f, _ in EmbeddingArgs._fields_] == ["n", "C", "V"]
     assert [f for f, _ in AdamwArgs._fields_] == ["n", "step_size", "bc2_sqrt", "decay", "beta1", "beta2", "eps",
-                                                  "grad_scale", "device_scalars", "use_flag"]
+                                                  "grad_scale", "device_scalars", "use_flag", "l2"]
     assert [f for f, _ in ReduceArgs._fields_] == ["n", "chunk", "groups"]
 
 

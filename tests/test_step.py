@@ -133,7 +133,7 @@ def test_step_reads_nothing_on_the_host_before_its_end(family, dtype, dropout):
 
 def test_rate_is_windowed(monkeypatch):
     now = [0.0]
-    monkeypatch.setattr("krnl.train.trainer.time.perf_counter", lambda: now[0])
+    monkeypatch.setattr("krnl.train.rate.time.perf_counter", lambda: now[0])
     r = Rate(window=2)
     for dt, n in [(10.0, 100), (1.0, 100), (1.0, 100), (1.0, 100)]:  # a slow first step (start-up)
         now[0] += dt

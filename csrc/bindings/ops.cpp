@@ -19,6 +19,15 @@ int64_t quant_mode(const char* op, const std::string& mode) {
   throw std::invalid_argument(std::string("[") + op + "] mode must be \"affine\" or \"mxfp4\", got \"" + mode + "\"");
 }
 
+// An optimizer op's optional tensors: the working copy and the device-resident scalars.
+template <typename A>
+void device_scalars(A& a, const Tensor* working, const Tensor* hyper, const Tensor* sq, const Tensor* flag) {
+  if (working) a.working = *working;
+  if (hyper) a.hyper = *hyper;
+  if (sq) a.sq = *sq;
+  if (flag) a.flag = *flag;
+}
+
 }  // namespace
 
 void bind_ops(nb::module_& parent) {
@@ -139,26 +148,125 @@ void bind_ops(nb::module_& parent) {
         "index i + r0 * x.shape[-1], so a data-parallel rank's slice gets the whole batch's mask.");
   m.def("adamw_update", [](const Tensor& params, const Tensor& grads, const Tensor& m_, const Tensor& v, float lr,
                            float beta1, float beta2, float eps, float weight_decay, int64_t step, float grad_scale,
-                           const Tensor* working, const Tensor* hyper, const Tensor* sq, const Tensor* flag) {
+                           const Tensor* working, const Tensor* hyper, const Tensor* sq, const Tensor* flag,
+                           bool decoupled) {
           AdamWArgs a;
           a.params = params, a.grads = grads, a.m = m_, a.v = v;
-          if (working) a.working = *working;
-          if (hyper) a.hyper = *hyper;
-          if (sq) a.sq = *sq;
-          if (flag) a.flag = *flag;
+          device_scalars(a, working, hyper, sq, flag);
           a.lr = lr, a.beta1 = beta1, a.beta2 = beta2, a.eps = eps, a.weight_decay = weight_decay;
-          a.step = step, a.grad_scale = grad_scale;
+          a.step = step, a.grad_scale = grad_scale, a.decoupled = decoupled;
           ops::adamw_update(a);
         }, release, "params"_a, "grads"_a, "m"_a, "v"_a, "lr"_a, "beta1"_a = 0.9f, "beta2"_a = 0.999f, "eps"_a = 1e-8f,
         "weight_decay"_a = 0.0f, "step"_a = 1, "grad_scale"_a = 1.0f, "working"_a = nb::none(),
-        "hyper"_a = nb::none(), "sq"_a = nb::none(), "flag"_a = nb::none(),
+        "hyper"_a = nb::none(), "sq"_a = nb::none(), "flag"_a = nb::none(), "decoupled"_a = true,
         "PyTorch AdamW over flat f32 buffers (decoupled decay, eps outside sqrt, 1-based bias correction).\n"
         "grads are multiplied by grad_scale as read; `working` receives the updated params in its dtype.\n"
         "hyper (5,) f32 [step_size, bc2_sqrt, decay, inv_denom, max_norm] with sq (1,) f32 (sumsq of the\n"
         "grads) and optionally flag (1,) i32 (nonfinite's) take the step's scalars from the device instead\n"
         "of lr, weight_decay, step and grad_scale: grad_scale = clip * inv_denom with norm = sqrt(sq) *\n"
         "inv_denom, clip = min(1, max_norm / (norm + 1e-6)) if max_norm > 0; nothing is written when\n"
-        "flag[0] != 0 or sq[0] is not finite.");
+        "flag[0] != 0 or sq[0] is not finite. decoupled=False: PyTorch's Adam, weight_decay added to the\n"
+        "gradient (L2; hyper's decay is then weight_decay itself).");
+  m.def("sgd_update", [](const Tensor& params, const Tensor& grads, const Tensor* buf, float lr, float momentum,
+                         float dampening, float weight_decay, bool nesterov, int64_t step, float grad_scale,
+                         const Tensor* working, const Tensor* hyper, const Tensor* sq, const Tensor* flag) {
+          SgdUpdateArgs a;
+          a.params = params, a.grads = grads;
+          if (buf) a.buf = *buf;
+          device_scalars(a, working, hyper, sq, flag);
+          a.lr = lr, a.momentum = momentum, a.dampening = dampening, a.weight_decay = weight_decay;
+          a.nesterov = nesterov, a.step = step, a.grad_scale = grad_scale;
+          ops::sgd_update(a);
+        }, release, "params"_a, "grads"_a, "buf"_a.none(), "lr"_a, "momentum"_a = 0.0f, "dampening"_a = 0.0f,
+        "weight_decay"_a = 0.0f, "nesterov"_a = false, "step"_a = 1, "grad_scale"_a = 1.0f, "working"_a = nb::none(),
+        "hyper"_a = nb::none(), "sq"_a = nb::none(), "flag"_a = nb::none(),
+        "PyTorch SGD over flat f32 buffers: g = grads * grad_scale + weight_decay * params; with momentum,\n"
+        "buf = momentum * buf + (1 - dampening) * g (buf = g at step 1), g = g + momentum * buf (nesterov)\n"
+        "or buf; params -= lr * g. hyper (5,) f32 [lr, keep, in, inv_denom, max_norm] (buf = keep * buf +\n"
+        "in * g) with sq and flag replace lr, step and grad_scale as adamw_update's do.");
+  m.def("lion_update", [](const Tensor& params, const Tensor& grads, const Tensor& m_, float lr, float beta1,
+                          float beta2, float weight_decay, float grad_scale, const Tensor* working, const Tensor* hyper,
+                          const Tensor* sq, const Tensor* flag) {
+          LionUpdateArgs a;
+          a.params = params, a.grads = grads, a.m = m_;
+          device_scalars(a, working, hyper, sq, flag);
+          a.lr = lr, a.beta1 = beta1, a.beta2 = beta2, a.weight_decay = weight_decay, a.grad_scale = grad_scale;
+          ops::lion_update(a);
+        }, release, "params"_a, "grads"_a, "m"_a, "lr"_a, "beta1"_a = 0.9f, "beta2"_a = 0.99f,
+        "weight_decay"_a = 0.0f, "grad_scale"_a = 1.0f, "working"_a = nb::none(), "hyper"_a = nb::none(),
+        "sq"_a = nb::none(), "flag"_a = nb::none(),
+        "Lion (lion-pytorch) over flat f32 buffers: params *= 1 - lr * weight_decay; params -= lr *\n"
+        "sign(beta1 * m + (1 - beta1) * g); m = beta2 * m + (1 - beta2) * g, g = grads * grad_scale.\n"
+        "hyper (5,) f32 [lr, lr * weight_decay, unused, inv_denom, max_norm] with sq and flag replace lr,\n"
+        "weight_decay and grad_scale as adamw_update's do.");
+  m.def("adafactor_update", [](const Tensor& params, const Tensor& grads, const Tensor& row, const Tensor& col,
+                               float rho, float beta2t, float decay, float eps1, float eps2, float d, float grad_scale,
+                               const Tensor* working, const Tensor* hyper, const Tensor* sq, const Tensor* flag) {
+          AdafactorUpdateArgs a;
+          a.params = params, a.grads = grads, a.row = row, a.col = col;
+          device_scalars(a, working, hyper, sq, flag);
+          a.rho = rho, a.beta2t = beta2t, a.decay = decay, a.eps1 = eps1, a.eps2 = eps2, a.d = d;
+          a.grad_scale = grad_scale;
+          ops::adafactor_update(a);
+        }, release, "params"_a, "grads"_a, "row"_a, "col"_a, "rho"_a, "beta2t"_a = 1.0f, "decay"_a = 0.0f,
+        "eps1"_a = 1.1920929e-07f, "eps2"_a = 1e-3f, "d"_a = 1.0f, "grad_scale"_a = 1.0f, "working"_a = nb::none(),
+        "hyper"_a = nb::none(), "sq"_a = nb::none(), "flag"_a = nb::none(),
+        "torch.optim.Adafactor's step over one parameter (B..., R, C) f32 with factored second moments\n"
+        "row (B, R) and col (B, C): alpha = max(eps2, rms(params)) * rho; params *= 1 - decay; row and col\n"
+        "lerp towards the means of g^2 (g = grads * grad_scale) over each row and column by beta2t;\n"
+        "u = g / sqrt(max(row col / max(mean(row), eps1), eps1^2)); params -= alpha / max(1, rms(u) / d) u.\n"
+        "hyper (5,) f32 [rho, beta2t, decay, inv_denom, max_norm] with sq and flag replace rho, beta2t,\n"
+        "decay and grad_scale as adamw_update's do.");
+  m.def("muon_momentum", [](const Tensor& grads, const Tensor& buf, const Tensor& out, float momentum, bool nesterov,
+                            float eps, float grad_scale, const Tensor* hyper, const Tensor* sq, const Tensor* flag) {
+          MuonMomentumArgs a;
+          a.grads = grads, a.buf = buf, a.out = out;
+          if (hyper) a.hyper = *hyper;
+          if (sq) a.sq = *sq;
+          if (flag) a.flag = *flag;
+          a.momentum = momentum, a.nesterov = nesterov, a.eps = eps, a.grad_scale = grad_scale;
+          ops::muon_momentum(a);
+        }, release, "grads"_a, "buf"_a, "out"_a, "momentum"_a = 0.95f, "nesterov"_a = true, "eps"_a = 1e-7f,
+        "grad_scale"_a = 1.0f, "hyper"_a = nb::none(), "sq"_a = nb::none(), "flag"_a = nb::none(),
+        "Muon's momentum (torch.optim.Muon), all f32 of one length: buf = lerp(buf, g, 1 - momentum) with\n"
+        "g = grads * grad_scale; out = (nesterov ? lerp(g, buf, momentum) : buf) / max(||.||_F, eps), the\n"
+        "Newton-Schulz iteration's start. hyper (5,) f32 [-, -, -, inv_denom, max_norm] with sq and flag\n"
+        "replace grad_scale as adamw_update's do (nothing written on a non-finite step).");
+  m.def("muon_update", [](const Tensor& params, const Tensor& update, float lr, float decay, float scale,
+                          const Tensor* working, const Tensor* hyper, const Tensor* sq, const Tensor* flag) {
+          MuonUpdateArgs a;
+          a.params = params, a.update = update;
+          device_scalars(a, working, hyper, sq, flag);
+          a.lr = lr, a.decay = decay, a.scale = scale;
+          ops::muon_update(a);
+        }, release, "params"_a, "update"_a, "lr"_a, "decay"_a = 0.0f, "scale"_a = 1.0f, "working"_a = nb::none(),
+        "hyper"_a = nb::none(), "sq"_a = nb::none(), "flag"_a = nb::none(),
+        "Muon's step: params = params * (1 - decay) - lr * scale * update (f32, one length; scale: the\n"
+        "shape's learning-rate ratio). hyper (5,) f32 [lr, -, decay, inv_denom, max_norm] with sq and flag\n"
+        "replace lr and decay; nothing is written on a non-finite step.");
+  m.def("adamw8bit_update", [](const Tensor& params, const Tensor& grads, const Tensor& m_codes, const Tensor& v_codes,
+                               const Tensor& m_absmax, const Tensor& v_absmax, const Tensor& m_map, const Tensor& v_map,
+                               float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step,
+                               float grad_scale, const Tensor* working, const Tensor* hyper, const Tensor* sq,
+                               const Tensor* flag, float beta1_complement, float beta2_complement) {
+          AdamW8bitArgs a;
+          a.params = params, a.grads = grads, a.m_codes = m_codes, a.v_codes = v_codes;
+          a.m_absmax = m_absmax, a.v_absmax = v_absmax, a.m_map = m_map, a.v_map = v_map;
+          device_scalars(a, working, hyper, sq, flag);
+          a.lr = lr, a.beta1 = beta1, a.beta2 = beta2, a.eps = eps, a.weight_decay = weight_decay;
+          a.step = step, a.grad_scale = grad_scale;
+          a.beta1_complement = beta1_complement, a.beta2_complement = beta2_complement;
+          ops::adamw8bit_update(a);
+        }, release, "params"_a, "grads"_a, "m_codes"_a, "v_codes"_a, "m_absmax"_a, "v_absmax"_a, "m_map"_a, "v_map"_a,
+        "lr"_a, "beta1"_a = 0.9f, "beta2"_a = 0.999f, "eps"_a = 1e-8f, "weight_decay"_a = 0.0f, "step"_a = 1,
+        "grad_scale"_a = 1.0f, "working"_a = nb::none(), "hyper"_a = nb::none(), "sq"_a = nb::none(),
+        "flag"_a = nb::none(), "beta1_complement"_a = 0.0f, "beta2_complement"_a = 0.0f,
+        "bitsandbytes' 8-bit blockwise AdamW over one parameter (n,) f32: m and v as 8-bit codes, four to\n"
+        "an i32 word ((ceil(n / 4),) each), into the sorted 256-entry maps m_map and v_map (f32), times an\n"
+        "f32 absmax per block of 256 ((ceil(n / 256),) each). Per block: dequantize, AdamW's step (params\n"
+        "*= 1 - lr * weight_decay first), requantize (absmax = max |x|, code = the nearest map entry to\n"
+        "x / absmax). beta*_complement: 1 - beta as the caller rounds it (bitsandbytes: from its double\n"
+        "betas); 0: 1.f - beta. hyper, sq and flag as adamw_update's.");
   m.def("moe_route", &ops::moe_route, release, "logits"_a, "ids"_a, "weights"_a, "norm"_a = false,
         "ids (N, K) i32 = the K experts of largest softmax(logits (N, E)) per row (f32, descending, a tie\n"
         "to the lower expert); weights (N, K) f32 their probabilities, divided by their sum if norm.");

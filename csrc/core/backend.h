@@ -53,6 +53,87 @@ struct AdamWArgs {
   // grad_scale = clip * inv_denom with clip from norm = sqrt(sq) * inv_denom. Nothing is written
   // when sq[0] is not finite or flag (1,) i32, where given, is nonzero.
   Tensor hyper, sq, flag;
+  // false: torch.optim.Adam's L2 instead of decoupled decay, g = grads * grad_scale + weight_decay * p
+  // (with hyper, its decay entry is then weight_decay itself, not lr * weight_decay).
+  bool decoupled = true;
+};
+
+// sgd_update (torch.optim.SGD): g = grads * grad_scale + weight_decay * p; with momentum, buf =
+// keep * buf + in * g (keep = momentum and in = 1 - dampening, or 0 and 1 on the first step: buf
+// starts as g), g = nesterov ? g + momentum * buf : buf; p -= lr * g. Without momentum buf is
+// unused (may be undefined). hyper (5,) f32 = [lr, keep, in, inv_denom, max_norm] replaces lr,
+// step and grad_scale as adamw_update's does (the same clipping and skip).
+struct SgdUpdateArgs {
+  Tensor params, grads, buf, working;
+  float lr = 1e-3f, momentum = 0.f, dampening = 0.f, weight_decay = 0.f;
+  bool nesterov = false;
+  int64_t step = 1;  // 1-based; step 1 starts buf as g
+  float grad_scale = 1.f;
+  Tensor hyper, sq, flag;
+};
+
+// lion_update (Chen et al. 2023, lion-pytorch): g = grads * grad_scale; p -= decay * p;
+// p -= lr * sign(beta1 m + (1 - beta1) g); m = beta2 m + (1 - beta2) g. decay = lr * weight_decay.
+// hyper (5,) f32 = [lr, decay, unused, inv_denom, max_norm] as adamw_update's.
+struct LionUpdateArgs {
+  Tensor params, grads, m, working;
+  float lr = 1e-4f, beta1 = 0.9f, beta2 = 0.99f, weight_decay = 0.f;
+  float grad_scale = 1.f;
+  Tensor hyper, sq, flag;
+};
+
+// adafactor_update (torch.optim.Adafactor) over one parameter of >= 2 dims, (B..., R, C) with its
+// second moment factored over the last two: row (B, R) and col (B, C), f32. g = grads * grad_scale;
+// alpha = max(eps2, rms(params)) * rho; params *= 1 - decay; row = lerp(row, mean_C(g^2), beta2t),
+// col = lerp(col, mean_R(g^2), beta2t); v = row col / max(mean_R(row), eps1) per batch entry;
+// u = g / sqrt(max(v, eps1^2)); params -= alpha / max(1, rms(u) / d) u. hyper (5,) f32 = [rho,
+// beta2t, decay, inv_denom, max_norm] replaces rho, beta2t, decay and grad_scale as adamw_update's.
+struct AdafactorUpdateArgs {
+  Tensor params, grads, row, col, working;
+  float rho = 1e-2f, beta2t = 1.f, decay = 0.f, eps1 = 1.1920929e-07f, eps2 = 1e-3f, d = 1.f;
+  float grad_scale = 1.f;
+  Tensor hyper, sq, flag;
+};
+
+// adamw8bit_update (bitsandbytes' 8-bit blockwise AdamW) over one parameter of n elements: m and v
+// held as one 8-bit code per element (m_codes, v_codes: (ceil(n / 4),) i32, element i in byte
+// i % 4 of word i / 4, little-endian) and an f32 absmax per block of 256 (m_absmax, v_absmax:
+// (ceil(n / 256),)); m = m_map[code] * absmax (m_map, v_map (256,) f32, sorted: bitsandbytes'
+// signed and unsigned dynamic maps). Per block: dequantize, bitsandbytes' AdamW step (params *=
+// 1 - decay; m, v; params -= step_size m / (sqrt(v) / bc2_sqrt + eps)), then requantize as
+// bitsandbytes defines it (its pure-PyTorch quantize_blockwise): absmax = max |x| over the block;
+// code = the number of the map's midpoints below x / absmax clamped to [-1, 1], its nearest entry
+// (a partial last block divides and stores absmax floored at 1e-38, a full one multiplies by the
+// reciprocal). hyper as adamw_update's.
+struct AdamW8bitArgs {
+  Tensor params, grads, m_codes, v_codes, m_absmax, v_absmax, m_map, v_map, working;
+  float lr = 1e-3f, beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f, weight_decay = 0.f;
+  // 1 - beta1 and 1 - beta2 as the caller forms them: bitsandbytes rounds them once from its
+  // double betas (0.1f for 0.9), which 1.f - 0.9f is not; <= 0: formed from the f32 betas.
+  float beta1_complement = 0.f, beta2_complement = 0.f;
+  int64_t step = 1;
+  float grad_scale = 1.f;
+  Tensor hyper, sq, flag;
+};
+
+// Muon (torch.optim.Muon) around its Newton-Schulz iteration, which callers run with gemm.
+// muon_momentum: g = grads * grad_scale; buf = lerp(buf, g, 1 - momentum); u = nesterov ?
+// lerp(g, buf, momentum) : buf; out = u / max(||u||_F, eps) (the iteration's start). muon_update:
+// params = params * (1 - decay) - lr * scale * update. hyper (5,) f32 replaces grad_scale
+// (muon_momentum: [-, -, -, inv_denom, max_norm]) or lr and decay (muon_update: [lr, -, decay, -, -]),
+// and both skip (write nothing) on a non-finite step as adamw_update does.
+struct MuonMomentumArgs {
+  Tensor grads, buf, out;
+  float momentum = 0.95f, eps = 1e-7f;
+  bool nesterov = true;
+  float grad_scale = 1.f;
+  Tensor hyper, sq, flag;
+};
+
+struct MuonUpdateArgs {
+  Tensor params, update, working;
+  float lr = 1e-3f, decay = 0.f, scale = 1.f;
+  Tensor hyper, sq, flag;
 };
 
 // A step recorded once and replayed whole (CUDA graphs: csrc/cuda/cuda_graph.cpp). It owns every

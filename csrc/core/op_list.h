@@ -7,7 +7,7 @@
 // bindings/ops.cpp binds it by hand with its argument names, defaults and docstring
 // (tests/test_core.py checks that every op of this list is bound).
 //
-// Expanded where Tensor, GemmArgs and AdamWArgs are declared (backend.h) or visible (the backends'
+// Expanded where Tensor, GemmArgs and the optimizers' *Args are declared (backend.h) or visible (the backends'
 // classes), so nothing is included.
 // Notes on single ops (a comment cannot sit inside the macro's lines):
 // - attention_forward/backward: fused causal attention (docs/architecture.md, 'Attention'; flash form). q (Hq, T,
@@ -71,6 +71,9 @@
 //   max_norm] with sq (1,) f32 (sumsq of the accumulated grads) and flag (1,) i32 (nonfinite's)
 //   replace lr, weight_decay, step and grad_scale, clip by the global norm on the device, and skip
 //   the whole update (nothing written) when flag[0] != 0 or sq[0] is not finite.
+// - The other optimizer updates (sgd_update, lion_update, adafactor_update, muon_momentum,
+//   muon_update, adamw8bit_update; backend.h's *Args say each one's semantics): their hyper (5,) f32 holds three
+//   numbers of their own, then inv_denom and max_norm, clipped and skipped on as adamw_update's.
 // - Token-major attention (where Backend::token_major_attention()): attention_forward/backward's
 //   q, o, dout, dq (B, T, Hq, D) and k, v, dk, dv (B, T, Hk, D) may be views whose rows of D are
 //   contiguous, e.g. the q, k and v columns of one (B T, heads D) projection; lse (B, Hq, T); B
@@ -194,5 +197,11 @@
   X(fill, (const Tensor& x, double value))                                                                          \
   X(dropout, (const Tensor& x, const Tensor& out, float p, uint64_t seed, const Tensor* seed_offset))              \
   X(adamw_update, (const AdamWArgs& a))                                                                             \
+  X(sgd_update, (const SgdUpdateArgs& a))                                                                           \
+  X(lion_update, (const LionUpdateArgs& a))                                                                         \
+  X(adafactor_update, (const AdafactorUpdateArgs& a))                                                               \
+  X(muon_momentum, (const MuonMomentumArgs& a))                                                                     \
+  X(muon_update, (const MuonUpdateArgs& a))                                                                         \
+  X(adamw8bit_update, (const AdamW8bitArgs& a))                                                                     \
   X(sumsq, (const Tensor& x, const Tensor& out))                                                                    \
   X(nonfinite, (const Tensor& x, const Tensor& flag))

@@ -30,9 +30,10 @@ modules relative to krnl, `x.*` meaning every module under krnl/x:
   PEFT and mlx-lm adapters); they turn into a ModelConfig, a LoraConfig or a LlamaModel, so they
   stand on the model, and hf builds on adapter, mlx_folder and the GGUF reader, never the reverse
   (gguf.fuse and gguf.export, the GGUF writer, build on hf).
-- train: the optimizer, batches, datasets, the embedded default task, the device step (step: eager
-  or replayed), the training loop, and data parallel (dist/: the world of ranks, NCCL sums, what
-  the trainer does with ranks); data and trainer both draw on batches and not on each other.
+- train: the optimizers (optimizers/, re-exported by optim), batches, datasets, the embedded
+  default task, the device step (step: eager or replayed), the training loop, and data parallel
+  (dist/: the world of ranks, NCCL sums, what the trainer does with ranks); data and trainer both
+  draw on batches and not on each other.
 - serve: `krnl serve`'s engine (every running request decoded together), its adapters and its
   OpenAI-compatible HTTP API; on the model and the formats, apart from training.
 - bench: `krnl bench` and `krnl tune` (the measured GEMM choices the CLI applies).

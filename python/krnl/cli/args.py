@@ -7,7 +7,7 @@ import re
 import sys
 
 from ..quant import affine
-from . import memory, objectives
+from . import memory, objectives, optim_args
 from .config_file import RENAMED, yaml_defaults
 from .fuse import gguf_arguments
 from .serve import serve_arguments
@@ -177,6 +177,7 @@ def parse_args(argv, commands):
                    help="how LoRA gradients sum over a batch's rows: sample (per sample in a fixed tree, as a "
                    "data-parallel run's ranks do: one process then gives their adapter), rows (one GEMM over all "
                    "rows), auto (default: sample under an MPI launcher with more than one rank, else rows)")
+    optim_args.add_arguments(t)  # --optimizer and its options
     objectives.add_arguments(t)  # --train-mode dpo|orpo|simpo|grpo and their options
     memory.add_arguments(t)  # --dry-run, --max-memory, --fit
     t.add_argument("--train-samples", type=int, default=4000)

@@ -72,9 +72,9 @@ def _yaml_number(path, key, value, kind):
 
 
 def _yaml_list(path, key, value):
-    """A comma-separated string from a YAML list or scalar (--lora-layers, --lora-targets)."""
+    """A comma-separated string from a YAML list or scalar (--lora-layers, --lora-targets, --betas)."""
     if isinstance(value, (list, tuple)):
-        if not all(isinstance(v, (str, int)) and not isinstance(v, bool) for v in value):
+        if not all(isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in value):
             raise SystemExit(f"krnl train: error: {path}: option {key!r} must be a list of names or numbers, "
                              f"got {value!r}")
         return ",".join(str(v) for v in value)
@@ -92,7 +92,7 @@ def _yaml_value(path, key, value, action):
         return value
     if value is None:  # YAML null: the flag's default
         return action.default
-    if action.dest in ("lora_layers", "lora_targets"):
+    if action.dest in ("lora_layers", "lora_targets", "betas"):
         return _yaml_list(path, key, value)
     if action.type in (int, float):
         value = _yaml_number(path, key, value, action.type)

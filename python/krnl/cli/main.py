@@ -16,7 +16,7 @@ from ..bench.tune import cmd_tune, ensure_tuned
 from ..io.run_folder import claim
 from ..train.dist import world as dist
 from ..train.memory import OutOfMemory
-from . import memory, objectives
+from . import memory, objectives, optim_args
 from .args import lora_from_args, parse_args
 from .device import cmd_devices, cmd_w1, device_from_args, quantize_from_args as _quantize
 from .serve import cmd_serve
@@ -184,7 +184,7 @@ def cmd_train(args):
                       weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
                       val_every=args.steps_per_eval, save_every=args.save_every, seed=args.seed,
                       length_bucket=args.length_bucket, graphs=not args.no_graphs, reduce_order=args.reduce_order,
-                      **objectives.config_fields(args))
+                      **objectives.config_fields(args), **optim_args.config_fields(args))
     lora_fp = {k: v for k, v in vars(lora).items() if k != "use_dora" or v}  # older checkpoints have no use_dora
     fingerprint = {"base": base_id, "model": vars(model.config), "lora": lora_fp, "dtype": args.dtype}
     if model.quantize is not None:  # only then: older checkpoints have no such key

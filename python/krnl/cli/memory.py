@@ -132,7 +132,8 @@ def run_of(args, dev, lora, config, T, quantize, file_q):
     return memory.Run(config, replace(lora), args.dtype, quantize=quantize, file_quantized=file_q,
                       batch=args.batch_size, seq=Tp, grad_checkpoint=args.grad_checkpoint,
                       micro_batches=args.grad_accumulation, packed=args.pack, device=traits,
-                      ce_chunk=getattr(args, "ce_chunk", None))
+                      ce_chunk=getattr(args, "ce_chunk", None), optimizer=getattr(args, "optimizer", "adamw"),
+                      min_8bit_size=getattr(args, "min_8bit_size", 4096))
 
 
 def before_load(args, dev, lora, quantize):

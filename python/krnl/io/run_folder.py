@@ -27,7 +27,11 @@ FLAGS = {"batch_size": "--batch-size", "grad_accum": "--grad-accumulation", "lea
          "val_batches": "val_batches", "data": "--data", "data_sha256": "--data (train.jsonl contents)",
          "max_seq_length": "--max-seq-length", "mask_prompt": "--mask-prompt", "pack": "--pack",
          "train_samples": "--train-samples", "iters": "--iters", "length_bucket": "--length-bucket",
-         "graphs": "--no-graphs", "reduce_order": "--reduce-order"}
+         "graphs": "--no-graphs", "reduce_order": "--reduce-order", "optimizer": "--optimizer", "betas": "--betas",
+         "eps": "--eps", "momentum": "--momentum", "dampening": "--dampening", "nesterov": "--nesterov",
+         "beta2_decay": "--beta2-decay", "clip_threshold": "--clip-threshold", "relative_step": "--relative-step",
+         "ns_steps": "--ns-steps", "adjust_lr_fn": "--adjust-lr-fn", "loraplus_lr_ratio": "--loraplus-lr-ratio",
+         "min_8bit_size": "--min-8bit-size"}
 # Options that may differ on resume without --resume-override: how long to train (the schedule is
 # stretched), how often to validate and save, and how the step runs (padding, graphs, the order of
 # the gradients' sums over rows), which do not change the training itself (f32 rounding aside).

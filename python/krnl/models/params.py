@@ -24,21 +24,22 @@ class FlatParams:
         self.params, self.grads, self.m, self.v = (device.zeros((max(n, 1),), "f32") for _ in range(4))
         self.working = device.zeros((max(n, 1),), compute_dtype) if compute_dtype != "f32" else None
 
-    def _view(self, flat, name):
+    def view(self, flat, name):
+        """`name`'s view of a flat buffer laid out as the params (m, v, or one of the same length)."""
         off, size = self.offsets[name]
         return flat[off:off + size].reshape(self.shapes[name])
 
     def master(self, name):
         """The f32 master of `name` (what the optimizer updates)."""
-        return self._view(self.params, name)
+        return self.view(self.params, name)
 
     def grad(self, name):
         """The f32 gradient of `name` (accumulated across micro-batches)."""
-        return self._view(self.grads, name)
+        return self.view(self.grads, name)
 
     def compute(self, name):
         """`name` in the compute dtype: the working copy, or the master in f32 training."""
-        return self._view(self.working if self.working is not None else self.params, name)
+        return self.view(self.working if self.working is not None else self.params, name)
 
     def rows(self, names):
         """(compute, grad) views of the 2-D parameters `names` stacked by rows, (sum of their rows,

@@ -141,6 +141,7 @@ class Run:
     ce_chunk: Optional[int] = None    # rows of logits at a time (None: the model's default)
     packed: bool = False              # rows of packed samples (segments)
     optimizer: str = "adamw"
+    min_8bit_size: int = 4096         # adamw8bit: smaller parameters keep only f32 moments
     device: Traits = Traits()
 
 

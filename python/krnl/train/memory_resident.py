@@ -12,16 +12,27 @@ from ..models.phi3 import MEMBER_OF
 
 E = {"f32": 4, "f16": 2, "bf16": 2, "i32": 4, "u8": 1}
 
-# The flat tensors (their dtypes) an optimizer keeps beside the masters, one element per trainable
-# parameter (FlatParams holds AdamW's m and v). A new optimizer adds its own here.
-OPTIMIZER_STATE = {"adamw": ("f32", "f32")}
+# The state an optimizer keeps beside the masters: FlatParams' m and v (f32, one element per trainable
+# parameter) whichever it is, and what it adds (train/optimizers/: Adafactor's factored moments,
+# 8-bit AdamW's codes and block scales). Muon's Newton-Schulz buffers live only during its update.
+OPTIMIZERS = ("adamw", "adam", "sgd", "lion", "adafactor", "muon", "adamw8bit")
+BLOCK_8BIT = 256
 
 
-def optimizer_state(name):
-    """The dtypes of optimizer `name`'s per-parameter state tensors."""
-    if name not in OPTIMIZER_STATE:
-        raise ValueError(f"[memory] no state layout for optimizer {name!r}; known: {', '.join(OPTIMIZER_STATE)}")
-    return OPTIMIZER_STATE[name]
+def optimizer_state(name, shapes, min_8bit_size=4096):
+    """[(shape, dtype)] of optimizer `name`'s state tensors for LoRA tensors `shapes` {key: shape}."""
+    if name not in OPTIMIZERS:
+        raise ValueError(f"[memory] no state layout for optimizer {name!r}; known: {', '.join(OPTIMIZERS)}")
+    n = max(sum(math.prod(s) for s in shapes.values()), 1)
+    out = [((n,), "f32"), ((n,), "f32")]                                  # FlatParams' m, v
+    if name == "adafactor":                                               # a row and a column moment per matrix
+        lead = lambda s: math.prod(s[:-2]) if len(s) > 2 else 1
+        out.append(((max(sum(lead(s) * (s[-2] + s[-1]) for s in shapes.values()), 1),), "f32"))
+    elif name == "adamw8bit":                                             # codes 4 to a word, absmax per block
+        blocks = sum(-(-math.prod(s) // BLOCK_8BIT) for s in shapes.values() if math.prod(s) >= min_8bit_size)
+        out += [((max(blocks * BLOCK_8BIT // 4, 1),), "i32")] * 2 + [((max(blocks, 1),), "f32")] * 2
+        out += [((BLOCK_8BIT,), "f32")] * 2                               # the two dynamic maps
+    return out
 
 
 # the parts a buffer is counted in (krnl.train.memory.PARTS names them for people)
@@ -123,8 +134,8 @@ class Resident:
         n = max(self.numel, 1)                                            # FlatParams
         self.new((n,), "f32", LORA)                                       # params
         self.new((n,), "f32", GRADS)
-        for dtype in optimizer_state(self.run.optimizer):                 # AdamW: m, v
-            self.new((n,), dtype, OPTIM)
+        for shape, dtype in optimizer_state(self.run.optimizer, self.shapes, self.run.min_8bit_size):
+            self.new(shape, dtype, OPTIM)
         if dt != "f32":
             self.new((n,), dt, LORA)                                      # the working copy
         if self.numel:

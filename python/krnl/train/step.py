@@ -68,7 +68,7 @@ class StepRunner:
         self.max_positions, self.switch = c.max_position_embeddings, c.rope_switch_position
         self.graphs = {}       # HostInputs.key() -> (Graph, DeviceInputs it reads)
         self.opt_graph = None
-        self.hyper = self.dev.zeros((5,), "f32") if self.replay else None
+        self.hyper = self.dev.zeros((opt.hyper_size,), "f32") if self.replay else None
         self.slot = self.dev.zeros((1,), "f32")  # a replayed micro-batch's loss sum
         self.losses = self.dev.zeros((micro_batches,), "f32")  # each micro-batch's loss sum
         # a mixture's load-balancing loss of each micro-batch (this rank's rows), and a replay's

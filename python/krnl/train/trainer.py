@@ -8,7 +8,6 @@ restored from step k reproduces the losses of an uninterrupted run from step k+1
 
 import json
 import math
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -21,9 +20,10 @@ from .dist.world import World
 from .dist.nccl import reducer_for
 from .dist.ranks import Discard, apply_reduce_order, check_world, evaluate_ranks
 from .memory import out_of_memory
-from .optim import AdamW, Schedule
+from .optim import OPTIMIZER_FIELDS, Schedule, from_config
 from ..io.run_folder import describe, option_changes, repair_metrics
 from .plot import plot_metrics  # noqa: F401 (the CLI and its tests reach it here)
+from .rate import Rate
 from . import preference
 from .step import StepRunner
 
@@ -43,6 +43,19 @@ class TrainConfig:
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0    # 0 disables clipping
+    optimizer: str = "adamw"      # adamw | adam | sgd | lion | adafactor | muon | adamw8bit (train.optimizers)
+    betas: tuple = None           # adamw(8bit), adam, lion, muon's AdamW (None: the optimizer's default)
+    eps: float = None             # adamw(8bit), adam, muon's AdamW (None: 1e-8)
+    momentum: float = None        # sgd (0), muon (0.95); None: that default
+    dampening: float = 0.0        # sgd
+    nesterov: bool = None         # sgd (off), muon (on); None: that default
+    ns_steps: int = 5             # muon: Newton-Schulz iterations, and torch's learning-rate adjustment
+    adjust_lr_fn: str = "original"
+    loraplus_lr_ratio: float = 0.0  # LoRA+ (PEFT's): the B factors at learning_rate * this; 0: off
+    min_8bit_size: int = 4096     # adamw8bit: smaller parameters keep f32 moments (bitsandbytes')
+    beta2_decay: float = -0.8     # adafactor (torch.optim.Adafactor's), with its clip threshold d
+    clip_threshold: float = 1.0
+    relative_step: bool = True    # adafactor: step min(lr, 1/sqrt(t)); False: the schedule's lr
     val_every: int = 100          # 0: only at the end
     val_batches: int = 8
     save_every: int = 200         # 0: only at the end
@@ -67,32 +80,6 @@ class TrainConfig:
         if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):
             raise ValueError(f"[train] learning_rate must be > 0, got {self.learning_rate}")
         preference.check(self)
-
-
-class Rate:
-    """Tokens per second over the last `window` steps (what the progress bar and metrics call
-    tokens_per_s: the first steps' start-up, graph recording included, drops out of it), and
-    since the run (or the resume) began (tokens_per_s_cumulative)."""
-
-    def __init__(self, window=10):
-        self.window = int(window)
-        self.t0 = time.perf_counter()
-        self.ends = [(self.t0, 0)]  # (time a step ended, its tokens); the first entry is the start
-        self.total = 0
-
-    def add(self, tokens):
-        self.ends.append((time.perf_counter(), int(tokens)))
-        self.total += int(tokens)
-        if len(self.ends) > self.window + 1:
-            del self.ends[0]
-
-    def recent(self):
-        dt = self.ends[-1][0] - self.ends[0][0]
-        return sum(n for _, n in self.ends[1:]) / dt if dt > 0 else 0.0
-
-    def cumulative(self):
-        dt = self.ends[-1][0] - self.t0
-        return self.total / dt if dt > 0 else 0.0
 
 
 def _batch_args(batch):
@@ -134,8 +121,7 @@ class Trainer:
         self.resumed = None  # what resume() changed, recorded in the first metrics row after it
         sched = Schedule(cfg.learning_rate, warmup_steps=min(cfg.warmup, cfg.iters), total_steps=cfg.iters,
                          kind=cfg.schedule, min_lr_ratio=cfg.min_lr_ratio)
-        self.opt = AdamW(model.lora_params, sched, weight_decay=cfg.weight_decay,
-                         max_grad_norm=cfg.max_grad_norm or None)
+        self.opt = from_config(model.lora_params, sched, cfg)
         self.step = 0
         self.history = []  # (step, train loss)
         self.memory_estimate = None  # krnl.train.memory's Estimate of this run, for the out-of-memory line
@@ -220,6 +206,8 @@ class Trainer:
         if changes and not override:
             raise ValueError(f"[train] {ck.path} was trained with other options: {describe(changes)}; rerun with "
                              f"the checkpoint's values, or pass --resume-override to continue with these")
+        if any(k in OPTIMIZER_FIELDS for k in changes):  # the saved state is the saved optimizer's
+            raise ValueError(f"[train] --resume-override cannot change the optimizer or its options: {describe(changes)}")
         self.model.lora_params.load(ck.adapter)
         self.opt.load_state_dict(ck.optimizer_state)
         self.data.load_state(st["data"])

@@ -13,6 +13,7 @@ from .cases import FLOAT_DTYPES, Operands, cases
 from .cases_dora import dora_cases
 from .cases_gpt_oss import gpt_oss_cases
 from .cases_moe import moe_cases
+from .cases_optim import optim_cases
 from ...formats.mlx_folder import round_to
 
 SIZES = {"quick": (1, 33), "full": (1, 31, 33, 127)}
@@ -82,7 +83,7 @@ def check_ops(dev, quick=False, log=print):
     cpu = krnl.device("cpu")
     have = dev.capabilities()["dtypes"]
     dtypes = [d for d in FLOAT_DTYPES if d in have]
-    all_cases = cases() + moe_cases() + dora_cases() + gpt_oss_cases()
+    all_cases = cases() + moe_cases() + dora_cases() + gpt_oss_cases() + optim_cases()
     records = []
     for case in all_cases:
         for dt in (d for d in dtypes if d in case.dtypes):

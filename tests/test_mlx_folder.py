@@ -248,7 +248,7 @@ def test_fuse_from_and_to_mlx_folder(tmp_path, capsys):
     assert cfg["model.layers.0.mlp.gate_proj"] == {"group_size": 32, "bits": 2, "mode": "affine"}
     assert np.array_equal(np.asarray(q[un].w), np.asarray(src[un].w))
     W32 = krnl.formats.hf.merged_weight(np.asarray(src[merged], np.float32), t[lora_key(1, "q_proj", "A")],
-                                t[lora_key(1, "q_proj", "B")], 1.5)
+                                t[lora_key(1, "q_proj", "B")], None, 1.5)
     w, s, b = affine.quantize(round_bf16(W32), 4, 32)
     assert np.array_equal(np.asarray(q[merged].w).view(np.int32), w)
     assert np.array_equal(np.asarray(q[merged].scales, np.float32), round_bf16(s))

@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 
 openai = pytest.importorskip("openai", reason="the OpenAI client (pip install openai) drives the server")
-uvicorn = pytest.importorskip("uvicorn", reason="krnl serve needs the serve extra (uvicorn, starlette)")
+pytest.importorskip("uvicorn", reason="krnl serve needs the serve extra (uvicorn, starlette)")
 pytest.importorskip("starlette", reason="krnl serve needs the serve extra (uvicorn, starlette)")
 
 import krnl  # noqa: E402
 from krnl.formats.adapter import peft_config, save_adapter  # noqa: E402
-from krnl.formats.hf import load_model, load_tokenizer  # noqa: E402
+from krnl.formats.hf import load_model  # noqa: E402
 from krnl.models.config import LoraConfig  # noqa: E402
 
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} </s> {% endfor %}"
@@ -37,16 +37,6 @@ def adapter(model, folder, seed, alpha):
     return folder
 
 
-def start(app):
-    """(uvicorn server, its thread, its /v1 URL) of app on a free local port."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    return server, thread, f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}/v1"
-
-
 def post(url, body, stream=False):
     """(status, parsed JSON body) of a POST of raw bytes (or the open response, to read lines, with stream)."""
     req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"}, method="POST")
@@ -60,7 +50,7 @@ def post(url, body, stream=False):
 class Server:
     def __init__(self, tmp, hf_folder, **opts):
         from krnl.cli.serve import build
-        from krnl.serve.app import make_app
+        from krnl.serve.app import make_app, serve_in_thread
 
         cfg = json.loads((hf_folder / "tokenizer_config.json").read_text())
         (hf_folder / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": TEMPLATE}))
@@ -72,7 +62,7 @@ class Server:
         self.engine, self.tok, names, eos = build(args)
         self.base = hf_folder.name
         assert names == {"a1": "a1", "a2": "a2", self.base: ""}
-        self.server, self.thread, self.url = start(make_app(self.engine, self.tok, names, eos, 12))
+        self.server, self.thread, self.url = serve_in_thread(make_app(self.engine, self.tok, names, eos, 12))
         self.client = openai.OpenAI(base_url=self.url, api_key="unused", max_retries=0)
         self.models = {name: load_model(hf_folder, krnl.device("cpu"), adapter=path) for name, path in
                        self.paths.items()}
@@ -209,11 +199,11 @@ def test_a_client_that_leaves_frees_its_slot(srv):
 
 
 def test_a_full_queue_answers_429(srv):
-    from krnl.serve.app import make_app
+    from krnl.serve.app import make_app, serve_in_thread
     from krnl.serve.engine import Engine
 
     idle = Engine(srv.models["a1"], None, max_batch=1, max_queue=1)  # never started: requests only wait
-    server, thread, url = start(make_app(idle, srv.tok, {"a1": ""}, {srv.tok.eos_id}))
+    server, thread, url = serve_in_thread(make_app(idle, srv.tok, {"a1": ""}, {srv.tok.eos_id}))
     try:
         body = json.dumps({"model": "a1", "prompt": "w1", "max_tokens": 2, "stream": True}).encode()
         threading.Thread(target=lambda: post(url + "/completions", body, stream=True), daemon=True).start()

@@ -39,17 +39,11 @@ def krnl_tokenizer(s):
 
 def start_server(model, tok, max_batch):
     """(uvicorn server, its thread, engine, base URL): krnl serve's app on a free local port."""
-    import uvicorn
-    from ..serve.app import make_app
+    from ..serve.app import make_app, serve_in_thread
     from ..serve.engine import Engine
     engine = Engine(model, None, max_batch=max_batch, max_queue=4 * max_batch).start()
-    server = uvicorn.Server(uvicorn.Config(make_app(engine, tok, {"krnl": ""}, set()), host="127.0.0.1", port=0,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    return server, thread, engine, f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}/v1"
+    server, thread, url = serve_in_thread(make_app(engine, tok, {"krnl": ""}, set()))
+    return server, thread, engine, url
 
 
 def stream(url, ids, new):

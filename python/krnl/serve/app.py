@@ -5,6 +5,7 @@ asyncio queue; a client that goes away cancels its request, which frees its plac
 
 import asyncio
 import json
+import threading
 import time
 
 from .engine import QueueFull, Request
@@ -70,6 +71,18 @@ def make_app(engine, tok, models, eos_ids, default_max_tokens=512):
                              Route("/v1/chat/completions", handler(True), methods=["POST"]),
                              Route("/v1/completions", handler(False), methods=["POST"])],
                      exception_handlers={404: not_found, 405: bad_method})
+
+
+def serve_in_thread(app):
+    """(uvicorn server, its thread, its /v1 URL): app served on a free local port from a thread (the
+    bench and the tests); server.should_exit = True, then thread.join(), stops it."""
+    import uvicorn
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    return server, thread, f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}/v1"
 
 
 class Run:

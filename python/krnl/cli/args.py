@@ -94,7 +94,13 @@ def lora_from_args(args):
     from ..models.config import LoraConfig
 
     kw = {"r": args.lora_rank, "alpha": args.lora_alpha, "dropout": args.lora_dropout, "use_rslora": args.rslora,
-          "use_dora": args.fine_tune_type == "dora"}
+          "use_dora": args.fine_tune_type == "dora", "full": args.fine_tune_type == "full"}
+    if args.num_layers is not None and args.lora_layers:
+        raise ValueError("--num-layers and --lora-layers both choose layers: give one")
+    if args.num_layers is not None:
+        if args.num_layers == 0 or args.num_layers < -1:
+            raise ValueError(f"--num-layers must be -1 (all) or >= 1, got {args.num_layers}")
+        kw["layers"] = None if args.num_layers == -1 else ("last", args.num_layers)
     if args.lora_layers:
         items = [x.strip() for x in str(args.lora_layers).split(",")]
         bad = [x for x in items if not x.isdigit()]
@@ -157,9 +163,11 @@ def parse_args(argv, commands):
     t.add_argument("--lora-alpha", type=float, default=32.0)
     t.add_argument("--lora-dropout", type=float, default=0.0)
     t.add_argument("--rslora", action="store_true", help="scale by alpha/sqrt(r) (rsLoRA)")
-    t.add_argument("--fine-tune-type", default="lora", choices=["lora", "dora"],
-                   help="dora: LoRA plus a trained magnitude per output, PEFT's use_dora (mlx-lm's name)")
+    t.add_argument("--fine-tune-type", default="lora", choices=["lora", "dora", "full"],
+                   help="dora: LoRA plus a trained magnitude per output, PEFT's use_dora; full: the chosen layers' "
+                   "projections (--lora-targets) and norms trained themselves, written as an HF folder (mlx-lm's names)")
     t.add_argument("--lora-layers", default=None, help="comma-separated layer indices (default: all)")
+    t.add_argument("--num-layers", type=int, default=None, help="train the last N layers (mlx-lm's option; -1: all)")
     t.add_argument("--lora-targets", default=None, help="comma-separated modules: short names (q,k,v,o,gate,up,down), module "
                    "names (q_proj) or mlx-lm keys (self_attn.q_proj); mixtures of experts: gate and up are the experts' "
                    "gate_up_proj, router their router (default: all seven; a mixture's router left frozen)")

@@ -148,6 +148,9 @@ def cmd_train(args):
         if code is not None:
             return code
     if args.model:
+        if lora.full and not Path(args.model).is_dir():
+            raise ValueError(f"[train] --fine-tune-type full writes an HF folder and needs one to start from; {args.model} "
+                             "is a GGUF file (convert it to an HF folder first)")
         tok, model, base_id = _hf_base(args, dev, lora)
         if args.train_mode == "sft":
             ds = memory.sft_data(args, tok, model.config.vocab_size)
@@ -185,7 +188,7 @@ def cmd_train(args):
                       val_every=args.steps_per_eval, save_every=args.save_every, seed=args.seed,
                       length_bucket=args.length_bucket, graphs=not args.no_graphs, reduce_order=args.reduce_order,
                       **objectives.config_fields(args), **optim_args.config_fields(args))
-    lora_fp = {k: v for k, v in vars(lora).items() if k != "use_dora" or v}  # older checkpoints have no use_dora
+    lora_fp = {k: v for k, v in vars(lora).items() if k not in ("use_dora", "full") or v}  # older checkpoints lack them
     fingerprint = {"base": base_id, "model": vars(model.config), "lora": lora_fp, "dtype": args.dtype}
     if model.quantize is not None:  # only then: older checkpoints have no such key
         fingerprint["quantize"] = list(model.quantize)
@@ -194,13 +197,16 @@ def cmd_train(args):
                       base_model=base_id, progress=not args.quiet, options=_run_options(args),
                       adapter_format=args.adapter_format, world=world,
                       objective=objectives.objective(args, tok, cfg))
-    trainer.memory_estimate = memory.after_load(args, dev, model, train)
-    if args.adapter_format == "mlx":  # refused before training, not after it
+    trainer.memory_estimate = est = memory.after_load(args, dev, model, train)
+    if lora.full and est is not None:  # the weights' own copies, gradients and state: say what it takes
+        print(f"memory: {memory.summary(est, dev)}")
+    if args.adapter_format == "mlx" and not lora.full:  # refused before training, not after it
         from ..formats.adapter import mlx_adapter
 
         mlx_adapter(lora, model.lora_state(), model.config)
-    print(f"krnl {krnl.__version__} on {dev.name}: {what}, {'DoRA' if lora.use_dora else 'LoRA'} r={lora.r} on "
-          f"{len(model.adapted)} modules ({model.lora_params.numel} trainable parameters), {args.dtype}"
+    kind = "full fine-tuning of" if lora.full else f"{'DoRA' if lora.use_dora else 'LoRA'} r={lora.r} on"
+    print(f"krnl {krnl.__version__} on {dev.name}: {what}, {kind} {len(model.adapted)} modules "
+          f"({model.lora_params.numel} trainable parameters), {args.dtype}"
           + (f", base quantized to {model.quantize[0]} bits (groups of {model.quantize[1]})" if model.quantize else "")
           + world.describe())
     resuming = args.resume or args.resume_from is not None
@@ -221,7 +227,11 @@ def cmd_train(args):
     print(f"step {summary['steps']}: train loss {summary['loss']:.4f}{val}"
           + (f", {summary['skipped_steps']} skipped steps" if summary["skipped_steps"] else ""))
     mlx = f", {args.adapter_path}/mlx (mlx-lm)" if args.adapter_format == "mlx" else ""
-    print(f"adapter: {args.adapter_path}/adapter_model.safetensors (PEFT format){mlx}; metrics: {summary['metrics']}; "
+    hf_dir = Path(args.adapter_path) / "model"
+    files = (f"full fine-tune: {args.adapter_path}/adapters.safetensors (mlx-lm's layout)"
+             + (f", the model as an HF folder: {hf_dir}" if hf_dir.is_dir() else "") if lora.full
+             else f"adapter: {args.adapter_path}/adapter_model.safetensors (PEFT format){mlx}")
+    print(f"{files}; metrics: {summary['metrics']}; "
           f"loss curve: {png}")
     print(f"try: {hint}")
     lock.release()
@@ -252,7 +262,8 @@ def _resume(args, trainer):
     if step >= iters:
         print(f"already at step {step} of {iters}; nothing to do" if step == iters else
               f"already at step {step}, past --iters {iters}; nothing to do")
-        if trainer.world.root and not (Path(args.adapter_path) / "adapter_model.safetensors").exists():
+        done = "adapters.safetensors" if trainer.model.lora_config.full else "adapter_model.safetensors"
+        if trainer.world.root and not (Path(args.adapter_path) / done).exists():
             trainer.save_adapter()  # a run stopped between its last checkpoint and the adapter
         return False
     print(f"resumed from step {step}")

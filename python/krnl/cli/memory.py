@@ -153,7 +153,7 @@ def before_load(args, dev, lora, quantize):
         limit, origin = max(limit - held, 0), f"{origin}, less {memory.size_text(held)} the pool holds"
     name = Path(args.model).name if args.model else "the embedded tiny Llama"
     head = (f"memory plan on {dev.name}: {name} ({config.num_hidden_layers} layers, hidden {config.hidden_size}), "
-            f"{args.dtype}, LoRA r={lora.r}; {run.batch} x {run.seq} tokens a micro-batch ({where}), "
+            f"{args.dtype}, {'full fine-tuning' if lora.full else f'LoRA r={lora.r}'}; {run.batch} x {run.seq} tokens a micro-batch ({where}), "
             f"{run.micro_batches} a step{', checkpointed' if run.grad_checkpoint else ''}{note}")
     dry = args.cmd == "plan" or args.dry_run
     if dry:
@@ -179,6 +179,16 @@ def before_load(args, dev, lora, quantize):
     if args.max_memory is None:
         dev.set_memory_limit(limit + held)
     return None
+
+
+def summary(est, dev):
+    """One line of an Estimate: the peak, its largest parts and whether it fits the device's budget."""
+    limit, origin = budget(dev)
+    parts = sorted(((n, k) for k, n in est.parts.items() if n), reverse=True)[:4]
+    fits = "" if limit is None else f"; {'fits' if est.total <= limit else 'does NOT fit'} {memory.size_text(limit)} " \
+        f"({origin})"
+    return (f"{memory.size_text(est.total)} estimated at the peak (" + ", ".join(
+        f"{memory.PARTS[k]} {memory.size_text(n)}" for n, k in parts) + f"){fits}; `krnl plan` for every part")
 
 
 def after_load(args, dev, model, train):

@@ -268,9 +268,14 @@ def read_adapter(path, config):
         pattern, fname = _PEFT_KEY, WEIGHTS_NAME
     else:
         ft = cfg.get("fine_tune_type", "lora")
+        if ft == "full":  # the trained weights themselves (formats/full_model.py)
+            from .full_model import read_full
+            base = cfg.get("base_model_name_or_path", cfg.get("model"))
+            return (*read_full(path, cfg, config, _read_f32_tensors(path / MLX_WEIGHTS_NAME, who), who),
+                    {"format": "mlx", "base_model": base, "config": cfg})
         if ft not in ("lora", "dora"):
-            raise ValueError(f"[{who}] mlx-lm fine_tune_type {ft!r} is not supported; krnl loads LoRA and DoRA "
-                             "adapters")
+            raise ValueError(f"[{who}] mlx-lm fine_tune_type {ft!r} is not supported; krnl loads LoRA, DoRA and "
+                             "full fine-tunes")
         dora = ft == "dora"
         lp = cfg.get("lora_parameters")
         if not isinstance(lp, dict) or "rank" not in lp or "scale" not in lp:

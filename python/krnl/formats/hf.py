@@ -279,24 +279,33 @@ def fuse(model_folder, adapter_folder, out_folder, shard_size="2GB", dtype=None,
     folder whose tensors keep their stored dtype (f32, f16 or bf16; bf16 for quantized ones)
     unless dtype ("f32", "f16", "bf16") is given; or, with quantize = (bits, group_size), an MLX
     folder (W + s B A in float32, then quantized). Returns a summary dict."""
+    lora, tensors, _ = read_adapter(adapter_folder, read_config(model_folder))
+    if lora.full:  # the trained weights replace the base's
+        from .full_model import stored
+        new = lambda config, weights: {k: lambda a=a: a for k, a in stored(config, tensors).items()}  # noqa: E731
+    else:
+        new = lambda config, weights: {k: lambda t=weights[k], d=d: merged_weight(t, *d, lora.scale)  # noqa: E731
+                                       for k, d in lora_deltas(lora, tensors, config).items()}
+    return {**write_model(model_folder, out_folder, new, shard_size, dtype, quantize), "scale": lora.scale}
+
+
+def write_model(model_folder, out_folder, replaced, shard_size="2GB", dtype=None, quantize=None):
+    """The model at `model_folder` written to `out_folder` as fuse() writes it, with the weights
+    replaced(config, weights) gives ({HF name: () -> float32 array}) in place of the stored ones."""
     model_folder, out_folder = Path(model_folder), Path(out_folder)
     if out_folder.resolve() == model_folder.resolve():
         raise ValueError(f"[fuse] the output folder must differ from the model folder {model_folder}")
     config = read_config(model_folder)
     weights = load_hf_weights(model_folder, config)
-    lora, tensors, _ = read_adapter(adapter_folder, config)
-    s = lora.scale
-    names = {k: k for k in weights}
+    new = replaced(config, weights)
     if config.multimodal:  # written back under the stored names, the vision tower copied through
         if quantize is not None:
             raise ValueError(f"[fuse] {model_folder} is a multimodal gemma3 model; fuse it without --q-bits")
         _, names, rest = gemma3.text_tower(read_tensors(model_folder))
         weights = {**{names[k]: t for k, t in weights.items()}, **rest}
-    merged = {names[k]: lambda t=weights[names[k]], d=d: merged_weight(t, *d, s)
-              for k, d in lora_deltas(lora, tensors, config).items()}
-    files = _write_folder(model_folder, weights, config, out_folder, shard_size, dtype, quantize, merged)
-    copied = _copy_tokenizer(model_folder, out_folder)
-    return {"files": files, "merged": sorted(merged), "copied": copied, "scale": s}
+        new = {names[k]: f for k, f in new.items()}
+    files = _write_folder(model_folder, weights, config, out_folder, shard_size, dtype, quantize, new)
+    return {"files": files, "merged": sorted(new), "copied": _copy_tokenizer(model_folder, out_folder)}
 
 
 def quantize_folder(model_folder, out_folder, bits=4, group_size=64, dtype=None, shard_size="2GB",

@@ -294,6 +294,7 @@ class LoraConfig:
     use_rslora: bool = False
     layers: Optional[list] = None
     use_dora: bool = False  # DoRA: a trainable magnitude per output (models/dora.py)
+    full: bool = False  # full fine-tuning: the layers' weights themselves trained, no factors (models/full.py)
 
     @property
     def scale(self):
@@ -308,12 +309,14 @@ class LoraConfig:
         if config.moe:
             self.target_modules = expert_targets(self.target_modules)
         bad = [m for m in self.target_modules if m not in config.lora_modules()]
-        if bad:
+        if self.full and not bad:
+            self.target_modules = self._full_targets(config)
+        elif bad:
             raise ValueError(f"[LoraConfig] unknown target module(s) {bad}; valid names: "
                              f"{', '.join(config.lora_modules())}")
         if isinstance(self.r, bool) or not isinstance(self.r, (int, np.integer)):
             raise ValueError(f"[LoraConfig] r must be an integer, got {self.r!r}")
-        for m in self.target_modules:
+        for m in () if self.full else self.target_modules:  # full fine-tuning has no rank
             out, inp = config.module_shape(m)
             if self.r < 1 or self.r > min(out, inp):
                 raise ValueError(f"[LoraConfig] r={self.r} is invalid for {m} (in={inp}, out={out}): "
@@ -329,10 +332,27 @@ class LoraConfig:
         if not float(self.alpha) > 0:
             raise ValueError(f"[LoraConfig] alpha must be > 0, got {self.alpha!r}")
         n = config.num_hidden_layers
+        if isinstance(self.layers, tuple) and self.layers[:1] == ("last",):  # mlx-lm's --num-layers N
+            self.layers = list(range(max(0, n - int(self.layers[1])), n))
         if self.layers is not None:
             bad = [i for i in self.layers if not isinstance(i, (int, np.integer)) or not 0 <= i < n]
             if bad:
                 raise ValueError(f"[LoraConfig] layers {bad} out of range for a model of {n} layers")
+
+    def _full_targets(self, config):
+        """Full fine-tuning's trained projections (a fused one's members: phi3), checked: no factors,
+        so no dropout or DoRA; a mixture's experts and router stay frozen."""
+        if self.use_dora:
+            raise ValueError("[LoraConfig] full fine-tuning and DoRA exclude each other: choose one fine-tune type")
+        if self.dropout:
+            raise ValueError(f"[LoraConfig] dropout {self.dropout} applies to LoRA's input; full fine-tuning has none "
+                             "(mlx-lm's neither): set it to 0")
+        experts = [m for m in self.target_modules if m in (*EXPERT_MODULES, "router")] if config.moe else []
+        if experts:
+            raise ValueError(f"[LoraConfig] full fine-tuning of a mixture's {', '.join(experts)} is not supported: "
+                             "train its attention (--lora-targets q,k,v,o) or use LoRA on the experts")
+        names = {n for m in self.target_modules for n in phi3.FUSED.get(m, (m,))}
+        return tuple(m for m in ALL_MODULES if m in names)
 
     def adapted_layers(self, config):
         n = config.num_hidden_layers

@@ -3,7 +3,7 @@
     xn = rmsnorm(x) n1
     q|k|v = xn Wqkv^T (+ b) (+ LoRA per block)    heads (qwen3: rmsnorm of each q and k head; olmoe: of q, k), rotary
     h = x + o_proj(attention(q, k, v))
-    y = h + down(silu(gate(hn)) * up(hn))           hn = rmsnorm(h) n2 (a mixture of experts': moe.py)
+    y = h + down(silu(gate(hn)) * up(hn))           hn = rmsnorm(h) n2 (dense_mlp.py; a mixture of experts': moe.py)
     (gemma2, gemma2.py: both sums' second terms RMS-normed first, GeGLU, its own attention)
 
 N = B T rows of C features; H query heads and Hk key/value heads of D features. A Layer holds the
@@ -16,7 +16,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from .. import _core
-from . import dora, gemma2, olmoe
+from . import dora, full, gemma2, olmoe
 from .layer_heads import heads_backward, heads_forward
 from .gemma2 import GemmaAttn
 from .config import ALL_MODULES, ATTN_MODULES, QKV_MODULES, lora_key
@@ -24,6 +24,7 @@ from .lora import LoraLinear, LoraSaved, dropout_tag, module_factors
 from .lora_fold import Fold, norm_output, rows_for_A, wanted as fold_wanted
 from .lora_group import GroupSaved, group_backward, group_forward, stack_of, writes_all
 from .moe import MoeMlp, build_moe, moe_backward, moe_forward
+from .dense_mlp import Mlp, MlpCache, mlp_backward, mlp_forward
 from ..quant.qweight import frozen_weight, linear, linear_grad
 
 ops = _core.ops
@@ -67,37 +68,6 @@ class Ones:
 
 
 @dataclass
-class Mlp:
-    """y = h + down(silu(gate(hn)) * up(hn)), hn = rmsnorm(h) norm."""
-    norm: Tensor        # (C,)
-    gate: LoraLinear    # (F, C)
-    up: LoraLinear      # (F, C)
-    down: LoraLinear    # (C, F)
-    eps: float
-    post: Optional[Tensor] = None  # (C,) gemma2: post_feedforward_layernorm (also selects GeGLU)
-    fold: Optional[Fold] = None    # gate and up's LoRA folded into their GEMMs' K (lora_fold.py)
-
-    def grad_cols(self):
-        """The columns the down projection's fold writes beside dy (LoraLinear.grad_cols)."""
-        return self.down.grad_cols()
-
-
-@dataclass
-class MlpCache:
-    hn: Tensor          # (N, C) rmsnorm(h) norm
-    rstd: Tensor        # (N,) f32
-    g: Tensor           # (N, F) gate(hn)
-    u: Tensor           # (N, F) up(hn)
-    a: Tensor           # (N, F) silu(g) * u
-    gate: Optional[LoraSaved]
-    up: Optional[LoraSaved]
-    down: Optional[LoraSaved]
-    m: Optional[Tensor] = None        # (N, C) gemma2: down(a) before the post norm
-    m_rstd: Optional[Tensor] = None   # (N,) f32 its rstd
-    group: Optional[GroupSaved] = None  # gate and up's LoRA, grouped (lora_group.py)
-
-
-@dataclass
 class Layer:
     heads: Heads
     eps: float
@@ -122,6 +92,8 @@ class Layer:
     o_bias: Optional[Tensor] = None    # (1, C) o_proj's bias (attention_bias but in qwen2)
     window: Optional[int] = None       # gpt_oss: the layer's own sliding window (0: full; None: the call's)
     sinks: Optional[Tensor] = None     # (H,) f32 gpt_oss: attention sinks
+    grads: Optional[dict] = None       # full fine-tuning (full.py): {attribute: f32 gradient} of what trains,
+                                       # of n1, q_norm, k_norm, qkv (QKV, C) where one view, qkv_bias, o_bias
 
     def linears(self):
         """{HF module name: LoraLinear} (a mixture of experts' experts are no linears)."""
@@ -167,14 +139,19 @@ class LayerCache:
 
 
 def build_layer(i, config, weights, device, dtype, heads, ones, lora_config, lora_params, adapted, quantize=None,
-                sums=None, switch=None):
+                sums=None, switch=None, trained=None):
     """Layer i from HF-named float32 weights, uploaded in the compute dtype (the seven projections
     quantized where quantize = (bits, group_size)); the LoRA factors of the (layer, module) pairs
     in adapted are views of lora_params; sums: the model's SampleSums, shared by its linears;
-    switch: the model's dora.Switch where its adapted linears are DoRA's."""
+    switch: the model's dora.Switch where its adapted linears are DoRA's; trained: a full.Trained
+    whose tensors replace the uploads (full fine-tuning; adapted is then empty)."""
     c, p = config, f"model.layers.{i}."
+    grads = {}
 
-    def up(names, shape=None):
+    def up(names, shape=None, attr=None):  # attr: the Layer's name of it, for its gradient where it trains
+        if trained is not None and any(trained.has(k) for k in names):
+            t, grads[attr] = full.tensor(trained, names, lambda k: up([k], shape))
+            return t if shape is None or isinstance(t, list) else t.reshape(1, t.shape[-1])
         a = np.concatenate([np.asarray(weights[k], np.float32) for k in names])
         return device.tensor(a if shape is None else a.reshape(shape), dtype)
 
@@ -202,8 +179,12 @@ def build_layer(i, config, weights, device, dtype, heads, ones, lora_config, lor
     F = c.module_shape("gate_proj")[0]
     if not c.moe:
         fold(("gate_proj", "up_proj"), [("gate_proj",), ("up_proj",)], [(0, 0, F), (1, 0, F)])
-    qkv = Ws["q_proj"] if "q_proj" in Ws else up_linear([key[m] for m in QKV_MODULES])
-    qkv_bias = up([f"{p}self_attn.{m}.bias" for m in QKV_MODULES], (1, -1)) if c.attention_bias else None
+    qkv_names = [key[m] for m in QKV_MODULES]
+    if trained is not None and any(trained.has(k) for k in qkv_names):
+        qkv, grads["qkv"] = full.tensor(trained, qkv_names, lambda k: up_linear([k]))
+    else:
+        qkv = Ws["q_proj"] if "q_proj" in Ws else up_linear(qkv_names)
+    qkv_bias = up([f"{p}self_attn.{m}.bias" for m in QKV_MODULES], (1, -1), "qkv_bias") if c.attention_bias else None
     stacks = {}
     for group in (QKV_MODULES, ("gate_proj", "up_proj")):  # the groups' A read as one tensor (lora_group.Stack)
         if all((i, m) in adapted for m in group) and not c.fused_projections:
@@ -214,30 +195,37 @@ def build_layer(i, config, weights, device, dtype, heads, ones, lora_config, lor
         if m in QKV_MODULES:
             n = c.module_shape(m)[0]
             W, r0 = qkv[r0:r0 + n], r0 + n
+        elif trained is not None and trained.has(key[m]):
+            W = trained.weight(key[m])
         else:
             W = Ws[m] if m in Ws else up_linear([key[m]])
         dr = dora.Dora(switch, W) if switch is not None and fs[m] is not None else None
+        gW = trained.grad(key[m]) if trained is not None and trained.has(key[m]) else None
         lin[m] = LoraLinear(W, fs[m], lora_config.scale, lora_config.dropout, tag=dropout_tag(c, i, m),
-                            sums=sums, Wk=Wks.get(m), stack=stacks.get(m), dora=dr)
+                            sums=sums, Wk=Wks.get(m), stack=stacks.get(m), dora=dr, gW=gW)
     eps = c.rms_norm_eps
-    o_bias = up([p + "self_attn.o_proj.bias"], (1, -1)) if c.o_proj_bias else None
+    o_bias = up([p + "self_attn.o_proj.bias"], (1, -1), "o_bias") if c.o_proj_bias else None
     if c.gemma:
         L = build_gemma_layer(i, c, weights, device, heads, ones, qkv, qkv_bias, lin)
-        L.o_bias = o_bias
+        L.o_bias, L.grads = o_bias, {k: g for k, g in grads.items() if g is not None} or None
         return L
     if c.moe:
         mlp = build_moe(i, c, weights, device, dtype, lora_config, lora_params, adapted, sums, quantize, ones)
+        if trained is not None and trained.has(p + "post_attention_layernorm.weight"):
+            mlp.norm = up([p + "post_attention_layernorm.weight"], attr="n2")
     else:
-        mlp = Mlp(up([p + "post_attention_layernorm.weight"]), lin["gate_proj"], lin["up_proj"], lin["down_proj"],
-                  eps, fold=folds.get("gate_proj"))
-    norms = (up([p + "self_attn.q_norm.weight"]), up([p + "self_attn.k_norm.weight"])) if c.qk_norm or c.qk_full_norm \
-        else (None, None)
-    full, (qn, kn) = (norms, (None, None)) if c.qk_full_norm else (None, norms)  # olmoe's over all heads
+        mlp = Mlp(up([p + "post_attention_layernorm.weight"], attr="n2"), lin["gate_proj"], lin["up_proj"],
+                  lin["down_proj"], eps, fold=folds.get("gate_proj"))
+    mlp.norm_grad = grads.pop("n2", None)
+    norms = (up([p + "self_attn.q_norm.weight"], attr="q_norm"), up([p + "self_attn.k_norm.weight"], attr="k_norm")) \
+        if c.qk_norm or c.qk_full_norm else (None, None)
+    qk_full, (qn, kn) = (norms, (None, None)) if c.qk_full_norm else (None, norms)  # olmoe's over all heads
     sinks = device.tensor(np.asarray(weights[p + "self_attn.sinks"], np.float32), "f32") if c.attention_sinks else None
-    return Layer(heads, eps, up([p + "input_layernorm.weight"]), qkv, qkv_bias, ones,
+    n1 = up([p + "input_layernorm.weight"], attr="n1")
+    return Layer(heads, eps, n1, qkv, qkv_bias, ones,
                  lin["q_proj"], lin["k_proj"], lin["v_proj"], lin["o_proj"], mlp, qn, kn, qkv_fold=folds.get("q_proj"),
-                 qk_full=full, o_bias=o_bias, window=c.layer_windows[i] if c.layer_windows and not c.gemma else None,
-                 sinks=sinks)
+                 qk_full=qk_full, o_bias=o_bias, window=c.layer_windows[i] if c.layer_windows and not c.gemma else None,
+                 sinks=sinks, grads={k: g for k, g in grads.items() if g is not None} or None)
 
 
 def build_gemma_layer(i, c, weights, device, heads, ones, qkv, qkv_bias, lin):
@@ -246,65 +234,6 @@ def build_gemma_layer(i, c, weights, device, heads, ones, qkv, qkv_bias, lin):
     mlp = Mlp(g["pre_ff"], lin["gate_proj"], lin["up_proj"], lin["down_proj"], c.rms_norm_eps, g["post_ff"])
     return Layer(g["heads"], c.rms_norm_eps, g["input"], qkv, qkv_bias, ones, lin["q_proj"], lin["k_proj"],
                  lin["v_proj"], lin["o_proj"], mlp, g["q_norm"], g["k_norm"], gemma=g["attn"])
-
-
-def mlp_forward(mlp, h, call_seed=None, residual=None):
-    """Returns y (N, C) = h + down(silu(gate(hn)) * up(hn)) and what mlp_backward needs. With
-    residual, h += residual first (in place, inside the norm: one pass over h fewer)."""
-    d, dt = h.device, h.dtype
-    N, C, F = h.shape[0], h.shape[1], mlp.gate.out
-    lins = [mlp.gate, mlp.up]
-    hw, hn = norm_output(mlp.fold, lins, call_seed, d, N, C, dt)          # (N, C) hn, in hw where the call folds
-    rstd = d.empty((N,), "f32")                                           # (N,)
-    ops.rmsnorm_forward(h, mlp.norm, hn, rstd, mlp.eps, residual=residual)
-    g, u, a = d.empty((N, F), dt), d.empty((N, F), dt), d.empty((N, F), dt)  # (N, F) each
-    if hw is not None:
-        (gs, us), group = mlp.fold.forward(lins, hw, [g, u])
-    else:
-        first = writes_all(lins)                                          # LoRA first, W adds (lora_group.py)
-        if not first:
-            linear(hn, mlp.gate.W, g)
-            linear(hn, mlp.up.W, u)
-        (gs, us), group = group_forward(lins, hn, [g, u], call_seed, 0.0 if first else 1.0)
-        if first:
-            linear(hn, mlp.gate.W, g, 1.0)
-            linear(hn, mlp.up.W, u, 1.0)
-    g, u = dora.scale_outputs([mlp.gate], [gs], g), dora.scale_outputs([mlp.up], [us], u)
-    (ops.swiglu_forward if mlp.post is None else ops.geglu_forward)(g, u, a)
-    y = d.empty((N, C), dt)
-    ds = mlp.down.forward(a, y, call_seed)
-    m = mr = None
-    if mlp.post is not None:                                              # gemma2: y = h + rmsnorm(m)
-        m = y
-        y, mr = gemma2.post_norm_forward(mlp.post, m, mlp.eps)
-    ops.add(y, h, y)                                                      # y = h + mlp
-    return y, MlpCache(hn, rstd, g, u, a, gs, us, ds, m, mr, group)
-
-
-def mlp_backward(mlp, h, cache, dy, dh_cols=0):
-    """Returns dh (N, C + dh_cols) given dy (N, C); LoRA gradients as the linears keep them. dh's
-    gradient is its first C columns, the rest left for the o projection's fold; likewise dy may
-    be (N, C + the down projection's grad_cols())."""
-    d, dt = h.device, h.dtype
-    N, C, F = h.shape[0], h.shape[1], mlp.gate.out
-    dyv = dy[:, :C]
-    da = d.empty((N, F), dt)
-    dm = dy if mlp.post is None else gemma2.post_norm_backward(mlp.post, cache.m, cache.m_rstd, dyv)
-    mlp.down.backward(dm, cache.down, da)
-    dg, du = d.empty((N, F), dt), d.empty((N, F), dt)
-    (ops.swiglu_backward if mlp.post is None else ops.geglu_backward)(da, cache.g, cache.u, dg, du)
-    dora.backward_in_place([mlp.gate, mlp.up], [dg, du], [cache.gate, cache.up])
-    dhn = d.empty((N, C), dt)
-    first = cache.group is not None and writes_all([mlp.gate, mlp.up])
-    if first:
-        group_backward([mlp.gate, mlp.up], [dg, du], [cache.gate, cache.up], cache.group, dhn, 0.0)
-    linear_grad(dg, mlp.gate.W, dhn, 1.0 if first else 0.0)
-    linear_grad(du, mlp.up.W, dhn, 1.0)
-    if not first:
-        group_backward([mlp.gate, mlp.up], [dg, du], [cache.gate, cache.up], cache.group, dhn)
-    dh = d.empty((N, C + dh_cols), dt)
-    ops.rmsnorm_backward(dhn, h, mlp.norm, cache.rstd, dh[:, :C], residual=dyv)  # dh = norm's gradient + dy
-    return dh
 
 
 def qkv_forward(L, xn, call_seed=None, xw=None):
@@ -322,13 +251,13 @@ def qkv_forward(L, xn, call_seed=None, xw=None):
             out = group_forward(lins, xn, ys, call_seed, 0.0)
         linear(xn, L.qkv, qkv, 1.0 if first else 0.0)
     if L.qkv_bias is not None and not scaled:
-        ops.gemm(L.ones(N), L.qkv_bias, qkv, beta=1.0)
+        full.add_bias(L, qkv)
     if xw is None and not first:
         out = group_forward(lins, xn, ys, call_seed)
     if scaled:
         qkv = dora.scale_outputs(lins, out[0], qkv)
         if L.qkv_bias is not None:
-            ops.gemm(L.ones(N), L.qkv_bias, qkv, beta=1.0)
+            full.add_bias(L, qkv)
     return qkv, out
 
 
@@ -376,8 +305,11 @@ def layer_backward(L, x, cache, dy, batch, need_dx=True, dx_cols=0):
     heads_backward(L, batch, cache, datt, dqkv)
     if cache.qk_full is not None:
         olmoe.qk_full_norm_backward(L, cache.qk_full, dqkv)
+    need_dx = need_dx or bool(L.grads and "n1" in L.grads)               # the norm's gradient needs dxn
     dxn = d.empty((N, C), dt) if need_dx else None                        # (N, C)
     lins, dys = [b[0] for b in L.qkv_blocks()], [dqkv[:, c0:c1] for _, c0, c1 in L.qkv_blocks()]
+    if L.grads is not None:
+        full.layer_grads(L, cache, dqkv, dys, da[:, :C])
     dora.backward_in_place(lins, dys, cache.qkv)
     first = cache.qkv_group is not None and writes_all(lins)              # LoRA first (lora_group.py)
     if first:
@@ -390,5 +322,6 @@ def layer_backward(L, x, cache, dy, batch, need_dx=True, dx_cols=0):
     if not first:
         group_backward(lins, dys, cache.qkv, cache.qkv_group, dxn)
     dx = d.empty((N, C + dx_cols), dt)
-    ops.rmsnorm_backward(dxn, x, L.n1, cache.r1, dx[:, :C], residual=dh)   # dx = norm's gradient + dh
+    ops.rmsnorm_backward(dxn, x, L.n1, cache.r1, dx[:, :C], dw=L.grads and L.grads.get("n1"),
+                         residual=dh)                                     # dx = norm's gradient + dh
     return dx

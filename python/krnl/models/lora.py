@@ -61,11 +61,13 @@ class LoraLinear:
     sample_sums.SampleSums (the gradients' sums over rows in the sample order when on), or None.
     Wk: W's own buffer (out + r, in) with rows for A after W's, where the backward folds
     (lora_fold.py; W is then Wk[:out]). stack: the A factors of this linear's group as one tensor
-    (lora_group.Stack), where they lie side by side. dora: a dora.Dora where DoRA scales the output."""
+    (lora_group.Stack), where they lie side by side. dora: a dora.Dora where DoRA scales the output.
+    gW: where W itself trains (full fine-tuning), its gradient, accumulated as the factors' are."""
 
     def __init__(self, W, factors=None, scale=1.0, dropout=0.0, tag=0, accumulate_grads=True, sums=None, Wk=None,
-                 stack=None, dora=None):
+                 stack=None, dora=None, gW=None):
         self.W = W                        # (out, in) frozen: a compute-dtype tensor or a QuantizedWeight
+        self.gW = gW                      # (out, in) f32: W's gradient where W itself trains (full.py), else None
         self.Wk = Wk                      # (out + r, in) or None
         self.stack = stack                # lora_group.Stack of this linear's group, or None
         self.out, self.inp = W.shape
@@ -101,6 +103,9 @@ class LoraLinear:
 
     def products(self, x, y, call_seed=None):
         """y = x W^T + s drop(x) A^T B^T, unscaled; returns what backward needs."""
+        if self.gW is not None:  # full fine-tuning: no factors; the backward reads x
+            linear(x, self.W, y)
+            return LoraSaved(x, None, None)
         if self.factors is not None and lora_first():
             # The rank-r product writes y and the frozen one adds to it (beta 1, read under its
             # arithmetic): one pass over y fewer than the other order's read-modify-write.
@@ -137,6 +142,8 @@ class LoraLinear:
             dz = dy.device.empty(tuple(dy.shape), dy.dtype)
             dora.backward(self, dy[:, :self.out], saved.dora, dz[:, :self.out])
             dy = dz
+        if self.gW is not None:
+            self.weight_grad(dy, saved.xd)
         if dy.shape[1] > self.out:
             if self.Wk is not None and saved is not None and saved.seed is None:
                 return self._fold_backward(dy, saved, dx, accumulate)
@@ -156,6 +163,10 @@ class LoraLinear:
         self.lora_backward(dyw[:, :o], saved, None, dt=dyw[:, o:o + f.A.shape[0]])  # the gradients; dt beside dy
         ops.scale(f.A, 1.0, self.Wk[o:])                                  # A's rows, as this call's A
         ops.gemm(dyw, self.Wk, dx, beta=1.0 if accumulate else 0.0)       # dx (+)= [dy | dt] [W ; A]
+
+    def weight_grad(self, dy, x):
+        """gW (+)= dy^T x, W's own gradient (full fine-tuning), from dy (rows, out) and x (rows, in)."""
+        self.sums.weight_grad(dy, x, self.gW, 1.0, self.grad_beta)
 
     def lora_backward(self, dy, saved, dx, beta=1.0, dt=None):
         """LoRA gradients from dy (possibly a column block) and dx += drop(dt A); without dropout

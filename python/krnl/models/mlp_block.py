@@ -11,7 +11,7 @@ views of one flat f32 buffer so one adamw_update covers them all.
 import numpy as np
 
 from .. import _core
-from .layer import Mlp, mlp_backward, mlp_forward
+from .dense_mlp import Mlp, mlp_backward, mlp_forward
 from .lora import LoraFactors, LoraLinear
 from .params import FlatParams
 

@@ -24,6 +24,7 @@ from .generate import generate, generate_batch
 from .attention import Batch
 from .layer import Heads, Ones, build_layer, layer_backward, layer_forward
 from .dora import Switch, held, magnitudes
+from .full import Trained, init_full
 from .lora import init_lora
 from .moe import RouterStats
 from .sample_sums import SampleSums
@@ -66,8 +67,14 @@ class LlamaModel:
             self.norm_w = device.tensor(gemma2.norm_weight(weights["model.norm.weight"]), "f32")
         self.embed_scale = gemma2.embed_scale(c, dtype)                     # None but for gemma2
         self.final_softcap = c.gemma["final_softcap"] if c.gemma else 0.0
-        # LoRA factors: one FlatParams, PEFT names, A then B per adapted module.
-        self.lora_params, self.adapted = init_lora(device, c, self.lora_config, dtype, seed)
+        # LoRA factors: one FlatParams, PEFT names, A then B per adapted module; or, in full
+        # fine-tuning, the trained weights themselves under their HF names (full.py).
+        trained = None
+        if self.lora_config.full:
+            self.lora_params, self.adapted = init_full(device, c, self.lora_config, dtype, weights, quantize)
+            trained = Trained(self.lora_params)
+        else:
+            self.lora_params, self.adapted = init_lora(device, c, self.lora_config, dtype, seed)
         self._long_inv_freq = None  # (D/2,) f32 LongRoPE's long factors' frequencies, on first use
         self.heads = Heads(c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                            device.tensor(c.inv_freq(), "f32"), c.rope_attention_factor)
@@ -80,8 +87,9 @@ class LlamaModel:
         # DoRA (dora.py): what its linears share, None for LoRA
         self.dora = Switch(device, max(c.module_shape(m)[0] for m in c.lora_modules())) \
             if self.lora_config.use_dora else None
+        factors = set() if trained is not None else self.adapted  # the (layer, module) pairs with LoRA factors
         self.layers = [build_layer(i, c, weights, device, dtype, self.heads, ones, self.lora_config, self.lora_params,
-                                   self.adapted, self.quantize, self.sums, self.dora)
+                                   factors, self.quantize, self.sums, self.dora, trained)
                        for i in range(c.num_hidden_layers)]
         if self.dora is not None:  # each magnitude starts at ||W_o||, the base's
             self.lora_params.load({**self.lora_params.state(), **magnitudes(c, self.layers, self.adapted)})

@@ -108,6 +108,7 @@ class MoeMlp:
     ones: object = None        # the layer's Ones (compute dtype), where there are biases
     router_bias: Optional[Tensor] = None  # (1, E) gpt_oss
     biases: Optional[list] = None  # gpt_oss: gate's, up's (E, F, 1) and down's (E, C, 1)
+    norm_grad: Optional[Tensor] = None  # (C,) f32 the norm's gradient where it trains (full.py)
 
     def grad_cols(self):
         return 0  # no fold writes beside dy
@@ -277,7 +278,7 @@ def moe_backward(mlp, h, cache, dy, dh_cols=0):
     ops.moe_route_backward(c.logits, c.ids, dw, dlogits, mlp.norm_topk, mlp.stats and mlp.stats.dprobs)
     mlp.router.backward(dlogits, c.router, dhn, accumulate=True)         # dhn += dlogits Wr (+ its LoRA's)
     dh = d.empty((N, C + dh_cols), dt)
-    ops.rmsnorm_backward(dhn, h, mlp.norm, c.rstd, dh[:, :C], residual=dyv)  # dh = norm's gradient + dy
+    ops.rmsnorm_backward(dhn, h, mlp.norm, c.rstd, dh[:, :C], dw=mlp.norm_grad, residual=dyv)  # dh = norm's gradient + dy
     return dh
 
 

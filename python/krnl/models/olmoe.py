@@ -37,12 +37,13 @@ def qk_full_norm_forward(L, qkv):
 
 def qk_full_norm_backward(L, saved, dqkv):
     """dqkv's q and k columns (gradients at the norms' outputs) turned into the raw projections'
-    gradients, in place; the norm weights are frozen (no dw)."""
+    gradients, in place; the norm weights' gradients where they train (full fine-tuning, L.grads)."""
     d, dt, N, D = dqkv.device, dqkv.dtype, dqkv.shape[0], L.heads.D
     NH = dqkv.shape[1] // D
     dheads = d.empty((NH, N, D), dt)
     ops.transpose_heads(dqkv.reshape(N, NH, D), dheads)
-    for (h0, h1, w), (raw, rstd) in zip(_blocks(L), saved):
+    g = L.grads or {}
+    for (h0, h1, w), (raw, rstd), name in zip(_blocks(L), saved, ("q_norm", "k_norm")):
         dy = d.empty((N, (h1 - h0) * D), dt)
         _columns(dheads, h0, h1, D, dy)
-        ops.rmsnorm_backward(dy, raw, w, rstd, dqkv[:, h0 * D:h1 * D])
+        ops.rmsnorm_backward(dy, raw, w, rstd, dqkv[:, h0 * D:h1 * D], dw=g.get(name))

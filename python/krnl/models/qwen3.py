@@ -24,10 +24,11 @@ def qk_norm_forward(L, heads, H, Hk):
 
 def qk_norm_backward(L, heads, rstd, dqk, dheads, H, Hk):
     """dheads[:H + Hk] (pre-norm q and k gradients) from dqk (H + Hk, T, D), the gradients at the
-    norms' outputs; the norm weights are frozen (no dw)."""
+    norms' outputs; the norm weights' gradients where they train (full fine-tuning, L.grads)."""
     T, D = heads.shape[1], heads.shape[2]
     nq, nk = H * T, Hk * T
+    g = L.grads or {}
     ops.rmsnorm_backward(dqk[:H].reshape(nq, D), heads[:H].reshape(nq, D), L.q_norm, rstd[:nq],
-                         dheads[:H].reshape(nq, D))
+                         dheads[:H].reshape(nq, D), dw=g.get("q_norm"))
     ops.rmsnorm_backward(dqk[H:].reshape(nk, D), heads[H:H + Hk].reshape(nk, D), L.k_norm, rstd[nq:],
-                         dheads[H:H + Hk].reshape(nk, D))
+                         dheads[H:H + Hk].reshape(nk, D), dw=g.get("k_norm"))

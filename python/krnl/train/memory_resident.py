@@ -7,6 +7,7 @@ with a step; its docstring says how the replay follows the code."""
 import math
 
 from ..models.config import QKV_MODULES
+from ..models.full import full_param_shapes
 from ..models.lora import lora_param_shapes
 from ..models.phi3 import MEMBER_OF
 
@@ -54,7 +55,10 @@ class Resident:
         self.H, self.Hk, self.D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.F = c.moe["expert_size"] if c.moe else c.intermediate_size
         self.NH = self.H + 2 * self.Hk
-        self.shapes, self.adapted = lora_param_shapes(c, lc)
+        if lc.full:  # the trained weights in FlatParams; no factors, so none of LoRA's paths
+            self.shapes, self.adapted = full_param_shapes(c, lc)[0], set()
+        else:
+            self.shapes, self.adapted = lora_param_shapes(c, lc)
         self.numel = sum(math.prod(s) for s in self.shapes.values())
         self.dropout = lc.dropout > 0
         dev = run.device
@@ -79,6 +83,19 @@ class Resident:
     def has(self, i, m):
         """Whether layer i's projection m has LoRA factors (phi3's members: their fused module's)."""
         return (i, MEMBER_OF.get(m, m) if self.c.fused_projections else m) in self.adapted
+
+    def trains(self, i, what):
+        """Whether full fine-tuning trains layer i's `what` (a projection's weight or bias, a norm):
+        then FlatParams holds it and the layer uploads nothing."""
+        if what.endswith("norm"):
+            return f"model.layers.{i}.{'self_attn.' if what[:2] in ('q_', 'k_') else ''}{what}.weight" in self.shapes
+        name, _, kind = what.partition(":")
+        part = "self_attn" if name in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+        return f"model.layers.{i}.{part}.{name}.{kind or 'weight'}" in self.shapes
+
+    def keeps_x(self, i, m):
+        """Whether linear m's backward reads its input: LoRA's factors or full fine-tuning's weight."""
+        return (self.has(i, m) and not self.dropout) or self.trains(i, m)
 
     def all_have(self, i, members):
         return len(members) > 1 and all(self.has(i, m) for m in members)
@@ -164,41 +181,52 @@ class Resident:
         if wide:                                                          # Fold.upload: Wk, eye
             self.new((QKV, C + 3 * r), dt, WEIGHTS)
             self.new((r, r), dt, SMALL)
+        elif any(self.trains(i, m) for m in QKV_MODULES):                 # full.tensor: the frozen parts
+            for m, rows in zip(QKV_MODULES, (self.H * D, self.Hk * D, self.Hk * D)):
+                if not self.trains(i, m):
+                    self.frozen(rows, C)
         else:
             self.frozen(QKV, C)
-        if c.attention_bias:
-            self.new((1, QKV), dt, WEIGHTS)
+        trained = [self.trains(i, m + ":bias") for m in QKV_MODULES] if c.attention_bias else [True] * 3
+        for rows, t in zip((QKV,) if not any(trained) else (self.H * D, self.Hk * D, self.Hk * D), trained):
+            if not t:                                                     # one (1, QKV), or the frozen parts
+                self.new((1, rows), dt, WEIGHTS)
         gu = self.fold and not c.moe and self.all_have(i, ("gate_proj", "up_proj"))
         if gu:
             self.new((F, C + 2 * r), dt, WEIGHTS)
             self.new((F, C + 2 * r), dt, WEIGHTS)
             self.new((r, r), dt, SMALL)
-        if not self.wide_rows(i, "o_proj"):
+        if not self.wide_rows(i, "o_proj") and not self.trains(i, "o_proj"):
             self.frozen(C, HD)
         if not c.moe:
             for m, (o, n) in (("gate_proj", (F, C)), ("up_proj", (F, C)), ("down_proj", (C, F))):
-                if not (gu and m != "down_proj") and not (m == "down_proj" and self.wide_rows(i, m)):
+                if not (gu and m != "down_proj") and not (m == "down_proj" and self.wide_rows(i, m)) \
+                        and not self.trains(i, m):
                     self.frozen(o, n)
-        if c.o_proj_bias:
+        if c.o_proj_bias and not self.trains(i, "o_proj:bias"):
             self.new((1, C), dt, WEIGHTS)
         if c.moe:
             Ex = c.moe["experts"]
             self.frozen((Ex, F), C)                                       # gate, up, down experts
             self.frozen((Ex, F), C)
             self.frozen((Ex, C), F)
-            self.new((C,), dt, WEIGHTS)                                   # post_attention_layernorm
+            n2 = self.new((C,), dt, WEIGHTS)                              # post_attention_layernorm (build_moe's)
+            if self.trains(i, "post_attention_layernorm"):                # full fine-tuning's in its place
+                self.t.free(n2)
             self.new((Ex, C), dt, WEIGHTS)                                # router
             if c.moe["bias"]:
                 for shape in ((1, Ex), (Ex, F, 1), (Ex, F, 1), (Ex, C, 1)):
                     self.new(shape, dt, WEIGHTS)
-        else:
+        elif not self.trains(i, "post_attention_layernorm"):
             self.new((C,), dt, WEIGHTS)                                   # post_attention_layernorm
         if c.qk_norm or c.qk_full_norm:
             hq, hk = (self.H, self.Hk) if c.qk_full_norm else (1, 1)
-            self.new((hq * D,), dt, WEIGHTS)
-            self.new((hk * D,), dt, WEIGHTS)
+            for n, heads in (("q_norm", hq), ("k_norm", hk)):
+                if not self.trains(i, n):
+                    self.new((heads * D,), dt, WEIGHTS)
         if c.attention_sinks:
             self.new((self.H,), "f32", WEIGHTS)
-        self.new((C,), dt, WEIGHTS)                                       # input_layernorm
+        if not self.trains(i, "input_layernorm"):
+            self.new((C,), dt, WEIGHTS)                                   # input_layernorm
         for _ in range(2 if c.gemma else 0):                              # gemma's extra norms
             self.new((C,), dt, WEIGHTS)

@@ -152,7 +152,7 @@ class Replay(Resident):
             keep += [qkv, att, self.new((self.B, H, T), "f32", ATTN)]     # views of qkv and att, lse
         else:
             local.append(qkv)
-            (keep if self.has(i, "o_proj") and not self.dropout else local).append(att)  # o's x
+            (keep if self.keeps_x(i, "o_proj") else local).append(att)  # o's x
             oh = None
             for _ in range(self.B):
                 keep.append(self.act((self.NH, T, D)))                    # heads
@@ -208,6 +208,7 @@ class Replay(Resident):
                         dS = new
                     self.t.free(dS)
             self.t.free(*held.values())
+        need_dx = need_dx or self.trains(i, "input_layernorm")            # its gradient needs dxn
         dxn = self.act((N, C), WORK) if need_dx else None
         self.group_backward(i, QKV_MODULES, C, dx=need_dx)
         dx = self.act((N, C + dx_cols), WORK) if need_dx else None

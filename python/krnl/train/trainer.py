@@ -372,6 +372,10 @@ class Trainer:
 
     def save_adapter(self):
         lc = self.model.lora_config
+        if lc.full:  # the trained weights, and the whole model where the base is a folder
+            from ..formats.full_save import save_full
+            save_full(self.out, self.model.lora_state(), lc, self.model.config, self.base_model)
+            return
         cfg = adapter_io.peft_config(lc, base_model=self.base_model, layers=lc.layers, model_config=self.model.config)
         state = self.model.lora_state()
         adapter_io.save_adapter(self.out, state, cfg, self.model.config)

@@ -40,7 +40,11 @@ def load_source(base, adapter_folder=None):
     deltas, scale = {}, 0.0
     if adapter_folder is not None:
         lora, tensors, _ = read_adapter(adapter_folder, config)
-        deltas, scale = lora_deltas(lora, tensors, config), lora.scale
+        if lora.full:  # the trained weights in place of the base's
+            from ..full_model import stored
+            weights = {**weights, **stored(config, tensors)}
+        else:
+            deltas, scale = lora_deltas(lora, tensors, config), lora.scale
     return config, weights, load_tokenizer(base), deltas, scale
 
 

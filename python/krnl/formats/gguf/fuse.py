@@ -38,6 +38,9 @@ def fuse_gguf(path, adapter_folder, out_folder, shard_size="2GB", dtype=None, qu
     g = read_gguf(path)
     st = {None: "BF16", "f32": "F32", "f16": "F16", "bf16": "BF16"}[dtype]
     lora, tensors, _ = read_adapter(adapter_folder, g.config)
+    if lora.full:
+        raise ValueError(f"[fuse] {adapter_folder} is a full fine-tune, trained on an HF folder; fuse it with that "
+                         f"folder (--model), not {path}")
     s, delta = lora.scale, lora_deltas(lora, tensors, g.config)
 
     def item(name, w, shape):

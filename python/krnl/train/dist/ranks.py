@@ -67,8 +67,15 @@ def reduce_order(cfg, world):
 
 
 def apply_reduce_order(model, cfg, world):
-    """Sets the model's sums over rows to reduce_order(cfg, world)."""
-    model.sums.on = reduce_order(cfg, world) == "sample"
+    """Sets the model's sums over rows to reduce_order(cfg, world). A full fine-tune sums over rows:
+    the sample order's per-sample slots would hold every trained weight once a sample."""
+    order = reduce_order(cfg, world)
+    if model.lora_config.full and order == "sample":
+        if cfg.reduce_order == "sample":
+            raise ValueError("[train] --reduce-order sample holds a gradient slot per sample, too large for full "
+                             "fine-tuning: use --reduce-order auto or rows")
+        order = "rows"
+    model.sums.on = order == "sample"
 
 
 def evaluate_ranks(model, valid, cfg, world, step):

@@ -1,0 +1,116 @@
+"""The dense MLP of a Llama-family decoder layer (layer.py's), forward and backward over core ops:
+
+    y = h + down(silu(gate(hn)) * up(hn))           hn = rmsnorm(h) n2
+    (gemma2: GeGLU, and down's output RMS-normed by post_feedforward_layernorm before the sum)
+
+N rows of C features, F the intermediate size. gate and up share their input: their LoRA runs
+grouped (lora_group.py) or folded into the GEMMs' K (lora_fold.py) where that pays."""
+
+from dataclasses import dataclass
+from typing import Optional
+
+from .. import _core
+from . import dora, gemma2
+from .lora import LoraLinear, LoraSaved
+from .lora_fold import Fold, norm_output
+from .lora_group import GroupSaved, group_backward, group_forward, writes_all
+from ..quant.qweight import linear, linear_grad
+
+ops = _core.ops
+Tensor = _core.Tensor
+
+
+@dataclass
+class Mlp:
+    """y = h + down(silu(gate(hn)) * up(hn)), hn = rmsnorm(h) norm."""
+    norm: Tensor        # (C,)
+    gate: LoraLinear    # (F, C)
+    up: LoraLinear      # (F, C)
+    down: LoraLinear    # (C, F)
+    eps: float
+    post: Optional[Tensor] = None  # (C,) gemma2: post_feedforward_layernorm (also selects GeGLU)
+    fold: Optional[Fold] = None    # gate and up's LoRA folded into their GEMMs' K (lora_fold.py)
+    norm_grad: Optional[Tensor] = None  # (C,) f32 the norm's gradient where it trains (full.py)
+
+    def grad_cols(self):
+        """The columns the down projection's fold writes beside dy (LoraLinear.grad_cols)."""
+        return self.down.grad_cols()
+
+
+@dataclass
+class MlpCache:
+    hn: Tensor          # (N, C) rmsnorm(h) norm
+    rstd: Tensor        # (N,) f32
+    g: Tensor           # (N, F) gate(hn)
+    u: Tensor           # (N, F) up(hn)
+    a: Tensor           # (N, F) silu(g) * u
+    gate: Optional[LoraSaved]
+    up: Optional[LoraSaved]
+    down: Optional[LoraSaved]
+    m: Optional[Tensor] = None        # (N, C) gemma2: down(a) before the post norm
+    m_rstd: Optional[Tensor] = None   # (N,) f32 its rstd
+    group: Optional[GroupSaved] = None  # gate and up's LoRA, grouped (lora_group.py)
+
+
+
+
+def mlp_forward(mlp, h, call_seed=None, residual=None):
+    """Returns y (N, C) = h + down(silu(gate(hn)) * up(hn)) and what mlp_backward needs. With
+    residual, h += residual first (in place, inside the norm: one pass over h fewer)."""
+    d, dt = h.device, h.dtype
+    N, C, F = h.shape[0], h.shape[1], mlp.gate.out
+    lins = [mlp.gate, mlp.up]
+    hw, hn = norm_output(mlp.fold, lins, call_seed, d, N, C, dt)          # (N, C) hn, in hw where the call folds
+    rstd = d.empty((N,), "f32")                                           # (N,)
+    ops.rmsnorm_forward(h, mlp.norm, hn, rstd, mlp.eps, residual=residual)
+    g, u, a = d.empty((N, F), dt), d.empty((N, F), dt), d.empty((N, F), dt)  # (N, F) each
+    if hw is not None:
+        (gs, us), group = mlp.fold.forward(lins, hw, [g, u])
+    else:
+        first = writes_all(lins)                                          # LoRA first, W adds (lora_group.py)
+        if not first:
+            linear(hn, mlp.gate.W, g)
+            linear(hn, mlp.up.W, u)
+        (gs, us), group = group_forward(lins, hn, [g, u], call_seed, 0.0 if first else 1.0)
+        if first:
+            linear(hn, mlp.gate.W, g, 1.0)
+            linear(hn, mlp.up.W, u, 1.0)
+    g, u = dora.scale_outputs([mlp.gate], [gs], g), dora.scale_outputs([mlp.up], [us], u)
+    (ops.swiglu_forward if mlp.post is None else ops.geglu_forward)(g, u, a)
+    y = d.empty((N, C), dt)
+    ds = mlp.down.forward(a, y, call_seed)
+    m = mr = None
+    if mlp.post is not None:                                              # gemma2: y = h + rmsnorm(m)
+        m = y
+        y, mr = gemma2.post_norm_forward(mlp.post, m, mlp.eps)
+    ops.add(y, h, y)                                                      # y = h + mlp
+    return y, MlpCache(hn, rstd, g, u, a, gs, us, ds, m, mr, group)
+
+
+def mlp_backward(mlp, h, cache, dy, dh_cols=0):
+    """Returns dh (N, C + dh_cols) given dy (N, C); LoRA gradients as the linears keep them. dh's
+    gradient is its first C columns, the rest left for the o projection's fold; likewise dy may
+    be (N, C + the down projection's grad_cols())."""
+    d, dt = h.device, h.dtype
+    N, C, F = h.shape[0], h.shape[1], mlp.gate.out
+    dyv = dy[:, :C]
+    da = d.empty((N, F), dt)
+    dm = dy if mlp.post is None else gemma2.post_norm_backward(mlp.post, cache.m, cache.m_rstd, dyv)
+    mlp.down.backward(dm, cache.down, da)
+    dg, du = d.empty((N, F), dt), d.empty((N, F), dt)
+    (ops.swiglu_backward if mlp.post is None else ops.geglu_backward)(da, cache.g, cache.u, dg, du)
+    for lin, dz in ((mlp.gate, dg), (mlp.up, du)):
+        if lin.gW is not None:                                            # full fine-tuning: W's own gradient
+            lin.weight_grad(dz, cache.hn)
+    dora.backward_in_place([mlp.gate, mlp.up], [dg, du], [cache.gate, cache.up])
+    dhn = d.empty((N, C), dt)
+    first = cache.group is not None and writes_all([mlp.gate, mlp.up])
+    if first:
+        group_backward([mlp.gate, mlp.up], [dg, du], [cache.gate, cache.up], cache.group, dhn, 0.0)
+    linear_grad(dg, mlp.gate.W, dhn, 1.0 if first else 0.0)
+    linear_grad(du, mlp.up.W, dhn, 1.0)
+    if not first:
+        group_backward([mlp.gate, mlp.up], [dg, du], [cache.gate, cache.up], cache.group, dhn)
+    dh = d.empty((N, C + dh_cols), dt)
+    ops.rmsnorm_backward(dhn, h, mlp.norm, cache.rstd, dh[:, :C], dw=mlp.norm_grad, residual=dyv)  # dh = its grad + dy
+    return dh

@@ -83,7 +83,7 @@ def test_resume_continues_exactly(tmp_path, dev):
     assert b.iteration == c.trainer_state["step"] == 3
     run(fb, b, grads[3:])
     assert np.array_equal(fa.params.numpy(), fb.params.numpy())
-    assert np.array_equal(fa.m.numpy(), fb.m.numpy()) and np.array_equal(fa.v.numpy(), fb.v.numpy())
+    assert np.array_equal(a.m.numpy(), b.m.numpy()) and np.array_equal(a.v.numpy(), b.v.numpy())
 
 
 @pytest.mark.parametrize("crash_at", ["tensor_writer", "rename_dir", "latest"])

@@ -39,7 +39,7 @@ def cpu1():
 
 
 def measured(dev, out, cfg, lora, dtype="f32", B=2, T=64, gc=False, quantize=None, micro=1, packed=False,
-             fused=False, fold=False, monkeypatch=None, optimizer="adamw"):
+             fused=False, fold=False, monkeypatch=None, optimizer="adamw", momentum=None):
     """(the pool's peak reserved bytes over two training steps, the Run that describes them)."""
     if monkeypatch is not None:
         monkeypatch.setenv("KRNL_LORA_FOLD", "1" if fold else "0")
@@ -56,20 +56,23 @@ def measured(dev, out, cfg, lora, dtype="f32", B=2, T=64, gc=False, quantize=Non
         seg = np.repeat((np.arange(T) >= T // 3).astype(np.int32)[None], len(ids), 0)
         data += (seg, np.where(seg == 0, np.arange(T), np.arange(T) - T // 3).astype(np.int32))
     cfg_t = TrainConfig(iters=2, batch_size=B, grad_accum=micro, val_every=0, save_every=0, warmup=0,
-                        optimizer=optimizer, min_8bit_size=256)
+                        optimizer=optimizer, min_8bit_size=256, momentum=momentum)
     Trainer(m, cfg_t, data, None, out_dir=out, progress=False).run()
     peak = dev.pool_stats()["peak_reserved"] - base
     traits = replace(memory.Traits.of(dev), fused_dtypes=(dtype,) if fused else (), token_major=fused,
                      lora_fold=fold)
     return peak, memory.Run(config, lora, dtype, quantize=quantize, batch=B, seq=T, grad_checkpoint=gc,
                             micro_batches=micro, packed=packed, device=traits, optimizer=optimizer,
-                            min_8bit_size=256)
+                            min_8bit_size=256, momentum=momentum or 0.0)
 
 
 R8 = LoraConfig(r=8, alpha=16)
 CASES = {
     "dense f32": dict(cfg=LLAMA),
     "dense f32, sgd": dict(cfg=LLAMA, optimizer="sgd"),
+    "dense f32, sgd with momentum": dict(cfg=LLAMA, optimizer="sgd", momentum=0.9),
+    "dense f32, lion": dict(cfg=LLAMA, optimizer="lion"),
+    "dense f32, muon": dict(cfg=LLAMA, optimizer="muon"),
     "dense f32, adafactor": dict(cfg=LLAMA, optimizer="adafactor"),
     "dense f32, 8-bit AdamW": dict(cfg=LLAMA, optimizer="adamw8bit"),
     "dense bf16": dict(cfg=LLAMA, dtype="bf16"),

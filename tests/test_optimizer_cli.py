@@ -3,11 +3,13 @@ optimizer's run resumed exactly from a checkpoint, and a changed optimizer refus
 
 import json
 
+import numpy as np
 import pytest
 
 from krnl.cli.args import parse_args
 from krnl.cli.main import main
 from krnl.cli.optim_args import config_fields
+from krnl.io.checkpoint import load_checkpoint, save_checkpoint
 
 BASE = ["train", "--iters", "4", "--warmup", "1", "--steps-per-eval", "4", "--save-every", "2", "--quiet",
         "--train-samples", "64", "--lora-rank", "4", "--batch-size", "4"]
@@ -85,3 +87,37 @@ def test_loraplus_trains_and_resumes_exactly(tmp_path):
     plain = tmp_path / "plain"
     assert main(BASE + ["--adapter-path", str(plain)] + extra[:-2]) == 0
     assert losses(plain)[1:] != first[1:]  # the B factors' larger steps show from the second step
+
+
+def test_an_earlier_eight_bit_state_resumes_exactly(tmp_path, capsys):
+    """A checkpoint of 8-bit AdamW as krnl wrote it before each optimizer held its own state (f32
+    m and v as long as the params, zero over the quantized ones) resumes to the same losses; a
+    state of no known layout is refused in one line that names the checkpoint."""
+    out, extra = tmp_path / "run", ["--optimizer", "adamw8bit"] + RUNS["adamw8bit"]
+    assert main(BASE + ["--adapter-path", str(out)] + extra) == 0
+    first = losses(out)
+    root = out / "checkpoints"
+    ck = load_checkpoint(str(root / "step-00000002"))
+    state = dict(ck.optimizer_state)
+    sizes = [(k, int(np.prod(s))) for k, s in state["layout"]]
+    for key in ("m", "v"):
+        packed, full, at = state[key], [], 0
+        for k, n in sizes:
+            small = n < state["hyper"]["min_8bit_size"]
+            full.append(packed[at:at + n] if small else np.zeros(n, np.float32))
+            at += n if small else 0
+        assert at == packed.size and 0 < at < sum(n for _, n in sizes)
+        state[key] = np.concatenate(full)
+
+    def rewrite(opt_state):
+        save_checkpoint(str(root), adapter=ck.adapter, optimizer_state=opt_state, trainer_state=ck.trainer_state,
+                        model_fingerprint=ck.fingerprint)
+
+    rewrite(state)
+    assert main(BASE + ["--adapter-path", str(out), "--resume-from", "2"] + extra) == 0
+    assert losses(out) == first
+    rewrite(dict(state, v=state["v"][:-1]))
+    capsys.readouterr()
+    assert main(BASE + ["--adapter-path", str(out), "--resume-from", "2"] + extra) == 1
+    err = capsys.readouterr().err
+    assert "[AdamW8bit.load_state_dict] v has shape" in err and "step-00000002" in err

@@ -361,7 +361,7 @@ def test_sgd_skipped_first_step_keeps_the_buffer_start(dev):
     g = np.linspace(-1, 1, fp.numel).astype(np.float32)
     set_grads(fp, g * np.float32(opt.loss_scale))
     opt.step()
-    np.testing.assert_allclose(flat_of(fp.m, fp.numel), g, rtol=1e-6)
+    np.testing.assert_allclose(flat_of(opt.m, fp.numel), g, rtol=1e-6)
 
 
 def test_from_config_picks_each_optimizer(dev):

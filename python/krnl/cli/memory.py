@@ -133,7 +133,8 @@ def run_of(args, dev, lora, config, T, quantize, file_q):
                       batch=args.batch_size, seq=Tp, grad_checkpoint=args.grad_checkpoint,
                       micro_batches=args.grad_accumulation, packed=args.pack, device=traits,
                       ce_chunk=getattr(args, "ce_chunk", None), optimizer=getattr(args, "optimizer", "adamw"),
-                      min_8bit_size=getattr(args, "min_8bit_size", 4096))
+                      min_8bit_size=getattr(args, "min_8bit_size", 4096),
+                      momentum=getattr(args, "momentum", None) or 0.0)
 
 
 def before_load(args, dev, lora, quantize):

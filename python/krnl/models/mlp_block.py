@@ -65,6 +65,7 @@ class MLPBlock:
         # LoRA masters, gradients and Adam moments: one flat f32 buffer each, views per factor.
         self.lora_params = FlatParams(d, {"Ag": (R, C), "Bg": (F, R), "Au": (R, C), "Bu": (F, R)}, dtype)
         self.lora_params.load({k: params[k] for k in LORA_NAMES})
+        self.m, self.v = self.lora_params.zeros(), self.lora_params.zeros()
         self.grads = {k: self.lora_params.grad(k) for k in LORA_NAMES}
         self.lora_w = {k: self.lora_params.compute(k) for k in LORA_NAMES}
 
@@ -89,5 +90,5 @@ class MLPBlock:
     def adamw(self, lr, weight_decay=0.0):
         self.adam_step += 1
         p = self.lora_params
-        ops.adamw_update(p.params, p.grads, p.m, p.v, lr, weight_decay=weight_decay, step=self.adam_step,
+        ops.adamw_update(p.params, p.grads, self.m, self.v, lr, weight_decay=weight_decay, step=self.adam_step,
                          working=p.working)

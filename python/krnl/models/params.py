@@ -1,7 +1,9 @@
-"""Trainable parameters as one flat f32 buffer (docs/architecture.md, 'LoRA'): the masters, their
-gradients and the Adam moments are four flat tensors laid out identically, so one adamw_update,
-one sumsq and one nonfinite cover every parameter. Each named parameter is a view by offset.
-A compute-dtype working copy (f16/bf16) is refreshed by the optimizer step."""
+"""Trainable parameters as one flat f32 buffer (docs/architecture.md, 'LoRA'): the masters and
+their gradients are two flat tensors laid out identically, so one optimizer update, one sumsq and
+one nonfinite cover every parameter. Each named parameter is a view by offset. An optimizer
+allocates the state vectors it needs itself (`zeros`), laid out as the params or packed over the
+few parameters that need them (`layout`). A compute-dtype working copy (f16/bf16) is refreshed by
+the optimizer step."""
 
 import numpy as np
 
@@ -10,10 +12,10 @@ from .. import _core
 ops = _core.ops
 
 
-class FlatParams:
-    def __init__(self, device, shapes, compute_dtype="f32"):
-        """shapes: {name: shape} in layout order."""
-        self.device, self.compute_dtype = device, compute_dtype
+class Layout:
+    """Named shapes packed one after another in order: {name: (offset, size)} and `numel`."""
+
+    def __init__(self, shapes):
         self.shapes = {k: tuple(int(d) for d in v) for k, v in shapes.items()}
         self.offsets, n = {}, 0
         for k, shape in self.shapes.items():
@@ -21,13 +23,33 @@ class FlatParams:
             self.offsets[k] = (n, size)
             n += size
         self.numel = n
-        self.params, self.grads, self.m, self.v = (device.zeros((max(n, 1),), "f32") for _ in range(4))
-        self.working = device.zeros((max(n, 1),), compute_dtype) if compute_dtype != "f32" else None
 
     def view(self, flat, name):
-        """`name`'s view of a flat buffer laid out as the params (m, v, or one of the same length)."""
+        """`name`'s view of a flat buffer of this layout."""
         off, size = self.offsets[name]
         return flat[off:off + size].reshape(self.shapes[name])
+
+
+class FlatParams(Layout):
+    def __init__(self, device, shapes, compute_dtype="f32"):
+        """shapes: {name: shape} in layout order."""
+        super().__init__(shapes)
+        self.device, self.compute_dtype = device, compute_dtype
+        n = self.numel
+        self.params, self.grads = (device.zeros((max(n, 1),), "f32") for _ in range(2))
+        self.working = device.zeros((max(n, 1),), compute_dtype) if compute_dtype != "f32" else None
+
+    def layout(self, names):
+        """The Layout of the parameters `names` packed in this layout's order (a state vector over
+        only some of them: 8-bit AdamW's small ones, Muon's AdamW ones)."""
+        names = set(names)
+        return Layout({k: s for k, s in self.shapes.items() if k in names})
+
+    def zeros(self, layout=None):
+        """A zeroed f32 buffer of `layout` (default: laid out as the params), e.g. an optimizer's
+        moment; its views by name are layout.view(buffer, name)."""
+        n = (self if layout is None else layout).numel
+        return self.device.zeros((max(n, 1),), "f32")
 
     def master(self, name):
         """The f32 master of `name` (what the optimizer updates)."""

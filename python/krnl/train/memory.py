@@ -8,7 +8,7 @@ tokenizer, the data) and memory a backend holds outside its pool (the CUDA conte
 cuDNN workspaces, the CPU's per-thread scratch) are not in it.
 
 How: memory_step.Replay makes the same requests, in the same order, as LlamaModel, FlatParams,
-AdamW and StepRunner make, from the shapes alone; Trace replays them through the pool's rules
+the optimizer and StepRunner make, from the shapes alone; Trace replays them through the pool's rules
 (csrc/core/buffer_pool.cpp): each request rounded up to its size class, a released buffer cached
 for its class (at once where the device is queue-ordered, at the step's end elsewhere) and
 reused only by a request of that class, `reserved` growing only when no cached buffer fits. The
@@ -142,6 +142,7 @@ class Run:
     packed: bool = False              # rows of packed samples (segments)
     optimizer: str = "adamw"
     min_8bit_size: int = 4096         # adamw8bit: smaller parameters keep only f32 moments
+    momentum: float = 0.0             # sgd: a momentum buffer where > 0
     device: Traits = Traits()
 
 

@@ -1,7 +1,7 @@
 """What a training run holds in the device's pool before its first step, replayed from the shapes
 alone (krnl.train.memory): the buffers LlamaModel (frozen weights, as qweight.frozen_weight and
-layer.build_layer upload them), FlatParams (the LoRA masters, gradients, optimizer state and
-compute copy), AdamW and StepRunner make, in their order. memory_step.Replay goes on from here
+layer.build_layer upload them), FlatParams (the LoRA masters, gradients and compute copy), the
+optimizer (its state) and StepRunner make, in their order. memory_step.Replay goes on from here
 with a step; its docstring says how the replay follows the code."""
 
 import math
@@ -13,27 +13,36 @@ from ..models.phi3 import MEMBER_OF
 
 E = {"f32": 4, "f16": 2, "bf16": 2, "i32": 4, "u8": 1}
 
-# The state an optimizer keeps beside the masters: FlatParams' m and v (f32, one element per trainable
-# parameter) whichever it is, and what it adds (train/optimizers/: Adafactor's factored moments,
-# 8-bit AdamW's codes and block scales). Muon's Newton-Schulz buffers live only during its update.
+# The state each optimizer allocates (train/optimizers/), in its order: only what its update reads.
+# Muon's Newton-Schulz buffers live only during its update.
 OPTIMIZERS = ("adamw", "adam", "sgd", "lion", "adafactor", "muon", "adamw8bit")
 BLOCK_8BIT = 256
 
 
-def optimizer_state(name, shapes, min_8bit_size=4096):
-    """[(shape, dtype)] of optimizer `name`'s state tensors for LoRA tensors `shapes` {key: shape}."""
+def optimizer_state(name, shapes, min_8bit_size=4096, momentum=0.0):
+    """[(shape, dtype)] of optimizer `name`'s state tensors for LoRA tensors `shapes` {key: shape}
+    (momentum: SGD's, which alone gives it a buffer)."""
     if name not in OPTIMIZERS:
         raise ValueError(f"[memory] no state layout for optimizer {name!r}; known: {', '.join(OPTIMIZERS)}")
-    n = max(sum(math.prod(s) for s in shapes.values()), 1)
-    out = [((n,), "f32"), ((n,), "f32")]                                  # FlatParams' m, v
+    sizes = {k: math.prod(s) for k, s in shapes.items()}
+    vec = lambda n: ((max(n, 1),), "f32")                                # a moment over n elements
+    n = sum(sizes.values())
+    if name in ("adamw", "adam"):
+        return [vec(n), vec(n)]                                           # m, v
+    if name == "lion" or (name == "sgd" and momentum):
+        return [vec(n)]                                                   # m (SGD's momentum buffer)
+    if name == "sgd":
+        return []
+    if name == "muon":                                                    # m, v of the AdamW ones (not 2-D)
+        return [vec(n), vec(sum(sizes[k] for k, s in shapes.items() if len(s) != 2))]
     if name == "adafactor":                                               # a row and a column moment per matrix
         lead = lambda s: math.prod(s[:-2]) if len(s) > 2 else 1
-        out.append(((max(sum(lead(s) * (s[-2] + s[-1]) for s in shapes.values()), 1),), "f32"))
-    elif name == "adamw8bit":                                             # codes 4 to a word, absmax per block
-        blocks = sum(-(-math.prod(s) // BLOCK_8BIT) for s in shapes.values() if math.prod(s) >= min_8bit_size)
-        out += [((max(blocks * BLOCK_8BIT // 4, 1),), "i32")] * 2 + [((max(blocks, 1),), "f32")] * 2
-        out += [((BLOCK_8BIT,), "f32")] * 2                               # the two dynamic maps
-    return out
+        return [vec(sum(lead(s) * (s[-2] + s[-1]) for s in shapes.values()))]
+    blocks = sum(-(-n // BLOCK_8BIT) for n in sizes.values() if n >= min_8bit_size)
+    small = sum(n for n in sizes.values() if n < min_8bit_size)
+    return ([((BLOCK_8BIT,), "f32")] * 2                                  # the two dynamic maps
+            + [((max(blocks * BLOCK_8BIT // 4, 1),), "i32")] * 2          # codes 4 to a word
+            + [vec(blocks)] * 2 + [vec(small)] * 2)                       # absmax per block; m, v of the small ones
 
 
 # the parts a buffer is counted in (krnl.train.memory.PARTS names them for people)
@@ -151,8 +160,6 @@ class Resident:
         n = max(self.numel, 1)                                            # FlatParams
         self.new((n,), "f32", LORA)                                       # params
         self.new((n,), "f32", GRADS)
-        for shape, dtype in optimizer_state(self.run.optimizer, self.shapes, self.run.min_8bit_size):
-            self.new(shape, dtype, OPTIM)
         if dt != "f32":
             self.new((n,), dt, LORA)                                      # the working copy
         if self.numel:
@@ -163,9 +170,14 @@ class Resident:
         if c.moe:                                                          # RouterStats
             self.new((c.moe["experts"], 1, 1), "f32", SMALL)
             self.new((1, c.moe["experts"]), "f32", SMALL)
+        self.new((1,), "f32", SMALL)                                      # the optimizer's _sq, _flag
+        self.new((1,), "i32", SMALL)
+        run = self.run
+        for shape, dtype in optimizer_state(run.optimizer, self.shapes, run.min_8bit_size, run.momentum):
+            self.new(shape, dtype, OPTIM)
         k = self.run.micro_batches
-        for shape, dtype in (((1,), "f32"), ((1,), "i32"), ((1,), "f32"), ((k,), "f32")):
-            self.new(shape, dtype, SMALL)                                 # AdamW _sq, _flag; slot, losses
+        for shape in ((1,), (k,)):
+            self.new(shape, "f32", SMALL)                                 # StepRunner's slot, losses
         if c.moe:
             self.new((k,), "f32", SMALL)                                  # StepRunner aux, aux_slot
             self.new((1,), "f32", SMALL)

@@ -209,7 +209,10 @@ class Trainer:
         if any(k in OPTIMIZER_FIELDS for k in changes):  # the saved state is the saved optimizer's
             raise ValueError(f"[train] --resume-override cannot change the optimizer or its options: {describe(changes)}")
         self.model.lora_params.load(ck.adapter)
-        self.opt.load_state_dict(ck.optimizer_state)
+        try:
+            self.opt.load_state_dict(ck.optimizer_state)
+        except ValueError as e:  # one line that names the file it came from
+            raise ValueError(f"{e} (the optimizer state of {ck.path})") from None
         self.data.load_state(st["data"])
         self.model._call_seed = int(st["dropout_seed"])
         self.step = int(st["step"])

@@ -1,8 +1,9 @@
 """8-bit AdamW as bitsandbytes' AdamW8bit runs it (Dettmers et al. 2022, "8-bit Optimizers via
 Block-wise Quantization"): m and v of each parameter of at least `min_8bit_size` elements held as
 8-bit codes into its dynamic maps (signed for m, unsigned for v) with an f32 absmax per block of
-256; smaller parameters keep f32 moments, as bitsandbytes keeps them. One `adamw8bit_update` per
-quantized parameter, `adamw_update` for the others."""
+256; smaller parameters keep f32 moments, as bitsandbytes keeps them, packed in two small buffers
+(no f32 moment of a quantized parameter is held). One `adamw8bit_update` per quantized parameter,
+`adamw_update` for the others."""
 
 import math
 
@@ -47,7 +48,7 @@ def dynamic_map(signed, exponent_bits=7, total_bits=8):
 class AdamW8bit(AdamW):
     """bitsandbytes' AdamW8bit (decoupled weight decay; percentile clipping and max_unorm off, as
     its defaults are). Its codes and block scales live in buffers of its own; the f32 moments of
-    the small parameters in FlatParams.m and v."""
+    the small parameters in self.m and v, which cover only those."""
 
     name = "adamw8bit"
     state = {"m": "m", "v": "v", "m_codes": "m_codes", "v_codes": "v_codes", "m_absmax": "m_absmax",
@@ -55,14 +56,17 @@ class AdamW8bit(AdamW):
 
     def __init__(self, flat_params, schedule, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, max_grad_norm=None,
                  loss_scaler=None, lr_ratio=None, min_8bit_size=4096):
+        self.min_8bit_size = int(min_8bit_size)  # before AdamW's __init__, whose allocate() reads it
         super().__init__(flat_params, schedule, betas, eps, weight_decay, max_grad_norm, loss_scaler, lr_ratio)
-        dev = flat_params.device
+
+    def allocate(self):
+        dev = self.flat.device
         self.m_map, self.v_map = dev.tensor(dynamic_map(True), "f32"), dev.tensor(dynamic_map(False), "f32")
-        self._layout(min_8bit_size)
+        self._layout(self.min_8bit_size)
 
     def _layout(self, min_8bit_size):
         """The quantized parameters and their zeroed codes and block scales, each parameter's
-        blocks whole (its codes start on a block's first word)."""
+        blocks whole (its codes start on a block's first word); zeroed f32 moments of the others."""
         self.min_8bit_size = int(min_8bit_size)
         self.blocks, words, blocks = {}, 0, 0  # name -> (first word, words, first block, blocks)
         for k, (_, size) in self.flat.offsets.items():
@@ -73,6 +77,9 @@ class AdamW8bit(AdamW):
         dev = self.flat.device
         self.m_codes, self.v_codes = (dev.zeros((max(words, 1),), "i32") for _ in range(2))
         self.m_absmax, self.v_absmax = (dev.zeros((max(blocks, 1),), "f32") for _ in range(2))
+        small = [k for k in self.flat.shapes if k not in self.blocks]
+        self.moments("m", small)
+        self.moments("v", small)
 
     def numbers(self, t, lr):
         # As bitsandbytes forms them from its double betas: bias corrections, and the decay's factor
@@ -86,7 +93,7 @@ class AdamW8bit(AdamW):
         for k in flat.shapes:
             kw = self._device_scalars(self.group_hyper(hyper, self.group(k)))
             if k not in self.blocks:
-                ops.adamw_update(flat.master(k), flat.grad(k), flat.view(flat.m, k), flat.view(flat.v, k), 0.0, b1, b2,
+                ops.adamw_update(flat.master(k), flat.grad(k), self.view("m", k), self.view("v", k), 0.0, b1, b2,
                                  self.eps, 0.0, 1, 1.0, self.working(k), **kw)
                 continue
             w0, words, k0, blocks = self.blocks[k]

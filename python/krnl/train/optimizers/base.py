@@ -1,7 +1,9 @@
 """What every optimizer over a FlatParams shares (docs/architecture.md, 'Training numerics').
 
 An optimizer runs as ONE update op over the flat f32 buffers of a `FlatParams` (masters, grads and
-its state vectors laid out identically; Adafactor and Muon loop over the parameters' views). Per
+its state vectors laid out identically; Adafactor, Muon and 8-bit AdamW loop over the parameters'
+views). Each optimizer allocates only the state it reads (`moments`): a state vector laid out as
+the params, or packed over the few parameters that need it (8-bit AdamW's small ones). Per
 optimizer step the device does, without waiting for the host: a nonfinite check of the grads
 (only with loss scaling), `sumsq` of the grads for the global norm, then the update, which reads
 that norm and the step's numbers (one (5,) tensor the host uploads first: three of the
@@ -38,15 +40,16 @@ f32 = np.float32
 class FlatOptimizer:
     """The common half of krnl's optimizers: clipping, gradient accumulation (grads summed over n
     micro-batches, divided by n here), dynamic loss scaling, counters and state. A subclass names
-    itself (`name`, the --optimizer value), its state vectors (`state`: {state_dict key: FlatParams
-    attribute}), the first three numbers of its hyper tensor (`numbers`) and its update op
-    (`update`), and its own hyperparameters (`options`, `set_options`).
+    itself (`name`, the --optimizer value), its state vectors (`state`: {state_dict key: its
+    attribute}, allocated by itself, those over parameters by `moments`), the first three numbers of
+    its hyper tensor (`numbers`) and its update op (`update`), and its own hyperparameters
+    (`options`, `set_options`).
 
     loss_scaler=None: dynamic loss scaling is enabled exactly when the compute dtype is f16."""
 
     name = None
     rows = 1  # rows of five in the hyper tensor per parameter group (Muon: its AdamW's too)
-    state = {}  # {state_dict key: the FlatParams attribute (or, where it has none, this optimizer's)}
+    state = {}  # {state_dict key: this optimizer's attribute holding that device tensor}
 
     def __init__(self, flat_params, schedule, weight_decay=0.0, max_grad_norm=None, loss_scaler=None,
                  lr_ratio=None):
@@ -71,6 +74,18 @@ class FlatOptimizer:
         dev = flat_params.device
         self._sq = dev.zeros((1,), "f32")
         self._flag = dev.zeros((1,), "i32")
+        self.layouts = {}  # attribute -> the Layout of a state vector over parameters (moments())
+
+    def moments(self, attr, names=None):
+        """Allocates self.<attr>: a zeroed f32 state vector over the parameters `names` packed in
+        layout order, or over all of them (None: laid out as the params, sliced as they are)."""
+        layout = self.flat if names is None else self.flat.layout(names)
+        self.layouts[attr] = layout
+        setattr(self, attr, self.flat.zeros(layout))
+
+    def view(self, attr, name):
+        """Parameter `name`'s view of the state vector self.<attr>."""
+        return self.layouts[attr].view(getattr(self, attr), name)
 
     @property
     def loss_scale(self):
@@ -232,23 +247,25 @@ class FlatOptimizer:
         return out
 
     def _vectors(self):
-        """{state_dict key: (its device tensor, the length saved, whether it is laid out as the params)}."""
+        """{state_dict key: (its device tensor, the length saved, its Layout over the parameters or
+        None for a vector of the optimizer's own layout)}."""
         out = {}
         for key, attr in self.state.items():
-            flat = hasattr(self.flat, attr)
-            t = getattr(self.flat if flat else self, attr)
-            out[key] = (t, self.flat.numel if flat else t.shape[0], flat)
+            t, layout = getattr(self, attr), self.layouts.get(attr)
+            out[key] = (t, layout.numel if layout else t.shape[0], layout)
         return out
 
-    def _in_our_order(self, flat, theirs):
-        """A flat state vector saved in another order of the same parameters (an earlier krnl's
-        layout, A and B interleaved), moved parameter by parameter into this one's."""
+    def _gather(self, a, order, layout):
+        """The parameters of `layout` from a vector saved over the parameters `order` ({name: shape}
+        in its order): another order of the same ones (an earlier krnl's layout, A and B
+        interleaved), or all of them where `layout` covers fewer (an earlier krnl kept every state
+        vector as long as the params: 8-bit AdamW's and Muon's v)."""
         at, off = {}, 0
-        for k, shape in theirs.items():
+        for k, shape in order.items():
             size = int(np.prod(shape)) if shape else 1
-            at[k], off = flat[off:off + size], off + size
-        out = np.empty_like(flat)
-        for k, (o, size) in self.flat.offsets.items():
+            at[k], off = a[off:off + size], off + size
+        out = np.empty(layout.numel, a.dtype)
+        for k, (o, size) in layout.offsets.items():
             out[o:o + size] = at[k]
         return out
 
@@ -275,13 +292,19 @@ class FlatOptimizer:
             mg = hyper["max_grad_norm"]
             self.max_grad_norm = None if mg is None else float(mg)
         arrays, vectors = {}, self._vectors()
-        for key, (t, size, flat) in vectors.items():
+        order = theirs or {k: list(s) for k, s in self.flat.shapes.items()}  # the saved order (else ours)
+        for key, (t, size, layout) in vectors.items():
+            if key not in state:
+                raise ValueError(f"[{who}] the state has no {key} (a {self.name} of these options needs one)")
             a = np.asarray(state[key])
-            if a.shape != (size,):
+            full = layout is not None and size != n and a.shape == (n,)  # an earlier krnl's full-length vector
+            if a.shape != (size,) and not full:
                 raise ValueError(f"[{who}] {key} has shape {a.shape}, these parameters need ({size},)")
             a = np.ascontiguousarray(a, dtype=np.int32 if t.dtype == "i32" else np.float32)
-            if flat and theirs is not None and list(theirs) != list(ours):
-                a = self._in_our_order(a, theirs)
+            if layout is not None:
+                src = order if full else {k: s for k, s in order.items() if k in layout.offsets}
+                if list(src) != list(layout.offsets):
+                    a = self._gather(a, src, layout)
             arrays[key] = a
         step, iteration = int(state["step"]), int(state["iteration"])
         if step < 0 or iteration < step:

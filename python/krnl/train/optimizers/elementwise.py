@@ -1,6 +1,8 @@
 """The optimizers whose update is one elementwise op over the flat buffers: AdamW and Adam
 (`adamw_update`), SGD (`sgd_update`) and Lion (`lion_update`). Each matches its reference's
-update order (torch.optim.AdamW, Adam, SGD; lion-pytorch's Lion) with f32 arithmetic."""
+update order (torch.optim.AdamW, Adam, SGD; lion-pytorch's Lion) with f32 arithmetic, and holds
+only the moments it reads, laid out as the params: AdamW's m and v, Lion's m, SGD's momentum
+buffer where it has momentum."""
 
 import math
 
@@ -21,6 +23,11 @@ class AdamW(FlatOptimizer):
         if not (float(eps) > 0):
             raise ValueError(f"[{type(self).__name__}] eps must be > 0, got {eps}")
         self.eps = float(eps)
+        self.allocate()
+
+    def allocate(self):
+        self.moments("m")
+        self.moments("v")
 
     def numbers(self, t, lr):
         # As the scalar adamw_update forms them: f32 lr and betas, bias corrections in double.
@@ -31,7 +38,7 @@ class AdamW(FlatOptimizer):
     def update(self, hyper):
         flat, (b1, b2) = self.flat, self.betas
         for s, h in self.runs(hyper):
-            ops.adamw_update(flat.params[s], flat.grads[s], flat.m[s], flat.v[s], 0.0, b1, b2, self.eps, 0.0, 1, 1.0,
+            ops.adamw_update(flat.params[s], flat.grads[s], self.m[s], self.v[s], 0.0, b1, b2, self.eps, 0.0, 1, 1.0,
                              self.working(s), decoupled=self.decoupled, **self._device_scalars(h))
 
     def options(self):
@@ -51,7 +58,7 @@ class Adam(AdamW):
 
 class SGD(FlatOptimizer):
     """PyTorch's SGD: L2 weight decay, momentum (the buffer starts as the first gradient),
-    dampening and Nesterov momentum. Its buffer lives in FlatParams.m."""
+    dampening and Nesterov momentum. Its buffer (self.m) exists only with momentum."""
 
     name = "sgd"
 
@@ -63,6 +70,16 @@ class SGD(FlatOptimizer):
         if nesterov and (float(momentum) <= 0 or float(dampening) != 0):
             raise ValueError("[SGD] nesterov needs momentum > 0 and dampening 0")
         self.momentum, self.dampening, self.nesterov = float(momentum), float(dampening), bool(nesterov)
+        self.m = None
+        self.allocate()
+
+    def allocate(self):
+        """The momentum buffer where there is momentum (a loaded state may bring or drop it)."""
+        if self.momentum and self.m is None:
+            self.moments("m")
+        elif not self.momentum:
+            self.m = None
+            self.layouts.pop("m", None)
 
     @property
     def state(self):
@@ -76,7 +93,7 @@ class SGD(FlatOptimizer):
     def update(self, hyper):
         flat = self.flat
         for s, h in self.runs(hyper):
-            ops.sgd_update(flat.params[s], flat.grads[s], flat.m[s] if self.momentum else None, 0.0, self.momentum,
+            ops.sgd_update(flat.params[s], flat.grads[s], self.m[s] if self.momentum else None, 0.0, self.momentum,
                            self.dampening, self.weight_decay, self.nesterov, 1, 1.0, self.working(s),
                            **self._device_scalars(h))
 
@@ -86,12 +103,13 @@ class SGD(FlatOptimizer):
     def set_options(self, saved):
         self.momentum, self.dampening = float(saved["momentum"]), float(saved["dampening"])
         self.nesterov = bool(saved["nesterov"])
+        self.allocate()
 
 
 class Lion(FlatOptimizer):
     """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"; lion-pytorch's
-    update): the sign of an interpolated momentum, decoupled weight decay. Its moment lives in
-    FlatParams.m."""
+    update): the sign of an interpolated momentum, decoupled weight decay. Its one moment:
+    self.m."""
 
     name = "lion"
     state = {"m": "m"}
@@ -100,6 +118,7 @@ class Lion(FlatOptimizer):
                  loss_scaler=None, lr_ratio=None):
         super().__init__(flat_params, schedule, weight_decay, max_grad_norm, loss_scaler, lr_ratio)
         self.betas = self._check_betas(betas)
+        self.moments("m")
 
     def numbers(self, t, lr):
         return lr, f32(lr) * f32(self.weight_decay), 0.0
@@ -107,7 +126,7 @@ class Lion(FlatOptimizer):
     def update(self, hyper):
         flat, (b1, b2) = self.flat, self.betas
         for s, h in self.runs(hyper):
-            ops.lion_update(flat.params[s], flat.grads[s], flat.m[s], 0.0, b1, b2, 0.0, 1.0, self.working(s),
+            ops.lion_update(flat.params[s], flat.grads[s], self.m[s], 0.0, b1, b2, 0.0, 1.0, self.working(s),
                             **self._device_scalars(h))
 
     def options(self):

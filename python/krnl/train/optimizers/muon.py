@@ -20,9 +20,9 @@ def lr_ratio(shape, adjust_lr_fn):
 
 
 class Muon(FlatOptimizer):
-    """torch.optim.Muon over the 2-D parameters (its buffer in FlatParams.m), f32 throughout (torch
-    runs the iteration in bf16); the others take PyTorch's AdamW at the same learning rate and
-    weight decay with `betas` and `adam_eps`, its moments in FlatParams.m and v."""
+    """torch.optim.Muon over the 2-D parameters (its buffer in self.m), f32 throughout (torch runs
+    the iteration in bf16); the others take PyTorch's AdamW at the same learning rate and weight
+    decay with `betas` and `adam_eps`, its moments in self.m and in self.v, which covers only them."""
 
     name = "muon"
     rows = 2
@@ -43,6 +43,8 @@ class Muon(FlatOptimizer):
         self.adjust_lr_fn, self.betas, self.adam_eps = adjust_lr_fn, self._check_betas(betas), float(adam_eps)
         self.matrices = [k for k, s in flat_params.shapes.items() if len(s) == 2]
         self.others = [k for k, s in flat_params.shapes.items() if len(s) != 2]
+        self.moments("m")
+        self.moments("v", self.others)
 
     def numbers(self, t, lr):
         lr32, b1, b2 = f32(lr), float(f32(self.betas[0])), float(f32(self.betas[1]))
@@ -73,7 +75,7 @@ class Muon(FlatOptimizer):
         for k in self.matrices:
             first = dict(kw, hyper=self.group_hyper(hyper, self.group(k))[0:5])
             X = flat.device.empty(flat.shapes[k], "f32")
-            ops.muon_momentum(flat.grad(k), flat.view(flat.m, k), X, self.momentum, self.nesterov, self.eps, 1.0,
+            ops.muon_momentum(flat.grad(k), self.view("m", k), X, self.momentum, self.nesterov, self.eps, 1.0,
                               **first)
             X = self.orthogonalise(X, flat.device)
             ops.muon_update(flat.master(k), X, 0.0, 0.0, lr_ratio(flat.shapes[k], self.adjust_lr_fn), self.working(k),
@@ -81,7 +83,7 @@ class Muon(FlatOptimizer):
         b1, b2 = self.betas
         for k in self.others:
             second = dict(kw, hyper=self.group_hyper(hyper, self.group(k))[5:10])
-            ops.adamw_update(flat.master(k), flat.grad(k), flat.view(flat.m, k), flat.view(flat.v, k), 0.0, b1, b2,
+            ops.adamw_update(flat.master(k), flat.grad(k), self.view("m", k), self.view("v", k), 0.0, b1, b2,
                              self.adam_eps, 0.0, 1, 1.0, self.working(k), **second)
 
     def options(self):

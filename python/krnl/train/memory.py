@@ -27,7 +27,7 @@ from .memory_step import Replay
 # People's names of the parts, in the order the table prints them.
 PARTS = {
     "weights": "frozen weights",
-    "lora": "trained weights (LoRA factors, or full's weights: f32 masters, compute copy)",
+    "lora": "trained weights (f32 masters, compute copy)",
     "grads": "their gradients (f32)",
     "optimizer": "optimizer state",
     "checkpoints": "checkpoints (each layer's input)",

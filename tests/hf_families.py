@@ -207,3 +207,26 @@ def assert_peft_gradients(folder, lora, state, ids, labels, loss, grads, n_facto
         scale = np.abs(g).max()
         assert scale > 0, k
         assert np.abs(grads[k] - g).max() <= grad_rtol * scale, k
+
+
+def family_models(tmp_path_factory, name):
+    """{family: folder} of the tiny models the fine-tune-type tests share: llama (make_base), qwen2
+    (biases on q, k, v), qwen3, gemma2 and gemma3 (FOLDERS'), phi3."""
+    from mlx_folders import make_base
+
+    _, transformers = torch_modules()
+    root = tmp_path_factory.mktemp(name)
+    qwen2 = transformers.Qwen2Config(vocab_size=V, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return {"llama": make_base(root / "llama"), "qwen2": save_random(transformers.Qwen2ForCausalLM(qwen2), root / "qwen2", 4),
+            "qwen3": family_folders(tmp_path_factory, "qwen3")["gqa"],
+            "gemma2": family_folders(tmp_path_factory, "gemma2")["gqa"],
+            "gemma3": family_folders(tmp_path_factory, "gemma3")["pattern"],
+            "phi3": family_folders(tmp_path_factory, "phi3")["gqa"]}
+
+
+def grad_error(grads, ref):
+    """The largest gradient error relative to its tensor's largest reference value (each non-zero)."""
+    assert set(grads) == set(ref)
+    assert all(np.abs(g).max() > 0 for g in ref.values())
+    return max(np.abs(grads[k] - g).max() / np.abs(g).max() for k, g in ref.items())

@@ -23,7 +23,7 @@ from krnl.models.model import LlamaModel
 from krnl.models.sequence_loss import adapter_off
 
 from conftest import METAL_SIM, TINY_LLAMA, assert_step_close, lora_step
-from hf_families import PHI3_MODULES, family_batch, family_folders, hf_model, save_random, torch_modules
+from hf_families import PHI3_MODULES, family_batch, family_models, grad_error, hf_model, torch_modules
 from mlx_folders import make_base
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
@@ -71,26 +71,13 @@ def peft_step(pm, ids, labels):
                                       if p.requires_grad}
 
 
-def grad_error(grads, ref):
-    """The largest gradient error relative to its tensor's largest reference value (each non-zero)."""
-    assert set(grads) == set(ref)
-    assert all(np.abs(g).max() > 0 for g in ref.values())
-    return max(np.abs(grads[k] - g).max() / np.abs(g).max() for k, g in ref.items())
-
-
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    """{family: (folder, targets)}: llama (make_base), qwen2 (biases on q, k, v), qwen3, gemma2 and 3, phi3."""
-    _, transformers = torch_modules()
-    root = tmp_path_factory.mktemp("dora")
-    qwen2 = transformers.Qwen2Config(vocab_size=61, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    return {"llama": (make_base(root / "llama"), ALL_MODULES),
-            "qwen2": (save_random(transformers.Qwen2ForCausalLM(qwen2), root / "qwen2", 4), QV + ("down_proj",)),
-            "qwen3": (family_folders(tmp_path_factory, "qwen3")["gqa"], ALL_MODULES),
-            "gemma2": (family_folders(tmp_path_factory, "gemma2")["gqa"], ALL_MODULES),
-            "gemma3": (family_folders(tmp_path_factory, "gemma3")["pattern"], ALL_MODULES),
-            "phi3": (family_folders(tmp_path_factory, "phi3")["gqa"], PHI3_MODULES)}
+    """{family: (folder, targets)}: hf_families.family_models' with qwen2's q and v adapted (k frozen
+    inside the group) and down."""
+    f = family_models(tmp_path_factory, "dora")
+    return {k: (v, PHI3_MODULES if k == "phi3" else QV + ("down_proj",) if k == "qwen2" else ALL_MODULES)
+            for k, v in f.items()}
 
 
 # variants of llama's run: (environment, model keywords, targets or None for the family's)

@@ -20,7 +20,7 @@ from krnl.models.config import ALL_MODULES, LoraConfig, ModelConfig, random_weig
 from krnl.models.model import LlamaModel
 
 from conftest import METAL_SIM, TINY_LLAMA, assert_step_close, lora_step
-from hf_families import PHI3_MODULES, family_batch, family_folders, hf_model, save_random, torch_loss, torch_modules
+from hf_families import PHI3_MODULES, family_batch, family_models, grad_error, hf_model, torch_loss, torch_modules
 from mlx_folders import make_base, write_data
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
@@ -33,13 +33,6 @@ def full_model(dev="cpu", dtype="f32", weights=None, config=TINY_LLAMA, grad_che
     w = weights if weights is not None else random_weights(c, 2, std=0.2)
     return LlamaModel(krnl.device(dev), c, w, lora=LoraConfig(full=True, **lora_kw), dtype=dtype,
                       grad_checkpoint=grad_checkpoint), w
-
-
-def grad_error(grads, ref):
-    """The largest gradient error relative to its tensor's largest reference value (each non-zero)."""
-    assert set(grads) == set(ref)
-    assert all(np.abs(g).max() > 0 for g in ref.values())
-    return max(np.abs(grads[k] - g).max() / np.abs(g).max() for k, g in ref.items())
 
 
 # ---- without torch -------------------------------------------------------------------------
@@ -169,16 +162,9 @@ def test_metal_sim_step_matches_cpu(dtype, tol):
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    """{family: (folder, targets)}: llama (make_base), qwen2 (q/k/v biases), qwen3, gemma2, phi3."""
-    _, transformers = torch_modules()
-    root = tmp_path_factory.mktemp("full")
-    qwen2 = transformers.Qwen2Config(vocab_size=61, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    return {"llama": (make_base(root / "llama"), ALL_MODULES),
-            "qwen2": (save_random(transformers.Qwen2ForCausalLM(qwen2), root / "qwen2", 4), ALL_MODULES),
-            "qwen3": (family_folders(tmp_path_factory, "qwen3")["gqa"], ALL_MODULES),
-            "gemma2": (family_folders(tmp_path_factory, "gemma2")["gqa"], ALL_MODULES),
-            "phi3": (family_folders(tmp_path_factory, "phi3")["gqa"], PHI3_MODULES)}
+    """{family: (folder, targets)}: hf_families.family_models' with all their projections."""
+    f = family_models(tmp_path_factory, "full")
+    return {k: (v, PHI3_MODULES if k == "phi3" else ALL_MODULES) for k, v in f.items() if k != "gemma3"}
 
 
 def torch_step(folder, names, ids, labels):

@@ -56,19 +56,28 @@ def test_projection_gradients_equal_lora_backward(grad_checkpoint):
     assert len(G) == 2 * 9  # 7 projections and 2 norms a layer
 
 
-def test_norm_gradients_against_finite_differences():
-    m, w = full_model(target_modules=("q_proj",))
+@pytest.mark.parametrize("tied", [False, True])
+def test_norm_embedding_and_head_gradients_against_finite_differences(tied):
+    """The layers' norms, and with train_embeddings the final norm, the head and the table (rows of
+    the batch's ids; a tied table's gradient holds both uses) against central differences."""
+    m, w = full_model(config={**TINY_LLAMA, "tie_word_embeddings": tied}, target_modules=("q_proj",),
+                      train_embeddings=True)
     _, G = lora_step(m, *BATCH)
+    assert ("lm_head.weight" in G) != tied and "model.norm.weight" in G
     c = m.config
     rng = np.random.default_rng(0)
-    for name in [k for k in G if "norm" in k]:
-        for j in rng.choice(c.hidden_size, 3, replace=False):
-            def loss(d, name=name, j=j):
-                v = {**w, name: w[name].copy()}
-                v[name][j] += d
-                return LlamaModel(krnl.device("cpu"), c, v).loss(*BATCH)
-            fd = (loss(1e-2) - loss(-1e-2)) / 2e-2
-            assert G[name][j] == pytest.approx(fd, rel=2e-2, abs=2e-4), (name, j)
+    for name in [k for k in G if "norm" in k or "embed" in k or "lm_head" in k]:
+        rows = [int(BATCH[0][0, 1]), int(BATCH[0][1, 4])] if G[name].ndim == 2 else [None]
+        for r in rows:
+            for j in rng.choice(c.hidden_size, 2, replace=False):
+                at = j if r is None else (r, j)
+
+                def loss(d, name=name, at=at):
+                    v = {**w, name: w[name].copy()}
+                    v[name][at] += d
+                    return LlamaModel(krnl.device("cpu"), c, v).loss(*BATCH)
+                fd = (loss(1e-2) - loss(-1e-2)) / 2e-2
+                assert G[name][at] == pytest.approx(fd, rel=2e-2, abs=2e-4), (name, at)
 
 
 def test_layers_and_targets_choose_what_trains():
@@ -188,7 +197,9 @@ def torch_step(folder, names, ids, labels):
 
 
 CASES = [("llama", {}), ("llama", {"grad_checkpoint": True, "layers": [1], "targets": ("q_proj", "v_proj", "down_proj")}),
-         ("qwen2", {}), ("qwen2", {"targets": ("q_proj", "v_proj")}), ("qwen3", {}), ("gemma2", {}), ("phi3", {})]
+         ("llama", {"train_embeddings": True, "layers": [0]}),
+         ("qwen2", {}), ("qwen2", {"targets": ("q_proj", "v_proj")}), ("qwen3", {}), ("gemma2", {}),
+         ("gemma2", {"train_embeddings": True}), ("phi3", {})]
 
 
 @pytest.mark.torch
@@ -196,7 +207,8 @@ CASES = [("llama", {}), ("llama", {"grad_checkpoint": True, "layers": [1], "targ
 def test_gradients_equal_torch_autograd(folders, family, kw):
     folder, targets = folders[family]
     kw = dict(kw)
-    lora = LoraConfig(full=True, target_modules=kw.pop("targets", targets), layers=kw.pop("layers", None))
+    lora = LoraConfig(full=True, target_modules=kw.pop("targets", targets), layers=kw.pop("layers", None),
+                      train_embeddings=kw.pop("train_embeddings", False))
     m = hf.load_model(folder, krnl.device("cpu"), lora=lora, **kw)
     ids, labels, tg = family_batch(3)
     loss, grads = lora_step(m, ids, tg)
@@ -251,3 +263,25 @@ def test_mlx_lm_loads_the_run_and_its_folder(tmp_path, monkeypatch):
         logits = model(mx.array(ids[:, :-1])).astype(mx.float32)
         got = nn.losses.cross_entropy(logits, mx.array(ids[:, 1:])).mean().item()
         assert got == pytest.approx(want, rel=1e-5), path
+
+
+def test_reads_mlx_lms_full_layout(tmp_path):
+    """mlx-lm's own full fine-tune (adapter_config.json names only num_layers): what trained comes
+    from the tensors; a layer missing its norm, or a tensor of no such layer, is a one-line error."""
+    from safetensors.numpy import save_file
+    from krnl.formats.adapter import read_adapter
+
+    m, w = full_model(layers=[1])
+    st = {k: v + 0.01 for k, v in m.lora_state().items()}
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"fine_tune_type": "full", "num_layers": 1}))
+    save_file(st, str(tmp_path / "adapters.safetensors"))
+    lora, tensors, _ = read_adapter(tmp_path, m.config)
+    assert lora.full and lora.layers == [1] and set(lora.target_modules) == set(ALL_MODULES)
+    assert all(np.array_equal(tensors[k], v) for k, v in st.items())
+    no_norm = {k: v for k, v in st.items() if k != "model.layers.1.input_layernorm.weight"}
+    extra = {**st, "model.layers.7.mlp.up_proj.weight": st["model.layers.1.mlp.up_proj.weight"]}
+    for bad, match in ((no_norm, "missing"), (extra, "layers \\[7\\] out of range")):
+        save_file(bad, str(tmp_path / "adapters.safetensors"))
+        with pytest.raises(ValueError, match=match) as e:
+            read_adapter(tmp_path, m.config)
+        assert "\n" not in str(e.value) and str(e.value).startswith(f"[adapter {tmp_path}]")

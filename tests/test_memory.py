@@ -90,6 +90,11 @@ CASES = {
     "MoE f32, checkpointed": dict(cfg=MOE, gc=True),
     "fused token-major attention, LoRA folded (CUDA's paths)": dict(cfg=LLAMA, dtype="bf16", fused=True, fold=True),
     "full fine-tuning bf16": dict(cfg=LLAMA, dtype="bf16", lora=LoraConfig(full=True)),
+    "full fine-tuning with the embeddings, head and final norm": dict(
+        cfg=LLAMA, lora=LoraConfig(full=True, train_embeddings=True, layers=[3])),
+    "full fine-tuning of o and a tied table, f16": dict(
+        cfg=dict(LLAMA, tie_word_embeddings=True), dtype="f16",
+        lora=LoraConfig(full=True, train_embeddings=True, target_modules=("o_proj",))),
     "full fine-tuning f32, checkpointed, last 2 layers": dict(cfg=LLAMA, gc=True, lora=LoraConfig(full=True, layers=[2, 3])),
     "full fine-tuning of qwen2's q and v (k frozen between them), their biases": dict(
         cfg=dict(LLAMA, model_type="qwen2", attention_bias=True), lora=LoraConfig(full=True, target_modules=("q_proj", "v_proj"))),

@@ -94,7 +94,8 @@ def lora_from_args(args):
     from ..models.config import LoraConfig
 
     kw = {"r": args.lora_rank, "alpha": args.lora_alpha, "dropout": args.lora_dropout, "use_rslora": args.rslora,
-          "use_dora": args.fine_tune_type == "dora", "full": args.fine_tune_type == "full"}
+          "use_dora": args.fine_tune_type == "dora", "full": args.fine_tune_type == "full",
+          "train_embeddings": args.train_embeddings}
     if args.num_layers is not None and args.lora_layers:
         raise ValueError("--num-layers and --lora-layers both choose layers: give one")
     if args.num_layers is not None:
@@ -168,6 +169,8 @@ def parse_args(argv, commands):
                    "projections (--lora-targets) and norms trained themselves, written as an HF folder (mlx-lm's names)")
     t.add_argument("--lora-layers", default=None, help="comma-separated layer indices (default: all)")
     t.add_argument("--num-layers", type=int, default=None, help="train the last N layers (mlx-lm's option; -1: all)")
+    t.add_argument("--train-embeddings", action="store_true", help="with --fine-tune-type full: the embeddings, an "
+                   "untied head and the final norm train too (default: frozen)")
     t.add_argument("--lora-targets", default=None, help="comma-separated modules: short names (q,k,v,o,gate,up,down), module "
                    "names (q_proj) or mlx-lm keys (self_attn.q_proj); mixtures of experts: gate and up are the experts' "
                    "gate_up_proj, router their router (default: all seven; a mixture's router left frozen)")

@@ -188,7 +188,8 @@ def cmd_train(args):
                       val_every=args.steps_per_eval, save_every=args.save_every, seed=args.seed,
                       length_bucket=args.length_bucket, graphs=not args.no_graphs, reduce_order=args.reduce_order,
                       **objectives.config_fields(args), **optim_args.config_fields(args))
-    lora_fp = {k: v for k, v in vars(lora).items() if k not in ("use_dora", "full") or v}  # older checkpoints lack them
+    lora_fp = {k: v for k, v in vars(lora).items()  # older checkpoints lack these keys
+               if k not in ("use_dora", "full", "train_embeddings") or v}
     fingerprint = {"base": base_id, "model": vars(model.config), "lora": lora_fp, "dtype": args.dtype}
     if model.quantize is not None:  # only then: older checkpoints have no such key
         fingerprint["quantize"] = list(model.quantize)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..models.config import LoraConfig
+from ..models.config import ALL_MODULES, LoraConfig
 from ..models.full import full_param_shapes
 from ..models.phi3 import FUSED
 
@@ -63,14 +63,20 @@ def full_config(lora, config, base_model):
     and krnl's (the base, the trained layers and modules)."""
     layers = lora.adapted_layers(config)
     return {"fine_tune_type": "full", "model": base_model, "base_model_name_or_path": base_model,
-            "num_layers": len(layers), "layers": layers, "target_modules": list(lora.target_modules)}
+            "num_layers": len(layers), "layers": layers, "target_modules": list(lora.target_modules),
+            "train_embeddings": bool(lora.train_embeddings)}
 
 
 def read_full(path, cfg, config, raw, who):
     """(LoraConfig(full=True), {model name: float32 array}) of the full fine-tune in folder `path`
-    (cfg its adapter_config.json, raw its adapters.safetensors) for a model of `config`."""
-    lora = LoraConfig(full=True, target_modules=tuple(cfg.get("target_modules") or ()),
-                      layers=cfg.get("layers"))
+    (cfg its adapter_config.json, raw its adapters.safetensors) for a model of `config`. What
+    trained comes from the tensors present (mlx-lm's config names only num_layers): their layers,
+    their projections, the embeddings; the layers' norms must be there too."""
+    tensors = split(config, raw)
+    layers = sorted({int(k.split(".")[2]) for k in tensors if k.startswith("model.layers.") and k.split(".")[2].isdigit()})
+    mods = tuple(m for m in ALL_MODULES if any(k.endswith(f".{m}.weight") for k in tensors))
+    lora = LoraConfig(full=True, target_modules=mods, layers=layers,
+                      train_embeddings="model.embed_tokens.weight" in tensors)
     try:
         lora.validate(config)
     except ValueError as e:
@@ -78,7 +84,6 @@ def read_full(path, cfg, config, raw, who):
     if lora.layers is not None and sorted(lora.layers) == list(range(config.num_hidden_layers)):
         lora.layers = None
     want = full_param_shapes(config, lora)[0]
-    tensors = split(config, raw)
     missing, extra = sorted(set(want) - set(tensors)), sorted(set(tensors) - set(want))
     bad = [f"{k}: {tensors[k].shape} (expected {want[k]})" for k in want if k in tensors
            and tuple(tensors[k].shape) != tuple(want[k])]

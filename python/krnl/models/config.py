@@ -295,6 +295,7 @@ class LoraConfig:
     layers: Optional[list] = None
     use_dora: bool = False  # DoRA: a trainable magnitude per output (models/dora.py)
     full: bool = False  # full fine-tuning: the layers' weights themselves trained, no factors (models/full.py)
+    train_embeddings: bool = False  # full: the embeddings, head and final norm train too
 
     @property
     def scale(self):
@@ -309,6 +310,8 @@ class LoraConfig:
         if config.moe:
             self.target_modules = expert_targets(self.target_modules)
         bad = [m for m in self.target_modules if m not in config.lora_modules()]
+        if self.train_embeddings and not self.full:
+            raise ValueError("[LoraConfig] train_embeddings goes with full fine-tuning (LoRA adapts no embeddings)")
         if self.full and not bad:
             self.target_modules = self._full_targets(config)
         elif bad:

@@ -43,9 +43,25 @@ def bias_modules(config, modules):
     return [m for m in modules if m in with_bias]
 
 
+def end_names(config, lora_config):
+    """{what: HF name} of the tensors outside the layers that train with train_embeddings: the
+    embedding table, an untied head and the final norm (not Gemma's 1 + w)."""
+    if not lora_config.train_embeddings:
+        return {}
+    out = {"embed": "model.embed_tokens.weight", "head": "lm_head.weight", "norm": "model.norm.weight"}
+    if config.tie_word_embeddings:
+        del out["head"]
+    if config.gemma:
+        del out["norm"]
+    return out
+
+
 def full_param_shapes(config, lora_config):
     """({HF name: shape} in FlatParams' layout order, the set of trained (layer, module) pairs)."""
     shapes, trained, out = config.weight_shapes(), set(), {}
+    ends = end_names(config, lora_config)
+    if "embed" in ends:
+        out[ends["embed"]] = shapes[ends["embed"]]
     mods = [m for m in ALL_MODULES if m in lora_config.target_modules]
     biased = bias_modules(config, mods)
     for i in lora_config.adapted_layers(config):
@@ -57,6 +73,7 @@ def full_param_shapes(config, lora_config):
                 trained.add((i, m))
             for m in (m for m in group if m in biased):
                 out[weight_name(i, m, "bias")] = (config.module_shape(m)[0],)
+    out.update({ends[k]: shapes[ends[k]] for k in ("norm", "head") if k in ends})
     return out, trained
 
 
@@ -149,3 +166,38 @@ def add_bias(L, y):
     b, ones = L.qkv_bias, L.ones(y.shape[0])
     for part, (_, c0, c1) in zip(b, L.qkv_blocks()) if isinstance(b, list) else [(b, (None, 0, y.shape[1]))]:
         ops.gemm(ones, part, y[:, c0:c1], beta=1.0)
+
+
+def end_tensors(trained, config, lora_config):
+    """{"embed", "head", "norm": working view} of the tensors outside the layers that train
+    (end_names), {} where none does (a tied head is the table: LlamaModel takes it so)."""
+    if trained is None:
+        return {}
+    return {k: trained.weight(n) for k, n in end_names(config, lora_config).items()}
+
+
+def end_grads(trained, config, lora_config):
+    """{"embed", "head", "norm": f32 gradient} of end_tensors (a tied head's is the table's), or None."""
+    names = end_names(config, lora_config) if trained is not None else {}
+    if not names:
+        return None
+    grads = {k: trained.grad(n) for k, n in names.items()}
+    grads.setdefault("head", grads["embed"])
+    return grads
+
+
+def head_grad(grads, dl, xn):
+    """The head's gradient (V, C) (+)= dl^T xn over one chunk of rows (dlogits already scaled)."""
+    ops.gemm(dl, xn, grads["head"], trans_a=True, beta=1.0)
+
+
+def embed_grad(model, ids, dx):
+    """The table's gradient (+)= its rows' scatter of dx (N, C), the gradient at the embeddings'
+    output (times Gemma's sqrt(C) scale, which the forward applies to them)."""
+    C = model.config.hidden_size
+    dout = dx[:, :C]
+    if model.embed_scale is not None:
+        dout = model.dev.empty((dx.shape[0], C), dx.dtype)
+        ops.scale(dx[:, :C], model.embed_scale, dout)
+    ops.embedding_backward(ids, dout, model.end_grads["embed"])
+    model.d_embed_out = None  # read here only: not held until the next call

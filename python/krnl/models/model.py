@@ -24,11 +24,12 @@ from .generate import generate, generate_batch
 from .attention import Batch
 from .layer import Heads, Ones, build_layer, layer_backward, layer_forward
 from .dora import Switch, held, magnitudes
+from . import full
 from .full import Trained, init_full
 from .lora import init_lora
 from .moe import RouterStats
 from .sample_sums import SampleSums
-from .step_inputs import DeviceInputs, HostInputs, check_ids, id_array, plan_rows
+from .step_inputs import DeviceInputs, HostInputs, check_ids, id_array, plan_rows, target_array
 from . import phi3
 from ..quant.qweight import embed, frozen_weight, linear, linear_grad, quantize_spec
 from . import gemma2
@@ -55,18 +56,6 @@ class LlamaModel:
             weights = phi3.split_fused(weights, config)
         c = config
         up = lambda k: device.tensor(np.asarray(weights[k], np.float32), dtype)
-        table = weights["model.embed_tokens.weight"]
-        if getattr(table, "mode", "affine") == "mxfp4":  # quantized_embedding reads affine tables: held dense
-            table = np.asarray(table, np.float32)
-        self.embed = frozen_weight(device, [table], dtype)  # (V, C)
-        # The embedding table and an untied head stay quantized where the file quantizes them
-        # (a tied head is the table); --q-bits leaves both in the compute dtype.
-        self.head = self.embed if c.tie_word_embeddings else frozen_weight(device, [weights["lm_head.weight"]], dtype)
-        self.norm_w = up("model.norm.weight")                            # (C,)
-        if c.gemma:  # (1 + w), folded into the frozen copy only
-            self.norm_w = device.tensor(gemma2.norm_weight(weights["model.norm.weight"]), "f32")
-        self.embed_scale = gemma2.embed_scale(c, dtype)                     # None but for gemma2
-        self.final_softcap = c.gemma["final_softcap"] if c.gemma else 0.0
         # LoRA factors: one FlatParams, PEFT names, A then B per adapted module; or, in full
         # fine-tuning, the trained weights themselves under their HF names (full.py).
         trained = None
@@ -75,6 +64,23 @@ class LlamaModel:
             trained = Trained(self.lora_params)
         else:
             self.lora_params, self.adapted = init_lora(device, c, self.lora_config, dtype, seed)
+        ends = full.end_tensors(trained, c, self.lora_config)  # {embed, head, norm: view} of those that train
+        table = weights["model.embed_tokens.weight"]
+        if getattr(table, "mode", "affine") == "mxfp4":  # quantized_embedding reads affine tables: held dense
+            table = np.asarray(table, np.float32)
+        self.embed = ends["embed"] if ends else frozen_weight(device, [table], dtype)  # (V, C)
+        # The embedding table and an untied head stay quantized where the file quantizes them
+        # (a tied head is the table); --q-bits leaves both in the compute dtype.
+        self.head = self.embed if c.tie_word_embeddings else ends["head"] if ends else \
+            frozen_weight(device, [weights["lm_head.weight"]], dtype)
+        self.norm_w = ends["norm"] if "norm" in ends else up("model.norm.weight")  # (C,)
+        if c.gemma:  # (1 + w), folded into the frozen copy only
+            self.norm_w = device.tensor(gemma2.norm_weight(weights["model.norm.weight"]), "f32")
+        self.embed_scale = gemma2.embed_scale(c, dtype)                     # None but for gemma2
+        self.final_softcap = c.gemma["final_softcap"] if c.gemma else 0.0
+        self.end_grads = full.end_grads(trained, c, self.lora_config)  # their gradients, or None
+        # d_embed_out: frozen embeddings need none to train (W2, W3 time it); trained ones do
+        self.input_grad = self.end_grads is not None
         self._long_inv_freq = None  # (D/2,) f32 LongRoPE's long factors' frequencies, on first use
         self.heads = Heads(c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                            device.tensor(c.inv_freq(), "f32"), c.rope_attention_factor)
@@ -113,7 +119,6 @@ class LlamaModel:
         # q, k and v attended in place as columns of the projection (no head transposes), all
         # rows in one call, where the device takes token-major views; settable like the above.
         self.token_major = fa["token_major"]
-        self.input_grad = False  # d_embed_out: frozen embeddings need none to train (W2, W3 time it)
         self.d_embed_out = self._loss = None
 
     @property
@@ -204,16 +209,7 @@ class LlamaModel:
 
     def _target_array(self, targets, shape):
         """(targets as a checked (B, T) array, the count that is not ignore_index)."""
-        tshape, ta = id_array(targets, "targets")
-        if tshape != shape:
-            raise ValueError(f"[LlamaModel] targets shape {tshape} differs from ids shape {shape}")
-        if ta is None:
-            if self.dev.in_step:
-                raise ValueError("[LlamaModel] targets given as a device tensor cannot be counted inside a step; "
-                                 "pass a numpy array")
-            ta = np.asarray(targets.numpy())
-        check_ids(ta, "targets", True, self.config.vocab_size)
-        return ta, int((ta != IGNORE_INDEX).sum())
+        return target_array(targets, shape, self.dev, self.config.vocab_size)
 
     def _targets(self, targets, shape):
         ta, n_valid = self._target_array(targets, shape)
@@ -285,6 +281,8 @@ class LlamaModel:
             self.router_stats.backward(inputs.loss_scale)
         rows_loss, dxn = self._head_backward(xn, inputs.targets, inputs.ce_scale, B, T)
         self._trunk_backward(batch, x, rstd, saved, dxn)
+        if self.end_grads:
+            full.embed_grad(self, inputs.ids, self.d_embed_out)
         return self.sums.loss_sum(rows_loss) if S else self._loss_sum(rows_loss)
 
     def _head_backward(self, xn, targets, ce_scale, B, T):
@@ -306,6 +304,8 @@ class LlamaModel:
             ops.cross_entropy(logits, targets[r0:r1], rows_loss[r0:r1], dl, IGNORE_INDEX, 1.0, scale_by=ce_scale)
             gemma2.cap_logits_backward(self.final_softcap, logits, dl)
             linear_grad(dl, self.head, dxn[r0:r1])                        # dxn = dlogits W
+            if self.end_grads:
+                full.head_grad(self.end_grads, dl, xn[r0:r1])
         return rows_loss, dxn
 
     def _trunk_backward(self, batch, x, rstd, saved, dxn):
@@ -314,7 +314,7 @@ class LlamaModel:
         c, C = self.config, self.config.hidden_size
         cols = [0] + [L.mlp.grad_cols() for L in self.layers]  # [i]: what layer i-1's down fold writes beside dy
         dx = self.dev.empty((dxn.shape[0], C + cols[-1]), self.dtype)
-        ops.rmsnorm_backward(dxn, x, self.norm_w, rstd, dx[:, :C])
+        ops.rmsnorm_backward(dxn, x, self.norm_w, rstd, dx[:, :C], dw=self.end_grads and self.end_grads.get("norm"))
         for i in reversed(range(c.num_hidden_layers)):
             L, (xin, cache) = self.layers[i], saved[i]
             if cache is None:                                             # checkpointed: recompute

@@ -153,3 +153,19 @@ def check_ids(a, what, allow_ignore, V):
     if bad.any():
         raise ValueError(f"[LlamaModel] {what} holds values outside [0, {V})"
                          + (f" other than {IGNORE_INDEX}" if allow_ignore else "") + f": {np.unique(a[bad])[:8]}")
+
+
+def target_array(targets, shape, dev, V):
+    """(targets, a (B, T) array or device tensor of ids below V or ignore_index, as a checked
+    array, the count that is not ignore_index); shape: the ids'. A device tensor is read, so not
+    inside a step."""
+    tshape, ta = id_array(targets, "targets")
+    if tshape != shape:
+        raise ValueError(f"[LlamaModel] targets shape {tshape} differs from ids shape {shape}")
+    if ta is None:
+        if dev.in_step:
+            raise ValueError("[LlamaModel] targets given as a device tensor cannot be counted inside a step; "
+                             "pass a numpy array")
+        ta = np.asarray(targets.numpy())
+    check_ids(ta, "targets", True, V)
+    return ta, int((ta != IGNORE_INDEX).sum())

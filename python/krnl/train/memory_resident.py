@@ -70,6 +70,7 @@ class Resident:
             self.shapes, self.adapted = lora_param_shapes(c, lc)
         self.numel = sum(math.prod(s) for s in self.shapes.values())
         self.dropout = lc.dropout > 0
+        self.embeds = "model.embed_tokens.weight" in self.shapes          # full.embed_grad: layer 0's dx too
         dev = run.device
         self.fused = run.dtype in dev.fused_dtypes and (not dev.fused_head_dims or self.D in dev.fused_head_dims)
         self.fused = self.fused and (not run.packed or dev.fused_segments) and not c.attention_sinks
@@ -151,12 +152,18 @@ class Resident:
 
     def resident(self):
         c, C, V, dt = self.c, self.C, self.V, self.dt
-        for _ in range(1 if c.tie_word_embeddings else 2):                # embed_tokens, lm_head
+        for name in ("model.embed_tokens.weight", "lm_head.weight")[:1 if c.tie_word_embeddings else 2]:
+            if name in self.shapes:                                       # trained (full.end_tensors)
+                continue
             if self.run.file_quantized:  # an MLX folder quantizes them too; --q-bits leaves them
                 self.frozen(V, C, self.run.file_quantized)
             else:
                 self.new((V, C), dt, WEIGHTS)
-        self.new((C,), "f32" if c.gemma else dt, WEIGHTS)                 # final norm
+        if "model.norm.weight" not in self.shapes:                        # final norm (trained: FlatParams')
+            norm = self.new((C,), dt, WEIGHTS)
+            if c.gemma:                                                   # up()'s, replaced by 1 + w in f32
+                self.t.free(norm)
+                self.new((C,), "f32", WEIGHTS)
         n = max(self.numel, 1)                                            # FlatParams
         self.new((n,), "f32", LORA)                                       # params
         self.new((n,), "f32", GRADS)

@@ -44,6 +44,8 @@ class Replay(Resident):
         x, xn, rstd, saved = self.trunk_forward()
         rows_loss, dxn = self.head_backward()
         self.trunk_backward(saved)
+        if self.embeds and self.c.gemma:                                  # full.embed_grad's scaled dx
+            self.t.free(self.act((self.N, self.C), WORK))
         total = self.new((1, 1), "f32", SMALL)                            # _loss_sum's out, its ones
         self.grow_ones("f32", self.N)
         self.t.free(x, xn, rstd, rows_loss, dxn)
@@ -93,7 +95,7 @@ class Replay(Resident):
                 self.t.free(rest)
                 rest = y
                 held = [xin] + cache
-            ndx = self.layer_backward(i, dx, i > 0, self.cols(i - 1) if i else 0)
+            ndx = self.layer_backward(i, dx, i > 0 or self.embeds, self.cols(i - 1) if i else 0)
             self.t.free(dx)
             dx = ndx
             saved[i] = None

@@ -111,3 +111,29 @@ def test_serve_quick_rows():
     for c, r in zip(s["clients"], rows.values()):
         assert r["status"] == "ok" and r["tokens_per_s"] > 0 and r["samples"] == c * s["requests"]
         assert "req/s" in r["note"] and "p99" in r["note"]
+
+
+def test_full_fine_tuning_rows():
+    """bench/full.py: krnl's row trains every weight of the layers (its loss finite, near ln V at the
+    start); skipped at full size on the CPU."""
+    from krnl.bench import full
+    rows = rows_of("full")
+    k = rows["krnl"]
+    assert list(rows) == ["krnl"] and k["status"] == "ok" and k["tokens_per_s"] > 0
+    assert abs(k["loss"] - math.log(257)) < 1.0 and "weights trained" in k["note"]
+    s = Session("cpu", rounds=1, quick=False, peers=["numpy"], log=lambda m: None)
+    s.run_model("full")
+    assert s.rows[0]["status"] == "skipped" and s.rows[0]["reason"] == full.SKIP
+
+
+@pytest.mark.torch
+def test_full_fine_tuning_peer_rows():
+    """With torch: transformers' full fine-tuning in f32 + autocast and in bf16, each measured
+    against krnl's row, their losses at the start near krnl's (other random weights, one vocabulary)."""
+    pytest.importorskip("peft")
+    from krnl.bench import full
+    rows = rows_of("full", ["torch"])
+    assert list(rows) == ["krnl", *full.ROWS.values()]
+    for name in full.ROWS.values():
+        assert rows[name]["status"] == "ok", rows[name].get("reason")
+        assert rows[name]["vs_krnl"] > 0 and abs(rows[name]["loss"] - rows["krnl"]["loss"]) < 1.0

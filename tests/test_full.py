@@ -159,6 +159,16 @@ def test_reduce_order_sample_refused():
     assert not m.sums.on
 
 
+@pytest.mark.parametrize("dtype, tol", [("f32", 1e-4), ("bf16", 3e-2)])
+def test_device_step_matches_cpu_f32(dev, dtype, tol):
+    """One step training everything (layers, embeddings, head, final norm; checkpointed) on each device
+    of the build (CUDA on the H200) in dtype, against the CPU in f32."""
+    _, w = full_model()
+    kw = dict(weights=w, train_embeddings=True, grad_checkpoint=True)
+    assert_step_close(lora_step(full_model(**kw)[0], *BATCH), lora_step(full_model(dev.name, dtype, **kw)[0], *BATCH),
+                      tol, 4 * tol)
+
+
 @pytest.mark.skipif(METAL_SIM is None, reason="metal-sim is off (KRNL_TEST_METAL_SIM=0 or no g++)")
 @pytest.mark.parametrize("dtype, tol", [("f32", 1e-5), ("bf16", 3e-2)])
 def test_metal_sim_step_matches_cpu(dtype, tol):

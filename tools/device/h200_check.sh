@@ -52,6 +52,10 @@
 #                                           4 and 16 streaming clients next to transformers' generate (JSON in
 #                                           $OUT/pref_bench.json; TRL from .trl, uvicorn and Starlette from .whl,
 #                                           below; PREF_WORKLOADS to pick; PREF_PROFILE=1 adds krnl's op profiles)
+#   bash tools/device/h200_check.sh full    full fine-tuning (--fine-tune-type full): tests/test_full.py's step on cuda
+#                                           against the CPU, then `krnl bench --workloads full`: the 1b shape's
+#                                           layers trained whole next to transformers' full fine-tuning in f32 +
+#                                           bf16 autocast and in bf16 (JSON in $OUT/full_bench.json)
 #   bash tools/device/h200_check.sh moe     the mixture-of-experts ops of csrc/cuda/moe.cu and moe_quantized.cu
 #                                           and gpt-oss's (MXFP4 products, attention sinks, clamped SwiGLU):
 #                                           their cuda tests (tests/test_moe_ops.py, tests/test_mxfp4.py, the
@@ -208,6 +212,10 @@ elif [ "$phase" = bench ]; then
 elif [ "$phase" = moebench ]; then
   timeout ${BENCH_S:-500} python3 -m krnl.bench --workloads moe --peers torch --rounds 1 ${MOE_PROFILE:+--profile} \
     --json "$OUT/moe_bench.json" 2>&1 | tee "$OUT/moe_bench.log" | tail -30
+elif [ "$phase" = full ]; then
+  timeout ${TTESTS_S:-150} python3 -m pytest -q -p no:cacheprovider tests/test_full.py -k "device_step" 2>&1 | tail -4
+  timeout ${BENCH_S:-400} python3 -m krnl.bench --workloads full --peers torch --rounds 1 ${FULL_PROFILE:+--profile} \
+    --json "$OUT/full_bench.json" 2>&1 | tee "$OUT/full_bench.log" | tail -20
 elif [ "$phase" = pref ]; then
   # next to .whl's packages in /tmp/site, which PYTHONPATH puts ahead of the image's own
   if [ -d .trl ]; then

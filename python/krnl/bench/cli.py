@@ -21,7 +21,7 @@ def _names(value, known, option):
 def add_arguments(p):
     p.add_argument("--workloads", default=",".join(ALL), type=lambda v: _names(v, KNOWN, "--workloads"),
                    help=f"comma-separated, of {','.join(KNOWN)} (default: {','.join(ALL)}; w3, qlora, moe, dpo, grpo, "
-                        "serve and train run only on GPU devices, except with --quick)")
+                        "serve, full and train run only on GPU devices, except with --quick)")
     p.add_argument("--peers", default=",".join(PEER_NAMES), type=lambda v: _names(v, PEER_NAMES, "--peers"),
                    help=f"comma-separated, of {','.join(PEER_NAMES)} (default: all)")
     p.add_argument("--device", default=None, help="krnl device (default: the best available)")

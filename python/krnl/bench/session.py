@@ -341,7 +341,7 @@ class Session:
                 if name == prof_wl and profile and problem is not None:
                     prof = self._profile(problem, name)
                 del problem
-        for name in ("qlora", "moe", "dpo", "grpo", "serve"):
+        for name in ("qlora", "moe", "dpo", "grpo", "serve", "full"):
             if name in workloads:
                 if self.rows:
                     between.append((f"before {name}", gate.measure_control(dev, n_ctl)))
@@ -373,7 +373,7 @@ class Session:
         }
 
     def run_model(self, name, profile=False):
-        """A whole-model workload: qlora, moe, dpo, grpo or serve (the module of its name)."""
+        """A whole-model workload: qlora, moe, dpo, grpo, serve or full (the module of its name)."""
         mod = importlib.import_module(f".{name}", __package__)
         if not self.quick and not is_gpu(self.dev):
             self._row(name, "krnl", status="skipped", reason=mod.SKIP)

@@ -76,8 +76,9 @@ ALL = ("w1", "w2", "w3", "gemm", "lora")
 # one (bench/moe.py) a Qwen3-30B-A3B-shaped stack, DPO and GRPO (bench/dpo.py, bench/grpo.py) a
 # 1B-shaped one next to TRL, serve (bench/serve.py) `krnl serve` under concurrent clients, and
 # `train` (bench/train.py) writes a model folder and trains it with krnl and each peer in turn
-# (torch.compile's first step alone takes minutes on a small CPU).
-KNOWN = ALL + ("qlora", "moe", "dpo", "grpo", "serve", "train")
+# (torch.compile's first step alone takes minutes on a small CPU), and `full` (bench/full.py) full
+# fine-tuning of a 1B-shaped one next to transformers'.
+KNOWN = ALL + ("qlora", "moe", "dpo", "grpo", "serve", "full", "train")
 
 
 ELT = {"f32": 4, "bf16": 2, "f16": 2}

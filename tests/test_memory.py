@@ -26,6 +26,7 @@ from conftest import ROOT
 LLAMA = dict(model_type="llama", vocab_size=1024, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
              num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096)
 MOE = dict(LLAMA, model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96)
+GEMMA2 = dict(LLAMA, model_type="gemma2", tie_word_embeddings=True, query_pre_attn_scalar=32, sliding_window=32)
 
 
 @pytest.fixture
@@ -89,6 +90,24 @@ CASES = {
     "MoE bf16": dict(cfg=MOE, dtype="bf16"),
     "MoE f32, checkpointed": dict(cfg=MOE, gc=True),
     "fused token-major attention, LoRA folded (CUDA's paths)": dict(cfg=LLAMA, dtype="bf16", fused=True, fold=True),
+    "DoRA bf16, 4-bit base, q, v and down": dict(cfg=LLAMA, dtype="bf16", quantize=(4, 32), lora=LoraConfig(
+        r=8, alpha=16, use_dora=True, target_modules=("q_proj", "v_proj", "down_proj"))),
+    "DoRA f32, checkpointed, dropout": dict(cfg=LLAMA, gc=True, lora=LoraConfig(r=8, use_dora=True, dropout=0.1)),
+    "gemma2 soft-capped, bf16": dict(cfg=dict(GEMMA2, attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
+                                     dtype="bf16"),
+    "gemma3 (local rotary), checkpointed, DoRA": dict(cfg=dict(GEMMA2, model_type="gemma3_text"), gc=True,
+                                                      lora=LoraConfig(r=8, use_dora=True)),
+    "full fine-tuning of gemma2's embeddings (tied, scaled), f16": dict(
+        cfg=GEMMA2, dtype="f16", lora=LoraConfig(full=True, train_embeddings=True, target_modules=("o_proj",))),
+    "OLMoE (q/k norms over all heads), full fine-tuning of its attention": dict(
+        cfg=dict(MOE, model_type="olmoe"), lora=LoraConfig(full=True, target_modules=("q_proj", "k_proj", "v_proj",
+                                                                                        "o_proj"))),
+    "gpt-oss (sinks, windows, biased experts, yarn)": dict(cfg=dict(
+        model_type="gpt_oss", vocab_size=1024, hidden_size=128, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_local_experts=8, num_experts_per_tok=2,
+        sliding_window=16, max_position_embeddings=4096, rms_norm_eps=1e-5, swiglu_limit=7.0,
+        rope_parameters=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, rope_theta=150000.0,
+                             original_max_position_embeddings=4096, truncate=False))),
     "full fine-tuning bf16": dict(cfg=LLAMA, dtype="bf16", lora=LoraConfig(full=True)),
     "full fine-tuning with the embeddings, head and final norm": dict(
         cfg=LLAMA, lora=LoraConfig(full=True, train_embeddings=True, layers=[3])),

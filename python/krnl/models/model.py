@@ -321,7 +321,7 @@ class LlamaModel:
                 _, cache = layer_forward(L, xin, batch)
             dx = layer_backward(L, xin, cache, dx, batch, need_dx=i > 0 or self.input_grad, dx_cols=cols[i])
             saved[i] = None
-        self.d_embed_out = dx
+        self.d_embed_out = dx if self.input_grad else None  # (a trained first norm's dx is not kept)
 
     def read_loss(self):
         """The loss of the last forward_backward, as a float (after its step is committed)."""

@@ -71,9 +71,12 @@ class Resident:
         self.numel = sum(math.prod(s) for s in self.shapes.values())
         self.dropout = lc.dropout > 0
         self.embeds = "model.embed_tokens.weight" in self.shapes          # full.embed_grad: layer 0's dx too
+        self.samples = 1  # dora.backward's dc rows (the sample order's count is not replayed)
         dev = run.device
         self.fused = run.dtype in dev.fused_dtypes and (not dev.fused_head_dims or self.D in dev.fused_head_dims)
         self.fused = self.fused and (not run.packed or dev.fused_segments) and not c.attention_sinks
+        self.softcap = bool(c.gemma and c.gemma["attn_softcap"])        # gemma2.attend: always materialised
+        self.fused = self.fused and not self.softcap
         self.token_major = self.fused and dev.token_major and not run.packed and not c.qk_norm and not c.gemma
         self.block = dev.attn_block
         self.fold = dev.lora_fold and run.quantize is None and not run.file_quantized and not c.gemma
@@ -102,6 +105,16 @@ class Resident:
         name, _, kind = what.partition(":")
         part = "self_attn" if name in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
         return f"model.layers.{i}.{part}.{name}.{kind or 'weight'}" in self.shapes
+
+    def dora_on(self, i, m):
+        """Whether layer i's projection m scales its output by DoRA's magnitude (dora.py)."""
+        return self.run.lora.use_dora and self.has(i, m)
+
+    def dora_w2(self, i, mods):
+        """dora.Dora's ||W_o||^2 (out,) f32 of each DoRA linear among mods, as build_layer makes them."""
+        for m in mods:
+            if self.dora_on(i, m):
+                self.new((self.c.module_shape(m)[0],), "f32", WEIGHTS)
 
     def keeps_x(self, i, m):
         """Whether linear m's backward reads its input: LoRA's factors or full fine-tuning's weight."""
@@ -172,8 +185,12 @@ class Resident:
         if self.numel:
             self.t.free(self.new((n,), "f32", SMALL))                     # FlatParams.load's upload
         self.new((self.D // 2,), "f32", SMALL)                            # inv_freq
+        if self.run.lora.use_dora:                                        # dora.Switch's unit scale
+            self.new((max(c.module_shape(m)[0] for m in c.lora_modules()),), "f32", SMALL)
         for i in range(self.L):
             self.layer_weights(i)
+        if self.run.lora.use_dora and self.numel:                         # magnitudes(): FlatParams.load again
+            self.t.free(self.new((n,), "f32", SMALL))
         if c.moe:                                                          # RouterStats
             self.new((c.moe["experts"], 1, 1), "f32", SMALL)
             self.new((1, c.moe["experts"]), "f32", SMALL)
@@ -215,13 +232,16 @@ class Resident:
             self.new((F, C + 2 * r), dt, WEIGHTS)
             self.new((F, C + 2 * r), dt, WEIGHTS)
             self.new((r, r), dt, SMALL)
+        self.dora_w2(i, QKV_MODULES)
         if not self.wide_rows(i, "o_proj") and not self.trains(i, "o_proj"):
             self.frozen(C, HD)
+        self.dora_w2(i, ("o_proj",))
         if not c.moe:
             for m, (o, n) in (("gate_proj", (F, C)), ("up_proj", (F, C)), ("down_proj", (C, F))):
                 if not (gu and m != "down_proj") and not (m == "down_proj" and self.wide_rows(i, m)) \
                         and not self.trains(i, m):
                     self.frozen(o, n)
+                self.dora_w2(i, (m,))
         if c.o_proj_bias and not self.trains(i, "o_proj:bias"):
             self.new((1, C), dt, WEIGHTS)
         if c.moe:
@@ -236,6 +256,12 @@ class Resident:
             if c.moe["bias"]:
                 for shape in ((1, Ex), (Ex, F, 1), (Ex, F, 1), (Ex, C, 1)):
                     self.new(shape, dt, WEIGHTS)
+        elif c.gemma:                                                     # gemma2.layer_parts: f32, 1 + w folded
+            if c.gemma.get("local_theta") is not None and c.layer_windows[i]:
+                self.new((D // 2,), "f32", SMALL)                         # the sliding layers' rotary frequencies
+            for shape in [(C,)] * 3 + [(D,)] * (2 if c.qk_norm else 0) + [(C,)]:
+                self.new(shape, "f32", WEIGHTS)                           # input, pre_ff, post_ff, q/k, post_attn
+            return
         elif not self.trains(i, "post_attention_layernorm"):
             self.new((C,), dt, WEIGHTS)                                   # post_attention_layernorm
         if c.qk_norm or c.qk_full_norm:
@@ -247,5 +273,3 @@ class Resident:
             self.new((self.H,), "f32", WEIGHTS)
         if not self.trains(i, "input_layernorm"):
             self.new((C,), dt, WEIGHTS)                                   # input_layernorm
-        for _ in range(2 if c.gemma else 0):                              # gemma's extra norms
-            self.new((C,), dt, WEIGHTS)

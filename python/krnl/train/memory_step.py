@@ -8,9 +8,8 @@ a rebound name after the new value exists (`oh = d.empty(...)` in a loop holds t
 a cache once its layer's backward is done. A change to what the model allocates belongs here
 too; tests/test_memory.py measures the pool against this replay on several configurations.
 
-Not replayed (their buffers are small or counted as the nearest case): gemma's post norms and
-soft-capped attention, OLMoE's q/k norms over all heads, the sample reduce order's slots,
-LongRoPE's second frequency table, and the preference objectives' extra forwards."""
+Not replayed (their buffers are small or counted as the nearest case): the sample reduce order's slots, LongRoPE's second frequency table, and the preference
+objectives' extra forwards."""
 
 from ..models.config import QKV_MODULES
 from .memory_resident import ACTS, ATTN, CKPT, LOSS, SMALL, WORK, Resident
@@ -109,6 +108,49 @@ class Replay(Resident):
             return []
         return ([self.act((self.N, inp))] if self.dropout else []) + [self.act((self.N, self.r))]
 
+    def dora_scale(self, out):
+        """dora.scale's buffers: Q (r, out) f32 (after a product in the compute dtype where W is
+        quantized), G (r, r); returns the kept c and 1 / norm (out,) f32."""
+        q = self.new((self.r, out), "f32", WORK)
+        p = self.act((self.r, out), WORK) if (self.run.quantize or self.run.file_quantized) and self.dt != "f32" else None
+        g = self.act((self.r, self.r), WORK)
+        kept = [self.new((out,), "f32", ACTS), self.new((out,), "f32", ACTS)]
+        self.t.free(q, p, g)
+        return kept
+
+    def linear_forward(self, i, m, inp, out):
+        """LoraLinear.forward's saves: with DoRA its unscaled output z first and the scale's last."""
+        if not self.dora_on(i, m):
+            return self.lora_forward(i, m, inp)
+        z = self.act((self.N, out))
+        return [z] + self.lora_forward(i, m, inp) + self.dora_scale(out)
+
+    def dora_outputs(self, i, members, rows):
+        """dora.scale_outputs of a group whose members share one output (N, sum of rows): a new
+        output and each DoRA member's scale (the old output stays: DoraSaved's z); None without DoRA."""
+        if not any(self.dora_on(i, m) for m in members):
+            return None
+        y = [self.act((self.N, sum(rows)))]
+        for m, n in zip(members, rows):
+            if self.dora_on(i, m):
+                y += self.dora_scale(n)
+        return y
+
+    def dora_backward(self, i, m, out, cols=0):
+        """LoraLinear.backward's dz (rows, out + cols) where DoRA scales the linear, and dora.backward's
+        dc (S, out) f32; returns dz, freed once the linear's backward is done (None without DoRA)."""
+        if not self.dora_on(i, m):
+            return None
+        dz = self.act((self.N, out + cols), WORK)
+        self.t.free(self.new((self.samples, out), "f32", WORK))
+        return dz
+
+    def dora_in_place(self, i, members, rows):
+        """dora.backward_in_place's dc (S, out) f32 of each DoRA member."""
+        for m, n in zip(members, rows):
+            if self.dora_on(i, m):
+                self.t.free(self.new((self.samples, n), "f32", WORK))
+
     def group_forward(self, i, members, inp, folded=False):
         if self.groups(i, members):
             held = [self.act((len(members) * self.r, inp))] if self.c.fused_projections else []  # A copied
@@ -146,8 +188,16 @@ class Replay(Resident):
         keep = [self.act((N, C + (3 * r if fold else 0))), self.new((N,), "f32", ACTS)]  # xn, r1
         qkv = self.act((N, QKV))
         keep += self.group_forward(i, QKV_MODULES, C, fold)
+        scaled = self.dora_outputs(i, QKV_MODULES, (H * D, Hk * D, Hk * D))
+        if scaled:                                                        # qkv the scaled copy; the old one kept
+            keep += [qkv] + scaled[1:]
+            qkv = scaled[0]
         if c.attention_bias:
             self.grow_ones("dt", N)
+        if c.qk_full_norm:                                                # olmoe.qk_full_norm_forward: raw q, k, rstd
+            heads = self.act((self.NH, N, D), WORK)
+            keep += [self.act((N, H * D)), self.new((N,), "f32", ACTS), self.act((N, Hk * D)), self.new((N,), "f32", ACTS)]
+            self.t.free(heads)
         att = self.act((N, H * D))
         local = []
         if self.token_major:
@@ -167,11 +217,14 @@ class Replay(Resident):
                 if self.fused:
                     keep += [oh, self.new((H, T), "f32", ATTN)]           # out, lse
                 else:
-                    keep += [self.new((H, n, k), self.dt, ATTN) for n, k in self.blocks()]  # P
+                    for n, k in self.blocks():                            # P (and gemma2's capped scores Y first)
+                        keep += [self.new((H, n, k), self.dt, ATTN) for _ in range(2 if self.softcap else 1)]
             if not self.fused:
                 self.t.free(oh)                                           # heads_forward's local
         keep.append(self.act((N, C)))                                     # h
-        keep += self.lora_forward(i, "o_proj", H * D)
+        keep += self.linear_forward(i, "o_proj", H * D, C)
+        if c.gemma:                                                       # gemma2.post_norm_forward: the new h, rstd
+            keep += [self.act((N, C)), self.new((N,), "f32", ACTS)]
         y, more = (self.moe_forward if c.moe else self.mlp_forward)(i)
         self.t.free(*local)
         return y, keep + more
@@ -182,8 +235,17 @@ class Replay(Resident):
         keep = [self.act((N, C + (2 * r if fold else 0))), self.new((N,), "f32", ACTS)]  # hn, rstd
         keep += [self.act((N, F)) for _ in range(3)]                      # g, u, a
         keep += self.group_forward(i, ("gate_proj", "up_proj"), C, fold)
-        y = self.act((N, C), CKPT if self.run.grad_checkpoint else ACTS)
-        keep += self.lora_forward(i, "down_proj", F)
+        for m in ("gate_proj", "up_proj"):                                # each scaled into a new output
+            keep += self.dora_outputs(i, (m,), (F,)) or []
+        part = CKPT if self.run.grad_checkpoint else ACTS
+        if self.c.gemma:                                                  # down's output m, then its post norm's
+            keep.append(self.act((N, C)))
+            keep += self.linear_forward(i, "down_proj", F, C)
+            y = self.act((N, C), part)
+            keep.append(self.new((N,), "f32", ACTS))
+        else:
+            y = self.act((N, C), part)
+            keep += self.linear_forward(i, "down_proj", F, C)
         return y, keep
 
     def layer_backward(self, i, dy, need_dx, dx_cols):
@@ -191,7 +253,10 @@ class Replay(Resident):
         o_cols = self.r if self.wide_rows(i, "o_proj") else 0
         dhw = (self.moe_backward if self.c.moe else self.mlp_backward)(i, dy, o_cols)
         datt = self.act((N, H * D), WORK)
+        da = self.act((N, C), WORK) if self.c.gemma else None              # gemma2.post_norm_backward
+        dz = self.dora_backward(i, "o_proj", C, o_cols)
         self.lora_backward(i, "o_proj", H * D, folded=self.folds_back(i, "o_proj"))
+        self.t.free(dz)
         dqkv = self.act((N, self.NH * D), WORK)
         if not self.token_major:
             held = {}
@@ -210,21 +275,32 @@ class Replay(Resident):
                         dS = new
                     self.t.free(dS)
             self.t.free(*held.values())
+        if self.c.qk_full_norm:                                           # olmoe.qk_full_norm_backward's
+            dheads, dq = self.act((self.NH, N, D), WORK), self.act((N, H * D), WORK)
+            dk = self.act((N, Hk * D), WORK)
+            self.t.free(dq)
+            self.t.free(dheads, dk)
         need_dx = need_dx or self.trains(i, "input_layernorm")            # its gradient needs dxn
         dxn = self.act((N, C), WORK) if need_dx else None
+        self.dora_in_place(i, QKV_MODULES, (H * D, Hk * D, Hk * D))
         self.group_backward(i, QKV_MODULES, C, dx=need_dx)
         dx = self.act((N, C + dx_cols), WORK) if need_dx else None
-        self.t.free(dhw, datt, dqkv, dxn)
+        self.t.free(dhw, datt, da, dqkv, dxn)
         return dx
 
     def mlp_backward(self, i, dy, dh_cols):
         N, C, F = self.N, self.C, self.F
         da = self.act((N, F), WORK)
+        dm = self.act((N, C), WORK) if self.c.gemma else None              # gemma2.post_norm_backward
+        dz = self.dora_backward(i, "down_proj", C, self.cols(i))
         self.lora_backward(i, "down_proj", F, folded=self.folds_back(i, "down_proj"))
-        dg, du, dhn = self.act((N, F), WORK), self.act((N, F), WORK), self.act((N, C), WORK)
+        self.t.free(dz)
+        dg, du = self.act((N, F), WORK), self.act((N, F), WORK)
+        self.dora_in_place(i, ("gate_proj", "up_proj"), (F, F))
+        dhn = self.act((N, C), WORK)
         self.group_backward(i, ("gate_proj", "up_proj"), C)
         dh = self.act((N, C + dh_cols), WORK)
-        self.t.free(da, dg, du, dhn)
+        self.t.free(da, dm, dg, du, dhn)
         return dh
 
     # -- a mixture of experts (moe.py) -----------------------------------------------------------

@@ -429,7 +429,8 @@ def test_train_tokens_exclude_padding():
     assert k["peak_bytes"] is None  # the CPU: no figure rather than a wrong one
     assert "gpu" not in k and "timed_window" not in k  # no GPU meter here, and the window stays internal
     assert [(r["impl"], r["status"]) for r in rows[1:]] == [
-        ("PEFT eager", "absent"), ("PEFT torch.compile", "absent"), ("mlx-lm", "absent")]
+        ("PEFT eager", "absent"), ("PEFT torch.compile", "absent"), ("mlx-lm", "absent"), ("PEFT+Liger", "absent"),
+        ("Unsloth", "absent"), ("Unsloth ckpt off", "absent")]
     assert all(r["reason"] == "not selected (--peers)" for r in rows[1:])
 
 

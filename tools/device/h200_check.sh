@@ -15,6 +15,13 @@
 #                                           (TRAIN_SHAPES="1b 8b" for both), krnl's Trainer (replayed and
 #                                           eager) next to transformers + PEFT eager and compiled, and
 #                                           mlx-lm where installed (JSON in $OUT/train_bench_SHAPE.json)
+#   bash tools/device/h200_check.sh peers   the train, long and qlora workloads with Liger and Unsloth beside PEFT
+#                                           (`krnl bench --workloads W --peers torch,liger,unsloth --rounds 1`;
+#                                           .peers below carried with .whl), one workload a call to stay inside
+#                                           10 minutes: PEERS_WORKLOADS=train (default; TRAIN_SHAPE 8b, or 1b),
+#                                           long (the 8b shape at 16k and 32k tokens a row, checkpointed) or
+#                                           qlora; several at once where time allows. JSON in
+#                                           $OUT/peers_bench_W.json; PEERS to pick other peers
 #   bash tools/device/h200_check.sh nccl    on a machine with 2 or more GPUs (nvidia-h200-x2): tests/test_dist_nccl.py
 #                                           and tests/test_dist.py (two CUDA ranks through NCCL against one GPU,
 #                                           the loader, the fallback), then `krnl bench --workloads train --gpus 2`
@@ -90,6 +97,24 @@
 #          python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #            --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 #            -d .trl trl==1.16.0 datasets==4.8.5 dill==0.4.0 multiprocess==0.70.18
+#   .peers (peers phase) Liger, Unsloth and what they need beyond the image, one tarball of a
+#          site-packages tree unpacked into /tmp/site there (13.3 MiB; with .whl's 8.4 and the tree's
+#          4.6 a call carries about 26.5 of its 64). liger-kernel 0.8.5; unsloth and unsloth_zoo
+#          2026.10.9, which take transformers <= 5.17.0 (the image's) and torch < 2.15, without
+#          unsloth's 82 MB `studio` web app and its CLI; what unsloth imports unguarded on a GPU and
+#          the image lacks: trl 1.15.0 (unsloth takes <= 1.15.0) and datasets 4.8.5 with dill and
+#          multiprocess (as .trl); bitsandbytes 0.50.2 for the 4-bit rows, CUDA 13 libraries only (as
+#          .bnb). Left out, each optional where unsloth imports it: xformers and flash-attn (attention
+#          on PyTorch's SDPA then; the row's note names it), torchao, cut_cross_entropy (which unsloth
+#          turns off from torch 2.8), diffusers, hf_transfer. `import unsloth` from this tree ran on a
+#          CPU (torch 2.13, transformers 5.25: unsloth's CPU path); its GPU path has been read, not run:
+#          d=/tmp/peers-dl; python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#            --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 \
+#            --platform manylinux_2_17_x86_64 -d $d liger-kernel==0.8.5 unsloth==2026.10.9 unsloth_zoo==2026.10.9 \
+#            trl==1.15.0 datasets==4.8.5 dill==0.4.0 multiprocess==0.70.18 bitsandbytes==0.50.2
+#          mkdir -p $d/site .peers; for w in $d/*.whl; do unzip -qo $w -d $d/site -x 'studio/*' 'unsloth_cli/*' \
+#            '*cuda1[12]*' '*rocm*' '*xpu*' '*.data/*'; done; tar czf .peers/site.tar.gz -C $d/site .
+#          (unzip's cautions about a pattern a wheel does not hold are harmless)
 #   .mlx1, .mlx2  (optional, for the MLX CUDA peer) mlx's wheel and the two halves of mlx-cuda-13's
 #          (90 MB, over one call's 64 MiB carry): `split -b 45m mlx_cuda_13-*.whl part_`, part_aa with
 #          the mlx wheel in .mlx1 (carried by the tests call, which keeps it in /tmp/mlx), part_ab in
@@ -231,6 +256,27 @@ elif [ "$phase" = qlora ]; then
   [ -d .bnb ] && export PYTHONPATH=$PYTHONPATH:$PWD/.bnb
   timeout ${BENCH_S:-400} python3 -m krnl.bench --workloads qlora --peers torch --rounds 1 ${QLORA_PROFILE:+--profile} --json "$OUT/qlora_bench.json" \
     2>&1 | tee "$OUT/qlora_bench.log" | tail -30
+elif [ "$phase" = peers ]; then
+  if [ -f .peers/site.tar.gz ]; then  # into /tmp/site, which PYTHONPATH holds (h200_setup.sh)
+    tar xzf .peers/site.tar.gz -C /tmp/site && python3 - <<'PY'
+import importlib.metadata as m
+def version(d):
+    try:
+        return m.version(d)
+    except m.PackageNotFoundError:
+        return "absent"
+names = ("liger-kernel", "unsloth", "unsloth_zoo", "trl", "datasets", "bitsandbytes", "transformers", "peft", "torch",
+         "triton", "xformers", "flash-attn")
+print("peers:", ", ".join(f"{d} {version(d)}" for d in names))
+PY
+  else
+    echo "no .peers folder carried: the Liger and Unsloth rows will say they are not installed"
+  fi
+  for wl in ${PEERS_WORKLOADS:-train}; do
+    shape=""; [ "$wl" = train ] && shape="--train-shape ${TRAIN_SHAPE:-8b}"
+    timeout ${BENCH_S:-480} python3 -m krnl.bench --workloads "$wl" $shape --peers "${PEERS:-torch,liger,unsloth}" \
+      --rounds 1 --json "$OUT/peers_bench_$wl.json" 2>&1 | tee "$OUT/peers_bench_$wl.log" | tail -${PEERS_TAIL:-40}
+  done
 elif [ "$phase" = nccl ]; then
   nvidia-smi -L
   timeout ${NTESTS_S:-300} python3 -m pytest -q -rs -p no:cacheprovider tests/test_dist_nccl.py tests/test_dist.py 2>&1 |

@@ -21,9 +21,10 @@ def _names(value, known, option):
 def add_arguments(p):
     p.add_argument("--workloads", default=",".join(ALL), type=lambda v: _names(v, KNOWN, "--workloads"),
                    help=f"comma-separated, of {','.join(KNOWN)} (default: {','.join(ALL)}; w3, qlora, moe, dpo, grpo, "
-                        "serve, full and train run only on GPU devices, except with --quick)")
+                        "serve, full, train and long run only on GPU devices, except with --quick)")
     p.add_argument("--peers", default=",".join(PEER_NAMES), type=lambda v: _names(v, PEER_NAMES, "--peers"),
-                   help=f"comma-separated, of {','.join(PEER_NAMES)} (default: all)")
+                   help=f"comma-separated, of {','.join(PEER_NAMES)} (default: all; liger and unsloth, CUDA only, "
+                        "are peers of the train, long and qlora workloads)")
     p.add_argument("--device", default=None, help="krnl device (default: the best available)")
     p.add_argument("--dtype", choices=("f32", "bf16", "f16"), default=None,
                    help="compute dtype of every implementation (default: the device's compute dtype, see "
@@ -32,7 +33,8 @@ def add_arguments(p):
     p.add_argument("--slow", type=float, default=10.0, metavar="S",
                    help="a peer whose step takes more than S seconds is timed once, not every round")
     p.add_argument("--quick", action="store_true", help="small sizes (seconds, for tests)")
-    g = p.add_argument_group("the train workload (`krnl train` end to end, bench/train.py)")
+    g = p.add_argument_group("the train and long workloads (`krnl train` end to end, bench/train.py; long: its 8b "
+                             "shape at 16k and 32k tokens a row, batch 1, checkpointed, bench/train_long.py)")
     g.add_argument("--train-shape", choices=("1b", "8b", "quick"), default=None,
                    help="1b: Llama-3.2-1B's layer x16, seq 2048, batch 4; 8b: Llama-3-8B's layer x8, seq 4096, "
                         "batch 2; quick: a tiny model (default: quick with --quick, else 1b)")

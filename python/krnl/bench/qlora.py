@@ -3,7 +3,9 @@ in 4 bits (groups of 64), one optimizer step per sample of `B` rows of `T` token
 checkpointing off on both sides (and a krnl row with it on, for the memory a smaller machine
 needs). krnl (MLX's affine 4-bit layout, ops.quantized_matmul) next to
 transformers + PEFT on a bitsandbytes 4-bit base (NF4, double quantization, bf16 compute: the
-QLoRA recipe), or, where bitsandbytes does not run, PEFT on a bf16 base, labelled as such.
+QLoRA recipe), or, where bitsandbytes does not run, PEFT on a bf16 base, labelled as such; with
+--peers liger or unsloth also PEFT with Liger's kernels and Unsloth on their 4-bit bases
+(fast_peers.py, each in a process of its own).
 
 Weights are random and generated in memory (nothing written to disk); the two sides cannot share
 them (NF4 codes are not affine ones), so the losses are reported side by side, not compared.
@@ -17,6 +19,7 @@ import time
 import numpy as np
 
 import krnl
+from . import fast_peers
 
 # Llama-3-8B's shape; "quick" is for tests and the CPU.
 SIZES = {
@@ -227,8 +230,9 @@ def time_torch(model, s, batches, on_gpu, log, who, fwd_bwd=None):
     return res
 
 
-def run(dev, dtype="bf16", quick=False, peers=True, log=print, profile=False):
-    """Rows for the session: krnl (in dtype), then the PEFT peer (bf16) where torch and peft import."""
+def run(dev, dtype="bf16", quick=False, peers=("torch",), log=print, profile=False):
+    """Rows for the session: krnl (in dtype), then of the --peers names `peers` the PEFT peer
+    ("torch") and Liger and Unsloth (bf16) where torch and peft import."""
     s = SIZES["quick" if quick else "full"]
     batches = tokens(s)
     desc = (f"QLoRA 4-bit g{GROUP}, LoRA r=16 x7; {s['layers']} layers C={s['C']} F={s['F']} "
@@ -240,11 +244,14 @@ def run(dev, dtype="bf16", quick=False, peers=True, log=print, profile=False):
     rows.append(dict(impl="krnl grad-ckpt", **run_krnl(dev, s, batches, dtype, log, grad_checkpoint=True)))
     gc.collect()
     dev.trim()
-    def peft_row(on_gpu):
-        r = run_peft(s, batches, on_gpu, log)
-        return dict(impl=r.pop("label"), **r)
+    def peer_rows(on_gpu):
+        out = []
+        if "torch" in peers:
+            r = run_peft(s, batches, on_gpu, log)
+            out.append(dict(impl=r.pop("label"), **r))
+        return out + fast_peers.qlora_rows(dev.name, s, batches, peers, log)
 
-    return with_peer(rows, dev, peers, peft_row, first=2)
+    return with_peer(rows, dev, bool({"torch", "liger", "unsloth"} & set(peers)), peer_rows, first=2)
 
 
 def with_peer(rows, dev, peers, peft_row, first=1, name="PEFT"):

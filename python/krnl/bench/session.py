@@ -13,18 +13,13 @@ import numpy as np
 import krnl
 from . import gate, gpu_power, w1, w2
 from .targets import TOLERANCE, Unavailable, compute_dtype, has_graphs, is_gpu, kind
-from .workloads import (ALL, KNOWN, PEER_MODULES, PEER_NAMES, INSTALL_HINT, STEPS, copy_rate, gemm_bytes, gemm_fn, lora_gemms,
-                        peer_note, square_gemms)
+from .train_peers import one_line
+from .workloads import (ALL, KNOWN, PEER_MODULES, PEER_NAMES, INSTALL_HINT, STEP_PEERS, STEPS, copy_rate, gemm_bytes,
+                        gemm_fn, lora_gemms, peer_note, square_gemms)
 
 
 class PeerError(Exception):
     """A peer that cannot be timed; the message is the reason listed next to it."""
-
-
-def _why(e):
-    """An exception as one short line for a table cell."""
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0][:160]}" if lines else type(e).__name__
 
 
 def worst_error(ref, got):
@@ -214,7 +209,7 @@ class Session:
         except Unavailable:
             raise
         except Exception as e:  # a peer that breaks is listed with what broke, not dropped
-            raise PeerError(f"failed at the check size: {_why(e)}") from None
+            raise PeerError(f"failed at the check size: {one_line(e)}") from None
         bad = compare(small_ref, got, TOLERANCE[self.dtype])
         if bad:
             raise PeerError(f"failed its check against krnl at the small size: {bad}")
@@ -228,7 +223,7 @@ class Session:
             return
         small = wl.make(wl.sizes["small"], self.dev.name, self.dtype)
         small_ref = wl.krnl(small)[1]()
-        impls = (("krnl graph",) if has_graphs(self.dev) else ()) + PEER_NAMES
+        impls = (("krnl graph",) if has_graphs(self.dev) else ()) + STEP_PEERS
         builders, errs = {}, {}
         for name in impls:
             try:
@@ -262,7 +257,7 @@ class Session:
                 if t <= self.slow_s:  # twice: torch's CUDA graphs are recorded on the second call
                     t = min(t, _timed(step))
             except Exception as e:
-                absent[name] = f"failed at the full size: {_why(e)}"
+                absent[name] = f"failed at the full size: {one_line(e)}"
                 continue
             if t > self.slow_s:
                 # A step this slow would take the session hostage over several rounds: this one
@@ -346,14 +341,14 @@ class Session:
                 if self.rows:
                     between.append((f"before {name}", gate.measure_control(dev, n_ctl)))
                 self.run_model(name, profile)
-        if "train" in workloads:
-            if self.rows:
-                between.append(("before train", gate.measure_control(dev, n_ctl)))
-            from . import train_dist  # one process, or with --gpus N, 1 and N ranks (train_dist.py)
-            for r in train_dist.session_rows(self, self.train_opts, profile=profile and prof is None):
-                p = r.pop("profile", None)
-                prof = p or prof  # the train step's profile when no W step was profiled
-                self._row("train", r.pop("impl"), **r)
+        from . import train_dist, train_long  # train: one process, or with --gpus N, 1 and N ranks
+        for name, mod in (("train", train_dist), ("long", train_long)):
+            if name in workloads:
+                if self.rows:
+                    between.append((f"before {name}", gate.measure_control(dev, n_ctl)))
+                for r in mod.session_rows(self, self.train_opts, profile=profile and prof is None):
+                    prof = r.pop("profile", None) or prof  # a training step's, when no W step was profiled
+                    self._row(r.pop("workload", name), r.pop("impl"), **r)
         if profile and prof is None:
             wl = STEPS[prof_wl]
             prof = self._profile(wl.make(wl.sizes["quick" if self.quick else "full"], dev.name, self.dtype), prof_wl)
@@ -379,8 +374,9 @@ class Session:
             self._row(name, "krnl", status="skipped", reason=mod.SKIP)
             return
         self.log(f"krnl bench: {name}")
-        for r in mod.run(self.dev, self.dtype, quick=self.quick, peers="torch" in self.peers, log=self.log,
-                         profile=profile):
+        # qlora takes the peers by name (PEFT, Liger, Unsloth); the others whether torch's run
+        peers = self.peers if name == "qlora" else "torch" in self.peers
+        for r in mod.run(self.dev, self.dtype, quick=self.quick, peers=peers, log=self.log, profile=profile):
             peak, loss, vs = r.pop("peak_bytes", None), r.pop("loss", None), r.pop("peak_vs_krnl", None)
             peak = peak if is_gpu(self.dev) else None  # the CPU's pool holds only part of a CPU run's memory
             note = ", ".join(x for x in (f"peak {peak / 2**30:.2f} GiB" if peak else "",

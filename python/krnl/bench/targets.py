@@ -74,12 +74,13 @@ def numpy_only_f32_cpu(device_name, dtype):
                           f"{device_name}, {dtype})")
 
 
-def torch_target(device_name, dtype, mode=None):
+def torch_target(device_name, dtype, mode=None, device_kind=None):
     """(torch module, torch device string, torch dtype, sync()) for a peer of krnl's `device_name`:
     CUDA for cuda, MPS for metal, the CPU (krnl's thread count) for cpu. `mode` "reduce-overhead"
-    (torch.compile with CUDA graphs) exists on CUDA only."""
+    (torch.compile with CUDA graphs) exists on CUDA only. device_kind: the device's kind where it
+    is known (a peer's own process: it opens no krnl device for it)."""
     import torch
-    k = kind(device_name)
+    k = device_kind or kind(device_name)
     if mode == "reduce-overhead" and k != "cuda":
         raise Unavailable("torch.compile with CUDA graphs: cuda devices only")
     if k == "cuda":

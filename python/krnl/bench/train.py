@@ -4,7 +4,8 @@ FOLDER` does, timed. A Llama-shaped model with random bf16 weights is written as
 krnl's own Trainer: LoRA r=16, alpha 32 on all seven projections, AdamW lr 1e-4 constant, gradient
 clipping at 1.0, no validation, no checkpoint inside the timed steps. The peers train the same
 folder on the same batches (train_peers.py): transformers + PEFT eager and with torch.compile,
-and mlx-lm's LoRA trainer.
+mlx-lm's LoRA trainer, and PEFT with Liger's kernels and Unsloth (fast_peers.py). A shape with
+"ckpt" (the long rows, train_long.py) has every implementation checkpoint its layers.
 
 One definition of tokens for every implementation: the input tokens that are not padding. Per
 implementation: steady tokens/s over the timed steps (each step ends with its loss read on the
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import gpu_power
+from . import fast_peers, gpu_power
 from .train_peers import ALPHA, CLIP, LR, RANK, figures, run_all
 
 PAD_ID = 0  # ids of real tokens are drawn from 1 .. V-1
@@ -56,7 +57,8 @@ def shape(name="1b", **over):
 
 def describe(s):
     return (f"Llama {s['layers']} layers C={s['C']} F={s['F']} {s['H']}/{s['KV']} heads of {s['D']} V={s['V']}, "
-            f"LoRA r={RANK} x7, B={s['B']} T={s['T']}, {s['steps']} steps after {s['warmup']}")
+            f"LoRA r={RANK} x7, B={s['B']} T={s['T']}, {s['steps']} steps after {s['warmup']}"
+            + (", gradient checkpointing" if s.get("ckpt") else ""))
 
 
 def hf_config(s):
@@ -153,12 +155,14 @@ def run_krnl(dev, dtype, folder, s, bs, seed=0, graphs=True, profile=False, worl
     """krnl: the folder loaded as `krnl train --model` loads it, trained by Trainer on `bs`
     (graphs False: every step eager, `krnl train --no-graphs`). profile: one more step after the
     timed ones runs under krnl.profile (its per-op table in the result's "profile"). world: a
-    krnl.train.dist.world.World whose ranks each train on their slice of `bs` (train_dist.py)."""
+    krnl.train.dist.world.World whose ranks each train on their slice of `bs` (train_dist.py).
+    s["ckpt"]: the model's gradient checkpointing (`krnl train --grad-checkpoint`)."""
     from .. import profile as op_profile
     from ..models.config import LoraConfig
     from ..formats.hf import load_model
     from ..train.trainer import TrainConfig, Trainer
-    model = load_model(str(folder), dev, lora=LoraConfig(r=RANK, alpha=ALPHA), dtype=dtype, seed=seed)
+    model = load_model(str(folder), dev, lora=LoraConfig(r=RANK, alpha=ALPHA), dtype=dtype, seed=seed,
+                       grad_checkpoint=s.get("ckpt", False))
     gc.collect()
     dev.synchronize()
     dev.reset_peak()
@@ -226,6 +230,7 @@ def run(dev, dtype, s, peers=(), log=print, on_gpu=False, folder=None, bs=None, 
                     gc.collect()
                     dev.trim()
             rows += run_all(dev.name, dtype, folder, s, bs, peers, log)
+            rows += fast_peers.run_all(dev.name, dtype, folder, s, bs, peers, log)  # each in its own process
     for r in rows:
         a_b = r.pop("timed_window", None)
         if a_b is not None and meter is not None:

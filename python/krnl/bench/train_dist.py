@@ -8,55 +8,23 @@ batch, and the scaling efficiency = tokens/s of N ranks / (N x tokens/s of one).
 own launch of train_worker.py on the same model folder and batches; rank 0 writes its figures.
 On a CPU device the ranks are CPU processes sharing the machine's cores (--quick: the plumbing)."""
 
-import json
-import os
-import re
 import shutil
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from . import train
+from .spawn import LAUNCH_TIMEOUT_S, launch
 from .targets import is_gpu
 from .train import describe, note, write_folder
 
-LAUNCH_TIMEOUT_S = 3600
 QUICK_TIMEOUT_S = 300  # the quick shape's launch: a wedged rank fails its row instead of the run
-# Open MPI's mpiexec refuses to start as root unless told twice (a GPU container runs as root);
-# MPICH ignores these.
-ROOT_MPI = ({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-            if hasattr(os, "geteuid") and os.geteuid() == 0 else {})
 
 
 def mpiexec():
     """MPICH's launcher beside this Python (pip install 'krnl[mpi]'), else one on PATH, else None."""
     beside = Path(sys.executable).parent / "mpiexec"
     return str(beside) if beside.exists() else shutil.which("mpiexec")
-
-
-def launch(cmd, spec, log, env=None, timeout=LAUNCH_TIMEOUT_S):
-    """Runs one launch of train_worker.py; its rank 0's figures, or raises with the output's tail."""
-    with tempfile.TemporaryDirectory(prefix="krnl-bench-dist-") as tmp:
-        spec = dict(spec, out=str(Path(tmp) / "result.json"))
-        path = Path(tmp) / "spec.json"
-        path.write_text(json.dumps(spec))
-        t0 = time.perf_counter()
-        r = subprocess.run(cmd + [str(path)], capture_output=True, text=True, timeout=timeout,
-                           env=dict(os.environ, **ROOT_MPI, **(env or {})))
-        said = [x for x in r.stdout.splitlines() if x.startswith("dist:")]  # krnl's choice of allreduce
-        if r.returncode != 0 or not Path(spec["out"]).exists():
-            lines = (r.stderr.strip() or r.stdout.strip()).splitlines()
-            # the failing rank's exception, not the launcher's summary after it (torchrun's)
-            errors = [x.strip() for x in lines if re.match(r"\s*[\w.]*(Error|Exception):", x)]
-            raise RuntimeError(f"exit status {r.returncode}: {' | '.join(errors[-1:] + lines[-2:])[:300]}")
-        res = json.loads(Path(spec["out"]).read_text())
-        res.pop("timed_window", None)  # another process's clock
-        log(f"krnl bench: train {' '.join(cmd[:4])}...: {time.perf_counter() - t0:.0f} s")
-        if said:
-            res["allreduce"] = said[0][len("dist: "):]
-        return res
 
 
 def commands(ranks, on_gpu):

@@ -20,7 +20,8 @@ PEERS = {"PEFT eager": "torch", "PEFT torch.compile": "torch.compile", "mlx-lm":
 HINT = {"torch": "pip install torch transformers peft", "mlx": "pip install mlx-lm (and mlx for the device)"}
 
 
-def _why(e):
+def one_line(e):
+    """An exception as one short line for a table cell."""
     lines = str(e).strip().splitlines()
     return f"{type(e).__name__}: {lines[0][:160]}" if lines else type(e).__name__
 
@@ -47,9 +48,10 @@ def timed_steps(step, bs, sync):
     return stamps, losses
 
 
-def peft_model(torch, folder, tdtype, dev):
+def peft_model(torch, folder, tdtype, dev, ckpt=False):
     """transformers' Llama from `folder` in tdtype on dev, frozen, with PEFT's LoRA of the recipe:
-    (model, its trainable parameters, torch.optim.AdamW over them)."""
+    (model, its trainable parameters, torch.optim.AdamW over them). ckpt: transformers' gradient
+    checkpointing of every layer (non-reentrant: the frozen inputs need no grad)."""
     import transformers
     from peft import LoraConfig, get_peft_model
     model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=tdtype, attn_implementation="sdpa")
@@ -57,30 +59,45 @@ def peft_model(torch, folder, tdtype, dev):
     model.to(dev)
     for p in model.parameters():
         p.requires_grad_(False)
+    if ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=list(MODULES)))
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     return model, params, torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
 
 
-def run_peft(device_name, dtype, folder, s, bs, compiled=False):
-    """transformers' Llama from `folder` in `dtype`, LoRA through PEFT, torch.optim.AdamW."""
-    torch, dev, tdtype, sync = torch_target(device_name, dtype)
-    model, params, opt = peft_model(torch, folder, tdtype, dev)
-    fwd = torch.compile(model) if compiled else model
-    on_cuda = dev == "cuda"
+def lm_labels(b):
+    """transformers' causal-LM labels for batch b: the loss shifts them left by one, so each of
+    b.targets stands one position right of where it is predicted (-100 in front)."""
+    return np.concatenate([np.full((len(b.ids), 1), -100, np.int32), b.targets[:, :-1]], axis=1)
+
+
+def release(torch, on_cuda):
     gc.collect()
     if on_cuda:
         torch.cuda.empty_cache()
+
+
+def train_torch(torch, fwd, params, opt, dev, sync, s, bs, labels=False):
+    """figures() of the recipe's steps of a torch model `fwd` on batches bs, with the peak on CUDA.
+    labels: the model takes the loss itself from lm_labels (Liger's and Unsloth's fused losses
+    take labels and never form the logits); else the mean cross entropy over b.targets in f32,
+    as transformers' own causal-LM loss takes it."""
+    on_cuda = dev == "cuda"
+    release(torch, on_cuda)
+    if on_cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
 
     def step(b):
         ids = torch.as_tensor(b.ids, dtype=torch.long, device=dev)
-        tg = torch.as_tensor(b.targets, dtype=torch.long, device=dev)
-        logits = fwd(input_ids=ids).logits
-        # the mean over the predicted positions, in f32, as transformers' own causal-LM loss takes it
-        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tg.flatten(), ignore_index=-100)
+        if labels:
+            loss = fwd(input_ids=ids, labels=torch.as_tensor(lm_labels(b), dtype=torch.long, device=dev)).loss
+        else:
+            tg = torch.as_tensor(b.targets, dtype=torch.long, device=dev)
+            logits = fwd(input_ids=ids).logits
+            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tg.flatten(), ignore_index=-100)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, CLIP)
         opt.step()
@@ -93,10 +110,18 @@ def run_peft(device_name, dtype, folder, s, bs, compiled=False):
                    note=f"allocated {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB at most")
     else:
         res.update(peak_bytes=None, peak_kind=None)
+    return res
+
+
+def run_peft(device_name, dtype, folder, s, bs, compiled=False):
+    """transformers' Llama from `folder` in `dtype`, LoRA through PEFT, torch.optim.AdamW;
+    checkpointed where the shape says (s["ckpt"])."""
+    torch, dev, tdtype, sync = torch_target(device_name, dtype)
+    model, params, opt = peft_model(torch, folder, tdtype, dev, ckpt=s.get("ckpt", False))
+    fwd = torch.compile(model) if compiled else model
+    res = train_torch(torch, fwd, params, opt, dev, sync, s, bs)
     del model, fwd, opt, params
-    gc.collect()
-    if on_cuda:
-        torch.cuda.empty_cache()
+    release(torch, dev == "cuda")
     return res
 
 
@@ -113,14 +138,14 @@ def mlx_lengths(b):
 
 def run_mlx(device_name, dtype, folder, s, bs):
     """mlx-lm: the folder loaded by mlx_lm.utils.load_model, LoRA by linear_to_lora_layers, the
-    step as mlx_lm.tuner.trainer.train compiles it (clipping added: mlx-lm's loop has none)."""
-    from functools import partial
+    step as mlx_lm.tuner.trainer.train compiles it (clipping added: mlx-lm's loop has none);
+    checkpointed where the shape says, by mlx-lm's grad_checkpoint."""
     from pathlib import Path
     mx, mdev, mdtype = mlx_target(device_name, dtype)
     import mlx.nn as nn
     import mlx.optimizers as optim
     from mlx.utils import tree_flatten
-    from mlx_lm.tuner.trainer import default_loss
+    from mlx_lm.tuner.trainer import grad_checkpoint
     from mlx_lm.tuner.utils import linear_to_lora_layers
     from mlx_lm.utils import load_model
     mx.set_default_device(mdev)
@@ -132,6 +157,20 @@ def run_mlx(device_name, dtype, folder, s, bs):
     if len(tree_flatten(model.trainable_parameters())) != 2 * len(MODULES) * s["layers"]:
         raise RuntimeError("linear_to_lora_layers did not adapt the seven projections of every layer")
     model.train()
+    layer_cls = type(model.layers[0])
+    plain = layer_cls.__call__
+    if s.get("ckpt"):
+        grad_checkpoint(model.layers[0])  # patches the layer class: undone below, for the rows after
+    try:
+        return _mlx_steps(mx, nn, optim, model, mdev, s, bs)
+    finally:
+        layer_cls.__call__ = plain
+
+
+def _mlx_steps(mx, nn, optim, model, mdev, s, bs):
+    """run_mlx's figures: the adapted `model` trained on bs by the compiled update."""
+    from functools import partial
+    from mlx_lm.tuner.trainer import default_loss
     opt = optim.AdamW(learning_rate=LR, weight_decay=0.0)
     value_and_grad = nn.value_and_grad(model, default_loss)
     state = [model.state, opt.state, mx.random.state]
@@ -177,7 +216,7 @@ def run_all(device_name, dtype, folder, s, bs, peers, log=print):
             rows.append(dict(impl=impl, status="absent", reason=f"not installed ({e}); {HINT[sel.split('.')[0]]}"))
             continue
         except Exception as e:  # installed but broken (a missing shared library, say)
-            rows.append(dict(impl=impl, status="absent", reason=f"cannot import: {_why(e)}"))
+            rows.append(dict(impl=impl, status="absent", reason=f"cannot import: {one_line(e)}"))
             continue
         try:
             if sel == "mlx":
@@ -188,7 +227,7 @@ def run_all(device_name, dtype, folder, s, bs, peers, log=print):
             rows.append(dict(impl=impl, status="absent", reason=str(e)))
             continue
         except Exception as e:  # a peer that breaks (torch.compile included) is listed with what broke
-            rows.append(dict(impl=impl, status="absent", reason=f"failed: {_why(e)}"))
+            rows.append(dict(impl=impl, status="absent", reason=f"failed: {one_line(e)}"))
             continue
         finally:
             gc.collect()

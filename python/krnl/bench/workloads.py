@@ -12,7 +12,9 @@ import krnl
 from . import w1, w2, w2_peers
 from .targets import kind
 
-PEER_NAMES = ("numpy", "torch", "torch.compile", "compile+cudagraphs", "mlx", "mx.compile")
+# the peers of the W steps; the train, long and qlora workloads also take Liger and Unsloth (fast_peers.py)
+STEP_PEERS = ("numpy", "torch", "torch.compile", "compile+cudagraphs", "mlx", "mx.compile")
+PEER_NAMES = STEP_PEERS + ("liger", "unsloth")
 PEER_MODULES = {"numpy": "numpy", "torch": "torch", "torch.compile": "torch", "compile+cudagraphs": "torch",
                 "mlx": "mlx.core", "mx.compile": "mlx.core"}
 INSTALL_HINT = {"torch": 'pip install torch',
@@ -76,9 +78,10 @@ ALL = ("w1", "w2", "w3", "gemm", "lora")
 # one (bench/moe.py) a Qwen3-30B-A3B-shaped stack, DPO and GRPO (bench/dpo.py, bench/grpo.py) a
 # 1B-shaped one next to TRL, serve (bench/serve.py) `krnl serve` under concurrent clients, and
 # `train` (bench/train.py) writes a model folder and trains it with krnl and each peer in turn
-# (torch.compile's first step alone takes minutes on a small CPU), and `full` (bench/full.py) full
-# fine-tuning of a 1B-shaped one next to transformers'.
-KNOWN = ALL + ("qlora", "moe", "dpo", "grpo", "serve", "full", "train")
+# (torch.compile's first step alone takes minutes on a small CPU), `long` (bench/train_long.py) the
+# same at 16k and 32k tokens a row, and `full` (bench/full.py) full fine-tuning of a 1B-shaped one
+# next to transformers'.
+KNOWN = ALL + ("qlora", "moe", "dpo", "grpo", "serve", "full", "train", "long")
 
 
 ELT = {"f32": 4, "bf16": 2, "f16": 2}

@@ -9,6 +9,7 @@ loss; eval, generate and fuse read it back; resume is exact; metal-sim's step eq
 combinations are one-line errors."""
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -295,3 +296,27 @@ def test_reads_mlx_lms_full_layout(tmp_path):
         with pytest.raises(ValueError, match=match) as e:
             read_adapter(tmp_path, m.config)
         assert "\n" not in str(e.value) and str(e.value).startswith(f"[adapter {tmp_path}]")
+
+
+def test_config_file_and_flags(tmp_path, monkeypatch, capsys):
+    """mlx-lm's config keys (fine_tune_type: full, num_layers) and train_embeddings choose what trains;
+    --train-embeddings without full, and --num-layers with --lora-layers, are one-line errors."""
+    from safetensors.numpy import load_file
+    from krnl.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "c.yaml").write_text("fine_tune_type: full\nnum_layers: 1\ntrain_embeddings: true\n"
+                                     "learning_rate: 1.0e-4\n")
+    tiny = ["--iters", "2", "--train-samples", "32", "--batch-size", "4", "--quiet", "--steps-per-eval", "0"]
+    assert main(["train", "--config", "c.yaml", "--adapter-path", "a", *tiny]) == 0
+    out = capsys.readouterr().out
+    assert "full fine-tuning of 7 modules" in out and out.startswith("memory: ")
+    names = set(load_file(str(tmp_path / "a" / "adapters.safetensors")))
+    assert "model.embed_tokens.weight" in names and "model.norm.weight" in names
+    assert {n.split(".")[2] for n in names if n.startswith("model.layers.")} == {"1"}
+    for argv, match in ((["--train-embeddings"], r"train_embeddings goes with full fine-tuning"),
+                        (["--fine-tune-type", "full", "--num-layers", "1", "--lora-layers", "0"],
+                         r"--num-layers and --lora-layers both choose layers")):
+        assert main(["train", *argv, "--adapter-path", "b", *tiny]) != 0
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and re.search(match, err[0]), err

@@ -42,9 +42,9 @@ class Replay(Resident):
     def forward_backward_step(self):
         x, xn, rstd, saved = self.trunk_forward()
         rows_loss, dxn = self.head_backward()
-        self.trunk_backward(saved)
-        if self.embeds and self.c.gemma:                                  # full.embed_grad's scaled dx
-            self.t.free(self.act((self.N, self.C), WORK))
+        dx = self.trunk_backward(saved)
+        if self.embeds:                                                   # full.embed_grad (Gemma's scaled copy)
+            self.t.free(self.act((self.N, self.C), WORK) if self.c.gemma else None, dx)
         total = self.new((1, 1), "f32", SMALL)                            # _loss_sum's out, its ones
         self.grow_ones("f32", self.N)
         self.t.free(x, xn, rstd, rows_loss, dxn)
@@ -98,7 +98,10 @@ class Replay(Resident):
             self.t.free(dx)
             dx = ndx
             saved[i] = None
-        self.t.free(*held, rest, dx)
+        self.t.free(*held, rest)
+        if not self.embeds:
+            self.t.free(dx)
+        return dx                                                         # d_embed_out, for full.embed_grad
 
     # -- a decoder layer (layer.py, layer_heads.py, attention.py, lora.py, lora_group.py) ----------
 

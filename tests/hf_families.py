@@ -218,7 +218,8 @@ def family_models(tmp_path_factory, name):
     root = tmp_path_factory.mktemp(name)
     qwen2 = transformers.Qwen2Config(vocab_size=V, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    return {"llama": make_base(root / "llama"), "qwen2": save_random(transformers.Qwen2ForCausalLM(qwen2), root / "qwen2", 4),
+    return {"llama": make_base(root / "llama"),
+            "qwen2": save_random(transformers.Qwen2ForCausalLM(qwen2), root / "qwen2", 4),
             "qwen3": family_folders(tmp_path_factory, "qwen3")["gqa"],
             "gemma2": family_folders(tmp_path_factory, "gemma2")["gqa"],
             "gemma3": family_folders(tmp_path_factory, "gemma3")["pattern"],

@@ -207,7 +207,8 @@ def torch_step(folder, names, ids, labels):
     return float(out.loss.detach()), {k: grads[k] for k in names}
 
 
-CASES = [("llama", {}), ("llama", {"grad_checkpoint": True, "layers": [1], "targets": ("q_proj", "v_proj", "down_proj")}),
+CASES = [("llama", {}),
+         ("llama", {"grad_checkpoint": True, "layers": [1], "targets": ("q_proj", "v_proj", "down_proj")}),
          ("llama", {"train_embeddings": True, "layers": [0]}),
          ("qwen2", {}), ("qwen2", {"targets": ("q_proj", "v_proj")}), ("qwen3", {}), ("gemma2", {}),
          ("gemma2", {"train_embeddings": True}), ("phi3", {})]

@@ -114,11 +114,14 @@ CASES = {
     "full fine-tuning of o and a tied table, f16": dict(
         cfg=dict(LLAMA, tie_word_embeddings=True), dtype="f16",
         lora=LoraConfig(full=True, train_embeddings=True, target_modules=("o_proj",))),
-    "full fine-tuning f32, checkpointed, last 2 layers": dict(cfg=LLAMA, gc=True, lora=LoraConfig(full=True, layers=[2, 3])),
+    "full fine-tuning f32, checkpointed, last 2 layers": dict(cfg=LLAMA, gc=True,
+                                                               lora=LoraConfig(full=True, layers=[2, 3])),
     "full fine-tuning of qwen2's q and v (k frozen between them), their biases": dict(
-        cfg=dict(LLAMA, model_type="qwen2", attention_bias=True), lora=LoraConfig(full=True, target_modules=("q_proj", "v_proj"))),
+        cfg=dict(LLAMA, model_type="qwen2", attention_bias=True),
+        lora=LoraConfig(full=True, target_modules=("q_proj", "v_proj"))),
     "full fine-tuning, MoE attention and norms, 8-bit AdamW": dict(
-        cfg=MOE, optimizer="adamw8bit", lora=LoraConfig(full=True, target_modules=("q_proj", "k_proj", "v_proj", "o_proj"))),
+        cfg=MOE, optimizer="adamw8bit",
+        lora=LoraConfig(full=True, target_modules=("q_proj", "k_proj", "v_proj", "o_proj"))),
 }
 
 

@@ -85,5 +85,5 @@ def run(dev, dtype="bf16", quick=False, peers=True, log=print, profile=False):
     desc = (f"full fine-tuning of the layers (projections, norms), {s['B']} x {s['T']} tokens, AdamW; "
             f"{pref.describe(s).split(', LoRA')[0]}")
     rows = [dict(impl="krnl", title=desc, **run_krnl(dev, s, bs, dtype, log, profile))]
-    return with_peer(rows, dev, peers, lambda on_gpu: [pref.peer_rows(ROWS[k], lambda k=k: run_torch(s, bs, on_gpu, k, log),
-                                                                      trl=False) for k in ROWS], name="transformers")
+    peer = lambda on_gpu, k: pref.peer_rows(ROWS[k], lambda: run_torch(s, bs, on_gpu, k, log), trl=False)  # noqa: E731
+    return with_peer(rows, dev, peers, lambda on_gpu: [peer(on_gpu, k) for k in ROWS], name="transformers")

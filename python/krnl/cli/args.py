@@ -166,7 +166,8 @@ def parse_args(argv, commands):
     t.add_argument("--rslora", action="store_true", help="scale by alpha/sqrt(r) (rsLoRA)")
     t.add_argument("--fine-tune-type", default="lora", choices=["lora", "dora", "full"],
                    help="dora: LoRA plus a trained magnitude per output, PEFT's use_dora; full: the chosen layers' "
-                   "projections (--lora-targets) and norms trained themselves, written as an HF folder (mlx-lm's names)")
+                   "projections (--lora-targets) and norms trained themselves, written as an HF folder (mlx-lm's "
+                   "names)")
     t.add_argument("--lora-layers", default=None, help="comma-separated layer indices (default: all)")
     t.add_argument("--num-layers", type=int, default=None, help="train the last N layers (mlx-lm's option; -1: all)")
     t.add_argument("--train-embeddings", action="store_true", help="with --fine-tune-type full: the embeddings, an "

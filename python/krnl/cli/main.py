@@ -149,8 +149,8 @@ def cmd_train(args):
             return code
     if args.model:
         if lora.full and not Path(args.model).is_dir():
-            raise ValueError(f"[train] --fine-tune-type full writes an HF folder and needs one to start from; {args.model} "
-                             "is a GGUF file (convert it to an HF folder first)")
+            raise ValueError(f"[train] --fine-tune-type full writes an HF folder and needs one to start from; "
+                             f"{args.model} is a GGUF file (convert it to an HF folder first)")
         tok, model, base_id = _hf_base(args, dev, lora)
         if args.train_mode == "sft":
             ds = memory.sft_data(args, tok, model.config.vocab_size)

@@ -153,8 +153,9 @@ def before_load(args, dev, lora, quantize):
     if held and limit is not None and dev.memory_limit["bytes"]:  # a pool limit counts what it holds already
         limit, origin = max(limit - held, 0), f"{origin}, less {memory.size_text(held)} the pool holds"
     name = Path(args.model).name if args.model else "the embedded tiny Llama"
+    kind = "full fine-tuning" if lora.full else f"LoRA r={lora.r}"
     head = (f"memory plan on {dev.name}: {name} ({config.num_hidden_layers} layers, hidden {config.hidden_size}), "
-            f"{args.dtype}, {'full fine-tuning' if lora.full else f'LoRA r={lora.r}'}; {run.batch} x {run.seq} tokens a micro-batch ({where}), "
+            f"{args.dtype}, {kind}; {run.batch} x {run.seq} tokens a micro-batch ({where}), "
             f"{run.micro_batches} a step{', checkpointed' if run.grad_checkpoint else ''}{note}")
     dry = args.cmd == "plan" or args.dry_run
     if dry:

@@ -12,9 +12,6 @@ This module reads them and names their tensors; full_save.py writes them.
 phi3's fused projections are stored fused (qkv_proj, gate_up_proj) as its checkpoints hold them;
 the model trains their members."""
 
-import json
-from pathlib import Path
-
 import numpy as np
 
 from ..models.config import ALL_MODULES, LoraConfig
@@ -73,7 +70,8 @@ def read_full(path, cfg, config, raw, who):
     trained comes from the tensors present (mlx-lm's config names only num_layers): their layers,
     their projections, the embeddings; the layers' norms must be there too."""
     tensors = split(config, raw)
-    layers = sorted({int(k.split(".")[2]) for k in tensors if k.startswith("model.layers.") and k.split(".")[2].isdigit()})
+    parts = [k.split(".") for k in tensors if k.startswith("model.layers.")]
+    layers = sorted({int(p[2]) for p in parts if p[2].isdigit()})
     mods = tuple(m for m in ALL_MODULES if any(k.endswith(f".{m}.weight") for k in tensors))
     lora = LoraConfig(full=True, target_modules=mods, layers=layers,
                       train_embeddings="model.embed_tokens.weight" in tensors)
@@ -93,12 +91,3 @@ def read_full(path, cfg, config, raw, who):
                              p for p in (missing and f"missing {missing}", extra and f"unexpected {extra}",
                                          bad and f"wrong shapes {bad}") if p))
     return lora, {k: np.ascontiguousarray(tensors[k], np.float32) for k in want}
-
-
-def is_full(path):
-    """Whether folder `path` holds a full fine-tune (adapter_config.json's fine_tune_type)."""
-    p = Path(path) / CONFIG_NAME
-    try:
-        return json.loads(p.read_text()).get("fine_tune_type") == "full"
-    except (OSError, ValueError, AttributeError):
-        return False

@@ -292,7 +292,7 @@ class LoraConfig:
     dropout: float = 0.0
     target_modules: tuple = ALL_MODULES
     use_rslora: bool = False
-    layers: Optional[list] = None
+    layers: Optional[list] = None  # layer indices (None: all); ("last", N) until validate (--num-layers)
     use_dora: bool = False  # DoRA: a trainable magnitude per output (models/dora.py)
     full: bool = False  # full fine-tuning: the layers' weights themselves trained, no factors (models/full.py)
     train_embeddings: bool = False  # full: the embeddings, head and final norm train too

@@ -5,10 +5,11 @@ optimizer, clipping, checkpoints, resume and data parallel treat them as they tr
 
 Trained per chosen layer (LoraConfig.layers, default all): the target projections' weights and
 biases, and the layer's RMSNorm weights (input, post-attention, qwen3's and olmoe's q/k norms);
-Gemma's norms, which the model holds as 1 + w, stay frozen, as do the embeddings, the head, the
-final norm and a mixture's router and experts. Layout per layer, in the order the layer reads
-them: its norms, q|k|v weights side by side (the fused projection reads them as one tensor),
-their biases side by side, o, gate|up, down, so no weight is copied."""
+with train_embeddings also the embedding table, an untied head and the final norm (end_names).
+Gemma's norms, which the model holds as 1 + w, stay frozen, as do a mixture's router and experts.
+Layout: the table first, then per layer in the order the layer reads them its norms, q|k|v
+weights side by side (the fused projection reads them as one tensor), their biases side by side,
+o, gate|up, down, then the final norm and the head; no weight is copied."""
 
 from .. import _core
 from .config import ALL_MODULES, QKV_MODULES, module_part

@@ -278,7 +278,8 @@ def moe_backward(mlp, h, cache, dy, dh_cols=0):
     ops.moe_route_backward(c.logits, c.ids, dw, dlogits, mlp.norm_topk, mlp.stats and mlp.stats.dprobs)
     mlp.router.backward(dlogits, c.router, dhn, accumulate=True)         # dhn += dlogits Wr (+ its LoRA's)
     dh = d.empty((N, C + dh_cols), dt)
-    ops.rmsnorm_backward(dhn, h, mlp.norm, c.rstd, dh[:, :C], dw=mlp.norm_grad, residual=dyv)  # dh = norm's gradient + dy
+    ops.rmsnorm_backward(dhn, h, mlp.norm, c.rstd, dh[:, :C], dw=mlp.norm_grad,
+                         residual=dyv)                                    # dh = norm's gradient + dy
     return dh
 
 

@@ -8,8 +8,8 @@ a rebound name after the new value exists (`oh = d.empty(...)` in a loop holds t
 a cache once its layer's backward is done. A change to what the model allocates belongs here
 too; tests/test_memory.py measures the pool against this replay on several configurations.
 
-Not replayed (their buffers are small or counted as the nearest case): the sample reduce order's slots, LongRoPE's second frequency table, and the preference
-objectives' extra forwards."""
+Not replayed (their buffers are small or counted as the nearest case): the sample reduce order's
+slots, LongRoPE's second frequency table, and the preference objectives' extra forwards."""
 
 from ..models.config import QKV_MODULES
 from .memory_resident import ACTS, ATTN, CKPT, LOSS, SMALL, WORK, Resident
@@ -115,7 +115,8 @@ class Replay(Resident):
         """dora.scale's buffers: Q (r, out) f32 (after a product in the compute dtype where W is
         quantized), G (r, r); returns the kept c and 1 / norm (out,) f32."""
         q = self.new((self.r, out), "f32", WORK)
-        p = self.act((self.r, out), WORK) if (self.run.quantize or self.run.file_quantized) and self.dt != "f32" else None
+        quantized = self.run.quantize or self.run.file_quantized
+        p = self.act((self.r, out), WORK) if quantized and self.dt != "f32" else None
         g = self.act((self.r, self.r), WORK)
         kept = [self.new((out,), "f32", ACTS), self.new((out,), "f32", ACTS)]
         self.t.free(q, p, g)
@@ -199,7 +200,8 @@ class Replay(Resident):
             self.grow_ones("dt", N)
         if c.qk_full_norm:                                                # olmoe.qk_full_norm_forward: raw q, k, rstd
             heads = self.act((self.NH, N, D), WORK)
-            keep += [self.act((N, H * D)), self.new((N,), "f32", ACTS), self.act((N, Hk * D)), self.new((N,), "f32", ACTS)]
+            for h in (H, Hk):
+                keep += [self.act((N, h * D)), self.new((N,), "f32", ACTS)]
             self.t.free(heads)
         att = self.act((N, H * D))
         local = []

@@ -321,3 +321,31 @@ def test_config_file_and_flags(tmp_path, monkeypatch, capsys):
         assert main(["train", *argv, "--adapter-path", "b", *tiny]) != 0
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and re.search(match, err[0]), err
+
+
+def test_no_base_to_switch_to():
+    """A full fine-tune keeps no base beside its weights: the modes whose reference is the adapter off
+    (DPO, GRPO with beta > 0), adapter_off itself and serving it as an adapter are one-line errors;
+    ORPO, SimPO and GRPO without the KL term train."""
+    from krnl.models.sequence_loss import adapter_off
+    from krnl.serve.adapters import Adapters
+    from krnl.train.preference import check_full
+    from krnl.train.trainer import TrainConfig
+
+    m, _ = full_model()
+    for mode, beta in (("dpo", 0.1), ("grpo", 0.04)):
+        with pytest.raises(ValueError, match=rf"^\[train\] --train-mode {mode} takes its reference from the base"):
+            check_full(TrainConfig(train_mode=mode, beta=beta), m.lora_config)
+    for mode, beta in (("orpo", 0.1), ("simpo", 2.0), ("grpo", 0.0), ("sft", 0.1)):
+        check_full(TrainConfig(train_mode=mode, beta=beta), m.lora_config)
+    emb, _ = full_model(train_embeddings=True)
+    with pytest.raises(ValueError, match=r"^\[train\] --train-embeddings trains with --train-mode sft only"):
+        check_full(TrainConfig(train_mode="orpo"), emb.lora_config)
+    from krnl.models.sequence_loss import forward_backward_rows
+    with pytest.raises(ValueError, match=r"cannot train the embeddings and head"):
+        forward_backward_rows(emb, *BATCH, lambda r: (r, None))
+    with pytest.raises(ValueError, match=r"^\[adapter_off\] a full fine-tune"):
+        with adapter_off(m):
+            pass
+    with pytest.raises(ValueError, match=r"^\[serve\] run is a full fine-tune: serve the model it wrote"):
+        Adapters(m, {"a": "run"})

@@ -25,7 +25,10 @@ ops = _core.ops
 @contextmanager
 def adapter_off(model):
     """The base model for the calls inside: the compute copies of the LoRA B factors zeroed, restored
-    (bit for bit) after."""
+    (bit for bit) after. A full fine-tune keeps no base to switch to: a ValueError."""
+    if model.lora_config.full:
+        raise ValueError("[adapter_off] a full fine-tune trains the weights themselves: it holds no base model "
+                         "beside them to switch to")
     p = model.lora_params
     flat = p.working if p.working is not None else p.params
     keep = model.dev.empty(tuple(flat.shape), flat.dtype)
@@ -63,6 +66,9 @@ def forward_backward_rows(model, ids, targets, weigh, loss_scale=1.0, first_row=
     host = model.prepare(ids, targets, loss_scale)
     if first_row is not None:
         host.first_row = int(first_row) * host.T
+    if model.end_grads:  # the head's gradient is taken inside the loss, before the rows are weighed
+        raise ValueError("[LlamaModel] a sequence-level objective weighs each row after the loss: it cannot train the "
+                         "embeddings and head (train_embeddings); train the layers alone")
     if model.sums.on:
         raise ValueError("[LlamaModel] a sequence-level objective weighs each sample after the forward, which the "
                          "sample reduce order (--reduce-order sample) does not take; use the default order")

@@ -21,6 +21,9 @@ class Adapters:
         p = model.lora_params
         self.flat = p.working if p.working is not None else p.params
         mine = model.lora_config
+        if mine.full:
+            raise ValueError(f"[serve] {next(iter(paths.values()), 'the adapter')} is a full fine-tune: serve the "
+                             "model it wrote (--model RUN/model) instead of an adapter on its base")
         for name, path in paths.items():
             lora, tensors, _ = read_adapter(path, model.config)
             why = [f"{k} {getattr(lora, k)!r} (the first adapter's: {getattr(mine, k)!r})"

@@ -139,6 +139,18 @@ def check(cfg):
             raise ValueError(f"[train] {k} must be {'> 0' if positive else '>= 0'}, got {v!r}")
 
 
+def check_full(cfg, lora):
+    """Refuses a mode whose reference is the base with the adapter off (DPO; GRPO with beta > 0) for
+    a full fine-tune, which keeps no base beside its trained weights."""
+    if lora.train_embeddings and cfg.train_mode != "sft":
+        raise ValueError(f"[train] --train-embeddings trains with --train-mode sft only; {cfg.train_mode} weighs each "
+                         "row after the head's gradient is taken: leave the embeddings frozen")
+    if lora.full and (cfg.train_mode == "dpo" or (cfg.train_mode == "grpo" and cfg.beta)):
+        what = "set --beta 0 (no KL term)" if cfg.train_mode == "grpo" else "use orpo or simpo (no reference)"
+        raise ValueError(f"[train] --train-mode {cfg.train_mode} takes its reference from the base with the adapter "
+                         f"off, and full fine-tuning keeps no base beside its weights: train LoRA, or {what}")
+
+
 class Pairwise:
     """The objective of --train-mode dpo, orpo or simpo for the trainer's StepRunner: step() trains on
     a batch of pairs (DPO's reference the adapter off, computed at each batch), evaluate() gives its loss.

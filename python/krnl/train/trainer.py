@@ -100,6 +100,7 @@ class Trainer:
         apply_reduce_order(model, cfg, self.world)
         # None: sft's mean cross entropy; else it takes whole batches and slices them itself among the ranks
         self.objective = preference.objective(cfg, self.world, objective)
+        preference.check_full(cfg, model.lora_config)
         # train: (ids, targets[, segments, positions]) arrays, a krnl.train.data.Split (its batches()),
         # or a batch source with next(), state() and load_state().
         if hasattr(train, "batches"):

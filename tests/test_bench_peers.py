@@ -289,7 +289,7 @@ def test_unsloth_rows_its_checkpointing_and_like_for_like(peers_here, folder):
 @pytest.mark.torch
 def test_qlora_fast_peer_rows(peers_here):
     """qlora with --peers liger,unsloth: their rows after krnl's two (no PEFT row: not asked for),
-    relative to krnl's; without CUDA (no bitsandbytes) on bf16 bases, and their notes say so."""
+    relative to krnl's; the notes say which base each trained on (Unsloth's 4-bit load is CUDA's)."""
     pytest.importorskip("peft")
     site, records = peers_here
     stand_in(site, "liger_kernel", {"__init__.py": "", "transformers.py": LIGER}, "liger-kernel", "9.9.9")
@@ -301,6 +301,8 @@ def test_qlora_fast_peer_rows(peers_here):
     for impl in ("PEFT+Liger", "Unsloth", "Unsloth ckpt off"):
         r = rows[impl]
         assert r["status"] == "ok" and r["tokens_per_s"] > 0 and np.isfinite(r["loss"]) and r["vs_krnl"] > 0
-    assert "PEFT bf16 base" in rows["PEFT+Liger"]["note"] and "a bf16 base" in rows["Unsloth"]["note"]
+    # Liger's base is PEFT's (qlora.peft_model): NF4 where bitsandbytes runs here (CI's torch stage), else bf16
+    assert any(b in rows["PEFT+Liger"]["note"] for b in ("PEFT bnb-nf4", "PEFT bf16 base"))
+    assert "a bf16 base" in rows["Unsloth"]["note"]
     loads = [r for r in records() if r["event"] == "from_pretrained"]
     assert len(loads) == 2 and all(not r["load_in_4bit"] and r["dtype"] == "torch.bfloat16" for r in loads)

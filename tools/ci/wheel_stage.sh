@@ -18,7 +18,9 @@
 #                             the package (tests/test_metal_kernels*.py, test_mslsim.py,
 #                             test_metal_api.py: metal/*.metal, tools/mslsim and the Objective-C
 #                             API surface through the simulator and clang), which stage 1 ran and
-#                             whose result cannot depend on how krnl was installed. full: all.
+#                             whose result cannot depend on how krnl was installed, and the op
+#                             suite's metal-sim cases (KRNL_TEST_METAL_SIM_OPS=0: the same kernels
+#                             as stage 1's; the model-level metal-sim tests run). full: all.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 WORK=${KRNL_CI_WHEEL_WORK:-$ROOT/build/ci-wheel}  # build/ is git-ignored
@@ -83,7 +85,10 @@ args=(-q -p no:cacheprovider "$ROOT/tests")
 if [ "$mode" = subset ]; then
   args+=(--ignore-glob="$ROOT/tests/test_metal_kernels*.py" --ignore="$ROOT/tests/test_mslsim.py"
          --ignore="$ROOT/tests/test_metal_api.py")
-  echo "wheel: test suite against the installed wheel: every module that uses krnl; left out (they never import it, stage 1 ran them): tests/test_metal_kernels*.py, test_mslsim.py, test_metal_api.py (KRNL_CI_WHEEL_TESTS=full runs them too)"
+  # the op suite's metal-sim cases run the same metal/*.metal kernels stage 1 ran; the model-level
+  # metal-sim tests still run here, on the installed krnl
+  export KRNL_TEST_METAL_SIM_OPS=0
+  echo "wheel: test suite against the installed wheel: every module that uses krnl; left out (they never import it, stage 1 ran them): tests/test_metal_kernels*.py, test_mslsim.py, test_metal_api.py, and the op suite's metal-sim cases (KRNL_CI_WHEEL_TESTS=full runs them too)"
 else
   echo "wheel: the whole test suite against the installed wheel"
 fi

@@ -577,6 +577,15 @@ def test_softcap_backward_finite_differences(dev):
     assert_fd(read(dx), fd_grad(loss, x0), "dx")
 
 
+def assert_bad_calls(cases):
+    """Each (op, call, needle): call() raises one line starting with [op] and naming needle."""
+    for op, call, needle in cases:
+        with pytest.raises(ValueError) as e:
+            call()
+        msg = str(e.value)
+        assert msg.startswith(f"[{op}] ") and needle in msg and "\n" not in msg, msg
+
+
 def test_geglu_and_softcap_bad_calls(dev):
     """Bad shapes, dtypes and caps raise one-line ValueErrors naming the op and the argument."""
     z = lambda shape, dt="f32": dev.zeros(shape, dt)  # noqa: E731
@@ -598,11 +607,7 @@ def test_geglu_and_softcap_bad_calls(dev):
         ("softmax_causal_forward", lambda: ops.softmax_causal_forward(z((4, 4)), z((4, 4)), 1.0, window=-1),
          "window"),
     ]
-    for op, call, needle in cases:
-        with pytest.raises(ValueError) as e:
-            call()
-        msg = str(e.value)
-        assert msg.startswith(f"[{op}] ") and needle in msg and "\n" not in msg, msg
+    assert_bad_calls(cases)
 
 
 # ------------------------------------------------------------------ DoRA's column scale, norm
@@ -746,11 +751,7 @@ def test_dora_and_column_ops_bad_calls(dev):
         ("dora_norm", lambda: ops.dora_norm(z((5,)), z((5, 2)), z((2, 5)), z((5,)), float("nan"), z((5,)), z((5,))),
          "alpha"),
     ]
-    for op, call, needle in cases:
-        with pytest.raises(ValueError) as e:
-            call()
-        msg = str(e.value)
-        assert msg.startswith(f"[{op}] ") and needle in msg and "\n" not in msg, msg
+    assert_bad_calls(cases)
 
 
 # ------------------------------------------------------------------------------------- RoPE

@@ -1,4 +1,4 @@
-"""Each optimizer holds exactly the state it reads (krnl.train.optimizers; issue 43): the pool bytes
+"""Each optimizer holds exactly the state it reads (krnl.train.optimizers): the pool bytes
 its construction reserves against the memory estimate's count (krnl.train.memory_resident's
 optimizer_state), 8-bit AdamW's saving over AdamW from the shapes, no moment for plain SGD, and
 states of the earlier layout (every state vector as long as the params) resuming bit for bit."""

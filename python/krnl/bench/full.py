@@ -1,4 +1,4 @@
-"""The full fine-tuning workload (issue 43): one AdamW step (lr 1e-4, clipping at 1) training every
+"""The full fine-tuning workload: one AdamW step (lr 1e-4, clipping at 1) training every
 weight of the decoder layers (projections and norms; embeddings and head frozen, as krnl's and
 mlx-lm's default) of pref.py's model, the 1b shape with random weights made in memory, on B rows of
 T tokens. krnl: LoraConfig(full=True), f32 masters, gradients and AdamW moments, the compute dtype

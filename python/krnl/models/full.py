@@ -117,12 +117,7 @@ class Trained:
             return None
         if all(len(p.shapes[n]) == 2 for n in names):
             return p.rows(names)
-        spans = [p.offsets[n] for n in names]
-        if any(o + n != nxt for (o, n), (nxt, _) in zip(spans, spans[1:])):
-            return None
-        off, size = spans[0][0], sum(n for _, n in spans)
-        flat = p.working if p.working is not None else p.params
-        return flat[off:off + size].reshape(1, size), p.grads[off:off + size].reshape(1, size)
+        return p.joined(names, (1, sum(p.offsets[n][1] for n in names)))
 
 
 def tensor(trained, names, frozen):

@@ -146,7 +146,8 @@ def build_layer(i, config, weights, device, dtype, heads, ones, lora_config, lor
     switch: the model's dora.Switch where its adapted linears are DoRA's; trained: a full.Trained
     whose tensors replace the uploads (full fine-tuning; adapted is then empty)."""
     c, p = config, f"model.layers.{i}."
-    grads = {}
+    grads = {}  # the Layer's name of a trained tensor -> its gradient (None: its linears hold them)
+    trained_grads = lambda: {k: g for k, g in grads.items() if g is not None} or None  # noqa: E731
 
     def up(names, shape=None, attr=None):  # attr: the Layer's name of it, for its gradient where it trains
         if trained is not None and any(trained.has(k) for k in names):
@@ -207,7 +208,7 @@ def build_layer(i, config, weights, device, dtype, heads, ones, lora_config, lor
     o_bias = up([p + "self_attn.o_proj.bias"], (1, -1), "o_bias") if c.o_proj_bias else None
     if c.gemma:
         L = build_gemma_layer(i, c, weights, device, heads, ones, qkv, qkv_bias, lin)
-        L.o_bias, L.grads = o_bias, {k: g for k, g in grads.items() if g is not None} or None
+        L.o_bias, L.grads = o_bias, trained_grads()
         return L
     if c.moe:
         mlp = build_moe(i, c, weights, device, dtype, lora_config, lora_params, adapted, sums, quantize, ones)
@@ -225,7 +226,7 @@ def build_layer(i, config, weights, device, dtype, heads, ones, lora_config, lor
     return Layer(heads, eps, n1, qkv, qkv_bias, ones,
                  lin["q_proj"], lin["k_proj"], lin["v_proj"], lin["o_proj"], mlp, qn, kn, qkv_fold=folds.get("q_proj"),
                  qk_full=qk_full, o_bias=o_bias, window=c.layer_windows[i] if c.layer_windows and not c.gemma else None,
-                 sinks=sinks, grads={k: g for k, g in grads.items() if g is not None} or None)
+                 sinks=sinks, grads=trained_grads())
 
 
 def build_gemma_layer(i, c, weights, device, heads, ones, qkv, qkv_bias, lin):

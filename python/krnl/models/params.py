@@ -66,13 +66,18 @@ class FlatParams(Layout):
     def rows(self, names):
         """(compute, grad) views of the 2-D parameters `names` stacked by rows, (sum of their rows,
         cols), where they lie side by side in this order with one column count; else None."""
-        spans, shapes = [self.offsets[k] for k in names], [self.shapes[k] for k in names]
+        shapes = [self.shapes[k] for k in names]
         if any(len(s) != 2 or s[1] != shapes[0][1] for s in shapes):
             return None
+        return self.joined(names, (sum(s[0] for s in shapes), shapes[0][1]))
+
+    def joined(self, names, shape):
+        """(compute, grad) views, of `shape`, of the parameters `names` as one tensor, where they lie
+        side by side in this order; else None."""
+        spans = [self.offsets[k] for k in names]
         if any(o + n != nxt for (o, n), (nxt, _) in zip(spans, spans[1:])):
             return None
         off, size = spans[0][0], sum(n for _, n in spans)
-        shape = (sum(s[0] for s in shapes), shapes[0][1])
         flat = self.working if self.working is not None else self.params
         return flat[off:off + size].reshape(shape), self.grads[off:off + size].reshape(shape)
 

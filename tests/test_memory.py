@@ -136,6 +136,66 @@ def test_estimate_matches_the_measured_peak(cpu1, monkeypatch, tmp_path, case):
     assert est.parts.get("optimizer" if run.lora.full else "checkpoints" if run.grad_checkpoint else "activations") > 0
 
 
+class Chars:
+    """GRPO's tokenizer of the measured runs: no EOS, so every completion takes its whole length."""
+    eos_id, pad_id = None, 0
+
+    def decode(self, ids):
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+def measured_mode(dev, cfg, mode, lora=R8, dtype="f32", B=2, T=48, gc=False, beta=0.1, G=3, completion=16):
+    """(the pool's peak reserved bytes over two steps of --train-mode `mode`, the Run that describes
+    them): B pairs of rows of T tokens (the prompt a third), or B prompts of T - completion tokens
+    with G completions each."""
+    from krnl.train.data import Sample
+    from krnl.train.grpo import GRPO
+    from krnl.train.pairs import PairBatches, PromptBatches
+
+    config = ModelConfig.from_dict(cfg)
+    dev.trim()
+    base = dev.pool_stats()["reserved"]
+    m = LlamaModel(dev, config, random_weights(config, seed=0), lora=replace(lora), dtype=dtype, grad_checkpoint=gc)
+    rng = np.random.default_rng(0)
+    ids = lambda n: rng.integers(1, config.vocab_size, n).astype(np.int32)
+    learn = np.arange(T) >= T // 3
+    objective = None
+    if mode == "grpo":
+        data = PromptBatches([(list(ids(T - completion)), {"prompt": str(i)}) for i in range(4 * B)], B, 0)
+        objective = GRPO(Chars(), [("a", lambda completions, **kw: [float(c.count("a")) for c in completions])],
+                         num_generations=G, max_completion_length=completion, beta=beta)
+    else:
+        data = PairBatches([(Sample(ids(T), learn), Sample(ids(T), learn)) for _ in range(4 * B)], B, 0)
+    cfg_t = TrainConfig(iters=2, batch_size=B, val_every=0, save_every=0, warmup=0, train_mode=mode, beta=beta,
+                        loss_type="dapo" if mode == "grpo" else "sigmoid")
+    Trainer(m, cfg_t, data, None, out_dir=dev.name, progress=False, objective=objective).run()
+    peak = dev.pool_stats()["peak_reserved"] - base
+    grpo = dict(rows_per_item=G, completion=completion, reference=bool(beta)) if mode == "grpo" else \
+        dict(rows_per_item=2, reference=mode == "dpo")
+    return peak, memory.Run(config, lora, dtype, batch=B, seq=T, grad_checkpoint=gc,
+                            device=memory.Traits.of(dev), objective=mode, **grpo)
+
+
+MODE_CASES = {
+    "dpo f32": dict(cfg=LLAMA, mode="dpo"),
+    "dpo bf16, checkpointed": dict(cfg=LLAMA, mode="dpo", dtype="bf16", gc=True),
+    "orpo f32 (no reference)": dict(cfg=LLAMA, mode="orpo"),
+    "simpo on a mixture of experts": dict(cfg=MOE, mode="simpo", B=1),
+    "grpo, no KL term": dict(cfg=LLAMA, mode="grpo", beta=0.0),
+    "grpo bf16 with the KL term, 4 generations": dict(cfg=LLAMA, mode="grpo", dtype="bf16", G=4, T=64),
+}
+
+
+@pytest.mark.parametrize("case", list(MODE_CASES))
+def test_estimate_of_sequence_objectives_matches_the_measured_peak(cpu1, tmp_path, monkeypatch, case):
+    monkeypatch.chdir(tmp_path)
+    peak, run = measured_mode(cpu1, **MODE_CASES[case])
+    est = memory.estimate(run)
+    assert abs(est.total - peak) <= 0.01 * peak, (case, est.total, peak)
+    sft = memory.estimate(replace(run, objective="sft", rows_per_item=1, reference=False, completion=0))
+    assert est.total > sft.total  # a pair's two rows, G completions a prompt
+
+
 def test_class_size_is_the_pools():
     for n in list(range(1, 9000, 97)) + [2**k + d for k in range(12, 34) for d in (-1, 0, 1, 2**k // 3)]:
         assert memory.class_size(n) == _core.testing.HostBufferPool.class_size(n), n
@@ -215,6 +275,75 @@ def test_fit_trains_within_the_limit_it_chose(tmp_path, capsys, cpu1):
     out = capsys.readouterr().out
     assert rc == 0 and "memory: --grad-checkpoint fits" in out, out
     assert cpu1.memory_limit["bytes"] == size
+
+
+def mode_folder(tmp_path):
+    """A tiny HF folder, pairs of prompts of 1-3 words (train.jsonl), and the arguments of a plan on it."""
+    import json
+    from mlx_folders import make_base
+
+    make_base(tmp_path / "base")
+    (tmp_path / "data").mkdir()
+    rng = np.random.default_rng(0)
+    lines = [{"prompt": " ".join(f"w{i}" for i in rng.integers(10, 40, k)), "chosen": " w5 w6",
+              "rejected": " w7 w8 w9"} for k in (1, 2, 3, 1, 2, 3)]
+    (tmp_path / "data" / "train.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return ["plan", "--model", str(tmp_path / "base"), "--data", str(tmp_path / "data"), "--device", "cpu",
+            "--dtype", "f32"]
+
+
+def test_plan_of_preference_and_grpo_runs_counts_their_rows(tmp_path, capsys):
+    from krnl.formats import hf
+    from krnl.train.pairs import load_pair_dataset, load_prompts
+
+    plan = mode_folder(tmp_path)
+    tok = hf.load_tokenizer(tmp_path / "base")
+    pairs = load_pair_dataset(tmp_path / "data", tok, 2048)["train"]
+    T = max(len(x) for p in pairs.pairs for x in p[:2])
+    assert main(plan + ["--train-mode", "dpo", "--batch-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert f"4 rows (2 pairs) x {T} tokens a micro-batch (the longest pair of " in out, out
+    args = parse_args(["train", *plan[1:], "--train-mode", "dpo", "--batch-size", "2"], defaultdict(lambda: None))
+    config = hf.read_config(tmp_path / "base")
+    run = cli_memory.run_of(args, krnl.device("cpu"), lora_from_args(args), config, T, None, None)
+    assert (run.objective, run.rows_per_item, run.reference, run.batch) == ("dpo", 2, True, 2)
+    assert memory.size_text(memory.estimate(run).total) in out
+    # the loaded run's estimate (the out-of-memory line's) reads the pairs' rows, not the pairs
+    m = hf.load_model(tmp_path / "base", krnl.device("cpu"), lora=lora_from_args(args), dtype="f32")
+    assert cli_memory.after_load(args, krnl.device("cpu"), m, pairs).run.seq == T
+    # grpo: the batch counts completions, a row is the longest prompt and the completion
+    longest = max(len(ids) for ids, _ in load_prompts(tmp_path / "data" / "train.jsonl", tok, 2048))
+    grpo = ["--train-mode", "grpo", "--num-generations", "2", "--max-completion-length", "9"]
+    assert main(plan + grpo + ["--batch-size", "4"]) == 0
+    out = capsys.readouterr().out
+    assert f"4 rows (4 completions of 2 prompts) x {longest + 9} tokens a micro-batch" in out, out
+    assert main(plan + grpo + ["--batch-size", "3"]) == 1
+    assert "--batch-size 3 (completions) is not whole groups of --num-generations 2" in capsys.readouterr().err
+
+
+def test_fit_trains_dpo_within_the_limit_it_chose(tmp_path, capsys, cpu1):
+    plan = mode_folder(tmp_path)
+    dpo = ["--train-mode", "dpo", "--batch-size", "2", "--device", "cpu:1"]
+    args = parse_args(["train", *plan[1:], *dpo], defaultdict(lambda: None))
+    config, _, _ = cli_memory.model_config(args)
+    run = cli_memory.run_of(args, cpu1, lora_from_args(args), config, cli_memory.longest(args, config)[0], None, None)
+    plain, gc = memory.estimate(run).total, memory.estimate(replace(run, grad_checkpoint=True)).total
+    cpu1.trim()
+    size = gc + cpu1.pool_stats()["reserved"] + 1024
+    assert size < plain
+    rc = main(["train", *plan[1:], *dpo, "--max-memory", str(size), "--iters", "2", "--quiet", "--no-tune",
+               "--adapter-path", str(tmp_path / "run")])
+    out = capsys.readouterr().out
+    assert rc == 0 and "memory: --grad-checkpoint fits" in out, out
+
+
+def test_fit_of_grpo_keeps_whole_groups():
+    run = memory.Run(ModelConfig.from_dict(LLAMA), R8, "f32", batch=4, seq=64, objective="grpo", rows_per_item=2,
+                     completion=32)
+    sizes = [(c.batch, c.micro_batches) for c in memory.candidates(run)][2:4]
+    assert sizes == [(2, 2), (1, 4)]  # prompts a micro-batch: each keeps its G completions
+    assert memory.describe(replace(run, batch=1, micro_batches=4), run) == \
+        "micro-batches of 2 completions, 4 accumulated (global batch 8 kept)"
 
 
 def test_out_of_memory_is_one_line_naming_the_step_and_what_to_change(tmp_path, capsys):

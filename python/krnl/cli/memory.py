@@ -15,6 +15,7 @@ from ..quant.qweight import QuantizedWeight
 from ..train import memory
 from ..train.step import padded_length
 from ..train.trainer import REPLAY_BUCKET
+from . import objectives
 
 
 def add_arguments(t):
@@ -117,24 +118,33 @@ def longest(args, config):
         return make_split(CharTokenizer(), 1, 0)[0].shape[1], "the embedded task's rows"
     if args.pack:
         return args.max_seq_length, "--pack's rows of --max-seq-length"
-    if not args.data or args.train_mode != "sft":
+    grpo = args.train_mode == "grpo"
+    if not args.data:
+        if grpo:
+            return (min(args.max_seq_length + args.max_completion_length, config.max_position_embeddings),
+                    "--max-seq-length and --max-completion-length, the worst case")
         return args.max_seq_length, "--max-seq-length, the worst case"
     from ..formats.hf import load_tokenizer
+    if args.train_mode != "sft":
+        split = objectives.mode_split(args, load_tokenizer(args.model), config.vocab_size)
+        return objectives.longest(args, split, config.max_position_embeddings)
     train = sft_data(args, load_tokenizer(args.model), config.vocab_size)["train"]
     return max(len(s) for s in train.samples), f"the longest sample of {train.path}"
 
 
 def run_of(args, dev, lora, config, T, quantize, file_q):
     traits = memory.Traits.of(dev)
-    replay = traits.graphs and not args.no_graphs
+    replay = traits.graphs and not args.no_graphs and args.train_mode == "sft"  # as Trainer decides
+    mode = objectives.memory_fields(args)
+    batch = objectives.prompts_per_batch(args) if mode.get("objective") == "grpo" else args.batch_size
     Tp = padded_length(T, args.length_bucket or (REPLAY_BUCKET if replay else 1),
                        config.max_position_embeddings)
     return memory.Run(config, replace(lora), args.dtype, quantize=quantize, file_quantized=file_q,
-                      batch=args.batch_size, seq=Tp, grad_checkpoint=args.grad_checkpoint,
+                      batch=batch, seq=Tp, grad_checkpoint=args.grad_checkpoint,
                       micro_batches=args.grad_accumulation, packed=args.pack, device=traits,
                       ce_chunk=getattr(args, "ce_chunk", None), optimizer=getattr(args, "optimizer", "adamw"),
                       min_8bit_size=getattr(args, "min_8bit_size", 4096),
-                      momentum=getattr(args, "momentum", None) or 0.0)
+                      momentum=getattr(args, "momentum", None) or 0.0, **mode)
 
 
 def before_load(args, dev, lora, quantize):
@@ -154,8 +164,11 @@ def before_load(args, dev, lora, quantize):
         limit, origin = max(limit - held, 0), f"{origin}, less {memory.size_text(held)} the pool holds"
     name = Path(args.model).name if args.model else "the embedded tiny Llama"
     kind = "full fine-tuning" if lora.full else f"LoRA r={lora.r}"
+    n, noun = memory.batch_size(run)
+    rows = f"{run.batch * run.rows_per_item}" + ("" if noun == "rows" else f" rows ({n} {noun}")
+    rows += {"rows": "", "pairs": ")", "completions": f" of {run.batch} prompts)"}[noun]
     head = (f"memory plan on {dev.name}: {name} ({config.num_hidden_layers} layers, hidden {config.hidden_size}), "
-            f"{args.dtype}, {kind}; {run.batch} x {run.seq} tokens a micro-batch ({where}), "
+            f"{args.dtype}, {kind}; {rows} x {run.seq} tokens a micro-batch ({where}), "
             f"{run.micro_batches} a step{', checkpointed' if run.grad_checkpoint else ''}{note}")
     dry = args.cmd == "plan" or args.dry_run
     if dry:
@@ -176,7 +189,8 @@ def before_load(args, dev, lora, quantize):
     if dry:
         print("\n".join(chosen.table(limit, origin)))
         return 0
-    args.grad_checkpoint, args.batch_size, args.grad_accumulation = c.grad_checkpoint, c.batch, c.micro_batches
+    args.grad_checkpoint, args.grad_accumulation = c.grad_checkpoint, c.micro_batches
+    args.batch_size = memory.batch_size(c)[0]
     args.ce_chunk = c.ce_chunk
     if args.max_memory is None:
         dev.set_memory_limit(limit + held)
@@ -198,7 +212,10 @@ def after_load(args, dev, model, train):
     the model's loss chunk where --fit chose one."""
     if getattr(args, "ce_chunk", None):
         model.ce_chunk = int(args.ce_chunk)
-    if hasattr(train, "samples"):
+    if args.train_mode != "sft":
+        split = train.items if args.train_mode == "grpo" else {"train": train}  # PromptBatches, PairSplit
+        T = objectives.longest(args, split, model.config.max_position_embeddings)[0]
+    elif hasattr(train, "samples"):
         T = args.max_seq_length if args.pack else max(len(s) for s in train.samples)
     elif isinstance(train, tuple):
         T = train[0].shape[1]

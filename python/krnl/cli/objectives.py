@@ -57,26 +57,65 @@ def config_fields(args):
             "cpo_alpha": args.cpo_alpha}
 
 
-def mode_data(args, tok, model):
-    """(train source, valid or None, training items) of the mode from --data: pairs, or grpo's prompts."""
-    from ..train.pairs import PromptBatches, load_pair_dataset, load_prompts
+def prompts_per_batch(args):
+    """grpo: the prompts of a batch of --batch-size completions."""
+    G = args.num_generations
+    if args.batch_size % G:
+        raise ValueError(f"[train] --batch-size {args.batch_size} (completions) is not whole groups of "
+                         f"--num-generations {G}")
+    return args.batch_size // G
+
+
+def mode_split(args, tok, vocab_size):
+    """The mode's data read once, whoever asks first (the memory plan, then the run): grpo's prompts
+    (load_prompts' items) or the pairs' splits {train, valid}."""
+    from ..train.pairs import load_pair_dataset, load_prompts
 
     if args.pack:
         raise ValueError(f"[train] --pack packs SFT samples; --train-mode {args.train_mode} keeps each row's own")
-    V = model.config.vocab_size
+    if getattr(args, "loaded_data", None) is None:
+        if args.train_mode == "grpo":
+            args.loaded_data = load_prompts(Path(args.data) / "train.jsonl", tok, args.max_seq_length, vocab_size,
+                                            data_keys(args))
+        else:
+            args.loaded_data = load_pair_dataset(args.data, tok, args.max_seq_length, vocab_size,
+                                                 args.train_mode == "orpo", data_keys(args))
+    return args.loaded_data
+
+
+def mode_data(args, tok, model):
+    """(train source, valid or None, training items) of the mode from --data: pairs, or grpo's prompts."""
+    from ..train.pairs import PromptBatches
+
+    data = mode_split(args, tok, model.config.vocab_size)
     if args.train_mode == "grpo":
         G = args.num_generations
-        if args.batch_size % G:
-            raise ValueError(f"[train] --batch-size {args.batch_size} (completions) is not whole groups of "
-                             f"--num-generations {G}")
-        prompts = load_prompts(Path(args.data) / "train.jsonl", tok, args.max_seq_length, V, data_keys(args))
-        print(f"train: {len(prompts)} prompts from {Path(args.data) / 'train.jsonl'}")
-        return PromptBatches(prompts, args.batch_size // G, args.seed, where=args.data), None, len(prompts) * G
-    ds = load_pair_dataset(args.data, tok, args.max_seq_length, V, args.train_mode == "orpo", data_keys(args))
-    for split in ds.values():
+        per_batch = prompts_per_batch(args)
+        print(f"train: {len(data)} prompts from {Path(args.data) / 'train.jsonl'}")
+        return PromptBatches(data, per_batch, args.seed, where=args.data), None, len(data) * G
+    for split in data.values():
         if split is not None:
             print(split.summary())
-    return ds["train"], ds["valid"], len(ds["train"].pairs)
+    return data["train"], data["valid"], len(data["train"].pairs)
+
+
+def memory_fields(args):
+    """krnl.train.memory.Run's fields of the mode: rows a batch item makes, the reference's forward,
+    grpo's completion length."""
+    if args.train_mode == "sft":
+        return {}
+    if args.train_mode == "grpo":
+        return dict(objective="grpo", rows_per_item=args.num_generations, reference=bool(args.beta),
+                    completion=args.max_completion_length)
+    return dict(objective=args.train_mode, rows_per_item=2, reference=args.train_mode == "dpo")
+
+
+def longest(args, split, max_positions):
+    """(the longest row of the mode's data (mode_split's), what it is)."""
+    if args.train_mode == "grpo":
+        n = min(max(len(ids) for ids, _ in split) + args.max_completion_length, max_positions)
+        return n, "the longest prompt and --max-completion-length"
+    return max(len(s) for p in split["train"].pairs for s in p[:2]), f"the longest pair of {split['train'].path}"
 
 
 def objective(args, tok, cfg):

@@ -36,6 +36,7 @@ PARTS = {
     "loss": "loss (final norm, logits chunk)",
     "working": "backward working set",
     "small": "inputs and small buffers",
+    "generation": "GRPO's generation (KV caches)",
     "slack": "pool slack (size classes, cached)",
 }
 
@@ -134,7 +135,7 @@ class Run:
     dtype: str = "bf16"
     quantize: Optional[tuple] = None  # --q-bits: (bits, group_size[, mode]) of the projections
     file_quantized: Optional[tuple] = None  # an MLX quantized folder's (bits, group_size): embeddings too
-    batch: int = 1                    # rows of a micro-batch (B)
+    batch: int = 1                    # items of a micro-batch: rows (B), pairs or grpo's prompts
     seq: int = 2048                   # tokens of a row (T), padded
     grad_checkpoint: bool = False
     micro_batches: int = 1            # accumulated micro-batches of a step
@@ -143,6 +144,10 @@ class Run:
     optimizer: str = "adamw"
     min_8bit_size: int = 4096         # adamw8bit: smaller parameters keep only f32 moments
     momentum: float = 0.0             # sgd: a momentum buffer where > 0
+    objective: str = "sft"            # --train-mode: sft, or a sequence objective (memory_sequence)
+    rows_per_item: int = 1            # rows a batch item makes: 2 a pair; grpo's G completions a prompt
+    reference: bool = False           # a forward with the adapter off first (DPO; GRPO with --beta > 0)
+    completion: int = 0               # grpo: the tokens a completion may take (then seq: prompt + these)
     device: Traits = Traits()
 
 
@@ -190,14 +195,22 @@ def estimate(run):
     return Estimate(run, parts, t.peak_reserved, t.peak_in_use)
 
 
+def batch_size(run):
+    """(a micro-batch's size as --batch-size counts it, what it counts): grpo's completions, pairs, rows."""
+    if run.objective == "grpo":
+        return run.batch * run.rows_per_item, "completions"
+    return run.batch, "rows" if run.objective == "sft" else "pairs"
+
+
 def describe(run, base):
     """What a fitted run changes from `base`, for people."""
     out = []
     if run.grad_checkpoint and not base.grad_checkpoint:
         out.append("--grad-checkpoint")
     if run.batch != base.batch:
-        out.append(f"micro-batches of {run.batch} rows, {run.micro_batches} accumulated (global batch "
-                   f"{run.batch * run.micro_batches} kept)")
+        n, noun = batch_size(run)
+        out.append(f"micro-batches of {n} {noun}, {run.micro_batches} accumulated (global batch "
+                   f"{n * run.micro_batches} kept)")
     if run.ce_chunk != base.ce_chunk:
         out.append(f"loss chunks of {run.ce_chunk} rows")
     return ", ".join(out) or "nothing to change"

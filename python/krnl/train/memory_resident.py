@@ -58,7 +58,7 @@ class Resident:
         self.t, self.run = t, run
         c, lc = run.config, run.lora
         self.c, self.dt, self.r = c, run.dtype, lc.r
-        self.B, self.T = run.batch, run.seq
+        self.B, self.T = run.batch * run.rows_per_item, run.seq           # rows: 2 a pair, G a GRPO prompt
         self.N = self.B * self.T
         self.C, self.V, self.L = c.hidden_size, c.vocab_size, c.num_hidden_layers
         self.H, self.Hk, self.D = c.num_attention_heads, c.num_key_value_heads, c.head_dim

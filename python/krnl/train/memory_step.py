@@ -8,10 +8,12 @@ a rebound name after the new value exists (`oh = d.empty(...)` in a loop holds t
 a cache once its layer's backward is done. A change to what the model allocates belongs here
 too; tests/test_memory.py measures the pool against this replay on several configurations.
 
+A sequence objective's micro-batch (DPO, ORPO, SimPO, GRPO) is memory_sequence's.
 Not replayed (their buffers are small or counted as the nearest case): the sample reduce order's
-slots, LongRoPE's second frequency table, and the preference objectives' extra forwards."""
+slots and LongRoPE's second frequency table."""
 
 from ..models.config import QKV_MODULES
+from . import memory_sequence as sequence
 from .memory_resident import ACTS, ATTN, CKPT, LOSS, SMALL, WORK, Resident
 
 
@@ -21,18 +23,25 @@ class Replay(Resident):
     # -- one micro-batch (StepRunner.micro_batch, eager) ----------------------------------------
 
     def micro_batch(self):
-        B, T, N = self.B, self.T, self.N
-        # DeviceInputs.of: positions, segments, ids, targets, ce_scale, dropout seeds, loss_scale
-        inputs = [self.new((B, T) if self.run.packed else (T,), "i32", SMALL)]
-        inputs += [self.new((T,), "i32", SMALL) for _ in range(B if self.run.packed else 0)]
-        inputs += [self.new((N,), "i32", SMALL), self.new((N,), "i32", SMALL), self.new((1,), "f32", SMALL)]
-        inputs += [self.new((2,), "i32", SMALL)] if self.dropout else []
-        inputs.append(self.new((1,), "f32", SMALL))
+        if self.run.objective != "sft":                                   # two device steps (sequence_loss.py)
+            sequence.micro_batch(self)
+            return
+        inputs = self.inputs()
         self.t.begin_step()
         total = self.forward_backward_step()
         self.t.free(total)                                               # cast into StepRunner.losses
         self.t.end_step()
         self.t.free(*inputs)
+
+    def inputs(self):
+        """DeviceInputs.of: positions, segments, ids, targets, ce_scale, dropout seeds, loss_scale."""
+        B, T, N = self.B, self.T, self.N
+        inputs = [self.new((B, T) if self.run.packed else (T,), "i32", SMALL)]
+        inputs += [self.new((T,), "i32", SMALL) for _ in range(B if self.run.packed else 0)]
+        inputs += [self.new((N,), "i32", SMALL), self.new((N,), "i32", SMALL), self.new((1,), "f32", SMALL)]
+        inputs += [self.new((2,), "i32", SMALL)] if self.dropout else []
+        inputs.append(self.new((1,), "f32", SMALL))
+        return inputs
 
     def optimizer(self):
         self.t.begin_step()

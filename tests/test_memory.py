@@ -40,7 +40,7 @@ def cpu1():
 
 
 def measured(dev, out, cfg, lora, dtype="f32", B=2, T=64, gc=False, quantize=None, micro=1, packed=False,
-             fused=False, fold=False, monkeypatch=None, optimizer="adamw", momentum=None):
+             fused=False, fold=False, monkeypatch=None, optimizer="adamw", momentum=None, order="rows"):
     """(the pool's peak reserved bytes over two training steps, the Run that describes them)."""
     if monkeypatch is not None:
         monkeypatch.setenv("KRNL_LORA_FOLD", "1" if fold else "0")
@@ -57,14 +57,14 @@ def measured(dev, out, cfg, lora, dtype="f32", B=2, T=64, gc=False, quantize=Non
         seg = np.repeat((np.arange(T) >= T // 3).astype(np.int32)[None], len(ids), 0)
         data += (seg, np.where(seg == 0, np.arange(T), np.arange(T) - T // 3).astype(np.int32))
     cfg_t = TrainConfig(iters=2, batch_size=B, grad_accum=micro, val_every=0, save_every=0, warmup=0,
-                        optimizer=optimizer, min_8bit_size=256, momentum=momentum)
+                        optimizer=optimizer, min_8bit_size=256, momentum=momentum, reduce_order=order)
     Trainer(m, cfg_t, data, None, out_dir=out, progress=False).run()
     peak = dev.pool_stats()["peak_reserved"] - base
     traits = replace(memory.Traits.of(dev), fused_dtypes=(dtype,) if fused else (), token_major=fused,
                      lora_fold=fold)
     return peak, memory.Run(config, lora, dtype, quantize=quantize, batch=B, seq=T, grad_checkpoint=gc,
                             micro_batches=micro, packed=packed, device=traits, optimizer=optimizer,
-                            min_8bit_size=256, momentum=momentum or 0.0)
+                            min_8bit_size=256, momentum=momentum or 0.0, sample_order=order == "sample")
 
 
 R8 = LoraConfig(r=8, alpha=16)
@@ -108,6 +108,9 @@ CASES = {
         sliding_window=16, max_position_embeddings=4096, rms_norm_eps=1e-5, swiglu_limit=7.0,
         rope_parameters=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, rope_theta=150000.0,
                              original_max_position_embeddings=4096, truncate=False))),
+    "the sample reduce order, 3 samples, 2 micro-batches": dict(cfg=LLAMA, order="sample", B=3, micro=2),
+    "the sample reduce order, bf16, 4 samples, phi3's fused projections, DoRA": dict(
+        cfg=dict(LLAMA, model_type="phi3"), order="sample", B=4, dtype="bf16", lora=LoraConfig(r=8, use_dora=True)),
     "full fine-tuning bf16": dict(cfg=LLAMA, dtype="bf16", lora=LoraConfig(full=True)),
     "full fine-tuning with the embeddings, head and final norm": dict(
         cfg=LLAMA, lora=LoraConfig(full=True, train_embeddings=True, layers=[3])),
@@ -242,6 +245,21 @@ def test_plan_prints_each_part_the_total_and_whether_it_fits(capsys):
     assert "budget: " in out and "available RAM" in out and "fits: yes" in out
     assert main(["train", "--dry-run", "--batch-size", "16", "--device", "cpu"]) == 0  # the same plan
     assert capsys.readouterr().out == out
+
+
+def test_plan_of_a_rank_holds_its_share_in_the_sample_order(capsys):
+    from types import SimpleNamespace
+
+    args = parse_args(["plan", "--batch-size", "4", "--device", "cpu", "--dtype", "f32"], defaultdict(lambda: None))
+    config, fq, _ = cli_memory.model_config(args)
+    two = SimpleNamespace(size=2)  # a world of two ranks (World's size is what the plan reads)
+    run = cli_memory.run_of(args, krnl.device("cpu"), lora_from_args(args), config, 12, None, fq, two)
+    assert (run.ranks, run.sample_order) == (2, True)  # auto: the sample order where ranks share a batch
+    assert memory.estimate(run).total == memory.estimate(default_run("--batch-size", "2", "--reduce-order",
+                                                                     "sample")).total
+    assert cli_memory.before_load(args, krnl.device("cpu"), lora_from_args(args), None, two) == 0
+    assert ("4 x 12 tokens a micro-batch (the embedded task's rows), 2 rows on each of 2 ranks, 1 a step, in the "
+            "sample reduce order") in capsys.readouterr().out
 
 
 def test_max_memory_chooses_checkpointing_then_micro_batches(capsys, cpu1):

@@ -144,7 +144,7 @@ def cmd_train(args):
     if args.model and not args.data and not (args.cmd == "plan" or args.dry_run):
         raise ValueError("[train] --data is required with --model")
     if memory.wanted(args):  # the plan (then done), or --fit's choice applied to args
-        code = memory.before_load(args, dev, lora, _quantize(args))
+        code = memory.before_load(args, dev, lora, _quantize(args), world)
         if code is not None:
             return code
     if args.model:
@@ -198,7 +198,7 @@ def cmd_train(args):
                       base_model=base_id, progress=not args.quiet, options=_run_options(args),
                       adapter_format=args.adapter_format, world=world,
                       objective=objectives.objective(args, tok, cfg))
-    trainer.memory_estimate = est = memory.after_load(args, dev, model, train)
+    trainer.memory_estimate = est = memory.after_load(args, dev, model, train, world)
     if lora.full and est is not None:  # the weights' own copies, gradients and state: say what it takes
         print(f"memory: {memory.summary(est, dev)}")
     if args.adapter_format == "mlx" and not lora.full:  # refused before training, not after it

@@ -9,10 +9,13 @@ import ctypes
 import sys
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 from ..models.config import ModelConfig
 from ..quant.qweight import QuantizedWeight
 from ..train import memory
+from ..train.dist.ranks import reduce_order
+from ..train.dist.world import World
 from ..train.step import padded_length
 from ..train.trainer import REPLAY_BUCKET
 from . import objectives
@@ -132,7 +135,10 @@ def longest(args, config):
     return max(len(s) for s in train.samples), f"the longest sample of {train.path}"
 
 
-def run_of(args, dev, lora, config, T, quantize, file_q):
+def run_of(args, dev, lora, config, T, quantize, file_q, world=None):
+    """The memory.Run of the command line on `dev` (one rank's of `world`'s, where one is given)."""
+    world = world or World()
+    cfg = SimpleNamespace(reduce_order=getattr(args, "reduce_order", "auto"), train_mode=args.train_mode)
     traits = memory.Traits.of(dev)
     replay = traits.graphs and not args.no_graphs and args.train_mode == "sft"  # as Trainer decides
     mode = objectives.memory_fields(args)
@@ -144,16 +150,17 @@ def run_of(args, dev, lora, config, T, quantize, file_q):
                       micro_batches=args.grad_accumulation, packed=args.pack, device=traits,
                       ce_chunk=getattr(args, "ce_chunk", None), optimizer=getattr(args, "optimizer", "adamw"),
                       min_8bit_size=getattr(args, "min_8bit_size", 4096),
-                      momentum=getattr(args, "momentum", None) or 0.0, **mode)
+                      momentum=getattr(args, "momentum", None) or 0.0, ranks=world.size,
+                      sample_order=reduce_order(cfg, world) == "sample" and not lora.full, **mode)
 
 
-def before_load(args, dev, lora, quantize):
+def before_load(args, dev, lora, quantize, world=None):
     """krnl plan / --dry-run: prints the plan, returns the exit status. --fit / --max-memory:
     applies the first choice that fits (args' batch size, accumulation, checkpointing and
     args.ce_chunk), caps the pool, returns None; ValueError where nothing fits."""
     config, file_q, note = model_config(args)
     T, where = longest(args, config)
-    run = run_of(args, dev, lora, config, T, quantize, file_q)
+    run = run_of(args, dev, lora, config, T, quantize, file_q, world)
     est = memory.estimate(run)
     limit, origin = budget(dev)
     if args.max_memory is not None:
@@ -167,9 +174,12 @@ def before_load(args, dev, lora, quantize):
     n, noun = memory.batch_size(run)
     rows = f"{run.batch * run.rows_per_item}" + ("" if noun == "rows" else f" rows ({n} {noun}")
     rows += {"rows": "", "pairs": ")", "completions": f" of {run.batch} prompts)"}[noun]
+    share = -(-run.batch // run.ranks) * run.rows_per_item  # the plan is a rank's: its share of a micro-batch
+    ranks = f", {share} rows on each of {run.ranks} ranks" if run.ranks > 1 else ""
     head = (f"memory plan on {dev.name}: {name} ({config.num_hidden_layers} layers, hidden {config.hidden_size}), "
-            f"{args.dtype}, {kind}; {rows} x {run.seq} tokens a micro-batch ({where}), "
-            f"{run.micro_batches} a step{', checkpointed' if run.grad_checkpoint else ''}{note}")
+            f"{args.dtype}, {kind}; {rows} x {run.seq} tokens a micro-batch ({where}){ranks}, "
+            f"{run.micro_batches} a step{', checkpointed' if run.grad_checkpoint else ''}"
+            f"{', in the sample reduce order' if run.sample_order else ''}{note}")
     dry = args.cmd == "plan" or args.dry_run
     if dry:
         print(head)
@@ -207,7 +217,7 @@ def summary(est, dev):
         f"{memory.PARTS[k]} {memory.size_text(n)}" for n, k in parts) + f"){fits}; `krnl plan` for every part")
 
 
-def after_load(args, dev, model, train):
+def after_load(args, dev, model, train, world=None):
     """The run's Estimate (for the out-of-memory line), from the loaded model and its data; sets
     the model's loss chunk where --fit chose one."""
     if getattr(args, "ce_chunk", None):
@@ -224,7 +234,7 @@ def after_load(args, dev, model, train):
     qkv = model.layers[0].qkv if model.layers else None
     q = (qkv.bits, qkv.group_size, qkv.mode) if isinstance(qkv, QuantizedWeight) and not model.quantize else None
     fq = (model.embed.bits, model.embed.group_size) if isinstance(model.embed, QuantizedWeight) else None
-    run = run_of(args, dev, model.lora_config, model.config, T, model.quantize or q, fq)
+    run = run_of(args, dev, model.lora_config, model.config, T, model.quantize or q, fq, world)
     try:
         return memory.estimate(replace(run, ce_chunk=model.ce_chunk))
     except Exception as e:  # noqa: BLE001 (a layout the replay does not know must not stop the run)

@@ -148,6 +148,8 @@ class Run:
     rows_per_item: int = 1            # rows a batch item makes: 2 a pair; grpo's G completions a prompt
     reference: bool = False           # a forward with the adapter off first (DPO; GRPO with --beta > 0)
     completion: int = 0               # grpo: the tokens a completion may take (then seq: prompt + these)
+    ranks: int = 1                    # data-parallel ranks: each holds its share of a micro-batch's items
+    sample_order: bool = False        # the sample reduce order (--reduce-order; sample_sums.py)
     device: Traits = Traits()
 
 

@@ -58,7 +58,8 @@ class Resident:
         self.t, self.run = t, run
         c, lc = run.config, run.lora
         self.c, self.dt, self.r = c, run.dtype, lc.r
-        self.B, self.T = run.batch * run.rows_per_item, run.seq           # rows: 2 a pair, G a GRPO prompt
+        # rows: a rank's share of the items (the first ranks' where they differ), 2 a pair, G a GRPO prompt
+        self.B, self.T = -(-run.batch // run.ranks) * run.rows_per_item, run.seq
         self.N = self.B * self.T
         self.C, self.V, self.L = c.hidden_size, c.vocab_size, c.num_hidden_layers
         self.H, self.Hk, self.D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -71,7 +72,8 @@ class Resident:
         self.numel = sum(math.prod(s) for s in self.shapes.values())
         self.dropout = lc.dropout > 0
         self.embeds = "model.embed_tokens.weight" in self.shapes          # full.embed_grad: layer 0's dx too
-        self.samples = 1  # dora.backward's dc rows (the sample order's count is not replayed)
+        self.samples = self.B if run.sample_order else 1  # a call's samples (sample_sums.py): DoRA's dc rows
+        self.reserved = False                                             # SampleSums.reserve's buffers made
         dev = run.device
         self.fused = run.dtype in dev.fused_dtypes and (not dev.fused_head_dims or self.D in dev.fused_head_dims)
         self.fused = self.fused and (not run.packed or dev.fused_segments) and not c.attention_sinks
@@ -140,6 +142,39 @@ class Resident:
     def folds_back(self, i, m):
         """Whether its backward folds (LoraLinear._fold_backward: no dropout drawn)."""
         return self.wide_rows(i, m) and not self.dropout
+
+    def reserve(self):
+        """SampleSums.reserve before a call in the sample order: the tree's pair matrices, the row
+        sums' ones, the slots (S, numel) f32 of the LoRA gradients (made once: one size a run)."""
+        if self.reserved:
+            return
+        self.reserved = True
+        for g in (1, 2, 4, 8):
+            self.new((g, 2 * g), "f32", SMALL)
+        for n in dict.fromkeys((self.T, self.samples)):
+            self.new((n, 1), "f32", SMALL)
+        self.new((self.samples, max(self.numel, 1)), "f32", GRADS)
+
+    def tree(self, S, E):
+        """SampleSums.tree_sum of (S, E) f32 rows: the buffer that holds the sum, or None where it is
+        a view of the rows (S = 1)."""
+        def levels(n):  # _levels: each level's out made before the one it reads goes
+            held = None
+            while n > 1:
+                out = self.new((n // 2, E), "f32", WORK)
+                self.t.free(held)
+                held, n = out, n // 2
+            return held
+
+        def node(n):  # _node: a power of two level by level, else both halves and their sum
+            if n & (n - 1) == 0:
+                return levels(n)
+            left, right = node(n // 2), node(n - n // 2)
+            out = self.new((E,), "f32", WORK)
+            self.t.free(left, right)
+            return out
+
+        return node(S)
 
     def grow_ones(self, which, rows):
         """layer.Ones(rows) of the model's f32 column or the layers' ("dt"): a longer one replaces it."""

@@ -9,8 +9,7 @@ a cache once its layer's backward is done. A change to what the model allocates 
 too; tests/test_memory.py measures the pool against this replay on several configurations.
 
 A sequence objective's micro-batch (DPO, ORPO, SimPO, GRPO) is memory_sequence's.
-Not replayed (their buffers are small or counted as the nearest case): the sample reduce order's
-slots and LongRoPE's second frequency table."""
+Not replayed (small): LongRoPE's second frequency table."""
 
 from ..models.config import QKV_MODULES
 from . import memory_sequence as sequence
@@ -26,6 +25,8 @@ class Replay(Resident):
         if self.run.objective != "sft":                                   # two device steps (sequence_loss.py)
             sequence.micro_batch(self)
             return
+        if self.run.sample_order:
+            self.reserve()
         inputs = self.inputs()
         self.t.begin_step()
         total = self.forward_backward_step()
@@ -44,6 +45,10 @@ class Replay(Resident):
         return inputs
 
     def optimizer(self):
+        if self.run.sample_order and self.numel:                          # SampleSums.finish: the slots' tree
+            self.t.begin_step()
+            self.t.free(self.tree(self.samples, self.numel))
+            self.t.end_step()
         self.t.begin_step()
         self.t.free(self.new((5,), "f32", SMALL))                         # AdamW.queue_step's hyper
         self.t.end_step()
@@ -54,8 +59,16 @@ class Replay(Resident):
         dx = self.trunk_backward(saved)
         if self.embeds:                                                   # full.embed_grad (Gemma's scaled copy)
             self.t.free(self.act((self.N, self.C), WORK) if self.c.gemma else None, dx)
-        total = self.new((1, 1), "f32", SMALL)                            # _loss_sum's out, its ones
-        self.grow_ones("f32", self.N)
+        if self.run.sample_order:                                         # sums.loss_sum: per sample, the tree
+            P = self.new((self.samples, 1, 1), "f32", SMALL)
+            total = self.tree(self.samples, 1)
+            if total is None:                                             # one sample: a view of P
+                total = P
+            else:
+                self.t.free(P)
+        else:
+            total = self.new((1, 1), "f32", SMALL)                        # _loss_sum's out, its ones
+            self.grow_ones("f32", self.N)
         self.t.free(x, xn, rstd, rows_loss, dxn)
         return total
 
@@ -79,6 +92,8 @@ class Replay(Resident):
         N, C, V = self.N, self.C, self.V
         rows_loss, dxn = self.new((N,), "f32", LOSS), self.act((N, C), LOSS)
         chunk = min(N, self.chunk)
+        if self.run.sample_order and chunk >= self.T:                      # sums.row_chunks: whole samples
+            chunk -= chunk % self.T
         logits = self.act((chunk, V), LOSS)
         dl = self.act((chunk, V), LOSS) if self.c.gemma and self.c.gemma.get("final_softcap") else None
         self.t.free(logits, dl)
@@ -183,7 +198,8 @@ class Replay(Resident):
                 self.lora_backward(i, m, inp, dx=dx)
             return
         dt = self.act((self.N, len(members) * self.r), WORK)
-        dA = self.new((len(members) * self.r, inp), "f32", WORK) if self.c.fused_projections else None
+        fused = self.c.fused_projections and not self.run.sample_order   # (the sample order: into the slots)
+        dA = self.new((len(members) * self.r, inp), "f32", WORK) if fused else None
         self.t.free(dt, dA)
 
     def blocks(self):

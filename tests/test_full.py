@@ -299,6 +299,19 @@ def test_reads_mlx_lms_full_layout(tmp_path):
         assert "\n" not in str(e.value) and str(e.value).startswith(f"[adapter {tmp_path}]")
 
 
+def test_the_default_learning_rate_is_the_fine_tune_types(tmp_path, monkeypatch):
+    """Without --learning-rate, a full fine-tune steps at 1e-5 (mlx-lm's), LoRA at 3e-3; a value given wins."""
+    from krnl.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    tiny = ["--iters", "1", "--train-samples", "16", "--batch-size", "4", "--quiet", "--steps-per-eval", "0",
+            "--warmup", "0", "--lr-schedule", "constant"]
+    for kind, given, lr in (("full", [], 1e-5), ("lora", [], 3e-3), ("full", ["--learning-rate", "2e-4"], 2e-4)):
+        out = f"{kind}{len(given)}"
+        assert main(["train", "--fine-tune-type", kind, "--adapter-path", out, *tiny, *given]) == 0
+        assert json.loads((tmp_path / out / "metrics.jsonl").read_text().splitlines()[0])["lr"] == pytest.approx(lr)
+
+
 def test_config_file_and_flags(tmp_path, monkeypatch, capsys):
     """mlx-lm's config keys (fine_tune_type: full, num_layers) and train_embeddings choose what trains;
     --train-embeddings without full, and --num-layers with --lora-layers, are one-line errors."""

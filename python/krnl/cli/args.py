@@ -153,7 +153,8 @@ def parse_args(argv, commands):
     t.add_argument("--epochs", type=float, default=None, help="passes over the training set (overrides --iters)")
     t.add_argument("--batch-size", type=int, default=16)
     t.add_argument("--grad-accumulation", type=int, default=1)
-    t.add_argument("--learning-rate", type=float, default=3e-3)
+    t.add_argument("--learning-rate", type=float, default=None, help="default: 3e-3 (LoRA, DoRA); 1e-5 with "
+                   "--fine-tune-type full, whose steps move the weights themselves")
     t.add_argument("--warmup", type=int, default=30)
     t.add_argument("--lr-schedule", default="cosine", choices=["cosine", "linear", "constant"])
     t.add_argument("--weight-decay", type=float, default=0.0)

@@ -135,6 +135,14 @@ def cmd_quantize(args):
     return 0
 
 
+def learning_rate(args, lora):
+    """--learning-rate, or its default for the fine-tune type: a full fine-tune's steps move the weights
+    themselves, where LoRA's 3e-3 would wreck them (mlx-lm's 1e-5)."""
+    if args.learning_rate is not None:
+        return args.learning_rate
+    return 1e-5 if lora.full else 3e-3
+
+
 def cmd_train(args):
     from ..train.trainer import Trainer, TrainConfig, plot_metrics
 
@@ -183,7 +191,7 @@ def cmd_train(args):
             raise ValueError(f"--epochs must be > 0, got {args.epochs}")
         iters = max(1, round(args.epochs * (n_train // (args.batch_size * args.grad_accumulation))))
     cfg = TrainConfig(iters=iters, batch_size=args.batch_size, grad_accum=args.grad_accumulation,
-                      learning_rate=args.learning_rate, warmup=args.warmup, schedule=args.lr_schedule,
+                      learning_rate=learning_rate(args, lora), warmup=args.warmup, schedule=args.lr_schedule,
                       weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
                       val_every=args.steps_per_eval, save_every=args.save_every, seed=args.seed,
                       length_bucket=args.length_bucket, graphs=not args.no_graphs, reduce_order=args.reduce_order,

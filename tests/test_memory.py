@@ -111,6 +111,9 @@ CASES = {
     "the sample reduce order, 3 samples, 2 micro-batches": dict(cfg=LLAMA, order="sample", B=3, micro=2),
     "the sample reduce order, bf16, 4 samples, phi3's fused projections, DoRA": dict(
         cfg=dict(LLAMA, model_type="phi3"), order="sample", B=4, dtype="bf16", lora=LoraConfig(r=8, use_dora=True)),
+    "phi3's LongRoPE past its original 32 positions": dict(cfg=dict(
+        LLAMA, model_type="phi3", original_max_position_embeddings=32, rope_scaling=dict(
+            rope_type="longrope", short_factor=[1.0] * 16, long_factor=[2.0] * 16))),
     "full fine-tuning bf16": dict(cfg=LLAMA, dtype="bf16", lora=LoraConfig(full=True)),
     "full fine-tuning with the embeddings, head and final norm": dict(
         cfg=LLAMA, lora=LoraConfig(full=True, train_embeddings=True, layers=[3])),

@@ -74,6 +74,7 @@ class Resident:
         self.embeds = "model.embed_tokens.weight" in self.shapes          # full.embed_grad: layer 0's dx too
         self.samples = self.B if run.sample_order else 1  # a call's samples (sample_sums.py): DoRA's dc rows
         self.reserved = False                                             # SampleSums.reserve's buffers made
+        self.long_rope = None                                             # LongRoPE's long frequencies, once made
         dev = run.device
         self.fused = run.dtype in dev.fused_dtypes and (not dev.fused_head_dims or self.D in dev.fused_head_dims)
         self.fused = self.fused and (not run.packed or dev.fused_segments) and not c.attention_sinks

@@ -8,8 +8,7 @@ a rebound name after the new value exists (`oh = d.empty(...)` in a loop holds t
 a cache once its layer's backward is done. A change to what the model allocates belongs here
 too; tests/test_memory.py measures the pool against this replay on several configurations.
 
-A sequence objective's micro-batch (DPO, ORPO, SimPO, GRPO) is memory_sequence's.
-Not replayed (small): LongRoPE's second frequency table."""
+A sequence objective's micro-batch (DPO, ORPO, SimPO, GRPO) is memory_sequence's."""
 
 from ..models.config import QKV_MODULES
 from . import memory_sequence as sequence
@@ -37,6 +36,9 @@ class Replay(Resident):
     def inputs(self):
         """DeviceInputs.of: positions, segments, ids, targets, ce_scale, dropout seeds, loss_scale."""
         B, T, N = self.B, self.T, self.N
+        switch = self.c.rope_switch_position                              # LongRoPE: its long frequencies, once
+        if switch is not None and T - 1 >= switch and not self.long_rope:
+            self.long_rope = self.new((self.D // 2,), "f32", SMALL)
         inputs = [self.new((B, T) if self.run.packed else (T,), "i32", SMALL)]
         inputs += [self.new((T,), "i32", SMALL) for _ in range(B if self.run.packed else 0)]
         inputs += [self.new((N,), "i32", SMALL), self.new((N,), "i32", SMALL), self.new((1,), "f32", SMALL)]

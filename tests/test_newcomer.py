@@ -320,6 +320,6 @@ def test_help_shows_every_default(cmd, capsys):
         assert re.search(r"default[: ]", " ".join(entry.split())), entry
     if cmd == "train":
         flat = " ".join(text.split())
-        for want in ("(default: 1500)", "(default: 16)", "(default: 0.003)", "(default: cosine)", "(default: off)",
-                     "(default: adapters)", "(default: 0)"):
+        for want in ("(default: 1500)", "(default: 16)", "default: 3e-3 (LoRA, DoRA); 1e-5 with --fine-tune-type full",
+                     "(default: cosine)", "(default: off)", "(default: adapters)", "(default: 0)"):
             assert want in flat, want

@@ -43,10 +43,9 @@ class MlpCache:
     rstd: Tensor        # (N,) f32
     g: Tensor           # (N, F) gate(hn)
     u: Tensor           # (N, F) up(hn)
-    a: Tensor           # (N, F) silu(g) * u
     gate: Optional[LoraSaved]
     up: Optional[LoraSaved]
-    down: Optional[LoraSaved]
+    down: Optional[LoraSaved]  # holds a = silu(g) * u where down's backward reads it (its LoRA, its weight)
     m: Optional[Tensor] = None        # (N, C) gemma2: down(a) before the post norm
     m_rstd: Optional[Tensor] = None   # (N,) f32 its rstd
     group: Optional[GroupSaved] = None  # gate and up's LoRA, grouped (lora_group.py)
@@ -84,7 +83,7 @@ def mlp_forward(mlp, h, call_seed=None, residual=None):
         m = y
         y, mr = gemma2.post_norm_forward(mlp.post, m, mlp.eps)
     ops.add(y, h, y)                                                      # y = h + mlp
-    return y, MlpCache(hn, rstd, g, u, a, gs, us, ds, m, mr, group)
+    return y, MlpCache(hn, rstd, g, u, gs, us, ds, m, mr, group)  # a goes here unless ds holds it
 
 
 def mlp_backward(mlp, h, cache, dy, dh_cols=0):

@@ -265,7 +265,8 @@ class Replay(Resident):
         N, C, F, r = self.N, self.C, self.F, self.r
         fold = self.folds(i, ("gate_proj", "up_proj"), 2 * F)
         keep = [self.act((N, C + (2 * r if fold else 0))), self.new((N,), "f32", ACTS)]  # hn, rstd
-        keep += [self.act((N, F)) for _ in range(3)]                      # g, u, a
+        keep += [self.act((N, F)) for _ in range(2)]                      # g, u
+        a = self.act((N, F))                                              # kept where down's backward reads it
         keep += self.group_forward(i, ("gate_proj", "up_proj"), C, fold)
         for m in ("gate_proj", "up_proj"):                                # each scaled into a new output
             keep += self.dora_outputs(i, (m,), (F,)) or []
@@ -278,6 +279,10 @@ class Replay(Resident):
         else:
             y = self.act((N, C), part)
             keep += self.linear_forward(i, "down_proj", F, C)
+        if self.keeps_x(i, "down_proj"):                                  # LoraSaved's x: down's backward reads a
+            keep.append(a)
+        else:
+            self.t.free(a)
         return y, keep
 
     def layer_backward(self, i, dy, need_dx, dx_cols):

@@ -172,8 +172,9 @@ def before_load(args, dev, lora, quantize, world=None):
     name = Path(args.model).name if args.model else "the embedded tiny Llama"
     kind = "full fine-tuning" if lora.full else f"LoRA r={lora.r}"
     n, noun = memory.batch_size(run)
-    rows = f"{run.batch * run.rows_per_item}" + ("" if noun == "rows" else f" rows ({n} {noun}")
-    rows += {"rows": "", "pairs": ")", "completions": f" of {run.batch} prompts)"}[noun]
+    rows = f"{run.batch * run.rows_per_item}"
+    if noun != "rows":
+        rows += f" rows ({n} {noun}{f' of {run.batch} prompts' if noun == 'completions' else ''})"
     share = -(-run.batch // run.ranks) * run.rows_per_item  # the plan is a rank's: its share of a micro-batch
     ranks = f", {share} rows on each of {run.ranks} ranks" if run.ranks > 1 else ""
     head = (f"memory plan on {dev.name}: {name} ({config.num_hidden_layers} layers, hidden {config.hidden_size}), "

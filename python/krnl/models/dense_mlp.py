@@ -6,7 +6,7 @@
 N rows of C features, F the intermediate size. gate and up share their input: their LoRA runs
 grouped (lora_group.py) or folded into the GEMMs' K (lora_fold.py) where that pays."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from .. import _core
@@ -45,7 +45,7 @@ class MlpCache:
     u: Tensor           # (N, F) up(hn)
     gate: Optional[LoraSaved]
     up: Optional[LoraSaved]
-    down: Optional[LoraSaved]  # holds a = silu(g) * u where down's backward reads it (its LoRA, its weight)
+    down: Optional[LoraSaved]  # its xd None: a = silu(g) * u, recomputed where the backward reads it
     m: Optional[Tensor] = None        # (N, C) gemma2: down(a) before the post norm
     m_rstd: Optional[Tensor] = None   # (N,) f32 its rstd
     group: Optional[GroupSaved] = None  # gate and up's LoRA, grouped (lora_group.py)
@@ -83,7 +83,9 @@ def mlp_forward(mlp, h, call_seed=None, residual=None):
         m = y
         y, mr = gemma2.post_norm_forward(mlp.post, m, mlp.eps)
     ops.add(y, h, y)                                                      # y = h + mlp
-    return y, MlpCache(hn, rstd, g, u, gs, us, ds, m, mr, group)  # a goes here unless ds holds it
+    if ds is not None and ds.xd is a:  # down's backward reads a: made again from g and u there
+        ds = replace(ds, xd=None)
+    return y, MlpCache(hn, rstd, g, u, gs, us, ds, m, mr, group)  # a goes here
 
 
 def mlp_backward(mlp, h, cache, dy, dh_cols=0):
@@ -95,7 +97,14 @@ def mlp_backward(mlp, h, cache, dy, dh_cols=0):
     dyv = dy[:, :C]
     da = d.empty((N, F), dt)
     dm = dy if mlp.post is None else gemma2.post_norm_backward(mlp.post, cache.m, cache.m_rstd, dyv)
-    mlp.down.backward(dm, cache.down, da)
+    saved = cache.down
+    if saved is not None and saved.xd is None:
+        # down's input a, made again (one elementwise pass, the same bits) instead of held through
+        # the step: N F less at the peak; released before dg and du, which take its place
+        saved = replace(saved, xd=d.empty((N, F), dt))
+        (ops.swiglu_forward if mlp.post is None else ops.geglu_forward)(cache.g, cache.u, saved.xd)
+    mlp.down.backward(dm, saved, da)
+    del saved
     dg, du = d.empty((N, F), dt), d.empty((N, F), dt)
     (ops.swiglu_backward if mlp.post is None else ops.geglu_backward)(da, cache.g, cache.u, dg, du)
     for lin, dz in ((mlp.gate, dg), (mlp.up, du)):

@@ -266,7 +266,7 @@ class Replay(Resident):
         fold = self.folds(i, ("gate_proj", "up_proj"), 2 * F)
         keep = [self.act((N, C + (2 * r if fold else 0))), self.new((N,), "f32", ACTS)]  # hn, rstd
         keep += [self.act((N, F)) for _ in range(2)]                      # g, u
-        a = self.act((N, F))                                              # kept where down's backward reads it
+        a = self.act((N, F))
         keep += self.group_forward(i, ("gate_proj", "up_proj"), C, fold)
         for m in ("gate_proj", "up_proj"):                                # each scaled into a new output
             keep += self.dora_outputs(i, (m,), (F,)) or []
@@ -279,10 +279,7 @@ class Replay(Resident):
         else:
             y = self.act((N, C), part)
             keep += self.linear_forward(i, "down_proj", F, C)
-        if self.keeps_x(i, "down_proj"):                                  # LoraSaved's x: down's backward reads a
-            keep.append(a)
-        else:
-            self.t.free(a)
+        self.t.free(a)                                                    # recomputed where the backward reads it
         return y, keep
 
     def layer_backward(self, i, dy, need_dx, dx_cols):
@@ -329,9 +326,10 @@ class Replay(Resident):
         N, C, F = self.N, self.C, self.F
         da = self.act((N, F), WORK)
         dm = self.act((N, C), WORK) if self.c.gemma else None              # gemma2.post_norm_backward
+        a = self.act((N, F), WORK) if self.keeps_x(i, "down_proj") else None  # down's input, made again
         dz = self.dora_backward(i, "down_proj", C, self.cols(i))
         self.lora_backward(i, "down_proj", F, folded=self.folds_back(i, "down_proj"))
-        self.t.free(dz)
+        self.t.free(dz, a)
         dg, du = self.act((N, F), WORK), self.act((N, F), WORK)
         self.dora_in_place(i, ("gate_proj", "up_proj"), (F, F))
         dhn = self.act((N, C), WORK)

@@ -70,7 +70,7 @@ def generation(rp):
     L, H, Hk, D, T, G, dt = rp.L, rp.H, rp.Hk, rp.D, rp.T, rp.run.rows_per_item, rp.dt
     P, n = max(T - rp.run.completion, 1), rp.N // T                      # a prompt's tokens, the rows
     groups, pc = [], []
-    for _ in range(rp.run.batch):
+    for _ in range(rp.B // G):                                            # this rank's prompts
         new = [rp.new((P, D), dt, GENERATION) for _ in range(2 * L * Hk)]  # KVCache
         rp.t.free(*pc)
         pc = new
@@ -82,7 +82,7 @@ def generation(rp):
     for end in range(P + 1, T):                                           # decode_groups: a token of every row
         def attend():  # the rows token-major, then each group's scores (G Hk, g, end)
             heads = [rp.new((n, h, D), dt, GENERATION) for h in (H, Hk, Hk, H)]
-            for _ in range(rp.run.batch):
+            for _ in range(rp.B // G):
                 rp.t.free(rp.new((G * Hk, H // Hk, end), dt, GENERATION))
             rp.t.free(*heads)
         tokens(rp, n, n, attend)

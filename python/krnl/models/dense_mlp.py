@@ -51,6 +51,9 @@ class MlpCache:
     group: Optional[GroupSaved] = None  # gate and up's LoRA, grouped (lora_group.py)
 
 
+def glu_forward(mlp, g, u, a):
+    """a = silu(g) u, or gemma2's gelu_tanh(g) u: the forward's, and the backward's making it again."""
+    (ops.swiglu_forward if mlp.post is None else ops.geglu_forward)(g, u, a)
 
 
 def mlp_forward(mlp, h, call_seed=None, residual=None):
@@ -75,7 +78,7 @@ def mlp_forward(mlp, h, call_seed=None, residual=None):
             linear(hn, mlp.gate.W, g, 1.0)
             linear(hn, mlp.up.W, u, 1.0)
     g, u = dora.scale_outputs([mlp.gate], [gs], g), dora.scale_outputs([mlp.up], [us], u)
-    (ops.swiglu_forward if mlp.post is None else ops.geglu_forward)(g, u, a)
+    glu_forward(mlp, g, u, a)
     y = d.empty((N, C), dt)
     ds = mlp.down.forward(a, y, call_seed)
     m = mr = None
@@ -102,7 +105,7 @@ def mlp_backward(mlp, h, cache, dy, dh_cols=0):
         # down's input a, made again (one elementwise pass, the same bits) instead of held through
         # the step: N F less at the peak; released before dg and du, which take its place
         saved = replace(saved, xd=d.empty((N, F), dt))
-        (ops.swiglu_forward if mlp.post is None else ops.geglu_forward)(cache.g, cache.u, saved.xd)
+        glu_forward(mlp, cache.g, cache.u, saved.xd)
     mlp.down.backward(dm, saved, da)
     del saved
     dg, du = d.empty((N, F), dt), d.empty((N, F), dt)

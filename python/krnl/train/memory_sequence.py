@@ -11,7 +11,7 @@ second scales the head's gradient into a new buffer before the layers' backward.
 A decoding step's layers are replayed as a training forward's of its tokens, with the scores its
 attention makes."""
 
-from .memory_resident import ACTS, LOSS, SMALL, WORK
+from .memory_resident import LOSS, SMALL, WORK
 
 GENERATION = "generation"  # memory.PARTS' name of GRPO's KV caches
 
@@ -39,20 +39,12 @@ def micro_batch(rp):
 def reference(rp):
     """adapter_off's copy of the LoRA compute copy, then row_losses: a forward without saved
     activations and the loss's logits chunk by chunk."""
-    N, C, V, T = rp.N, rp.C, rp.V, rp.T
+    N, V, T = rp.N, rp.V, rp.T
     keep = rp.act((max(rp.numel, 1),), WORK)
     inputs = [rp.new((N,), "i32", SMALL), rp.new((N,), "i32", SMALL), rp.new((T,), "i32", SMALL)]  # ids, targets, every
     rows = rp.new((N,), "f32", LOSS)
     rp.t.begin_step()
-    x = rp.act((N, C), ACTS)
-    for i in range(rp.L):
-        y, cache = rp.layer_forward(i, x)
-        rp.t.free(x, *cache)
-        x = y
-    xn, rstd = rp.act((N, C), LOSS), rp.new((N,), "f32", LOSS)
-    if rp.c.moe:                                                          # RouterStats.last replaced
-        last, rp.router_last = rp.router_last, rp.new((1, 1), "f32", SMALL)
-        rp.t.free(last)
+    x, xn, rstd, _ = rp.trunk_forward(keep=False)
     rp.t.free(x, rstd)
     logits = None
     for r0 in range(0, N, rp.chunk):

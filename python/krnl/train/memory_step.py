@@ -74,15 +74,20 @@ class Replay(Resident):
         self.t.free(x, xn, rstd, rows_loss, dxn)
         return total
 
-    def trunk_forward(self):
+    def trunk_forward(self, keep=True):
+        """LlamaModel._trunk_forward: keep False (a forward without a backward) drops each layer's
+        input and cache once its output exists."""
         ckpt, N, C = self.run.grad_checkpoint, self.N, self.C
         x = self.act((N, C), CKPT if ckpt else ACTS)                      # embeddings
         saved = []
         for i in range(self.L):
             out, cache = self.layer_forward(i, x)
-            if ckpt:
-                self.t.free(*cache)                                       # dropped before the next layer
-            saved.append((x, None if ckpt else cache))
+            if not keep:
+                self.t.free(x, *cache)
+            else:
+                if ckpt:
+                    self.t.free(*cache)                                   # dropped before the next layer
+                saved.append((x, None if ckpt else cache))
             x = out
         xn, rstd = self.act((N, C), LOSS), self.new((N,), "f32", LOSS)
         if self.c.moe:                                                    # RouterStats.last replaced

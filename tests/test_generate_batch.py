@@ -1,12 +1,14 @@
-"""generate_batch (krnl.models.generate): many sequences decoded together, those of one prompt
+"""generate_batch (krnl.models.batch_decode): many sequences decoded together, those of one prompt
 sharing its prefill, give row for row the tokens of one generate() call per row with its seed:
 greedy, sampled, top-k and top-p, with rows stopping at EOS at different steps, prompts of 1 to 9
-tokens, and windows, soft-caps, q/k norms, sinks and experts on the families that have them."""
+tokens, and windows, soft-caps, q/k norms, sinks and experts on the families that have them; each
+by decode_groups' steps and by FixedDecoder's (recorded and replayed where the device lists graphs)."""
 
 import numpy as np
 import pytest
 
 import krnl
+from krnl.models.batch_decode import FixedDecoder, GroupCache, KVCache, decode, decode_groups, generate_batch
 from krnl.models.config import LoraConfig, ModelConfig, random_weights
 from krnl.models.generate import sample, sample_rows
 from krnl.models.model import LlamaModel
@@ -51,41 +53,82 @@ def eos_for(m):
     return next((t for t in seen[0][2:] if t not in seen[1][:len(seen[0])]), 0)
 
 
-def check(m, steps=16):
+def check(m, steps=16, fixed=False):
     """generate_batch against generate() per row for each of SAMPLING; the rows' lengths."""
     eos, lengths = eos_for(m), set()
     for temperature, top_p, top_k in SAMPLING:
-        got = m.generate_batch(PROMPTS, steps, temperature, top_p, SEEDS, eos_id=eos, top_k=top_k)
+        got = generate_batch(m, PROMPTS, steps, temperature, top_p, SEEDS, eos_id=eos, top_k=top_k, fixed=fixed)
         want = [m.generate(p, steps, temperature, top_p, s, eos_id=eos, top_k=top_k) for p, s in zip(PROMPTS, SEEDS)]
         assert got == want, (temperature, top_p, top_k)
         lengths |= {len(x) for x in got}
     return lengths
 
 
+@pytest.mark.parametrize("fixed", [False, True], ids=["groups", "fixed"])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_generate_batch(dev, family):
-    lengths = check(tiny(dev, "f32", family))
+def test_generate_batch(dev, family, fixed):
+    lengths = check(tiny(dev, "f32", family), fixed=fixed)
     assert len(lengths) > 1 and 16 in lengths  # some rows met EOS while others ran on to the limit
 
 
-def test_generate_batch_bf16_and_the_position_limit(dev):
+@pytest.mark.parametrize("fixed", [False, True], ids=["groups", "fixed"])
+def test_generate_batch_bf16_and_the_position_limit(dev, fixed):
     """bf16 activations: the batch rounds where one row would; a limit of 12 positions cuts rows
-    of a 9-token prompt after 4 tokens as generate() does."""
+    of a 9-token prompt after 4 tokens as generate() does (FixedDecoder: that group stops while
+    the others decode on)."""
     m = tiny(dev, "bf16" if "bf16" in dev.capabilities()["dtypes"] else "f32", "gpt_oss", seed=3)
-    check(m)
+    check(m, fixed=fixed)
     m.config.max_position_embeddings = 12
-    got = m.generate_batch(PROMPTS, 16, 1.0, 1.0, SEEDS)
+    got = generate_batch(m, PROMPTS, 16, 1.0, 1.0, SEEDS, fixed=fixed)
     assert got == [m.generate(p, 16, 1.0, 1.0, s) for p, s in zip(PROMPTS, SEEDS)]
     assert [len(x) for x in got[3:5]] == [4, 4]
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt_oss"])
+def test_fixed_decoder_step(dev, family):
+    """FixedDecoder's logits against decode_groups' step by step, for groups at different
+    positions (prompts of 9, 5 and 1 tokens; gemma2's and gpt_oss's windows of 4 behind them) on
+    caches of 31 and 33 positions; a group that is not live leaves its cache as it was."""
+    m = tiny(dev, "f32", family, seed=4)
+    prompts, G = (PROMPTS[3], PROMPTS[0], PROMPTS[5]), (2, 3, 1)
+    totals = (31, 33, 31)
+
+    def groups(zero):
+        out = []
+        for p, g, total in zip(prompts, G, totals):
+            pc = KVCache(dev, m.dtype, m.layers, m.heads, len(p), m.config.sliding_window)
+            decode(m, p, 0, pc)
+            out.append(GroupCache(m, pc, len(p), g, total, zero=zero))
+        return out
+
+    ref, got = groups(False), groups(True)
+    fixed = FixedDecoder(m, got, bool(dev.capabilities()["graphs"]))
+    rng = np.random.default_rng(5)
+    try:
+        for step in range(12):
+            ids = rng.integers(0, V, sum(G)).tolist()
+            live = [True, step % 3 != 1, step < 6]
+            want = decode_groups(m, [gc for gc, on in zip(ref, live) if on],
+                                 [t for t, on in zip(ids, np.repeat(live, G)) if on])
+            idle = [[k.numpy().copy() for k in gc.k[0]] for gc, on in zip(got, live) if not on]
+            logits = fixed.step(ids, live)[np.repeat(live, G)]
+            np.testing.assert_allclose(logits, want, rtol=2e-4, atol=2e-4, err_msg=f"step {step}")
+            assert [gc.pos for gc in got] == [gc.pos for gc in ref]
+            for before, gc in zip(idle, [gc for gc, on in zip(got, live) if not on]):
+                np.testing.assert_array_equal(before, gc.k[0].numpy())
+    finally:
+        fixed.release()
+
+
 @pytest.mark.skipif(METAL_SIM is None, reason="metal-sim is not registered (KRNL_TEST_METAL_SIM=0)")
 def test_generate_batch_metal_sim():
-    """The Metal kernels (metal-sim): batched GEMMs over (sequence, KV head) pairs of strided cache rows."""
+    """The Metal kernels (metal-sim): batched GEMMs over (sequence, KV head) pairs of strided cache
+    rows; FixedDecoder's rank-1 appends and scores masked with -inf."""
     with metal_sim_as(9) as dev:
         m = tiny(dev, "f32", "gpt_oss", seed=2)
-        got = m.generate_batch(PROMPTS, 6, 1.0, 1.0, SEEDS)
-        assert got == [m.generate(p, 6, 1.0, 1.0, s) for p, s in zip(PROMPTS, SEEDS)]
+        want = [m.generate(p, 6, 1.0, 1.0, s) for p, s in zip(PROMPTS, SEEDS)]
+        for fixed in (False, True):
+            assert generate_batch(m, PROMPTS, 6, 1.0, 1.0, SEEDS, fixed=fixed) == want
 
 
 def test_generate_batch_refuses_bad_input():

@@ -5,17 +5,20 @@ of `--max-memory` / `--fit`, and the one line an out-of-memory step ends with.""
 import gc
 import importlib.util
 from collections import defaultdict
+from functools import partial
 from dataclasses import replace
 
 import numpy as np
 import pytest
 
 import krnl
+import krnl.models.model
 from krnl import _core
 from krnl.cli.args import lora_from_args, parse_args
 from krnl.cli.main import main
 from krnl.cli import memory as cli_memory
 from krnl.io.checkpoint import list_checkpoints, load_checkpoint
+from krnl.models.batch_decode import generate_batch
 from krnl.models.config import LoraConfig, ModelConfig, random_weights
 from krnl.models.model import LlamaModel
 from krnl.train import memory
@@ -150,10 +153,12 @@ class Chars:
         return "".join(chr(97 + i % 26) for i in ids)
 
 
-def measured_mode(dev, cfg, mode, lora=R8, dtype="f32", B=2, T=48, gc=False, beta=0.1, G=3, completion=16):
+def measured_mode(dev, cfg, mode, lora=R8, dtype="f32", B=2, T=48, gc=False, beta=0.1, G=3, completion=16,
+                  fixed=False):
     """(the pool's peak reserved bytes over two steps of --train-mode `mode`, the Run that describes
     them): B pairs of rows of T tokens (the prompt a third), or B prompts of T - completion tokens
-    with G completions each."""
+    with G completions each; fixed: GRPO's generation by FixedDecoder's steps, as where the device
+    records graphs (here run eagerly: a recording takes what its warm-up did)."""
     from krnl.train.data import Sample
     from krnl.train.grpo import GRPO
     from krnl.train.pairs import PairBatches, PromptBatches
@@ -174,12 +179,15 @@ def measured_mode(dev, cfg, mode, lora=R8, dtype="f32", B=2, T=48, gc=False, bet
         data = PairBatches([(Sample(ids(T), learn), Sample(ids(T), learn)) for _ in range(4 * B)], B, 0)
     cfg_t = TrainConfig(iters=2, batch_size=B, val_every=0, save_every=0, warmup=0, train_mode=mode, beta=beta,
                         loss_type="dapo" if mode == "grpo" else "sigmoid")
-    Trainer(m, cfg_t, data, None, out_dir=dev.name, progress=False, objective=objective).run()
+    with pytest.MonkeyPatch.context() as mp:
+        if fixed:
+            mp.setattr(krnl.models.model, "generate_batch", partial(generate_batch, fixed=True))
+        Trainer(m, cfg_t, data, None, out_dir=dev.name, progress=False, objective=objective).run()
     peak = dev.pool_stats()["peak_reserved"] - base
     grpo = dict(rows_per_item=G, completion=completion, reference=bool(beta)) if mode == "grpo" else \
         dict(rows_per_item=2, reference=mode == "dpo")
     return peak, memory.Run(config, lora, dtype, batch=B, seq=T, grad_checkpoint=gc,
-                            device=memory.Traits.of(dev), objective=mode, **grpo)
+                            device=replace(memory.Traits.of(dev), graphs=fixed), objective=mode, **grpo)
 
 
 MODE_CASES = {
@@ -189,6 +197,7 @@ MODE_CASES = {
     "simpo on a mixture of experts": dict(cfg=MOE, mode="simpo", B=1),
     "grpo, no KL term": dict(cfg=LLAMA, mode="grpo", beta=0.0),
     "grpo bf16 with the KL term, 4 generations": dict(cfg=LLAMA, mode="grpo", dtype="bf16", G=4, T=64),
+    "grpo, fixed decoding steps": dict(cfg=LLAMA, mode="grpo", beta=0.0, fixed=True),
 }
 
 

@@ -52,8 +52,10 @@
 #                                           ($OUT/qmm_timing.json)
 #   bash tools/device/h200_check.sh moebench  `krnl bench --workloads moe`: a Qwen3-30B-A3B-shaped stack, krnl in
 #                                           bf16 and with 4-bit experts next to transformers + PEFT (JSON in
-#                                           $OUT/moe_bench.json; MOE_PROFILE=1 adds krnl's op profile)
-#   bash tools/device/h200_check.sh pref    `krnl bench --workloads dpo,grpo,serve` on the 1b shape: a DPO step next to
+#                                           $OUT/moe_bench.json; MOE_PROFILE=1 adds krnl's op profile, MOE_PEERS=mlx
+#                                           leaves PEFT out)
+#   bash tools/device/h200_check.sh pref    tests/test_generate_batch.py's cuda tests (the recorded decoding steps), then
+#                                           `krnl bench --workloads dpo,grpo,serve` on the 1b shape: a DPO step next to
 #                                           TRL's DPOTrainer, GRPO's generation next to transformers' generate and its
 #                                           step next to TRL's GRPOTrainer loss, timed apart, and `krnl serve` under 1,
 #                                           4 and 16 streaming clients next to transformers' generate (JSON in
@@ -235,13 +237,15 @@ elif [ "$phase" = bench ]; then
   KRNL_BENCH_JSON="$OUT/cuda_bench.json" timeout ${BENCH_S:-540} python3 -m pytest -q -s -p no:cacheprovider \
     bench/test_gpu.py 2>&1 | tee "$OUT/bench.log" | grep -v "^\s*$" | tail -120
 elif [ "$phase" = moebench ]; then
-  timeout ${BENCH_S:-500} python3 -m krnl.bench --workloads moe --peers torch --rounds 1 ${MOE_PROFILE:+--profile} \
+  timeout ${BENCH_S:-500} python3 -m krnl.bench --workloads moe --peers ${MOE_PEERS:-torch} --rounds 1 ${MOE_PROFILE:+--profile} \
     --json "$OUT/moe_bench.json" 2>&1 | tee "$OUT/moe_bench.log" | tail -30
 elif [ "$phase" = full ]; then
   timeout ${TTESTS_S:-150} python3 -m pytest -q -p no:cacheprovider tests/test_full.py -k "device_step" 2>&1 | tail -4
   timeout ${BENCH_S:-400} python3 -m krnl.bench --workloads full --peers torch --rounds 1 ${FULL_PROFILE:+--profile} \
     --json "$OUT/full_bench.json" 2>&1 | tee "$OUT/full_bench.log" | tail -20
 elif [ "$phase" = pref ]; then
+  # batched generation on cuda first: FixedDecoder's recorded steps against generate() and decode_groups
+  timeout ${PTESTS_S:-120} python3 -m pytest -q -p no:cacheprovider tests/test_generate_batch.py -k cuda 2>&1 | tail -4
   # next to .whl's packages in /tmp/site, which PYTHONPATH puts ahead of the image's own
   if [ -d .trl ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .trl/*.whl &&

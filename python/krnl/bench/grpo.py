@@ -1,7 +1,7 @@
 """The GRPO workload: G completions sampled for each of a few prompts, then one optimizer step of
 GRPO on them, the two timed apart, on pref.py's model (the 1b shape, LoRA r=16 x7).
 
-Generation: krnl's models.generate.generate_batch (the LoRA on, one seed per row) next to
+Generation: krnl's models.batch_decode.generate_batch (the LoRA on, one seed per row) next to
 transformers' generate on the PEFT model (what TRL's GRPOTrainer calls without vLLM), with
 num_return_sequences G: sampling at temperature 1 from the whole vocabulary (top-p 1, top-k off) on
 both sides, and both generate exactly max_new tokens a row: the model has no EOS on either side
@@ -65,7 +65,7 @@ def batch(s, prompts, completions, seed=0):
 
 def run_krnl(dev, s, prompts, dtype, log=print, profile=False):
     """(generation's figures, the step's, the batch trained on)."""
-    from ..models.generate import generate_batch
+    from ..models.batch_decode import generate_batch
     from ..train.grpo import grpo_step
     model = pref.krnl_model(dev, s, dtype)
     rows = np.repeat(prompts, s["G"], axis=0).tolist()

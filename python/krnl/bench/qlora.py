@@ -102,8 +102,14 @@ def time_krnl(dev, model, s, batches, log, who, profile=False, objective=None):
         with krnl.profile(dev) as p:
             step(batches[-1])
         log(f"krnl bench: {who} profile: {p.op_ms:.1f} ms in ops, {p.wall_ms:.1f} ms wall")
-        for g in sorted(p.rows(), key=lambda g: -g["ms"])[:14]:
+        for g in sorted(p.rows(), key=lambda g: -g["ms"])[:28]:
             log(f"  {g['op'][:22]:22s} {g['shape'][:40]:40s} {g['calls']:5d} {g['ms']:9.2f} ms {100 * g['share']:5.1f}%")
+        ops_ms = {}
+        for g in p.rows():
+            calls, ms = ops_ms.get(g["op"], (0, 0.0))
+            ops_ms[g["op"]] = (calls + g["calls"], ms + g["ms"])
+        log("  by op: " + ", ".join(f"{op} {ms:.2f} ms/{calls}" for op, (calls, ms) in
+                                    sorted(ops_ms.items(), key=lambda kv: -kv[1][1])))
     return res
 
 

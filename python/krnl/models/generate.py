@@ -1,8 +1,6 @@
 """Sampling with a KV cache: the prompt runs once through every layer, then each new token runs the
 same decoder layer (layer.layer_forward) with an attention that appends its keys and values to the
-cache and attends to every cached position. generate_batch decodes many sequences at once: one
-token of every sequence per layer call (the projections and MLPs batched), the sequences of one
-prompt (GRPO's completions) sharing its prefill and attending through batched GEMMs."""
+cache and attends to every cached position (batch_decode.py decodes many sequences at once)."""
 
 import numpy as np
 
@@ -56,11 +54,14 @@ def scoring(L, hd, window):
     return hd.scale, 0.0, window if L.window is None else L.window
 
 
-def softmax_scores(S, scale, cap, window, sinks):
-    """S (..., n, end) scores of queries at positions end - n.. in place to probabilities."""
+def softmax_scores(S, scale, cap, window, sinks, mask=None):
+    """S (..., n, end) scores of queries at positions end - n.. in place to probabilities; mask:
+    (ones (R, 1), row (1, end)) added to S's R rows after any capping (batch_decode.FixedDecoder's)."""
     if cap:
         ops.scale(S, scale, S)
         ops.softcap(S, cap, S)
+    if mask is not None:
+        ops.gemm(mask[0], mask[1], S.reshape(mask[0].shape[0], S.shape[-1]), beta=1.0)
     ops.softmax_causal_forward(S, S, 1.0 if cap else scale, window=window, sinks=sinks)
 
 
@@ -180,107 +181,3 @@ def cache_length(model, prompt, max_new_tokens, temperature, top_p):
     if len(prompt) >= total:
         raise ValueError(f"[generate] the prompt fills max_position_embeddings {mp}")
     return total
-
-
-class GroupCache:
-    """The keys and values of the G sequences of one prompt, per layer (G Hk, total, D) with row
-    b Hk + j sequence b's KV head j: the prompt's, run once (a KVCache) and copied to every
-    sequence, then one position of every sequence per decoding step. pos: the next position."""
-
-    def __init__(self, model, prompt_cache, P, G, total):
-        d, dt, hd = model.dev, model.dtype, model.heads
-        self.G, self.pos, self.total, self.heads = G, P, total, hd
-        self.window = int(model.config.sliding_window or 0)
-        self.layers = model.layers
-        self.k = [d.empty((G * hd.Hk, total, hd.D), dt) for _ in model.layers]
-        self.v = [d.empty((G * hd.Hk, total, hd.D), dt) for _ in model.layers]
-        self.one = d.tensor(np.ones((1, 1), np.float32), dt)
-        ones = d.tensor(np.ones((G, 1), np.float32), dt)
-        # sinks (H,) of each sequence's heads in a row: the (G Hk g) rows of the scores
-        self.sinks = [None if L.sinks is None else d.tensor(np.tile(L.sinks.numpy(), G), "f32") for L in model.layers]
-        with d.step():  # C (G, P D) = ones (G, 1) x (1, P D): the prompt's rows of head j, once per sequence
-            for dst, src in ((self.k, prompt_cache.k), (self.v, prompt_cache.v)):
-                for i, heads in enumerate(src):
-                    rows = dst[i].reshape(G, hd.Hk * total * hd.D)
-                    for j, h in enumerate(heads):
-                        ops.gemm(ones, h[:P].reshape(1, P * hd.D), rows[:, j * total * hd.D:j * total * hd.D + P * hd.D])
-
-    def attend(self, i, q, k, v, out):
-        """Layer i's attention of the G sequences' tokens at self.pos: q, out (G, H, D) and k, v
-        (G, Hk, D) token-major. Appends k and v (as one (1, 1) x (1, D) product per row: no copy
-        op takes a strided destination), then batched products over the G Hk (sequence, KV head)
-        pairs, each pair's g query heads one (g, D) block."""
-        hd, L, G, p = self.heads, self.layers[i], self.G, self.pos
-        n, g, D, end = G * hd.Hk, hd.g, hd.D, p + 1
-        K, V = self.k[i], self.v[i]
-        for new, cache in ((k, K), (v, V)):
-            ops.gemm(self.one, new.reshape(n, 1, D), cache[:, p:p + 1], batch=n, stride_a=0)
-        scale, cap, window = scoring(L, hd, self.window)
-        S = q.device.empty((n, g, end), q.dtype)                          # (G Hk, g, end)
-        ops.gemm(q.reshape(n, g, D), K[:, :end], S, trans_b=True, batch=n)
-        softmax_scores(S.reshape(n * g, 1, end), scale, cap, window, self.sinks[i])
-        ops.gemm(S, V[:, :end], out.reshape(n, g, D), batch=n)
-
-
-def decode_groups(model, groups, ids):
-    """Logits (n, V) f32 of one token per sequence of the groups (GroupCaches, ids (n,) their
-    sequences' in order) at each group's position, appended to the caches; positions advance."""
-    hd, starts = model.heads, np.cumsum([0] + [gc.G for gc in groups])
-    n, H, Hk, D = len(ids), hd.H, hd.Hk, hd.D
-
-    def attend(i):
-        def layer(b, q, k, v, out):  # q, out (H, n, D); k, v (Hk, n, D)
-            d, dt = q.device, q.dtype
-            qt, kt, vt, ot = d.empty((n, H, D), dt), d.empty((n, Hk, D), dt), d.empty((n, Hk, D), dt), d.empty((n, H, D), dt)
-            for x, xt in ((q, qt), (k, kt), (v, vt)):
-                ops.transpose_heads(x, xt)
-            for gc, r0, r1 in zip(groups, starts, starts[1:]):
-                gc.attend(i, qt[r0:r1], kt[r0:r1], vt[r0:r1], ot[r0:r1])
-            ops.transpose_heads(ot, out)
-
-        return layer
-
-    logits = run_tokens(model, ids, np.repeat([gc.pos for gc in groups], [gc.G for gc in groups]), attend, False)
-    for gc in groups:
-        gc.pos += 1
-    return logits
-
-
-def generate_batch(model, prompts, max_new_tokens=32, temperature=0.0, top_p=1.0, seeds=None, eos_id=None, top_k=0):
-    """generate() of every prompt (lists of valid ids), row r with seed seeds[r] (default r): the
-    same tokens as one generate() call per row (up to the float sums' order in the logits), decoded
-    together. Rows with equal prompts share its prefill; a prompt's rows stop together once each has
-    met eos_id or the length limit (their extra tokens dropped)."""
-    prompts = [check_prompt(model, p) for p in prompts]
-    seeds = list(range(len(prompts))) if seeds is None else [int(s) for s in seeds]
-    if len(seeds) != len(prompts):
-        raise ValueError(f"[generate] {len(seeds)} seeds for {len(prompts)} prompts")
-    switch = model.config.rope_switch_position
-    if switch is not None and any(len(p) + max_new_tokens > switch for p in prompts):
-        # LongRoPE re-runs a sequence that crosses its switch (generate()): one at a time
-        return [generate(model, p, max_new_tokens, temperature, top_p, s, eos_id, top_k) for p, s in zip(prompts, seeds)]
-    rows = {}
-    for r, p in enumerate(prompts):
-        rows.setdefault(tuple(p), []).append(r)
-    rngs = [np.random.default_rng(s) for s in seeds]
-    out, live = [[] for _ in prompts], []
-    for p, rs in rows.items():
-        total = cache_length(model, p, max_new_tokens, temperature, top_p)
-        pc = KVCache(model.dev, model.dtype, model.layers, model.heads, len(p), model.config.sliding_window)
-        logits = decode(model, list(p), 0, pc)
-        live.append((GroupCache(model, pc, len(p), len(rs), total), rs))
-        for r, t in zip(rs, sample_rows(np.repeat(logits[None], len(rs), 0), temperature, top_p,
-                                        [rngs[r] for r in rs], top_k)):
-            out[r].append(int(t))
-
-    def done(r, gc):  # generate()'s stop: after eos_id, max_new_tokens, or once the cache is full
-        return out[r][-1] == eos_id or len(out[r]) == max_new_tokens or gc.pos >= gc.total
-
-    while live := [(gc, rs) for gc, rs in live if not all(done(r, gc) for r in rs)]:
-        fed = [(r, gc) for gc, rs in live for r in rs]
-        todo = [(i, r) for i, (r, gc) in enumerate(fed) if not done(r, gc)]  # the rest feed on, unsampled
-        logits = decode_groups(model, [gc for gc, _ in live], [out[r][-1] for r, _ in fed])
-        nxt = sample_rows(logits[[i for i, _ in todo]], temperature, top_p, [rngs[r] for _, r in todo], top_k)
-        for (_, r), t in zip(todo, nxt):
-            out[r].append(int(t))
-    return out

@@ -20,7 +20,8 @@ import numpy as np
 
 from .. import _core
 from .config import IGNORE_INDEX, LoraConfig, ModelConfig
-from .generate import generate, generate_batch
+from .batch_decode import generate_batch
+from .generate import generate
 from .attention import Batch
 from .layer import Heads, Ones, build_layer, layer_backward, layer_forward
 from .dora import Switch, held, magnitudes
@@ -369,7 +370,7 @@ class LlamaModel:
             return generate(self, prompt, max_new_tokens, temperature, top_p, seed, eos_id, top_k)
 
     def generate_batch(self, prompts, max_new_tokens=32, temperature=0.0, top_p=1.0, seeds=None, eos_id=None, top_k=0):
-        """generate() of each prompt, decoded together (krnl.models.generate.generate_batch)."""
+        """generate() of each prompt, decoded together (krnl.models.batch_decode.generate_batch)."""
         with held(self.dora):
             return generate_batch(self, prompts, max_new_tokens, temperature, top_p, seeds, eos_id, top_k)
 

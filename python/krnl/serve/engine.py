@@ -1,5 +1,5 @@
 """The serving engine: one thread owns the model and decodes every running request together, one
-token of each sequence per step (models.generate: GroupCache, decode_groups). A request joins
+token of each sequence per step (models.batch_decode: GroupCache, decode_groups). A request joins
 between steps after its own prefill and leaves once each of its choices is done or its client
 is gone; a request of n choices is one group of n sequences sharing its prefill. A step runs the
 requests of one adapter (its LoRA weights copied into the model's: adapters.py); adapters with
@@ -13,7 +13,8 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from ..models.generate import GroupCache, KVCache, cache_length, check_prompt, decode, decode_groups, sample_rows
+from ..models.batch_decode import GroupCache, decode_groups
+from ..models.generate import KVCache, cache_length, check_prompt, decode, sample_rows
 from .text import ChoiceText
 
 

@@ -1,6 +1,6 @@
 """The device allocations of a micro-batch of a sequence objective (--train-mode dpo, orpo, simpo and
 grpo), replayed from the shapes alone for krnl.train.memory: what Pairwise.step and GRPO.run make
-(train/preference.py, train/grpo.py, models/sequence_loss.py, models/generate.py), in their order,
+(train/preference.py, train/grpo.py, models/sequence_loss.py, models/batch_decode.py), in their order,
 with memory_step.Replay's forward and backward.
 
 A micro-batch of P pairs is 2P rows; one of GRPO holds its prompts' G completions each. Before the
@@ -71,23 +71,31 @@ def generation(rp):
         groups += [rp.new((G * Hk, T, D), dt, GENERATION) for _ in range(2 * L)]  # GroupCache k, v
         groups.append(rp.new((1, 1), dt, SMALL))                          # its one; its ones (G, 1) a moment
         rp.t.free(rp.new((G, 1), dt, SMALL))
-    for end in range(P + 1, T):                                           # decode_groups: a token of every row
+    fixed = []
+    if rp.run.device.graphs:  # batch_decode.FixedDecoder: its inputs and logits, then every step at T
+        windows = len(set(rp.c.layer_windows or [0]))
+        fixed = [rp.new((2 * n,), "i32", SMALL), rp.new(((1 + windows) * T * (rp.B // G),), dt, SMALL),
+                 rp.new((G * H, 1), dt, SMALL), rp.new((n, rp.V), "f32" if dt == "f32" else dt, GENERATION)]
+    for end in range(P + 1, T):                                           # a token of every row
         def attend():  # the rows token-major, then each group's scores (G Hk, g, end)
             heads = [rp.new((n, h, D), dt, GENERATION) for h in (H, Hk, Hk, H)]
             for _ in range(rp.B // G):
-                rp.t.free(rp.new((G * Hk, H // Hk, end), dt, GENERATION))
+                rp.t.free(rp.new((G * Hk, H // Hk, T if fixed else end), dt, GENERATION))
             rp.t.free(*heads)
-        tokens(rp, n, n, attend)
-    rp.t.free(*groups, *pc)
+        tokens(rp, n, n, attend, fixed=bool(fixed))
+        if fixed:  # the first step runs as the recording's warm-up, the rest replay it: no new buffers
+            break
+    rp.t.free(*groups, *pc, *fixed)
 
 
-def tokens(rp, n, m, attend):
+def tokens(rp, n, m, attend, fixed=False):
     """run_tokens of n tokens, m rows of logits: each layer's buffers as a training forward's of n
-    tokens in one row with its attention fused (attend() the scores the decoding makes instead)."""
+    tokens in one row with its attention fused (attend() the scores the decoding makes instead);
+    fixed: FixedDecoder's step, whose inputs and logits are made before."""
     keep = rp.B, rp.T, rp.N, rp.fused, rp.token_major
     rp.B, rp.T, rp.N, rp.fused, rp.token_major, rp.recording = 1, n, n, True, False, False
     rp.t.begin_step()
-    inputs = [rp.new((n,), "i32", SMALL), rp.new((n,), "i32", SMALL)]  # ids, positions
+    inputs = [] if fixed else [rp.new((n,), "i32", SMALL), rp.new((n,), "i32", SMALL)]  # ids, positions
     x, cache = rp.act((n, rp.C), GENERATION), []
     for i in range(rp.L):  # `x, _ = layer_forward(...)`: a layer's cache goes once the next one's is made
         y, new = rp.layer_forward(i, x)
@@ -95,7 +103,8 @@ def tokens(rp, n, m, attend):
         rp.t.free(x, *cache)
         x, cache = y, new
     out = [rp.act((m, rp.C), GENERATION), rp.new((m,), "f32", GENERATION)]  # xn, rstd
-    out.append(rp.new((m, rp.V), "f32" if rp.dt == "f32" else rp.dt, GENERATION))
+    if not fixed:
+        out.append(rp.new((m, rp.V), "f32" if rp.dt == "f32" else rp.dt, GENERATION))
     rp.t.free(x, *cache, *out, *inputs)
     rp.t.end_step()
     rp.B, rp.T, rp.N, rp.fused, rp.token_major = keep

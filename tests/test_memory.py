@@ -227,6 +227,35 @@ def test_trace_holds_released_buffers_until_the_step_ends_where_not_queue_ordere
         assert (t.peak_reserved, t.peak_in_use, t.reserved) == (peak, 2 << 20, peak)
 
 
+def test_trace_records_graphs_through_the_arena():
+    """A recording's request takes the smallest released arena buffer that holds it, else the
+    pool's; what the recording releases stays the graphs', in use to the pool."""
+    MiB = 1 << 20
+    t = memory.Trace()
+    t.free(t.alloc((MiB,), 1, "x"))                       # the warm-up: cached in the pool
+    t.recording = True
+    a = t.alloc((MiB,), 1, "x")                           # the pool's cached MiB
+    t.free(a)                                             # the arena's now
+    assert (t.reserved, t.in_use, t.arena) == (MiB, MiB, [MiB])
+    b = t.alloc((MiB // 2,), 1, "x")                      # best fit: the released MiB
+    c = t.alloc((MiB,), 1, "x")                           # nothing released holds it: the pool grows
+    t.free(b, c)
+    t.recording = False
+    assert (t.reserved, t.in_use, t.arena) == (2 * MiB, 2 * MiB, [MiB, MiB])
+    t.free(t.alloc((MiB,), 1, "x"))                       # eager again: the pool's rules
+    assert t.reserved == 3 * MiB
+
+
+def test_estimate_of_a_replayed_step_holds_its_recording():
+    """Run.replay (steps recorded as graphs, the Trainer's choice where the device has them): the
+    warm-up's buffers stay cached while the recording takes its own, so the plan is at least the
+    eager one's, and one micro-batch or several record the same."""
+    run = memory.Run(ModelConfig.from_dict(LLAMA), R8, "bf16", batch=2, seq=256, device=memory.CUDA)
+    eager, replayed = memory.estimate(run), memory.estimate(replace(run, replay=True))
+    assert replayed.total > eager.total and replayed.live > eager.live
+    assert memory.estimate(replace(run, replay=True, micro_batches=3)).total == replayed.total
+
+
 def test_optimizer_state_is_a_function_of_the_optimizer():
     run = memory.Run(ModelConfig.from_dict(LLAMA), R8, "f32", batch=1, seq=16)
     est = memory.estimate(run)

@@ -51,6 +51,9 @@
 #                                           each tree's W3 step kernel by kernel (step_kernels.py);
 #                                           KNOB=VAR instead of OLD: this tree with VAR=0 as before
 #                                           and VAR=1 as after (e.g. KRNL_LORA_FOLD)
+#   bash dev/cuda/h200_probes.sh grouped    the MoE bench's grouped products: krnl's moe_gemm next to
+#                                           torch._grouped_mm and a dense cuBLAS GEMM of the same FLOPs
+#                                           (dev/cuda/grouped_mm_probe.py; $OUT/grouped_mm.txt)
 phase=${1:-probes}
 source tools/device/h200_setup.sh || exit 1
 if [ "$phase" = compare ] && [ -z "$KNOB" ]; then
@@ -106,6 +109,8 @@ elif [ "$phase" = w3timing ]; then
   timeout 150 python3 -m krnl.bench --workloads w3 --peers numpy --device cuda --rounds 5 2>&1 |
     grep -E "^w3|^ +krnl" | tee -a "$OUT/w3_timing.txt"
   kill $smi
+elif [ "$phase" = grouped ]; then
+  timeout 120 python3 dev/cuda/grouped_mm_probe.py 2>&1 | tee "$OUT/grouped_mm.txt"
 elif [ "$phase" = energy ]; then
   timeout ${ENERGY_S:-240} python3 dev/cuda/energy_budget.py 2>&1 | tee "$OUT/energy_budget.txt"
 elif [ "$phase" = compare ]; then

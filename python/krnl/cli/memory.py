@@ -151,7 +151,7 @@ def run_of(args, dev, lora, config, T, quantize, file_q, world=None):
                       ce_chunk=getattr(args, "ce_chunk", None), optimizer=getattr(args, "optimizer", "adamw"),
                       min_8bit_size=getattr(args, "min_8bit_size", 4096),
                       momentum=getattr(args, "momentum", None) or 0.0, ranks=world.size,
-                      sample_order=reduce_order(cfg, world) == "sample" and not lora.full, **mode)
+                      sample_order=reduce_order(cfg, world) == "sample" and not lora.full, replay=replay, **mode)
 
 
 def before_load(args, dev, lora, quantize, world=None):

@@ -14,8 +14,15 @@ for its class (at once where the device is queue-ordered, at the step's end else
 reused only by a request of that class, `reserved` growing only when no cached buffer fits. The
 peak is then, per part, the bytes live at the moment the pool holds the most in use, and the
 pool's slack: class rounding plus buffers cached in classes the peak moment does not use (the
-logits chunk during the backward, say), which a pool limit would give back before refusing."""
+logits chunk during the backward, say), which a pool limit would give back before refusing.
+Where steps replay as graphs (Run.replay), the first micro-batch and the optimizer run once more
+as their recordings, through the graph arena's rules (backend.cpp, Backend::empty): a request takes
+the smallest released arena buffer that holds it, else one from the pool, and what the recording
+releases stays the arena's, in use to the pool, for as long as the graphs live. One padded length
+is planned, the longest: each other length a run meets records a graph of its own, whose buffers
+the arena adds where the released ones are too small (a longer length after shorter ones)."""
 
+import bisect
 import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, replace
@@ -63,10 +70,20 @@ class Trace:
         self.by_part = defaultdict(int)
         self.in_use = self.reserved = self.peak_in_use = self.peak_reserved = 0
         self.at_peak, self.in_step, self._next = {}, False, 0
+        self.recording = False         # requests go through the graph arena
+        self.arena, self.arena_ids = [], set()  # its released buffers' classes (sorted); ids it owns
 
     def alloc(self, shape, itemsize, part):
         n = math.prod(shape) * itemsize
         cls = class_size(n)
+        if self.recording:
+            self.arena_ids.add(self._next + 1)
+            j = bisect.bisect_left(self.arena, cls)
+            if j < len(self.arena):  # best fit; in use to the pool all along
+                self._next += 1
+                self.live[self._next] = (self.arena.pop(j), n, part)
+                self.by_part[part] += n
+                return self._next
         if self.cached[cls]:
             self.cached[cls] -= 1
         else:
@@ -85,8 +102,11 @@ class Trace:
             if i is None:
                 continue
             cls, n, part = self.live.pop(i)
-            self.in_use -= cls
             self.by_part[part] -= n
+            if i in self.arena_ids:  # the graphs live to the end of the run
+                bisect.insort(self.arena, cls)
+                continue
+            self.in_use -= cls
             if self.in_step and not self.queue_ordered:
                 self.pending.append(cls)
             else:
@@ -150,6 +170,7 @@ class Run:
     completion: int = 0               # grpo: the tokens a completion may take (then seq: prompt + these)
     ranks: int = 1                    # data-parallel ranks: each holds its share of a micro-batch's items
     sample_order: bool = False        # the sample reduce order (--reduce-order; sample_sums.py)
+    replay: bool = False              # steps recorded as graphs and replayed (the Trainer's choice)
     device: Traits = Traits()
 
 
@@ -189,9 +210,17 @@ def estimate(run):
     t = Trace(run.device.queue_ordered)
     rp = Replay(t, run)
     rp.resident()
-    for _ in range(run.micro_batches):
+    for _ in range(1 if run.replay else run.micro_batches):  # a replay makes no new buffers
         rp.micro_batch()
+    if run.replay:  # Device.capture: the warm-up above, then the recording
+        t.recording = True
+        rp.micro_batch()
+        t.recording = False
     rp.optimizer()
+    if run.replay:
+        t.recording = True
+        rp.optimizer()
+        t.recording = False
     parts = {k: v for k, v in t.at_peak.items() if v}
     parts["slack"] = t.peak_reserved - sum(parts.values())
     return Estimate(run, parts, t.peak_reserved, t.peak_in_use)

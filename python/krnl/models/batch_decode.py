@@ -17,9 +17,7 @@ import numpy as np
 from .. import _core
 from .attention import Batch
 from .generate import (KVCache, cache_length, check_prompt, decode, generate, run_tokens, sample_rows, scoring,
-                       softmax_scores)
-from .layer import layer_forward
-from ..quant.qweight import embed, linear
+                       softmax_scores, tokens_forward)
 
 ops = _core.ops
 
@@ -166,20 +164,10 @@ class FixedDecoder:
 
     def _run(self):
         """One step into self.logits: nothing read on the host, the same work every call."""
-        m, n = self.model, self.n
-        d, dt, C = m.dev, m.dtype, m.config.hidden_size
-        attend = token_major_attention(m, n, self._attend_groups)  # made here: held by self, a cycle
-        x = d.empty((n, C), dt)                                           # (n, C)
-        embed(self.index[:n], m.embed, x)
-        if m.embed_scale is not None:
-            ops.scale(x, m.embed_scale, x)
-        for i, L in enumerate(m.layers):
-            x, _ = layer_forward(L, x, self.batch, attend(i))
-        xn, r = d.empty((n, C), dt), d.empty((n,), "f32")
-        ops.rmsnorm_forward(x, m.norm_w, xn, r, m.config.rms_norm_eps)
-        linear(xn, m.head, self.logits)
-        if m.final_softcap:
-            ops.softcap(self.logits, m.final_softcap, self.logits)
+        # attend is built per call: kept on self, its bound method would make a reference cycle,
+        # which holds the caches until the garbage collector runs
+        attend = token_major_attention(self.model, self.n, self._attend_groups)
+        tokens_forward(self.model, self.index[:self.n], self.batch, attend, last_only=False, logits=self.logits)
 
     def _attend_groups(self, i, qt, kt, vt, ot):
         r0 = 0

@@ -110,27 +110,36 @@ def nucleus(p, top_p):
 def run_tokens(model, ids, positions, attend, last_only=True):
     """Logits (1 or n, V) f32 of tokens ids (n,) at positions (n,) through every layer (no dropout),
     attend(i) layer i's attention (layer_forward's attend): the last token's, or every token's."""
-    d, dt, c = model.dev, model.dtype, model.config
-    n, C = len(ids), c.hidden_size
+    d = model.dev
     positions = np.asarray(positions, np.int32)
     with d.step():
         ids_t = d.tensor(np.asarray(ids, np.int32), "i32")
-        batch = Batch(1, n, [d.tensor(positions, "i32")], inv_freq=model.call_inv_freq(int(positions.max())))
-        x = d.empty((n, C), dt)                                           # (n, C)
-        embed(ids_t, model.embed, x)
-        if model.embed_scale is not None:
-            ops.scale(x, model.embed_scale, x)
-        for i, L in enumerate(model.layers):
-            x, _ = layer_forward(L, x, batch, attend(i))
-        h = x[n - 1:n] if last_only else x                                # (m, C)
-        m = h.shape[0]
-        xn, r = d.empty((m, C), dt), d.empty((m,), "f32")
-        ops.rmsnorm_forward(h, model.norm_w, xn, r, c.rms_norm_eps)
-        logits = d.empty((m, c.vocab_size), "f32" if dt == "f32" else dt)  # (m, V)
-        linear(xn, model.head, logits)
-        if model.final_softcap:
-            ops.softcap(logits, model.final_softcap, logits)
+        batch = Batch(1, len(ids), [d.tensor(positions, "i32")], inv_freq=model.call_inv_freq(int(positions.max())))
+        logits = tokens_forward(model, ids_t, batch, attend, last_only)
     return np.asarray(logits.numpy(), np.float32)
+
+
+def tokens_forward(model, ids_t, batch, attend, last_only=True, logits=None):
+    """run_tokens' work on the device: ids_t (n,) i32 through every layer, then the head's logits
+    (1 or n, V) of the last token or every one, into `logits` where given; returns them."""
+    d, dt, c = model.dev, model.dtype, model.config
+    n, C = ids_t.shape[0], c.hidden_size
+    x = d.empty((n, C), dt)                                               # (n, C)
+    embed(ids_t, model.embed, x)
+    if model.embed_scale is not None:
+        ops.scale(x, model.embed_scale, x)
+    for i, L in enumerate(model.layers):
+        x, _ = layer_forward(L, x, batch, attend(i))
+    h = x[n - 1:n] if last_only else x                                    # (m, C)
+    m = h.shape[0]
+    xn, r = d.empty((m, C), dt), d.empty((m,), "f32")
+    ops.rmsnorm_forward(h, model.norm_w, xn, r, c.rms_norm_eps)
+    if logits is None:
+        logits = d.empty((m, c.vocab_size), "f32" if dt == "f32" else dt)  # (m, V)
+    linear(xn, model.head, logits)
+    if model.final_softcap:
+        ops.softcap(logits, model.final_softcap, logits)
+    return logits
 
 
 def decode(model, ids, start, cache):

@@ -87,6 +87,18 @@ def test_pool_retired_buffer_waits_for_its_submission():
     assert st["allocations"] == 3
 
 
+def test_pool_has_cached_says_what_acquire_would_reuse():
+    """has_cached (the graph arena's question before it takes a larger released buffer): a
+    buffer of the class, cached or retired under a completed submission; not another class's."""
+    p = HostBufferPool()
+    a, _ = p.acquire(1000, 4)
+    assert not p.has_cached(1000, 4)
+    p.release(a, 5, 4)                    # retired under submission 5
+    assert not p.has_cached(1000, 4) and p.has_cached(900, 5)  # the same class once 5 completes
+    assert not p.has_cached(5000, 5)
+    assert p.acquire(1000, 5)[0] == a and not p.has_cached(1000, 5)
+
+
 def test_pool_release_with_completed_submission_is_cached_at_once():
     p = HostBufferPool()
     a, ca = p.acquire(5000, 7)

@@ -228,21 +228,28 @@ def test_trace_holds_released_buffers_until_the_step_ends_where_not_queue_ordere
 
 
 def test_trace_records_graphs_through_the_arena():
-    """A recording's request takes the smallest released arena buffer that holds it, else the
-    pool's; what the recording releases stays the graphs', in use to the pool."""
-    MiB = 1 << 20
-    t = memory.Trace()
-    t.free(t.alloc((MiB,), 1, "x"))                       # the warm-up: cached in the pool
-    t.recording = True
-    a = t.alloc((MiB,), 1, "x")                           # the pool's cached MiB
-    t.free(a)                                             # the arena's now
-    assert (t.reserved, t.in_use, t.arena) == (MiB, MiB, [MiB])
-    b = t.alloc((MiB // 2,), 1, "x")                      # best fit: the released MiB
-    c = t.alloc((MiB,), 1, "x")                           # nothing released holds it: the pool grows
-    t.free(b, c)
-    t.recording = False
-    assert (t.reserved, t.in_use, t.arena) == (2 * MiB, 2 * MiB, [MiB, MiB])
-    t.free(t.alloc((MiB,), 1, "x"))                       # eager again: the pool's rules
+    """A recording's request takes a released arena buffer of its class; while no graph lives,
+    the pool's cached one of its class next; else the smallest released arena buffer that holds
+    it, else a new one. What a recording releases stays the graphs', in use to the pool."""
+    MiB, t = 1 << 20, memory.Trace()
+    t.free(t.alloc((MiB,), 1, "x"), t.alloc((MiB // 2,), 1, "x"))  # the warm-up: one of each cached
+
+    def first():
+        t.free(t.alloc((MiB,), 1, "x"))        # the pool's MiB, then the arena's
+        t.free(t.alloc((MiB // 2,), 1, "x"))   # no graph yet: the pool's half, not the arena's MiB
+
+    t.record(first)
+    assert (t.reserved, t.in_use, t.arena, t.graphs) == (3 * MiB // 2, 3 * MiB // 2, [MiB // 2, MiB], 1)
+
+    def second():
+        c = t.alloc((MiB // 4,), 1, "x")       # a graph lives: best fit, the arena's half
+        d = t.alloc((MiB // 2,), 1, "x")       # best fit: the MiB
+        e = t.alloc((MiB // 2,), 1, "x")       # nothing released holds it: the pool grows
+        t.free(c, d, e)
+
+    t.record(second)
+    assert (t.reserved, t.in_use, t.arena) == (2 * MiB, 2 * MiB, [MiB // 2, MiB // 2, MiB])
+    t.free(t.alloc((MiB,), 1, "x"))            # eager again: the pool's rules
     assert t.reserved == 3 * MiB
 
 

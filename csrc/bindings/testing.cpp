@@ -44,6 +44,8 @@ void bind_testing(nb::module_& m) {
              h.pool.release(it->second, retire_seq, completed);
              h.live.erase(it);
            }, "id"_a, "retire_seq"_a, "completed_seq"_a)
+      .def("has_cached", [](HostPool& h, size_t bytes, uint64_t completed) { return h.pool.has_cached(bytes, completed); },
+           "bytes"_a, "completed_seq"_a, "Whether acquire(bytes) would reuse a cached buffer.")
       .def("trim", [](HostPool& h) { h.pool.trim(); })
       .def("set_limit", [](HostPool& h, size_t bytes, const std::string& origin) { h.pool.set_limit(bytes, origin); },
            "bytes"_a, "origin"_a = "a test")

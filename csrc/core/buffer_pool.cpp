@@ -97,6 +97,13 @@ void BufferPool::release(const Buffer& b, uint64_t retire_seq, uint64_t complete
   }
 }
 
+bool BufferPool::has_cached(size_t bytes, uint64_t completed_seq) {
+  std::lock_guard<std::mutex> lk(mu_);
+  collect_locked(completed_seq);
+  auto it = cache_.find(class_size(bytes));
+  return it != cache_.end() && !it->second.empty();
+}
+
 void BufferPool::collect(uint64_t completed_seq) {
   std::lock_guard<std::mutex> lk(mu_);
   collect_locked(completed_seq);

@@ -53,6 +53,8 @@ class BufferPool {
 
   // completed_seq: the newest submission known complete; retired buffers up to it are reusable.
   Buffer acquire(size_t bytes, uint64_t completed_seq);
+  // Whether acquire(bytes) would reuse a cached buffer (the completed ones collected first).
+  bool has_cached(size_t bytes, uint64_t completed_seq);
   // retire_seq: the submission that may still use the buffer (0 when none does).
   void release(const Buffer& b, uint64_t retire_seq, uint64_t completed_seq);
   // Moves retired buffers whose submission has completed to the cache.

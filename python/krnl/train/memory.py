@@ -17,10 +17,12 @@ pool's slack: class rounding plus buffers cached in classes the peak moment does
 logits chunk during the backward, say), which a pool limit would give back before refusing.
 Where steps replay as graphs (Run.replay), the first micro-batch and the optimizer run once more
 as their recordings, through the graph arena's rules (backend.cpp, Backend::empty): a request takes
-the smallest released arena buffer that holds it, else one from the pool, and what the recording
-releases stays the arena's, in use to the pool, for as long as the graphs live. One padded length
-is planned, the longest: each other length a run meets records a graph of its own, whose buffers
-the arena adds where the released ones are too small (a longer length after shorter ones)."""
+a released arena buffer of its class; while no graph lives, the pool's cached one of its class
+next; else the smallest released arena buffer that holds it; else a new one from the pool. What
+the recording releases stays the arena's, in use to the pool, for as long as the graphs live.
+One padded length is planned, the longest: each other length a run meets records a graph of its
+own, whose buffers the arena adds where the released ones are too small (a longer length after
+shorter ones), and first runs eagerly beside the recorded ones."""
 
 import bisect
 import math
@@ -70,7 +72,7 @@ class Trace:
         self.by_part = defaultdict(int)
         self.in_use = self.reserved = self.peak_in_use = self.peak_reserved = 0
         self.at_peak, self.in_step, self._next = {}, False, 0
-        self.recording = False         # requests go through the graph arena
+        self.recording, self.graphs = False, 0  # requests go through the graph arena; graphs recorded
         self.arena, self.arena_ids = [], set()  # its released buffers' classes (sorted); ids it owns
 
     def alloc(self, shape, itemsize, part):
@@ -79,7 +81,8 @@ class Trace:
         if self.recording:
             self.arena_ids.add(self._next + 1)
             j = bisect.bisect_left(self.arena, cls)
-            if j < len(self.arena):  # best fit; in use to the pool all along
+            exact = j < len(self.arena) and self.arena[j] == cls
+            if exact or (j < len(self.arena) and not (self.graphs == 0 and self.cached[cls])):  # in use all along
                 self._next += 1
                 self.live[self._next] = (self.arena.pop(j), n, part)
                 self.by_part[part] += n
@@ -111,6 +114,12 @@ class Trace:
                 self.pending.append(cls)
             else:
                 self.cached[cls] += 1
+
+    def record(self, fn):
+        """fn's requests as a recording (Device.capture's, after its warm-up); then one more graph."""
+        self.recording = True
+        fn()
+        self.recording, self.graphs = False, self.graphs + 1
 
     def begin_step(self):
         self.in_step = True
@@ -213,14 +222,10 @@ def estimate(run):
     for _ in range(1 if run.replay else run.micro_batches):  # a replay makes no new buffers
         rp.micro_batch()
     if run.replay:  # Device.capture: the warm-up above, then the recording
-        t.recording = True
-        rp.micro_batch()
-        t.recording = False
+        t.record(rp.micro_batch)
     rp.optimizer()
     if run.replay:
-        t.recording = True
-        rp.optimizer()
-        t.recording = False
+        t.record(rp.optimizer)
     parts = {k: v for k, v in t.at_peak.items() if v}
     parts["slack"] = t.peak_reserved - sum(parts.values())
     return Estimate(run, parts, t.peak_reserved, t.peak_in_use)

@@ -75,16 +75,18 @@ def sample(logits, temperature, top_p, rng, top_k=0):
 def sample_rows(logits, temperature, top_p, rngs, top_k=0):
     """sample() of each row of logits (n, V), row r drawing from rngs[r] (one uniform number per
     row and call, so that a row's draws do not depend on the other rows)."""
-    z = np.asarray(logits, np.float64)
+    z = np.array(logits, np.float64)                                      # a copy: changed in place
     if temperature == 0:
         return np.argmax(z, axis=1)
-    z = (z - z.max(axis=1, keepdims=True)) / temperature
+    z -= z.max(axis=1, keepdims=True)
+    if temperature != 1:  # x / 1 is x: the pass is skipped, the bits are the same
+        z /= temperature
     if 0 < top_k < z.shape[1]:
         z = np.where(z >= np.partition(z, -top_k, axis=1)[:, -top_k, None], z, -np.inf)
-    p = np.exp(z)
+    p = np.exp(z, out=z)
     out = np.empty(len(p), np.int64)
     for r, (pr, rng) in enumerate(zip(p, rngs)):
-        keep = nucleus(pr / pr.sum(), top_p)
+        keep = nucleus(pr / pr.sum(), top_p) if top_p < 1 else None
         cdf = np.cumsum(pr if keep is None else pr[keep])
         i = min(int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right")), len(cdf) - 1)
         out[r] = i if keep is None else keep[i]

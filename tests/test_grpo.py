@@ -132,6 +132,22 @@ def test_cli_grpo_samples_rewards_and_raises_the_reward(tmp_path):
     assert last > first + 0.05, (first, last)
 
 
+def test_no_graphs_runs_the_generation_eagerly_too(tmp_path):
+    """--no-graphs reaches GRPO's generation: its decoding steps then run eagerly (decode_groups)
+    where the device would record them."""
+    from collections import defaultdict
+    from types import SimpleNamespace
+    from krnl.cli import objectives
+    from krnl.cli.args import parse_args
+
+    (tmp_path / "rw.py").write_text(REWARD)
+    argv = ["train", "--model", "m", "--train-mode", "grpo", "--reward", f"{tmp_path / 'rw.py'}:fives"]
+    cfg = SimpleNamespace(beta=0.0, loss_type="dapo")
+    for extra, graphs in (([], True), (["--no-graphs"], False)):
+        got = objectives.objective(parse_args(argv + extra, defaultdict(lambda: None)), None, cfg)
+        assert got.graphs is graphs
+
+
 def test_sample_top_k_keeps_the_k_largest_logits():
     from krnl.models.generate import sample
 

@@ -185,7 +185,7 @@ def parse_args(argv, commands):
                    "graph, else no padding)")
     t.add_argument("--no-graphs", action="store_true",
                    help="run every step eagerly (default: record it once per padded length and replay it where the "
-                   "device has graphs, see `krnl devices`)")
+                   "device has graphs, see `krnl devices`; grpo: its generation's decoding step too)")
     t.add_argument("--reduce-order", default="auto", choices=["auto", "rows", "sample"],
                    help="how LoRA gradients sum over a batch's rows: sample (per sample in a fixed tree, as a "
                    "data-parallel run's ranks do: one process then gives their adapter), rows (one GEMM over all "

@@ -127,4 +127,4 @@ def objective(args, tok, cfg):
     w = None if args.reward_weights is None else [float(x) for x in args.reward_weights.split(",")]
     return GRPO(tok, [load_reward(s) for s in args.reward], w, args.num_generations, args.max_completion_length,
                 args.temperature, args.top_p, cfg.beta, args.epsilon, args.epsilon_high, cfg.loss_type,
-                args.scale_rewards, args.seed, args.top_k)
+                args.scale_rewards, args.seed, args.top_k, graphs=not args.no_graphs)

@@ -138,7 +138,8 @@ class GRPO:
     pass: the sampling policy is this one)."""
 
     def __init__(self, tok, rewards, weights=None, num_generations=8, max_completion_length=512, temperature=1.0,
-                 top_p=1.0, beta=0.0, eps_low=0.2, eps_high=None, loss_type="dapo", scale="group", seed=0, top_k=0):
+                 top_p=1.0, beta=0.0, eps_low=0.2, eps_high=None, loss_type="dapo", scale="group", seed=0, top_k=0,
+                 graphs=True):
         if not rewards:
             raise ValueError("[grpo] at least one reward function (--reward module:function)")
         self.tok, self.rewards = tok, list(rewards)
@@ -151,6 +152,7 @@ class GRPO:
             float(temperature), float(top_p)
         self.beta, self.eps_low, self.eps_high = float(beta), float(eps_low), float(eps_low if eps_high is None else eps_high)
         self.loss_type, self.scale, self.seed, self.top_k = loss_type, scale, int(seed), int(top_k)
+        self.graphs = bool(graphs)  # False (--no-graphs): the generation's decoding steps run eagerly
         self.position = (0, 0)  # (step, micro-batch) the trainer sets: the sampling seeds, so that resume is exact
         self.world = World()    # the ranks sharing each batch (krnl.train.preference.objective sets the trainer's)
 
@@ -163,7 +165,8 @@ class GRPO:
         each = [p for p in prompts[lo:hi] for _ in range(G)]              # (ids, line) of each completion
         seeds = np.random.SeedSequence([self.seed, *self.position]).generate_state(len(prompts) * G)[lo * G:]
         comps = model.generate_batch([ids for ids, _ in each], self.max_len, self.temperature, self.top_p,
-                                     seeds[:len(each)], self.tok.eos_id, self.top_k) if each else []
+                                     seeds[:len(each)], self.tok.eos_id, self.top_k,
+                                     fixed=None if self.graphs else False) if each else []
         got = self.rewarded(each, comps)                                  # (functions, completions)
         total = np.nansum(got * self.weights[:, None], axis=0)
         whole = self.pool(each, comps, got, total)

@@ -180,7 +180,7 @@ def measured_mode(dev, cfg, mode, lora=R8, dtype="f32", B=2, T=48, gc=False, bet
                         loss_type="dapo" if mode == "grpo" else "sigmoid")
     with pytest.MonkeyPatch.context() as mp:
         if fixed:
-            mp.setattr(krnl.models.model, "generate_batch", lambda *a: generate_batch(*a[:8], fixed=True))
+            mp.setattr(krnl.models.model, "generate_batch", lambda *a, **k: generate_batch(*a, **{**k, "fixed": True}))
         Trainer(m, cfg_t, data, None, out_dir=dev.name, progress=False, objective=objective).run()
     peak = dev.pool_stats()["peak_reserved"] - base
     grpo = dict(rows_per_item=G, completion=completion, reference=bool(beta)) if mode == "grpo" else \

@@ -369,12 +369,10 @@ class LlamaModel:
         with held(self.dora):
             return generate(self, prompt, max_new_tokens, temperature, top_p, seed, eos_id, top_k)
 
-    def generate_batch(self, prompts, max_new_tokens=32, temperature=0.0, top_p=1.0, seeds=None, eos_id=None, top_k=0,
-                       fixed=None):
-        """generate() of each prompt, decoded together (krnl.models.batch_decode.generate_batch; fixed:
-        its decoding steps recorded and replayed, default where the device has graphs)."""
+    def generate_batch(self, prompts, *args, **kwargs):
+        """generate() of each prompt, decoded together (krnl.models.batch_decode.generate_batch)."""
         with held(self.dora):
-            return generate_batch(self, prompts, max_new_tokens, temperature, top_p, seeds, eos_id, top_k, fixed)
+            return generate_batch(self, prompts, *args, **kwargs)
 
     def logits(self, ids, segments=None, positions=None):
         """(B, T, V) float32 numpy logits (forward only, no dropout)."""

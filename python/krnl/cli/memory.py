@@ -140,7 +140,9 @@ def run_of(args, dev, lora, config, T, quantize, file_q, world=None):
     world = world or World()
     cfg = SimpleNamespace(reduce_order=getattr(args, "reduce_order", "auto"), train_mode=args.train_mode)
     traits = memory.Traits.of(dev)
-    replay = traits.graphs and not args.no_graphs and args.train_mode == "sft"  # as Trainer decides
+    if args.no_graphs:  # no step recorded, GRPO's decoding steps neither
+        traits = replace(traits, graphs=False)
+    replay = traits.graphs and args.train_mode == "sft"  # as Trainer decides
     mode = objectives.memory_fields(args)
     batch = objectives.prompts_per_batch(args) if mode.get("objective") == "grpo" else args.batch_size
     Tp = padded_length(T, args.length_bucket or (REPLAY_BUCKET if replay else 1),

@@ -4,6 +4,7 @@ of `--max-memory` / `--fit`, and the one line an out-of-memory step ends with.""
 
 import gc
 import importlib.util
+import re
 from collections import defaultdict
 from dataclasses import replace
 
@@ -355,6 +356,25 @@ def mode_folder(tmp_path):
     (tmp_path / "data" / "train.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     return ["plan", "--model", str(tmp_path / "base"), "--data", str(tmp_path / "data"), "--device", "cpu",
             "--dtype", "f32"]
+
+
+def test_plan_says_when_rows_of_several_lengths_record_several_graphs(tmp_path, capsys, monkeypatch):
+    """Where steps replay as graphs (here a CPU that says it records them), --data whose rows pad
+    to several lengths gets a line saying the plan is the longest's; --pack and --no-graphs not."""
+    plan = mode_folder(tmp_path)
+    (tmp_path / "data" / "train.jsonl").write_text("".join(
+        '{"text": "%s"}\n' % " ".join(["w5"] * k) for k in (1, 6, 13, 2)))
+    monkeypatch.setattr(memory.Traits, "of", classmethod(lambda cls, dev: replace(memory.CUDA, queue_ordered=True)))
+    bucket = ["--length-bucket", "8", "--batch-size", "2"]
+    assert main(plan + bucket) == 0
+    out = capsys.readouterr().out
+    line = [x for x in out.splitlines() if x.startswith("memory: the rows pad")]
+    got = re.search(r"up to (\d+) lengths \((\d+) to (\d+) tokens\)", line[0]) if len(line) == 1 else None
+    T = re.search(r" x (\d+) tokens a micro-batch", out)
+    assert got and int(got[1]) > 1 and int(got[2]) == 8 and got[3] == T[1], out  # the plan is the longest's
+    for extra in (["--pack", "--max-seq-length", "16"], ["--no-graphs"]):
+        assert main(plan + bucket + extra) == 0
+        assert "memory: the rows pad" not in capsys.readouterr().out
 
 
 def test_plan_of_preference_and_grpo_runs_counts_their_rows(tmp_path, capsys):

@@ -135,6 +135,17 @@ def longest(args, config):
     return max(len(s) for s in train.samples), f"the longest sample of {train.path}"
 
 
+def graph_lengths(args, run, config):
+    """The padded lengths --data's rows come to where steps replay as graphs: a graph each (at
+    most; a batch pads to its longest row). The plan is the longest's."""
+    if not (run.replay and args.model and args.data and not args.pack):
+        return []
+    from ..formats.hf import load_tokenizer
+    train = sft_data(args, load_tokenizer(args.model), config.vocab_size)["train"]
+    bucket = args.length_bucket or REPLAY_BUCKET
+    return sorted({padded_length(len(s), bucket, config.max_position_embeddings) for s in train.samples})
+
+
 def run_of(args, dev, lora, config, T, quantize, file_q, world=None):
     """The memory.Run of the command line on `dev` (one rank's of `world`'s, where one is given)."""
     world = world or World()
@@ -184,9 +195,14 @@ def before_load(args, dev, lora, quantize, world=None):
             f"{run.micro_batches} a step{', checkpointed' if run.grad_checkpoint else ''}"
             f"{', in the sample reduce order' if run.sample_order else ''}{note}")
     dry = args.cmd == "plan" or args.dry_run
+    lengths = graph_lengths(args, run, config)
     if dry:
         print(head)
         print("\n".join(est.table(limit, origin)))
+    if len(lengths) > 1:  # README 'Memory': each new length records a graph beside the others
+        print(f"memory: the rows pad to up to {len(lengths)} lengths ({lengths[0]} to {lengths[-1]} tokens), each "
+              f"recorded as a graph of its own, so the run can need more than this plan; --pack or --no-graphs "
+              f"keep it at the plan")
     if not (args.fit or args.max_memory is not None):
         return 0
     if limit is None:

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 import krnl
-from krnl.models.batch_decode import FixedDecoder, GroupCache, KVCache, decode, decode_groups, generate_batch
+from krnl.models.batch_decode import FixedDecoder, GroupCache, decode_groups
 from krnl.models.config import LoraConfig, ModelConfig, random_weights
-from krnl.models.generate import sample, sample_rows
+from krnl.models.generate import KVCache, decode, sample, sample_rows
 from krnl.models.model import LlamaModel
 
 from conftest import TINY_LLAMA, metal_sim_as, METAL_SIM
@@ -57,7 +57,7 @@ def check(m, steps=16, fixed=False):
     """generate_batch against generate() per row for each of SAMPLING; the rows' lengths."""
     eos, lengths = eos_for(m), set()
     for temperature, top_p, top_k in SAMPLING:
-        got = generate_batch(m, PROMPTS, steps, temperature, top_p, SEEDS, eos_id=eos, top_k=top_k, fixed=fixed)
+        got = m.generate_batch(PROMPTS, steps, temperature, top_p, SEEDS, eos_id=eos, top_k=top_k, fixed=fixed)
         want = [m.generate(p, steps, temperature, top_p, s, eos_id=eos, top_k=top_k) for p, s in zip(PROMPTS, SEEDS)]
         assert got == want, (temperature, top_p, top_k)
         lengths |= {len(x) for x in got}
@@ -77,7 +77,7 @@ def test_generate_batch_at_the_position_limit(dev, fixed):
     (FixedDecoder: that group stops while the others decode on)."""
     m = tiny(dev, "f32", "gpt_oss", seed=3)
     m.config.max_position_embeddings = 12
-    got = generate_batch(m, PROMPTS, 16, 1.0, 1.0, SEEDS, fixed=fixed)
+    got = m.generate_batch(PROMPTS, 16, 1.0, 1.0, SEEDS, fixed=fixed)
     assert got == [m.generate(p, 16, 1.0, 1.0, s) for p, s in zip(PROMPTS, SEEDS)]
     assert [len(x) for x in got[3:5]] == [4, 4]
 
@@ -89,7 +89,7 @@ def test_generate_batch_bf16(dev, fixed):
     bit: a batch's products may sum in another order than one row's (cuBLAS picks its kernel by
     the row count), and a near tie then goes the other way."""
     m = tiny(dev, "bf16" if "bf16" in dev.capabilities()["dtypes"] else "f32", "gpt_oss", seed=3)
-    got = generate_batch(m, PROMPTS, 12, 0.0, 1.0, SEEDS, fixed=fixed)
+    got = m.generate_batch(PROMPTS, 12, 0.0, 1.0, SEEDS, fixed=fixed)
     for p, tokens in zip(PROMPTS, got):
         z = m.logits(np.array([p + tokens[:-1]]))[0, len(p) - 1:]        # (tokens, V)
         for i, (row, t) in enumerate(zip(z, tokens)):
@@ -140,7 +140,7 @@ def test_generate_batch_metal_sim():
         m = tiny(dev, "f32", "gpt_oss", seed=2)
         want = [m.generate(p, 6, 1.0, 1.0, s) for p, s in zip(PROMPTS, SEEDS)]
         for fixed in (False, True):
-            assert generate_batch(m, PROMPTS, 6, 1.0, 1.0, SEEDS, fixed=fixed) == want
+            assert m.generate_batch(PROMPTS, 6, 1.0, 1.0, SEEDS, fixed=fixed) == want
 
 
 def test_generate_batch_refuses_bad_input():

@@ -161,7 +161,7 @@ def cmd_train(args):
                              f"{args.model} is a GGUF file (convert it to an HF folder first)")
         tok, model, base_id = _hf_base(args, dev, lora)
         if args.train_mode == "sft":
-            ds = memory.sft_data(args, tok, model.config.vocab_size)
+            ds = memory.sft_data(args, model.config.vocab_size, tok)
             for split in ds.values():
                 if split is not None:
                     print(split.summary())

@@ -105,10 +105,13 @@ def model_config(args):
     return read_config(args.model), (q["bits"], q["group_size"]) if q else None, ""
 
 
-def sft_data(args, tok, vocab_size):
-    """--data's splits, read once whoever asks first (the plan, then the run)."""
+def sft_data(args, vocab_size, tok=None):
+    """--data's splits, read once whoever asks first (the plan, then the run); tok: the run's
+    tokenizer, else --model's is read where the data is not loaded yet."""
     if getattr(args, "loaded_data", None) is None:
+        from ..formats.hf import load_tokenizer
         from ..train.data import load_dataset
+        tok = tok or load_tokenizer(args.model)
         args.loaded_data = load_dataset(args.data, tok, args.max_seq_length, mask_prompt=args.mask_prompt,
                                         pack=args.pack, vocab_size=vocab_size)
     return args.loaded_data
@@ -127,11 +130,11 @@ def longest(args, config):
             return (min(args.max_seq_length + args.max_completion_length, config.max_position_embeddings),
                     "--max-seq-length and --max-completion-length, the worst case")
         return args.max_seq_length, "--max-seq-length, the worst case"
-    from ..formats.hf import load_tokenizer
     if args.train_mode != "sft":
+        from ..formats.hf import load_tokenizer
         split = objectives.mode_split(args, load_tokenizer(args.model), config.vocab_size)
         return objectives.longest(args, split, config.max_position_embeddings)
-    train = sft_data(args, load_tokenizer(args.model), config.vocab_size)["train"]
+    train = sft_data(args, config.vocab_size)["train"]
     return max(len(s) for s in train.samples), f"the longest sample of {train.path}"
 
 
@@ -140,8 +143,7 @@ def graph_lengths(args, run, config):
     most; a batch pads to its longest row). The plan is the longest's."""
     if not (run.replay and args.model and args.data and not args.pack):
         return []
-    from ..formats.hf import load_tokenizer
-    train = sft_data(args, load_tokenizer(args.model), config.vocab_size)["train"]
+    train = sft_data(args, config.vocab_size)["train"]
     bucket = args.length_bucket or REPLAY_BUCKET
     return sorted({padded_length(len(s), bucket, config.max_position_embeddings) for s in train.samples})
 

@@ -74,7 +74,13 @@
 #                                           compute-sanitizer (SANITIZE tools, default "memcheck racecheck
 #                                           synccheck"; logs in $OUT/moe_sanitize_TOOL.log)
 #   MSLCUDA_CACHE (optional): a folder of mslcuda libraries built here with the same nvcc (13.0),
-#          carried to skip the kernels' compile there (a stale one is simply rebuilt).
+#          carried to skip the kernels' compile there (a stale one is simply rebuilt); or carry .mslcache
+#          holding them as a tarball (17 MiB packed; every variant's .so is 44 MiB), which the phase unpacks:
+#          MSLCUDA_CACHE=/tmp/mc python3 -c "import sys; sys.path[:0] = ['tools/mslcuda', 'tools/mslsim']
+#          import mslcuda, mslsim.metal_sim as m; c = m.LibraryCache(__import__('pathlib').Path('.'), mslcuda.build)
+#          [mslcuda.build(f'metal/{n}.metal', dict(k), include_dirs=c.include_dirs, load=False) for n, k in c.variants()]
+#          mslcuda._compile('mslcuda_rt', (mslcuda.INCLUDE_DIR / 'mslcuda_rt.cu').read_text(), '-O2', 'mslcuda_rt.cu')"
+#          mkdir -p .mslcache; tar czf .mslcache/libs.tgz -C /tmp/mc .
 # The remote machine has Python, PyTorch, nvcc, cmake and ninja but no network, so wheels travel
 # in ignored folders named in the call's carry:
 #   .whl   what the build needs: the scipy-openblas32 wheel (the CPU backend's BLAS) and the
@@ -141,6 +147,8 @@ if [ "$phase" = tests ]; then
   timeout 330 python3 -m pytest -q -n 12 -p no:cacheprovider tests $skip 2>&1 | tee "$OUT/tests.log" | tail -15
 elif [ "$phase" = metal-cuda ] || [ "$phase" = sanitize ] || [ "$phase" = qmm ]; then
   export MSLCUDA_CACHE=${MSLCUDA_CACHE:-/tmp/mslcuda-cache}
+  # .mslcache/*.tgz (carried): libraries built here, unpacked into the cache
+  for t in .mslcache/*.tgz; do [ -f "$t" ] && mkdir -p "$MSLCUDA_CACHE" && tar xzf "$t" -C "$MSLCUDA_CACHE"; done
   # every library once, in parallel, before any test process needs one
   python3 -c "import sys; sys.path.insert(0, 'tools/mslcuda'); import mslcuda.metal_cuda as m; ex = m.Executor('.'); ex.warm(); print('mslcuda:', len(ex.variants()), 'libraries on', ex.rt.device_name())" || exit 1
   sanitize() {  # sanitize TOOL: every kernel under compute-sanitizer; 0 when it reports nothing
@@ -200,11 +208,12 @@ elif [ "$phase" = metal-cuda ] || [ "$phase" = sanitize ] || [ "$phase" = qmm ];
       > "$OUT/cuda_tests.log" 2>&1 &
   fi
   # the whole suite's `dev` tests on metal-cuda (cpu and cuda ran in the tests phase)
-  KRNL_TEST_METAL_CUDA=1 timeout ${MC_TESTS_S:-300} python3 -m pytest -q -rs -n 12 -p no:cacheprovider tests \
+  # (MC_MODULES="tests/test_x.py ...": those modules alone, without the workloads)
+  KRNL_TEST_METAL_CUDA=1 timeout ${MC_TESTS_S:-300} python3 -m pytest -q -rs -n 12 -p no:cacheprovider ${MC_MODULES:-tests} \
     --ignore=tests/test_metal_host.py --ignore=tests/test_metal_api.py -k "metal-cuda" --maxfail=50 \
     2>&1 | tee "$OUT/metal_cuda_tests.log" | tail -40
-  KRNL_TEST_METAL_CUDA=1 timeout ${MC_WORKLOADS_S:-200} python3 tools/mslcuda/workloads.py --json "$OUT/workloads.json" \
-    2>&1 | tee "$OUT/workloads.log"
+  [ -z "$MC_MODULES" ] && KRNL_TEST_METAL_CUDA=1 timeout ${MC_WORKLOADS_S:-200} python3 tools/mslcuda/workloads.py \
+    --json "$OUT/workloads.json" 2>&1 | tee "$OUT/workloads.log"
   wait
   [ -f "$OUT/cuda_tests.log" ] && tail -12 "$OUT/cuda_tests.log"
   [ -f "$OUT/sanitize.out" ] && cat "$OUT/sanitize.out"

@@ -1,6 +1,6 @@
-"""W1, W2 and W3 at full size through the MSL kernels: each workload's training step (forward
-and backward, python/krnl/bench) on "cuda" (cuBLAS and the CUDA backend's kernels) and on
-"metal-cuda" (the Metal backend's records, metal/*.metal compiled by mslcuda), from the same
+"""W1, W2, W3 and a MoE layer's expert ops at full size through the MSL kernels: each workload's
+training step (forward and backward, python/krnl/bench; MoeLayer below) on "cuda" (cuBLAS and the
+CUDA backend's kernels) and on "metal-cuda" (the Metal backend's records, metal/*.metal compiled by mslcuda), from the same
 weights and inputs; per output, the largest difference relative to the CUDA output's largest
 magnitude, against krnl bench's tolerance for the dtype (python/krnl/bench/targets.py). A 16-bit
 run off by more also passes when it is no farther (x1.25) from the f32 result than the reference
@@ -27,6 +27,82 @@ from krnl.bench.targets import TOLERANCE  # noqa: E402
 from krnl.bench.workloads import STEPS  # noqa: E402
 
 
+# moe: a Qwen3-30B-A3B-shaped expert layer (krnl bench's moe workload): 2048 tokens, 128 experts,
+# top 8, hidden 2048, expert width 768 (gate and up fused: 1536 outputs)
+MOE = {"full": dict(N=2048, E=128, K=8, C=2048, F=768), "quick": dict(N=300, E=13, K=3, C=96, F=64),
+       "small": dict(N=37, E=5, K=2, C=45, F=64)}
+
+
+class MoeLayer:
+    """The expert ops chained as a MoE layer's step runs them, from logits and weights drawn here (the
+    same on both devices): moe_route and its backward (normalised), moe_sort, moe_gather, the
+    gate/up and down products, their input gradients and weight gradients, moe_combine and its
+    backward; then the down product with 4-bit affine (groups of 64) and with MXFP4 experts, both
+    directions. Outputs: each op's result as the reference device reads it."""
+    sizes = MOE
+
+    @staticmethod
+    def describe(s):
+        return f"expert ops, E={s['E']} top-{s['K']}; N={s['N']} C={s['C']} F={s['F']}"
+
+    @staticmethod
+    def make(s, device, dtype):
+        return s, krnl.device(device), dtype
+
+    @staticmethod
+    def krnl(problem):
+        from krnl import ops
+        s, dev, dt = problem
+        N, E, K, C, F = (s[k] for k in "NEKCF")
+        P, rng = N * K, np.random.default_rng(7)
+
+        def t(shape, scale=1.0, dtype=dt):
+            return dev.tensor((scale * rng.standard_normal(shape)).astype(np.float32), dtype)
+
+        def result():
+            out = {}
+            logits, x, dy = t((N, E), dtype="f32"), t((N, C)), t((N, C))
+            w_gu, w_d = t((E, 2 * F, C), C ** -0.5), t((E, C, F), F ** -0.5)
+            ids, wts = dev.empty((N, K), "i32"), dev.empty((N, K), "f32")
+            ops.moe_route(logits, ids, wts, True)
+            tokens, slot, offsets = dev.empty((P,), "i32"), dev.empty((N, K), "i32"), dev.empty((E + 1,), "i32")
+            ops.moe_sort(ids, tokens, slot, offsets)
+            xs, gu, ys = dev.empty((P, C), dt), dev.empty((P, 2 * F), dt), dev.empty((P, C), dt)
+            ops.moe_gather(x, tokens, xs)
+            ops.moe_gemm(xs, w_gu, offsets, gu)                           # (P, 2F) = xs W_gu[e]^T
+            h = t((P, F))                                                 # stands for silu(g) * u
+            ops.moe_gemm(h, w_d, offsets, ys)                             # (P, C)
+            y = dev.empty((N, C), dt)
+            ops.moe_combine(ys, slot, wts, y)
+            dys, dw = dev.empty((P, C), dt), dev.empty((N, K), "f32")
+            ops.moe_combine_backward(dy, ys, slot, wts, dys, dw)
+            dh = dev.empty((P, F), dt)
+            ops.moe_gemm(dys, w_d, offsets, dh, transpose=False)          # (P, F) = dys W_d[e]
+            dxs = dev.empty((P, C), dt)
+            ops.moe_gemm(gu, w_gu, offsets, dxs, transpose=False)         # (P, C), gu as the gradient
+            gw_d = dev.zeros((E, C, F), "f32")
+            ops.moe_gemm_weight_grad(dys, h, offsets, gw_d)               # (E, C, F) f32
+            dlogits = dev.empty((N, E), "f32")
+            ops.moe_route_backward(logits, ids, dw, dlogits, True, t((E,), dtype="f32"))
+            # quantized experts: random codes and scales (the kernels' arithmetic, not a quantizer's)
+            codes = dev.tensor(rng.integers(0, 2**31, (E, C, F // 8)).astype(np.int32), "i32")
+            sc, bi = t((E, C, F // 64), 0.01), t((E, C, F // 64), 0.01)
+            yq, dhq = dev.empty((P, C), dt), dev.empty((P, F), dt)
+            ops.moe_quantized_matmul(h, codes, sc, bi, offsets, yq, True, 64, 4)
+            ops.moe_quantized_matmul(dys, codes, sc, bi, offsets, dhq, False, 64, 4)
+            e8 = rng.integers(118, 124, (E, C, F // 32)).astype(np.float32)
+            mx = dev.tensor(np.ldexp(1.0, (e8 - 127).astype(np.int32)).astype(np.float32), "f32")
+            ym, dhm = dev.empty((P, C), dt), dev.empty((P, F), dt)
+            ops.moe_quantized_matmul(h, codes, mx, None, offsets, ym, True, 32, 4, mode="mxfp4")
+            ops.moe_quantized_matmul(dys, codes, mx, None, offsets, dhm, False, 32, 4, mode="mxfp4")
+            for k, v in dict(ids=ids, weights=wts, tokens=tokens, offsets=offsets, gate_up=gu, down=ys, y=y,
+                             dys=dys, dweights=dw, dh=dh, dxs=dxs, dW_down=gw_d, dlogits=dlogits, down_q4=yq,
+                             dh_q4=dhq, down_mxfp4=ym, dh_mxfp4=dhm).items():
+                out[k] = np.asarray(v.numpy(), np.float32)
+            return out
+        return None, result
+
+
 def outputs(step, size, device, dtype):
     problem = step.make(step.sizes[size], device, dtype)
     _, result = step.krnl(problem)
@@ -51,7 +127,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", default="full", choices=("full", "quick", "small"))
     ap.add_argument("--dtype", nargs="+", default=None, help="default: every float dtype both devices have")
-    ap.add_argument("--workloads", nargs="+", default=["w1", "w2", "w3"])
+    ap.add_argument("--workloads", nargs="+", default=["w1", "w2", "w3", "moe"])
     ap.add_argument("--json", default=None)
     ap.add_argument("--ref", default="cuda", help="the reference device")
     ap.add_argument("--dev", default="metal-cuda", help="the device under test (metal-sim: a dry run without a GPU)")
@@ -69,7 +145,7 @@ def main(argv=None):
     report, ok = [], True
     f32_ref = {}  # workload -> the reference device's f32 outputs
     for name in a.workloads:
-        step = STEPS[name]
+        step = MoeLayer if name == "moe" else STEPS[name]
         for dt in a.dtype:
             row = {"workload": name, "size": a.size, "dtype": dt, "tolerance": TOLERANCE[dt]}
             if dt not in have:

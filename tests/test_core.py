@@ -113,6 +113,31 @@ def test_pool_release_with_completed_submission_is_cached_at_once():
     assert c != a and cc == cs(9000)
 
 
+def test_pool_reuse_now_serves_at_once_but_is_not_given_back_early():
+    """release(reuse_now) (a queue-ordered device: later work runs after the buffer's readers): the
+    buffer is cached at once and reused, but trim and the limit give it back to the system only
+    once its submission completed, since that work may still read it."""
+    p = HostBufferPool()
+    a, ca = p.acquire(5000, 3)
+    p.release(a, 4, 3, reuse_now=True)   # submission 4 may still read it
+    st = p.stats()
+    assert st["pending"] == 0 and st["cached"] == ca
+    p.trim(3)                            # 4 not complete: kept
+    assert p.stats()["reserved"] == ca
+    b, _ = p.acquire(5000, 3)
+    assert b == a
+    p.release(b, 4, 3, reuse_now=True)
+    p.set_limit(ca + cs(100) - 1)
+    with pytest.raises(RuntimeError, match="past its limit"):
+        p.acquire(100, 3)                # the limit gives cached memory back, but not this buffer
+    assert p.stats()["reserved"] == ca
+    c, _ = p.acquire(100, 4)             # once 4 completed it goes, and the request fits
+    assert p.stats()["reserved"] == cs(100)
+    p.release(c, 0, 4)
+    p.trim(4)
+    assert p.stats()["reserved"] == 0 and p.stats()["cached"] == 0
+
+
 def test_pool_release_unknown_id_raises():
     p = HostBufferPool()
     a, _ = p.acquire(10, 0)

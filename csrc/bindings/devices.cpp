@@ -347,7 +347,8 @@ void bind_devices(nb::module_& m) {
              return r;
            }, "The pool's limit: {bytes (0: none), origin (where it came from)}.")
       .def("reset_peak", [](Backend& d) { d.pool().reset_peak(); })
-      .def("trim", [](Backend& d) { d.pool().trim(); }, "Returns cached buffers to the system.")
+      .def("trim", [](Backend& d) { d.pool().trim(d.completed_seq()); },
+           "Returns cached buffers to the system (those no unfinished work may still use).")
       .def_prop_ro("split_k_config", [](const Backend& d) {
         SplitKConfig c = d.split_k_config();
         nb::dict r;

@@ -38,15 +38,15 @@ void bind_testing(nb::module_& m) {
              h.live[b.id] = b;
              return nb::make_tuple(b.id, b.bytes);
            }, "bytes"_a, "completed_seq"_a, "Returns (buffer id, class size).")
-      .def("release", [](HostPool& h, uint64_t id, uint64_t retire_seq, uint64_t completed) {
+      .def("release", [](HostPool& h, uint64_t id, uint64_t retire_seq, uint64_t completed, bool reuse_now) {
              auto it = h.live.find(id);
              if (it == h.live.end()) throw std::invalid_argument("[release] buffer " + std::to_string(id) + " is not in use");
-             h.pool.release(it->second, retire_seq, completed);
+             h.pool.release(it->second, retire_seq, completed, reuse_now);
              h.live.erase(it);
-           }, "id"_a, "retire_seq"_a, "completed_seq"_a)
+           }, "id"_a, "retire_seq"_a, "completed_seq"_a, "reuse_now"_a = false)
       .def("has_cached", [](HostPool& h, size_t bytes, uint64_t completed) { return h.pool.has_cached(bytes, completed); },
            "bytes"_a, "completed_seq"_a, "Whether acquire(bytes) would reuse a cached buffer.")
-      .def("trim", [](HostPool& h) { h.pool.trim(); })
+      .def("trim", [](HostPool& h, uint64_t completed) { h.pool.trim(completed); }, "completed_seq"_a = UINT64_MAX)
       .def("set_limit", [](HostPool& h, size_t bytes, const std::string& origin) { h.pool.set_limit(bytes, origin); },
            "bytes"_a, "origin"_a = "a test")
       .def("reset_peak", [](HostPool& h) { h.pool.reset_peak(); })

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <iterator>
 #include <stdexcept>
 #include <string>
 
@@ -52,24 +53,25 @@ Buffer BufferPool::acquire(size_t bytes, uint64_t completed_seq) {
   if (it != cache_.end() && !it->second.empty()) {
     b = it->second.back();
     it->second.pop_back();
+    b.busy = 0;
     st_.cached -= cls;
     st_.reuses++;
   } else {
     if (limit_ && st_.reserved + cls > limit_) {
       // Cached buffers are the pool's own to give back; pending ones may still be read by the
       // device and in-use ones are live tensors: those count until released and completed.
-      free_cached_locked();
+      free_cached_locked(completed_seq);
       if (st_.reserved + cls > limit_)
         throw PoolLimitError(
             "[alloc] " + owner_ + ": a request of " + format_bytes(bytes) + " would take the pool to " +
             format_bytes(st_.reserved + cls) + ", past its limit of " + format_bytes(limit_) + " (" + limit_origin_ +
-            "; " + format_bytes(st_.in_use) + " in use, " + format_bytes(st_.pending) +
+            "; " + format_bytes(st_.in_use) + " in use, " + format_bytes(waiting_locked(completed_seq)) +
             " waiting for the device); change it with KRNL_MAX_MEMORY or Device.set_memory_limit()");
     }
     void* p = alloc_fn_(cls);
     if (!p) {
       // Give cached memory back and retry once before reporting exhaustion.
-      free_cached_locked();
+      free_cached_locked(completed_seq);
       p = alloc_fn_(cls);
       if (!p) throw std::runtime_error("[alloc] out of memory allocating " + std::to_string(cls) + " bytes");
     }
@@ -85,14 +87,16 @@ Buffer BufferPool::acquire(size_t bytes, uint64_t completed_seq) {
   return b;
 }
 
-void BufferPool::release(const Buffer& b, uint64_t retire_seq, uint64_t completed_seq) {
+void BufferPool::release(const Buffer& b, uint64_t retire_seq, uint64_t completed_seq, bool reuse_now) {
   std::lock_guard<std::mutex> lk(mu_);
   st_.in_use -= b.bytes;
-  if (retire_seq > completed_seq) {
+  if (retire_seq > completed_seq && !reuse_now) {
     retired_.push_back({b, retire_seq});
     st_.pending += b.bytes;
   } else {
-    cache_[b.bytes].push_back(b);
+    Buffer c = b;
+    c.busy = retire_seq > completed_seq ? retire_seq : 0;
+    cache_[b.bytes].push_back(c);
     st_.cached += b.bytes;
   }
 }
@@ -104,22 +108,40 @@ bool BufferPool::has_cached(size_t bytes, uint64_t completed_seq) {
   return it != cache_.end() && !it->second.empty();
 }
 
+size_t BufferPool::waiting_locked(uint64_t completed_seq) const {
+  size_t n = st_.pending;
+  for (const auto& kv : cache_)
+    for (const Buffer& b : kv.second) n += b.busy > completed_seq ? b.bytes : 0;
+  return n;
+}
+
+size_t BufferPool::waiting(uint64_t completed_seq) const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return waiting_locked(completed_seq);
+}
+
 void BufferPool::collect(uint64_t completed_seq) {
   std::lock_guard<std::mutex> lk(mu_);
   collect_locked(completed_seq);
 }
 
-void BufferPool::free_cached_locked() {
-  for (auto& kv : cache_)
-    for (auto& b : kv.second) free_fn_(b.ptr, b.bytes);
-  st_.reserved -= st_.cached;
-  st_.cached = 0;
-  cache_.clear();
+void BufferPool::free_cached_locked(uint64_t completed_seq) {
+  for (auto it = cache_.begin(); it != cache_.end();) {
+    auto& bufs = it->second;
+    auto keep = std::partition(bufs.begin(), bufs.end(), [&](const Buffer& b) { return b.busy > completed_seq; });
+    for (auto j = keep; j != bufs.end(); ++j) {
+      free_fn_(j->ptr, j->bytes);
+      st_.reserved -= j->bytes;
+      st_.cached -= j->bytes;
+    }
+    bufs.erase(keep, bufs.end());
+    it = bufs.empty() ? cache_.erase(it) : std::next(it);
+  }
 }
 
-void BufferPool::trim() {
+void BufferPool::trim(uint64_t completed_seq) {
   std::lock_guard<std::mutex> lk(mu_);
-  free_cached_locked();
+  free_cached_locked(completed_seq);
 }
 
 void BufferPool::set_limit(size_t bytes, std::string origin) {

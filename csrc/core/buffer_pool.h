@@ -1,7 +1,8 @@
 // Size-class buffer pool. A buffer released while its submission may still be running is
 // retired with that submission's seq and handed out again only once the backend reports
-// completed_seq >= seq (docs/architecture.md, 'Memory'; where every access is queue-ordered, CPU and CUDA, the
-// backend releases with a completed seq inside a step and the buffer is cached at once).
+// completed_seq >= seq (docs/architecture.md, 'Memory'). Where every access is queue-ordered (CPU,
+// CUDA, Metal) the backend releases it for reuse at once: cached, but not given back to the system
+// (trim, the limit) before that seq completes, since submitted work may still read it.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -18,6 +19,7 @@ struct Buffer {
   void* ptr = nullptr;  // host pointer, or the backend's device handle
   size_t bytes = 0;     // class size actually allocated
   uint64_t id = 0;      // allocation identity (stable across reuse), for tests and profiling
+  uint64_t busy = 0;    // cached for reuse at once: submitted work may use it until this seq completes
 };
 
 // An allocation refused by the pool's limit (set_limit); Python sees RuntimeError.
@@ -55,12 +57,16 @@ class BufferPool {
   Buffer acquire(size_t bytes, uint64_t completed_seq);
   // Whether acquire(bytes) would reuse a cached buffer (the completed ones collected first).
   bool has_cached(size_t bytes, uint64_t completed_seq);
-  // retire_seq: the submission that may still use the buffer (0 when none does).
-  void release(const Buffer& b, uint64_t retire_seq, uint64_t completed_seq);
+  // retire_seq: the submission that may still use the buffer (0 when none does). reuse_now: the
+  // device runs every access in call order, so later work may have it before retire_seq completes.
+  void release(const Buffer& b, uint64_t retire_seq, uint64_t completed_seq, bool reuse_now = false);
+  // Bytes that only the device's completing work can free: pending, and cached ones it may still use.
+  size_t waiting(uint64_t completed_seq) const;
   // Moves retired buffers whose submission has completed to the cache.
   void collect(uint64_t completed_seq);
-  // Returns cached (not pending, not in use) memory to the system.
-  void trim();
+  // Returns cached (not pending, not in use) memory to the system, but for buffers that work
+  // after completed_seq may still use (reuse_now's).
+  void trim(uint64_t completed_seq = UINT64_MAX);
 
   PoolStats stats() const;
   void reset_peak();
@@ -83,7 +89,8 @@ class BufferPool {
 
  private:
   void collect_locked(uint64_t completed_seq);
-  void free_cached_locked();
+  size_t waiting_locked(uint64_t completed_seq) const;
+  void free_cached_locked(uint64_t completed_seq);
   struct Retired {
     Buffer buf;
     uint64_t seq;

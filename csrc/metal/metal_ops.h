@@ -61,6 +61,12 @@ class MetalOps : public Backend {
   ~MetalOps() override;
   bool host_visible() const override { return true; }  // unified memory: shared-storage buffers
   bool synchronous() const override { return false; }
+  // Every access runs in call order, so a buffer released inside a step may serve the step's later
+  // ops (docs/architecture.md, 'Memory'): one queue runs the command buffers in commit order, each
+  // one's dispatches serially (MTLDispatchTypeSerial, tracked buffers); a host record starts after
+  // every earlier record but its own GPU half, and a host write waits for the encoded or running
+  // work that binds its buffer (OrderingRules; submission.cpp).
+  bool queue_ordered() const override { return true; }
   Capabilities capabilities() const override;
   SplitKConfig split_k_config() const override;
   void set_row_split(const RowSplitConfig& c) { row_split_ = c; }

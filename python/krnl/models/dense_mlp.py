@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from .. import _core
-from . import dora, gemma2
+from . import dora, gemma2, norm_remake
 from .lora import LoraLinear, LoraSaved
 from .lora_fold import Fold, norm_output
 from .lora_group import GroupSaved, group_backward, group_forward, writes_all
@@ -39,8 +39,7 @@ class Mlp:
 
 @dataclass
 class MlpCache:
-    hn: Tensor          # (N, C) rmsnorm(h) norm
-    rstd: Tensor        # (N,) f32
+    rstd: Tensor        # (N,) f32 rmsnorm(h) norm's (hn itself is made again: norm_remake.py)
     g: Tensor           # (N, F) gate(hn)
     u: Tensor           # (N, F) up(hn)
     gate: Optional[LoraSaved]
@@ -78,6 +77,8 @@ def mlp_forward(mlp, h, call_seed=None, residual=None):
             linear(hn, mlp.gate.W, g, 1.0)
             linear(hn, mlp.up.W, u, 1.0)
     g, u = dora.scale_outputs([mlp.gate], [gs], g), dora.scale_outputs([mlp.up], [us], u)
+    gs, us = norm_remake.drop([gs, us], hn, mlp.fold if hw is not None else None)
+    del hn, hw                                                            # made again in the backward
     glu_forward(mlp, g, u, a)
     y = d.empty((N, C), dt)
     ds = mlp.down.forward(a, y, call_seed)
@@ -88,7 +89,7 @@ def mlp_forward(mlp, h, call_seed=None, residual=None):
     ops.add(y, h, y)                                                      # y = h + mlp
     if ds is not None and ds.xd is a:  # down's backward reads a: made again from g and u there
         ds = replace(ds, xd=None)
-    return y, MlpCache(hn, rstd, g, u, gs, us, ds, m, mr, group)  # a goes here
+    return y, MlpCache(rstd, g, u, gs, us, ds, m, mr, group)  # a and hn go here
 
 
 def mlp_backward(mlp, h, cache, dy, dh_cols=0):
@@ -110,18 +111,23 @@ def mlp_backward(mlp, h, cache, dy, dh_cols=0):
     del saved
     dg, du = d.empty((N, F), dt), d.empty((N, F), dt)
     (ops.swiglu_backward if mlp.post is None else ops.geglu_backward)(da, cache.g, cache.u, dg, du)
-    for lin, dz in ((mlp.gate, dg), (mlp.up, du)):
+    lins, saves = [mlp.gate, mlp.up], [cache.gate, cache.up]
+    hn = None
+    if norm_remake.needed(saves, lins):
+        hn, saves = norm_remake.remake(h, mlp.norm, mlp.eps, saves)       # (N, C)
+    for lin, dz in zip(lins, (dg, du)):
         if lin.gW is not None:                                            # full fine-tuning: W's own gradient
-            lin.weight_grad(dz, cache.hn)
-    dora.backward_in_place([mlp.gate, mlp.up], [dg, du], [cache.gate, cache.up])
+            lin.weight_grad(dz, hn)
+    dora.backward_in_place(lins, [dg, du], saves)
     dhn = d.empty((N, C), dt)
-    first = cache.group is not None and writes_all([mlp.gate, mlp.up])
+    first = cache.group is not None and writes_all(lins)
     if first:
-        group_backward([mlp.gate, mlp.up], [dg, du], [cache.gate, cache.up], cache.group, dhn, 0.0)
+        group_backward(lins, [dg, du], saves, cache.group, dhn, 0.0)
     linear_grad(dg, mlp.gate.W, dhn, 1.0 if first else 0.0)
     linear_grad(du, mlp.up.W, dhn, 1.0)
     if not first:
-        group_backward([mlp.gate, mlp.up], [dg, du], [cache.gate, cache.up], cache.group, dhn)
+        group_backward(lins, [dg, du], saves, cache.group, dhn)
+    del hn, saves
     dh = d.empty((N, C + dh_cols), dt)
     ops.rmsnorm_backward(dhn, h, mlp.norm, cache.rstd, dh[:, :C], dw=mlp.norm_grad, residual=dyv)  # dh = its grad + dy
     return dh

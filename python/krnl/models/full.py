@@ -138,17 +138,17 @@ def tensor(trained, names, frozen):
         [trained.grad(n) if trained.has(n) else None for n in names]
 
 
-def layer_grads(L, cache, dqkv, dys, do):
-    """The gradients of a layer's trained q/k/v weights and biases and o's bias, from dqkv (N, QKV),
-    its column blocks dys and do (N, C), the gradient at o_proj's output. (o, gate, up and down's
-    weights: their linears' backward; the norms: rmsnorm_backward's dw.)"""
+def layer_grads(L, xn, dqkv, dys, do):
+    """The gradients of a layer's trained q/k/v weights and biases and o's bias, from xn (N, C) (their
+    input), dqkv (N, QKV), its column blocks dys and do (N, C), the gradient at o_proj's output. (o,
+    gate, up and down's weights: their linears' backward; the norms: rmsnorm_backward's dw.)"""
     g, beta = L.grads, L.q_proj.grad_beta
     if "qkv" in g:                                                        # one GEMM for the three
-        L.q_proj.sums.weight_grad(dqkv, cache.xn, g["qkv"], 1.0, beta)
+        L.q_proj.sums.weight_grad(dqkv, xn, g["qkv"], 1.0, beta)
     else:
         for (lin, _, _), dy in zip(L.qkv_blocks(), dys):
             if lin.gW is not None:
-                lin.weight_grad(dy, cache.xn)
+                lin.weight_grad(dy, xn)
     bias = g.get("qkv_bias")
     for dy, gb in [(dqkv, bias)] if not isinstance(bias, list) else zip(dys, bias):
         if gb is not None:                                                # the sum over rows: 1^T dy

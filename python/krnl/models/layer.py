@@ -16,7 +16,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from .. import _core
-from . import dora, full, gemma2, olmoe
+from . import dora, full, gemma2, norm_remake, olmoe
 from .layer_heads import heads_backward, heads_forward
 from .gemma2 import GemmaAttn
 from .config import ALL_MODULES, ATTN_MODULES, QKV_MODULES, lora_key
@@ -123,8 +123,7 @@ class Layer:
 
 @dataclass
 class LayerCache:
-    xn: Tensor          # (N, C) rmsnorm(x) n1
-    r1: Tensor          # (N,) f32
+    r1: Tensor          # (N,) f32 rmsnorm(x) n1's (xn itself is made again: norm_remake.py)
     qkv: list           # LoraSaved (or None) of q, k, v
     attn: list          # B saved attention states (attention.FusedSaved / MaterialisedSaved)
     qk: Optional[list]  # qwen3: B of (heads (NH, T, D) before the q/k norms, rstd (H T + Hk T,) f32)
@@ -272,6 +271,8 @@ def layer_forward(L, x, batch, attend: Optional[Callable] = None):
     r1 = d.empty((N,), "f32")                                             # (N,)
     ops.rmsnorm_forward(x, L.n1, xn, r1, L.eps)
     qkv, (qkv_saved, qkv_group) = qkv_forward(L, xn, batch.call_seed, xw)  # (N, NH D)
+    qkv_saved = norm_remake.drop(qkv_saved, xn, L.qkv_fold if xw is not None else None)
+    del xn, xw                                                            # made again in the backward
     full = olmoe.qk_full_norm_forward(L, qkv) if L.qk_full is not None else None
     att = d.empty((N, H * D), dt)                                         # (N, H D)
     saved, qk_saved, tm = heads_forward(L, batch, qkv, att, attend)
@@ -285,7 +286,7 @@ def layer_forward(L, x, batch, attend: Optional[Callable] = None):
         h, ar = gemma2.post_norm_forward(L.gemma.post_attn, a, L.eps)
     ff = moe_forward if isinstance(L.mlp, MoeMlp) else mlp_forward
     y, mlp_cache = ff(L.mlp, h, batch.call_seed, residual=x)              # h = x + attn, then its norm
-    return y, LayerCache(xn, r1, qkv_saved, saved, qk_saved, o_saved, h, mlp_cache, a, ar, qkv_group, tm, full)
+    return y, LayerCache(r1, qkv_saved, saved, qk_saved, o_saved, h, mlp_cache, a, ar, qkv_group, tm, full)
 
 
 def layer_backward(L, x, cache, dy, batch, need_dx=True, dx_cols=0):
@@ -309,19 +310,23 @@ def layer_backward(L, x, cache, dy, batch, need_dx=True, dx_cols=0):
     need_dx = need_dx or bool(L.grads and "n1" in L.grads)               # the norm's gradient needs dxn
     dxn = d.empty((N, C), dt) if need_dx else None                        # (N, C)
     lins, dys = [b[0] for b in L.qkv_blocks()], [dqkv[:, c0:c1] for _, c0, c1 in L.qkv_blocks()]
+    xn, saves = None, cache.qkv
+    if norm_remake.needed(saves, lins) or (L.grads is not None and "qkv" in L.grads):
+        xn, saves = norm_remake.remake(x, L.n1, L.eps, saves)             # (N, C)
     if L.grads is not None:
-        full.layer_grads(L, cache, dqkv, dys, da[:, :C])
-    dora.backward_in_place(lins, dys, cache.qkv)
+        full.layer_grads(L, xn, dqkv, dys, da[:, :C])
+    dora.backward_in_place(lins, dys, saves)
     first = cache.qkv_group is not None and writes_all(lins)              # LoRA first (lora_group.py)
     if first:
-        group_backward(lins, dys, cache.qkv, cache.qkv_group, dxn, 0.0)
+        group_backward(lins, dys, saves, cache.qkv_group, dxn, 0.0)
     if not need_dx:
         if not first:
-            group_backward(lins, dys, cache.qkv, cache.qkv_group, None)
+            group_backward(lins, dys, saves, cache.qkv_group, None)
         return None
     linear_grad(dqkv, L.qkv, dxn, 1.0 if first else 0.0)                  # dxn (+)= dq|dk|dv Wqkv
     if not first:
-        group_backward(lins, dys, cache.qkv, cache.qkv_group, dxn)
+        group_backward(lins, dys, saves, cache.qkv_group, dxn)
+    del xn, saves
     dx = d.empty((N, C + dx_cols), dt)
     ops.rmsnorm_backward(dxn, x, L.n1, cache.r1, dx[:, :C], dw=L.grads and L.grads.get("n1"),
                          residual=dh)                                     # dx = norm's gradient + dh

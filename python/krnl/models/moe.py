@@ -22,6 +22,7 @@ from typing import Optional
 import numpy as np
 
 from .. import _core
+from . import norm_remake
 from .config import lora_key
 from .lora import LoraLinear, module_factors
 from ..quant.qweight import expert_matmul, frozen_weight
@@ -124,8 +125,7 @@ class MoeMlp:
 
 @dataclass
 class MoeCache:
-    hn: Tensor                 # (N, C)
-    rstd: Tensor               # (N,) f32
+    rstd: Tensor               # (N,) f32 rmsnorm(h) norm's (hn itself is made again: norm_remake.py)
     logits: Tensor             # (N, E)
     ids: Tensor                # (N, K) i32
     w: Tensor                  # (N, K) f32
@@ -198,6 +198,8 @@ def moe_forward(mlp, h, call_seed=None, residual=None):
         mlp.stats.add(logits, offsets, K)
     xs = d.empty((P, C), dt)                                              # (P, C) each pair's input
     ops.moe_gather(hn, tokens, xs)
+    (router,) = norm_remake.drop([router], hn)
+    del hn                                                                # made again in the backward
     g, u = d.empty((P, F), dt), d.empty((P, F), dt)
     expert_matmul(xs, mlp.gate, offsets, g)
     expert_matmul(xs, mlp.up, offsets, u)
@@ -213,7 +215,7 @@ def moe_forward(mlp, h, call_seed=None, residual=None):
     y = d.empty((N, C), dt)
     ops.moe_combine(ys, slot, w, y)
     ops.add(y, h, y)
-    return y, MoeCache(hn, rstd, logits, ids, w, tokens, slot, offsets, g, u, a, ys, xa, ad, router)
+    return y, MoeCache(rstd, logits, ids, w, tokens, slot, offsets, g, u, a, ys, xa, ad, router)
 
 
 def _add_biases(mlp, which, outs, offsets):
@@ -267,16 +269,20 @@ def moe_backward(mlp, h, cache, dy, dh_cols=0):
     dxs = d.empty((P, C), dt)
     expert_matmul(dg, mlp.gate, c.offsets, dxs, transpose=False)
     expert_matmul(du, mlp.up, c.offsets, dxs, transpose=False, beta=1.0)
+    hn, router = None, c.router
+    if mlp.gate_up_lora is not None or norm_remake.needed([router], [mlp.router]):
+        hn, (router,) = norm_remake.remake(h, mlp.norm, mlp.eps, [router])  # (N, C)
     if mlp.gate_up_lora is not None:
         xs = d.empty((P, C), dt)
-        ops.moe_gather(c.hn, c.tokens, xs)
+        ops.moe_gather(hn, c.tokens, xs)
         _lora_backward(mlp.gate_up_lora, [dg, du], c.xa, xs, dxs, c.offsets)
         del xs
     dhn = d.empty((N, C), dt)
     ops.moe_combine(dxs, c.slot, None, dhn)                               # the gather's backward
     dlogits = d.empty(c.logits.shape, dt)
     ops.moe_route_backward(c.logits, c.ids, dw, dlogits, mlp.norm_topk, mlp.stats and mlp.stats.dprobs)
-    mlp.router.backward(dlogits, c.router, dhn, accumulate=True)         # dhn += dlogits Wr (+ its LoRA's)
+    mlp.router.backward(dlogits, router, dhn, accumulate=True)           # dhn += dlogits Wr (+ its LoRA's)
+    del hn, router
     dh = d.empty((N, C + dh_cols), dt)
     ops.rmsnorm_backward(dhn, h, mlp.norm, c.rstd, dh[:, :C], dw=mlp.norm_grad,
                          residual=dyv)                                    # dh = norm's gradient + dy

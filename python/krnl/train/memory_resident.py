@@ -123,6 +123,29 @@ class Resident:
         """Whether linear m's backward reads its input: LoRA's factors or full fine-tuning's weight."""
         return (self.has(i, m) and not self.dropout) or self.trains(i, m)
 
+    def remake(self, i, members, also=False):
+        """norm_remake.remake where the backward reads the members' input (or also): the norm's
+        output (N, C), its rstd for a moment."""
+        if not also and not any(self.keeps_x(i, m) for m in members):
+            return None
+        xn = self.act((self.N, self.C), WORK)
+        self.t.free(self.new((self.N,), "f32", WORK))
+        return xn
+
+    def blocks(self):
+        """attention.row_blocks: (rows, keys) of each materialised query block."""
+        T, b = self.T, self.block
+        if self.run.packed or not b or T <= b:
+            return [(T, T)]
+        return [(min(T, r0 + b) - r0, min(T, r0 + b)) for r0 in range(0, T, b)]
+
+    def drop(self, xn, t_cols):
+        """norm_remake.drop: a folded group's t copied out of the norm's wider buffer (t_cols > 0),
+        then the norm's output freed; returns what the cache keeps."""
+        t = [self.act((self.N, t_cols))] if t_cols else []
+        self.t.free(xn)
+        return t
+
     def all_have(self, i, members):
         return len(members) > 1 and all(self.has(i, m) for m in members)
 

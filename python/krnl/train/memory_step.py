@@ -209,19 +209,12 @@ class Replay(Resident):
         dA = self.new((len(members) * self.r, inp), "f32", WORK) if fused else None
         self.t.free(dt, dA)
 
-    def blocks(self):
-        """attention.row_blocks: (rows, keys) of each materialised query block."""
-        T, b = self.T, self.block
-        if self.run.packed or not b or T <= b:
-            return [(T, T)]
-        return [(min(T, r0 + b) - r0, min(T, r0 + b)) for r0 in range(0, T, b)]
-
     def layer_forward(self, i, x):
         """(y, the ids the LayerCache holds) of layer i; x is the caller's."""
         c, N, C, H, Hk, D, T, r = self.c, self.N, self.C, self.H, self.Hk, self.D, self.T, self.r
         QKV = self.NH * D
         fold = self.folds(i, QKV_MODULES, QKV)
-        keep = [self.act((N, C + (3 * r if fold else 0))), self.new((N,), "f32", ACTS)]  # xn, r1
+        xn, keep = self.act((N, C + (3 * r if fold else 0))), [self.new((N,), "f32", ACTS)]  # xn, r1
         qkv = self.act((N, QKV))
         keep += self.group_forward(i, QKV_MODULES, C, fold)
         scaled = self.dora_outputs(i, QKV_MODULES, (H * D, Hk * D, Hk * D))
@@ -230,6 +223,7 @@ class Replay(Resident):
             qkv = scaled[0]
         if c.attention_bias:
             self.grow_ones("dt", N)
+        keep += self.drop(xn, 3 * r if fold else 0)
         if c.qk_full_norm:                                                # olmoe.qk_full_norm_forward: raw q, k, rstd
             heads = self.act((self.NH, N, D), WORK)
             for h in (H, Hk):
@@ -269,12 +263,13 @@ class Replay(Resident):
     def mlp_forward(self, i):
         N, C, F, r = self.N, self.C, self.F, self.r
         fold = self.folds(i, ("gate_proj", "up_proj"), 2 * F)
-        keep = [self.act((N, C + (2 * r if fold else 0))), self.new((N,), "f32", ACTS)]  # hn, rstd
+        hn, keep = self.act((N, C + (2 * r if fold else 0))), [self.new((N,), "f32", ACTS)]  # hn, rstd
         keep += [self.act((N, F)) for _ in range(2)]                      # g, u
         a = self.act((N, F))
         keep += self.group_forward(i, ("gate_proj", "up_proj"), C, fold)
         for m in ("gate_proj", "up_proj"):                                # each scaled into a new output
             keep += self.dora_outputs(i, (m,), (F,)) or []
+        keep += self.drop(hn, 2 * r if fold else 0)
         part = CKPT if self.run.grad_checkpoint else ACTS
         if self.c.gemma:                                                  # down's output m, then its post norm's
             keep.append(self.act((N, C)))
@@ -321,11 +316,14 @@ class Replay(Resident):
             self.t.free(dheads, dk)
         need_dx = need_dx or self.trains(i, "input_layernorm")            # its gradient needs dxn
         dxn = self.act((N, C), WORK) if need_dx else None
+        xn = self.remake(i, QKV_MODULES)
         self.dora_in_place(i, QKV_MODULES, (H * D, Hk * D, Hk * D))
         self.group_backward(i, QKV_MODULES, C, dx=need_dx)
+        self.t.free(xn)
         dx = self.act((N, C + dx_cols), WORK) if need_dx else None
         self.t.free(dhw, datt, da, dqkv, dxn)
         return dx
+
 
     def mlp_backward(self, i, dy, dh_cols):
         N, C, F = self.N, self.C, self.F
@@ -336,9 +334,11 @@ class Replay(Resident):
         self.lora_backward(i, "down_proj", F, folded=self.folds_back(i, "down_proj"))
         self.t.free(dz, a)
         dg, du = self.act((N, F), WORK), self.act((N, F), WORK)
+        hn = self.remake(i, ("gate_proj", "up_proj"))
         self.dora_in_place(i, ("gate_proj", "up_proj"), (F, F))
         dhn = self.act((N, C), WORK)
         self.group_backward(i, ("gate_proj", "up_proj"), C)
+        self.t.free(hn)
         dh = self.act((N, C + dh_cols), WORK)
         self.t.free(da, dm, dg, du, dhn)
         return dh
@@ -349,7 +349,7 @@ class Replay(Resident):
         N, C, F, r, m = self.N, self.C, self.F, self.r, self.c.moe
         Ex, K = m["experts"], m["top_k"]
         P = N * K
-        keep = [self.act((N, C)), self.new((N,), "f32", ACTS), self.act((N, Ex))]  # hn, rstd, logits
+        hn, keep = self.act((N, C)), [self.new((N,), "f32", ACTS), self.act((N, Ex))]  # hn, rstd, logits
         keep += self.lora_forward(i, "router", C)
         if m["bias"]:
             self.grow_ones("dt", N)
@@ -361,6 +361,7 @@ class Replay(Resident):
             self.grow_ones("f32", P)
             self.t.free(S, Pr)
         xs = self.act((P, C), WORK)
+        self.t.free(hn)                                                   # made again in the backward
         keep += [self.act((P, F)), self.act((P, F))]                      # g, u
         xa = [self.act((P, r))] if self.has(i, "gate_up_proj") else []
         self.t.free(xs)
@@ -382,11 +383,13 @@ class Replay(Resident):
         dg, du = self.act((P, F), WORK), self.act((P, F), WORK)
         self.t.free(da)
         dxs = self.act((P, C), WORK)
+        hn = self.remake(i, ("router",), also=self.has(i, "gate_up_proj"))  # the experts' gather reads it
         if self.has(i, "gate_up_proj"):
             xs = self.act((P, C), WORK)
             self.t.free(self.act((P, r), WORK), xs)
         dhn, dlogits = self.act((N, C), WORK), self.act((N, m["experts"]), WORK)
         self.lora_backward(i, "router", C)
+        self.t.free(hn)
         dh = self.act((N, C + dh_cols), WORK)
         self.t.free(dw, dg, du, dxs, dhn, dlogits)
         return dh

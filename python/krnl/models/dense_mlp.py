@@ -114,7 +114,7 @@ def mlp_backward(mlp, h, cache, dy, dh_cols=0):
     lins, saves = [mlp.gate, mlp.up], [cache.gate, cache.up]
     hn = None
     if norm_remake.needed(saves, lins):
-        hn, saves = norm_remake.remake(h, mlp.norm, mlp.eps, saves)       # (N, C)
+        hn, saves = norm_remake.remake(h, mlp.norm, mlp.eps, saves, lins)  # (N, C)
     for lin, dz in zip(lins, (dg, du)):
         if lin.gW is not None:                                            # full fine-tuning: W's own gradient
             lin.weight_grad(dz, hn)

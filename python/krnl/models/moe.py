@@ -271,7 +271,7 @@ def moe_backward(mlp, h, cache, dy, dh_cols=0):
     expert_matmul(du, mlp.up, c.offsets, dxs, transpose=False, beta=1.0)
     hn, router = None, c.router
     if mlp.gate_up_lora is not None or norm_remake.needed([router], [mlp.router]):
-        hn, (router,) = norm_remake.remake(h, mlp.norm, mlp.eps, [router])  # (N, C)
+        hn, (router,) = norm_remake.remake(h, mlp.norm, mlp.eps, [router], [mlp.router])  # (N, C)
     if mlp.gate_up_lora is not None:
         xs = d.empty((P, C), dt)
         ops.moe_gather(hn, c.tokens, xs)

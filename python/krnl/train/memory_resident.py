@@ -125,12 +125,13 @@ class Resident:
 
     def remake(self, i, members, also=False):
         """norm_remake.remake where the backward reads the members' input (or also): the norm's
-        output (N, C), its rstd for a moment."""
-        if not also and not any(self.keeps_x(i, m) for m in members):
-            return None
+        output (N, C), its rstd for a moment, each dropout member's drop of it; the ids to free."""
+        drops = [m for m in members if self.has(i, m) and self.dropout]
+        if not also and not drops and not any(self.keeps_x(i, m) for m in members):
+            return []
         xn = self.act((self.N, self.C), WORK)
         self.t.free(self.new((self.N,), "f32", WORK))
-        return xn
+        return [xn] + [self.act((self.N, self.C), WORK) for _ in drops]
 
     def blocks(self):
         """attention.row_blocks: (rows, keys) of each materialised query block."""
@@ -139,11 +140,11 @@ class Resident:
             return [(T, T)]
         return [(min(T, r0 + b) - r0, min(T, r0 + b)) for r0 in range(0, T, b)]
 
-    def drop(self, xn, t_cols):
+    def drop(self, xn, t_cols, copies=()):
         """norm_remake.drop: a folded group's t copied out of the norm's wider buffer (t_cols > 0),
-        then the norm's output freed; returns what the cache keeps."""
+        then the norm's output and the members' dropped copies of it freed; what the cache keeps."""
         t = [self.act((self.N, t_cols))] if t_cols else []
-        self.t.free(xn)
+        self.t.free(*copies, xn)
         return t
 
     def all_have(self, i, members):

@@ -136,11 +136,15 @@ class Replay(Resident):
 
     # -- a decoder layer (layer.py, layer_heads.py, attention.py, lora.py, lora_group.py) ----------
 
-    def lora_forward(self, i, m, inp):
-        """LoraLinear.lora_forward's saved drop(x) and t."""
+    def lora_forward(self, i, m, inp, copies=None):
+        """LoraLinear.lora_forward's saved drop(x) and t; copies: where drop(x) goes instead, where
+        norm_remake.drop takes it out (an input norm's)."""
         if not self.has(i, m):
             return []
-        return ([self.act((self.N, inp))] if self.dropout else []) + [self.act((self.N, self.r))]
+        xd = [self.act((self.N, inp))] if self.dropout else []
+        if copies is not None:
+            copies += xd
+        return (xd if copies is None else []) + [self.act((self.N, self.r))]
 
     def dora_scale(self, out):
         """dora.scale's buffers: Q (r, out) f32 (after a product in the compute dtype where W is
@@ -186,11 +190,11 @@ class Replay(Resident):
             if self.dora_on(i, m):
                 self.t.free(self.new((self.samples, n), "f32", WORK))
 
-    def group_forward(self, i, members, inp, folded=False):
+    def group_forward(self, i, members, inp, folded=False, copies=None):
         if self.groups(i, members):
             held = [self.act((len(members) * self.r, inp))] if self.c.fused_projections else []  # A copied
             return held + ([] if folded else [self.act((self.N, len(members) * self.r))])
-        return [k for m in members for k in self.lora_forward(i, m, inp)]
+        return [k for m in members for k in self.lora_forward(i, m, inp, copies)]
 
     def lora_backward(self, i, m, inp, folded=False, dx=True):
         if not self.has(i, m) or folded:
@@ -216,14 +220,14 @@ class Replay(Resident):
         fold = self.folds(i, QKV_MODULES, QKV)
         xn, keep = self.act((N, C + (3 * r if fold else 0))), [self.new((N,), "f32", ACTS)]  # xn, r1
         qkv = self.act((N, QKV))
-        keep += self.group_forward(i, QKV_MODULES, C, fold)
+        keep += self.group_forward(i, QKV_MODULES, C, fold, copies := [])
         scaled = self.dora_outputs(i, QKV_MODULES, (H * D, Hk * D, Hk * D))
         if scaled:                                                        # qkv the scaled copy; the old one kept
             keep += [qkv] + scaled[1:]
             qkv = scaled[0]
         if c.attention_bias:
             self.grow_ones("dt", N)
-        keep += self.drop(xn, 3 * r if fold else 0)
+        keep += self.drop(xn, 3 * r if fold else 0, copies)
         if c.qk_full_norm:                                                # olmoe.qk_full_norm_forward: raw q, k, rstd
             heads = self.act((self.NH, N, D), WORK)
             for h in (H, Hk):
@@ -266,10 +270,10 @@ class Replay(Resident):
         hn, keep = self.act((N, C + (2 * r if fold else 0))), [self.new((N,), "f32", ACTS)]  # hn, rstd
         keep += [self.act((N, F)) for _ in range(2)]                      # g, u
         a = self.act((N, F))
-        keep += self.group_forward(i, ("gate_proj", "up_proj"), C, fold)
+        keep += self.group_forward(i, ("gate_proj", "up_proj"), C, fold, copies := [])
         for m in ("gate_proj", "up_proj"):                                # each scaled into a new output
             keep += self.dora_outputs(i, (m,), (F,)) or []
-        keep += self.drop(hn, 2 * r if fold else 0)
+        keep += self.drop(hn, 2 * r if fold else 0, copies)
         part = CKPT if self.run.grad_checkpoint else ACTS
         if self.c.gemma:                                                  # down's output m, then its post norm's
             keep.append(self.act((N, C)))
@@ -319,7 +323,7 @@ class Replay(Resident):
         xn = self.remake(i, QKV_MODULES)
         self.dora_in_place(i, QKV_MODULES, (H * D, Hk * D, Hk * D))
         self.group_backward(i, QKV_MODULES, C, dx=need_dx)
-        self.t.free(xn)
+        self.t.free(*xn)
         dx = self.act((N, C + dx_cols), WORK) if need_dx else None
         self.t.free(dhw, datt, da, dqkv, dxn)
         return dx
@@ -338,7 +342,7 @@ class Replay(Resident):
         self.dora_in_place(i, ("gate_proj", "up_proj"), (F, F))
         dhn = self.act((N, C), WORK)
         self.group_backward(i, ("gate_proj", "up_proj"), C)
-        self.t.free(hn)
+        self.t.free(*hn)
         dh = self.act((N, C + dh_cols), WORK)
         self.t.free(da, dm, dg, du, dhn)
         return dh
@@ -389,7 +393,7 @@ class Replay(Resident):
             self.t.free(self.act((P, r), WORK), xs)
         dhn, dlogits = self.act((N, C), WORK), self.act((N, m["experts"]), WORK)
         self.lora_backward(i, "router", C)
-        self.t.free(hn)
+        self.t.free(*hn)
         dh = self.act((N, C + dh_cols), WORK)
         self.t.free(dw, dg, du, dxs, dhn, dlogits)
         return dh

@@ -203,6 +203,28 @@ def test_pool_reuses_buffers_inside_the_step(sim):
     assert sim.pool_stats()["pending"] == 0
 
 
+def test_gemm_tt_identity_waits_for_the_buffer_it_reuses(sim):
+    """The tt GEMM writes an identity from the host into a buffer of the pool, which may be one the
+    step's encoded records still read: the write waits for them (upload), so they see the old
+    contents and the product is right."""
+    K, M, N = 40, 8, 6
+    rng = np.random.default_rng(5)
+    a_np, A_np, B_np = (rng.standard_normal(s).astype(np.float32) for s in ((K, K), (K, M), (N, K)))
+    a, A, B = sim.tensor(a_np), sim.tensor(A_np), sim.tensor(B_np)
+    sim.synchronize()
+    with sim.step():
+        out = sim.empty((K, K), "f32")
+        ops.scale(a, 2.0, out)  # encoded, not yet run (completion lags behind commit)
+        del a                   # cached for reuse at once: the identity's request takes it
+        C = sim.empty((M, N), "f32")
+        ops.gemm(A, B, C, trans_a=True, trans_b=True)
+    sim.synchronize()
+    recs = [r["kernel"] for r in krnl._core.testing.metal_sim_last_step()]
+    assert any("gemm" in k for k in recs)
+    np.testing.assert_array_equal(np.array(out.numpy()), 2 * a_np)
+    np.testing.assert_allclose(np.array(C.numpy()), A_np.T @ B_np.T, rtol=1e-5, atol=1e-5)
+
+
 def test_split_k_records_and_result(sim):
     """The LoRA-shaped GEMM (T, R) = (T, F)(F, R) takes the split-K path on metal-sim: partials
     then a reduce, equal to the plain path within fp32 summation-order error."""

@@ -193,7 +193,7 @@ void MetalOps::attention_backward(const Tensor& q, const Tensor& k, const Tensor
   if (T == 0 || Hq == 0) return;
   const AttentionTiles t = attention_tiles(D);
   const size_t es = dtype_size(q.dtype());
-  Tensor delta = empty({Hq, T}, DType::f32);  // (Hq, T) released after encoding: reused only after the step
+  Tensor delta = empty({Hq, T}, DType::f32);  // (Hq, T) released after encoding: later records may reuse it
 
   Dispatch dd = e.make("attention", "attention_backward_delta_" + sfx);
   bind(dd, 0, o), bind(dd, 1, dout), bind(dd, 2, delta);

@@ -109,17 +109,19 @@ void MetalOps::gemm(const CoreGemmArgs& a) {
     // the nt kernel (exact: one product by 1 per element, the rest adds zeros), any ldb and
     // batch stride included; the product then runs as tn.
     const int64_t nb = a.stride_b == 0 ? 1 : a.batch;
-    Tensor I = empty({a.K, a.K}, a.B.dtype());  // fresh from the pool: no GPU work uses it yet
+    // A buffer from the pool may be one that encoded work of this step still reads (it reuses
+    // released buffers in call order): the identity goes in through upload, which waits for that.
+    Tensor I = empty({a.K, a.K}, a.B.dtype());
     {
       std::vector<float> eye(size_t(a.K * a.K), 0.f);
       for (int64_t i = 0; i < a.K; ++i) eye[size_t(i * a.K + i)] = 1.f;
       if (a.B.dtype() == DType::f32) {
-        std::memcpy(I.data(), eye.data(), eye.size() * 4);
+        upload(I, eye.data());
       } else {
         const bool bf = a.B.dtype() == DType::bf16;
         std::vector<uint16_t> h(eye.size());
         for (size_t i = 0; i < h.size(); ++i) h[i] = bf ? f32_to_bf16(eye[i]) : f32_to_f16(eye[i]);
-        std::memcpy(I.data(), h.data(), h.size() * 2);
+        upload(I, h.data());
       }
     }
     Tensor Bt = empty({nb, a.K, a.N}, a.B.dtype());
@@ -222,7 +224,7 @@ void MetalOps::gemm_split_k(const CoreGemmArgs& a) {
   const std::string in = e.sfx(a.A.dtype()), out = e.sfx(a.C.dtype());
   const int64_t splits = a.split_k, ks = a.K / splits;
   const size_t es = dtype_size(a.A.dtype()), cs = dtype_size(a.C.dtype());
-  Tensor ws = empty({splits, a.M, a.N}, DType::f32);  // released after encoding: reused only after the step
+  Tensor ws = empty({splits, a.M, a.N}, DType::f32);  // released after encoding: later records may reuse it
   for (int64_t b = 0; b < a.batch; ++b) {
     Dispatch d = e.make("gemm", "gemm_splitk_" + gemm_variant(a.trans_a, a.trans_b) + "_" + in);
     const int64_t ar = a.trans_a ? a.K : a.M, ac = a.trans_a ? a.M : a.K;

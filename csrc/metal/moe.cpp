@@ -55,7 +55,7 @@ void MetalOps::moe_sort(const Tensor& ids, const Tensor& tokens, const Tensor& s
   Dispatch d = e.make("moe", "moe_sort_i32");
   const int64_t P = ids.numel(), K = ids.size(1), E = offsets.numel() - 1;
   // One threadgroup (a stable sort without atomics); a few pairs take fewer threads. Its per-thread
-  // expert counts live in a scratch buffer, released after encoding: reused only after the step.
+  // expert counts live in a scratch buffer, released after encoding (later records may reuse it).
   const uint32_t threads = uint32_t(std::clamp<int64_t>((P + 31) / 32 * 32, 32, kSortThreads));
   Tensor counts = empty({int64_t(threads), E}, DType::i32);
   bind(d, 0, ids), bind(d, 1, tokens), bind(d, 2, slot), bind(d, 3, offsets), bind(d, 4, counts);

@@ -36,7 +36,8 @@
 #                                           SANITIZE="racecheck ..." the sanitize phase of those
 #                                           tools runs alongside (one call where device time is short),
 #                                           with CUDA_TESTS="tests/test_x.py ..." those modules' cuda
-#                                           tests too
+#                                           tests too; MC_MODULES="tests/test_x.py ..." runs only those
+#                                           modules on metal-cuda, without the workloads
 #   bash tools/device/h200_check.sh sanitize TOOL...
 #                                           compute-sanitizer --tool TOOL (racecheck, synccheck,
 #                                           initcheck, memcheck) over every kernel at 2-3 threadgroups

@@ -213,7 +213,7 @@ elif [ "$phase" = metal-cuda ] || [ "$phase" = sanitize ] || [ "$phase" = qmm ];
   KRNL_TEST_METAL_CUDA=1 timeout ${MC_TESTS_S:-300} python3 -m pytest -q -rs -n 12 -p no:cacheprovider ${MC_MODULES:-tests} \
     --ignore=tests/test_metal_host.py --ignore=tests/test_metal_api.py -k "metal-cuda" --maxfail=50 \
     2>&1 | tee "$OUT/metal_cuda_tests.log" | tail -40
-  [ -z "$MC_MODULES" ] && KRNL_TEST_METAL_CUDA=1 timeout ${MC_WORKLOADS_S:-200} python3 tools/mslcuda/workloads.py \
+  [ -z "$MC_MODULES" ] && KRNL_TEST_METAL_CUDA=1 timeout ${MC_WORKLOADS_S:-260} python3 tools/mslcuda/workloads.py \
     --json "$OUT/workloads.json" 2>&1 | tee "$OUT/workloads.log"
   wait
   [ -f "$OUT/cuda_tests.log" ] && tail -12 "$OUT/cuda_tests.log"

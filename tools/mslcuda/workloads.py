@@ -12,9 +12,11 @@ Run by tools/device/h200_check.sh metal-cuda. Exit status 1 when any output is o
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +33,14 @@ from krnl.bench.workloads import STEPS  # noqa: E402
 # top 8, hidden 2048, expert width 768 (gate and up fused: 1536 outputs)
 MOE = {"full": dict(N=2048, E=128, K=8, C=2048, F=768), "quick": dict(N=300, E=13, K=3, C=96, F=64),
        "small": dict(N=37, E=5, K=2, C=45, F=64)}
+
+
+@functools.lru_cache(maxsize=None)
+def _drawn(name, shape, scale):
+    """scale * N(0, 1) f32 of that shape, drawn once (by name) for every device and dtype: the full
+    size's expert weights are 400 M values, seconds to draw."""
+    return (scale * np.random.default_rng(zlib.crc32(name.encode())).standard_normal(shape, np.float32)).astype(
+        np.float32)
 
 
 class MoeLayer:
@@ -56,13 +66,13 @@ class MoeLayer:
         N, E, K, C, F = (s[k] for k in "NEKCF")
         P, rng = N * K, np.random.default_rng(7)
 
-        def t(shape, scale=1.0, dtype=dt):
-            return dev.tensor((scale * rng.standard_normal(shape)).astype(np.float32), dtype)
+        def t(name, shape, scale=1.0, dtype=dt):
+            return dev.tensor(_drawn(name, shape, scale), dtype)
 
         def result():
             out = {}
-            logits, x, dy = t((N, E), dtype="f32"), t((N, C)), t((N, C))
-            w_gu, w_d = t((E, 2 * F, C), C ** -0.5), t((E, C, F), F ** -0.5)
+            logits, x, dy = t("logits", (N, E), dtype="f32"), t("x", (N, C)), t("dy", (N, C))
+            w_gu, w_d = t("w_gu", (E, 2 * F, C), C ** -0.5), t("w_d", (E, C, F), F ** -0.5)
             ids, wts = dev.empty((N, K), "i32"), dev.empty((N, K), "f32")
             ops.moe_route(logits, ids, wts, True)
             tokens, slot, offsets = dev.empty((P,), "i32"), dev.empty((N, K), "i32"), dev.empty((E + 1,), "i32")
@@ -70,7 +80,7 @@ class MoeLayer:
             xs, gu, ys = dev.empty((P, C), dt), dev.empty((P, 2 * F), dt), dev.empty((P, C), dt)
             ops.moe_gather(x, tokens, xs)
             ops.moe_gemm(xs, w_gu, offsets, gu)                           # (P, 2F) = xs W_gu[e]^T
-            h = t((P, F))                                                 # stands for silu(g) * u
+            h = t("h", (P, F))                                            # stands for silu(g) * u
             ops.moe_gemm(h, w_d, offsets, ys)                             # (P, C)
             y = dev.empty((N, C), dt)
             ops.moe_combine(ys, slot, wts, y)
@@ -83,10 +93,10 @@ class MoeLayer:
             gw_d = dev.zeros((E, C, F), "f32")
             ops.moe_gemm_weight_grad(dys, h, offsets, gw_d)               # (E, C, F) f32
             dlogits = dev.empty((N, E), "f32")
-            ops.moe_route_backward(logits, ids, dw, dlogits, True, t((E,), dtype="f32"))
+            ops.moe_route_backward(logits, ids, dw, dlogits, True, t("dprobs", (E,), dtype="f32"))
             # quantized experts: random codes and scales (the kernels' arithmetic, not a quantizer's)
             codes = dev.tensor(rng.integers(0, 2**31, (E, C, F // 8)).astype(np.int32), "i32")
-            sc, bi = t((E, C, F // 64), 0.01), t((E, C, F // 64), 0.01)
+            sc, bi = t("scales", (E, C, F // 64), 0.01), t("biases", (E, C, F // 64), 0.01)
             yq, dhq = dev.empty((P, C), dt), dev.empty((P, F), dt)
             ops.moe_quantized_matmul(h, codes, sc, bi, offsets, yq, True, 64, 4)
             ops.moe_quantized_matmul(dys, codes, sc, bi, offsets, dhq, False, 64, 4)

@@ -104,7 +104,7 @@ void Backend::release_buffer(const Buffer& b) {
   // that gets the buffer next runs after them, so it is free for reuse at once, though not for
   // giving back before seq completes: a step's pool stays near its live peak instead of holding
   // every temporary of the step (W2 on the CPU: 221 -> 200 MB for a 191 MB live peak; the 1B
-  // shape at 2048 tokens on Metal, planned: 8.6 -> 4.9 GiB). A recording keeps the rule: its
+  // shape at 2048 tokens on Metal, planned: 8.8 -> 4.7 GiB). A recording keeps the rule: its
   // buffers outlive it in the graph.
   const bool reuse_now = queue_ordered() && !capturing();
   const uint64_t seq = in_step_ ? last_committed_ + 1 : last_committed_;

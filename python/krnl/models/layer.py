@@ -311,7 +311,7 @@ def layer_backward(L, x, cache, dy, batch, need_dx=True, dx_cols=0):
     dxn = d.empty((N, C), dt) if need_dx else None                        # (N, C)
     lins, dys = [b[0] for b in L.qkv_blocks()], [dqkv[:, c0:c1] for _, c0, c1 in L.qkv_blocks()]
     xn, saves = None, cache.qkv
-    if norm_remake.needed(saves, lins) or (L.grads is not None and "qkv" in L.grads):
+    if norm_remake.needed(saves, lins):                                  # (a trained q|k|v: each gW is set)
         xn, saves = norm_remake.remake(x, L.n1, L.eps, saves, lins)       # (N, C)
     if L.grads is not None:
         full.layer_grads(L, xn, dqkv, dys, da[:, :C])

@@ -263,7 +263,7 @@ def moe_backward(mlp, h, cache, dy, dh_cols=0):
     expert_matmul(dys, mlp.down, c.offsets, da, transpose=False)
     _lora_backward(mlp.down_lora, [dys], c.ad, c.a, da, c.offsets)
     del dys
-    dg, du = d.empty((P, F), dt), d.empty((P, F), dt)
+    dg, du = da, c.u  # in place, as mlp_backward's
     ops.swiglu_backward(da, c.g, c.u, dg, du, *mlp.swiglu)
     del da
     dxs = d.empty((P, C), dt)

@@ -336,15 +336,14 @@ class Replay(Resident):
         a = self.act((N, F), WORK) if self.keeps_x(i, "down_proj") else None  # down's input, made again
         dz = self.dora_backward(i, "down_proj", C, self.cols(i))
         self.lora_backward(i, "down_proj", F, folded=self.folds_back(i, "down_proj"))
-        self.t.free(dz, a)
-        dg, du = self.act((N, F), WORK), self.act((N, F), WORK)
+        self.t.free(dz, a)  # dg and du take da's and u's places (dense_mlp.mlp_backward)
         hn = self.remake(i, ("gate_proj", "up_proj"))
         self.dora_in_place(i, ("gate_proj", "up_proj"), (F, F))
         dhn = self.act((N, C), WORK)
         self.group_backward(i, ("gate_proj", "up_proj"), C)
         self.t.free(*hn)
         dh = self.act((N, C + dh_cols), WORK)
-        self.t.free(da, dm, dg, du, dhn)
+        self.t.free(da, dm, dhn)
         return dh
 
     # -- a mixture of experts (moe.py) -----------------------------------------------------------
@@ -383,9 +382,7 @@ class Replay(Resident):
         da = self.act((P, F), WORK)
         if self.has(i, "down_proj"):
             self.t.free(self.act((P, r), WORK))
-        self.t.free(dys)
-        dg, du = self.act((P, F), WORK), self.act((P, F), WORK)
-        self.t.free(da)
+        self.t.free(dys)  # dg and du take da's and u's places
         dxs = self.act((P, C), WORK)
         hn = self.remake(i, ("router",), also=self.has(i, "gate_up_proj"))  # the experts' gather reads it
         if self.has(i, "gate_up_proj"):
@@ -395,5 +392,5 @@ class Replay(Resident):
         self.lora_backward(i, "router", C)
         self.t.free(*hn)
         dh = self.act((N, C + dh_cols), WORK)
-        self.t.free(dw, dg, du, dxs, dhn, dlogits)
+        self.t.free(dw, da, dxs, dhn, dlogits)
         return dh

@@ -63,6 +63,22 @@ def test_pool_limit_gives_cached_memory_back_first():
     assert st["cached"] == 0 and st["reserved"] == cb == st["in_use"]
 
 
+def test_pool_limit_gives_back_only_what_the_request_needs():
+    # the largest cached class first, and no more: the small buffer stays for its class's next request
+    p = HostBufferPool()
+    p.set_limit(8 * MiB, "a test's limit")
+    small, cs_ = p.acquire(1 * MiB, 0)
+    big, cb = p.acquire(4 * MiB, 0)
+    held, ch = p.acquire(2 * MiB, 0)
+    p.release(small, 0, 0)
+    p.release(big, 0, 0)
+    c, cc = p.acquire(3 * MiB, 0)  # 7 MiB reserved + 3 > 8: the 4 MiB buffer goes, the 1 MiB one stays
+    st = p.stats()
+    assert st["cached"] == cs_ and st["reserved"] == cs_ + ch + cc, st
+    again, _ = p.acquire(1 * MiB, 0)
+    assert again == small
+
+
 def test_pool_limit_counts_pending_buffers():
     # A buffer released inside an unfinished submission may still be read by the device: it
     # counts until that submission completes, then it is cached and can be given back.

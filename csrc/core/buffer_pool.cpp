@@ -58,9 +58,11 @@ Buffer BufferPool::acquire(size_t bytes, uint64_t completed_seq) {
     st_.reuses++;
   } else {
     if (limit_ && st_.reserved + cls > limit_) {
-      // Cached buffers are the pool's own to give back; pending ones may still be read by the
-      // device and in-use ones are live tensors: those count until released and completed.
-      free_cached_locked(completed_seq);
+      // Cached buffers are the pool's own to give back, as many as the request needs (the rest
+      // serve later requests of their class: a capped step frees a few buffers, not its cache);
+      // pending ones may still be read by the device and in-use ones are live tensors: those
+      // count until released and completed.
+      free_cached_locked(completed_seq, st_.reserved + cls - limit_);
       if (st_.reserved + cls > limit_)
         throw PoolLimitError(
             "[alloc] " + owner_ + ": a request of " + format_bytes(bytes) + " would take the pool to " +
@@ -125,17 +127,21 @@ void BufferPool::collect(uint64_t completed_seq) {
   collect_locked(completed_seq);
 }
 
-void BufferPool::free_cached_locked(uint64_t completed_seq) {
-  for (auto it = cache_.begin(); it != cache_.end();) {
+void BufferPool::free_cached_locked(uint64_t completed_seq, size_t need) {
+  size_t freed = 0;
+  for (auto it = cache_.end(); it != cache_.begin() && freed < need;) {
+    --it;  // classes from the largest down
     auto& bufs = it->second;
-    auto keep = std::partition(bufs.begin(), bufs.end(), [&](const Buffer& b) { return b.busy > completed_seq; });
-    for (auto j = keep; j != bufs.end(); ++j) {
-      free_fn_(j->ptr, j->bytes);
-      st_.reserved -= j->bytes;
-      st_.cached -= j->bytes;
+    // the device's busy ones first, in their order; the free ones behind them, the last released last
+    std::stable_partition(bufs.begin(), bufs.end(), [&](const Buffer& b) { return b.busy > completed_seq; });
+    while (!bufs.empty() && bufs.back().busy <= completed_seq && freed < need) {
+      free_fn_(bufs.back().ptr, bufs.back().bytes);
+      st_.reserved -= bufs.back().bytes;
+      st_.cached -= bufs.back().bytes;
+      freed += bufs.back().bytes;
+      bufs.pop_back();
     }
-    bufs.erase(keep, bufs.end());
-    it = bufs.empty() ? cache_.erase(it) : std::next(it);
+    if (bufs.empty()) it = cache_.erase(it);  // the next larger class, or end(): --it goes on below
   }
 }
 

@@ -90,7 +90,9 @@ class BufferPool {
  private:
   void collect_locked(uint64_t completed_seq);
   size_t waiting_locked(uint64_t completed_seq) const;
-  void free_cached_locked(uint64_t completed_seq);
+  // Frees cached buffers the device is done with, the largest classes first, until `need` bytes
+  // are given back (all of them by default).
+  void free_cached_locked(uint64_t completed_seq, size_t need = SIZE_MAX);
   struct Retired {
     Buffer buf;
     uint64_t seq;

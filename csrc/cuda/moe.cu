@@ -10,9 +10,11 @@
 // The grouped GEMMs (moe_gemm, moe_gemm_weight_grad) are tiled kernels whose index arithmetic
 // lives in moe_tiles.cuh (checked on the host by tests/cuda_host/moe_tiles_check.cu). bf16 and
 // f16 run on tensor cores (WMMA 16 x 16 x 16, f32 accumulation): 128 x 128 output tiles (64 x 128
-// where experts average under 96 rows, or a row length is no multiple of 8), steps of 32 over k, 8
-// warps of 64 x 32 (32 x 32), operand tiles double-buffered in shared memory through registers (one
-// barrier a step), 16-byte loads and stores where every row length is a multiple of 8. f32 runs
+// where experts average under 96 rows, or a row length is no multiple of 8; 128 x 32, 64 x 32 or
+// 32 x 128 for a LoRA's r <= 32 columns or rows), steps of 32 over k, 8 warps, 16-byte loads and
+// stores where every row length is a multiple of 8. Dense operands of 16-byte units go through
+// shared memory in 4 stages that cp.async fills 3 steps ahead (one barrier a step); per-element
+// or quantized ones double-buffered through registers. f32 runs
 // on CUDA cores: 64 x 64 tiles, 4 x 4 outputs a thread (never TF32, as gemm.cu). moe_gemm's blocks
 // take row tiles of one expert from a map that a one-block kernel builds from offsets on the
 // device: ceil(P / BM) + E row tiles at most, the ones past the last exit at once. The kernels
@@ -477,13 +479,13 @@ void CudaBackend::moe_gemm(const Tensor& x, const Tensor& w, const Tensor& offse
   if (tc) require_tensor_cores("moe_gemm");
   const int64_t unit = 16 / int64_t(dtype_size(dt));
   const bool vec = K % unit == 0 && N % unit == 0 && aligned16({x.data(), w.data(), out.data()});
-  const RowTiles t = row_tiles(*this, offsets, P, E, N, tc, vec, "moe_gemm");
+  const RowTiles t = row_tiles(*this, offsets, P, E, N, tc, vec, true, "moe_gemm");
   GemmParams p{x.data(), w.data(), out.data(), reinterpret_cast<const int4*>(t.map.data()), offsets.ptr<int32_t>(),
                P, 0, N, K, O * I, 0, t.tiles_n, dt, alpha, beta};
   if (transpose)
-    launch_gemm<Mode::linear>(p, dt, t.bm, vec, unsigned(t.blocks), stream_);
+    launch_gemm<Mode::linear>(p, dt, t.bm, t.bn, vec, unsigned(t.blocks), stream_);
   else
-    launch_gemm<Mode::input_grad>(p, dt, t.bm, vec, unsigned(t.blocks), stream_);
+    launch_gemm<Mode::input_grad>(p, dt, t.bm, t.bn, vec, unsigned(t.blocks), stream_);
   check_launch("moe_gemm");
 }
 
@@ -499,13 +501,17 @@ void CudaBackend::moe_gemm_weight_grad(const Tensor& a, const Tensor& b, const T
   const int64_t unit = 16 / int64_t(dtype_size(dt));
   // bf16/f16: units of 8, so the tensor-core epilogue's 8-column groups hold for an f32 out too.
   const bool vec = M % unit == 0 && N % unit == 0 && aligned16({a.data(), b.data(), out.data()});
-  const int bm = tc && vec ? 128 : 64, bn = tc ? 128 : 64;
+  int bm = tc && vec ? 128 : 64, bn = tc ? 128 : 64;
+  if (tc && vec && N <= 32)  // a LoRA's r columns (gB_e = dy_e^T xa_e): narrow tiles
+    bn = 32;
+  else if (tc && vec && M <= 32)  // r rows (gA_e = dxa_e^T x_e)
+    bm = 32;
   const int64_t tiles_m = (M + bm - 1) / bm, tiles_n = (N + bn - 1) / bn, blocks = E * tiles_m * tiles_n;
   check_grid(blocks, "moe_gemm_weight_grad");
   // Every block writes its tile, an expert without rows included (beta out).
   GemmParams p{a.data(), b.data(), out.data(), nullptr, offsets.ptr<int32_t>(), P, M, N, 0, 0, tiles_m, tiles_n,
                out.dtype(), alpha, beta};
-  launch_gemm<Mode::weight_grad>(p, dt, bm, vec, unsigned(blocks), stream_);
+  launch_gemm<Mode::weight_grad>(p, dt, bm, bn, vec, unsigned(blocks), stream_);
   check_launch("moe_gemm_weight_grad");
 }
 

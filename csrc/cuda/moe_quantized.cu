@@ -19,14 +19,14 @@ namespace {
 template <Mode MODE>
 void launch_quantized(int64_t bits, int64_t mode, const GemmParams& p, const QuantParams& q, DType dt, int bm,
                       bool vec, unsigned blocks, cudaStream_t s) {
-  if (mode == ops::kQuantMxfp4) return launch_gemm<MODE, moe::kMxfp4>(p, dt, bm, vec, blocks, s, q);
+  if (mode == ops::kQuantMxfp4) return launch_gemm<MODE, moe::kMxfp4>(p, dt, bm, 128, vec, blocks, s, q);
   switch (bits) {  // the core allows exactly these
-    case 2: return launch_gemm<MODE, 2>(p, dt, bm, vec, blocks, s, q);
-    case 3: return launch_gemm<MODE, 3>(p, dt, bm, vec, blocks, s, q);
-    case 4: return launch_gemm<MODE, 4>(p, dt, bm, vec, blocks, s, q);
-    case 5: return launch_gemm<MODE, 5>(p, dt, bm, vec, blocks, s, q);
-    case 6: return launch_gemm<MODE, 6>(p, dt, bm, vec, blocks, s, q);
-    default: return launch_gemm<MODE, 8>(p, dt, bm, vec, blocks, s, q);
+    case 2: return launch_gemm<MODE, 2>(p, dt, bm, 128, vec, blocks, s, q);
+    case 3: return launch_gemm<MODE, 3>(p, dt, bm, 128, vec, blocks, s, q);
+    case 4: return launch_gemm<MODE, 4>(p, dt, bm, 128, vec, blocks, s, q);
+    case 5: return launch_gemm<MODE, 5>(p, dt, bm, 128, vec, blocks, s, q);
+    case 6: return launch_gemm<MODE, 6>(p, dt, bm, 128, vec, blocks, s, q);
+    default: return launch_gemm<MODE, 8>(p, dt, bm, 128, vec, blocks, s, q);
   }
 }
 
@@ -57,7 +57,7 @@ void CudaBackend::moe_quantized_matmul(const Tensor& x, const Tensor& w, const T
   const int64_t unit = 16 / int64_t(dtype_size(dt));
   const bool vec = K % unit == 0 && N % unit == 0 && aligned16({x.data(), out.data()});
   // moe_gemm's tiles (each dequantized B tile serves a whole row tile)
-  const RowTiles t = row_tiles(*this, offsets, P, E, N, tc, vec, "moe_quantized_matmul");
+  const RowTiles t = row_tiles(*this, offsets, P, E, N, tc, vec, false, "moe_quantized_matmul");
   GemmParams p{x.data(), nullptr, out.data(), reinterpret_cast<const int4*>(t.map.data()), offsets.ptr<int32_t>(),
                P, 0, N, K, 0, 0, t.tiles_n, dt, 1.f, beta};
   // Scales and biases (none in mode mxfp4): expert 0's (O, groups) is contiguous (the core

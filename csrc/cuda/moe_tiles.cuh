@@ -85,7 +85,44 @@ struct TileLoader {
       *reinterpret_cast<U*>(s + unit_row(u) * LDS + unit_col(u)) = reg[i];
     }
   }
+  // fetch and commit in one, no registers between (VEC): on the GPU asynchronous 16-byte copies
+  // (cp.async, zero-filled outside the matrix) that land while the block computes on other stages
+  // of its tiles; the kernel groups and waits for them (cp_async_commit, cp_async_wait).
+  KRNL_HD void copy(int tid, const E* g, int64_t ld, int64_t row0, int64_t col0, int64_t row_lim, int64_t col_lim,
+                    E* s) const {
+    static_assert(VEC, "16-byte units");
+    KRNL_UNROLL
+    for (int i = 0; i < PER; ++i) {
+      const int u = tid + i * NT;
+      if (NU % NT != 0 && u >= NU) break;
+      const int64_t r = row0 + unit_row(u), c = col0 + unit_col(u);
+      const bool in = r < row_lim && c < col_lim;
+      E* dst = s + unit_row(u) * LDS + unit_col(u);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+      // src-size 0 reads nothing and writes 16 zero bytes; g itself stands in as a valid address
+      const unsigned sa = unsigned(__cvta_generic_to_shared(dst));
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(sa), "l"(in ? g + r * ld + c : g),
+                   "r"(in ? 16 : 0));
+#else
+      *reinterpret_cast<U*>(dst) = in ? *reinterpret_cast<const U*>(g + r * ld + c) : U{};
+#endif
+    }
+  }
 };
+
+// The copies this thread issued since the last commit, as one group; wait until at most N groups
+// of this thread's are still in flight (a barrier then makes every thread's visible to all).
+KRNL_HD void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+template <int N>
+KRNL_HD void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+#endif
+}
 
 // ---- moe_quantized_matmul's B operand: W_e held as quantized_matmul's W (op_list.h), dequantized
 // tile by tile as it is loaded, so that nothing but the shared tile is ever dequantized.
@@ -264,19 +301,22 @@ struct QuantTileLoader {
   }
 };
 
-// The tensor-core kernel: 8 warps as 2 (m) x 4 (n), each WM x WN outputs in 16 x 16 fragments.
-template <class G>
+// The tensor-core kernels: 8 warps as WARPS_M (m) x 8 / WARPS_M (n), each WM x WN outputs in 16 x
+// 16 fragments (2 x 4 in the wide tiles; a narrow tile's 32 columns or rows take 8 x 1 or 1 x 8).
+template <class G, int WARPS_M = 2>
 struct WarpTiles {
-  static constexpr int NT = 256, WM = G::BM / 2, WN = G::BN / 4, FM = WM / 16, FN = WN / 16;
-  static_assert(WM % 16 == 0 && WN % 16 == 0 && G::BK % 16 == 0, "whole 16 x 16 x 16 fragments");
+  static constexpr int NT = 256, WARPS_N = 8 / WARPS_M, WM = G::BM / WARPS_M, WN = G::BN / WARPS_N;
+  static constexpr int FM = WM / 16, FN = WN / 16;
+  static_assert(WARPS_M * WARPS_N == 8 && WM % 16 == 0 && WN % 16 == 0 && G::BK % 16 == 0,
+                "8 warps of whole 16 x 16 x 16 fragments");
   // Offsets in the tiles of fragment i of A (rows m) and j of B (columns n) at step kk, for warp w;
   // A row-major where stored [m][k] (A(i, k) at i LDA + k), column-major where [k][m]; B row-major
   // where stored [k][n], column-major where [n][k]: load_matrix_sync with ldm LDA or LDB.
-  static KRNL_HD int a_frag(int w, int i, int kk) { return G::a_at((w / 4) * WM + i * 16, kk); }
-  static KRNL_HD int b_frag(int w, int j, int kk) { return G::b_at(kk, (w % 4) * WN + j * 16); }
+  static KRNL_HD int a_frag(int w, int i, int kk) { return G::a_at((w / WARPS_N) * WM + i * 16, kk); }
+  static KRNL_HD int b_frag(int w, int j, int kk) { return G::b_at(kk, (w % WARPS_N) * WN + j * 16); }
   // The fragment's (row, col) origin in the block's tile.
-  static KRNL_HD int frag_row(int w, int i) { return (w / 4) * WM + i * 16; }
-  static KRNL_HD int frag_col(int w, int j) { return (w % 4) * WN + j * 16; }
+  static KRNL_HD int frag_row(int w, int i) { return (w / WARPS_N) * WM + i * 16; }
+  static KRNL_HD int frag_col(int w, int j) { return (w % WARPS_N) * WN + j * 16; }
   // A fragment stored (store_matrix_sync, row-major) in a warp's 16 x EPI_LD floats of shared
   // memory; element (r, c) at r EPI_LD + c. EPI_LD a multiple of 4 (WMMA's ldm for float), not of 32.
   static constexpr int EPI_LD = 20, EPI_FLOATS = 16 * EPI_LD;
@@ -353,20 +393,37 @@ KRNL_HD void operands(const GemmParams& p, const BlockTile& t, const E*& A, cons
   B = static_cast<const E*>(p.b) + (FWD ? t.e * p.b_stride : t.row0 * p.N);
 }
 
-// One step's operand tiles into the loaders' registers (k0: the step's first k), for thread tid.
+// One step's operand windows (k0: the step's first k): fa and fb take (g, ld, row0, col0, row_lim,
+// col_lim) of TileLoader's fetch for A and B.
+template <Mode MODE, class E, class FA, class FB>
+KRNL_HD void step_windows(const E* A, const E* B, const GemmParams& p, const BlockTile& t, int64_t k0, FA&& fa,
+                          FB&& fb) {
+  if constexpr (MODE == Mode::linear) {  // A = x rows [m][k] (ld K); B = W_e (O = N, I = K) [n][k]
+    fa(A, p.K, 0, k0, t.row_lim, p.K);
+    fb(B, p.K, t.n0, k0, p.N, p.K);
+  } else if constexpr (MODE == Mode::input_grad) {  // B = W_e (O = K, I = N) [k][n]
+    fa(A, p.K, 0, k0, t.row_lim, p.K);
+    fb(B, p.N, k0, t.n0, p.K, p.N);
+  } else {  // A = a_e (rows, M) [k][m], B = b_e (rows, N) [k][n]
+    fa(A, p.M, k0, t.m0, t.kext, p.M);
+    fb(B, p.N, k0, t.n0, t.kext, p.N);
+  }
+}
+
+// One step's operand tiles into the loaders' registers, for thread tid.
 template <Mode MODE, class LA, class LB, class E>
 KRNL_HD void fetch_step(LA& la, LB& lb, int tid, const E* A, const E* B, const GemmParams& p, const BlockTile& t,
                         int64_t k0) {
-  if constexpr (MODE == Mode::linear) {  // A = x rows [m][k] (ld K); B = W_e (O = N, I = K) [n][k]
-    la.fetch(tid, A, p.K, 0, k0, t.row_lim, p.K);
-    lb.fetch(tid, B, p.K, t.n0, k0, p.N, p.K);
-  } else if constexpr (MODE == Mode::input_grad) {  // B = W_e (O = K, I = N) [k][n]
-    la.fetch(tid, A, p.K, 0, k0, t.row_lim, p.K);
-    lb.fetch(tid, B, p.N, k0, t.n0, p.K, p.N);
-  } else {  // A = a_e (rows, M) [k][m], B = b_e (rows, N) [k][n]
-    la.fetch(tid, A, p.M, k0, t.m0, t.kext, p.M);
-    lb.fetch(tid, B, p.N, k0, t.n0, t.kext, p.N);
-  }
+  step_windows<MODE>(
+      A, B, p, t, k0, [&](auto... w) { la.fetch(tid, w...); }, [&](auto... w) { lb.fetch(tid, w...); });
+}
+
+// One step's operand tiles straight into the shared tiles as and bs (TileLoader's copy), for thread tid.
+template <Mode MODE, class LA, class LB, class E>
+KRNL_HD void copy_step(const LA& la, const LB& lb, int tid, const E* A, const E* B, const GemmParams& p,
+                       const BlockTile& t, int64_t k0, E* as, E* bs) {
+  step_windows<MODE>(
+      A, B, p, t, k0, [&](auto... w) { la.copy(tid, w..., as); }, [&](auto... w) { lb.copy(tid, w..., bs); });
 }
 
 // W_e's codes, scales and biases: q at expert e of O rows.

@@ -2,7 +2,8 @@
 // sort's and tile map's algorithms (csrc/cuda/moe.cu, moe_gemm.cuh), for machines with nvcc but no
 // GPU (tests/test_cuda_host.py builds and runs it). Each block of a launch is emulated thread by
 // thread with the kernels' own helpers: block_tile, operands, the loaders' fetch and commit into
-// double-buffered shared tiles, WMMA's documented fragment layouts at WarpTiles' offsets (or
+// double-buffered shared tiles (and, for 16-byte units, their copy, the cp.async kernel's, landing
+// the same tiles), WMMA's documented fragment layouts at WarpTiles' offsets (or
 // ThreadTiles' products), then the epilogue's lane mapping and out_index. Small integers keep every
 // product exact, so the emulation must equal the reference exactly, and every output element must
 // be written once. moe_quantized_matmul's dequantizing B loader (QuantTileLoader: codes that
@@ -97,7 +98,7 @@ std::vector<int4> tile_map(const std::vector<int32_t>& off, int E, int P, int BM
 // Emulates every block of one grouped GEMM launch into out (float), counting writes per element.
 // 16-bit elements hold DT's bits. BITS > 0: B is the quantized W of q (moe_quantized_matmul).
 template <Mode MODE, int BM, int BN, int BK, int ES, bool VEC, bool TC,
-          krnl::DType DT = ES == 2 ? krnl::DType::bf16 : krnl::DType::f32, int BITS = 0>
+          krnl::DType DT = ES == 2 ? krnl::DType::bf16 : krnl::DType::f32, int BITS = 0, int WARPS_M = 2>
 void emulate(const GemmParams& p, int64_t blocks, std::vector<float>& out, std::vector<int>& writes,
              const QuantParams& q = QuantParams{}) {
   using G = Geometry<MODE, BM, BN, BK, ES>;
@@ -116,7 +117,9 @@ void emulate(const GemmParams& p, int64_t blocks, std::vector<float>& out, std::
     const E *A, *B;
     operands<MODE>(p, t, A, B);
     const QuantParams qe = quant_operand(q, t.e, MODE == Mode::linear ? p.N : p.K);
+    int64_t fetched = 0;  // the k0 of the tiles fetched last
     auto fetch = [&](int tid, int64_t k0) {
+      fetched = k0;
       if constexpr (BITS == 0)
         fetch_step<MODE>(la[size_t(tid)], lb[size_t(tid)], tid, A, B, p, t, k0);
       else
@@ -129,6 +132,15 @@ void emulate(const GemmParams& p, int64_t blocks, std::vector<float>& out, std::
     auto commit = [&](int buf) {
       for (int tid = 0; tid < NT; ++tid) la[size_t(tid)].commit(tid, As.data() + buf * G::A_TILE);
       for (int tid = 0; tid < NT; ++tid) lb[size_t(tid)].commit(tid, Bs.data() + buf * G::B_TILE);
+      if constexpr (BITS == 0 && VEC) {  // the cp.async kernel's copy lands the very same tiles
+        std::vector<E> ac(size_t(G::A_TILE), E(0x5555)), bc(size_t(G::B_TILE), E(0x5555));
+        for (int tid = 0; tid < NT; ++tid)
+          copy_step<MODE>(la[size_t(tid)], lb[size_t(tid)], tid, A, B, p, t, fetched, ac.data(), bc.data());
+        CHECK(std::equal(ac.begin(), ac.end(), As.begin() + buf * G::A_TILE), "copy's A tile differs at k0 %lld",
+              (long long)fetched);
+        CHECK(std::equal(bc.begin(), bc.end(), Bs.begin() + buf * G::B_TILE), "copy's B tile differs at k0 %lld",
+              (long long)fetched);
+      }
     };
     if (steps > 0) {
       for (int tid = 0; tid < NT; ++tid) fetch(tid, 0);
@@ -141,7 +153,7 @@ void emulate(const GemmParams& p, int64_t blocks, std::vector<float>& out, std::
       const E* as = As.data() + buf * G::A_TILE;
       const E* bs = Bs.data() + buf * G::B_TILE;
       if constexpr (TC) {
-        using WT = WarpTiles<G>;
+        using WT = WarpTiles<G, WARPS_M>;
         for (int w = 0; w < 8; ++w)
           for (int kk = 0; kk < BK; kk += 16)
             for (int i = 0; i < WT::FM; ++i)
@@ -183,7 +195,7 @@ void emulate(const GemmParams& p, int64_t blocks, std::vector<float>& out, std::
       ++writes[size_t(o)];
     };
     if constexpr (TC) {
-      using WT = WarpTiles<G>;
+      using WT = WarpTiles<G, WARPS_M>;
       std::vector<float> scr(size_t(WT::EPI_FLOATS));
       for (int w = 0; w < 8; ++w)
         for (int i = 0; i < WT::FM; ++i)
@@ -257,7 +269,7 @@ std::vector<Elem<ES>> random_matrix(std::mt19937& rng, size_t n) {
 }
 
 // One moe_gemm (linear or input_grad) configuration against the reference.
-template <Mode MODE, int BM, int BN, int BK, int ES, bool VEC, bool TC>
+template <Mode MODE, int BM, int BN, int BK, int ES, bool VEC, bool TC, int WARPS_M = 2>
 void check_forward(std::mt19937& rng, int E, int P, int O, int I, float beta) {
   constexpr bool LIN = MODE == Mode::linear;
   const int K = LIN ? I : O, N = LIN ? O : I;
@@ -284,7 +296,8 @@ void check_forward(std::mt19937& rng, int E, int P, int O, int I, float beta) {
   GemmParams p{x.data(), w.data(), out.data(), map.data(), off.data(), P, 0, N, K, int64_t(O) * I, 0, tiles_n,
                krnl::DType::f32, alpha, beta};
   std::vector<int> writes(out.size(), 0);
-  emulate<MODE, BM, BN, BK, ES, VEC, TC>(p, T * tiles_n, out, writes);
+  emulate<MODE, BM, BN, BK, ES, VEC, TC, ES == 2 ? krnl::DType::bf16 : krnl::DType::f32, 0, WARPS_M>(
+      p, T * tiles_n, out, writes);
   int bad = 0;
   for (size_t i = 0; i < out.size(); ++i)
     if (out[i] != ref[i] || writes[i] != 1) ++bad;
@@ -292,7 +305,7 @@ void check_forward(std::mt19937& rng, int E, int P, int O, int I, float beta) {
         LIN ? "linear" : "input_grad", BM, int(VEC), int(TC), E, P, O, I, double(beta), bad, out.size());
 }
 
-template <int BM, int BN, int BK, int ES, bool VEC, bool TC>
+template <int BM, int BN, int BK, int ES, bool VEC, bool TC, int WARPS_M = 2>
 void check_weight_grad(std::mt19937& rng, int E, int P, int M, int N, float beta) {
   const std::vector<int32_t> off = random_offsets(rng, E, P);
   const auto a = random_matrix<ES>(rng, size_t(P) * M);
@@ -315,7 +328,8 @@ void check_weight_grad(std::mt19937& rng, int E, int P, int M, int N, float beta
   GemmParams p{a.data(), b.data(), out.data(), nullptr, off.data(), P, M, N, 0, 0, tiles_m, tiles_n,
                krnl::DType::f32, alpha, beta};
   std::vector<int> writes(out.size(), 0);
-  emulate<Mode::weight_grad, BM, BN, BK, ES, VEC, TC>(p, E * tiles_m * tiles_n, out, writes);
+  emulate<Mode::weight_grad, BM, BN, BK, ES, VEC, TC, ES == 2 ? krnl::DType::bf16 : krnl::DType::f32, 0, WARPS_M>(
+      p, E * tiles_m * tiles_n, out, writes);
   int bad = 0;
   for (size_t i = 0; i < out.size(); ++i)
     if (out[i] != ref[i] || writes[i] != 1) ++bad;
@@ -556,7 +570,7 @@ void check_sort(std::mt19937& rng, int N, int K, int E, int W) {
 int main() {
   std::mt19937 rng(1234);
   // The launched configurations: tensor-core geometry (BN 128, BK 32, 16-bit) with BM 64 or 128 and
-  // 16-byte units (dims multiples of 8), BM 64 per element; f32's CUDA-core geometry (64 x 64 x
+  // 16-byte units (dims multiples of 8), BM 64 per element; the narrow tiles; f32's CUDA-core geometry (64 x 64 x
   // 16) both ways; ragged dims and K not a multiple of BK.
   for (float beta : {0.f, 0.5f}) {
     check_forward<Mode::linear, 64, 128, 32, 2, false, true>(rng, 5, 97, 37, 33, beta);
@@ -575,6 +589,13 @@ int main() {
     check_weight_grad<64, 128, 32, 2, false, true>(rng, 4, 90, 17, 33, beta);
     check_weight_grad<64, 64, 16, 4, true, false>(rng, 5, 120, 68, 72, beta);
     check_weight_grad<64, 64, 16, 4, false, false>(rng, 4, 90, 17, 33, beta);
+    // the narrow tiles of a LoRA's r <= 32 columns or rows: 8 x 1 warps, 4 x 2, 1 x 8
+    check_forward<Mode::linear, 128, 32, 32, 2, true, true, 8>(rng, 4, 400, 16, 264, beta);
+    check_forward<Mode::input_grad, 128, 32, 32, 2, true, true, 8>(rng, 4, 400, 264, 24, beta);
+    check_forward<Mode::linear, 64, 32, 32, 2, true, true, 4>(rng, 6, 203, 32, 72, beta);
+    check_forward<Mode::input_grad, 64, 32, 32, 2, true, true, 4>(rng, 6, 203, 72, 8, beta);
+    check_weight_grad<128, 32, 32, 2, true, true, 8>(rng, 5, 180, 136, 16, beta);
+    check_weight_grad<32, 128, 32, 2, true, true, 1>(rng, 5, 180, 24, 264, beta);
   }
   // A single expert with P = 0 rows (weight_grad: all empty) and an expert count above 32 lanes.
   check_weight_grad<128, 128, 32, 2, true, true>(rng, 3, 0, 16, 24, 0.5f);

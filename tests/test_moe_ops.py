@@ -202,30 +202,28 @@ def gemm_rows(dev, N, E, K, kind, seed):
     return offsets, read(offsets, np.int64), N * K
 
 
-# Sizes of whole 16-byte units (multiples of 8), which take the GPUs' vector paths (CUDA's cp.async
-# tiles): 16 or 24 columns (the narrow tiles of a LoRA's r), 136 (two column tiles), k of 264 (a
-# last partial step) or 24 (under one step); 300 tokens top-2 over 5 experts average 120 rows an
-# expert (128-row tiles), 33 tokens top-2 over 60 few (64-row tiles).
+# Each routing case at 37 x 33 (per element), and routings of whole 16-byte units (multiples of
+# 8), which take the GPUs' vector paths (CUDA's cp.async tiles): 16 or 24 columns (the narrow
+# tiles of a LoRA's r), 136 (two column tiles), k of 264 (a last partial step) or 24 (under one
+# step); 300 tokens top-2 over 5 experts average 120 rows an expert (128-row tiles), 33 tokens
+# top-2 over 60 few (64-row tiles).
 UNIT_ROWS = [(300, 5, 2, "spread"), (33, 60, 2, "spread"), (127, 5, 3, "one")]
-UNIT_IDS = [f"{n}x{e}top{k}-{kind}" for n, e, k, kind in UNIT_ROWS]
+
+
+def gemm_sizes(odd, units):
+    """(N, E, K, kind, rows, cols) cases and their ids: CASES at `odd`, UNIT_ROWS at each of `units`."""
+    cases = [(*c, *odd) for c in CASES] + [(*u, *rc) for u in UNIT_ROWS for rc in units]
+    return cases, [f"{n}x{e}top{k}-{kind}-{r}x{c}" for n, e, k, kind, r, c in cases]
+
+
+GEMM_SIZES, GEMM_IDS = gemm_sizes((37, 33), [(16, 264), (136, 24), (24, 136)])
+GRAD_SIZES, GRAD_IDS = gemm_sizes((17, 33), [(16, 264), (136, 16), (40, 136)])
 
 
 @pytest.mark.parametrize("dt", FLOAT_DTYPES)
 @pytest.mark.parametrize("transpose", [True, False], ids=["linear", "input-grad"])
-@pytest.mark.parametrize("N,E,K,kind", CASES, ids=CASE_IDS)
-def test_moe_gemm(dev, N, E, K, kind, transpose, dt):
-    check_moe_gemm(dev, N, E, K, kind, transpose, dt, 37, 33)
-
-
-@pytest.mark.parametrize("dt", FLOAT_DTYPES)
-@pytest.mark.parametrize("transpose", [True, False], ids=["linear", "input-grad"])
-@pytest.mark.parametrize("O,I", [(16, 264), (136, 24), (24, 136)], ids=["16x264", "136x24", "24x136"])
-@pytest.mark.parametrize("N,E,K,kind", UNIT_ROWS, ids=UNIT_IDS)
-def test_moe_gemm_units(dev, N, E, K, kind, O, I, transpose, dt):
-    check_moe_gemm(dev, N, E, K, kind, transpose, dt, O, I)
-
-
-def check_moe_gemm(dev, N, E, K, kind, transpose, dt, O, I):
+@pytest.mark.parametrize("N,E,K,kind,O,I", GEMM_SIZES, ids=GEMM_IDS)
+def test_moe_gemm(dev, N, E, K, kind, O, I, transpose, dt):
     rng = np.random.default_rng(N + 2 * E + K + O)
     offsets, off, P = gemm_rows(dev, N, E, K, kind, N * E)
     w, w64 = upload(dev, rng.standard_normal((E, O, I)) / np.sqrt(I), dt)
@@ -242,23 +240,9 @@ def check_moe_gemm(dev, N, E, K, kind, transpose, dt, O, I):
                              what="out")
 
 
-GRAD_DTYPES = [("f32", "f32"), ("f16", "f32"), ("bf16", "f32"), ("bf16", "bf16")]
-
-
-@pytest.mark.parametrize("dt,odt", GRAD_DTYPES)
-@pytest.mark.parametrize("N,E,K,kind", CASES, ids=CASE_IDS)
-def test_moe_gemm_weight_grad(dev, N, E, K, kind, dt, odt):
-    check_moe_gemm_weight_grad(dev, N, E, K, kind, dt, odt, 17, 33)
-
-
-@pytest.mark.parametrize("dt,odt", GRAD_DTYPES)
-@pytest.mark.parametrize("M,Nc", [(16, 264), (136, 16), (40, 136)], ids=["16x264", "136x16", "40x136"])
-@pytest.mark.parametrize("N,E,K,kind", UNIT_ROWS, ids=UNIT_IDS)
-def test_moe_gemm_weight_grad_units(dev, N, E, K, kind, M, Nc, dt, odt):
-    check_moe_gemm_weight_grad(dev, N, E, K, kind, dt, odt, M, Nc)
-
-
-def check_moe_gemm_weight_grad(dev, N, E, K, kind, dt, odt, M, Nc):
+@pytest.mark.parametrize("dt,odt", [("f32", "f32"), ("f16", "f32"), ("bf16", "f32"), ("bf16", "bf16")])
+@pytest.mark.parametrize("N,E,K,kind,M,Nc", GRAD_SIZES, ids=GRAD_IDS)
+def test_moe_gemm_weight_grad(dev, N, E, K, kind, M, Nc, dt, odt):
     rng = np.random.default_rng(N + 3 * E + K + M)
     offsets, off, P = gemm_rows(dev, N, E, K, kind, N * E + 1)
     a, a64 = upload(dev, rng.standard_normal((P, M)), dt)

@@ -8,6 +8,7 @@
 #pragma once
 #include <mma.h>
 
+#include <algorithm>
 #include <initializer_list>
 #include <stdexcept>
 #include <string>
@@ -242,8 +243,7 @@ __global__ void __launch_bounds__(256) moe_gemm_tc_kernel(const GemmParams p, co
 constexpr int kStages = 4;
 template <class G, class WT>
 constexpr int async_smem_bytes() {
-  return kStages * (G::A_TILE + G::B_TILE) * 2 > 8 * WT::EPI_FLOATS * 4 ? kStages * (G::A_TILE + G::B_TILE) * 2
-                                                                        : 8 * WT::EPI_FLOATS * 4;
+  return std::max(kStages * (G::A_TILE + G::B_TILE) * 2, 8 * WT::EPI_FLOATS * 4);  // the tiles, or the epilogue's
 }
 
 template <Mode MODE, DType DT, int BM, int BN, int WARPS_M>

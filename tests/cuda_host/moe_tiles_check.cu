@@ -570,8 +570,8 @@ void check_sort(std::mt19937& rng, int N, int K, int E, int W) {
 int main() {
   std::mt19937 rng(1234);
   // The launched configurations: tensor-core geometry (BN 128, BK 32, 16-bit) with BM 64 or 128 and
-  // 16-byte units (dims multiples of 8), BM 64 per element; the narrow tiles; f32's CUDA-core geometry (64 x 64 x
-  // 16) both ways; ragged dims and K not a multiple of BK.
+  // 16-byte units (dims multiples of 8), BM 64 per element; the narrow tiles; f32's CUDA-core
+  // geometry (64 x 64 x 16) both ways; ragged dims and K not a multiple of BK.
   for (float beta : {0.f, 0.5f}) {
     check_forward<Mode::linear, 64, 128, 32, 2, false, true>(rng, 5, 97, 37, 33, beta);
     check_forward<Mode::input_grad, 64, 128, 32, 2, false, true>(rng, 5, 97, 37, 33, beta);

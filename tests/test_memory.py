@@ -18,6 +18,7 @@ from krnl.cli.args import lora_from_args, parse_args
 from krnl.cli.main import main
 from krnl.cli import memory as cli_memory
 from krnl.io.checkpoint import list_checkpoints, load_checkpoint
+from krnl.models import mlp_rows
 from krnl.models.batch_decode import generate_batch
 from krnl.models.config import LoraConfig, ModelConfig, random_weights
 from krnl.models.model import LlamaModel
@@ -43,10 +44,13 @@ def cpu1():
 
 
 def measured(dev, out, cfg, lora, dtype="f32", B=2, T=64, gc=False, quantize=None, micro=1, packed=False,
-             fused=False, fold=False, monkeypatch=None, optimizer="adamw", momentum=None, order="rows"):
-    """(the pool's peak reserved bytes over two training steps, the Run that describes them)."""
+             fused=False, fold=False, monkeypatch=None, optimizer="adamw", momentum=None, order="rows", block=None):
+    """(the pool's peak reserved bytes over two training steps, the Run that describes them).
+    block: mlp_rows.LIMIT, the bytes a checkpointed MLP's (rows, F) block may hold."""
     if monkeypatch is not None:
         monkeypatch.setenv("KRNL_LORA_FOLD", "1" if fold else "0")
+        if block is not None:
+            monkeypatch.setattr(mlp_rows, "LIMIT", block)
     config = ModelConfig.from_dict(cfg)
     dev.synchronize()
     dev.trim()
@@ -84,6 +88,10 @@ CASES = {
     "dense bf16": dict(cfg=LLAMA, dtype="bf16"),
     "dense f32, checkpointed": dict(cfg=LLAMA, gc=True),
     "dense bf16, checkpointed, T 300 in 3 attention blocks": dict(cfg=LLAMA, dtype="bf16", gc=True, B=1, T=300),
+    "checkpointed MLPs in blocks of 37 rows, LoRA folded": dict(cfg=LLAMA, gc=True, T=37, block=384 * 4 * 37,
+                                                                fold=True),
+    "checkpointed MLPs in blocks of 128 rows, bf16, 4-bit base": dict(cfg=LLAMA, dtype="bf16", gc=True, B=3, T=100,
+                                                                      quantize=(4, 32), block=384 * 2 * 128),
     "4-bit base": dict(cfg=LLAMA, quantize=(4, 32)),
     "8-bit base bf16, checkpointed": dict(cfg=LLAMA, quantize=(8, 64), dtype="bf16", gc=True),
     "GQA 8/2 f16, B 3 T 96, 2 micro-batches": dict(cfg=dict(LLAMA, num_attention_heads=8, head_dim=16), dtype="f16",

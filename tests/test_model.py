@@ -10,6 +10,7 @@ import pytest
 
 import krnl
 from krnl import ops
+from krnl.models import mlp_rows
 from krnl.models.attention import row_blocks
 from krnl.models.model import LlamaModel
 from krnl.models.config import ATTN_MODULES, LoraConfig, ModelConfig, lora_key, random_weights
@@ -367,6 +368,41 @@ def test_grad_checkpoint_matches(dev, dropout):
     for k in res[0][1]:
         np.testing.assert_allclose(res[1][1][k], res[0][1][k], rtol=0, atol=1e-6 * np.abs(res[0][1][k]).max())
     np.testing.assert_allclose(res[1][2], res[0][2], rtol=0, atol=1e-6 * np.abs(res[0][2]).max())
+
+
+@pytest.mark.parametrize("fold", [False, True])
+def test_grad_checkpoint_mlp_in_row_blocks(dev, monkeypatch, fold):
+    """A checkpointed layer's MLP run in blocks of rows (mlp_rows.py; 74 rows as 25, 25 and 24:
+    the forward's y block by block, the backward's blocks made again) gives the whole MLP's loss
+    and gradients; with LoRA dropout it runs whole."""
+    monkeypatch.setenv("KRNL_LORA_FOLD", "1" if fold else "0")
+    monkeypatch.setattr(mlp_rows, "LIMIT", TINY["intermediate_size"] * 4 * 25)
+    deferred = []
+    monkeypatch.setattr(mlp_rows, "backward", lambda *a, _b=mlp_rows.backward: deferred.append(a[2].rows) or _b(*a))
+    res = []
+    for gc in (False, True):
+        cfg, w, lcfg, m, lora, ids, tg = make(dev, grad_checkpoint=gc, T=37, seed=11)
+        m.forward_backward(ids, tg)
+        res.append((m.read_loss(), m.lora_grads(), np.array(m.d_embed_out.numpy(), copy=True)))
+    assert deferred == [25] * TINY["num_hidden_layers"]
+    assert res[1][0] == pytest.approx(res[0][0], rel=1e-6)
+    for k in res[0][1]:  # f32 sums over rows in another order: a block left out would be off by O(1)
+        np.testing.assert_allclose(res[1][1][k], res[0][1][k], rtol=0, atol=1e-5 * np.abs(res[0][1][k]).max())
+    np.testing.assert_allclose(res[1][2], res[0][2], rtol=0, atol=1e-5 * np.abs(res[0][2]).max())
+    m = make(dev, {}, {"dropout": 0.25}, grad_checkpoint=True, T=37, seed=11)[3]
+    assert mlp_rows.rows(m.layers[0].mlp, 74, "f32") == 0
+    assert mlp_rows.rows(make(dev, grad_checkpoint=True)[3].layers[0].mlp, 74, "f32") == 25
+
+
+def test_mlp_row_blocks():
+    """Blocks of nearly equal rows under the limit, multiples of 64 past 64 rows."""
+    assert mlp_rows.block_rows(16384, 14336, 2) == 2368                    # 7 blocks of 448 MiB
+    assert mlp_rows.block_rows(2048, 14336, 2) == 2048                     # 56 MiB: whole
+    assert mlp_rows.block_rows(74, 48, 4, limit=48 * 4 * 25) == 25
+    assert mlp_rows.block_rows(1, 48, 4, limit=1) == 1
+    for N, F in ((31, 33), (127, 1), (4097, 11008)):
+        n = mlp_rows.block_rows(N, F, 2, limit=1 << 12)
+        assert 1 <= n <= N and (n <= 64 or n % 64 == 0 or n == N)
 
 
 def test_grads_accumulate_and_zero(dev):

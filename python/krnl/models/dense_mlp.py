@@ -55,9 +55,10 @@ def glu_forward(mlp, g, u, a):
     (ops.swiglu_forward if mlp.post is None else ops.geglu_forward)(g, u, a)
 
 
-def mlp_forward(mlp, h, call_seed=None, residual=None):
-    """Returns y (N, C) = h + down(silu(gate(hn)) * up(hn)) and what mlp_backward needs. With
-    residual, h += residual first (in place, inside the norm: one pass over h fewer)."""
+def mlp_forward(mlp, h, call_seed=None, residual=None, out=None):
+    """Returns y (N, C) = h + down(silu(gate(hn)) * up(hn)) (into out where given, but for
+    gemma2's post norm) and what mlp_backward needs. With residual, h += residual first (in
+    place, inside the norm: one pass over h fewer)."""
     d, dt = h.device, h.dtype
     N, C, F = h.shape[0], h.shape[1], mlp.gate.out
     lins = [mlp.gate, mlp.up]
@@ -80,7 +81,7 @@ def mlp_forward(mlp, h, call_seed=None, residual=None):
     gs, us = norm_remake.drop([gs, us], hn, mlp.fold if hw is not None else None)
     del hn, hw                                                            # made again in the backward
     glu_forward(mlp, g, u, a)
-    y = d.empty((N, C), dt)
+    y = d.empty((N, C), dt) if out is None or mlp.post is not None else out
     ds = mlp.down.forward(a, y, call_seed)
     m = mr = None
     if mlp.post is not None:                                              # gemma2: y = h + rmsnorm(m)
@@ -92,10 +93,10 @@ def mlp_forward(mlp, h, call_seed=None, residual=None):
     return y, MlpCache(rstd, g, u, gs, us, ds, m, mr, group)  # a and hn go here
 
 
-def mlp_backward(mlp, h, cache, dy, dh_cols=0):
-    """Returns dh (N, C + dh_cols) given dy (N, C); LoRA gradients as the linears keep them. dh's
-    gradient is its first C columns, the rest left for the o projection's fold; likewise dy may
-    be (N, C + the down projection's grad_cols())."""
+def mlp_backward(mlp, h, cache, dy, dh_cols=0, out=None):
+    """Returns dh (N, C + dh_cols) given dy (N, C), into out where given; LoRA gradients as the
+    linears keep them. dh's gradient is its first C columns, the rest left for the o projection's
+    fold; likewise dy may be (N, C + the down projection's grad_cols())."""
     d, dt = h.device, h.dtype
     N, C, F = h.shape[0], h.shape[1], mlp.gate.out
     dyv = dy[:, :C]
@@ -130,6 +131,6 @@ def mlp_backward(mlp, h, cache, dy, dh_cols=0):
     if not first:
         group_backward(lins, [dg, du], saves, cache.group, dhn)
     del hn, saves
-    dh = d.empty((N, C + dh_cols), dt)
+    dh = d.empty((N, C + dh_cols), dt) if out is None else out
     ops.rmsnorm_backward(dhn, h, mlp.norm, cache.rstd, dh[:, :C], dw=mlp.norm_grad, residual=dyv)  # dh = its grad + dy
     return dh

@@ -16,7 +16,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from .. import _core
-from . import dora, full, gemma2, norm_remake, olmoe
+from . import dora, full, gemma2, mlp_rows, norm_remake, olmoe
 from .layer_heads import heads_backward, heads_forward
 from .gemma2 import GemmaAttn
 from .config import ALL_MODULES, ATTN_MODULES, QKV_MODULES, lora_key
@@ -261,9 +261,11 @@ def qkv_forward(L, xn, call_seed=None, xw=None):
     return qkv, out
 
 
-def layer_forward(L, x, batch, attend: Optional[Callable] = None):
+def layer_forward(L, x, batch, attend: Optional[Callable] = None, need_cache=True, need_y=True):
     """Returns (y, cache) for x (N, C). attend(b, q, k, v, out) runs the attention of row b
-    (default: Gemma's or batch.attend, layer_heads.py) and returns its saved state."""
+    (default: Gemma's or batch.attend, layer_heads.py) and returns its saved state. need_cache
+    False (a checkpointed layer's forward) or need_y False (its recomputation, y None then): the
+    dense MLP may run in blocks of rows (mlp_rows.py), its cache a Deferred one."""
     d, dt, hd = x.device, x.dtype, L.heads
     B, T, H, Hk, D = batch.B, batch.T, hd.H, hd.Hk, hd.D
     N, C, NH = B * T, x.shape[1], H + 2 * Hk
@@ -284,8 +286,15 @@ def layer_forward(L, x, batch, attend: Optional[Callable] = None):
     if L.gemma is not None:                                               # gemma2: h = x + rmsnorm(attn)
         a = h
         h, ar = gemma2.post_norm_forward(L.gemma.post_attn, a, L.eps)
-    ff = moe_forward if isinstance(L.mlp, MoeMlp) else mlp_forward
-    y, mlp_cache = ff(L.mlp, h, batch.call_seed, residual=x)              # h = x + attn, then its norm
+    rows = 0 if need_cache and need_y else mlp_rows.rows(L.mlp, N, dt)
+    if rows and not need_y:                                               # the MLP made in the backward
+        ops.add(h, x, h)                                                  # h = x + attn, as its norm does
+        y, mlp_cache = None, mlp_rows.Deferred(rows, batch.call_seed)
+    elif rows:
+        y, mlp_cache = mlp_rows.forward(L.mlp, h, batch.call_seed, x, rows), None
+    else:
+        ff = moe_forward if isinstance(L.mlp, MoeMlp) else mlp_forward
+        y, mlp_cache = ff(L.mlp, h, batch.call_seed, residual=x)          # h = x + attn, then its norm
     return y, LayerCache(r1, qkv_saved, saved, qk_saved, o_saved, h, mlp_cache, a, ar, qkv_group, tm, full)
 
 
@@ -298,6 +307,8 @@ def layer_backward(L, x, cache, dy, batch, need_dx=True, dx_cols=0):
     B, T, H, Hk, D = batch.B, batch.T, hd.H, hd.Hk, hd.D
     N, C, NH = B * T, x.shape[1], H + 2 * Hk
     ff = moe_backward if isinstance(L.mlp, MoeMlp) else mlp_backward
+    if isinstance(cache.mlp, mlp_rows.Deferred):
+        ff = mlp_rows.backward
     dhw = ff(L.mlp, cache.h, cache.mlp, dy, L.o_proj.grad_cols() if L.gemma is None else 0)
     dh = dhw[:, :C]                                                       # (N, C)
     datt = d.empty((N, H * D), dt)                                        # (N, H D)

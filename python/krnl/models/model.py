@@ -196,7 +196,7 @@ class LlamaModel:
             ops.scale(x, self.embed_scale, x)
         saved = []
         for L in self.layers:
-            out, cache = layer_forward(L, x, batch)
+            out, cache = layer_forward(L, x, batch, need_cache=keep and not self.grad_checkpoint)
             if keep:
                 saved.append((x, None if self.grad_checkpoint else cache))
             x, cache = out, None  # checkpointed: this layer's activations go now, not during the next layer
@@ -319,7 +319,7 @@ class LlamaModel:
         for i in reversed(range(c.num_hidden_layers)):
             L, (xin, cache) = self.layers[i], saved[i]
             if cache is None:                                             # checkpointed: recompute
-                _, cache = layer_forward(L, xin, batch)
+                _, cache = layer_forward(L, xin, batch, need_y=False)
             dx = layer_backward(L, xin, cache, dx, batch, need_dx=i > 0 or self.input_grad, dx_cols=cols[i])
             saved[i] = None
         self.d_embed_out = dx if self.input_grad else None  # (a trained first norm's dx is not kept)

@@ -10,12 +10,14 @@ too; tests/test_memory.py measures the pool against this replay on several confi
 
 A sequence objective's micro-batch (DPO, ORPO, SimPO, GRPO) is memory_sequence's."""
 
+from ..models import mlp_rows
 from ..models.config import QKV_MODULES
 from . import memory_sequence as sequence
+from .memory_moe import MoeReplay
 from .memory_resident import ACTS, ATTN, CKPT, LOSS, SMALL, WORK, Resident
 
 
-class Replay(Resident):
+class Replay(Resident, MoeReplay):
     """One run's allocations, resident and a micro-batch's step, against a memory.Trace."""
 
     # -- one micro-batch (StepRunner.micro_batch, eager) ----------------------------------------
@@ -81,7 +83,7 @@ class Replay(Resident):
         x = self.act((N, C), CKPT if ckpt else ACTS)                      # embeddings
         saved = []
         for i in range(self.L):
-            out, cache = self.layer_forward(i, x)
+            out, cache = self.layer_forward(i, x, need_cache=keep and not ckpt)
             if not keep:
                 self.t.free(x, *cache)
             else:
@@ -120,7 +122,7 @@ class Replay(Resident):
             held = [xin] + (cache or [])
             if cache is None:                                             # checkpointed: recompute
                 self.recording = False
-                y, cache = self.layer_forward(i, xin)
+                y, cache = self.layer_forward(i, xin, need_y=False)
                 self.recording = True
                 self.t.free(rest)
                 rest = y
@@ -213,8 +215,9 @@ class Replay(Resident):
         dA = self.new((len(members) * self.r, inp), "f32", WORK) if fused else None
         self.t.free(dt, dA)
 
-    def layer_forward(self, i, x):
-        """(y, the ids the LayerCache holds) of layer i; x is the caller's."""
+    def layer_forward(self, i, x, need_cache=True, need_y=True):
+        """(y, the ids the LayerCache holds) of layer i; x is the caller's. need_cache, need_y: as
+        layer.layer_forward's (the MLP in blocks of rows where mlp_rows says)."""
         c, N, C, H, Hk, D, T, r = self.c, self.N, self.C, self.H, self.Hk, self.D, self.T, self.r
         QKV = self.NH * D
         fold = self.folds(i, QKV_MODULES, QKV)
@@ -260,11 +263,39 @@ class Replay(Resident):
         keep += self.linear_forward(i, "o_proj", H * D, C)
         if c.gemma:                                                       # gemma2.post_norm_forward: the new h, rstd
             keep += [self.act((N, C)), self.new((N,), "f32", ACTS)]
-        y, more = (self.moe_forward if c.moe else self.mlp_forward)(i)
+        rows = 0 if need_cache and need_y else self.mlp_rows(i)
+        if rows:                                                          # mlp_rows.forward, or deferred
+            y, more = (self.mlp_blocks(i, rows) if need_y else None), []
+        else:
+            y, more = (self.moe_forward if c.moe else self.mlp_forward)(i)
         self.t.free(*local)
         return y, keep + more
 
-    def mlp_forward(self, i):
+    def mlp_rows(self, i):
+        """mlp_rows.rows: the rows of layer i's MLP blocks, or 0 where it runs whole."""
+        mlp = ("gate_proj", "up_proj", "down_proj")
+        if (self.c.moe or self.c.gemma or self.run.sample_order or self.trains(i, "post_attention_layernorm")
+                or any(self.dora_on(i, m) or self.trains(i, m) or (self.dropout and self.has(i, m)) for m in mlp)):
+            return 0
+        n = mlp_rows.block_rows(self.N, self.F, 4 if self.dt == "f32" else 2)
+        return n if n < self.N else 0
+
+    def mlp_blocks(self, i, n, dy=None, dh_cols=0):
+        """mlp_rows.forward's y (dy None), or mlp_rows.backward's dh, in blocks of n rows."""
+        N, C = self.N, self.C
+        out = self.act((N, C), CKPT if self.run.grad_checkpoint else ACTS) if dy is None else \
+            self.act((N, C + dh_cols), WORK)
+        for r0 in range(0, N, n):
+            self.N = min(N, r0 + n) - r0
+            y, keep = self.mlp_forward(i, out=dy is None)
+            self.t.free(y)
+            if dy is not None:
+                self.mlp_backward(i, dy, dh_cols, out=True)
+            self.t.free(*keep)
+        self.N = N
+        return out
+
+    def mlp_forward(self, i, out=False):
         N, C, F, r = self.N, self.C, self.F, self.r
         fold = self.folds(i, ("gate_proj", "up_proj"), 2 * F)
         hn, keep = self.act((N, C + (2 * r if fold else 0))), [self.new((N,), "f32", ACTS)]  # hn, rstd
@@ -281,7 +312,7 @@ class Replay(Resident):
             y = self.act((N, C), part)
             keep.append(self.new((N,), "f32", ACTS))
         else:
-            y = self.act((N, C), part)
+            y = None if out else self.act((N, C), part)
             keep += self.linear_forward(i, "down_proj", F, C)
         self.t.free(a)                                                    # recomputed where the backward reads it
         return y, keep
@@ -289,7 +320,11 @@ class Replay(Resident):
     def layer_backward(self, i, dy, need_dx, dx_cols):
         N, C, H, Hk, D, T = self.N, self.C, self.H, self.Hk, self.D, self.T
         o_cols = self.r if self.wide_rows(i, "o_proj") else 0
-        dhw = (self.moe_backward if self.c.moe else self.mlp_backward)(i, dy, o_cols)
+        rows = self.mlp_rows(i) if self.run.grad_checkpoint else 0
+        if rows:
+            dhw = self.mlp_blocks(i, rows, dy, o_cols)
+        else:
+            dhw = (self.moe_backward if self.c.moe else self.mlp_backward)(i, dy, o_cols)
         datt = self.act((N, H * D), WORK)
         da = self.act((N, C), WORK) if self.c.gemma else None              # gemma2.post_norm_backward
         dz = self.dora_backward(i, "o_proj", C, o_cols)
@@ -328,8 +363,7 @@ class Replay(Resident):
         self.t.free(dhw, datt, da, dqkv, dxn)
         return dx
 
-
-    def mlp_backward(self, i, dy, dh_cols):
+    def mlp_backward(self, i, dy, dh_cols, out=False):
         N, C, F = self.N, self.C, self.F
         da = self.act((N, F), WORK)
         dm = self.act((N, C), WORK) if self.c.gemma else None              # gemma2.post_norm_backward
@@ -342,55 +376,6 @@ class Replay(Resident):
         dhn = self.act((N, C), WORK)
         self.group_backward(i, ("gate_proj", "up_proj"), C)
         self.t.free(*hn)
-        dh = self.act((N, C + dh_cols), WORK)
+        dh = None if out else self.act((N, C + dh_cols), WORK)
         self.t.free(da, dm, dhn)
-        return dh
-
-    # -- a mixture of experts (moe.py) -----------------------------------------------------------
-
-    def moe_forward(self, i):
-        N, C, F, r, m = self.N, self.C, self.F, self.r, self.c.moe
-        Ex, K = m["experts"], m["top_k"]
-        P = N * K
-        hn, keep = self.act((N, C)), [self.new((N,), "f32", ACTS), self.act((N, Ex))]  # hn, rstd, logits
-        keep += self.lora_forward(i, "router", C)
-        if m["bias"]:
-            self.grow_ones("dt", N)
-        keep += [self.new((N, K), "i32", ACTS), self.new((N, K), "f32", ACTS)]  # ids, w
-        keep += [self.new((P,), "i32", ACTS), self.new((N, K), "i32", ACTS), self.new((Ex + 1,), "i32", ACTS)]
-        if self.recording:                                                # RouterStats.add
-            S, Pr = self.new((N, Ex), "f32", WORK), self.new((N, Ex), "f32", WORK)
-            self.grow_ones("f32", N)
-            self.grow_ones("f32", P)
-            self.t.free(S, Pr)
-        xs = self.act((P, C), WORK)
-        self.t.free(hn)                                                   # made again in the backward
-        keep += [self.act((P, F)), self.act((P, F))]                      # g, u
-        xa = [self.act((P, r))] if self.has(i, "gate_up_proj") else []
-        self.t.free(xs)
-        if m["bias"]:
-            self.grow_ones("dt", P)
-        keep += xa + [self.act((P, F)), self.act((P, C))]                 # a, ys
-        keep += [self.act((P, r))] if self.has(i, "down_proj") else []    # ad
-        y = self.act((N, C), CKPT if self.run.grad_checkpoint else ACTS)
-        return y, keep
-
-    def moe_backward(self, i, dy, dh_cols):
-        N, C, F, r, m = self.N, self.C, self.F, self.r, self.c.moe
-        P = N * m["top_k"]
-        dys, dw = self.act((P, C), WORK), self.new((N, m["top_k"]), "f32", WORK)
-        da = self.act((P, F), WORK)
-        if self.has(i, "down_proj"):
-            self.t.free(self.act((P, r), WORK))
-        self.t.free(dys)  # dg and du take da's and u's places
-        dxs = self.act((P, C), WORK)
-        hn = self.remake(i, ("router",), also=self.has(i, "gate_up_proj"))  # the experts' gather reads it
-        if self.has(i, "gate_up_proj"):
-            xs = self.act((P, C), WORK)
-            self.t.free(self.act((P, r), WORK), xs)
-        dhn, dlogits = self.act((N, C), WORK), self.act((N, m["experts"]), WORK)
-        self.lora_backward(i, "router", C)
-        self.t.free(*hn)
-        dh = self.act((N, C + dh_cols), WORK)
-        self.t.free(dw, da, dxs, dhn, dlogits)
         return dh

@@ -395,14 +395,17 @@ def test_grad_checkpoint_mlp_in_row_blocks(dev, monkeypatch, fold):
 
 
 def test_mlp_row_blocks():
-    """Blocks of nearly equal rows under the limit, multiples of 64 past 64 rows."""
-    assert mlp_rows.block_rows(16384, 14336, 2) == 2368                    # 7 blocks of 448 MiB
+    """Blocks within the limit, as nearly equal as can be (one size class of the pool)."""
+    assert mlp_rows.block_rows(16384, 14336, 2) == 2048                    # 448 MiB: 8 blocks of 56
+    assert mlp_rows.block_rows(32768, 14336, 2) == 2185                    # 15 blocks, the last 2178 rows
     assert mlp_rows.block_rows(2048, 14336, 2) == 2048                     # 56 MiB: whole
     assert mlp_rows.block_rows(74, 48, 4, limit=48 * 4 * 25) == 25
     assert mlp_rows.block_rows(1, 48, 4, limit=1) == 1
-    for N, F in ((31, 33), (127, 1), (4097, 11008)):
-        n = mlp_rows.block_rows(N, F, 2, limit=1 << 12)
-        assert 1 <= n <= N and (n <= 64 or n % 64 == 0 or n == N)
+    for N, F in ((31, 33), (127, 1), (4097, 11008), (33, 4096)):
+        n = mlp_rows.block_rows(N, F, 2, limit=1 << 14)
+        blocks = -(-N // n)
+        last = N - (blocks - 1) * n
+        assert 1 <= n <= N and (n * F * 2 <= 1 << 14 or n == 1) and n - blocks < last <= n, (N, F, n)
 
 
 def test_grads_accumulate_and_zero(dev):

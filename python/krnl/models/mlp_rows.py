@@ -20,14 +20,12 @@ LIMIT = 64 << 20  # bytes of one (rows, F) buffer a block may hold
 
 
 def block_rows(N, F, itemsize, limit=None):
-    """Rows a block of N takes (N: one block), each (rows, F) under `limit` bytes, the blocks of
-    nearly equal size (rows a multiple of 64 where more than 64)."""
-    limit = LIMIT if limit is None else limit
-    blocks = -(-N * F * itemsize // max(int(limit), 1))
-    if blocks <= 1:
-        return N
-    rows = -(-N // blocks)
-    return min(N, -(-rows // 64) * 64) if rows > 64 else rows
+    """Rows a block of N takes (N: one block): each (rows, F) within `limit` bytes, the blocks as
+    nearly equal as can be (the last at most one row a block shorter), so that they share one
+    size class of the pool."""
+    most = max(1, int(LIMIT if limit is None else limit) // (F * itemsize))
+    blocks = -(-N // most)
+    return -(-N // blocks)
 
 
 def rows(mlp, N, dtype):

@@ -25,15 +25,13 @@ from .generate import generate
 from .attention import Batch
 from .layer import Heads, Ones, build_layer, layer_backward, layer_forward
 from .dora import Switch, held, magnitudes
-from . import full
+from . import full, gemma2, phi3
 from .full import Trained, init_full
 from .lora import init_lora
 from .moe import RouterStats
 from .sample_sums import SampleSums
 from .step_inputs import DeviceInputs, HostInputs, check_ids, id_array, plan_rows, target_array
-from . import phi3
 from ..quant.qweight import embed, frozen_weight, linear, linear_grad, quantize_spec
-from . import gemma2
 
 ops = _core.ops
 
@@ -281,7 +279,8 @@ class LlamaModel:
         if self.router_stats:
             self.router_stats.backward(inputs.loss_scale)
         rows_loss, dxn = self._head_backward(xn, inputs.targets, inputs.ce_scale, B, T)
-        self._trunk_backward(batch, x, rstd, saved, dxn)
+        ends, x, xn, rstd, dxn = [x, rstd, dxn], None, None, None, None  # the trunk's backward lets them go
+        self._trunk_backward(batch, ends, saved)
         if self.end_grads:
             full.embed_grad(self, inputs.ids, self.d_embed_out)
         return self.sums.loss_sum(rows_loss) if S else self._loss_sum(rows_loss)
@@ -309,13 +308,15 @@ class LlamaModel:
                 full.head_grad(self.end_grads, dl, xn[r0:r1])
         return rows_loss, dxn
 
-    def _trunk_backward(self, batch, x, rstd, saved, dxn):
-        """The layers' backward from dxn, the gradient at the final norm's output: LoRA gradients
-        accumulate, d_embed_out is the embeddings' output gradient."""
+    def _trunk_backward(self, batch, ends, saved):
+        """The layers' backward from ends = [x, rstd, dxn] (dxn at the final norm's output; emptied, so
+        each goes once read): LoRA gradients accumulate, d_embed_out is the embeddings' output gradient."""
         c, C = self.config, self.config.hidden_size
         cols = [0] + [L.mlp.grad_cols() for L in self.layers]  # [i]: what layer i-1's down fold writes beside dy
+        (x, rstd, dxn), ends[:] = ends, []
         dx = self.dev.empty((dxn.shape[0], C + cols[-1]), self.dtype)
         ops.rmsnorm_backward(dxn, x, self.norm_w, rstd, dx[:, :C], dw=self.end_grads and self.end_grads.get("norm"))
+        del x, rstd, dxn
         for i in reversed(range(c.num_hidden_layers)):
             L, (xin, cache) = self.layers[i], saved[i]
             if cache is None:                                             # checkpointed: recompute
@@ -357,9 +358,7 @@ class LlamaModel:
             return self._mean_loss(rows_loss, n_valid)
 
         out = self._run(body)
-        if self.dev.in_step:
-            return out
-        return float(out.numpy()[0])
+        return out if self.dev.in_step else float(out.numpy()[0])
 
     def generate(self, prompt, max_new_tokens=32, temperature=0.0, top_p=1.0, seed=0, eos_id=None, top_k=0):
         """Samples up to max_new_tokens after `prompt` (a list of ids) with a KV cache: the prompt

@@ -89,7 +89,7 @@ def forward_backward_rows(model, ids, targets, weigh, loss_scale=1.0, first_row=
         scaled = d.empty(tuple(dxn.shape), dxn.dtype)
         ops.moe_combine(dxn, d.tensor(np.arange(N, dtype=np.int32).reshape(N, 1), "i32"),
                         d.tensor(w.reshape(N, 1), "f32"), scaled)
-        model._trunk_backward(batch, x, rstd, saved, scaled)
+        model._trunk_backward(batch, [x, rstd, scaled], saved)
     return out
 
 

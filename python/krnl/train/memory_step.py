@@ -60,7 +60,8 @@ class Replay(Resident, MoeReplay):
     def forward_backward_step(self):
         x, xn, rstd, saved = self.trunk_forward()
         rows_loss, dxn = self.head_backward()
-        dx = self.trunk_backward(saved)
+        self.t.free(xn)
+        dx = self.trunk_backward(saved, (x, rstd, dxn))                  # x, rstd, dxn go once read
         if self.embeds:                                                   # full.embed_grad (Gemma's scaled copy)
             self.t.free(self.act((self.N, self.C), WORK) if self.c.gemma else None, dx)
         if self.run.sample_order:                                         # sums.loss_sum: per sample, the tree
@@ -73,7 +74,7 @@ class Replay(Resident, MoeReplay):
         else:
             total = self.new((1, 1), "f32", SMALL)                        # _loss_sum's out, its ones
             self.grow_ones("f32", self.N)
-        self.t.free(x, xn, rstd, rows_loss, dxn)
+        self.t.free(rows_loss)
         return total
 
     def trunk_forward(self, keep=True):
@@ -112,9 +113,11 @@ class Replay(Resident, MoeReplay):
         """The columns the down projection's fold of layer i writes beside dy (Mlp.grad_cols)."""
         return self.r if self.wide_rows(i, "down_proj") else 0
 
-    def trunk_backward(self, saved):
+    def trunk_backward(self, saved, ends=()):
+        """ends: the caller's (x, rstd, dxn) where only the model's backward holds them."""
         N, C = self.N, self.C
         dx = self.act((N, C + self.cols(self.L - 1)), WORK)
+        self.t.free(*ends)
         held, rest = [], None  # the loop's names xin and cache (and `_`, checkpointing's output)
         for i in reversed(range(self.L)):
             xin, cache = saved[i]

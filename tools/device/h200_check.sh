@@ -19,7 +19,8 @@
 #                                           (`krnl bench --workloads W --peers torch,liger,unsloth --rounds 1`;
 #                                           .peers below carried with .whl), one workload a call to stay inside
 #                                           10 minutes: PEERS_WORKLOADS=train (default; TRAIN_SHAPE 8b, or 1b),
-#                                           long (the 8b shape at 16k and 32k tokens a row, checkpointed) or
+#                                           long (the 8b shape at 16k and 32k tokens a row, checkpointed;
+#                                           LONG_SEQ=16384 for one of them) or
 #                                           qlora; several at once where time allows. JSON in
 #                                           $OUT/peers_bench_W.json; PEERS to pick other peers
 #   bash tools/device/h200_check.sh nccl    on a machine with 2 or more GPUs (nvidia-h200-x2): tests/test_dist_nccl.py
@@ -37,7 +38,8 @@
 #                                           tools runs alongside (one call where device time is short),
 #                                           with CUDA_TESTS="tests/test_x.py ..." those modules' cuda
 #                                           tests too; MC_MODULES="tests/test_x.py ..." runs only those
-#                                           modules on metal-cuda, without the workloads
+#                                           modules on metal-cuda, without the workloads unless
+#                                           MC_WORKLOADS="moe ..." names some
 #   bash tools/device/h200_check.sh sanitize TOOL...
 #                                           compute-sanitizer --tool TOOL (racecheck, synccheck,
 #                                           initcheck, memcheck) over every kernel at 2-3 threadgroups
@@ -213,8 +215,10 @@ elif [ "$phase" = metal-cuda ] || [ "$phase" = sanitize ] || [ "$phase" = qmm ];
   KRNL_TEST_METAL_CUDA=1 timeout ${MC_TESTS_S:-300} python3 -m pytest -q -rs -n 12 -p no:cacheprovider ${MC_MODULES:-tests} \
     --ignore=tests/test_metal_host.py --ignore=tests/test_metal_api.py -k "metal-cuda" --maxfail=50 \
     2>&1 | tee "$OUT/metal_cuda_tests.log" | tail -40
-  [ -z "$MC_MODULES" ] && KRNL_TEST_METAL_CUDA=1 timeout ${MC_WORKLOADS_S:-260} python3 tools/mslcuda/workloads.py \
-    --json "$OUT/workloads.json" 2>&1 | tee "$OUT/workloads.log"
+  # MC_WORKLOADS="moe ...": those workloads (also beside MC_MODULES); default all four without MC_MODULES
+  { [ -z "$MC_MODULES" ] || [ -n "$MC_WORKLOADS" ]; } && KRNL_TEST_METAL_CUDA=1 timeout ${MC_WORKLOADS_S:-260} \
+    python3 tools/mslcuda/workloads.py --workloads ${MC_WORKLOADS:-w1 w2 w3 moe} --json "$OUT/workloads.json" 2>&1 |
+    tee "$OUT/workloads.log"
   wait
   [ -f "$OUT/cuda_tests.log" ] && tail -12 "$OUT/cuda_tests.log"
   [ -f "$OUT/sanitize.out" ] && cat "$OUT/sanitize.out"
@@ -288,6 +292,7 @@ PY
   fi
   for wl in ${PEERS_WORKLOADS:-train}; do
     shape=""; [ "$wl" = train ] && shape="--train-shape ${TRAIN_SHAPE:-8b}"
+    [ "$wl" = long ] && [ -n "$LONG_SEQ" ] && shape="--train-seq $LONG_SEQ"  # one length a call
     timeout ${BENCH_S:-480} python3 -m krnl.bench --workloads "$wl" $shape --peers "${PEERS:-torch,liger,unsloth}" \
       --rounds 1 --json "$OUT/peers_bench_$wl.json" 2>&1 | tee "$OUT/peers_bench_$wl.log" | tail -${PEERS_TAIL:-40}
   done

@@ -264,8 +264,9 @@ def qkv_forward(L, xn, call_seed=None, xw=None):
 def layer_forward(L, x, batch, attend: Optional[Callable] = None, need_cache=True, need_y=True):
     """Returns (y, cache) for x (N, C). attend(b, q, k, v, out) runs the attention of row b
     (default: Gemma's or batch.attend, layer_heads.py) and returns its saved state. need_cache
-    False (a checkpointed layer's forward) or need_y False (its recomputation, y None then): the
-    dense MLP may run in blocks of rows (mlp_rows.py), its cache a Deferred one."""
+    False (a checkpointed layer's forward, or one without backward) or need_y False (its
+    recomputation, y None then): the dense MLP may run in blocks of rows (mlp_rows.py), its
+    cache a Deferred one."""
     d, dt, hd = x.device, x.dtype, L.heads
     B, T, H, Hk, D = batch.B, batch.T, hd.H, hd.Hk, hd.D
     N, C, NH = B * T, x.shape[1], H + 2 * Hk

@@ -241,6 +241,20 @@ def test_estimate_of_sequence_objectives_matches_the_measured_peak(cpu1, tmp_pat
     assert est.total > sft.total  # a pair's two rows, G completions a prompt
 
 
+def test_plan_counts_the_fused_attention_backward_workspace():
+    """A device whose fused attention backward takes a workspace from the pool (CUDA's cuDNN: its
+    capabilities' bytes a (B, H, T, D) element and a (B, H, T) row) has it in the plan, at the
+    backward's peak; the CPU reports none."""
+    assert memory.Traits.of(krnl.device("cpu")).attention_workspace == (0, 0)
+    cfg = ModelConfig.from_dict(dict(LLAMA, num_hidden_layers=2))
+    run = memory.Run(cfg, R8, "bf16", batch=2, seq=512, grad_checkpoint=True, device=memory.CUDA)
+    none = memory.estimate(replace(run, device=replace(memory.CUDA, attention_workspace=(0, 0))))
+    ws = 2 * 4 * 512 * (8 * 32 + 4)  # B H T (8 D + 4) bytes
+    got = memory.estimate(run)
+    assert 0 < got.total - none.total <= memory.class_size(ws)
+    assert got.parts["working"] >= ws  # the peak is the workspace's moment
+
+
 def test_class_size_is_the_pools():
     for n in list(range(1, 9000, 97)) + [2**k + d for k in range(12, 34) for d in (-1, 0, 1, 2**k // 3)]:
         assert memory.class_size(n) == _core.testing.HostBufferPool.class_size(n), n

@@ -126,6 +126,7 @@ nb::dict capabilities_dict(const Capabilities& c) {
   fused["window"] = c.fused_attention_window;
   fused["sinks"] = c.fused_attention_sinks;
   fused["token_major"] = c.fused_attention_token_major;
+  fused["workspace"] = nb::make_tuple(c.fused_attention_workspace_element, c.fused_attention_workspace_row);
   nb::list dims;
   for (int64_t D : c.fused_attention_head_dims) dims.append(D);
   fused["head_dims"] = dims;
@@ -211,9 +212,9 @@ void bind_devices(nb::module_& m) {
       .def("capabilities", [](const Backend& d) { return capabilities_dict(d.capabilities()); },
            "What this device can do, from its backend: kind, dtypes (float compute dtypes with kernels here), "
            "compute_dtype (the training default), fused_attention ({dtypes, segments, window, sinks, head_dims, "
-           "token_major}: where the fused attention ops beat the materialised path, with packed segments, a sliding "
-           "window, attention sinks, for "
-           "which head sizes ([] = any), on token-major (B, T, H, D) views), graphs (capture/replay), host_visible (zero-copy numpy views), "
+           "token_major, workspace}: where the fused attention ops beat the materialised path, with packed segments, a "
+           "sliding window, attention sinks, for which head sizes ([] = any), on token-major (B, T, H, D) views; the "
+           "bytes the backward's workspace takes per (B, H, T, D) element and per (B, H, T) row), graphs (capture/replay), host_visible (zero-copy numpy views), "
            "synchronous (ops complete when they return), queue_ordered (buffers released inside a step are "
            "reused within it), attention_block (query rows per materialised attention block, 0: all), "
            "gemm_tuning (timing the GEMM variants measures a real GPU: krnl tune), collectives (libraries summing tensors "

@@ -163,6 +163,9 @@ struct Capabilities {
   bool fused_attention_sinks = false;         // ... also with attention sinks (gpt-oss)
   std::vector<int64_t> fused_attention_head_dims;  // ... for these head sizes D (empty: any)
   bool fused_attention_token_major = false;   // ... on token-major (B, T, H, D) views, and rope over them
+  // Bytes attention_backward's workspace takes from the pool per (B, H, T, D) element of q and per
+  // (B, H, T) row, for the memory plan (python/krnl/train/memory.py); 0 where it takes none.
+  int64_t fused_attention_workspace_element = 0, fused_attention_workspace_row = 0;
   bool graphs = false;         // capture() records a step that replays whole
   bool host_visible = true;    // tensors' memory is readable by the CPU (zero-copy numpy views)
   bool synchronous = true;     // ops complete when they return

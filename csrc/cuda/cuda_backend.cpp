@@ -146,6 +146,11 @@ Capabilities CudaBackend::capabilities() const {
 #ifdef KRNL_HAS_CUDNN
   c.fused_attention_dtypes = fused_attention_dtypes();  // packed segments stay materialised
   c.fused_attention_window = !c.fused_attention_dtypes.empty();  // cuDNN's diagonal band
+  // cuDNN's backward workspace (the forward takes none), measured through the pool on an H200 with
+  // 32 query heads on 8 of 128: 640 and 1280 MiB classes at T = 16384 and 32768
+  // (dev/cuda/attention_workspace.py), i.e. just over 8 bytes an element of q.
+  c.fused_attention_workspace_element = 8;
+  c.fused_attention_workspace_row = 4;
   // sinks stay false: cuDNN's SDPA graphs take no extra softmax column, and krnl has no fused
   // attention kernel of its own on CUDA; gpt-oss attention takes the materialised path there.
 #endif

@@ -169,7 +169,7 @@ def run_kernels(device="metal-cuda", only=None):
 
 
 def quantized_calls(dev, t, dt, rng):
-    """quantized_matmul (both forms), quantized_embedding and moe_quantized_matmul in dtype dt."""
+    """quantized_matmul (both forms), quantized_embedding and moe_quantized_matmul in dtype dt, affine and MXFP4."""
     from krnl import ops
     # moe_quantized_matmul: 74 rows on 5 experts (20, 0, 33, 7, 14: ragged row tiles, 1 + 2 + 1 + 1
     # of a grid of (74 + 31 * 5) / 32 = 7, the last 2 exit) times W_e (45, 96) at every bits,
@@ -196,6 +196,19 @@ def quantized_calls(dev, t, dt, rng):
         qids = dev.tensor(rng.integers(0, 45, 33).astype(np.int32), "i32")
         for sdt in ((dt, "f32") if dt != "f32" else (dt,)):  # rows of the same W as an embedding table
             ops.quantized_embedding(qids, w, t((45, 3), sdt, 0.1), t((45, 3), sdt), dev.empty((33, 96), dt), 32, bits)
+    # MXFP4 (mode mxfp4: E2M1 codes times a power of two a group of 32, no biases), the same calls;
+    # its scales in bf16 or f32 (f16's range does not hold every power of two)
+    w, we = (dev.tensor(rng.integers(0, 2**31, s).astype(np.int32), "i32") for s in ((45, 12), (5, 45, 12)))
+    for sdt in (dt, "f32") if dt == "bf16" else ("f32",):
+        sc, sce = (dev.tensor(np.ldexp(1.0, rng.integers(-4, 2, s)).astype(np.float32), sdt) for s in ((45, 3),
+                                                                                                     (5, 45, 3)))
+        for n in (7, 40):
+            ops.quantized_matmul(t((n, 96), dt), w, sc, None, dev.empty((n, 45), dt), True, 32, 4, mode="mxfp4")
+            ops.quantized_matmul(t((n, 45), dt), w, sc, None, t((n, 96), dt), False, 32, 4, 0.5, "mxfp4")
+        ops.moe_quantized_matmul(t((74, 96), dt), we, sce, None, offsets, dev.empty((74, 45), dt), True, 32, 4,
+                                 mode="mxfp4")
+        ops.moe_quantized_matmul(t((74, 45), dt), we, sce, None, offsets, t((74, 96), dt), False, 32, 4, 0.5,
+                                 mode="mxfp4")
 
 
 def moe_calls(dev, t, dt):

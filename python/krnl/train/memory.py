@@ -3,9 +3,10 @@
 
 What is estimated: the peak of the device pool's `reserved` bytes (Device.pool_stats()
 "peak_reserved", the trainer's peak_mem_mib), that is every buffer the model, its LoRA, the
-optimizer and a training step allocate through the device. Host memory (numpy copies, the
-tokenizer, the data) and memory a backend holds outside its pool (the CUDA context, cuBLAS and
-cuDNN workspaces, the CPU's per-thread scratch) are not in it.
+optimizer and a training step allocate through the device, the fused attention backward's
+workspace included (its bytes from the device's capabilities). Host memory (numpy copies, the
+tokenizer, the data) and memory a backend holds outside its pool (the CUDA context, cuBLAS's
+workspace, the CPU's per-thread scratch) are not in it.
 
 How: memory_step.Replay makes the same requests, in the same order, as LlamaModel, FlatParams,
 the optimizer and StepRunner make, from the shapes alone; Trace replays them through the pool's rules
@@ -142,6 +143,7 @@ class Traits:
     lora_fold: bool = False         # LoRA folded into the frozen GEMMs (wider weights)
     queue_ordered: bool = True      # a buffer released in a step serves the same step
     graphs: bool = False            # steps replay as graphs: lengths padded to a bucket
+    attention_workspace: tuple = (0, 0)  # the fused backward's pool bytes a (B, H, T, D) element, a (B, H, T) row
 
     @classmethod
     def of(cls, device):
@@ -149,11 +151,11 @@ class Traits:
         fa = c["fused_attention"]
         return cls(device.name, tuple(fa["dtypes"]), tuple(fa["head_dims"]), bool(fa["segments"]),
                    bool(fa["token_major"]), int(c["attention_block"]), bool(c["lora_fold"]),
-                   bool(c["queue_ordered"]), bool(c["graphs"]))
+                   bool(c["queue_ordered"]), bool(c["graphs"]), tuple(fa["workspace"]))
 
 
 # A CUDA GPU with cuDNN's fused attention, as the README's table assumes.
-CUDA = Traits("cuda", ("bf16", "f16"), (), True, True, 1024, True, True, True)
+CUDA = Traits("cuda", ("bf16", "f16"), (), True, True, 1024, True, True, True, (8, 4))
 
 
 @dataclass(frozen=True)

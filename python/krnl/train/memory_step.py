@@ -274,6 +274,14 @@ class Replay(Resident, MoeReplay):
         self.t.free(*local)
         return y, keep + more
 
+    def attention_workspace(self, rows):
+        """The fused attention_backward's workspace over `rows` rows of T (the device's capabilities'
+        bytes a (rows, H, T, D) element and a (rows, H, T) row; the op takes it from the pool)."""
+        per_element, per_row = self.run.device.attention_workspace
+        n = rows * self.H * self.T * (per_element * self.D + per_row)
+        if self.fused and n:
+            self.t.free(self.new(((n + 3) // 4,), "f32", WORK))
+
     def mlp_rows(self, i):
         """mlp_rows.rows: the rows of layer i's MLP blocks, or 0 where it runs whole."""
         mlp = ("gate_proj", "up_proj", "down_proj")
@@ -334,7 +342,9 @@ class Replay(Resident, MoeReplay):
         self.lora_backward(i, "o_proj", H * D, folded=self.folds_back(i, "o_proj"))
         self.t.free(dz)
         dqkv = self.act((N, self.NH * D), WORK)
-        if not self.token_major:
+        if self.token_major:
+            self.attention_workspace(self.B)
+        else:
             held = {}
             for _ in range(self.B):
                 for name, shape in (("doh", (H, T, D)), ("dheads", (self.NH, T, D)),
@@ -350,6 +360,8 @@ class Replay(Resident, MoeReplay):
                         self.t.free(dS)
                         dS = new
                     self.t.free(dS)
+                else:
+                    self.attention_workspace(1)
             self.t.free(*held.values())
         if self.c.qk_full_norm:                                           # olmoe.qk_full_norm_backward's
             dheads, dq = self.act((self.NH, N, D), WORK), self.act((N, H * D), WORK)

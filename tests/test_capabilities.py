@@ -31,7 +31,7 @@ def test_every_device_answers_every_field(name):
     fa = c["fused_attention"]
     assert set(fa) == {"dtypes", "segments", "window", "sinks", "head_dims", "token_major", "workspace"}
     assert all(type(fa[k]) is bool for k in ("segments", "window", "sinks", "token_major"))
-    assert type(fa["workspace"]) is tuple and len(fa["workspace"]) == 2
+    assert type(fa["workspace"]) is list and len(fa["workspace"]) == 2
     assert all(type(n) is int and n >= 0 for n in fa["workspace"])
     assert all(type(D) is int and D > 0 for D in fa["head_dims"])
     assert set(fa["dtypes"]) <= set(c["dtypes"])
@@ -47,7 +47,7 @@ def test_cpu_values():
         assert {k: v for k, v in c.items() if k != "details"} == {
             "kind": "cpu", "dtypes": ["f32", "f16", "bf16"], "compute_dtype": "f32",
             "fused_attention": {"dtypes": [], "segments": True, "window": True, "sinks": True, "head_dims": [],
-                                "token_major": True, "workspace": (0, 0)},
+                                "token_major": True, "workspace": [0, 0]},
             "graphs": False, "host_visible": True,
             "synchronous": True, "queue_ordered": True, "attention_block": 128, "gemm_tuning": False,
             "collectives": [], "lora_fold": False}, name
@@ -159,7 +159,7 @@ def _with_capabilities(monkeypatch, **fields):
 
 
 FUSED_F32 = {"dtypes": ["f32"], "segments": False, "window": False, "sinks": False, "head_dims": [],
-             "token_major": True, "workspace": (0, 0)}
+             "token_major": True, "workspace": [0, 0]}
 
 
 def test_model_takes_attention_policy_from_capabilities(monkeypatch):

@@ -122,7 +122,7 @@ def test_attention_head_sizes(sim):
     caps = sim.capabilities()
     assert caps["fused_attention"] == {"dtypes": caps["dtypes"], "segments": True, "window": True, "sinks": True,
                                        "head_dims": [4, 8, 16, 32, 64, 80, 96, 128, 256], "token_major": False,
-                                       "workspace": (0, 0)}
+                                       "workspace": [0, 0]}
     assert {"f32", "f16"} <= set(caps["dtypes"])
     q, lse = sim.zeros((2, 3, 24), "f32"), sim.empty((2, 3), "f32")
     sizes = r"\(Metal kernels for D in 4, 8, 16, 32, 64, 80, 96, 128, 256\)"

@@ -126,7 +126,10 @@ nb::dict capabilities_dict(const Capabilities& c) {
   fused["window"] = c.fused_attention_window;
   fused["sinks"] = c.fused_attention_sinks;
   fused["token_major"] = c.fused_attention_token_major;
-  fused["workspace"] = nb::make_tuple(c.fused_attention_workspace_element, c.fused_attention_workspace_row);
+  nb::list workspace;
+  workspace.append(c.fused_attention_workspace_element);
+  workspace.append(c.fused_attention_workspace_row);
+  fused["workspace"] = workspace;
   nb::list dims;
   for (int64_t D : c.fused_attention_head_dims) dims.append(D);
   fused["head_dims"] = dims;

@@ -21,8 +21,8 @@ LIMIT = 64 << 20  # bytes of one (rows, F) buffer a block may hold
 
 def block_rows(N, F, itemsize, limit=None):
     """Rows a block of N takes (N: one block): each (rows, F) within `limit` bytes, the blocks as
-    nearly equal as can be (the last at most one row a block shorter), so that they share one
-    size class of the pool."""
+    nearly equal as can be (the last fewer rows short than there are blocks), so that they share
+    one size class of the pool."""
     most = max(1, int(LIMIT if limit is None else limit) // (F * itemsize))
     blocks = -(-N // most)
     return -(-N // blocks)

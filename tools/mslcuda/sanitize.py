@@ -198,10 +198,11 @@ def quantized_calls(dev, t, dt, rng):
             ops.quantized_embedding(qids, w, t((45, 3), sdt, 0.1), t((45, 3), sdt), dev.empty((33, 96), dt), 32, bits)
     # MXFP4 (mode mxfp4: E2M1 codes times a power of two a group of 32, no biases), the same calls;
     # its scales in bf16 or f32 (f16's range does not hold every power of two)
-    w, we = (dev.tensor(rng.integers(0, 2**31, s).astype(np.int32), "i32") for s in ((45, 12), (5, 45, 12)))
+    w = dev.tensor(rng.integers(0, 2**31, (45, 12)).astype(np.int32), "i32")
+    we = dev.tensor(rng.integers(0, 2**31, (5, 45, 12)).astype(np.int32), "i32")
     for sdt in (dt, "f32") if dt == "bf16" else ("f32",):
-        sc, sce = (dev.tensor(np.ldexp(1.0, rng.integers(-4, 2, s)).astype(np.float32), sdt) for s in ((45, 3),
-                                                                                                     (5, 45, 3)))
+        sc = dev.tensor(np.ldexp(1.0, rng.integers(-4, 2, (45, 3))).astype(np.float32), sdt)
+        sce = dev.tensor(np.ldexp(1.0, rng.integers(-4, 2, (5, 45, 3))).astype(np.float32), sdt)
         for n in (7, 40):
             ops.quantized_matmul(t((n, 96), dt), w, sc, None, dev.empty((n, 45), dt), True, 32, 4, mode="mxfp4")
             ops.quantized_matmul(t((n, 45), dt), w, sc, None, t((n, 96), dt), False, 32, 4, 0.5, "mxfp4")

@@ -5,13 +5,14 @@ only what the figures are marked as and where they go."""
 import json
 import re
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import krnl
-from krnl.bench import gate, report, w1
+from krnl.bench import gate, hostmem, report, train, w1
 from krnl.bench.cli import main as bench_main
 from krnl.bench.session import Session, compare
 from krnl.bench.workloads import W1, STEPS
@@ -209,6 +210,35 @@ def test_qlora_workload_rows():
     plain, ckpt = rows["krnl"], rows["krnl grad-ckpt"]
     assert plain["tokens_per_s"] > 0 and ckpt["tokens_per_s"] > 0 and np.isfinite(plain["loss"])
     assert plain["loss"] == ckpt["loss"] and plain["title"].startswith("QLoRA 4-bit g64")
+    # what each row held before its steps and what its steps took in host memory (Linux: measured)
+    assert all(r["resident_bytes"] >= 0 and r["host_bytes"] >= 0 for r in (plain, ckpt))
+
+
+def test_host_growth_sees_a_buffer_freed_before_the_end(monkeypatch):
+    """HostGrowth's figure is the largest resident set inside less the one on entering: a 64 MiB
+    buffer written and freed inside counts; an empty block takes next to nothing; without /proc
+    there is no figure rather than a wrong one."""
+    with hostmem.HostGrowth(every=0.001) as g:
+        a = np.ones(64 << 20, np.uint8)
+        time.sleep(0.05)
+        del a
+    assert g.bytes >= 60 << 20
+    with hostmem.HostGrowth() as g:
+        pass
+    assert 0 <= g.bytes < 16 << 20
+    monkeypatch.setattr(hostmem, "STATM", Path("/nonexistent/statm"))
+    with hostmem.HostGrowth() as g:
+        pass
+    assert g.bytes is None
+
+
+def test_train_note_puts_host_memory_beside_a_device_peak():
+    """A train row's note gives the host memory its steps took where it has a device peak (a GPU),
+    and none on the CPU, whose host memory is the device's."""
+    r = dict(loss=1.0, first_loss=2.0, warmup_s=0.5, peak_bytes=3 << 30, peak_kind="reserved (torch.cuda)",
+             host_bytes=1 << 29)
+    assert "peak 3.00 GiB reserved (torch.cuda), host +0.50 GiB in the steps" in train.note(r)
+    assert "host" not in train.note(dict(r, peak_bytes=None))
 
 
 def test_moe_workload_rows():

@@ -20,7 +20,8 @@
 #                                           .peers below carried with .whl), one workload a call to stay inside
 #                                           10 minutes: PEERS_WORKLOADS=train (default; TRAIN_SHAPE 8b, or 1b),
 #                                           long (the 8b shape at 16k and 32k tokens a row, checkpointed;
-#                                           LONG_SEQ=16384 for one of them) or
+#                                           LONG_SEQ=16384 for one of them; LONG_SEQ=4096 LONG_BATCH=2:
+#                                           the train workload's 8b shape checkpointed) or
 #                                           qlora; several at once where time allows. JSON in
 #                                           $OUT/peers_bench_W.json; PEERS to pick other peers
 #   bash tools/device/h200_check.sh nccl    on a machine with 2 or more GPUs (nvidia-h200-x2): tests/test_dist_nccl.py
@@ -293,6 +294,7 @@ PY
   for wl in ${PEERS_WORKLOADS:-train}; do
     shape=""; [ "$wl" = train ] && shape="--train-shape ${TRAIN_SHAPE:-8b}"
     [ "$wl" = long ] && [ -n "$LONG_SEQ" ] && shape="--train-seq $LONG_SEQ"  # one length a call
+    [ "$wl" = long ] && [ -n "$LONG_BATCH" ] && shape="$shape --train-batch $LONG_BATCH"
     timeout ${BENCH_S:-480} python3 -m krnl.bench --workloads "$wl" $shape --peers "${PEERS:-torch,liger,unsloth}" \
       --rounds 1 --json "$OUT/peers_bench_$wl.json" 2>&1 | tee "$OUT/peers_bench_$wl.log" | tail -${PEERS_TAIL:-40}
   done

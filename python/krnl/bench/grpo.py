@@ -77,7 +77,7 @@ def run_krnl(dev, s, prompts, dtype, log=print, profile=False):
         check(got, s, "krnl")
         out[:] = got
 
-    gen = time_steps(generate, list(range(1 + s["runs"])), gen_counts(s), *krnl_clock(dev), log, "grpo krnl generate")
+    gen = time_steps(generate, list(range(1 + s["runs"])), gen_counts(s), krnl_clock(dev), log, "grpo krnl generate")
     b = batch(s, prompts, out)
     step = time_krnl(dev, model, step_counts(s), [b] * (s["warmup"] + s["steps"]), log, "grpo krnl step", profile,
                      objective=lambda m, x: grpo_step(m, *x, None, 0.0, EPS, EPS, LOSS, s["completion"])[0])
@@ -103,7 +103,7 @@ def hf_generate(pm, s, prompts, on_gpu, log=print):
             got = pm.generate(input_ids=x, attention_mask=torch.ones_like(x), generation_config=cfg)
         check(got[:, x.shape[1]:], s, "transformers")
 
-    return time_steps(generate, list(range(1 + s["runs"])), gen_counts(s), *torch_clock(torch, on_gpu), log,
+    return time_steps(generate, list(range(1 + s["runs"])), gen_counts(s), torch_clock(torch, on_gpu), log,
                       "grpo transformers generate")
 
 

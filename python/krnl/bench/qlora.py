@@ -15,11 +15,13 @@ when only the model lives), and the loss after the timed steps."""
 
 import gc
 import time
+from typing import Callable, NamedTuple
 
 import numpy as np
 
 import krnl
 from . import fast_peers
+from .hostmem import HostGrowth
 
 # Llama-3-8B's shape; "quick" is for tests and the CPU.
 SIZES = {
@@ -85,7 +87,7 @@ def time_krnl(dev, model, s, batches, log, who, profile=False, objective=None):
     batch) -> loss: the step's forward and backward (default: next-token cross entropy on ids)."""
     from ..train.optim import AdamW, Schedule
     opt = AdamW(model.lora_params, Schedule(1e-4, kind="constant"), max_grad_norm=1.0)
-    sync, peak = krnl_clock(dev)
+    clock = krnl_clock(dev)
 
     def step(b):
         model.lora_params.zero_grads()
@@ -97,7 +99,7 @@ def time_krnl(dev, model, s, batches, log, who, profile=False, objective=None):
         opt.step()
         return model.read_loss()
 
-    res = time_steps(step, batches, s, sync, peak, log, who)
+    res = time_steps(step, batches, s, clock, log, who)
     if profile:  # where the step's time goes
         with krnl.profile(dev) as p:
             step(batches[-1])
@@ -113,42 +115,55 @@ def time_krnl(dev, model, s, batches, log, who, profile=False, objective=None):
     return res
 
 
+class Clock(NamedTuple):
+    """A device's side of time_steps: sync() waits for it; peak() and in_use() are its allocator's
+    bytes, the largest since the clock was made and those held now."""
+    sync: Callable[[], None]
+    peak: Callable[[], int]
+    in_use: Callable[[], int]
+
+
 def krnl_clock(dev):
-    """(sync, peak) of a krnl device, its peak counted from here."""
+    """The Clock of a krnl device, its peak counted from here."""
     gc.collect()
     dev.synchronize()
     dev.reset_peak()
-    return dev.synchronize, lambda: dev.pool_stats()["peak_in_use"]
+    return Clock(dev.synchronize, lambda: dev.pool_stats()["peak_in_use"], lambda: dev.pool_stats()["in_use"])
 
 
 def torch_clock(torch, on_gpu):
-    """(sync, peak) of torch's device (the GPU's, or the CPU with no peak figure), the peak counted
-    from here."""
+    """The Clock of torch's device (the GPU's, or the CPU with no allocator figures), its peak
+    counted from here."""
     gc.collect()
     if not on_gpu:
-        return (lambda: None), (lambda: 0)
+        return Clock(lambda: None, lambda: 0, lambda: 0)
     torch.cuda.empty_cache()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    return torch.cuda.synchronize, torch.cuda.max_memory_allocated
+    return Clock(torch.cuda.synchronize, torch.cuda.max_memory_allocated, torch.cuda.memory_allocated)
 
 
-def time_steps(step, batches, s, sync, peak, log, who):
+def time_steps(step, batches, s, clock, log, who):
     """Figures of step(batch) over batches after s["warmup"] untimed ones, s["B"] rows of s["T"]
-    tokens each; the loss is the last step's return (None: a step with no loss, a generation)."""
-    for b in batches[:s["warmup"]]:
-        step(b)
-    sync()
-    t0 = time.perf_counter()
-    loss = None
-    for b in batches[s["warmup"]:]:
-        loss = step(b)
-    sync()
-    dt = time.perf_counter() - t0
+    tokens each; the loss is the last step's return (None: a step with no loss, a generation).
+    With the peak: the device bytes held before the first step (the model, built: resident_bytes)
+    and the host memory the steps took on top of the process's (host_bytes; None off Linux)."""
+    resident = clock.in_use()
+    with HostGrowth() as host:
+        for b in batches[:s["warmup"]]:
+            step(b)
+        clock.sync()
+        t0 = time.perf_counter()
+        loss = None
+        for b in batches[s["warmup"]:]:
+            loss = step(b)
+        clock.sync()
+        dt = time.perf_counter() - t0
     toks = s["steps"] * s["B"] * s["T"]
-    log(f"krnl bench: {who}: {toks / dt:,.0f} tokens/s, peak {peak() / 2**30:.2f} GiB"
+    log(f"krnl bench: {who}: {toks / dt:,.0f} tokens/s, peak {clock.peak() / 2**30:.2f} GiB"
         + ("" if loss is None else f", loss {loss:.4f}"))
-    return {"tokens_per_s": toks / dt, "ms": 1e3 * dt / s["steps"], "peak_bytes": int(peak()),
+    return {"tokens_per_s": toks / dt, "ms": 1e3 * dt / s["steps"], "peak_bytes": int(clock.peak()),
+            "resident_bytes": int(resident), "host_bytes": host.bytes,
             "loss": None if loss is None else float(loss), "samples": s["steps"]}
 
 
@@ -228,7 +243,7 @@ def time_torch(model, s, batches, on_gpu, log, who, fwd_bwd=None):
         opt.zero_grad(set_to_none=True)
         return float(loss.detach())
 
-    res = time_steps(step, batches, s, *torch_clock(torch, on_gpu), log, who)
+    res = time_steps(step, batches, s, torch_clock(torch, on_gpu), log, who)
     del model, opt, trainable
     gc.collect()
     if on_gpu:

@@ -378,9 +378,13 @@ class Session:
         peers = self.peers if name == "qlora" else "torch" in self.peers
         for r in mod.run(self.dev, self.dtype, quick=self.quick, peers=peers, log=self.log, profile=profile):
             peak, loss, vs = r.pop("peak_bytes", None), r.pop("loss", None), r.pop("peak_vs_krnl", None)
-            peak = peak if is_gpu(self.dev) else None  # the CPU's pool holds only part of a CPU run's memory
+            gpu = is_gpu(self.dev)
+            peak = peak if gpu else None  # the CPU's pool holds only part of a CPU run's memory
+            resident, host = (r.get("resident_bytes"), r.get("host_bytes")) if gpu else (None, None)
             note = ", ".join(x for x in (f"peak {peak / 2**30:.2f} GiB" if peak else "",
                                          f"x{vs:.2f} krnl's peak" if vs else "",
+                                         f"{resident / 2**30:.2f} GiB before the steps" if resident else "",
+                                         f"host +{host / 2**30:.2f} GiB in the steps" if host is not None else "",
                                          f"loss {loss:.3f}" if loss is not None else "", r.pop("note", "")) if x)
             self._row(name, r.pop("impl"), note=note, peak_bytes=peak, loss=loss, **r)
 

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from . import fast_peers, gpu_power
+from .hostmem import HostGrowth
 from .train_peers import ALPHA, CLIP, LR, RANK, figures, run_all
 
 PAD_ID = 0  # ids of real tokens are drawn from 1 .. V-1
@@ -191,11 +192,13 @@ def run_krnl(dev, dtype, folder, s, bs, seed=0, graphs=True, profile=False, worl
     with tempfile.TemporaryDirectory(prefix="krnl-bench-train-") as out:
         trainer = Trainer(model, cfg, _Source(bs), out_dir=out, progress=False, on_step=on_step, world=world)
         stamps.append(time.perf_counter())
-        try:
-            trainer.run()
-        except _Done:
-            pass
+        with HostGrowth() as host:
+            try:
+                trainer.run()
+            except _Done:
+                pass
     res = figures(stamps, losses, bs, s["warmup"])
+    res["host_bytes"] = host.bytes
     res["peak_bytes"], res["peak_kind"] = int(dev.pool_stats()["peak_reserved"]), "reserved (krnl pool)"
     if "table" in prof:
         res["profile"] = prof["table"]
@@ -266,7 +269,9 @@ def power_figures(w, r):
 
 def note(r):
     peak = (f"peak {r['peak_bytes'] / 2**30:.2f} GiB {r['peak_kind']}" if r.get("peak_bytes") else "")
-    return ", ".join(x for x in (f"loss {r['loss']:.4f} (first {r['first_loss']:.4f})", peak,
+    # beside a device's peak, what the steps kept in host memory (offloaded checkpoints)
+    host = f"host +{r['host_bytes'] / 2**30:.2f} GiB in the steps" if peak and r.get("host_bytes") is not None else ""
+    return ", ".join(x for x in (f"loss {r['loss']:.4f} (first {r['first_loss']:.4f})", peak, host,
                                  f"warm-up {r['warmup_s']:.1f} s", gpu_power.describe(r.get("gpu")), r.get("note", "")) if x)
 
 

@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 
+from .hostmem import HostGrowth
 from .targets import Unavailable, mlx_target, torch_target
 
 # The recipe every implementation trains with.
@@ -104,7 +105,9 @@ def train_torch(torch, fwd, params, opt, dev, sync, s, bs, labels=False):
         opt.zero_grad(set_to_none=True)
         return float(loss.detach())
 
-    res = figures(*timed_steps(step, bs, sync), bs, s["warmup"])
+    with HostGrowth() as host:
+        res = figures(*timed_steps(step, bs, sync), bs, s["warmup"])
+    res["host_bytes"] = host.bytes
     if on_cuda:
         res.update(peak_bytes=int(torch.cuda.max_memory_reserved()), peak_kind="reserved (torch.cuda)",
                    note=f"allocated {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB at most")

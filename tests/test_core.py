@@ -138,6 +138,28 @@ def test_pool_reuse_now_serves_at_once_but_is_not_given_back_early():
     assert p.stats()["reserved"] == 0 and p.stats()["cached"] == 0
 
 
+def test_pool_exact_buffers_take_their_size_and_are_never_cached():
+    """acquire(exact): the request's size in multiples of 256 instead of its class (2^27 + 1 KiB
+    would reserve 1.25 x 2^27), never handed to another request, and given back to the system
+    once released: at once when its submission completed, else when it does."""
+    p = HostBufferPool()
+    n = (1 << 27) + 1000
+    a, ca = p.acquire(n, 5, exact=True)
+    assert ca == (1 << 27) + 1024 and cs(n) == 5 << 25
+    p.release(a, 5, 5)
+    assert p.stats()["reserved"] == 0 and p.stats()["cached"] == 0
+    b, cb = p.acquire(300, 5, exact=True)
+    assert cb == 512
+    p.release(b, 6, 5, reuse_now=True)          # submission 6 may still read it: pending, not cached
+    st = p.stats()
+    assert (st["pending"], st["cached"], st["reserved"]) == (512, 0, 512)
+    c, cc = p.acquire(300, 5)                   # a class request never gets it
+    assert c != b and cc == cs(300)
+    p.release(c, 0, 5)
+    p.acquire(300, 6, exact=True)               # collected once 6 completed: back to the system
+    assert p.stats()["pending"] == 0 and p.stats()["reserved"] == cs(300) + 512
+
+
 def test_pool_release_unknown_id_raises():
     p = HostBufferPool()
     a, _ = p.acquire(10, 0)
@@ -283,6 +305,25 @@ def test_device_pool_in_use_tracks_class_sizes(dev):
         del t
         assert dev.pool_stats()["in_use"] == base["in_use"] + total
     assert dev.pool_stats()["in_use"] == base["in_use"]
+
+
+def test_device_exact_sizes_while_set(dev):
+    """Device.set_exact_sizes(True) (a model's build): new tensors take their size in multiples of
+    256 rather than their class, and go back to the system when released; it returns the setting
+    it replaced."""
+    _fresh_pool(dev)
+    base = _stats(dev)
+    assert dev.set_exact_sizes(True) is False
+    try:
+        t = dev.empty((1000, 1025), "f32")  # 4,100,000 bytes: class 4,194,304
+        assert dev.pool_stats()["in_use"] == base["in_use"] + 4_100_096
+    finally:
+        assert dev.set_exact_sizes(False) is True
+    del t
+    dev.synchronize()
+    u = dev.empty((3,), "f32")  # collects what completed
+    assert dev.pool_stats()["reserved"] == base["reserved"] + cs(12)
+    del u
 
 
 def test_device_pool_peaks(dev):

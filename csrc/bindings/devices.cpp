@@ -268,6 +268,11 @@ void bind_devices(nb::module_& m) {
       .def("__repr__", [](const Backend& d) { return "krnl.device('" + d.name() + "')"; })
       .def("empty", [](Backend& d, nb::handle shape, nb::handle dtype) { return empty_nogil(d, to_shape(shape), to_dtype(dtype)); },
            "shape"_a, "dtype"_a = "f32", "A new uninitialised tensor from the device's pool.")
+      .def("set_exact_sizes", &Backend::set_exact_sizes, "on"_a,
+           "While on, new tensors (outside a capture) take buffers of their own size, rounded up to 256 bytes, "
+           "instead of the pool's size class (up to 25% more), and give them back to the system when released: "
+           "for what lives all run, such as a model's weights (LlamaModel builds under it). Returns the previous "
+           "setting.")
       .def("zeros", [](Backend& d, nb::handle shape, nb::handle dtype) {
              Tensor t = empty_nogil(d, to_shape(shape), to_dtype(dtype));
              ops::fill(t, 0.0);

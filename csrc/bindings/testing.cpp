@@ -33,11 +33,12 @@ void bind_testing(nb::module_& m) {
   nb::class_<HostPool>(m, "HostBufferPool", "A BufferPool over malloc, for testing its policy.")
       .def(nb::init<>())
       .def_static("class_size", &BufferPool::class_size, "bytes"_a)
-      .def("acquire", [](HostPool& h, size_t bytes, uint64_t completed) {
-             Buffer b = h.pool.acquire(bytes, completed);
+      .def("acquire", [](HostPool& h, size_t bytes, uint64_t completed, bool exact) {
+             Buffer b = h.pool.acquire(bytes, completed, exact);
              h.live[b.id] = b;
              return nb::make_tuple(b.id, b.bytes);
-           }, "bytes"_a, "completed_seq"_a, "Returns (buffer id, class size).")
+           }, "bytes"_a, "completed_seq"_a, "exact"_a = false, "Returns (buffer id, bytes reserved: the class size, "
+           "or with exact the size in multiples of 256).")
       .def("release", [](HostPool& h, uint64_t id, uint64_t retire_seq, uint64_t completed, bool reuse_now) {
              auto it = h.live.find(id);
              if (it == h.live.end()) throw std::invalid_argument("[release] buffer " + std::to_string(id) + " is not in use");

@@ -51,13 +51,13 @@ Tensor Backend::empty(const Shape& shape, DType dt) {
   Buffer b;
   if (!capturing()) {
     try {
-      b = pool_->acquire(bytes, completed_seq());
+      b = pool_->acquire(bytes, completed_seq(), exact_sizes_);
     } catch (const PoolLimitError&) {
       // Buffers released under committed work come back once it completes: wait for it (as MLX
       // waits on scheduled work) and try once more. The open step's own cannot come back yet.
       if (completed_seq() >= last_committed_ || pool_->waiting(completed_seq()) == 0) throw;
       on_wait(last_committed_);
-      b = pool_->acquire(bytes, completed_seq());
+      b = pool_->acquire(bytes, completed_seq(), exact_sizes_);
     }
   } else {  // a buffer made while recording is baked into the graph: the arena's (backend.h)
     // A released buffer of its class first. While no graph lives yet, then the pool's cached one

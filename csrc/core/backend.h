@@ -10,6 +10,7 @@
 #include <stdexcept>
 #include <string>
 #include <unordered_set>
+#include <utility>
 #include <vector>
 
 #include "buffer_pool.h"
@@ -207,6 +208,9 @@ class Backend {
   // Past the pool's limit this may wait for committed work (whose released buffers then return):
   // callers must not hold a lock the device's completion needs (bindings: the GIL).
   Tensor empty(const Shape& shape, DType dt);
+  // While on, empty() takes buffers of their own size (BufferPool::acquire's exact) outside a
+  // recording: a model's build, whose buffers live for the run. Returns the previous setting.
+  bool set_exact_sizes(bool on) { return std::exchange(exact_sizes_, on); }
   // Wraps memory owned elsewhere (e.g. a numpy array): zero-copy on host-visible devices.
   Tensor wrap(void* ptr, const Shape& shape, DType dt, std::function<void()> release);
   void release_buffer(const Buffer& b);  // called by Storage
@@ -332,6 +336,7 @@ class Backend {
   GraphArena arena_;
   std::unordered_set<std::shared_ptr<Storage>>* capture_keep_ = nullptr;
   bool in_step_ = false;
+  bool exact_sizes_ = false;
   uint64_t last_committed_ = 0;
   int64_t gemm_row_block_ = 0;
   bool profiling_ = false;

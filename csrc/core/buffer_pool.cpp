@@ -33,23 +33,30 @@ size_t BufferPool::class_size(size_t bytes) {
   return 2 * p;
 }
 
+size_t BufferPool::exact_size(size_t bytes) { return std::max<size_t>(1, (bytes + 255) / 256) * 256; }
+
 void BufferPool::collect_locked(uint64_t completed_seq) {
   auto it = std::partition(retired_.begin(), retired_.end(),
                            [&](const Retired& r) { return r.seq > completed_seq; });
   for (auto j = it; j != retired_.end(); ++j) {
     st_.pending -= j->buf.bytes;
+    if (j->buf.exact) {
+      free_fn_(j->buf.ptr, j->buf.bytes);
+      st_.reserved -= j->buf.bytes;
+      continue;
+    }
     st_.cached += j->buf.bytes;
     cache_[j->buf.bytes].push_back(j->buf);
   }
   retired_.erase(it, retired_.end());
 }
 
-Buffer BufferPool::acquire(size_t bytes, uint64_t completed_seq) {
-  const size_t cls = class_size(bytes);
+Buffer BufferPool::acquire(size_t bytes, uint64_t completed_seq, bool exact) {
+  const size_t cls = exact ? exact_size(bytes) : class_size(bytes);
   std::lock_guard<std::mutex> lk(mu_);
   collect_locked(completed_seq);
   Buffer b;
-  auto it = cache_.find(cls);
+  auto it = exact ? cache_.end() : cache_.find(cls);
   if (it != cache_.end() && !it->second.empty()) {
     b = it->second.back();
     it->second.pop_back();
@@ -79,6 +86,7 @@ Buffer BufferPool::acquire(size_t bytes, uint64_t completed_seq) {
     }
     b.ptr = p;
     b.bytes = cls;
+    b.exact = exact;
     b.id = next_id_++;
     st_.reserved += cls;
     st_.allocations++;
@@ -92,7 +100,10 @@ Buffer BufferPool::acquire(size_t bytes, uint64_t completed_seq) {
 void BufferPool::release(const Buffer& b, uint64_t retire_seq, uint64_t completed_seq, bool reuse_now) {
   std::lock_guard<std::mutex> lk(mu_);
   st_.in_use -= b.bytes;
-  if (retire_seq > completed_seq && !reuse_now) {
+  if (b.exact && retire_seq <= completed_seq) {  // no other request could reuse it
+    free_fn_(b.ptr, b.bytes);
+    st_.reserved -= b.bytes;
+  } else if (b.exact || (retire_seq > completed_seq && !reuse_now)) {
     retired_.push_back({b, retire_seq});
     st_.pending += b.bytes;
   } else {

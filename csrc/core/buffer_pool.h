@@ -20,6 +20,7 @@ struct Buffer {
   size_t bytes = 0;     // class size actually allocated
   uint64_t id = 0;      // allocation identity (stable across reuse), for tests and profiling
   uint64_t busy = 0;    // cached for reuse at once: submitted work may use it until this seq completes
+  bool exact = false;   // acquired at its own size: never cached, given back once released and complete
 };
 
 // An allocation refused by the pool's limit (set_limit); Python sees RuntimeError.
@@ -52,9 +53,14 @@ class BufferPool {
   // Bytes actually reserved for a request: multiples of 256 below 4 KiB, then four classes per
   // power of two (2^k, 1.25, 1.5, 1.75 x 2^k), so waste stays under 25%.
   static size_t class_size(size_t bytes);
+  // What an exact request reserves: its size in multiples of 256 bytes.
+  static size_t exact_size(size_t bytes);
 
   // completed_seq: the newest submission known complete; retired buffers up to it are reusable.
-  Buffer acquire(size_t bytes, uint64_t completed_seq);
+  // exact: a buffer of exact_size(bytes) instead of the class, which no other request reuses: for
+  // what a run holds throughout (a model's weights), where a class's rounding (up to 25%) buys
+  // nothing. Released, it goes back to the system once its submission completes.
+  Buffer acquire(size_t bytes, uint64_t completed_seq, bool exact = false);
   // Whether acquire(bytes) would reuse a cached buffer (the completed ones collected first).
   bool has_cached(size_t bytes, uint64_t completed_seq);
   // retire_seq: the submission that may still use the buffer (0 when none does). reuse_now: the

@@ -10,10 +10,10 @@ the stack of decoder layers (layer.py), the loss and evaluation; generation is i
     the targets that are not ignore_index (-100), chunked over tokens.
     (gemma2, gemma2.py: x0 scaled by sqrt(C), logits soft-capped, its own layer pieces)
 
-Frozen weights are uploaded once in the compute dtype, stored [out, in] as in HF checkpoints.
-Every adapted linear is y = x W^T (+ bias) + s (drop(x) A^T) B^T with A (r, in), B (out, r) as
-views of one FlatParams (f32 masters and gradients, PEFT key names; lora.py). LoRA gradients
-accumulate into FlatParams.grads (the caller zeros them); base weights never change.
+Frozen weights: uploaded once in the compute dtype, [out, in] as in HF checkpoints, buffers of their
+own size (exact_sizes.py). An adapted linear: y = x W^T (+ bias) + s (drop(x) A^T) B^T, A (r, in) and
+B (out, r) views of one FlatParams (f32 masters and gradients, PEFT names; lora.py), whose grads
+the backward adds to (the caller zeros them); base weights never change.
 """
 
 import numpy as np
@@ -25,6 +25,7 @@ from .generate import generate
 from .attention import Batch
 from .layer import Heads, Ones, build_layer, layer_backward, layer_forward
 from .dora import Switch, held, magnitudes
+from .exact_sizes import exact_sizes
 from . import full, gemma2, phi3
 from .full import Trained, init_full
 from .lora import init_lora
@@ -37,6 +38,7 @@ ops = _core.ops
 
 
 class LlamaModel:
+    @exact_sizes
     def __init__(self, device, config, weights, lora=None, dtype="f32", seed=0, grad_checkpoint=False,
                  ce_chunk=None, quantize=None):
         if isinstance(config, dict):
@@ -229,10 +231,6 @@ class LlamaModel:
         ops.gemm(self._ones(N).reshape(1, N), rows_loss.reshape(N, 1), out, alpha=alpha)
         return out.reshape(1)
 
-    def _mean_loss(self, rows_loss, n_valid):
-        """(1,) f32 = sum(rows_loss) / n_valid (0 without valid targets)."""
-        return self._loss_sum(rows_loss, 1.0 / max(n_valid, 1))
-
     def prepare(self, ids, targets, loss_scale=1.0, segments=None, positions=None):
         """The host's half of a training call (checks, the valid-target count, the next dropout
         seed): a HostInputs for DeviceInputs and forward_backward_step. ids may be a (B, T) device
@@ -355,7 +353,7 @@ class LlamaModel:
         def body():
             self._forward_logits_rows(
                 ids_t, batch, lambda r0, r1, lg: ops.cross_entropy(lg, tt[r0:r1], rows_loss[r0:r1], None, IGNORE_INDEX))
-            return self._mean_loss(rows_loss, n_valid)
+            return self._loss_sum(rows_loss, 1.0 / max(n_valid, 1))  # the mean (0 without valid targets)
 
         out = self._run(body)
         return out if self.dev.in_step else float(out.numpy()[0])

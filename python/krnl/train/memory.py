@@ -62,8 +62,14 @@ def class_size(nbytes):
     return next((p + p // 4 * q for q in range(1, 5) if p + p // 4 * q >= nbytes), 2 * p)
 
 
+def exact_size(nbytes):
+    """BufferPool::exact_size: what an exact request (Device.set_exact_sizes) reserves."""
+    return max(1, -(-int(nbytes) // 256)) * 256
+
+
 class Trace:
-    """A device pool's counts over a replayed list of requests (no memory is allocated)."""
+    """A device pool's counts over a replayed list of requests (no memory is allocated); while
+    `exact` (a model's build: models/exact_sizes.py), buffers of their own size, never cached."""
 
     def __init__(self, queue_ordered=True):
         self.queue_ordered = queue_ordered
@@ -75,6 +81,7 @@ class Trace:
         self.at_peak, self.in_step, self._next = {}, False, 0
         self.recording, self.graphs = False, 0  # requests go through the graph arena; graphs recorded
         self.arena, self.arena_ids = [], set()  # its released buffers' classes (sorted); ids it owns
+        self.exact, self.exact_ids = False, set()
 
     def alloc(self, shape, itemsize, part):
         n = math.prod(shape) * itemsize
@@ -82,13 +89,16 @@ class Trace:
         if self.recording:
             self.arena_ids.add(self._next + 1)
             j = bisect.bisect_left(self.arena, cls)
-            exact = j < len(self.arena) and self.arena[j] == cls
-            if exact or (j < len(self.arena) and not (self.graphs == 0 and self.cached[cls])):  # in use all along
+            same = j < len(self.arena) and self.arena[j] == cls
+            if same or (j < len(self.arena) and not (self.graphs == 0 and self.cached[cls])):  # in use all along
                 self._next += 1
                 self.live[self._next] = (self.arena.pop(j), n, part)
                 self.by_part[part] += n
                 return self._next
-        if self.cached[cls]:
+        if self.exact:
+            cls = exact_size(n)
+            self.exact_ids.add(self._next + 1)
+        if self.cached[cls] and not self.exact:
             self.cached[cls] -= 1
         else:
             self.reserved += cls
@@ -111,7 +121,10 @@ class Trace:
                 bisect.insort(self.arena, cls)
                 continue
             self.in_use -= cls
-            if self.in_step and not self.queue_ordered:
+            if i in self.exact_ids:  # back to the system (outside the step it is made in)
+                self.exact_ids.discard(i)
+                self.reserved -= cls
+            elif self.in_step and not self.queue_ordered:
                 self.pending.append(cls)
             else:
                 self.cached[cls] += 1

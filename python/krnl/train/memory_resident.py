@@ -225,6 +225,7 @@ class Resident:
 
     def resident(self):
         c, C, V, dt = self.c, self.C, self.V, self.dt
+        self.t.exact = True                                               # LlamaModel's build (exact_sizes.py)
         for name in ("model.embed_tokens.weight", "lm_head.weight")[:1 if c.tie_word_embeddings else 2]:
             if name in self.shapes:                                       # trained (full.end_tensors)
                 continue
@@ -254,6 +255,7 @@ class Resident:
         if c.moe:                                                          # RouterStats
             self.new((c.moe["experts"], 1, 1), "f32", SMALL)
             self.new((1, c.moe["experts"]), "f32", SMALL)
+        self.t.exact = False
         self.new((1,), "f32", SMALL)                                      # the optimizer's _sq, _flag
         self.new((1,), "i32", SMALL)
         run = self.run

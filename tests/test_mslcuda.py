@@ -104,3 +104,20 @@ def test_every_translation_compiles_with_nvcc():
     with ThreadPoolExecutor(max_workers=2) as pool:
         sos = list(pool.map(lambda j: mslcuda.build(j[0], j[1], include_dirs=j[2], load=False), jobs))
     assert all(Path(s).stat().st_size > 0 for s in sos)
+
+
+def test_sanitize_driver_calls_are_accepted_on_metal_sim():
+    """tools/mslcuda/sanitize.py's calls (every op at ragged sizes, the optimizers' steps among them)
+    are each accepted by the Metal backend: run as its dry run on metal-sim, in a process of its own
+    (it registers the device itself), since compute-sanitizer runs it only on a lent GPU."""
+    from conftest import METAL_SIM
+    if METAL_SIM is None:
+        pytest.skip("metal-sim is off (KRNL_TEST_METAL_SIM=0)")
+    import os
+    import subprocess
+    import krnl
+    here = str(Path(krnl.__file__).resolve().parents[1])  # the krnl these tests import (a build or an install)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "mslcuda" / "sanitize.py"), "kernels", "metal-sim"],
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0 and "every call accepted" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]

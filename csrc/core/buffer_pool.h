@@ -17,7 +17,7 @@ namespace krnl {
 
 struct Buffer {
   void* ptr = nullptr;  // host pointer, or the backend's device handle
-  size_t bytes = 0;     // class size actually allocated
+  size_t bytes = 0;     // bytes actually allocated: the class size, or exact_size
   uint64_t id = 0;      // allocation identity (stable across reuse), for tests and profiling
   uint64_t busy = 0;    // cached for reuse at once: submitted work may use it until this seq completes
   bool exact = false;   // acquired at its own size: never cached, given back once released and complete

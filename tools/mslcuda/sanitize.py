@@ -146,6 +146,7 @@ def run_kernels(device="metal-cuda", only=None):
         hyper = dev.tensor(np.array([1e-3, 0.1, 1e-5, 0.5, 1.0], np.float32), "f32")
         ops.adamw_update(t((n,)), t((n,)), t((n,)), dev.zeros((n,), "f32"), 1e-3, working=dev.empty((n,), dt),
                          hyper=hyper, sq=dev.tensor(np.array([4.0], np.float32), "f32"), flag=dev.zeros((1,), "i32"))
+        optimizer_calls(dev, dt, rng)
         quantized_calls(dev, t, dt, rng)
         moe_calls(dev, t, dt)
         if dt in fused["dtypes"]:  # the fused attention, where the backend has it: GQA, ragged T
@@ -166,6 +167,25 @@ def run_kernels(device="metal-cuda", only=None):
     missing = sorted(names - ran)
     print("kernels not run: " + (", ".join(missing) if missing else "none"))
     return 0
+
+
+def optimizer_calls(dev, dt, rng):
+    """Two clipped steps of every optimizer of krnl.train.optimizers (SGD also with Nesterov
+    momentum) as a run makes them, over LoRA factors of ragged sizes (a 3-D expert's among them;
+    8-bit AdamW's blocks of 256 end part-filled) with a working copy in dt."""
+    from krnl import ops
+    from krnl.models.params import FlatParams
+    from krnl.train.optim import OPTIMIZERS, Schedule
+    shapes = {"q.lora_A.weight": (3, 17), "q.lora_B.weight": (333, 3), "e.lora_A.weight": (2, 3, 5)}
+    for name, cls in OPTIMIZERS.items():
+        for kw in ({}, {"momentum": 0.9, "nesterov": True}) if name == "sgd" else ({"min_8bit_size": 64},) \
+                if name == "adamw8bit" else ({},):
+            fp = FlatParams(dev, shapes, compute_dtype=dt)
+            fp.load({k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()})
+            opt = cls(fp, Schedule(1e-2, kind="constant"), weight_decay=0.01, max_grad_norm=1.0, **kw)
+            for _ in range(2):
+                ops.cast(dev.tensor(rng.standard_normal(fp.numel).astype(np.float32), "f32"), fp.grads[:fp.numel])
+                opt.step()
 
 
 def quantized_calls(dev, t, dt, rng):

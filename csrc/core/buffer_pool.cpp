@@ -21,9 +21,10 @@ BufferPool::~BufferPool() {
   for (auto& r : retired_) free_fn_(r.buf.ptr, r.buf.bytes);
 }
 
+size_t BufferPool::exact_size(size_t bytes) { return std::max<size_t>(1, (bytes + 255) / 256) * 256; }
+
 size_t BufferPool::class_size(size_t bytes) {
-  if (bytes == 0) bytes = 1;
-  if (bytes <= 4096) return (bytes + 255) / 256 * 256;
+  if (bytes <= 4096) return exact_size(bytes);  // below 4 KiB the classes are the 256-byte steps
   size_t p = 4096;
   while (p * 2 < bytes) p *= 2;  // p < bytes <= 2p
   for (size_t q = 1; q <= 4; ++q) {
@@ -32,8 +33,6 @@ size_t BufferPool::class_size(size_t bytes) {
   }
   return 2 * p;
 }
-
-size_t BufferPool::exact_size(size_t bytes) { return std::max<size_t>(1, (bytes + 255) / 256) * 256; }
 
 void BufferPool::collect_locked(uint64_t completed_seq) {
   auto it = std::partition(retired_.begin(), retired_.end(),

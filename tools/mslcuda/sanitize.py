@@ -177,9 +177,9 @@ def optimizer_calls(dev, dt, rng):
     from krnl.models.params import FlatParams
     from krnl.train.optim import OPTIMIZERS, Schedule
     shapes = {"q.lora_A.weight": (3, 17), "q.lora_B.weight": (333, 3), "e.lora_A.weight": (2, 3, 5)}
+    options = {"sgd": ({}, {"momentum": 0.9, "nesterov": True}), "adamw8bit": ({"min_8bit_size": 64},)}
     for name, cls in OPTIMIZERS.items():
-        for kw in ({}, {"momentum": 0.9, "nesterov": True}) if name == "sgd" else ({"min_8bit_size": 64},) \
-                if name == "adamw8bit" else ({},):
+        for kw in options.get(name, ({},)):
             fp = FlatParams(dev, shapes, compute_dtype=dt)
             fp.load({k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()})
             opt = cls(fp, Schedule(1e-2, kind="constant"), weight_decay=0.01, max_grad_norm=1.0, **kw)

@@ -10,7 +10,7 @@ from pathlib import Path
 STATM = Path("/proc/self/statm")
 
 
-def resident_bytes():
+def rss_bytes():
     """This process's resident set in bytes, or None where /proc is not there."""
     try:
         return int(STATM.read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -28,7 +28,7 @@ class HostGrowth:
         self._stop = threading.Event()
 
     def __enter__(self):
-        self._start = self._peak = resident_bytes()
+        self._start = self._peak = rss_bytes()
         if self._start is not None:
             self._thread = threading.Thread(target=self._sample, daemon=True)
             self._thread.start()
@@ -36,13 +36,13 @@ class HostGrowth:
 
     def _sample(self):
         while not self._stop.wait(self.every):
-            self._peak = max(self._peak, resident_bytes() or 0)
+            self._peak = max(self._peak, rss_bytes() or 0)
 
     def __exit__(self, *exc):
         if self._start is None:
             return False
         self._stop.set()
         self._thread.join()
-        self._peak = max(self._peak, resident_bytes() or 0)
+        self._peak = max(self._peak, rss_bytes() or 0)
         self.bytes = self._peak - self._start
         return False

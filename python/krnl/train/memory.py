@@ -55,7 +55,7 @@ def class_size(nbytes):
     """BufferPool::class_size: multiples of 256 below 4 KiB, then 2^k, 1.25, 1.5, 1.75 x 2^k."""
     nbytes = max(int(nbytes), 1)
     if nbytes <= 4096:
-        return (nbytes + 255) // 256 * 256
+        return exact_size(nbytes)
     p = 4096
     while p * 2 < nbytes:
         p *= 2
